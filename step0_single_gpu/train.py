@@ -1,0 +1,116 @@
+"""Step 0: the single-process baseline every later step is measured against.
+
+One process, on the CPU or one GPU: a manual training loop with gradient accumulation, AMP,
+clipping, a warm-up + cosine schedule, bitwise-exact checkpoint/resume and a per-step log.
+
+    python step0_single_gpu/train.py                 # about 30 s on 2 CPU cores
+    python step0_single_gpu/train.py --resume        # continue from the latest checkpoint in --out
+"""
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+from config import exit_on_user_error, parse_config
+from data import MicroBatches, check_enough_data, load_corpus
+from metrics import RunLog, environment, memory_stats, save_final_weights, take_comm_bytes
+from model import build_model, language_model_loss
+from seeding import rng_state, seed_everything, set_rng_state
+from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
+                      param_norm, pick_device)
+
+STEP = Path(__file__).resolve().parent.name
+
+
+def main():
+    # ---- everything that can be wrong is checked before anything is written ------------------
+    config = parse_config(STEP)
+    device = pick_device(config["device"])
+    check_amp(config["amp"], device)
+    seed_everything(config["seed"])
+    corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
+    resume_from = find_checkpoint(config["resume"], config["out"]) if config["resume"] else None
+    resumed = load_checkpoint(resume_from, 0, 1, config, device) if resume_from else None
+
+    # ---- data, model, optimiser ----------------------------------------------------------------
+    # One replica makes this sampler a seeded shuffle, new each epoch. Step 1 uses the same sampler
+    # with N replicas: one process accumulating A*N micro-batches sees the global batches that N
+    # ranks accumulating A micro-batches see.
+    sampler = DistributedSampler(range(len(corpus.blocks)), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
+    batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
+    model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
+    optimizer = make_optimizer(model.named_parameters(), config)
+    scheduler = make_scheduler(optimizer, config)
+    scaler = make_grad_scaler(config["amp"], device)
+
+    start_step, records = 0, []
+    if resumed:
+        shared, own = resumed
+        model.load_state_dict(shared["model"])
+        optimizer.load_state_dict(shared["optimizer"])
+        scheduler.load_state_dict(shared["scheduler"])
+        scaler.load_state_dict(shared["scaler"])
+        batches.load_state_dict(shared["data"])
+        start_step, records = shared["step"], shared["records"]
+        set_rng_state(own["rng"])  # last: loading must not consume randomness after this point
+        print(f"resumed from {resume_from} at step {start_step}")
+    else:
+        clear_checkpoints(config["out"])
+
+    env = environment(device, 1, None, config["amp"], corpus.data_sha256, corpus.tokenizer_sha256, len(corpus.blocks))
+    log = RunLog(config, env, is_writer=True, records=records)
+    accum = config["grad_accum"]
+    tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
+
+    # ---- the training loop ---------------------------------------------------------------------
+    for step in range(start_step, config["steps"]):
+        started = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(accum):
+            inputs, targets = batches.next()
+            with autocast(config["amp"], device):
+                loss = language_model_loss(model, inputs.to(device), targets.to(device))
+            # Summing loss/accum over the micro-batches makes the gradient the mean over the global batch.
+            scaler.scale(loss / accum).backward()
+            loss_sum += loss.detach()
+
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
+        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
+        scaler.update()
+        scheduler.step()
+        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        optimizer.zero_grad(set_to_none=True)
+
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
+        log.log({
+            "step": step + 1,
+            "loss": (loss_sum / accum).item(),
+            "grad_norm": grad_norm.item(),
+            "param_norm": param_norm(model.parameters()),
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+            "effective_batch_size": config["micro_batch_size"] * accum,
+            "epoch": batches.epoch,
+            "memory": memory,
+            "comm": take_comm_bytes(),
+        })
+        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+            shared = {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "data": batches.state_dict(), "records": log.records}
+            save_checkpoint(config["out"], step + 1, shared, {"rng": rng_state()}, 0, 1, config)
+
+    final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
+    final["param_norm"] = param_norm(model.parameters())
+    log.write(final)
+    print(f"done: {config['steps']} steps, final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)
