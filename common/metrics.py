@@ -101,6 +101,7 @@ def write_json_atomically(path: Path, data) -> None:
 def save_final_weights(out_dir: Path, named_tensors: dict) -> dict:
     """Write the full weights as safetensors and return the ``final`` section (without ``param_norm``)."""
     weights = {name: t.detach().cpu().contiguous() for name, t in named_tensors.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.safetensors"
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     save_file(weights, str(tmp))

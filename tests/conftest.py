@@ -1,0 +1,82 @@
+"""Shared helpers: launch real trainers (plain python for step 0, torchrun over gloo otherwise) on a
+tiny workload, and read what they wrote. Every trainer sets one CPU thread per process itself
+(seeding.seed_everything); the process-group timeout is short so a broken collective fails fast."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = {p.name.split("_")[0]: p.name for p in REPO.glob("step[0-9]_*") if (p / "train.py").is_file()}
+
+# Small enough that a world-size-2 run takes a few seconds, big enough that clipping, accumulation
+# and several buckets all happen. --grad-clip 0.3 sits below the early gradient norms (~1-3).
+TINY = ["--steps", "4", "--micro-batch-size", "2", "--grad-accum", "2", "--seq-len", "32", "--n-layer", "2",
+        "--n-embd", "32", "--n-head", "2", "--grad-clip", "0.3", "--warmup-steps", "2", "--save-every", "0",
+        "--quiet"]
+TIMEOUT = ["--timeout-s", "60"]
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> Path:
+    """The first 150 kB of the corpus: tokenizing it takes a tenth of the time, the text is the same kind."""
+    path = tmp_path_factory.mktemp("data") / "small.txt"
+    path.write_bytes((REPO / "data" / "tinyshakespeare.txt").read_bytes()[:150_000])
+    return path
+
+
+def launch(step: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 240):
+    """Run a step's trainer; step 0 (or nproc=0) as plain python, the others under torchrun."""
+    script = str(REPO / STEPS[step] / "train.py")
+    if nproc == 0 or step == "step0":
+        command = [sys.executable, script, *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   script, *args, *TIMEOUT]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def train(step: str, out: Path, corpus: Path, *extra: str, nproc: int = 2) -> Path:
+    """Train on the tiny workload into ``out``; fail the test with the trainer's output if it fails."""
+    result = launch(step, [*TINY, "--data", str(corpus), "--out", str(out), *extra], nproc=nproc)
+    assert result.returncode == 0, f"{step} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return out
+
+
+def metrics(out: Path) -> dict:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def weights(out: Path) -> dict:
+    return load_file(str(out / "model.safetensors"))
+
+
+DETERMINISTIC = ("step", "loss", "grad_norm", "param_norm", "lr", "effective_batch_size", "epoch")
+
+
+def assert_bitwise_same_run(a: Path, b: Path) -> None:
+    """Final weights torch.equal, tensor by tensor, and identical deterministic record fields."""
+    wa, wb = weights(a), weights(b)
+    assert sorted(wa) == sorted(wb)
+    different = [name for name in wa if not torch.equal(wa[name], wb[name])]
+    assert not different, f"tensors differ: {different}"
+    ra = [{k: r[k] for k in DETERMINISTIC} for r in metrics(a)["records"]]
+    rb = [{k: r[k] for k in DETERMINISTIC} for r in metrics(b)["records"]]
+    assert ra == rb
+
+
+def parity(a, b) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "compare" / "parity.py"), str(a), str(b)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def step1_ws2(tmp_path_factory, small_corpus) -> Path:
+    """The golden reference on the tiny workload: PyTorch DDP, 2 ranks, float32, with checkpoints."""
+    return train("step1", tmp_path_factory.mktemp("step1_ws2"), small_corpus, "--save-every", "2")

@@ -1,0 +1,248 @@
+"""Step 0, step 1, the metrics file, the parity tool, bad input, and the copies of common/."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import (REPO, TINY, assert_bitwise_same_run, launch, metrics, parity, train, weights)
+
+
+@pytest.fixture(scope="module")
+def step0_pair(tmp_path_factory, small_corpus):
+    """Two identical step-0 runs, with dropout on (so RNG state matters) and checkpoints every 2 steps."""
+    extra = ("--dropout", "0.1", "--save-every", "2", "--steps", "6")
+    return [train("step0", tmp_path_factory.mktemp(f"step0_{i}"), small_corpus, *extra) for i in range(2)]
+
+
+def test_step0_two_identical_runs_are_bitwise_identical(step0_pair):
+    assert_bitwise_same_run(*step0_pair)
+
+
+def test_step0_resume_is_bitwise(step0_pair, tmp_path, small_corpus):
+    original = step0_pair[0]
+    resumed = train("step0", tmp_path / "resumed", small_corpus, "--dropout", "0.1", "--save-every", "2",
+                    "--steps", "6", "--resume", str(original / "checkpoints" / "step_2"))
+    assert_bitwise_same_run(original, resumed)
+    assert [r["step"] for r in metrics(resumed)["records"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_step1_resume_at_world_size_2_is_bitwise(step1_ws2, tmp_path, small_corpus):
+    resumed = train("step1", tmp_path / "resumed", small_corpus, "--save-every", "2",
+                    "--resume", str(step1_ws2 / "checkpoints" / "step_2"))
+    assert_bitwise_same_run(step1_ws2, resumed)
+
+
+def test_resume_latest_continues_in_place(step1_ws2, tmp_path, small_corpus):
+    """--resume with no path takes the newest checkpoint in --out; a finished run just rewrites its result."""
+    out = tmp_path / "run"
+    shutil.copytree(step1_ws2, out)
+    shutil.rmtree(out / "checkpoints" / "step_4")
+    result = launch("step1", [*TINY, "--data", str(small_corpus), "--out", str(out), "--save-every", "2", "--resume"], nproc=2)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resumed from" in result.stdout and "step_2" in result.stdout
+    assert_bitwise_same_run(step1_ws2, out)
+
+
+def test_metrics_schema(step1_ws2):
+    m = metrics(step1_ws2)
+    assert m["schema_version"] == 1
+    assert m["env"]["world_size"] == 2 and m["env"]["backend"] == "gloo" and m["env"]["torch"] == torch.__version__
+    assert m["config"]["steps"] == len(m["records"]) == 4
+    for i, r in enumerate(m["records"], start=1):
+        assert r["step"] == i
+        for key in ("loss", "grad_norm", "param_norm", "lr", "tokens_per_s"):
+            assert isinstance(r[key], float) and r[key] == r[key], key  # a float, not NaN
+        assert r["effective_batch_size"] == 2 * 2 * 2
+        assert set(r["memory"]) >= {"params", "grads", "optimizer_state", "peak_rss"}
+        # AdamW keeps exp_avg and exp_avg_sq (each the size of the parameter) and a float32 step count
+        assert r["memory"]["optimizer_state"] == 2 * r["memory"]["params"] + 4 * len(weights(step1_ws2))
+        assert r["memory"]["grads"] == r["memory"]["params"]
+        assert r["comm"]["all_reduce"] == r["memory"]["grads"]  # every gradient, once per optimiser step
+    assert any(r["grad_norm"] > 0.3 for r in m["records"]), "clipping never triggered in the tiny workload"
+    final = m["final"]
+    assert (step1_ws2 / final["weights"]).is_file()
+    assert set(final["fingerprints"]) == set(weights(step1_ws2))
+    assert abs(final["param_norm"] - m["records"][-1]["param_norm"]) == 0.0
+
+
+def test_step1_reduce_modes_at_world_size_2(step1_ws2, tmp_path, small_corpus):
+    """At world size 2 a float32 sum is already order-free (a+b == b+a) and halving is exact, so the
+    float64 mode (sum in float64, divide, round once) must give the same bits."""
+    exact = train("step1", tmp_path / "exact", small_corpus, "--reduce-dtype", "float64")
+    assert metrics(exact)["records"][0]["comm"]["all_reduce"] == 2 * metrics(step1_ws2)["records"][0]["comm"]["all_reduce"]
+    result = parity(step1_ws2, exact)
+    assert result.returncode == 0, result.stdout
+    assert "verdict: PASS (bitwise identical)" in result.stdout
+
+
+def test_step0_matches_step1_within_tolerance(step1_ws2, tmp_path, small_corpus):
+    """One process accumulating 4 micro-batches sees the global batches of 2 ranks accumulating 2."""
+    single = train("step0", tmp_path / "single", small_corpus, "--grad-accum", "4")
+    result = parity(single, step1_ws2)
+    assert result.returncode == 0, result.stdout
+    assert "PASS" in result.stdout
+
+
+# ---- the parity tool -------------------------------------------------------------------------------
+
+def test_parity_passes_on_a_run_and_its_copy(step1_ws2, tmp_path):
+    shutil.copytree(step1_ws2, tmp_path / "copy")
+    result = parity(step1_ws2, tmp_path / "copy")
+    assert result.returncode == 0
+    assert "verdict: PASS (bitwise identical)" in result.stdout
+    assert "transformer.wte.weight" in result.stdout  # the per-tensor table
+
+
+def test_parity_fails_on_a_changed_weight_and_names_it(step1_ws2, tmp_path):
+    changed = tmp_path / "changed"
+    shutil.copytree(step1_ws2, changed)
+    w = weights(changed)
+    w["transformer.h.1.mlp.c_fc.bias"][3] += 1e-4
+    save_file(w, str(changed / "model.safetensors"))
+    result = parity(step1_ws2, changed)
+    assert result.returncode == 1, result.stdout
+    assert "verdict: FAIL" in result.stdout
+    line = next(l for l in result.stdout.splitlines() if "transformer.h.1.mlp.c_fc.bias" in l)
+    assert "NO" in line and "1.000e-04" in line
+
+
+def test_parity_fails_on_a_param_norm_drift(step1_ws2, tmp_path):
+    drifted = tmp_path / "drifted"
+    shutil.copytree(step1_ws2, drifted)
+    m = metrics(drifted)
+    m["records"][2]["param_norm"] += 2e-6
+    (drifted / "metrics.json").write_text(json.dumps(m))
+    result = parity(step1_ws2, drifted)
+    assert result.returncode == 1
+    assert "first over the limit at step 3" in result.stdout
+
+
+@pytest.mark.parametrize("case", ["unknown step", "no run", "not json", "not metrics", "bad weights",
+                                  "other seed", "other global batch"])
+def test_parity_bad_input_is_one_line_and_exit_2(case, step1_ws2, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(step1_ws2, other)
+    m = metrics(other)
+    a, b = str(step1_ws2), str(other)
+    if case == "unknown step":
+        b = "step9"
+    elif case == "no run":
+        b = str(tmp_path / "nothing")
+    elif case == "not json":
+        (other / "metrics.json").write_text("{truncated")
+    elif case == "not metrics":
+        (other / "metrics.json").write_text("[1, 2]")
+    elif case == "bad weights":
+        (other / "model.safetensors").write_bytes(b"garbage")
+    elif case == "other seed":
+        m["config"]["seed"] += 1
+        (other / "metrics.json").write_text(json.dumps(m))
+    elif case == "other global batch":
+        m["config"]["micro_batch_size"] *= 2
+        (other / "metrics.json").write_text(json.dumps(m))
+    result = parity(a, b)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: "), result.stderr
+    if case == "other seed":
+        assert "seed" in result.stderr and "not comparable" in result.stderr
+    if case == "other global batch":
+        assert "global batch" in result.stderr
+
+
+# ---- bad input to the trainers: one line, exit 2, nothing saved is touched -------------------------
+
+def test_trainer_bad_input_is_one_line_and_exit_2(step1_ws2, tmp_path, small_corpus):
+    run = tmp_path / "run"
+    shutil.copytree(step1_ws2, run)
+    (run / "checkpoints" / "step_4" / "state.pt").write_bytes(b"\x00" * 100)  # corrupted
+    saved = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    data = ["--data", str(small_corpus)]
+    as_rank_0_of_2 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}  # every check runs before joining
+    cases = {  # name: (step, args, env, words the message must contain)
+        "bad amp": ("step0", ["--amp", "fp8"], {}, ["--amp", "fp8"]),
+        "zero steps": ("step0", ["--steps", "0"], {}, ["--steps"]),
+        "missing data": ("step0", ["--data", str(tmp_path / "none.txt")], {}, ["--data"]),
+        "no checkpoint": ("step0", [*data, "--out", str(tmp_path / "empty"), "--resume"], {}, ["no checkpoint"]),
+        "corrupted checkpoint": ("step1", [*TINY, *data, "--out", str(run), "--resume"], as_rank_0_of_2,
+                                 ["corrupted", "state.pt"]),
+        "other config": ("step1", [*TINY, *data, "--out", str(run), "--lr", "0.1", "--resume",
+                                   str(run / "checkpoints" / "step_2")], as_rank_0_of_2, ["lr", "differs"]),
+        "other world size": ("step1", [*TINY, *data, "--out", str(run), "--resume", str(run / "checkpoints" / "step_2")],
+                             {}, ["world size 2", "now 1"]),
+        "nccl without gpu": ("step1", ["--backend", "nccl"], {}, ["nccl", "GPU"]),
+        "cuda without gpu": ("step0", ["--device", "cuda"], {}, ["cuda"]),
+        "world too large": ("step1", [*data], {"WORLD_SIZE": "5000", "RANK": "0", "LOCAL_RANK": "0"},
+                            ["world size 5000", "samples"]),
+        "ranks without a full step": ("step1", [*data, "--micro-batch-size", "64"],
+                                      {"WORLD_SIZE": "64", "RANK": "0", "LOCAL_RANK": "0"}, ["per rank"]),
+    }
+    # Started together (each is a plain process that stops before joining any process group).
+    procs = {name: subprocess.Popen([sys.executable, str(REPO / {"step0": "step0_single_gpu", "step1": "step1_torch_ddp"}[s] / "train.py"), *a],
+                                    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**__import__("os").environ, **e})
+             for name, (s, a, e, _) in cases.items()}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 2, f"{name}: exit {proc.returncode}\n{out}\n{err}"
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), f"{name}: {err}"
+        for word in cases[name][3]:
+            assert word in lines[0], f"{name}: {word!r} not in {lines[0]!r}"
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == saved, "a failed run changed saved files"
+    assert not (tmp_path / "empty").exists()
+
+
+def test_unsupported_amp_is_refused_with_one_line(monkeypatch):
+    """fp16 where the build cannot run it (simulated: the CPU scaler refuses) is a UserError, not a traceback."""
+    sys.path.insert(0, str(REPO / "common"))
+    import training
+    from config import UserError
+
+    def no_scaler(*args, **kwargs):
+        raise RuntimeError("GradScaler is not supported on this device\nmore detail")
+
+    monkeypatch.setattr(training.torch.amp, "GradScaler", no_scaler)
+    with pytest.raises(UserError, match="--amp fp16 cannot run on cpu"):
+        training.check_amp("fp16", torch.device("cpu"))
+    training.check_amp("bf16", torch.device("cpu"))  # bf16 autocast runs on every CPU
+
+
+# ---- the repository itself -------------------------------------------------------------------------
+
+def test_copies_match_their_origin():
+    result = subprocess.run([sys.executable, str(REPO / "common" / "sync_copies.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_copy_check_catches_drift(tmp_path):
+    clone = tmp_path / "repo"
+    shutil.copytree(REPO, clone, ignore=shutil.ignore_patterns("runs", ".git", "__pycache__"))
+    with open(clone / "step1_torch_ddp" / "model.py", "a") as f:
+        f.write("# a local edit\n")
+    result = subprocess.run([sys.executable, str(clone / "common" / "sync_copies.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "step1_torch_ddp/model.py" in result.stdout
+
+
+def test_committed_tokenizer_is_what_the_script_builds():
+    result = subprocess.run([sys.executable, str(REPO / "data" / "train_tokenizer.py"), "--check"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout
+
+
+def test_steps_never_import_from_another_folder():
+    """A step folder is standalone: every module it imports is a file in the folder or a package."""
+    for folder in REPO.glob("step[0-9]_*"):
+        local = {p.stem for p in folder.glob("*.py")}
+        for py in folder.glob("*.py"):
+            text = py.read_text()
+            assert "sys.path" not in text, f"{py} edits sys.path"
+            assert "from common" not in text and "import common" not in text, py
+        assert (folder / "README.md").is_file(), f"{folder} has no README"
+        assert {"train.py"} <= {p.name for p in folder.glob("*.py")} and local
