@@ -33,6 +33,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only report copies that differ from their origin")
     args = parser.parse_args()
+    missing = [origin for origin, _ in copy_pairs() if not origin.is_file()]
+    if missing:
+        print(f"origin missing (fix common/copies.json): {', '.join(str(m.relative_to(REPO_ROOT)) for m in missing)}")
+        return 1
     stale = stale_copies()
     if args.check:
         for copy in stale:

@@ -1,0 +1,56 @@
+"""The parity matrix: every data-parallel step against PyTorch DDP at world sizes 2, 3 and 4,
+in the exact mode (float64 reduction) and in the default float32 mode.
+
+    python compare/exact_matrix.py                          # default workload, ~10 min on 2 cores
+    python compare/exact_matrix.py --steps 10 --amp bf16     # extra flags go to every trainer
+
+The exact mode must show zero difference everywhere. The float32 mode is bitwise at world size 2
+(a + b == b + a, and halving is exact) and drifts at 3 and 4, where PyTorch DDP computes
+g0/3 + g1/3 + g2/3 and the from-scratch steps (g0 + g1 + g2)/3: the same value, rounded differently.
+Runs go to runs/matrix/<mode>_ws<N>/<step>.
+"""
+import subprocess
+import sys
+
+import parity
+from config import OneLineParser, UserError, exit_on_user_error
+
+REPO_ROOT = parity.REPO_ROOT
+
+
+def run(step: str, world_size: int, mode: str, extra: list[str]):
+    out = REPO_ROOT / "runs" / "matrix" / f"{mode}_ws{world_size}" / step
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+               str(REPO_ROOT / step / "train.py"), "--reduce-dtype", mode, "--quiet", "--save-every", "0",
+               "--out", str(out), *extra]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        raise UserError(f"{step} at world size {world_size} failed: {errors[0] if errors else result.stderr[-500:]}")
+    return out
+
+
+def main() -> int:
+    parser = OneLineParser(description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", default="2,3,4")
+    parser.add_argument("--modes", default="float64,float32")
+    args, extra = parser.parse_known_args()
+    steps = [s for s in parity.step_folders() if not s.startswith(("step0", "step1", "step2"))]
+    reference = next(s for s in parity.step_folders() if s.startswith("step1"))
+    print(f"{'mode':<8} {'ranks':>5}  {'step':<22} {'max abs diff':>12} {'max |param norm diff|':>21}  verdict")
+    exact_ok = True
+    for mode in args.modes.split(","):
+        for world_size in map(int, args.world_sizes.split(",")):
+            ref = run(reference, world_size, mode, extra)
+            for step in steps:
+                _, _, result = parity.check(str(ref), str(run(step, world_size, mode, extra)))
+                if mode == "float64":
+                    exact_ok &= result.bitwise
+                print(f"{mode:<8} {world_size:>5}  {step:<22} {result.max_abs:>12.3e} "
+                      f"{result.max_param_norm_diff:>21.3e}  {parity.verdict(result)}", flush=True)
+    print("exact mode: zero difference everywhere" if exact_ok else "exact mode: DIFFERENCES FOUND")
+    return 0 if exact_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))

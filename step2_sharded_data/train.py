@@ -1,0 +1,166 @@
+"""Step 2: step 1's loop with a data sampler written from scratch (sampler.py).
+
+The sampler decides which samples each rank sees. It must give every rank a disjoint shard, the
+same number of samples on every rank, and a new shuffle each epoch that all ranks agree on,
+without talking to each other. At the start of every epoch the ranks prove it: they all-gather
+their index lists and check that no sample is on two ranks and that together they cover the data.
+The run must be bitwise identical to step 1's: same indices, same everything.
+
+    torchrun --standalone --nproc_per_node=2 step2_sharded_data/train.py
+    python compare/parity.py step1 step2
+"""
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import distributed
+from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+from config import exit_on_user_error, parse_config
+from data import MicroBatches, check_enough_data, load_corpus
+from metrics import RunLog, comm_bytes, count_collective, environment, memory_stats, save_final_weights, take_comm_bytes
+from model import build_model, language_model_loss
+from sampler import ShardedSampler, check_no_overlap
+from seeding import rng_state, seed_everything, set_rng_state
+from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
+                      param_norm)
+
+STEP = Path(__file__).resolve().parent.name
+
+
+def float64_allreduce_hook(process_group, bucket):
+    """DDP communication hook of the exact mode: reduce in float64, divide, round to float32 once.
+
+    Summing float32 gradients of 3+ ranks gives a result that depends on the order of the additions;
+    summing them in float64 is exact for the few ranks we run, so every implementation that does the
+    same gets the same bits, whatever order its all-reduce adds in.
+    """
+    buffer = bucket.buffer()
+    wide = buffer.to(torch.float64)
+    count_collective("all_reduce", wide)
+    world_size = dist.get_world_size(process_group)
+    future = dist.all_reduce(wide, group=process_group, async_op=True).get_future()
+    return future.then(lambda fut: buffer.copy_(fut.value()[0].div_(world_size)))
+
+
+def main():
+    # ---- everything that can be wrong is checked before anything is written or connected -----
+    config = parse_config(STEP, distributed=True)
+    world = distributed.plan_world(config)
+    check_amp(config["amp"], world.device)
+    seed_everything(config["seed"])
+    corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
+    resume_from = find_checkpoint(config["resume"], config["out"]) if config["resume"] else None
+    resumed = load_checkpoint(resume_from, world.rank, world.world_size, config, world.device) if resume_from else None
+    distributed.join(world, config["timeout_s"])
+    device = world.device
+
+    # ---- data, model, optimiser ----------------------------------------------------------------
+    # Every rank shuffles with the same seed, then takes every world_size-th index from its rank on:
+    # disjoint shards, the same number of samples on every rank (padded by repeating if needed).
+    sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
+                             shuffle=True, seed=config["seed"])
+    batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
+    model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
+    # DDP broadcasts rank 0's parameters at construction, then all-reduces gradients during backward.
+    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if world.backend == "nccl" else None)
+    if config["reduce_dtype"] == "float64":
+        ddp_model.register_comm_hook(None, float64_allreduce_hook)
+    optimizer = make_optimizer(model.named_parameters(), config)
+    scheduler = make_scheduler(optimizer, config)
+    scaler = make_grad_scaler(config["amp"], device)
+
+    start_step, records = 0, []
+    if resumed:
+        shared, own = resumed
+        model.load_state_dict(shared["model"])
+        optimizer.load_state_dict(shared["optimizer"])
+        scheduler.load_state_dict(shared["scheduler"])
+        scaler.load_state_dict(shared["scaler"])
+        batches.load_state_dict(shared["data"])
+        start_step, records = shared["step"], shared["records"]
+        set_rng_state(own["rng"])  # last: loading must not consume randomness after this point
+        if world.is_main:
+            print(f"resumed from {resume_from} at step {start_step}")
+    elif world.is_main:
+        clear_checkpoints(config["out"])
+
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
+                      corpus.tokenizer_sha256, len(corpus.blocks))
+    log = RunLog(config, env, is_writer=world.is_main, records=records)
+    accum = config["grad_accum"]
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
+
+    # ---- the training loop ---------------------------------------------------------------------
+    for step in range(start_step, config["steps"]):
+        started = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        shard_check = None
+        for micro_step in range(accum):
+            inputs, targets = batches.next()
+            if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
+                shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
+                if world.is_main and not config["quiet"]:
+                    print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
+            # Only the last micro-batch's backward all-reduces; the others just accumulate locally.
+            is_last = micro_step == accum - 1
+            with contextlib.nullcontext() if is_last else ddp_model.no_sync():
+                with autocast(config["amp"], device):
+                    loss = language_model_loss(ddp_model, inputs.to(device), targets.to(device))
+                scaler.scale(loss / accum).backward()
+            loss_sum += loss.detach()
+        if config["reduce_dtype"] == "float32":
+            # DDP's built-in reducer is C++; the bytes it all-reduces are every gradient, once per step.
+            comm_bytes["all_reduce"] += grad_bytes
+
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
+        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
+        scaler.update()
+        scheduler.step()
+        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        optimizer.zero_grad(set_to_none=True)
+
+        # The logged loss is the mean over every rank and micro-batch (float64: order-free).
+        loss_mean = loss_sum.double()
+        dist.all_reduce(loss_mean)
+        loss_mean = loss_mean.item() / (accum * world.world_size)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
+        log.log({
+            "step": step + 1,
+            "loss": loss_mean,
+            "grad_norm": grad_norm.item(),
+            "param_norm": param_norm(model.parameters()),
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+            "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
+            "epoch": batches.epoch,
+            "memory": memory,
+            "comm": take_comm_bytes(),
+            "shard_check": shard_check,
+        })
+        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+            shared = {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "data": batches.state_dict(), "records": log.records}
+            save_checkpoint(config["out"], step + 1, shared, {"rng": rng_state()}, world.rank,
+                            world.world_size, config)
+
+    if world.is_main:
+        final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
+        final["param_norm"] = param_norm(model.parameters())
+        log.write(final)
+        print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
+              f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

@@ -1,0 +1,146 @@
+"""Step 3: naive data parallelism, written by hand (naive_dp.py) instead of DDP.
+
+The ranks build their models from *different* seeds on purpose, then copy rank 0's parameters to
+everyone (broadcast). Each rank runs forward and backward on its own shard; after the last
+micro-batch every gradient is all-reduced (one all-reduce per parameter), divided by the world
+size, and only then does the optimiser step. The run must be bitwise identical to step 1's at
+world size 2, and at any world size with --reduce-dtype float64.
+
+    torchrun --standalone --nproc_per_node=2 step3_naive_dp/train.py
+    python compare/parity.py step1 step3
+"""
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import distributed
+from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+from config import exit_on_user_error, parse_config
+from data import MicroBatches, check_enough_data, load_corpus
+from metrics import RunLog, environment, memory_stats, save_final_weights, take_comm_bytes
+from model import build_model, language_model_loss
+from naive_dp import allreduce_gradients, broadcast_parameters, replicas_in_sync
+from sampler import ShardedSampler, check_no_overlap
+from seeding import rng_state, seed_everything, set_rng_state
+from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
+                      param_norm)
+
+STEP = Path(__file__).resolve().parent.name
+
+
+def main():
+    # ---- everything that can be wrong is checked before anything is written or connected -----
+    config = parse_config(STEP, distributed=True)
+    world = distributed.plan_world(config)
+    check_amp(config["amp"], world.device)
+    seed_everything(config["seed"])
+    corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
+    resume_from = find_checkpoint(config["resume"], config["out"]) if config["resume"] else None
+    resumed = load_checkpoint(resume_from, world.rank, world.world_size, config, world.device) if resume_from else None
+    distributed.join(world, config["timeout_s"])
+    device = world.device
+
+    # ---- data, model, optimiser ----------------------------------------------------------------
+    # Every rank shuffles with the same seed, then takes every world_size-th index from its rank on:
+    # disjoint shards, the same number of samples on every rank (padded by repeating if needed).
+    sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
+                             shuffle=True, seed=config["seed"])
+    batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
+    # Different seeds on purpose: without the broadcast the replicas would start, and stay, different.
+    model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
+    broadcast_parameters(model, src=0)
+    reduce_dtype = getattr(torch, config["reduce_dtype"])
+    optimizer = make_optimizer(model.named_parameters(), config)
+    scheduler = make_scheduler(optimizer, config)
+    scaler = make_grad_scaler(config["amp"], device)
+
+    start_step, records = 0, []
+    if resumed:
+        shared, own = resumed
+        model.load_state_dict(shared["model"])
+        optimizer.load_state_dict(shared["optimizer"])
+        scheduler.load_state_dict(shared["scheduler"])
+        scaler.load_state_dict(shared["scaler"])
+        batches.load_state_dict(shared["data"])
+        start_step, records = shared["step"], shared["records"]
+        set_rng_state(own["rng"])  # last: loading must not consume randomness after this point
+        if world.is_main:
+            print(f"resumed from {resume_from} at step {start_step}")
+    elif world.is_main:
+        clear_checkpoints(config["out"])
+
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
+                      corpus.tokenizer_sha256, len(corpus.blocks))
+    log = RunLog(config, env, is_writer=world.is_main, records=records)
+    accum = config["grad_accum"]
+    tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
+
+    # ---- the training loop ---------------------------------------------------------------------
+    for step in range(start_step, config["steps"]):
+        started = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        shard_check = None
+        for _ in range(accum):
+            inputs, targets = batches.next()
+            if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
+                shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
+                if world.is_main and not config["quiet"]:
+                    print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
+            with autocast(config["amp"], device):
+                loss = language_model_loss(model, inputs.to(device), targets.to(device))
+            scaler.scale(loss / accum).backward()  # gradients accumulate locally, no communication
+            loss_sum += loss.detach()
+        # Synchronise once per optimiser step, after the last micro-batch: sum, then divide by world size.
+        allreduce_gradients(model, reduce_dtype)
+
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
+        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
+        scaler.update()
+        scheduler.step()
+        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        optimizer.zero_grad(set_to_none=True)
+
+        # The logged loss is the mean over every rank and micro-batch (float64: order-free).
+        loss_mean = loss_sum.double()
+        dist.all_reduce(loss_mean)
+        loss_mean = loss_mean.item() / (accum * world.world_size)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
+        log.log({
+            "step": step + 1,
+            "loss": loss_mean,
+            "grad_norm": grad_norm.item(),
+            "param_norm": param_norm(model.parameters()),
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+            "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
+            "epoch": batches.epoch,
+            "memory": memory,
+            "comm": take_comm_bytes(),
+            "shard_check": shard_check,
+        })
+        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+            shared = {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "data": batches.state_dict(), "records": log.records}
+            save_checkpoint(config["out"], step + 1, shared, {"rng": rng_state()}, world.rank,
+                            world.world_size, config)
+
+    in_sync = replicas_in_sync(model)  # every rank must hold the same weights, bit for bit
+    if world.is_main:
+        final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
+        final["param_norm"] = param_norm(model.parameters())
+        final["replicas_identical"] = in_sync
+        log.write(final)
+        print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
+              f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

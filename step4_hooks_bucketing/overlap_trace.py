@@ -1,0 +1,45 @@
+"""Make the overlap visible: one optimiser step's backward and bucket all-reduces on a timeline.
+
+Events are dicts with ``name``, ``cat`` ("compute" or "comm"), ``start`` and ``end`` (seconds from
+``time.perf_counter``). ``write_trace`` writes them as
+
+- ``trace.json``: Chrome trace format (open it in chrome://tracing or https://ui.perfetto.dev);
+- ``timeline.png``: backward on one row, each bucket's all-reduce (launch to completion) below it.
+
+If the first bucket's bar starts before backward's bar ends, communication overlapped computation.
+"""
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def write_trace(events: list[dict], rank: int, out_dir: Path) -> tuple[Path, Path]:
+    origin = min(e["start"] for e in events)
+    microseconds = lambda t: round((t - origin) * 1e6, 1)  # noqa: E731
+    chrome = [{"name": e["name"], "cat": e["cat"], "ph": "X", "pid": rank, "tid": 0 if e["cat"] == "compute" else 1,
+               "ts": microseconds(e["start"]), "dur": microseconds(e["end"]) - microseconds(e["start"])}
+              for e in events]
+    trace_path = Path(out_dir) / "trace.json"
+    trace_path.write_text(json.dumps({"traceEvents": chrome, "displayTimeUnit": "ms"}, indent=1) + "\n")
+
+    rows = sorted(events, key=lambda e: (e["cat"] != "compute", e["start"]))
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(rows)), dpi=110)
+    for y, e in enumerate(rows):
+        start, end = (e["start"] - origin) * 1e3, (e["end"] - origin) * 1e3
+        ax.barh(y, end - start, left=start, color="tab:blue" if e["cat"] == "compute" else "tab:orange")
+    backward = next(e for e in rows if e["name"] == "backward")
+    ax.axvline((backward["end"] - origin) * 1e3, color="gray", linestyle="--", linewidth=1, label="backward ends")
+    ax.set_yticks(range(len(rows)), [e["name"] for e in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since backward started (ms)")
+    ax.set_title(f"rank {rank}: bucket all-reduces (orange) overlap backward (blue)")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    png_path = Path(out_dir) / "timeline.png"
+    fig.savefig(png_path)
+    plt.close(fig)
+    return trace_path, png_path

@@ -1,0 +1,107 @@
+"""Steps 2-4 against the step-1 reference (PyTorch DDP): bitwise parity, the exact-mode matrix,
+the shard check, the broadcast, the overlap trace and the communication accounting."""
+import json
+import socket
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import REPO, metrics, parity, train
+
+# The contract's strictest setting at once: accumulation (no_sync), clipping that triggers, bf16 autocast.
+EXACT = ("--reduce-dtype", "float64", "--amp", "bf16")
+
+
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory, small_corpus):
+    """Steps 2, 3 and 4 on 2 ranks in the default float32 mode. Step 4 also writes its overlap trace, with
+    0.1 MiB buckets: the tiny model (0.37 MB of gradients) would otherwise fit in one bucket."""
+    return {step: train(step, tmp_path_factory.mktemp(step), small_corpus, *extra)
+            for step, extra in (("step2", ()), ("step3", ()), ("step4", ("--trace", "--bucket-cap-mb", "0.1")))}
+
+
+@pytest.mark.parametrize("step", ["step2", "step3", "step4"])
+def test_bitwise_identical_to_ddp_at_world_size_2(step, default_runs, step1_ws2):
+    result = parity(step1_ws2, default_runs[step])
+    assert result.returncode == 0, result.stdout
+    assert "verdict: PASS (bitwise identical)" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_exact_mode_is_bitwise_identical_at_any_world_size(world_size, tmp_path, small_corpus):
+    runs = {step: train(step, tmp_path / step, small_corpus, *EXACT, nproc=world_size)
+            for step in ("step1", "step3", "step4")}
+    for step in ("step3", "step4"):
+        result = parity(runs["step1"], runs[step])
+        assert "verdict: PASS (bitwise identical)" in result.stdout, f"{step} at world size {world_size}:\n{result.stdout}"
+    assert any(r["grad_norm"] > 0.3 for r in metrics(runs["step1"])["records"]), "clipping never triggered"
+
+
+def test_step2_checks_its_shards_at_every_epoch_start(default_runs):
+    first = metrics(default_runs["step2"])["records"][0]["shard_check"]
+    assert first["ok"] and first["ranks"] == 2
+
+
+def test_step3_replicas_end_identical(default_runs):
+    assert metrics(default_runs["step3"])["final"]["replicas_identical"] is True
+
+
+def test_step4_first_bucket_is_launched_before_backward_ends(default_runs):
+    events = json.loads((default_runs["step4"] / "trace.json").read_text())["traceEvents"]
+    backward = next(e for e in events if e["name"] == "backward")
+    buckets = sorted((e for e in events if e["cat"] == "comm"), key=lambda e: e["ts"])
+    assert len(buckets) >= 2, "the tiny model should need a small first bucket and at least one more"
+    assert buckets[0]["ts"] < backward["ts"] + backward["dur"], "no overlap: first all-reduce after backward"
+    assert (default_runs["step4"] / "timeline.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_step4_all_reduces_each_gradient_byte_once_per_optimiser_step(default_runs):
+    records = metrics(default_runs["step4"])["records"]
+    for r in records:  # 2 micro-batches per step: no_sync keeps the first one silent
+        assert r["comm"]["all_reduce"] == r["memory"]["grads"]
+    assert records[0]["comm"]["broadcast"] == records[0]["memory"]["params"]  # rank 0's weights, once
+    assert all("broadcast" not in r["comm"] for r in records[1:])
+
+
+# ---- why the broadcast matters (step 3) --------------------------------------------------------------
+
+def diverge_worker(rank, port, broadcast, queue):
+    sys.path.insert(0, str(REPO / "step3_naive_dp"))
+    from naive_dp import allreduce_gradients, broadcast_parameters, replicas_in_sync
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    torch.manual_seed(rank)  # different initial weights on purpose, as step 3 builds them
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    if broadcast:
+        broadcast_parameters(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        torch.manual_seed(100 + 10 * step + rank)
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        allreduce_gradients(model)  # identical gradients on both ranks...
+        optimizer.step()
+        optimizer.zero_grad()
+    queue.put((rank, replicas_in_sync(model)))  # ...but identical weights only if they started identical
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_without_the_broadcast_replicas_diverge(broadcast):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=diverge_worker, args=(rank, port, broadcast, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    in_sync = dict(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert in_sync == {0: broadcast, 1: broadcast}
