@@ -68,8 +68,8 @@ def build_parser(step: str, *, distributed=False, bucketed=False, trace=False) -
     model.add_argument("--tokenizer", type=_path_under_repo, default=str(REPO_ROOT / "data" / "tokenizer.json"))
 
     optim = p.add_argument_group("optimiser and schedule")
-    optim.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    optim.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine")
+    optim.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    optim.add_argument("--min-lr", type=float, default=2e-4, help="learning rate at the end of the cosine")
     optim.add_argument("--warmup-steps", type=int, default=5)
     optim.add_argument("--weight-decay", type=float, default=0.1)
     optim.add_argument("--beta1", type=float, default=0.9)

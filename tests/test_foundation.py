@@ -80,7 +80,9 @@ def test_step1_reduce_modes_at_world_size_2(step1_ws2, tmp_path, small_corpus):
 
 
 def test_step0_matches_step1_within_tolerance(step1_ws2, tmp_path, small_corpus):
-    """One process accumulating 4 micro-batches sees the global batches of 2 ranks accumulating 2."""
+    """One process accumulating 4 micro-batches sees the global batches of 2 ranks accumulating 2.
+    Within the contract's tolerance on this short run; over the default 40 steps Adam amplifies the
+    rounding noise of the attention key bias past atol (measured in the README)."""
     single = train("step0", tmp_path / "single", small_corpus, "--grad-accum", "4")
     result = parity(single, step1_ws2)
     assert result.returncode == 0, result.stdout
