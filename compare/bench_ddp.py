@@ -36,7 +36,7 @@ class Variant:
         self.name = name
         model = build_model(config, vocab_size, config["seed"])
         if name == "pytorch DDP":
-            self.wrapped = torch.nn.parallel.DistributedDataParallel(model)
+            self.wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=config["bucket_cap_mb"])
         elif name == "BucketedDDP":
             self.wrapped = BucketedDDP(model, bucket_cap_mb=config["bucket_cap_mb"])
         else:

@@ -13,7 +13,6 @@ param norm differ at all, and the verdict. Exit 0 pass, 1 fail, 2 bad input.
 """
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

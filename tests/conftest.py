@@ -3,12 +3,16 @@ tiny workload, and read what they wrote. Every trainer sets one CPU thread per p
 (seeding.seed_everything); the process-group timeout is short so a broken collective fails fast."""
 import json
 import os
+import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,3 +84,27 @@ def parity(a, b) -> subprocess.CompletedProcess:
 def step1_ws2(tmp_path_factory, small_corpus) -> Path:
     """The golden reference on the tiny workload: PyTorch DDP, 2 ranks, float32, with checkpoints."""
     return train("step1", tmp_path_factory.mktemp("step1_ws2"), small_corpus, "--save-every", "2")
+
+
+def init_gloo(rank: int, world_size: int, port: int) -> None:
+    """In a spawned worker: one CPU thread, a gloo group on loopback, a short timeout."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=30))
+
+
+def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
+    """Run ``target(rank, world_size, port, queue, *args)`` in ``world_size`` fresh processes.
+    Each worker puts ``(rank, result)`` on the queue; returns ``{rank: result}``."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=target, args=(rank, world_size, port, queue, *args)) for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    return results

@@ -4,17 +4,14 @@ Each case trains two copies of one model with the same data on 2 ranks, one wrap
 DDP and one in BucketedDDP, with gradient accumulation (no_sync on the first micro-batch), and
 requires the averaged gradients to be bitwise equal (at world size 2 both sum in an order-free way).
 """
-import socket
 import sys
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import REPO
+from conftest import REPO, init_gloo, spawn
 
 sys.path.insert(0, str(REPO / "step4_hooks_bucketing"))
 from bucketed_ddp import BucketedDDP, assign_buckets  # noqa: E402
@@ -124,10 +121,8 @@ def half_model_cap(model_name) -> float:
     raise AssertionError(f"no cap splits {model_name} into two buckets")
 
 
-def worker(rank, port, queue):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-                            timeout=timedelta(seconds=30))
+def worker(rank, world_size, port, queue):
+    init_gloo(rank, world_size, port)
     results = {}
     try:
         for model_name in ("Tied", "FrozenBias", "Unused"):
@@ -146,33 +141,19 @@ def worker(rank, port, queue):
         except RuntimeError as error:
             results["strict error"] = str(error)
         dist.barrier()
-        queue.put((rank, results, None))
+        queue.put((rank, (results, None)))
     except Exception:
-        queue.put((rank, results, traceback.format_exc()))
+        queue.put((rank, (results, traceback.format_exc())))
     finally:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(rank, port, queue)) for rank in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    got = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    for rank, _, error in got:
+    got = spawn(worker, WORLD_SIZE)
+    for rank, (_, error) in got.items():
         assert error is None, f"rank {rank} failed:\n{error}"
-    return {rank: r for rank, r, _ in got}
+    return {rank: r for rank, (r, _) in got.items()}
 
 
 @pytest.mark.parametrize("model_name", ["Tied", "FrozenBias", "Unused"])

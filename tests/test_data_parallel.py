@@ -1,16 +1,13 @@
 """Steps 2-4 against the step-1 reference (PyTorch DDP): bitwise parity, the exact-mode matrix,
 the shard check, the broadcast, the overlap trace and the communication accounting."""
 import json
-import socket
 import sys
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import REPO, metrics, parity, train
+from conftest import REPO, init_gloo, metrics, parity, spawn, train
 
 # The contract's strictest setting at once: accumulation (no_sync), clipping that triggers, bf16 autocast.
 EXACT = ("--reduce-dtype", "float64", "--amp", "bf16")
@@ -29,6 +26,13 @@ def test_bitwise_identical_to_ddp_at_world_size_2(step, default_runs, step1_ws2)
     result = parity(step1_ws2, default_runs[step])
     assert result.returncode == 0, result.stdout
     assert "verdict: PASS (bitwise identical)" in result.stdout, result.stdout
+
+
+def test_bf16_autocast_is_bitwise_identical_to_ddp_at_world_size_2(tmp_path, small_corpus):
+    runs = {step: train(step, tmp_path / step, small_corpus, "--amp", "bf16") for step in ("step1", "step3", "step4")}
+    for step in ("step3", "step4"):
+        result = parity(runs["step1"], runs[step])
+        assert "verdict: PASS (bitwise identical)" in result.stdout, f"{step}:\n{result.stdout}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -69,13 +73,11 @@ def test_step4_all_reduces_each_gradient_byte_once_per_optimiser_step(default_ru
 
 # ---- why the broadcast matters (step 3) --------------------------------------------------------------
 
-def diverge_worker(rank, port, broadcast, queue):
+def diverge_worker(rank, world_size, port, queue, broadcast):
     sys.path.insert(0, str(REPO / "step3_naive_dp"))
     from naive_dp import allreduce_gradients, broadcast_parameters, replicas_in_sync
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=30))
+    init_gloo(rank, world_size, port)
     torch.manual_seed(rank)  # different initial weights on purpose, as step 3 builds them
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     if broadcast:
@@ -93,15 +95,4 @@ def diverge_worker(rank, port, broadcast, queue):
 
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_without_the_broadcast_replicas_diverge(broadcast):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=diverge_worker, args=(rank, port, broadcast, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    in_sync = dict(queue.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    assert in_sync == {0: broadcast, 1: broadcast}
+    assert spawn(diverge_worker, 2, broadcast) == {0: broadcast, 1: broadcast}

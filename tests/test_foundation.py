@@ -30,6 +30,15 @@ def test_step0_resume_is_bitwise(step0_pair, tmp_path, small_corpus):
     assert [r["step"] for r in metrics(resumed)["records"]] == [1, 2, 3, 4, 5, 6]
 
 
+def test_step0_fp16_with_its_gradient_scaler_resumes_bitwise(tmp_path, small_corpus):
+    """fp16 autocast runs on this CPU build; the scaler's state (scale, growth tracker) is checkpointed."""
+    original = train("step0", tmp_path / "fp16", small_corpus, "--amp", "fp16", "--save-every", "2")
+    resumed = train("step0", tmp_path / "resumed", small_corpus, "--amp", "fp16", "--save-every", "2",
+                    "--resume", str(original / "checkpoints" / "step_2"))
+    assert_bitwise_same_run(original, resumed)
+    assert metrics(original)["env"]["autocast_dtype"] == "float16"
+
+
 def test_step1_resume_at_world_size_2_is_bitwise(step1_ws2, tmp_path, small_corpus):
     resumed = train("step1", tmp_path / "resumed", small_corpus, "--save-every", "2",
                     "--resume", str(step1_ws2 / "checkpoints" / "step_2"))

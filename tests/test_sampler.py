@@ -1,17 +1,13 @@
 """ShardedSampler against torch's DistributedSampler over a broad grid, and the shard check in real
 gloo processes, including a planted overlap it must catch."""
 import itertools
-import socket
 import sys
-from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DistributedSampler
 
-from conftest import REPO
+from conftest import REPO, init_gloo, spawn
 
 sys.path.insert(0, str(REPO / "step2_sharded_data"))
 from sampler import ShardedSampler, check_no_overlap  # noqa: E402
@@ -61,10 +57,8 @@ def test_check_catches_overlap_and_gaps_in_a_world_of_one():
         check_no_overlap([0, 1, 2], 5, 1)
 
 
-def shard_worker(rank, world_size, port, dataset_len, plant_overlap, queue):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=30))
+def shard_worker(rank, world_size, port, queue, dataset_len, plant_overlap):
+    init_gloo(rank, world_size, port)
     shard = list(ShardedSampler(dataset_len, world_size, rank, seed=3))
     if plant_overlap and rank == 1:
         shard = list(ShardedSampler(dataset_len, world_size, 0, seed=3))  # rank 1 takes rank 0's samples
@@ -77,19 +71,7 @@ def shard_worker(rank, world_size, port, dataset_len, plant_overlap, queue):
 
 
 def run_shard_check(world_size, dataset_len, plant_overlap):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=shard_worker, args=(r, world_size, port, dataset_len, plant_overlap, queue))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    return results
+    return spawn(shard_worker, world_size, dataset_len, plant_overlap)
 
 
 @pytest.mark.parametrize("world_size, dataset_len", [(2, 10), (3, 10)])
