@@ -61,7 +61,7 @@ class Variant:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds (plus one warm-up)")
+    parser.add_argument("--rounds", type=int, default=21, help="timed rounds (plus one warm-up)")
     parser.add_argument("--steps-per-round", type=int, default=5)
     args, rest = parser.parse_known_args()
     config = vars(build_parser("bench", distributed=True, bucketed=True).parse_args(rest))

@@ -24,26 +24,30 @@ SERIES = (("loss", "loss"), ("grad_norm", "grad norm (before clipping)"), ("para
 def plot_runs(names: list[str], out: Path) -> Path:
     runs = [parity.load_run(name) for name in names]
     labels = [f"{path.name} (ws {m['env']['world_size']})" for path, m in runs]
+    colors = [f"C{i % 10}" for i in range(len(runs))]  # a run keeps its colour in both columns
     fig, axes = plt.subplots(len(SERIES), 2, figsize=(12, 9), dpi=110, sharex=True)
     base = {r["step"]: r for r in runs[0][1]["records"]}
     for row, (key, title) in enumerate(SERIES):
         curves, diffs = axes[row]
-        for (path, metrics), label in zip(runs, labels):
+        for (path, metrics), label, color in zip(runs, labels, colors):
             steps = [r["step"] for r in metrics["records"]]
-            curves.plot(steps, [r[key] for r in metrics["records"]], label=label, linewidth=1.2)
+            curves.plot(steps, [r[key] for r in metrics["records"]], label=label, color=color, linewidth=1.2)
         curves.set_ylabel(title)
         identical = True
-        for (path, metrics), label in list(zip(runs, labels))[1:]:
+        for (path, metrics), label, color in list(zip(runs, labels, colors))[1:]:
             common = [r for r in metrics["records"] if r["step"] in base]
             delta = [r[key] - base[r["step"]][key] for r in common]
-            identical &= all(d == 0 for d in delta)
-            diffs.plot([r["step"] for r in common], delta, label=label, linewidth=1.2)
+            zero = all(d == 0 for d in delta)
+            identical &= zero
+            diffs.plot([r["step"] for r in common], delta, color=color, linewidth=1.2,
+                       label=f"{label}: " + ("identical" if zero else f"max |diff| {max(map(abs, delta)):.1e}"))
         diffs.axhline(0, color="gray", linewidth=0.8)
         diffs.set_yscale("symlog", linthresh=1e-9)
         if len(runs) == 1:
             diffs.set_title("(one run: nothing to compare)", fontsize=9)
         else:
             diffs.set_title(f"{title}: run - {labels[0]}" + ("  (all identical)" if identical else ""), fontsize=9)
+            diffs.legend(fontsize=7, loc="upper left")
     axes[0][0].legend(fontsize=8)
     axes[-1][0].set_xlabel("optimiser step")
     axes[-1][1].set_xlabel("optimiser step")

@@ -1,0 +1,40 @@
+"""compare/plot.py on runs made up for the test (no training needed)."""
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def fake_run(folder, wiggle=0.0):
+    folder.mkdir()
+    records = [{"step": s, "loss": 7.0 - 0.1 * s + wiggle * s, "grad_norm": 1.0 / s, "param_norm": 30.0 + s * 1e-3,
+                "lr": 1e-3} for s in range(1, 6)]
+    (folder / "metrics.json").write_text(json.dumps({
+        "schema_version": 1, "config": {"steps": 5}, "env": {"world_size": 2}, "records": records,
+        "final": {"weights": "model.safetensors", "param_norm": records[-1]["param_norm"]}}))
+    return folder
+
+
+def plot(*args):
+    return subprocess.run([sys.executable, str(REPO / "compare" / "plot.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plot_writes_a_png_of_several_runs(tmp_path):
+    a, b = fake_run(tmp_path / "a"), fake_run(tmp_path / "b", wiggle=1e-7)
+    result = plot(a, b, a, "--out", tmp_path / "x.png")
+    assert result.returncode == 0, result.stderr
+    png = (tmp_path / "x.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+
+
+def test_plot_bad_input_is_one_line_and_exit_2(tmp_path):
+    missing = plot(tmp_path / "nothing", "--out", tmp_path / "x.png")
+    broken = fake_run(tmp_path / "broken")
+    (broken / "metrics.json").write_text("{not json")
+    corrupted = plot(broken, "--out", tmp_path / "y.png")
+    for result in (missing, corrupted):
+        assert result.returncode == 2
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: ")
+    assert not (tmp_path / "x.png").exists() and not (tmp_path / "y.png").exists()
