@@ -6,8 +6,10 @@ all-reduce (step 3), in one torchrun job on the default workload, interleaved.
 
 Each round runs every variant for a few optimiser steps, in a rotating order (so no variant always
 runs first or after the same neighbour); the first round is a warm-up and is not counted. Reported:
-median optimiser-step time over rounds with min and max, tokens/s, and the ratio of DDP's median
-time to the variant's (above 1.0 = faster than DDP).
+median optimiser-step time over rounds with min and max, tokens/s, the ratio of DDP's median
+time to the variant's (above 1.0 = faster than DDP), and the median of that ratio taken round by
+round (each round's DDP time over the same round's variant time), which cancels slow phases of
+the machine that hit both.
 """
 import argparse
 import statistics
@@ -89,11 +91,15 @@ def main():
         ddp = statistics.median(times["pytorch DDP"])
         print(f"{world_size} ranks, gloo, {torch.get_num_threads()} thread(s) each; {args.rounds} rounds x "
               f"{args.steps_per_round} steps; global batch {tokens:,} tokens")
-        print(f"{'variant':<16} {'median step':>12} {'min':>8} {'max':>8} {'tokens/s':>9} {'DDP time / time':>16}")
+        print(f"{'variant':<16} {'median step':>12} {'min':>8} {'max':>8} {'tokens/s':>9} {'DDP time / time':>16} "
+              f"{'per-round ratio: median [min, max]':>36}")
         for name, t in times.items():
             m = statistics.median(t)
+            # Paired by round: DDP and the variant ran back to back, so slow phases of the machine cancel.
+            paired = [d / v for d, v in zip(times["pytorch DDP"], t)]
             print(f"{name:<16} {m * 1e3:>10.1f}ms {min(t) * 1e3:>6.1f}ms {max(t) * 1e3:>6.1f}ms "
-                  f"{tokens / m:>9,.0f} {ddp / m:>16.3f}")
+                  f"{tokens / m:>9,.0f} {ddp / m:>16.3f} {statistics.median(paired):>20.3f} "
+                  f"[{min(paired):.3f}, {max(paired):.3f}]")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -41,20 +41,18 @@ class Bucket:
 
     def __init__(self, index: int, params: list, dtype: torch.dtype):
         self.index, self.params = index, params
-        self.offsets, total = [], 0
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+        # slots[i]: the part of the buffer that holds params[i]'s gradient, shaped like the parameter
+        self.slots, offset = [], 0
         for p in params:
-            self.offsets.append(total)
-            total += p.numel()
-        self.buffer = torch.zeros(total, dtype=dtype, device=params[0].device)
+            self.slots.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
         self.reset()
 
     def reset(self):
         self.ready = [False] * len(self.params)
         self.pending = len(self.params)
         self.work = None
-
-    def slice(self, i: int) -> torch.Tensor:
-        return self.buffer[self.offsets[i] : self.offsets[i] + self.params[i].numel()]
 
 
 def assign_buckets(params: list, bucket_cap_bytes: float, first_bucket_cap_bytes: float) -> list[list]:
@@ -126,7 +124,7 @@ class BucketedDDP(torch.nn.Module):
         if bucket.ready[i]:
             raise RuntimeError(f"gradient of {self.names[param]} became ready twice in one backward; "
                                "call finish_gradient_synchronization() after each synchronised backward")
-        bucket.slice(i).copy_(param.grad.flatten())
+        bucket.slots[i].copy_(param.grad)
         bucket.ready[i], bucket.pending = True, bucket.pending - 1
         self._launch_ready_buckets()
 
@@ -155,9 +153,9 @@ class BucketedDDP(torch.nn.Module):
                 if bucket.ready[i]:
                     continue
                 if p.grad is not None:  # no gradient this backward, but one from an earlier micro-batch
-                    bucket.slice(i).copy_(p.grad.flatten())
+                    bucket.slots[i].copy_(p.grad)
                 else:
-                    bucket.slice(i).zero_()
+                    bucket.slots[i].zero_()
                     unused.append(p)
                 bucket.ready[i], bucket.pending = True, bucket.pending - 1
         self._launch_ready_buckets()
@@ -168,9 +166,9 @@ class BucketedDDP(torch.nn.Module):
             bucket.buffer.div_(self.world_size)
             for i, p in enumerate(bucket.params):
                 if p.grad is not None:
-                    p.grad.copy_(bucket.slice(i).view_as(p))  # float64 -> float32 rounds here, once
+                    p.grad.copy_(bucket.slots[i])  # float64 -> float32 rounds here, once
                 elif used_anywhere is not None and used_anywhere[p]:
-                    p.grad = bucket.slice(i).view_as(p).to(p.dtype).clone()
+                    p.grad = bucket.slots[i].to(p.dtype, copy=True)
             bucket.reset()
         self.next_to_launch = 0
         if unused and not self.find_unused_parameters:
