@@ -3,7 +3,7 @@
 One process, on the CPU or one GPU: a manual training loop with gradient accumulation, AMP,
 clipping, a warm-up + cosine schedule, bitwise-exact checkpoint/resume and a per-step log.
 
-    python step0_single_gpu/train.py                 # about 30 s on 2 CPU cores
+    python step0_single_gpu/train.py                 # about 20 s on 2 CPU cores
     python step0_single_gpu/train.py --resume        # continue from the latest checkpoint in --out
 """
 import time

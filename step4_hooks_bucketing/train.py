@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 import distributed
+from bucketed_ddp import BucketedDDP
 from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
 from config import exit_on_user_error, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, environment, memory_stats, save_final_weights, take_comm_bytes
 from model import build_model, language_model_loss
 from overlap_trace import write_trace
-from bucketed_ddp import BucketedDDP
 from sampler import ShardedSampler, check_no_overlap
 from seeding import rng_state, seed_everything, set_rng_state
 from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
