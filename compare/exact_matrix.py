@@ -9,24 +9,19 @@ The exact mode must show zero difference everywhere. The float32 mode is bitwise
 g0/3 + g1/3 + g2/3 and the from-scratch steps (g0 + g1 + g2)/3: the same value, rounded differently.
 Runs go to runs/matrix/<mode>_ws<N>/<step>.
 """
-import subprocess
 import sys
 
 import parity
-from config import OneLineParser, UserError, exit_on_user_error
+from config import OneLineParser, exit_on_user_error
+from launch import run_trainer
 
 REPO_ROOT = parity.REPO_ROOT
 
 
 def run(step: str, world_size: int, mode: str, extra: list[str]):
     out = REPO_ROOT / "runs" / "matrix" / f"{mode}_ws{world_size}" / step
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-               str(REPO_ROOT / step / "train.py"), "--reduce-dtype", mode, "--quiet", "--save-every", "0",
-               "--out", str(out), *extra]
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    if result.returncode != 0:
-        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        raise UserError(f"{step} at world size {world_size} failed: {errors[0] if errors else result.stderr[-500:]}")
+    run_trainer(step, world_size, ["--reduce-dtype", mode, "--quiet", "--save-every", "0", "--out", str(out), *extra],
+                out.with_suffix(".log"))
     return out
 
 

@@ -45,7 +45,10 @@ def plot_runs(names: list[str], out: Path) -> Path:
         diffs.set_yscale("symlog", linthresh=1e-9)
         if len(runs) == 1:
             diffs.set_title("(one run: nothing to compare)", fontsize=9)
+            diffs.yaxis.set_visible(False)
         else:
+            if identical:  # all zeros: autoscale would spread ticks over +-1e-2; a rounding-sized range says more
+                diffs.set_ylim(-1e-6, 1e-6)
             diffs.set_title(f"{title}: run - {labels[0]}" + ("  (all identical)" if identical else ""), fontsize=9)
             diffs.legend(fontsize=7, loc="upper left")
     axes[0][0].legend(fontsize=8)

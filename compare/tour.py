@@ -10,73 +10,68 @@ with ``--nproc`` ranks. Then each step is compared with step 1, the PyTorch DDP 
 parity contract must hold for steps 2 and up (bitwise at world size 2 with default flags); the
 tour fails otherwise. Step 0 is compared too, and its difference printed: its micro-batches hold
 other samples than the ranks' do, so its sums round differently (the README measures it).
-Each trainer's output goes to runs/tour/<step>.log.
+Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see --runs-dir).
 """
-import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import parity
 from config import OneLineParser, UserError, exit_on_user_error
+from launch import run_trainer
 from plot import plot_runs
 
 REPO_ROOT = parity.REPO_ROOT
 DEFAULT_GRAD_ACCUM = 2
 
 
-def launch_command(step: str, nproc: int, extra: list[str]) -> list[str]:
-    script = str(REPO_ROOT / step / "train.py")
-    if step.startswith("step0"):
-        return [sys.executable, script, "--grad-accum", str(DEFAULT_GRAD_ACCUM * nproc), "--quiet", *extra]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            script, "--grad-accum", str(DEFAULT_GRAD_ACCUM), "--quiet", *extra]
-
-
-def run_step(step: str, nproc: int, extra: list[str], log_dir: Path) -> float:
-    """Run one trainer to the end; its output goes to a log file. Returns the wall time."""
-    log = log_dir / f"{step}.log"
-    started = time.perf_counter()
-    with open(log, "w") as f:
-        code = subprocess.call(launch_command(step, nproc, extra), stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-    if code != 0:
-        errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
-        raise UserError(f"{step} failed (exit {code}): {errors[0] if errors else f'see {log}'}")
-    return time.perf_counter() - started
-
-
-def median(values):
-    values = sorted(values)
-    return values[len(values) // 2] if values else float("nan")
+def shown(path: Path) -> Path:
+    """``path`` relative to the current folder when it lies inside it: shorter to read and to paste."""
+    path = Path(path).resolve()
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
 
 
 def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="ranks for the distributed steps")
+    parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs",
+                        help="each step writes <runs-dir>/<step folder>; logs and plot go beside them")
+    parser.add_argument("--timeout-s", help="process-group timeout for the distributed steps (their default if unset)")
     args, extra = parser.parse_known_args()
+    timeout = ["--timeout-s", args.timeout_s] if args.timeout_s else []
+    if any(flag == "--out" or flag.startswith("--out=") for flag in extra):
+        raise UserError("the tour gives every step its own run folder; use --runs-dir instead of --out")
     steps = parity.step_folders()
-    log_dir = REPO_ROOT / "runs" / "tour"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    runs = {step: str(args.runs_dir / step) for step in steps}
+    log_dir = args.runs_dir / "tour"
 
     times = {}
     for step in steps:
         print(f"running {step} ...", end=" ", flush=True)
-        times[step] = run_step(step, args.nproc, extra, log_dir)
+        started = time.perf_counter()
+        if step.startswith("step0"):  # one process accumulating what nproc ranks accumulate together
+            run_trainer(step, 0, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
+                                  "--out", runs[step], *extra], log_dir / f"{step}.log")
+        else:
+            run_trainer(step, args.nproc, ["--grad-accum", str(DEFAULT_GRAD_ACCUM), "--quiet",
+                                           "--out", runs[step], *timeout, *extra], log_dir / f"{step}.log")
+        times[step] = time.perf_counter() - started
         print(f"{times[step]:.0f} s")
 
     reference = next(s for s in steps if s.startswith("step1"))
     results = {}
     for step in steps:
         if step != reference:
-            run_a, run_b, results[step] = parity.check(reference, step)
+            run_a, run_b, results[step] = parity.check(runs[reference], runs[step])
             print(parity.report(run_a, run_b, results[step], brief=True))
     # The reference first: the difference panel then shows every step against PyTorch DDP.
-    plot = plot_runs([reference] + [s for s in steps if s != reference], REPO_ROOT / "runs" / "plots" / "tour.png")
+    plot = plot_runs([runs[reference]] + [runs[s] for s in steps if s != reference], args.runs_dir / "plots" / "tour.png")
 
     print(f"\n{'step':<22} {'ranks':>5} {'time':>6} {'final loss':>10} {'tok/s':>8}  parity vs {reference}")
     all_passed = True
     for step in steps:
-        _, metrics = parity.load_run(step)
+        _, metrics = parity.load_run(runs[step])
         records = metrics["records"]
         if step == reference:
             verdict = "(reference)"
@@ -91,8 +86,8 @@ def main() -> int:
                 all_passed = False
                 verdict += "  <-- expected bitwise identical" if results[step].passed else ""
         print(f"{step:<22} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s {records[-1]['loss']:>10.4f} "
-              f"{median([r['tokens_per_s'] for r in records]):>8,.0f}  {verdict}")
-    print(f"\nplot: {plot}\nlogs: {log_dir}")
+              f"{statistics.median(r['tokens_per_s'] for r in records):>8,.0f}  {verdict}")
+    print(f"\nplot: {shown(plot)}\nlogs: {shown(log_dir)}")
     print("tour: all parity checks passed" if all_passed else "tour: PARITY FAILED (see above)")
     return 0 if all_passed else 1
 

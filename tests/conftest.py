@@ -16,6 +16,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "compare"), str(REPO / "common")]  # launch.py imports config from common/
+from launch import trainer_command  # noqa: E402
+
 STEPS = {p.name.split("_")[0]: p.name for p in REPO.glob("step[0-9]_*") if (p / "train.py").is_file()}
 
 # Small enough that a world-size-2 run takes a few seconds, big enough that clipping, accumulation
@@ -35,13 +38,10 @@ def small_corpus(tmp_path_factory) -> Path:
 
 
 def launch(step: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 240):
-    """Run a step's trainer; step 0 (or nproc=0) as plain python, the others under torchrun."""
-    script = str(REPO / STEPS[step] / "train.py")
-    if nproc == 0 or step == "step0":
-        command = [sys.executable, script, *args]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   script, *args, *TIMEOUT]
+    """Run a step's trainer the way compare/ does: step 0 (or nproc=0) as plain python, the others under
+    torchrun with the short process-group timeout."""
+    nproc = 0 if step == "step0" else nproc
+    command = trainer_command(STEPS[step], nproc, [*args, *TIMEOUT] if nproc else args)
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
@@ -81,9 +81,23 @@ def parity(a, b) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="session")
-def step1_ws2(tmp_path_factory, small_corpus) -> Path:
+def tour(tmp_path_factory, small_corpus) -> tuple[Path, str]:
+    """The README's main job on the tiny workload: every step at world size 2 (step 0 as one process
+    accumulating 2 x 2 micro-batches), checkpoints every 2 steps. Returns (runs folder, its output)."""
+    runs = tmp_path_factory.mktemp("tour")
+    at = TINY.index("--grad-accum")
+    tiny = TINY[:at] + TINY[at + 2:]  # the tour sets the accumulation itself
+    result = subprocess.run([sys.executable, str(REPO / "compare" / "tour.py"), "--runs-dir", str(runs), *tiny,
+                             "--save-every", "2", "--data", str(small_corpus), "--timeout-s", "60"],
+                            cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return runs, result.stdout
+
+
+@pytest.fixture(scope="session")
+def step1_ws2(tour) -> Path:
     """The golden reference on the tiny workload: PyTorch DDP, 2 ranks, float32, with checkpoints."""
-    return train("step1", tmp_path_factory.mktemp("step1_ws2"), small_corpus, "--save-every", "2")
+    return tour[0] / STEPS["step1"]
 
 
 def init_gloo(rank: int, world_size: int, port: int) -> None:

@@ -7,21 +7,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, init_gloo, metrics, parity, spawn, train
+from conftest import REPO, STEPS, init_gloo, metrics, parity, spawn, train
 
 # The contract's strictest setting at once: accumulation (no_sync), clipping that triggers, bf16 autocast.
 EXACT = ("--reduce-dtype", "float64", "--amp", "bf16")
 
 
 @pytest.fixture(scope="module")
-def default_runs(tmp_path_factory, small_corpus):
-    """Steps 2, 3 and 4 on 2 ranks in the default float32 mode. Step 4 also writes its overlap trace, with
-    0.1 MiB buckets: the tiny model (0.37 MB of gradients) would otherwise fit in one bucket."""
-    return {step: train(step, tmp_path_factory.mktemp(step), small_corpus, *extra)
-            for step, extra in (("step2", ()), ("step3", ()), ("step4", ("--trace", "--bucket-cap-mb", "0.1")))}
+def default_runs(tour, tmp_path_factory, small_corpus):
+    """Steps 2, 3 and 4 on 2 ranks in the default float32 mode, as the tour ran them, and step 4 again
+    with its overlap trace and 0.1 MiB buckets (the tiny model's 0.37 MB would fit in one bucket)."""
+    runs = {step: tour[0] / STEPS[step] for step in ("step2", "step3", "step4")}
+    runs["step4 traced"] = train("step4", tmp_path_factory.mktemp("traced"), small_corpus, "--trace",
+                                 "--bucket-cap-mb", "0.1")
+    return runs
 
 
-@pytest.mark.parametrize("step", ["step2", "step3", "step4"])
+@pytest.mark.parametrize("step", ["step2", "step3", "step4", "step4 traced"])
 def test_bitwise_identical_to_ddp_at_world_size_2(step, default_runs, step1_ws2):
     result = parity(step1_ws2, default_runs[step])
     assert result.returncode == 0, result.stdout
@@ -55,12 +57,12 @@ def test_step3_replicas_end_identical(default_runs):
 
 
 def test_step4_first_bucket_is_launched_before_backward_ends(default_runs):
-    events = json.loads((default_runs["step4"] / "trace.json").read_text())["traceEvents"]
+    events = json.loads((default_runs["step4 traced"] / "trace.json").read_text())["traceEvents"]
     backward = next(e for e in events if e["name"] == "backward")
     buckets = sorted((e for e in events if e["cat"] == "comm"), key=lambda e: e["ts"])
     assert len(buckets) >= 2, "the tiny model should need a small first bucket and at least one more"
     assert buckets[0]["ts"] < backward["ts"] + backward["dur"], "no overlap: first all-reduce after backward"
-    assert (default_runs["step4"] / "timeline.png").read_bytes().startswith(b"\x89PNG")
+    assert (default_runs["step4 traced"] / "timeline.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_step4_all_reduces_each_gradient_byte_once_per_optimiser_step(default_runs):

@@ -1,5 +1,6 @@
 """Step 0, step 1, the metrics file, the parity tool, bad input, and the copies of common/."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -8,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import (REPO, TINY, assert_bitwise_same_run, launch, metrics, parity, train, weights)
+from conftest import (REPO, STEPS, TINY, assert_bitwise_same_run, launch, metrics, parity, train, trainer_command,
+                      weights)
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +90,12 @@ def test_step1_reduce_modes_at_world_size_2(step1_ws2, tmp_path, small_corpus):
     assert "verdict: PASS (bitwise identical)" in result.stdout
 
 
-def test_step0_matches_step1_within_tolerance(step1_ws2, tmp_path, small_corpus):
-    """One process accumulating 4 micro-batches sees the global batches of 2 ranks accumulating 2.
-    Within the contract's tolerance on this short run; over the default 40 steps Adam amplifies the
-    rounding noise of the attention key bias past atol (measured in the README)."""
-    single = train("step0", tmp_path / "single", small_corpus, "--grad-accum", "4")
+def test_step0_matches_step1_within_tolerance(tour, step1_ws2):
+    """One process accumulating 4 micro-batches (the tour's step 0) sees the global batches of 2 ranks
+    accumulating 2. Within the contract's tolerance on this short run; over the default 40 steps Adam
+    amplifies the rounding noise of the attention key bias past atol (measured in the README)."""
+    single = tour[0] / "step0_single_gpu"
+    assert metrics(single)["config"]["grad_accum"] == 4
     result = parity(single, step1_ws2)
     assert result.returncode == 0, result.stdout
     assert "PASS" in result.stdout
@@ -192,9 +195,8 @@ def test_trainer_bad_input_is_one_line_and_exit_2(step1_ws2, tmp_path, small_cor
                                       {"WORLD_SIZE": "64", "RANK": "0", "LOCAL_RANK": "0"}, ["per rank"]),
     }
     # Started together (each is a plain process that stops before joining any process group).
-    procs = {name: subprocess.Popen([sys.executable, str(REPO / {"step0": "step0_single_gpu", "step1": "step1_torch_ddp"}[s] / "train.py"), *a],
-                                    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env={**__import__("os").environ, **e})
+    procs = {name: subprocess.Popen(trainer_command(STEPS[s], 0, a), cwd=REPO, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env={**os.environ, **e})
              for name, (s, a, e, _) in cases.items()}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=180)
@@ -209,7 +211,6 @@ def test_trainer_bad_input_is_one_line_and_exit_2(step1_ws2, tmp_path, small_cor
 
 def test_unsupported_amp_is_refused_with_one_line(monkeypatch):
     """fp16 where the build cannot run it (simulated: the CPU scaler refuses) is a UserError, not a traceback."""
-    sys.path.insert(0, str(REPO / "common"))
     import training
     from config import UserError
 

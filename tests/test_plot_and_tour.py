@@ -1,4 +1,4 @@
-"""compare/plot.py on runs made up for the test (no training needed)."""
+"""compare/plot.py on runs made up for the test, and compare/tour.py (the main job) on the tiny workload."""
 import json
 import subprocess
 import sys
@@ -38,3 +38,19 @@ def test_plot_bad_input_is_one_line_and_exit_2(tmp_path):
         assert result.returncode == 2
         assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: ")
     assert not (tmp_path / "x.png").exists() and not (tmp_path / "y.png").exists()
+
+
+def test_the_tour_runs_every_step_and_its_parity_checks(tour):
+    """The README's main job (run once per session by the ``tour`` fixture): every step runs, and
+    steps 2-4 are bitwise identical to DDP."""
+    runs, output = tour
+    assert "tour: all parity checks passed" in output
+    assert output.count("PASS (bitwise identical)") == 2 * 3  # steps 2-4: a report and a table row each
+    assert "same global batches, other summation order" in output  # step 0, measured, not judged
+    assert (runs / "plots" / "tour.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_tour_refuses_out(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "compare" / "tour.py"), "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--runs-dir" in result.stderr
