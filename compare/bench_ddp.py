@@ -25,6 +25,7 @@ for folder in ("step4_hooks_bucketing", "step3_naive_dp"):  # their modules, and
     sys.path.insert(0, str(REPO_ROOT / folder))
 from bucketed_ddp import BucketedDDP  # noqa: E402
 from config import build_parser  # noqa: E402
+from distributed import shutdown  # noqa: E402
 from model import build_model, language_model_loss  # noqa: E402
 from naive_dp import allreduce_gradients, broadcast_parameters  # noqa: E402
 from seeding import seed_everything  # noqa: E402
@@ -61,6 +62,28 @@ class Variant:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def time_rounds(config, rounds, steps_per_round, rank) -> dict:
+    """Seconds per optimiser step of each variant, one list entry per round. The variants (DDP's C++
+    reducer among them) are freed when this returns, before the process group goes: see shutdown()."""
+    vocab_size, accum, micro = 2048, config["grad_accum"], config["micro_batch_size"]
+    generator = torch.Generator().manual_seed(rank)
+    tokens_in = [torch.randint(0, vocab_size, (micro, config["seq_len"] + 1), generator=generator) for _ in range(accum)]
+    batches = [(block[:, :-1], block[:, 1:]) for block in tokens_in]
+    variants = [Variant(name, config, vocab_size) for name in ("pytorch DDP", "BucketedDDP", "naive (step 3)")]
+    times = {v.name: [] for v in variants}
+    for round_ in range(rounds + 1):
+        order = variants[round_ % 3:] + variants[: round_ % 3]
+        for variant in order:
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(steps_per_round):
+                variant.step(batches, accum)
+            dist.barrier()
+            if round_ > 0:
+                times[variant.name].append((time.perf_counter() - started) / steps_per_round)
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=21, help="timed rounds (plus one warm-up)")
@@ -70,24 +93,9 @@ def main():
     seed_everything(config["seed"])
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    vocab_size, accum, micro = 2048, config["grad_accum"], config["micro_batch_size"]
-    generator = torch.Generator().manual_seed(rank)
-    tokens_in = [torch.randint(0, vocab_size, (micro, config["seq_len"] + 1), generator=generator) for _ in range(accum)]
-    batches = [(block[:, :-1], block[:, 1:]) for block in tokens_in]
-    variants = [Variant(name, config, vocab_size) for name in ("pytorch DDP", "BucketedDDP", "naive (step 3)")]
-    times = {v.name: [] for v in variants}
-    for round_ in range(args.rounds + 1):
-        order = variants[round_ % 3:] + variants[: round_ % 3]
-        for variant in order:
-            dist.barrier()
-            started = time.perf_counter()
-            for _ in range(args.steps_per_round):
-                variant.step(batches, accum)
-            dist.barrier()
-            if round_ > 0:
-                times[variant.name].append((time.perf_counter() - started) / args.steps_per_round)
+    times = time_rounds(config, args.rounds, args.steps_per_round, rank)
     if rank == 0:
-        tokens = micro * accum * config["seq_len"] * world_size
+        tokens = config["micro_batch_size"] * config["grad_accum"] * config["seq_len"] * world_size
         ddp = statistics.median(times["pytorch DDP"])
         print(f"{world_size} ranks, gloo, {torch.get_num_threads()} thread(s) each; {args.rounds} rounds x "
               f"{args.steps_per_round} steps; global batch {tokens:,} tokens")
@@ -100,8 +108,7 @@ def main():
             print(f"{name:<16} {m * 1e3:>10.1f}ms {min(t) * 1e3:>6.1f}ms {max(t) * 1e3:>6.1f}ms "
                   f"{tokens / m:>9,.0f} {ddp / m:>16.3f} {statistics.median(paired):>20.3f} "
                   f"[{min(paired):.3f}, {max(paired):.3f}]")
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

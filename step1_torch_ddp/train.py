@@ -151,6 +151,7 @@ def main():
         log.write(final)
         print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
               f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+    del ddp_model  # its C++ reducer must let go of the process group first: see shutdown()
     distributed.shutdown()
 
 

@@ -118,7 +118,14 @@ def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
     procs = [ctx.Process(target=target, args=(rank, world_size, port, queue, *args)) for rank in range(world_size)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=timeout) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    try:
+        results = dict(queue.get(timeout=timeout) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+        # A worker that answered but never exited hangs in its shutdown: that is a bug, not a slow machine.
+        assert [p.exitcode for p in procs] == [0] * world_size, f"worker exit codes: {[p.exitcode for p in procs]}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     return results
