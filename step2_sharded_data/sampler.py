@@ -26,6 +26,14 @@ import torch
 import torch.distributed as dist
 
 
+def samples_per_rank(dataset_len: int, num_replicas: int, drop_last: bool) -> int:
+    """The same on every rank, so every rank runs the same number of steps. (DistributedSampler
+    writes the drop_last case as ceil((n - N) / N); it is the same number.)"""
+    if drop_last:  # drop the tail that does not divide evenly
+        return dataset_len // num_replicas
+    return math.ceil(dataset_len / num_replicas)  # pad up to the next multiple of num_replicas
+
+
 class ShardedSampler:
     """The indices of one rank's shard of ``range(dataset_len)``, reshuffled every epoch."""
 
@@ -39,12 +47,7 @@ class ShardedSampler:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas - 1}] for num_replicas={num_replicas}")
         self.dataset_len, self.num_replicas, self.rank = dataset_len, num_replicas, rank
         self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
-        # Every rank gets num_samples indices, so every rank runs the same number of steps.
-        # (DistributedSampler writes the drop_last case as ceil((n - N) / N); it is the same number.)
-        if drop_last:  # drop the tail that does not divide evenly
-            self.num_samples = dataset_len // num_replicas
-        else:  # pad up to the next multiple of num_replicas
-            self.num_samples = math.ceil(dataset_len / num_replicas)
+        self.num_samples = samples_per_rank(dataset_len, num_replicas, drop_last)
         self.total_size = self.num_samples * num_replicas
 
     def set_epoch(self, epoch: int) -> None:
@@ -107,7 +110,7 @@ def check_no_overlap(indices: list[int], dataset_len: int, world_size: int, drop
     if len(set(lengths)) != 1:
         raise RuntimeError("ranks hold different numbers of samples (a rank with fewer steps would leave the others "
                            f"hanging in all-reduce): " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths)))
-    per_rank = dataset_len // world_size if drop_last else math.ceil(dataset_len / world_size)
+    per_rank = samples_per_rank(dataset_len, world_size, drop_last)
     if lengths[0] != per_rank:
         raise RuntimeError(f"every rank holds {lengths[0]} samples, expected {per_rank} for {dataset_len} samples "
                            f"on {world_size} ranks (drop_last={drop_last})")
