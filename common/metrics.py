@@ -6,12 +6,12 @@ metrics.json (schema version ``SCHEMA_VERSION``) is read by `compare/parity.py` 
 - ``config``: every flag; ``env``: torch version, backend, device, world size, dtypes, data hashes;
 - ``records``: per optimiser step ``step`` (1-based), ``loss`` (mean over all ranks and micro-batches),
   ``grad_norm`` (before clipping), ``param_norm``, ``lr``, ``tokens_per_s``, ``effective_batch_size``
-  (micro-batch x accumulation x world size, in samples), ``epoch``, ``memory`` (bytes) and ``comm``
-  (bytes handed to each kind of collective by this rank during the step);
+  (micro-batch x accumulation x world size, in samples), ``epoch``, ``memory`` (a list, one dict of
+  bytes per rank: sharded steps differ per rank) and, in distributed steps, ``comm`` (bytes rank 0
+  handed to each kind of collective during the step);
 - ``final``: ``weights`` (safetensors file, relative to the run folder), ``sha256`` of that file,
   ``param_norm``, and ``fingerprints`` (per tensor: shape, sha256 of its bytes, norm).
 """
-import collections
 import hashlib
 import json
 import os
@@ -24,25 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-SCHEMA_VERSION = 1
-RECORD_KEYS = ("step", "loss", "grad_norm", "param_norm", "lr", "tokens_per_s", "effective_batch_size",
-               "epoch", "memory", "comm")
-
-# Bytes this rank handed to each kind of collective since the last optimiser step. The trainers and
-# the data-parallel modules add to it; the training loop reads and clears it once per step.
-comm_bytes = collections.Counter()
-
-
-def count_collective(kind: str, tensor: torch.Tensor) -> None:
-    comm_bytes[kind] += tensor.numel() * tensor.element_size()
-
-
-def take_comm_bytes() -> dict:
-    counts = dict(sorted(comm_bytes.items()))
-    comm_bytes.clear()
-    return counts
-
-
+SCHEMA_VERSION = 2  # 2: memory is a list, one entry per rank
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -51,13 +33,14 @@ def optimizer_state_bytes(optimizer) -> int:
     return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
 
-def memory_stats(params, optimizer, device: torch.device) -> dict:
-    """Bytes held by this process: what its parameters, gradients and optimiser state take, its peak
-    resident set size (the whole process: Python, torch, data), and on a GPU what CUDA allocated."""
+def memory_stats(params, optimizer, device: torch.device, grads=None) -> dict:
+    """Bytes held by this process: what its parameters, gradients (``grads``, by default every
+    ``param.grad``) and optimiser state take, its peak resident set size (the whole process:
+    Python, torch, data), and on a GPU what CUDA allocated."""
     params = list(params)
     stats = {
         "params": tensor_bytes(params),
-        "grads": tensor_bytes(p.grad for p in params),
+        "grads": tensor_bytes(p.grad for p in params) if grads is None else tensor_bytes(grads),
         "optimizer_state": optimizer_state_bytes(optimizer),
         # ru_maxrss is in KiB on Linux and in bytes on macOS
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024),
@@ -125,7 +108,7 @@ class RunLog:
     def log(self, record: dict) -> None:
         self.records.append(record)
         if self.is_writer and not self.config["quiet"]:
-            memory = record["memory"]
+            memory = record["memory"][0]
             rss = f"rss {memory['peak_rss'] / 2**20:.0f} MiB"
             cuda = f" | cuda {memory['cuda_peak'] / 2**20:.0f} MiB peak" if "cuda_peak" in memory else ""
             print(f"step {record['step']:4d}/{self.config['steps']} | loss {record['loss']:.4f} | "

@@ -77,33 +77,38 @@ def make_scheduler(optimizer, config: dict) -> torch.optim.lr_scheduler.LambdaLR
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, config) / config["lr"])
 
 
-def global_norm(tensors) -> torch.Tensor:
-    """sqrt(sum of squares) over all elements of all tensors, accumulated and returned in float64.
+def sum_of_squares(tensors) -> torch.Tensor:
+    """Sum of the squares of all elements of all tensors, accumulated and returned in float64 on the CPU.
 
     Each float32 square is exact in float64, and the float64 sum carries ~29 more bits than a
     float32 result keeps: splitting or reordering the sum moves it by ~1e-16 relative. So a ZeRO
-    rank that sums its slices and then all-reduces gets, after rounding to float32, the clipping
-    norm a DDP rank gets (unless the norm sits right on a float32 rounding boundary).
+    rank that sums the squares of its slices and then all-reduces the sums gets, after the square
+    root is rounded to float32, the clipping norm a DDP rank gets (unless the norm sits right on a
+    float32 rounding boundary).
     """
     total = torch.zeros((), dtype=torch.float64)
     for t in tensors:
         total = total + t.detach().double().pow(2).sum().cpu()
-    return total.sqrt()
+    return total
 
 
-def clip_gradients(params, max_norm: float) -> torch.Tensor:
-    """Scale gradients so their global norm is at most ``max_norm``; return the norm *before* clipping.
-    The same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm / (norm + 1e-6), capped
-    at 1), computed in float32 from the norm rounded to float32."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = global_norm(grads).float()
+def clip_to_norm(grads, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place by the rule of ``torch.nn.utils.clip_grad_norm_``: the coefficient is
+    max_norm / (norm + 1e-6), capped at 1, computed in float32 from the float32 ``norm``."""
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coefficient.to(g.device))
+
+
+def clip_gradients(params, max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; return the norm *before* clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = sum_of_squares(grads).sqrt().float()
+    clip_to_norm(grads, norm, max_norm)
     return norm
 
 
 def param_norm(params) -> float:
     """In float64: a float32 norm of ~30 would round to steps of 4e-6, coarser than the 1e-6 parity limit."""
-    return global_norm(params).item()
+    return sum_of_squares(params).sqrt().item()

@@ -9,11 +9,14 @@ The exact mode must show zero difference everywhere. The float32 mode is bitwise
 g0/3 + g1/3 + g2/3 and the from-scratch steps (g0 + g1 + g2)/3: the same value, rounded differently.
 Runs go to runs/matrix/<mode>_ws<N>/<step>.
 """
+import argparse
 import sys
+from pathlib import Path
 
-import parity
-from config import OneLineParser, exit_on_user_error
-from launch import run_trainer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+import parity  # noqa: E402
+from config import OneLineParser, exit_on_user_error  # noqa: E402
+from launch import run_trainer  # noqa: E402
 
 REPO_ROOT = parity.REPO_ROOT
 
@@ -26,7 +29,7 @@ def run(step: str, world_size: int, mode: str, extra: list[str]):
 
 
 def main() -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", default="2,3,4")
     parser.add_argument("--modes", default="float64,float32")
     args, extra = parser.parse_known_args()

@@ -3,9 +3,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from config import UserError
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "common"))  # config.py, as every step has it
+from config import UserError  # noqa: E402
 
 
 def trainer_command(step: str, nproc: int, args: list[str]) -> list[str]:

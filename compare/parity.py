@@ -22,10 +22,18 @@ from safetensors.torch import load_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "common"))
-from config import TRAINING_KEYS, OneLineParser, UserError, exit_on_user_error  # noqa: E402
+from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from metrics import SCHEMA_VERSION  # noqa: E402
 
 RTOL, ATOL, PARAM_NORM_TOL = 1e-5, 1e-6, 1e-6
+
+# Flags that change the numbers a run computes. Two runs are comparable when these agree and they
+# process the same global batch per optimiser step; the rest (world size, accumulation split,
+# reduce dtype, bucket cap, where to write, ...) may differ.
+TRAINING_KEYS = (
+    "steps", "seed", "amp", "n_layer", "n_head", "n_embd", "seq_len", "dropout",
+    "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+)
 
 
 def step_folders() -> list[str]:

@@ -7,6 +7,7 @@ Left column: the curves. Right column: run minus the first run, step by step, on
 scale that shows both 0 (bitwise identical) and 1e-7 (a rounding difference). Runs are named like
 in parity.py: short step names, step folders or run folders.
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
 import parity  # noqa: E402
 from config import OneLineParser, exit_on_user_error  # noqa: E402
 
@@ -63,7 +65,7 @@ def plot_runs(names: list[str], out: Path) -> Path:
 
 
 def main() -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="step names, step folders or run folders")
     parser.add_argument("--out", type=Path, help="PNG path (default: runs/plots/<a>_vs_<b>.png)")
     args = parser.parse_args()

@@ -13,14 +13,16 @@ other samples than the ranks' do, so its sums round differently (the README meas
 Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see --runs-dir).
 """
 import statistics
+import argparse
 import sys
 import time
 from pathlib import Path
 
-import parity
-from config import OneLineParser, UserError, exit_on_user_error
-from launch import run_trainer
-from plot import plot_runs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+import parity  # noqa: E402
+from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
+from launch import run_trainer  # noqa: E402
+from plot import plot_runs  # noqa: E402
 
 REPO_ROOT = parity.REPO_ROOT
 DEFAULT_GRAD_ACCUM = 2
@@ -33,7 +35,7 @@ def shown(path: Path) -> Path:
 
 
 def main() -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="ranks for the distributed steps")
     parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs",
                         help="each step writes <runs-dir>/<step folder>; logs and plot go beside them")

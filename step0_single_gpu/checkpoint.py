@@ -15,9 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import RESUMABLE_KEYS, UserError
+from config import UserError
 
 FORMAT_VERSION = 1
+
+# Flags that may change when resuming: they say where to write, what to print and how long to wait,
+# not what to compute. Every other flag must be the checkpoint's.
+RESUMABLE_KEYS = ("out", "save_every", "resume", "quiet", "timeout_s", "trace")
 
 
 def _barrier():

@@ -1,7 +1,8 @@
 """Command-line flags shared by every step, and the one way a user mistake ends a run.
 
-Every step builds its parser here, so a flag means the same thing in every step folder. A step
-asks only for the flag groups it has (``distributed``, ``bucketed``, ...); `--help` lists them all
+Every step builds its parser here, so a shared flag means the same thing in every step folder.
+A flag that belongs to one step's idea (``--bucket-cap-mb``, ``--trace``, ...) is added by that
+step's own files, so the diff that introduces the idea introduces its flag. `--help` lists them all
 with their defaults. The parsed flags become a plain ``dict``: it is written into metrics.json and
 into every checkpoint, and `compare/parity.py` reads it back to decide whether two runs are
 comparable.
@@ -38,8 +39,8 @@ def _path_under_repo(value: str) -> str:
     return str(path if path.is_absolute() else (Path.cwd() / path).resolve())
 
 
-def build_parser(step: str, *, distributed=False, bucketed=False, trace=False) -> argparse.ArgumentParser:
-    """Flags of one step. Defaults are the reference workload of DESIGN.md (about a minute on 2 CPU cores)."""
+def build_parser(step: str) -> argparse.ArgumentParser:
+    """The flags every step has. Defaults are the reference workload (about a minute on 2 CPU cores)."""
     p = OneLineParser(
         prog=f"{step}/train.py",
         description=f"{step}: train a small GPT-2 on tiny shakespeare.",
@@ -75,27 +76,13 @@ def build_parser(step: str, *, distributed=False, bucketed=False, trace=False) -
     optim.add_argument("--beta1", type=float, default=0.9)
     optim.add_argument("--beta2", type=float, default=0.95)
     optim.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
-
-    if distributed:
-        dist = p.add_argument_group("distributed")
-        dist.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                          help="auto: nccl when every rank has its own GPU, else gloo")
-        dist.add_argument("--reduce-dtype", choices=["float32", "float64"], default="float32",
-                          help="float64: exact, order-free gradient reduction (the parity contract)")
-        dist.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout in seconds")
-    if bucketed:
-        p.add_argument_group("buckets").add_argument(
-            "--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB")
-    if trace:
-        p.add_argument_group("tracing").add_argument(
-            "--trace", action="store_true", help="write trace.json and timeline.png for the last optimiser step")
+    p.set_defaults(step=step)  # recorded with the flags: a checkpoint of one step is not resumed by another
     return p
 
 
-def parse_config(step: str, argv=None, **groups) -> dict:
-    """Parse and sanity-check the flags; every problem is a ``UserError``."""
-    config = vars(build_parser(step, **groups).parse_args(argv))
-    config["step"] = step
+def parse_config(parser: argparse.ArgumentParser, argv=None) -> dict:
+    """Parse and sanity-check the shared flags; every problem is a ``UserError``. A step checks its own."""
+    config = vars(parser.parse_args(argv))
     positive = ["steps", "micro_batch_size", "grad_accum", "n_layer", "n_head", "n_embd", "seq_len"]
     for key in positive:
         if config[key] < 1:
@@ -106,21 +93,8 @@ def parse_config(step: str, argv=None, **groups) -> dict:
         raise UserError("--save-every, --warmup-steps and --grad-clip cannot be negative")
     if not 0.0 <= config["dropout"] < 1.0:
         raise UserError(f"--dropout must be in [0, 1), got {config['dropout']}")
-    if config.get("bucket_cap_mb") is not None and config["bucket_cap_mb"] <= 0:
-        raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
     for key in ("data", "tokenizer"):
         if not Path(config[key]).is_file():
             raise UserError(f"--{key} {config[key]} does not exist; pass a readable file")
     return config
 
-
-# Flags that change the numbers a run computes. Two runs are comparable when these agree and they
-# process the same global batch per optimiser step; the rest (world size, accumulation split,
-# reduce dtype, bucket cap, where to write, ...) may differ.
-TRAINING_KEYS = (
-    "steps", "seed", "amp", "n_layer", "n_head", "n_embd", "seq_len", "dropout",
-    "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-)
-
-# Flags that may change when resuming: they say where to write and what to print, not what to compute.
-RESUMABLE_KEYS = ("out", "save_every", "resume", "quiet", "timeout_s", "trace")

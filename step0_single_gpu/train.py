@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
-from config import exit_on_user_error, parse_config
+from config import build_parser, exit_on_user_error, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from metrics import RunLog, environment, memory_stats, save_final_weights, take_comm_bytes
+from metrics import RunLog, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from seeding import rng_state, seed_everything, set_rng_state
 from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
@@ -26,7 +26,7 @@ STEP = Path(__file__).resolve().parent.name
 
 def main():
     # ---- everything that can be wrong is checked before anything is written ------------------
-    config = parse_config(STEP)
+    config = parse_config(build_parser(STEP))
     device = pick_device(config["device"])
     check_amp(config["amp"], device)
     seed_everything(config["seed"])
@@ -70,7 +70,7 @@ def main():
         started = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         loss_sum = torch.zeros((), device=device)
-        for _ in range(accum):
+        for micro_step in range(accum):
             inputs, targets = batches.next()
             with autocast(config["amp"], device):
                 loss = language_model_loss(model, inputs.to(device), targets.to(device))
@@ -97,8 +97,7 @@ def main():
             "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
             "effective_batch_size": config["micro_batch_size"] * accum,
             "epoch": batches.epoch,
-            "memory": memory,
-            "comm": take_comm_bytes(),
+            "memory": [memory],  # one entry per rank
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
             shared = {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),

@@ -18,9 +18,9 @@ from torch.utils.data import DistributedSampler
 
 import distributed
 from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
-from config import exit_on_user_error, parse_config
+from config import build_parser, exit_on_user_error, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from metrics import RunLog, comm_bytes, count_collective, environment, memory_stats, save_final_weights, take_comm_bytes
+from metrics import RunLog, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from seeding import rng_state, seed_everything, set_rng_state
 from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
@@ -38,7 +38,7 @@ def float64_allreduce_hook(process_group, bucket):
     """
     buffer = bucket.buffer()
     wide = buffer.to(torch.float64)
-    count_collective("all_reduce", wide)
+    distributed.count_collective("all_reduce", wide)
     world_size = dist.get_world_size(process_group)
     future = dist.all_reduce(wide, group=process_group, async_op=True).get_future()
     return future.then(lambda fut: buffer.copy_(fut.value()[0].div_(world_size)))
@@ -46,7 +46,9 @@ def float64_allreduce_hook(process_group, bucket):
 
 def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
-    config = parse_config(STEP, distributed=True)
+    parser = build_parser(STEP)
+    distributed.add_flags(parser)
+    config = parse_config(parser)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
@@ -110,7 +112,7 @@ def main():
             loss_sum += loss.detach()
         if config["reduce_dtype"] == "float32":
             # DDP's built-in reducer is C++; the bytes it all-reduces are every gradient, once per step.
-            comm_bytes["all_reduce"] += grad_bytes
+            distributed.comm_bytes["all_reduce"] += grad_bytes
 
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
         grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
@@ -135,8 +137,8 @@ def main():
             "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
-            "memory": memory,
-            "comm": take_comm_bytes(),
+            "memory": distributed.gather_from_every_rank(memory),
+            "comm": distributed.take_comm_bytes(),
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
             shared = {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),

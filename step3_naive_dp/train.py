@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 import distributed
 from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
-from config import exit_on_user_error, parse_config
+from config import build_parser, exit_on_user_error, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from metrics import RunLog, environment, memory_stats, save_final_weights, take_comm_bytes
+from metrics import RunLog, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from naive_dp import allreduce_gradients, broadcast_parameters, replicas_in_sync
 from sampler import ShardedSampler, check_no_overlap
@@ -32,7 +32,9 @@ STEP = Path(__file__).resolve().parent.name
 
 def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
-    config = parse_config(STEP, distributed=True)
+    parser = build_parser(STEP)
+    distributed.add_flags(parser)
+    config = parse_config(parser)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
@@ -52,7 +54,6 @@ def main():
     # Different seeds on purpose: without the broadcast the replicas would start, and stay, different.
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
     broadcast_parameters(model, src=0)
-    reduce_dtype = getattr(torch, config["reduce_dtype"])
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config["amp"], device)
@@ -84,7 +85,7 @@ def main():
         lr = scheduler.get_last_lr()[0]
         loss_sum = torch.zeros((), device=device)
         shard_check = None
-        for _ in range(accum):
+        for micro_step in range(accum):
             inputs, targets = batches.next()
             if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
                 shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
@@ -95,7 +96,7 @@ def main():
             scaler.scale(loss / accum).backward()  # gradients accumulate locally, no communication
             loss_sum += loss.detach()
         # Synchronise once per optimiser step, after the last micro-batch: sum, then divide by world size.
-        allreduce_gradients(model, reduce_dtype)
+        allreduce_gradients(model, getattr(torch, config["reduce_dtype"]))
 
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
         grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
@@ -120,8 +121,8 @@ def main():
             "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
-            "memory": memory,
-            "comm": take_comm_bytes(),
+            "memory": distributed.gather_from_every_rank(memory),
+            "comm": distributed.take_comm_bytes(),
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:

@@ -20,12 +20,7 @@ small messages (each pays a fixed latency), and a network that idles while backw
 
 Every rank launches the buckets in the same order (bucket 0, 1, 2, ...), whatever order they become
 ready in: collectives are matched by order, so this is what makes them pair up correctly.
-
-Parameters without a gradient: with ``find_unused_parameters=False`` (the default, as in DDP) a
-trainable parameter that got no gradient is an error naming it, raised after every bucket was
-still reduced (so no peer is left waiting). With ``True`` its slice is reduced as zeros; one extra
-small all-reduce tells every rank which parameters nobody used, and those keep ``grad=None`` (as
-PyTorch DDP does), so the optimiser skips them.
+Parameters that got no gradient in a step are handled in the last section of this file.
 """
 import contextlib
 import time
@@ -33,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from metrics import count_collective
+from distributed import count_collective
 
 
 class Bucket:
@@ -47,6 +42,7 @@ class Bucket:
         for p in params:
             self.slots.append(self.buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+        self.timeline = None  # a list to record launch/finish times in, when overlap_trace.py asks
         self.reset()
 
     def reset(self):
@@ -84,7 +80,6 @@ class BucketedDDP(torch.nn.Module):
         self.world_size = dist.get_world_size()
         self.find_unused_parameters = find_unused_parameters
         self.require_sync = True
-        self.trace = None  # a list to append timeline events to, when someone wants them
 
         # Every replica starts from rank 0's state.
         for tensor in list(module.parameters()) + list(module.buffers()):
@@ -135,31 +130,15 @@ class BucketedDDP(torch.nn.Module):
             count_collective("all_reduce", bucket.buffer)
             launched = time.perf_counter()
             bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
-            if self.trace is not None:
-                self._trace_when_done(bucket, launched)
+            if bucket.timeline is not None:  # overlap_trace.py wants to see when it ran
+                event = {"launched": launched, "finished": None}
+                bucket.timeline.append(event)
+                bucket.work.get_future().then(lambda _, event=event: event.update(finished=time.perf_counter()))
             self.next_to_launch += 1
-
-    def _trace_when_done(self, bucket: Bucket, launched: float) -> None:
-        event = {"name": f"all-reduce bucket {bucket.index} ({bucket.buffer.numel() * bucket.buffer.element_size():,} B)",
-                 "cat": "comm", "start": launched, "end": None, "bucket": bucket.index}
-        self.trace.append(event)
-        bucket.work.get_future().then(lambda _: event.update(end=time.perf_counter()))
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket, average, and write the result into ``param.grad``. Once per optimiser step."""
-        unused = []
-        for bucket in self.buckets[self.next_to_launch :]:  # buckets that backward did not complete
-            for i, p in enumerate(bucket.params):
-                if bucket.ready[i]:
-                    continue
-                if p.grad is not None:  # no gradient this backward, but one from an earlier micro-batch
-                    bucket.slots[i].copy_(p.grad)
-                else:
-                    bucket.slots[i].zero_()
-                    unused.append(p)
-                bucket.ready[i], bucket.pending = True, bucket.pending - 1
-        self._launch_ready_buckets()
-
+        unused = self._complete_the_buckets_backward_left_open()
         used_anywhere = self._used_by_any_rank(unused) if self.find_unused_parameters else None
         for bucket in self.buckets:
             bucket.work.wait()
@@ -175,6 +154,31 @@ class BucketedDDP(torch.nn.Module):
             names = ", ".join(self.names[p] for p in unused)
             raise RuntimeError(f"parameter(s) {names} received no gradient in this step; make every trainable "
                                "parameter take part in the loss, or pass find_unused_parameters=True")
+
+    # ---- Parameters without a gradient in this backward ------------------------------------------
+    # Their hooks never fired, so their buckets are still open when backward ends. A parameter that
+    # got a gradient in an earlier micro-batch (inside no_sync) still has it in ``param.grad``: that
+    # accumulated gradient is what gets reduced. A parameter with no gradient at all is reduced as
+    # zeros, so no peer is left waiting; then, with ``find_unused_parameters=False`` (the default, as
+    # in DDP) it is an error naming it. With ``True``, one extra small all-reduce tells every rank
+    # which parameters nobody used, and those keep ``grad=None`` (as PyTorch DDP does), so the
+    # optimiser skips them.
+
+    def _complete_the_buckets_backward_left_open(self) -> list:
+        """Fill and launch every bucket backward did not complete; return the parameters with no gradient."""
+        unused = []
+        for bucket in self.buckets[self.next_to_launch :]:
+            for i, p in enumerate(bucket.params):
+                if bucket.ready[i]:
+                    continue
+                if p.grad is not None:  # no gradient this backward, but one from an earlier micro-batch
+                    bucket.slots[i].copy_(p.grad)
+                else:
+                    bucket.slots[i].zero_()
+                    unused.append(p)
+                bucket.ready[i], bucket.pending = True, bucket.pending - 1
+        self._launch_ready_buckets()
+        return unused
 
     def _used_by_any_rank(self, locally_unused: list) -> dict:
         """One small all-reduce: for each parameter, did any rank produce a gradient for it?"""

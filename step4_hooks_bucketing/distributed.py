@@ -4,6 +4,7 @@ torchrun starts one process per rank and tells each its place through environmen
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
 Started as a plain ``python train.py``, a step runs as a world of one.
 """
+import collections
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,6 +14,16 @@ import torch.distributed as dist
 
 from config import UserError
 from training import pick_device
+
+
+def add_flags(parser) -> None:
+    """The flags every distributed step has (steps 1 and up)."""
+    dist_flags = parser.add_argument_group("distributed")
+    dist_flags.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                            help="auto: nccl when every rank has its own GPU, else gloo")
+    dist_flags.add_argument("--reduce-dtype", choices=["float32", "float64"], default="float32",
+                            help="float64: exact, order-free gradient reduction (the parity contract)")
+    dist_flags.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout in seconds")
 
 
 @dataclass
@@ -81,3 +92,25 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+# Bytes this rank handed to each kind of collective since the last optimiser step. The trainers and
+# the data-parallel modules add to it; the training loop reads and clears it once per step.
+comm_bytes = collections.Counter()
+
+
+def count_collective(kind: str, tensor: torch.Tensor) -> None:
+    comm_bytes[kind] += tensor.numel() * tensor.element_size()
+
+
+def take_comm_bytes() -> dict:
+    counts = dict(sorted(comm_bytes.items()))
+    comm_bytes.clear()
+    return counts
+
+
+def gather_from_every_rank(value) -> list:
+    """``[rank 0's value, rank 1's, ...]`` on every rank: what rank 0 logs about all of them."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone

@@ -1,7 +1,10 @@
-"""Make the overlap visible: one optimiser step's backward and bucket all-reduces on a timeline.
+"""Make the overlap visible: the last optimiser step's backward and bucket all-reduces on a timeline.
 
-Events are dicts with ``name``, ``cat`` ("compute" or "comm"), ``start`` and ``end`` (seconds from
-``time.perf_counter``). ``write_trace`` writes them as
+``OverlapTrace(ddp_model)`` watches a ``BucketedDDP`` from outside: it asks every bucket to record
+when its all-reduce was launched and when it finished, and times backward with hooks of its own
+(start: the logits' gradient is computed; end: the last parameter's gradient is accumulated). It
+keeps the last backward only: the synchronised one of the last optimiser step. ``write`` turns
+that into
 
 - ``trace.json``: Chrome trace format (open it in chrome://tracing or https://ui.perfetto.dev);
 - ``timeline.png``: backward on one row, each bucket's all-reduce (launch to completion) below it.
@@ -9,12 +12,48 @@ Events are dicts with ``name``, ``cat`` ("compute" or "comm"), ``start`` and ``e
 If the first bucket's bar starts before backward's bar ends, communication overlapped computation.
 """
 import json
+import time
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+class OverlapTrace:
+    def __init__(self, ddp_model):
+        self.buckets = ddp_model.buckets
+        for bucket in self.buckets:
+            bucket.timeline = []
+        self.backward = {}
+        ddp_model.module.register_forward_hook(self._on_forward)
+        for p in ddp_model.module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+
+    def _on_forward(self, module, inputs, output):
+        if output.logits.requires_grad:
+            output.logits.register_hook(self._on_backward_start)
+
+    def _on_backward_start(self, grad):
+        self.backward = {"start": time.perf_counter(), "end": None}
+        for bucket in self.buckets:  # keep only what the latest backward launched
+            bucket.timeline.clear()
+
+    def _on_gradient_ready(self, param):
+        self.backward["end"] = time.perf_counter()
+
+    def events(self) -> list[dict]:
+        events = [{"name": "backward", "cat": "compute", **self.backward}]
+        for bucket in self.buckets:
+            size = bucket.buffer.numel() * bucket.buffer.element_size()
+            events += [{"name": f"all-reduce bucket {bucket.index} ({size:,} B)", "cat": "comm",
+                        "start": e["launched"], "end": e["finished"]} for e in bucket.timeline]
+        return events
+
+    def write(self, rank: int, out_dir: Path) -> tuple[Path, Path]:
+        return write_trace(self.events(), rank, out_dir)
 
 
 def write_trace(events: list[dict], rank: int, out_dir: Path) -> tuple[Path, Path]:

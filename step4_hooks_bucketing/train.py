@@ -20,11 +20,11 @@ import torch.distributed as dist
 import distributed
 from bucketed_ddp import BucketedDDP
 from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
-from config import exit_on_user_error, parse_config
+from config import UserError, build_parser, exit_on_user_error, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from metrics import RunLog, environment, memory_stats, save_final_weights, take_comm_bytes
+from metrics import RunLog, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
-from overlap_trace import write_trace
+from overlap_trace import OverlapTrace
 from sampler import ShardedSampler, check_no_overlap
 from seeding import rng_state, seed_everything, set_rng_state
 from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
@@ -35,7 +35,13 @@ STEP = Path(__file__).resolve().parent.name
 
 def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
-    config = parse_config(STEP, distributed=True, bucketed=True, trace=True)
+    parser = build_parser(STEP)
+    distributed.add_flags(parser)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB")
+    parser.add_argument("--trace", action="store_true", help="write trace.json and timeline.png of the last step")
+    config = parse_config(parser)
+    if config["bucket_cap_mb"] <= 0:
+        raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
@@ -56,6 +62,7 @@ def main():
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
     ddp_model = BucketedDDP(model, bucket_cap_mb=config["bucket_cap_mb"],
                             reduce_dtype=getattr(torch, config["reduce_dtype"]))
+    tracer = OverlapTrace(ddp_model) if config["trace"] else None  # keeps the last step's timeline
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config["amp"], device)
@@ -87,7 +94,6 @@ def main():
         lr = scheduler.get_last_lr()[0]
         loss_sum = torch.zeros((), device=device)
         shard_check = None
-        trace = ddp_model.trace = [] if config["trace"] and step == config["steps"] - 1 else None
         for micro_step in range(accum):
             inputs, targets = batches.next()
             if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
@@ -99,11 +105,7 @@ def main():
             with contextlib.nullcontext() if is_last else ddp_model.no_sync():
                 with autocast(config["amp"], device):
                     loss = language_model_loss(ddp_model, inputs.to(device), targets.to(device))
-                backward_started = time.perf_counter()
                 scaler.scale(loss / accum).backward()  # the hooks launch bucket all-reduces in here
-            if trace is not None and is_last:
-                trace.append({"name": "backward", "cat": "compute", "start": backward_started,
-                              "end": time.perf_counter()})
             loss_sum += loss.detach()
         ddp_model.finish_gradient_synchronization()  # the single sync point before the optimiser step
 
@@ -130,8 +132,8 @@ def main():
             "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
-            "memory": memory,
-            "comm": take_comm_bytes(),
+            "memory": distributed.gather_from_every_rank(memory),
+            "comm": distributed.take_comm_bytes(),
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
@@ -145,8 +147,8 @@ def main():
         final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
         final["param_norm"] = param_norm(model.parameters())
         log.write(final)
-        if config["trace"]:
-            write_trace(trace, world.rank, Path(config["out"]))
+        if tracer:
+            tracer.write(world.rank, Path(config["out"]))
         print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
               f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
     distributed.shutdown()

@@ -68,8 +68,8 @@ def test_step4_first_bucket_is_launched_before_backward_ends(default_runs):
 def test_step4_all_reduces_each_gradient_byte_once_per_optimiser_step(default_runs):
     records = metrics(default_runs["step4"])["records"]
     for r in records:  # 2 micro-batches per step: no_sync keeps the first one silent
-        assert r["comm"]["all_reduce"] == r["memory"]["grads"]
-    assert records[0]["comm"]["broadcast"] == records[0]["memory"]["params"]  # rank 0's weights, once
+        assert r["comm"]["all_reduce"] == r["memory"][0]["grads"]
+    assert records[0]["comm"]["broadcast"] == records[0]["memory"][0]["params"]  # rank 0's weights, once
     assert all("broadcast" not in r["comm"] for r in records[1:])
 
 

@@ -60,7 +60,7 @@ def test_resume_latest_continues_in_place(step1_ws2, tmp_path, small_corpus):
 
 def test_metrics_schema(step1_ws2):
     m = metrics(step1_ws2)
-    assert m["schema_version"] == 1
+    assert m["schema_version"] == 2
     assert m["env"]["world_size"] == 2 and m["env"]["backend"] == "gloo" and m["env"]["torch"] == torch.__version__
     assert m["config"]["steps"] == len(m["records"]) == 4
     for i, r in enumerate(m["records"], start=1):
@@ -68,11 +68,13 @@ def test_metrics_schema(step1_ws2):
         for key in ("loss", "grad_norm", "param_norm", "lr", "tokens_per_s"):
             assert isinstance(r[key], float) and r[key] == r[key], key  # a float, not NaN
         assert r["effective_batch_size"] == 2 * 2 * 2
-        assert set(r["memory"]) >= {"params", "grads", "optimizer_state", "peak_rss"}
-        # AdamW keeps exp_avg and exp_avg_sq (each the size of the parameter) and a float32 step count
-        assert r["memory"]["optimizer_state"] == 2 * r["memory"]["params"] + 4 * len(weights(step1_ws2))
-        assert r["memory"]["grads"] == r["memory"]["params"]
-        assert r["comm"]["all_reduce"] == r["memory"]["grads"]  # every gradient, once per optimiser step
+        assert len(r["memory"]) == 2, "one memory entry per rank"
+        for memory in r["memory"]:  # DDP replicates everything: every rank holds the same bytes
+            assert set(memory) >= {"params", "grads", "optimizer_state", "peak_rss"}
+            # AdamW keeps exp_avg and exp_avg_sq (each the size of the parameter) and a float32 step count
+            assert memory["optimizer_state"] == 2 * memory["params"] + 4 * len(weights(step1_ws2))
+            assert memory["grads"] == memory["params"]
+        assert r["comm"]["all_reduce"] == r["memory"][0]["grads"]  # every gradient, once per optimiser step
     assert any(r["grad_norm"] > 0.3 for r in m["records"]), "clipping never triggered in the tiny workload"
     final = m["final"]
     assert (step1_ws2 / final["weights"]).is_file()
