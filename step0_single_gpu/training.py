@@ -48,18 +48,23 @@ def make_grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(device.type, enabled=(amp == "fp16"))
 
 
-def make_optimizer(named_params, config: dict) -> torch.optim.AdamW:
-    """AdamW; matrices decay, biases and LayerNorm weights do not (as in GPT-2 training practice).
-
-    ``foreach=False`` pins one implementation of the update everywhere: the multi-tensor kernel
-    groups its arithmetic differently, and parity is bitwise.
-    """
+def adamw_param_groups(named_params, config: dict) -> list[dict]:
+    """Matrices decay, biases and LayerNorm weights do not (as in GPT-2 training practice)."""
     named_params = [(n, p) for n, p in named_params if p.requires_grad]
-    groups = [
+    return [
         {"params": [p for _, p in named_params if p.dim() >= 2], "weight_decay": config["weight_decay"]},
         {"params": [p for _, p in named_params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=config["lr"], betas=(config["beta1"], config["beta2"]), foreach=False)
+
+
+def adamw_options(config: dict) -> dict:
+    """``foreach=False`` pins one implementation of the update everywhere: the multi-tensor kernel
+    groups its arithmetic differently, and parity is bitwise."""
+    return {"lr": config["lr"], "betas": (config["beta1"], config["beta2"]), "foreach": False}
+
+
+def make_optimizer(named_params, config: dict) -> torch.optim.AdamW:
+    return torch.optim.AdamW(adamw_param_groups(named_params, config), **adamw_options(config))
 
 
 def lr_at(step: int, config: dict) -> float:
