@@ -1,4 +1,5 @@
-"""Do two runs train the same model? The parity contract of DESIGN.md, checked by numbers.
+"""Do two runs train the same model? The parity contract (README: "Why exact parity needs an
+order-free reduction"), checked by numbers.
 
     python compare/parity.py step1 step3                 # short step names: runs/<step folder>
     python compare/parity.py step1_torch_ddp runs/x      # or full names, or run folders
