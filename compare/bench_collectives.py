@@ -1,0 +1,56 @@
+"""What gloo does underneath: time all-reduce, reduce-scatter and all-gather of the same buffer.
+
+    torchrun --standalone --nproc_per_node=2 compare/bench_collectives.py
+    torchrun --standalone --nproc_per_node=4 compare/bench_collectives.py --mib 4 --repeats 30
+
+A bandwidth-optimal reduce-scatter (the first half of a ring all-reduce) moves (N-1)/N of the
+buffer per rank and should take about half an all-reduce's time; an all-gather the other half.
+The medians say how close gloo's implementations come to that on this machine.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def timed(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        started = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - started)
+    return times[1:]  # the first call sets up connections and buffers
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=float, default=8.0, help="buffer size per rank (MiB, float32)")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    n = dist.get_world_size()
+    numel = int(args.mib * 2**20 / 4) // n * n
+    full, shard = torch.ones(numel), torch.ones(numel // n)
+    results = {
+        "all_reduce": timed(lambda: dist.all_reduce(full), args.repeats),
+        "reduce_scatter_tensor": timed(lambda: dist.reduce_scatter_tensor(shard, full), args.repeats),
+        "all_gather_into_tensor": timed(lambda: dist.all_gather_into_tensor(full, shard), args.repeats),
+    }
+    if dist.get_rank() == 0:
+        ar = statistics.median(results["all_reduce"])
+        print(f"gloo, {n} ranks, {numel * 4 / 2**20:.1f} MiB float32 per rank, {args.repeats} repeats")
+        print(f"{'collective':<24} {'median':>9} {'min':>9} {'max':>9} {'/ all_reduce':>13}")
+        for name, t in results.items():
+            m = statistics.median(t)
+            print(f"{name:<24} {m * 1e3:>7.2f}ms {min(t) * 1e3:>7.2f}ms {max(t) * 1e3:>7.2f}ms {m / ar:>13.2f}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
