@@ -38,8 +38,8 @@ def main():
     full, shard = torch.ones(numel), torch.ones(numel // n)
     results = {
         "all_reduce": timed(lambda: dist.all_reduce(full), args.repeats),
-        "reduce_scatter_tensor": timed(lambda: dist.reduce_scatter_tensor(shard, full), args.repeats),
-        "all_gather_into_tensor": timed(lambda: dist.all_gather_into_tensor(full, shard), args.repeats),
+        "reduce_scatter_single": timed(lambda: dist.reduce_scatter_single(shard, full), args.repeats),
+        "all_gather_single": timed(lambda: dist.all_gather_single(full, shard), args.repeats),
     }
     if dist.get_rank() == 0:
         ar = statistics.median(results["all_reduce"])
