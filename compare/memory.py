@@ -1,0 +1,116 @@
+"""Memory per rank, measured vs the ZeRO paper's formulas, for any run; and a bar chart of several.
+
+    python compare/memory.py step1 step5 step6            # one table per run, every rank
+    python compare/memory.py runs/a runs/b --png mem.png   # and a bar chart of them
+    python compare/memory.py step6 --check                 # exit 1 if a rank is off by more than 2%
+
+With Ψ parameters, fp32 AdamW (two moments) and N ranks, the bytes each rank holds outside backward:
+
+    strategy            parameters  gradients  optimizer state
+    DDP (steps 0-4)     4Ψ          4Ψ         8Ψ
+    ZeRO-1 (step 5)     4Ψ          4Ψ         8Ψ/N
+    ZeRO-2 (step 6)     4Ψ          4Ψ/N       8Ψ/N
+
+Measured: each record's ``memory`` entry of every rank (taken after the optimiser step, before the
+gradients are freed), last step. Ψ is counted from the final weights (a tied tensor once).
+"""
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+import parity  # noqa: E402
+from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
+
+TOLERANCE = 0.02
+KINDS = ("params", "grads", "optimizer_state")
+# Bytes per parameter of each kind, and whether it is divided by N: (params, grads, optimizer state).
+FORMULAS = {"DDP": ((4, False), (4, False), (8, False)),
+            "ZeRO-1": ((4, False), (4, False), (8, True)),
+            "ZeRO-2": ((4, False), (4, True), (8, True))}
+
+
+def strategy(step: str) -> str:
+    number = int(step[4]) if step.startswith("step") and step[4:5].isdigit() else -1
+    if number in (5, 6):
+        return {5: "ZeRO-1", 6: "ZeRO-2"}[number]
+    if 0 <= number <= 4:
+        return "DDP"
+    raise UserError(f"no memory formula for {step!r}: steps 0-6 have one")
+
+
+def expected(name: str, psi: int, world_size: int) -> dict:
+    return {kind: per_param * psi / (world_size if sharded else 1)
+            for kind, (per_param, sharded) in zip(KINDS, FORMULAS[name])}
+
+
+def measure(run_name: str) -> tuple[Path, str, int, int, list[dict]]:
+    run, metrics = parity.load_run(run_name)
+    psi = sum(math.prod(f["shape"]) for f in metrics["final"]["fingerprints"].values())
+    memory = metrics["records"][-1]["memory"]
+    if not isinstance(memory, list):
+        raise UserError(f"{run}: memory of one rank only (an older run); run the step again")
+    return run, strategy(metrics["config"]["step"]), psi, metrics["env"]["world_size"], memory
+
+
+def report(run_name: str) -> tuple[str, bool]:
+    run, name, psi, world_size, memory = measure(run_name)
+    formula = expected(name, psi, world_size)
+    lines = [f"{run}: {name}, N = {world_size}, Ψ = {psi:,} parameters"]
+    lines.append(f"  {'rank':>4}  " + "  ".join(f"{kind + ' (measured / formula)':>40}" for kind in KINDS))
+    ok = True
+    for rank, m in enumerate(memory):
+        cells = []
+        for kind in KINDS:
+            off = m[kind] / formula[kind] - 1
+            ok &= abs(off) <= TOLERANCE
+            cells.append(f"{m[kind]:>13,} / {formula[kind]:>13,.0f} ({off:+.2%})")
+        lines.append(f"  {rank:>4}  " + "  ".join(f"{c:>40}" for c in cells))
+    lines.append(f"  every rank within {TOLERANCE:.0%} of the formula: {'yes' if ok else 'NO'}")
+    return "\n".join(lines), ok
+
+
+def bar_chart(run_names: list[str], out: Path) -> Path:
+    runs = [measure(name) for name in run_names]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(runs), 4.5), dpi=110)
+    for x, (run, name, psi, world_size, memory) in enumerate(runs):
+        bottom = 0.0
+        worst = max(memory, key=lambda m: sum(m[k] for k in KINDS))  # the rank that holds the most
+        for kind, color in zip(KINDS, ("tab:blue", "tab:orange", "tab:green")):
+            ax.bar(x, worst[kind] / 2**20, bottom=bottom, color=color, label=kind if x == 0 else None)
+            bottom += worst[kind] / 2**20
+    ax.set_xticks(range(len(runs)), [f"{name}\nN = {ws}" for _, name, _, ws, _ in runs])
+    ax.set_ylabel("MiB per rank (the rank holding most)")
+    ax.set_title("parameters + gradients + optimizer state per rank")
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def main() -> int:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="step names (step5), step folders or run folders")
+    parser.add_argument("--png", type=Path, help="also draw a bar chart of the runs here")
+    parser.add_argument("--check", action="store_true", help="exit 1 unless every rank is within 2%% of its formula")
+    args = parser.parse_args()
+    all_ok = True
+    for name in args.runs:
+        text, ok = report(name)
+        all_ok &= ok
+        print(text)
+    if args.png:
+        print(f"bar chart: {bar_chart(args.runs, args.png)}")
+    return 1 if args.check and not all_ok else 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))
