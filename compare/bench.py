@@ -1,0 +1,606 @@
+"""Every data-parallel strategy on one workload, in one torchrun job, interleaved: step time, memory
+per rank and communication per optimiser step, ours next to PyTorch's.
+
+    torchrun --standalone --nproc_per_node=2 compare/bench.py                       # every row: minutes on 2 cores
+    torchrun --standalone --nproc_per_node=2 compare/bench.py --strategies ddp,bucketed,naive
+    torchrun --standalone --nproc_per_node=2 compare/bench.py --rounds 9 --steps-per-round 10 --bucket-cap-mb 0.25
+
+Rows (``--strategies`` takes the keys or the names, comma-separated; default: all available). A row
+whose module is missing or unfinished is left out with a one-line note; a row's PyTorch counterpart
+and PyTorch DDP are added when the row is asked for without them (they are what its ratios divide by).
+
+    key          name                  what runs                                          counterpart
+    ddp          pytorch DDP           DistributedDataParallel + AdamW                    -
+    bucketed     BucketedDDP (step 4)  step4_hooks_bucketing/bucketed_ddp.py + AdamW      pytorch DDP
+    naive        naive (step 3)        step3_naive_dp/naive_dp.py + AdamW                 pytorch DDP
+    torch-zero1  pytorch ZeRO-1        DDP + ZeroRedundancyOptimizer(AdamW)               -
+    zero1        ZeRO-1 (step 5)       BucketedDDP + step5_zero1/zero1.py                 pytorch ZeRO-1
+                                       ShardedOptimizer(AdamW)
+    torch-fsdp2  pytorch FSDP2 ZeRO-2  fully_shard(each block, then the root,             -
+                                       reshard_after_forward=False) + AdamW
+    zero2        ZeRO-2 (step 6)       step6_zero2/zero2.py ShardedGradientDDP +          pytorch FSDP2 ZeRO-2
+                                       ShardedOptimizer(AdamW) over its buckets and shards
+
+Method. Every row builds the default GPT-2 (same weights) and trains it on the same random tokens
+(vocabulary 2,048; micro-batch x accumulation from the flags; ``no_sync`` on all but the last
+micro-batch); float32, no clipping, no LR schedule: what differs between rows is the
+synchronisation and the optimiser. Each round runs every row for ``--steps-per-round`` optimiser
+steps, in an order that rotates by one each round (no row always first or always after the same
+neighbour), between barriers; round 0 is a warm-up and is not timed. Reported, on rank 0:
+
+- median optimiser-step time over the rounds (rank 0's clock) with min and max, and tokens/s;
+- ``vs counterpart`` = counterpart's median time / the row's (above 1.0: the row is faster), and
+  the same ratio taken round by round (the two ran in the same round, so a slow phase of the
+  machine hits both), as median [min, max]; ``vs DDP`` the same against PyTorch DDP;
+- bytes per rank, measured on every rank in the last warm-up step and gathered: parameters,
+  gradients right after the sync point (before zero_grad; ZeRO-2: the gradient shards) and
+  optimiser state (after the step). Local shards only, for DTensors. Communication buffers
+  (DDP's and BucketedDDP's buckets) are not counted, as in the trainers' records;
+- bytes per optimiser step handed to each kind of collective, per rank: our rows count them
+  (``count_collective``, in the last warm-up step); PyTorch's rows show analytic figures (DDP:
+  all-reduce = gradient bytes; ZeroRedundancyOptimizer adds a broadcast of every parameter;
+  FSDP2: an all-gather of every parameter per micro-batch (the parameters are resharded after
+  each backward) and one reduce-scatter of the gradients, each counted as the whole gathered or
+  scattered buffer, padding included).
+
+Output: the tables on rank 0, a PNG (``--png``) with the time ratios and the per-rank memory, and
+the same numbers as JSON beside it. CPU and gloo only; one thread per rank.
+"""
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import weakref
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# The shared modules come from common/ (the masters of the step folders' verbatim copies); each
+# step's own module from its folder. Where a name exists in two folders the first listed wins:
+# bucketed_ddp.py is step 4's (step 5 holds a copy), zero1.py step 5's (step 6 holds a copy).
+# One `distributed` module is loaded, so every step module adds to the same comm_bytes counter.
+FOLDERS = ("common", "step4_hooks_bucketing", "step3_naive_dp", "step5_zero1", "step6_zero2")
+sys.path[:0] = [str(REPO_ROOT / folder) for folder in FOLDERS]
+import distributed  # noqa: E402
+from bucketed_ddp import BucketedDDP  # noqa: E402
+from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
+from model import build_model, language_model_loss  # noqa: E402
+from naive_dp import allreduce_gradients, broadcast_parameters  # noqa: E402
+from seeding import seed_everything  # noqa: E402
+from training import adamw_options, adamw_param_groups  # noqa: E402
+
+VOCAB_SIZE = 2048  # the tokenizer's; the tokens are random, so the corpus is not read
+MEMORY_KINDS = ("params", "grads", "optimizer_state")
+# Trainer flags of the shared parser that a benchmark does not use (no corpus, checkpoint, schedule, clipping)
+UNUSED_FLAGS = {"steps", "out", "save_every", "resume", "quiet", "data", "tokenizer", "min_lr", "warmup_steps",
+                "grad_clip"}
+
+
+def optional_module(name: str, folder: str, needs: tuple[str, ...]):
+    """``(module, None)``, or ``(None, why)`` when ``folder/name.py`` is missing, does not import, or
+    lacks one of ``needs``. Files still being written may fail in any way: the row goes, not the run."""
+    path = REPO_ROOT / folder / f"{name}.py"
+    if not path.is_file():
+        return None, f"{folder}/{name}.py does not exist yet"
+    try:
+        module = importlib.import_module(name)
+    except Exception as error:  # noqa: BLE001 (any failure of an unfinished file leaves the row out)
+        return None, f"{folder}/{name}.py does not import: {type(error).__name__}: {str(error).splitlines()[0]}"
+    if Path(module.__file__).resolve() != path.resolve():
+        return None, f"'import {name}' found {module.__file__}, not {folder}/{name}.py"
+    missing = [n for n in needs if not hasattr(module, n)]
+    if missing:
+        empty = " (an empty placeholder)" if path.stat().st_size == 0 else ""
+        return None, f"{folder}/{name}.py{empty} defines no {', '.join(missing)}"
+    return module, None
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part: a DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def local_bytes(tensors) -> int:
+    if torch.is_tensor(tensors):
+        tensors = [tensors]
+    return sum(local(t).numel() * local(t).element_size() for t in tensors if t is not None)
+
+
+def state_bytes(state) -> int:
+    return local_bytes(v for per_param in state.values() for v in per_param.values() if torch.is_tensor(v))
+
+
+# ---- the strategies --------------------------------------------------------------------------------
+
+class Strategy:
+    """One row: a model, its data-parallel wrapper and optimiser, and how one optimiser step runs.
+
+    Subclasses set ``wrap`` and ``make_optimizer``; the defaults are what most rows share."""
+
+    key = name = ""
+    counterpart = None  # the PyTorch row this one is measured against (ours only)
+    pytorch = False  # PyTorch's rows get analytic comm bytes; ours count them
+    module_needed = None  # (module, folder, names) a row needs beyond what always exists
+
+    def __init__(self, config: dict):
+        self.config = config
+        self.model = build_model(config, VOCAB_SIZE, config["seed"])
+        self.total_bytes = local_bytes(self.model.parameters())  # before sharding: the whole model
+        self.wrapped = self.wrap(self.model)
+        self.optimizer = self.make_optimizer()
+
+    @classmethod
+    def unavailable(cls):
+        """None when this row can run here, else one line saying why not."""
+        if cls.module_needed is None:
+            return None
+        return optional_module(*cls.module_needed)[1]
+
+    def wrap(self, model):
+        return model
+
+    def make_optimizer(self):
+        return torch.optim.AdamW(adamw_param_groups(self.model.named_parameters(), self.config),
+                                 **adamw_options(self.config))
+
+    def micro_batch(self, syncing: bool):
+        """The context of one micro-batch's forward and backward: no communication unless ``syncing``."""
+        no_sync = getattr(self.wrapped, "no_sync", None)
+        return no_sync() if (no_sync and not syncing) else contextlib.nullcontext()
+
+    def synchronize(self):
+        """The sync point after the last backward (DDP and FSDP2 sync inside backward)."""
+
+    def gradients(self):
+        return [p.grad for p in self.model.parameters()]
+
+    def optimizer_state(self) -> int:
+        return state_bytes(self.optimizer.state)
+
+    def analytic_comm(self) -> dict:
+        raise NotImplementedError
+
+    def step(self, batches: list, probe: dict | None = None) -> None:
+        accum = len(batches)
+        for micro, (inputs, targets) in enumerate(batches):
+            with self.micro_batch(syncing=micro == accum - 1):
+                (language_model_loss(self.wrapped, inputs, targets) / accum).backward()
+        self.synchronize()
+        if probe is not None:
+            probe["grads"] = local_bytes(self.gradients())
+        self.optimizer.step()
+        if probe is not None:
+            probe["params"] = local_bytes(self.model.parameters())
+            probe["optimizer_state"] = self.optimizer_state()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class TorchDDP(Strategy):
+    key, name, pytorch = "ddp", "pytorch DDP", True
+
+    def wrap(self, model):
+        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=self.config["bucket_cap_mb"])
+
+    def analytic_comm(self):
+        return {"all_reduce": self.total_bytes}
+
+
+class Bucketed(Strategy):
+    key, name, counterpart = "bucketed", "BucketedDDP (step 4)", "pytorch DDP"
+
+    def wrap(self, model):
+        return BucketedDDP(model, bucket_cap_mb=self.config["bucket_cap_mb"])
+
+    def synchronize(self):
+        self.wrapped.finish_gradient_synchronization()
+
+
+class Naive(Strategy):
+    key, name, counterpart = "naive", "naive (step 3)", "pytorch DDP"
+
+    def wrap(self, model):
+        broadcast_parameters(model)
+        return model
+
+    def synchronize(self):
+        allreduce_gradients(self.model)
+
+
+class TorchZero1(TorchDDP):
+    key, name = "torch-zero1", "pytorch ZeRO-1"
+
+    def make_optimizer(self):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(adamw_param_groups(self.model.named_parameters(), self.config),
+                                       optimizer_class=torch.optim.AdamW, **adamw_options(self.config))
+
+    def optimizer_state(self):
+        return state_bytes(self.optimizer.optim.state)  # the local AdamW's; the wrapper's own .state stays empty
+
+    def analytic_comm(self):
+        # After its slice's update, every rank broadcasts the parameters it owns: every rank takes
+        # part in a broadcast of every parameter.
+        return {"all_reduce": self.total_bytes, "broadcast": self.total_bytes}
+
+
+class Zero1(Bucketed):
+    key, name, counterpart = "zero1", "ZeRO-1 (step 5)", "pytorch ZeRO-1"
+    module_needed = ("zero1", "step5_zero1", ("ShardedOptimizer",))
+
+    def make_optimizer(self):
+        zero1 = importlib.import_module("zero1")
+        return zero1.ShardedOptimizer(adamw_param_groups(self.model.named_parameters(), self.config),
+                                      torch.optim.AdamW, **adamw_options(self.config))
+
+    def synchronize(self):
+        self.wrapped.finish_gradient_synchronization()
+        self.optimizer.take_gradient_slices()
+
+
+class TorchFSDP2(Strategy):
+    key, name, pytorch = "torch-fsdp2", "pytorch FSDP2 ZeRO-2", True
+
+    @classmethod
+    def unavailable(cls):
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError as error:
+            return f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard ({error})"
+        return None
+
+    def wrap(self, model):
+        from torch.distributed.fsdp import fully_shard
+        world_size = dist.get_world_size()
+        # What goes over the wire: every parameter's dim 0 padded to a multiple of the world size.
+        self.padded_bytes = sum(-(-p.shape[0] // world_size) * world_size * math.prod(p.shape[1:]) * p.element_size()
+                                for p in model.parameters())
+        for block in model.transformer.h:
+            fully_shard(block, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
+        return model
+
+    def micro_batch(self, syncing):
+        self.model.set_requires_gradient_sync(syncing)
+        return contextlib.nullcontext()
+
+    def analytic_comm(self):
+        accum = self.config["grad_accum"]
+        return {"all_gather": accum * self.padded_bytes, "reduce_scatter": self.padded_bytes}
+
+
+class Zero2(Strategy):
+    key, name, counterpart = "zero2", "ZeRO-2 (step 6)", "pytorch FSDP2 ZeRO-2"
+
+    @classmethod
+    def unavailable(cls):
+        reasons = [optional_module("zero2", "step6_zero2", ("ShardedGradientDDP",))[1],
+                   optional_module("zero1", "step5_zero1", ("ShardedOptimizer",))[1]]
+        return "; ".join(r for r in reasons if r) or None
+
+    def wrap(self, model):
+        zero2 = importlib.import_module("zero2")
+        return zero2.ShardedGradientDDP(model, bucket_cap_mb=self.config["bucket_cap_mb"])
+
+    def make_optimizer(self):
+        zero1 = importlib.import_module("zero1")
+        return zero1.ShardedOptimizer(adamw_param_groups(self.model.named_parameters(), self.config),
+                                      torch.optim.AdamW, chunks=self.wrapped.bucket_params,
+                                      gradient_shards=self.wrapped.gradient_shards, **adamw_options(self.config))
+
+    def synchronize(self):
+        self.wrapped.finish_gradient_synchronization()
+
+    def gradients(self):
+        return self.wrapped.gradient_shards
+
+
+STRATEGIES = (TorchDDP, Bucketed, Naive, TorchZero1, Zero1, TorchFSDP2, Zero2)
+BY_NAME = {s.name: s for s in STRATEGIES}
+
+
+def choose(requested: str | None) -> tuple[list, list[str]]:
+    """The rows to run, in the table's order, and one note per row left out or added."""
+    lookup = {k.lower(): s for s in STRATEGIES for k in (s.key, s.name)}
+    if requested is None:
+        wanted = list(STRATEGIES)
+    else:
+        wanted = []
+        for item in filter(None, (i.strip() for i in requested.split(","))):
+            if item.lower() not in lookup:
+                raise UserError(f"--strategies: unknown '{item}'; choose from "
+                                f"{', '.join(s.key for s in STRATEGIES)} (or their names)")
+            wanted.append(lookup[item.lower()])
+    notes, chosen = [], set()
+    for strategy in wanted:
+        why = strategy.unavailable()
+        if why:
+            notes.append(f"{strategy.name}: left out: {why}")
+            continue
+        chosen.add(strategy)
+        for reference in (BY_NAME.get(strategy.counterpart), TorchDDP):
+            if reference and reference not in chosen and reference not in wanted and not reference.unavailable():
+                chosen.add(reference)
+                notes.append(f"{reference.name}: added as the reference of {strategy.name}")
+    if step6_copy_differs():
+        notes.append("step6_zero2/zero1.py differs from step5_zero1/zero1.py (run common/sync_copies.py): "
+                     "ZeRO-2 (step 6) runs step 5's")
+    return [s for s in STRATEGIES if s in chosen], notes
+
+
+def step6_copy_differs() -> bool:
+    a, b = REPO_ROOT / "step5_zero1" / "zero1.py", REPO_ROOT / "step6_zero2" / "zero1.py"
+    return a.is_file() and b.is_file() and a.read_bytes() != b.read_bytes()
+
+
+# ---- measuring -------------------------------------------------------------------------------------
+
+def measure(strategies: list, config: dict, rounds: int, steps_per_round: int, rank: int) -> tuple[dict, dict]:
+    """Seconds per optimiser step of each row (one entry per timed round), and this rank's probe of
+    each row (bytes held, bytes per collective) from the last warm-up step."""
+    accum, micro, seq_len = config["grad_accum"], config["micro_batch_size"], config["seq_len"]
+    generator = torch.Generator().manual_seed(rank)
+    tokens = [torch.randint(0, VOCAB_SIZE, (micro, seq_len + 1), generator=generator) for _ in range(accum)]
+    batches = [(block[:, :-1], block[:, 1:]) for block in tokens]
+    times = {s.name: [] for s in strategies}
+    probes = {s.name: {} for s in strategies}
+    for round_ in range(rounds + 1):
+        shift = round_ % len(strategies)
+        for strategy in strategies[shift:] + strategies[:shift]:
+            dist.barrier()
+            started = time.perf_counter()
+            for i in range(steps_per_round):
+                if round_ == 0 and i == steps_per_round - 1:  # the last warm-up step: steady state, not timed
+                    distributed.take_comm_bytes()  # drop what construction and earlier steps sent
+                    strategy.step(batches, probes[strategy.name])
+                    probes[strategy.name]["comm"] = distributed.take_comm_bytes()
+                else:
+                    strategy.step(batches)
+            dist.barrier()
+            if round_ > 0:
+                times[strategy.name].append((time.perf_counter() - started) / steps_per_round)
+    for strategy in strategies:
+        if strategy.pytorch:
+            probes[strategy.name]["comm"] = strategy.analytic_comm()
+    return times, probes
+
+
+def build(classes: list, config: dict) -> tuple[list, list[str]]:
+    """Build every row; a row that fails to build on any rank is left out on every rank, with a note."""
+    built, notes = [], []
+    for cls in classes:
+        try:
+            strategy, error = cls(config), None
+        except Exception as exc:  # noqa: BLE001 (an unfinished module may fail in any way)
+            strategy, error = None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        errors = distributed.gather_from_every_rank(error)
+        if any(errors):
+            first = next((r, e) for r, e in enumerate(errors) if e)
+            notes.append(f"{cls.name}: left out: building it failed on rank {first[0]}: {first[1]}")
+            del strategy
+            continue
+        built.append(strategy)
+    return built, notes
+
+
+# ---- reporting -------------------------------------------------------------------------------------
+
+def ratio(reference: list, mine: list) -> dict:
+    """Reference time / mine: of the medians, and round by round (median, min, max)."""
+    paired = [r / m for r, m in zip(reference, mine)]
+    return {"median_ratio": statistics.median(reference) / statistics.median(mine),
+            "paired_median": statistics.median(paired), "paired_min": min(paired), "paired_max": max(paired)}
+
+
+def summarise(strategies: list, times: dict, everyone: list, config: dict, world_size: int) -> dict:
+    tokens = config["micro_batch_size"] * config["grad_accum"] * config["seq_len"] * world_size
+    rows = {}
+    for s in strategies:
+        t = times[s.name]
+        row = {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t), "times_s": t,
+               "tokens_per_s": tokens / statistics.median(t), "counterpart": s.counterpart,
+               "comm_source": "analytic" if s.pytorch else "counted",
+               "memory": {k: [probe[s.name][k] for probe in everyone] for k in MEMORY_KINDS},
+               "comm": [probe[s.name]["comm"] for probe in everyone]}
+        if s.counterpart in times:
+            row["vs_counterpart"] = ratio(times[s.counterpart], t)
+        if "pytorch DDP" in times:
+            row["vs_ddp"] = ratio(times["pytorch DDP"], t)
+        rows[s.name] = row
+    return {"tokens_per_step": tokens, "model_bytes": strategies[0].total_bytes, "rows": rows}
+
+
+def per_rank(values: list) -> str:
+    if len(set(values)) == 1:
+        return f"{values[0]:,}" + (" (each)" if len(values) > 1 else "")
+    if len(values) <= 4:
+        return " / ".join(f"{v:,}" for v in values)
+    return f"{min(values):,} .. {max(values):,}"
+
+
+def print_report(summary: dict, notes: list, header: str) -> None:
+    rows = summary["rows"]
+    name_w = max(len(n) for n in rows) + 2
+
+    def ratio_text(r):
+        if r is None:
+            return "-"
+        return (f"{r['median_ratio']:.3f}  {r['paired_median']:.3f} "
+                f"[{r['paired_min']:.3f}, {r['paired_max']:.3f}]")
+
+    print(header)
+    print(f"\nStep time (ratios: reference time / row time, above 1.0 = the row is faster; "
+          f"of the medians, then round by round: median [min, max])")
+    print(f"{'strategy':<{name_w}}{'median step':>12} {'min':>8} {'max':>8} {'tokens/s':>9}  "
+          f"{'vs counterpart':<31} {'vs pytorch DDP':<31}")
+    for name, row in rows.items():
+        counterpart = ratio_text(row.get("vs_counterpart")) if row["counterpart"] else "(reference)"
+        print(f"{name:<{name_w}}{row['median_s'] * 1e3:>10.1f}ms {row['min_s'] * 1e3:>6.1f}ms "
+              f"{row['max_s'] * 1e3:>6.1f}ms {row['tokens_per_s']:>9,.0f}  {counterpart:<31} "
+              f"{ratio_text(row.get('vs_ddp')):<31}")
+    counterparts = {n: r["counterpart"] for n, r in rows.items() if r["counterpart"]}
+    if counterparts:
+        print("counterparts: " + "; ".join(f"{n} vs {c}" for n, c in counterparts.items()))
+
+    print(f"\nBytes per rank (rank 0 / rank 1 / ..., or '(each)' when every rank holds the same; the whole "
+          f"model: {summary['model_bytes']:,} B of float32 parameters): parameters, gradients at the sync point, "
+          "optimiser state")
+    widths = {k: max(len(k), *(len(per_rank(r["memory"][k])) for r in rows.values())) + 2 for k in MEMORY_KINDS}
+    print(f"{'strategy':<{name_w}}" + "".join(f"{k:>{widths[k]}}" for k in MEMORY_KINDS))
+    for name, row in rows.items():
+        print(f"{name:<{name_w}}" + "".join(f"{per_rank(row['memory'][k]):>{widths[k]}}" for k in MEMORY_KINDS))
+
+    kinds = sorted({k for r in rows.values() for c in r["comm"] for k in c})
+    print("\nBytes per optimiser step handed to each collective, per rank (counted: our modules' "
+          "count_collective; analytic: PyTorch's rows, see --help)")
+    cells = {n: {k: per_rank([c.get(k, 0) for c in r["comm"]]) if any(c.get(k) for c in r["comm"]) else "-"
+                 for k in kinds} for n, r in rows.items()}
+    widths = {k: max(len(k), *(len(cells[n][k]) for n in rows)) + 2 for k in kinds}
+    print(f"{'strategy':<{name_w}}{'source':<10}" + "".join(f"{k:>{widths[k]}}" for k in kinds))
+    for name, row in rows.items():
+        print(f"{name:<{name_w}}{row['comm_source']:<10}" + "".join(f"{cells[name][k]:>{widths[k]}}" for k in kinds))
+    for note in notes:
+        print(f"note: {note}")
+
+
+def plot(summary: dict, path: Path, title: str, notes: list[str]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    names = list(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.6 * len(names) + 3.5), dpi=110)
+    for offset, key, label, color in ((-0.2, "vs_counterpart", "vs PyTorch counterpart", "C0"),
+                                      (0.2, "vs_ddp", "vs PyTorch DDP", "C1")):
+        ys, values, low, high = [], [], [], []
+        for i, name in enumerate(names):
+            r = rows[name].get(key)
+            if r is None or (key == "vs_counterpart" and not rows[name]["counterpart"]):
+                continue
+            ys.append(i + offset)
+            values.append(r["median_ratio"])
+            low.append(max(0.0, r["median_ratio"] - r["paired_min"]))
+            high.append(max(0.0, r["paired_max"] - r["median_ratio"]))
+        left.barh(ys, values, height=0.38, color=color, label=label, xerr=[low, high], capsize=3)
+        for y, v in zip(ys, values):
+            left.text(0.02, y, f"{v:.3f}", va="center", fontsize=7, color="white")
+    left.axvline(1.0, color="black", linewidth=0.8)
+    left.set_yticks(range(len(names)), names)
+    left.invert_yaxis()
+    left.set_xlabel("reference time / row time (>1: row faster); whiskers: per-round min..max")
+    left.legend(loc="lower right", fontsize=8)
+    left.set_title("step time ratio")
+
+    world_size = len(next(iter(rows.values()))["memory"]["params"])
+    width = 0.8 / world_size
+    colors = {"params": "C2", "grads": "C3", "optimizer_state": "C4"}
+    for rank in range(world_size):
+        x = [i - 0.4 + width * (rank + 0.5) for i in range(len(names))]
+        bottom = [0.0] * len(names)
+        for kind in MEMORY_KINDS:
+            values = [rows[n]["memory"][kind][rank] / 2**20 for n in names]
+            right.bar(x, values, width=width * 0.9, bottom=bottom, color=colors[kind],
+                      label=kind if rank == 0 else None, edgecolor="white", linewidth=0.5)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        for xi, b in zip(x, bottom):
+            right.text(xi, b, f"r{rank}", ha="center", va="bottom", fontsize=6)
+    right.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)
+    right.set_ylabel("MiB per rank")
+    right.set_title("memory per rank (bars: rank 0, 1, ...)")
+    right.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    if notes:
+        fig.text(0.01, 0.005, "\n".join(notes), fontsize=7, va="bottom")
+    fig.tight_layout(rect=(0, 0.025 * len(notes), 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---- main --------------------------------------------------------------------------------------------
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, the flags with their defaults."""
+
+
+def parse_flags() -> dict:
+    parser = build_parser("bench")
+    parser.prog = "compare/bench.py"
+    parser.description = __doc__
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:  # shared flags with no meaning here: accepted, not advertised
+        if action.dest in UNUSED_FLAGS:
+            action.help = argparse.SUPPRESS
+    bench = parser.add_argument_group("benchmark")
+    bench.add_argument("--strategies", default=None,
+                       help="comma-separated keys or names (default: every available row): "
+                            + ", ".join(f"{s.key} ({s.name})" for s in STRATEGIES))
+    bench.add_argument("--rounds", type=int, default=21, help="timed rounds (plus one warm-up round)")
+    bench.add_argument("--steps-per-round", type=int, default=5, help="optimiser steps per row per round")
+    bench.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of every bucketing row")
+    bench.add_argument("--png", default=str(REPO_ROOT / "runs" / "bench" / "bench.png"),
+                       help="the plot; the numbers go beside it as .json")
+    bench.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout in seconds")
+    config = parse_config(parser)
+    if config["rounds"] < 1 or config["steps_per_round"] < 1:
+        raise UserError("--rounds and --steps-per-round must be at least 1")
+    if config["bucket_cap_mb"] <= 0:
+        raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
+    if config["device"] == "cuda" or config["amp"] != "none":
+        raise UserError("compare/bench.py runs on the CPU with gloo, in float32: drop --device cuda / --amp")
+    return config
+
+
+def main():
+    config = parse_flags()
+    classes, notes = choose(config["strategies"])
+    if not classes:
+        raise UserError("no row of --strategies can run here: " + "; ".join(notes))
+    seed_everything(config["seed"])  # also: one CPU thread per process
+    rank, world_size, _, _ = distributed.world_from_env()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a world of one started without torchrun
+    os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=config["timeout_s"]))
+    strategies, build_notes = build(classes, config)
+    if not strategies:
+        raise UserError("no row could be built: " + "; ".join(build_notes))
+    times, probe = measure(strategies, config, config["rounds"], config["steps_per_round"], rank)
+    everyone = distributed.gather_from_every_rank(probe)
+    summary = summarise(strategies, times, everyone, config, world_size)
+
+    # Free PyTorch's wrappers (DDP's C++ reducer holds the process group) before the group goes: see
+    # shutdown(). Then check that they went. (Our wrappers hold no group; BucketedDDP's hooks keep it
+    # alive in a cycle through its parameters that the collector does not break, which is harmless.)
+    held = [(s.name, weakref.ref(s.wrapped)) for s in strategies if s.pytorch]
+    del strategies
+    gc.collect()
+    alive = [name for name, ref in held if ref() is not None]
+
+    if rank == 0:
+        header = (f"{world_size} ranks, gloo, {torch.get_num_threads()} thread(s) each, torch {torch.__version__}; "
+                  f"{config['rounds']} rounds x {config['steps_per_round']} steps (+1 warm-up round); global batch "
+                  f"{summary['tokens_per_step']:,} tokens ({config['micro_batch_size']} x {config['seq_len']} x "
+                  f"{config['grad_accum']} accum x {world_size} ranks); model {config['n_layer']}x{config['n_embd']}, "
+                  f"bucket cap {config['bucket_cap_mb']} MiB")
+        all_notes = notes + build_notes + ([f"still alive at shutdown: {', '.join(alive)}"] if alive else [])
+        print_report(summary, all_notes, header)
+        png = Path(config["png"]).resolve()
+        plot(summary, png, header, all_notes)
+        png.with_suffix(".json").write_text(json.dumps(
+            {"config": config, "world_size": world_size, "torch": torch.__version__, "notes": all_notes, **summary},
+            indent=1))
+        print(f"\nplot: {png}\nnumbers: {png.with_suffix('.json')}")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)
