@@ -14,6 +14,7 @@ param norm differ at all, and the verdict. Exit 0 pass, 1 fail, 2 bad input.
 """
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ RTOL, ATOL, PARAM_NORM_TOL = 1e-5, 1e-6, 1e-6
 # process the same global batch per optimiser step; the rest (world size, accumulation split,
 # reduce dtype, bucket cap, where to write, ...) may differ.
 TRAINING_KEYS = (
-    "steps", "seed", "amp", "n_layer", "n_head", "n_embd", "seq_len", "dropout",
+    "steps", "seed", "amp", "loss_scale_init", "n_layer", "n_head", "n_embd", "seq_len", "dropout",
     "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
 )
 
@@ -133,6 +134,11 @@ class Parity:
         return max((t.max_abs for t in self.tensors), default=0.0)
 
 
+def same_number(x: float, y: float) -> bool:
+    """Equal, or both NaN: an fp16 step the scaler skipped logs a NaN or inf gradient norm in both runs."""
+    return x == y or (math.isnan(x) and math.isnan(y))
+
+
 def compare(a: dict, wa: dict, b: dict, wb: dict) -> Parity:
     result = Parity()
     if sorted(wa) != sorted(wb):
@@ -156,7 +162,7 @@ def compare(a: dict, wa: dict, b: dict, wb: dict) -> Parity:
             result.first_param_norm_diff_step = step
         if not norm_diff < PARAM_NORM_TOL and result.first_param_norm_violation_step is None:
             result.first_param_norm_violation_step = step
-        if any(ra[k] != rb[k] for k in ("loss", "grad_norm", "param_norm", "lr")):
+        if not all(same_number(ra[k], rb[k]) for k in ("loss", "grad_norm", "param_norm", "lr")):
             result.records_bitwise = False
     return result
 

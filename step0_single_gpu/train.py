@@ -44,7 +44,7 @@ def main():
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
-    scaler = make_grad_scaler(config["amp"], device)
+    scaler = make_grad_scaler(config, device)
 
     start_step, records = 0, []
     if resumed:

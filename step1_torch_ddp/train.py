@@ -72,7 +72,7 @@ def main():
         ddp_model.register_comm_hook(None, float64_allreduce_hook)
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
-    scaler = make_grad_scaler(config["amp"], device)
+    scaler = make_grad_scaler(config, device)
 
     start_step, records = 0, []
     if resumed:

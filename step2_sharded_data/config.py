@@ -52,6 +52,8 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     run.add_argument("--grad-accum", type=int, default=2, help="micro-batches accumulated per optimiser step")
     run.add_argument("--seed", type=int, default=1337)
     run.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="autocast dtype; fp16 adds a gradient scaler")
+    run.add_argument("--loss-scale-init", type=float, default=2.0**16,
+                     help="fp16: the gradient scaler's first loss scale (halved on every overflow, which skips the step)")
     run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when available")
     run.add_argument("--out", type=_path_under_repo, default=str(REPO_ROOT / "runs" / step), help="run folder")
     run.add_argument("--save-every", type=int, default=20, help="checkpoint period in optimiser steps (0 = never)")
@@ -89,6 +91,8 @@ def parse_config(parser: argparse.ArgumentParser, argv=None) -> dict:
             raise UserError(f"--{key.replace('_', '-')} must be at least 1, got {config[key]}")
     if config["n_embd"] % config["n_head"]:
         raise UserError(f"--n-embd {config['n_embd']} must be divisible by --n-head {config['n_head']}")
+    if config["loss_scale_init"] <= 0:
+        raise UserError(f"--loss-scale-init must be positive, got {config['loss_scale_init']}")
     if config["save_every"] < 0 or config["warmup_steps"] < 0 or config["grad_clip"] < 0:
         raise UserError("--save-every, --warmup-steps and --grad-clip cannot be negative")
     if not 0.0 <= config["dropout"] < 1.0:

@@ -56,7 +56,7 @@ def main():
     broadcast_parameters(model, src=0)
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
-    scaler = make_grad_scaler(config["amp"], device)
+    scaler = make_grad_scaler(config, device)
 
     start_step, records = 0, []
     if resumed:

@@ -65,7 +65,7 @@ def main():
     tracer = OverlapTrace(ddp_model) if config["trace"] else None  # keeps the last step's timeline
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
-    scaler = make_grad_scaler(config["amp"], device)
+    scaler = make_grad_scaler(config, device)
 
     start_step, records = 0, []
     if resumed:

@@ -27,7 +27,8 @@ from sampler import ShardedSampler, check_no_overlap
 from zero1 import ShardedGradScaler, ShardedOptimizer, clip_gradient_shards
 from zero2 import ShardedGradientDDP
 from seeding import rng_state, seed_everything, set_rng_state
-from training import adamw_options, adamw_param_groups, autocast, check_amp, make_scheduler, param_norm
+from training import (adamw_options, adamw_param_groups, autocast, check_amp, make_grad_scaler, make_scheduler,
+                      param_norm)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -69,7 +70,7 @@ def main():
                                  chunks=ddp_model.bucket_params, gradient_shards=ddp_model.gradient_shards,
                                  **adamw_options(config))
     scheduler = make_scheduler(optimizer, config)
-    scaler = ShardedGradScaler(device.type, enabled=config["amp"] == "fp16")  # one overflow verdict for all ranks
+    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
 
     start_step, records = 0, []
     if resumed:

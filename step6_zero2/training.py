@@ -42,10 +42,11 @@ def autocast(amp: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
-def make_grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:
+def make_grad_scaler(config: dict, device: torch.device, scaler_cls=torch.amp.GradScaler) -> torch.amp.GradScaler:
     """fp16 gradients underflow without loss scaling; bf16 has float32's range and needs none.
-    Disabled, the scaler is a no-op with the same calls, so the loop has one shape for every mode."""
-    return torch.amp.GradScaler(device.type, enabled=(amp == "fp16"))
+    Disabled, the scaler is a no-op with the same calls, so the loop has one shape for every mode.
+    The sharded steps pass their own ``scaler_cls``, which agrees on overflow across ranks."""
+    return scaler_cls(device.type, init_scale=config["loss_scale_init"], enabled=config["amp"] == "fp16")
 
 
 def adamw_param_groups(named_params, config: dict) -> list[dict]:
