@@ -90,6 +90,9 @@ def load_checkpoint(path: Path, rank: int, world_size: int, config: dict, device
         raise UserError(f"checkpoint {path} is corrupted: meta.json unreadable ({error})") from None
     if meta.get("format") != FORMAT_VERSION:
         raise UserError(f"checkpoint {path} has format {meta.get('format')}, this code reads {FORMAT_VERSION}")
+    if saved_config.get("step") != config["step"]:
+        raise UserError(f"cannot resume {path}: it was written by {saved_config.get('step')}, this is {config['step']}; "
+                        "each step resumes only its own checkpoints (their optimiser state is laid out differently)")
     differing = config_differences(saved_config, config)
     if differing:
         details = ", ".join(f"{k}: {saved_config.get(k)!r} -> {config.get(k)!r}" for k in differing)

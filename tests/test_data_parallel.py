@@ -1,6 +1,8 @@
-"""Steps 2-4 against the step-1 reference (PyTorch DDP): bitwise parity, the exact-mode matrix,
-the shard check, the broadcast, the overlap trace and the communication accounting."""
+"""Steps 2-6 against the step-1 reference (PyTorch DDP): bitwise parity, the exact-mode matrix,
+fp16 with skipped steps, the shard check, the broadcast, the overlap trace, memory per rank against
+the ZeRO formulas and the communication accounting."""
 import json
+import math
 import sys
 
 import pytest
@@ -15,15 +17,15 @@ EXACT = ("--reduce-dtype", "float64", "--amp", "bf16")
 
 @pytest.fixture(scope="module")
 def default_runs(tour, tmp_path_factory, small_corpus):
-    """Steps 2, 3 and 4 on 2 ranks in the default float32 mode, as the tour ran them, and step 4 again
+    """Steps 2 to 6 on 2 ranks in the default float32 mode, as the tour ran them, and step 4 again
     with its overlap trace and 0.1 MiB buckets (the tiny model's 0.37 MB would fit in one bucket)."""
-    runs = {step: tour[0] / STEPS[step] for step in ("step2", "step3", "step4")}
+    runs = {step: tour[0] / STEPS[step] for step in ("step2", "step3", "step4", "step5", "step6")}
     runs["step4 traced"] = train("step4", tmp_path_factory.mktemp("traced"), small_corpus, "--trace",
                                  "--bucket-cap-mb", "0.1")
     return runs
 
 
-@pytest.mark.parametrize("step", ["step2", "step3", "step4", "step4 traced"])
+@pytest.mark.parametrize("step", ["step2", "step3", "step4", "step4 traced", "step5", "step6"])
 def test_bitwise_identical_to_ddp_at_world_size_2(step, default_runs, step1_ws2):
     result = parity(step1_ws2, default_runs[step])
     assert result.returncode == 0, result.stdout
@@ -37,14 +39,52 @@ def test_bf16_autocast_is_bitwise_identical_to_ddp_at_world_size_2(tmp_path, sma
         assert "verdict: PASS (bitwise identical)" in result.stdout, f"{step}:\n{result.stdout}"
 
 
+def test_fp16_with_skipped_steps_is_bitwise_identical_at_world_size_2(tmp_path, small_corpus):
+    """A first loss scale of 1e6 overflows fp16: the scaler skips the first steps (the unscaled
+    gradient's norm is inf or NaN) and halves the scale until a step trains. The sharded steps see
+    an overflow only in their own slices, so they must agree on it across ranks, or one rank would
+    step while the other skips (and wait in the all-gather until the timeout)."""
+    fp16 = ("--amp", "fp16", "--loss-scale-init", "1e6")
+    runs = {step: train(step, tmp_path / step, small_corpus, *fp16) for step in ("step1", "step5", "step6")}
+    norms = [r["grad_norm"] for r in metrics(runs["step1"])["records"]]
+    assert not math.isfinite(norms[0]) and math.isfinite(norms[-1]), f"no skipped step, then no trained one: {norms}"
+    for step in ("step5", "step6"):
+        result = parity(runs["step1"], runs[step])
+        assert "verdict: PASS (bitwise identical)" in result.stdout, f"{step}:\n{result.stdout}"
+
+
+# Bytes per parameter of (parameters, gradients, optimizer state) and whether each is divided by N:
+# the ZeRO paper's formulas for fp32 AdamW.
+REPLICATED = ((4, 1), (4, 1), (8, 1))
+FORMULAS = {"step1": REPLICATED, "step3": REPLICATED, "step4": REPLICATED,
+            "step5": ((4, 1), (4, 1), (8, "N")), "step6": ((4, 1), (4, "N"), (8, "N"))}
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_exact_mode_is_bitwise_identical_at_any_world_size(world_size, tmp_path, small_corpus):
-    runs = {step: train(step, tmp_path / step, small_corpus, *EXACT, nproc=world_size)
-            for step in ("step1", "step3", "step4")}
-    for step in ("step3", "step4"):
+    """Exact mode, accumulation, clipping that triggers and bf16 at once; and, from the same runs, every
+    rank's memory against the ZeRO formulas and the bytes each step hands to each collective."""
+    runs = {step: train(step, tmp_path / step, small_corpus, *EXACT, nproc=world_size) for step in FORMULAS}
+    for step in ("step3", "step4", "step5", "step6"):
         result = parity(runs["step1"], runs[step])
         assert "verdict: PASS (bitwise identical)" in result.stdout, f"{step} at world size {world_size}:\n{result.stdout}"
     assert any(r["grad_norm"] > 0.3 for r in metrics(runs["step1"])["records"]), "clipping never triggered"
+
+    psi = sum(math.prod(f["shape"]) for f in metrics(runs["step1"])["final"]["fingerprints"].values())
+    for step, formula in FORMULAS.items():
+        memory = metrics(runs[step])["records"][-1]["memory"]
+        assert len(memory) == world_size
+        for rank, measured in enumerate(memory):
+            for kind, (per_param, divisor) in zip(("params", "grads", "optimizer_state"), formula):
+                expected = per_param * psi / (world_size if divisor == "N" else 1)
+                assert abs(measured[kind] / expected - 1) < 0.02, f"{step} rank {rank} {kind}: {measured[kind]} vs {expected}"
+    # Each ZeRO stage moves the gradients once (in float64 here: 8 bytes each) and the parameters once
+    # (float32), padding included: at most N - 1 elements per bucket.
+    for step, gradient_collective in (("step5", "all_reduce"), ("step6", "reduce_scatter")):
+        for r in metrics(runs[step])["records"]:
+            gathered = r["comm"]["all_gather"] / 4
+            assert psi <= gathered < psi + 64 * world_size, f"{step}: all-gathered {gathered} of {psi} parameters"
+            assert psi <= r["comm"][gradient_collective] / 8 < psi + 64 * world_size, f"{step}: {r['comm']}"
 
 
 def test_step2_checks_its_shards_at_every_epoch_start(default_runs):
