@@ -49,12 +49,17 @@ def make_grad_scaler(config: dict, device: torch.device, scaler_cls=torch.amp.Gr
     return scaler_cls(device.type, init_scale=config["loss_scale_init"], enabled=config["amp"] == "fp16")
 
 
+def decays(name: str) -> bool:
+    """Weight decay for the matrices and embeddings, none for biases and LayerNorm weights (GPT-2
+    practice). Decided by name, not by ``param.dim()``: a ZeRO-3 rank holds 1-D slices of everything."""
+    return not (name.endswith(".bias") or ".ln_" in name)
+
+
 def adamw_param_groups(named_params, config: dict) -> list[dict]:
-    """Matrices decay, biases and LayerNorm weights do not (as in GPT-2 training practice)."""
     named_params = [(n, p) for n, p in named_params if p.requires_grad]
     return [
-        {"params": [p for _, p in named_params if p.dim() >= 2], "weight_decay": config["weight_decay"]},
-        {"params": [p for _, p in named_params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for n, p in named_params if decays(n)], "weight_decay": config["weight_decay"]},
+        {"params": [p for n, p in named_params if not decays(n)], "weight_decay": 0.0},
     ]
 
 
