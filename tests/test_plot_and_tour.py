@@ -11,7 +11,7 @@ def fake_run(folder, wiggle=0.0):
     records = [{"step": s, "loss": 7.0 - 0.1 * s + wiggle * s, "grad_norm": 1.0 / s, "param_norm": 30.0 + s * 1e-3,
                 "lr": 1e-3} for s in range(1, 6)]
     (folder / "metrics.json").write_text(json.dumps({
-        "schema_version": 1, "config": {"steps": 5}, "env": {"world_size": 2}, "records": records,
+        "schema_version": 2, "config": {"steps": 5}, "env": {"world_size": 2}, "records": records,
         "final": {"weights": "model.safetensors", "param_norm": records[-1]["param_norm"]}}))
     return folder
 
