@@ -1,0 +1,161 @@
+"""Step 6: ZeRO stage 2: gradients partitioned too (zero2.py), on top of step 5's sharded AdamW.
+
+Step 5 still all-reduced every bucket, so every rank held the whole averaged gradient and used
+1/N of it. Here each bucket is reduce-scattered the moment its last gradient is ready: each rank
+receives only the averaged slice it updates, and the full gradients are freed as soon as they are
+in a bucket. Gradient memory per rank drops from 4 to 4/N bytes per parameter (outside backward).
+The run must be bitwise identical to step 1's at world size 2, and at any world size with
+--reduce-dtype float64.
+
+    torchrun --standalone --nproc_per_node=2 step6_zero2/train.py
+    python compare/parity.py step1 step6
+"""
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import distributed
+from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+from config import UserError, build_parser, exit_on_user_error, parse_config
+from data import MicroBatches, check_enough_data, load_corpus
+from metrics import RunLog, environment, memory_stats, save_final_weights
+from model import build_model, language_model_loss
+from sampler import ShardedSampler, check_no_overlap
+from zero1 import ShardedGradScaler, ShardedOptimizer, clip_gradient_shards
+from zero2 import ShardedGradientDDP
+from seeding import rng_state, seed_everything, set_rng_state
+from training import (adamw_options, adamw_param_groups, autocast, check_amp, make_grad_scaler, make_scheduler,
+                      param_norm)
+
+STEP = Path(__file__).resolve().parent.name
+
+
+def main():
+    # ---- everything that can be wrong is checked before anything is written or connected -----
+    parser = build_parser(STEP)
+    distributed.add_flags(parser)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB")
+    parser.add_argument("--reduce-every-micro-batch", action="store_true",
+                        help="reduce-scatter every micro-batch into the shard: less memory, more traffic, not bitwise")
+    config = parse_config(parser)
+    if config["bucket_cap_mb"] <= 0:
+        raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
+    world = distributed.plan_world(config)
+    check_amp(config["amp"], world.device)
+    seed_everything(config["seed"])
+    corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
+    resume_from = find_checkpoint(config["resume"], config["out"]) if config["resume"] else None
+    resumed = load_checkpoint(resume_from, world.rank, world.world_size, config, world.device) if resume_from else None
+    distributed.join(world, config["timeout_s"])
+    device = world.device
+
+    # ---- data, model, optimiser ----------------------------------------------------------------
+    # Every rank shuffles with the same seed, then takes every world_size-th index from its rank on:
+    # disjoint shards, the same number of samples on every rank (padded by repeating if needed).
+    sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
+                             shuffle=True, seed=config["seed"])
+    batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
+    # Different seeds on purpose, as in step 3: ShardedGradientDDP broadcasts rank 0's parameters.
+    model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
+    ddp_model = ShardedGradientDDP(model, bucket_cap_mb=config["bucket_cap_mb"],
+                                   reduce_dtype=getattr(torch, config["reduce_dtype"]),
+                                   reduce_every_micro_batch=config["reduce_every_micro_batch"])
+    # ZeRO-1 as in step 5, sharded the way the buckets are: rank r updates the slice of each bucket it
+    # receives, and reads its gradient straight from the shard the reduce-scatter fills.
+    optimizer = ShardedOptimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
+                                 chunks=ddp_model.bucket_params, gradient_shards=ddp_model.gradient_shards,
+                                 **adamw_options(config))
+    scheduler = make_scheduler(optimizer, config)
+    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
+
+    start_step, records = 0, []
+    if resumed:
+        shared, own = resumed
+        model.load_state_dict(shared["model"])
+        optimizer.load_state_dict(own["optimizer"])  # this rank's shard of AdamW's state
+        scheduler.load_state_dict(shared["scheduler"])
+        scaler.load_state_dict(shared["scaler"])
+        batches.load_state_dict(shared["data"])
+        start_step, records = shared["step"], shared["records"]
+        set_rng_state(own["rng"])  # last: loading must not consume randomness after this point
+        if world.is_main:
+            print(f"resumed from {resume_from} at step {start_step}")
+    elif world.is_main:
+        clear_checkpoints(config["out"])
+
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
+                      corpus.tokenizer_sha256, len(corpus.blocks))
+    log = RunLog(config, env, is_writer=world.is_main, records=records)
+    accum = config["grad_accum"]
+    tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
+
+    # ---- the training loop ---------------------------------------------------------------------
+    for step in range(start_step, config["steps"]):
+        started = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        shard_check = None
+        for micro_step in range(accum):
+            inputs, targets = batches.next()
+            if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
+                shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
+                if world.is_main and not config["quiet"]:
+                    print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
+            # Only the last micro-batch's backward reduce-scatters; the others just accumulate locally.
+            is_last = micro_step == accum - 1
+            with contextlib.nullcontext() if is_last else ddp_model.no_sync():
+                with autocast(config["amp"], device):
+                    loss = language_model_loss(ddp_model, inputs.to(device), targets.to(device))
+                scaler.scale(loss / accum).backward()  # the hooks launch bucket reduce-scatters in here
+            loss_sum += loss.detach()
+        ddp_model.finish_gradient_synchronization()  # the single sync point: each rank holds its gradient shard
+
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
+        scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
+        scaler.update()
+        scheduler.step()
+        memory = memory_stats(model.parameters(), optimizer, device, grads=ddp_model.gradient_shards)
+        optimizer.zero_grad(set_to_none=True)
+
+        # The logged loss is the mean over every rank and micro-batch (float64: order-free).
+        loss_mean = loss_sum.double()
+        dist.all_reduce(loss_mean)
+        loss_mean = loss_mean.item() / (accum * world.world_size)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
+        log.log({
+            "step": step + 1,
+            "loss": loss_mean,
+            "grad_norm": grad_norm.item(),
+            "param_norm": param_norm(model.parameters()),
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+            "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
+            "epoch": batches.epoch,
+            "memory": distributed.gather_from_every_rank(memory),
+            "comm": distributed.take_comm_bytes(),
+            "shard_check": shard_check,
+        })
+        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+            shared = {"step": step + 1, "model": model.state_dict(),
+                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "data": batches.state_dict(), "records": log.records}
+            own = {"rng": rng_state(), "optimizer": optimizer.state_dict()}  # each rank writes its own shard
+            save_checkpoint(config["out"], step + 1, shared, own, world.rank, world.world_size, config)
+
+    if world.is_main:
+        final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
+        final["param_norm"] = param_norm(model.parameters())
+        log.write(final)
+        print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
+              f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)
