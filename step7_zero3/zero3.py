@@ -309,12 +309,14 @@ class FullyShardedDP(torch.nn.Module):
     # ---- Full parameters, unit by unit (export, tests) -----------------------------------------------
     @torch.no_grad()
     def gathered_parameters(self):
-        """Collective: yields ``(name, full tensor)`` for every parameter, one unit gathered at a time. A
-        tensor is valid until the next one from another unit is asked for: copy or write it before."""
+        """Collective: yields ``(name, full tensor)`` for every parameter, one unit gathered at a time, into
+        a buffer of its own (not ``flat``, whose storage must stay resizable: ``.numpy()`` would pin it)."""
         for unit in self.units:
-            self._gathered(unit)
-            yield from zip(unit.names, unit.full_views(unit.flat.detach()))
-            self._free(unit)
+            full = torch.empty(unit.padded, device=self.device)
+            count_collective("all_gather", full)
+            dist.all_gather_single(full, unit.shard)
+            yield from zip(unit.names, unit.full_views(full))
+            del full  # gone once the caller lets go of this unit's tensors
 
     def full_state_dict(self) -> dict:
         """Collective: every full parameter, in ``named_parameters()`` order. The whole model: tests only."""
