@@ -60,8 +60,8 @@ class PrefetchTrace:
             start, end = (e["start"] - origin) * 1e3, (e["end"] - origin) * 1e3
             ax.barh(row(e), end - start, left=start, color=COLORS[e["name"].split(" ")[0]], edgecolor="white")
             if e["cat"] == "compute":
-                ax.text((start + end) / 2, 0, e["name"].split(" ")[1], ha="center", va="center", fontsize=7,
-                        color="white")
+                label = ".".join(e["name"].split(" ")[1].split(".")[-2:])  # transformer.h.3 -> h.3
+                ax.text((start + end) / 2, 0, label, ha="center", va="center", fontsize=7, color="white")
         ax.set_yticks(range(len(rows)), rows)
         ax.invert_yaxis()
         ax.set_xlabel("time since the forward began (ms)")

@@ -62,7 +62,7 @@ class Unit:
         self.padded = -(-sum(self.numels) // world_size) * world_size  # Lp
         shard = self.padded // world_size
         self.shard = torch.zeros(shard, device=device)  # this rank's parameters; the padding stays 0
-        self.grad_shard = torch.zeros(shard, device=device)  # this rank's averaged gradient
+        self.grad_shard = None  # this rank's averaged gradient: allocated by the first reduce-scatter
         self.ranges, begin = [], 0  # per parameter: (start, end) in the parameter, (start, end) in the shard
         for numel in self.numels:
             lo, hi = max(begin, rank * shard), min(begin + numel, (rank + 1) * shard)
@@ -138,6 +138,8 @@ class FullyShardedDP(torch.nn.Module):
             if len(owners) > 1 or not param.requires_grad:
                 raise ValueError(f"{first_name[param]}: parameters must be trainable, and tied only within a unit")
             entries[owners.pop()].append((first_name[param], param, registered))
+        if not all(entries):
+            raise ValueError("every unit, and the root, needs parameters of its own")
         units = [Unit(i, (["root"] + unit_names)[i], ([model] + unit_modules)[i], e, self.world_size, self.rank,
                       self.device) for i, e in enumerate(entries)]
         for unit, unit_entries in zip(units, entries):
@@ -274,7 +276,9 @@ class FullyShardedDP(torch.nn.Module):
         if unit.flat is not None:
             unit.flat.grad = None  # the collective's handle keeps what it still reads
         full = full.to(self.reduce_dtype)
-        unit.output = unit.grad_shard if self.reduce_dtype == torch.float32 else full.new_empty(len(unit.grad_shard))
+        if unit.grad_shard is None:
+            unit.grad_shard = torch.zeros(len(unit.shard), device=self.device)
+        unit.output = unit.grad_shard if self.reduce_dtype == torch.float32 else full.new_empty(len(unit.shard))
         count_collective("reduce_scatter", full)
         launched = time.perf_counter()
         unit.work = dist.reduce_scatter_single(unit.output, full, async_op=True)
@@ -334,7 +338,7 @@ class FullyShardedDP(torch.nn.Module):
 
     @property
     def gradient_shards(self) -> list:
-        return [unit.grad_shard for unit in self.units]
+        return [unit.grad_shard for unit in self.units if unit.grad_shard is not None]
 
     def take_peak_gathered_bytes(self) -> int:
         """The most bytes of gathered parameters held at once since the last call (tracked, not sampled)."""
