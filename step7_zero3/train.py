@@ -87,6 +87,7 @@ def main():
     # slices from initial_value, a pure function of (seed, name), so no broadcast is needed.
     with torch.device("meta"):
         model = GPT2LMHeadModel(gpt2_config(config, corpus.vocab_size))
+    shapes = {name: p.shape for name, p in model.named_parameters()}  # what the export's header needs
     if config["activation_checkpointing"]:
         checkpoint_activations(model)
 
@@ -146,7 +147,7 @@ def main():
 
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
         grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
-        scaler.step(optimizer)  # updates this rank's pieces in place (the next forward gathers them); skipped on overflow
+        scaler.step(optimizer)  # updates this rank's pieces in place; skipped on overflow
         scaler.update()
         scheduler.step()
         memory = memory_stats(ddp_model.parameter_shards, optimizer, device, grads=ddp_model.gradient_shards)
@@ -182,7 +183,7 @@ def main():
     if tracer:
         tracer.stop()  # the export's gathers below are not part of training
     # Every rank takes part in the export (it gathers unit by unit); rank 0 writes the file as they come.
-    final = save_final_weights_streaming(Path(config["out"]), ddp_model.parameter_shapes,
+    final = save_final_weights_streaming(Path(config["out"]), shapes,
                                          ddp_model.gathered_parameters(), world.is_main)
     norm = sharded_param_norm(model.parameters(), device)
     if world.is_main:

@@ -51,37 +51,41 @@ SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
 
 
 class Unit:
-    """Parameters gathered, freed and reduce-scattered together, as one flat buffer of Lp elements."""
+    """Parameters gathered, freed and reduce-scattered together: one flat range of Lp elements.
 
-    def __init__(self, index: int, name: str, module, entries: list, world_size: int, rank: int, device):
-        self.index, self.name, self.module = index, name, module
-        self.names = [name for name, _, _ in entries]  # each parameter's first name in the model
+    ``entries``: (first name, parameter, [(module, attribute)] where it is registered: two for a tied weight).
+    Fills this rank's shard from ``value(name, param)``, one full parameter at a time, and cuts the pieces.
+    """
+
+    def __init__(self, name: str, module, entries: list, value, world_size: int, rank: int, device):
+        self.name, self.module = name, module
+        self.names, self.registrations = [e[0] for e in entries], [e[2] for e in entries]
         self.shapes = [param.shape for _, param, _ in entries]
-        self.registrations = [where for _, _, where in entries]  # [(module, attribute)]: 2 for a tied weight
         self.numels = [math.prod(shape) for shape in self.shapes]
         self.padded = -(-sum(self.numels) // world_size) * world_size  # Lp
-        shard = self.padded // world_size
-        self.shard = torch.zeros(shard, device=device)  # this rank's parameters; the padding stays 0
+        size = self.padded // world_size
+        self.shard = torch.zeros(size, device=device)  # this rank's elements; the padding stays 0
         self.grad_shard = None  # this rank's averaged gradient: allocated by the first reduce-scatter
-        self.ranges, begin = [], 0  # per parameter: (start, end) in the parameter, (start, end) in the shard
-        for numel in self.numels:
-            lo, hi = max(begin, rank * shard), min(begin + numel, (rank + 1) * shard)
-            empty = lo >= hi  # this rank owns none of the parameter: an empty piece
-            self.ranges.append(((0, 0), (0, 0)) if empty else ((lo - begin, hi - begin), (lo - rank * shard, hi - rank * shard)))
+        self.slices, self.pieces, begin = [], [], 0
+        for (name, param, _), numel in zip(entries, self.numels):
+            lo = max(begin, rank * size)  # this rank's elements of the parameter, in the unit: [lo, hi)
+            hi = max(lo, min(begin + numel, (rank + 1) * size))  # hi == lo: the rank owns none of it
+            self.slices.append(slice(lo - rank * size, hi - rank * size))
+            with torch.no_grad():  # the full value lives only until its slice is copied
+                self.shard[self.slices[-1]] = value(name, param).reshape(-1)[lo - begin : hi - begin]
+            self.pieces.append(torch.nn.Parameter(self.shard[self.slices[-1]]))
             begin += numel
-        self.pieces = []
-        self.flat = None  # the full-size leaf: created at the first gather, its storage freed between uses
+        self.flat = None  # the full-size leaf: created by the first gather, its storage freed between uses
         self.state, self.handle, self.views = SHARDED, None, None
         self.work = self.output = None  # the reduce-scatter in flight and the buffer it writes
+        self.compute = self.event = None  # timeline entries still open
 
-    def full_views(self, flat: torch.Tensor) -> list:
-        """Views of ``flat`` shaped like the parameters (the padding's chunk is left out)."""
+    def full_views(self, flat: torch.Tensor) -> list:  # shaped like the parameters; the padding left out
         chunks = torch.split(flat, self.numels + [self.padded - sum(self.numels)])
         return [chunk.view(shape) for chunk, shape in zip(chunks, self.shapes)]
 
     def install(self, tensors: list) -> None:
-        """Make the modules' parameters ``tensors`` (pieces, or full views): FSDP2's swap of ``_parameters``,
-        which ``setattr`` would refuse for a tensor that is not an ``nn.Parameter``."""
+        """Make ``tensors`` (pieces, or full views) the modules' parameters (``setattr`` would refuse a view)."""
         for tensor, where in zip(tensors, self.registrations):
             for module, attribute in where:
                 module._parameters[attribute] = tensor
@@ -111,8 +115,8 @@ class FullyShardedDP(torch.nn.Module):
         for unit in self.units[1:]:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
-        self.forward_order = []  # units as their forwards began, recorded in the first forward
-        self.post_forward_order = []  # units as their forwards ended, in this forward; reversed: backward's order
+        self.forward_order = []  # units as their forwards began (recorded once: it is the same every step)
+        self.post_forward_order = []  # units as their forwards ended, this forward; reversed: backward's order
         self.reducing = None  # the unit whose reduce-scatter is in flight
         self.reduced = set()  # units reduce-scattered in this optimiser step
         self.gathered_bytes = self.peak_gathered_bytes = 0
@@ -121,12 +125,12 @@ class FullyShardedDP(torch.nn.Module):
     def _build_units(self, model, unit_modules: list, init_fn) -> list:
         names = {m: n for n, m in model.named_modules()}
         unit_names = [names[m] for m in unit_modules]  # KeyError: not a submodule of the model
-        where, first_name = {}, {}  # parameter -> its registrations, and the name named_parameters() gives it
-        for module_name, module in model.named_modules():
+        full_name = lambda module, attribute: f"{names[module]}.{attribute}".lstrip(".")  # noqa: E731
+        where = {}  # parameter -> where it is registered, first (named_parameters()' name) first
+        for module in names:
             for attribute, param in module._parameters.items():
                 if param is not None:
                     where.setdefault(param, []).append((module, attribute))
-                    first_name.setdefault(param, f"{module_name}.{attribute}".lstrip("."))
 
         def owner(module) -> int:  # the innermost unit holding the module (0: the root)
             inside = [i + 1 for i, u in enumerate(unit_names) if f"{names[module]}.".startswith(f"{u}.")]
@@ -136,30 +140,24 @@ class FullyShardedDP(torch.nn.Module):
         for param, registered in where.items():
             owners = {owner(module) for module, _ in registered}
             if len(owners) > 1 or not param.requires_grad:
-                raise ValueError(f"{first_name[param]}: parameters must be trainable, and tied only within a unit")
-            entries[owners.pop()].append((first_name[param], param, registered))
+                raise ValueError(f"{full_name(*registered[0])}: parameters must be trainable and tied within a unit")
+            entries[owners.pop()].append((full_name(*registered[0]), param, registered))
         if not all(entries):
             raise ValueError("every unit, and the root, needs parameters of its own")
-        units = [Unit(i, (["root"] + unit_names)[i], ([model] + unit_modules)[i], e, self.world_size, self.rank,
-                      self.device) for i, e in enumerate(entries)]
-        for unit, unit_entries in zip(units, entries):
-            for (name, param, _), ((start, end), (lo, hi)) in zip(unit_entries, unit.ranges):
-                if param.is_meta and init_fn is None:
-                    raise ValueError(f"{name} is on the meta device: pass init_fn to give it values")
-                with torch.no_grad():  # one full parameter at a time, dropped once its slice is kept
-                    value = init_fn(name, param.shape) if param.is_meta else param.detach()
-                    unit.shard[lo:hi] = value.reshape(-1)[start:end]
-                    del value
-                unit.pieces.append(torch.nn.Parameter(unit.shard[lo:hi]))
+
+        def value(name, tensor):
+            if tensor.is_meta and init_fn is None:
+                raise ValueError(f"{name} is on the meta device: pass init_fn to give it values")
+            return (init_fn(name, tensor.shape) if tensor.is_meta else tensor.detach()).to(self.device, tensor.dtype)
+
+        units = [Unit(name, m, e, value, self.world_size, self.rank, self.device)
+                 for name, m, e in zip(["root"] + unit_names, [model] + unit_modules, entries)]
+        for unit in units:
             unit.install(unit.pieces)
-        for module_name, module in model.named_modules():  # buffers are small: every rank keeps them whole
+        for module in names:  # buffers are small: every rank keeps them whole
             for attribute, buffer in module._buffers.items():
-                if buffer is not None and buffer.is_meta:
-                    if init_fn is None:
-                        raise ValueError(f"buffer {module_name}.{attribute} is on the meta device: pass init_fn")
-                    buffer = init_fn(f"{module_name}.{attribute}".lstrip("."), buffer.shape).to(buffer.dtype)
                 if buffer is not None:
-                    module._buffers[attribute] = buffer.to(self.device)
+                    module._buffers[attribute] = value(full_name(module, attribute), buffer)
         return units
 
     def forward(self, *args, **kwargs):
@@ -189,16 +187,14 @@ class FullyShardedDP(torch.nn.Module):
         self.gathered_bytes += unit.padded * unit.flat.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         count_collective("all_gather", unit.flat)
-        launched = time.perf_counter()
+        event = self._record(f"all-gather {unit.name}", "comm")
         # Into .data: a write autograd does not count, so what backward saved from the last gather stays valid.
         unit.handle = dist.all_gather_single(unit.flat.data, unit.shard, async_op=True)
         unit.state = GATHERING
-        if self.timeline is not None:
-            event = self._event(f"all-gather {unit.name}", "comm", launched)
-            unit.handle.get_future().then(lambda _, event=event: event.update(end=time.perf_counter()))
+        if event is not None:
+            unit.handle.get_future().then(lambda _: event.update(end=time.perf_counter()))
 
-    def _gathered(self, unit: Unit) -> None:
-        """Wait until ``unit``'s full parameters are in ``unit.flat`` (launching the gather if nobody did)."""
+    def _gathered(self, unit: Unit) -> None:  # launching the gather if nobody did
         self._launch_gather(unit)
         if unit.state == GATHERING:
             unit.handle.wait()
@@ -231,17 +227,17 @@ class FullyShardedDP(torch.nn.Module):
             self._free(self.root)  # no backward will come
 
     def _pre_forward(self, unit: Unit, module, args) -> None:
-        if len(self.forward_order) < len(self.units) - 1 and unit not in self.forward_order:
+        if unit not in self.forward_order:
             self.forward_order.append(unit)
         self._launch_gather(unit)
         self._prefetch_after(unit, self.forward_order)
         self._gathered(unit)
         unit.views = unit.full_views(unit.flat)
         unit.install(unit.views)
-        self._compute_starts(unit, "forward")
+        unit.compute = self._record(f"forward {unit.name}", "compute")
 
     def _post_forward(self, unit: Unit, module, args, output) -> None:
-        self._compute_ends(unit, "forward")
+        self._done(unit)
         unit.install(unit.pieces)
         self.post_forward_order.append(unit)
         if torch.is_grad_enabled():
@@ -257,11 +253,11 @@ class FullyShardedDP(torch.nn.Module):
         self._prefetch_after(unit, self.post_forward_order[::-1])
         self._gathered(unit)
         unit.install(unit.views)  # for activation checkpointing: the forward recomputed in backward reads them
-        self._compute_starts(unit, "backward")
+        unit.compute = self._record(f"backward {unit.name}", "compute")
 
     def _post_backward(self, unit: Unit, flat: torch.Tensor) -> None:
         """Runs once per backward, after every gradient of the unit has been summed into ``flat.grad``."""
-        self._compute_ends(unit, "backward")
+        self._done(unit)
         unit.install(unit.pieces)
         self._free(unit)
         if self.require_sync:
@@ -271,26 +267,22 @@ class FullyShardedDP(torch.nn.Module):
     def _reduce_scatter(self, unit: Unit) -> None:
         if self.reducing is not None:
             self._finish_reduce_scatter(self.reducing)  # at most one in flight: bounds full-gradient memory
-        full = unit.flat.grad if unit.flat is not None and unit.flat.grad is not None else \
-            torch.zeros(unit.padded, device=self.device)  # a unit no gradient reached: zeros, so no peer waits
+        full = getattr(unit.flat, "grad", None)  # None: no gradient reached the unit: zeros, so no peer waits
+        full = (torch.zeros(unit.padded, device=self.device) if full is None else full).to(self.reduce_dtype)
         if unit.flat is not None:
             unit.flat.grad = None  # the collective's handle keeps what it still reads
-        full = full.to(self.reduce_dtype)
         if unit.grad_shard is None:
             unit.grad_shard = torch.zeros(len(unit.shard), device=self.device)
         unit.output = unit.grad_shard if self.reduce_dtype == torch.float32 else full.new_empty(len(unit.shard))
         count_collective("reduce_scatter", full)
-        launched = time.perf_counter()
+        unit.event = self._record(f"reduce-scatter {unit.name}", "comm")
         unit.work = dist.reduce_scatter_single(unit.output, full, async_op=True)
-        if self.timeline is not None:
-            unit.event = self._event(f"reduce-scatter {unit.name}", "comm", launched)
         self.reducing = unit
         self.reduced.add(unit)
 
     def _finish_reduce_scatter(self, unit: Unit) -> None:
         unit.work.wait()  # gloo writes the output only here (and its handle has no future to call back)
-        if self.timeline is not None:
-            unit.event["end"] = time.perf_counter()
+        self._done(unit, "event")
         unit.grad_shard.copy_(unit.output.div_(self.world_size))  # float64 -> float32 rounds here, once
         unit.work = unit.output = self.reducing = None
 
@@ -303,14 +295,14 @@ class FullyShardedDP(torch.nn.Module):
         if self.reducing is not None:
             self._finish_reduce_scatter(self.reducing)
         for unit in self.units:
-            for piece, (_, (lo, hi)) in zip(unit.pieces, unit.ranges):
-                piece.grad = unit.grad_shard[lo:hi]
+            for piece, part in zip(unit.pieces, unit.slices):
+                piece.grad = unit.grad_shard[part]
         self.reduced = set()
         if missing:
             raise RuntimeError(f"unit(s) {', '.join(u.name for u in missing)} received no gradient in this step; "
                                "make every parameter take part in the loss")
 
-    # ---- Full parameters, unit by unit (export, tests) -----------------------------------------------
+    # ---- Full parameters, unit by unit (export, tests), and what the trainer measures ------------------
     @torch.no_grad()
     def gathered_parameters(self):
         """Collective: yields ``(name, full tensor)`` for every parameter, one unit gathered at a time, into
@@ -328,11 +320,6 @@ class FullyShardedDP(torch.nn.Module):
         return {name: gathered[name] for name, _ in self.module.named_parameters()}
 
     @property
-    def parameter_shapes(self) -> dict:
-        shapes = {name: shape for unit in self.units for name, shape in zip(unit.names, unit.shapes)}
-        return {name: shapes[name] for name, _ in self.module.named_parameters()}
-
-    @property
     def parameter_shards(self) -> list:
         return [unit.shard for unit in self.units]
 
@@ -345,27 +332,25 @@ class FullyShardedDP(torch.nn.Module):
         peak, self.peak_gathered_bytes = self.peak_gathered_bytes, self.gathered_bytes
         return peak
 
-    # ---- Timeline (a tracer sets ``timeline`` to a list) -----------------------------------------------
-    def _event(self, name: str, category: str, start: float) -> dict:
-        event = {"name": name, "cat": category, "start": start, "end": None}
+    # ---- The timeline a tracer asks for by setting ``timeline`` to a list --------------------------------
+    def _record(self, name: str, category: str):
+        if self.timeline is None:
+            return None
+        event = {"name": name, "cat": category, "start": time.perf_counter(), "end": None}
         self.timeline.append(event)
         return event
 
-    def _compute_starts(self, unit: Unit, phase: str) -> None:
-        if self.timeline is not None:
-            unit.compute = self._event(f"{phase} {unit.name}", "compute", time.perf_counter())
-
-    def _compute_ends(self, unit: Unit, phase: str) -> None:
-        if self.timeline is not None and getattr(unit, "compute", None) is not None:
-            unit.compute["end"], unit.compute = time.perf_counter(), None
+    def _done(self, unit: Unit, which: str = "compute") -> None:
+        event = getattr(unit, which, None)
+        if event is not None:
+            event["end"] = time.perf_counter()
+        setattr(unit, which, None)
 
 
 def _tensors_in(output) -> list:
     """The tensors in a module's output: a tensor, or tuples, lists and dicts of them (ModelOutput is a dict)."""
-    if torch.is_tensor(output):
-        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
     if isinstance(output, (tuple, list)):
         return [t for item in output for t in _tensors_in(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors_in(item)]
-    return []
+    return [output] if torch.is_tensor(output) else []

@@ -145,7 +145,8 @@ def toy_worker(rank, world_size, port, queue, prefetch):
         ref_optimizer.step()
         full = fsdp.full_state_dict()
         distributed.take_comm_bytes()
-        results["differences"] += [f"step {step}: {n}" for n, p in ref.named_parameters() if not torch.equal(full[n], p)]
+        results["differences"] += [f"step {step}: {n}" for n, p in ref.named_parameters()
+                                   if not torch.equal(full[n], p)]
     results["names"] = (list(full), [n for n, _ in ref.named_parameters()])
     results["freed after forward"] = freed_after_forward
     results["padded"] = [(unit.padded, sum(unit.numels)) for unit in fsdp.units]
@@ -260,7 +261,8 @@ def ws2(tmp_path_factory, small_corpus):
 def exact3(tmp_path_factory, small_corpus):
     """Exact mode at 3 ranks, with bf16, dropout (its masks must survive recomputation) and activation
     checkpointing in step 7; checkpoints every 2 steps for the resume test."""
-    out, flags = tmp_path_factory.mktemp("zero3_ws3"), ("--reduce-dtype", "float64", "--amp", "bf16", "--dropout", "0.1")
+    out = tmp_path_factory.mktemp("zero3_ws3")
+    flags = ("--reduce-dtype", "float64", "--amp", "bf16", "--dropout", "0.1")
     return (train("step1", out / "step1", small_corpus, *flags, nproc=3),
             train("step7", out / "step7", small_corpus, *flags, "--activation-checkpointing", "--save-every", "2",
                   nproc=3))
