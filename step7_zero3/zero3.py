@@ -25,7 +25,7 @@ Step 6 still kept every parameter on every rank; here:
 5. **Prefetch.** When a unit starts, the next one's all-gather is launched (forward: the next unit in
    forward order; backward: the one before it), so the transfer overlaps this unit's compute. Every
    read waits on its handle first. At most one reduce-scatter is in flight: the next unit's hook waits
-   for it, which bounds the full gradients alive in backward to about two units.
+   for it, so backward holds about two units' full gradients (plus what the collective copies), not all.
 6. **Built from nothing.** The model may be built on the meta device (no memory at all); ``init_fn(name,
    shape)`` gives each parameter's values, one full parameter at a time, and the rank keeps its slice.
    No broadcast: the values are a pure function of the name, so every rank agrees without talking.
