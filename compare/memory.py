@@ -10,6 +10,7 @@ With Ψ parameters, fp32 AdamW (two moments) and N ranks, the bytes each rank ho
     DDP (steps 0-4)     4Ψ          4Ψ         8Ψ
     ZeRO-1 (step 5)     4Ψ          4Ψ         8Ψ/N
     ZeRO-2 (step 6)     4Ψ          4Ψ/N       8Ψ/N
+    ZeRO-3 (step 7)     4Ψ/N        4Ψ/N       8Ψ/N
 
 Measured: each record's ``memory`` entry of every rank (taken after the optimiser step, before the
 gradients are freed), last step. Ψ is counted from the final weights (a tied tensor once).
@@ -33,16 +34,17 @@ KINDS = ("params", "grads", "optimizer_state")
 # Bytes per parameter of each kind, and whether it is divided by N: (params, grads, optimizer state).
 FORMULAS = {"DDP": ((4, False), (4, False), (8, False)),
             "ZeRO-1": ((4, False), (4, False), (8, True)),
-            "ZeRO-2": ((4, False), (4, True), (8, True))}
+            "ZeRO-2": ((4, False), (4, True), (8, True)),
+            "ZeRO-3": ((4, True), (4, True), (8, True))}
 
 
 def strategy(step: str) -> str:
     number = int(step[4]) if step.startswith("step") and step[4:5].isdigit() else -1
-    if number in (5, 6):
-        return {5: "ZeRO-1", 6: "ZeRO-2"}[number]
+    if number in (5, 6, 7):
+        return {5: "ZeRO-1", 6: "ZeRO-2", 7: "ZeRO-3"}[number]
     if 0 <= number <= 4:
         return "DDP"
-    raise UserError(f"no memory formula for {step!r}: steps 0-6 have one")
+    raise UserError(f"no memory formula for {step!r}: steps 0-7 have one")
 
 
 def expected(name: str, psi: int, world_size: int) -> dict:

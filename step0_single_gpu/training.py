@@ -120,6 +120,49 @@ def clip_gradients(params, max_norm: float) -> torch.Tensor:
     return norm
 
 
+# Exponents frexp gives a float32 (subnormals included): x = mantissa * 2**e, -148 <= e <= 128.
+MIN_EXPONENT, EXPONENTS = -148, 277
+
+
+def square_sum_parts(tensors) -> torch.Tensor:
+    """The sum of the squares of every element of ``tensors`` (float32 or narrower), *exactly*, as integers.
+
+    Each float32 is m * 2**(e - 24) with an integer |m| < 2**24, so its square is the integer m**2 (< 2**48)
+    times 2**(2e - 48). Row 0 and 1 of the result hold, per exponent e, the sums of the high and low 24 bits
+    of those integers (each sum is exact: bincount adds integers below 2**24 in float64, exact up to 2**29
+    elements per exponent); row 2 counts NaNs and infinities. Integers add exactly in any order, so the
+    parts of a tensor's slices, summed (or all-reduced) in any grouping, are the parts of the tensor: a
+    ZeRO-3 rank that holds only slices gets the very bits a rank holding everything gets (``param_norm``).
+    """
+    parts = torch.zeros(3, EXPONENTS, dtype=torch.int64)
+    for t in tensors:
+        x = t.detach().reshape(-1).float().cpu()  # on the CPU: bincount is deterministic there
+        nans, infs = torch.isnan(x).sum(), torch.isinf(x).sum()
+        if nans or infs:
+            parts[2, :2] += torch.stack([nans, infs])
+            x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        mantissa, exponent = torch.frexp(x)
+        square = (mantissa.double() * 2.0**24) ** 2  # the integer m**2, exact in float64
+        high = torch.floor(square * 2.0**-24)
+        low = square - high * 2.0**24
+        bins = exponent.long() - MIN_EXPONENT
+        parts[0] += torch.bincount(bins, weights=high, minlength=EXPONENTS).long()
+        parts[1] += torch.bincount(bins, weights=low, minlength=EXPONENTS).long()
+    return parts
+
+
+def norm_from_parts(parts: torch.Tensor) -> float:
+    """sqrt of the sum ``square_sum_parts`` describes: the exact sum, rounded once to float64 (Python's int
+    division is correctly rounded), then a correctly rounded square root."""
+    nans, infs = parts[2].tolist()[:2]
+    if nans or infs:
+        return math.nan if nans else math.inf
+    total = sum(((high << 24) + low) << (2 * i) for i, (high, low) in enumerate(zip(*parts[:2].tolist())))
+    return math.sqrt(total / (1 << (48 - 2 * MIN_EXPONENT)))  # bin i is worth 2**(2 * (i + MIN_EXPONENT) - 48)
+
+
 def param_norm(params) -> float:
-    """In float64: a float32 norm of ~30 would round to steps of 4e-6, coarser than the 1e-6 parity limit."""
-    return sum_of_squares(params).sqrt().item()
+    """In float64: a float32 norm of ~30 would round to steps of 4e-6, coarser than the 1e-6 parity limit.
+    Exact rather than summed in float64: a float64 sum rounds differently when the same numbers are grouped
+    differently (by tensor here, by shard in ZeRO-3), in the last bit, and parity compares records bitwise."""
+    return norm_from_parts(square_sum_parts(params))

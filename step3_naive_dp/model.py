@@ -57,8 +57,13 @@ def initial_value(name: str, shape: torch.Size, seed: int, n_layer: int) -> torc
 
 
 def build_model(config: dict, vocab_size: int, seed: int) -> GPT2LMHeadModel:
-    """The GPT-2 of ``config`` on the CPU, every parameter set by ``initial_value``."""
-    model = GPT2LMHeadModel(gpt2_config(config, vocab_size))
+    """The GPT-2 of ``config`` on the CPU, every parameter set by ``initial_value``.
+
+    Construction runs on a fork of the global generator: transformers' own initialisation draws from it
+    (values that ``initial_value`` then replaces), and dropout's masks must not depend on how the model
+    was built. ZeRO-3 builds it on the meta device, which draws nothing, and must see the same masks."""
+    with torch.random.fork_rng(devices=[]):
+        model = GPT2LMHeadModel(gpt2_config(config, vocab_size))
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied weight is listed once, by its first name
             param.copy_(initial_value(name, param.shape, seed, config["n_layer"]))

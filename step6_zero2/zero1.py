@@ -260,15 +260,19 @@ class ShardedGradScaler(torch.amp.GradScaler):
         state["found_inf_per_device"] = {found_inf.device: found_inf}
 
 
-def clip_gradient_shards(optimizer: ShardedOptimizer, max_norm: float) -> torch.Tensor:
+def clip_gradient_shards(optimizer, max_norm: float) -> torch.Tensor:
     """``training.clip_gradients`` for sharded gradients: same rule, same return (the norm before clipping).
 
-    Each rank sums the squares of its own slices (in float64: see ``sum_of_squares``), one all-reduce
-    adds the ranks' sums, and every rank scales its slices by the same coefficient. The slices cover
-    every gradient element exactly once and never the padding.
+    ``optimizer``: a ``ShardedOptimizer``, or any optimiser whose groups hold this rank's slices (ZeRO-3
+    steps a plain AdamW over them). Each rank sums the squares of its own slices (in float64: see
+    ``sum_of_squares``), one all-reduce adds the ranks' sums, and every rank scales its slices by the
+    same coefficient. The slices cover every gradient element exactly once and never the padding.
     """
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    total = sum_of_squares(grads).to(optimizer.device)  # nccl reduces GPU tensors only
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params if p.grad is not None]
+    # nccl reduces GPU tensors only: the device of the parameters, even on a rank whose slices are empty
+    device = getattr(optimizer, "device", params[0].device if params else torch.device("cpu"))
+    total = sum_of_squares(grads).to(device)
     count_collective("all_reduce", total)
     dist.all_reduce(total)
     norm = total.cpu().sqrt().float()

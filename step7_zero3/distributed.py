@@ -1,0 +1,116 @@
+"""Process-group set-up and tear-down for the distributed steps.
+
+torchrun starts one process per rank and tells each its place through environment variables
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+Started as a plain ``python train.py``, a step runs as a world of one.
+"""
+import collections
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from config import UserError
+from training import pick_device
+
+
+def add_flags(parser) -> None:
+    """The flags every distributed step has (steps 1 and up)."""
+    dist_flags = parser.add_argument_group("distributed")
+    dist_flags.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                            help="auto: nccl when every rank has its own GPU, else gloo")
+    dist_flags.add_argument("--reduce-dtype", choices=["float32", "float64"], default="float32",
+                            help="float64: exact, order-free gradient reduction (the parity contract)")
+    dist_flags.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout in seconds")
+
+
+@dataclass
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) as torchrun set them; a world of one otherwise."""
+    env = os.environ
+    world_size = int(env.get("WORLD_SIZE", 1))
+    return int(env.get("RANK", 0)), world_size, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def choose_backend(requested: str, device: torch.device, local_world_size: int) -> str:
+    """nccl needs a GPU of its own per rank on a node; gloo runs anywhere (CPU, or ranks sharing a GPU)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "nccl":
+        if gpus < local_world_size or device.type != "cuda":
+            raise UserError(f"--backend nccl needs one GPU per rank: {local_world_size} ranks on this node, "
+                            f"{gpus} GPU(s) visible; use --backend gloo")
+        return "nccl"
+    if requested == "gloo":
+        return "gloo"
+    return "nccl" if device.type == "cuda" and gpus >= local_world_size else "gloo"
+
+
+def plan_world(config: dict) -> World:
+    """This rank's place, device and backend, checked but not yet connected.
+
+    Everything a user can get wrong is checked before ``join``, so a mistake ends every rank with one
+    line and exit 2, never with a rank waiting in a collective for peers that already left.
+    """
+    rank, world_size, local_rank, local_world_size = world_from_env()
+    device = pick_device(config["device"], local_rank)
+    backend = choose_backend(config["backend"], device, local_world_size)
+    return World(rank, world_size, local_rank, device, backend)
+
+
+def join(world: World, timeout_s: float) -> None:
+    """Join the process group; a peer that does not answer within ``timeout_s`` is an error, not a hang."""
+    if world.device.type == "cuda":
+        torch.cuda.set_device(world.device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a world of one started without torchrun
+    os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(world.backend, rank=world.rank, world_size=world.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def shutdown() -> None:
+    """Leave together: nobody tears down the group while a peer still has a collective in flight.
+
+    Free every ``DistributedDataParallel`` before calling this. DDP's C++ reducer holds the process
+    group; if it outlived ``destroy_process_group`` it would drop the group's last reference and stop
+    gloo's worker threads while holding the GIL, and deadlock with a worker thread that is still
+    releasing a Python tensor of the last collective (seen here: ~1 run in 30 hung at exit).
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# Bytes this rank handed to each kind of collective since the last optimiser step. The trainers and
+# the data-parallel modules add to it; the training loop reads and clears it once per step.
+comm_bytes = collections.Counter()
+
+
+def count_collective(kind: str, tensor: torch.Tensor) -> None:
+    comm_bytes[kind] += tensor.numel() * tensor.element_size()
+
+
+def take_comm_bytes() -> dict:
+    counts = dict(sorted(comm_bytes.items()))
+    comm_bytes.clear()
+    return counts
+
+
+def gather_from_every_rank(value) -> list:
+    """``[rank 0's value, rank 1's, ...]`` on every rank: what rank 0 logs about all of them."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone

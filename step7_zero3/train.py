@@ -1,0 +1,200 @@
+"""Step 7: ZeRO stage 3: the parameters partitioned too (zero3.py); FSDP, from scratch.
+
+Step 6 still kept every parameter on every rank. Here the model is built on the meta device (no
+memory), each rank keeps 1/N of every block's parameters and of the root's (embeddings, final norm),
+and gathers a unit's parameters only while its forward or backward runs, the next unit's gather
+already under way. A plain AdamW steps this rank's pieces, under their original names. Parameter,
+gradient and optimiser memory per rank: 4/N, 4/N and 8/N bytes per parameter. The run must be
+bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
+
+    torchrun --standalone --nproc_per_node=2 step7_zero3/train.py
+    torchrun --standalone --nproc_per_node=2 step7_zero3/train.py --trace      # prefetch timeline
+    python compare/parity.py step1 step7
+"""
+import contextlib
+import functools
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2LMHeadModel
+
+import distributed
+from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+from config import build_parser, exit_on_user_error, parse_config
+from data import MicroBatches, check_enough_data, load_corpus
+from metrics import RunLog, environment, memory_stats
+from model import gpt2_config, initial_value, language_model_loss
+from prefetch_trace import PrefetchTrace
+from sampler import ShardedSampler, check_no_overlap
+from streaming_export import save_final_weights_streaming
+from zero1 import ShardedGradScaler, clip_gradient_shards
+from zero3 import FullyShardedDP
+from seeding import rng_state, seed_everything, set_rng_state
+from training import (autocast, check_amp, make_grad_scaler, make_optimizer, make_scheduler, norm_from_parts,
+                      square_sum_parts)
+
+STEP = Path(__file__).resolve().parent.name
+
+
+def sharded_param_norm(params, device) -> float:
+    """``training.param_norm`` of the full parameters, from this rank's pieces: the exact integer parts of
+    the sum of squares add up across ranks to the parts of the whole, so the result has step 1's bits."""
+    parts = square_sum_parts(params).to(device)  # nccl reduces GPU tensors only
+    distributed.count_collective("all_reduce", parts)
+    dist.all_reduce(parts)
+    return norm_from_parts(parts.cpu())
+
+
+def checkpoint_activations(model) -> None:
+    """Keep only each block's input in forward and recompute the rest in backward (preserve_rng_state:
+    dropout draws the same masks twice). The block's FSDP hooks run around it, once: the recomputation
+    calls the inner forward, with the weights the pre-backward hook gathered. GPT-2's key/value cache
+    is turned off: the recomputation would append to it a second time, and training never reads it."""
+    model.config.use_cache = False
+    for block in model.transformer.h:
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False,
+                                          preserve_rng_state=True)
+
+
+def main():
+    # ---- everything that can be wrong is checked before anything is written or connected -----
+    parser = build_parser(STEP)
+    distributed.add_flags(parser)
+    parser.add_argument("--no-prefetch", action="store_true", help="gather each unit only when it is needed")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in backward instead of keeping them")
+    parser.add_argument("--trace", action="store_true", help="write trace.json and timeline.png of the last step")
+    config = parse_config(parser)
+    world = distributed.plan_world(config)
+    check_amp(config["amp"], world.device)
+    seed_everything(config["seed"])
+    corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
+    resume_from = find_checkpoint(config["resume"], config["out"]) if config["resume"] else None
+    resumed = load_checkpoint(resume_from, world.rank, world.world_size, config, world.device) if resume_from else None
+    distributed.join(world, config["timeout_s"])
+    device = world.device
+
+    # ---- data, model, optimiser ----------------------------------------------------------------
+    # Every rank shuffles with the same seed, then takes every world_size-th index from its rank on:
+    # disjoint shards, the same number of samples on every rank (padded by repeating if needed).
+    sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
+                             shuffle=True, seed=config["seed"])
+    batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
+    # On the meta device the model is only shapes: no rank ever holds all of it. Each rank fills its own
+    # slices from initial_value, a pure function of (seed, name), so no broadcast is needed.
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(gpt2_config(config, corpus.vocab_size))
+    shapes = {name: p.shape for name, p in model.named_parameters()}  # what the export's header needs
+    if config["activation_checkpointing"]:
+        checkpoint_activations(model)
+
+    def init(name, shape):  # the same values for the same name on every rank, as build_model gives them
+        return initial_value(name, shape, config["seed"], config["n_layer"])
+
+    ddp_model = FullyShardedDP(model, model.transformer.h, init_fn=init, device=device,
+                               reduce_dtype=getattr(torch, config["reduce_dtype"]), prefetch=not config["no_prefetch"])
+    tracer = PrefetchTrace(ddp_model) if config["trace"] else None  # keeps the last micro-batch's timeline
+    # A plain AdamW: model.named_parameters() now yields this rank's pieces, under the original names.
+    optimizer = make_optimizer(model.named_parameters(), config)
+    scheduler = make_scheduler(optimizer, config)
+    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
+
+    start_step, records = 0, []
+    if resumed:
+        shared, own = resumed
+        model.load_state_dict(own["model"])  # this rank's pieces
+        optimizer.load_state_dict(own["optimizer"])  # and AdamW's state for them
+        scheduler.load_state_dict(shared["scheduler"])
+        scaler.load_state_dict(shared["scaler"])
+        batches.load_state_dict(shared["data"])
+        start_step, records = shared["step"], shared["records"]
+        set_rng_state(own["rng"])  # last: loading must not consume randomness after this point
+        if world.is_main:
+            print(f"resumed from {resume_from} at step {start_step}")
+    elif world.is_main:
+        clear_checkpoints(config["out"])
+
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
+                      corpus.tokenizer_sha256, len(corpus.blocks))
+    log = RunLog(config, env, is_writer=world.is_main, records=records)
+    accum = config["grad_accum"]
+    tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
+
+    # ---- the training loop ---------------------------------------------------------------------
+    for step in range(start_step, config["steps"]):
+        started = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        shard_check = None
+        for micro_step in range(accum):
+            inputs, targets = batches.next()
+            if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
+                shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
+                if world.is_main and not config["quiet"]:
+                    print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
+            # Only the last micro-batch's backward reduce-scatters; the others just accumulate locally
+            # (every backward gathers, unit by unit, the parameters it needs).
+            is_last = micro_step == accum - 1
+            with contextlib.nullcontext() if is_last else ddp_model.no_sync():
+                with autocast(config["amp"], device):
+                    loss = language_model_loss(ddp_model, inputs.to(device), targets.to(device))
+                scaler.scale(loss / accum).backward()  # the hooks gather, free and reduce-scatter in here
+            loss_sum += loss.detach()
+        ddp_model.finish_gradient_synchronization()  # the single sync point: each piece's .grad is its slice
+
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
+        scaler.step(optimizer)  # updates this rank's pieces in place; skipped on overflow
+        scaler.update()
+        scheduler.step()
+        memory = memory_stats(ddp_model.parameter_shards, optimizer, device, grads=ddp_model.gradient_shards)
+        memory["gathered_peak"] = ddp_model.take_peak_gathered_bytes()  # full units held at once, in this step
+        optimizer.zero_grad(set_to_none=True)
+
+        # The logged loss is the mean over every rank and micro-batch (float64: order-free).
+        loss_mean = loss_sum.double()
+        dist.all_reduce(loss_mean)
+        loss_mean = loss_mean.item() / (accum * world.world_size)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
+        log.log({
+            "step": step + 1,
+            "loss": loss_mean,
+            "grad_norm": grad_norm.item(),
+            "param_norm": sharded_param_norm(model.parameters(), device),
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+            "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
+            "epoch": batches.epoch,
+            "memory": distributed.gather_from_every_rank(memory),
+            "comm": distributed.take_comm_bytes(),
+            "shard_check": shard_check,
+        })
+        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+            shared = {"step": step + 1, "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "data": batches.state_dict(), "records": log.records}
+            # Each rank writes its own pieces and their AdamW state; nothing in state.pt is full-size.
+            own = {"rng": rng_state(), "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            save_checkpoint(config["out"], step + 1, shared, own, world.rank, world.world_size, config)
+
+    if tracer:
+        tracer.stop()  # the export's gathers below are not part of training
+    # Every rank takes part in the export (it gathers unit by unit); rank 0 writes the file as they come.
+    final = save_final_weights_streaming(Path(config["out"]), shapes,
+                                         ddp_model.gathered_parameters(), world.is_main)
+    norm = sharded_param_norm(model.parameters(), device)
+    if world.is_main:
+        final["param_norm"] = norm
+        log.write(final)
+        if tracer:
+            tracer.write(world.rank, Path(config["out"]))
+        print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
+              f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

@@ -1,0 +1,356 @@
+"""FullyShardedDP: ZeRO stage 3, every rank keeps 1/N of the parameters and gathers them only for use.
+
+Step 6 still kept every parameter on every rank; here:
+
+1. **Units.** The model is cut into units: the submodules given (GPT-2's blocks) and one root unit for
+   every parameter no unit holds (embeddings, the tied output layer, the last LayerNorm). A parameter
+   belongs to the innermost unit that contains it. A unit's parameters are laid end to end in one flat
+   range of L elements, padded to Lp, a multiple of N; rank r keeps [r*Lp/N, (r+1)*Lp/N) (step 5's
+   slices), and one layout serves parameters, gradients and optimiser state alike.
+2. **Pieces under the original names.** Every registered parameter is replaced by this rank's piece of
+   it: a 1-D ``nn.Parameter`` that views the unit's shard (0 elements where the rank owns none of it).
+   ``named_parameters()`` still says ``transformer.h.0.attn.c_attn.weight``, so a plain torch optimiser
+   steps the pieces in place and weight decay, decided by name, lands where it always did.
+3. **Gather before use, free after.** A forward pre-hook all-gathers the unit's shards into one buffer
+   of Lp elements and points the module's parameters at views of it; the post-hook points them back at
+   the pieces and frees the buffer (its storage is resized to 0: the memory goes back to the allocator).
+   Backward needs the weights again: a hook on the gradient of the unit's output gathers them once more
+   just before the unit's backward runs. The root unit is gathered first and kept until the end of
+   backward: the tied embedding is used at both ends of the model.
+4. **One flat gradient per unit.** The views are cut (``torch.split``) from one flat leaf tensor, so
+   autograd sums every use of every parameter of the unit into ``flat.grad`` and runs the leaf's
+   post-accumulate hook once, when the unit's backward is over. That hook frees the gathered weights and
+   launches the unit's reduce-scatter: rank r receives the sum of every rank's slice r, divided by N and
+   rounded to float32 once (reduced in float64: the exact mode of steps 3-6).
+5. **Prefetch.** When a unit starts, the next one's all-gather is launched (forward: the next unit in
+   forward order; backward: the one before it), so the transfer overlaps this unit's compute. Every
+   read waits on its handle first. At most one reduce-scatter is in flight: the next unit's hook waits
+   for it, so backward holds about two units' full gradients (plus what the collective copies), not all.
+6. **Built from nothing.** The model may be built on the meta device (no memory at all); ``init_fn(name,
+   shape)`` gives each parameter's values, one full parameter at a time, and the rank keeps its slice.
+   No broadcast: the values are a pure function of the name, so every rank agrees without talking.
+7. **no_sync() and one sync point**, as in steps 4-6. Inside ``no_sync()`` full gradients accumulate in
+   ``flat.grad`` (as DDP's do in ``param.grad``: bitwise parity needs the same sums); the next synchronised
+   backward reduce-scatters them. ``finish_gradient_synchronization()`` waits for the last reduce-scatter
+   and points each piece's ``.grad`` at its slice of the unit's gradient shard.
+
+Collectives are matched by the order they are issued in. Every rank runs the same graph, so the hooks
+fire, and launch their collectives, in the same order everywhere.
+"""
+import contextlib
+import functools
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from distributed import count_collective
+
+SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
+
+
+class Unit:
+    """Parameters gathered, freed and reduce-scattered together: one flat range of Lp elements.
+
+    ``entries``: (first name, parameter, [(module, attribute)] where it is registered: two for a tied weight).
+    Fills this rank's shard from ``value(name, param)``, one full parameter at a time, and cuts the pieces.
+    """
+
+    def __init__(self, name: str, module, entries: list, value, world_size: int, rank: int, device):
+        self.name, self.module = name, module
+        self.names, self.registrations = [e[0] for e in entries], [e[2] for e in entries]
+        self.shapes = [param.shape for _, param, _ in entries]
+        self.numels = [math.prod(shape) for shape in self.shapes]
+        self.padded = -(-sum(self.numels) // world_size) * world_size  # Lp
+        size = self.padded // world_size
+        self.shard = torch.zeros(size, device=device)  # this rank's elements; the padding stays 0
+        self.grad_shard = None  # this rank's averaged gradient: allocated by the first reduce-scatter
+        self.slices, self.pieces, begin = [], [], 0
+        for (name, param, _), numel in zip(entries, self.numels):
+            lo = max(begin, rank * size)  # this rank's elements of the parameter, in the unit: [lo, hi)
+            hi = max(lo, min(begin + numel, (rank + 1) * size))  # hi == lo: the rank owns none of it
+            self.slices.append(slice(lo - rank * size, hi - rank * size))
+            with torch.no_grad():  # the full value lives only until its slice is copied
+                self.shard[self.slices[-1]] = value(name, param).reshape(-1)[lo - begin : hi - begin]
+            self.pieces.append(torch.nn.Parameter(self.shard[self.slices[-1]]))
+            begin += numel
+        self.flat = None  # the full-size leaf: created by the first gather, its storage freed between uses
+        self.state, self.handle, self.views = SHARDED, None, None
+        self.work = self.output = None  # the reduce-scatter in flight and the buffer it writes
+        self.compute = self.event = None  # timeline entries still open
+
+    def full_views(self, flat: torch.Tensor) -> list:  # shaped like the parameters; the padding left out
+        chunks = torch.split(flat, self.numels + [self.padded - sum(self.numels)])
+        return [chunk.view(shape) for chunk, shape in zip(chunks, self.shapes)]
+
+    def install(self, tensors: list) -> None:
+        """Make ``tensors`` (pieces, or full views) the modules' parameters (``setattr`` would refuse a view)."""
+        for tensor, where in zip(tensors, self.registrations):
+            for module, attribute in where:
+                module._parameters[attribute] = tensor
+
+
+class FullyShardedDP(torch.nn.Module):
+    """Wrap ``module`` for fully sharded data parallelism over the default process group.
+
+    ``units``: submodules, each sharded and gathered as one unit; a root unit holds every other parameter.
+    ``init_fn(name, shape)``: the values of a parameter (or buffer) that is on the meta device.
+    Contract as in steps 4-6: the same forwards and backwards on every rank; after the last backward of an
+    optimiser step (the one outside ``no_sync()``) call ``finish_gradient_synchronization()`` once.
+    """
+
+    def __init__(self, module: torch.nn.Module, units, init_fn=None, reshard_after_forward: bool = True,
+                 reduce_dtype: torch.dtype = torch.float32, prefetch: bool = True, device=None):
+        super().__init__()
+        self.module = module
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.reshard_after_forward, self.reduce_dtype, self.prefetch = reshard_after_forward, reduce_dtype, prefetch
+        self.device = torch.device(device or "cpu")
+        self.require_sync = True
+        self.units = self._build_units(module, list(units), init_fn)
+        self.root = self.units[0]
+        module.register_forward_pre_hook(self._root_pre_forward)
+        module.register_forward_hook(self._root_post_forward)
+        for unit in self.units[1:]:
+            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+            unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+        self.forward_order = []  # units as their forwards began (recorded once: it is the same every step)
+        self.post_forward_order = []  # units as their forwards ended, this forward; reversed: backward's order
+        self.reducing = None  # the unit whose reduce-scatter is in flight
+        self.reduced = set()  # units reduce-scattered in this optimiser step
+        self.gathered_bytes = self.peak_gathered_bytes = 0
+        self.timeline = None  # a list to record collectives and unit compute in, when a tracer asks
+
+    def _build_units(self, model, unit_modules: list, init_fn) -> list:
+        names = {m: n for n, m in model.named_modules()}
+        unit_names = [names[m] for m in unit_modules]  # KeyError: not a submodule of the model
+        full_name = lambda module, attribute: f"{names[module]}.{attribute}".lstrip(".")  # noqa: E731
+        where = {}  # parameter -> where it is registered, first (named_parameters()' name) first
+        for module in names:
+            for attribute, param in module._parameters.items():
+                if param is not None:
+                    where.setdefault(param, []).append((module, attribute))
+
+        def owner(module) -> int:  # the innermost unit holding the module (0: the root)
+            inside = [i + 1 for i, u in enumerate(unit_names) if f"{names[module]}.".startswith(f"{u}.")]
+            return max(inside, key=lambda i: len(unit_names[i - 1]), default=0)
+
+        entries = [[] for _ in range(len(unit_modules) + 1)]
+        for param, registered in where.items():
+            owners = {owner(module) for module, _ in registered}
+            if len(owners) > 1 or not param.requires_grad:
+                raise ValueError(f"{full_name(*registered[0])}: parameters must be trainable and tied within a unit")
+            entries[owners.pop()].append((full_name(*registered[0]), param, registered))
+        if not all(entries):
+            raise ValueError("every unit, and the root, needs parameters of its own")
+
+        def value(name, tensor):
+            if tensor.is_meta and init_fn is None:
+                raise ValueError(f"{name} is on the meta device: pass init_fn to give it values")
+            return (init_fn(name, tensor.shape) if tensor.is_meta else tensor.detach()).to(self.device, tensor.dtype)
+
+        units = [Unit(name, m, e, value, self.world_size, self.rank, self.device)
+                 for name, m, e in zip(["root"] + unit_names, [model] + unit_modules, entries)]
+        for unit in units:
+            unit.install(unit.pieces)
+        for module in names:  # buffers are small: every rank keeps them whole
+            for attribute, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[attribute] = value(full_name(module, attribute), buffer)
+        return units
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def named_parameters(self, *args, **kwargs):  # the original names, as FSDP2 keeps them (no "module.")
+        return self.module.named_parameters(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside this block accumulates full gradients locally: no reduce-scatter."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    # ---- Gather and free ---------------------------------------------------------------------------
+    def _launch_gather(self, unit: Unit) -> None:
+        if unit.state != SHARDED:
+            return
+        if unit.flat is None:
+            unit.flat = torch.empty(unit.padded, device=self.device, requires_grad=True)
+            unit.flat.register_post_accumulate_grad_hook(functools.partial(self._post_backward, unit))
+        else:
+            unit.flat.untyped_storage().resize_(unit.padded * unit.flat.element_size())
+        self.gathered_bytes += unit.padded * unit.flat.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        count_collective("all_gather", unit.flat)
+        event = self._record(f"all-gather {unit.name}", "comm")
+        # Into .data: a write autograd does not count, so what backward saved from the last gather stays valid.
+        unit.handle = dist.all_gather_single(unit.flat.data, unit.shard, async_op=True)
+        unit.state = GATHERING
+        if event is not None:
+            unit.handle.get_future().then(lambda _: event.update(end=time.perf_counter()))
+
+    def _gathered(self, unit: Unit) -> None:  # launching the gather if nobody did
+        self._launch_gather(unit)
+        if unit.state == GATHERING:
+            unit.handle.wait()
+            unit.state, unit.handle = GATHERED, None
+
+    def _free(self, unit: Unit) -> None:
+        if unit.state == SHARDED:
+            return
+        self._gathered(unit)  # a prefetched gather still writes into the buffer: let it finish first
+        unit.flat.untyped_storage().resize_(0)  # the memory goes back to the allocator now
+        self.gathered_bytes -= unit.padded * unit.flat.element_size()
+        unit.state = SHARDED
+
+    def _prefetch_after(self, unit: Unit, order: list) -> None:
+        if self.prefetch and unit in order and order.index(unit) + 1 < len(order):
+            self._launch_gather(order[order.index(unit) + 1])
+
+    # ---- The hooks -----------------------------------------------------------------------------------
+    def _root_pre_forward(self, module, args) -> None:
+        self.post_forward_order = []
+        self._launch_gather(self.root)
+        self._prefetch_after(self.root, [self.root] + self.forward_order)
+        self._gathered(self.root)
+        self.root.views = self.root.full_views(self.root.flat)
+        self.root.install(self.root.views)
+
+    def _root_post_forward(self, module, args, output) -> None:
+        self.root.install(self.root.pieces)  # the graph keeps the views; the weights stay gathered for backward
+        if not torch.is_grad_enabled():
+            self._free(self.root)  # no backward will come
+
+    def _pre_forward(self, unit: Unit, module, args) -> None:
+        if unit not in self.forward_order:
+            self.forward_order.append(unit)
+        self._launch_gather(unit)
+        self._prefetch_after(unit, self.forward_order)
+        self._gathered(unit)
+        unit.views = unit.full_views(unit.flat)
+        unit.install(unit.views)
+        unit.compute = self._record(f"forward {unit.name}", "compute")
+
+    def _post_forward(self, unit: Unit, module, args, output) -> None:
+        self._done(unit)
+        unit.install(unit.pieces)
+        self.post_forward_order.append(unit)
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors_in(output) if t.requires_grad]
+            if tensors:  # runs when the gradient of the unit's output is known: the unit's backward comes next
+                torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._pre_backward, unit),
+                                                              mode="any")
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self._free(unit)
+
+    def _pre_backward(self, unit: Unit, grad) -> None:
+        self._launch_gather(unit)
+        self._prefetch_after(unit, self.post_forward_order[::-1])
+        self._gathered(unit)
+        unit.install(unit.views)  # for activation checkpointing: the forward recomputed in backward reads them
+        unit.compute = self._record(f"backward {unit.name}", "compute")
+
+    def _post_backward(self, unit: Unit, flat: torch.Tensor) -> None:
+        """Runs once per backward, after every gradient of the unit has been summed into ``flat.grad``."""
+        self._done(unit)
+        unit.install(unit.pieces)
+        self._free(unit)
+        if self.require_sync:
+            self._reduce_scatter(unit)
+
+    # ---- Gradients -----------------------------------------------------------------------------------
+    def _reduce_scatter(self, unit: Unit) -> None:
+        if self.reducing is not None:
+            self._finish_reduce_scatter(self.reducing)  # at most one in flight: bounds full-gradient memory
+        full = getattr(unit.flat, "grad", None)  # None: no gradient reached the unit: zeros, so no peer waits
+        full = (torch.zeros(unit.padded, device=self.device) if full is None else full).to(self.reduce_dtype)
+        if unit.flat is not None:
+            unit.flat.grad = None  # the collective's handle keeps what it still reads
+        if unit.grad_shard is None:
+            unit.grad_shard = torch.zeros(len(unit.shard), device=self.device)
+        unit.output = unit.grad_shard if self.reduce_dtype == torch.float32 else full.new_empty(len(unit.shard))
+        count_collective("reduce_scatter", full)
+        unit.event = self._record(f"reduce-scatter {unit.name}", "comm")
+        unit.work = dist.reduce_scatter_single(unit.output, full, async_op=True)
+        self.reducing = unit
+        self.reduced.add(unit)
+
+    def _finish_reduce_scatter(self, unit: Unit) -> None:
+        unit.work.wait()  # gloo writes the output only here (and its handle has no future to call back)
+        self._done(unit, "event")
+        unit.grad_shard.copy_(unit.output.div_(self.world_size))  # float64 -> float32 rounds here, once
+        unit.work = unit.output = self.reducing = None
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for the last reduce-scatter; then each piece's ``.grad`` is its slice of the averaged gradient."""
+        missing = [unit for unit in self.units if unit not in self.reduced]
+        for unit in missing:  # in unit order on every rank
+            self._free(unit)
+            self._reduce_scatter(unit)
+        if self.reducing is not None:
+            self._finish_reduce_scatter(self.reducing)
+        for unit in self.units:
+            for piece, part in zip(unit.pieces, unit.slices):
+                piece.grad = unit.grad_shard[part]
+        self.reduced = set()
+        if missing:
+            raise RuntimeError(f"unit(s) {', '.join(u.name for u in missing)} received no gradient in this step; "
+                               "make every parameter take part in the loss")
+
+    # ---- Full parameters, unit by unit (export, tests), and what the trainer measures ------------------
+    @torch.no_grad()
+    def gathered_parameters(self):
+        """Collective: yields ``(name, full tensor)`` for every parameter, one unit gathered at a time, into
+        a buffer of its own (not ``flat``, whose storage must stay resizable: ``.numpy()`` would pin it)."""
+        for unit in self.units:
+            full = torch.empty(unit.padded, device=self.device)
+            count_collective("all_gather", full)
+            dist.all_gather_single(full, unit.shard)
+            yield from zip(unit.names, unit.full_views(full))
+            del full  # gone once the caller lets go of this unit's tensors
+
+    def full_state_dict(self) -> dict:
+        """Collective: every full parameter, in ``named_parameters()`` order. The whole model: tests only."""
+        gathered = {name: tensor.clone() for name, tensor in self.gathered_parameters()}
+        return {name: gathered[name] for name, _ in self.module.named_parameters()}
+
+    @property
+    def parameter_shards(self) -> list:
+        return [unit.shard for unit in self.units]
+
+    @property
+    def gradient_shards(self) -> list:
+        return [unit.grad_shard for unit in self.units if unit.grad_shard is not None]
+
+    def take_peak_gathered_bytes(self) -> int:
+        """The most bytes of gathered parameters held at once since the last call (tracked, not sampled)."""
+        peak, self.peak_gathered_bytes = self.peak_gathered_bytes, self.gathered_bytes
+        return peak
+
+    # ---- The timeline a tracer asks for by setting ``timeline`` to a list --------------------------------
+    def _record(self, name: str, category: str):
+        if self.timeline is None:
+            return None
+        event = {"name": name, "cat": category, "start": time.perf_counter(), "end": None}
+        self.timeline.append(event)
+        return event
+
+    def _done(self, unit: Unit, which: str = "compute") -> None:
+        event = getattr(unit, which, None)
+        if event is not None:
+            event["end"] = time.perf_counter()
+        setattr(unit, which, None)
+
+
+def _tensors_in(output) -> list:
+    """The tensors in a module's output: a tensor, or tuples, lists and dicts of them (ModelOutput is a dict)."""
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors_in(item)]
+    return [output] if torch.is_tensor(output) else []
