@@ -1,4 +1,4 @@
-"""Steps 2-6 against the step-1 reference (PyTorch DDP): bitwise parity, the exact-mode matrix,
+"""Steps 2-7 against the step-1 reference (PyTorch DDP): bitwise parity, the exact-mode matrix,
 fp16 with skipped steps, the shard check, the broadcast, the overlap trace, memory per rank against
 the ZeRO formulas and the communication accounting."""
 import json
@@ -17,15 +17,15 @@ EXACT = ("--reduce-dtype", "float64", "--amp", "bf16")
 
 @pytest.fixture(scope="module")
 def default_runs(tour, tmp_path_factory, small_corpus):
-    """Steps 2 to 6 on 2 ranks in the default float32 mode, as the tour ran them, and step 4 again
+    """Steps 2 to 7 on 2 ranks in the default float32 mode, as the tour ran them, and step 4 again
     with its overlap trace and 0.1 MiB buckets (the tiny model's 0.37 MB would fit in one bucket)."""
-    runs = {step: tour[0] / STEPS[step] for step in ("step2", "step3", "step4", "step5", "step6")}
+    runs = {step: tour[0] / STEPS[step] for step in ("step2", "step3", "step4", "step5", "step6", "step7")}
     runs["step4 traced"] = train("step4", tmp_path_factory.mktemp("traced"), small_corpus, "--trace",
                                  "--bucket-cap-mb", "0.1")
     return runs
 
 
-@pytest.mark.parametrize("step", ["step2", "step3", "step4", "step4 traced", "step5", "step6"])
+@pytest.mark.parametrize("step", ["step2", "step3", "step4", "step4 traced", "step5", "step6", "step7"])
 def test_bitwise_identical_to_ddp_at_world_size_2(step, default_runs, step1_ws2):
     result = parity(step1_ws2, default_runs[step])
     assert result.returncode == 0, result.stdout
@@ -45,10 +45,10 @@ def test_fp16_with_skipped_steps_is_bitwise_identical_at_world_size_2(tmp_path, 
     an overflow only in their own slices, so they must agree on it across ranks, or one rank would
     step while the other skips (and wait in the all-gather until the timeout)."""
     fp16 = ("--amp", "fp16", "--loss-scale-init", "1e6")
-    runs = {step: train(step, tmp_path / step, small_corpus, *fp16) for step in ("step1", "step5", "step6")}
+    runs = {step: train(step, tmp_path / step, small_corpus, *fp16) for step in ("step1", "step5", "step6", "step7")}
     norms = [r["grad_norm"] for r in metrics(runs["step1"])["records"]]
     assert not math.isfinite(norms[0]) and math.isfinite(norms[-1]), f"no skipped step, then no trained one: {norms}"
-    for step in ("step5", "step6"):
+    for step in ("step5", "step6", "step7"):
         result = parity(runs["step1"], runs[step])
         assert "verdict: PASS (bitwise identical)" in result.stdout, f"{step}:\n{result.stdout}"
 
@@ -57,7 +57,8 @@ def test_fp16_with_skipped_steps_is_bitwise_identical_at_world_size_2(tmp_path, 
 # the ZeRO paper's formulas for fp32 AdamW.
 REPLICATED = ((4, 1), (4, 1), (8, 1))
 FORMULAS = {"step1": REPLICATED, "step3": REPLICATED, "step4": REPLICATED,
-            "step5": ((4, 1), (4, 1), (8, "N")), "step6": ((4, 1), (4, "N"), (8, "N"))}
+            "step5": ((4, 1), (4, 1), (8, "N")), "step6": ((4, 1), (4, "N"), (8, "N")),
+            "step7": ((4, "N"), (4, "N"), (8, "N"))}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -65,7 +66,7 @@ def test_exact_mode_is_bitwise_identical_at_any_world_size(world_size, tmp_path,
     """Exact mode, accumulation, clipping that triggers and bf16 at once; and, from the same runs, every
     rank's memory against the ZeRO formulas and the bytes each step hands to each collective."""
     runs = {step: train(step, tmp_path / step, small_corpus, *EXACT, nproc=world_size) for step in FORMULAS}
-    for step in ("step3", "step4", "step5", "step6"):
+    for step in ("step3", "step4", "step5", "step6", "step7"):
         result = parity(runs["step1"], runs[step])
         assert "verdict: PASS (bitwise identical)" in result.stdout, f"{step} at world size {world_size}:\n{result.stdout}"
     assert any(r["grad_norm"] > 0.3 for r in metrics(runs["step1"])["records"]), "clipping never triggered"
