@@ -3,7 +3,9 @@ import shutil
 import subprocess
 import sys
 
-from conftest import REPO
+import torch
+
+from conftest import REPO, weights
 
 
 def tool(name, *args):
@@ -35,6 +37,17 @@ def test_sampling_is_seeded_and_greedy_ignores_the_seed(step1_ws2):
     assert greedy1.stdout.startswith("JULIET:") and greedy1.stdout == greedy2.stdout
 
 
+def test_sample_loads_the_runs_final_weights(step1_ws2):
+    import sample  # compare/ is on sys.path (conftest)
+
+    model, tokenizer, config = sample.load_trained_model(str(step1_ws2))
+    params = dict(model.named_parameters())
+    assert not model.training, "dropout would be on while generating"
+    for name, tensor in weights(step1_ws2).items():
+        assert torch.equal(params[name], tensor), name
+    assert model.lm_head.weight is model.transformer.wte.weight and len(tokenizer) == params["lm_head.weight"].shape[0]
+
+
 def test_sample_bad_input_is_one_line_and_exit_2(step1_ws2, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(step1_ws2, broken)
@@ -48,6 +61,19 @@ def test_sample_bad_input_is_one_line_and_exit_2(step1_ws2, tmp_path):
 def test_readme_step_diffs_table_is_up_to_date():
     result = tool("step_diffs.py")
     assert result.returncode == 0, f"{result.stdout}\nregenerate it: python compare/step_diffs.py --write"
+
+
+def test_step_diffs_counts_changed_lines_and_files(tmp_path):
+    import step_diffs
+
+    (tmp_path / "a.py").write_text("1\n2\n3\n")
+    (tmp_path / "b.py").write_text("1\nX\n3\n4\n")
+    assert step_diffs.changed_lines(tmp_path / "a.py", tmp_path / "b.py") == (2, 1)  # +X +4, -2
+    assert step_diffs.changed_lines(tmp_path / "a.py", tmp_path / "a.py") == (0, 0)
+    assert step_diffs.changed_lines(tmp_path / "a.py", tmp_path / "none.py") == (0, 3)
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "a.pyc").write_bytes(b"")
+    assert step_diffs.files_of(tmp_path) == {"a.py", "b.py"}
 
 
 def test_step_diffs_detects_and_rewrites_a_stale_table(tmp_path):
