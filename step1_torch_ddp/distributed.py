@@ -11,6 +11,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+# Imported now, before any process group exists, on purpose: this module binds ``group.WORLD`` as a
+# default argument of its functions when it is first imported. PyTorch imports it lazily (the
+# optimiser's first step does, through torch._dynamo); imported while a group exists, it would hold
+# that group for good, and shutdown() could not free it. See shutdown().
+import torch.distributed.nn.functional  # noqa: F401
 
 from config import UserError
 from training import pick_device
@@ -82,12 +87,23 @@ def join(world: World, timeout_s: float) -> None:
 
 
 def shutdown() -> None:
-    """Leave together: nobody tears down the group while a peer still has a collective in flight.
+    """Leave together, and leave no thread of the group behind.
 
-    Free every ``DistributedDataParallel`` before calling this. DDP's C++ reducer holds the process
-    group; if it outlived ``destroy_process_group`` it would drop the group's last reference and stop
-    gloo's worker threads while holding the GIL, and deadlock with a worker thread that is still
-    releasing a Python tensor of the last collective (seen here: ~1 run in 30 hung at exit).
+    The barrier: nobody tears down the group while a peer still has a collective in flight.
+
+    ``destroy_process_group`` then frees the group, whose destructor stops gloo's worker threads. A
+    worker thread lets go of a collective (and of the Python tensors it was given) only *after* the
+    caller's wait has returned, and letting go of a tensor Python already dropped needs the GIL. The
+    destructor waits for that with the GIL released, so it is safe. Two ways to break it, both seen here:
+
+    - Something else still holds the group, so ``destroy_process_group`` frees nothing and the worker
+      threads live on into interpreter exit. A thread that asks for the GIL once exit has begun is
+      killed in the middle of a C++ destructor: "terminate called without an active exception",
+      SIGABRT (1 test run in 6 on a loaded machine). PyTorch's own ``torch.distributed.nn.functional``
+      holds the group if it is first imported while the group exists: this module imports it first.
+    - The last reference is dropped by C++ code that holds the GIL while gloo's threads stop, and a
+      thread still releasing a tensor waits for the GIL forever (~1 run in 30 hung at exit). DDP's C++
+      reducer holds the group: free every ``DistributedDataParallel`` before calling this.
     """
     if dist.is_initialized():
         dist.barrier()

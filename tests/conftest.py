@@ -6,18 +6,17 @@ import os
 import socket
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "compare"), str(REPO / "common")]  # launch.py imports config from common/
 from launch import trainer_command  # noqa: E402
+import distributed  # noqa: E402  (common/distributed.py: workers join and leave the way the trainers do)
 
 STEPS = {p.name.split("_")[0]: p.name for p in REPO.glob("step[0-9]_*") if (p / "train.py").is_file()}
 
@@ -101,10 +100,14 @@ def step1_ws2(tour) -> Path:
 
 
 def init_gloo(rank: int, world_size: int, port: int) -> None:
-    """In a spawned worker: one CPU thread, a gloo group on loopback, a short timeout."""
+    """In a spawned worker: one CPU thread, and the trainers' own join: a gloo group on loopback, with a
+    short timeout. Leave with ``shutdown()``, as the trainers do."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=30))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    distributed.join(distributed.World(rank, world_size, rank, torch.device("cpu"), "gloo"), timeout_s=30)
+
+
+shutdown = distributed.shutdown
 
 
 def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, init_gloo, spawn
+from conftest import REPO, init_gloo, shutdown, spawn
 
 sys.path.insert(0, str(REPO / "step4_hooks_bucketing"))
 from bucketed_ddp import BucketedDDP, assign_buckets  # noqa: E402
@@ -58,6 +58,31 @@ class Unused(torch.nn.Module):
         return self.head(torch.relu(self.used(x.float())))
 
 
+class UsedEarly(torch.nn.Module):
+    """``early`` takes part in the first micro-batch only: the synchronised backward of the last one gives
+    it no gradient, and what must be averaged is the gradient it accumulated inside no_sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(8, 8)
+        self.early = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x, use_early: bool):
+        h = torch.relu(self.trunk(x))
+        return self.head(h + self.early(h) if use_early else h)
+
+
+class WithBuffers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)  # running_mean, running_var, num_batches_tracked
+
+    def forward(self, x):
+        return self.norm(self.linear(x))
+
+
 def inputs(model_name: str, rank: int, micro: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * rank + micro)
     if model_name == "Tied":
@@ -77,7 +102,7 @@ def accumulate(wrapped, model_name: str, rank: int, *, finish) -> None:
 
 def fresh(model_name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return {"Tied": Tied, "FrozenBias": FrozenBias, "Unused": Unused}[model_name]()
+    return {"Tied": Tied, "FrozenBias": FrozenBias, "Unused": Unused, "UsedEarly": UsedEarly}[model_name]()
 
 
 class EarlyHookDDP(BucketedDDP):
@@ -121,6 +146,57 @@ def half_model_cap(model_name) -> float:
     raise AssertionError(f"no cap splits {model_name} into two buckets")
 
 
+def used_early_matches_ddp(rank, cap_mb) -> list:
+    """DDP (find_unused_parameters=True) and BucketedDDP on UsedEarly; also both against the definition:
+    the mean over the ranks of the gradient each accumulated locally. Returns the mismatches."""
+    grads = {}
+    for name in ("ddp", "ours"):
+        model = fresh("UsedEarly")
+        if name == "ddp":
+            wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+            finish = lambda: None  # noqa: E731
+        else:
+            wrapped = BucketedDDP(model, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb, find_unused_parameters=True)
+            finish = wrapped.finish_gradient_synchronization
+        with wrapped.no_sync():
+            wrapped(inputs("UsedEarly", rank, 0), use_early=True).pow(2).mean().backward()
+        local = model.early.weight.grad.clone()
+        wrapped(inputs("UsedEarly", rank, 1), use_early=False).pow(2).mean().backward()
+        finish()
+        grads[name] = {n: p.grad for n, p in model.named_parameters()}
+        dist.all_reduce(local)  # the definition: sum over ranks, divided by 2 (exact at world size 2)
+        grads[f"{name} mean"] = local / WORLD_SIZE
+    mismatched = [n for n in grads["ddp"] if not torch.equal(grads["ddp"][n], grads["ours"][n])]
+    for name in ("ddp", "ours"):
+        if not torch.equal(grads[name]["early.weight"], grads[f"{name} mean"]):
+            mismatched.append(f"{name}: early.weight is not the mean of the accumulated gradients")
+    return mismatched
+
+
+def broadcast_at_wrapping(rank) -> dict:
+    """Ranks build different parameters and buffers; after wrapping every rank holds rank 0's."""
+    torch.manual_seed(rank)
+    model = WithBuffers()
+    with torch.no_grad():
+        for b in model.buffers():
+            b.fill_(rank + 1)  # BatchNorm's buffers start equal on every rank: make them differ too
+
+    def everyone(tensors):
+        flat = torch.cat([t.detach().double().flatten() for t in tensors])
+        gathered = [torch.zeros_like(flat) for _ in range(WORLD_SIZE)]
+        dist.all_gather(gathered, flat)
+        return gathered
+
+    params_before, buffers_before = everyone(model.parameters()), everyone(model.buffers())
+    BucketedDDP(model)
+    params_after, buffers_after = everyone(model.parameters()), everyone(model.buffers())
+    return {
+        "differed before": not torch.equal(*params_before) and not torch.equal(*buffers_before),
+        "parameters are rank 0's": all(torch.equal(p, params_before[0]) for p in params_after),
+        "buffers are rank 0's": all(torch.equal(b, buffers_before[0]) for b in buffers_after),
+    }
+
+
 def worker(rank, world_size, port, queue):
     init_gloo(rank, world_size, port)
     results = {}
@@ -129,10 +205,13 @@ def worker(rank, world_size, port, queue):
             for cap, expect in CAPS.items():
                 cap_mb = half_model_cap(model_name) if cap == "half" else cap
                 results[f"{model_name}/{cap}"] = compare_with_ddp(rank, model_name, cap_mb, expect)
+        for cap in (1e-9, 100.0):
+            results[f"used early/{cap}"] = used_early_matches_ddp(rank, cap)
+        results["broadcast"] = broadcast_at_wrapping(rank)
         # The bug the post-accumulate hook avoids: with accumulation, an early hook reduces the wrong sum.
         results["early hook"] = compare_with_ddp(rank, "FrozenBias", 100.0, lambda n: True, wrapper=EarlyHookDDP)
         # Default (find_unused_parameters=False): a clear error naming the parameter, on every rank,
-        # after all buckets were reduced, so the group is still usable (the barrier below would hang otherwise).
+        # after all buckets were reduced, so the group is still usable (shutdown's barrier would hang otherwise).
         strict = BucketedDDP(fresh("Unused"))
         strict(inputs("Unused", rank, 0)).sum().backward()
         try:
@@ -140,12 +219,12 @@ def worker(rank, world_size, port, queue):
             results["strict error"] = "no error"
         except RuntimeError as error:
             results["strict error"] = str(error)
-        dist.barrier()
+        del strict
+        shutdown()
         queue.put((rank, (results, None)))
     except Exception:
         queue.put((rank, (results, traceback.format_exc())))
-    finally:
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # no barrier: the peer may be anywhere
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +246,19 @@ def test_a_hook_before_accumulation_breaks_gradient_accumulation(results):
     """The comparison above would catch the classic bug: it fails for a pre-accumulation hook."""
     for rank in range(WORLD_SIZE):
         assert results[rank]["early hook"], "a pre-accumulation hook went unnoticed"
+
+
+@pytest.mark.parametrize("cap", [1e-9, 100.0])
+def test_gradient_accumulated_in_no_sync_but_unused_at_the_sync_is_averaged_like_ddp(results, cap):
+    """find_unused_parameters=True; one bucket per parameter (1e-9 MiB) and one bucket for all (100 MiB)."""
+    for rank in range(WORLD_SIZE):
+        assert results[rank][f"used early/{cap}"] == [], f"rank {rank}"
+
+
+def test_wrapping_broadcasts_rank_0s_parameters_and_buffers(results):
+    for rank in range(WORLD_SIZE):
+        assert results[rank]["broadcast"] == {"differed before": True, "parameters are rank 0's": True,
+                                               "buffers are rank 0's": True}, f"rank {rank}"
 
 
 def test_unused_parameter_is_a_clear_error_without_a_hang(results):

@@ -3,13 +3,15 @@ fp16 with skipped steps, the shard check, the broadcast, the overlap trace, memo
 the ZeRO formulas and the communication accounting."""
 import json
 import math
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, STEPS, init_gloo, metrics, parity, spawn, train
+from conftest import REPO, STEPS, init_gloo, metrics, parity, shutdown, spawn, train
 
 # The contract's strictest setting at once: accumulation (no_sync), clipping that triggers, bf16 autocast.
 EXACT = ("--reduce-dtype", "float64", "--amp", "bf16")
@@ -133,9 +135,39 @@ def diverge_worker(rank, world_size, port, queue, broadcast):
         optimizer.step()
         optimizer.zero_grad()
     queue.put((rank, replicas_in_sync(model)))  # ...but identical weights only if they started identical
-    dist.destroy_process_group()
+    shutdown()
 
 
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_without_the_broadcast_replicas_diverge(broadcast):
     assert spawn(diverge_worker, 2, broadcast) == {0: broadcast, 1: broadcast}
+
+
+# ---- leaving the group ----------------------------------------------------------------------------
+
+def gloo_threads() -> list[str]:
+    names = [(Path("/proc/self/task") / t / "comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    return [n for n in names if "gloo" in n or "tcpstore" in n]
+
+
+def leave_worker(rank, world_size, port, queue):
+    init_gloo(rank, world_size, port)
+    started = gloo_threads()
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()  # the first step imports torch._dynamo, and with it torch.distributed.nn
+    gathered = [torch.zeros(1) for _ in range(world_size)]
+    dist.all_gather(gathered, torch.ones(1))
+    shutdown()
+    queue.put((rank, (started, gloo_threads())))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from /proc (Linux)")
+def test_shutdown_leaves_no_gloo_thread_behind():
+    """After shutdown() the group is really gone, its threads with it. A thread of a group that outlives
+    shutdown() may still be letting go of the last collective's tensors when the interpreter exits;
+    it then needs the GIL and aborts the process (the cause of a flaky SIGABRT of the test above)."""
+    for rank, (started, left) in spawn(leave_worker, 2).items():
+        assert started, "no gloo thread to watch: the names of PyTorch's threads changed"
+        assert left == [], f"rank {rank}: threads of the destroyed group still running: {left}"

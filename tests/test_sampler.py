@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from conftest import REPO, init_gloo, spawn
+from conftest import REPO, init_gloo, shutdown, spawn
 
 sys.path.insert(0, str(REPO / "step2_sharded_data"))
 import sampler as sampler_module  # noqa: E402
@@ -159,8 +159,7 @@ def shard_worker(rank, world_size, port, queue, dataset_len, drop_last, plant):
         result = {"summary": check_no_overlap(shard, dataset_len, world_size, drop_last)}
     except RuntimeError as error:
         result = {"error": str(error)}
-    dist.barrier()  # every rank got here, verdict or not: the group is still in step
-    dist.destroy_process_group()
+    shutdown()  # its barrier: every rank got here, verdict or not; the group is still in step
     queue.put((rank, result))
 
 

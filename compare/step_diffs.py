@@ -1,0 +1,89 @@
+"""How big is each new idea? For every pair of adjacent step folders: the files added and removed,
+and how many lines of train.py changed.
+
+    python compare/step_diffs.py           # print the table; exit 1 if README.md's copy is stale
+    python compare/step_diffs.py --write   # rewrite the table in README.md
+
+The table lives in README.md between the markers <!-- step-diffs:start --> and <!-- step-diffs:end -->.
+Changed lines are the '+' and '-' lines of a unified diff (difflib), headers not counted; a train.py
+that one folder lacks counts as empty.
+"""
+import argparse
+import difflib
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+START, END = "<!-- step-diffs:start -->", "<!-- step-diffs:end -->"
+
+
+def step_folders() -> list[Path]:
+    """Every step folder that holds at least one file, in step order."""
+    return sorted((p for p in REPO_ROOT.glob("step[0-9]_*") if p.is_dir() and files_of(p)),
+                  key=lambda p: int(p.name[4:].split("_")[0]))
+
+
+def files_of(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")}
+
+
+def changed_lines(a: Path, b: Path) -> tuple[int, int]:
+    """(lines added, lines removed) from ``a`` to ``b``; a missing file counts as empty."""
+    lines = [p.read_text().splitlines() if p.is_file() else [] for p in (a, b)]
+    diff = list(difflib.unified_diff(*lines, lineterm=""))
+    added = sum(1 for line in diff if line.startswith("+") and not line.startswith("+++"))
+    removed = sum(1 for line in diff if line.startswith("-") and not line.startswith("---"))
+    return added, removed
+
+
+def table() -> str:
+    def names(files):
+        return ", ".join(f"`{f}`" for f in sorted(files)) or "-"
+
+    rows = ["| from -> to | files added | files removed | `train.py` lines changed (+ / -) |", "|---|---|---|---|"]
+    folders = step_folders()
+    for a, b in zip(folders, folders[1:]):
+        fa, fb = files_of(a), files_of(b)
+        added, removed = changed_lines(a / "train.py", b / "train.py")
+        rows.append(f"| `{a.name}` -> `{b.name}` | {names(fb - fa)} | {names(fa - fb)} | "
+                    f"{added + removed} (+{added} / -{removed}) |")
+    return "\n".join(rows)
+
+
+def split_readme(text: str, readme: Path) -> tuple[str, str, str]:
+    """(before the start marker, the table between the markers, from the end marker on)."""
+    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
+        raise UserError(f"{readme} needs one {START} line and, after it, one {END} line around the table")
+    before, rest = text.split(START)
+    between, after = rest.split(END)
+    return before + START, between.strip("\n"), END + after
+
+
+def main() -> int:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="rewrite the table in the README")
+    parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md")
+    args = parser.parse_args()
+    if not args.readme.is_file():
+        raise UserError(f"{args.readme} does not exist")
+    text = args.readme.read_text()
+    before, current, after = split_readme(text, args.readme)
+    fresh = table()
+    if args.write:
+        args.readme.write_text(f"{before}\n{fresh}\n{after}")
+        print(f"wrote the step-diffs table into {args.readme}")
+        return 0
+    print(fresh)
+    if current != fresh:
+        print(f"{args.readme}: the step-diffs table is stale; run python compare/step_diffs.py --write")
+        return 1
+    print(f"{args.readme}: the step-diffs table is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))

@@ -1,0 +1,90 @@
+"""compare/sample.py on the tour's step-1 run, and compare/step_diffs.py on this repository's README."""
+import shutil
+import subprocess
+import sys
+
+import torch
+
+from conftest import REPO, weights
+
+
+def tool(name, *args):
+    return subprocess.run([sys.executable, str(REPO / "compare" / name), *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def samples(*runs):
+    """compare/sample.py once per argument list, all started together (most of each is imports)."""
+    procs = [subprocess.Popen([sys.executable, str(REPO / "compare" / "sample.py"), *map(str, args)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in runs]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+def test_sampling_is_seeded_and_greedy_ignores_the_seed(step1_ws2):
+    greedy = ["--tokens", "10", "--temperature", "0", "--prompt", "JULIET:"]
+    first, again, other_seed, greedy1, greedy2 = samples(
+        [step1_ws2, "--tokens", "20", "--seed", "3"], [step1_ws2, "--tokens", "20", "--seed", "3"],
+        [step1_ws2, "--tokens", "20", "--seed", "4"], [step1_ws2, *greedy, "--seed", "1"], [step1_ws2, *greedy, "--seed", "2"])
+    for result in (first, again, other_seed, greedy1, greedy2):
+        assert result.returncode == 0, result.stderr
+    assert first.stdout.startswith("ROMEO:") and len(first.stdout) > len("ROMEO:\n")
+    assert first.stdout == again.stdout, "same seed, different text"
+    assert first.stdout != other_seed.stdout, "the seed does not reach the sampler"
+    assert greedy1.stdout.startswith("JULIET:") and greedy1.stdout == greedy2.stdout
+
+
+def test_sample_loads_the_runs_final_weights(step1_ws2):
+    import sample  # compare/ is on sys.path (conftest)
+
+    model, tokenizer, config = sample.load_trained_model(str(step1_ws2))
+    params = dict(model.named_parameters())
+    assert not model.training, "dropout would be on while generating"
+    for name, tensor in weights(step1_ws2).items():
+        assert torch.equal(params[name], tensor), name
+    assert model.lm_head.weight is model.transformer.wte.weight and len(tokenizer) == params["lm_head.weight"].shape[0]
+
+
+def test_sample_bad_input_is_one_line_and_exit_2(step1_ws2, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(step1_ws2, broken)
+    (broken / "model.safetensors").write_bytes(b"garbage")
+    cases = [["step9"], [tmp_path / "nothing"], [broken], [step1_ws2, "--tokens", "0"]]
+    for args, result in zip(cases, samples(*cases)):
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: "), result.stderr
+
+
+def test_readme_step_diffs_table_is_up_to_date():
+    result = tool("step_diffs.py")
+    assert result.returncode == 0, f"{result.stdout}\nregenerate it: python compare/step_diffs.py --write"
+
+
+def test_step_diffs_counts_changed_lines_and_files(tmp_path):
+    import step_diffs
+
+    (tmp_path / "a.py").write_text("1\n2\n3\n")
+    (tmp_path / "b.py").write_text("1\nX\n3\n4\n")
+    assert step_diffs.changed_lines(tmp_path / "a.py", tmp_path / "b.py") == (2, 1)  # +X +4, -2
+    assert step_diffs.changed_lines(tmp_path / "a.py", tmp_path / "a.py") == (0, 0)
+    assert step_diffs.changed_lines(tmp_path / "a.py", tmp_path / "none.py") == (0, 3)
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "a.pyc").write_bytes(b"")
+    assert step_diffs.files_of(tmp_path) == {"a.py", "b.py"}
+
+
+def test_step_diffs_detects_and_rewrites_a_stale_table(tmp_path):
+    readme = tmp_path / "README.md"
+    text = (REPO / "README.md").read_text()
+    stale = text.replace("| `step0_single_gpu` -> `step1_torch_ddp` |", "| `step0_single_gpu` -> `stepX` |")
+    assert stale != text
+    readme.write_text(stale)
+    assert tool("step_diffs.py", "--readme", readme).returncode == 1
+    assert tool("step_diffs.py", "--readme", readme, "--write").returncode == 0
+    assert readme.read_text() == text
+    readme.write_text("no markers here\n")
+    result = tool("step_diffs.py", "--readme", readme)
+    assert result.returncode == 2 and result.stderr.startswith("error: ")

@@ -1,0 +1,136 @@
+"""The shared pieces of common/ against closed forms and independent computations.
+
+Imported from common/, the origins: `test_copies_match_their_origin` proves every step folder holds
+the same bytes. No processes here, except the one test that reads the tour's step-1 run.
+"""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import metrics
+from checkpoint import find_checkpoint
+from config import UserError
+from training import clip_gradients, lr_at, param_norm
+
+
+# ---- checkpoint.find_checkpoint ----------------------------------------------------------------------
+
+def fake_checkpoint(out, name, meta=True):
+    folder = out / "checkpoints" / name
+    folder.mkdir(parents=True)
+    if meta:
+        (folder / "meta.json").write_text(json.dumps({"step": name}))
+    return folder
+
+
+def test_latest_checkpoint_is_the_highest_step_number_and_a_whole_one(tmp_path):
+    for name in ("step_2", "step_9", "step_10"):
+        fake_checkpoint(tmp_path, name)
+    fake_checkpoint(tmp_path, "step_11", meta=False)  # a folder that is not (yet) a checkpoint
+    fake_checkpoint(tmp_path, ".tmp_step_12")  # a checkpoint being written: not a checkpoint yet
+    # By name, "step_9" > "step_10": the order must be numeric.
+    assert find_checkpoint("latest", tmp_path) == tmp_path / "checkpoints" / "step_10"
+
+
+def test_resume_path_without_meta_and_empty_folder_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no checkpoint in"):
+        find_checkpoint("latest", tmp_path)
+    not_yet = fake_checkpoint(tmp_path, "step_3", meta=False)
+    with pytest.raises(UserError, match="no checkpoint there"):
+        find_checkpoint(str(not_yet), tmp_path)
+    whole = fake_checkpoint(tmp_path, "step_4")
+    assert find_checkpoint(str(whole), tmp_path) == whole
+
+
+# ---- training.lr_at: warm-up and cosine in closed form -----------------------------------------------
+
+SCHEDULE = {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 4, "steps": 10}
+
+
+def test_warmup_is_linear_and_starts_above_zero():
+    c = SCHEDULE
+    # The first optimiser step (step 0) already trains: lr/warmup, not 0.
+    assert lr_at(0, c) == c["lr"] * 1 / 4
+    assert [lr_at(s, c) for s in range(4)] == [c["lr"] * (s + 1) / 4 for s in range(4)]
+    assert lr_at(3, c) == c["lr"]  # the last warm-up step reaches the peak
+
+
+def test_cosine_decays_to_min_lr_on_the_last_step():
+    c = SCHEDULE
+    decay = c["steps"] - 1 - c["warmup_steps"]  # steps 4..9: progress 0/5 .. 5/5
+    for s in range(c["warmup_steps"], c["steps"]):
+        expected = c["min_lr"] + 0.5 * (1 + math.cos(math.pi * (s - 4) / decay)) * (c["lr"] - c["min_lr"])
+        assert lr_at(s, c) == pytest.approx(expected, rel=1e-15, abs=0), s
+    assert lr_at(4, c) == c["lr"]  # the cosine starts at the peak the warm-up reached one step earlier
+    assert lr_at(c["steps"] - 1, c) == c["min_lr"]
+    assert all(lr_at(s, c) > lr_at(s + 1, c) for s in range(4, 9))
+
+
+def test_schedule_without_warmup_and_with_one_step():
+    no_warmup = {**SCHEDULE, "warmup_steps": 0}
+    assert lr_at(0, no_warmup) == no_warmup["lr"]
+    assert lr_at(9, no_warmup) == no_warmup["min_lr"]
+    one_step = {**SCHEDULE, "warmup_steps": 0, "steps": 1}
+    assert lr_at(0, one_step) == one_step["lr"]  # no division by zero: the one step trains at the peak
+    assert lr_at(0, {**one_step, "warmup_steps": 2}) == one_step["lr"] / 2
+
+
+def test_a_trainer_records_the_closed_form_lr(step1_ws2):
+    """The lr a trainer logs for step k is lr_at(k - 1): the scheduler does not shift it by one step."""
+    m = metrics(step1_ws2)
+    c = m["config"]
+    assert c["warmup_steps"] == 2
+    assert m["records"][0]["lr"] == c["lr"] * 1 / c["warmup_steps"]
+    for r in m["records"]:
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, c), rel=1e-15), r["step"]
+
+
+# ---- training.param_norm: float64, not float32 -------------------------------------------------------
+
+def test_param_norm_is_the_float64_norm():
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(t) for t in (torch.randn(300, 200, generator=g) * 3,  # large
+                                              torch.randn(5000, generator=g) * 1e-3,  # small
+                                              0.1 + torch.rand(1000, generator=g))]
+    values = np.concatenate([p.detach().numpy().ravel() for p in params]).astype(np.float64)
+    exact = math.sqrt(math.fsum(values * values))  # each square exact in float64, the sum correctly rounded
+    float32 = torch.sqrt(sum(p.detach().pow(2).sum() for p in params)).item()  # what a float32 norm would give
+    assert abs(float32 - exact) / exact > 1e-9, "the data must tell a float32 accumulation apart"
+    assert abs(param_norm(params) - exact) / exact <= 1e-15
+
+
+# ---- training.clip_gradients: the rule of torch.nn.utils.clip_grad_norm_ -----------------------------
+
+def with_gradients(scale):
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((16, 8), (8,), (3, 5, 7))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * scale
+    return params
+
+
+@pytest.mark.parametrize("scale, max_norm, clipped", [(0.03, 0.3, True), (0.01, 1.0, False)],
+                         ids=["clipped", "below the limit"])
+def test_clipping_matches_pytorch(scale, max_norm, clipped):
+    """A norm of ~0.44 against a limit of 0.3: the coefficient's + 1e-6 changes it by ~2e-6, many ulps."""
+    ours, theirs = with_gradients(scale), with_gradients(scale)
+    unclipped = [p.grad.clone() for p in ours]
+    norm = clip_gradients(ours, max_norm)
+    their_norm = torch.nn.utils.clip_grad_norm_(theirs, max_norm, foreach=False)
+    # The norm: float64 sum of squares, rounded once; on this data PyTorch's float32 norm is the same
+    # number, so the coefficients can be compared bit for bit.
+    assert norm.dtype == torch.float32 and norm.item() == their_norm.item()
+    assert (norm.item() > max_norm) == clipped  # the returned norm is the one *before* clipping
+    for a, b, before in zip(ours, theirs, unclipped):
+        assert torch.equal(a.grad, b.grad)
+        assert torch.equal(a.grad, before) != clipped  # below the limit the gradients stay as they are
+
+
+def test_max_norm_zero_means_no_clipping():
+    params = with_gradients(1.0)
+    before = [p.grad.clone() for p in params]
+    norm = clip_gradients(params, 0.0)
+    assert norm.item() > 1 and all(torch.equal(p.grad, b) for p, b in zip(params, before))
