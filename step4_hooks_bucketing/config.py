@@ -92,11 +92,11 @@ def limit_memory(max_memory_mb: float | None, step: str) -> None:
     where torch's CPU tensors live (``brk`` and ``mmap`` both honour it since Linux 4.7). An allocation
     beyond it fails like any out-of-memory: torch raises, and ``exit_on_user_error`` turns that into
     one line. Why this limit and not ``RLIMIT_AS`` or an external ``prlimit``: docs/design.md."""
-    memory_budget.update(mb=max_memory_mb, step=step)
+    if max_memory_mb is not None and max_memory_mb <= 0:
+        raise UserError(f"--max-memory-mb must be positive, got {max_memory_mb:g}")
+    memory_budget.update(mb=None, step=step, start_mb=None)  # the budget is named once it is in force
     if max_memory_mb is None:
         return
-    if max_memory_mb <= 0:
-        raise UserError(f"--max-memory-mb must be positive, got {max_memory_mb:g}")
     held = data_memory_bytes()
     if held is None:
         raise UserError("--max-memory-mb needs Linux (/proc/self/status and RLIMIT_DATA); run without it")
@@ -105,9 +105,9 @@ def limit_memory(max_memory_mb: float | None, step: str) -> None:
     if hard != resource.RLIM_INFINITY and limit > hard:
         raise UserError(f"--max-memory-mb {max_memory_mb:g} goes past this process's hard data limit "
                         f"({hard / 2**20:,.0f} MiB, {held / 2**20:,.0f} MiB of it already held); lower it")
-    memory_budget.update(start_mb=held / 2**20)
     release_freed_blocks()
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    memory_budget.update(mb=max_memory_mb, start_mb=held / 2**20)
 
 
 def release_freed_blocks(threshold: int = 2**20) -> None:

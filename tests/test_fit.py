@@ -4,6 +4,9 @@ and step 7 (ZeRO-3) trains at 4 ranks."""
 import os
 import socket
 import subprocess
+import sys
+
+import pytest
 
 import estimate  # compare/, on the path through conftest
 from conftest import REPO, STEPS, metrics, trainer_command
@@ -50,3 +53,40 @@ def test_a_model_that_does_not_fit_on_one_rank_trains_sharded(tmp_path, small_co
     for memory in run["records"][-1]["memory"]:  # each rank holds a quarter of the 16Ψ that did not fit
         state = memory["params"] + memory["grads"] + memory["optimizer_state"]
         assert abs(state / (16 * psi / 4) - 1) < 0.02, state
+
+
+def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO / "common", capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_out_of_memory_is_one_line_and_exit_2_and_other_errors_keep_their_traceback():
+    oom = run_python("import config\n"
+                     "def main():\n"
+                     "    raise RuntimeError(\"[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
+                     "memory: you tried to allocate 16777216 bytes. Error code 12 (Cannot allocate memory)\")\n"
+                     "config.memory_budget.update(mb=64, step='step6_zero2', start_mb=400)\n"
+                     "config.exit_on_user_error(main)", env={"RANK": "1", "WORLD_SIZE": "4"})
+    assert oom.returncode == 2 and oom.stderr.count("\n") == 1, oom.stderr
+    assert oom.stderr.startswith("error: out of memory: rank 1 of 4 could not allocate 16.0 MiB more within "
+                                 "--max-memory-mb 64 (RLIMIT_DATA: 400 MiB held at start-up + 64 MiB); "
+                                 "step6_zero2 keeps the weights on every rank"), oom.stderr
+    python_oom = run_python("import config\n"
+                            "def main():\n"
+                            "    return [0] * (2**62)\n"
+                            "config.exit_on_user_error(main)")
+    assert python_oom.returncode == 2 and python_oom.stderr.startswith("error: out of memory: this process could not "
+                                                                       "get more memory"), python_oom.stderr
+    other = run_python("import config\n"
+                       "def main():\n"
+                       "    raise RuntimeError('a bug')\n"
+                       "config.exit_on_user_error(main)")
+    assert other.returncode == 1 and "Traceback" in other.stderr and "a bug" in other.stderr
+
+
+def test_a_budget_that_cannot_be_one_is_a_user_error():
+    """Checked while the flags are parsed, before any limit is set (so, safely, in this process)."""
+    import config
+    for value in (0, -5):
+        with pytest.raises(config.UserError, match=f"--max-memory-mb must be positive, got {value}"):
+            config.parse_config(config.build_parser("step0_single_gpu"), ["--max-memory-mb", str(value)])
