@@ -6,42 +6,60 @@ per rank and communication per optimiser step, ours next to PyTorch's.
     torchrun --standalone --nproc_per_node=2 compare/bench.py --rounds 9 --steps-per-round 10 --bucket-cap-mb 0.25
 
 Rows (``--strategies`` takes the keys or the names, comma-separated; default: all available). A row
-whose module is missing or unfinished is left out with a one-line note; a row's PyTorch counterpart
-and PyTorch DDP are added when the row is asked for without them (they are what its ratios divide by).
+whose module is missing or unfinished is left out with a one-line note; a row's counterpart and
+PyTorch DDP are added when the row is asked for without them (they are what its ratios divide by),
+and so are the counterpart's own (``zero3-no-prefetch`` brings ``zero3``, which brings its FSDP2 row).
 
-    key          name                  what runs                                          counterpart
-    ddp          pytorch DDP           DistributedDataParallel + AdamW                    -
-    bucketed     BucketedDDP (step 4)  step4_hooks_bucketing/bucketed_ddp.py + AdamW      pytorch DDP
-    naive        naive (step 3)        step3_naive_dp/naive_dp.py + AdamW                 pytorch DDP
-    torch-zero1  pytorch ZeRO-1        DDP + ZeroRedundancyOptimizer(AdamW)               -
-    zero1        ZeRO-1 (step 5)       BucketedDDP + step5_zero1/zero1.py                 pytorch ZeRO-1
-                                       ShardedOptimizer(AdamW)
-    torch-fsdp2  pytorch FSDP2 ZeRO-2  fully_shard(each block, then the root,             -
-                                       reshard_after_forward=False) + AdamW
-    zero2        ZeRO-2 (step 6)       step6_zero2/zero2.py ShardedGradientDDP +          pytorch FSDP2 ZeRO-2
-                                       ShardedOptimizer(AdamW) over its buckets and shards
+    key                name                         what runs                                   counterpart
+    ddp                pytorch DDP                  DistributedDataParallel + AdamW             -
+    bucketed           BucketedDDP (step 4)         step4_hooks_bucketing/bucketed_ddp.py       pytorch DDP
+                                                    + AdamW
+    naive              naive (step 3)               step3_naive_dp/naive_dp.py + AdamW          pytorch DDP
+    torch-zero1        pytorch ZeRO-1               DDP + ZeroRedundancyOptimizer(AdamW)        -
+    zero1              ZeRO-1 (step 5)              BucketedDDP + step5_zero1/zero1.py          pytorch ZeRO-1
+                                                    ShardedOptimizer(AdamW)
+    torch-fsdp2        pytorch FSDP2 ZeRO-2         fully_shard(each block, then the root,      -
+                                                    reshard_after_forward=False) + AdamW
+    zero2              ZeRO-2 (step 6)              step6_zero2/zero2.py ShardedGradientDDP +   pytorch FSDP2 ZeRO-2
+                                                    ShardedOptimizer(AdamW) over its buckets
+    torch-fsdp2-zero3  pytorch FSDP2 ZeRO-3         fully_shard(each block,                     -
+                                                    reshard_after_forward=True), then the root
+                                                    (default: kept gathered for backward) + AdamW
+    zero3              ZeRO-3 (step 7)              step7_zero3/zero3.py FullyShardedDP over    pytorch FSDP2 ZeRO-3
+                                                    the blocks, built on the meta device as
+                                                    step7_zero3/train.py builds it; a plain
+                                                    AdamW over this rank's pieces
+    zero3-no-prefetch  ZeRO-3 no prefetch (step 7)  the same with prefetch=False: each unit     ZeRO-3 (step 7)
+                                                    gathered only when it is needed
 
-Method. Every row builds the default GPT-2 (same weights) and trains it on the same random tokens
-(vocabulary 2,048; micro-batch x accumulation from the flags; ``no_sync`` on all but the last
-micro-batch); float32, no clipping, no LR schedule: what differs between rows is the
-synchronisation and the optimiser. Each round runs every row for ``--steps-per-round`` optimiser
-steps, in an order that rotates by one each round (no row always first or always after the same
-neighbour), between barriers; round 0 is a warm-up and is not timed. Reported, on rank 0:
+The no-prefetch row's counterpart is our own prefetching row, so its ``vs counterpart`` ratio is
+the prefetch's effect alone (above 1.0: gathering on demand was faster).
+
+Method. Every row builds the default GPT-2 (same weights: ZeRO-3 fills its shards from the same
+``initial_value``) and trains it on the same random tokens (vocabulary 2,048; micro-batch x
+accumulation from the flags; ``no_sync`` on all but the last micro-batch); float32, no clipping,
+no LR schedule: what differs between rows is the synchronisation and the optimiser. Each round
+runs every row for ``--steps-per-round`` optimiser steps, in an order that rotates by one each
+round (no row always first or always after the same neighbour), between barriers; round 0 is a
+warm-up and is not timed. Reported, on rank 0:
 
 - median optimiser-step time over the rounds (rank 0's clock) with min and max, and tokens/s;
 - ``vs counterpart`` = counterpart's median time / the row's (above 1.0: the row is faster), and
   the same ratio taken round by round (the two ran in the same round, so a slow phase of the
   machine hits both), as median [min, max]; ``vs DDP`` the same against PyTorch DDP;
-- bytes per rank, measured on every rank in the last warm-up step and gathered: parameters,
-  gradients right after the sync point (before zero_grad; ZeRO-2: the gradient shards) and
-  optimiser state (after the step). Local shards only, for DTensors. Communication buffers
-  (DDP's and BucketedDDP's buckets) are not counted, as in the trainers' records;
+- bytes per rank, measured on every rank in the last warm-up step and gathered: parameters
+  (ZeRO-3: this rank's shard of every unit, padding included), gradients right after the sync
+  point (before zero_grad; ZeRO-2 and ZeRO-3: the gradient shards) and optimiser state (after the
+  step). Local shards only, for DTensors. Communication buffers (DDP's and BucketedDDP's buckets)
+  and ZeRO-3's gathered units (held only while a unit computes) are not counted, as in the
+  trainers' records;
 - bytes per optimiser step handed to each kind of collective, per rank: our rows count them
   (``count_collective``, in the last warm-up step); PyTorch's rows show analytic figures (DDP:
   all-reduce = gradient bytes; ZeroRedundancyOptimizer adds a broadcast of every parameter;
-  FSDP2: an all-gather of every parameter per micro-batch (the parameters are resharded after
-  each backward) and one reduce-scatter of the gradients, each counted as the whole gathered or
-  scattered buffer, padding included).
+  FSDP2 ZeRO-2: an all-gather of every parameter per micro-batch (the parameters are resharded
+  after each backward) and one reduce-scatter of the gradients; FSDP2 ZeRO-3: per micro-batch,
+  every parameter for forward and the blocks again for backward (the root stays gathered), and
+  one reduce-scatter; each counted as the whole gathered or scattered buffer, padding included).
 
 Output: the tables on rank 0, a PNG (``--png``) with the time ratios and the per-rank memory, and
 the same numbers as JSON beside it. CPU and gloo only; one thread per rank.
@@ -62,18 +80,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import GPT2LMHeadModel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The shared modules come from common/ (the masters of the step folders' verbatim copies); each
 # step's own module from its folder. Where a name exists in two folders the first listed wins:
-# bucketed_ddp.py is step 4's (step 5 holds a copy), zero1.py step 5's (step 6 holds a copy).
+# bucketed_ddp.py is step 4's (step 5 holds a copy), zero1.py step 5's (steps 6 and 7 hold copies).
 # One `distributed` module is loaded, so every step module adds to the same comm_bytes counter.
-FOLDERS = ("common", "step4_hooks_bucketing", "step3_naive_dp", "step5_zero1", "step6_zero2")
+FOLDERS = ("common", "step4_hooks_bucketing", "step3_naive_dp", "step5_zero1", "step6_zero2", "step7_zero3")
 sys.path[:0] = [str(REPO_ROOT / folder) for folder in FOLDERS]
 import distributed  # noqa: E402
 from bucketed_ddp import BucketedDDP  # noqa: E402
 from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
-from model import build_model, language_model_loss  # noqa: E402
+from model import build_model, gpt2_config, initial_value, language_model_loss  # noqa: E402
 from naive_dp import allreduce_gradients, broadcast_parameters  # noqa: E402
 from seeding import seed_everything  # noqa: E402
 from training import adamw_options, adamw_param_groups  # noqa: E402
@@ -133,7 +152,7 @@ class Strategy:
 
     def __init__(self, config: dict):
         self.config = config
-        self.model = build_model(config, VOCAB_SIZE, config["seed"])
+        self.model = self.build()
         self.total_bytes = local_bytes(self.model.parameters())  # before sharding: the whole model
         self.wrapped = self.wrap(self.model)
         self.optimizer = self.make_optimizer()
@@ -144,6 +163,9 @@ class Strategy:
         if cls.module_needed is None:
             return None
         return optional_module(*cls.module_needed)[1]
+
+    def build(self):
+        return build_model(self.config, VOCAB_SIZE, self.config["seed"])
 
     def wrap(self, model):
         return model
@@ -163,6 +185,9 @@ class Strategy:
     def gradients(self):
         return [p.grad for p in self.model.parameters()]
 
+    def held_parameters(self):
+        return self.model.parameters()
+
     def optimizer_state(self) -> int:
         return state_bytes(self.optimizer.state)
 
@@ -179,7 +204,7 @@ class Strategy:
             probe["grads"] = local_bytes(self.gradients())
         self.optimizer.step()
         if probe is not None:
-            probe["params"] = local_bytes(self.model.parameters())
+            probe["params"] = local_bytes(self.held_parameters())
             probe["optimizer_state"] = self.optimizer_state()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -246,8 +271,14 @@ class Zero1(Bucketed):
         self.optimizer.take_gradient_slices()
 
 
+def padded_bytes(params, world_size: int) -> int:
+    """What FSDP2 moves for ``params``: every parameter's dim 0 padded to a multiple of the world size."""
+    return sum(-(-p.shape[0] // world_size) * world_size * math.prod(p.shape[1:]) * p.element_size() for p in params)
+
+
 class TorchFSDP2(Strategy):
     key, name, pytorch = "torch-fsdp2", "pytorch FSDP2 ZeRO-2", True
+    reshard_after_forward = root_reshard_after_forward = False
 
     @classmethod
     def unavailable(cls):
@@ -260,12 +291,11 @@ class TorchFSDP2(Strategy):
     def wrap(self, model):
         from torch.distributed.fsdp import fully_shard
         world_size = dist.get_world_size()
-        # What goes over the wire: every parameter's dim 0 padded to a multiple of the world size.
-        self.padded_bytes = sum(-(-p.shape[0] // world_size) * world_size * math.prod(p.shape[1:]) * p.element_size()
-                                for p in model.parameters())
+        self.padded_bytes = padded_bytes(model.parameters(), world_size)  # what goes over the wire
+        self.padded_block_bytes = sum(padded_bytes(block.parameters(), world_size) for block in model.transformer.h)
         for block in model.transformer.h:
-            fully_shard(block, reshard_after_forward=False)
-        fully_shard(model, reshard_after_forward=False)
+            fully_shard(block, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model, reshard_after_forward=self.root_reshard_after_forward)
         return model
 
     def micro_batch(self, syncing):
@@ -303,7 +333,54 @@ class Zero2(Strategy):
         return self.wrapped.gradient_shards
 
 
-STRATEGIES = (TorchDDP, Bucketed, Naive, TorchZero1, Zero1, TorchFSDP2, Zero2)
+class TorchFSDP2Zero3(TorchFSDP2):
+    key, name = "torch-fsdp2-zero3", "pytorch FSDP2 ZeRO-3"
+    reshard_after_forward = True  # the blocks
+    root_reshard_after_forward = None  # FSDP2's default for the root: kept gathered from forward to backward
+
+    def analytic_comm(self):
+        # Per micro-batch: every parameter gathered for forward, the blocks again for backward (the
+        # root stays gathered); one reduce-scatter per optimiser step (no_sync accumulates unsharded).
+        accum = self.config["grad_accum"]
+        return {"all_gather": accum * (self.padded_bytes + self.padded_block_bytes), "reduce_scatter": self.padded_bytes}
+
+
+class Zero3(Strategy):
+    key, name, counterpart = "zero3", "ZeRO-3 (step 7)", "pytorch FSDP2 ZeRO-3"
+    module_needed = ("zero3", "step7_zero3", ("FullyShardedDP",))
+    prefetch = True
+
+    def build(self):
+        # As step7_zero3/train.py builds it: shapes only, on the meta device; FullyShardedDP fills each
+        # rank's slices from initial_value, so the weights are every other row's.
+        with torch.device("meta"):
+            return GPT2LMHeadModel(gpt2_config(self.config, VOCAB_SIZE))
+
+    def wrap(self, model):
+        zero3 = importlib.import_module("zero3")
+        seed, n_layer = self.config["seed"], self.config["n_layer"]
+        return zero3.FullyShardedDP(model, model.transformer.h, init_fn=lambda name, shape: initial_value(
+            name, shape, seed, n_layer), device="cpu", prefetch=self.prefetch)
+
+    # make_optimizer: the default, a plain AdamW over model.named_parameters(): this rank's pieces
+
+    def synchronize(self):
+        self.wrapped.finish_gradient_synchronization()
+
+    def gradients(self):
+        return self.wrapped.gradient_shards
+
+    def held_parameters(self):
+        return self.wrapped.parameter_shards  # the pieces are views of these, padding included
+
+
+class Zero3NoPrefetch(Zero3):
+    key, name, counterpart = "zero3-no-prefetch", "ZeRO-3 no prefetch (step 7)", "ZeRO-3 (step 7)"
+    prefetch = False
+
+
+STRATEGIES = (TorchDDP, Bucketed, Naive, TorchZero1, Zero1, TorchFSDP2, Zero2, TorchFSDP2Zero3, Zero3,
+              Zero3NoPrefetch)
 BY_NAME = {s.name: s for s in STRATEGIES}
 
 
@@ -319,16 +396,18 @@ def choose(requested: str | None) -> tuple[list, list[str]]:
                 raise UserError(f"--strategies: unknown '{item}'; choose from "
                                 f"{', '.join(s.key for s in STRATEGIES)} (or their names)")
             wanted.append(lookup[item.lower()])
-    notes, chosen = [], set()
-    for strategy in wanted:
+    notes, chosen, queue = [], set(), list(wanted)
+    while queue:  # a reference added brings its own (no prefetch -> ZeRO-3 (step 7) -> FSDP2 ZeRO-3)
+        strategy = queue.pop(0)
         why = strategy.unavailable()
         if why:
             notes.append(f"{strategy.name}: left out: {why}")
             continue
         chosen.add(strategy)
         for reference in (BY_NAME.get(strategy.counterpart), TorchDDP):
-            if reference and reference not in chosen and reference not in wanted and not reference.unavailable():
-                chosen.add(reference)
+            if reference and reference not in chosen and reference not in queue and reference not in wanted \
+                    and not reference.unavailable():
+                queue.append(reference)
                 notes.append(f"{reference.name}: added as the reference of {strategy.name}")
     if step6_copy_differs():
         notes.append("step6_zero2/zero1.py differs from step5_zero1/zero1.py (run common/sync_copies.py): "
@@ -479,7 +558,7 @@ def plot(summary: dict, path: Path, title: str, notes: list[str]) -> None:
     rows = summary["rows"]
     names = list(rows)
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.6 * len(names) + 3.5), dpi=110)
-    for offset, key, label, color in ((-0.2, "vs_counterpart", "vs PyTorch counterpart", "C0"),
+    for offset, key, label, color in ((-0.2, "vs_counterpart", "vs counterpart", "C0"),
                                       (0.2, "vs_ddp", "vs PyTorch DDP", "C1")):
         ys, values, low, high = [], [], [], []
         for i, name in enumerate(names):

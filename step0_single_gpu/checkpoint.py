@@ -21,7 +21,7 @@ FORMAT_VERSION = 1
 
 # Flags that may change when resuming: they say where to write, what to print and how long to wait,
 # not what to compute. Every other flag must be the checkpoint's.
-RESUMABLE_KEYS = ("out", "save_every", "resume", "quiet", "timeout_s", "trace")
+RESUMABLE_KEYS = ("out", "save_every", "resume", "quiet", "timeout_s", "trace", "max_memory_mb")
 
 
 def _barrier():

@@ -10,6 +10,10 @@ import os
 from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at run time, ever: the corpus is a local file
+# pyarrow (under datasets) defaults to jemalloc, which reserves about 1 GiB of address space as it loads:
+# memory nobody uses, but data memory to the OS, so it would eat most of a --max-memory-mb budget
+# (RLIMIT_DATA). The system allocator takes only what the corpus needs. (docs/design.md, memory budget)
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
 import datasets  # noqa: E402
 import torch  # noqa: E402

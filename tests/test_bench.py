@@ -10,13 +10,16 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, init_gloo, spawn
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--micro-batch-size", "2",
         "--rounds", "1", "--steps-per-round", "1", "--timeout-s", "60"]
 ALWAYS = ["pytorch DDP", "BucketedDDP (step 4)", "naive (step 3)", "pytorch ZeRO-1"]
 OURS_ZERO = {"ZeRO-1 (step 5)": ("step5_zero1/zero1.py", "class ShardedOptimizer"),
-             "ZeRO-2 (step 6)": ("step6_zero2/zero2.py", "class ShardedGradientDDP")}
+             "ZeRO-2 (step 6)": ("step6_zero2/zero2.py", "class ShardedGradientDDP"),
+             "ZeRO-3 (step 7)": ("step7_zero3/zero3.py", "class FullyShardedDP"),
+             "ZeRO-3 no prefetch (step 7)": ("step7_zero3/zero3.py", "class FullyShardedDP")}
+FSDP2 = ("pytorch FSDP2 ZeRO-2", "pytorch FSDP2 ZeRO-3")
 
 
 def bench(*args, nproc: int = 2, **kwargs) -> subprocess.CompletedProcess:
@@ -48,8 +51,8 @@ def test_every_available_row_is_in_the_table(every_row):
     rows = table_rows(stdout)
     assert rows == list(numbers["rows"])
     assert set(ALWAYS) <= set(rows)
-    fsdp2 = "pytorch FSDP2 ZeRO-2"
-    assert fsdp2 in rows or f"note: {fsdp2}: left out:" in stdout
+    for fsdp2 in FSDP2:
+        assert fsdp2 in rows or f"note: {fsdp2}: left out:" in stdout
     for name, (path, definition) in OURS_ZERO.items():
         file = REPO / path
         if file.is_file() and definition in file.read_text():
@@ -94,6 +97,85 @@ def test_memory_per_rank_matches_each_strategy(every_row):
         ours = mem["ZeRO-2 (step 6)"]
         assert ours["params"] == [whole] * 2
         assert about_half(ours["grads"], whole) and about_half(ours["optimizer_state"], adam)
+    if "pytorch FSDP2 ZeRO-3" in mem:  # at rest, as FSDP2 ZeRO-2: only when the blocks are gathered differs
+        fsdp = mem["pytorch FSDP2 ZeRO-3"]
+        assert about_half(fsdp["params"], whole) and about_half(fsdp["grads"], whole)
+        assert about_half(fsdp["optimizer_state"], adam)
+    for name in ("ZeRO-3 (step 7)", "ZeRO-3 no prefetch (step 7)"):
+        if name in mem:  # parameters split too: each rank holds 1/N of DDP's bytes of every kind (+ padding)
+            ours = mem[name]
+            ddp = mem["pytorch DDP"]
+            # padding: under one element per unit (the root and the one block), on the last rank
+            assert all(0.5 * d <= v <= 0.5 * d + 4 * 2 for v, d in zip(ours["params"], ddp["params"]))
+            assert about_half(ours["grads"], whole) and about_half(ours["optimizer_state"], adam)
+            assert sum(ours["params"]) >= whole  # every element is on some rank
+
+
+def test_zero3_rows_count_what_fsdp2_is_said_to_move(every_row):
+    """Our ZeRO-3 counts its collectives; PyTorch's row states them analytically: the same bytes (same
+    units: the blocks, and a root kept gathered through backward)."""
+    _, numbers, _ = every_row
+    rows = numbers["rows"]
+    if "ZeRO-3 (step 7)" not in rows or "pytorch FSDP2 ZeRO-3" not in rows:
+        pytest.skip("a ZeRO-3 row is not available here")
+    for name in ("ZeRO-3 (step 7)", "ZeRO-3 no prefetch (step 7)"):
+        for ours in rows[name]["comm"]:
+            reference = rows["pytorch FSDP2 ZeRO-3"]["comm"][0]
+            # The same kinds; our padding is per unit, FSDP2's per tensor's dim 0: within 1%.
+            assert set(ours) == {"all_gather", "reduce_scatter"}
+            for kind in ours:
+                assert abs(ours[kind] / reference[kind] - 1) < 0.01, (name, kind, ours, reference)
+    assert rows["ZeRO-3 no prefetch (step 7)"]["counterpart"] == "ZeRO-3 (step 7)"
+    assert "vs_counterpart" in rows["ZeRO-3 no prefetch (step 7)"]  # the prefetch's effect, as a ratio
+
+
+def test_fsdp2_analytic_comm_is_what_fsdp2_hands_to_gloo():
+    """The PyTorch FSDP2 rows' analytic bytes, checked by counting FSDP2's own calls to the collectives."""
+    if bench_module().TorchFSDP2.unavailable():
+        pytest.skip("this torch has no fully_shard")
+    results = spawn(count_fsdp2_collectives, 2)
+    for counted, analytic in results.values():
+        assert counted == analytic
+
+
+def bench_module():
+    sys.path.insert(0, str(REPO / "compare"))
+    import bench as module
+    return module
+
+
+def count_fsdp2_collectives(rank, world_size, port, queue):
+    init_gloo(rank, world_size, port)
+    bench = bench_module()
+    import collections
+    import torch
+    import torch.distributed as dist
+    counted = collections.Counter()
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def all_gather_single(output, *args, **kwargs):
+        counted["all_gather"] += output.numel() * output.element_size()
+        return gather(output, *args, **kwargs)
+
+    def reduce_scatter_single(output, input, *args, **kwargs):
+        counted["reduce_scatter"] += input.numel() * input.element_size()
+        return scatter(output, input, *args, **kwargs)
+
+    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    config = {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 16, "dropout": 0.0, "seed": 1, "grad_accum": 2,
+              "lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "bucket_cap_mb": 25.0}
+    tokens = [torch.randint(0, bench.VOCAB_SIZE, (2, 17), generator=torch.Generator().manual_seed(rank + i))
+              for i in range(2)]
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    result = {}
+    for cls in (bench.TorchFSDP2, bench.TorchFSDP2Zero3):
+        strategy = cls(config)
+        strategy.step(batches)  # the first step sets FSDP2 up; the second is the steady state
+        counted.clear()
+        strategy.step(batches)
+        result[cls.name] = (dict(counted), strategy.analytic_comm())
+    dist.destroy_process_group()
+    queue.put((rank, ([r[0] for r in result.values()], [r[1] for r in result.values()])))
 
 
 def test_one_row_brings_its_references_and_runs_as_a_world_of_one(tmp_path):
@@ -101,4 +183,15 @@ def test_one_row_brings_its_references_and_runs_as_a_world_of_one(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert table_rows(result.stdout) == ["pytorch DDP", "BucketedDDP (step 4)"]
     assert "note: pytorch DDP: added as the reference of BucketedDDP (step 4)" in result.stdout
+
+
+def test_no_prefetch_row_brings_its_references_in_turn():
+    bench = bench_module()
+    if bench.Zero3.unavailable() or bench.TorchFSDP2Zero3.unavailable():
+        pytest.skip("a ZeRO-3 row is not available here")
+    classes, notes = bench.choose("zero3-no-prefetch")
+    assert [c.name for c in classes] == ["pytorch DDP", "pytorch FSDP2 ZeRO-3", "ZeRO-3 (step 7)",
+                                         "ZeRO-3 no prefetch (step 7)"]
+    assert "ZeRO-3 (step 7): added as the reference of ZeRO-3 no prefetch (step 7)" in notes
+    assert "pytorch FSDP2 ZeRO-3: added as the reference of ZeRO-3 (step 7)" in notes
 

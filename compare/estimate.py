@@ -1,0 +1,237 @@
+"""Before launching: the bytes each rank will hold, per step and world size, from the trainer flags.
+
+    python compare/estimate.py                                   # the default config, world sizes 1-4
+    python compare/estimate.py --n-layer 16 --n-embd 1024 --n-head 16 --micro-batch-size 1 \\
+        --world-sizes 1,2,4 --budget-mb 2048                     # step 7's "does not fit on one rank" demo
+
+Nothing is allocated: GPT-2 is built on the meta device from the flags the trainers take (--n-layer,
+--n-embd, --n-head, --seq-len, the vocabulary of --tokenizer), so Ψ and every tensor's shape are
+exact. Then, with float32 parameters and AdamW (two moments and a 4-byte step count per tensor it
+steps), per rank:
+
+    step                 parameters         gradients          optimizer state
+    DDP (steps 0-4)      4Ψ                 4Ψ                 8Ψ
+    ZeRO-1 (step 5)      4Ψ                 4Ψ                 8Ψ/N   one flat range, cut N ways
+    ZeRO-2 (step 6)      4Ψ                 4Ψ/N               8Ψ/N   the gradient buckets, each cut N ways
+    ZeRO-3 (step 7)      4Ψ/N               4Ψ/N               8Ψ/N   units (root, each block), each cut N ways
+
+each computed element by element with the layouts the steps use (padding to a multiple of N, on the
+last rank; one step count per piece a rank steps): these are the numbers each record's ``memory``
+holds in metrics.json (``tests/test_estimate.py`` checks them against real runs). For step 7 also
+the parameters gathered at once: the root (kept from forward to backward) and two blocks (one
+computing, the next prefetched; one with --no-prefetch). ``activations``: what autograd saves for
+backward in one micro-batch of --micro-batch-size x --seq-len (a forward on the meta device,
+counted by ``saved_tensors_hooks``; the same in every step, and released by each backward).
+
+``total`` adds them up for the rank that holds most. With ``--budget-mb`` (the trainers'
+``--max-memory-mb``: what a rank may allocate beyond its start-up) each row says whether that total
+fits and what is left. Not counted, and the reason to leave headroom: communication buffers (DDP's
+and steps 4-5's buckets, 4Ψ; step 6's buckets until launched), the copies gloo makes of a gathered or
+reduce-scattered unit, the gradient of the unit in backward (step 7), the corpus, the process
+group's threads, and the allocator's own slack (step 7's README measures them on its demo).
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, model.py, as every step has them
+from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
+from model import gpt2_config  # noqa: E402
+from training import adamw_param_groups  # noqa: E402
+
+STEPS = ("DDP (steps 0-4)", "ZeRO-1 (step 5)", "ZeRO-2 (step 6)", "ZeRO-3 (step 7)")
+KINDS = ("params", "grads", "optimizer_state")
+BYTES = 4  # float32 parameters, gradients and moments
+STEP_COUNT_BYTES = 4  # AdamW's per-tensor step, a float32 scalar tensor
+# The trainer flags an estimate reads; the others are accepted (so a trainer's command line can be pasted) and hidden.
+USED_FLAGS = {"n_layer", "n_embd", "n_head", "seq_len", "tokenizer", "micro_batch_size", "dropout"}
+
+
+class Model:
+    """GPT-2 of a config on the meta device: names, shapes and units, no memory."""
+
+    def __init__(self, config: dict, vocab_size: int):
+        from transformers import GPT2LMHeadModel
+        self.config, self.vocab_size = config, vocab_size
+        with torch.device("meta"):
+            self.module = GPT2LMHeadModel(gpt2_config(config, vocab_size))
+        self.named = [(name, p.numel()) for name, p in self.module.named_parameters()]  # a tied tensor once
+        self.psi = sum(n for _, n in self.named)
+        blocks = [f"transformer.h.{i}." for i in range(config["n_layer"])]
+        # step 7's units: the root (every parameter outside a block), then each block, in order
+        self.units = [[n for name, n in self.named if not any(name.startswith(b) for b in blocks)]]
+        self.units += [[n for name, n in self.named if name.startswith(b)] for b in blocks]
+
+    def optimizer_order(self) -> list[int]:
+        """The sizes in the order the steps' AdamW groups list them (decayed first): step 5's one flat range."""
+        index = {p: i for i, (p) in enumerate(self.module.parameters())}
+        sizes = [n for _, n in self.named]
+        groups = adamw_param_groups(self.module.named_parameters(), self.config)
+        return [sizes[index[p]] for group in groups for p in group["params"]]
+
+    def gradient_buckets(self, bucket_cap_mb: float, first_bucket_cap_mb: float = 1.0) -> list[list[int]]:
+        """Step 6's buckets: the parameters in gradient-ready order (reversed), closed once a cap is reached."""
+        buckets, current, size = [], [], 0
+        for n in [n for _, n in self.named][::-1]:
+            current.append(n)
+            size += n * BYTES
+            if size >= (min(first_bucket_cap_mb, bucket_cap_mb) if not buckets else bucket_cap_mb) * 2**20:
+                buckets.append(current)
+                current, size = [], 0
+        return buckets + ([current] if current else [])
+
+    def activation_bytes(self, micro_batch_size: int) -> int:
+        """Bytes autograd saves for backward in one micro-batch (the weights themselves left out)."""
+        weights = {p.untyped_storage()._cdata for p in self.module.parameters()}
+        saved = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage._cdata not in weights:
+                saved[storage._cdata] = storage.nbytes()
+            return tensor
+
+        device = next(self.module.parameters()).device  # meta: no memory (a real model gives the same count)
+        tokens = torch.zeros(micro_batch_size, self.config["seq_len"], dtype=torch.long, device=device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logits = self.module(input_ids=tokens).logits
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+        return sum(saved.values())
+
+
+def cut(ranges: list[list[int]], world_size: int) -> list[tuple[int, int, int]]:
+    """Each flat range of tensors padded to a multiple of N and cut N ways (zero1.cut_into_pieces,
+    zero3.Unit): per rank, (elements held including padding, elements owned, pieces owned)."""
+    held, owned, pieces = [0] * world_size, [0] * world_size, [0] * world_size
+    for sizes in ranges:
+        shard = -(-sum(sizes) // world_size)
+        begin = 0
+        for n in sizes:
+            for r in range(world_size):
+                lo, hi = max(begin, r * shard), min(begin + n, (r + 1) * shard)
+                owned[r] += max(0, hi - lo)
+                pieces[r] += hi > lo
+            begin += n
+        for r in range(world_size):
+            held[r] += shard
+    return list(zip(held, owned, pieces))
+
+
+def predict(model: Model, step: str, world_size: int, bucket_cap_mb: float = 25.0, prefetch: bool = True) -> list[dict]:
+    """Bytes per rank of ``step`` at ``world_size``, as the trainers record them (after the optimiser step)."""
+    whole, tensors = model.psi * BYTES, len(model.named)
+    adam = lambda owned, pieces: 2 * BYTES * owned + STEP_COUNT_BYTES * pieces  # noqa: E731
+    if step == STEPS[0]:
+        return [{"params": whole, "grads": whole, "optimizer_state": adam(model.psi, tensors)}] * world_size
+    if step == STEPS[1]:
+        return [{"params": whole, "grads": whole, "optimizer_state": adam(owned, pieces)}
+                for _, owned, pieces in cut([model.optimizer_order()], world_size)]
+    if step == STEPS[2]:
+        return [{"params": whole, "grads": BYTES * held, "optimizer_state": adam(owned, pieces)}
+                for held, owned, pieces in cut(model.gradient_buckets(bucket_cap_mb), world_size)]
+    if step == STEPS[3]:
+        padded = [-(-sum(unit) // world_size) * world_size for unit in model.units]  # Lp of each unit
+        in_flight = padded[0] + sum(sorted(padded[1:], reverse=True)[: 2 if prefetch else 1])
+        # every rank keeps a piece of every tensor, empty or not, and AdamW counts steps for each
+        return [{"params": BYTES * held, "grads": BYTES * held, "optimizer_state": adam(owned, tensors),
+                 "gathered": BYTES * in_flight} for held, owned, _ in cut(model.units, world_size)]
+    raise ValueError(f"no estimate for {step!r}; steps: {', '.join(STEPS)}")
+
+
+def vocabulary_size(tokenizer: str) -> int:
+    from transformers import PreTrainedTokenizerFast
+    return len(PreTrainedTokenizerFast(tokenizer_file=tokenizer))  # what data.load_corpus gives the trainers
+
+
+def estimate(config: dict, world_sizes: list[int], bucket_cap_mb: float = 25.0, prefetch: bool = True) -> dict:
+    model = Model(config, vocabulary_size(config["tokenizer"]))
+    activations = model.activation_bytes(config["micro_batch_size"])
+    rows = []
+    for step in STEPS:
+        for world_size in world_sizes:
+            ranks = predict(model, step, world_size, bucket_cap_mb, prefetch)
+            totals = [sum(r.values()) + activations for r in ranks]
+            rows.append({"step": step, "world_size": world_size, "ranks": ranks, "activations": activations,
+                         "total": max(totals), "rank": totals.index(max(totals))})
+    return {"psi": model.psi, "tensors": len(model.named), "vocab_size": model.vocab_size,
+            "units": [sum(unit) for unit in model.units], "rows": rows}
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def report(config: dict, result: dict, budget_mb: float | None, prefetch: bool) -> str:
+    psi, units = result["psi"], result["units"]
+    lines = [f"GPT-2 n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head {config['n_head']}, seq_len "
+             f"{config['seq_len']}, vocabulary {result['vocab_size']:,} ({Path(config['tokenizer']).name}): "
+             f"Ψ = {psi:,} parameters in {result['tensors']} tensors",
+             f"(root {units[0]:,}, each block {units[1] if len(units) > 1 else 0:,}); float32, AdamW; full training "
+             f"state 16Ψ = {mib(16 * psi)} MiB; micro-batch {config['micro_batch_size']} x {config['seq_len']} tokens",
+             "",
+             f"MiB per rank, the rank holding most (ZeRO ranks differ by padding; --json has every rank). "
+             f"gathered: step 7's units in flight (root + {'two blocks' if prefetch else 'one block'})"]
+    header = (f"{'step':<17}{'ranks':>5}{'params':>10}{'grads':>10}{'optimizer':>11}{'gathered':>10}"
+              f"{'activations':>13}{'total':>10}")
+    if budget_mb is not None:
+        header += f"   within --budget-mb {budget_mb:g}"
+    lines.append(header)
+    for row in result["rows"]:
+        rank = row["ranks"][row["rank"]]
+        line = (f"{row['step']:<17}{row['world_size']:>5}{mib(rank['params']):>10}{mib(rank['grads']):>10}"
+                f"{mib(rank['optimizer_state']):>11}{mib(rank['gathered']) if 'gathered' in rank else '-':>10}"
+                f"{mib(row['activations']):>13}{mib(row['total']):>10}")
+        if budget_mb is not None:
+            left = budget_mb - row["total"] / 2**20
+            line += f"   {'fits' if left >= 0 else 'DOES NOT FIT'}: {abs(left):,.0f} MiB {'left' if left >= 0 else 'over'}"
+        lines.append(line)
+    if budget_mb is not None:
+        lines.append("Not counted, so leave headroom: communication buffers (DDP's buckets: 4Ψ), gloo's copies of "
+                     "a unit in flight, the unit's full gradient in step 7's backward, the corpus, the allocator's "
+                     "slack (see --help).")
+    return "\n".join(lines)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, the flags with their defaults."""
+
+
+def main() -> int:
+    parser = build_parser("estimate")
+    parser.prog = "compare/estimate.py"
+    parser.description = __doc__
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if action.dest not in USED_FLAGS and action.option_strings and action.dest != "help":
+            action.help = argparse.SUPPRESS  # a trainer flag with no bearing on memory: accepted, not advertised
+    flags = parser.add_argument_group("estimate")
+    flags.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated world sizes")
+    flags.add_argument("--budget-mb", type=float, default=None,
+                       help="per-rank budget in MiB (the trainers' --max-memory-mb): mark what fits")
+    flags.add_argument("--bucket-cap-mb", type=float, default=25.0, help="step 6's gradient bucket cap")
+    flags.add_argument("--no-prefetch", action="store_true", help="step 7 run with --no-prefetch")
+    flags.add_argument("--json", type=Path, help="also write every rank's numbers here")
+    config = parse_config(parser)
+    try:
+        world_sizes = [int(w) for w in config["world_sizes"].split(",") if w.strip()]
+    except ValueError:
+        raise UserError(f"--world-sizes takes integers separated by commas, got {config['world_sizes']!r}") from None
+    if not world_sizes or min(world_sizes) < 1:
+        raise UserError(f"--world-sizes needs world sizes of at least 1, got {config['world_sizes']!r}")
+    if config["budget_mb"] is not None and config["budget_mb"] <= 0:
+        raise UserError(f"--budget-mb must be positive, got {config['budget_mb']:g}")
+    if config["bucket_cap_mb"] <= 0:
+        raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']:g}")
+    result = estimate(config, world_sizes, config["bucket_cap_mb"], not config["no_prefetch"])
+    print(report(config, result, config["budget_mb"], not config["no_prefetch"]))
+    if config["json"]:
+        config["json"].write_text(json.dumps({"config": config, **result}, indent=1, default=str) + "\n")
+        print(f"numbers: {config['json']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))
