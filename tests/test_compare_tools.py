@@ -45,7 +45,8 @@ def test_sample_loads_the_runs_final_weights(step1_ws2):
     assert not model.training, "dropout would be on while generating"
     for name, tensor in weights(step1_ws2).items():
         assert torch.equal(params[name], tensor), name
-    assert model.lm_head.weight is model.transformer.wte.weight and len(tokenizer) == params["lm_head.weight"].shape[0]
+    # tied: named_parameters() lists the shared tensor once, as transformer.wte.weight
+    assert model.lm_head.weight is model.transformer.wte.weight and len(tokenizer) == model.lm_head.weight.shape[0]
 
 
 def test_sample_bad_input_is_one_line_and_exit_2(step1_ws2, tmp_path):

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from conftest import REPO, STEPS, init_gloo, metrics, parity, shutdown, spawn, train
 
 # The contract's strictest setting at once: accumulation (no_sync), clipping that triggers, bf16 autocast.
+# bf16 here covers bf16 at world size 2 too: there the float64 and float32 reductions give the same bits
+# (test_step1_reduce_modes_at_world_size_2).
 EXACT = ("--reduce-dtype", "float64", "--amp", "bf16")
 
 
@@ -32,13 +34,6 @@ def test_bitwise_identical_to_ddp_at_world_size_2(step, default_runs, step1_ws2)
     result = parity(step1_ws2, default_runs[step])
     assert result.returncode == 0, result.stdout
     assert "verdict: PASS (bitwise identical)" in result.stdout, result.stdout
-
-
-def test_bf16_autocast_is_bitwise_identical_to_ddp_at_world_size_2(tmp_path, small_corpus):
-    runs = {step: train(step, tmp_path / step, small_corpus, "--amp", "bf16") for step in ("step1", "step3", "step4")}
-    for step in ("step3", "step4"):
-        result = parity(runs["step1"], runs[step])
-        assert "verdict: PASS (bitwise identical)" in result.stdout, f"{step}:\n{result.stdout}"
 
 
 def test_fp16_with_skipped_steps_is_bitwise_identical_at_world_size_2(tmp_path, small_corpus):

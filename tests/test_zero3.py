@@ -217,8 +217,12 @@ def test_toy_frees_gathered_parameters(toy):
     for r in results.values():
         assert r["freed after forward"] and all(r["freed after forward"])
         assert r["root freed"] == [False, True] * (STEPS * ACCUM)  # the root is kept from forward to backward's end
+        # Resharding never holds the whole model at once; without it the peak is the whole model and more.
+        # How far below the whole model the peak stays depends on when gloo's worker threads let go of
+        # their staging copies of finished collectives: measured 106 kB of 400 kB on a quiet machine,
+        # 300 kB at load average 8 (the same code): a timing, not a property of the algorithm.
         (peak, full_bytes), (kept_peak, _) = r["released"][True], r["released"][False]
-        assert peak < full_bytes / 2 <= full_bytes <= kept_peak, r["released"]
+        assert peak < full_bytes <= kept_peak, r["released"]
 
 
 def test_toy_communicates_three_times_the_parameters(toy):
