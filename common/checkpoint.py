@@ -1,118 +1,404 @@
-"""Checkpoints that are either whole or absent, and that refuse to resume a different run.
+"""Checkpoints that are whole or absent, that any step reads at any world size, and that refuse another run.
 
-Layout: ``<out>/checkpoints/step_<k>/`` holds ``meta.json`` (format, step, world size, config),
-``state.pt`` (what every rank holds the same: model, optimiser, scheduler, scaler, data position,
-the metrics records so far; written by rank 0) and ``rank<r>.pt`` per rank (what differs between
-ranks: RNG states, and in sharded steps the rank's shard). Everything is written into a temporary
-folder and renamed into place at the end, so a crash mid-write never leaves a folder that looks
-like a checkpoint.
+Layout: ``<out>/checkpoints/step_<k>/`` holds ``meta.json`` (format, step, world size, config, the full
+shape of every parameter), ``state.pt`` (what every rank holds the same: scheduler, scaler, data
+position, the metrics records so far, and in steps 0-6 the full model; written by rank 0) and
+``rank<r>.pt`` per rank (its RNG states, and what only it holds: its slices of AdamW's state in
+steps 5-6, its slices of the parameters too in step 7).
+
+1. **Whole or absent.** Everything is written into ``.tmp_step_<k>`` and renamed to ``step_<k>`` only
+   once every rank's file is in it: a rank killed mid-write leaves a ``.tmp`` folder, which is never
+   read and is removed by the next save. ``--resume auto`` takes the newest ``step_<k>``.
+2. **Read by name and element range.** Whoever holds a tensor says which elements of which parameter it
+   is: ``optimizer_slices[i] = (name, start, end)`` for the i-th parameter of the optimiser that was
+   saved (a whole parameter in steps 0-4, a slice in steps 5-7), ``model_slices`` for step 7's pieces.
+   ``Checkpoint`` joins the slices back (``parameter(name)``) or cuts the ones a loader asks for
+   (``optimizer_state_dict(slices)``). So a checkpoint written by any step at N ranks resumes in any
+   step at N' ranks: each rank asks for the slices it will own, and reads only those (files are
+   memory-mapped), as DeepSpeed's universal checkpoints and torch.distributed.checkpoint do.
+3. **The same run, or refused.** The config must be the checkpoint's, except the flags that say where
+   and how to run (``RESUMABLE_KEYS``) and how the global batch is split: micro-batch x accumulation x
+   ranks may change if their product does not. The data stream then continues at the same sample.
+4. **In the background** (``--async-save``): the state is copied to memory, and a thread writes it while
+   training goes on; its barriers use a process group of their own, so they never interleave with
+   training's collectives. One save at a time: the next one first waits for the last.
 """
+import copy
 import json
 import os
 import shutil
+import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from config import UserError
+from seeding import set_rng_state
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
-# Flags that may change when resuming: they say where to write, what to print and how long to wait,
-# not what to compute. Every other flag must be the checkpoint's.
-RESUMABLE_KEYS = ("out", "save_every", "resume", "quiet", "timeout_s", "trace", "max_memory_mb")
+# Flags that may change when resuming: they say where to write, what to print, where to run and how
+# long to wait, not what to compute. Every other flag must be the checkpoint's.
+RESUMABLE_KEYS = ("out", "save_every", "resume", "quiet", "timeout_s", "trace", "max_memory_mb", "async_save",
+                  "backend", "device")
+BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")  # may change with the world size, the product kept
 
-
-def _barrier():
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+# Test hook: "STEP:RANK" makes that rank stop in the middle of writing checkpoint STEP (first attempt only,
+# so a run restarted by torchrun goes through), to be killed there. See tests/test_fault_tolerance.py.
+PAUSE_IN_SAVE = os.environ.get("DTFS_TEST_PAUSE_IN_SAVE")
 
 
 def checkpoint_dir(out_dir, step: int) -> Path:
     return Path(out_dir) / "checkpoints" / f"step_{step}"
 
 
-def save_checkpoint(out_dir, step: int, shared_state: dict, rank_state: dict, rank: int, world_size: int,
-                    config: dict) -> Path:
-    """Every rank calls this at the same step. Returns the checkpoint folder."""
-    final = checkpoint_dir(out_dir, step)
-    tmp = final.with_name(f".tmp_step_{step}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    torch.save(rank_state, tmp / f"rank{rank}.pt")
-    if rank == 0:
-        torch.save(shared_state, tmp / "state.pt")
-        meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    _barrier()  # every rank's file is in tmp before it becomes the checkpoint
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    _barrier()
-    return final
+def complete_checkpoints(out_dir) -> list[Path]:
+    """The whole checkpoints in ``out_dir``, oldest first (by step number, not by name)."""
+    folders = [p for p in (Path(out_dir) / "checkpoints").glob("step_*")
+               if p.name[5:].isdigit() and (p / "meta.json").is_file()]
+    return sorted(folders, key=lambda p: int(p.name[5:]))
 
 
-def find_checkpoint(resume: str, out_dir) -> Path:
-    """``latest``: the highest-numbered complete checkpoint in ``out_dir``; otherwise the given folder."""
-    if resume != "latest":
-        path = Path(resume)
-        if not (path / "meta.json").is_file():
-            raise UserError(f"--resume {resume}: no checkpoint there (a checkpoints/step_<k> folder with meta.json)")
-        return path
-    found = sorted((p for p in (Path(out_dir) / "checkpoints").glob("step_*") if (p / "meta.json").is_file()),
-                   key=lambda p: int(p.name.split("_")[1]) if p.name.split("_")[1].isdigit() else -1)
-    if not found:
-        raise UserError(f"--resume: no checkpoint in {out_dir}/checkpoints; train with --save-every N first "
-                        "or pass --resume PATH")
-    return found[-1]
-
-
-def config_differences(saved: dict, current: dict) -> list[str]:
-    keys = (set(saved) | set(current)) - set(RESUMABLE_KEYS)
-    return sorted(k for k in keys if saved.get(k) != current.get(k))
-
-
-def load_checkpoint(path: Path, rank: int, world_size: int, config: dict, device) -> tuple[dict, dict]:
-    """Check that ``path`` is a whole checkpoint of this very run, then load it.
-
-    Resuming with another config (or world size) would silently train something else, so the
-    differing keys are named and the run refuses. A file that cannot be read is reported as
-    corrupted, in one line.
-    """
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-        step, saved_world, saved_config = meta["step"], meta["world_size"], meta["config"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"checkpoint {path} is corrupted: meta.json unreadable ({error})") from None
-    if meta.get("format") != FORMAT_VERSION:
-        raise UserError(f"checkpoint {path} has format {meta.get('format')}, this code reads {FORMAT_VERSION}")
-    if saved_config.get("step") != config["step"]:
-        raise UserError(f"cannot resume {path}: it was written by {saved_config.get('step')}, this is {config['step']}; "
-                        "each step resumes only its own checkpoints (their optimiser state is laid out differently)")
-    differing = config_differences(saved_config, config)
-    if differing:
-        details = ", ".join(f"{k}: {saved_config.get(k)!r} -> {config.get(k)!r}" for k in differing)
-        raise UserError(f"cannot resume {path}: the config differs from the checkpoint's ({details}); "
-                        "resume with the original flags")
-    if saved_world != world_size:
-        raise UserError(f"cannot resume {path}: saved at world size {saved_world}, now {world_size}; "
-                        f"launch {saved_world} ranks")
-    states = []
-    for name in ("state.pt", f"rank{rank}.pt"):
-        try:
-            states.append(torch.load(path / name, map_location=device, weights_only=True))
-        except Exception as error:  # a truncated zip, a missing file, garbage bytes: all mean "corrupted"
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise UserError(f"checkpoint {path} is corrupted: {name} unreadable ({reason})") from None
-    if states[0].get("step") != step:
-        raise UserError(f"checkpoint {path} is corrupted: state.pt is for step {states[0].get('step')}, meta says {step}")
-    return states[0], states[1]
+def find_checkpoint(resume: str | None, out_dir) -> Path | None:
+    """``--resume``: ``auto``, the newest whole checkpoint in ``out_dir`` or None (a fresh start) when there
+    is none; ``latest``, the same but none is an error; otherwise the given folder; None: a fresh start."""
+    if resume is None:
+        return None
+    if resume in ("auto", "latest"):
+        found = complete_checkpoints(out_dir)
+        if not found and resume == "latest":
+            raise UserError(f"--resume: no checkpoint in {out_dir}/checkpoints; train with --save-every N first, "
+                            "pass --resume PATH, or --resume auto to start afresh when there is none")
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / "meta.json").is_file():
+        raise UserError(f"--resume {resume}: no checkpoint there (a checkpoints/step_<k> folder with meta.json)")
+    return path
 
 
 def clear_checkpoints(out_dir) -> None:
     """A fresh run replaces the run in ``out_dir``: its checkpoints would otherwise be taken for this run's."""
     shutil.rmtree(Path(out_dir) / "checkpoints", ignore_errors=True)
+
+
+# ---- Writing ------------------------------------------------------------------------------------------
+
+def snapshot(state):
+    """A copy of ``state`` that training can no longer change: tensors copied to the CPU, the rest deep-copied."""
+    if torch.is_tensor(state):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: snapshot(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(snapshot(value) for value in state)
+    return copy.deepcopy(state)
+
+
+class CheckpointWriter:
+    """Saves checkpoints for one rank. Every rank calls ``save`` at the same steps, and ``wait`` before exit.
+
+    ``shapes``: every parameter's full shape, by name (what any loader needs to join slices back).
+    With ``config["async_save"]``, ``save`` returns once the state is copied to memory; a thread writes it.
+    """
+
+    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict):
+        self.config, self.rank, self.world_size, self.async_save = config, rank, world_size, config["async_save"]
+        self.shapes = {name: list(shape) for name, shape in shapes.items()}
+        self.thread = None
+        self.error = None
+        # Barriers from a background thread need a group no training collective uses: collectives on
+        # one group are matched by the order they are issued in, and two threads would interleave them.
+        distributed_run = dist.is_available() and dist.is_initialized()
+        self.group = dist.new_group(backend="gloo") if distributed_run and self.async_save else None
+        self.distributed_run = distributed_run
+
+    def save(self, step: int, shared_state: dict, rank_state: dict) -> float:
+        """Write checkpoint ``step``; returns the seconds training was held up (the whole write, or the copy)."""
+        started = time.perf_counter()
+        self.wait()  # the previous background write, if any, is finished before this one starts
+        if self.async_save:
+            states = snapshot((shared_state, rank_state))
+            self.thread = threading.Thread(target=self._write_catching, args=(step, *states), name="checkpoint-writer")
+            self.thread.start()
+        else:
+            self._write(step, shared_state, rank_state)
+        paused = time.perf_counter() - started
+        if self.rank == 0 and not self.config["quiet"]:
+            how = "copied to memory, written in the background" if self.async_save else "written"
+            print(f"checkpoint step_{step} {how}: training paused {paused * 1e3:.0f} ms", flush=True)
+        return paused
+
+    def wait(self) -> None:
+        """Block until the background write (if any) is done; re-raise what it failed with."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _write_catching(self, *args) -> None:
+        try:
+            self._write(*args)
+        except BaseException as error:  # noqa: BLE001 (handed to the main thread by wait())
+            self.error = error
+
+    def _barrier(self) -> None:
+        if self.distributed_run:
+            dist.barrier(group=self.group)
+
+    def _write(self, step: int, shared_state: dict, rank_state: dict) -> None:
+        out = Path(self.config["out"]) / "checkpoints"
+        final = out / f"step_{step}"
+        tmp = out / f".tmp_step_{step}"
+        if self.rank == 0:
+            for leftover in [*out.glob(".tmp_step_*"), *out.glob(".old_step_*")]:  # from a save that was killed
+                shutil.rmtree(leftover, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        torch.save(rank_state, tmp / f"rank{self.rank}.pt")
+        if PAUSE_IN_SAVE == f"{step}:{self.rank}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            print(f"paused in the save of step {step}: rank {self.rank}, pid {os.getpid()}", flush=True)
+            time.sleep(3600)
+        if self.rank == 0:
+            torch.save(shared_state, tmp / "state.pt")
+            meta = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "config": self.config,
+                    "shapes": self.shapes}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        self._barrier()  # every rank's file is in tmp before it becomes the checkpoint
+        if self.rank == 0:
+            if final.exists():  # written by an earlier run from this folder: move it aside, then replace it
+                os.replace(final, out / f".old_step_{step}")
+            os.replace(tmp, final)
+            shutil.rmtree(out / f".old_step_{step}", ignore_errors=True)
+        self._barrier()
+
+
+def optimizer_slices(optimizer, named_params, ranges: dict | None = None) -> list:
+    """``(name, start, end)`` of each parameter of ``optimizer``, in its order: the elements of the full
+    parameter it holds. Whole parameters, unless ``ranges[name]`` says which slice this rank has."""
+    name_of = {param: name for name, param in named_params}
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    return [(name_of[p], *(ranges[name_of[p]] if ranges else (0, p.numel()))) for p in params]
+
+
+def load_optimizer(optimizer, checkpoint, slices: list) -> None:
+    """Give ``optimizer`` (whose i-th parameter holds ``slices[i]``) its state from ``checkpoint``."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    optimizer.load_state_dict(checkpoint.optimizer_state_dict(slices, params))
+
+
+# ---- Reading ------------------------------------------------------------------------------------------
+
+class Checkpoint:
+    """A whole checkpoint on disk, read as full tensors by parameter name, whatever step and world size wrote it.
+
+    Opening it checks that it is readable; ``check_resumable`` that it belongs to this run.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            meta = json.loads((self.path / "meta.json").read_text())
+        except (OSError, ValueError) as error:
+            self._corrupted(f"meta.json unreadable: {type(error).__name__}")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+            found = meta.get("format") if isinstance(meta, dict) else None
+            raise UserError(f"checkpoint {self.path} has format {found}, this code reads {FORMAT_VERSION} (it was "
+                            "written by another version of this repository); start afresh without --resume")
+        try:
+            self.step, self.world_size, self.config = int(meta["step"]), int(meta["world_size"]), dict(meta["config"])
+            self.shapes = {name: torch.Size(shape) for name, shape in meta["shapes"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            self._corrupted(f"meta.json lacks or garbles {error}")
+        self.shared = self._load("state.pt")
+        self.ranks = [self._load(f"rank{r}.pt") for r in range(self.world_size)]
+        if self.shared.get("step") != self.step:
+            self._corrupted(f"state.pt is for step {self.shared.get('step')}, meta.json says {self.step}")
+        # Where each parameter's elements, and each parameter's optimiser state, are: (start, end, tensor or state).
+        self.parameter_pieces, self.state_pieces, self.groups = {}, {}, []
+        for holder in [self.shared, *self.ranks]:
+            if "model_slices" in holder:  # step 7: this rank's pieces
+                for name, (start, end) in holder["model_slices"].items():
+                    self.parameter_pieces.setdefault(name, []).append((start, end, holder["model"][name]))
+            elif "model" in holder:  # steps 0-6: the whole model, in state.pt
+                for name in self.shapes:
+                    tensor = holder["model"][name]
+                    self.parameter_pieces.setdefault(name, []).append((0, tensor.numel(), tensor))
+            if "optimizer" in holder:
+                self._index_optimizer(holder["optimizer"], holder["optimizer_slices"])
+        missing = [name for name in self.shapes if name not in self.parameter_pieces]
+        if missing:
+            self._corrupted(f"no rank holds {missing[0]}")
+
+    def _load(self, name: str) -> dict:
+        try:
+            return torch.load(self.path / name, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:  # noqa: BLE001 (a truncated zip, a missing file, garbage bytes: all "corrupted")
+            # Our words, not torch's: its message about weights_only would advise loading untrusted pickles.
+            if isinstance(error, FileNotFoundError):
+                self._corrupted(f"{name} is missing")
+            reason = "not a file torch.save wrote, or cut short" if "zip" in str(error).lower() or isinstance(
+                error, (EOFError, OSError)) else "it holds something other than tensors and plain values"
+            self._corrupted(f"{name} unreadable: {reason}")
+
+    def _corrupted(self, what: str):
+        earlier = [p for p in complete_checkpoints(self.path.parent) if p.name[5:].isdigit() and p != self.path
+                   and int(p.name[5:]) < int(self.path.name[5:] if self.path.name[5:].isdigit() else 0)]
+        advice = (f"resume from the one before it: --resume {earlier[-1]}" if earlier else
+                  "there is no earlier checkpoint to resume from: start afresh without --resume")
+        raise UserError(f"checkpoint {self.path} is corrupted ({what}); {advice}")
+
+    def _index_optimizer(self, state_dict: dict, slices: list) -> None:
+        for i, (name, start, end) in enumerate(slices):
+            self.state_pieces.setdefault(name, []).append((start, end, state_dict["state"].get(i, {})))
+        if not self.groups:  # the same hyperparameters in every rank's groups
+            self.groups = [({k: v for k, v in g.items() if k != "params"}, {slices[i][0] for i in g["params"]})
+                           for g in state_dict["param_groups"]]
+        else:
+            for (_, names), group in zip(self.groups, state_dict["param_groups"]):
+                names.update(slices[i][0] for i in group["params"])
+
+    # ---- What a loader asks for ----------------------------------------------------------------------
+    def parameter(self, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Elements [start, end) of the flattened parameter (all of them, shaped, by default): a new tensor."""
+        whole = end is None and start == 0
+        end = self.shapes[name].numel() if end is None else end
+        values = _cut(self.parameter_pieces[name], start, end, lambda t: t.reshape(-1), self, name)
+        return values.view(self.shapes[name]) if whole else values
+
+    def optimizer_state_dict(self, slices: list, params: list) -> dict:
+        """The state dict of an optimiser whose i-th parameter ``params[i]`` holds elements [start, end) of
+        ``slices[i] = (name, start, end)``, in the checkpoint's parameter groups (which are chosen by name)."""
+        state = {}
+        for i, ((name, start, end), param) in enumerate(zip(slices, params)):
+            pieces = [p for p in self.state_pieces.get(name, []) if p[2]]
+            if not pieces:
+                continue  # never stepped: no state, as in a fresh optimiser
+            entry = {}
+            for key, value in pieces[0][2].items():
+                if torch.is_tensor(value) and value.dim() > 0:  # one value per element: exp_avg, exp_avg_sq
+                    part = [(s, e, st[key]) for s, e, st in pieces]
+                    entry[key] = _cut(part, start, end, lambda t: t.reshape(-1), self, name).view(param.shape)
+                else:  # one value per parameter (AdamW's step): every slice holds it
+                    entry[key] = value.clone() if torch.is_tensor(value) else value
+            state[i] = entry
+        groups = [{**hyper, "params": [i for i, (name, _, _) in enumerate(slices) if name in names]}
+                  for hyper, names in self.groups]
+        return {"state": state, "param_groups": groups}
+
+    def restore(self, scheduler, scaler, batches, rank: int, world_size: int) -> tuple[int, list]:
+        """Load what is not the model or the optimiser: the schedule, the loss scale, the data position, and,
+        last (loading must not consume randomness after it), this rank's RNG. Returns (step, records)."""
+        scheduler.load_state_dict(self.shared["scheduler"])
+        scaler.load_state_dict(self.shared["scaler"])
+        batches.load_state_dict(self.data_state(batches.micro_batch_size, world_size))
+        set_rng_state(self.rank_state(rank)["rng"])
+        return self.step, list(self.shared["records"])
+
+    def rank_state(self, rank: int) -> dict:
+        """What rank ``rank`` saved (its RNG); at another world size, rank ``rank mod N``'s: a stream, not the one
+        an uninterrupted run at the new size would have drawn."""
+        return self.ranks[rank % self.world_size]
+
+    def data_state(self, micro_batch_size: int, world_size: int) -> dict:
+        """The data position for ``world_size`` ranks drawing ``micro_batch_size`` samples each: the same number
+        of samples into the same epoch's shuffle (every rank's shard interleaves that one order)."""
+        state = self.shared["data"]
+        saved_per_draw = self.config["micro_batch_size"] * self.world_size
+        per_draw = micro_batch_size * world_size
+        consumed = state["index"] * saved_per_draw
+        if consumed % per_draw:
+            raise UserError(f"cannot continue the data stream of {self.path} with {world_size} ranks x {micro_batch_size}: "
+                            f"it stopped {consumed} samples into epoch {state['epoch']}, not a multiple of "
+                            f"{per_draw}; resume with {self.world_size} ranks x {self.config['micro_batch_size']}")
+        return {"epoch": state["epoch"], "index": consumed // per_draw}
+
+    def check_resumable(self, config: dict, world_size: int) -> list[str]:
+        """Refuse (``UserError``) a checkpoint of another run; return what changes (step, world size, batch split)."""
+        saved = self.config
+        ignored = set(RESUMABLE_KEYS) | set(BATCH_SPLIT_KEYS) | {"step"}
+        differing = sorted(k for k in set(saved) & set(config) - ignored if saved[k] != config[k])
+        if differing:
+            details = ", ".join(f"{k}: {saved[k]!r} -> {config[k]!r}" for k in differing)
+            raise UserError(f"cannot resume {self.path}: the config differs from the checkpoint's ({details}); "
+                            "resume with the original flags")
+        saved_batch = saved["micro_batch_size"] * saved["grad_accum"] * self.world_size
+        batch = config["micro_batch_size"] * config["grad_accum"] * world_size
+        if batch != saved_batch:
+            raise UserError(f"cannot resume {self.path} at world size {world_size} with micro-batch "
+                            f"{config['micro_batch_size']} x accumulation {config['grad_accum']}: the global batch "
+                            f"would be {batch}, it was {saved_batch} (saved at world size {self.world_size}); keep "
+                            "micro-batch x accumulation x ranks the same")
+        changes = [f"{what} {a} -> {b}" for what, a, b in (
+            ("step", saved["step"], config["step"]), ("world size", self.world_size, world_size),
+            ("micro-batch", saved["micro_batch_size"], config["micro_batch_size"]),
+            ("accumulation", saved["grad_accum"], config["grad_accum"])) if a != b]
+        return changes
+
+
+def _cut(pieces: list, start: int, end: int, flat, checkpoint: Checkpoint, name: str) -> torch.Tensor:
+    """Elements [start, end) from ``pieces`` = [(piece start, piece end, tensor)] that tile the parameter."""
+    parts, covered = [], start
+    for piece_start, piece_end, tensor in sorted(pieces, key=lambda p: p[0]):
+        lo, hi = max(covered, piece_start), min(end, piece_end)
+        if lo < hi:
+            if lo != covered:
+                break
+            parts.append(flat(tensor)[lo - piece_start : hi - piece_start])
+            covered = hi
+    if covered != end:
+        checkpoint._corrupted(f"no rank holds elements {covered}-{end} of {name}")
+    return torch.cat(parts) if parts else flat(pieces[0][2])[:0].clone()
+
+
+def open_checkpoint(path: Path, config: dict, world_size: int, is_main: bool) -> Checkpoint:
+    """Open ``path`` for this run (every check before anything is connected or written) and say what changes."""
+    checkpoint = Checkpoint(path)
+    changes = checkpoint.check_resumable(config, world_size)
+    checkpoint.data_state(config["micro_batch_size"], world_size)  # can the data stream continue here?
+    if changes and is_main:
+        split_changed = any(not change.startswith("step ") for change in changes)
+        outcome = ("the micro-batches group the samples differently, so the steps from here are close to, not bitwise, "
+                   "those of an uninterrupted run" if split_changed else
+                   "the steps from here are bitwise those of an uninterrupted run wherever the two steps train alike")
+        print(f"resuming {path} with {', '.join(changes)}: the data stream continues at the same sample; {outcome} "
+              "(docs/fault_tolerance.md)", file=sys.stderr)
+    return checkpoint
+
+
+def consolidate(source: Path, out_dir: Path) -> Path:
+    """Rewrite checkpoint ``source`` (any step, any world size) in ``out_dir``/checkpoints as steps 0-4 write
+    theirs: the whole model and AdamW's whole state in state.pt, each rank's file only its RNG. Returns it."""
+    checkpoint = Checkpoint(source)
+    names = list(checkpoint.shapes)  # named_parameters() order; the optimiser's is group by group
+    order = [name for _, group in checkpoint.groups for name in names if name in group]
+    slices = [(name, 0, checkpoint.shapes[name].numel()) for name in order]
+    params = [torch.empty(checkpoint.shapes[name], device="meta") for name in order]
+    shared = {key: value for key, value in checkpoint.shared.items() if key not in ("model", "optimizer_slices")}
+    shared.update(model={name: checkpoint.parameter(name) for name in names}, optimizer_slices=slices,
+                  optimizer=checkpoint.optimizer_state_dict(slices, params))
+    final = checkpoint_dir(out_dir, checkpoint.step)
+    tmp = final.with_name(f".tmp_{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for rank in range(checkpoint.world_size):
+        torch.save({"rng": checkpoint.ranks[rank]["rng"]}, tmp / f"rank{rank}.pt")
+    torch.save(shared, tmp / "state.pt")
+    meta = {"format": FORMAT_VERSION, "step": checkpoint.step, "world_size": checkpoint.world_size,
+            "config": checkpoint.config, "shapes": {name: list(shape) for name, shape in checkpoint.shapes.items()}}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    if final.exists():
+        raise UserError(f"{final} exists already; consolidate into another folder")
+    os.replace(tmp, final)
+    return final
+
+
+def load_parameters(named_params, checkpoint: Checkpoint) -> None:
+    """Copy every full parameter from ``checkpoint`` (steps 0-6, whose every rank holds the whole model)."""
+    with torch.no_grad():
+        for name, param in named_params:
+            param.copy_(checkpoint.parameter(name))

@@ -167,7 +167,10 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     run.add_argument("--out", type=_path_under_repo, default=str(REPO_ROOT / "runs" / step), help="run folder")
     run.add_argument("--save-every", type=int, default=20, help="checkpoint period in optimiser steps (0 = never)")
     run.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                     help="continue from the latest checkpoint in --out, or from PATH")
+                     help="continue from the newest checkpoint in --out (an error if there is none), from PATH, or, "
+                          "with 'auto', from the newest one or afresh when there is none (for torchrun --max-restarts)")
+    run.add_argument("--async-save", action="store_true",
+                     help="copy the state to memory at each checkpoint and write it in the background")
     run.add_argument("--quiet", action="store_true", help="no per-step console lines")
     run.add_argument("--max-memory-mb", type=float, default=None, metavar="MB",
                      help="memory budget per rank: the OS refuses this process more than MB MiB of data memory "
@@ -191,7 +194,7 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     optim.add_argument("--beta1", type=float, default=0.9)
     optim.add_argument("--beta2", type=float, default=0.95)
     optim.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
-    p.set_defaults(step=step)  # recorded with the flags: a checkpoint of one step is not resumed by another
+    p.set_defaults(step=step)  # recorded with the flags: which step wrote a run or a checkpoint
     return p
 
 

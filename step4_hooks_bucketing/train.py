@@ -19,14 +19,15 @@ import torch.distributed as dist
 
 import distributed
 from bucketed_ddp import BucketedDDP
-from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
+                        open_checkpoint, optimizer_slices)
 from config import UserError, build_parser, exit_on_user_error, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from overlap_trace import OverlapTrace
 from sampler import ShardedSampler, check_no_overlap
-from seeding import rng_state, seed_everything, set_rng_state
+from seeding import rng_state, seed_everything
 from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
                       param_norm)
 
@@ -47,8 +48,8 @@ def main():
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
-    resume_from = find_checkpoint(config["resume"], config["out"]) if config["resume"] else None
-    resumed = load_checkpoint(resume_from, world.rank, world.world_size, config, world.device) if resume_from else None
+    resume_from = find_checkpoint(config["resume"], config["out"])
+    resumed = open_checkpoint(resume_from, config, world.world_size, world.is_main) if resume_from else None
     distributed.join(world, config["timeout_s"])
     device = world.device
 
@@ -69,14 +70,9 @@ def main():
 
     start_step, records = 0, []
     if resumed:
-        shared, own = resumed
-        model.load_state_dict(shared["model"])
-        optimizer.load_state_dict(shared["optimizer"])
-        scheduler.load_state_dict(shared["scheduler"])
-        scaler.load_state_dict(shared["scaler"])
-        batches.load_state_dict(shared["data"])
-        start_step, records = shared["step"], shared["records"]
-        set_rng_state(own["rng"])  # last: loading must not consume randomness after this point
+        load_parameters(model.named_parameters(), resumed)
+        load_optimizer(optimizer, resumed, optimizer_slices(optimizer, model.named_parameters()))
+        start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, world.world_size)  # RNG last
         if world.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
     elif world.is_main:
@@ -85,6 +81,7 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     log = RunLog(config, env, is_writer=world.is_main, records=records)
+    writer = CheckpointWriter(config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()})
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
@@ -138,11 +135,11 @@ def main():
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
             shared = {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "optimizer_slices": optimizer_slices(optimizer, model.named_parameters()), "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
-            save_checkpoint(config["out"], step + 1, shared, {"rng": rng_state()}, world.rank,
-                            world.world_size, config)
+            writer.save(step + 1, shared, {"rng": rng_state()})
 
+    writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     if world.is_main:
         final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
         final["param_norm"] = param_norm(model.parameters())

@@ -144,6 +144,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {"world_size": self.world_size, "rank": self.rank,
                 "pieces": [[self.index[p.param], p.start, p.end, p.chunk] for p in self.pieces]}
 
+    def slices(self, named_params) -> list:
+        """``(name, start, end)`` of each local parameter: the elements of which parameter its state is for."""
+        name_of = {param: name for name, param in named_params}
+        return [(name_of[piece.param], piece.start, piece.end) for piece in self.pieces]
+
     # ---- One optimiser step ------------------------------------------------------------------------
     def take_gradient_slices(self) -> None:
         """ZeRO-1: point every view's ``.grad`` at its slice of the averaged ``param.grad`` (no copy).

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from transformers import GPT2LMHeadModel
 
 import distributed
-from checkpoint import clear_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
+                        open_checkpoint, optimizer_slices)
 from config import build_parser, exit_on_user_error, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, environment, memory_stats
@@ -31,7 +32,7 @@ from sampler import ShardedSampler, check_no_overlap
 from streaming_export import save_final_weights_streaming
 from zero1 import ShardedGradScaler, clip_gradient_shards
 from zero3 import FullyShardedDP
-from seeding import rng_state, seed_everything, set_rng_state
+from seeding import rng_state, seed_everything
 from training import (autocast, check_amp, make_grad_scaler, make_optimizer, make_scheduler, norm_from_parts,
                       square_sum_parts)
 
@@ -72,8 +73,8 @@ def main():
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
-    resume_from = find_checkpoint(config["resume"], config["out"]) if config["resume"] else None
-    resumed = load_checkpoint(resume_from, world.rank, world.world_size, config, world.device) if resume_from else None
+    resume_from = find_checkpoint(config["resume"], config["out"])
+    resumed = open_checkpoint(resume_from, config, world.world_size, world.is_main) if resume_from else None
     distributed.join(world, config["timeout_s"])
     device = world.device
 
@@ -92,6 +93,8 @@ def main():
         checkpoint_activations(model)
 
     def init(name, shape):  # the same values for the same name on every rank, as build_model gives them
+        if resumed:  # or the checkpoint's, one full parameter at a time, whatever world size wrote them
+            return resumed.parameter(name)
         return initial_value(name, shape, config["seed"], config["n_layer"])
 
     ddp_model = FullyShardedDP(model, model.transformer.h, init_fn=init, device=device,
@@ -101,17 +104,14 @@ def main():
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
+    # Which elements of which parameter each of AdamW's entries holds: what a checkpoint records about them.
+    slices = optimizer_slices(optimizer, model.named_parameters(), ddp_model.piece_ranges())
 
     start_step, records = 0, []
     if resumed:
-        shared, own = resumed
-        model.load_state_dict(own["model"])  # this rank's pieces
-        optimizer.load_state_dict(own["optimizer"])  # and AdamW's state for them
-        scheduler.load_state_dict(shared["scheduler"])
-        scaler.load_state_dict(shared["scaler"])
-        batches.load_state_dict(shared["data"])
-        start_step, records = shared["step"], shared["records"]
-        set_rng_state(own["rng"])  # last: loading must not consume randomness after this point
+        # The pieces came from the checkpoint through init; here, AdamW's state for them.
+        load_optimizer(optimizer, resumed, slices)
+        start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, world.world_size)  # RNG last
         if world.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
     elif world.is_main:
@@ -120,6 +120,7 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     log = RunLog(config, env, is_writer=world.is_main, records=records)
+    writer = CheckpointWriter(config, world.rank, world.world_size, shapes)
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
@@ -177,9 +178,11 @@ def main():
             shared = {"step": step + 1, "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             # Each rank writes its own pieces and their AdamW state; nothing in state.pt is full-size.
-            own = {"rng": rng_state(), "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            save_checkpoint(config["out"], step + 1, shared, own, world.rank, world.world_size, config)
+            own = {"rng": rng_state(), "model": model.state_dict(), "model_slices": ddp_model.piece_ranges(),
+                   "optimizer": optimizer.state_dict(), "optimizer_slices": slices}
+            writer.save(step + 1, shared, own)
 
+    writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     if tracer:
         tracer.stop()  # the export's gathers below are not part of training
     # Every rank takes part in the export (it gathers unit by unit); rank 0 writes the file as they come.

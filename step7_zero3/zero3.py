@@ -66,11 +66,12 @@ class Unit:
         size = self.padded // world_size
         self.shard = torch.zeros(size, device=device)  # this rank's elements; the padding stays 0
         self.grad_shard = None  # this rank's averaged gradient: allocated by the first reduce-scatter
-        self.slices, self.pieces, begin = [], [], 0
+        self.slices, self.pieces, self.ranges, begin = [], [], [], 0
         for (name, param, _), numel in zip(entries, self.numels):
             lo = max(begin, rank * size)  # this rank's elements of the parameter, in the unit: [lo, hi)
             hi = max(lo, min(begin + numel, (rank + 1) * size))  # hi == lo: the rank owns none of it
             self.slices.append(slice(lo - rank * size, hi - rank * size))
+            self.ranges.append((lo - begin, hi - begin))  # the same elements, within the parameter
             with torch.no_grad():  # the full value lives only until its slice is copied
                 self.shard[self.slices[-1]] = value(name, param).reshape(-1)[lo - begin : hi - begin]
             self.pieces.append(torch.nn.Parameter(self.shard[self.slices[-1]]))
@@ -318,6 +319,10 @@ class FullyShardedDP(torch.nn.Module):
         """Collective: every full parameter, in ``named_parameters()`` order. The whole model: tests only."""
         gathered = {name: tensor.clone() for name, tensor in self.gathered_parameters()}
         return {name: gathered[name] for name, _ in self.module.named_parameters()}
+
+    def piece_ranges(self) -> dict:
+        """``{name: (start, end)}``: the elements of each (flattened) parameter this rank's piece holds."""
+        return {name: r for unit in self.units for name, r in zip(unit.names, unit.ranges)}
 
     @property
     def parameter_shards(self) -> list:
