@@ -246,8 +246,8 @@ class Checkpoint:
             self._corrupted(f"{name} unreadable: {reason}")
 
     def _corrupted(self, what: str):
-        earlier = [p for p in complete_checkpoints(self.path.parent) if p.name[5:].isdigit() and p != self.path
-                   and int(p.name[5:]) < int(self.path.name[5:] if self.path.name[5:].isdigit() else 0)]
+        number = int(self.path.name[5:]) if self.path.name[5:].isdigit() else None  # step_<k>
+        earlier = [p for p in complete_checkpoints(self.path.parent.parent) if number and int(p.name[5:]) < number]
         advice = (f"resume from the one before it: --resume {earlier[-1]}" if earlier else
                   "there is no earlier checkpoint to resume from: start afresh without --resume")
         raise UserError(f"checkpoint {self.path} is corrupted ({what}); {advice}")

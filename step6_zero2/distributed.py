@@ -77,13 +77,26 @@ def plan_world(config: dict) -> World:
 
 
 def join(world: World, timeout_s: float) -> None:
-    """Join the process group; a peer that does not answer within ``timeout_s`` is an error, not a hang."""
+    """Join the process group; a peer that does not answer within ``timeout_s`` is an error, not a hang.
+
+    Under torchrun the ranks meet in the store that torchrun's agent keeps for the whole job. When torchrun
+    restarts a failed group (``--max-restarts``), the new ranks would find the keys the dead ranks left in it
+    (gloo's addresses among them) and connect to processes that no longer exist. So each attempt gets keys
+    of its own: the store seen through a prefix named after ``TORCHELASTIC_RESTART_COUNT``."""
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a world of one started without torchrun
-    os.environ.setdefault("MASTER_PORT", "29500")
-    dist.init_process_group(world.backend, rank=world.rank, world_size=world.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:  # a world of one started without torchrun, or spawned test workers
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(world.backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
+        return
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
+                          is_master=not agent_store and world.rank == 0, timeout=timeout)
+    dist.init_process_group(world.backend, store=dist.PrefixStore(f"attempt_{attempt}/", store), rank=world.rank,
+                            world_size=world.world_size, timeout=timeout)
 
 
 def shutdown() -> None:

@@ -33,6 +33,9 @@ def test_latest_checkpoint_is_the_highest_step_number_and_a_whole_one(tmp_path):
     fake_checkpoint(tmp_path, ".tmp_step_12")  # a checkpoint being written: not a checkpoint yet
     # By name, "step_9" > "step_10": the order must be numeric.
     assert find_checkpoint("latest", tmp_path) == tmp_path / "checkpoints" / "step_10"
+    assert find_checkpoint("auto", tmp_path) == tmp_path / "checkpoints" / "step_10"
+    assert find_checkpoint("auto", tmp_path / "elsewhere") is None  # --resume auto: a fresh start
+    assert find_checkpoint(None, tmp_path) is None
 
 
 def test_resume_path_without_meta_and_empty_folder_are_user_errors(tmp_path):
