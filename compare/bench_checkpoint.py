@@ -1,0 +1,60 @@
+"""How long a checkpoint holds training up, written in the foreground or with --async-save.
+
+    python compare/bench_checkpoint.py                       # step 1, 2 ranks, a 25 M-parameter model
+    python compare/bench_checkpoint.py --step step7 --rounds 5
+
+Runs the trainer with and without --async-save, alternating (so a slow spell of the machine hits both),
+and reads the pause each save reports ("checkpoint step_k ...: training paused N ms"). The first save
+of each run is left out (its folder and file creation are slower). Prints medians with the spread, and
+the resident memory the in-memory copy costs (the trainer's own rss column).
+"""
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import trainer_command  # noqa: E402
+from parity import step_folders  # noqa: E402
+
+MODEL = ["--n-layer", "8", "--n-embd", "512", "--n-head", "8", "--micro-batch-size", "2", "--grad-accum", "1",
+         "--seq-len", "64", "--steps", "8", "--save-every", "2", "--timeout-s", "120"]
+
+
+def one_run(step: str, nproc: int, out: Path, async_save: bool) -> tuple[list[float], float]:
+    args = [*MODEL, "--out", str(out), *(["--async-save"] if async_save else [])]
+    result = subprocess.run(trainer_command(step, nproc, args), capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        sys.exit(f"error: {step} failed:\n{result.stderr[-2000:]}")
+    pauses = [float(m) for m in re.findall(r"training paused (\d+) ms", result.stdout)]
+    rss = [float(m) for m in re.findall(r"rss (\d+) MiB", result.stdout)]
+    return pauses[1:], max(rss)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step", default="step1")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_checkpoint"))
+    args = parser.parse_args()
+    steps = {folder.split("_")[0]: folder for folder in step_folders()}
+    if args.step not in steps:
+        parser.error(f"--step: one of {', '.join(steps)}")
+    step = steps[args.step]
+    pauses, peaks = {False: [], True: []}, {False: [], True: []}
+    for _ in range(args.rounds):
+        for async_save in (False, True):
+            p, rss = one_run(step, args.nproc, args.out / ("async" if async_save else "sync"), async_save)
+            pauses[async_save] += p
+            peaks[async_save].append(rss)
+    for async_save, name in ((False, "written in the foreground"), (True, "--async-save")):
+        p = sorted(pauses[async_save])
+        print(f"{name:26s} pause median {statistics.median(p):7.0f} ms (min {p[0]:.0f}, max {p[-1]:.0f}, "
+              f"{len(p)} saves), peak rss {statistics.median(peaks[async_save]):.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
