@@ -9,7 +9,9 @@ batches are the distributed steps' global batches. Every distributed step runs u
 with ``--nproc`` ranks. Then each step is compared with step 1, the PyTorch DDP reference: the
 parity contract must hold for steps 2 and up (bitwise at world size 2 with default flags); the
 tour fails otherwise. Step 0 is compared too, and its difference printed: its micro-batches hold
-other samples than the ranks' do, so its sums round differently (the README measures it).
+other samples than the ranks' do, so its sums round differently (the README measures it). It also
+says whether a run had a rank consistently slower than the others (compare/stragglers.py): that is
+information, not a failure.
 Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see --runs-dir).
 """
 import statistics
@@ -23,6 +25,7 @@ import parity  # noqa: E402
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from launch import run_trainer  # noqa: E402
 from plot import plot_runs  # noqa: E402
+import stragglers  # noqa: E402
 
 REPO_ROOT = parity.REPO_ROOT
 DEFAULT_GRAD_ACCUM = 2
@@ -89,7 +92,15 @@ def main() -> int:
                 verdict += "  <-- expected bitwise identical" if results[step].passed else ""
         print(f"{step:<22} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s {records[-1]['loss']:>10.4f} "
               f"{statistics.median(r['tokens_per_s'] for r in records):>8,.0f}  {verdict}")
-    print(f"\nplot: {shown(plot)}\nlogs: {shown(log_dir)}")
+    # Informational, never a failure: the per-rank CPU time of every step (compare/stragglers.py).
+    flagged = []
+    for step in steps:
+        _, _, result = stragglers.check(runs[step])
+        if result.straggler is not None:
+            flagged.append(f"{step}: {stragglers.verdict(result)}")
+    print(f"\nstragglers: {'; '.join(flagged) or 'no rank consistently slower in any step'} "
+          f"(per-rank table: python compare/stragglers.py <step>)")
+    print(f"plot: {shown(plot)}\nlogs: {shown(log_dir)}")
     print("tour: all parity checks passed" if all_passed else "tour: PARITY FAILED (see above)")
     return 0 if all_passed else 1
 

@@ -6,7 +6,6 @@ clipping, a warm-up + cosine schedule, bitwise-exact checkpoint/resume and a per
     python step0_single_gpu/train.py                 # about 20 s on 2 CPU cores
     python step0_single_gpu/train.py --resume        # continue from the latest checkpoint in --out
 """
-import time
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, lo
                         open_checkpoint, optimizer_slices)
 from config import build_parser, exit_on_user_error, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from metrics import RunLog, environment, memory_stats, save_final_weights
+from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from seeding import rng_state, seed_everything
 from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
@@ -64,7 +63,7 @@ def main():
 
     # ---- the training loop ---------------------------------------------------------------------
     for step in range(start_step, config["steps"]):
-        started = time.perf_counter()
+        clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(accum):
@@ -85,16 +84,18 @@ def main():
 
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
+        step_time = clock.stop()  # before the logging's own work and collectives
         log.log({
             "step": step + 1,
             "loss": (loss_sum / accum).item(),
             "grad_norm": grad_norm.item(),
             "param_norm": param_norm(model.parameters()),
             "lr": lr,
-            "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+            "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum,
             "epoch": batches.epoch,
             "memory": [memory],  # one entry per rank
+            "step_time": [step_time],
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
             shared = {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),

@@ -8,7 +8,6 @@ during backward. Its run in runs/step1_torch_ddp/ is what steps 2-7 must reprodu
     torchrun --standalone --nproc_per_node=3 step1_torch_ddp/train.py --reduce-dtype float64   # exact mode
 """
 import contextlib
-import time
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, lo
                         open_checkpoint, optimizer_slices)
 from config import build_parser, exit_on_user_error, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from metrics import RunLog, environment, memory_stats, save_final_weights
+from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from seeding import rng_state, seed_everything
 from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
@@ -95,7 +94,7 @@ def main():
 
     # ---- the training loop ---------------------------------------------------------------------
     for step in range(start_step, config["steps"]):
-        started = time.perf_counter()
+        clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(accum):
@@ -125,16 +124,18 @@ def main():
         loss_mean = loss_mean.item() / (accum * world.world_size)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
+        step_time = clock.stop()  # before the logging's own work and collectives
         log.log({
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
             "param_norm": param_norm(model.parameters()),
             "lr": lr,
-            "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+            "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
             "memory": distributed.gather_from_every_rank(memory),
+            "step_time": distributed.gather_from_every_rank(step_time),
             "comm": distributed.take_comm_bytes(),
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:

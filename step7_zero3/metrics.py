@@ -7,8 +7,9 @@ metrics.json (schema version ``SCHEMA_VERSION``) is read by `compare/parity.py` 
 - ``records``: per optimiser step ``step`` (1-based), ``loss`` (mean over all ranks and micro-batches),
   ``grad_norm`` (before clipping), ``param_norm``, ``lr``, ``tokens_per_s``, ``effective_batch_size``
   (micro-batch x accumulation x world size, in samples), ``epoch``, ``memory`` (a list, one dict of
-  bytes per rank: sharded steps differ per rank) and, in distributed steps, ``comm`` (bytes rank 0
-  handed to each kind of collective during the step);
+  bytes per rank: sharded steps differ per rank), ``step_time`` (a list, one dict per rank: ``wall_s``
+  and ``cpu_s``, see ``StepClock``; read by `compare/stragglers.py`, ignored by parity) and, in distributed
+  steps, ``comm`` (bytes rank 0 handed to each kind of collective during the step);
 - ``final``: ``weights`` (safetensors file, relative to the run folder), ``sha256`` of that file,
   ``param_norm``, and ``fingerprints`` (per tensor: shape, sha256 of its bytes, norm).
 """
@@ -49,6 +50,25 @@ def memory_stats(params, optimizer, device: torch.device, grads=None) -> dict:
         stats["cuda_allocated"] = torch.cuda.memory_allocated(device)
         stats["cuda_peak"] = torch.cuda.max_memory_allocated(device)
     return stats
+
+
+class StepClock:
+    """This rank's time for one optimiser step: wall-clock seconds and the CPU seconds of this thread.
+
+    Why both. In synchronous data parallelism every rank's *wall* time is the same: a fast rank waits for
+    the slowest inside the step's collectives, so the wall time says how slow the job is, not which rank
+    makes it slow. The main thread's CPU time (``time.thread_time``) counts only what this rank computed:
+    forward, backward and the optimiser run on this thread (one CPU thread per rank, torch.set_num_threads(1)),
+    while waiting for a peer sleeps (gloo's own threads do the transfers). So a straggler stands out in
+    ``cpu_s`` and not in ``wall_s`` (measured in docs/fault_tolerance.md, "Stragglers"). Limits: a rank slow
+    for lack of CPU or for waiting on I/O takes wall time, not CPU time, and on a GPU the CPU time is only the
+    launching (CUDA events would time the kernels)."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def stop(self) -> dict:
+        return {"wall_s": time.perf_counter() - self.wall, "cpu_s": time.thread_time() - self.cpu}
 
 
 def environment(device: torch.device, world_size: int, backend: str | None, amp: str, data_sha256: str,

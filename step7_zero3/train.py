@@ -13,7 +13,6 @@ bitwise identical to step 1's at world size 2, and at any world size with --redu
 """
 import contextlib
 import functools
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, lo
                         open_checkpoint, optimizer_slices)
 from config import build_parser, exit_on_user_error, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from metrics import RunLog, environment, memory_stats
+from metrics import RunLog, StepClock, environment, memory_stats
 from model import gpt2_config, initial_value, language_model_loss
 from prefetch_trace import PrefetchTrace
 from sampler import ShardedSampler, check_no_overlap
@@ -126,7 +125,7 @@ def main():
 
     # ---- the training loop ---------------------------------------------------------------------
     for step in range(start_step, config["steps"]):
-        started = time.perf_counter()
+        clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
         loss_sum = torch.zeros((), device=device)
         shard_check = None
@@ -161,16 +160,18 @@ def main():
         loss_mean = loss_mean.item() / (accum * world.world_size)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
+        step_time = clock.stop()  # before the logging's own work and collectives
         log.log({
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
             "param_norm": sharded_param_norm(model.parameters(), device),
             "lr": lr,
-            "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+            "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
             "memory": distributed.gather_from_every_rank(memory),
+            "step_time": distributed.gather_from_every_rank(step_time),
             "comm": distributed.take_comm_bytes(),
             "shard_check": shard_check,
         })

@@ -1,0 +1,137 @@
+"""Stragglers: every record holds every rank's wall and CPU time per step; compare/stragglers.py flags a rank
+that is consistently slower. A rank slowed on purpose (the DTFS_SLOW_RANK test hook) is flagged in step 1
+(DDP's C++ reducer) and step 7 (whose forward all-gathers); the tour's unslowed runs flag nobody."""
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, STEPS, TINY, launch, metrics, parity
+
+sys.path.insert(0, str(REPO / "compare"))
+import stragglers  # noqa: E402
+
+EXTRA_S = 0.05  # the slowed rank's extra CPU work per micro-batch
+GRAD_ACCUM = TINY[TINY.index("--grad-accum") + 1]
+
+
+@pytest.mark.parametrize("step", ["step1", "step7"])
+def test_a_rank_slowed_on_purpose_is_flagged(step, tmp_path, small_corpus):
+    out = tmp_path / step
+    result = launch(step, [*TINY, "--steps", "6", "--data", str(small_corpus), "--out", str(out)], nproc=2,
+                    env={"DTFS_SLOW_RANK": f"1:{EXTRA_S}"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    records = metrics(out)["records"]
+    extra_per_step = EXTRA_S * int(GRAD_ACCUM)
+    for r in records:
+        assert len(r["step_time"]) == 2 and all(set(t) == {"wall_s", "cpu_s"} for t in r["step_time"])
+        assert r["step_time"][1]["cpu_s"] >= extra_per_step, "the hook's busy work is the training thread's CPU time"
+    # The point of the measure: rank 0 computes little, yet its wall time holds most of the slow rank's extra
+    # work, waited for inside the collectives (wall - CPU; not all of it: a rank that begins a step late waits less).
+    fast = [r["step_time"][0] for r in records[1:]]  # after the start-up step
+    assert statistics.median(t["cpu_s"] for t in fast) < extra_per_step / 2
+    assert statistics.median(t["wall_s"] - t["cpu_s"] for t in fast) > extra_per_step / 2
+
+    run, m, found = stragglers.check(str(out))
+    assert found.straggler == 1 and found.steps == [2, 3, 4, 5, 6]
+    assert found.ranks[1].slowest_in == 5 and found.ranks[1].vs_others > 3  # measured: 6.8-13x
+    assert "\nverdict: rank 1 is a straggler: slowest in 5 of 5 steps" in stragglers.report(run, m, found)
+
+
+@pytest.mark.parametrize("step", ["step1", "step7"])
+def test_an_unslowed_run_flags_nobody(step, tour):
+    runs, output = tour
+    assert "\nstragglers: " in output  # the tour's one line of verdicts (its runs: information, not asserted)
+    run = runs / STEPS[step]
+    _, _, found = stragglers.check(str(run))
+    assert found.straggler is None, stragglers.verdict(found)
+    assert max(r.vs_others for r in found.ranks) < stragglers.RATIO  # measured: 1.01-1.32x in 26 unslowed runs
+
+
+def times(*cpu_per_step, wall=0.1):
+    """Per-step lists of per-rank CPU seconds -> (steps, step_time entries) as a run records them."""
+    return list(range(1, len(cpu_per_step) + 1)), [[{"wall_s": wall, "cpu_s": c} for c in cpu] for cpu in cpu_per_step]
+
+
+def test_the_rule_counts_steps_and_compares_medians():
+    start = [9.0, 0.01]  # step 1 (start-up) is left out, whatever it holds
+    flagged = stragglers.analyse(*times(start, [0.01, 0.02], [0.01, 0.02], [0.01, 0.02], [0.02, 0.01]))
+    assert flagged.straggler == 1 and flagged.steps == [2, 3, 4, 5]
+    assert flagged.ranks[1].slowest_in == 3 and flagged.ranks[1].vs_others == pytest.approx(2.0)  # 3 of 4: 75%
+    bursty = stragglers.analyse(*times(start, [0.01, 0.05], [0.01, 0.05], [0.02, 0.01], [0.02, 0.01]))
+    assert bursty.straggler is None and bursty.ranks[1].slowest_in == 2  # much slower, but in half the steps
+    mild = times(start, [0.010, 0.014], [0.010, 0.014], [0.010, 0.014])
+    assert stragglers.analyse(*mild).straggler is None  # 1.4x: under the default 1.5x
+    assert stragglers.analyse(*mild, ratio=1.2).straggler == 1
+    four = stragglers.analyse(*times([1, 1, 1, 1], [0.010, 0.012, 0.030, 0.008], [0.011, 0.010, 0.030, 0.009]))
+    assert four.straggler == 2 and four.ranks[2].vs_others == pytest.approx(3.0)  # 0.030 vs the others' 0.010
+    alone = stragglers.analyse(*times([0.02], [0.03]))
+    assert alone.straggler is None and stragglers.verdict(alone) == "one rank: nothing to compare"
+    single_step = stragglers.analyse(*times([0.01, 0.03]))  # nothing else to go by: the first step counts
+    assert single_step.steps == [1] and single_step.straggler == 1
+
+
+def fake_run(folder, records, world_size=2):
+    folder.mkdir()
+    (folder / "metrics.json").write_text(json.dumps({
+        "schema_version": 2, "config": {"micro_batch_size": 2, "grad_accum": 2, "seq_len": 32},
+        "env": {"world_size": world_size}, "records": records, "final": {"weights": "model.safetensors"}}))
+    return folder
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    good = [{"step": s, "step_time": [{"wall_s": 0.1, "cpu_s": 0.01}] * 2} for s in (1, 2)]
+    unusable = {  # each refused by the checks, in-process (a subprocess each would mostly import torch)
+        "old": [{"step": 1}],  # written before step times were logged
+        "short": [{"step": 1, "step_time": [{"wall_s": 0.1, "cpu_s": 0.01}]}],  # one entry for two ranks
+        "text": [{"step": 1, "step_time": [{"wall_s": "x", "cpu_s": 0.01}] * 2}],
+        "negative": [{"step": 1, "step_time": [{"wall_s": 0.1, "cpu_s": -1.0}] * 2}],
+        "empty": [],
+        "unnumbered": [{"step_time": [{"wall_s": 0.1, "cpu_s": 0.01}] * 2}],
+    }
+    for name, records in unusable.items():
+        with pytest.raises(stragglers.UserError, match="step_time|no records|step number"):
+            stragglers.check(str(fake_run(tmp_path / name, records)))
+    with pytest.raises(stragglers.UserError, match="world_size"):
+        stragglers.check(str(fake_run(tmp_path / "nobody", good, world_size=0)))
+    good_run = fake_run(tmp_path / "good", good)
+    for flags in (["--ratio", "0.5"], ["--fraction", "0.5"], ["--fraction", "1.5"]):
+        monkeypatch.setattr(sys, "argv", ["stragglers.py", str(good_run), *flags])
+        with pytest.raises(stragglers.UserError, match=flags[0]):
+            stragglers.main()
+    # What a user sees: one line and exit 2 (exit_on_user_error, as for every UserError above), or the table.
+    missing, shown = [subprocess.Popen([sys.executable, str(REPO / "compare" / "stragglers.py"), str(run)], cwd=REPO,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      for run in (tmp_path / "nothing", good_run)]
+    out, err = missing.communicate(timeout=120)
+    assert missing.returncode == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    out, err = shown.communicate(timeout=120)
+    assert shown.returncode == 0 and "verdict: no straggler" in out, out + err
+
+
+def test_parity_ignores_step_times(step1_ws2, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(step1_ws2, copy)
+    m = metrics(copy)
+    for r in m["records"]:
+        r["step_time"] = [{"wall_s": 9.0, "cpu_s": 9.0 * (rank + 1)} for rank in range(2)]
+    (copy / "metrics.json").write_text(json.dumps(m))
+    result = parity(step1_ws2, copy)
+    assert result.returncode == 0 and "PASS (bitwise identical)" in result.stdout, result.stdout
+
+
+def test_a_bad_slow_rank_hook_ends_the_trainer_at_start_up():
+    """The variable is read when data.py is imported (before main(), before the heavy imports): a bad
+    value is one line and exit 2, as any user error. (Good values: the slowed runs above.)"""
+    bad = ["1", "x:0.05", "1:x", "-1:0.05", "1:-0.1", "1:0.05:2", "1:100"]
+    procs = [subprocess.Popen([sys.executable, "-c", "import data"], cwd=REPO / "common", stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "DTFS_SLOW_RANK": value})
+             for value in bad]
+    for value, p in zip(bad, procs):
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 2, (value, err)
+        assert err.startswith(f"error: DTFS_SLOW_RANK={value!r}: expected RANK:SECONDS") and len(err.splitlines()) == 1
