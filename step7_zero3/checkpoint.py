@@ -220,19 +220,25 @@ class Checkpoint:
             self._corrupted(f"state.pt is for step {self.shared.get('step')}, meta.json says {self.step}")
         # Where each parameter's elements, and each parameter's optimiser state, are: (start, end, tensor or state).
         self.parameter_pieces, self.state_pieces, self.groups = {}, {}, []
-        for holder in [self.shared, *self.ranks]:
-            if "model_slices" in holder:  # step 7: this rank's pieces
-                for name, (start, end) in holder["model_slices"].items():
-                    self.parameter_pieces.setdefault(name, []).append((start, end, holder["model"][name]))
-            elif "model" in holder:  # steps 0-6: the whole model, in state.pt
-                for name in self.shapes:
-                    tensor = holder["model"][name]
-                    self.parameter_pieces.setdefault(name, []).append((0, tensor.numel(), tensor))
-            if "optimizer" in holder:
-                self._index_optimizer(holder["optimizer"], holder["optimizer_slices"])
+        for file, holder in [("state.pt", self.shared), *((f"rank{r}.pt", h) for r, h in enumerate(self.ranks))]:
+            try:
+                self._index(holder)
+            except (KeyError, TypeError, ValueError, IndexError) as error:
+                self._corrupted(f"{file} lacks or garbles {error}")
         missing = [name for name in self.shapes if name not in self.parameter_pieces]
         if missing:
             self._corrupted(f"no rank holds {missing[0]}")
+
+    def _index(self, holder: dict) -> None:
+        if "model_slices" in holder:  # step 7: this rank's pieces
+            for name, (start, end) in holder["model_slices"].items():
+                self.parameter_pieces.setdefault(name, []).append((start, end, holder["model"][name]))
+        elif "model" in holder:  # steps 0-6: the whole model, in state.pt
+            for name in self.shapes:
+                tensor = holder["model"][name]
+                self.parameter_pieces.setdefault(name, []).append((0, tensor.numel(), tensor))
+        if "optimizer" in holder:
+            self._index_optimizer(holder["optimizer"], holder["optimizer_slices"])
 
     def _load(self, name: str) -> dict:
         try:
@@ -267,7 +273,7 @@ class Checkpoint:
         """Elements [start, end) of the flattened parameter (all of them, shaped, by default): a new tensor."""
         whole = end is None and start == 0
         end = self.shapes[name].numel() if end is None else end
-        values = _cut(self.parameter_pieces[name], start, end, lambda t: t.reshape(-1), self, name)
+        values = _cut(self.parameter_pieces[name], start, end, self, name)
         return values.view(self.shapes[name]) if whole else values
 
     def optimizer_state_dict(self, slices: list, params: list) -> dict:
@@ -282,7 +288,7 @@ class Checkpoint:
             for key, value in pieces[0][2].items():
                 if torch.is_tensor(value) and value.dim() > 0:  # one value per element: exp_avg, exp_avg_sq
                     part = [(s, e, st[key]) for s, e, st in pieces]
-                    entry[key] = _cut(part, start, end, lambda t: t.reshape(-1), self, name).view(param.shape)
+                    entry[key] = _cut(part, start, end, self, name).view(param.shape)
                 else:  # one value per parameter (AdamW's step): every slice holds it
                     entry[key] = value.clone() if torch.is_tensor(value) else value
             state[i] = entry
@@ -340,7 +346,7 @@ class Checkpoint:
         return changes
 
 
-def _cut(pieces: list, start: int, end: int, flat, checkpoint: Checkpoint, name: str) -> torch.Tensor:
+def _cut(pieces: list, start: int, end: int, checkpoint: Checkpoint, name: str) -> torch.Tensor:
     """Elements [start, end) from ``pieces`` = [(piece start, piece end, tensor)] that tile the parameter."""
     parts, covered = [], start
     for piece_start, piece_end, tensor in sorted(pieces, key=lambda p: p[0]):
@@ -348,11 +354,11 @@ def _cut(pieces: list, start: int, end: int, flat, checkpoint: Checkpoint, name:
         if lo < hi:
             if lo != covered:
                 break
-            parts.append(flat(tensor)[lo - piece_start : hi - piece_start])
+            parts.append(tensor.reshape(-1)[lo - piece_start : hi - piece_start])
             covered = hi
     if covered != end:
         checkpoint._corrupted(f"no rank holds elements {covered}-{end} of {name}")
-    return torch.cat(parts) if parts else flat(pieces[0][2])[:0].clone()
+    return torch.cat(parts) if parts else pieces[0][2].reshape(-1)[:0].clone()
 
 
 def open_checkpoint(path: Path, config: dict, world_size: int, is_main: bool) -> Checkpoint:
