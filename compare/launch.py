@@ -1,6 +1,10 @@
 """Start a step's trainer the way a learner would, and turn its failure into one line."""
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -14,6 +18,50 @@ def trainer_command(step: str, nproc: int, args: list[str]) -> list[str]:
     if nproc == 0:
         return [sys.executable, script, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+
+
+def node_command(step: str, nnodes: int, nproc_per_node: int, endpoint: str, run_id: str, args: list[str]) -> list[str]:
+    """torchrun for one node of a job on ``nnodes`` nodes, each running ``nproc_per_node`` ranks: the same
+    command on every node.
+
+    torchrun's c10d rendezvous, served at ``endpoint`` (HOST:PORT, an address of one of the nodes that
+    every node can reach), waits for ``nnodes`` launches with the same ``run_id``, then numbers the nodes
+    itself (no ``--node-rank``: torchrun ignores it with c10d); global rank = node rank x nproc_per_node +
+    local rank. The endpoint's node serves the store, on whichever of its launches binds the port first."""
+    script = str(REPO_ROOT / step / "train.py")
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", script, *args]
+
+
+def run_nodes_here(step: str, nnodes: int, nproc_per_node: int, args: list[str],
+                   timeout: float = 600) -> list[tuple[int, str]]:
+    """Run a multi-node job as ``nnodes`` launches on this machine, rendezvousing on a free loopback port;
+    (exit code, output) per launch. If one launch fails, or the time runs out, the others are stopped
+    (SIGTERM: torchrun passes it on to its ranks), so no launch waits for a peer that will never come."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = node_command(step, nnodes, nproc_per_node, f"127.0.0.1:{port}", uuid.uuid4().hex[:8], args)
+    logs = [tempfile.TemporaryFile("w+") for _ in range(nnodes)]  # files, not pipes: nobody reads until the end
+    launches = [subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT) for log in logs]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in launches):
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in launches):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in launches:
+            if p.poll() is None:
+                p.terminate()
+        for p in launches:
+            p.wait(timeout=60)
+    results = []
+    for p, log in zip(launches, logs):
+        log.seek(0)
+        results.append((p.returncode, log.read()))
+        log.close()
+    return results
 
 
 def run_trainer(step: str, nproc: int, args: list[str], log: Path) -> None:

@@ -60,26 +60,46 @@ def out_of_memory_message(error: BaseException) -> str:
     return f"out of memory: {who} {what} {within}; {why}{fix} (compare/estimate.py predicts the bytes per rank)"
 
 
+# Failures that come in the middle of a run and that a module other than this one can explain: each
+# function returns (message, exit code) for an exception it recognises, else None. distributed.py adds
+# the failed collective (a rank died, froze, or the ranks disagreed); this module, which every step has,
+# step 0 included, knows nothing about process groups.
+failure_explainers = []
+
+
+def explain_failure(error: BaseException) -> tuple[str, int] | None:
+    """(one line, exit code) for a failure that ends a run without a traceback, or None."""
+    if is_out_of_memory(error):
+        return out_of_memory_message(error), 2
+    for explain in failure_explainers:
+        explained = explain(error)
+        if explained is not None:
+            return explained
+    return None
+
+
 def exit_on_user_error(main):
     """Run ``main()``; turn a ``UserError`` into one line and exit code 2, with no traceback.
 
     Running out of memory is reported the same way (a model too big for the budget is a choice the
-    user can change), but the process ends with ``os._exit``: the failed allocation may have come in
-    the middle of training, with a process group and a DDP reducer alive, and a normal interpreter
-    exit would tear them down while peers still wait in a collective (torchrun stops the peers)."""
+    user can change), and so is a collective that failed (exit 3, ``distributed.py``), but the process
+    ends with ``os._exit``: the failure may have come in the middle of training, with a process group
+    and a DDP reducer alive, and a normal interpreter exit would tear them down while peers still wait
+    in a collective, or wait itself for a peer that will never answer (torchrun stops the peers)."""
     try:
         return main()
     except UserError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     except (MemoryError, RuntimeError) as error:
-        if not is_out_of_memory(error):
+        explained = explain_failure(error)
+        if explained is None:
             raise
         error.__traceback__ = None  # let go of the frames (and the tensors they hold) before formatting
-        message = f"error: {out_of_memory_message(error)}\n"
+        message, code = explained
         sys.stdout.flush()
-        os.write(2, message.encode())
-        os._exit(2)
+        os.write(2, f"error: {message}\n".encode())
+        os._exit(code)
 
 
 def limit_memory(max_memory_mb: float | None, step: str) -> None:

@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, STEPS, init_gloo, metrics, parity, shutdown, spawn, train
+from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, init_gloo, metrics, parity, shutdown, spawn,
+                      train)
+from launch import run_nodes_here
 
 # The contract's strictest setting at once: accumulation (no_sync), clipping that triggers, bf16 autocast.
 # bf16 here covers bf16 at world size 2 too: there the float64 and float32 reductions give the same bits
@@ -58,11 +60,25 @@ FORMULAS = {"step1": REPLICATED, "step3": REPLICATED, "step4": REPLICATED,
             "step7": ((4, "N"), (4, "N"), (8, "N"))}
 
 
+@pytest.fixture(scope="module")
+def exact_run(tmp_path_factory, small_corpus):
+    """``exact_run(step, world_size)``: that step trained in exact mode at that world size, once per
+    session, and its run folder. The exact-mode matrix and the two-node test share the 4-rank runs."""
+    runs = {}
+
+    def run(step: str, world_size: int) -> Path:
+        if (step, world_size) not in runs:
+            out = tmp_path_factory.mktemp(f"exact_{step}_ws{world_size}")
+            runs[step, world_size] = train(step, out, small_corpus, *EXACT, nproc=world_size)
+        return runs[step, world_size]
+    return run
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_exact_mode_is_bitwise_identical_at_any_world_size(world_size, tmp_path, small_corpus):
+def test_exact_mode_is_bitwise_identical_at_any_world_size(world_size, exact_run):
     """Exact mode, accumulation, clipping that triggers and bf16 at once; and, from the same runs, every
     rank's memory against the ZeRO formulas and the bytes each step hands to each collective."""
-    runs = {step: train(step, tmp_path / step, small_corpus, *EXACT, nproc=world_size) for step in FORMULAS}
+    runs = {step: exact_run(step, world_size) for step in FORMULAS}
     for step in ("step3", "step4", "step5", "step6", "step7"):
         result = parity(runs["step1"], runs[step])
         assert "verdict: PASS (bitwise identical)" in result.stdout, f"{step} at world size {world_size}:\n{result.stdout}"
@@ -83,6 +99,22 @@ def test_exact_mode_is_bitwise_identical_at_any_world_size(world_size, tmp_path,
             gathered = r["comm"]["all_gather"] / 4
             assert psi <= gathered < psi + 64 * world_size, f"{step}: all-gathered {gathered} of {psi} parameters"
             assert psi <= r["comm"][gradient_collective] / 8 < psi + 64 * world_size, f"{step}: {r['comm']}"
+
+
+def test_two_nodes_train_bitwise_like_one(exact_run, tmp_path, small_corpus):
+    """Two torchrun launches of 2 ranks each, meeting through torchrun's c10d rendezvous as two machines
+    would (compare/launch.py's node_command, the same command on every node), train every hand-written
+    sharding bitwise like one launch of 4 ranks: a rank's work depends on its global rank only, not on
+    which node runs it. Exact mode, so the comparison is the strict one of the exact-mode matrix."""
+    for step in ("step4", "step5", "step6", "step7"):
+        out = tmp_path / step
+        nodes = run_nodes_here(STEPS[step], 2, 2, [*TINY, "--data", str(small_corpus), "--out", str(out), *EXACT,
+                                                   *TIMEOUT], timeout=300)
+        assert [code for code, _ in nodes] == [0, 0], f"{step}:\n" + "\n".join(log[-3000:] for _, log in nodes)
+        # one world of 4: rank 0 (on whichever launch the rendezvous made node 0) reports for all of them
+        assert sum("done: 4 steps on 4 ranks" in log for _, log in nodes) == 1, [log[-1000:] for _, log in nodes]
+        assert metrics(out)["env"]["world_size"] == 4
+        assert_bitwise_same_run(exact_run(step, 4), out)
 
 
 def test_step2_checks_its_shards_at_every_epoch_start(default_runs):
