@@ -146,8 +146,8 @@ def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="step names (step5), step folders or run folders")
     parser.add_argument("--png", type=Path, help="also draw a bar chart of the runs here")
-    parser.add_argument("--scaling-png", type=Path,
-                        help="also draw bytes per rank against N here: the formulas as lines, the runs (one model) as points")
+    parser.add_argument("--scaling-png", type=Path, help="also draw bytes per rank against N here: the formulas as "
+                                                         "lines, the runs (of one model) as points")
     parser.add_argument("--check", action="store_true", help="exit 1 unless every rank is within 2%% of its formula")
     args = parser.parse_args()
     if args.scaling_png:

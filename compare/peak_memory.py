@@ -323,8 +323,10 @@ def run(config: dict, world_sizes: list[int]) -> dict:
                 m = measured[rank][checkpointing]
                 top = max(m["steps"], key=lambda s: s["peak"])
                 rows.append({"world_size": world_size, "activation_checkpointing": checkpointing, "rank": rank,
-                             **predicted, "predicted": predicted["state"] + predicted["gathered"] + predicted["activations"],
-                             "state_measured": [s["state"] for s in m["steps"]], "peaks": [s["peak"] for s in m["steps"]],
+                             **predicted,
+                             "predicted": predicted["state"] + predicted["gathered"] + predicted["activations"],
+                             "state_measured": [s["state"] for s in m["steps"]],
+                             "peaks": [s["peak"] for s in m["steps"]],
                              "peak": top["peak"], "peak_phase": top["phase"], "peak_made_by": top["made_by"],
                              "beyond_state": top["beyond_state"], "unseen_frees": m["unseen"],
                              "gathered_peak": m["gathered_peak"],
@@ -339,9 +341,10 @@ def mib(n: float) -> str:
 
 def report(result: dict, top: int = 6) -> str:
     config, rows = result["config"], result["rows"]
-    lines = [f"step 7, GPT-2 n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocabulary {result['vocab_size']:,}: "
-             f"Ψ = {rows[0]['psi']:,}; micro-batch {config['micro_batch_size']} x {config['seq_len']} tokens, "
-             f"accumulation {config['grad_accum']}; prefetch {'off' if config['no_prefetch'] else 'on'}",
+    lines = [f"step 7, GPT-2 n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocabulary "
+             f"{result['vocab_size']:,}: Ψ = {rows[0]['psi']:,}; micro-batch {config['micro_batch_size']} x "
+             f"{config['seq_len']} tokens, accumulation {config['grad_accum']}; "
+             f"prefetch {'off' if config['no_prefetch'] else 'on'}",
              "MiB per rank. predicted = state (16Ψ/N) + gathered units + activations. Measured from the profiler's "
              "memory records: state (live through a whole step), peak (the most live during a step)",
              f"{'N':>2}{'ckpt':>5}{'rank':>5}{'state':>9}{'measured':>10}{'gathered':>10}{'activ.':>9}{'predicted':>11}"
@@ -357,8 +360,8 @@ def report(result: dict, top: int = 6) -> str:
         parts = list(r["beyond_state"].items())
         shown = ", ".join(f"{name} {mib(n)}" for name, n in parts[:top])
         rest = sum(n for _, n in parts[top:])
-        lines.append(f"N = {r['world_size']}, checkpointing {'on' if r['activation_checkpointing'] else 'off'}, rank 0, "
-                     f"at its peak ({r['peak_phase']}, {r['peak_made_by']}), live besides the state: {shown}"
+        lines.append(f"N = {r['world_size']}, checkpointing {'on' if r['activation_checkpointing'] else 'off'}, "
+                     f"rank 0, at its peak ({r['peak_phase']}, {r['peak_made_by']}), live besides the state: {shown}"
                      f"{f', the rest {mib(rest)}' if rest else ''}")
     return "\n".join(lines)
 

@@ -54,7 +54,8 @@ def test_activations_counted_on_the_meta_device_are_those_of_a_real_forward():
     # With step 7's checkpointing: kept (the root's, the blocks' inputs and mask), and one block recomputed.
     kept, recomputed = meta.checkpointed_activation_bytes(3)
     assert (kept, recomputed) == real.checkpointed_activation_bytes(3)
-    assert 0 < recomputed < meta.activation_bytes(3) - kept and meta.activation_bytes(3, checkpointing=True) == kept + recomputed
+    assert 0 < recomputed < meta.activation_bytes(3) - kept
+    assert meta.activation_bytes(3, checkpointing=True) == kept + recomputed
 
 
 def run_estimate(*args):

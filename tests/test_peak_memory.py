@@ -33,10 +33,11 @@ def measured(tmp_path_factory):
 
 def test_state_is_the_zero3_layout_to_the_byte_and_the_peak_is_accounted_for(measured):
     """Live through every step: 16Ψ/N as laid out (to the byte, but for a scalar or so that a gloo thread
-    freed, which the records miss: the clipping norm's 8 bytes, seen once in a while). At the peak, besides that state: the root unit
-    (gathered from forward to the end of backward), what the forward kept for backward, the full gradients
-    the first micro-batch accumulated (4Ψ, unsharded: no_sync), and the loss's gradients with respect to the
-    log-probabilities and to the logits (2 x B x T x V float32). Within 1%; measured: to a few kB."""
+    freed, which the records miss: the clipping norm's 8 bytes, now and then). At the peak, besides that
+    state: the root unit (gathered from forward to the end of backward), what the forward kept for backward,
+    the full gradients the first micro-batch accumulated (4Ψ, unsharded: no_sync), and the loss's gradients
+    with respect to the log-probabilities and to the logits (2 x B x T x V float32). Within 1%; measured: to
+    a few kB."""
     result, _ = measured
     config, vocab = result["config"], result["vocab_size"]
     model = estimate.Model(config, vocab)
@@ -45,7 +46,8 @@ def test_state_is_the_zero3_layout_to_the_byte_and_the_peak_is_accounted_for(mea
     padded = [-(-sum(unit) // 2) * 2 for unit in model.units]
     loss_gradients = 2 * config["micro_batch_size"] * config["seq_len"] * vocab * 4
     rows = result["rows"]
-    assert sorted((r["activation_checkpointing"], r["rank"]) for r in rows) == [(False, 0), (False, 1), (True, 0), (True, 1)]
+    modes = sorted((r["activation_checkpointing"], r["rank"]) for r in rows)
+    assert modes == [(False, 0), (False, 1), (True, 0), (True, 1)]
     for r in rows:
         assert all(0 <= m - r["state"] < 0.01 * r["state"] for m in r["state_measured"]), r
         assert r["peak_phase"] == "backward"
