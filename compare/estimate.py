@@ -22,6 +22,8 @@ the parameters gathered at once: the root (kept from forward to backward) and tw
 computing, the next prefetched; one with --no-prefetch). ``activations``: what autograd saves for
 backward in one micro-batch of --micro-batch-size x --seq-len (a forward on the meta device,
 counted by ``saved_tensors_hooks``; the same in every step, and released by each backward).
+``Model.checkpointed_activation_bytes`` counts what step 7 keeps with --activation-checkpointing
+(``compare/peak_memory.py`` predicts with it).
 
 ``total`` adds them up for the rank that holds most. With ``--budget-mb`` (the trainers'
 ``--max-memory-mb``: what a rank may allocate beyond its start-up) each row says whether that total
@@ -31,9 +33,12 @@ reduce-scattered unit, the gradient of the unit in backward (step 7), the corpus
 group's threads, and the allocator's own slack (step 7's README measures them on its demo).
 """
 import argparse
+import contextlib
+import functools
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -83,23 +88,66 @@ class Model:
                 current, size = [], 0
         return buckets + ([current] if current else [])
 
-    def activation_bytes(self, micro_batch_size: int) -> int:
-        """Bytes autograd saves for backward in one micro-batch (the weights themselves left out)."""
+    def activation_bytes(self, micro_batch_size: int, checkpointing: bool = False) -> int:
+        """Bytes autograd keeps for backward in one micro-batch, at most at once (the weights left out).
+
+        ``checkpointing``: as step 7's --activation-checkpointing: ``checkpointed_activation_bytes``, both parts."""
+        if checkpointing:
+            return sum(self.checkpointed_activation_bytes(micro_batch_size))
+        saved, _ = self.saved_tensors(micro_batch_size)
+        return sum({k: n for part in saved.values() for k, n in part.items()}.values())  # a tensor saved twice: once
+
+    def checkpointed_activation_bytes(self, micro_batch_size: int) -> tuple[int, int]:
+        """With every block checkpointed: (what is kept from forward to backward, the most a block's recomputation
+        adds while its backward runs). Kept: what the root saves and each block's tensor arguments (a checkpointed
+        block keeps its inputs, the attention mask among them, and nothing it computes); added: the block's own
+        saved tensors, alive again while it recomputes them."""
+        saved, arguments = self.saved_tensors(micro_batch_size, use_cache=False)  # step 7 turns the cache off for it
+        kept = {**saved.get(None, {}), **arguments}
+        added = [sum(n for k, n in saved.get(i, {}).items() if k not in kept) for i in range(self.config["n_layer"])]
+        return sum(kept.values()), max(added, default=0)
+
+    def saved_tensors(self, micro_batch_size: int, use_cache: bool | None = None) -> tuple[dict, dict]:
+        """One forward (and the loss) of a micro-batch, counting storages: ({block index, or None for the root:
+        {storage: bytes} of the tensors autograd saves there}, {storage: bytes} of the blocks' tensor arguments).
+        ``use_cache``: GPT-2's key/value cache, as the model's config says when None."""
         weights = {p.untyped_storage()._cdata for p in self.module.parameters()}
-        saved = {}
+        running, saved, arguments = [], {}, {}  # the blocks whose forward runs
 
         def pack(tensor):
             storage = tensor.untyped_storage()
             if storage._cdata not in weights:
-                saved[storage._cdata] = storage.nbytes()
+                saved.setdefault(running[-1] if running else None, {})[storage._cdata] = storage.nbytes()
             return tensor
 
+        def enter(index, block, args, kwargs):
+            running.append(index)
+            for t in (*args, *kwargs.values()):
+                if torch.is_tensor(t):
+                    arguments[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+
+        def leave(block, args, output):  # returns None: the block's output stays its own
+            running.pop()
+
+        blocks = list(self.module.transformer.h)
         device = next(self.module.parameters()).device  # meta: no memory (a real model gives the same count)
         tokens = torch.zeros(micro_batch_size, self.config["seq_len"], dtype=torch.long, device=device)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            logits = self.module(input_ids=tokens).logits
-            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
-        return sum(saved.values())
+        with contextlib.ExitStack() as stack:
+            for i, block in enumerate(blocks):
+                stack.callback(block.register_forward_pre_hook(functools.partial(enter, i), with_kwargs=True).remove)
+                stack.callback(block.register_forward_hook(leave).remove)
+            if use_cache is not None:
+                stack.callback(setattr, self.module.config, "use_cache", self.module.config.use_cache)
+                self.module.config.use_cache = use_cache
+            if not self.module.config.use_cache and device.type == "meta":
+                # Without a cache, transformers looks for packed sequences in the positions (0..T-1 in every row
+                # here: there are none, and its answer is None) by reading values, which the meta device lacks.
+                from transformers import masking_utils
+                stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda _: None))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                logits = self.module(input_ids=tokens).logits
+                torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+        return saved, arguments
 
 
 def cut(ranges: list[list[int]], world_size: int) -> list[tuple[int, int, int]]:
@@ -195,6 +243,17 @@ def report(config: dict, result: dict, budget_mb: float | None, prefetch: bool) 
     return "\n".join(lines)
 
 
+def parse_world_sizes(text: str) -> list[int]:
+    """``--world-sizes``: "1,2,4" -> [1, 2, 4]; anything else is a UserError (one line, exit 2)."""
+    try:
+        world_sizes = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise UserError(f"--world-sizes takes integers separated by commas, got {text!r}") from None
+    if not world_sizes or min(world_sizes) < 1:
+        raise UserError(f"--world-sizes needs world sizes of at least 1, got {text!r}")
+    return world_sizes
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The docstring as written, the flags with their defaults."""
 
@@ -215,12 +274,7 @@ def main() -> int:
     flags.add_argument("--no-prefetch", action="store_true", help="step 7 run with --no-prefetch")
     flags.add_argument("--json", type=Path, help="also write every rank's numbers here")
     config = parse_config(parser)
-    try:
-        world_sizes = [int(w) for w in config["world_sizes"].split(",") if w.strip()]
-    except ValueError:
-        raise UserError(f"--world-sizes takes integers separated by commas, got {config['world_sizes']!r}") from None
-    if not world_sizes or min(world_sizes) < 1:
-        raise UserError(f"--world-sizes needs world sizes of at least 1, got {config['world_sizes']!r}")
+    world_sizes = parse_world_sizes(config["world_sizes"])
     if config["budget_mb"] is not None and config["budget_mb"] <= 0:
         raise UserError(f"--budget-mb must be positive, got {config['budget_mb']:g}")
     if config["bucket_cap_mb"] <= 0:

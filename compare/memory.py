@@ -3,6 +3,8 @@
     python compare/memory.py step1 step5 step6            # one table per run, every rank
     python compare/memory.py runs/a runs/b --png mem.png   # and a bar chart of them
     python compare/memory.py step6 --check                 # exit 1 if a rank is off by more than 2%
+    python compare/memory.py runs/scaling/* --scaling-png docs/images/memory_scaling.png
+                                                           # bytes per rank against N: formulas, runs as points
 
 With Ψ parameters, fp32 AdamW (two moments) and N ranks, the bytes each rank holds outside backward:
 
@@ -98,12 +100,58 @@ def bar_chart(run_names: list[str], out: Path) -> Path:
     return out
 
 
+def formula_text(name: str) -> list[str]:
+    """The formula's terms, as written in the docstring: ["4Ψ", "4Ψ", "8Ψ/N"]."""
+    return [f"{per_param}Ψ{'/N' if sharded else ''}" for per_param, sharded in FORMULAS[name]]
+
+
+def one_model(runs: list) -> int:
+    """Ψ of runs (as ``measure`` returns them) that must all be of one model."""
+    psis = sorted({psi for _, _, psi, _, _ in runs})
+    if len(psis) > 1:
+        raise UserError(f"--scaling-png needs runs of one model; these have Ψ = {', '.join(f'{p:,}' for p in psis)}")
+    return psis[0]
+
+
+def scaling_chart(run_names: list[str], out: Path) -> Path:
+    """Bytes per rank (parameters + gradients + optimizer state, the rank holding most) against the world
+    size: each strategy's formula as a line over N = 1 to max(4, the largest N run), each run as a point on
+    it. The runs must be of one model (one Ψ): the lines are drawn for that Ψ."""
+    runs = [measure(name) for name in run_names]
+    psi, sizes = one_model(runs), range(1, max(4, *(ws for _, _, _, ws, _ in runs)) + 1)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
+    for name, color in zip(FORMULAS, ("tab:gray", "tab:blue", "tab:orange", "tab:green")):
+        ax.plot(sizes, [sum(expected(name, psi, n).values()) / 2**20 for n in sizes], color=color, linewidth=1.5,
+                label=f"{name}: {'+'.join(formula_text(name))}")
+        points = [(ws, max(sum(m[k] for k in KINDS) for m in memory) / 2**20)
+                  for _, strategy_name, _, ws, memory in runs if strategy_name == name]
+        if points:
+            ax.scatter(*zip(*points), color=color, edgecolor="black", s=45, zorder=3)
+    ax.scatter([], [], color="white", edgecolor="black", s=45, label="measured (a run's rank holding most)")
+    ax.set_xticks(list(sizes))
+    ax.set_xlabel("world size N (ranks)")
+    ax.set_ylabel("MiB per rank")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"parameters + gradients + AdamW state per rank, Ψ = {psi:,} (fp32)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="step names (step5), step folders or run folders")
     parser.add_argument("--png", type=Path, help="also draw a bar chart of the runs here")
+    parser.add_argument("--scaling-png", type=Path, help="also draw bytes per rank against N here: the formulas as "
+                                                         "lines, the runs (of one model) as points")
     parser.add_argument("--check", action="store_true", help="exit 1 unless every rank is within 2%% of its formula")
     args = parser.parse_args()
+    if args.scaling_png:
+        one_model([measure(name) for name in args.runs])  # before any output: a mistake is one line
     all_ok = True
     for name in args.runs:
         text, ok = report(name)
@@ -111,6 +159,8 @@ def main() -> int:
         print(text)
     if args.png:
         print(f"bar chart: {bar_chart(args.runs, args.png)}")
+    if args.scaling_png:
+        print(f"scaling chart: {scaling_chart(args.runs, args.scaling_png)}")
     return 1 if args.check and not all_ok else 0
 
 

@@ -51,6 +51,11 @@ def test_activations_counted_on_the_meta_device_are_those_of_a_real_forward():
     real.module = build_model(config, 2048, seed=1)
     assert meta.activation_bytes(3) == real.activation_bytes(3) > 0
     assert meta.activation_bytes(6) > meta.activation_bytes(3)
+    # With step 7's checkpointing: kept (the root's, the blocks' inputs and mask), and one block recomputed.
+    kept, recomputed = meta.checkpointed_activation_bytes(3)
+    assert (kept, recomputed) == real.checkpointed_activation_bytes(3)
+    assert 0 < recomputed < meta.activation_bytes(3) - kept
+    assert meta.activation_bytes(3, checkpointing=True) == kept + recomputed
 
 
 def run_estimate(*args):

@@ -2,6 +2,7 @@
 in one process, and the trainer against step 1 (PyTorch DDP): bitwise, with memory, communication,
 prefetch, checkpoints and the streamed export checked on the same runs."""
 import math
+import subprocess
 import sys
 
 import pytest
@@ -9,6 +10,9 @@ import torch
 import torch.distributed as dist
 
 from conftest import REPO, assert_bitwise_same_run, init_gloo, metrics, parity, spawn, train
+from conftest import STEPS as STEP_FOLDERS  # STEPS below is the toy's number of steps
+
+import estimate  # compare/, on the path through conftest
 
 STEP7 = REPO / "step7_zero3"
 
@@ -262,6 +266,13 @@ def ws2(tmp_path_factory, small_corpus):
 
 
 @pytest.fixture(scope="module")
+def ws1(tmp_path_factory, small_corpus):
+    """A world of one (torchrun, one rank) accumulating 4 micro-batches: the global batches of the tour's
+    step 0, one process accumulating 2 x 2. Every unit is "sharded" one way: padding 0, N = 1."""
+    return train("step7", tmp_path_factory.mktemp("zero3_ws1") / "step7", small_corpus, "--grad-accum", "4", nproc=1)
+
+
+@pytest.fixture(scope="module")
 def exact3(tmp_path_factory, small_corpus):
     """Exact mode at 3 ranks, with bf16, dropout (its masks must survive recomputation) and activation
     checkpointing in step 7; checkpoints every 2 steps for the resume test."""
@@ -304,8 +315,22 @@ def test_trainer_resumes_bitwise_from_its_own_shards(exact3, tmp_path, small_cor
     assert_bitwise_same_run(step7, resumed)
 
 
-def test_trainer_memory_per_rank_is_the_zero3_formula(ws2, exact3):
-    for run, world_size in ((ws2[1], 2), (exact3[1], 3)):
+def test_trainer_at_one_rank_is_bitwise_identical_to_step0(ws1, tour):
+    """ZeRO-3 over one rank is the single-process loop: gather and reduce-scatter are copies, the flat
+    gradient sums what step 0's parameters' gradients sum, in the same order."""
+    result = parity(tour[0] / STEP_FOLDERS["step0"], ws1)
+    assert "verdict: PASS (bitwise identical)" in result.stdout, result.stdout
+
+
+def test_trainer_memory_per_rank_is_the_zero3_formula(ws1, ws2, exact3):
+    """4Ψ/N, 4Ψ/N and 8Ψ/N within 2% at N = 1, 2 and 3 (4: tests/test_data_parallel.py); at N = 1 also
+    compare/estimate.py's layout, to the byte."""
+    config = metrics(ws1)["config"]
+    model = estimate.Model(config, estimate.vocabulary_size(config["tokenizer"]))
+    predicted = estimate.predict(model, estimate.STEPS[3], 1)[0]
+    recorded = metrics(ws1)["records"][-1]["memory"][0]
+    assert {k: recorded[k] for k in estimate.KINDS} == {k: predicted[k] for k in estimate.KINDS}
+    for run, world_size in ((ws1, 1), (ws2[1], 2), (exact3[1], 3)):
         psi, root = psi_and_root(run)
         for rank, measured in enumerate(metrics(run)["records"][-1]["memory"]):
             for kind, per_param in (("params", 4), ("grads", 4), ("optimizer_state", 8)):
@@ -314,6 +339,25 @@ def test_trainer_memory_per_rank_is_the_zero3_formula(ws2, exact3):
             # gathered at once: the root and at most two blocks (one computing, one prefetched)
             block = (psi - root) / metrics(run)["config"]["n_layer"]
             assert 4 * root < measured["gathered_peak"] <= 4 * (root + 2 * block) + 4 * 3 * world_size
+
+
+def memory_tool(*args):
+    return subprocess.run([sys.executable, str(REPO / "compare" / "memory.py"), *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_memory_tool_checks_one_rank_and_plots_bytes_against_world_size(ws1, ws2, exact3, tmp_path):
+    """compare/memory.py: --check holds at N = 1 as at N = 3; --scaling-png puts one model's runs on the
+    formulas' lines, and refuses runs of two models (ws2 has 3 blocks, the others 2) in one line."""
+    png = tmp_path / "scaling.png"
+    result = memory_tool(ws1, exact3[1], exact3[0], "--check", "--scaling-png", png)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("every rank within 2% of the formula: yes") == 3
+    assert "ZeRO-3, N = 1," in result.stdout and "DDP, N = 3," in result.stdout
+    assert png.read_bytes().startswith(b"\x89PNG")
+    result = memory_tool(ws1, ws2[1], "--scaling-png", tmp_path / "mixed.png")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: --scaling-png needs runs of one model")
 
 
 def test_trainer_communication_per_optimiser_step(ws2, exact3):

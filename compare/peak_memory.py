@@ -1,0 +1,407 @@
+"""Peak tensor memory of a ZeRO-3 (step 7) training step, per rank: measured, and predicted.
+
+    python compare/peak_memory.py                                   # the default model at N = 1, 2 and 4
+    python compare/peak_memory.py --world-sizes 1,2 --n-layer 8 --seq-len 256 --micro-batch-size 4 \\
+        --compare-checkpointing --timed-steps 10                    # activations dominate: with and without
+
+For each world size N, N processes (gloo on loopback, one CPU thread each, started by
+torch.multiprocessing) build step 7's model the way its train.py does, from step 7's own modules:
+GPT-2 on the meta device, ``FullyShardedDP`` over the blocks, a plain AdamW over the pieces, and
+train.py's ``checkpoint_activations`` with --activation-checkpointing. Each step is train.py's loop
+body (--grad-accum micro-batches of --micro-batch-size x --seq-len, the last one synchronised, then
+``finish_gradient_synchronization``, clipping, AdamW) on random tokens: memory depends on shapes, not
+on the text, and no corpus has to be loaded.
+
+Measured, with torch.profiler's memory records (``profile_memory=True``): every allocation and free
+that torch's CPU allocator reports on the rank's main thread, replayed in time order from before the
+model is built, through one warm-up step (it allocates AdamW's moments and the gradient shards) and
+--profiled-steps steps:
+
+    state    bytes live through a whole step: parameter shards, gradient shards, AdamW's state
+    peak     the most bytes live at once during a step; where (forward, backward, optimizer); and what
+             is live then besides the state, by the op or autograd node that allocated it
+
+Predicted, with ``compare/estimate.py``'s layouts (padding and AdamW's step counts included):
+
+    state        4Ψ/N + 4Ψ/N + 8Ψ/N
+    gathered     the units in flight: the root (kept from forward to the end of backward) and two blocks
+                 (one computing, the next prefetched; one with --no-prefetch)
+    activations  what autograd saves in one micro-batch; with --activation-checkpointing, the root's
+                 saved tensors, every block's inputs and one block's own (recomputed in its backward)
+
+The breakdown names what the prediction leaves out. On GPT-2 here the peak comes as the last
+micro-batch's backward starts: the state, the root (no block is gathered then), the activations, the
+full gradients the earlier micro-batches accumulated (4Ψ, not 4Ψ/N: under ``no_sync`` they stay
+whole) and the loss's gradients with respect to the log-probabilities and the logits (2 x B x T x
+vocabulary float32). The records miss what gloo's worker threads allocate (the profiler records the
+thread it runs on); a tensor one of them frees is taken off when its address is allocated again.
+
+Step time: the median, over --timed-steps steps run after the profiled ones without the profiler,
+of the slowest rank's time (the ranks start each timed step together); cpu time: the same with the
+rank's CPU time (``time.process_time``, gloo's threads included), which other work on the machine
+disturbs far less than the wall clock.
+"""
+import argparse
+import contextlib
+import json
+import os
+import queue as queues
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STEP7 = REPO / "step7_zero3"
+# Step 7's folder first: its own copies of config.py, model.py, training.py... are what gets measured.
+sys.path[:0] = [str(STEP7), str(REPO / "compare")]
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import distributed  # noqa: E402
+import estimate  # noqa: E402
+from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
+
+# The flags that change what is measured; the trainer's others are accepted (a train.py command line can
+# be pasted) and hidden.
+USED_FLAGS = estimate.USED_FLAGS | {"grad_accum", "amp", "seed", "grad_clip", "reduce_dtype", "timeout_s"}
+PHASES = ("forward", "backward", "optimizer")
+NODE = "autograd::engine::evaluate_function: "
+
+
+# ---- Prediction ---------------------------------------------------------------------------------------
+
+def predict(config: dict, vocab_size: int, world_size: int, checkpointing: bool) -> list[dict]:
+    """Per rank: ``state`` (16Ψ/N as laid out), ``gathered`` and ``activations``, in bytes; and Ψ."""
+    model = estimate.Model(config, vocab_size)
+    activations = model.activation_bytes(config["micro_batch_size"], checkpointing)
+    ranks = estimate.predict(model, estimate.STEPS[3], world_size, prefetch=not config["no_prefetch"])
+    return [{"state": r["params"] + r["grads"] + r["optimizer_state"], "gathered": r["gathered"],
+             "activations": activations, "psi": model.psi} for r in ranks]
+
+
+# ---- Replaying the profiler's memory records ------------------------------------------------------------
+
+def label(ranges: tuple) -> str:
+    """What made an allocation, from the ranges around it (innermost first): the autograd node in backward,
+    the outermost op otherwise; none at all is a storage resized from Python: a unit being gathered."""
+    node = next((r[len(NODE):] for r in ranges if r.startswith(NODE)), None)
+    ops = [r for r in ranges if r.startswith(("aten::", "c10d::"))]
+    if not ops:
+        return "gathered unit (storage resize)"
+    return node or ops[-1]
+
+
+def allocations(prof) -> list[tuple]:
+    """Every allocation and free recorded, in time order: (ns, address, bytes (negative: a free), ranges
+    around it, innermost first: ops, autograd nodes, ``record_function`` labels)."""
+    from torch._C._profiler import _EventType
+    found = []
+
+    def walk(node, ranges):
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            found.append((node.start_time_ns, fields.ptr, fields.alloc_size, ranges))
+            return
+        for child in node.children:
+            walk(child, (node.name, *ranges))
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, ())
+    return sorted(found, key=lambda a: a[0])
+
+
+def replay(events: list[tuple]):
+    """Yield, after each event: (its index, bytes live, the live blocks {address: (bytes, index of the
+    allocation)}, whether a block was freed unseen).
+
+    A block freed by another thread leaves no record; an allocation at its address shows that it is gone
+    by then, and it is taken off there."""
+    live, total = {}, 0
+    for i, (_, address, nbytes, _) in enumerate(events):
+        unseen = False
+        if nbytes > 0:
+            if address in live:
+                total -= live.pop(address)[0]
+                unseen = True
+            live[address] = (nbytes, i)
+            total += nbytes
+        elif address in live:  # else: a block from before the profiler started
+            total -= live.pop(address)[0]
+        yield i, total, live, unseen
+
+
+def step_peaks(prof, steps: int) -> tuple[list[dict], int]:
+    """Per profiled step (ranges "step 0", "step 1", ...):
+
+    ``state``: bytes of the blocks live from its start to its end; ``peak``: the most bytes live during it,
+    the ``phase`` it falls in and what made the allocation that reached it (``made_by``); ``beyond_state``:
+    what is live at the peak besides the state, by phase and ``label`` ("before the step": a block from an
+    earlier step, freed unseen or freed later). Also: how many blocks were freed unseen, in all."""
+    events = allocations(prof)
+    step_of = lambda ranges: next((int(r[5:]) for r in ranges if r.startswith("step ")), None)  # noqa: E731
+    phase_of = lambda ranges: next((r for r in ranges if r in PHASES), "-")  # noqa: E731
+    results = [{"peak": -1} for _ in range(steps)]
+    unseen = 0
+    for i, total, _, freed_unseen in replay(events):
+        unseen += freed_unseen
+        if (step := step_of(events[i][3])) is not None:
+            r = results[step]
+            r.setdefault("first", i)
+            r["last"] = i
+            if total > r["peak"]:
+                r["peak"], r["at"] = total, i
+    # Again, to see the live blocks at each step's start (after the event before its first), peak and end.
+    before_start = {r["first"] - 1: r for r in results}
+    at_peak, at_end = {r["at"]: r for r in results}, {r["last"]: r for r in results}
+    for i, _, live, _ in replay(events):
+        if i in before_start:
+            before_start[i]["live at start"] = dict(live)
+        if i in at_peak:
+            r = at_peak[i]
+            r["phase"], r["made_by"], r["live at peak"] = phase_of(events[i][3]), label(events[i][3]), dict(live)
+        if i in at_end:
+            r = at_end[i]
+            start = r.pop("live at start", {})
+            state = {address: block for address, block in start.items() if live.get(address) == block}
+            r["state"] = sum(nbytes for nbytes, _ in state.values())
+            parts = {}
+            for address, (nbytes, j) in r.pop("live at peak").items():
+                if address not in state:
+                    key = f"{phase_of(events[j][3])}: {label(events[j][3])}" if j >= r["first"] else "before the step"
+                    parts[key] = parts.get(key, 0) + nbytes
+            r["beyond_state"] = dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+            del r["first"], r["last"], r["at"]
+    return results, unseen
+
+
+# ---- Each rank's process ----------------------------------------------------------------------------------
+
+def one_step(fsdp, optimizer, scaler, config: dict, inputs, targets) -> None:
+    """step7_zero3/train.py's loop body without the logging, phases named for the profiler."""
+    from model import language_model_loss
+    from training import autocast
+    from zero1 import clip_gradient_shards
+    accum = config["grad_accum"]
+    for micro in range(accum):
+        with contextlib.nullcontext() if micro == accum - 1 else fsdp.no_sync():
+            with torch.profiler.record_function("forward"), autocast(config["amp"], fsdp.device):
+                loss = language_model_loss(fsdp, inputs[micro], targets[micro])
+            with torch.profiler.record_function("backward"):
+                scaler.scale(loss / accum).backward()
+            del loss
+    with torch.profiler.record_function("optimizer"):
+        fsdp.finish_gradient_synchronization()
+        scaler.unscale_(optimizer)
+        clip_gradient_shards(optimizer, config["grad_clip"])
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def checkpointing_modes(config: dict) -> list[bool]:
+    return [False, True] if config["compare_checkpointing"] else [config["activation_checkpointing"]]
+
+
+def build(config: dict, vocab_size: int, checkpointing: bool) -> tuple:
+    """Step 7's model, wrapper, optimiser and scaler, built as its train.py builds them."""
+    from model import gpt2_config, initial_value
+    from train import checkpoint_activations  # step 7's train.py: importing it runs nothing
+    from training import make_grad_scaler, make_optimizer
+    from transformers import GPT2LMHeadModel
+    from zero1 import ShardedGradScaler
+    from zero3 import FullyShardedDP
+
+    device = torch.device("cpu")
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(gpt2_config(config, vocab_size))
+    if checkpointing:
+        checkpoint_activations(model)
+    fsdp = FullyShardedDP(model, model.transformer.h, device=device, prefetch=not config["no_prefetch"],
+                          reduce_dtype=getattr(torch, config["reduce_dtype"]),
+                          init_fn=lambda name, shape: initial_value(name, shape, config["seed"], config["n_layer"]))
+    optimizer = make_optimizer(model.named_parameters(), config)
+    return fsdp, optimizer, make_grad_scaler(config, device, ShardedGradScaler)
+
+
+def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size: int) -> dict:
+    """This rank's measurements, per checkpointing mode: {mode: {"steps", "unseen", "gathered_peak",
+    "step_times"}}. Each mode is profiled in a profiler session of its own (blocks allocated before a
+    session are not in its records: the other mode's model does not count), then the timed steps of
+    the modes alternate, so that a change in the machine's load hits them alike."""
+    from seeding import seed_everything
+    seed_everything(config["seed"])  # one CPU thread per process, as in every trainer
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    distributed.join(distributed.World(rank, world_size, rank, torch.device("cpu"), "gloo"), config["timeout_s"])
+    generator = torch.Generator().manual_seed(config["seed"] + rank)
+    shape = (config["grad_accum"], config["micro_batch_size"], config["seq_len"])
+    inputs, targets = (torch.randint(0, vocab_size, shape, generator=generator) for _ in range(2))
+
+    trainers, results = {}, {}
+    for checkpointing in checkpointing_modes(config):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            trainer = build(config, vocab_size, checkpointing)
+            one_step(*trainer, config, inputs, targets)  # warm-up: AdamW's state, the gradient shards
+            trainer[0].take_peak_gathered_bytes()
+            for i in range(config["profiled_steps"]):
+                with torch.profiler.record_function(f"step {i}"):
+                    one_step(*trainer, config, inputs, targets)
+            gathered_peak = trainer[0].take_peak_gathered_bytes()
+        steps, unseen = step_peaks(prof, config["profiled_steps"])
+        del prof
+        trainers[checkpointing] = trainer
+        results[checkpointing] = {"steps": steps, "unseen": unseen, "gathered_peak": gathered_peak,
+                                  "step_times": [], "step_cpu_times": []}
+    for _ in range(config["timed_steps"]):
+        for checkpointing, trainer in trainers.items():
+            torch.distributed.barrier()  # together: the slowest rank's time is the step's
+            started, cpu_started = time.perf_counter(), time.process_time()
+            one_step(*trainer, config, inputs, targets)
+            results[checkpointing]["step_times"].append(time.perf_counter() - started)
+            results[checkpointing]["step_cpu_times"].append(time.process_time() - cpu_started)
+    distributed.shutdown()
+    return results
+
+
+def worker(rank: int, world_size: int, port: int, results, config: dict, vocab_size: int) -> None:
+    try:
+        results.put((rank, measure_rank(rank, world_size, port, config, vocab_size)))
+    except BaseException:  # the parent reports it: a rank that died silently would only be a timeout
+        results.put((rank, {"error": traceback.format_exc()}))
+        raise
+
+
+def spawn(config: dict, vocab_size: int, world_size: int) -> dict:
+    """Run ``measure_rank`` in ``world_size`` fresh processes; {rank: its result}. A rank that fails ends
+    them all, with its traceback (a rank stuck in a collective fails after --timeout-s)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=worker, args=(rank, world_size, port, results, config, vocab_size))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    measured = {}
+    try:
+        while len(measured) < world_size:
+            try:
+                rank, result = results.get(timeout=1)
+            except queues.Empty:  # a rank that died before it could say why (killed: out of memory?)
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a rank of {world_size} ended with exit code {dead[0]} and no result") from None
+                continue
+            if "error" in result:
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{result['error']}")
+            measured[rank] = result
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return measured
+
+
+# ---- Report ------------------------------------------------------------------------------------------------
+
+def run(config: dict, world_sizes: list[int]) -> dict:
+    """Measure and predict at each world size (and checkpointing mode); one row per rank, in bytes (step
+    times in seconds)."""
+    vocab_size = estimate.vocabulary_size(config["tokenizer"])
+    rows = []
+    for world_size in world_sizes:
+        measured = spawn(config, vocab_size, world_size)
+        for checkpointing in checkpointing_modes(config):
+            times, cpu_times = ([max(measured[r][checkpointing][kind][i] for r in measured)
+                                 for i in range(config["timed_steps"])] for kind in ("step_times", "step_cpu_times"))
+            for rank, predicted in enumerate(predict(config, vocab_size, world_size, checkpointing)):
+                m = measured[rank][checkpointing]
+                top = max(m["steps"], key=lambda s: s["peak"])
+                rows.append({"world_size": world_size, "activation_checkpointing": checkpointing, "rank": rank,
+                             **predicted,
+                             "predicted": predicted["state"] + predicted["gathered"] + predicted["activations"],
+                             "state_measured": [s["state"] for s in m["steps"]],
+                             "peaks": [s["peak"] for s in m["steps"]],
+                             "peak": top["peak"], "peak_phase": top["phase"], "peak_made_by": top["made_by"],
+                             "beyond_state": top["beyond_state"], "unseen_frees": m["unseen"],
+                             "gathered_peak": m["gathered_peak"],
+                             "step_time_s": statistics.median(times) if times else None, "step_times_s": times,
+                             "step_cpu_s": statistics.median(cpu_times) if cpu_times else None})
+    return {"config": config, "vocab_size": vocab_size, "rows": rows}
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def report(result: dict, top: int = 6) -> str:
+    config, rows = result["config"], result["rows"]
+    lines = [f"step 7, GPT-2 n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocabulary "
+             f"{result['vocab_size']:,}: Ψ = {rows[0]['psi']:,}; micro-batch {config['micro_batch_size']} x "
+             f"{config['seq_len']} tokens, accumulation {config['grad_accum']}; "
+             f"prefetch {'off' if config['no_prefetch'] else 'on'}",
+             "MiB per rank. predicted = state (16Ψ/N) + gathered units + activations. Measured from the profiler's "
+             "memory records: state (live through a whole step), peak (the most live during a step)",
+             f"{'N':>2}{'ckpt':>5}{'rank':>5}{'state':>9}{'measured':>10}{'gathered':>10}{'activ.':>9}{'predicted':>11}"
+             f"{'peak':>9}{'peak/pred':>11}  {'peak in':<10}{'step time':>11}{'cpu time':>11}"]
+    for r in rows:
+        ms = lambda seconds: f"{seconds * 1e3:,.0f} ms" if seconds is not None else "-"  # noqa: E731
+        lines.append(f"{r['world_size']:>2}{'on' if r['activation_checkpointing'] else 'off':>5}{r['rank']:>5}"
+                     f"{mib(r['state']):>9}{mib(max(r['state_measured'])):>10}{mib(r['gathered']):>10}"
+                     f"{mib(r['activations']):>9}{mib(r['predicted']):>11}{mib(r['peak']):>9}"
+                     f"{r['peak'] / r['predicted']:>11.3f}  {r['peak_phase']:<10}{ms(r['step_time_s']):>11}"
+                     f"{ms(r['step_cpu_s']):>11}")
+    for r in (r for r in rows if r["rank"] == 0):
+        parts = list(r["beyond_state"].items())
+        shown = ", ".join(f"{name} {mib(n)}" for name, n in parts[:top])
+        rest = sum(n for _, n in parts[top:])
+        lines.append(f"N = {r['world_size']}, checkpointing {'on' if r['activation_checkpointing'] else 'off'}, "
+                     f"rank 0, at its peak ({r['peak_phase']}, {r['peak_made_by']}), live besides the state: {shown}"
+                     f"{f', the rest {mib(rest)}' if rest else ''}")
+    return "\n".join(lines)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, the flags with their defaults."""
+
+
+def main() -> int:
+    parser = build_parser("step7_zero3")
+    distributed.add_flags(parser)
+    parser.prog, parser.description, parser.formatter_class = "compare/peak_memory.py", __doc__, HelpFormatter
+    parser.set_defaults(timeout_s=120.0)
+    for action in parser._actions:
+        if action.dest not in USED_FLAGS and action.option_strings and action.dest != "help":
+            action.help = argparse.SUPPRESS  # a trainer flag with no bearing here: accepted, not advertised
+    flags = parser.add_argument_group("peak memory")
+    flags.add_argument("--world-sizes", default="1,2,4", help="comma-separated world sizes")
+    flags.add_argument("--activation-checkpointing", action="store_true", help="as step 7's flag")
+    flags.add_argument("--no-prefetch", action="store_true", help="as step 7's flag")
+    flags.add_argument("--compare-checkpointing", action="store_true",
+                       help="measure with and without activation checkpointing, in the same processes, timed steps "
+                            "alternating")
+    flags.add_argument("--profiled-steps", type=int, default=2, help="steps replayed from the profiler's records")
+    flags.add_argument("--timed-steps", type=int, default=5, help="steps timed after those, without the profiler")
+    flags.add_argument("--json", type=Path, help="also write every rank's numbers here")
+    config = parse_config(parser)
+    world_sizes = estimate.parse_world_sizes(config["world_sizes"])
+    if config["profiled_steps"] < 1 or config["timed_steps"] < 0:
+        raise UserError(f"--profiled-steps must be at least 1 and --timed-steps at least 0, got "
+                        f"{config['profiled_steps']} and {config['timed_steps']}")
+    if config["timeout_s"] <= 0:
+        raise UserError(f"--timeout-s must be positive, got {config['timeout_s']:g}")
+    result = run(config, world_sizes)
+    print(report(result))
+    if config["json"]:
+        config["json"].write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"numbers: {config['json']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))
