@@ -26,6 +26,10 @@ TINY = ["--steps", "4", "--micro-batch-size", "2", "--grad-accum", "2", "--seq-l
         "--n-embd", "32", "--n-head", "2", "--grad-clip", "0.3", "--warmup-steps", "2", "--save-every", "0",
         "--quiet"]
 TIMEOUT = ["--timeout-s", "60"]
+# The contract's strictest setting at once: exact mode (float64 reduction), accumulation (no_sync), clipping
+# that triggers, bf16 autocast, dropout (each rank's RNG must be where it should), checkpoints every 2 steps.
+# bf16 here covers bf16 at world size 2 too: there the float64 and float32 reductions give the same bits.
+EXACT = ("--reduce-dtype", "float64", "--amp", "bf16", "--dropout", "0.1", "--save-every", "2")
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +101,21 @@ def tour(tmp_path_factory, small_corpus) -> tuple[Path, str]:
 def step1_ws2(tour) -> Path:
     """The golden reference on the tiny workload: PyTorch DDP, 2 ranks, float32, with checkpoints."""
     return tour[0] / STEPS["step1"]
+
+
+@pytest.fixture(scope="session")
+def exact_run(tmp_path_factory, small_corpus):
+    """``exact_run(step, world_size)``: that step trained on TINY with the EXACT flags at that world size, once
+    per session, and its run folder. The exact-mode matrix, the two-node test, the resume tests and step 7's
+    tests share them."""
+    runs = {}
+
+    def run(step: str, world_size: int) -> Path:
+        if (step, world_size) not in runs:
+            out = tmp_path_factory.mktemp(f"exact_{step}_ws{world_size}")
+            runs[step, world_size] = train(step, out, small_corpus, *EXACT, nproc=world_size)
+        return runs[step, world_size]
+    return run
 
 
 def init_gloo(rank: int, world_size: int, port: int) -> None:

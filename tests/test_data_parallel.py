@@ -11,14 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, init_gloo, metrics, parity, shutdown, spawn,
-                      train)
+from conftest import (EXACT, REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, init_gloo, metrics, parity, shutdown,
+                      spawn, train)
 from launch import run_nodes_here
-
-# The contract's strictest setting at once: accumulation (no_sync), clipping that triggers, bf16 autocast.
-# bf16 here covers bf16 at world size 2 too: there the float64 and float32 reductions give the same bits
-# (test_step1_reduce_modes_at_world_size_2).
-EXACT = ("--reduce-dtype", "float64", "--amp", "bf16")
 
 
 @pytest.fixture(scope="module")
@@ -60,23 +55,9 @@ FORMULAS = {"step1": REPLICATED, "step3": REPLICATED, "step4": REPLICATED,
             "step7": ((4, "N"), (4, "N"), (8, "N"))}
 
 
-@pytest.fixture(scope="module")
-def exact_run(tmp_path_factory, small_corpus):
-    """``exact_run(step, world_size)``: that step trained in exact mode at that world size, once per
-    session, and its run folder. The exact-mode matrix and the two-node test share the 4-rank runs."""
-    runs = {}
-
-    def run(step: str, world_size: int) -> Path:
-        if (step, world_size) not in runs:
-            out = tmp_path_factory.mktemp(f"exact_{step}_ws{world_size}")
-            runs[step, world_size] = train(step, out, small_corpus, *EXACT, nproc=world_size)
-        return runs[step, world_size]
-    return run
-
-
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_exact_mode_is_bitwise_identical_at_any_world_size(world_size, exact_run):
-    """Exact mode, accumulation, clipping that triggers and bf16 at once; and, from the same runs, every
+    """Exact mode, accumulation, clipping that triggers, bf16 and dropout at once; and, from the same runs, every
     rank's memory against the ZeRO formulas and the bytes each step hands to each collective."""
     runs = {step: exact_run(step, world_size) for step in FORMULAS}
     for step in ("step3", "step4", "step5", "step6", "step7"):

@@ -48,12 +48,17 @@ def test_state_is_the_zero3_layout_to_the_byte_and_the_peak_is_accounted_for(mea
     rows = result["rows"]
     modes = sorted((r["activation_checkpointing"], r["rank"]) for r in rows)
     assert modes == [(False, 0), (False, 1), (True, 0), (True, 1)]
+    # The profiler records the frees of its own thread only: a buffer that one of gloo's threads frees last
+    # (seen: a gathered unit, 0.76 MiB, once in about ten runs under load) stays "live" in the replay until
+    # its address is reused. So the replay may count up to one unit too many, never fewer bytes.
+    unseen_free = 4 * max(padded)
     for r in rows:
-        assert all(0 <= m - r["state"] < 0.01 * r["state"] for m in r["state_measured"]), r
+        assert all(0 <= m - r["state"] < 0.01 * r["state"] + unseen_free for m in r["state_measured"]), r
         assert r["peak_phase"] == "backward"
         explained = (r["state"] + 4 * padded[0] + (kept if r["activation_checkpointing"] else full)
                      + 4 * sum(padded) + loss_gradients)
-        assert abs(r["peak"] / explained - 1) < 0.01, (r["peak"], explained, r["beyond_state"])
+        assert -0.01 * explained < r["peak"] - explained < 0.01 * explained + unseen_free, (
+            r["peak"], explained, r["beyond_state"])
         assert r["beyond_state"]["backward: SplitWithSizesBackward0"] == 4 * sum(padded)  # the accumulated gradients
         assert r["step_time_s"] > 0 and len(r["step_times_s"]) == 1
     peak = {(r["activation_checkpointing"], r["rank"]): r["peak"] for r in rows}

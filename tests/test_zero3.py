@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, assert_bitwise_same_run, init_gloo, metrics, parity, spawn, train
+from conftest import EXACT, REPO, assert_bitwise_same_run, init_gloo, metrics, parity, spawn, train
 from conftest import STEPS as STEP_FOLDERS  # STEPS below is the toy's number of steps
 
 import estimate  # compare/, on the path through conftest
@@ -273,14 +273,12 @@ def ws1(tmp_path_factory, small_corpus):
 
 
 @pytest.fixture(scope="module")
-def exact3(tmp_path_factory, small_corpus):
-    """Exact mode at 3 ranks, with bf16, dropout (its masks must survive recomputation) and activation
-    checkpointing in step 7; checkpoints every 2 steps for the resume test."""
+def exact3(exact_run, tmp_path_factory, small_corpus):
+    """Exact mode at 3 ranks, with bf16 and dropout (its masks must survive recomputation): step 1 as the
+    exact-mode matrix ran it, step 7 with activation checkpointing; checkpoints every 2 steps."""
     out = tmp_path_factory.mktemp("zero3_ws3")
-    flags = ("--reduce-dtype", "float64", "--amp", "bf16", "--dropout", "0.1")
-    return (train("step1", out / "step1", small_corpus, *flags, nproc=3),
-            train("step7", out / "step7", small_corpus, *flags, "--activation-checkpointing", "--save-every", "2",
-                  nproc=3))
+    return (exact_run("step1", 3),
+            train("step7", out / "step7", small_corpus, *EXACT, "--activation-checkpointing", nproc=3))
 
 
 def test_trainer_is_bitwise_identical_to_ddp_at_world_size_2(ws2):
@@ -309,9 +307,8 @@ def test_trainer_resumes_bitwise_from_its_own_shards(exact3, tmp_path, small_cor
         pieces = {(t.data_ptr(), t.numel()): t for t in own["model"].values()}  # the tied weight: one piece, two names
         assert all(t.dim() == 1 for t in own["model"].values())
         assert abs(sum(t.numel() for t in pieces.values()) - psi / 3) <= 2 * units, "a rank holds 1/3 of the model"
-    resumed = train("step7", tmp_path / "resumed", small_corpus, "--reduce-dtype", "float64", "--amp", "bf16",
-                    "--dropout", "0.1", "--activation-checkpointing", "--save-every", "2", "--resume", str(checkpoint),
-                    nproc=3)
+    resumed = train("step7", tmp_path / "resumed", small_corpus, *EXACT, "--activation-checkpointing",
+                    "--resume", str(checkpoint), nproc=3)
     assert_bitwise_same_run(step7, resumed)
 
 
