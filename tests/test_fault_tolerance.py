@@ -45,7 +45,7 @@ def split(micro_batch_size: int, grad_accum: int) -> list[str]:
 @pytest.mark.parametrize("step", ["step1", "step2", "step3", "step4", "step5", "step6", "step7"])
 def test_resume_at_another_world_size(step, tour, tmp_path, small_corpus):
     """The tour's 2-rank checkpoint at step 2 resumes on 4 ranks (2 x 1 instead of 2 x 2: the same global batch),
-    and for the sharded steps, the 4-rank checkpoint of step 3 resumes on 2 ranks again."""
+    and the 4-rank checkpoint of step 3 resumes on 2 ranks again: 2 -> 4 and 4 -> 2 in every step."""
     original = tour[0] / STEPS[step]
     data = ["--data", str(small_corpus), "--save-every", "1"]
     on_four = launch(step, [*split(2, 1), *data, "--out", str(tmp_path / "four"),
@@ -53,12 +53,11 @@ def test_resume_at_another_world_size(step, tour, tmp_path, small_corpus):
     assert on_four.returncode == 0, on_four.stdout[-2000:] + on_four.stderr[-2000:]
     assert "world size 2 -> 4" in on_four.stderr and "not bitwise" in on_four.stderr
     assert_close_run(original, tmp_path / "four", same_until=2)
-    if step in ("step5", "step6", "step7"):
-        back = launch(step, [*TINY, *data, "--out", str(tmp_path / "back"),
-                             "--resume", str(tmp_path / "four" / "checkpoints" / "step_3")], nproc=2)
-        assert back.returncode == 0, back.stdout[-2000:] + back.stderr[-2000:]
-        assert "world size 4 -> 2" in back.stderr
-        assert_close_run(original, tmp_path / "back", same_until=2)
+    back = launch(step, [*TINY, *data, "--out", str(tmp_path / "back"),
+                         "--resume", str(tmp_path / "four" / "checkpoints" / "step_3")], nproc=2)
+    assert back.returncode == 0, back.stdout[-2000:] + back.stderr[-2000:]
+    assert "world size 4 -> 2" in back.stderr
+    assert_close_run(original, tmp_path / "back", same_until=2)
 
 
 def test_step0_and_step1_resume_each_other(tour, tmp_path, small_corpus):
@@ -93,11 +92,14 @@ def test_consolidated_zero3_checkpoint_resumes_step1_bitwise(tour, tmp_path, sma
     assert_bitwise_same_run(tour[0] / STEPS["step1"], tmp_path / "run")
 
 
-def test_every_layout_reads_back_the_state_that_was_saved(tour, tmp_path):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_layout_reads_back_the_state_that_was_saved(world_size, tour, exact_run, tmp_path):
     """Whatever wrote it (whole tensors in state.pt, AdamW slices per rank, parameter pieces per rank), a
     checkpoint read back whole is the same state: step 1's, step 5's and step 7's at step 2 are torch.equal
-    (the runs are bitwise alike), and consolidating one changes no bit."""
-    read = {step: Checkpoint(tour[0] / STEPS[step] / "checkpoints" / "step_2") for step in ("step1", "step5", "step7")}
+    (the runs are bitwise alike), at 2 ranks (the tour's) and 3 (the exact-mode runs': pieces cut 3 ways,
+    what a resume at 3 -> 2 reads), and consolidating one changes no bit."""
+    runs = {step: tour[0] / STEPS[step] if world_size == 2 else exact_run(step, 3) for step in ("step1", "step5", "step7")}
+    read = {step: Checkpoint(run / "checkpoints" / "step_2") for step, run in runs.items()}
     names = list(read["step1"].shapes)
     slices = [(name, 0, read["step1"].shapes[name].numel()) for name in names]
     params = [torch.empty(read["step1"].shapes[name]) for name in names]
