@@ -6,6 +6,7 @@ clipping, a warm-up + cosine schedule, bitwise-exact checkpoint/resume and a per
     python step0_single_gpu/train.py                 # about 20 s on 2 CPU cores
     python step0_single_gpu/train.py --resume        # continue from the latest checkpoint in --out
 """
+import os
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ from torch.utils.data import DistributedSampler
 
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint, optimizer_slices)
-from config import build_parser, exit_on_user_error, parse_config
+from config import UserError, build_parser, exit_on_user_error, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
@@ -27,6 +28,10 @@ STEP = Path(__file__).resolve().parent.name
 def main():
     # ---- everything that can be wrong is checked before anything is written ------------------
     config = parse_config(build_parser(STEP))
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # torchrun started several copies: each would train alone
+        raise UserError(f"{STEP} is one process, but torchrun started {os.environ['WORLD_SIZE']}: each would train "
+                        "the whole model alone and write the same --out; run it with python, or run "
+                        "step1_torch_ddp under torchrun")
     device = pick_device(config["device"])
     check_amp(config["amp"], device)
     seed_everything(config["seed"])

@@ -26,6 +26,7 @@ steps 5-6, its slices of the parameters too in step 7).
 import copy
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import UserError
+from config import UserError, check_writable_folder
 from seeding import set_rng_state
 
 FORMAT_VERSION = 2
@@ -75,13 +76,37 @@ def find_checkpoint(resume: str | None, out_dir) -> Path | None:
         return found[-1] if found else None
     path = Path(resume)
     if not (path / "meta.json").is_file():
-        raise UserError(f"--resume {resume}: no checkpoint there (a checkpoints/step_<k> folder with meta.json)")
+        meant = checkpoint_meant_by(path)
+        raise UserError(f"--resume {resume} is not a checkpoint (a checkpoints/step_<k> folder with meta.json)"
+                        + (f"; did you mean --resume {meant}?" if meant else ""))
     return path
 
 
+def checkpoint_meant_by(path: Path) -> Path | None:
+    """The checkpoint someone who named ``path`` instead probably meant: the one a file of it is in, or the
+    newest whole checkpoint of a run folder (or of its checkpoints/ folder). None when there is none near."""
+    path = Path(path)
+    if path.is_file() and (path.parent / "meta.json").is_file():
+        return path.parent
+    found = complete_checkpoints(path.parent if path.name == "checkpoints" else path)
+    return found[-1] if found else None
+
+
+# What a fresh run removes from <out>/checkpoints: the folders a save writes, and nothing else.
+OWN_CHECKPOINT_FOLDER = re.compile(r"(\.tmp_|\.old_)?step_\d+")
+
+
 def clear_checkpoints(out_dir) -> None:
-    """A fresh run replaces the run in ``out_dir``: its checkpoints would otherwise be taken for this run's."""
-    shutil.rmtree(Path(out_dir) / "checkpoints", ignore_errors=True)
+    """A fresh run replaces the run in ``out_dir``: its checkpoints would otherwise be taken for this run's.
+    Only the folders a save writes go; anything else in <out>/checkpoints was put there by someone else."""
+    folder = Path(out_dir) / "checkpoints"
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        if entry.is_dir() and OWN_CHECKPOINT_FOLDER.fullmatch(entry.name):
+            shutil.rmtree(entry, ignore_errors=True)
+    if not any(folder.iterdir()):
+        folder.rmdir()
 
 
 # ---- Writing ------------------------------------------------------------------------------------------
@@ -196,11 +221,20 @@ def load_optimizer(optimizer, checkpoint, slices: list) -> None:
 class Checkpoint:
     """A whole checkpoint on disk, read as full tensors by parameter name, whatever step and world size wrote it.
 
-    Opening it checks that it is readable; ``check_resumable`` that it belongs to this run.
+    Opening it checks that it is readable; ``check_resumable`` that it belongs to this run. ``reader`` says who
+    reads it (a trainer's "resume", or "consolidate"), so that a corrupted one is reported in that one's terms.
     """
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
+    # What to do instead of reading a corrupted checkpoint: with the one before it, or without any.
+    INSTEAD = {
+        "resume": ("resume from the one before it: --resume {earlier}",
+                   "there is no earlier checkpoint to resume from: start afresh without --resume"),
+        "consolidate": ("consolidate the one before it: python compare/consolidate.py {earlier} OUT",
+                        "there is no earlier checkpoint to consolidate instead"),
+    }
+
+    def __init__(self, path: Path, reader: str = "resume"):
+        self.path, self.reader = Path(path), reader
         try:
             meta = json.loads((self.path / "meta.json").read_text())
         except (OSError, ValueError) as error:
@@ -254,8 +288,8 @@ class Checkpoint:
     def _corrupted(self, what: str):
         number = int(self.path.name[5:]) if self.path.name[5:].isdigit() else None  # step_<k>
         earlier = [p for p in complete_checkpoints(self.path.parent.parent) if number and int(p.name[5:]) < number]
-        advice = (f"resume from the one before it: --resume {earlier[-1]}" if earlier else
-                  "there is no earlier checkpoint to resume from: start afresh without --resume")
+        with_earlier, without = self.INSTEAD[self.reader]
+        advice = with_earlier.format(earlier=earlier[-1]) if earlier else without
         raise UserError(f"checkpoint {self.path} is corrupted ({what}); {advice}")
 
     def _index_optimizer(self, state_dict: dict, slices: list) -> None:
@@ -376,10 +410,16 @@ def open_checkpoint(path: Path, config: dict, world_size: int, is_main: bool) ->
     return checkpoint
 
 
-def consolidate(source: Path, out_dir: Path) -> Path:
-    """Rewrite checkpoint ``source`` (any step, any world size) in ``out_dir``/checkpoints as steps 0-4 write
-    theirs: the whole model and AdamW's whole state in state.pt, each rank's file only its RNG. Returns it."""
-    checkpoint = Checkpoint(source)
+def consolidate(source, out_dir: Path) -> Path:
+    """Rewrite checkpoint ``source`` (a ``Checkpoint``, or its folder: any step, any world size) in
+    ``out_dir``/checkpoints as steps 0-4 write theirs: the whole model and AdamW's whole state in state.pt,
+    each rank's file only its RNG. Returns it. Refuses (before writing anything) an ``out_dir`` that cannot
+    be written or already holds that checkpoint."""
+    checkpoint = source if isinstance(source, Checkpoint) else Checkpoint(source, reader="consolidate")
+    final = checkpoint_dir(out_dir, checkpoint.step)
+    check_writable_folder(final, f"consolidating into {out_dir}")
+    if final.exists():
+        raise UserError(f"{final} exists already; consolidate into another folder")
     names = list(checkpoint.shapes)  # named_parameters() order; the optimiser's is group by group
     order = [name for _, group in checkpoint.groups for name in names if name in group]
     slices = [(name, 0, checkpoint.shapes[name].numel()) for name in order]
@@ -387,7 +427,6 @@ def consolidate(source: Path, out_dir: Path) -> Path:
     shared = {key: value for key, value in checkpoint.shared.items() if key not in ("model", "optimizer_slices")}
     shared.update(model={name: checkpoint.parameter(name) for name in names}, optimizer_slices=slices,
                   optimizer=checkpoint.optimizer_state_dict(slices, params))
-    final = checkpoint_dir(out_dir, checkpoint.step)
     tmp = final.with_name(f".tmp_{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -397,8 +436,6 @@ def consolidate(source: Path, out_dir: Path) -> Path:
     meta = {"format": FORMAT_VERSION, "step": checkpoint.step, "world_size": checkpoint.world_size,
             "config": checkpoint.config, "shapes": {name: list(shape) for name, shape in checkpoint.shapes.items()}}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    if final.exists():
-        raise UserError(f"{final} exists already; consolidate into another folder")
     os.replace(tmp, final)
     return final
 

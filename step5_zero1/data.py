@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at run time, ever: the corpus is a local file
 # pyarrow (under datasets) defaults to jemalloc, which reserves about 1 GiB of address space as it loads:
@@ -59,7 +60,13 @@ def extra_work(seconds: float) -> None:
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
+import tqdm  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+# datasets lists the corpus file under a tqdm bar (disabled), and tqdm starts a monitor thread for its bars: a
+# thread with nothing to do here, whose stack counts against --max-memory-mb. When the budget leaves no room
+# for it, tqdm prints a three-line warning above the one `error: out of memory` line. So: no monitor thread.
+tqdm.tqdm.monitor_interval = 0
 
 
 def file_sha256(path) -> str:
@@ -75,13 +82,34 @@ class Corpus:
     tokenizer_sha256: str
 
 
+def load_tokenizer(path) -> PreTrainedTokenizerFast:
+    """The tokenizer in ``path`` (a tokenizers JSON file, as data/train_tokenizer.py writes), or a ``UserError``."""
+    try:
+        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    except Exception:  # noqa: BLE001 (not JSON, JSON of something else: the library's words would not help)
+        raise UserError(f"--tokenizer {path} is not a tokenizer file (the JSON that data/train_tokenizer.py "
+                        "writes); pass data/tokenizer.json") from None
+
+
+def check_text(path) -> None:
+    """Refuse a --data file that is not text, before datasets fails on it with a traceback of its own."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"--data {path} is not UTF-8 text (byte {error.start} cannot be decoded); "
+                        "pass a plain text file") from None
+    if not text.strip():
+        raise UserError(f"--data {path} holds no text; pass a plain text file")
+
+
 def load_corpus(text_path: str, tokenizer_path: str, seq_len: int) -> Corpus:
     """Tokenize a local text file with the fixed tokenizer and pack it into blocks of ``seq_len + 1``.
 
     The tail that does not fill a whole block is dropped. Block ``i`` is the same on every rank and
     in every run: samplers hand out block indices, never text.
     """
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    check_text(text_path)
     # keep_linebreaks: the newlines are part of the text the model should learn to write.
     datasets.disable_progress_bars()
     lines = datasets.Dataset.from_text(text_path, keep_linebreaks=True, keep_in_memory=True)
@@ -89,7 +117,8 @@ def load_corpus(text_path: str, tokenizer_path: str, seq_len: int) -> Corpus:
     block = seq_len + 1
     n_blocks = len(ids) // block
     if n_blocks == 0:
-        raise UserError(f"{text_path} holds {len(ids)} tokens, fewer than one block of --seq-len {seq_len} + 1")
+        raise UserError(f"--data {text_path} holds {len(ids)} tokens, fewer than one block of --seq-len {seq_len} + 1; "
+                        "lower --seq-len or pass more text")
     blocks = torch.tensor(ids[: n_blocks * block], dtype=torch.long).view(n_blocks, block)
     return Corpus(blocks, len(tokenizer), file_sha256(text_path), file_sha256(tokenizer_path))
 

@@ -33,7 +33,15 @@ OUT_OF_MEMORY = re.compile(r"can't allocate memory|Cannot allocate memory|std::b
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and bool(OUT_OF_MEMORY.search(str(error))))
+    if isinstance(error, MemoryError):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    # Under a budget a thread's stack (8 MiB, private and writable) counts as data memory, so a budget too
+    # small for the libraries' threads (datasets reads the corpus with a pool) fails to start one: Python says
+    # "can't start new thread". Without a budget it may be a limit on processes instead: not claimed as memory.
+    return bool(OUT_OF_MEMORY.search(str(error))) or (
+        memory_budget["mb"] is not None and "can't start new thread" in str(error))
 
 
 def out_of_memory_message(error: BaseException) -> str:
@@ -163,6 +171,21 @@ class OneLineParser(argparse.ArgumentParser):
         raise UserError(f"{message} (see --help)")
 
 
+def check_writable_folder(path, what: str) -> None:
+    """Refuse, before anything is written, a folder that cannot be created or written: ``path`` itself or one
+    of its parents is a file, or the nearest existing one is not writable. ``what`` names it for the user
+    (``--out runs/x``). A missing folder is fine: it is created when the first file is written."""
+    path = Path(path)
+    for folder in [path, *path.parents]:
+        if not folder.exists():
+            continue
+        if not folder.is_dir():
+            raise UserError(f"{what}: {folder} is a file, where a folder is needed; choose another path")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UserError(f"{what}: cannot write in {folder} (permission denied); choose a folder of your own")
+        return
+
+
 def _path_under_repo(value: str) -> str:
     path = Path(value)
     return str(path if path.is_absolute() else (Path.cwd() / path).resolve())
@@ -219,23 +242,39 @@ def build_parser(step: str) -> argparse.ArgumentParser:
 
 
 def parse_config(parser: argparse.ArgumentParser, argv=None) -> dict:
-    """Parse and sanity-check the shared flags; every problem is a ``UserError``. A step checks its own."""
+    """Parse and sanity-check the shared flags, then put the memory budget in force; every problem is a
+    ``UserError``. A step checks its own."""
     config = vars(parser.parse_args(argv))
+    check_config(config)
+    limit_memory(config["max_memory_mb"], config["step"])  # last: before anything big is allocated
+    return config
+
+
+def check_config(config: dict) -> None:
+    """The checks of the shared flags (what ``parse_config`` does, less the budget): for a tool that starts
+    trainers and wants to refuse their flags before it starts any (compare/tour.py)."""
     positive = ["steps", "micro_batch_size", "grad_accum", "n_layer", "n_head", "n_embd", "seq_len"]
     for key in positive:
         if config[key] < 1:
             raise UserError(f"--{key.replace('_', '-')} must be at least 1, got {config[key]}")
     if config["n_embd"] % config["n_head"]:
         raise UserError(f"--n-embd {config['n_embd']} must be divisible by --n-head {config['n_head']}")
-    if config["loss_scale_init"] <= 0:
-        raise UserError(f"--loss-scale-init must be positive, got {config['loss_scale_init']}")
-    if config["save_every"] < 0 or config["warmup_steps"] < 0 or config["grad_clip"] < 0:
-        raise UserError("--save-every, --warmup-steps and --grad-clip cannot be negative")
-    if not 0.0 <= config["dropout"] < 1.0:
-        raise UserError(f"--dropout must be in [0, 1), got {config['dropout']}")
+    # AdamW refuses a negative --lr, --weight-decay or a beta outside [0, 1) itself, but with a traceback from
+    # inside torch once the corpus is tokenized; a zero --lr would divide by zero in the schedule. Written as
+    # "not >=" and the like so that nan is refused too.
+    for key in ("lr", "loss_scale_init"):
+        if not config[key] > 0:
+            raise UserError(f"--{key.replace('_', '-')} must be positive, got {config[key]:g}")
+    for key in ("save_every", "warmup_steps", "grad_clip", "min_lr", "weight_decay"):
+        if not config[key] >= 0:
+            raise UserError(f"--{key.replace('_', '-')} cannot be negative, got {config[key]:g}")
+    for key in ("dropout", "beta1", "beta2"):
+        if not 0.0 <= config[key] < 1.0:
+            raise UserError(f"--{key} must be in [0, 1), got {config[key]:g}")
     for key in ("data", "tokenizer"):
+        if Path(config[key]).is_dir():
+            raise UserError(f"--{key} {config[key]} is a folder, not a file; pass the file itself")
         if not Path(config[key]).is_file():
             raise UserError(f"--{key} {config[key]} does not exist; pass a readable file")
-    limit_memory(config["max_memory_mb"], config["step"])  # last: before anything big is allocated
-    return config
+    check_writable_folder(config["out"], f"--out {config['out']}")
 

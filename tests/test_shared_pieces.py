@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import metrics
-from checkpoint import find_checkpoint
+from checkpoint import clear_checkpoints, find_checkpoint
 from config import UserError
 from training import clip_gradients, lr_at, param_norm
 
@@ -42,10 +42,28 @@ def test_resume_path_without_meta_and_empty_folder_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="no checkpoint in"):
         find_checkpoint("latest", tmp_path)
     not_yet = fake_checkpoint(tmp_path, "step_3", meta=False)
-    with pytest.raises(UserError, match="no checkpoint there"):
+    with pytest.raises(UserError, match="is not a checkpoint") as refused:
         find_checkpoint(str(not_yet), tmp_path)
+    assert "did you mean" not in str(refused.value)  # no whole checkpoint anywhere near it yet
     whole = fake_checkpoint(tmp_path, "step_4")
     assert find_checkpoint(str(whole), tmp_path) == whole
+    # The run folder, its checkpoints/ folder, a file of a checkpoint: each named instead of the checkpoint.
+    (whole / "rank0.pt").write_bytes(b"")
+    for meant_instead in (tmp_path, tmp_path / "checkpoints", whole / "rank0.pt"):
+        with pytest.raises(UserError, match=f"did you mean --resume {whole}\\?$"):
+            find_checkpoint(str(meant_instead), tmp_path)
+
+
+def test_a_fresh_run_removes_only_the_checkpoint_folders_a_run_writes(tmp_path):
+    for name in ("step_2", ".tmp_step_4", ".old_step_2"):
+        fake_checkpoint(tmp_path, name)
+    clear_checkpoints(tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
+    fake_checkpoint(tmp_path, "step_2")
+    (tmp_path / "checkpoints" / "notes.txt").write_text("someone else's")
+    fake_checkpoint(tmp_path, "best_model")
+    clear_checkpoints(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best_model", "notes.txt"]
 
 
 # ---- training.lr_at: warm-up and cosine in closed form -----------------------------------------------
