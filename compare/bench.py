@@ -636,6 +636,8 @@ def parse_flags() -> dict:
         raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
     if config["device"] == "cuda" or config["amp"] != "none":
         raise UserError("compare/bench.py runs on the CPU with gloo, in float32: drop --device cuda / --amp")
+    from plot import check_figure_path  # compare/plot.py (matplotlib): a --png it cannot write fails now, not at the end
+    check_figure_path(Path(config["png"]), "--png")
     return config
 
 

@@ -8,7 +8,6 @@ and reads the pause each save reports ("checkpoint step_k ...: training paused N
 of each run is left out (its folder and file creation are slower). Prints medians with the spread, and
 the resident memory the in-memory copy costs (the trainer's own rss column).
 """
-import argparse
 import re
 import statistics
 import subprocess
@@ -16,8 +15,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import trainer_command  # noqa: E402
+from launch import trainer_command  # noqa: E402  (puts common/ on the path)
 from parity import step_folders  # noqa: E402
+from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 MODEL = ["--n-layer", "8", "--n-embd", "512", "--n-head", "8", "--micro-batch-size", "2", "--grad-accum", "1",
          "--seq-len", "64", "--steps", "8", "--save-every", "2", "--timeout-s", "120"]
@@ -26,15 +26,18 @@ MODEL = ["--n-layer", "8", "--n-embd", "512", "--n-head", "8", "--micro-batch-si
 def one_run(step: str, nproc: int, out: Path, async_save: bool) -> tuple[list[float], float]:
     args = [*MODEL, "--out", str(out), *(["--async-save"] if async_save else [])]
     result = subprocess.run(trainer_command(step, nproc, args), capture_output=True, text=True, timeout=1800)
-    if result.returncode != 0:
-        sys.exit(f"error: {step} failed:\n{result.stderr[-2000:]}")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    if errors:  # the trainer refused its flags: its own line says why
+        raise UserError(f"{step} failed (exit {result.returncode}): {errors[0]}")
+    if result.returncode != 0:  # a crash, not bad input: all of its output
+        sys.exit(f"{step} failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
     pauses = [float(m) for m in re.findall(r"training paused (\d+) ms", result.stdout)]
     rss = [float(m) for m in re.findall(r"rss (\d+) MiB", result.stdout)]
     return pauses[1:], max(rss)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step", default="step1")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
@@ -42,7 +45,9 @@ def main():
     args = parser.parse_args()
     steps = {folder.split("_")[0]: folder for folder in step_folders()}
     if args.step not in steps:
-        parser.error(f"--step: one of {', '.join(steps)}")
+        raise UserError(f"--step {args.step}: no such step; choose one of {', '.join(steps)}")
+    if args.nproc < 1 or args.rounds < 1:
+        raise UserError("--nproc and --rounds must be at least 1")
     step = steps[args.step]
     pauses, peaks = {False: [], True: []}, {False: [], True: []}
     for _ in range(args.rounds):
@@ -57,4 +62,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_user_error(main)

@@ -8,11 +8,17 @@ buffer per rank and should take about half an all-reduce's time; an all-gather t
 The medians say how close gloo's implementations come to that on this machine.
 """
 import argparse
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -27,10 +33,14 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=float, default=8.0, help="buffer size per rank (MiB, float32)")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    if not args.mib > 0 or args.repeats < 1:
+        raise UserError("--mib must be positive and --repeats at least 1")
+    if "RANK" not in os.environ:  # torchrun tells each rank its place; without it there is no group to join
+        raise UserError("start it under torchrun: torchrun --standalone --nproc_per_node=2 compare/bench_collectives.py")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     n = dist.get_world_size()
@@ -53,4 +63,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_user_error(main)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # checkpoint.py, config.py
-from checkpoint import Checkpoint, consolidate  # noqa: E402
+from checkpoint import Checkpoint, checkpoint_meant_by, consolidate  # noqa: E402
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 
@@ -23,9 +23,11 @@ def main(argv=None):
     parser.add_argument("out", type=Path, help="run folder to write <out>/checkpoints/step_<k> into")
     args = parser.parse_args(argv)
     if not (args.checkpoint / "meta.json").is_file():
-        raise UserError(f"{args.checkpoint} is not a checkpoint (a checkpoints/step_<k> folder with meta.json)")
-    source = Checkpoint(args.checkpoint)
-    written = consolidate(args.checkpoint, args.out)
+        meant = checkpoint_meant_by(args.checkpoint)  # a run folder named instead of one of its checkpoints?
+        raise UserError(f"{args.checkpoint} is not a checkpoint (a checkpoints/step_<k> folder with meta.json)"
+                        + (f"; did you mean {meant}?" if meant else ""))
+    source = Checkpoint(args.checkpoint, reader="consolidate")
+    written = consolidate(source, args.out)
     print(f"{written}: {len(source.shapes)} parameters of {source.config['step']} (world size {source.world_size}) "
           f"at step {source.step}, whole, in state.pt")
 

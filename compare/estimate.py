@@ -43,7 +43,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, model.py, as every step has them
-from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
+from config import UserError, build_parser, check_writable_folder, exit_on_user_error, parse_config  # noqa: E402
 from model import gpt2_config  # noqa: E402
 from training import adamw_param_groups  # noqa: E402
 
@@ -190,8 +190,8 @@ def predict(model: Model, step: str, world_size: int, bucket_cap_mb: float = 25.
 
 
 def vocabulary_size(tokenizer: str) -> int:
-    from transformers import PreTrainedTokenizerFast
-    return len(PreTrainedTokenizerFast(tokenizer_file=tokenizer))  # what data.load_corpus gives the trainers
+    from data import load_tokenizer  # the trainers' own loader (imports datasets: only when estimating)
+    return len(load_tokenizer(tokenizer))  # what data.load_corpus gives the trainers
 
 
 def estimate(config: dict, world_sizes: list[int], bucket_cap_mb: float = 25.0, prefetch: bool = True) -> dict:
@@ -279,6 +279,10 @@ def main() -> int:
         raise UserError(f"--budget-mb must be positive, got {config['budget_mb']:g}")
     if config["bucket_cap_mb"] <= 0:
         raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']:g}")
+    if config["json"]:
+        if config["json"].is_dir():
+            raise UserError(f"--json {config['json']} is a folder; name a file")
+        check_writable_folder(config["json"].parent, f"--json {config['json']}")
     result = estimate(config, world_sizes, config["bucket_cap_mb"], not config["no_prefetch"])
     print(report(config, result, config["budget_mb"], not config["no_prefetch"]))
     if config["json"]:

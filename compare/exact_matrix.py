@@ -15,10 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
 import parity  # noqa: E402
-from config import OneLineParser, exit_on_user_error  # noqa: E402
+from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from launch import run_trainer  # noqa: E402
 
 REPO_ROOT = parity.REPO_ROOT
+MODES = ("float64", "float32")  # the trainers' --reduce-dtype
 
 
 def run(step: str, world_size: int, mode: str, extra: list[str]):
@@ -28,17 +29,32 @@ def run(step: str, world_size: int, mode: str, extra: list[str]):
     return out
 
 
+def world_sizes_and_modes(world_sizes: str, modes: str) -> tuple[list[int], list[str]]:
+    """The comma-separated flags as lists, or a ``UserError`` before any run starts."""
+    try:
+        sizes = [int(w) for w in world_sizes.split(",")]
+    except ValueError:
+        raise UserError(f"--world-sizes takes integers separated by commas, e.g. 2,3,4; got {world_sizes!r}") from None
+    if min(sizes) < 1:
+        raise UserError(f"--world-sizes: every world size must be at least 1, got {world_sizes!r}")
+    unknown = [m for m in modes.split(",") if m not in MODES]
+    if unknown:
+        raise UserError(f"--modes: {', '.join(map(repr, unknown))} is not a reduce dtype; choose from {','.join(MODES)}")
+    return sizes, modes.split(",")
+
+
 def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", default="2,3,4")
-    parser.add_argument("--modes", default="float64,float32")
+    parser.add_argument("--modes", default=",".join(MODES))
     args, extra = parser.parse_known_args()
+    world_sizes, modes = world_sizes_and_modes(args.world_sizes, args.modes)
     steps = [s for s in parity.step_folders() if not s.startswith(("step0", "step1", "step2"))]
     reference = next(s for s in parity.step_folders() if s.startswith("step1"))
     print(f"{'mode':<8} {'ranks':>5}  {'step':<22} {'max abs diff':>12} {'max |param norm diff|':>21}  verdict")
     exact_ok = True
-    for mode in args.modes.split(","):
-        for world_size in map(int, args.world_sizes.split(",")):
+    for mode in modes:
+        for world_size in world_sizes:
             ref = run(reference, world_size, mode, extra)
             for step in steps:
                 _, _, result = parity.check(str(ref), str(run(step, world_size, mode, extra)))

@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
 import parity  # noqa: E402
+from plot import check_figure_path  # noqa: E402
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 TOLERANCE = 0.02
@@ -150,6 +151,9 @@ def main() -> int:
                                                          "lines, the runs (of one model) as points")
     parser.add_argument("--check", action="store_true", help="exit 1 unless every rank is within 2%% of its formula")
     args = parser.parse_args()
+    for flag in ("png", "scaling_png"):  # a figure it cannot write fails now, not after the tables
+        if getattr(args, flag):
+            check_figure_path(getattr(args, flag), f"--{flag.replace('_', '-')}")
     if args.scaling_png:
         one_model([measure(name) for name in args.runs])  # before any output: a mistake is one line
     all_ok = True

@@ -59,6 +59,9 @@ def resolve_run(name: str) -> Path:
 def load_run(name: str) -> tuple[Path, dict]:
     run = resolve_run(name)
     path = run / "metrics.json"
+    if not path.is_file() and run == Path(name):  # a folder named (not a step), but not a run's
+        raise UserError(f"{run} is not a run folder (no metrics.json in it); name the --out folder of a finished "
+                        "run, or a step (step1)")
     if not path.is_file():
         raise UserError(f"{path} not found: run the step first (see README), or name a run folder")
     try:
@@ -67,9 +70,11 @@ def load_run(name: str) -> tuple[Path, dict]:
     except (ValueError, UnicodeDecodeError) as error:
         raise UserError(f"{path} is corrupted (not JSON: {error}); run the step again") from None
     if missing or not isinstance(metrics["records"], list):
-        raise UserError(f"{path} is corrupted or not a metrics file (missing {', '.join(missing) or 'records'})")
+        raise UserError(f"{path} is corrupted or not a metrics file (missing {', '.join(missing) or 'records'}); "
+                        "run the step again")
     if metrics.get("schema_version") != SCHEMA_VERSION:
-        raise UserError(f"{path} has schema {metrics.get('schema_version')}, this tool reads {SCHEMA_VERSION}")
+        raise UserError(f"{path} has schema {metrics.get('schema_version')}, this tool reads {SCHEMA_VERSION} (it was "
+                        "written by another version of the trainers); run the step again")
     if not metrics["final"]:
         raise UserError(f"{path} is from a run that did not finish; run it to the end (or --resume it)")
     return run, metrics

@@ -18,12 +18,25 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
 import parity  # noqa: E402
-from config import OneLineParser, exit_on_user_error  # noqa: E402
+from config import OneLineParser, UserError, check_writable_folder, exit_on_user_error  # noqa: E402
 
 SERIES = (("loss", "loss"), ("grad_norm", "grad norm (before clipping)"), ("param_norm", "param norm"))
 
 
+def check_figure_path(path: Path, flag: str) -> None:
+    """Refuse, before any run is read, a figure file matplotlib cannot write: an unknown format (it goes by
+    the file's extension), or a folder that cannot hold it."""
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise UserError(f"{flag} {path}: the format is taken from the extension, and "
+                        f"{repr(path.suffix) if path.suffix else 'no extension'} is not one matplotlib writes; "
+                        "end the name with .png (or .pdf, .svg)")
+    check_writable_folder(path.parent, f"{flag} {path}")
+
+
 def plot_runs(names: list[str], out: Path) -> Path:
+    check_figure_path(out, "--out")
     runs = [parity.load_run(name) for name in names]
     labels = [f"{path.name} (ws {m['env']['world_size']})" for path, m in runs]
     colors = [f"C{i % 10}" for i in range(len(runs))]  # a run keeps its colour in both columns

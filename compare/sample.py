@@ -31,9 +31,11 @@ def load_trained_model(name: str):
     config = metrics["config"]
     tokenizer_path = Path(config["tokenizer"])
     if not tokenizer_path.is_file():
-        raise UserError(f"the tokenizer {tokenizer_path} that {run} trained with does not exist any more")
+        raise UserError(f"the tokenizer {tokenizer_path} that {run} trained with does not exist any more; put it "
+                        "back, or run the step again")
     if hashlib.sha256(tokenizer_path.read_bytes()).hexdigest() != metrics["env"].get("tokenizer_sha256"):
-        raise UserError(f"{tokenizer_path} has changed since {run} was trained; its token ids would mean other text")
+        raise UserError(f"{tokenizer_path} has changed since {run} was trained, and its token ids would mean other "
+                        "text; put the file back as it was, or run the step again")
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path))
     weights = parity.load_weights(run, metrics)
     model = build_model(config, len(tokenizer), seed=config["seed"])  # the architecture; the weights follow

@@ -22,7 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
 import parity  # noqa: E402
-from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
+from config import (OneLineParser, UserError, build_parser, check_config, check_writable_folder,  # noqa: E402
+                    exit_on_user_error)
+from data import check_enough_data, load_corpus  # noqa: E402
 from launch import run_trainer  # noqa: E402
 from plot import plot_runs  # noqa: E402
 import stragglers  # noqa: E402
@@ -37,6 +39,21 @@ def shown(path: Path) -> Path:
     return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
 
 
+def check_the_data_feeds(nproc: int, extra: list[str]) -> None:
+    """Refuse, before any trainer starts, flags a trainer would refuse, and an --nproc the corpus cannot feed.
+
+    The trainers would refuse them too, but step 0 first and in its own terms: it runs as one process
+    accumulating 2 x nproc micro-batches, so too many ranks would read as a --grad-accum it cannot feed."""
+    try:
+        config = vars(build_parser("tour").parse_args(["--grad-accum", str(DEFAULT_GRAD_ACCUM), *extra]))
+    except UserError as error:  # the trainer's --help lists the flags, the tour's does not
+        raise UserError(f"the tour passes the flags it does not know to every step, step 0 included: {str(error).removesuffix(' (see --help)')}; "
+                        "python step0_single_gpu/train.py --help lists them") from None
+    check_config(config)
+    corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    check_enough_data(len(corpus.blocks), nproc, config["micro_batch_size"], config["grad_accum"])
+
+
 def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="ranks for the distributed steps")
@@ -47,6 +64,10 @@ def main() -> int:
     timeout = ["--timeout-s", args.timeout_s] if args.timeout_s else []
     if any(flag == "--out" or flag.startswith("--out=") for flag in extra):
         raise UserError("the tour gives every step its own run folder; use --runs-dir instead of --out")
+    if args.nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+    check_writable_folder(args.runs_dir, f"--runs-dir {args.runs_dir}")
+    check_the_data_feeds(args.nproc, extra)
     steps = parity.step_folders()
     runs = {step: str(args.runs_dir / step) for step in steps}
     log_dir = args.runs_dir / "tour"
