@@ -63,7 +63,7 @@ def run_estimate(*args):
                           capture_output=True, text=True, timeout=120)
 
 
-def test_the_command_line_marks_what_fits_and_refuses_bad_input_in_one_line(tmp_path):
+def test_the_command_line_marks_what_fits(tmp_path):
     out = tmp_path / "estimate.json"
     result = run_estimate("--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--micro-batch-size", "1",
                           "--world-sizes", "1,4", "--budget-mb", "40", "--json", out)
@@ -78,10 +78,7 @@ def test_the_command_line_marks_what_fits_and_refuses_bad_input_in_one_line(tmp_
     assert len(fits) == 8
     assert "DOES NOT FIT" in next(line for line in fits if line.startswith("DDP (steps 0-4)      4"))
     assert "fits:" in next(line for line in fits if line.startswith("ZeRO-3 (step 7)      4"))
-    for bad in (["--world-sizes", "two"], ["--world-sizes", "0"], ["--budget-mb", "-1"], ["--n-layer", "0"]):
-        result = run_estimate(*bad)
-        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, (bad, result.stderr)
-        assert result.stderr.startswith("error: ")
+    # Bad flags: tests/test_bad_input.py (docs/bad_input.md).
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -1,6 +1,5 @@
 """Step 0, step 1, the metrics file, the parity tool, bad input, and the copies of common/."""
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -9,8 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import (EXACT, REPO, STEPS, TINY, assert_bitwise_same_run, launch, metrics, parity, train,
-                      trainer_command, weights)
+from conftest import EXACT, REPO, STEPS, TINY, assert_bitwise_same_run, launch, metrics, parity, train, weights
 
 
 def test_step0_two_identical_runs_are_bitwise_identical(tmp_path, small_corpus):
@@ -140,81 +138,7 @@ def test_parity_fails_on_a_param_norm_drift(step1_ws2, tmp_path):
     assert "first over the limit at step 3" in result.stdout
 
 
-@pytest.mark.parametrize("case", ["unknown step", "no run", "not json", "not metrics", "bad weights",
-                                  "other seed", "other global batch"])
-def test_parity_bad_input_is_one_line_and_exit_2(case, step1_ws2, tmp_path):
-    other = tmp_path / "other"
-    shutil.copytree(step1_ws2, other)
-    m = metrics(other)
-    a, b = str(step1_ws2), str(other)
-    if case == "unknown step":
-        b = "step9"
-    elif case == "no run":
-        b = str(tmp_path / "nothing")
-    elif case == "not json":
-        (other / "metrics.json").write_text("{truncated")
-    elif case == "not metrics":
-        (other / "metrics.json").write_text("[1, 2]")
-    elif case == "bad weights":
-        (other / "model.safetensors").write_bytes(b"garbage")
-    elif case == "other seed":
-        m["config"]["seed"] += 1
-        (other / "metrics.json").write_text(json.dumps(m))
-    elif case == "other global batch":
-        m["config"]["micro_batch_size"] *= 2
-        (other / "metrics.json").write_text(json.dumps(m))
-    result = parity(a, b)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: "), result.stderr
-    if case == "other seed":
-        assert "seed" in result.stderr and "not comparable" in result.stderr
-    if case == "other global batch":
-        assert "global batch" in result.stderr
-
-
-# ---- bad input to the trainers: one line, exit 2, nothing saved is touched -------------------------
-
-def test_trainer_bad_input_is_one_line_and_exit_2(step1_ws2, tmp_path, small_corpus):
-    run = tmp_path / "run"
-    shutil.copytree(step1_ws2, run)
-    (run / "checkpoints" / "step_4" / "state.pt").write_bytes(b"\x00" * 100)  # corrupted
-    saved = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    data = ["--data", str(small_corpus)]
-    as_rank_0_of_2 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}  # every check runs before joining
-    cases = {  # name: (step, args, env, words the message must contain)
-        "bad amp": ("step0", ["--amp", "fp8"], {}, ["--amp", "fp8"]),
-        "zero steps": ("step0", ["--steps", "0"], {}, ["--steps"]),
-        "missing data": ("step0", ["--data", str(tmp_path / "none.txt")], {}, ["--data"]),
-        "no checkpoint": ("step0", [*data, "--out", str(tmp_path / "empty"), "--resume"], {}, ["no checkpoint"]),
-        "corrupted checkpoint": ("step1", [*TINY, *data, "--out", str(run), "--resume"], as_rank_0_of_2,
-                                 ["corrupted", "state.pt", "--resume", "step_2"]),
-        "other config": ("step1", [*TINY, *data, "--out", str(run), "--lr", "0.1", "--resume",
-                                   str(run / "checkpoints" / "step_2")], as_rank_0_of_2, ["lr", "differs"]),
-        "other global batch": ("step1", [*TINY, *data, "--out", str(run), "--resume", str(run / "checkpoints" / "step_2")],
-                               {}, ["global batch", "world size 2"]),
-        "not a checkpoint": ("step1", [*TINY, *data, "--out", str(run), "--resume", str(run)], as_rank_0_of_2,
-                             ["no checkpoint there"]),
-        "nccl without gpu": ("step1", ["--backend", "nccl"], {}, ["nccl", "GPU"]),
-        "cuda without gpu": ("step0", ["--device", "cuda"], {}, ["cuda"]),
-        "world too large": ("step1", [*data], {"WORLD_SIZE": "5000", "RANK": "0", "LOCAL_RANK": "0"},
-                            ["world size 5000", "samples"]),
-        "ranks without a full step": ("step1", [*data, "--micro-batch-size", "64"],
-                                      {"WORLD_SIZE": "64", "RANK": "0", "LOCAL_RANK": "0"}, ["per rank"]),
-    }
-    # Started together (each is a plain process that stops before joining any process group).
-    procs = {name: subprocess.Popen(trainer_command(STEPS[s], 0, a), cwd=REPO, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env={**os.environ, **e})
-             for name, (s, a, e, _) in cases.items()}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 2, f"{name}: exit {proc.returncode}\n{out}\n{err}"
-        lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: "), f"{name}: {err}"
-        for word in cases[name][3]:
-            assert word in lines[0], f"{name}: {word!r} not in {lines[0]!r}"
-    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == saved, "a failed run changed saved files"
-    assert not (tmp_path / "empty").exists()
-
+# ---- bad input to the trainers: every case is in tests/test_bad_input.py (docs/bad_input.md) -------------
 
 def test_unsupported_amp_is_refused_with_one_line(monkeypatch):
     """fp16 where the build cannot run it (simulated: the CPU scaler refuses) is a UserError, not a traceback."""

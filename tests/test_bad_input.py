@@ -1,0 +1,351 @@
+"""Every user mistake in docs/bad_input.md, tried for real: one `error:` line, exit 2, nothing saved touched.
+
+The table in docs/bad_input.md is the list. Each row names its case here (last column), and the message it
+shows is the pattern the case's one stderr line must match: paths as the doc shows them, ``...`` for what
+depends on the machine. A case with no row, or a row with no case, fails the test.
+
+Each case is a real process of the real command: a trainer as ``python stepK/train.py`` (a distributed step
+as rank 0 of 2 through torchrun's environment variables, which reaches every check, since all of them run
+before the process group is joined), a tool as ``python compare/x.py``. They start a few at a time (most of
+each is importing torch). Each works in a folder of its own laid out like the repository (``runs/``,
+``data/``), holding what its command reads: a copy of the tour's step-1 run, damaged on purpose where that
+is the mistake. Afterwards every file in those folders must have the bytes it had before, and none may
+have been added.
+"""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, STEPS, TINY, trainer_command
+
+TABLE = REPO / "docs" / "bad_input.md"
+PARALLEL = 4  # processes at a time: each mostly imports torch, and more would only queue for 2 cores
+
+
+# ---- how a case runs its command ------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    command: list[str]
+    env: dict = field(default_factory=dict)
+
+    @property
+    def script(self) -> str:
+        """``step1_torch_ddp/train.py`` or ``compare/parity.py``: what the doc's example command must run."""
+        return next(Path(part) for part in self.command if part.endswith(".py")).relative_to(REPO).as_posix()
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def trainer(step: str, *args, ranks: int | None = None, env: dict | None = None) -> Case:
+    """``python stepK/train.py ARGS``; with ``ranks``, as rank 0 of that many, as torchrun would start it. Were a
+    check missing, the rank would go on to wait for its peers: a port of its own and a short timeout end that."""
+    if ranks:
+        env = {"WORLD_SIZE": str(ranks), "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": free_port(), **(env or {})}
+        args = (*args, "--timeout-s", "20")
+    return Case(trainer_command(STEPS[step], 0, list(map(str, args))), env or {})
+
+
+# Stand-ins for a torch build and a machine this one is not, set up in the trainer's process before it runs
+# as `python train.py ARGS` would: the refusals they lead to cannot happen with this CPU build of torch.
+SIMULATED = {
+    "a build without fp16 on the CPU": (
+        "import torch\n"
+        "def refuse(*args, **kwargs): raise RuntimeError('GradScaler is not supported on this device')\n"
+        "torch.amp.GradScaler = refuse\n"),
+    "a GPU without bfloat16": (
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "torch.cuda.device_count = lambda: 1\n"
+        "torch.cuda.is_bf16_supported = lambda *args, **kwargs: False\n"
+        "torch.cuda.get_device_name = lambda *args, **kwargs: 'Tesla T4'\n"),
+}
+
+
+def simulated(what: str, step: str, *args) -> Case:
+    script = REPO / STEPS[step] / "train.py"
+    code = (SIMULATED[what] + "import runpy, sys\n"
+            f"sys.path.insert(0, {str(script.parent)!r})\n"
+            "sys.argv = sys.argv[1:]  # python -c CODE SCRIPT ARGS: as if SCRIPT ran with ARGS\n"
+            f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    return Case([sys.executable, "-c", code, str(script), *args])
+
+
+def tool(name: str, *args) -> Case:
+    return Case([sys.executable, str(REPO / "compare" / name), *map(str, args)])
+
+
+# ---- what a case's command reads: a folder laid out like the repository ---------------------------------
+
+class Scratch:
+    """A case's own folder, ``<root>/runs``, ``<root>/data``: what its command reads, and nothing else."""
+
+    def __init__(self, root: Path, step1_run: Path, small_corpus: Path):
+        self.root, self.step1_run = root, step1_run
+        self.tiny = [*TINY, "--data", str(small_corpus)]  # the corpus the run trained on: a resume names that file
+        root.mkdir(parents=True)
+
+    def run(self, name: str = "step1_torch_ddp", damage=None, checkpoint_damage=None, metrics_edit=None) -> Path:
+        """runs/<name>: a copy of the tour's step-1 run (2 ranks, checkpoints step_2 and step_4), with
+        ``damage(run folder)``, ``checkpoint_damage(step_4 folder)`` and ``metrics_edit(metrics dict)`` done to it."""
+        run = Path(shutil.copytree(self.step1_run, self.root / "runs" / name))
+        if damage:
+            damage(run)
+        if checkpoint_damage:
+            checkpoint_damage(run / "checkpoints" / "step_4")
+        if metrics_edit:
+            edit_json(run / "metrics.json", metrics_edit)
+        return run
+
+    def notes(self) -> Path:
+        """runs/notes/notes.txt: a file, in a folder that is not a run."""
+        path = self.root / "runs" / "notes" / "notes.txt"
+        path.parent.mkdir(parents=True)
+        path.write_text("my notes\n")
+        return path
+
+    def data(self, name: str, content: bytes) -> Path:
+        path = self.root / "data" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+        return path
+
+
+def edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def write(name: str, content: bytes):
+    """A damage: the file ``name`` in the folder now holds ``content``."""
+    return lambda folder: (folder / name).write_bytes(content)
+
+
+def cut_short(name: str, size: int):
+    """A damage: the file ``name`` in the folder keeps only its first ``size`` bytes (a copy cut short)."""
+    return lambda folder: (folder / name).write_bytes((folder / name).read_bytes()[:size])
+
+
+def set_data_position(index: int):
+    """Where an epoch ended inside an optimiser step, the position saved is not a whole number of steps."""
+    def damage(checkpoint: Path) -> None:
+        state = torch.load(checkpoint / "state.pt", weights_only=True)
+        state["data"]["index"] = index
+        torch.save(state, checkpoint / "state.pt")
+    return damage
+
+
+def changed_tokenizer(s: Scratch) -> Path:
+    """A run whose config names data/tokenizer.json, which changed (by a byte) after the run was trained."""
+    tokenizer = s.data("tokenizer.json", (REPO / "data" / "tokenizer.json").read_bytes())
+    run = s.run(metrics_edit=lambda m: m["config"].update(tokenizer=str(tokenizer)))
+    tokenizer.write_text(tokenizer.read_text() + "\n")
+    return run
+
+
+def step4(run: Path) -> Path:
+    return run / "checkpoints" / "step_4"
+
+
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
+CORPUS = (REPO / "data" / "tinyshakespeare.txt").read_bytes()[:150_000]  # what conftest's small_corpus holds
+
+# Every case, by the name docs/bad_input.md gives it: a function of the case's Scratch folder that puts
+# there what the command reads and returns the command.
+CASES = {
+    # ---- flags
+    "unknown-choice": lambda s: trainer("step0", "--amp", "fp8"),
+    "count-below-one": lambda s: trainer("step0", "--steps", "0"),
+    "negative": lambda s: trainer("step0", "--save-every", "-1"),
+    "not-positive": lambda s: trainer("step0", "--lr", "0"),
+    "outside-zero-one": lambda s: trainer("step0", "--beta1", "1"),
+    "heads-do-not-divide": lambda s: trainer("step0", "--n-embd", "100", "--n-head", "3"),
+    "memory-budget-zero": lambda s: trainer("step0", "--max-memory-mb", "0"),
+    # ---- files
+    "data-missing": lambda s: trainer("step0", "--data", s.root / "data" / "shakespeare.txt"),
+    "data-folder": lambda s: trainer("step0", "--data", s.data("small.txt", CORPUS).parent),
+    "data-not-text": lambda s: trainer("step0", "--data", s.data("corpus.bin", bytes(range(128, 256)))),
+    "data-empty": lambda s: trainer("step0", "--data", s.data("empty.txt", b"")),
+    "data-too-short": lambda s: trainer("step0", "--data", s.data("small.txt", CORPUS), "--seq-len", "100000"),
+    "tokenizer-not-one": lambda s: trainer("step0", "--tokenizer", s.notes()),
+    "out-is-a-file": lambda s: trainer("step1", *s.tiny, "--out", s.notes(), ranks=2),
+    # ---- checkpoints
+    "nothing-to-resume": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh", "--resume"),
+    "resume-a-run-folder": lambda s: trainer("step1", *s.tiny, "--out", s.root / "runs" / "fresh",
+                                             "--resume", s.run(), ranks=2),
+    "corrupted-file": lambda s: trainer("step1", *s.tiny, "--out", s.run(checkpoint_damage=write("state.pt", bytes(100))),
+                                        "--resume", ranks=2),
+    "missing-rank-file": lambda s: trainer("step1", *s.tiny, "--out", s.run(
+        checkpoint_damage=lambda c: (c / "rank1.pt").unlink()),
+                                           "--resume", ranks=2),
+    "meta-not-json": lambda s: trainer("step1", *s.tiny, "--out", s.run(
+        checkpoint_damage=cut_short("meta.json", 20)),
+                                       "--resume", ranks=2),
+    "another-format": lambda s: trainer("step1", *s.tiny, "--out", s.run(
+        checkpoint_damage=lambda c: edit_json(c / "meta.json", lambda meta: meta.update(format=1))), "--resume", ranks=2),
+    "another-config": lambda s: trainer("step1", *s.tiny, "--lr", "0.1", "--out", s.root / "runs" / "fresh",
+                                        "--resume", step4(s.run()), ranks=2),
+    "global-batch-not-kept": lambda s: trainer("step1", *s.tiny, "--out", s.root / "runs" / "fresh",
+                                               "--resume", step4(s.run()), ranks=1),
+    "stream-cannot-continue": lambda s: trainer("step0", *s.tiny, "--micro-batch-size", "8", "--grad-accum", "1",
+                                                "--out", s.root / "runs" / "fresh",
+                                                "--resume", step4(s.run(checkpoint_damage=set_data_position(3)))),
+    # ---- the machine and the world
+    "nccl-without-gpus": lambda s: trainer("step1", "--backend", "nccl", ranks=2, env=NO_GPU),
+    "cuda-without-gpu": lambda s: trainer("step0", "--device", "cuda", env=NO_GPU),
+    "fp16-cannot-run": lambda s: simulated("a build without fp16 on the CPU", "step0", "--amp", "fp16"),
+    "bf16-cannot-run": lambda s: simulated("a GPU without bfloat16", "step0", "--amp", "bf16"),
+    "world-larger-than-data": lambda s: trainer("step1", *s.tiny[-2:], ranks=5000),
+    "ranks-without-a-step": lambda s: trainer("step1", *s.tiny[-2:], "--micro-batch-size", "64", ranks=64),
+    "step0-under-torchrun": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
+                                              env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}),
+    "memory-budget-too-small": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
+                                                 "--max-memory-mb", "1"),
+    # ---- runs given to the compare/ tools
+    "unknown-step": lambda s: tool("parity.py", s.run(), "step9"),
+    "not-a-run": lambda s: tool("parity.py", s.run(), s.notes().parent),
+    "metrics-cut-short": lambda s: tool("parity.py", s.run(), s.run("other", damage=cut_short("metrics.json", 500))),
+    "metrics-not-metrics": lambda s: tool("parity.py", s.run(), s.run("other", damage=write("metrics.json", b"[1, 2]"))),
+    "older-schema": lambda s: tool("parity.py", s.run(), s.run("other", metrics_edit=lambda m: m.update(
+        schema_version=1))),
+    "run-not-finished": lambda s: tool("parity.py", s.run(), s.run("other", metrics_edit=lambda m: m.update(
+        final=None))),
+    "weights-unreadable": lambda s: tool("parity.py", s.run(), s.run("other", damage=write("model.safetensors",
+                                                                                           b"garbage"))),
+    "not-comparable": lambda s: tool("parity.py", s.run(), s.run("other", metrics_edit=lambda m: m["config"].update(
+        seed=7))),
+    "other-global-batch": lambda s: tool("parity.py", s.run(), s.run("other", metrics_edit=lambda m: m["config"].update(
+        micro_batch_size=4))),
+    "no-step-times": lambda s: tool("stragglers.py", s.run(
+        metrics_edit=lambda m: [record.pop("step_time") for record in m["records"]])),
+    "stragglers-threshold": lambda s: tool("stragglers.py", s.run(), "--ratio", "0.5"),
+    "tokenizer-changed": lambda s: tool("sample.py", changed_tokenizer(s)),
+    "sample-no-tokens": lambda s: tool("sample.py", s.run(), "--tokens", "0"),
+    "figure-format": lambda s: tool("plot.py", s.run(), "--out", s.root / "runs" / "plot.txt"),
+    "consolidate-a-run-folder": lambda s: tool("consolidate.py", s.run(), s.root / "runs" / "plain"),
+    "consolidate-corrupted": lambda s: tool("consolidate.py", step4(s.run(checkpoint_damage=write("state.pt", bytes(100)))),
+                                            s.root / "runs" / "plain"),
+    "consolidate-into-itself": lambda s: tool("consolidate.py", step4(s.run()), s.root / "runs" / "step1_torch_ddp"),
+    "consolidate-into-a-file": lambda s: tool("consolidate.py", step4(s.run()), s.notes()),
+    # ---- the other compare/ tools' own flags
+    "tour-out": lambda s: tool("tour.py", "--out", s.root / "runs" / "x"),
+    "tour-nproc": lambda s: tool("tour.py", "--nproc", "0"),
+    "tour-nproc-data": lambda s: tool("tour.py", "--nproc", "5000", "--data", s.data("small.txt", CORPUS)),
+    "tour-runs-dir-file": lambda s: tool("tour.py", "--runs-dir", s.notes()),
+    "tour-flag-not-shared": lambda s: tool("tour.py", "--backend", "gloo"),
+    "matrix-world-sizes": lambda s: tool("exact_matrix.py", "--world-sizes", "two"),
+    "matrix-modes": lambda s: tool("exact_matrix.py", "--modes", "float16"),
+    "estimate-world-sizes": lambda s: tool("estimate.py", "--world-sizes", "two"),
+    "estimate-budget": lambda s: tool("estimate.py", "--budget-mb", "-1"),
+    "bench-strategies": lambda s: tool("bench.py", "--strategies", "zero4"),
+    "bench-checkpoint-step": lambda s: tool("bench_checkpoint.py", "--step", "step9"),
+    "collectives-without-torchrun": lambda s: tool("bench_collectives.py"),
+    "step-diffs-markers": lambda s: tool("step_diffs.py", "--readme", s.notes()),
+}
+
+
+# ---- the table -----------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    mistake: str
+    example: str
+    message: str
+    exit_code: str
+    case: str | None  # None: a row no case tries (the doc says why)
+
+
+def table_rows() -> list[Row]:
+    """The rows of docs/bad_input.md's table: | mistake | example command | message | exit code | case |."""
+    rows = []
+    for line in TABLE.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        if not line.startswith("| ") or len(cells) != 5 or cells[0] == "mistake":
+            continue
+        mistake, example, message, exit_code, case = cells
+        named = re.fullmatch(r"`([a-z0-9-]+)`", case)
+        rows.append(Row(mistake, example.strip("`"), message.strip("`"), exit_code, named and named.group(1)))
+    return rows
+
+
+ROWS = table_rows()
+TRIED = [row for row in ROWS if row.case]
+
+
+def matches(message: str, pattern: str) -> bool:
+    """``message`` is ``pattern``, where each ``...`` of the pattern stands for any text."""
+    return re.fullmatch(".*?".join(map(re.escape, pattern.split("..."))), message) is not None
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def shorten(text: str, root: Path) -> str:
+    """Paths as the doc shows them: relative to the case's folder (laid out like the repository) or the repo."""
+    return text.replace(f"{root}/", "").replace(f"{REPO}/", "")
+
+
+def run_case(case: Case) -> subprocess.CompletedProcess:
+    return subprocess.run(case.command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **case.env})
+
+
+@pytest.fixture(scope="module")
+def tried(step1_ws2, small_corpus, tmp_path_factory):
+    """Every case run, a few at a time: ``(folder of the case folders, its files before, after, {case: (case
+    folder, result)})``."""
+    top = tmp_path_factory.mktemp("bad_input")
+    folders = {name: Scratch(top / name, step1_ws2, small_corpus) for name in CASES}
+    cases = {name: build(folders[name]) for name, build in CASES.items()}
+    before = files_under(top)
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        results = dict(zip(cases, pool.map(run_case, cases.values())))
+    return cases, {name: (folders[name].root, result) for name, result in results.items()}, before, files_under(top)
+
+
+def test_the_table_lists_every_case_once_and_only_those():
+    named = [row.case for row in TRIED]
+    assert len(named) == len(set(named)), "a case named in two rows"
+    assert set(named) == set(CASES), (f"cases without a row: {sorted(set(CASES) - set(named))}; "
+                                      f"rows naming no case: {sorted(set(named) - set(CASES))}")
+    untried = [row.mistake for row in ROWS if not row.case]
+    assert all("dead or frozen rank" in mistake for mistake in untried), f"rows no case tries: {untried}"
+
+
+@pytest.mark.parametrize("row", TRIED, ids=[row.case for row in TRIED])
+def test_bad_input_is_one_line_and_exit_2(row, tried):
+    cases, results, _, _ = tried
+    if row.case not in results:
+        pytest.fail(f"docs/bad_input.md names the case {row.case!r}, which this file does not have")
+    assert cases[row.case].script in row.example, f"the example command does not run {cases[row.case].script}"
+    folder, result = results[row.case]
+    assert str(result.returncode) == row.exit_code == "2", f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr and "weights_only" not in result.stderr
+    shown = shorten(lines[0], folder)
+    assert matches(shown, row.message), f"printed:\n{shown}\ndocs/bad_input.md says:\n{row.message}"
+
+
+def test_bad_input_changes_and_adds_no_file(tried):
+    _, _, before, after = tried
+    assert sorted(after) == sorted(before), (f"added {sorted(set(after) - set(before))}, "
+                                             f"removed {sorted(set(before) - set(after))}")
+    assert [name for name in before if after[name] != before[name]] == [], "files changed"
