@@ -632,6 +632,8 @@ def parse_flags() -> dict:
     config = parse_config(parser)
     if config["rounds"] < 1 or config["steps_per_round"] < 1:
         raise UserError("--rounds and --steps-per-round must be at least 1")
+    if not config["timeout_s"] > 0:
+        raise UserError(f"--timeout-s must be positive, got {config['timeout_s']:g}")
     if config["bucket_cap_mb"] <= 0:
         raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
     if config["device"] == "cuda" or config["amp"] != "none":

@@ -43,7 +43,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, model.py, as every step has them
-from config import UserError, build_parser, check_writable_folder, exit_on_user_error, parse_config  # noqa: E402
+from config import UserError, build_parser, check_writable_file, exit_on_user_error, parse_config  # noqa: E402
 from model import gpt2_config  # noqa: E402
 from training import adamw_param_groups  # noqa: E402
 
@@ -280,9 +280,7 @@ def main() -> int:
     if config["bucket_cap_mb"] <= 0:
         raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']:g}")
     if config["json"]:
-        if config["json"].is_dir():
-            raise UserError(f"--json {config['json']} is a folder; name a file")
-        check_writable_folder(config["json"].parent, f"--json {config['json']}")
+        check_writable_file(config["json"], f"--json {config['json']}")
     result = estimate(config, world_sizes, config["bucket_cap_mb"], not config["no_prefetch"])
     print(report(config, result, config["budget_mb"], not config["no_prefetch"]))
     if config["json"]:

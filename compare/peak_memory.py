@@ -62,7 +62,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import distributed  # noqa: E402
 import estimate  # noqa: E402
-from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
+from config import UserError, build_parser, check_writable_file, exit_on_user_error, parse_config  # noqa: E402
 
 # The flags that change what is measured; the trainer's others are accepted (a train.py command line can
 # be pasted) and hidden.
@@ -395,6 +395,8 @@ def main() -> int:
                         f"{config['profiled_steps']} and {config['timed_steps']}")
     if config["timeout_s"] <= 0:
         raise UserError(f"--timeout-s must be positive, got {config['timeout_s']:g}")
+    if config["json"]:  # written at the end, after minutes of measuring: refused now if it cannot be
+        check_writable_file(config["json"], f"--json {config['json']}")
     result = run(config, world_sizes)
     print(report(result))
     if config["json"]:

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
 import parity  # noqa: E402
-from config import OneLineParser, UserError, check_writable_folder, exit_on_user_error  # noqa: E402
+from config import OneLineParser, UserError, check_writable_file, exit_on_user_error  # noqa: E402
 
 SERIES = (("loss", "loss"), ("grad_norm", "grad norm (before clipping)"), ("param_norm", "param norm"))
 
@@ -32,7 +32,7 @@ def check_figure_path(path: Path, flag: str) -> None:
         raise UserError(f"{flag} {path}: the format is taken from the extension, and "
                         f"{repr(path.suffix) if path.suffix else 'no extension'} is not one matplotlib writes; "
                         "end the name with .png (or .pdf, .svg)")
-    check_writable_folder(path.parent, f"{flag} {path}")
+    check_writable_file(path, f"{flag} {path}")
 
 
 def plot_runs(names: list[str], out: Path) -> Path:

@@ -59,13 +59,16 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=2, help="ranks for the distributed steps")
     parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs",
                         help="each step writes <runs-dir>/<step folder>; logs and plot go beside them")
-    parser.add_argument("--timeout-s", help="process-group timeout for the distributed steps (their default if unset)")
+    parser.add_argument("--timeout-s", type=float,
+                        help="process-group timeout for the distributed steps (their default if unset)")
     args, extra = parser.parse_known_args()
-    timeout = ["--timeout-s", args.timeout_s] if args.timeout_s else []
+    timeout = ["--timeout-s", f"{args.timeout_s:g}"] if args.timeout_s is not None else []
     if any(flag == "--out" or flag.startswith("--out=") for flag in extra):
         raise UserError("the tour gives every step its own run folder; use --runs-dir instead of --out")
     if args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.timeout_s is not None and not args.timeout_s > 0:  # step 0 would run before step 1 refused it
+        raise UserError(f"--timeout-s must be positive, got {args.timeout_s:g}")
     check_writable_folder(args.runs_dir, f"--runs-dir {args.runs_dir}")
     check_the_data_feeds(args.nproc, extra)
     steps = parity.step_folders()

@@ -73,6 +73,9 @@ def plan_world(config: dict) -> World:
     Everything a user can get wrong is checked before ``join``, so a mistake ends every rank with one
     line and exit 2, never with a rank waiting in a collective for peers that already left.
     """
+    if not config["timeout_s"] > 0:  # torch would time out connecting to the store, with a traceback
+        raise UserError(f"--timeout-s must be positive, got {config['timeout_s']:g}: it is how long a rank waits "
+                        "for its peers (default 300)")
     rank, world_size, local_rank, local_world_size = world_from_env()
     device = pick_device(config["device"], local_rank)
     backend = choose_backend(config["backend"], device, local_world_size)

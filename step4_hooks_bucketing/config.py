@@ -186,6 +186,14 @@ def check_writable_folder(path, what: str) -> None:
         return
 
 
+def check_writable_file(path, what: str) -> None:
+    """Refuse, before any work, a file that cannot be written at the end of it: ``path`` is a folder, or its
+    folder cannot be made or written (``check_writable_folder``)."""
+    if Path(path).is_dir():
+        raise UserError(f"{what} is a folder; name a file")
+    check_writable_folder(Path(path).parent, what)
+
+
 def _path_under_repo(value: str) -> str:
     path = Path(value)
     return str(path if path.is_absolute() else (Path.cwd() / path).resolve())

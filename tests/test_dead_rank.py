@@ -144,7 +144,7 @@ sys.path.insert(0, {common!r})
 import config, distributed
 
 def main():
-    world = distributed.plan_world({{"device": "cpu", "backend": "gloo"}})
+    world = distributed.plan_world({{"device": "cpu", "backend": "gloo", "timeout_s": 2}})
     distributed.join(world, timeout_s=2)
     torch.set_num_threads(1)
     dist.all_reduce(torch.ones(4))  # every rank connected
