@@ -27,6 +27,8 @@ import pytest
 import torch
 
 from conftest import REPO, STEPS, TINY, trainer_command
+import distributed  # common/, on the path through conftest
+from config import UserError, build_parser, check_config
 
 TABLE = REPO / "docs" / "bad_input.md"
 PARALLEL = 4  # processes at a time: each mostly imports torch, and more would only queue for 2 cores
@@ -61,19 +63,13 @@ def trainer(step: str, *args, ranks: int | None = None, env: dict | None = None)
     return Case(trainer_command(STEPS[step], 0, list(map(str, args))), env or {})
 
 
-# Stand-ins for a torch build and a machine this one is not, set up in the trainer's process before it runs
-# as `python train.py ARGS` would: the refusals they lead to cannot happen with this CPU build of torch.
+# A stand-in for a torch build this one is not, set up in the trainer's process before it runs as
+# `python train.py ARGS` would: the refusal it leads to cannot happen with this CPU build of torch.
 SIMULATED = {
     "a build without fp16 on the CPU": (
         "import torch\n"
         "def refuse(*args, **kwargs): raise RuntimeError('GradScaler is not supported on this device')\n"
         "torch.amp.GradScaler = refuse\n"),
-    "a GPU without bfloat16": (
-        "import torch\n"
-        "torch.cuda.is_available = lambda: True\n"
-        "torch.cuda.device_count = lambda: 1\n"
-        "torch.cuda.is_bf16_supported = lambda *args, **kwargs: False\n"
-        "torch.cuda.get_device_name = lambda *args, **kwargs: 'Tesla T4'\n"),
 }
 
 
@@ -173,13 +169,9 @@ CASES = {
     "unknown-choice": lambda s: trainer("step0", "--amp", "fp8"),
     "count-below-one": lambda s: trainer("step0", "--steps", "0"),
     "negative": lambda s: trainer("step0", "--save-every", "-1"),
-    "not-positive": lambda s: trainer("step0", "--lr", "0"),
-    "outside-zero-one": lambda s: trainer("step0", "--beta1", "1"),
-    "heads-do-not-divide": lambda s: trainer("step0", "--n-embd", "100", "--n-head", "3"),
     "memory-budget-zero": lambda s: trainer("step0", "--max-memory-mb", "0"),
     # ---- files
     "data-missing": lambda s: trainer("step0", "--data", s.root / "data" / "shakespeare.txt"),
-    "data-folder": lambda s: trainer("step0", "--data", s.data("small.txt", CORPUS).parent),
     "data-not-text": lambda s: trainer("step0", "--data", s.data("corpus.bin", bytes(range(128, 256)))),
     "data-empty": lambda s: trainer("step0", "--data", s.data("empty.txt", b"")),
     "data-too-short": lambda s: trainer("step0", "--data", s.data("small.txt", CORPUS), "--seq-len", "100000"),
@@ -210,7 +202,6 @@ CASES = {
     "nccl-without-gpus": lambda s: trainer("step1", "--backend", "nccl", ranks=2, env=NO_GPU),
     "cuda-without-gpu": lambda s: trainer("step0", "--device", "cuda", env=NO_GPU),
     "fp16-cannot-run": lambda s: simulated("a build without fp16 on the CPU", "step0", "--amp", "fp16"),
-    "bf16-cannot-run": lambda s: simulated("a GPU without bfloat16", "step0", "--amp", "bf16"),
     "world-larger-than-data": lambda s: trainer("step1", *s.tiny[-2:], ranks=5000),
     "ranks-without-a-step": lambda s: trainer("step1", *s.tiny[-2:], "--micro-batch-size", "64", ranks=64),
     "step0-under-torchrun": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
@@ -237,6 +228,8 @@ CASES = {
     "stragglers-threshold": lambda s: tool("stragglers.py", s.run(), "--ratio", "0.5"),
     "tokenizer-changed": lambda s: tool("sample.py", changed_tokenizer(s)),
     "sample-no-tokens": lambda s: tool("sample.py", s.run(), "--tokens", "0"),
+    "scaling-two-models": lambda s: tool("memory.py", s.run(), s.run("other", metrics_edit=lambda m: m["final"][
+        "fingerprints"].update(extra={"shape": [10]})), "--scaling-png", s.root / "runs" / "scaling.png"),
     "figure-format": lambda s: tool("plot.py", s.run(), "--out", s.root / "runs" / "plot.txt"),
     "consolidate-a-run-folder": lambda s: tool("consolidate.py", s.run(), s.root / "runs" / "plain"),
     "consolidate-corrupted": lambda s: tool("consolidate.py", step4(s.run(checkpoint_damage=write("state.pt", bytes(100)))),
@@ -245,14 +238,13 @@ CASES = {
     "consolidate-into-a-file": lambda s: tool("consolidate.py", step4(s.run()), s.notes()),
     # ---- the other compare/ tools' own flags
     "tour-out": lambda s: tool("tour.py", "--out", s.root / "runs" / "x"),
-    "tour-nproc": lambda s: tool("tour.py", "--nproc", "0"),
     "tour-nproc-data": lambda s: tool("tour.py", "--nproc", "5000", "--data", s.data("small.txt", CORPUS)),
     "tour-runs-dir-file": lambda s: tool("tour.py", "--runs-dir", s.notes()),
     "tour-flag-not-shared": lambda s: tool("tour.py", "--backend", "gloo"),
     "matrix-world-sizes": lambda s: tool("exact_matrix.py", "--world-sizes", "two"),
     "matrix-modes": lambda s: tool("exact_matrix.py", "--modes", "float16"),
     "estimate-world-sizes": lambda s: tool("estimate.py", "--world-sizes", "two"),
-    "estimate-budget": lambda s: tool("estimate.py", "--budget-mb", "-1"),
+    "peak-profiled-steps": lambda s: tool("peak_memory.py", "--profiled-steps", "0"),
     "bench-strategies": lambda s: tool("bench.py", "--strategies", "zero4"),
     "bench-checkpoint-step": lambda s: tool("bench_checkpoint.py", "--step", "step9"),
     "collectives-without-torchrun": lambda s: tool("bench_collectives.py"),
@@ -349,3 +341,61 @@ def test_bad_input_changes_and_adds_no_file(tried):
     assert sorted(after) == sorted(before), (f"added {sorted(set(after) - set(before))}, "
                                              f"removed {sorted(set(before) - set(after))}")
     assert [name for name in before if after[name] != before[name]] == [], "files changed"
+
+
+# ---- the checks a row lists as "likewise": the same check, or its twin, on another flag -------------------
+# A process for each would double this file's time (each mostly imports torch), so these run in this one,
+# through the very functions the trainers and tools call; the rows' own cases show the line and exit code.
+
+def flags(*argv):
+    """What the trainers' shared flags check (config.check_config), for ``argv``."""
+    return lambda: check_config(vars(build_parser("step0_single_gpu").parse_args(list(argv))))
+
+
+def tool_main(module: str, *argv):
+    def run(monkeypatch):
+        import importlib
+        monkeypatch.setattr(sys, "argv", [f"{module}.py", *argv])
+        importlib.import_module(module).main()
+    return run
+
+
+def gpu_without_bfloat16(monkeypatch):
+    import training
+    monkeypatch.setattr(training.torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    monkeypatch.setattr(training.torch.cuda, "get_device_name", lambda *args, **kwargs: "Tesla T4")
+    training.check_amp("bf16", torch.device("cuda", 0))
+
+
+LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or of nothing)
+    "--n-embd 100 must be divisible by --n-head 3": flags("--n-embd", "100", "--n-head", "3"),
+    "--beta1 must be in [0, 1), got 1": flags("--beta1", "1"),
+    "--beta2 must be in [0, 1), got -0.1": flags("--beta2", "-0.1"),
+    "--dropout must be in [0, 1), got 1": flags("--dropout", "1"),
+    "--lr must be positive, got 0": flags("--lr", "0"),
+    "--lr must be positive, got nan": flags("--lr", "nan"),
+    "--loss-scale-init must be positive, got 0": flags("--loss-scale-init", "0"),
+    "--min-lr cannot be negative, got -1": flags("--min-lr", "-1"),
+    "--weight-decay cannot be negative, got -0.1": flags("--weight-decay", "-0.1"),
+    "--warmup-steps cannot be negative, got -1": flags("--warmup-steps", "-1"),
+    "--grad-clip cannot be negative, got -1": flags("--grad-clip", "-1"),
+    "--data data is a folder, not a file; pass the file itself": flags("--data", str(REPO / "data")),
+    "--timeout-s must be positive, got 0: it is how long a rank waits for its peers (default 300)":
+        lambda: distributed.plan_world({"timeout_s": 0.0}),
+    "--amp bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use --amp fp16 or --amp none": gpu_without_bfloat16,
+    "--nproc must be at least 1, got 0": tool_main("tour", "--nproc", "0"),
+    "--timeout-s must be positive, got 0": tool_main("tour", "--timeout-s", "0"),
+    "--budget-mb must be positive, got -1": tool_main("estimate", "--budget-mb", "-1"),
+}
+# The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
+QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must")
+
+
+@pytest.mark.parametrize("message", LIKEWISE)
+def test_a_likewise_check_refuses_in_its_own_words(message, monkeypatch):
+    raises = LIKEWISE[message]
+    with pytest.raises(UserError) as refused:
+        raises(monkeypatch) if raises.__code__.co_argcount else raises()
+    assert shorten(str(refused.value), REPO) == message
+    if message.startswith(QUOTED):
+        assert message.replace("Tesla T4", "<GPU>") in TABLE.read_text(), f"docs/bad_input.md does not quote {message!r}"
