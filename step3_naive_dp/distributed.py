@@ -151,6 +151,12 @@ def gather_from_every_rank(value) -> list:
     return everyone
 
 
+def gather_per_rank(**values) -> dict:
+    """``{name: [rank 0's value, rank 1's, ...]}`` for every keyword, in one gather: a record's per-rank fields."""
+    everyone = gather_from_every_rank(values)
+    return {name: [value[name] for value in everyone] for name in values}
+
+
 # ---- when a collective fails --------------------------------------------------------------------
 # A rank that dies, freezes or issues other collectives than its peers leaves them waiting. gloo then
 # raises, in the survivors, a RuntimeError whose text says what it saw (torch 2.13; docs/fault_tolerance.md

@@ -56,6 +56,18 @@ def checkpoint_dir(out_dir, step: int) -> Path:
     return Path(out_dir) / "checkpoints" / f"step_{step}"
 
 
+def checkpoint_meta(step: int, world_size: int, config: dict, shapes: dict) -> str:
+    """meta.json: written last into a checkpoint's folder, by the trainers and by ``consolidate``."""
+    meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config,
+            "shapes": {name: list(shape) for name, shape in shapes.items()}}
+    return json.dumps(meta, indent=1) + "\n"
+
+
+def params_in_order(optimizer) -> list:
+    """The optimiser's parameters, numbered as its state dict numbers them."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
 def complete_checkpoints(out_dir) -> list[Path]:
     """The whole checkpoints in ``out_dir``, oldest first (by step number, not by name)."""
     folders = [p for p in (Path(out_dir) / "checkpoints").glob("step_*")
@@ -131,7 +143,7 @@ class CheckpointWriter:
 
     def __init__(self, config: dict, rank: int, world_size: int, shapes: dict):
         self.config, self.rank, self.world_size, self.async_save = config, rank, world_size, config["async_save"]
-        self.shapes = {name: list(shape) for name, shape in shapes.items()}
+        self.shapes = shapes
         self.thread = None
         self.error = None
         # Barriers from a background thread need a group no training collective uses: collectives on
@@ -176,9 +188,8 @@ class CheckpointWriter:
             dist.barrier(group=self.group)
 
     def _write(self, step: int, shared_state: dict, rank_state: dict) -> None:
-        out = Path(self.config["out"]) / "checkpoints"
-        final = out / f"step_{step}"
-        tmp = out / f".tmp_step_{step}"
+        final = checkpoint_dir(self.config["out"], step)
+        out, tmp = final.parent, final.with_name(f".tmp_step_{step}")
         if self.rank == 0:
             for leftover in [*out.glob(".tmp_step_*"), *out.glob(".old_step_*")]:  # from a save that was killed
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -190,9 +201,7 @@ class CheckpointWriter:
             time.sleep(3600)
         if self.rank == 0:
             torch.save(shared_state, tmp / "state.pt")
-            meta = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "config": self.config,
-                    "shapes": self.shapes}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            (tmp / "meta.json").write_text(checkpoint_meta(step, self.world_size, self.config, self.shapes))
         self._barrier()  # every rank's file is in tmp before it becomes the checkpoint
         if self.rank == 0:
             if final.exists():  # written by an earlier run from this folder: move it aside, then replace it
@@ -206,14 +215,12 @@ def optimizer_slices(optimizer, named_params, ranges: dict | None = None) -> lis
     """``(name, start, end)`` of each parameter of ``optimizer``, in its order: the elements of the full
     parameter it holds. Whole parameters, unless ``ranges[name]`` says which slice this rank has."""
     name_of = {param: name for name, param in named_params}
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    return [(name_of[p], *(ranges[name_of[p]] if ranges else (0, p.numel()))) for p in params]
+    return [(name_of[p], *(ranges[name_of[p]] if ranges else (0, p.numel()))) for p in params_in_order(optimizer)]
 
 
 def load_optimizer(optimizer, checkpoint, slices: list) -> None:
     """Give ``optimizer`` (whose i-th parameter holds ``slices[i]``) its state from ``checkpoint``."""
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    optimizer.load_state_dict(checkpoint.optimizer_state_dict(slices, params))
+    optimizer.load_state_dict(checkpoint.optimizer_state_dict(slices, params_in_order(optimizer)))
 
 
 # ---- Reading ------------------------------------------------------------------------------------------
@@ -433,9 +440,8 @@ def consolidate(source, out_dir: Path) -> Path:
     for rank in range(checkpoint.world_size):
         torch.save({"rng": checkpoint.ranks[rank]["rng"]}, tmp / f"rank{rank}.pt")
     torch.save(shared, tmp / "state.pt")
-    meta = {"format": FORMAT_VERSION, "step": checkpoint.step, "world_size": checkpoint.world_size,
-            "config": checkpoint.config, "shapes": {name: list(shape) for name, shape in checkpoint.shapes.items()}}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (tmp / "meta.json").write_text(checkpoint_meta(checkpoint.step, checkpoint.world_size, checkpoint.config,
+                                                   checkpoint.shapes))
     os.replace(tmp, final)
     return final
 

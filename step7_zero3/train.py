@@ -170,8 +170,7 @@ def main():
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
-            "memory": distributed.gather_from_every_rank(memory),
-            "step_time": distributed.gather_from_every_rank(step_time),
+            **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
             "comm": distributed.take_comm_bytes(),
             "shard_check": shard_check,
         })
