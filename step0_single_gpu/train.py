@@ -104,7 +104,8 @@ def main():
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
             shared = {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                      "optimizer_slices": optimizer_slices(optimizer, model.named_parameters()), "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "optimizer_slices": optimizer_slices(optimizer, model.named_parameters()),
+                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             writer.save(step + 1, shared, {"rng": rng_state()})
 

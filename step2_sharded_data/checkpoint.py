@@ -359,9 +359,10 @@ class Checkpoint:
         per_draw = micro_batch_size * world_size
         consumed = state["index"] * saved_per_draw
         if consumed % per_draw:
-            raise UserError(f"cannot continue the data stream of {self.path} with {world_size} ranks x {micro_batch_size}: "
-                            f"it stopped {consumed} samples into epoch {state['epoch']}, not a multiple of "
-                            f"{per_draw}; resume with {self.world_size} ranks x {self.config['micro_batch_size']}")
+            raise UserError(f"cannot continue the data stream of {self.path} with {world_size} ranks x "
+                            f"{micro_batch_size}: it stopped {consumed} samples into epoch {state['epoch']}, not a "
+                            f"multiple of {per_draw}; resume with {self.world_size} ranks x "
+                            f"{self.config['micro_batch_size']}")
         return {"epoch": state["epoch"], "index": consumed // per_draw}
 
     def check_resumable(self, config: dict, world_size: int) -> list[str]:

@@ -71,7 +71,8 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     log = RunLog(config, env, is_writer=world.is_main, records=records)
-    writer = CheckpointWriter(config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()})
+    writer = CheckpointWriter(config, world.rank, world.world_size,
+                              {name: p.shape for name, p in model.named_parameters()})
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
@@ -124,7 +125,8 @@ def main():
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
             shared = {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                      "optimizer_slices": optimizer_slices(optimizer, model.named_parameters()), "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "optimizer_slices": optimizer_slices(optimizer, model.named_parameters()),
+                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             writer.save(step + 1, shared, {"rng": rng_state()})
 

@@ -86,7 +86,8 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     log = RunLog(config, env, is_writer=world.is_main, records=records)
-    writer = CheckpointWriter(config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()})
+    writer = CheckpointWriter(config, world.rank, world.world_size,
+                              {name: p.shape for name, p in model.named_parameters()})
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
