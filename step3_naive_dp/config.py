@@ -113,9 +113,10 @@ def exit_on_user_error(main):
 def limit_memory(max_memory_mb: float | None, step: str) -> None:
     """Let this process allocate at most ``max_memory_mb`` MiB more data memory than it holds now.
 
-    Called while the flags are parsed, after the imports (Python, torch, transformers, datasets) and
-    before the corpus, the model or the process group: the budget is what training adds, as a GPU's
-    memory would be, and it does not depend on how much the libraries take on this machine. The OS
+    Called once the corpus is tokenized, before the model or the process group: the budget is what
+    training adds, as a GPU's memory would be, and it does not depend on how much the libraries and the
+    data take on this machine. (Set before tokenizing, a small budget made the Rust tokenizer abort the
+    process, or hang, instead of failing an allocation we can report: measured at 1, 16 and 32 MiB.) The OS
     enforces it: ``RLIMIT_DATA`` caps the data segment and every private writable mapping, which is
     where torch's CPU tensors live (``brk`` and ``mmap`` both honour it since Linux 4.7). An allocation
     beyond it fails like any out-of-memory: torch raises, and ``exit_on_user_error`` turns that into
@@ -254,7 +255,8 @@ def parse_config(parser: argparse.ArgumentParser, argv=None) -> dict:
     ``UserError``. A step checks its own."""
     config = vars(parser.parse_args(argv))
     check_config(config)
-    limit_memory(config["max_memory_mb"], config["step"])  # last: before anything big is allocated
+    if config["max_memory_mb"] is not None and config["max_memory_mb"] <= 0:
+        raise UserError(f"--max-memory-mb must be positive, got {config['max_memory_mb']:g}")
     return config
 
 

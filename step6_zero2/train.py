@@ -19,7 +19,7 @@ import torch.distributed as dist
 import distributed
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint)
-from config import UserError, build_parser, exit_on_user_error, parse_config
+from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
@@ -47,6 +47,7 @@ def main():
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
     check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, world.world_size, world.is_main) if resume_from else None
