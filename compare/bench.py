@@ -85,10 +85,11 @@ from transformers import GPT2LMHeadModel
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The shared modules come from common/ (the masters of the step folders' verbatim copies); each
 # step's own module from its folder. Where a name exists in two folders the first listed wins:
-# bucketed_ddp.py is step 4's (step 5 holds a copy), zero1.py step 5's (steps 6 and 7 hold copies).
-# One `distributed` module is loaded, so every step module adds to the same comm_bytes counter.
+# bucketed_ddp.py is step 4's (step 5 holds a copy), zero1.py step 5's (step 6 holds a copy).
+# One `comm_accounting` module is loaded, so every step module adds to the same comm_bytes counter.
 FOLDERS = ("common", "step4_hooks_bucketing", "step3_naive_dp", "step5_zero1", "step6_zero2", "step7_zero3")
 sys.path[:0] = [str(REPO_ROOT / folder) for folder in FOLDERS]
+import comm_accounting  # noqa: E402
 import distributed  # noqa: E402
 from bucketed_ddp import BucketedDDP  # noqa: E402
 from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
@@ -266,10 +267,6 @@ class Zero1(Bucketed):
         return zero1.ShardedOptimizer(adamw_param_groups(self.model.named_parameters(), self.config),
                                       torch.optim.AdamW, **adamw_options(self.config))
 
-    def synchronize(self):
-        self.wrapped.finish_gradient_synchronization()
-        self.optimizer.take_gradient_slices()
-
 
 def padded_bytes(params, world_size: int) -> int:
     """What FSDP2 moves for ``params``: every parameter's dim 0 padded to a multiple of the world size."""
@@ -438,9 +435,9 @@ def measure(strategies: list, config: dict, rounds: int, steps_per_round: int, r
             started = time.perf_counter()
             for i in range(steps_per_round):
                 if round_ == 0 and i == steps_per_round - 1:  # the last warm-up step: steady state, not timed
-                    distributed.take_comm_bytes()  # drop what construction and earlier steps sent
+                    comm_accounting.take_comm_bytes()  # drop what construction and earlier steps sent
                     strategy.step(batches, probes[strategy.name])
-                    probes[strategy.name]["comm"] = distributed.take_comm_bytes()
+                    probes[strategy.name]["comm"] = comm_accounting.take_comm_bytes()
                 else:
                     strategy.step(batches)
             dist.barrier()

@@ -183,7 +183,7 @@ def one_step(fsdp, optimizer, scaler, config: dict, inputs, targets) -> None:
     """step7_zero3/train.py's loop body without the logging, phases named for the profiler."""
     from model import language_model_loss
     from training import autocast
-    from zero1 import clip_gradient_shards
+    from sharded_gradients import clip_gradient_shards
     accum = config["grad_accum"]
     for micro in range(accum):
         with contextlib.nullcontext() if micro == accum - 1 else fsdp.no_sync():
@@ -211,7 +211,7 @@ def build(config: dict, vocab_size: int, checkpointing: bool) -> tuple:
     from train import checkpoint_activations  # step 7's train.py: importing it runs nothing
     from training import make_grad_scaler, make_optimizer
     from transformers import GPT2LMHeadModel
-    from zero1 import ShardedGradScaler
+    from sharded_gradients import ShardedGradScaler
     from zero3 import FullyShardedDP
 
     device = torch.device("cpu")

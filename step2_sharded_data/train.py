@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import distributed
+from comm_accounting import comm_bytes, count_collective, take_comm_bytes
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint, optimizer_slices)
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
@@ -40,7 +41,7 @@ def float64_allreduce_hook(process_group, bucket):
     """
     buffer = bucket.buffer()
     wide = buffer.to(torch.float64)
-    distributed.count_collective("all_reduce", wide)
+    count_collective("all_reduce", wide)
     world_size = dist.get_world_size(process_group)
     future = dist.all_reduce(wide, group=process_group, async_op=True).get_future()
     return future.then(lambda fut: buffer.copy_(fut.value()[0].div_(world_size)))
@@ -117,7 +118,7 @@ def main():
             loss_sum += loss.detach()
         if config["reduce_dtype"] == "float32":
             # DDP's built-in reducer is C++; the bytes it all-reduces are every gradient, once per step.
-            distributed.comm_bytes["all_reduce"] += grad_bytes
+            comm_bytes["all_reduce"] += grad_bytes
 
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
         grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
@@ -144,7 +145,7 @@ def main():
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
             **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
-            "comm": distributed.take_comm_bytes(),
+            "comm": take_comm_bytes(),
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:

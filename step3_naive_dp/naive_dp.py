@@ -15,7 +15,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from distributed import count_collective
+from comm_accounting import count_collective
 
 
 def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:

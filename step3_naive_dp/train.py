@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
+from comm_accounting import take_comm_bytes
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint, optimizer_slices)
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
@@ -121,7 +122,7 @@ def main():
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
             **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
-            "comm": distributed.take_comm_bytes(),
+            "comm": take_comm_bytes(),
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:

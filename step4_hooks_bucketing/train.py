@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
+from comm_accounting import take_comm_bytes
 from bucketed_ddp import BucketedDDP
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint, optimizer_slices)
@@ -132,7 +133,7 @@ def main():
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
             **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
-            "comm": distributed.take_comm_bytes(),
+            "comm": take_comm_bytes(),
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:

@@ -4,7 +4,6 @@ torchrun starts one process per rank and tells each its place through environmen
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
 Started as a plain ``python train.py``, a step runs as a world of one.
 """
-import collections
 import os
 import re
 import signal
@@ -127,21 +126,6 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
-
-# Bytes this rank handed to each kind of collective since the last optimiser step. The trainers and
-# the data-parallel modules add to it; the training loop reads and clears it once per step.
-comm_bytes = collections.Counter()
-
-
-def count_collective(kind: str, tensor: torch.Tensor) -> None:
-    comm_bytes[kind] += tensor.numel() * tensor.element_size()
-
-
-def take_comm_bytes() -> dict:
-    counts = dict(sorted(comm_bytes.items()))
-    comm_bytes.clear()
-    return counts
 
 
 def gather_from_every_rank(value) -> list:

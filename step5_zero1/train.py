@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
+from comm_accounting import take_comm_bytes
 from bucketed_ddp import BucketedDDP
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint)
@@ -24,10 +25,10 @@ from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
-from zero1 import ShardedGradScaler, ShardedOptimizer, clip_gradient_shards
+from zero1 import ShardedOptimizer
 from seeding import rng_state, seed_everything
-from training import (adamw_options, adamw_param_groups, autocast, check_amp, make_grad_scaler, make_scheduler,
-                      param_norm)
+from training import (adamw_options, adamw_param_groups, autocast, check_amp, clip_gradients, make_grad_scaler,
+                      make_scheduler, param_norm)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -65,7 +66,7 @@ def main():
     optimizer = ShardedOptimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
                                  **adamw_options(config))
     scheduler = make_scheduler(optimizer, config)
-    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
+    scaler = make_grad_scaler(config, device)
 
     start_step, records = 0, []
     if resumed:
@@ -106,10 +107,11 @@ def main():
                 scaler.scale(loss / accum).backward()  # the hooks launch bucket all-reduces in here
             loss_sum += loss.detach()
         ddp_model.finish_gradient_synchronization()  # the single sync point before the optimiser step
-        optimizer.take_gradient_slices()  # each rank keeps (views of) the gradient slices it updates
 
+        # Every rank holds the whole averaged gradient (ZeRO-1 shards only the optimiser state), so the
+        # overflow check and the clipping norm are the same on every rank without a word, as in step 4.
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
+        grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
         scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
         scaler.update()
         scheduler.step()
@@ -133,7 +135,7 @@ def main():
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
             **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
-            "comm": distributed.take_comm_bytes(),
+            "comm": take_comm_bytes(),
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:

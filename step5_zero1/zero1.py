@@ -11,16 +11,19 @@ rank: N copies of identical work and memory. Here:
 2. **Views, not copies.** What the local optimiser steps is a *view* into each parameter's
    storage (``param.detach().view(-1)[start:end]``), so the update lands in the parameter itself,
    the parameters stay one copy, and the optimiser creates its state for this rank's slices only.
-3. **Gradients by slice.** In ZeRO-1 gradients are still all-reduced whole (by DDP); each view's
-   ``.grad`` is the matching view of the averaged ``param.grad`` (``take_gradient_slices()``).
-   In ZeRO-2 (step 6) the views' ``.grad`` point once, for good, into flat gradient shards that a
-   reduce-scatter fills.
+3. **Gradients by slice.** In ZeRO-1 gradients are still all-reduced whole (by DDP); ``step()``
+   points each view's ``.grad`` at the matching view of the averaged ``param.grad`` (no copy) and
+   steps. In ZeRO-2 (step 6) the views' ``.grad`` point once, for good, into flat gradient shards
+   that a reduce-scatter fills.
 4. **All-gather after the step.** A rank updated only its slices; the rest of its copy is stale
    until every rank sends its freshly updated slices. Every rank issues the same all-gathers in
    the same order (chunk 0, 1, ...), because collectives are matched by order.
-5. **Agree before stepping.** Whatever decides *whether* or *how much* to step must be computed
-   from every rank's slices: the fp16 found-inf flag (``ShardedGradScaler``) and the clipping norm
-   (``clip_gradient_shards``). Otherwise rank 1 skips a step that rank 0 takes.
+5. **A drop-in, as ``ZeroRedundancyOptimizer`` is.** ``param_groups`` hold the full parameters, so
+   whatever decides *whether* or *how much* to step (a ``GradScaler``'s overflow check, clipping
+   with ``clip_grad_norm_``, an LR scheduler) reads the whole averaged gradient, which every rank
+   holds: the ranks agree without a word. Only when gradients are sharded too (ZeRO-2) must that
+   verdict be combined across ranks (step 6's ``sharded_gradients.py``); otherwise
+   rank 1 would skip a step that rank 0 takes.
 
 Adam, AdamW and SGD update every element from that element's own values, so stepping a slice gives
 the bits that stepping the whole tensor gives. An optimiser that looks across a tensor (LAMB's
@@ -32,8 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from distributed import count_collective
-from training import clip_to_norm, sum_of_squares
+from comm_accounting import count_collective
 
 
 class Piece(NamedTuple):
@@ -74,14 +76,19 @@ def flat_view(piece: Piece, tensor: torch.Tensor) -> torch.Tensor:
 class ShardedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer_cls`` so that this rank keeps and steps only its slices of the parameters.
 
+    Use it as you would ``torch.distributed.optim.ZeroRedundancyOptimizer``: ``zero_grad()``, ``backward()``,
+    the gradient sync (DDP, or anything that leaves every rank the averaged ``param.grad``), ``step()``;
+    with a ``GradScaler``, ``clip_grad_norm_`` and an LR scheduler as with a plain optimiser.
+
     ``params``: tensors or param-group dicts, as for any optimiser (frozen parameters are dropped).
     ``chunks``: lists of parameters, each laid out flat and sharded on its own (default: one chunk,
     every parameter in group order). ``gradient_shards``: ZeRO-2, one flat buffer of Lp/N elements
     per chunk, filled by another module each step. ``defaults`` go to ``optimizer_cls``.
 
-    ``param_groups`` and ``state`` *are* the local optimiser's, so an LR scheduler, a GradScaler and
-    memory accounting all see this rank's slices. ``Optimizer.__init__`` is not called: it would
-    register the full parameters as this optimiser's groups.
+    ``param_groups`` are the full parameters' groups (their hyperparameters reach the local optimiser
+    at every ``step()``); with ``gradient_shards`` only the slices have gradients, so ``param_groups``
+    are then the local optimiser's groups of slices. ``state`` is the local optimiser's: this rank's
+    slices only. ``Optimizer.__init__`` is not called: it would create state for the full parameters.
     """
 
     def __init__(self, params, optimizer_cls, chunks=None, gradient_shards=None, **defaults):
@@ -114,6 +121,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local_groups = [{**g, "params": [v for piece, v in zip(self.pieces, self.views) if group_of[piece.param] == gi]}
                         for gi, g in enumerate(groups)]
         self.local_optimizer = optimizer_cls(local_groups, **defaults)
+        # What GradScaler, clipping and LR schedulers see: the full parameters, with the local groups'
+        # hyperparameters. Hyperparameters flow to the local groups before every step and state_dict,
+        # and back from them whenever a state dict is loaded into the local optimiser (by anyone).
+        self.full_groups = [{**{k: v for k, v in local.items() if k != "params"}, "params": g["params"]}
+                            for g, local in zip(groups, self.local_optimizer.param_groups)]
+        self.local_optimizer.register_state_dict_pre_hook(lambda _: self._push_hyperparameters())
+        self.local_optimizer.register_load_state_dict_post_hook(lambda _: self._pull_hyperparameters())
 
         self.gradient_shards = gradient_shards
         if gradient_shards is not None:  # ZeRO-2: each view's gradient is a fixed slice of its chunk's shard
@@ -125,7 +139,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ---- What PyTorch's tools read: the local optimiser's groups and state -------------------------
     @property
     def param_groups(self):  # a property: load_state_dict replaces the local optimiser's list
-        return self.local_optimizer.param_groups
+        return self.local_optimizer.param_groups if self.gradient_shards is not None else self.full_groups
+
+    def _push_hyperparameters(self) -> None:
+        if self.gradient_shards is None:
+            for full, local in zip(self.full_groups, self.local_optimizer.param_groups):
+                local.update({k: v for k, v in full.items() if k != "params"})
+
+    def _pull_hyperparameters(self) -> None:
+        for full, local in zip(self.full_groups, self.local_optimizer.param_groups):
+            full.update({k: v for k, v in local.items() if k != "params"})
 
     @property
     def state(self):
@@ -150,9 +173,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return [(name_of[piece.param], piece.start, piece.end) for piece in self.pieces]
 
     # ---- One optimiser step ------------------------------------------------------------------------
-    def take_gradient_slices(self) -> None:
-        """ZeRO-1: point every view's ``.grad`` at its slice of the averaged ``param.grad`` (no copy).
-        Call once per step, after gradient synchronisation and before unscaling, clipping, stepping."""
+    def _take_gradient_slices(self) -> None:
+        """ZeRO-1: point every view's ``.grad`` at its slice of the averaged ``param.grad`` (no copy)."""
         if self.gradient_shards is not None:
             return  # ZeRO-2: the views already read the gradient shards
         for piece, view in zip(self.pieces, self.views):
@@ -172,10 +194,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
-        if closure is not None:  # it recomputes the gradients, so take their slices again
+        if closure is not None:  # it recomputes the gradients
             with torch.enable_grad():
                 loss = closure()
-            self.take_gradient_slices()
+        self._take_gradient_slices()  # whatever scaling or clipping did to param.grad, the views see it
+        self._push_hyperparameters()  # an LR scheduler set them on the full groups
         self.local_optimizer.step()
         self.all_gather_parameters()
         return loss
@@ -240,46 +263,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
             groups.append({**group, "params": list(range(first, first + size))})
             first += size
         return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-# ---- What every rank must agree on -------------------------------------------------------------------
-
-class ShardedGradScaler(torch.amp.GradScaler):
-    """A GradScaler whose found-inf flag is the same on every rank.
-
-    Each rank checks only its own gradient slices for inf/NaN. If rank 1 found an inf and rank 0 did
-    not, rank 0 would step and rank 1 would skip: the replicas would part for good. So the flags are
-    combined with one all-reduce (MAX) and every rank skips, or steps, together.
-    """
-
-    def unscale_(self, optimizer) -> None:
-        if not self.is_enabled():
-            return  # a disabled scaler is a no-op, here too: no collective
-        super().unscale_(optimizer)
-        state = self._per_optimizer_states[id(optimizer)]
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        for flag in state["found_inf_per_device"].values():  # empty on a rank with no gradients
-            found_inf += flag.to(found_inf.device)
-        count_collective("all_reduce", found_inf)
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-        state["found_inf_per_device"] = {found_inf.device: found_inf}
-
-
-def clip_gradient_shards(optimizer, max_norm: float) -> torch.Tensor:
-    """``training.clip_gradients`` for sharded gradients: same rule, same return (the norm before clipping).
-
-    ``optimizer``: a ``ShardedOptimizer``, or any optimiser whose groups hold this rank's slices (ZeRO-3
-    steps a plain AdamW over them). Each rank sums the squares of its own slices (in float64: see
-    ``sum_of_squares``), one all-reduce adds the ranks' sums, and every rank scales its slices by the
-    same coefficient. The slices cover every gradient element exactly once and never the padding.
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grads = [p.grad for p in params if p.grad is not None]
-    # nccl reduces GPU tensors only: the device of the parameters, even on a rank whose slices are empty
-    device = getattr(optimizer, "device", params[0].device if params else torch.device("cpu"))
-    total = sum_of_squares(grads).to(device)
-    count_collective("all_reduce", total)
-    dist.all_reduce(total)
-    norm = total.cpu().sqrt().float()
-    clip_to_norm(grads, norm, max_norm)
-    return norm

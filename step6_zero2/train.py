@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
+from comm_accounting import take_comm_bytes
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint)
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
@@ -24,7 +25,8 @@ from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
-from zero1 import ShardedGradScaler, ShardedOptimizer, clip_gradient_shards
+from sharded_gradients import ShardedGradScaler, clip_gradient_shards
+from zero1 import ShardedOptimizer
 from zero2 import ShardedGradientDDP
 from seeding import rng_state, seed_everything
 from training import (adamw_options, adamw_param_groups, autocast, check_amp, make_grad_scaler, make_scheduler,
@@ -138,7 +140,7 @@ def main():
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
             **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
-            "comm": distributed.take_comm_bytes(),
+            "comm": take_comm_bytes(),
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:

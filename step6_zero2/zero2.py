@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from distributed import count_collective
+from comm_accounting import count_collective
 
 
 class Bucket:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import GPT2LMHeadModel
 
 import distributed
+from comm_accounting import count_collective, take_comm_bytes
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint, optimizer_slices)
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
@@ -29,7 +30,7 @@ from model import gpt2_config, initial_value, language_model_loss
 from prefetch_trace import PrefetchTrace
 from sampler import ShardedSampler, check_no_overlap
 from streaming_export import save_final_weights_streaming
-from zero1 import ShardedGradScaler, clip_gradient_shards
+from sharded_gradients import ShardedGradScaler, clip_gradient_shards
 from zero3 import FullyShardedDP
 from seeding import rng_state, seed_everything
 from training import (autocast, check_amp, make_grad_scaler, make_optimizer, make_scheduler, norm_from_parts,
@@ -42,7 +43,7 @@ def sharded_param_norm(params, device) -> float:
     """``training.param_norm`` of the full parameters, from this rank's pieces: the exact integer parts of
     the sum of squares add up across ranks to the parts of the whole, so the result has step 1's bits."""
     parts = square_sum_parts(params).to(device)  # nccl reduces GPU tensors only
-    distributed.count_collective("all_reduce", parts)
+    count_collective("all_reduce", parts)
     dist.all_reduce(parts)
     return norm_from_parts(parts.cpu())
 
@@ -172,7 +173,7 @@ def main():
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
             "epoch": batches.epoch,
             **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
-            "comm": distributed.take_comm_bytes(),
+            "comm": take_comm_bytes(),
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:

@@ -4,7 +4,7 @@ Step 6 still kept every parameter on every rank; here:
 
 1. **Units.** The model is cut into units: the submodules given (GPT-2's blocks) and one root unit for
    every parameter no unit holds (embeddings, the tied output layer, the last LayerNorm). A parameter
-   belongs to the innermost unit that contains it. A unit's parameters are laid end to end in one flat
+   belongs to the innermost unit that contains it; a unit left with no parameter is no unit at all. A unit's parameters are laid end to end in one flat
    range of L elements, padded to Lp, a multiple of N; rank r keeps [r*Lp/N, (r+1)*Lp/N) (step 5's
    slices), and one layout serves parameters, gradients and optimiser state alike.
 2. **Pieces under the original names.** Every registered parameter is replaced by this rank's piece of
@@ -16,7 +16,8 @@ Step 6 still kept every parameter on every rank; here:
    the pieces and frees the buffer (its storage is resized to 0: the memory goes back to the allocator).
    Backward needs the weights again: a hook on the gradient of the unit's output gathers them once more
    just before the unit's backward runs. The root unit is gathered first and kept until the end of
-   backward: the tied embedding is used at both ends of the model.
+   backward: the tied embedding is used at both ends of the model. A frozen parameter (``requires_grad``
+   False) is gathered and freed like the others, but no gradient is computed or reduced for it.
 4. **One flat gradient per unit.** The views are cut (``torch.split``) from one flat leaf tensor, so
    autograd sums every use of every parameter of the unit into ``flat.grad`` and runs the leaf's
    post-accumulate hook once, when the unit's backward is over. That hook frees the gathered weights and
@@ -45,7 +46,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from distributed import count_collective
+from comm_accounting import count_collective
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
 
@@ -61,6 +62,7 @@ class Unit:
         self.name, self.module = name, module
         self.names, self.registrations = [e[0] for e in entries], [e[2] for e in entries]
         self.shapes = [param.shape for _, param, _ in entries]
+        self.trainable = [param.requires_grad for _, param, _ in entries]  # frozen ones get no gradient
         self.numels = [math.prod(shape) for shape in self.shapes]
         self.padded = -(-sum(self.numels) // world_size) * world_size  # Lp
         size = self.padded // world_size
@@ -74,7 +76,7 @@ class Unit:
             self.ranges.append((lo - begin, hi - begin))  # the same elements, within the parameter
             with torch.no_grad():  # the full value lives only until its slice is copied
                 self.shard[self.slices[-1]] = value(name, param).reshape(-1)[lo - begin : hi - begin]
-            self.pieces.append(torch.nn.Parameter(self.shard[self.slices[-1]]))
+            self.pieces.append(torch.nn.Parameter(self.shard[self.slices[-1]], requires_grad=param.requires_grad))
             begin += numel
         self.flat = None  # the full-size leaf: created by the first gather, its storage freed between uses
         self.state, self.handle, self.views = SHARDED, None, None
@@ -82,8 +84,10 @@ class Unit:
         self.compute = self.event = None  # timeline entries still open
 
     def full_views(self, flat: torch.Tensor) -> list:  # shaped like the parameters; the padding left out
-        chunks = torch.split(flat, self.numels + [self.padded - sum(self.numels)])
-        return [chunk.view(shape) for chunk, shape in zip(chunks, self.shapes)]
+        sizes = self.numels + [self.padded - sum(self.numels)]
+        chunks, detached = torch.split(flat, sizes), torch.split(flat.detach(), sizes)  # frozen: no gradient path
+        return [(chunk if trainable else frozen).view(shape)
+                for chunk, frozen, trainable, shape in zip(chunks, detached, self.trainable, self.shapes)]
 
     def install(self, tensors: list) -> None:
         """Make ``tensors`` (pieces, or full views) the modules' parameters (``setattr`` would refuse a view)."""
@@ -110,16 +114,18 @@ class FullyShardedDP(torch.nn.Module):
         self.device = torch.device(device or "cpu")
         self.require_sync = True
         self.units = self._build_units(module, list(units), init_fn)
-        self.root = self.units[0]
+        self.root = self.units[0] if self.units[0].module is module else None  # None: no parameter of its own
         module.register_forward_pre_hook(self._root_pre_forward)
         module.register_forward_hook(self._root_post_forward)
-        for unit in self.units[1:]:
+        for unit in self.units[1:] if self.root else self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
-        self.forward_order = []  # units as their forwards began (recorded once: it is the same every step)
+        # Units as their forwards begin, a unit called twice listed twice: recorded in the first forward (every
+        # forward runs the same graph), it says what to prefetch at each call. forward_calls: calls so far.
+        self.forward_order, self.forward_calls, self.recorded = [], 0, False
         self.post_forward_order = []  # units as their forwards ended, this forward; reversed: backward's order
         self.reducing = None  # the unit whose reduce-scatter is in flight
-        self.reduced = set()  # units reduce-scattered in this optimiser step
+        self.reduced = set()  # units reduce-scattered in this optimiser step (cleared by the sync point)
         self.gathered_bytes = self.peak_gathered_bytes = 0
         self.timeline = None  # a list to record collectives and unit compute in, when a tracer asks
 
@@ -140,11 +146,11 @@ class FullyShardedDP(torch.nn.Module):
         entries = [[] for _ in range(len(unit_modules) + 1)]
         for param, registered in where.items():
             owners = {owner(module) for module, _ in registered}
-            if len(owners) > 1 or not param.requires_grad:
-                raise ValueError(f"{full_name(*registered[0])}: parameters must be trainable and tied within a unit")
+            if len(owners) > 1:  # it would be gathered, and its gradient reduced, in two places
+                raise ValueError(f"{full_name(*registered[0])} is tied across units ("
+                                 f"{', '.join(sorted(['root', *unit_names][o] for o in owners))}): wrap one module "
+                                 "that holds every use of it, or leave them all to the root")
             entries[owners.pop()].append((full_name(*registered[0]), param, registered))
-        if not all(entries):
-            raise ValueError("every unit, and the root, needs parameters of its own")
 
         def value(name, tensor):
             if tensor.is_meta and init_fn is None:
@@ -152,7 +158,7 @@ class FullyShardedDP(torch.nn.Module):
             return (init_fn(name, tensor.shape) if tensor.is_meta else tensor.detach()).to(self.device, tensor.dtype)
 
         units = [Unit(name, m, e, value, self.world_size, self.rank, self.device)
-                 for name, m, e in zip(["root"] + unit_names, [model] + unit_modules, entries)]
+                 for name, m, e in zip(["root"] + unit_names, [model] + unit_modules, entries) if e]
         for unit in units:
             unit.install(unit.pieces)
         for module in names:  # buffers are small: every rank keeps them whole
@@ -162,6 +168,10 @@ class FullyShardedDP(torch.nn.Module):
         return units
 
     def forward(self, *args, **kwargs):
+        if self.reduced:  # a synchronised backward ran, and nobody finished it
+            raise RuntimeError("FullyShardedDP: call finish_gradient_synchronization() after the last backward of "
+                               "every optimiser step, before optimizer.step(): without it the pieces' .grad are "
+                               "not this step's averaged gradients (the last step used stale or no gradients)")
         return self.module(*args, **kwargs)
 
     def named_parameters(self, *args, **kwargs):  # the original names, as FSDP2 keeps them (no "module.")
@@ -181,8 +191,9 @@ class FullyShardedDP(torch.nn.Module):
         if unit.state != SHARDED:
             return
         if unit.flat is None:
-            unit.flat = torch.empty(unit.padded, device=self.device, requires_grad=True)
-            unit.flat.register_post_accumulate_grad_hook(functools.partial(self._post_backward, unit))
+            unit.flat = torch.empty(unit.padded, device=self.device, requires_grad=any(unit.trainable))
+            if any(unit.trainable):  # a unit of frozen parameters has no backward of its own to end
+                unit.flat.register_post_accumulate_grad_hook(functools.partial(self._post_backward, unit))
         else:
             unit.flat.untyped_storage().resize_(unit.padded * unit.flat.element_size())
         self.gathered_bytes += unit.padded * unit.flat.element_size()
@@ -209,29 +220,37 @@ class FullyShardedDP(torch.nn.Module):
         self.gathered_bytes -= unit.padded * unit.flat.element_size()
         unit.state = SHARDED
 
-    def _prefetch_after(self, unit: Unit, order: list) -> None:
-        if self.prefetch and unit in order and order.index(unit) + 1 < len(order):
-            self._launch_gather(order[order.index(unit) + 1])
+    def _prefetch(self, order: list, position: int) -> None:
+        """Start gathering ``order[position]``, the unit that runs next, if there is one."""
+        if self.prefetch and 0 <= position < len(order):
+            self._launch_gather(order[position])
 
     # ---- The hooks -----------------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
-        self.post_forward_order = []
+        self.post_forward_order, self.forward_calls = [], 0
+        if self.root is None:  # no parameter of its own: only start the first unit's gather
+            self._prefetch(self.forward_order, 0)
+            return
         self._launch_gather(self.root)
-        self._prefetch_after(self.root, [self.root] + self.forward_order)
+        self._prefetch(self.forward_order, 0)
         self._gathered(self.root)
         self.root.views = self.root.full_views(self.root.flat)
         self.root.install(self.root.views)
 
     def _root_post_forward(self, module, args, output) -> None:
+        self.recorded = True
+        if self.root is None:
+            return
         self.root.install(self.root.pieces)  # the graph keeps the views; the weights stay gathered for backward
         if not torch.is_grad_enabled():
             self._free(self.root)  # no backward will come
 
     def _pre_forward(self, unit: Unit, module, args) -> None:
-        if unit not in self.forward_order:
+        position, self.forward_calls = self.forward_calls, self.forward_calls + 1
+        if not self.recorded:
             self.forward_order.append(unit)
         self._launch_gather(unit)
-        self._prefetch_after(unit, self.forward_order)
+        self._prefetch(self.forward_order, position + 1)
         self._gathered(unit)
         unit.views = unit.full_views(unit.flat)
         unit.install(unit.views)
@@ -240,18 +259,20 @@ class FullyShardedDP(torch.nn.Module):
     def _post_forward(self, unit: Unit, module, args, output) -> None:
         self._done(unit)
         unit.install(unit.pieces)
+        position = len(self.post_forward_order)
         self.post_forward_order.append(unit)
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
             if tensors:  # runs when the gradient of the unit's output is known: the unit's backward comes next
-                torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._pre_backward, unit),
-                                                              mode="any")
+                hook = functools.partial(self._pre_backward, unit, position)
+                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self._free(unit)
 
-    def _pre_backward(self, unit: Unit, grad) -> None:
+    def _pre_backward(self, unit: Unit, position: int, grad) -> None:
+        """``position``: where this call of the unit ended in forward; the call that ended before it runs next."""
         self._launch_gather(unit)
-        self._prefetch_after(unit, self.post_forward_order[::-1])
+        self._prefetch(self.post_forward_order, position - 1)
         self._gathered(unit)
         unit.install(unit.views)  # for activation checkpointing: the forward recomputed in backward reads them
         unit.compute = self._record(f"backward {unit.name}", "compute")
@@ -289,15 +310,18 @@ class FullyShardedDP(torch.nn.Module):
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the last reduce-scatter; then each piece's ``.grad`` is its slice of the averaged gradient."""
-        missing = [unit for unit in self.units if unit not in self.reduced]
+        for unit in self.units:  # the optimiser is about to change the shards: no gathered copy may outlive them
+            self._free(unit)  # (a unit of frozen parameters, gathered for backward, has no hook that frees it)
+        missing = [unit for unit in self.units if any(unit.trainable) and unit not in self.reduced]
         for unit in missing:  # in unit order on every rank
             self._free(unit)
             self._reduce_scatter(unit)
         if self.reducing is not None:
             self._finish_reduce_scatter(self.reducing)
         for unit in self.units:
-            for piece, part in zip(unit.pieces, unit.slices):
-                piece.grad = unit.grad_shard[part]
+            for piece, part, trainable in zip(unit.pieces, unit.slices, unit.trainable):
+                if trainable:
+                    piece.grad = unit.grad_shard[part]
         self.reduced = set()
         if missing:
             raise RuntimeError(f"unit(s) {', '.join(u.name for u in missing)} received no gradient in this step; "

@@ -114,22 +114,21 @@ def element_state_bytes(optimizer) -> int:
 
 def against_plain_optimizer(name, results, tmp, rank, world_size):
     from zero1 import ShardedOptimizer
-    import distributed
+    import comm_accounting
     cls, kwargs = OPTIMIZERS[name]
     ref_model, our_model = make_model(), make_model()
     ref = cls(groups_of(ref_model), **kwargs)
     ours = ShardedOptimizer(groups_of(our_model), cls, **kwargs)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 ** s) for o in (ref, ours)]
     initial, problems = [p.clone() for p in ref_model.parameters()], []
-    distributed.take_comm_bytes()
+    comm_accounting.take_comm_bytes()
     for step in range(STEPS):
         full_gradients(our_model, step)
         copy_gradients(our_model, ref_model)
-        ours.take_gradient_slices()
         ref.step()
         ours.step()
         if step == 0:
-            results[f"{name} comm"] = distributed.take_comm_bytes()
+            results[f"{name} comm"] = comm_accounting.take_comm_bytes()
         for s in schedulers:
             s.step()
         ref.zero_grad()
@@ -160,7 +159,6 @@ def checkpoint_round_trip(ours, our_model, cls, kwargs, results, tmp, rank, worl
     for step in range(STEPS, STEPS + 2):
         for model, optimizer in ((our_model, ours), (resumed_model, resumed)):
             full_gradients(model, step)
-            optimizer.take_gradient_slices()
             optimizer.step()
             optimizer.zero_grad()
         problems += differences(our_model, resumed_model, f"resumed step {step}")
@@ -187,13 +185,27 @@ def checkpoint_round_trip(ours, our_model, cls, kwargs, results, tmp, rank, worl
     results["refusals"] = refusals
 
 
+def sharded_like_zero2(params, world_size):
+    """A ShardedOptimizer over one chunk whose gradient this rank holds only a slice of (ZeRO-2), and a function
+    that plays the reduce-scatter: it copies this rank's slice of the given full gradients into the shard."""
+    from zero1 import ShardedOptimizer
+    rank, n = dist.get_rank(), math.ceil(sum(p.numel() for p in params) / world_size)
+    shard = torch.zeros(n)
+    optimizer = ShardedOptimizer(params, torch.optim.AdamW, gradient_shards=[shard], lr=0.1, foreach=False)
+
+    def fill(grads):
+        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.zeros(n * world_size)])
+        shard.copy_(flat[rank * n : (rank + 1) * n])
+    return optimizer, fill
+
+
 def scaler_skips_together(results, rank, world_size):
     """4 elements at world size 2 or 3: shards of 2, rank 1 owns elements 2 and 3, rank 2 owns none."""
-    from zero1 import ShardedGradScaler, ShardedOptimizer
-    import distributed
+    from sharded_gradients import ShardedGradScaler
+    import comm_accounting
     ref_p, our_p = (torch.nn.Parameter(torch.arange(1.0, 5.0)) for _ in range(2))
     ref = torch.optim.AdamW([ref_p], lr=0.1, foreach=False)
-    ours = ShardedOptimizer([our_p], torch.optim.AdamW, lr=0.1, foreach=False)
+    ours, fill = sharded_like_zero2([our_p], world_size)
     ref_scaler, our_scaler = torch.amp.GradScaler("cpu", init_scale=256.0), ShardedGradScaler("cpu", init_scale=256.0)
     found, unchanged, problems = [], [], []
     for step, poison in enumerate((True, False, False)):
@@ -201,8 +213,9 @@ def scaler_skips_together(results, rank, world_size):
             scaler.scale((p * torch.tensor([1.0, -2.0, 3.0, 0.5]) * (step + 1)).pow(2).sum()).backward()
             if poison:
                 p.grad[3] = float("inf")  # only rank 1 owns element 3
+        fill([our_p.grad])
+        our_p.grad = None  # as ShardedGradientDDP leaves it: only the shard holds the gradient
         before = our_p.detach().clone()
-        ours.take_gradient_slices()
         our_scaler.unscale_(ours)
         found.append(sum(v.item() for v in our_scaler._per_optimizer_states[id(ours)]["found_inf_per_device"].values()))
         for p, optimizer, scaler in ((ref_p, ref, ref_scaler), (our_p, ours, our_scaler)):
@@ -214,20 +227,20 @@ def scaler_skips_together(results, rank, world_size):
             problems.append(f"step {step}")
     results["scaler"] = {"found inf": found, "unchanged": unchanged, "vs plain": problems,
                          "scale": (our_scaler.get_scale(), ref_scaler.get_scale())}
-    distributed.take_comm_bytes()
+    comm_accounting.take_comm_bytes()
     ShardedGradScaler("cpu", enabled=False).unscale_(ours)
-    results["disabled scaler comm"] = distributed.take_comm_bytes()
+    results["disabled scaler comm"] = comm_accounting.take_comm_bytes()
 
 
-def clipping_matches(results):
-    from zero1 import ShardedOptimizer, clip_gradient_shards
+def clipping_matches(results, world_size):
+    from sharded_gradients import clip_gradient_shards
+    from zero1 import ShardedOptimizer
     from training import clip_gradients
     ref_model, our_model = make_model(), make_model()
-    ours = ShardedOptimizer(groups_of(our_model), torch.optim.AdamW, lr=0.1, foreach=False)
-    full_gradients(our_model, 0, scale=1e4)
-    copy_gradients(our_model, ref_model)
+    ours, fill = sharded_like_zero2(in_group_order(our_model), world_size)
+    full_gradients(ref_model, 0, scale=1e4)
+    fill([p.grad for p in in_group_order(ref_model)])
     ref_norm = clip_gradients(trainable(ref_model), max_norm=0.5)
-    ours.take_gradient_slices()
     our_norm = clip_gradient_shards(ours, max_norm=0.5)
     clipped = [a.grad.view(-1) for a in in_group_order(ref_model)]
     mine = [g["params"] for g in ours.param_groups]
@@ -235,6 +248,11 @@ def clipping_matches(results):
                        for view, (index, start, end, _) in zip([v for g in mine for v in g], ours.layout["pieces"]))
     results["clip"] = {"norms": (our_norm.item(), ref_norm.item()), "same bits": torch.equal(our_norm, ref_norm),
                        "slices equal": slices_equal, "dtype": str(our_norm.dtype)}
+    try:  # ZeRO-1's gradients are whole: clipping them as slices would count every rank's copy
+        clip_gradient_shards(ShardedOptimizer(groups_of(our_model), torch.optim.AdamW, lr=0.1), max_norm=0.5)
+        results["clip zero1"] = "accepted"
+    except ValueError as error:
+        results["clip zero1"] = str(error)
 
 
 def gradient_shards_mode(results, rank, world_size):
@@ -253,7 +271,6 @@ def gradient_shards_mode(results, rank, world_size):
         for chunk, buffer, n in zip(CHUNKS, buffers, shard_sizes):  # a reduce-scatter would do this
             flat = torch.cat([in_group_order(ref_model)[i].grad.view(-1) for i in chunk] + [torch.zeros(n * world_size)])
             buffer.copy_(flat[rank * n : (rank + 1) * n])
-        ours.take_gradient_slices()
         ref.step()
         ours.step()
         ref.zero_grad()
@@ -264,14 +281,14 @@ def gradient_shards_mode(results, rank, world_size):
 
 
 def worker(rank, world_size, port, queue, tmp):
-    sys.path.insert(0, str(REPO / "step5_zero1"))
+    sys.path[:0] = [str(REPO / "step5_zero1"), str(REPO / "step6_zero2")]  # zero1.py; sharded_gradients.py
     init_gloo(rank, world_size, port)
     results = {}
     try:
         for name in OPTIMIZERS:
             against_plain_optimizer(name, results, tmp, rank, world_size)
         scaler_skips_together(results, rank, world_size)
-        clipping_matches(results)
+        clipping_matches(results, world_size)
         gradient_shards_mode(results, rank, world_size)
         queue.put((rank, (results, None)))
     except Exception:
@@ -394,6 +411,7 @@ def test_clipping_matches_clip_gradients_of_the_full_gradients(world):
         clip = r["clip"]
         assert clip["norms"][0] > 0.5, "clipping never triggered"
         assert clip["same bits"] and clip["slices equal"] and clip["dtype"] == "torch.float32", f"rank {rank}: {clip}"
+        assert "clip_grad_norm_" in r["clip zero1"], r["clip zero1"]
 
 
 def test_gradient_shards_mode_is_bitwise_the_plain_optimizer(world):

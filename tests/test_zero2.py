@@ -83,7 +83,7 @@ def expected_shards(ours, reference_grads, rank, world_size) -> list:
 def run_case(rank, world_size, dtype, cap_mb, extra_in=range(ACCUM), find_unused=False, reduce_every=False,
              extra_on_ranks=None):
     """STEPS optimiser steps through DDP and through ShardedGradientDDP; what the tests check, of the last."""
-    import distributed
+    import comm_accounting
     from zero2 import ShardedGradientDDP
 
     extra_in = extra_in if extra_on_ranks is None or rank in extra_on_ranks else ()
@@ -106,7 +106,7 @@ def run_case(rank, world_size, dtype, cap_mb, extra_in=range(ACCUM), find_unused
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(lambda p: seen["grad None after our hook"].append(p.grad is None))
     for step in range(STEPS):  # the same weights in every step (no optimiser): only the data changes
-        distributed.take_comm_bytes()  # keep the last step's: forget the construction's broadcast, earlier steps
+        comm_accounting.take_comm_bytes()  # keep the last step's: forget the construction's broadcast, earlier steps
         for bucket in ours.buckets:
             bucket.timeline = []
         for observations in seen.values():
@@ -132,7 +132,7 @@ def run_case(rank, world_size, dtype, cap_mb, extra_in=range(ACCUM), find_unused
         "shard bytes": sum(s.numel() * s.element_size() for s in ours.gradient_shards),
         "expected shard bytes": 4 * sum(lp) // world_size,
         "padded bytes": sum(lp) * dtype.itemsize,
-        "comm": distributed.take_comm_bytes(),
+        "comm": comm_accounting.take_comm_bytes(),
         "full grads after each backward": seen["full grads"],
         "grad None after our hook": seen["grad None after our hook"],
         "first launch before backward ends": min(e["launched"] for b in ours.buckets for e in b.timeline)

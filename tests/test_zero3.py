@@ -92,7 +92,7 @@ def peak_live_bytes(prof) -> int:
 
 def toy_worker(rank, world_size, port, queue, prefetch):
     sys.path.insert(0, str(STEP7))
-    import distributed
+    import comm_accounting
     from training import adamw_options, adamw_param_groups
     from zero3 import FullyShardedDP
 
@@ -122,7 +122,7 @@ def toy_worker(rank, world_size, port, queue, prefetch):
     ref_optimizer = torch.optim.AdamW(adamw_param_groups(ref.named_parameters(), CONFIG), **adamw_options(CONFIG))
     results["decay groups"] = [[[{id(p): n for n, p in m.named_parameters()}[id(p)] for p in g["params"]]
                                 for g in o.param_groups] for m, o in ((model, optimizer), (ref, ref_optimizer))]
-    distributed.take_comm_bytes()
+    comm_accounting.take_comm_bytes()
     results["differences"], results["comm"], results["root freed"] = [], [], []
     for step in range(STEPS):
         if step == STEPS - 1:
@@ -136,7 +136,7 @@ def toy_worker(rank, world_size, port, queue, prefetch):
         fsdp.finish_gradient_synchronization()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        results["comm"].append(distributed.take_comm_bytes())
+        results["comm"].append(comm_accounting.take_comm_bytes())
         # The reference: every rank's accumulated gradient, averaged in float64, rounded once.
         grads = []
         for r in range(world_size):
@@ -148,7 +148,7 @@ def toy_worker(rank, world_size, port, queue, prefetch):
             p.grad = (sum(g[i].double() for g in grads) / world_size).float()
         ref_optimizer.step()
         full = fsdp.full_state_dict()
-        distributed.take_comm_bytes()
+        comm_accounting.take_comm_bytes()
         results["differences"] += [f"step {step}: {n}" for n, p in ref.named_parameters()
                                    if not torch.equal(full[n], p)]
     results["names"] = (list(full), [n for n, _ in ref.named_parameters()])

@@ -1,0 +1,351 @@
+"""Each idea file used the way someone else's training script uses it, beside its PyTorch counterpart.
+
+    python tests/drop_in_harness.py naive_dp|bucketed_ddp|zero1|zero2|zero3 OUT.json
+
+This file is deliberately written like an outside harness (a course's test suite, a learner's own
+script): ``torch.multiprocessing.spawn`` starts two workers, each creates the process group itself,
+*then* imports the idea file from its step folder, and runs a plain loop that names nothing of this
+repository but the idea file's own classes and functions. The same loop runs with the PyTorch
+counterpart (``DistributedDataParallel``, ``ZeroRedundancyOptimizer``, FSDP2's ``fully_shard``) in the
+same process, and every parameter is compared with ``torch.equal`` after every optimiser step. The
+workers leave with ``dist.destroy_process_group()``, as such a script does, not with our ``shutdown()``.
+
+Rank 0 writes ``{"problems": [...], "checked": N}`` to OUT.json. A worker that dies (an exception, or a
+signal such as the SIGABRT of a thread left alive into interpreter exit) makes ``mp.spawn`` raise, and
+this script exit non-zero.
+"""
+import contextlib
+import importlib
+import json
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+REPO = Path(__file__).resolve().parent.parent
+FOLDER = {"naive_dp": "step3_naive_dp", "bucketed_ddp": "step4_hooks_bucketing", "zero1": "step5_zero1",
+          "zero2": "step6_zero2", "zero3": "step7_zero3"}
+IDEA_MODULES = {"naive_dp": ["naive_dp"], "bucketed_ddp": ["bucketed_ddp"], "zero1": ["zero1"],
+                "zero2": ["zero2", "zero1", "sharded_gradients"], "zero3": ["zero3"]}
+WORLD_SIZE, STEPS, MICRO_BATCHES, VOCAB = 2, 3, 2, 11
+
+
+class Toy(nn.Module):
+    """An embedding tied to the output layer, a norm, a frozen layer, a layer used only in the first
+    micro-batch of each step, sizes no world size divides (9 x 6 ... 6 x 7: 412 trainable elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 6)
+        self.norm = nn.LayerNorm(6)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.up = nn.Linear(6, 7)
+        self.down = nn.Linear(7, 6)
+        self.rare = nn.Linear(6, 6)
+
+    def forward(self, x, use_rare: bool):
+        h = self.frozen(self.norm(self.embed(x)))
+        h = h + self.down(torch.tanh(self.up(h)))
+        if use_rare:
+            h = h + self.rare(h)
+        return h @ self.embed.weight.T  # the embedding again, as GPT-2's output layer
+
+
+class Block(nn.Module):
+    """A norm, a layer used twice (tied to itself), a frozen layer or not, a layer used only in the first micro-batch."""
+
+    def __init__(self, frozen: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(6)
+        self.mix = nn.Linear(6, 7)
+        self.fixed = nn.Linear(7, 7)
+        self.rare = nn.Linear(6, 6)
+        if frozen:
+            self.fixed.requires_grad_(False)
+
+    def forward(self, h, use_rare: bool):
+        z = torch.tanh(self.fixed(self.mix(self.norm(h))))
+        h = h + z @ self.mix.weight  # mix's weight a second time, transposed
+        return h + self.rare(h) if use_rare else h
+
+
+class TiedEnds(nn.Module):
+    """The embedding, called a second time as the output layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 6)
+
+    def forward(self, x=None, h=None):
+        return self.embed(x) if h is None else h @ self.embed.weight.T
+
+
+class Stack(nn.Module):
+    """For FSDP: a root with no parameter of its own; the embedding, each block and the head are units, each
+    called once. ``tied=True``: the embedding is also the output layer, one unit called at both ends."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        self.ends = TiedEnds() if tied else None
+        self.embed = None if tied else nn.Embedding(VOCAB, 6)
+        self.blocks = nn.ModuleList([Block(frozen=False), Block(frozen=True)])
+        self.head = None if tied else nn.Linear(6, VOCAB)
+        self.units = [self.ends, *self.blocks] if tied else [self.embed, *self.blocks, self.head]
+
+    def forward(self, x, use_rare: bool):
+        h = self.ends(x=x) if self.ends is not None else self.embed(x)
+        for block in self.blocks:
+            h = block(h, use_rare)
+        return self.ends(h=h) if self.ends is not None else self.head(h)
+
+
+def batch(step: int, micro_step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(1000 * step + 10 * micro_step + rank))
+
+
+def loss_of(model, step, micro_step, rank) -> torch.Tensor:
+    logits = model(batch(step, micro_step, rank), use_rare=micro_step == 0)
+    return logits.pow(2).mean() / MICRO_BATCHES
+
+
+def build(cls, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return cls()
+
+
+def groups(model) -> list[dict]:
+    """Weight decay for the matrices, chosen by name (a sharded piece may have lost its shape)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decayed = {n for n, _ in trainable if n.endswith("weight") and "norm" not in n}
+    return [{"params": [p for n, p in trainable if n in decayed], "weight_decay": 0.1},
+            {"params": [p for n, p in trainable if n not in decayed], "weight_decay": 0.0}]
+
+
+def compare(problems: list, label: str, ours: dict, theirs: dict) -> int:
+    for name, tensor in theirs.items():
+        if not torch.equal(ours[name], tensor):
+            problems.append(f"{label}: {name} differs (max abs {(ours[name] - tensor).abs().max().item():.3g})")
+    return len(theirs)
+
+
+def params(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ---- The cases: our loop and PyTorch's, step by step ---------------------------------------------------
+
+def case_naive_dp(rank, problems) -> int:
+    from naive_dp import allreduce_gradients, broadcast_parameters
+    ours = build(Toy, 100 + rank)  # a different start on every rank: the broadcast must fix it
+    broadcast_parameters(ours)
+    theirs = DDP(build(Toy, 100), find_unused_parameters=True)
+    opts = [torch.optim.AdamW(groups(m), lr=0.05) for m in (ours, theirs.module)]
+    checked = 0
+    for step in range(STEPS):
+        for micro_step in range(MICRO_BATCHES):
+            loss_of(ours, step, micro_step, rank).backward()  # naive DP: nothing to switch off
+            with theirs.no_sync() if micro_step < MICRO_BATCHES - 1 else contextlib.nullcontext():
+                loss_of(theirs, step, micro_step, rank).backward()
+        allreduce_gradients(ours)
+        for model, opt in ((ours, opts[0]), (theirs.module, opts[1])):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        checked += compare(problems, f"step {step}", params(ours), params(theirs.module))
+    del theirs  # DDP's reducer holds the group: free it before the group goes
+    return checked
+
+
+def case_bucketed_ddp(rank, problems) -> int:
+    from bucketed_ddp import BucketedDDP
+    ours = BucketedDDP(build(Toy, 100 + rank), bucket_cap_mb=0.0002, find_unused_parameters=True)  # ~3 buckets
+    theirs = DDP(build(Toy, 100), find_unused_parameters=True)
+    opts = [torch.optim.AdamW(groups(m.module), lr=0.05) for m in (ours, theirs)]
+    checked = 0
+    for step in range(STEPS):
+        for micro_step in range(MICRO_BATCHES):
+            for model in (ours, theirs):
+                with model.no_sync() if micro_step < MICRO_BATCHES - 1 else contextlib.nullcontext():
+                    loss_of(model, step, micro_step, rank).backward()
+        ours.finish_gradient_synchronization()
+        for model, opt in ((ours, opts[0]), (theirs, opts[1])):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        checked += compare(problems, f"step {step}", params(ours.module), params(theirs.module))
+    del theirs
+    return checked
+
+
+def case_zero1(rank, problems) -> int:
+    """DDP syncs the gradients; the optimisers differ: ours, ZeroRedundancyOptimizer, and a plain one."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from zero1 import ShardedOptimizer
+    checked = 0
+    for optimizer_cls, kwargs in ((torch.optim.AdamW, dict(lr=0.05)), (torch.optim.SGD, dict(lr=0.1, momentum=0.9))):
+        models = [DDP(build(Toy, 100), find_unused_parameters=True) for _ in range(3)]
+        opts = [ShardedOptimizer(groups(models[0]), optimizer_cls, **kwargs),
+                ZeroRedundancyOptimizer(groups(models[1]), optimizer_class=optimizer_cls, **kwargs),
+                optimizer_cls(groups(models[2]), **kwargs)]
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.7 ** s) for opt in opts]
+        scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in opts]
+        for step in range(STEPS + 1):
+            for model, opt, scaler, scheduler in zip(models, opts, scalers, schedulers):
+                for micro_step in range(MICRO_BATCHES):
+                    with model.no_sync() if micro_step < MICRO_BATCHES - 1 else contextlib.nullcontext():
+                        loss = loss_of(model, step, micro_step, rank)  # forward inside no_sync: DDP decides there
+                        if step == 1:
+                            loss = loss * float("inf")  # an overflow: every scaler must skip this step
+                        scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                scaler.step(opt)
+                scaler.update()
+                scheduler.step()
+                opt.zero_grad()
+            label = f"{optimizer_cls.__name__} step {step}"
+            checked += compare(problems, f"{label} vs ZeroRedundancyOptimizer", params(models[0]), params(models[1]))
+            checked += compare(problems, f"{label} vs {optimizer_cls.__name__}", params(models[0]), params(models[2]))
+        if len({scaler.get_scale() for scaler in scalers}) != 1 or scalers[0].get_scale() == 2.0**10:
+            problems.append(f"scales {[s.get_scale() for s in scalers]}: the overflow step was not skipped alike")
+        del models, opts
+    return checked
+
+
+def case_zero2(rank, problems) -> int:
+    """Sharded gradients: ours end to end, against DDP with a plain AdamW, a GradScaler and clip_grad_norm_."""
+    from sharded_gradients import ShardedGradScaler, clip_gradient_shards
+    from zero1 import ShardedOptimizer
+    from zero2 import ShardedGradientDDP
+    ours = ShardedGradientDDP(build(Toy, 100 + rank), bucket_cap_mb=0.0002, find_unused_parameters=True)
+    our_opt = ShardedOptimizer(groups(ours.module), torch.optim.AdamW, chunks=ours.bucket_params,
+                               gradient_shards=ours.gradient_shards, lr=0.05)
+    theirs = DDP(build(Toy, 100), find_unused_parameters=True)
+    their_opt = torch.optim.AdamW(groups(theirs.module), lr=0.05)
+    our_scaler, their_scaler = ShardedGradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    checked = 0
+    for step in range(STEPS):
+        for micro_step in range(MICRO_BATCHES):
+            for model, scaler in ((ours, our_scaler), (theirs, their_scaler)):
+                with model.no_sync() if micro_step < MICRO_BATCHES - 1 else contextlib.nullcontext():
+                    scaler.scale(loss_of(model, step, micro_step, rank)).backward()
+        ours.finish_gradient_synchronization()
+        our_scaler.unscale_(our_opt)
+        clip_gradient_shards(our_opt, 0.5)
+        our_scaler.step(our_opt)
+        our_scaler.update()
+        our_opt.zero_grad()
+        their_scaler.unscale_(their_opt)
+        # clip_gradient_shards adds the squares in float64 (any grouping of the slices rounds to the same
+        # float32 norm); clip_grad_norm_ adds float32 norms. So: PyTorch's clipping rule, with that norm.
+        grads = [p.grad for p in theirs.parameters() if p.grad is not None]
+        norm = sum(g.double().pow(2).sum() for g in grads).sqrt().float()
+        torch.nn.utils.clip_grads_with_norm_(theirs.parameters(), 0.5, norm)
+        their_scaler.step(their_opt)
+        their_scaler.update()
+        their_opt.zero_grad()
+        checked += compare(problems, f"step {step}", params(ours.module), params(theirs.module))
+    del theirs
+    return checked
+
+
+def case_zero3(rank, problems) -> int:
+    """FullyShardedDP against FSDP2's fully_shard (every unit called once), and against DDP with the embedding
+    tied to the output layer (a unit called at both ends: FSDP2 reduce-scatters each call's gradient on its
+    own, which rounds differently from DDP; FullyShardedDP sums every use first, as DDP does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from zero3 import FullyShardedDP
+    mesh, checked = init_device_mesh("cpu", (WORLD_SIZE,)), 0
+    for tied in (False, True):
+        ours_model = build(lambda: Stack(tied), 100)
+        ours = FullyShardedDP(ours_model, ours_model.units)
+        theirs = build(lambda: Stack(tied), 100)
+        if tied:
+            theirs = DDP(theirs, find_unused_parameters=True)
+        else:
+            for module in (*theirs.units, theirs):
+                fully_shard(module, mesh=mesh)
+        opts = [torch.optim.AdamW(groups(ours), lr=0.05), torch.optim.AdamW(groups(theirs), lr=0.05)]
+        for step in range(STEPS):
+            for micro_step in range(MICRO_BATCHES):
+                last = micro_step == MICRO_BATCHES - 1
+                with ours.no_sync() if not last else contextlib.nullcontext():
+                    loss_of(ours, step, micro_step, rank).backward()
+                if tied:
+                    with theirs.no_sync() if not last else contextlib.nullcontext():
+                        loss_of(theirs, step, micro_step, rank).backward()
+                else:
+                    theirs.set_requires_gradient_sync(last)
+                    loss_of(theirs, step, micro_step, rank).backward()
+            ours.finish_gradient_synchronization()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            mine = {name: tensor.clone() for name, tensor in ours.gathered_parameters()}
+            full = params(theirs.module) if tied else {name: p.full_tensor() for name, p in theirs.named_parameters()}
+            label = f"{'tied, vs DDP' if tied else 'vs FSDP2'} step {step}"
+            checked += compare(problems, label, mine, full)
+        frozen = [n for n, p in ours.named_parameters() if not p.requires_grad]
+        if frozen != ["blocks.1.fixed.weight", "blocks.1.fixed.bias"]:
+            problems.append(f"frozen pieces: {frozen}")
+        loss_of(ours, STEPS, 0, rank).backward()  # a synchronised backward, its sync point forgotten
+        try:
+            loss_of(ours, STEPS, 1, rank)
+            problems.append("a forward after a forgotten finish_gradient_synchronization() was accepted")
+        except RuntimeError as error:
+            if "finish_gradient_synchronization()" not in str(error):
+                problems.append(f"unclear error for a forgotten sync point: {error}")
+        ours.finish_gradient_synchronization()
+        del theirs
+    return checked
+
+
+def worker(rank: int, case: str, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
+    sys.path.insert(0, str(REPO / FOLDER[case]))  # imported only now, with the group already there
+    problems, before = [], set(sys.modules)
+    for module in IDEA_MODULES[case]:
+        importlib.import_module(module)
+    # Importing an idea file must do nothing to the group: no set-up module of the trainers, nothing that binds
+    # the default group (torch.distributed.nn.functional does, as a default argument, when first imported).
+    side_effects = {"distributed", "torch.distributed.nn", "torch.distributed.nn.functional"} & (set(sys.modules) - before)
+    if side_effects:
+        problems.append(f"importing {IDEA_MODULES[case]} imported {sorted(side_effects)}")
+    checked = globals()[f"case_{case}"](rank, problems)
+    dist.destroy_process_group()
+    # A group that something still holds is not freed: its threads would run on into interpreter exit.
+    left = gloo_threads()
+    Path(f"{out}.rank{rank}").write_text(json.dumps({"problems": problems, "checked": checked, "threads left": left}))
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo and store threads (Linux; elsewhere none are seen)."""
+    tasks = Path("/proc/self/task")
+    names = [(tasks / t / "comm").read_text().strip() for t in os.listdir(tasks)] if tasks.is_dir() else []
+    return [n for n in names if "gloo" in n or "tcpstore" in n]
+
+
+def main() -> None:
+    case, out = sys.argv[1], sys.argv[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(case, port, out), nprocs=WORLD_SIZE, join=True)
+    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(WORLD_SIZE)]
+    Path(out).write_text(json.dumps({"problems": [p for r in ranks for p in r["problems"]], "checked": ranks[0]["checked"],
+                                     "threads left": [r["threads left"] for r in ranks]}))
+
+
+if __name__ == "__main__":
+    main()
