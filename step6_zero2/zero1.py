@@ -161,15 +161,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         raise NotImplementedError("ShardedOptimizer fixes its layout at construction; build a new one")
 
-    @property
-    def layout(self) -> dict:
-        """Which elements this rank's state describes: entry i is the local optimiser's parameter i."""
-        return {"world_size": self.world_size, "rank": self.rank,
-                "pieces": [[self.index[p.param], p.start, p.end, p.chunk] for p in self.pieces]}
-
-    def slices(self, named_params) -> list:
-        """``(name, start, end)`` of each local parameter: the elements of which parameter its state is for."""
-        name_of = {param: name for name, param in named_params}
+    def slices(self, named_params=None) -> list:
+        """``(name, start, end)`` of each local parameter: the elements of which parameter its state is for.
+        Without ``named_params``, the parameter's number (its place in the groups) stands for its name."""
+        name_of = {param: name for name, param in named_params} if named_params is not None else self.index
         return [(name_of[piece.param], piece.start, piece.end) for piece in self.pieces]
 
     # ---- One optimiser step ------------------------------------------------------------------------
@@ -223,17 +218,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ---- Checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's shard: the local optimiser's state dict and the layout that says what it covers."""
-        return {**self.local_optimizer.state_dict(), "layout": self.layout}
+        """This rank's shard: the local optimiser's state dict and the slices it covers."""
+        return {**self.local_optimizer.state_dict(), "slices": self.slices(), "world_size": self.world_size}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if state_dict.get("layout") != self.layout:
-            theirs = state_dict.get("layout") or {}
-            raise ValueError(f"this optimiser shard was saved with another layout (world size "
-                             f"{theirs.get('world_size')}, rank {theirs.get('rank')}; here: world size "
-                             f"{self.world_size}, rank {self.rank}, or different chunks): reshard it or "
-                             "load a consolidated state dict into a plain optimiser")
-        self.local_optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "layout"})
+        if [tuple(s) for s in state_dict.get("slices", ())] != self.slices():
+            raise ValueError(f"this optimiser shard covers other slices (saved at world size "
+                             f"{state_dict.get('world_size')}; here world size {self.world_size}, rank {self.rank}, "
+                             "or other chunks): cut this rank's slices from every rank's shards, as "
+                             "common/checkpoint.py does, or load a consolidated state dict into a plain optimiser")
+        self.local_optimizer.load_state_dict({k: v for k, v in state_dict.items() if k not in ("slices", "world_size")})
 
     def consolidated_state_dict(self) -> dict:
         """Collective: the state dict a plain ``optimizer_cls`` over the full parameters would have, on every rank.
@@ -245,10 +239,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mine["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                          for i, s in mine["state"].items()}
         everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, (self.layout["pieces"], mine["state"]))
+        dist.all_gather_object(everyone, (self.slices(), mine["state"]))
         state = {}
-        for pieces, shard_state in everyone:
-            for local_index, (index, start, end, _) in enumerate(pieces):
+        for slices, shard_state in everyone:
+            for local_index, (index, start, end) in enumerate(slices):
                 param = self.params[index]
                 for key, value in shard_state.get(local_index, {}).items():  # no state yet: no entry
                     full = state.setdefault(index, {})
