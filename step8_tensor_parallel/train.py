@@ -102,7 +102,9 @@ def main():
     sampler = ShardedSampler(len(corpus.blocks), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # The same full model on every rank (a pure function of the seed), then each keeps its shards.
-    reduce_dtype = getattr(torch, config["reduce_dtype"])
+    # The activations are all-reduced in their own dtype (bf16 under --amp bf16), as PyTorch's TP does;
+    # --reduce-dtype float64 sums them in float64 and rounds once: order-free, but not step 1's sums (README).
+    reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
     model = build_model(config, corpus.vocab_size, config["seed"])
     full_shapes = {name: p.shape for name, p in model.named_parameters()}  # what checkpoints describe
     model = parallelize_gpt2(model, reduce_dtype=reduce_dtype).to(device)
