@@ -315,14 +315,14 @@ def _row(conv, group, reduce_dtype) -> RowParallelLinear:
 def check_divisible(n_head: int, vocab_size: int, world_size: int) -> None:
     """Refuse, with one line, a tensor-parallel degree that cannot split the heads or the vocabulary."""
     if n_head % world_size:
-        more = " (more ranks than heads)" if world_size > n_head else ""
+        why = "more ranks than heads" if world_size > n_head else "each rank holds whole heads"
         raise UserError(f"tensor parallelism over {world_size} ranks needs --n-head divisible by {world_size}, got "
-                        f"{n_head}{more}: each rank holds whole heads; use --n-head {world_size * -(-n_head // world_size)} "
-                        f"or a number of ranks that divides {n_head}")
+                        f"{n_head} ({why}): run on a number of ranks that divides {n_head}, or change --n-head "
+                        "(and --n-embd)")
     if vocab_size % world_size:
         raise UserError(f"tensor parallelism over {world_size} ranks needs a vocabulary divisible by {world_size}, the "
-                        f"tokenizer has {vocab_size} tokens: use a number of ranks that divides it, or pad the "
-                        "vocabulary (Megatron does)")
+                        f"tokenizer has {vocab_size} tokens: run on a number of ranks that divides {vocab_size}, or pad "
+                        "the vocabulary (Megatron does)")
 
 
 def parallelize_gpt2(model, group=None, reduce_dtype=None):
