@@ -27,6 +27,7 @@ from tensor_parallel import (check_divisible, clip_tensor_parallel_gradients, fu
                              is_sharded, param_norm, parallelize_gpt2, replicated_in_sync, shard_of,
                              vocab_parallel_cross_entropy)
 from training import autocast, check_amp, make_grad_scaler, make_optimizer, make_scheduler, param_norm as whole_norm
+from zero1 import ShardedGradScaler  # step 5's: the fp16 overflow flag agreed by every rank
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -110,7 +111,7 @@ def main():
     model = parallelize_gpt2(model, reduce_dtype=reduce_dtype).to(device)
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
-    scaler = make_grad_scaler(config, device)
+    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # fp16: every rank skips, or steps, together
 
     start_step, records = 0, []
     if resumed:
