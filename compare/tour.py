@@ -92,7 +92,8 @@ def main() -> int:
     steps, skipped = [], []
     for step in parity.step_folders():
         if splits_the_model(step) and (config["n_head"] % args.nproc or vocab_size % args.nproc):
-            skipped.append(f"{step} (splits {config['n_head']} heads and {vocab_size} tokens: --nproc must divide both)")
+            skipped.append(f"{step} (splits {config['n_head']} heads and {vocab_size} tokens: "
+                           "--nproc must divide both)")
         else:
             steps.append(step)
     runs = {step: str(args.runs_dir / step) for step in steps}

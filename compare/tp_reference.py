@@ -66,7 +66,8 @@ def parallelize(model, mesh):
         for path in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
             parent, name = path.split(".")
             setattr(getattr(block, parent), name, as_linear(getattr(getattr(block, parent), name)))
-        plan.update({f"transformer.h.{i}.attn.c_attn": ColwiseParallel(), f"transformer.h.{i}.mlp.c_fc": ColwiseParallel(),
+        plan.update({f"transformer.h.{i}.attn.c_attn": ColwiseParallel(),
+                     f"transformer.h.{i}.mlp.c_fc": ColwiseParallel(),
                      f"transformer.h.{i}.attn.c_proj": RowwiseParallel(),
                      f"transformer.h.{i}.mlp.c_proj": RowwiseParallel()})
     parallelize_module(model, mesh, plan)

@@ -448,7 +448,8 @@ class Checkpoint:
         if batch != saved_batch:
             raise UserError(f"cannot resume {self.path} at world size {world_size} with micro-batch "
                             f"{config['micro_batch_size']} x accumulation {config['grad_accum']}: the global batch "
-                            f"would be {batch}, it was {saved_batch} (saved at world size {self.data_parallel_size}); keep "
+                            f"would be {batch}, it was {saved_batch} (saved at world size "
+                            f"{self.data_parallel_size}); keep "
                             "micro-batch x accumulation x ranks the same")
         changes = [f"{what} {a} -> {b}" for what, a, b in (
             ("step", saved["step"], config["step"]), ("world size", self.data_parallel_size, world_size),

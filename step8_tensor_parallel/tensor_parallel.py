@@ -320,9 +320,9 @@ def check_divisible(n_head: int, vocab_size: int, world_size: int) -> None:
                         f"{n_head} ({why}): run on a number of ranks that divides {n_head}, or change --n-head "
                         "(and --n-embd)")
     if vocab_size % world_size:
-        raise UserError(f"tensor parallelism over {world_size} ranks needs a vocabulary divisible by {world_size}, the "
-                        f"tokenizer has {vocab_size} tokens: run on a number of ranks that divides {vocab_size}, or pad "
-                        "the vocabulary (Megatron does)")
+        raise UserError(f"tensor parallelism over {world_size} ranks needs a vocabulary divisible by {world_size}, "
+                        f"the tokenizer has {vocab_size} tokens: run on a number of ranks that divides {vocab_size}, "
+                        "or pad the vocabulary (Megatron does)")
 
 
 def parallelize_gpt2(model, group=None, reduce_dtype=None):
