@@ -31,6 +31,16 @@ and so are the counterpart's own (``zero3-no-prefetch`` brings ``zero3``, which 
                                                     AdamW over this rank's pieces
     zero3-no-prefetch  ZeRO-3 no prefetch (step 7)  the same with prefetch=False: each unit     ZeRO-3 (step 7)
                                                     gathered only when it is needed
+    torch-tp           pytorch TP                   compare/tp_reference.py's parallelize():    -
+                                                    parallelize_module (Colwise/Rowwise) +
+                                                    loss_parallel + AdamW
+    tp                 tensor parallel (step 8)     step8_tensor_parallel/tensor_parallel.py    pytorch TP
+                                                    parallelize_gpt2 +
+                                                    vocab_parallel_cross_entropy + AdamW
+
+The tensor-parallel rows split the model, not the batch: their ranks share every micro-batch, so an
+optimiser step runs accumulation x world size micro-batches (the same on every rank), the tokens per
+step of the data-parallel rows; their ``vs DDP`` is TP against data parallelism on as many ranks.
 
 The no-prefetch row's counterpart is our own prefetching row, so its ``vs counterpart`` ratio is
 the prefetch's effect alone (above 1.0: gathering on demand was faster).
@@ -87,7 +97,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # step's own module from its folder. Where a name exists in two folders the first listed wins:
 # bucketed_ddp.py is step 4's (step 5 holds a copy), zero1.py step 5's (step 6 holds a copy).
 # One `comm_accounting` module is loaded, so every step module adds to the same comm_bytes counter.
-FOLDERS = ("common", "step4_hooks_bucketing", "step3_naive_dp", "step5_zero1", "step6_zero2", "step7_zero3")
+FOLDERS = ("common", "step4_hooks_bucketing", "step3_naive_dp", "step5_zero1", "step6_zero2", "step7_zero3",
+           "step8_tensor_parallel")
 sys.path[:0] = [str(REPO_ROOT / folder) for folder in FOLDERS]
 import comm_accounting  # noqa: E402
 import distributed  # noqa: E402
@@ -175,6 +186,13 @@ class Strategy:
         return torch.optim.AdamW(adamw_param_groups(self.model.named_parameters(), self.config),
                                  **adamw_options(self.config))
 
+    def loss(self, inputs, targets):
+        return language_model_loss(self.wrapped, inputs, targets)
+
+    def own_batches(self, batches: list) -> list:
+        """The micro-batches of one optimiser step on this rank (the tensor-parallel rows share theirs)."""
+        return batches
+
     def micro_batch(self, syncing: bool):
         """The context of one micro-batch's forward and backward: no communication unless ``syncing``."""
         no_sync = getattr(self.wrapped, "no_sync", None)
@@ -196,10 +214,11 @@ class Strategy:
         raise NotImplementedError
 
     def step(self, batches: list, probe: dict | None = None) -> None:
+        batches = self.own_batches(batches)
         accum = len(batches)
         for micro, (inputs, targets) in enumerate(batches):
             with self.micro_batch(syncing=micro == accum - 1):
-                (language_model_loss(self.wrapped, inputs, targets) / accum).backward()
+                (self.loss(inputs, targets) / accum).backward()
         self.synchronize()
         if probe is not None:
             probe["grads"] = local_bytes(self.gradients())
@@ -376,8 +395,59 @@ class Zero3NoPrefetch(Zero3):
     prefetch = False
 
 
+class TorchTensorParallel(Strategy):
+    key, name, pytorch = "torch-tp", "pytorch TP", True
+
+    def build(self):
+        import tp_reference
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        return tp_reference.parallelize(build_model(self.config, VOCAB_SIZE, self.config["seed"]), mesh)
+
+    def own_batches(self, batches):
+        """accumulation x world size micro-batches, the same on every rank: the data-parallel rows' tokens."""
+        generator = torch.Generator().manual_seed(0)
+        n = len(batches) * dist.get_world_size()
+        blocks = [torch.randint(0, VOCAB_SIZE, (batches[0][0].shape[0], batches[0][0].shape[1] + 1),
+                                generator=generator) for _ in range(n)]
+        return [(block[:, :-1], block[:, 1:]) for block in blocks]
+
+    def micro_batch(self, syncing):
+        from torch.distributed.tensor.parallel import loss_parallel
+        return loss_parallel()  # cross-entropy on the vocabulary-sharded logits, forward and backward
+
+    def loss(self, inputs, targets):
+        logits = self.wrapped(input_ids=inputs).logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def analytic_comm(self):
+        """Step 8's formula (its README): per micro-batch (4 n_layer + 2) all-reduces of b x s x h floats and
+        the loss's 3 x b x s; accumulation x world size micro-batches per step."""
+        c = self.config
+        b, s, h = c["micro_batch_size"], c["seq_len"], c["n_embd"]
+        per_micro_batch = ((4 * c["n_layer"] + 2) * b * s * h + 3 * b * s) * 4
+        return {"all_reduce": per_micro_batch * c["grad_accum"] * dist.get_world_size()}
+
+
+class TensorParallel(TorchTensorParallel):
+    key, name, pytorch, counterpart = "tp", "tensor parallel (step 8)", False, "pytorch TP"
+    module_needed = ("tensor_parallel", "step8_tensor_parallel", ("parallelize_gpt2", "vocab_parallel_cross_entropy"))
+
+    def build(self):
+        tensor_parallel = importlib.import_module("tensor_parallel")
+        return tensor_parallel.parallelize_gpt2(build_model(self.config, VOCAB_SIZE, self.config["seed"]))
+
+    def micro_batch(self, syncing):
+        return contextlib.nullcontext()
+
+    def loss(self, inputs, targets):
+        tensor_parallel = importlib.import_module("tensor_parallel")
+        logits = self.wrapped(input_ids=inputs).logits  # this rank's vocabulary slice
+        return tensor_parallel.vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
 STRATEGIES = (TorchDDP, Bucketed, Naive, TorchZero1, Zero1, TorchFSDP2, Zero2, TorchFSDP2Zero3, Zero3,
-              Zero3NoPrefetch)
+              Zero3NoPrefetch, TorchTensorParallel, TensorParallel)
 BY_NAME = {s.name: s for s in STRATEGIES}
 
 

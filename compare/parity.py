@@ -15,6 +15,7 @@ param norm differ at all, and the verdict. Exit 0 pass, 1 fail, 2 bad input.
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +39,18 @@ TRAINING_KEYS = (
 )
 
 
+STEP_FOLDER = re.compile(r"step(\d+)_\w+")  # step0_single_gpu ... step10_3d_parallel
+MODEL_PARALLEL_FROM = 8  # steps 8 and up split the model, not the batch: their sums are not step 1's (README)
+
+
+def step_number(folder: str) -> int:
+    return int(STEP_FOLDER.fullmatch(Path(folder).name).group(1))
+
+
 def step_folders() -> list[str]:
-    return sorted(p.name for p in REPO_ROOT.glob("step[0-9]_*") if (p / "train.py").is_file())
+    """Every step folder with a train.py, in step order (step10 after step9)."""
+    return sorted((p.name for p in REPO_ROOT.glob("step*_*") if STEP_FOLDER.fullmatch(p.name)
+                   and (p / "train.py").is_file()), key=step_number)
 
 
 def resolve_run(name: str) -> Path:
@@ -89,8 +100,10 @@ def load_weights(run: Path, metrics: dict) -> dict:
 
 
 def global_batch(metrics: dict) -> int:
-    c = metrics["config"]
-    return c["micro_batch_size"] * c["grad_accum"] * metrics["env"]["world_size"]
+    """Samples per optimiser step: micro-batch x accumulation x the ranks that draw their own samples (all of
+    them in data parallelism; one group of tensor-parallel ranks shares its samples)."""
+    c, env = metrics["config"], metrics["env"]
+    return c["micro_batch_size"] * c["grad_accum"] * env.get("data_parallel_size", env["world_size"])
 
 
 def comparability_problems(a: dict, b: dict) -> list[str]:

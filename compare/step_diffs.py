@@ -1,5 +1,6 @@
-"""How big is each new idea? For every pair of adjacent step folders: the files added and removed,
-and how many lines of train.py changed.
+"""How big is each new idea? For every step folder against the one it grew from (the step before it,
+unless its train.py says "Grown from step N's train.py": steps 8 and 9 grow from a data-parallel
+step, not from step 7): the files added and removed, and how many lines of train.py changed.
 
     python compare/step_diffs.py           # print the table; exit 1 if README.md's copy is stale
     python compare/step_diffs.py --write   # rewrite the table in README.md
@@ -10,6 +11,7 @@ that one folder lacks counts as empty.
 """
 import argparse
 import difflib
+import re
 import sys
 from pathlib import Path
 
@@ -21,9 +23,19 @@ START, END = "<!-- step-diffs:start -->", "<!-- step-diffs:end -->"
 
 
 def step_folders() -> list[Path]:
-    """Every step folder that holds at least one file, in step order."""
-    return sorted((p for p in REPO_ROOT.glob("step[0-9]_*") if p.is_dir() and files_of(p)),
-                  key=lambda p: int(p.name[4:].split("_")[0]))
+    """Every step folder that holds at least one file, in step order (step10 after step9)."""
+    return sorted((p for p in REPO_ROOT.glob("step*_*") if re.fullmatch(r"step\d+_\w+", p.name) and p.is_dir()
+                   and files_of(p)), key=lambda p: int(p.name[4:].split("_")[0]))
+
+
+def base_of(folder: Path, folders: list[Path]) -> Path:
+    """The folder ``folder`` grew from: the one its train.py names ("Grown from step 3's train.py"), else the
+    step before it."""
+    train = folder / "train.py"
+    named = re.search(r"[Gg]rown from step (\d+)'s train\.py", train.read_text()) if train.is_file() else None
+    if named:
+        return next(f for f in folders if f.name.startswith(f"step{named.group(1)}_"))
+    return folders[folders.index(folder) - 1]
 
 
 def files_of(folder: Path) -> set[str]:
@@ -46,7 +58,8 @@ def table() -> str:
 
     rows = ["| from -> to | files added | files removed | `train.py` lines changed (+ / -) |", "|---|---|---|---|"]
     folders = step_folders()
-    for a, b in zip(folders, folders[1:]):
+    for b in folders[1:]:
+        a = base_of(b, folders)
         fa, fb = files_of(a), files_of(b)
         added, removed = changed_lines(a / "train.py", b / "train.py")
         rows.append(f"| `{a.name}` -> `{b.name}` | {names(fb - fa)} | {names(fa - fb)} | "

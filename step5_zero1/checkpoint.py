@@ -12,6 +12,9 @@ steps 5-6, its slices of the parameters too in step 7).
 2. **Read by name and element range.** Whoever holds a tensor says which elements of which parameter it
    is: ``optimizer_slices[i] = (name, start, end)`` for the i-th parameter of the optimiser that was
    saved (a whole parameter in steps 0-4, a slice in steps 5-7), ``model_slices`` for step 7's pieces.
+   A tensor-parallel shard (step 8) is a block of rows or columns, not a flat range: it is described as
+   a list of ``(name, dim, start, end)`` blocks, concatenated along ``dim`` (``model_blocks``, and the
+   same form in ``optimizer_slices``), as torch.distributed.checkpoint describes N-D chunks.
    ``Checkpoint`` joins the slices back (``parameter(name)``) or cuts the ones a loader asks for
    (``optimizer_state_dict(slices)``). So a checkpoint written by any step at N ranks resumes in any
    step at N' ranks: each rank asks for the slices it will own, and reads only those (files are
@@ -56,10 +59,13 @@ def checkpoint_dir(out_dir, step: int) -> Path:
     return Path(out_dir) / "checkpoints" / f"step_{step}"
 
 
-def checkpoint_meta(step: int, world_size: int, config: dict, shapes: dict) -> str:
-    """meta.json: written last into a checkpoint's folder, by the trainers and by ``consolidate``."""
+def checkpoint_meta(step: int, world_size: int, config: dict, shapes: dict, data_parallel_size=None) -> str:
+    """meta.json: written last into a checkpoint's folder, by the trainers and by ``consolidate``.
+    ``data_parallel_size``: how many ranks drew their own samples, when not all of them (tensor parallelism)."""
     meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config,
             "shapes": {name: list(shape) for name, shape in shapes.items()}}
+    if data_parallel_size is not None and data_parallel_size != world_size:
+        meta["data_parallel_size"] = data_parallel_size
     return json.dumps(meta, indent=1) + "\n"
 
 
@@ -141,9 +147,9 @@ class CheckpointWriter:
     With ``config["async_save"]``, ``save`` returns once the state is copied to memory; a thread writes it.
     """
 
-    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict):
+    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, data_parallel_size=None):
         self.config, self.rank, self.world_size, self.async_save = config, rank, world_size, config["async_save"]
-        self.shapes = shapes
+        self.shapes, self.data_parallel_size = shapes, data_parallel_size
         self.thread = None
         self.error = None
         # Barriers from a background thread need a group no training collective uses: collectives on
@@ -201,7 +207,8 @@ class CheckpointWriter:
             time.sleep(3600)
         if self.rank == 0:
             torch.save(shared_state, tmp / "state.pt")
-            (tmp / "meta.json").write_text(checkpoint_meta(step, self.world_size, self.config, self.shapes))
+            (tmp / "meta.json").write_text(checkpoint_meta(step, self.world_size, self.config, self.shapes,
+                                                                   self.data_parallel_size))
         self._barrier()  # every rank's file is in tmp before it becomes the checkpoint
         if self.rank == 0:
             if final.exists():  # written by an earlier run from this folder: move it aside, then replace it
@@ -253,6 +260,7 @@ class Checkpoint:
         try:
             self.step, self.world_size, self.config = int(meta["step"]), int(meta["world_size"]), dict(meta["config"])
             self.shapes = {name: torch.Size(shape) for name, shape in meta["shapes"].items()}
+            self.data_parallel_size = int(meta.get("data_parallel_size", self.world_size))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             self._corrupted(f"meta.json lacks or garbles {error}")
         self.shared = self._load("state.pt")
@@ -261,11 +269,13 @@ class Checkpoint:
             self._corrupted(f"state.pt is for step {self.shared.get('step')}, meta.json says {self.step}")
         # Where each parameter's elements, and each parameter's optimiser state, are: (start, end, tensor or state).
         self.parameter_pieces, self.state_pieces, self.groups = {}, {}, []
+        self.parameter_blocks, self.state_blocks = {}, {}  # tensor-parallel blocks, joined below
         for file, holder in [("state.pt", self.shared), *((f"rank{r}.pt", h) for r, h in enumerate(self.ranks))]:
             try:
                 self._index(holder)
             except (KeyError, TypeError, ValueError, IndexError) as error:
                 self._corrupted(f"{file} lacks or garbles {error}")
+        self._join_blocks()
         missing = [name for name in self.shapes if name not in self.parameter_pieces]
         if missing:
             self._corrupted(f"no rank holds {missing[0]}")
@@ -274,6 +284,9 @@ class Checkpoint:
         if "model_slices" in holder:  # step 7: this rank's pieces
             for name, (start, end) in holder["model_slices"].items():
                 self.parameter_pieces.setdefault(name, []).append((start, end, holder["model"][name]))
+        elif "model_blocks" in holder:  # step 8: this rank's blocks of rows or columns
+            for (name, dim, start, end), tensor in zip(holder["model_blocks"], holder["model"]):
+                self.parameter_blocks.setdefault(name, []).append((dim, start, end, tensor))
         elif "model" in holder:  # steps 0-6: the whole model, in state.pt
             for name in self.shapes:
                 tensor = holder["model"][name]
@@ -300,14 +313,48 @@ class Checkpoint:
         raise UserError(f"checkpoint {self.path} is corrupted ({what}); {advice}")
 
     def _index_optimizer(self, state_dict: dict, slices: list) -> None:
-        for i, (name, start, end) in enumerate(slices):
-            self.state_pieces.setdefault(name, []).append((start, end, state_dict["state"].get(i, {})))
+        for i, piece in enumerate(slices):
+            state = state_dict["state"].get(i, {})
+            if _is_blocks(piece):  # split the state into its blocks, to be joined with the other ranks'
+                offset = 0
+                for name, dim, start, end in piece:
+                    cut = {k: v.narrow(dim, offset, end - start) if torch.is_tensor(v) and v.dim() > 0 else v
+                           for k, v in state.items()}
+                    self.state_blocks.setdefault(name, []).append((dim, start, end, cut))
+                    offset += end - start
+            else:
+                name, start, end = piece
+                self.state_pieces.setdefault(name, []).append((start, end, state))
         if not self.groups:  # the same hyperparameters in every rank's groups
-            self.groups = [({k: v for k, v in g.items() if k != "params"}, {slices[i][0] for i in g["params"]})
+            self.groups = [({k: v for k, v in g.items() if k != "params"}, {_name(slices[i]) for i in g["params"]})
                            for g in state_dict["param_groups"]]
         else:
             for (_, names), group in zip(self.groups, state_dict["param_groups"]):
-                names.update(slices[i][0] for i in group["params"])
+                names.update(_name(slices[i]) for i in group["params"])
+
+    def _join_blocks(self) -> None:
+        """Tensor-parallel blocks of a parameter (and of its state) joined into the whole, read as one piece."""
+        for name, blocks in self.parameter_blocks.items():
+            whole = self._join(name, [(dim, start, end, tensor) for dim, start, end, tensor in blocks])
+            self.parameter_pieces.setdefault(name, []).append((0, whole.numel(), whole))
+        for name, blocks in self.state_blocks.items():
+            first = blocks[0][3]
+            if not first:
+                continue  # never stepped
+            state = {key: self._join(name, [(d, s, e, st[key]) for d, s, e, st in blocks])
+                     if torch.is_tensor(value) and value.dim() > 0 else value for key, value in first.items()}
+            self.state_pieces.setdefault(name, []).append((0, self.shapes[name].numel(), state))
+
+    def _join(self, name: str, blocks: list) -> torch.Tensor:
+        dim, covered, parts = blocks[0][0], 0, []
+        for _, start, end, tensor in sorted({b[1]: b for b in blocks}.values(), key=lambda b: b[1]):  # replicas once
+            if start != covered:
+                break
+            parts.append(tensor)
+            covered = end
+        if covered != self.shapes[name][dim]:
+            self._corrupted(f"no rank holds rows or columns {covered}- of {name} (dim {dim})")
+        return torch.cat(parts, dim=dim).reshape(-1)
 
     # ---- What a loader asks for ----------------------------------------------------------------------
     def parameter(self, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
@@ -321,7 +368,15 @@ class Checkpoint:
         """The state dict of an optimiser whose i-th parameter ``params[i]`` holds elements [start, end) of
         ``slices[i] = (name, start, end)``, in the checkpoint's parameter groups (which are chosen by name)."""
         state = {}
-        for i, ((name, start, end), param) in enumerate(zip(slices, params)):
+        for i, (piece, param) in enumerate(zip(slices, params)):
+            if _is_blocks(piece):  # a tensor-parallel shard: its blocks, in the checkpoint's layout
+                name, whole = piece[0][0], [p for p in self.state_pieces.get(piece[0][0], []) if p[2]]
+                if whole:
+                    state[i] = {key: self.block(name, piece, value.view(self.shapes[name]))
+                                if torch.is_tensor(value) and value.dim() > 0 else value
+                                for key, value in self._whole_state(name).items()}
+                continue
+            name, start, end = piece
             pieces = [p for p in self.state_pieces.get(name, []) if p[2]]
             if not pieces:
                 continue  # never stepped: no state, as in a fresh optimiser
@@ -333,9 +388,23 @@ class Checkpoint:
                 else:  # one value per parameter (AdamW's step): every slice holds it
                     entry[key] = value.clone() if torch.is_tensor(value) else value
             state[i] = entry
-        groups = [{**hyper, "params": [i for i, (name, _, _) in enumerate(slices) if name in names]}
+        groups = [{**hyper, "params": [i for i, piece in enumerate(slices) if _name(piece) in names]}
                   for hyper, names in self.groups]
         return {"state": state, "param_groups": groups}
+
+    def _whole_state(self, name: str) -> dict:
+        """Parameter ``name``'s whole optimiser state (flat tensors), joined from whatever pieces hold it."""
+        pieces = [p for p in self.state_pieces[name] if p[2]]
+        numel = self.shapes[name].numel()
+        return {key: _cut([(s, e, st[key]) for s, e, st in pieces], 0, numel, self, name)
+                if torch.is_tensor(value) and value.dim() > 0 else (value.clone() if torch.is_tensor(value) else value)
+                for key, value in pieces[0][2].items()}
+
+    def block(self, name: str, blocks: list, whole: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``(name, dim, start, end)`` blocks of parameter ``name`` (or of ``whole``, shaped like it),
+        concatenated along their dim, in the checkpoint's layout: a tensor-parallel rank's shard."""
+        whole = self.parameter(name) if whole is None else whole
+        return torch.cat([whole.narrow(dim, start, end - start) for _, dim, start, end in blocks], dim=blocks[0][1])
 
     def restore(self, scheduler, scaler, batches, rank: int, world_size: int) -> tuple[int, list]:
         """Load what is not the model or the optimiser: the schedule, the loss scale, the data position, and,
@@ -355,13 +424,13 @@ class Checkpoint:
         """The data position for ``world_size`` ranks drawing ``micro_batch_size`` samples each: the same number
         of samples into the same epoch's shuffle (every rank's shard interleaves that one order)."""
         state = self.shared["data"]
-        saved_per_draw = self.config["micro_batch_size"] * self.world_size
+        saved_per_draw = self.config["micro_batch_size"] * self.data_parallel_size
         per_draw = micro_batch_size * world_size
         consumed = state["index"] * saved_per_draw
         if consumed % per_draw:
             raise UserError(f"cannot continue the data stream of {self.path} with {world_size} ranks x "
                             f"{micro_batch_size}: it stopped {consumed} samples into epoch {state['epoch']}, not a "
-                            f"multiple of {per_draw}; resume with {self.world_size} ranks x "
+                            f"multiple of {per_draw}; resume with {self.data_parallel_size} ranks x "
                             f"{self.config['micro_batch_size']}")
         return {"epoch": state["epoch"], "index": consumed // per_draw}
 
@@ -374,18 +443,28 @@ class Checkpoint:
             details = ", ".join(f"{k}: {saved[k]!r} -> {config[k]!r}" for k in differing)
             raise UserError(f"cannot resume {self.path}: the config differs from the checkpoint's ({details}); "
                             "resume with the original flags")
-        saved_batch = saved["micro_batch_size"] * saved["grad_accum"] * self.world_size
+        saved_batch = saved["micro_batch_size"] * saved["grad_accum"] * self.data_parallel_size
         batch = config["micro_batch_size"] * config["grad_accum"] * world_size
         if batch != saved_batch:
             raise UserError(f"cannot resume {self.path} at world size {world_size} with micro-batch "
                             f"{config['micro_batch_size']} x accumulation {config['grad_accum']}: the global batch "
-                            f"would be {batch}, it was {saved_batch} (saved at world size {self.world_size}); keep "
+                            f"would be {batch}, it was {saved_batch} (saved at world size "
+                            f"{self.data_parallel_size}); keep "
                             "micro-batch x accumulation x ranks the same")
         changes = [f"{what} {a} -> {b}" for what, a, b in (
-            ("step", saved["step"], config["step"]), ("world size", self.world_size, world_size),
+            ("step", saved["step"], config["step"]), ("world size", self.data_parallel_size, world_size),
             ("micro-batch", saved["micro_batch_size"], config["micro_batch_size"]),
             ("accumulation", saved["grad_accum"], config["grad_accum"])) if a != b]
         return changes
+
+
+def _is_blocks(piece) -> bool:
+    """A tensor-parallel description, ``[(name, dim, start, end), ...]``, rather than ``(name, start, end)``."""
+    return isinstance(piece[0], (list, tuple))
+
+
+def _name(piece) -> str:
+    return piece[0][0] if _is_blocks(piece) else piece[0]
 
 
 def _cut(pieces: list, start: int, end: int, checkpoint: Checkpoint, name: str) -> torch.Tensor:
@@ -442,7 +521,7 @@ def consolidate(source, out_dir: Path) -> Path:
         torch.save({"rng": checkpoint.ranks[rank]["rng"]}, tmp / f"rank{rank}.pt")
     torch.save(shared, tmp / "state.pt")
     (tmp / "meta.json").write_text(checkpoint_meta(checkpoint.step, checkpoint.world_size, checkpoint.config,
-                                                   checkpoint.shapes))
+                                                   checkpoint.shapes, checkpoint.data_parallel_size))
     os.replace(tmp, final)
     return final
 

@@ -3,6 +3,7 @@ tiny workload, and read what they wrote. Every trainer sets one CPU thread per p
 (seeding.seed_everything); the process-group timeout is short so a broken collective fails fast."""
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,7 +19,8 @@ sys.path[:0] = [str(REPO / "compare"), str(REPO / "common")]  # launch.py import
 from launch import trainer_command  # noqa: E402
 import distributed  # noqa: E402  (common/distributed.py: workers join and leave the way the trainers do)
 
-STEPS = {p.name.split("_")[0]: p.name for p in REPO.glob("step[0-9]_*") if (p / "train.py").is_file()}
+STEPS = {p.name.split("_")[0]: p.name for p in REPO.glob("step*_*")
+         if re.fullmatch(r"step\d+_\w+", p.name) and (p / "train.py").is_file()}
 
 # Small enough that a world-size-2 run takes a few seconds, big enough that clipping, accumulation
 # and several buckets all happen. --grad-clip 0.3 sits below the early gradient norms (~1-3).

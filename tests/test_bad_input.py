@@ -206,10 +206,13 @@ CASES = {
     "ranks-without-a-step": lambda s: trainer("step1", *s.tiny[-2:], "--micro-batch-size", "64", ranks=64),
     "step0-under-torchrun": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
                                               env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}),
+    "tp-heads": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), ranks=3),
+    "tp-vocabulary": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), "--n-head", "3", "--n-embd", "96",
+                                       ranks=3),
     "memory-budget-too-small": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
                                                  "--max-memory-mb", "1"),
     # ---- runs given to the compare/ tools
-    "unknown-step": lambda s: tool("parity.py", s.run(), "step9"),
+    "unknown-step": lambda s: tool("parity.py", s.run(), "step99"),
     "not-a-run": lambda s: tool("parity.py", s.run(), s.notes().parent),
     "metrics-cut-short": lambda s: tool("parity.py", s.run(), s.run("other", damage=cut_short("metrics.json", 500))),
     "metrics-not-metrics": lambda s: tool("parity.py", s.run(), s.run("other", damage=write("metrics.json", b"[1, 2]"))),
@@ -246,7 +249,7 @@ CASES = {
     "estimate-world-sizes": lambda s: tool("estimate.py", "--world-sizes", "two"),
     "peak-profiled-steps": lambda s: tool("peak_memory.py", "--profiled-steps", "0"),
     "bench-strategies": lambda s: tool("bench.py", "--strategies", "zero4"),
-    "bench-checkpoint-step": lambda s: tool("bench_checkpoint.py", "--step", "step9"),
+    "bench-checkpoint-step": lambda s: tool("bench_checkpoint.py", "--step", "step99"),
     "collectives-without-torchrun": lambda s: tool("bench_collectives.py"),
     "step-diffs-markers": lambda s: tool("step_diffs.py", "--readme", s.notes()),
 }
@@ -367,6 +370,15 @@ def gpu_without_bfloat16(monkeypatch):
     training.check_amp("bf16", torch.device("cuda", 0))
 
 
+def tensor_parallel_check(n_head: int, vocab_size: int, ranks: int):
+    """What step 8 checks before joining: whole heads and whole vocabulary slices per rank."""
+    def run(monkeypatch):
+        monkeypatch.syspath_prepend(str(REPO / STEPS["step8"]))
+        import tensor_parallel
+        tensor_parallel.check_divisible(n_head, vocab_size, ranks)
+    return run
+
+
 LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or of nothing)
     "--n-embd 100 must be divisible by --n-head 3": flags("--n-embd", "100", "--n-head", "3"),
     "--beta1 must be in [0, 1), got 1": flags("--beta1", "1"),
@@ -386,6 +398,8 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--nproc must be at least 1, got 0": tool_main("tour", "--nproc", "0"),
     "--timeout-s must be positive, got 0": tool_main("tour", "--timeout-s", "0"),
     "--budget-mb must be positive, got -1": tool_main("estimate", "--budget-mb", "-1"),
+    "tensor parallelism over 8 ranks needs --n-head divisible by 8, got 4 (more ranks than heads): run on a number of "
+    "ranks that divides 4, or change --n-head (and --n-embd)": tensor_parallel_check(4, 2048, 8),
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must")

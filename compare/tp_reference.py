@@ -1,0 +1,176 @@
+"""Step 8's training with PyTorch's own tensor parallelism: the run step 8 must equal, bit for bit.
+
+    torchrun --standalone --nproc_per_node=2 compare/tp_reference.py          # writes runs/tp_reference
+    python compare/parity.py step8 runs/tp_reference                          # PASS (bitwise identical)
+
+It takes step 8's flags. The model is the same GPT-2 (the same initial weights), copied into the form
+``torch.distributed.tensor.parallel`` shards: every ``Conv1D`` (weight ``(in, out)``) becomes an
+``nn.Linear`` (``(out, in)``), and ``c_attn``'s rows are reordered so that the contiguous block
+``ColwiseParallel`` gives rank r holds rank r's heads of q, k and v (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``).
+Then ``parallelize_module`` with ``ColwiseParallel`` (c_attn, c_fc, the output layer, its logits left
+sharded), ``RowwiseParallel`` (both c_proj, and the token embedding), and the loss under
+``loss_parallel()``. Two things the built-in does not do for GPT-2, done here: it breaks the tie
+between the embedding and the output layer (each gets its own DTensor), so the tie is made again; and
+the attention's split into q, k, v must be told the local width. The loop is step 8's: same data, AMP,
+accumulation, clipping by the norm of the whole gradient (computed exactly, as step 8 does), AdamW.
+The final weights are gathered and written in transformers' layout, so parity.py compares them.
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.utils.data import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
+import distributed  # noqa: E402
+from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
+from data import MicroBatches, load_corpus  # noqa: E402
+from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights  # noqa: E402
+from model import build_model  # noqa: E402
+from seeding import seed_everything  # noqa: E402
+from training import (autocast, check_amp, clip_to_norm, make_grad_scaler, make_optimizer, make_scheduler,  # noqa: E402
+                      norm_from_parts, param_norm, square_sum_parts)
+
+
+def head_order(n_embd: int, size: int) -> torch.Tensor:
+    """Rows of ``[q | k | v]`` in the order ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``: rank r's heads contiguous."""
+    local = n_embd // size
+    return torch.cat([torch.arange(part * n_embd + r * local, part * n_embd + (r + 1) * local)
+                      for r in range(size) for part in range(3)])
+
+
+def as_linear(conv, rows=None) -> nn.Linear:
+    """``nn.Linear`` computing what transformers' ``Conv1D`` computes (optionally with its outputs reordered)."""
+    linear = nn.Linear(*conv.weight.shape)
+    with torch.no_grad():
+        weight, bias = conv.weight.t(), conv.bias
+        linear.weight.copy_(weight if rows is None else weight[rows])
+        linear.bias.copy_(bias if rows is None else bias[rows])
+    return linear
+
+
+def parallelize(model, mesh):
+    """GPT-2 (Conv1D) -> the same model as ``nn.Linear`` layers -> PyTorch tensor parallelism over ``mesh``."""
+    size, cfg = mesh.size(), model.config
+    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}  # logits stay sharded
+    for i, block in enumerate(model.transformer.h):
+        block.attn.c_attn = as_linear(block.attn.c_attn, head_order(cfg.n_embd, size))
+        block.attn.split_size = cfg.n_embd // size  # the local q, k and v
+        for path in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            parent, name = path.split(".")
+            setattr(getattr(block, parent), name, as_linear(getattr(getattr(block, parent), name)))
+        plan.update({f"transformer.h.{i}.attn.c_attn": ColwiseParallel(),
+                     f"transformer.h.{i}.mlp.c_fc": ColwiseParallel(),
+                     f"transformer.h.{i}.attn.c_proj": RowwiseParallel(),
+                     f"transformer.h.{i}.mlp.c_proj": RowwiseParallel()})
+    parallelize_module(model, mesh, plan)
+    model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) of the same matrix: tie them again
+    return model
+
+
+def local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def exact_norm(tensors, params) -> float:
+    """The norm of the whole tensors, as step 8 computes it: shards' exact parts all-reduced, replicas once
+    (a row-parallel bias is a DTensor too, but ``Replicate``)."""
+    sharded = [isinstance(p, DTensor) and any(placement.is_shard() for placement in p.placements) for p in params]
+    parts = square_sum_parts(local(t) for t, s in zip(tensors, sharded) if s)
+    dist.all_reduce(parts)
+    return norm_from_parts(parts + square_sum_parts(local(t) for t, s in zip(tensors, sharded) if not s))
+
+
+def full_weights(model, n_embd: int, size: int) -> dict:
+    """Every parameter whole, in transformers' layout (Conv1D ``(in, out)``, c_attn back in ``[q | k | v]``)."""
+    inverse = torch.argsort(head_order(n_embd, size))
+    weights = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        t = t.detach()
+        if ".c_attn." in name:
+            t = t[inverse]
+        if any(k in name for k in (".c_attn.", ".c_proj.", ".c_fc.")) and name.endswith("weight"):
+            t = t.t()
+        weights[name] = t.contiguous()
+    return weights
+
+
+def main():
+    parser = build_parser("tp_reference")
+    distributed.add_flags(parser)
+    config = parse_config(parser)
+    if config["reduce_dtype"] != "float32":
+        raise UserError("PyTorch's tensor parallelism all-reduces in the activations' dtype: drop --reduce-dtype")
+    world = distributed.plan_world(config)
+    check_amp(config["amp"], world.device)
+    seed_everything(config["seed"])
+    corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    if config["n_head"] % world.world_size or corpus.vocab_size % world.world_size:
+        raise UserError(f"{world.world_size} ranks must divide --n-head {config['n_head']} and the vocabulary "
+                        f"({corpus.vocab_size})")
+    distributed.join(world, config["timeout_s"])
+    device = world.device
+    mesh = init_device_mesh(device.type, (world.world_size,))
+
+    sampler = DistributedSampler(range(len(corpus.blocks)), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
+    batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
+    model = parallelize(build_model(config, corpus.vocab_size, config["seed"]).to(device), mesh)
+    params = list(model.parameters())
+    optimizer = make_optimizer(model.named_parameters(), config)
+    scheduler = make_scheduler(optimizer, config)
+    scaler = make_grad_scaler(config, device)
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
+                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env.update(tensor_parallel_size=world.world_size, data_parallel_size=1)
+    log = RunLog(config, env, is_writer=world.is_main)
+    accum = config["grad_accum"]
+
+    for step in range(config["steps"]):
+        clock = StepClock()
+        lr = scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(accum):
+            inputs, targets = batches.next()
+            with loss_parallel():  # cross-entropy on logits sharded by vocabulary, and its backward
+                with autocast(config["amp"], device):
+                    logits = model(input_ids=inputs.to(device)).logits
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten())
+                scaler.scale(loss / accum).backward()
+            loss_sum += local(loss).detach()
+        scaler.unscale_(optimizer)
+        grads = [p.grad for p in params]
+        grad_norm = torch.tensor(exact_norm(grads, params), dtype=torch.float32)
+        clip_to_norm([local(g) for g in grads], grad_norm, config["grad_clip"])
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        memory = memory_stats([local(p) for p in params], optimizer, device, grads=[local(g) for g in grads])
+        optimizer.zero_grad(set_to_none=True)
+        step_time = clock.stop()
+        log.log({"step": step + 1, "loss": loss_sum.double().item() / accum, "grad_norm": grad_norm.item(),
+                 "param_norm": exact_norm(params, params), "lr": lr,
+                 "tokens_per_s": config["micro_batch_size"] * accum * config["seq_len"] / step_time["wall_s"],
+                 "effective_batch_size": config["micro_batch_size"] * accum, "epoch": batches.epoch,
+                 **distributed.gather_per_rank(memory=memory, step_time=step_time)})
+
+    weights = full_weights(model, config["n_embd"], world.world_size)
+    if world.is_main:
+        final = save_final_weights(Path(config["out"]), weights)
+        final["param_norm"] = param_norm(weights.values())
+        log.write(final)
+        print(f"done: {config['steps']} steps, PyTorch tensor parallelism over {world.world_size} ranks, "
+              f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+    del model, optimizer, params, grads  # DTensors hold the mesh's group: free them before the group goes
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

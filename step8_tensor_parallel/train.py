@@ -1,0 +1,191 @@
+"""Step 8: tensor parallelism, written by hand (tensor_parallel.py). Grown from step 3's train.py.
+
+Steps 1-7 gave every rank its own samples. Here the T ranks (T = world size) read the same
+micro-batches and split every layer instead: each holds whole attention heads, a slice of the MLP
+and a slice of the vocabulary, 1/T of every weight matrix. No gradient is all-reduced: activations
+are, inside forward and backward. The run is bitwise equal to PyTorch's own tensor parallelism
+(compare/tp_reference.py); against step 1 it differs in the order of sums (README).
+
+    torchrun --standalone --nproc_per_node=2 step8_tensor_parallel/train.py
+    torchrun --standalone --nproc_per_node=2 compare/tp_reference.py
+    python compare/parity.py step8 runs/tp_reference        # bitwise
+    python compare/parity.py step1 step8                    # close: other summation order
+"""
+from pathlib import Path
+
+import torch
+
+import distributed
+from comm_accounting import take_comm_bytes
+from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint, params_in_order
+from config import build_parser, exit_on_user_error, limit_memory, parse_config
+from data import MicroBatches, check_enough_data, load_corpus
+from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
+from model import build_model
+from sampler import ShardedSampler
+from seeding import rng_state, seed_everything
+from tensor_parallel import (check_divisible, clip_tensor_parallel_gradients, full_layout, gather_full_parameters,
+                             is_sharded, param_norm, parallelize_gpt2, replicated_in_sync, shard_of,
+                             vocab_parallel_cross_entropy)
+from training import autocast, check_amp, make_grad_scaler, make_optimizer, make_scheduler, param_norm as whole_norm
+from sharded_gradients import ShardedGradScaler  # step 6's: the fp16 overflow flag agreed by every rank
+
+STEP = Path(__file__).resolve().parent.name
+
+
+def tensor_parallel_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``language_model_loss`` when the model returns this rank's vocabulary slice of the logits."""
+    logits = model(input_ids=inputs).logits
+    return vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def blocks(name: str, param) -> list:
+    """Where this rank's ``param`` sits in the whole one: ``(name, dim, start, end)`` blocks (checkpoint.py)."""
+    return [(name, *block) for block in param.tp_blocks] if is_sharded(param) else [(name, 0, 0, param.shape[0])]
+
+
+def cut_into_blocks(name: str, param, tensor: torch.Tensor) -> list:
+    """``tensor`` (``param``'s shard, or its AdamW state) in the checkpoint's layout, cut into its blocks."""
+    whole, pieces, offset = full_layout(param, tensor.detach()).contiguous(), [], 0
+    for _, dim, start, end in blocks(name, param):
+        pieces.append(whole.narrow(dim, offset, end - start))
+        offset += end - start
+    return pieces
+
+
+def checkpoint_state(model, optimizer) -> dict:
+    """This rank's shards of the parameters and of AdamW's state, in the checkpoint's (transformers') layout,
+    and which blocks of which parameter they are: steps 0-8 at any world size read them back."""
+    named = list(model.named_parameters())
+    name_of = {p: n for n, p in named}
+    state = optimizer.state_dict()
+    for i, p in enumerate(params_in_order(optimizer)):
+        if i in state["state"]:
+            state["state"][i] = {k: torch.cat(cut_into_blocks(name_of[p], p, v), dim=blocks(name_of[p], p)[0][1])
+                                 if torch.is_tensor(v) and v.dim() else v for k, v in state["state"][i].items()}
+    return {"model_blocks": [b for n, p in named for b in blocks(n, p)],
+            "model": [piece for n, p in named for piece in cut_into_blocks(n, p, p)],
+            "optimizer": state, "optimizer_slices": [blocks(name_of[p], p) for p in params_in_order(optimizer)]}
+
+
+def load_checkpoint(model, optimizer, checkpoint) -> None:
+    """This rank's shards, cut from whatever step and TP degree wrote ``checkpoint``."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(shard_of(param, checkpoint.parameter(name)))
+    params = params_in_order(optimizer)
+    name_of = {p: n for n, p in model.named_parameters()}
+    state = checkpoint.optimizer_state_dict([blocks(name_of[p], p) for p in params], params)
+    for i, entry in state["state"].items():
+        entry.update({k: full_layout(params[i], v) for k, v in entry.items() if torch.is_tensor(v) and v.dim()})
+    optimizer.load_state_dict(state)
+
+
+def main():
+    # ---- everything that can be wrong is checked before anything is written or connected -----
+    parser = build_parser(STEP)
+    distributed.add_flags(parser)
+    config = parse_config(parser)
+    world = distributed.plan_world(config)
+    check_amp(config["amp"], world.device)
+    seed_everything(config["seed"])
+    corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
+    check_divisible(config["n_head"], corpus.vocab_size, world.world_size)  # whole heads, whole vocabulary slices
+    check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
+    resume_from = find_checkpoint(config["resume"], config["out"])
+    # One data-parallel replica: the T ranks draw the samples one process would.
+    resumed = open_checkpoint(resume_from, config, 1, world.is_main) if resume_from else None
+    distributed.join(world, config["timeout_s"])
+    device = world.device
+
+    # ---- data, model, optimiser ----------------------------------------------------------------
+    # Every rank reads every sample: the ranks share each micro-batch, they do not split the batch.
+    sampler = ShardedSampler(len(corpus.blocks), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
+    batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
+    # The same full model on every rank (a pure function of the seed), then each keeps its shards.
+    # The activations are all-reduced in their own dtype (bf16 under --amp bf16), as PyTorch's TP does;
+    # --reduce-dtype float64 sums them in float64 and rounds once: order-free, but not step 1's sums (README).
+    reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
+    model = build_model(config, corpus.vocab_size, config["seed"])
+    full_shapes = {name: p.shape for name, p in model.named_parameters()}  # what checkpoints describe
+    model = parallelize_gpt2(model, reduce_dtype=reduce_dtype).to(device)
+    optimizer = make_optimizer(model.named_parameters(), config)
+    scheduler = make_scheduler(optimizer, config)
+    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # fp16: every rank skips, or steps, together
+
+    start_step, records = 0, []
+    if resumed:
+        load_checkpoint(model, optimizer, resumed)
+        start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, 1)  # RNG last
+        if world.is_main:
+            print(f"resumed from {resume_from} at step {start_step}")
+    elif world.is_main:
+        clear_checkpoints(config["out"])
+
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
+                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env.update(tensor_parallel_size=world.world_size, data_parallel_size=1)  # parity.py: the global batch
+    log = RunLog(config, env, is_writer=world.is_main, records=records)
+    writer = CheckpointWriter(config, world.rank, world.world_size, full_shapes, data_parallel_size=1)
+    accum = config["grad_accum"]
+    tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
+
+    # ---- the training loop ---------------------------------------------------------------------
+    for step in range(start_step, config["steps"]):
+        clock = StepClock()  # this rank's wall and CPU time for the step
+        lr = scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(accum):
+            inputs, targets = batches.next()  # the same micro-batch on every rank
+            with autocast(config["amp"], device):
+                loss = tensor_parallel_loss(model, inputs.to(device), targets.to(device))  # the same on every rank
+            # Activations are all-reduced inside forward and backward (tensor_parallel.py); the gradients
+            # are each rank's own shards, or replicas that come out identical: no gradient synchronisation.
+            scaler.scale(loss / accum).backward()
+            loss_sum += loss.detach()
+
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_tensor_parallel_gradients(model.parameters(), config["grad_clip"])  # the whole gradient's
+        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
+        scaler.update()
+        scheduler.step()
+        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        optimizer.zero_grad(set_to_none=True)
+
+        loss_mean = loss_sum.double().item() / accum  # every rank computed the same loss: nothing to average
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
+        step_time = clock.stop()  # before the logging's own work and collectives
+        log.log({
+            "step": step + 1,
+            "loss": loss_mean,
+            "grad_norm": grad_norm.item(),
+            "param_norm": param_norm(model.parameters()),
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / step_time["wall_s"],
+            "effective_batch_size": config["micro_batch_size"] * accum,
+            "epoch": batches.epoch,
+            **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
+            "comm": take_comm_bytes(),
+        })
+        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+            shared = {"step": step + 1, "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "data": batches.state_dict(), "records": log.records}
+            writer.save(step + 1, shared, {"rng": rng_state(), **checkpoint_state(model, optimizer)})
+
+    in_sync = replicated_in_sync(model)  # the replicated parameters must be the same bits on every rank
+    full = gather_full_parameters(model)  # every rank takes part; rank 0 writes the plain model
+    writer.wait()  # the last checkpoint is whole on disk before the run says it is done
+    if world.is_main:
+        final = save_final_weights(Path(config["out"]), full)
+        final["param_norm"] = whole_norm(full.values())
+        final["replicas_identical"] = in_sync
+        log.write(final)
+        print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
+              f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

@@ -1,0 +1,210 @@
+"""Step 8, tensor parallelism: bitwise equal to PyTorch's own (compare/tp_reference.py) at TP = 2 and 4, with
+accumulation, clipping that triggers and bf16 autocast; the layers used the way an outsider uses them;
+resume bitwise; checkpoints read at another TP degree and by step 1; communication and memory per rank
+against the formulas in step8_tensor_parallel/README.md. (Step 8 against step 1 on the same global batches,
+in float32, is measured by the tour: tests/test_plot_and_tour.py.)
+
+The runs are shared (session fixtures): step 8 and the reference at TP = 2 and 4, on TINY with 4 heads.
+"""
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, parity, spawn, train,
+                      weights)
+
+# Four heads so that 2 and 4 ranks both hold whole heads; bf16 autocast; checkpoints at steps 2 and 4.
+TP_FLAGS = ("--n-head", "4", "--amp", "bf16", "--save-every", "2")
+
+
+def reference(out, corpus, nproc):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "compare" / "tp_reference.py"), *TINY, *TP_FLAGS, "--save-every", "0",
+               "--data", str(corpus), "--out", str(out), *TIMEOUT]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tp_runs(tmp_path_factory, small_corpus):
+    """``tp_runs(kind, nproc)``: step 8 ("ours") or PyTorch's TP ("torch") on TINY + TP_FLAGS, once per session."""
+    runs = {}
+
+    def run(kind, nproc):
+        if (kind, nproc) not in runs:
+            out = tmp_path_factory.mktemp(f"tp_{kind}_{nproc}")
+            runs[kind, nproc] = (train("step8", out, small_corpus, *TP_FLAGS, nproc=nproc) if kind == "ours"
+                                 else reference(out, small_corpus, nproc))
+        return runs[kind, nproc]
+    return run
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_step8_is_bitwise_pytorch_tensor_parallelism(tp_runs, nproc):
+    """Whole model, 4 AdamW steps of 2 accumulated micro-batches, clipping at 0.3 (it triggers), bf16."""
+    ours, torch_tp = tp_runs("ours", nproc), tp_runs("torch", nproc)
+    assert_bitwise_same_run(ours, torch_tp)
+    records = metrics(ours)["records"]
+    assert all(r["grad_norm"] > 0.3 for r in records), "clipping must trigger for the test to mean something"
+    assert metrics(ours)["final"]["replicas_identical"]
+    result = parity(ours, torch_tp)
+    assert result.returncode == 0 and "PASS (bitwise identical)" in result.stdout, result.stdout
+
+
+def test_resume_is_bitwise(tp_runs, tmp_path, small_corpus):
+    full = tp_runs("ours", 2)
+    resumed = train("step8", tmp_path / "resumed", small_corpus, *TP_FLAGS,
+                    "--resume", str(full / "checkpoints" / "step_2"), nproc=2)
+    assert_bitwise_same_run(full, resumed)
+
+
+def test_a_checkpoint_is_read_at_another_degree_and_by_step1(tp_runs, tmp_path, small_corpus):
+    """A TP = 2 checkpoint (step 2 of 4) resumed at TP = 4 and by step 1 (DDP, 2 ranks x micro-batch 1, the same
+    global batch). Both start from the checkpoint's exact weights and AdamW state, then sum in their own order:
+    their steps 3 and 4 match the uninterrupted run's losses to bf16's rounding (measured ~1e-5 relative; a
+    shard cut from the wrong rows or columns is off by more than 1e-2)."""
+    full = tp_runs("ours", 2)
+    step2 = str(full / "checkpoints" / "step_2")
+    at_four = train("step8", tmp_path / "tp4", small_corpus, *TP_FLAGS, "--resume", step2, nproc=4)
+    by_ddp = train("step1", tmp_path / "ddp", small_corpus, *TP_FLAGS, "--micro-batch-size", "1", "--resume", step2,
+                   nproc=2)
+    want = metrics(full)["records"]
+    for run in (at_four, by_ddp):
+        records = metrics(run)["records"]
+        assert [r["step"] for r in records] == [1, 2, 3, 4]
+        assert [r["loss"] for r in records[:2]] == [r["loss"] for r in want[:2]]  # the checkpoint's own records
+        for got, expected in zip(records[2:], want[2:]):
+            assert abs(got["loss"] - expected["loss"]) / expected["loss"] < 1e-4, (run, got["loss"], expected["loss"])
+
+
+def test_communication_per_step_is_the_formula(tp_runs):
+    """all_reduce bytes per optimiser step, every step (README, "Communication"): per micro-batch
+    (4 n_layer + 2) all-reduces of b x s x h floats (two per block forward, two backward; the embedding's
+    forward, the output layer's input gradient) in bf16 for the blocks' row-parallel outputs under autocast,
+    plus the loss's 3 x b x s floats, plus the exact norm parts of the gradient and the parameters."""
+    config = metrics(tp_runs("ours", 2))["config"]
+    b, s, h, layers, accum = (config[k] for k in ("micro_batch_size", "seq_len", "n_embd", "n_layer", "grad_accum"))
+    bsh = b * s * h
+    # Under bf16 autocast: the row-parallel outputs (2 per block, forward) are bf16; every other all-reduce fp32.
+    per_micro_batch = 2 * layers * bsh * 2 + (2 * layers + 2) * bsh * 4 + 3 * b * s * 4
+    norm_parts = 2 * 3 * 277 * 8  # the gradient's and the parameters' square_sum_parts, int64
+    for nproc in (2, 4):
+        for record in metrics(tp_runs("ours", nproc))["records"]:
+            assert record["comm"] == {"all_reduce": accum * per_micro_batch + norm_parts}
+
+
+def test_memory_per_rank_is_the_formula(tp_runs):
+    """Each rank holds 1/T of every matrix and of c_attn, c_fc's biases; the LayerNorms, the position embedding
+    and the row-parallel biases whole: params = sharded / T + replicated, grads the same, AdamW 2 x params."""
+    config = metrics(tp_runs("ours", 2))["config"]
+    h, layers, s, vocab = config["n_embd"], config["n_layer"], config["seq_len"], 2048
+    sharded = vocab * h + layers * (3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h)
+    replicated = s * h + layers * (4 * h + h + h) + 2 * h
+    for nproc in (2, 4):
+        for memory in metrics(tp_runs("ours", nproc))["records"][-1]["memory"]:
+            params = 4 * (sharded // nproc + replicated)
+            assert memory["params"] == params and memory["grads"] == params
+            assert memory["optimizer_state"] == 2 * params + 4 * len(list(weights(tp_runs("ours", 2))))
+
+
+# ---- the layers, the way an outsider uses them -------------------------------------------------------------
+# The function below is the README's "use it in your own script" snippet, line for line: the process group
+# first, our module imported after, a plain loop, compared with nn.Linear / nn.Embedding / F.cross_entropy.
+
+def outsider(rank, world_size, port, queue):
+    try:
+        import os
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        sys.path.insert(0, str(REPO / STEPS["step8"]))
+        queue.put((rank, (use_it_in_your_own_script(), None)))
+    except Exception:  # noqa: BLE001
+        queue.put((rank, (None, traceback.format_exc())))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def use_it_in_your_own_script():
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                 vocab_parallel_cross_entropy)
+
+    rank, T = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same full layers and data on every rank
+    embed, up, down = nn.Embedding(64, 16), nn.Linear(16, 32), nn.Linear(32, 16)
+    head = nn.Linear(16, 64, bias=False)
+    ids, targets = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (32,))
+
+    # The tensor-parallel layers: each rank copies in its block of the full weights.
+    tp_embed = VocabParallelEmbedding(64, 16)
+    tp_up = ColumnParallelLinear(16, 32)                  # output features split: rows of the weight
+    tp_down = RowParallelLinear(32, 16)                   # input features split: columns of the weight
+    tp_head = ColumnParallelLinear(16, 64, bias=False)    # vocabulary split: the logits stay split
+    with torch.no_grad():
+        tp_embed.weight.copy_(embed.weight.chunk(T, 0)[rank])
+        tp_up.weight.copy_(up.weight.chunk(T, 0)[rank])
+        tp_up.bias.copy_(up.bias.chunk(T, 0)[rank])
+        tp_down.weight.copy_(down.weight.chunk(T, 1)[rank])
+        tp_down.bias.copy_(down.bias)
+        tp_head.weight.copy_(head.weight.chunk(T, 0)[rank])
+
+    def full_model(x):
+        return head(down(F.gelu(up(embed(x))))).flatten(0, 1)
+
+    def tp_model(x):
+        return tp_head(tp_down(F.gelu(tp_up(tp_embed(x))))).flatten(0, 1)   # (tokens, 64 / T) logits
+
+    loss = F.cross_entropy(full_model(ids), targets)
+    tp_loss = vocab_parallel_cross_entropy(tp_model(ids), targets)
+    loss.backward()
+    tp_loss.backward()
+
+    x = embed(ids)
+    h = up(x)
+    gathered = ColumnParallelLinear(16, 32, gather_output=True)  # the whole output on every rank (all-gather)
+    gathered.load_state_dict(tp_up.state_dict())
+    return {
+        "embedding": torch.equal(tp_embed(ids), x),
+        "column-parallel output": torch.equal(tp_up(x), h.chunk(T, -1)[rank]),
+        "column-parallel gathered": torch.equal(gathered(x), h),
+        "row-parallel, same order": torch.equal(tp_down(h.chunk(T, -1)[rank]), sum(
+            F.linear(h.chunk(T, -1)[r], down.weight.chunk(T, 1)[r], down.bias / T) for r in range(T))),
+        "row-parallel vs nn.Linear": (tp_down(h.chunk(T, -1)[rank]) - down(h)).abs().max().item(),
+        "loss vs F.cross_entropy": abs(tp_loss.item() - loss.item()),
+        "up.weight grad": (tp_up.weight.grad - up.weight.grad.chunk(T, 0)[rank]).abs().max().item(),
+        "down.weight grad": (tp_down.weight.grad - down.weight.grad.chunk(T, 1)[rank]).abs().max().item(),
+        "head.weight grad": (tp_head.weight.grad - head.weight.grad.chunk(T, 0)[rank]).abs().max().item(),
+        "embedding grad": (tp_embed.weight.grad - embed.weight.grad.chunk(T, 0)[rank]).abs().max().item(),
+    }
+
+
+@pytest.fixture(scope="module")
+def outside():
+    got = spawn(outsider, 2)
+    for rank, (_, error) in got.items():
+        assert error is None, f"rank {rank} failed:\n{error}"
+    return {rank: result for rank, (result, _) in got.items()}
+
+
+def test_the_layers_in_an_outsiders_loop(outside):
+    """Exact where the sums are the same: the embedding (one non-zero term per element), the column-parallel
+    output (each element is one row's dot product, as in nn.Linear), and the row-parallel output against the
+    same partial sums added in rank order. Elsewhere the sums are grouped by rank: the row-parallel output
+    against nn.Linear, the loss (the sum of exponentials in T parts) and the gradients, within float32's
+    rounding of such sums (a few ulps of the values involved)."""
+    for rank, result in outside.items():
+        assert result["embedding"] and result["column-parallel output"], (rank, result)
+        assert result["column-parallel gathered"], (rank, result)
+        assert result["row-parallel, same order"], (rank, result)
+        assert result["row-parallel vs nn.Linear"] < 1e-6, (rank, result)
+        assert result["loss vs F.cross_entropy"] < 1e-6, (rank, result)
+        for key in ("up.weight grad", "down.weight grad", "head.weight grad", "embedding grad"):
+            assert result[key] < 1e-6, (rank, key, result)
