@@ -30,7 +30,12 @@ Step 6 still kept every parameter on every rank; here:
 6. **Built from nothing.** The model may be built on the meta device (no memory at all); ``init_fn(name,
    shape)`` gives each parameter's values, one full parameter at a time, and the rank keeps its slice.
    No broadcast: the values are a pure function of the name, so every rank agrees without talking.
-7. **no_sync() and one sync point**, as in steps 4-6. Inside ``no_sync()`` full gradients accumulate in
+7. **Mixed precision, as FSDP2's ``MixedPrecisionPolicy``.** With ``param_dtype`` (bf16 or fp16) the fp32
+   shards stay the master copy the optimiser steps; each gather sends the shard cast to 16 bits (half the
+   bytes) and forward and backward compute in 16 bits, floating inputs of every unit cast too. Gradients
+   are reduced in ``reduce_dtype`` (float32: never rounded to 16 bits on the way to the master weights);
+   under ``no_sync()`` each micro-batch's 16-bit gradient is added to a ``reduce_dtype`` sum, as FSDP2 does.
+8. **no_sync() and one sync point**, as in steps 4-6. Inside ``no_sync()`` full gradients accumulate in
    ``flat.grad`` (as DDP's do in ``param.grad``: bitwise parity needs the same sums); the next synchronised
    backward reduce-scatters them. ``finish_gradient_synchronization()`` waits for the last reduce-scatter
    and points each piece's ``.grad`` at its slice of the unit's gradient shard.
@@ -79,6 +84,7 @@ class Unit:
             self.pieces.append(torch.nn.Parameter(self.shard[self.slices[-1]], requires_grad=param.requires_grad))
             begin += numel
         self.flat = None  # the full-size leaf: created by the first gather, its storage freed between uses
+        self.accumulated = None  # param_dtype under no_sync: the micro-batches' gradients summed in reduce_dtype
         self.state, self.handle, self.views = SHARDED, None, None
         self.work = self.output = None  # the reduce-scatter in flight and the buffer it writes
         self.compute = self.event = None  # timeline entries still open
@@ -101,14 +107,17 @@ class FullyShardedDP(torch.nn.Module):
 
     ``units``: submodules, each sharded and gathered as one unit; a root unit holds every other parameter.
     ``init_fn(name, shape)``: the values of a parameter (or buffer) that is on the meta device.
+    ``param_dtype``: the dtype parameters are gathered and computed in (None: their own, float32).
     Contract as in steps 4-6: the same forwards and backwards on every rank; after the last backward of an
     optimiser step (the one outside ``no_sync()``) call ``finish_gradient_synchronization()`` once.
     """
 
     def __init__(self, module: torch.nn.Module, units, init_fn=None, reshard_after_forward: bool = True,
-                 reduce_dtype: torch.dtype = torch.float32, prefetch: bool = True, device=None):
+                 reduce_dtype: torch.dtype = torch.float32, prefetch: bool = True, device=None,
+                 param_dtype: torch.dtype | None = None):
         super().__init__()
         self.module = module
+        self.param_dtype = param_dtype
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.reshard_after_forward, self.reduce_dtype, self.prefetch = reshard_after_forward, reduce_dtype, prefetch
         self.device = torch.device(device or "cpu")
@@ -120,6 +129,9 @@ class FullyShardedDP(torch.nn.Module):
         for unit in self.units[1:] if self.root else self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+        if param_dtype is not None:  # as FSDP2's cast_forward_inputs: every unit computes in param_dtype
+            for m in {module, *(unit.module for unit in self.units)}:
+                m.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
         # Units as their forwards begin, a unit called twice listed twice: recorded in the first forward (every
         # forward runs the same graph), it says what to prefetch at each call. forward_calls: calls so far.
         self.forward_order, self.forward_calls, self.recorded = [], 0, False
@@ -191,7 +203,8 @@ class FullyShardedDP(torch.nn.Module):
         if unit.state != SHARDED:
             return
         if unit.flat is None:
-            unit.flat = torch.empty(unit.padded, device=self.device, requires_grad=any(unit.trainable))
+            unit.flat = torch.empty(unit.padded, dtype=self.param_dtype or unit.shard.dtype, device=self.device,
+                                    requires_grad=any(unit.trainable))
             if any(unit.trainable):  # a unit of frozen parameters has no backward of its own to end
                 unit.flat.register_post_accumulate_grad_hook(functools.partial(self._post_backward, unit))
         else:
@@ -201,7 +214,8 @@ class FullyShardedDP(torch.nn.Module):
         count_collective("all_gather", unit.flat)
         event = self._record(f"all-gather {unit.name}", "comm")
         # Into .data: a write autograd does not count, so what backward saved from the last gather stays valid.
-        unit.handle = dist.all_gather_single(unit.flat.data, unit.shard, async_op=True)
+        # With param_dtype the shard goes out cast to 16 bits; the handle keeps that copy alive until it is sent.
+        unit.handle = dist.all_gather_single(unit.flat.data, unit.shard.to(unit.flat.dtype), async_op=True)
         unit.state = GATHERING
         if event is not None:
             unit.handle.get_future().then(lambda _: event.update(end=time.perf_counter()))
@@ -245,6 +259,10 @@ class FullyShardedDP(torch.nn.Module):
         if not torch.is_grad_enabled():
             self._free(self.root)  # no backward will come
 
+    def _cast_inputs(self, module, args, kwargs):
+        cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
     def _pre_forward(self, unit: Unit, module, args) -> None:
         position, self.forward_calls = self.forward_calls, self.forward_calls + 1
         if not self.recorded:
@@ -284,12 +302,22 @@ class FullyShardedDP(torch.nn.Module):
         self._free(unit)
         if self.require_sync:
             self._reduce_scatter(unit)
+        elif self.param_dtype is not None:  # no_sync: add this micro-batch's 16-bit gradient to a reduce_dtype sum
+            unit.accumulated = self._upcast_and_add(unit)
+
+    def _upcast_and_add(self, unit: Unit):
+        grad, unit.flat.grad = unit.flat.grad, None
+        if unit.accumulated is None:
+            return None if grad is None else grad.to(self.reduce_dtype)
+        return unit.accumulated if grad is None else unit.accumulated.add_(grad)
 
     # ---- Gradients -----------------------------------------------------------------------------------
     def _reduce_scatter(self, unit: Unit) -> None:
         if self.reducing is not None:
             self._finish_reduce_scatter(self.reducing)  # at most one in flight: bounds full-gradient memory
         full = getattr(unit.flat, "grad", None)  # None: no gradient reached the unit: zeros, so no peer waits
+        if unit.accumulated is not None:  # param_dtype with no_sync: the earlier micro-batches' sum
+            full, unit.accumulated = self._upcast_and_add(unit), None
         full = (torch.zeros(unit.padded, device=self.device) if full is None else full).to(self.reduce_dtype)
         if unit.flat is not None:
             unit.flat.grad = None  # the collective's handle keeps what it still reads

@@ -262,18 +262,21 @@ def case_zero3(rank, problems) -> int:
     tied to the output layer (a unit called at both ends: FSDP2 reduce-scatters each call's gradient on its
     own, which rounds differently from DDP; FullyShardedDP sums every use first, as DDP does)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from zero3 import FullyShardedDP
-    mesh, checked = init_device_mesh("cpu", (WORLD_SIZE,)), 0
-    for tied in (False, True):
+    mesh, checked, float32_result = init_device_mesh("cpu", (WORLD_SIZE,)), 0, None
+    # (tied ends, param_dtype): FSDP2 in float32; DDP with a unit called twice; FSDP2's mixed precision,
+    # bf16 parameters and computation over float32 master shards, gradients reduced in float32.
+    for tied, param_dtype in ((False, None), (True, None), (False, torch.bfloat16)):
         ours_model = build(lambda: Stack(tied), 100)
-        ours = FullyShardedDP(ours_model, ours_model.units)
+        ours = FullyShardedDP(ours_model, ours_model.units, param_dtype=param_dtype)
         theirs = build(lambda: Stack(tied), 100)
         if tied:
             theirs = DDP(theirs, find_unused_parameters=True)
         else:
+            policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
             for module in (*theirs.units, theirs):
-                fully_shard(module, mesh=mesh)
+                fully_shard(module, mesh=mesh, mp_policy=policy)
         opts = [torch.optim.AdamW(groups(ours), lr=0.05), torch.optim.AdamW(groups(theirs), lr=0.05)]
         for step in range(STEPS):
             for micro_step in range(MICRO_BATCHES):
@@ -292,8 +295,12 @@ def case_zero3(rank, problems) -> int:
                 opt.zero_grad()
             mine = {name: tensor.clone() for name, tensor in ours.gathered_parameters()}
             full = params(theirs.module) if tied else {name: p.full_tensor() for name, p in theirs.named_parameters()}
-            label = f"{'tied, vs DDP' if tied else 'vs FSDP2'} step {step}"
+            label = f"{'tied, vs DDP' if tied else 'vs FSDP2'}{', bf16' if param_dtype else ''} step {step}"
             checked += compare(problems, label, mine, full)
+        if (tied, param_dtype) == (False, None):
+            float32_result = mine
+        elif param_dtype is not None and all(torch.equal(mine[n], float32_result[n]) for n in mine):
+            problems.append("bf16 parameters trained exactly as float32 ones: param_dtype was not applied")
         frozen = [n for n, p in ours.named_parameters() if not p.requires_grad]
         if frozen != ["blocks.1.fixed.weight", "blocks.1.fixed.bias"]:
             problems.append(f"frozen pieces: {frozen}")

@@ -19,7 +19,7 @@ CASES = {
     "bucketed_ddp": "BucketedDDP vs DistributedDataParallel",
     "zero1": "ShardedOptimizer vs ZeroRedundancyOptimizer and the plain optimiser (AdamW, SGD), GradScaler, clipping",
     "zero2": "ShardedGradientDDP + ShardedOptimizer vs DistributedDataParallel + AdamW",
-    "zero3": "FullyShardedDP vs FSDP2 fully_shard, and vs DDP with a unit called twice",
+    "zero3": "FullyShardedDP vs FSDP2 fully_shard (float32, and bf16 MixedPrecisionPolicy), and vs DDP with a unit called twice",
 }
 
 
