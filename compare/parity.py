@@ -89,8 +89,10 @@ def load_weights(run: Path, metrics: dict) -> dict:
 
 
 def global_batch(metrics: dict) -> int:
-    c = metrics["config"]
-    return c["micro_batch_size"] * c["grad_accum"] * metrics["env"]["world_size"]
+    """Samples per optimiser step. A model-parallel run's ranks share one replica: ``env.data_replicas`` says how
+    many replicas there are (data-parallel runs do not write it: every rank is one)."""
+    c, env = metrics["config"], metrics["env"]
+    return c["micro_batch_size"] * c["grad_accum"] * env.get("data_replicas", env["world_size"])
 
 
 def comparability_problems(a: dict, b: dict) -> list[str]:
@@ -102,7 +104,7 @@ def comparability_problems(a: dict, b: dict) -> list[str]:
         if a["env"].get(key) != b["env"].get(key):
             problems.append(f"{key.replace('_sha256', '')} file (different contents)")
     if global_batch(a) != global_batch(b):
-        problems.append(f"global batch (micro-batch x accumulation x world size: {global_batch(a)} vs {global_batch(b)})")
+        problems.append(f"global batch (micro-batch x accumulation x data replicas: {global_batch(a)} vs {global_batch(b)})")
     if len(a["records"]) != len(b["records"]):
         problems.append(f"logged steps ({len(a['records'])} vs {len(b['records'])})")
     return problems
