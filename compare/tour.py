@@ -8,7 +8,8 @@ Step 0 runs as one process accumulating ``grad_accum x nproc`` micro-batches, so
 batches are the distributed steps' global batches. Every distributed step runs under torchrun
 with ``--nproc`` ranks. Then each step is compared with step 1, the PyTorch DDP reference: the
 parity contract must hold for steps 2 and up (bitwise at world size 2 with default flags); the
-tour fails otherwise. Step 0 is compared too, and its difference printed: its micro-batches hold
+tour fails otherwise. Step 9 (pipeline parallelism) runs its --nproc ranks as the stages of ONE replica,
+accumulating 2 x nproc micro-batches like step 0, and must be bitwise equal to step 0. Step 0 is compared too, and its difference printed: its micro-batches hold
 other samples than the ranks' do, so its sums round differently (the README measures it). It also
 says whether a run had a rank consistently slower than the others (compare/stragglers.py): that is
 information, not a failure.
@@ -31,6 +32,11 @@ import stragglers  # noqa: E402
 
 REPO_ROOT = parity.REPO_ROOT
 DEFAULT_GRAD_ACCUM = 2
+
+
+def number(step: str) -> int:
+    """7 for step7_zero3: prefixes would take step10 for step1."""
+    return int(step[4:].split("_")[0])
 
 
 def shown(path: Path) -> Path:
@@ -79,21 +85,28 @@ def main() -> int:
     for step in steps:
         print(f"running {step} ...", end=" ", flush=True)
         started = time.perf_counter()
-        if step.startswith("step0"):  # one process accumulating what nproc ranks accumulate together
+        if number(step) == 0:  # one process accumulating what nproc ranks accumulate together
             run_trainer(step, 0, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
                                   "--out", runs[step], *extra], log_dir / f"{step}.log")
+        elif number(step) == 9:  # nproc stages of ONE replica: it accumulates what nproc replicas do together
+            run_trainer(step, args.nproc, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
+                                           "--out", runs[step], *timeout, *extra], log_dir / f"{step}.log")
         else:
             run_trainer(step, args.nproc, ["--grad-accum", str(DEFAULT_GRAD_ACCUM), "--quiet",
                                            "--out", runs[step], *timeout, *extra], log_dir / f"{step}.log")
         times[step] = time.perf_counter() - started
         print(f"{times[step]:.0f} s")
 
-    reference = next(s for s in steps if s.startswith("step1"))
-    results = {}
+    reference = next(s for s in steps if number(s) == 1)
+    single = next((s for s in steps if number(s) == 0), None)
+    results, against_step0 = {}, {}
     for step in steps:
         if step != reference:
             run_a, run_b, results[step] = parity.check(runs[reference], runs[step])
             print(parity.report(run_a, run_b, results[step], brief=True))
+        if number(step) == 9 and single:  # the pipeline's contract: step 0's sums, in step 0's order
+            run_a, run_b, against_step0[step] = parity.check(runs[single], runs[step])
+            print(parity.report(run_a, run_b, against_step0[step], brief=True))
     # The reference first: the difference panel then shows every step against PyTorch DDP.
     plot = plot_runs([runs[reference]] + [runs[s] for s in steps if s != reference], args.runs_dir / "plots" / "tour.png")
 
@@ -104,10 +117,15 @@ def main() -> int:
         records = metrics["records"]
         if step == reference:
             verdict = "(reference)"
-        elif step.startswith("step0"):
+        elif number(step) in (0, 9):
             # Not a parity check: one process sums its micro-batches in another order (see README).
             verdict = (f"same global batches, other summation order: max abs diff {results[step].max_abs:.1e}, "
                        f"param norm diff {results[step].max_param_norm_diff:.1e}")
+            if step in against_step0:  # one pipeline sums as one process: bitwise equal to step 0
+                bitwise = against_step0[step].passed and against_step0[step].bitwise
+                all_passed &= bitwise  # at any --nproc, with any flags: no sum changes order
+                verdict = (f"vs {single}: {parity.verdict(against_step0[step])}"
+                           f"{'' if bitwise else '  <-- expected bitwise identical'}; {verdict}")
         else:
             verdict = parity.verdict(results[step])
             must_be_bitwise = args.nproc == 2 and not extra

@@ -202,6 +202,10 @@ CASES = {
     "nccl-without-gpus": lambda s: trainer("step1", "--backend", "nccl", ranks=2, env=NO_GPU),
     "cuda-without-gpu": lambda s: trainer("step0", "--device", "cuda", env=NO_GPU),
     "fp16-cannot-run": lambda s: simulated("a build without fp16 on the CPU", "step0", "--amp", "fp16"),
+    "pipeline-more-stages-than-blocks": lambda s: trainer("step9", "--n-layer", "2", ranks=4),
+    "pipeline-micro-batches": lambda s: trainer("step9", "--grad-accum", "4", "--micro-batches", "3", ranks=2),
+    "pipeline-schedule": lambda s: trainer("step9", "--schedule", "zb", ranks=2),
+    "pipeline-fp16": lambda s: trainer("step9", "--amp", "fp16", ranks=2),
     "world-larger-than-data": lambda s: trainer("step1", *s.tiny[-2:], ranks=5000),
     "ranks-without-a-step": lambda s: trainer("step1", *s.tiny[-2:], "--micro-batch-size", "64", ranks=64),
     "step0-under-torchrun": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
@@ -209,7 +213,7 @@ CASES = {
     "memory-budget-too-small": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
                                                  "--max-memory-mb", "1"),
     # ---- runs given to the compare/ tools
-    "unknown-step": lambda s: tool("parity.py", s.run(), "step9"),
+    "unknown-step": lambda s: tool("parity.py", s.run(), "step99"),
     "not-a-run": lambda s: tool("parity.py", s.run(), s.notes().parent),
     "metrics-cut-short": lambda s: tool("parity.py", s.run(), s.run("other", damage=cut_short("metrics.json", 500))),
     "metrics-not-metrics": lambda s: tool("parity.py", s.run(), s.run("other", damage=write("metrics.json", b"[1, 2]"))),
@@ -246,7 +250,7 @@ CASES = {
     "estimate-world-sizes": lambda s: tool("estimate.py", "--world-sizes", "two"),
     "peak-profiled-steps": lambda s: tool("peak_memory.py", "--profiled-steps", "0"),
     "bench-strategies": lambda s: tool("bench.py", "--strategies", "zero4"),
-    "bench-checkpoint-step": lambda s: tool("bench_checkpoint.py", "--step", "step9"),
+    "bench-checkpoint-step": lambda s: tool("bench_checkpoint.py", "--step", "step99"),
     "collectives-without-torchrun": lambda s: tool("bench_collectives.py"),
     "step-diffs-markers": lambda s: tool("step_diffs.py", "--readme", s.notes()),
 }
