@@ -1,5 +1,5 @@
-"""How big is each new idea? For every pair of adjacent step folders: the files added and removed,
-and how many lines of train.py changed.
+"""How big is each new idea? For every step folder and the one before it (a model-parallel step: and its base
+data-parallel step instead, ``BASES``): the files added and removed, and how many lines of train.py changed.
 
     python compare/step_diffs.py           # print the table; exit 1 if README.md's copy is stale
     python compare/step_diffs.py --write   # rewrite the table in README.md
@@ -18,12 +18,18 @@ from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- step-diffs:start -->", "<!-- step-diffs:end -->"
+# The model-parallel steps are a second axis: each grows from a data-parallel step, not from the step before it.
+# step 9 (pipeline parallelism) from step 3: its train.py is step 3's loop with the stages in place of the replicas.
+BASES = {9: 3}
+
+
+def number(folder: Path) -> int:
+    return int(folder.name[4:].split("_")[0])
 
 
 def step_folders() -> list[Path]:
     """Every step folder that holds at least one file, in step order."""
-    return sorted((p for p in REPO_ROOT.glob("step[0-9]_*") if p.is_dir() and files_of(p)),
-                  key=lambda p: int(p.name[4:].split("_")[0]))
+    return sorted((p for p in REPO_ROOT.glob("step[0-9]*_*") if p.is_dir() and files_of(p)), key=number)
 
 
 def files_of(folder: Path) -> set[str]:
@@ -46,7 +52,9 @@ def table() -> str:
 
     rows = ["| from -> to | files added | files removed | `train.py` lines changed (+ / -) |", "|---|---|---|---|"]
     folders = step_folders()
-    for a, b in zip(folders, folders[1:]):
+    by_number = {number(f): f for f in folders}
+    for previous, b in zip(folders, folders[1:]):
+        a = by_number.get(BASES.get(number(b)), previous)  # a model-parallel step: from its base
         fa, fb = files_of(a), files_of(b)
         added, removed = changed_lines(a / "train.py", b / "train.py")
         rows.append(f"| `{a.name}` -> `{b.name}` | {names(fb - fa)} | {names(fa - fb)} | "
