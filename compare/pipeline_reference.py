@@ -71,6 +71,10 @@ def worker(rank: int, args, port: int, queue) -> None:
         named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]
         return stage, named, make_optimizer(named, config)
 
+    def step_builtin(schedule, inputs, targets):
+        """PyTorch's schedules take the whole batch on the first stage and the targets on the last."""
+        schedule.step(*([inputs] if first else []), **({"target": targets} if last else {}))
+
     report = {}
     for schedule in args.schedules:
         theirs, their_named, their_optimizer = fresh_stage()
@@ -88,12 +92,7 @@ def worker(rank: int, args, port: int, queue) -> None:
             inputs, targets = data[step, :, :-1], data[step, :, 1:]
             # PyTorch's: the whole batch in, split into M micro-batches of B consecutive samples.
             halves.clear()
-            if first:
-                their_schedule.step(inputs, **({"target": targets} if last else {}))
-            elif last:
-                their_schedule.step(target=targets)
-            else:
-                their_schedule.step()
+            step_builtin(their_schedule, inputs, targets)
             if theirs.tied_parameter is not None:  # one process's order: (a_i + b_i), accumulated in order
                 mine = halves[:]
                 other = [torch.empty_like(h) for h in mine]
@@ -126,13 +125,8 @@ def worker(rank: int, args, port: int, queue) -> None:
         # The trap: PyTorch's default scale_grads=True (sum, then divide by M), one step, against ours.
         default, default_named, _ = fresh_stage()
         default_schedule = schedule_cls(PipelineStage(default, rank, P, torch.device("cpu")), M, loss_fn=loss_of)
+        step_builtin(default_schedule, data[0, :, :-1], data[0, :, 1:])
         inputs, targets = data[0, :, :-1], data[0, :, 1:]
-        if first:
-            default_schedule.step(inputs, **({"target": targets} if last else {}))
-        elif last:
-            default_schedule.step(target=targets)
-        else:
-            default_schedule.step()
         ours2, our_named2, _ = fresh_stage()
         pipe2 = Pipeline(ours2, rank, P, (B, args.seq_len, args.n_embd), loss_fn=loss_of, schedule=schedule)
         pipe2.run(M, list(inputs.split(B)), list(targets.split(B)), loss_scale=M)  # untied halves, as theirs

@@ -110,7 +110,7 @@ def main() -> int:
     # The reference first: the difference panel then shows every step against PyTorch DDP.
     plot = plot_runs([runs[reference]] + [runs[s] for s in steps if s != reference], args.runs_dir / "plots" / "tour.png")
 
-    print(f"\n{'step':<22} {'ranks':>5} {'time':>6} {'final loss':>10} {'tok/s':>8}  parity vs {reference}")
+    print(f"\n{'step':<24} {'ranks':>5} {'time':>6} {'final loss':>10} {'tok/s':>8}  parity vs {reference}")
     all_passed = True
     for step in steps:
         _, metrics = parity.load_run(runs[step])
@@ -132,7 +132,7 @@ def main() -> int:
             if not results[step].passed or (must_be_bitwise and not results[step].bitwise):
                 all_passed = False
                 verdict += "  <-- expected bitwise identical" if results[step].passed else ""
-        print(f"{step:<22} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s {records[-1]['loss']:>10.4f} "
+        print(f"{step:<24} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s {records[-1]['loss']:>10.4f} "
               f"{statistics.median(r['tokens_per_s'] for r in records):>8,.0f}  {verdict}")
     # Informational, never a failure: the per-rank CPU time of every step (compare/stragglers.py).
     flagged = []
