@@ -3,6 +3,7 @@ on the same stages: are the gradients and the weights the same bits?
 
     python compare/pipeline_reference.py                                  # 2 stages, gpipe and 1f1b, M = 3
     python compare/pipeline_reference.py --stages 4 --micro-batches 8 --steps 3
+    python compare/pipeline_reference.py --steps 20 --n-embd 128 --seq-len 64 --micro-batch-size 8   # + times
 
 It starts ``--stages`` processes (gloo, CPU, one thread each), builds our GPT-2 in each (the same weights: every
 parameter is a function of its name), cuts it into the same stages with ``GPT2Stage``, and trains ``--steps``
@@ -27,7 +28,9 @@ other stages' draws to draw one process's masks; step 9's tests check that again
 import argparse
 import os
 import socket
+import statistics
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -87,11 +90,13 @@ def worker(rank: int, args, port: int, queue) -> None:
         their_schedule = schedule_cls(builtin, M, loss_fn=lambda out, y: loss_of(out, y) / M, scale_grads=False)
         pipe = Pipeline(ours, rank, P, (B, args.seq_len, args.n_embd), loss_fn=loss_of,
                         tied_parameter=ours.tied_parameter, schedule=schedule)
-        differing, tie_naive_diff = [], 0.0
+        differing, tie_naive_diff, times = [], 0.0, {"theirs": [], "ours": []}
         for step in range(args.steps):
             inputs, targets = data[step, :, :-1], data[step, :, 1:]
             # PyTorch's: the whole batch in, split into M micro-batches of B consecutive samples.
             halves.clear()
+            dist.barrier()  # both timed from the same start on every stage
+            started = time.perf_counter()
             step_builtin(their_schedule, inputs, targets)
             if theirs.tied_parameter is not None:  # one process's order: (a_i + b_i), accumulated in order
                 mine = halves[:]
@@ -109,9 +114,13 @@ def worker(rank: int, args, port: int, queue) -> None:
                 naive_output = sum(o for _, o in pairs) if len(pairs) > 1 else pairs[0][1]
                 tie_naive_diff = max(tie_naive_diff, (naive + naive_output - combined).abs().max().item())
                 theirs.tied_parameter.grad = combined
+            times["theirs"].append(time.perf_counter() - started)
+            dist.barrier()
+            started = time.perf_counter()
             # Ours: the same micro-batches.
             pipe.run(M, list(inputs.split(B)), list(targets.split(B)), loss_scale=M)
             pipe.finish_gradient_synchronization()
+            times["ours"].append(time.perf_counter() - started)
             differing += [f"step {step + 1} grad {n}" for (n, a), (_, b) in zip(their_named, our_named)
                           if not torch.equal(a.grad, b.grad)]
             their_optimizer.step()
@@ -120,7 +129,8 @@ def worker(rank: int, args, port: int, queue) -> None:
             our_optimizer.zero_grad(set_to_none=True)
             differing += [f"step {step + 1} weight {n}" for (n, a), (_, b) in zip(their_named, our_named)
                           if not torch.equal(a, b)]
-        report[schedule] = {"tensors": len(our_named), "differing": differing, "tie_naive_diff": tie_naive_diff}
+        report[schedule] = {"tensors": len(our_named), "differing": differing, "tie_naive_diff": tie_naive_diff,
+                            "times": times}
 
         # The trap: PyTorch's default scale_grads=True (sum, then divide by M), one step, against ours.
         default, default_named, _ = fresh_stage()
@@ -190,6 +200,18 @@ def main() -> int:
         print(f"        with their default scale_grads=True: max abs gradient diff {scale:.1e}"
               f"{' (M is a power of two: exact)' if scale == 0 else ''}; the tied embedding's two accumulated halves "
               f"added once per step: max abs diff {tie:.1e}")
+    if args.steps >= 3:  # forward + backward of one step, every stage starting together (rank 0's clock)
+        print("time per step (forward and backward of all micro-batches, tie included; median, min-max over steps "
+              "after the first):")
+        for schedule in args.schedules:
+            t = {who: reports[0][schedule]["times"][who][1:] for who in ("theirs", "ours")}
+            ratios = [o / b for o, b in zip(t["ours"], t["theirs"])]
+            print(f"  {schedule:<5} ours {statistics.median(t['ours']) * 1e3:6.1f} ms, torch.distributed.pipelining "
+                  f"{statistics.median(t['theirs']) * 1e3:6.1f} ms: ours / theirs {statistics.median(ratios):.2f} "
+                  f"({min(ratios):.2f}-{max(ratios):.2f})")
+        if len(args.schedules) == 2:
+            g, f = (reports[0][s]["times"]["ours"][1:] for s in ("gpipe", "1f1b"))
+            print(f"  ours: 1f1b / gpipe {statistics.median(f) / statistics.median(g):.2f}")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
