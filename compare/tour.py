@@ -9,7 +9,8 @@ batches are the distributed steps' global batches. Every distributed step runs u
 with ``--nproc`` ranks. Then each step is compared with step 1, the PyTorch DDP reference: the
 parity contract must hold for steps 2 and up (bitwise at world size 2 with default flags); the
 tour fails otherwise. Step 9 (pipeline parallelism) runs its --nproc ranks as the stages of ONE replica,
-accumulating 2 x nproc micro-batches like step 0, and must be bitwise equal to step 0. Step 0 is compared too, and its difference printed: its micro-batches hold
+accumulating 2 x nproc micro-batches like step 0, and must be bitwise equal to step 0. Step 0 is compared
+too, and its difference printed: its micro-batches hold
 other samples than the ranks' do, so its sums round differently (the README measures it). It also
 says whether a run had a rank consistently slower than the others (compare/stragglers.py): that is
 information, not a failure.

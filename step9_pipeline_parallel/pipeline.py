@@ -73,7 +73,8 @@ class GPT2Stage(nn.Module):
         self.transformer = nn.Module()
         if self.is_first:
             self.transformer.wte, self.transformer.wpe, self.transformer.drop = source.wte, source.wpe, source.drop
-        self.transformer.h = nn.ModuleDict({str(i): source.h[i] for i in stage_blocks(len(source.h), num_stages)[stage]})
+        blocks = stage_blocks(len(source.h), num_stages)[stage]
+        self.transformer.h = nn.ModuleDict({str(i): source.h[i] for i in blocks})
         tied = None
         if self.is_last:
             self.transformer.ln_f = source.ln_f
@@ -185,7 +186,8 @@ class Pipeline:
 
     ``run(micro_batches, inputs, targets, loss_scale)`` runs the forwards and backwards of that many
     micro-batches (the first stage reads the list ``inputs``, the last ``targets``; the others pass neither)
-    and returns the last stage's losses (undivided). Gradients accumulate in ``.grad`` across calls, as with ``backward()``;
+    and returns the last stage's losses (undivided). Gradients accumulate in ``.grad`` across calls, as with
+    ``backward()``;
     ``finish_gradient_synchronization()`` is the single sync point before the optimiser step.
     """
 

@@ -68,8 +68,8 @@ def write_trace(timeline: list, stage: int, num_stages: int, out_dir: Path) -> N
     ax.set_yticks(range(num_stages), [f"stage {s}\nidle {f:.0%}" for s, f in enumerate(idle)])
     ax.invert_yaxis()
     ax.set_xlabel("time since the step's first event (ms)")
-    ax.set_title(f"{num_stages} stages, {micro_batches} micro-batches: forward (blue), backward (green) by micro-batch; "
-                 f"receive waits (red), sends (orange); ideal bubble {ideal:.0%}", fontsize=9)
+    ax.set_title(f"{num_stages} stages, {micro_batches} micro-batches: forward (blue), backward (green) "
+                 f"by micro-batch; receive waits (red), sends (orange); ideal bubble {ideal:.0%}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out_dir / "pipeline.png")
     plt.close(fig)

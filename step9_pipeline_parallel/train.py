@@ -75,7 +75,7 @@ def main():
     resumed = open_checkpoint(resume_from, config, 1, world.is_main) if resume_from else None
     distributed.join(world, config["timeout_s"])
     device, stage_index, num_stages = world.device, world.rank, world.world_size
-    is_first, is_last = stage_index == 0, stage_index == num_stages - 1
+    is_last = stage_index == num_stages - 1
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # One replica: every stage draws the same micro-batches, step 0's (the first reads the inputs, the last
