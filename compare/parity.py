@@ -39,7 +39,9 @@ TRAINING_KEYS = (
 
 
 def step_folders() -> list[str]:
-    return sorted(p.name for p in REPO_ROOT.glob("step[0-9]_*") if (p / "train.py").is_file())
+    """Every step folder with a trainer, by step number (step10 after step9, not after step1)."""
+    return sorted((p.name for p in REPO_ROOT.glob("step[0-9]*_*") if (p / "train.py").is_file()),
+                  key=lambda name: int(name[4:].split("_")[0]))
 
 
 def resolve_run(name: str) -> Path:

@@ -18,7 +18,7 @@ sys.path[:0] = [str(REPO / "compare"), str(REPO / "common")]  # launch.py import
 from launch import trainer_command  # noqa: E402
 import distributed  # noqa: E402  (common/distributed.py: workers join and leave the way the trainers do)
 
-STEPS = {p.name.split("_")[0]: p.name for p in REPO.glob("step[0-9]_*") if (p / "train.py").is_file()}
+STEPS = {p.name.split("_")[0]: p.name for p in REPO.glob("step[0-9]*_*") if (p / "train.py").is_file()}
 
 # Small enough that a world-size-2 run takes a few seconds, big enough that clipping, accumulation
 # and several buckets all happen. --grad-clip 0.3 sits below the early gradient norms (~1-3).
