@@ -20,8 +20,6 @@ from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- step-diffs:start -->", "<!-- step-diffs:end -->"
-
-
 def step_folders() -> list[Path]:
     """Every step folder that holds at least one file, in step order (step10 after step9)."""
     return sorted((p for p in REPO_ROOT.glob("step*_*") if re.fullmatch(r"step\d+_\w+", p.name) and p.is_dir()

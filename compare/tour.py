@@ -11,9 +11,10 @@ parity contract must hold for steps 2 and up (bitwise at world size 2 with defau
 tour fails otherwise. Step 0 is compared too, and its difference printed: its micro-batches hold
 other samples than the ranks' do, so its sums round differently (the README measures it). Steps 8 and
 up split the model, not the batch: their ``--nproc`` ranks share one stream of micro-batches,
-accumulating ``grad_accum x nproc`` of them as step 0 does, and sum inside each layer in another
-order than step 1; their difference is printed the same way (the first step's loss and gradient norm
-relative to step 1's, and the drift), and a step whose heads ``--nproc`` does not divide is skipped. It also
+accumulating ``grad_accum x nproc`` of them as step 0 does. Step 9 (pipeline parallelism) changes no
+sum, so it must be bitwise equal to step 0. Step 8 (tensor parallelism) sums inside each layer in another
+order than step 1; its difference is printed the same way (the first step's loss and gradient norm
+relative to step 1's, and the drift), and it is skipped when ``--nproc`` does not divide its heads. It also
 says whether a run had a rank consistently slower than the others (compare/stragglers.py): that is
 information, not a failure.
 Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see --runs-dir).
@@ -35,6 +36,11 @@ import stragglers  # noqa: E402
 
 REPO_ROOT = parity.REPO_ROOT
 DEFAULT_GRAD_ACCUM = 2
+
+
+def number(step: str) -> int:
+    """7 for step7_zero3: prefixes would take step10 for step1."""
+    return int(step[4:].split("_")[0])
 
 
 def shown(path: Path) -> Path:
@@ -59,8 +65,12 @@ def check_the_data_feeds(nproc: int, extra: list[str]) -> tuple[dict, int]:
     return config, corpus.vocab_size
 
 
+SPLITS_HEADS = {8}  # tensor parallelism: --nproc must divide the heads and the vocabulary
+
+
 def splits_the_model(step: str) -> bool:
-    return parity.step_number(step) >= parity.MODEL_PARALLEL_FROM
+    """Steps 8 and up: their ranks share one stream of micro-batches (model parallelism, not data)."""
+    return number(step) >= parity.MODEL_PARALLEL_FROM
 
 
 def other_order(result, run_a: dict, run_b: dict) -> str:
@@ -91,7 +101,7 @@ def main() -> int:
     config, vocab_size = check_the_data_feeds(args.nproc, extra)
     steps, skipped = [], []
     for step in parity.step_folders():
-        if splits_the_model(step) and (config["n_head"] % args.nproc or vocab_size % args.nproc):
+        if number(step) in SPLITS_HEADS and (config["n_head"] % args.nproc or vocab_size % args.nproc):
             skipped.append(f"{step} (splits {config['n_head']} heads and {vocab_size} tokens: "
                            "--nproc must divide both)")
         else:
@@ -103,7 +113,7 @@ def main() -> int:
     for step in steps:
         print(f"running {step} ...", end=" ", flush=True)
         started = time.perf_counter()
-        if step.startswith("step0"):  # one process accumulating what nproc ranks accumulate together
+        if number(step) == 0:  # one process accumulating what nproc ranks accumulate together
             run_trainer(step, 0, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
                                   "--out", runs[step], *extra], log_dir / f"{step}.log")
         elif splits_the_model(step):  # nproc ranks share one stream of micro-batches, as step 0's process
@@ -115,26 +125,35 @@ def main() -> int:
         times[step] = time.perf_counter() - started
         print(f"{times[step]:.0f} s")
 
-    reference = next(s for s in steps if s.startswith("step1"))
-    results = {}
+    reference = next(s for s in steps if number(s) == 1)
+    single = next((s for s in steps if number(s) == 0), None)
+    results, against_step0 = {}, {}
     for step in steps:
         if step != reference:
             run_a, run_b, results[step] = parity.check(runs[reference], runs[step])
             print(parity.report(run_a, run_b, results[step], brief=True))
+        if number(step) == 9 and single:  # the pipeline's contract: step 0's sums, in step 0's order
+            run_a, run_b, against_step0[step] = parity.check(runs[single], runs[step])
+            print(parity.report(run_a, run_b, against_step0[step], brief=True))
     # The reference first: the difference panel then shows every step against PyTorch DDP.
     plot = plot_runs([runs[reference]] + [runs[s] for s in steps if s != reference], args.runs_dir / "plots" / "tour.png")
 
-    print(f"\n{'step':<22} {'ranks':>5} {'time':>6} {'final loss':>10} {'tok/s':>8}  parity vs {reference}")
+    print(f"\n{'step':<24} {'ranks':>5} {'time':>6} {'final loss':>10} {'tok/s':>8}  parity vs {reference}")
     all_passed = True
     for step in steps:
         _, metrics = parity.load_run(runs[step])
         records = metrics["records"]
         if step == reference:
             verdict = "(reference)"
-        elif step.startswith("step0"):
+        elif number(step) in (0, 9):
             # Not a parity check: one process sums its micro-batches in another order (see README).
             verdict = (f"same global batches, other summation order: max abs diff {results[step].max_abs:.1e}, "
                        f"param norm diff {results[step].max_param_norm_diff:.1e}")
+            if step in against_step0:  # one pipeline sums as one process: bitwise equal to step 0
+                bitwise = against_step0[step].passed and against_step0[step].bitwise
+                all_passed &= bitwise  # at any --nproc, with any flags: no sum changes order
+                verdict = (f"vs {single}: {parity.verdict(against_step0[step])}"
+                           f"{'' if bitwise else '  <-- expected bitwise identical'}; {verdict}")
         elif splits_the_model(step):
             # Not a parity check against step 1 either: the layers sum their products in another order
             # (the step's README; its bitwise check is against PyTorch's own implementation).
@@ -145,7 +164,7 @@ def main() -> int:
             if not results[step].passed or (must_be_bitwise and not results[step].bitwise):
                 all_passed = False
                 verdict += "  <-- expected bitwise identical" if results[step].passed else ""
-        print(f"{step:<22} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s {records[-1]['loss']:>10.4f} "
+        print(f"{step:<24} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s {records[-1]['loss']:>10.4f} "
               f"{statistics.median(r['tokens_per_s'] for r in records):>8,.0f}  {verdict}")
     # Informational, never a failure: the per-rank CPU time of every step (compare/stragglers.py).
     flagged = []

@@ -1,0 +1,241 @@
+"""Step 9: pipeline parallelism, written by hand (pipeline.py): the model cut into stages, one per rank.
+
+Grown from step 3's train.py, but the ranks no longer hold copies of the model: rank s holds stage s
+(consecutive blocks; the embedding with the first stage, the final norm and output layer with the
+last), and all ranks together are ONE replica. Every rank reads the same micro-batches (one data
+stream, as step 0's); each optimiser step pushes ``--grad-accum`` micro-batches through the pipeline,
+``--micro-batches`` at a time, by ``--schedule gpipe|1f1b``. Each stage steps its own parameters. The
+run must be bitwise identical to step 0 with the same --micro-batch-size and --grad-accum.
+
+    torchrun --standalone --nproc_per_node=2 step9_pipeline_parallel/train.py --grad-accum 4
+    python step0_single_gpu/train.py --grad-accum 4 && python compare/parity.py step0 step9
+"""
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import distributed
+from comm_accounting import take_comm_bytes
+from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
+                        open_checkpoint, optimizer_slices)
+from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
+from data import MicroBatches, check_enough_data, load_corpus
+from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
+from model import build_model
+from pipeline import SCHEDULES, GPT2Stage, Pipeline, record_random_ops
+from sampler import ShardedSampler
+from seeding import rng_state, seed_everything
+from training import (autocast, check_amp, clip_to_norm, make_grad_scaler, make_optimizer, make_scheduler,
+                      norm_from_parts, square_sum_parts)
+
+STEP = Path(__file__).resolve().parent.name
+
+
+def add_pipeline_flags(parser) -> None:
+    flags = parser.add_argument_group("pipeline")
+    flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                       help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward (less memory)")
+    flags.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                       help="micro-batches in the pipeline at once (default: --grad-accum, one pipeline flush per "
+                            "optimiser step); --grad-accum must be a multiple of it")
+    flags.add_argument("--trace", action="store_true",
+                       help="write each stage's timeline of the last step (trace_stage<s>.json, pipeline.png)")
+
+
+def check_pipeline(config: dict, num_stages: int) -> int:
+    """The pipeline's own mistakes, before anything is connected; returns M."""
+    if num_stages > config["n_layer"]:
+        raise UserError(f"{num_stages} stages (one per rank) but the model has {config['n_layer']} blocks: every stage "
+                        f"needs at least one; use at most {config['n_layer']} ranks or a larger --n-layer")
+    micro_batches = config["micro_batches"] or config["grad_accum"]
+    if micro_batches < 1 or config["grad_accum"] % micro_batches:
+        raise UserError(f"--micro-batches {micro_batches} does not divide --grad-accum {config['grad_accum']} (the "
+                        "micro-batches of an optimiser step): use a divisor of it, or leave it out")
+    if config["amp"] == "fp16":  # the gradient scaler's overflow verdict would have to be agreed between stages
+        raise UserError("--amp fp16 is not supported by step 9 (its loss scaling would need every stage to agree "
+                        "on overflow): use --amp bf16 or --amp none")
+    return micro_batches
+
+
+def main():
+    # ---- everything that can be wrong is checked before anything is written or connected -----
+    parser = build_parser(STEP)
+    distributed.add_flags(parser)
+    add_pipeline_flags(parser)
+    config = parse_config(parser)
+    world = distributed.plan_world(config)
+    micro_batches = check_pipeline(config, world.world_size)
+    check_amp(config["amp"], world.device)
+    seed_everything(config["seed"])
+    corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
+    check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
+    resume_from = find_checkpoint(config["resume"], config["out"])
+    # One pipeline is one data replica: its checkpoints read and write as step 0's (world size 1).
+    resumed = open_checkpoint(resume_from, config, 1, world.is_main) if resume_from else None
+    distributed.join(world, config["timeout_s"])
+    device, stage_index, num_stages = world.device, world.rank, world.world_size
+    is_last = stage_index == num_stages - 1
+
+    # ---- data, model, optimiser ----------------------------------------------------------------
+    # One replica: every stage draws the same micro-batches, step 0's (the first reads the inputs, the last
+    # the targets).
+    sampler = ShardedSampler(len(corpus.blocks), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
+    batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
+    # Every rank builds the whole model (each parameter is a pure function of its name) and keeps its stage.
+    model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    stages = [GPT2Stage(model, s, num_stages) for s in range(num_stages)]
+    context = lambda: autocast(config["amp"], device)  # noqa: E731
+    example = batches.blocks[:config["micro_batch_size"], :-1].to(device)
+    random_ops = record_random_ops(stages, example, context) if config["dropout"] > 0 else None
+    stage = stages[stage_index]
+    del model, stages
+    # The model's names, the tied copy on the last stage under the embedding's: what checkpoints speak of.
+    named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]
+    pipe = Pipeline(stage, stage_index, num_stages,
+                    activation_shape=(config["micro_batch_size"], config["seq_len"], config["n_embd"]),
+                    loss_fn=lambda logits, targets: torch.nn.functional.cross_entropy(
+                        logits.float().flatten(0, 1), targets.flatten()),  # model.language_model_loss's
+                    tied_parameter=stage.tied_parameter, schedule=config["schedule"], context=context,
+                    random_ops=random_ops, device=device)
+    optimizer = make_optimizer(named, config)
+    scheduler = make_scheduler(optimizer, config)
+    scaler = make_grad_scaler(config, device)  # disabled (no fp16 here): kept for the checkpoint's format
+
+    start_step, records = 0, []
+    if resumed:
+        load_parameters(named, resumed)  # by name: the stage boundaries may have moved
+        load_optimizer(optimizer, resumed, optimizer_slices(optimizer, named))
+        start_step, records = resumed.restore(scheduler, scaler, batches, 0, 1)  # RNG last: one stream for all
+        if world.is_main:
+            print(f"resumed from {resume_from} at step {start_step}")
+    elif world.is_main:
+        clear_checkpoints(config["out"])
+
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
+                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env.update(pipeline_stages=num_stages, data_parallel_size=1)  # compare/parity.py: the global batch is one replica's
+    log = RunLog(config, env, is_writer=world.is_main, records=records)
+    writer = CheckpointWriter(config, world.rank, 1, shapes)
+    accum = config["grad_accum"]
+    tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
+
+    # ---- the training loop ---------------------------------------------------------------------
+    for step in range(start_step, config["steps"]):
+        clock = StepClock()  # this rank's wall and CPU time for the step
+        lr = scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        if config["trace"] and step == config["steps"] - 1:
+            pipe.timeline = []  # the last step's forwards, backwards, sends and receives
+        for micro_step in range(0, accum, micro_batches):  # one pipeline flush: micro_batches micro-batches
+            inputs, targets = zip(*(batches.next() for _ in range(micro_batches)))
+            losses = pipe.run(micro_batches, [x.to(device) for x in inputs], [y.to(device) for y in targets],
+                              loss_scale=accum)  # each loss / accum before its backward, as in step 0
+            for loss in losses:  # the last stage's; in micro-batch order, as step 0 adds them
+                loss_sum += loss
+        pipe.finish_gradient_synchronization()  # the tied embedding's gradient, and every send waited
+
+        scaler.unscale_(optimizer)
+        grad_norm = clip_pipeline_gradients(named, config["grad_clip"])  # one norm from every stage's gradients
+        scaler.step(optimizer)  # each stage steps its own parameters (both copies of the tie step alike)
+        scaler.update()
+        scheduler.step()
+        memory = memory_stats(stage.parameters(), optimizer, device)  # before zero_grad frees the grads
+        memory["micro_batches_in_flight"] = pipe.take_peak_in_flight()
+        optimizer.zero_grad(set_to_none=True)
+
+        # The logged loss is computed where the losses are, on the last stage, and sent to everyone.
+        loss_mean = torch.tensor((loss_sum / accum).item() if is_last else 0.0, dtype=torch.float64)
+        dist.broadcast(loss_mean, src=num_stages - 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
+        step_time = clock.stop()  # before the logging's own work and collectives
+        log.log({
+            "step": step + 1,
+            "loss": loss_mean.item(),
+            "grad_norm": grad_norm.item(),
+            "param_norm": pipeline_param_norm(named),
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / step_time["wall_s"],
+            "effective_batch_size": config["micro_batch_size"] * accum,
+            "epoch": batches.epoch,
+            # one entry per stage; comm: the bytes each stage sent, by kind
+            **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=take_comm_bytes()),
+        })
+        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+            shared = {"step": step + 1, **gather_full_state(named, optimizer, world.is_main),
+                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "data": batches.state_dict(), "records": log.records}
+            writer.save(step + 1, shared, {"rng": rng_state()})  # every stage's RNG is the same stream
+
+    writer.wait()  # the last checkpoint is whole on disk before the run says it is done
+    full = gather_full_state(named, None, world.is_main).get("model")
+    norm = pipeline_param_norm(named)
+    if pipe.timeline is not None:
+        from pipeline_trace import write_trace  # operations code, read it after the lesson
+        write_trace(pipe.timeline, stage_index, num_stages, Path(config["out"]))
+    if world.is_main:
+        final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
+        final["param_norm"] = norm
+        log.write(final)
+        print(f"done: {config['steps']} steps on {num_stages} pipeline stages ({world.backend}, "
+              f"{config['schedule']}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+    distributed.shutdown()
+
+
+def owned(named: list) -> list:
+    """This stage's share of the model's parameters: the tied embedding once, on the first stage."""
+    first = dist.get_rank() == 0
+    return [(n, p) for n, p in named if n != "transformer.wte.weight" or first]
+
+
+def clip_pipeline_gradients(named: list, max_norm: float) -> torch.Tensor:
+    """``training.clip_gradients`` across stages, bit for bit: every stage's per-tensor sums of squares (float64)
+    are gathered, then added in the model's order, as one process adds them; each stage scales its own."""
+    squares = [p.grad.detach().double().pow(2).sum().item() for _, p in owned(named) if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float64)
+    for value in [v for stage_squares in distributed.gather_from_every_rank(squares) for v in stage_squares]:
+        total = total + torch.tensor(value, dtype=torch.float64)
+    norm = total.sqrt().float()
+    clip_to_norm([p.grad for _, p in named if p.grad is not None], norm, max_norm)
+    return norm
+
+
+def pipeline_param_norm(named: list) -> float:
+    """``training.param_norm`` of the whole model: exact integer parts, added across stages (exactly)."""
+    parts = square_sum_parts(p for _, p in owned(named))
+    dist.all_reduce(parts)
+    return norm_from_parts(parts)
+
+
+def gather_full_state(named: list, optimizer, is_main: bool) -> dict:
+    """On rank 0: the whole model by name (``model``) and, given an ``optimizer``, AdamW's state as one process
+    would hold it (``optimizer`` and ``optimizer_slices``, the tied embedding's state taken once). Others: {}."""
+    mine = {"model": {n: p.detach().cpu() for n, p in owned(named)}}
+    if optimizer is not None:
+        mine.update(optimizer=optimizer.state_dict(), optimizer_slices=optimizer_slices(optimizer, named))
+    everyone = distributed.gather_from_every_rank(mine)
+    if not is_main:
+        return {}
+    full = {"model": {n: t for stage in everyone for n, t in stage["model"].items()}}
+    if optimizer is not None:
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
+                  for g in everyone[0]["optimizer"]["param_groups"]]
+        state, slices = {}, []
+        for stage in everyone:
+            for group, stage_group in zip(groups, stage["optimizer"]["param_groups"]):
+                for i in stage_group["params"]:
+                    if any(s[0] == stage["optimizer_slices"][i][0] for s in slices):
+                        continue  # the tied embedding's second copy: the same state as the first
+                    if i in stage["optimizer"]["state"]:
+                        state[len(slices)] = stage["optimizer"]["state"][i]
+                    group["params"].append(len(slices))
+                    slices.append(stage["optimizer_slices"][i])
+        full.update(optimizer={"state": state, "param_groups": groups}, optimizer_slices=slices)
+    return full
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)
