@@ -1,0 +1,108 @@
+"""Activations per rank under tensor parallelism: what step 8 shrinks, and what it does not.
+
+    python compare/activations.py                   # TP = 1, 2, 4 on the default model, one micro-batch
+    python compare/activations.py --tp 1 2 --n-layer 4 --seq-len 128
+
+Autograd keeps tensors from forward for backward: the activations. This counts them exactly, as the
+forward of one micro-batch saves them (``torch.autograd.graph.saved_tensors_hooks``; each storage once,
+the parameters left out), on every rank of step 8's model at each TP degree, in spawned gloo processes
+(TP = 1 is the whole model: one data-parallel rank's activations). Printed: the bytes each rank saves, the
+part every rank holds identically (the residual stream, the LayerNorms' inputs and outputs, the token ids:
+replicated, found by comparing the ranks' tensors), and the rest (q, k, v, the attention scores, the MLP's
+4h, the logits), which tensor parallelism splits 1/T.
+"""
+import argparse
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "step8_tensor_parallel")]
+from config import OneLineParser, UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
+
+
+class SavedActivations:
+    """The tensors autograd saves for backward while it is active, each storage once: (bytes, fingerprint)."""
+
+    def __init__(self, params):
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.seen, self.saved = set(), []
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.skip | self.seen:
+            self.seen.add(storage.data_ptr())
+            fingerprint = (tuple(tensor.shape), tensor.detach().double().sum().item())
+            self.saved.append((storage.nbytes(), fingerprint))
+        return tensor
+
+
+def measure(rank: int, world_size: int, port: int, config: dict, queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    from model import build_model
+    from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
+    vocab = 2048
+    model = parallelize_gpt2(build_model(config, vocab, config["seed"]))
+    b, s = config["micro_batch_size"], config["seq_len"]
+    inputs = torch.randint(0, vocab, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    counter = SavedActivations(model.parameters())
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor):
+        logits = model(input_ids=inputs[:, :-1]).logits
+        loss = vocab_parallel_cross_entropy(logits.float().flatten(0, 1), inputs[:, 1:].flatten())
+    loss.backward()
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, counter.saved)  # every rank runs the same graph: the same order
+    same = [len({theirs[i][1] for theirs in everyone}) == 1 for i in range(len(counter.saved))]
+    replicated = sum(nbytes for (nbytes, _), alike in zip(counter.saved, same) if alike)
+    queue.put((rank, sum(nbytes for nbytes, _ in counter.saved), replicated))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(world_size: int, config: dict) -> list[tuple]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=measure, args=(r, world_size, port, config, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"a measuring process failed: exit codes {[p.exitcode for p in procs]}")
+    return results
+
+
+def main() -> int:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="tensor-parallel degrees to measure")
+    args, extra = parser.parse_known_args()
+    config = parse_config(build_parser("activations"), extra)
+    for t in args.tp:
+        if t < 1 or config["n_head"] % t:
+            raise UserError(f"--tp {t}: each degree must divide the {config['n_head']} heads")
+    print(f"saved for backward, one micro-batch of {config['micro_batch_size']} x {config['seq_len']} tokens "
+          f"(n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head {config['n_head']}), per rank:")
+    print(f"{'TP':>3} {'saved per rank':>15} {'replicated':>12} {'split':>12} {'split x TP':>12}")
+    for t in args.tp:
+        results = run(t, config)
+        if len({r[1:] for r in results}) != 1:
+            raise RuntimeError(f"the ranks saved different amounts at TP = {t}: {results}")
+        total, replicated = results[0][1:]
+        print(f"{t:>3} {total:>15,} {replicated:>12,} {total - replicated:>12,} {(total - replicated) * t:>12,}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))
