@@ -9,7 +9,7 @@ batches are the distributed steps' global batches. Every distributed step runs u
 with ``--nproc`` ranks. Then each step is compared with step 1, the PyTorch DDP reference: the
 parity contract must hold for steps 2 and up (bitwise at world size 2 with default flags); the
 tour fails otherwise. Step 0 is compared too, and its difference printed: its micro-batches hold
-other samples than the ranks' do, so its sums round differently (the README measures it). It also
+other samples than the ranks' do, so its sums round differently (docs/parity.md measures it). It also
 says whether a run had a rank consistently slower than the others (compare/stragglers.py): that is
 information, not a failure.
 Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see --runs-dir).
@@ -105,7 +105,7 @@ def main() -> int:
         if step == reference:
             verdict = "(reference)"
         elif step.startswith("step0"):
-            # Not a parity check: one process sums its micro-batches in another order (see README).
+            # Not a parity check: one process sums its micro-batches in another order (see docs/parity.md).
             verdict = (f"same global batches, other summation order: max abs diff {results[step].max_abs:.1e}, "
                        f"param norm diff {results[step].max_param_norm_diff:.1e}")
         else:
