@@ -210,7 +210,7 @@ CASES = {
                                                  "--max-memory-mb", "1"),
     "checkpoint-not-written": lambda s: Case([sys.executable, str(REPO / "tests" / "writer_hook.py"), "fail:2",
                                               str(REPO / STEPS["step0"] / "train.py"), *s.tiny, "--steps", "2",
-                                              "--warmup-steps", "1", "--save-every", "2",
+                                              "--warmup-steps", "1", "--save-every", "2", "--async-save",
                                               "--out", str(s.root / "runs" / "fresh")]),
     # ---- runs given to the compare/ tools
     "unknown-step": lambda s: tool("parity.py", s.run(), "step9"),
