@@ -3,7 +3,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, STEPS
+
+pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 
 
 def fake_run(folder, wiggle=0.0):
