@@ -30,7 +30,7 @@ counted by ``saved_tensors_hooks``; the same in every step, and released by each
 fits and what is left. Not counted, and the reason to leave headroom: communication buffers (DDP's
 and steps 4-5's buckets, 4Ψ; step 6's buckets until launched), the copies gloo makes of a gathered or
 reduce-scattered unit, the gradient of the unit in backward (step 7), the corpus, the process
-group's threads, and the allocator's own slack (step 7's README measures them on its demo).
+group's threads, and the allocator's own slack (docs/zero3.md measures them on step 7's demo).
 """
 import argparse
 import contextlib

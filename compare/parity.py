@@ -1,4 +1,4 @@
-"""Do two runs train the same model? The parity contract (README: "Why exact parity needs an
+"""Do two runs train the same model? The parity contract (docs/parity.md: "Why exact parity needs an
 order-free reduction"), checked by numbers.
 
     python compare/parity.py step1 step3                 # short step names: runs/<step folder>

@@ -3,9 +3,10 @@
     python compare/plot.py step0 step1 step3                  # -> runs/plots/step0_vs_step1_vs_step3.png
     python compare/plot.py step1 runs/matrix/float32_ws3/step3_naive_dp --out diff.png
 
-Left column: the curves. Right column: run minus the first run, step by step, on a symmetric log
-scale that shows both 0 (bitwise identical) and 1e-7 (a rounding difference). Runs are named like
-in parity.py: short step names, step folders or run folders.
+Left column: the curves. Right column: run minus the first run (the reference), step by step, on a
+symmetric log scale that shows both 0 (bitwise identical) and 1e-7 (a rounding difference). One legend
+below the panels names every run with its verdict (identical, or its largest difference). Runs are
+named like in parity.py: short step names, step folders or run folders.
 """
 import argparse
 import sys
@@ -15,6 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
 import parity  # noqa: E402
@@ -40,37 +43,47 @@ def plot_runs(names: list[str], out: Path) -> Path:
     runs = [parity.load_run(name) for name in names]
     labels = [f"{path.name} (ws {m['env']['world_size']})" for path, m in runs]
     colors = [f"C{i % 10}" for i in range(len(runs))]  # a run keeps its colour in both columns
-    fig, axes = plt.subplots(len(SERIES), 2, figsize=(12, 9), dpi=110, sharex=True)
     base = {r["step"]: r for r in runs[0][1]["records"]}
+    # One legend for the whole figure, below it, each run with its verdict: per-panel legends would sit on
+    # the curves, and the runs are the same in every panel.
+    worst = [{key: 0.0 for key, _ in SERIES} for _ in runs]
+    legend_inches = 0.25 + 0.2 * ((len(runs) + 1) // 2)  # two columns of runs, one line each
+    fig, axes = plt.subplots(len(SERIES), 2, figsize=(12, 8.5 + legend_inches), dpi=110, sharex=True)
     for row, (key, title) in enumerate(SERIES):
         curves, diffs = axes[row]
-        for (path, metrics), label, color in zip(runs, labels, colors):
+        for (path, metrics), color in zip(runs, colors):
             steps = [r["step"] for r in metrics["records"]]
-            curves.plot(steps, [r[key] for r in metrics["records"]], label=label, color=color, linewidth=1.2)
+            curves.plot(steps, [r[key] for r in metrics["records"]], color=color, linewidth=1.2)
         curves.set_ylabel(title)
-        identical = True
-        for (path, metrics), label, color in list(zip(runs, labels, colors))[1:]:
+        for i, ((path, metrics), color) in enumerate(list(zip(runs, colors))[1:], start=1):
             common = [r for r in metrics["records"] if r["step"] in base]
             delta = [r[key] - base[r["step"]][key] for r in common]
-            zero = all(d == 0 for d in delta)
-            identical &= zero
-            diffs.plot([r["step"] for r in common], delta, color=color, linewidth=1.2,
-                       label=f"{label}: " + ("identical" if zero else f"max |diff| {max(map(abs, delta)):.1e}"))
+            worst[i][key] = max(map(abs, delta), default=0.0)
+            diffs.plot([r["step"] for r in common], delta, color=color, linewidth=1.2)
         diffs.axhline(0, color="gray", linewidth=0.8)
         diffs.set_yscale("symlog", linthresh=1e-9)
+        identical = all(worst[i][key] == 0 for i in range(1, len(runs)))
         if len(runs) == 1:
             diffs.set_title("(one run: nothing to compare)", fontsize=9)
             diffs.yaxis.set_visible(False)
         else:
             if identical:  # all zeros: autoscale would spread ticks over +-1e-2; a rounding-sized range says more
                 diffs.set_ylim(-1e-6, 1e-6)
-            diffs.set_title(f"{title}: run - {labels[0]}" + ("  (all identical)" if identical else ""), fontsize=9)
-            diffs.legend(fontsize=7, loc="upper left")
-    axes[0][0].legend(fontsize=8)
-    axes[-1][0].set_xlabel("optimiser step")
-    axes[-1][1].set_xlabel("optimiser step")
-    fig.suptitle(" vs ".join(labels), fontsize=10)
-    fig.tight_layout()
+            diffs.set_title(f"{title}: each run minus the reference" + ("  (all identical)" if identical else ""),
+                            fontsize=9)
+    for ax in axes[-1]:
+        ax.set_xlabel("optimiser step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    handles = [Line2D([], [], color=color, linewidth=2) for color in colors]
+    verdicts = [f"{labels[0]} (the reference)"] + [
+        f"{label}: " + ("identical" if not any(w.values()) else "max |diff| " + ", ".join(
+            f"{name} {w[key]:.1e}" if w[key] else f"{name} 0"
+            for key, name in (("loss", "loss"), ("grad_norm", "grad norm"), ("param_norm", "param norm"))))
+        for label, w in zip(labels[1:], worst[1:])]
+    fig.legend(handles, verdicts, loc="lower center", ncol=2 if len(runs) > 1 else 1, fontsize=9, frameon=False)
+    fig.suptitle(f"{len(runs)} runs: the curves (left), and each run minus the reference, {labels[0]} (right)"
+                 if len(runs) > 1 else labels[0], fontsize=11)
+    fig.tight_layout(rect=(0, legend_inches / fig.get_figheight(), 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)

@@ -9,7 +9,7 @@ batches are the distributed steps' global batches. Every distributed step runs u
 with ``--nproc`` ranks. Then each step is compared with step 1, the PyTorch DDP reference: the
 parity contract must hold for steps 2 and up (bitwise at world size 2 with default flags); the
 tour fails otherwise. Step 0 is compared too, and its difference printed: its micro-batches hold
-other samples than the ranks' do, so its sums round differently (the README measures it). Steps 8 and
+other samples than the ranks' do, so its sums round differently (docs/parity.md measures it). Steps 8 and
 up split the model, not the batch: their ``--nproc`` ranks share one stream of micro-batches,
 accumulating ``grad_accum x nproc`` of them as step 0 does. Step 9 (pipeline parallelism) changes no
 sum, so it must be bitwise equal to step 0. Step 8 (tensor parallelism) sums inside each layer in another
@@ -146,7 +146,7 @@ def main() -> int:
         if step == reference:
             verdict = "(reference)"
         elif number(step) in (0, 9):
-            # Not a parity check: one process sums its micro-batches in another order (see README).
+            # Not a parity check: one process sums its micro-batches in another order (see docs/parity.md).
             verdict = (f"same global batches, other summation order: max abs diff {results[step].max_abs:.1e}, "
                        f"param norm diff {results[step].max_param_norm_diff:.1e}")
             if step in against_step0:  # one pipeline sums as one process: bitwise equal to step 0

@@ -215,6 +215,10 @@ CASES = {
                                        ranks=3),
     "memory-budget-too-small": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
                                                  "--max-memory-mb", "1"),
+    "checkpoint-not-written": lambda s: Case([sys.executable, str(REPO / "tests" / "writer_hook.py"), "fail:2",
+                                              str(REPO / STEPS["step0"] / "train.py"), *s.tiny, "--steps", "2",
+                                              "--warmup-steps", "1", "--save-every", "2", "--async-save",
+                                              "--out", str(s.root / "runs" / "fresh")]),
     # ---- runs given to the compare/ tools
     "unknown-step": lambda s: tool("parity.py", s.run(), "step99"),
     "not-a-run": lambda s: tool("parity.py", s.run(), s.notes().parent),

@@ -16,6 +16,8 @@ from conftest import REPO, init_gloo, shutdown, spawn
 sys.path.insert(0, str(REPO / "step4_hooks_bucketing"))
 from bucketed_ddp import BucketedDDP, assign_buckets  # noqa: E402
 
+pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
+
 WORLD_SIZE = 2
 
 

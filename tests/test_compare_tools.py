@@ -2,6 +2,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import REPO, weights
@@ -55,11 +56,13 @@ def test_sample_loads_the_runs_final_weights(step1_ws2):
     assert model.lm_head.weight is model.transformer.wte.weight and len(tokenizer) == model.lm_head.weight.shape[0]
 
 
+@pytest.mark.quick
 def test_readme_step_diffs_table_is_up_to_date():
     result = tool("step_diffs.py")
     assert result.returncode == 0, f"{result.stdout}\nregenerate it: python compare/step_diffs.py --write"
 
 
+@pytest.mark.quick
 def test_step_diffs_counts_changed_lines_and_files(tmp_path):
     import step_diffs
 
@@ -73,6 +76,7 @@ def test_step_diffs_counts_changed_lines_and_files(tmp_path):
     assert step_diffs.files_of(tmp_path) == {"a.py", "b.py"}
 
 
+@pytest.mark.quick
 def test_step_diffs_detects_and_rewrites_a_stale_table(tmp_path):
     readme = tmp_path / "README.md"
     text = (REPO / "README.md").read_text()

@@ -44,6 +44,7 @@ def test_estimate_matches_every_run_of_the_tour(tour):
     assert all(exact for *_, exact in checked), [c for c in checked if not c[-1]]
 
 
+@pytest.mark.quick
 def test_activations_counted_on_the_meta_device_are_those_of_a_real_forward():
     """What the estimate counts without memory is what autograd saves on a real CPU model (dropout on)."""
     sys.path.insert(0, str(REPO / "common"))
@@ -84,6 +85,7 @@ def test_the_command_line_marks_what_fits(tmp_path):
     # Bad flags: tests/test_bad_input.py (docs/bad_input.md).
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_zero_layouts_split_every_element_once(world_size):
     """Whatever the padding, the ranks' pieces add up to the whole model: no element lost or counted twice."""

@@ -1,4 +1,4 @@
-"""A model that does not fit on one rank (step7_zero3/README.md), smaller: at one per-rank budget
+"""A model that does not fit on one rank (docs/zero3.md), smaller: at one per-rank budget
 enforced by the OS (--max-memory-mb, RLIMIT_DATA), step 1 (DDP) ends with one error line and exit 2,
 and step 7 (ZeRO-3) trains at 4 ranks."""
 import os

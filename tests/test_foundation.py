@@ -60,6 +60,7 @@ def test_resume_latest_continues_in_place(step1_ws2, tmp_path, small_corpus):
     assert_bitwise_same_run(step1_ws2, out)
 
 
+@pytest.mark.quick
 def test_metrics_schema(step1_ws2):
     m = metrics(step1_ws2)
     assert m["schema_version"] == 2
@@ -94,6 +95,7 @@ def test_step1_reduce_modes_at_world_size_2(step1_ws2, tmp_path, small_corpus):
     assert "verdict: PASS (bitwise identical)" in result.stdout
 
 
+@pytest.mark.quick
 def test_step0_matches_step1_within_tolerance(tour, step1_ws2):
     """One process accumulating 4 micro-batches (the tour's step 0) sees the global batches of 2 ranks
     accumulating 2. Within the contract's tolerance on this short run; over the default 40 steps Adam
@@ -107,6 +109,7 @@ def test_step0_matches_step1_within_tolerance(tour, step1_ws2):
 
 # ---- the parity tool -------------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_parity_passes_on_a_run_and_its_copy(step1_ws2, tmp_path):
     shutil.copytree(step1_ws2, tmp_path / "copy")
     result = parity(step1_ws2, tmp_path / "copy")
@@ -115,6 +118,7 @@ def test_parity_passes_on_a_run_and_its_copy(step1_ws2, tmp_path):
     assert "transformer.wte.weight" in result.stdout  # the per-tensor table
 
 
+@pytest.mark.quick
 def test_parity_fails_on_a_changed_weight_and_names_it(step1_ws2, tmp_path):
     changed = tmp_path / "changed"
     shutil.copytree(step1_ws2, changed)
@@ -128,6 +132,7 @@ def test_parity_fails_on_a_changed_weight_and_names_it(step1_ws2, tmp_path):
     assert "NO" in line and "1.000e-04" in line
 
 
+@pytest.mark.quick
 def test_parity_fails_on_a_param_norm_drift(step1_ws2, tmp_path):
     drifted = tmp_path / "drifted"
     shutil.copytree(step1_ws2, drifted)
@@ -141,6 +146,7 @@ def test_parity_fails_on_a_param_norm_drift(step1_ws2, tmp_path):
 
 # ---- bad input to the trainers: every case is in tests/test_bad_input.py (docs/bad_input.md) -------------
 
+@pytest.mark.quick
 def test_unsupported_amp_is_refused_with_one_line(monkeypatch):
     """fp16 where the build cannot run it (simulated: the CPU scaler refuses) is a UserError, not a traceback."""
     import training
@@ -157,12 +163,14 @@ def test_unsupported_amp_is_refused_with_one_line(monkeypatch):
 
 # ---- the repository itself -------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_copies_match_their_origin():
     result = subprocess.run([sys.executable, str(REPO / "common" / "sync_copies.py"), "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
 
+@pytest.mark.quick
 def test_copy_check_catches_drift(tmp_path):
     clone = tmp_path / "repo"
     shutil.copytree(REPO, clone, ignore=shutil.ignore_patterns("runs", ".git", "__pycache__"))
@@ -180,6 +188,7 @@ def test_committed_tokenizer_is_what_the_script_builds():
     assert result.returncode == 0, result.stdout
 
 
+@pytest.mark.quick
 def test_steps_never_import_from_another_folder():
     """A step folder is standalone: every module it imports is a file in the folder or a package."""
     for folder in (p for p in REPO.glob("step*_*") if re.fullmatch(r"step\d+_\w+", p.name)):

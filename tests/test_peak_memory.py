@@ -2,7 +2,7 @@
 
 One run of the tool at world size 2 on a small model, with and without activation checkpointing (in the
 same two processes): the state it measures is compare/estimate.py's 16Ψ/N layout to the byte, and the
-peak (at the start of the last micro-batch's backward) is the sum the step README explains."""
+peak (at the start of the last micro-batch's backward) is the sum docs/zero3.md explains."""
 import json
 import subprocess
 import sys

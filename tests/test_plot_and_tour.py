@@ -4,7 +4,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, STEPS
+
+pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 
 
 def fake_run(folder, wiggle=0.0):

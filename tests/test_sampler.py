@@ -25,6 +25,7 @@ def shards(n, world_size, **kwargs):
 
 # ---- the sampler: exactly DistributedSampler ---------------------------------------------------
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_yields_exactly_what_distributed_sampler_yields(world_size):
     for n, shuffle, drop_last, seed, epoch in itertools.product(LENGTHS, (True, False), (False, True),
@@ -39,17 +40,20 @@ def test_yields_exactly_what_distributed_sampler_yields(world_size):
             assert len(ours) == len(theirs) == len(list(ours)), case
 
 
+@pytest.mark.quick
 def test_an_empty_dataset_gives_every_rank_an_empty_shard_like_torch():
     for world_size, drop_last in itertools.product(WORLD_SIZES, (False, True)):
         assert shards(0, world_size, drop_last=drop_last) == [[]] * world_size
         assert len(ShardedSampler(0, world_size, 0, drop_last=drop_last)) == 0
 
 
+@pytest.mark.quick
 def test_every_rank_gets_the_same_number_of_samples():
     for n, world_size, drop_last in itertools.product(range(0, 30), WORLD_SIZES, (False, True)):
         assert len({len(shard) for shard in shards(n, world_size, drop_last=drop_last)}) == 1
 
 
+@pytest.mark.quick
 def test_a_new_shuffle_each_epoch_the_same_on_every_rank_and_on_replay():
     sampler = ShardedSampler(100, 2, 0, seed=7)
     first = list(sampler)
@@ -63,6 +67,7 @@ def test_a_new_shuffle_each_epoch_the_same_on_every_rank_and_on_replay():
     assert list(other) == first
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("rank, world_size", [(2, 2), (5, 2), (-1, 2), (0, 0), (0, -1)])
 def test_bad_rank_or_world_size_is_refused_like_torch(rank, world_size):
     with pytest.raises(ValueError, match="rank|num_replicas"):
@@ -71,6 +76,7 @@ def test_bad_rank_or_world_size_is_refused_like_torch(rank, world_size):
         DistributedSampler(range(10), world_size, rank)
 
 
+@pytest.mark.quick
 def test_negative_dataset_length_is_refused():
     with pytest.raises(ValueError, match="dataset_len"):
         ShardedSampler(-1, 2, 0)
@@ -87,6 +93,7 @@ def fake_world(monkeypatch, gathered):
                         lambda out, obj, group=None: out.__setitem__(slice(None), [list(s) for s in gathered]))
 
 
+@pytest.mark.quick
 def test_check_passes_on_every_correct_sharding(monkeypatch):
     for n, world_size, drop_last in itertools.product(list(range(0, 41)) + [97], WORLD_SIZES, (False, True)):
         gathered = shards(n, world_size, seed=5, drop_last=drop_last)
@@ -98,6 +105,7 @@ def test_check_passes_on_every_correct_sharding(monkeypatch):
                            "ok": True}, (n, world_size, drop_last)
 
 
+@pytest.mark.quick
 def test_check_in_a_world_of_one_without_a_process_group():
     assert not dist.is_initialized()
     assert check_no_overlap([3, 1, 0, 4, 2], 5, 1) == {"ranks": 1, "per_rank": 5, "distinct": 5, "padding": 0,
@@ -118,6 +126,7 @@ def test_check_in_a_world_of_one_without_a_process_group():
     ("short", "different numbers of samples .*rank 0: 4, rank 1: 4, rank 2: 3"),
     ("long", "every rank holds 5 samples, expected 4"),
 ])
+@pytest.mark.quick
 def test_check_names_the_planted_bug(monkeypatch, plant, message):
     gathered = [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]  # 10 samples on 3 ranks: 0 and 1 are the padding
     assert gathered == shards(10, 3, shuffle=False)
@@ -134,6 +143,7 @@ def test_check_names_the_planted_bug(monkeypatch, plant, message):
         check_no_overlap(gathered[0], 10, 3)
 
 
+@pytest.mark.quick
 def test_check_with_drop_last_allows_no_repeats(monkeypatch):
     gathered = shards(10, 3, seed=1, drop_last=True)  # 9 of the 10 samples, each once
     fake_world(monkeypatch, gathered)

@@ -15,6 +15,8 @@ from checkpoint import clear_checkpoints, find_checkpoint
 from config import UserError
 from training import clip_gradients, lr_at, param_norm
 
+pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
+
 
 # ---- checkpoint.find_checkpoint ----------------------------------------------------------------------
 

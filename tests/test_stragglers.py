@@ -57,6 +57,7 @@ def times(*cpu_per_step, wall=0.1):
     return list(range(1, len(cpu_per_step) + 1)), [[{"wall_s": wall, "cpu_s": c} for c in cpu] for cpu in cpu_per_step]
 
 
+@pytest.mark.quick
 def test_the_rule_counts_steps_and_compares_medians():
     start = [9.0, 0.01]  # step 1 (start-up) is left out, whatever it holds
     flagged = stragglers.analyse(*times(start, [0.01, 0.02], [0.01, 0.02], [0.01, 0.02], [0.02, 0.01]))

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from conftest import REPO, init_gloo, spawn
 
+pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
+
 
 class Toy(torch.nn.Module):
     """Tied embedding/output weight, a frozen layer, sizes no world size divides: 35 + 65 + 65 + 1 + 13."""

@@ -181,7 +181,7 @@ def worker(rank, world_size, port, queue):
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=list(WORLDS), ids=lambda n: f"world{n}")
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.quick), 3], ids=lambda n: f"world{n}")
 def world(request):
     got = spawn(worker, request.param)
     for rank, (_, error) in got.items():

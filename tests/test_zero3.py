@@ -178,7 +178,8 @@ def measure_release(rank, reshard_after_forward):
     return peak_live_bytes(prof), full_bytes
 
 
-@pytest.fixture(scope="module", params=[(2, True), (3, False)], ids=["ws2-prefetch", "ws3-no-prefetch"])
+@pytest.fixture(scope="module", params=[pytest.param((2, True), marks=pytest.mark.quick), (3, False)],
+                ids=["ws2-prefetch", "ws3-no-prefetch"])
 def toy(request):
     world_size, prefetch = request.param
     return world_size, prefetch, spawn(toy_worker, world_size, prefetch, timeout=180)

@@ -1,0 +1,37 @@
+"""Run a trainer with its checkpoint writer slowed down or failing: a test hook injected from tests/, so that
+the trainers carry no test switch of their own.
+
+    python tests/writer_hook.py slow:2 step7_zero3/train.py --async-save ...   # every write starts 2 s late
+    python tests/writer_hook.py fail:4 step7_zero3/train.py --async-save ...   # writing step_4 raises OSError
+
+Under torchrun, give this file as the script and the trainer's train.py as its second argument. The patch goes
+on the step's own ``checkpoint`` module (the trainer's folder first on sys.path, as when it runs by itself),
+then train.py runs as ``__main__``. A slow write prints ``writer hook: step_<k> written`` once it is whole on
+disk, so a test can see whether the trainer waited for it.
+"""
+import runpy
+import sys
+import time
+from pathlib import Path
+
+mode, script, *args = sys.argv[1:]
+kind, value = mode.split(":")
+sys.path.insert(0, str(Path(script).resolve().parent))
+sys.argv = [script, *args]
+import checkpoint  # noqa: E402  (the step's copy, the module train.py imports)
+
+write = checkpoint.CheckpointWriter._write
+
+
+def slow_or_failing_write(self, step, *state):
+    if kind == "fail" and step == int(value):
+        raise OSError(28, f"No space left on device (writer_hook.py, rank {self.rank}, step_{step})")
+    if kind == "slow":
+        time.sleep(float(value))
+    write(self, step, *state)
+    if kind == "slow":
+        print(f"writer hook: step_{step} written (rank {self.rank})", flush=True)
+
+
+checkpoint.CheckpointWriter._write = slow_or_failing_write
+runpy.run_path(script, run_name="__main__")
