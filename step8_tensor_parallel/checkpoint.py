@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import UserError, check_writable_folder
+from config import UserError, check_writable_folder, explain_failure, failure_explainers
 from seeding import set_rng_state
 
 FORMAT_VERSION = 2
@@ -140,6 +140,14 @@ def snapshot(state):
     return copy.deepcopy(state)
 
 
+class CheckpointNotWritten(RuntimeError):
+    """A save that failed: one line and exit code 2 (``config.exit_on_user_error``), like running out of
+    memory, at whatever point of training; the checkpoints saved before it stay whole."""
+
+
+failure_explainers.append(lambda error: (str(error), 2) if isinstance(error, CheckpointNotWritten) else None)
+
+
 class CheckpointWriter:
     """Saves checkpoints for one rank. Every rank calls ``save`` at the same steps, and ``wait`` before exit.
 
@@ -167,7 +175,8 @@ class CheckpointWriter:
             self.thread = threading.Thread(target=self._write_catching, args=(step, *states), name="checkpoint-writer")
             self.thread.start()
         else:
-            self._write(step, shared_state, rank_state)
+            self._write_catching(step, shared_state, rank_state)
+            self.wait()
         paused = time.perf_counter() - started
         if self.rank == 0 and not self.config["quiet"]:
             how = "copied to memory, written in the background" if self.async_save else "written"
@@ -175,19 +184,26 @@ class CheckpointWriter:
         return paused
 
     def wait(self) -> None:
-        """Block until the background write (if any) is done; re-raise what it failed with."""
+        """Block until the background write (if any) is done; raise what it failed with: out of memory or a
+        failed collective as they are (they have their own one-line explanations), anything else (a full disk,
+        a folder removed under the run) as ``CheckpointNotWritten``."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None
         if self.error is not None:
-            error, self.error = self.error, None
-            raise error
+            (step, error), self.error = self.error, None
+            if explain_failure(error) is not None:
+                raise error
+            raise CheckpointNotWritten(
+                f"rank {self.rank} could not write checkpoint step_{step} in {self.config['out']}/checkpoints "
+                f"({type(error).__name__}: {error}); the checkpoints before it are whole: make room, then resume "
+                "with --resume") from error
 
-    def _write_catching(self, *args) -> None:
+    def _write_catching(self, step: int, *state) -> None:
         try:
-            self._write(*args)
+            self._write(step, *state)
         except BaseException as error:  # noqa: BLE001 (handed to the main thread by wait())
-            self.error = error
+            self.error = step, error
 
     def _barrier(self) -> None:
         if self.distributed_run:
