@@ -208,3 +208,18 @@ def test_the_layers_in_an_outsiders_loop(outside):
         assert result["loss vs F.cross_entropy"] < 1e-6, (rank, result)
         for key in ("up.weight grad", "down.weight grad", "head.weight grad", "embedding grad"):
             assert result[key] < 1e-6, (rank, key, result)
+
+
+def test_activations_tool_splits_what_tensor_parallelism_splits():
+    """compare/activations.py: at TP = 2 each rank saves less than the whole model's forward, more than half of
+    it (the replicated (b, s, h) tensors stay whole), and the split part is about the whole model's."""
+    result = subprocess.run([sys.executable, str(REPO / "compare" / "activations.py"), "--tp", "1", "2", "--n-layer", "1",
+                             "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--micro-batch-size", "2"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {int(line.split()[0]): [int(x.replace(",", "")) if x != "-" else 0 for x in line.split()[1:]]
+            for line in result.stdout.splitlines() if line.strip()[:1].isdigit()}
+    (whole, _, _, _), (saved, replicated, split, split_times_tp) = rows[1], rows[2]
+    assert whole / 2 < saved < whole, rows
+    assert replicated > 0 and split == saved - replicated, rows
+    assert 0.9 * whole < split_times_tp < 1.1 * whole, rows
