@@ -115,7 +115,7 @@ def comparability_problems(a: dict, b: dict) -> list[str]:
         if a["env"].get(key) != b["env"].get(key):
             problems.append(f"{key.replace('_sha256', '')} file (different contents)")
     if global_batch(a) != global_batch(b):
-        problems.append(f"global batch (micro-batch x accumulation x data replicas: {global_batch(a)} vs "
+        problems.append(f"global batch (micro-batch x accumulation x data-parallel ranks: {global_batch(a)} vs "
                         f"{global_batch(b)})")
     if len(a["records"]) != len(b["records"]):
         problems.append(f"logged steps ({len(a['records'])} vs {len(b['records'])})")
