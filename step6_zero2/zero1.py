@@ -68,6 +68,11 @@ def cut_into_pieces(chunks: list[list], world_size: int) -> list[list[Piece]]:
     return pieces
 
 
+def hyperparameters(group: dict) -> dict:
+    """A param group without its parameters: lr, weight decay, betas, ..."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
 def flat_view(piece: Piece, tensor: torch.Tensor) -> torch.Tensor:
     """The piece's elements of ``tensor`` (a parameter or its gradient), as a view: no copy."""
     return tensor.detach().view(-1)[piece.start : piece.end]
@@ -124,7 +129,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # What GradScaler, clipping and LR schedulers see: the full parameters, with the local groups'
         # hyperparameters. Hyperparameters flow to the local groups before every step and state_dict,
         # and back from them whenever a state dict is loaded into the local optimiser (by anyone).
-        self.full_groups = [{**{k: v for k, v in local.items() if k != "params"}, "params": g["params"]}
+        self.full_groups = [{**hyperparameters(local), "params": g["params"]}
                             for g, local in zip(groups, self.local_optimizer.param_groups)]
         self.local_optimizer.register_state_dict_pre_hook(lambda _: self._push_hyperparameters())
         self.local_optimizer.register_load_state_dict_post_hook(lambda _: self._pull_hyperparameters())
@@ -136,7 +141,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for piece, view in zip(self.pieces, self.views):
                 view.grad = gradient_shards[piece.chunk][piece.offset : piece.offset + piece.end - piece.start]
 
-    # ---- What PyTorch's tools read: the local optimiser's groups and state -------------------------
+    # ---- What PyTorch's tools read: the full groups (or the slices' in ZeRO-2), the local state ------
     @property
     def param_groups(self):  # a property: load_state_dict replaces the local optimiser's list
         return self.local_optimizer.param_groups if self.gradient_shards is not None else self.full_groups
@@ -144,11 +149,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _push_hyperparameters(self) -> None:
         if self.gradient_shards is None:
             for full, local in zip(self.full_groups, self.local_optimizer.param_groups):
-                local.update({k: v for k, v in full.items() if k != "params"})
+                local.update(hyperparameters(full))
 
     def _pull_hyperparameters(self) -> None:
         for full, local in zip(self.full_groups, self.local_optimizer.param_groups):
-            full.update({k: v for k, v in local.items() if k != "params"})
+            full.update(hyperparameters(local))
 
     @property
     def state(self):
