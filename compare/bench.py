@@ -37,10 +37,26 @@ and so are the counterpart's own (``zero3-no-prefetch`` brings ``zero3``, which 
     tp                 tensor parallel (step 8)     step8_tensor_parallel/tensor_parallel.py    pytorch TP
                                                     parallelize_gpt2 +
                                                     vocab_parallel_cross_entropy + AdamW
+    torch-pp-gpipe     pytorch pipelining GPipe     torch.distributed.pipelining PipelineStage  -
+                                                    + ScheduleGPipe (scale_grads=False, loss /
+                                                    M) on step 9's GPT2Stage + AdamW
+    pp-gpipe           pipeline GPipe (step 9)      step9_pipeline_parallel/pipeline.py         pytorch pipelining
+                                                    Pipeline(schedule="gpipe") + AdamW          GPipe
+    torch-pp-1f1b      pytorch pipelining 1F1B      the same with Schedule1F1B                  -
+    pp-1f1b            pipeline 1F1B (step 9)       Pipeline(schedule="1f1b")                   pytorch pipelining
+                                                                                                1F1B
 
 The tensor-parallel rows split the model, not the batch: their ranks share every micro-batch, so an
 optimiser step runs accumulation x world size micro-batches (the same on every rank), the tokens per
 step of the data-parallel rows; their ``vs DDP`` is TP against data parallelism on as many ranks.
+
+The pipeline rows split the model into world-size stages (one per rank: step 9's ``GPT2Stage``), which
+together are one replica: an optimiser step pushes accumulation x world size micro-batches through the
+pipeline, the tokens per step of the data-parallel rows. PyTorch's schedules know nothing of GPT-2's tied
+embedding: their first and last stage add each other's accumulated half once per step (one exchange, as
+Megatron-LM does; not bitwise), where ours adds each micro-batch's halves in one process's order (one message
+per micro-batch, and the sum sent back once). The default model has 2 blocks: 2 ranks at most (--n-layer
+for more).
 
 The no-prefetch row's counterpart is our own prefetching row, so its ``vs counterpart`` ratio is
 the prefetch's effect alone (above 1.0: gathering on demand was faster).
@@ -98,7 +114,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # bucketed_ddp.py is step 4's (step 5 holds a copy), zero1.py step 5's (step 6 holds a copy).
 # One `comm_accounting` module is loaded, so every step module adds to the same comm_bytes counter.
 FOLDERS = ("common", "step4_hooks_bucketing", "step3_naive_dp", "step5_zero1", "step6_zero2", "step7_zero3",
-           "step8_tensor_parallel")
+           "step8_tensor_parallel", "step9_pipeline_parallel")
 sys.path[:0] = [str(REPO_ROOT / folder) for folder in FOLDERS]
 import comm_accounting  # noqa: E402
 import distributed  # noqa: E402
@@ -446,8 +462,104 @@ class TensorParallel(TorchTensorParallel):
         return tensor_parallel.vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+class TorchPipelineGPipe(TorchTensorParallel):
+    """PyTorch's ``PipelineStage`` and schedule on step 9's ``GPT2Stage`` of this rank."""
+    key, name, pytorch = "torch-pp-gpipe", "pytorch pipelining GPipe", True
+    schedule = "gpipe"
+    module_needed = ("pipeline", "step9_pipeline_parallel", ("Pipeline", "GPT2Stage"))
+
+    @classmethod
+    def unavailable(cls):
+        why = optional_module(*cls.module_needed)[1]
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        if why is None and world_size < 2:
+            why = "a pipeline needs at least 2 ranks (one stage each)"
+        return why
+
+    def build(self):
+        pipeline = importlib.import_module("pipeline")
+        rank, stages = dist.get_rank(), dist.get_world_size()
+        if stages > self.config["n_layer"]:
+            raise ValueError(f"{stages} stages but {self.config['n_layer']} blocks: run with --n-layer {stages}")
+        stage = pipeline.GPT2Stage(build_model(self.config, VOCAB_SIZE, self.config["seed"]), rank, stages)
+        self.first, self.last, self.tied = stage.is_first, stage.is_last, stage.tied_parameter
+        return stage
+
+    def wrap(self, model):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        self.micro_batches = self.config["grad_accum"] * dist.get_world_size()
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule]
+        stage = PipelineStage(model, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+        m = self.micro_batches
+        return schedule(stage, m, loss_fn=lambda out, y: self.cross_entropy(out, y) / m, scale_grads=False)
+
+    @staticmethod
+    def cross_entropy(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def make_optimizer(self):
+        named = [("transformer.wte.weight" if p is self.tied else n, p) for n, p in self.model.named_parameters()]
+        return torch.optim.AdamW(adamw_param_groups(named, self.config), **adamw_options(self.config))
+
+    def run_schedule(self, batches):
+        inputs, targets = (torch.cat(part) for part in zip(*batches))
+        self.wrapped.step(*([inputs] if self.first else []), **({"target": targets} if self.last else {}))
+        if self.tied is not None:  # first <-> last: each adds the other's accumulated half
+            other, peer = torch.empty_like(self.tied.grad), dist.get_world_size() - 1 if self.first else 0
+            for work in (dist.isend(self.tied.grad, peer), dist.irecv(other, peer)):
+                work.wait()
+            self.tied.grad = self.tied.grad + other if self.first else other + self.tied.grad
+
+    def step(self, batches, probe=None):
+        self.run_schedule(self.own_batches(batches))
+        if probe is not None:
+            probe["grads"] = local_bytes(self.gradients())
+        self.optimizer.step()
+        if probe is not None:
+            probe["params"] = local_bytes(self.held_parameters())
+            probe["optimizer_state"] = self.optimizer_state()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def analytic_comm(self):
+        """Per micro-batch b x s x h floats to the next stage and as many back to the previous one; the tied
+        embedding's accumulated half once per step, each way between the first and the last stage."""
+        c = self.config
+        activation = c["micro_batch_size"] * c["seq_len"] * c["n_embd"] * 4 * self.micro_batches
+        comm = {"p2p activations": 0 if self.last else activation,
+                "p2p activation gradients": 0 if self.first else activation}
+        if self.tied is not None:
+            comm["p2p tied-parameter gradient"] = local_bytes(self.tied)
+        return comm
+
+
+class PipelineGPipe(TorchPipelineGPipe):
+    key, name, pytorch, counterpart = "pp-gpipe", "pipeline GPipe (step 9)", False, "pytorch pipelining GPipe"
+
+    def wrap(self, model):
+        pipeline = importlib.import_module("pipeline")
+        self.micro_batches = self.config["grad_accum"] * dist.get_world_size()
+        c = self.config
+        return pipeline.Pipeline(model, dist.get_rank(), dist.get_world_size(),
+                                 (c["micro_batch_size"], c["seq_len"], c["n_embd"]), loss_fn=self.cross_entropy,
+                                 tied_parameter=self.tied, schedule=self.schedule)
+
+    def run_schedule(self, batches):
+        inputs, targets = zip(*batches)
+        self.wrapped.run(len(batches), list(inputs), list(targets), loss_scale=len(batches))
+        self.wrapped.finish_gradient_synchronization()
+
+
+class TorchPipeline1F1B(TorchPipelineGPipe):
+    key, name, schedule = "torch-pp-1f1b", "pytorch pipelining 1F1B", "1f1b"
+
+
+class Pipeline1F1B(PipelineGPipe):
+    key, name, schedule, counterpart = "pp-1f1b", "pipeline 1F1B (step 9)", "1f1b", "pytorch pipelining 1F1B"
+
+
 STRATEGIES = (TorchDDP, Bucketed, Naive, TorchZero1, Zero1, TorchFSDP2, Zero2, TorchFSDP2Zero3, Zero3,
-              Zero3NoPrefetch, TorchTensorParallel, TensorParallel)
+              Zero3NoPrefetch, TorchTensorParallel, TensorParallel, TorchPipelineGPipe, PipelineGPipe,
+              TorchPipeline1F1B, Pipeline1F1B)
 BY_NAME = {s.name: s for s in STRATEGIES}
 
 
