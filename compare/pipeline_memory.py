@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "step9_pipeline_parallel")]
+STEP9 = REPO / "step9_pipeline_parallel"
+sys.path.insert(0, str(REPO / "common"))  # config.py, as every step has it
 from config import OneLineParser, UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
 
 MODEL = ["--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--seq-len", "64", "--micro-batch-size", "4"]
@@ -97,6 +98,7 @@ def held_formula(schedule: str, stage: int, num_stages: int, micro_batches: int)
 def measure(rank: int, world_size: int, port: int, config: dict, cases: list, queue) -> None:
     """One stage: for each (schedule, M), a fresh stage of the same model runs one step; its counts to rank 0."""
     torch.set_num_threads(1)
+    sys.path.insert(0, str(STEP9))  # the step's own modules (its copies of common's, verbatim, and pipeline.py)
     from model import build_model
     from pipeline import GPT2Stage, Pipeline
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -152,7 +154,8 @@ def main() -> int:
     args, extra = parser.parse_known_args()
     config = parse_config(build_parser("pipeline_memory"), [*MODEL, *extra])
     if any(not 2 <= p <= config["n_layer"] for p in args.stages) or any(m < 1 for m in args.micro_batches):
-        raise UserError(f"--stages must be 2 to {config['n_layer']} (the model's blocks) and --micro-batches at least 1")
+        raise UserError(f"--stages must be 2 to {config['n_layer']} (the model's blocks) and --micro-batches at "
+                        "least 1")
     cases = [(schedule, m) for schedule in args.schedules for m in args.micro_batches]
     print(f"activations held for backward per stage, bytes (float32; {config['n_layer']} blocks, n_embd "
           f"{config['n_embd']}, micro-batches of {config['micro_batch_size']} x {config['seq_len']} tokens, "
