@@ -229,13 +229,16 @@ class Strategy:
     def analytic_comm(self) -> dict:
         raise NotImplementedError
 
-    def step(self, batches: list, probe: dict | None = None) -> None:
-        batches = self.own_batches(batches)
+    def forward_backward(self, batches: list) -> None:
+        """The micro-batches of one optimiser step, forward and backward, up to the sync point."""
         accum = len(batches)
         for micro, (inputs, targets) in enumerate(batches):
             with self.micro_batch(syncing=micro == accum - 1):
                 (self.loss(inputs, targets) / accum).backward()
         self.synchronize()
+
+    def step(self, batches: list, probe: dict | None = None) -> None:
+        self.forward_backward(self.own_batches(batches))
         if probe is not None:
             probe["grads"] = local_bytes(self.gradients())
         self.optimizer.step()
@@ -501,7 +504,7 @@ class TorchPipelineGPipe(TorchTensorParallel):
         named = [("transformer.wte.weight" if p is self.tied else n, p) for n, p in self.model.named_parameters()]
         return torch.optim.AdamW(adamw_param_groups(named, self.config), **adamw_options(self.config))
 
-    def run_schedule(self, batches):
+    def forward_backward(self, batches):
         inputs, targets = (torch.cat(part) for part in zip(*batches))
         self.wrapped.step(*([inputs] if self.first else []), **({"target": targets} if self.last else {}))
         if self.tied is not None:  # first <-> last: each adds the other's accumulated half
@@ -509,16 +512,6 @@ class TorchPipelineGPipe(TorchTensorParallel):
             for work in (dist.isend(self.tied.grad, peer), dist.irecv(other, peer)):
                 work.wait()
             self.tied.grad = self.tied.grad + other if self.first else other + self.tied.grad
-
-    def step(self, batches, probe=None):
-        self.run_schedule(self.own_batches(batches))
-        if probe is not None:
-            probe["grads"] = local_bytes(self.gradients())
-        self.optimizer.step()
-        if probe is not None:
-            probe["params"] = local_bytes(self.held_parameters())
-            probe["optimizer_state"] = self.optimizer_state()
-        self.optimizer.zero_grad(set_to_none=True)
 
     def analytic_comm(self):
         """Per micro-batch b x s x h floats to the next stage and as many back to the previous one; the tied
@@ -543,7 +536,7 @@ class PipelineGPipe(TorchPipelineGPipe):
                                  (c["micro_batch_size"], c["seq_len"], c["n_embd"]), loss_fn=self.cross_entropy,
                                  tied_parameter=self.tied, schedule=self.schedule)
 
-    def run_schedule(self, batches):
+    def forward_backward(self, batches):
         inputs, targets = zip(*batches)
         self.wrapped.run(len(batches), list(inputs), list(targets), loss_scale=len(batches))
         self.wrapped.finish_gradient_synchronization()

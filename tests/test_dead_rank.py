@@ -76,6 +76,19 @@ def workers_by_rank(torchrun_pid: int) -> dict[int, int]:
     return ranks
 
 
+def stop_job(proc: subprocess.Popen) -> None:
+    """After a test that failed midway: leave no rank stopped or running, then no torchrun."""
+    if proc.poll() is None:
+        for pid in workers_by_rank(proc.pid).values():  # its children now, not pids that may be reused
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("step, frozen", [("step1", 1), ("step7", 0)])
 def test_a_frozen_rank_ends_the_job_with_one_line_within_the_timeout(step, frozen, tmp_path, small_corpus):
     """SIGSTOP one rank of two in the middle of training: its peer waits --timeout-s in a collective, takes
@@ -104,15 +117,7 @@ def test_a_frozen_rank_ends_the_job_with_one_line_within_the_timeout(step, froze
         proc.wait(timeout=30)
         ended_at = time.monotonic()
     finally:
-        if proc.poll() is None:  # the test failed midway: leave no rank stopped or running, then no torchrun
-            for pid in workers_by_rank(proc.pid).values():  # its children now, not pids that may be reused
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-            proc.kill()
-            proc.wait()
+        stop_job(proc)
     lines = output.rest()
 
     assert error == (f"error: rank {survivor} waited {FREEZE_TIMEOUT_S} s in a collective; rank(s) {frozen} did not "

@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO, STEPS, TINY, trainer_command
 from distributed import COLLECTIVE_FAILED, ROLL_CALL_S
-from test_dead_rank import SLACK_S, Lines, workers_by_rank
+from test_dead_rank import SLACK_S, Lines, stop_job, workers_by_rank
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads torchrun's workers from /proc")
 
@@ -92,22 +92,9 @@ def start_three_stages(tmp_path, small_corpus) -> tuple[subprocess.Popen, Lines,
         ranks = workers_by_rank(proc.pid)
         assert sorted(ranks) == [0, 1, 2], ranks
     except BaseException:
-        stop(proc)
+        stop_job(proc)
         raise
     return proc, output, ranks
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """After a failed test: leave no rank stopped or running, then no torchrun."""
-    if proc.poll() is None:
-        for pid in workers_by_rank(proc.pid).values():
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        proc.kill()
-        proc.wait()
 
 
 def exit_codes(lines: list[str], ranks: dict) -> dict:
@@ -132,7 +119,7 @@ def test_a_killed_stage_ends_the_job_at_once(tmp_path, small_corpus):
         proc.wait(timeout=TIMEOUT_S + ROLL_CALL_S + 60)
         ended_at = time.monotonic()
     finally:
-        stop(proc)
+        stop_job(proc)
     lines = output.rest()
     codes = exit_codes(lines, ranks)
     errors = [line for line in lines if line.startswith("error:")]
@@ -166,7 +153,7 @@ def test_a_frozen_stage_ends_the_job_within_the_timeout(tmp_path, small_corpus):
         proc.wait(timeout=30)
         ended_at = time.monotonic()
     finally:
-        stop(proc)
+        stop_job(proc)
     lines = output.rest()
     codes = exit_codes(lines, ranks)
     errors = sorted(line for line in lines if line.startswith("error:"))
