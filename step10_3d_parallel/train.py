@@ -1,4 +1,4 @@
-"""Step 10: data, tensor and pipeline parallelism at once, on one device mesh (mesh.py). Grown from step 9.
+"""Step 10: data, tensor and pipeline parallelism at once, on one device mesh (mesh.py). Grown from step 9's train.py.
 
 The world is laid out as a pp x dp x tp mesh (--pp --dp --tp, their product the number of ranks). Each
 pipeline stage (step 9's pipeline.py, over the pp group) is made tensor-parallel over its tp group (step 8's
@@ -28,7 +28,7 @@ from naive_dp import allreduce_gradients
 from pipeline import SCHEDULES, GPT2Stage, Pipeline, record_random_ops
 from sampler import ShardedSampler
 from seeding import rng_state, seed_everything
-from tensor_parallel import (check_divisible, gather_full_parameters, is_sharded, parallelize_gpt2,
+from tensor_parallel import (gather_full_parameters, is_sharded, parallelize_gpt2,
                              vocab_parallel_cross_entropy)
 from training import (adamw_options, adamw_param_groups, autocast, check_amp, clip_to_norm, make_grad_scaler,
                       make_scheduler, norm_from_parts, square_sum_parts)
@@ -52,7 +52,12 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
     tp, pp = config["tp"], config["pp"]
     dp = config["dp"] if config["dp"] is not None else max(1, world_size // max(1, tp * pp))
     check_mesh(dp, tp, pp, world_size)
-    check_divisible(config["n_head"], vocab_size, tp)  # whole heads, whole vocabulary slices (step 8)
+    if config["n_head"] % tp:  # step 8's check_divisible, in terms of --tp
+        raise UserError(f"--tp {tp} needs --n-head divisible by {tp}, got {config['n_head']} (each tp rank holds whole "
+                        f"heads): use a --tp that divides {config['n_head']}, or change --n-head (and --n-embd)")
+    if vocab_size % tp:
+        raise UserError(f"--tp {tp} needs a vocabulary divisible by {tp}, the tokenizer has {vocab_size} tokens: use a "
+                        f"--tp that divides {vocab_size}, or pad the vocabulary (Megatron does)")
     if pp > config["n_layer"]:
         raise UserError(f"--pp {pp} stages but the model has {config['n_layer']} blocks: every stage needs at "
                         f"least one; use --pp {config['n_layer']} or less, or a larger --n-layer")
@@ -201,8 +206,8 @@ def main():
         comm = take_comm_bytes()
         comm = {"tp": {k: v for k, v in comm.items() if not k.startswith("p2p")},
                 "pp": {k: v for k, v in comm.items() if k.startswith("p2p")}}
-        # The dp replicas of this shard average their gradients (sum, then divide by dp: step 3).
-        allreduce_gradients(stage, reduce_dtype=reduce, group=mesh.dp_group)
+        if dp > 1:  # the dp replicas of this shard average their gradients (sum, then divide by dp: step 3)
+            allreduce_gradients(stage, reduce_dtype=reduce, group=mesh.dp_group)
 
         scaler.unscale_(optimizer)
         grads = [p.grad for p in counted_once(named, mesh) if p.grad is not None]
