@@ -188,3 +188,46 @@ def test_all_three_axes_on_8_ranks(tmp_path, small_corpus, runs):
     for a, b in zip(ours, reference):  # the pipeline changes no sum: dp 2 x tp 2's bits
         assert {k: a[k] for k in ("loss", "grad_norm", "param_norm")} == {k: b[k] for k in ("loss", "grad_norm",
                                                                                               "param_norm")}
+
+
+def test_a_frozen_tp_rank_ends_the_job_within_the_timeout(tmp_path, small_corpus):
+    """SIGSTOP rank 1 of a tp group (1 x 1 x 2) after two steps: rank 0 waits --timeout-s in a tensor-parallel
+    all-reduce (a group build_mesh made, with the run's timeout, not torch's default 30 minutes), prints one
+    line and exits 3, within the bound tests/test_dead_rank.py allows step 1 and step 7."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from conftest import trainer_command
+    from distributed import COLLECTIVE_FAILED, ROLL_CALL_S
+    from test_dead_rank import FREEZE_TIMEOUT_S, SLACK_S, Lines, workers_by_rank
+
+    args = [*TINY, "--steps", "10000", "--tp", "2", "--data", str(small_corpus), "--out", str(tmp_path / "run"),
+            "--timeout-s", str(FREEZE_TIMEOUT_S)]
+    args.remove("--quiet")  # rank 0's per-step lines say when training is under way
+    proc = subprocess.Popen(trainer_command(STEP10.name, 2, args), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    output, ranks = Lines(proc), {}
+    try:
+        output.wait_for(r"^step\s+2/", timeout=180)
+        ranks = workers_by_rank(proc.pid)
+        os.kill(ranks[1], signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        error_at, error = output.wait_for(r"^error:", timeout=FREEZE_TIMEOUT_S + ROLL_CALL_S + 30)
+        output.wait_for(rf"Sending process {ranks[1]} closing signal SIGTERM", timeout=10)
+        os.kill(ranks[1], signal.SIGCONT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            for pid in workers_by_rank(proc.pid).values():
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+            proc.kill()
+            proc.wait()
+    assert error.startswith(f"error: rank 0 waited {FREEZE_TIMEOUT_S} s in a collective; rank(s) 1 did not answer"), error
+    assert FREEZE_TIMEOUT_S <= error_at - frozen_at <= FREEZE_TIMEOUT_S + ROLL_CALL_S + SLACK_S
+    assert f"exitcode  : {COLLECTIVE_FAILED}" in "\n".join(output.rest())
