@@ -127,9 +127,11 @@ def main():
     check_enough_data(len(corpus.blocks), dp, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
-    if resumed and resumed.world_size != world.world_size:
-        raise UserError(f"{resume_from} was written by {resumed.world_size} ranks: step 10 resumes on the same mesh; "
-                        f"launch {resumed.world_size} ranks with the same --dp --tp --pp")
+    mesh_shape = [config["pp"], dp, config["tp"]]
+    if resumed and resumed.shared.get("mesh") != mesh_shape:
+        saved = dict(zip(("pp", "dp", "tp"), resumed.shared.get("mesh") or ["?"] * 3))
+        raise UserError(f"{resume_from} was written on a mesh of --pp {saved['pp']} --dp {saved['dp']} --tp "
+                        f"{saved['tp']}: step 10 resumes its shards on the same mesh; launch that")
     distributed.join(world, config["timeout_s"])
     mesh = build_mesh(dp, config["tp"], config["pp"], timeout=timedelta(seconds=config["timeout_s"]))
     device, tp, pp = world.device, config["tp"], config["pp"]
@@ -175,7 +177,7 @@ def main():
             for (_, param), saved in zip(named, own["local_model"]):
                 param.copy_(saved)
         optimizer.load_state_dict(own["local_optimizer"])
-        start_step, records = resumed.restore(scheduler, scaler, batches, mesh.dp_rank, dp)  # RNG last
+        start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, dp)  # its RNG, last
         if world.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
     elif world.is_main:
@@ -241,7 +243,9 @@ def main():
             **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=comm),
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+            full = gather_full_model(stage, named, mesh)  # the whole model by name: what checkpoint readers index
+            shared = {"step": step + 1, "model": {name: full[name] for name in shapes}, "mesh": mesh_shape,
+                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             own = {"rng": rng_state(), "local_model": [p.detach().clone() for _, p in named],
                    "local_optimizer": optimizer.state_dict()}  # this rank's shard: resumed on the same mesh
