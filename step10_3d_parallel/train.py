@@ -40,7 +40,8 @@ STEP = Path(__file__).resolve().parent.name
 def add_mesh_flags(parser) -> None:
     flags = parser.add_argument_group("3D parallelism (their product is the number of ranks)")
     flags.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what --tp and --pp leave)")
-    flags.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: must divide --n-head and the vocabulary")
+    flags.add_argument("--tp", type=int, default=1,
+                       help="tensor-parallel degree: must divide --n-head and the vocabulary")
     flags.add_argument("--pp", type=int, default=1, help="pipeline stages: at most --n-layer")
     flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline's schedule (step 9)")
     flags.add_argument("--micro-batches", type=int, default=None, metavar="M",

@@ -146,8 +146,8 @@ def test_dp_with_tp_is_step1_in_another_summation_order(runs):
 
 def test_per_axis_communication_and_memory_of_every_rank(runs):
     """Every record holds every rank's memory and bytes per axis: tp all-reduces on the tp axis only where tp > 1,
-    point-to-point only where pp > 1, the gradient all-reduce on the dp axis only where dp > 1; AdamW's state per rank is half its
-    shard's at dp 2 (up to ZeRO-1's padding: 4 bytes per rank per tensor at most)."""
+    point-to-point only where pp > 1, the gradient all-reduce on the dp axis only where dp > 1; AdamW's state
+    per rank is half its shard's at dp 2 (up to ZeRO-1's step counters: 4 bytes per piece a tensor is cut into)."""
     for name, (tp, pp, dp) in {"dp2tp2": (2, 1, 2), "tp2pp2": (2, 2, 1), "dp2pp2": (1, 2, 2)}.items():
         record = metrics(runs(name))["records"][-1]
         assert len(record["comm"]) == len(record["memory"]) == 4
@@ -228,6 +228,7 @@ def test_a_frozen_tp_rank_ends_the_job_within_the_timeout(tmp_path, small_corpus
                         pass
             proc.kill()
             proc.wait()
-    assert error.startswith(f"error: rank 0 waited {FREEZE_TIMEOUT_S} s in a collective; rank(s) 1 did not answer"), error
+    expected = f"error: rank 0 waited {FREEZE_TIMEOUT_S} s in a collective; rank(s) 1 did not answer"
+    assert error.startswith(expected), error
     assert FREEZE_TIMEOUT_S <= error_at - frozen_at <= FREEZE_TIMEOUT_S + ROLL_CALL_S + SLACK_S
     assert f"exitcode  : {COLLECTIVE_FAILED}" in "\n".join(output.rest())
