@@ -14,7 +14,10 @@ up split the model, not the batch: their ``--nproc`` ranks share one stream of m
 accumulating ``grad_accum x nproc`` of them as step 0 does. Step 9 (pipeline parallelism) changes no
 sum, so it must be bitwise equal to step 0. Step 8 (tensor parallelism) sums inside each layer in another
 order than step 1; its difference is printed the same way (the first step's loss and gradient norm
-relative to step 1's, and the drift), and it is skipped when ``--nproc`` does not divide its heads. It also
+relative to step 1's, and the drift), and it is skipped when ``--nproc`` does not divide its heads. Step 10
+runs its ``--nproc`` ranks as a dp x tp mesh, tp = 2 and dp = nproc / 2, each replica accumulating as many
+micro-batches as make step 1's global batch (at 2 ranks: one replica of tp 2, step 8's run); its difference
+to step 1 is step 8's kind, printed the same way (skipped for an odd ``--nproc``). It also
 says whether a run had a rank consistently slower than the others (compare/stragglers.py): that is
 information, not a failure.
 Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see --runs-dir).
@@ -66,6 +69,14 @@ def check_the_data_feeds(nproc: int, extra: list[str]) -> tuple[dict, int]:
 
 
 SPLITS_HEADS = {8}  # tensor parallelism: --nproc must divide the heads and the vocabulary
+MESH = 10  # step 10: a dp x tp mesh, tp = 2
+
+
+def mesh_flags(nproc: int) -> list[str]:
+    """Step 10's mesh in the tour: tp = 2 inside, dp = nproc / 2 replicas, each accumulating 2 x nproc / dp
+    micro-batches: step 1's global batch."""
+    dp = nproc // 2
+    return ["--tp", "2", "--dp", str(dp), "--grad-accum", str(DEFAULT_GRAD_ACCUM * nproc // dp)]
 
 
 def splits_the_model(step: str) -> bool:
@@ -104,6 +115,8 @@ def main() -> int:
         if number(step) in SPLITS_HEADS and (config["n_head"] % args.nproc or vocab_size % args.nproc):
             skipped.append(f"{step} (splits {config['n_head']} heads and {vocab_size} tokens: "
                            "--nproc must divide both)")
+        elif number(step) == MESH and (args.nproc % 2 or config["n_head"] % 2 or vocab_size % 2):
+            skipped.append(f"{step} (a dp x tp mesh with tp = 2: --nproc and the heads must be even)")
         else:
             steps.append(step)
     runs = {step: str(args.runs_dir / step) for step in steps}
@@ -116,6 +129,9 @@ def main() -> int:
         if number(step) == 0:  # one process accumulating what nproc ranks accumulate together
             run_trainer(step, 0, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
                                   "--out", runs[step], *extra], log_dir / f"{step}.log")
+        elif number(step) == MESH:  # dp replicas of a tp = 2 model, step 1's global batch
+            run_trainer(step, args.nproc, [*mesh_flags(args.nproc), "--quiet", "--out", runs[step], *timeout, *extra],
+                        log_dir / f"{step}.log")
         elif splits_the_model(step):  # nproc ranks share one stream of micro-batches, as step 0's process
             run_trainer(step, args.nproc, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
                                            "--out", runs[step], *timeout, *extra], log_dir / f"{step}.log")

@@ -25,7 +25,7 @@ def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
         dist.broadcast(tensor.data, src=src)
 
 
-def allreduce_gradients(module: torch.nn.Module, reduce_dtype: torch.dtype = torch.float32) -> None:
+def allreduce_gradients(module: torch.nn.Module, reduce_dtype: torch.dtype = torch.float32, group=None) -> None:
     """Replace every gradient by its mean over the ranks: all-reduce (sum), then divide by world size.
 
     ``reduce_dtype=torch.float64`` is the exact mode: summing in float64 does not depend on the
@@ -34,9 +34,10 @@ def allreduce_gradients(module: torch.nn.Module, reduce_dtype: torch.dtype = tor
 
     Every rank must call this with a gradient for every trainable parameter: the ranks issue one
     all-reduce per parameter in the same order, and a rank that skipped one would pair its next
-    all-reduce with a different parameter on the other ranks.
+    all-reduce with a different parameter on the other ranks. ``group``: the ranks that hold replicas
+    (default: all; step 10 passes its data-parallel group).
     """
-    world_size = dist.get_world_size()
+    world_size = dist.get_world_size(group)
     for name, param in module.named_parameters():
         if not param.requires_grad:
             continue  # frozen: no gradient anywhere, nothing to reduce
@@ -45,7 +46,7 @@ def allreduce_gradients(module: torch.nn.Module, reduce_dtype: torch.dtype = tor
                                "trainable parameter to take part in the loss (step 4 handles unused ones)")
         grad = param.grad if reduce_dtype == param.grad.dtype else param.grad.to(reduce_dtype)
         count_collective("all_reduce", grad)
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
         grad.div_(world_size)
         if grad is not param.grad:
             param.grad.copy_(grad)  # the one rounding back to float32

@@ -47,9 +47,9 @@ class Piece(NamedTuple):
     offset: int  # where the piece begins inside the rank's shard of the chunk
 
 
-def shard_numel(chunk: list) -> int:
+def shard_numel(chunk: list, world_size: int | None = None) -> int:
     """Lp / N: the chunk's L elements, padded up to a multiple of the world size, split N ways."""
-    return math.ceil(sum(p.numel() for p in chunk) / dist.get_world_size())
+    return math.ceil(sum(p.numel() for p in chunk) / (world_size or dist.get_world_size()))
 
 
 def cut_into_pieces(chunks: list[list], world_size: int) -> list[list[Piece]]:
@@ -88,7 +88,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``params``: tensors or param-group dicts, as for any optimiser (frozen parameters are dropped).
     ``chunks``: lists of parameters, each laid out flat and sharded on its own (default: one chunk,
     every parameter in group order). ``gradient_shards``: ZeRO-2, one flat buffer of Lp/N elements
-    per chunk, filled by another module each step. ``defaults`` go to ``optimizer_cls``.
+    per chunk, filled by another module each step. ``process_group``: the ranks that share the state
+    (default: all; step 10 passes its data-parallel group). ``defaults`` go to ``optimizer_cls``.
 
     ``param_groups`` are the full parameters' groups (their hyperparameters reach the local optimiser
     at every ``step()``); with ``gradient_shards`` only the slices have gradients, so ``param_groups``
@@ -96,7 +97,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     slices only. ``Optimizer.__init__`` is not called: it would create state for the full parameters.
     """
 
-    def __init__(self, params, optimizer_cls, chunks=None, gradient_shards=None, **defaults):
+    def __init__(self, params, optimizer_cls, chunks=None, gradient_shards=None, process_group=None, **defaults):
         groups = list(params)
         if not groups:
             raise ValueError("ShardedOptimizer got an empty parameter list")
@@ -113,7 +114,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("every trainable parameter must appear exactly once in the groups and in the chunks")
         if any(len({(p.dtype, p.device) for p in c}) != 1 for c in self.chunks):
             raise ValueError("a chunk is one flat buffer: its parameters need one dtype and one device")
-        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.group = process_group
+        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.device = self.params[0].device if self.params else torch.device("cpu")
 
         # Every rank computes every rank's pieces: it must know where to put what the all-gather brings.
@@ -136,7 +138,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         self.gradient_shards = gradient_shards
         if gradient_shards is not None:  # ZeRO-2: each view's gradient is a fixed slice of its chunk's shard
-            if [s.numel() for s in gradient_shards] != [shard_numel(c) for c in self.chunks]:
+            if [s.numel() for s in gradient_shards] != [shard_numel(c, self.world_size) for c in self.chunks]:
                 raise ValueError("gradient_shards needs one flat buffer of ceil(L / world size) elements per chunk")
             for piece, view in zip(self.pieces, self.views):
                 view.grad = gradient_shards[piece.chunk][piece.offset : piece.offset + piece.end - piece.start]
@@ -206,7 +208,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def all_gather_parameters(self) -> None:
         """Every rank sends its updated slice of each chunk and receives everyone else's."""
         for c, chunk in enumerate(self.chunks):
-            shard = shard_numel(chunk)
+            shard = shard_numel(chunk, self.world_size)
             # Two temporary buffers, the chunk's size (several chunks keep this peak small); the tail is padding.
             send = torch.zeros(shard, dtype=chunk[0].dtype, device=chunk[0].device)
             for piece in self.pieces_of_rank[self.rank]:
@@ -214,7 +216,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     send[piece.offset : piece.offset + piece.end - piece.start] = flat_view(piece, piece.param)
             received = torch.empty(shard * self.world_size, dtype=send.dtype, device=send.device)
             count_collective("all_gather", received)
-            dist.all_gather_single(received, send)  # torch 2.13's name for all_gather_into_tensor
+            dist.all_gather_single(received, send, group=self.group)  # torch 2.13's name for all_gather_into_tensor
             for r, pieces in enumerate(self.pieces_of_rank):
                 for piece in pieces:
                     if r != self.rank and piece.chunk == c:
@@ -244,7 +246,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mine["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                          for i, s in mine["state"].items()}
         everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, (self.slices(), mine["state"]))
+        dist.all_gather_object(everyone, (self.slices(), mine["state"]), group=self.group)
         state = {}
         for slices, shard_state in everyone:
             for local_index, (index, start, end) in enumerate(slices):

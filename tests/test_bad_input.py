@@ -213,6 +213,10 @@ CASES = {
     "tp-heads": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), ranks=3),
     "tp-vocabulary": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), "--n-head", "3", "--n-embd", "96",
                                        ranks=3),
+    "mesh-product": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--dp", "2", "--tp", "2",
+                                      "--pp", "2", ranks=4),
+    "mesh-tp-heads": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--dp", "2", "--tp", "2",
+                                       "--n-head", "3", "--n-embd", "96", ranks=4),
     "memory-budget-too-small": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
                                                  "--max-memory-mb", "1"),
     "checkpoint-not-written": lambda s: Case([sys.executable, str(REPO / "tests" / "writer_hook.py"), "fail:2",
@@ -387,6 +391,15 @@ def tensor_parallel_check(n_head: int, vocab_size: int, ranks: int):
     return run
 
 
+def mesh_check(dp: int, tp: int, pp: int, world_size: int):
+    """What step 10 checks before joining: degrees of at least 1 whose product is the world size."""
+    def run(monkeypatch):
+        monkeypatch.syspath_prepend(str(REPO / STEPS["step10"]))
+        import mesh
+        mesh.check_mesh(dp, tp, pp, world_size)
+    return run
+
+
 LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or of nothing)
     "--n-embd 100 must be divisible by --n-head 3": flags("--n-embd", "100", "--n-head", "3"),
     "--beta1 must be in [0, 1), got 1": flags("--beta1", "1"),
@@ -410,7 +423,7 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "ranks that divides 4, or change --n-head (and --n-embd)": tensor_parallel_check(4, 2048, 8),
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
-QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must")
+QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2")
 
 
 @pytest.mark.parametrize("message", LIKEWISE)

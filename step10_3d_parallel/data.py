@@ -1,0 +1,182 @@
+"""The corpus as equal-length token blocks, and a resumable stream of micro-batches over them.
+
+Every sample holds exactly ``seq_len + 1`` tokens (``seq_len`` inputs, ``seq_len`` targets), so every
+micro-batch has the same number of target tokens and the mean of per-micro-batch mean losses equals
+the mean over the whole global batch. That is what lets one process with accumulation A*N and
+N processes with accumulation A compute the same thing.
+"""
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at run time, ever: the corpus is a local file
+# pyarrow (under datasets) defaults to jemalloc, which reserves about 1 GiB of address space as it loads:
+# memory nobody uses, but data memory to the OS, so it would eat most of a --max-memory-mb budget
+# (RLIMIT_DATA). The system allocator takes only what the corpus needs. (docs/design.md, memory budget)
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+
+from config import UserError  # noqa: E402
+
+
+# ---- a test hook, read before the heavy imports so that a bad value ends the run at once --------
+def slow_rank_from_env(value: str | None, rank: int) -> float:
+    """Test hook: ``DTFS_SLOW_RANK="R:SECONDS"`` makes rank R do SECONDS of extra CPU work per micro-batch.
+
+    It makes a straggler on purpose, so that compare/stragglers.py can be tested on a real run
+    (docs/fault_tolerance.md, "Stragglers"). Returns this rank's extra seconds: 0 unless it is rank R.
+    Unset or empty: no extra work, which is every normal run."""
+    if not value:
+        return 0.0
+    try:
+        slow_rank, seconds = value.split(":")
+        slow_rank, seconds = int(slow_rank), float(seconds)
+        if slow_rank < 0 or not 0 <= seconds < 60:
+            raise ValueError
+    except ValueError:
+        raise UserError(f"DTFS_SLOW_RANK={value!r}: expected RANK:SECONDS, e.g. 1:0.05 (rank >= 0, 0 <= seconds < 60)") \
+            from None
+    return seconds if rank == slow_rank else 0.0
+
+
+try:  # read once, at start-up: torchrun sets RANK before the trainer starts; a plain process is rank 0
+    EXTRA_WORK_S = slow_rank_from_env(os.environ.get("DTFS_SLOW_RANK"), int(os.environ.get("RANK", 0)))
+except UserError as error:  # imported before exit_on_user_error runs: end here, the same way (one line, exit 2)
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def extra_work(seconds: float) -> None:
+    """Busy the CPU for ``seconds`` of this thread's CPU time: extra computation, as a slower device or a
+    heavier input pipeline would cost (a sleep would cost wall time but no work)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+# ---- end of the test hook -------------------------------------------------------------------------
+
+import datasets  # noqa: E402
+import torch  # noqa: E402
+import tqdm  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+# datasets lists the corpus file under a tqdm bar (disabled), and tqdm starts a monitor thread for its bars: a
+# thread with nothing to do here, whose stack counts against --max-memory-mb. When the budget leaves no room
+# for it, tqdm prints a three-line warning above the one `error: out of memory` line. So: no monitor thread.
+tqdm.tqdm.monitor_interval = 0
+
+
+def file_sha256(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@dataclass
+class Corpus:
+    blocks: torch.Tensor  # (n_samples, seq_len + 1) token ids
+    vocab_size: int
+    data_sha256: str
+    tokenizer_sha256: str
+
+
+def load_tokenizer(path) -> PreTrainedTokenizerFast:
+    """The tokenizer in ``path`` (a tokenizers JSON file, as data/train_tokenizer.py writes), or a ``UserError``."""
+    try:
+        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    except Exception:  # noqa: BLE001 (not JSON, JSON of something else: the library's words would not help)
+        raise UserError(f"--tokenizer {path} is not a tokenizer file (the JSON that data/train_tokenizer.py "
+                        "writes); pass data/tokenizer.json") from None
+
+
+def check_text(path) -> None:
+    """Refuse a --data file that is not text, before datasets fails on it with a traceback of its own."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"--data {path} is not UTF-8 text (byte {error.start} cannot be decoded); "
+                        "pass a plain text file") from None
+    if not text.strip():
+        raise UserError(f"--data {path} holds no text; pass a plain text file")
+
+
+def load_corpus(text_path: str, tokenizer_path: str, seq_len: int) -> Corpus:
+    """Tokenize a local text file with the fixed tokenizer and pack it into blocks of ``seq_len + 1``.
+
+    The tail that does not fill a whole block is dropped. Block ``i`` is the same on every rank and
+    in every run: samplers hand out block indices, never text.
+    """
+    tokenizer = load_tokenizer(tokenizer_path)
+    check_text(text_path)
+    # keep_linebreaks: the newlines are part of the text the model should learn to write.
+    datasets.disable_progress_bars()
+    lines = datasets.Dataset.from_text(text_path, keep_linebreaks=True, keep_in_memory=True)
+    ids = [token for line in tokenizer(lines[:]["text"])["input_ids"] for token in line]
+    block = seq_len + 1
+    n_blocks = len(ids) // block
+    if n_blocks == 0:
+        raise UserError(f"--data {text_path} holds {len(ids)} tokens, fewer than one block of --seq-len {seq_len} + 1; "
+                        "lower --seq-len or pass more text")
+    blocks = torch.tensor(ids[: n_blocks * block], dtype=torch.long).view(n_blocks, block)
+    return Corpus(blocks, len(tokenizer), file_sha256(text_path), file_sha256(tokenizer_path))
+
+
+def check_enough_data(n_samples: int, world_size: int, micro_batch_size: int, grad_accum: int) -> None:
+    """Refuse, before any collective, a world size the data cannot feed.
+
+    A distributed sampler gives every rank ceil(n / world_size) samples (padding by repeating), so
+    every rank runs the same number of steps by construction. Each rank needs at least one full
+    optimiser step of samples per epoch; otherwise it would have nothing to train on.
+    """
+    if world_size > n_samples:
+        raise UserError(f"world size {world_size} is larger than the {n_samples} samples in the data; "
+                        f"use at most {n_samples} ranks or more data")
+    per_rank = -(-n_samples // world_size)
+    needed = micro_batch_size * grad_accum
+    if per_rank < needed:
+        raise UserError(f"world size {world_size} leaves {per_rank} samples per rank, fewer than one optimiser "
+                        f"step needs ({micro_batch_size} x {grad_accum} = {needed}); use fewer ranks or smaller batches")
+
+
+class MicroBatches:
+    """Micro-batches of ``micro_batch_size`` samples drawn in the order a sampler gives, epoch after epoch.
+
+    ``sampler`` is anything with ``set_epoch``, ``__iter__`` and ``__len__`` (PyTorch's
+    ``DistributedSampler`` or a hand-written one). An epoch has ``len(sampler) // micro_batch_size``
+    micro-batches; the short remainder is dropped so every micro-batch has the same size.
+    The position (epoch, micro-batch index) is the whole state: ``state_dict`` / ``load_state_dict``
+    let a resumed run continue with exactly the batch the original run would have drawn next.
+    No DataLoader: its iterator draws from torch's global generator, which would make the RNG
+    state depend on when an epoch started and break bitwise resume with dropout on.
+    """
+
+    def __init__(self, blocks: torch.Tensor, sampler, micro_batch_size: int):
+        self.blocks, self.sampler, self.micro_batch_size = blocks, sampler, micro_batch_size
+        self.per_epoch = len(sampler) // micro_batch_size
+        self.epoch, self.index = 0, 0
+        self._order = None
+        self.epoch_started = None  # set to the epoch number when next() starts an epoch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index, self._order = state["epoch"], state["index"], None
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of the next micro-batch: ``(B, seq_len)`` each, targets shifted by one."""
+        if EXTRA_WORK_S:
+            extra_work(EXTRA_WORK_S)  # the DTFS_SLOW_RANK test hook; nothing in a normal run
+        self.epoch_started = None
+        if self.index == self.per_epoch:
+            self.epoch, self.index, self._order = self.epoch + 1, 0, None
+        if self._order is None:
+            self.sampler.set_epoch(self.epoch)  # a new shuffle each epoch, the same on every rank
+            self._order = torch.tensor(list(self.sampler), dtype=torch.long)
+            self.epoch_started = self.epoch if self.index == 0 else None
+        start = self.index * self.micro_batch_size
+        batch = self.blocks[self._order[start : start + self.micro_batch_size]]
+        self.index += 1
+        return batch[:, :-1], batch[:, 1:]

@@ -1,0 +1,252 @@
+"""Process-group set-up and tear-down for the distributed steps.
+
+torchrun starts one process per rank and tells each its place through environment variables
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+Started as a plain ``python train.py``, a step runs as a world of one.
+"""
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+# Imported now, before any process group exists, on purpose: this module binds ``group.WORLD`` as a
+# default argument of its functions when it is first imported. PyTorch imports it lazily (the
+# optimiser's first step does, through torch._dynamo); imported while a group exists, it would hold
+# that group for good, and shutdown() could not free it. See shutdown().
+import torch.distributed.nn.functional  # noqa: F401
+
+from config import UserError, failure_explainers
+from training import pick_device
+
+
+def add_flags(parser) -> None:
+    """The flags every distributed step has (steps 1 and up)."""
+    dist_flags = parser.add_argument_group("distributed")
+    dist_flags.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                            help="auto: nccl when every rank has its own GPU, else gloo")
+    dist_flags.add_argument("--reduce-dtype", choices=["float32", "float64"], default="float32",
+                            help="float64: exact, order-free gradient reduction (the parity contract)")
+    dist_flags.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout in seconds")
+
+
+@dataclass
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) as torchrun set them; a world of one otherwise."""
+    env = os.environ
+    world_size = int(env.get("WORLD_SIZE", 1))
+    return int(env.get("RANK", 0)), world_size, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def choose_backend(requested: str, device: torch.device, local_world_size: int) -> str:
+    """nccl needs a GPU of its own per rank on a node; gloo runs anywhere (CPU, or ranks sharing a GPU)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "nccl":
+        if gpus < local_world_size or device.type != "cuda":
+            raise UserError(f"--backend nccl needs one GPU per rank: {local_world_size} ranks on this node, "
+                            f"{gpus} GPU(s) visible; use --backend gloo")
+        return "nccl"
+    if requested == "gloo":
+        return "gloo"
+    return "nccl" if device.type == "cuda" and gpus >= local_world_size else "gloo"
+
+
+def plan_world(config: dict) -> World:
+    """This rank's place, device and backend, checked but not yet connected.
+
+    Everything a user can get wrong is checked before ``join``, so a mistake ends every rank with one
+    line and exit 2, never with a rank waiting in a collective for peers that already left.
+    """
+    if not config["timeout_s"] > 0:  # torch would time out connecting to the store, with a traceback
+        raise UserError(f"--timeout-s must be positive, got {config['timeout_s']:g}: it is how long a rank waits "
+                        "for its peers (default 300)")
+    rank, world_size, local_rank, local_world_size = world_from_env()
+    device = pick_device(config["device"], local_rank)
+    backend = choose_backend(config["backend"], device, local_world_size)
+    return World(rank, world_size, local_rank, device, backend)
+
+
+def join(world: World, timeout_s: float) -> None:
+    """Join the process group; a peer that does not answer within ``timeout_s`` is an error, not a hang.
+
+    Under torchrun the ranks meet in the store that torchrun's agent keeps for the whole job. When torchrun
+    restarts a failed group (``--max-restarts``), the new ranks would find the keys the dead ranks left in it
+    (gloo's addresses among them) and connect to processes that no longer exist. So each attempt gets keys
+    of its own: the store seen through a prefix named after ``TORCHELASTIC_RESTART_COUNT``."""
+    if world.device.type == "cuda":
+        torch.cuda.set_device(world.device)
+    timeout = timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:  # a world of one started without torchrun, or spawned test workers
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(world.backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
+        return
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
+                          is_master=not agent_store and world.rank == 0, timeout=timeout)
+    dist.init_process_group(world.backend, store=dist.PrefixStore(f"attempt_{attempt}/", store), rank=world.rank,
+                            world_size=world.world_size, timeout=timeout)
+
+
+def shutdown() -> None:
+    """Leave together, and leave no thread of the group behind.
+
+    The barrier: nobody tears down the group while a peer still has a collective in flight.
+
+    ``destroy_process_group`` then frees the group, whose destructor stops gloo's worker threads. A
+    worker thread lets go of a collective (and of the Python tensors it was given) only *after* the
+    caller's wait has returned, and letting go of a tensor Python already dropped needs the GIL. The
+    destructor waits for that with the GIL released, so it is safe. Two ways to break it, both seen here:
+
+    - Something else still holds the group, so ``destroy_process_group`` frees nothing and the worker
+      threads live on into interpreter exit. A thread that asks for the GIL once exit has begun is
+      killed in the middle of a C++ destructor: "terminate called without an active exception",
+      SIGABRT (1 test run in 6 on a loaded machine). PyTorch's own ``torch.distributed.nn.functional``
+      holds the group if it is first imported while the group exists: this module imports it first.
+    - The last reference is dropped by C++ code that holds the GIL while gloo's threads stop, and a
+      thread still releasing a tensor waits for the GIL forever (~1 run in 30 hung at exit). DDP's C++
+      reducer holds the group: free every ``DistributedDataParallel`` before calling this.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def gather_from_every_rank(value) -> list:
+    """``[rank 0's value, rank 1's, ...]`` on every rank: what rank 0 logs about all of them."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def gather_per_rank(**values) -> dict:
+    """``{name: [rank 0's value, rank 1's, ...]}`` for every keyword, in one gather: a record's per-rank fields."""
+    everyone = gather_from_every_rank(values)
+    return {name: [value[name] for value in everyone] for name in values}
+
+
+# ---- when a collective fails --------------------------------------------------------------------
+# A rank that dies, freezes or issues other collectives than its peers leaves them waiting. gloo then
+# raises, in the survivors, a RuntimeError whose text says what it saw (torch 2.13; docs/fault_tolerance.md
+# has each case as measured). The trainers turn it into one line and this exit code, and leave with
+# os._exit: a normal exit would tear down the broken group, which can itself wait for the lost peer.
+COLLECTIVE_FAILED = 3
+SEE = "see docs/fault_tolerance.md"
+# How long a survivor waits, after its own failure, for the other survivors to report (``roll_call``).
+# They entered the collective together, so they fail within the compute between two collectives.
+ROLL_CALL_S = 2.0
+
+GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")  # a peer never sent (or never took) its part
+# A peer's socket closed: its process ended, or its gloo gave up on the collective (its own timeout).
+PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
+# What TORCH_DISTRIBUTED_DEBUG=DETAIL checks before every collective: that every rank arrives, and that
+# they all issue the same collective (op, shapes, dtypes). Its errors name the ranks themselves.
+DETAIL_ABSENT = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier in (\d+) ms")
+DETAIL_MISMATCH = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                             r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+).*?"
+                             r"but Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                             r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+)", re.S)
+
+
+def roll_call(grace_s: float = ROLL_CALL_S, missing: list | None = None) -> list[int] | None:
+    """After a collective failed here: the ranks that did not report through the store within ``grace_s``.
+
+    Every rank whose collective fails calls this, so a rank missing here is one that is not failing
+    with the others: dead, frozen, or busy for longer than the timeout. An empty list means every rank
+    reached it: they are all alive and gave up on each other, which is what ranks that issued different
+    collectives do. None: the store did not answer (its host may be the rank that froze). The store is
+    torchrun's, or rank 0's without torchrun; every operation on it is bounded by ``grace_s``.
+    ``missing``, if given, holds the ranks not yet seen while the roll call runs.
+    """
+    missing = [] if missing is None else missing
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=grace_s))
+        # torchrun may restart the workers, and its store outlives them: one key space per attempt.
+        prefix = f"collective_failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        store.set(f"{prefix}{dist.get_rank()}", "here")
+        deadline = time.monotonic() + grace_s
+        missing[:] = range(dist.get_world_size())
+        while True:
+            missing[:] = [rank for rank in missing if not store.check([f"{prefix}{rank}"])]
+            if not missing or time.monotonic() >= deadline:
+                return list(missing)
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001  (a failure here only means: we cannot tell who is missing)
+        return None
+
+
+def who_is_missing(what: str) -> str:
+    """``what`` happened to this rank; finish the sentence with what a roll call finds.
+
+    torchrun stops every rank (SIGTERM) as soon as one exits, which for a rank that was killed is a
+    tenth of a second after its death, before the roll call can end: then the line says what the roll
+    call had seen so far, and leaves at once."""
+    missing, started = [], time.monotonic()
+
+    def stopped_by_launcher(signum, frame):
+        ranks = (f"rank(s) {', '.join(map(str, missing))} had not answered a roll call" if missing
+                 else "a roll call had not ended")
+        os.write(2, (f"error: {what}; {ranks} when the launcher stopped this rank {time.monotonic() - started:.1f} s "
+                     f"later (another rank failed first: torchrun's report says how); {SEE}\n").encode())
+        os._exit(COLLECTIVE_FAILED)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stopped_by_launcher)
+    except ValueError:  # not the main thread: no handler, the roll call still runs
+        previous = None
+    try:
+        found = roll_call(ROLL_CALL_S, missing)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if found:
+        return (f"{what}; rank(s) {', '.join(map(str, found))} did not answer a roll call within {ROLL_CALL_S:g} s "
+                f"either: dead, frozen, or slower than --timeout-s; {SEE}")
+    if found == []:
+        return (f"{what}, yet every rank answered a roll call: all alive, they issued different collectives, or "
+                f"the same ones in a different order (TORCH_DISTRIBUTED_DEBUG=DETAIL names them); {SEE}")
+    return (f"{what}: a rank died, froze, is slower than --timeout-s, or the ranks issued different collectives "
+            f"(the store did not answer a roll call); {SEE}")
+
+
+def explain_collective_failure(error: BaseException) -> tuple[str, int] | None:
+    """One line for a collective that failed on this rank, and exit code 3; None for any other error."""
+    if not isinstance(error, RuntimeError) or not dist.is_initialized():
+        return None
+    text, me = str(error), f"rank {dist.get_rank()}"
+    if match := DETAIL_MISMATCH.search(text):
+        a, seq_a, op_a, shape_a, dtype_a, b, seq_b, op_b, shape_b, dtype_b = match.groups()
+        return (f"{me}: the ranks issued different collectives: rank {a} runs collective #{seq_a} {op_a} "
+                f"[{shape_a}] {dtype_a}, rank {b} runs #{seq_b} {op_b} [{shape_b}] {dtype_b} "
+                f"(found by TORCH_DISTRIBUTED_DEBUG=DETAIL); {SEE}"), COLLECTIVE_FAILED
+    if match := DETAIL_ABSENT.search(text):
+        ranks, waited_ms = match.groups()
+        return (f"{me} waited {int(waited_ms) / 1000:g} s in a collective that rank(s) {ranks.strip()} never joined "
+                f"(TORCH_DISTRIBUTED_DEBUG=DETAIL's barrier): died, froze, or slower than --timeout-s; {SEE}"),\
+            COLLECTIVE_FAILED
+    if match := GLOO_TIMEOUT.search(text):
+        return who_is_missing(f"{me} waited {int(match.group(1)) / 1000:g} s in a collective"), COLLECTIVE_FAILED
+    if match := PEER_GONE.search(text):
+        return who_is_missing(f"{me} lost its connection to a peer in a collective (gloo: {match.group(0)})"),\
+            COLLECTIVE_FAILED
+    return None
+
+
+failure_explainers.append(explain_collective_failure)  # exit_on_user_error (config.py) consults it

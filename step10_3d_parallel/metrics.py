@@ -1,0 +1,149 @@
+"""What a run records: one record per optimiser step, the environment, and the final weights.
+
+metrics.json (schema version ``SCHEMA_VERSION``) is read by `compare/parity.py` and
+`compare/plot.py`. Its keys:
+
+- ``config``: every flag; ``env``: torch version, backend, device, world size, dtypes, data hashes;
+- ``records``: per optimiser step ``step`` (1-based), ``loss`` (mean over all ranks and micro-batches),
+  ``grad_norm`` (before clipping), ``param_norm``, ``lr``, ``tokens_per_s``, ``effective_batch_size``
+  (micro-batch x accumulation x world size, in samples), ``epoch``, ``memory`` (a list, one dict of
+  bytes per rank: sharded steps differ per rank), ``step_time`` (a list, one dict per rank: ``wall_s``
+  and ``cpu_s``, see ``StepClock``; read by `compare/stragglers.py`, ignored by parity) and, in distributed
+  steps, ``comm`` (bytes rank 0 handed to each kind of collective during the step);
+- ``final``: ``weights`` (safetensors file, relative to the run folder), ``sha256`` of that file,
+  ``param_norm``, and ``fingerprints`` (per tensor: shape, sha256 of its bytes, norm).
+"""
+import hashlib
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SCHEMA_VERSION = 2  # 2: memory is a list, one entry per rank
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+
+
+def memory_stats(params, optimizer, device: torch.device, grads=None) -> dict:
+    """Bytes held by this process: what its parameters, gradients (``grads``, by default every
+    ``param.grad``) and optimiser state take, its peak resident set size (the whole process:
+    Python, torch, data), and on a GPU what CUDA allocated."""
+    params = list(params)
+    stats = {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(p.grad for p in params) if grads is None else tensor_bytes(grads),
+        "optimizer_state": optimizer_state_bytes(optimizer),
+        # ru_maxrss is in KiB on Linux and in bytes on macOS
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024),
+    }
+    if device.type == "cuda":
+        stats["cuda_allocated"] = torch.cuda.memory_allocated(device)
+        stats["cuda_peak"] = torch.cuda.max_memory_allocated(device)
+    return stats
+
+
+class StepClock:
+    """This rank's time for one optimiser step: wall-clock seconds and the CPU seconds of this thread.
+
+    Why both. In synchronous data parallelism every rank's *wall* time is the same: a fast rank waits for
+    the slowest inside the step's collectives, so the wall time says how slow the job is, not which rank
+    makes it slow. The main thread's CPU time (``time.thread_time``) counts only what this rank computed:
+    forward, backward and the optimiser run on this thread (one CPU thread per rank, torch.set_num_threads(1)),
+    while waiting for a peer sleeps (gloo's own threads do the transfers). So a straggler stands out in
+    ``cpu_s`` and not in ``wall_s`` (measured in docs/fault_tolerance.md, "Stragglers"). Limits: a rank slow
+    for lack of CPU or for waiting on I/O takes wall time, not CPU time, and on a GPU the CPU time is only the
+    launching (CUDA events would time the kernels)."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def stop(self) -> dict:
+        return {"wall_s": time.perf_counter() - self.wall, "cpu_s": time.thread_time() - self.cpu}
+
+
+def environment(device: torch.device, world_size: int, backend: str | None, amp: str, data_sha256: str,
+                tokenizer_sha256: str, n_samples: int) -> dict:
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "backend": backend,
+        "world_size": world_size,
+        "param_dtype": "float32",
+        "autocast_dtype": {"none": None, "bf16": "bfloat16", "fp16": "float16"}[amp],
+        "cpu_threads_per_process": torch.get_num_threads(),
+        "data_sha256": data_sha256,
+        "tokenizer_sha256": tokenizer_sha256,
+        "n_samples": n_samples,
+    }
+
+
+def fingerprint(tensor: torch.Tensor) -> dict:
+    t = tensor.detach().cpu().contiguous()
+    return {"shape": list(t.shape), "sha256": hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest(),
+            "norm": t.double().norm().item()}
+
+
+def write_json_atomically(path: Path, data) -> None:
+    """Write to a temporary file and rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def save_final_weights(out_dir: Path, named_tensors: dict) -> dict:
+    """Write the full weights as safetensors and return the ``final`` section (without ``param_norm``)."""
+    weights = {name: t.detach().cpu().contiguous() for name, t in named_tensors.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "model.safetensors"
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(weights, str(tmp))
+    os.replace(tmp, path)
+    return {"weights": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "fingerprints": {name: fingerprint(t) for name, t in weights.items()}}
+
+
+class RunLog:
+    """Collects the records of a run, prints one compact line per step, writes metrics.json.
+
+    Only the writer (rank 0) prints and writes; the other ranks keep their records in memory.
+    """
+
+    def __init__(self, config: dict, env: dict, is_writer: bool, records=None):
+        self.config, self.env, self.is_writer = config, env, is_writer
+        self.records = list(records or [])
+        self.out_dir = Path(config["out"])
+        self.started = time.perf_counter()
+
+    def log(self, record: dict) -> None:
+        self.records.append(record)
+        if self.is_writer and not self.config["quiet"]:
+            memory = record["memory"][0]
+            rss = f"rss {memory['peak_rss'] / 2**20:.0f} MiB"
+            cuda = f" | cuda {memory['cuda_peak'] / 2**20:.0f} MiB peak" if "cuda_peak" in memory else ""
+            print(f"step {record['step']:4d}/{self.config['steps']} | loss {record['loss']:.4f} | "
+                  f"grad norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
+                  f"{record['tokens_per_s']:,.0f} tok/s | {rss}{cuda}", flush=True)
+
+    def write(self, final: dict | None = None) -> None:
+        if not self.is_writer:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomically(self.out_dir / "metrics.json", {
+            "schema_version": SCHEMA_VERSION,
+            "config": self.config,
+            "env": self.env,
+            "records": self.records,
+            "final": final,
+            "wall_time_s": round(time.perf_counter() - self.started, 3),
+        })

@@ -1,0 +1,306 @@
+"""Pipeline parallelism: the model cut into stages by blocks, one stage per rank, micro-batches flowing through.
+
+Steps 1-7 replicated (or sharded) the *whole* model on every rank and split the *batch*: every rank
+ran every layer. Here the *layers* are split: rank s holds stage s (a run of consecutive blocks; the
+embedding with the first stage, the final norm and the output layer with the last), and a batch
+flows through the ranks as micro-batches. Here:
+
+1. **Point-to-point, shapes known in advance.** A stage sends its output activation to the next
+   stage (``isend``) and receives the gradient of that activation back; the next stage receives into
+   a buffer it allocated from the shape it was told at construction. No shapes travel: one message
+   per activation and one per gradient, ``batch x sequence x hidden x dtype size`` bytes each.
+   Sends are asynchronous and waited at the end of the step (``finish_gradient_synchronization``),
+   so a stage never blocks on a peer that is itself blocked sending to it; receives block, within the
+   process group's timeout (a dead or frozen stage ends the job, never hangs it).
+2. **Two schedules.** ``gpipe``: every micro-batch forward, then every backward (M micro-batches of
+   activations held at once). ``1f1b``: stage s runs P - s - 1 forwards (warm-up), then alternates one
+   forward and one backward, then the remaining backwards (at most P - s micro-batches held). Both
+   run the backwards in micro-batch order 0, 1, ..., M - 1, which is the order one process
+   accumulating M micro-batches adds their gradients in: so every ``.grad`` holds the same bits.
+   Idle time per stage, the bubble, is (P - 1) / (M + P - 1) of the step in both; 1F1B saves memory.
+3. **The tied embedding, combined per micro-batch.** GPT-2's token embedding is also its output
+   layer: the first stage holds it for the lookup, the last a copy for the logits. One process sums
+   the two gradient contributions of each micro-batch before adding it to ``.grad``. So the last stage
+   sends its contribution of each micro-batch to the first, which adds it to its own in the hook that
+   runs just before accumulation: the same additions in the same order. (Summing each stage's
+   accumulated part once per step is cheaper, but adds in another order: off in the last bits.) After
+   the last backward the first stage sends the combined gradient back, and both copies step alike.
+4. **One random stream.** Dropout draws from the global generator, in model order, micro-batch after
+   micro-batch. Every stage replays the draws of the other stages (the same random ops on
+   throw-away tensors of the same shapes, recorded once by ``record_random_ops``) so that it draws
+   its own masks from exactly where one process would: the masks are one process's masks.
+5. **The loss on the last stage.** Only the last stage has the targets' logits; it divides each
+   micro-batch's loss by the number of micro-batches accumulated per optimiser step, as one process
+   does (``loss / accum``), and starts that micro-batch's backward.
+"""
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.masking_utils import create_causal_mask
+
+from comm_accounting import count_collective
+
+SCHEDULES = ("gpipe", "1f1b")
+ACTIVATION_TAG, TIED_TAG = 0, 1  # two streams between the last and the first stage (at P = 2, the same pair)
+
+
+def stage_blocks(n_blocks: int, num_stages: int) -> list[range]:
+    """The blocks of each stage: consecutive, as even as can be (the first stages take one more)."""
+    base, extra = divmod(n_blocks, num_stages)
+    starts = [s * base + min(s, extra) for s in range(num_stages + 1)]
+    return [range(starts[s], starts[s + 1]) for s in range(num_stages)]
+
+
+class GPT2Stage(nn.Module):
+    """Stage ``stage`` of ``num_stages`` of a ``GPT2LMHeadModel``, under the model's own parameter names.
+
+    The first stage maps token ids to hidden states (embedding, position embedding, dropout, its blocks),
+    the middle ones hidden states to hidden states, the last hidden states to logits (its blocks, final
+    norm, output layer). The blocks are the model's own modules, keyed by their index in the model, so a
+    stage's ``named_parameters()`` are the model's names (``transformer.h.3.mlp.c_fc.weight``). With more
+    than one stage the last stage's output layer gets a copy of the tied embedding: ``tied_parameter``.
+    """
+
+    def __init__(self, model, stage: int, num_stages: int):
+        super().__init__()
+        self.config, self.stage, self.num_stages = model.config, stage, num_stages
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        source = model.transformer
+        self.transformer = nn.Module()
+        if self.is_first:
+            self.transformer.wte, self.transformer.wpe, self.transformer.drop = source.wte, source.wpe, source.drop
+        blocks = stage_blocks(len(source.h), num_stages)[stage]
+        self.transformer.h = nn.ModuleDict({str(i): source.h[i] for i in blocks})
+        tied = None
+        if self.is_last:
+            self.transformer.ln_f = source.ln_f
+            # On the meta device: a new Linear would draw its initial weight from the generator dropout uses.
+            self.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False, device="meta")
+            if self.is_first:  # one stage: the model's own tie
+                self.lm_head.weight = source.wte.weight
+            else:
+                self.lm_head.weight = tied = nn.Parameter(model.lm_head.weight.detach().clone())
+        if self.is_first and num_stages > 1:
+            tied = source.wte.weight
+        self._tied = (tied,)  # in a tuple: a Parameter set as an attribute would be registered under a new name
+
+    @property
+    def tied_parameter(self) -> nn.Parameter | None:
+        """The copy of the tied embedding this stage holds, on the first and the last stage; None otherwise."""
+        return self._tied[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """What ``GPT2LMHeadModel.forward`` computes for this stage's part, op for op (no cache, no padding)."""
+        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        if self.is_first:
+            hidden = self.transformer.wte(x) + self.transformer.wpe(position_ids)
+            hidden = self.transformer.drop(hidden)
+        else:
+            hidden = x
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        for block in self.transformer.h.values():
+            hidden = block(hidden, None, mask, position_ids=position_ids)
+        if self.is_last:
+            hidden = self.lm_head(self.transformer.ln_f(hidden))
+        return hidden
+
+    def owned_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters this stage answers for, by the model's names: the tied embedding counts once, on
+        the first stage (the last stage's copy is not a parameter of the model)."""
+        return [(name, p) for name, p in self.named_parameters()
+                if not (p is self.tied_parameter and not self.is_first)]
+
+
+# ---- one random stream ------------------------------------------------------------------------------------------
+
+class RandomOps(TorchDispatchMode):
+    """Records every op that draws from a random generator (torch tags them ``nondeterministic_seeded``):
+    the op and the shapes and dtypes of its tensor arguments, enough to draw the same numbers again."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            describe = lambda a: ("tensor", a.shape, a.dtype, a.device) if torch.is_tensor(a) else a  # noqa: E731
+            self.ops.append((func, [describe(a) for a in args], {k: describe(v) for k, v in kwargs.items()}))
+        return func(*args, **kwargs)
+
+
+def record_random_ops(stages: list[nn.Module], example_input: torch.Tensor, context=contextlib.nullcontext) -> list:
+    """``ops[s]``: the random ops stage ``s`` runs on one micro-batch, in order (none without dropout).
+
+    Runs ``example_input`` through every stage in turn, once, inside ``context`` (the autocast of the real
+    forward: it decides the dtypes of the masks), without gradients and on a fork of the generator, so
+    nothing of the real stream is used. Every rank calls it before it keeps only its own stage."""
+    ops = []
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), context():
+        x = example_input
+        for stage in stages:
+            with RandomOps() as recorder:
+                x = stage(x)
+            ops.append(recorder.ops)
+    return ops
+
+
+def replay_random_ops(ops: list) -> None:
+    """Draw what ``ops`` drew, into throw-away tensors: the generator moves on exactly as it did."""
+    def make(a):
+        return torch.empty(a[1], dtype=a[2], device=a[3]) if isinstance(a, tuple) and a[:1] == ("tensor",) else a
+
+    for func, args, kwargs in ops:
+        func(*[make(a) for a in args], **{k: make(v) for k, v in kwargs.items()})
+
+
+# ---- the schedule -----------------------------------------------------------------------------------------------
+
+def schedule_actions(schedule: str, stage: int, num_stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """What stage ``stage`` does, in order: ``("F", i)`` forward of micro-batch i, ``("B", i)`` its backward."""
+    forwards, backwards = [("F", i) for i in range(micro_batches)], [("B", i) for i in range(micro_batches)]
+    if schedule == "gpipe":
+        return forwards + backwards
+    if schedule != "1f1b":
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    warmup = min(num_stages - stage - 1, micro_batches)  # forwards in flight before the first backward arrives
+    steady = [action for pair in zip(forwards[warmup:], backwards) for action in pair]
+    return forwards[:warmup] + steady + backwards[micro_batches - warmup:]
+
+
+class Pipeline:
+    """Runs one stage of a pipeline: this rank's ``module``, micro-batch by micro-batch, by a schedule.
+
+    ``module``: this stage (any ``nn.Module`` mapping one tensor to one tensor). ``activation_shape`` and
+    ``activation_dtype``: what every stage but the last receives (the previous stage's output for one
+    micro-batch). ``loss_fn(output, target)``: the last stage's loss. ``tied_parameter``: on the first and
+    the last stage, the parameter both hold a copy of (GPT-2's embedding), or None. ``ranks``: the global
+    rank of each stage (default: stage s is rank s). ``context``: entered around each forward (autocast).
+    ``random_ops``: ``record_random_ops``'s list for every stage, or None when nothing draws at random.
+    ``device``: where received tensors go (this stage's device).
+
+    ``run(micro_batches, inputs, targets, loss_scale)`` runs the forwards and backwards of that many
+    micro-batches (the first stage reads the list ``inputs``, the last ``targets``; the others pass neither)
+    and returns the last stage's losses (undivided). Gradients accumulate in ``.grad`` across calls, as with
+    ``backward()``;
+    ``finish_gradient_synchronization()`` is the single sync point before the optimiser step.
+    """
+
+    def __init__(self, module: nn.Module, stage: int, num_stages: int, activation_shape, activation_dtype=torch.float32,
+                 loss_fn=None, tied_parameter=None, ranks=None, schedule: str = "1f1b", context=contextlib.nullcontext,
+                 random_ops=None, device=torch.device("cpu")):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.module, self.stage, self.num_stages, self.schedule = module, stage, num_stages, schedule
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.activation_shape, self.activation_dtype = torch.Size(activation_shape), activation_dtype
+        self.loss_fn, self.context, self.device = loss_fn, context, device
+        self.ranks = list(ranks) if ranks is not None else list(range(num_stages))
+        random_ops = random_ops or [[] for _ in range(num_stages)]
+        self.ops_before = [op for ops in random_ops[:stage] for op in ops]
+        self.ops_after = [op for ops in random_ops[stage + 1:] for op in ops]
+        self.pending_sends = []  # (work, tensor): a send's tensor must live until it is waited
+        self.tied_parameter = tied_parameter if num_stages > 1 else None
+        if self.tied_parameter is not None:
+            hook = self._add_tied_contribution if self.is_first else self._send_tied_contribution
+            self.tied_parameter.register_hook(hook)
+        self.timeline = None  # a list to record (what, micro-batch, start, end) into: pipeline_trace.py
+        self.in_flight, self.peak_in_flight = 0, 0  # micro-batches whose activations are held for backward
+
+    # ---- point-to-point ----------------------------------------------------------------------------------------
+    def _send(self, tensor: torch.Tensor, stage: int, kind: str, tag: int = ACTIVATION_TAG) -> None:
+        started = time.perf_counter()
+        tensor = tensor.detach().contiguous()
+        self.pending_sends.append((dist.isend(tensor, self.ranks[stage], tag=tag), tensor))
+        count_collective(kind, tensor)
+        self._record("send", None, started)
+
+    def _recv(self, shape, dtype, stage: int, tag: int = ACTIVATION_TAG) -> torch.Tensor:
+        """Blocks until the tensor is here, at most the process group's timeout (then gloo raises)."""
+        started = time.perf_counter()
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.irecv(tensor, self.ranks[stage], tag=tag).wait()
+        self._record("recv", None, started)
+        return tensor
+
+    def _record(self, what: str, micro_batch, started: float) -> None:
+        if self.timeline is not None:
+            self.timeline.append((what, micro_batch, started, time.perf_counter()))
+
+    # ---- the tied parameter: one contribution per micro-batch from the last stage, added on the first --------
+    def _send_tied_contribution(self, grad: torch.Tensor) -> torch.Tensor:
+        self._send(grad.clone(), 0, "p2p tied-parameter gradient", TIED_TAG)  # a copy: .grad may take grad over
+        return grad
+
+    def _add_tied_contribution(self, grad: torch.Tensor) -> torch.Tensor:
+        # One process sums the two contributions, then accumulates: a + b == b + a, bit for bit.
+        return grad + self._recv(grad.shape, grad.dtype, self.num_stages - 1, TIED_TAG)
+
+    # ---- one forward, one backward -----------------------------------------------------------------------------
+    def _forward(self, i: int, inputs, targets, held: dict, losses: list) -> None:
+        x = inputs[i] if self.is_first else self._recv(self.activation_shape, self.activation_dtype, self.stage - 1)
+        if not self.is_first:
+            x.requires_grad_(True)  # its gradient is what this stage sends back
+        started = time.perf_counter()
+        replay_random_ops(self.ops_before)  # the draws of the stages before this one, for this micro-batch
+        with self.context():
+            output = self.module(x)
+            loss = self.loss_fn(output, targets[i]) if self.is_last else None
+        replay_random_ops(self.ops_after)
+        self._record("forward", i, started)
+        if self.is_last:
+            losses.append(loss.detach())
+        else:
+            if output.shape != self.activation_shape or output.dtype != self.activation_dtype:
+                raise ValueError(f"stage {self.stage} produced {tuple(output.shape)} {output.dtype}, the next stage "
+                                 f"expects {tuple(self.activation_shape)} {self.activation_dtype}")
+            self._send(output, self.stage + 1, "p2p activations")
+        held[i] = (x, loss if self.is_last else output)
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def _backward(self, i: int, held: dict, loss_scale: float) -> None:
+        x, output = held.pop(i)
+        if self.is_last:
+            started = time.perf_counter()
+            (output / loss_scale).backward()  # as one process does: (loss / accum).backward()
+        else:
+            grad = self._recv(output.shape, output.dtype, self.stage + 1)
+            started = time.perf_counter()
+            torch.autograd.backward(output, grad)
+        self._record("backward", i, started)
+        self.in_flight -= 1
+        if not self.is_first:
+            self._send(x.grad, self.stage - 1, "p2p activation gradients")
+
+    def run(self, micro_batches: int, inputs=None, targets=None, loss_scale: float = 1.0) -> list[torch.Tensor]:
+        """Forward and backward ``micro_batches`` micro-batches by the schedule; the last stage's losses."""
+        held, losses = {}, []
+        for kind, i in schedule_actions(self.schedule, self.stage, self.num_stages, micro_batches):
+            if kind == "F":
+                self._forward(i, inputs, targets, held, losses)
+            else:
+                self._backward(i, held, loss_scale)
+        return losses
+
+    def finish_gradient_synchronization(self) -> None:
+        """After the last ``run`` of an optimiser step: the last stage gets the tied parameter's combined
+        gradient from the first, and every send is waited (its tensor may then be freed)."""
+        if self.tied_parameter is not None:
+            if self.is_first:
+                self._send(self.tied_parameter.grad, self.num_stages - 1, "p2p tied-parameter gradient", TIED_TAG)
+            else:
+                self.tied_parameter.grad = self._recv(self.tied_parameter.shape, self.tied_parameter.dtype, 0, TIED_TAG)
+        for work, _ in self.pending_sends:
+            work.wait()
+        self.pending_sends.clear()
+
+    def take_peak_in_flight(self) -> int:
+        """The most micro-batches whose activations this stage held at once since the last call."""
+        peak, self.peak_in_flight = self.peak_in_flight, self.in_flight
+        return peak

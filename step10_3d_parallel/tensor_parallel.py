@@ -1,0 +1,433 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): T ranks run one model on the same samples,
+each holding 1/T of every weight matrix.
+
+Steps 1-7 split the batch: every rank ran the whole model on its own samples (ZeRO only changed where
+the state waits between uses). Here the ranks of a group see the same micro-batches and split the
+work *inside* each layer. Here:
+
+1. **Column-parallel, then row-parallel.** A linear layer ``y = x A^T`` can be split by the rows of
+   ``A`` (its output features: rank r computes ``y_r``, a slice of ``y``, from the whole ``x``) or by
+   its columns (its input features: rank r computes a partial ``x_r A_r^T`` of the whole ``y``, and
+   the ranks sum). An MLP is a column-parallel layer, an element-wise activation, a row-parallel
+   layer: the activation needs no communication in between, so a block costs one all-reduce in
+   forward and one in backward per pair (attention: c_attn then c_proj; MLP: c_fc then c_proj).
+2. **Two conjugate functions carry all the communication.** ``copy_to_tensor_parallel_region``
+   (Megatron's *f*): identity forward, all-reduce of the gradient backward, in front of a
+   column-parallel layer, because each rank's ``x`` feeds only its slice of ``y``. And
+   ``reduce_from_tensor_parallel_region`` (*g*): all-reduce forward, identity backward, after a
+   row-parallel layer. Nothing else in the model knows it is distributed.
+3. **Whole heads.** GPT-2's ``c_attn`` is one matrix laid out ``[q | k | v]``. Rank r takes heads
+   ``r H/T .. (r+1) H/T - 1`` of each of q, k and v (three blocks of rows), so attention runs on
+   local heads with no communication. A contiguous third of ``[q | k | v]`` would hand a rank q of
+   some heads and k of others: silently wrong (measured: 3.8e-2 off).
+4. **The row-parallel bias as PyTorch adds it.** Each rank adds ``bias / T`` to its partial sum
+   before the all-reduce (DTensor's Replicate -> Partial, ``_partition_value``), so the result is
+   bitwise PyTorch's ``RowwiseParallel``. The bias gradient is the true one (``_BiasShare``):
+   every rank already holds the whole output gradient.
+5. **The vocabulary split, the tie kept, the logits never whole.** Rank r holds rows
+   ``[r V/T, (r+1) V/T)`` of the token embedding, and the output layer *is* that same Parameter
+   (GPT-2 ties them). The embedding looks up the ids it owns, zeroes the others, and all-reduces.
+   The logits stay split by vocabulary; ``vocab_parallel_cross_entropy`` all-reduces three numbers
+   per token (the max, the sum of exponentials, the target's logit): no rank ever holds a
+   ``(tokens, V)`` tensor.
+6. **Replicated parameters stay identical without a gradient sync.** LayerNorms, the position
+   embedding and row-parallel biases see the same inputs on every rank and, thanks to *f*'s
+   all-reduce, the same output gradients: their gradients come out bit-identical everywhere.
+
+What changes the numbers: a row-parallel layer sums ``h/T`` products per rank and then the ranks'
+partial sums; one process sums ``h`` products in one go. Floating-point addition is not associative,
+so tensor parallelism is bitwise equal to PyTorch's own tensor parallelism (which groups the same
+way), not to steps 0-7 (README: "what is and is not bitwise").
+"""
+import hashlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from config import UserError
+from comm_accounting import count_collective
+from training import clip_to_norm, norm_from_parts, square_sum_parts
+
+
+# ---- the communication: Megatron's f and g, and the gather/scatter pair ---------------------------------
+
+def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, reduce_dtype=None) -> torch.Tensor:
+    """Sum (or max) ``tensor`` over ``group`` in place and return it. ``reduce_dtype=torch.float64``
+    sums in float64 and rounds once, so the result does not depend on the order the ranks are added in."""
+    wide = tensor if reduce_dtype in (None, tensor.dtype) else tensor.to(reduce_dtype)
+    count_collective("all_reduce", wide)
+    dist.all_reduce(wide, op=op, group=group)
+    return tensor.copy_(wide) if wide is not tensor else tensor
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """f: identity forward; backward, the gradients of every rank's slice of the output are summed."""
+
+    @staticmethod
+    def forward(ctx, x, group, reduce_dtype):
+        ctx.group, ctx.reduce_dtype = group, reduce_dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.contiguous().clone(), ctx.group, reduce_dtype=ctx.reduce_dtype), None, None
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """g: the ranks' partial sums added up forward; backward, every rank gets the whole gradient as is."""
+
+    @staticmethod
+    def forward(ctx, x, group, reduce_dtype):
+        return _all_reduce(x.contiguous().clone(), group, reduce_dtype=reduce_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    """Forward: the ranks' slices of the last dimension, concatenated; backward: this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        count_collective("all_gather", x)
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _my_slice(grad, ctx.group), None
+
+
+class _ScatterToTensorParallelRegion(torch.autograd.Function):
+    """Forward: this rank's slice of the last dimension; backward: the slices' gradients gathered."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _my_slice(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherFromTensorParallelRegion.forward(ctx, grad, ctx.group), None
+
+
+class _BiasShare(torch.autograd.Function):
+    """``bias / T`` forward (rule 4); backward, the gradient of the whole bias: the T shares add up to it."""
+
+    @staticmethod
+    def forward(ctx, bias, world_size):
+        return bias / world_size
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _my_slice(x: torch.Tensor, group) -> torch.Tensor:
+    return x.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)].contiguous()
+
+
+def copy_to_tensor_parallel_region(x, group=None, reduce_dtype=None):
+    return _CopyToTensorParallelRegion.apply(x, group, reduce_dtype)
+
+
+def reduce_from_tensor_parallel_region(x, group=None, reduce_dtype=None):
+    return _ReduceFromTensorParallelRegion.apply(x, group, reduce_dtype)
+
+
+def _split(size: int, group, what: str) -> int:
+    world_size = dist.get_world_size(group)
+    if size % world_size:
+        raise UserError(f"{what} ({size}) is not divisible by the tensor-parallel degree {world_size}; "
+                        f"use a degree that divides it")
+    return size // world_size
+
+
+# ---- the layers --------------------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with its output features split over ``group``.
+
+    ``.weight`` is this rank's block of rows of the full ``(out_features, in_features)`` weight, rows
+    ``[r out/T, (r+1) out/T)``; ``.bias`` the same rows of the bias. The input is the whole ``x``, the
+    same on every rank; the output is this rank's slice of the last dimension, or, with
+    ``gather_output=True``, the whole output (one all-gather). ``out_features`` must be divisible by T.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 group=None, reduce_dtype=None):
+        super().__init__()
+        self.group, self.gather_output, self.reduce_dtype = group, gather_output, reduce_dtype
+        self.in_features, self.out_features = in_features, out_features
+        local = _split(out_features, group, "out_features")
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.bias = nn.Parameter(torch.zeros(local)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x):
+        x = copy_to_tensor_parallel_region(x, self.group, self.reduce_dtype)
+        y = F.linear(x, self.weight, self.bias)
+        return _GatherFromTensorParallelRegion.apply(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with its input features split over ``group``.
+
+    ``.weight`` is this rank's block of columns of the full ``(out_features, in_features)`` weight,
+    columns ``[r in/T, (r+1) in/T)``; ``.bias`` is whole (replicated). The input is this rank's slice
+    of the last dimension (what a column-parallel layer returns), or, with ``input_is_parallel=False``,
+    the whole input, sliced here. The output is whole and the same on every rank: the partial sums,
+    each with ``bias / T`` added (as PyTorch's ``RowwiseParallel`` does), all-reduced.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 group=None, reduce_dtype=None):
+        super().__init__()
+        self.group, self.input_is_parallel, self.reduce_dtype = group, input_is_parallel, reduce_dtype
+        self.in_features, self.out_features = in_features, out_features
+        local = _split(in_features, group, "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, local))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = _ScatterToTensorParallelRegion.apply(x, self.group)
+        share = None if self.bias is None else _BiasShare.apply(self.bias, dist.get_world_size(self.group))
+        return reduce_from_tensor_parallel_region(F.linear(x, self.weight, share), self.group, self.reduce_dtype)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding(num_embeddings, embedding_dim)`` with its rows (the vocabulary) split over ``group``.
+
+    ``.weight`` is rows ``[r V/T, (r+1) V/T)``. Every rank gets the whole input ids and returns the whole
+    output: it looks up the ids it owns, zeroes the rows of the others, and the ranks all-reduce.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, reduce_dtype=None):
+        super().__init__()
+        self.group, self.reduce_dtype = group, reduce_dtype
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = _split(num_embeddings, group, "the vocabulary (num_embeddings)")
+        self.vocab_start = dist.get_rank(group) * local
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim))
+        nn.init.normal_(self.weight)
+
+    def forward(self, ids):
+        elsewhere = (ids < self.vocab_start) | (ids >= self.vocab_start + self.weight.shape[0])
+        local_ids = (ids - self.vocab_start).masked_fill(elsewhere, 0)
+        rows = F.embedding(local_ids, self.weight)
+        rows = rows.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(rows, self.group, self.reduce_dtype)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The arithmetic of PyTorch's ``loss_parallel`` (``torch/distributed/tensor/parallel/loss.py``), op for op."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group):
+        rows = logits.shape[-1]
+        start = dist.get_rank(group) * rows
+        top = _all_reduce(torch.amax(logits, dim=-1, keepdim=True), group, op=dist.ReduceOp.MAX)
+        shifted = logits - top
+        sum_exp = _all_reduce(torch.sum(torch.exp(shifted), dim=-1, keepdim=True), group)
+        log_probs = shifted - torch.log(sum_exp)
+        elsewhere = (targets < start) | (targets >= start + rows)
+        local = (targets - start).masked_fill(elsewhere, 0)
+        picked = torch.gather(log_probs, -1, local.unsqueeze(-1)).masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        picked = _all_reduce(picked, group)  # the target's log-probability, from the rank that owns it
+        count = torch.tensor(float(targets.numel()), dtype=logits.dtype, device=logits.device)
+        ctx.save_for_backward(log_probs, local, elsewhere, count)
+        return (-picked.squeeze(-1)).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        log_probs, local, elsewhere, count = ctx.saved_tensors
+        one_hot = torch.zeros_like(log_probs)
+        one_hot.scatter_(-1, local.unsqueeze(-1), (elsewhere.to(log_probs.dtype) - 1.0).unsqueeze(-1))
+        return (one_hot + torch.exp(log_probs)) * (grad / count), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (``(N, V/T)``: this rank's vocabulary slice, as the tied output layer
+    gives it) against ``targets`` (``(N,)``, ids in the whole vocabulary, the same on every rank): the value
+    ``F.cross_entropy`` gives on the whole ``(N, V)`` logits, on every rank, without ever building them."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, group)
+
+
+# ---- GPT-2, made tensor-parallel ----------------------------------------------------------------------------
+# Where each rank's shard sits in the full parameter, in the checkpoint's (transformers') layout: a list of
+# (dim, start, end) blocks, concatenated along dim. GPT-2's Conv1D holds its weight as (in, out), the
+# transpose of nn.Linear's, so a column-parallel Conv1D is a block of columns there (``transposed``).
+
+def _blocks(param, blocks: list, transposed: bool) -> None:
+    param.tp_blocks, param.tp_transposed = blocks, transposed
+
+
+def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``full`` (a full parameter, or its optimiser state, in the checkpoint's layout),
+    laid out as ``param`` is; ``full`` itself for a replicated parameter."""
+    blocks = getattr(param, "tp_blocks", None)
+    if blocks is None:
+        return full
+    piece = torch.cat([full.narrow(dim, start, end - start) for dim, start, end in blocks], dim=blocks[0][0])
+    return piece.t() if param.tp_transposed else piece
+
+
+def full_layout(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (laid out as ``param``) in the checkpoint's layout: the inverse of ``shard_of``'s transpose."""
+    return local.t() if getattr(param, "tp_transposed", False) else local
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    return getattr(param, "tp_blocks", None) is not None
+
+
+def _column(conv, group, blocks, reduce_dtype) -> ColumnParallelLinear:
+    full_in, full_out = conv.weight.shape  # Conv1D: (in, out)
+    layer = ColumnParallelLinear(full_in, full_out, group=group, reduce_dtype=reduce_dtype)
+    with torch.no_grad():
+        for param, full in ((layer.weight, conv.weight), (layer.bias, conv.bias)):
+            dims = [(1 if param.dim() == 2 else 0, s, e) for _, s, e in blocks]
+            _blocks(param, dims, transposed=param.dim() == 2)
+            param.copy_(shard_of(param, full))
+    return layer
+
+
+def _row(conv, group, reduce_dtype) -> RowParallelLinear:
+    full_in, full_out = conv.weight.shape
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    layer = RowParallelLinear(full_in, full_out, group=group, reduce_dtype=reduce_dtype)
+    local = full_in // size
+    with torch.no_grad():
+        _blocks(layer.weight, [(0, rank * local, (rank + 1) * local)], transposed=True)
+        layer.weight.copy_(shard_of(layer.weight, conv.weight))
+        layer.bias.copy_(conv.bias)  # replicated
+    return layer
+
+
+def check_divisible(n_head: int, vocab_size: int, world_size: int) -> None:
+    """Refuse, with one line, a tensor-parallel degree that cannot split the heads or the vocabulary."""
+    if n_head % world_size:
+        why = "more ranks than heads" if world_size > n_head else "each rank holds whole heads"
+        raise UserError(f"tensor parallelism over {world_size} ranks needs --n-head divisible by {world_size}, got "
+                        f"{n_head} ({why}): run on a number of ranks that divides {n_head}, or change --n-head "
+                        "(and --n-embd)")
+    if vocab_size % world_size:
+        raise UserError(f"tensor parallelism over {world_size} ranks needs a vocabulary divisible by {world_size}, "
+                        f"the tokenizer has {vocab_size} tokens: run on a number of ranks that divides {vocab_size}, "
+                        "or pad the vocabulary (Megatron does)")
+
+
+def parallelize_gpt2(model, group=None, reduce_dtype=None):
+    """Turn a transformers ``GPT2LMHeadModel`` (every rank holding the same full weights) into its
+    tensor-parallel form over ``group``, in place, and return it.
+
+    Each block's ``attn.c_attn`` and ``mlp.c_fc`` become ``ColumnParallelLinear`` (c_attn by whole heads of
+    q, k and v), ``attn.c_proj`` and ``mlp.c_proj`` ``RowParallelLinear``; ``transformer.wte`` a
+    ``VocabParallelEmbedding`` and ``lm_head`` a ``ColumnParallelLinear`` over the vocabulary whose weight is
+    that embedding's Parameter (the tie kept). Parameter names do not change. The model's forward then
+    returns this rank's vocabulary slice of the logits: take the loss with ``vocab_parallel_cross_entropy``.
+    Every sharded parameter carries ``tp_blocks`` (see ``shard_of``)."""
+    cfg = model.config
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    check_divisible(cfg.n_head, cfg.vocab_size, size)
+    h = cfg.n_embd
+    local_h, local_ff = h // size, model.transformer.h[0].mlp.c_fc.weight.shape[1] // size
+    for block in model.transformer.h:
+        attn, mlp = block.attn, block.mlp
+        heads = [(None, part * h + rank * local_h, part * h + (rank + 1) * local_h) for part in range(3)]  # q, k, v
+        attn.c_attn = _column(attn.c_attn, group, heads, reduce_dtype)
+        attn.c_proj = _row(attn.c_proj, group, reduce_dtype)
+        attn.split_size, attn.num_heads = local_h, cfg.n_head // size  # the split into q, k, v, of local heads
+        mlp.c_fc = _column(mlp.c_fc, group, [(None, rank * local_ff, (rank + 1) * local_ff)], reduce_dtype)
+        mlp.c_proj = _row(mlp.c_proj, group, reduce_dtype)
+    full = model.transformer.wte.weight
+    embedding = VocabParallelEmbedding(cfg.vocab_size, h, group=group, reduce_dtype=reduce_dtype)
+    local_v = cfg.vocab_size // size
+    with torch.no_grad():
+        _blocks(embedding.weight, [(0, rank * local_v, (rank + 1) * local_v)], transposed=False)
+        embedding.weight.copy_(shard_of(embedding.weight, full))
+    model.transformer.wte = embedding
+    model.lm_head = ColumnParallelLinear(h, cfg.vocab_size, bias=False, group=group, reduce_dtype=reduce_dtype)
+    model.lm_head.weight = embedding.weight  # one Parameter: its gradient sums both uses, as in GPT-2
+    return model
+
+
+def gather_full_parameters(model, group=None) -> dict:
+    """Every parameter whole, by name, in transformers' layout (Conv1D weights ``(in, out)``), on every rank:
+    what ``GPT2LMHeadModel.named_parameters()`` would hold. One all-gather per sharded parameter."""
+    size = dist.get_world_size(group)
+    full = {}
+    for name, param in model.named_parameters():
+        local = full_layout(param, param.detach()).contiguous()
+        if not is_sharded(param):
+            full[name] = local.clone()
+            continue
+        parts = [torch.empty_like(local) for _ in range(size)]
+        count_collective("all_gather", local)
+        dist.all_gather(parts, local, group=group)
+        full[name] = assemble(param.tp_blocks, parts, dist.get_rank(group), size)
+    return full
+
+
+def assemble(my_blocks: list, parts: list, rank: int, size: int) -> torch.Tensor:
+    """The full tensor from every rank's shard (``parts[r]``, in the full layout), given this rank's blocks:
+    rank r's blocks are this rank's, moved by (r - rank) block lengths (every rank holds the same pattern)."""
+    dim = my_blocks[0][0]
+    pieces = []
+    for r, part in enumerate(parts):
+        offset = 0
+        for _, start, end in my_blocks:
+            length = end - start
+            pieces.append((start + (r - rank) * length, part.narrow(dim, offset, length)))
+            offset += length
+    return torch.cat([piece for _, piece in sorted(pieces, key=lambda p: p[0])], dim=dim)
+
+
+# ---- what the training loop needs from every rank's shards ----------------------------------------------
+
+def norm_parts(tensors, sharded, group=None) -> torch.Tensor:
+    """The exact sum of squares (``training.square_sum_parts``) of the whole tensors that ``tensors`` are
+    shards (``sharded[i]`` true) or replicas of: the shards' parts all-reduced (integers: exact in any order),
+    the replicas counted once. Every rank gets the same bits, the bits one process holding it all gets."""
+    tensors, sharded = list(tensors), list(sharded)
+    parts = square_sum_parts(t for t, s in zip(tensors, sharded) if s)
+    count_collective("all_reduce", parts)
+    dist.all_reduce(parts, group=group)
+    return parts + square_sum_parts(t for t, s in zip(tensors, sharded) if not s)
+
+
+def param_norm(params, group=None) -> float:
+    """``training.param_norm`` of the whole model, from every rank's shards."""
+    params = list(params)
+    return norm_from_parts(norm_parts(params, [is_sharded(p) for p in params], group))
+
+
+def clip_tensor_parallel_gradients(params, max_norm: float, group=None) -> torch.Tensor:
+    """``clip_gradients`` for a tensor-parallel model: the norm of the whole gradient (before clipping), from
+    every rank's shards, and every rank's gradients scaled by the same coefficient."""
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    norm = torch.tensor(norm_from_parts(norm_parts(grads, [is_sharded(p) for p in params], group)),
+                        dtype=torch.float32)
+    clip_to_norm(grads, norm, max_norm)
+    return norm
+
+
+def replicated_in_sync(model, group=None) -> bool:
+    """True on every rank when every replicated parameter is bit-identical on every rank (a check, not a fix)."""
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        if not is_sharded(param):
+            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    mine = torch.tensor([int.from_bytes(digest.digest()[:7], "little")], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return all(torch.equal(everyone[0], d) for d in everyone)

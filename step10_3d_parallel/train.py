@@ -1,0 +1,268 @@
+"""Step 10: data, tensor and pipeline parallelism at once, on one device mesh (mesh.py). Grown from step 9's train.py.
+
+The world is laid out as a pp x dp x tp mesh (--pp --dp --tp, their product the number of ranks). Each
+pipeline stage (step 9's pipeline.py, over the pp group) is made tensor-parallel over its tp group (step 8's
+tensor_parallel.py); the dp replicas of that stage read different samples (step 2's sampler), average
+their gradients over the dp group (step 3's allreduce_gradients) and shard AdamW's state of their own
+TP/PP shard over it (step 5's ShardedOptimizer). With two degrees at 1 the run is bitwise step 8's
+(tp only), step 9's (pp only) or step 5's (dp only); otherwise it is compared with step 1 as step 8 is.
+
+    torchrun --standalone --nproc_per_node=4 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 1
+    torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 2 --steps 2
+"""
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import distributed
+from comm_accounting import take_comm_bytes
+from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint
+from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
+from data import MicroBatches, check_enough_data, load_corpus
+from mesh import build_mesh, check_mesh
+from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
+from model import build_model
+from naive_dp import allreduce_gradients
+from pipeline import SCHEDULES, GPT2Stage, Pipeline, record_random_ops
+from sampler import ShardedSampler
+from seeding import rng_state, seed_everything
+from tensor_parallel import (gather_full_parameters, is_sharded, parallelize_gpt2,
+                             vocab_parallel_cross_entropy)
+from training import (adamw_options, adamw_param_groups, autocast, check_amp, clip_to_norm, make_grad_scaler,
+                      make_scheduler, norm_from_parts, square_sum_parts)
+from zero1 import ShardedOptimizer
+
+STEP = Path(__file__).resolve().parent.name
+
+
+def add_mesh_flags(parser) -> None:
+    flags = parser.add_argument_group("3D parallelism (their product is the number of ranks)")
+    flags.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what --tp and --pp leave)")
+    flags.add_argument("--tp", type=int, default=1,
+                       help="tensor-parallel degree: must divide --n-head and the vocabulary")
+    flags.add_argument("--pp", type=int, default=1, help="pipeline stages: at most --n-layer")
+    flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline's schedule (step 9)")
+    flags.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                       help="micro-batches in the pipeline at once (default: --grad-accum); must divide --grad-accum")
+
+
+def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, int]:
+    """Every mistake in the mesh flags, with one line, before anything connects; returns (dp, M)."""
+    tp, pp = config["tp"], config["pp"]
+    dp = config["dp"] if config["dp"] is not None else max(1, world_size // max(1, tp * pp))
+    check_mesh(dp, tp, pp, world_size)
+    if config["n_head"] % tp:  # step 8's check_divisible, in terms of --tp
+        raise UserError(f"--tp {tp} needs --n-head divisible by {tp}, got {config['n_head']} (each tp rank holds whole "
+                        f"heads): use a --tp that divides {config['n_head']}, or change --n-head (and --n-embd)")
+    if vocab_size % tp:
+        raise UserError(f"--tp {tp} needs a vocabulary divisible by {tp}, the tokenizer has {vocab_size} tokens: use a "
+                        f"--tp that divides {vocab_size}, or pad the vocabulary (Megatron does)")
+    if pp > config["n_layer"]:
+        raise UserError(f"--pp {pp} stages but the model has {config['n_layer']} blocks: every stage needs at "
+                        f"least one; use --pp {config['n_layer']} or less, or a larger --n-layer")
+    micro_batches = config["micro_batches"] or config["grad_accum"]
+    if micro_batches < 1 or config["grad_accum"] % micro_batches:
+        raise UserError(f"--micro-batches {micro_batches} does not divide --grad-accum {config['grad_accum']}: "
+                        "use a divisor of it, or leave it out")
+    if config["amp"] == "fp16":  # as in step 9: the loss scaler's overflow verdict would cross stages
+        raise UserError("--amp fp16 is not supported by step 10 (its loss scaling would need every stage to agree "
+                        "on overflow): use --amp bf16 or --amp none")
+    return dp, micro_batches
+
+
+def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage:
+    """Step 9's stage of a model step 8 made tensor-parallel. The output layer must stay the tensor-parallel one
+    (its input's gradient is all-reduced over the tp group, Megatron's f): GPT2Stage gives the last stage a
+    plain Linear, so it gets the model's ColumnParallelLinear back, with the stage's copy of the tie."""
+    stage = GPT2Stage(model, stage_index, num_stages)
+    if stage.is_last and is_sharded(model.transformer.wte.weight):
+        copy, embedding = stage.lm_head.weight, model.transformer.wte.weight
+        copy.tp_blocks, copy.tp_transposed = embedding.tp_blocks, embedding.tp_transposed  # the same shard
+        model.lm_head.weight = copy
+        stage.lm_head = model.lm_head
+    return stage
+
+
+def counted_once(named: list, mesh) -> list:
+    """The tensors whose squares add up to the whole model's (or gradient's) across the mesh: TP shards on every
+    tp rank, replicated ones on tp rank 0 only, the tie's copy on the last stage not at all."""
+    return [p for n, p in named if (is_sharded(p) or mesh.tp_rank == 0)
+            and not (n == "transformer.wte.weight" and mesh.pp_rank > 0)]
+
+
+def mesh_norm(tensors: list, mesh) -> float:
+    """The norm of the whole model's tensors from every rank's shards: exact integer parts (training.py), summed
+    over the tp group and then the pp group. Exact in any order: the bits one process holding it all gets."""
+    parts = square_sum_parts(tensors)
+    for group in (mesh.tp_group, mesh.pp_group):
+        dist.all_reduce(parts, group=group)
+    return norm_from_parts(parts)
+
+
+def gather_full_model(stage, named: list, mesh) -> dict:
+    """Every parameter whole, by name, on every rank: the tp shards all-gathered (step 8), the stages' parts
+    then gathered over the pp group (step 9)."""
+    full = gather_full_parameters(stage, group=mesh.tp_group)  # by the stage module's names
+    name_of = {n: name for (n, _), (name, _) in zip(stage.named_parameters(), named)}
+    mine = {name_of[n]: t for n, t in full.items()
+            if not (name_of[n] == "transformer.wte.weight" and mesh.pp_rank > 0)}
+    stages = [None] * mesh.pp
+    dist.all_gather_object(stages, mine, group=mesh.pp_group)
+    return {n: t for part in stages for n, t in part.items()}
+
+
+def main():
+    # ---- everything that can be wrong is checked before anything is written or connected -----
+    parser = build_parser(STEP)
+    distributed.add_flags(parser)
+    add_mesh_flags(parser)
+    config = parse_config(parser)
+    world = distributed.plan_world(config)
+    check_amp(config["amp"], world.device)
+    seed_everything(config["seed"])
+    corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
+    dp, micro_batches = check_degrees(config, world.world_size, corpus.vocab_size)
+    check_enough_data(len(corpus.blocks), dp, config["micro_batch_size"], config["grad_accum"])
+    resume_from = find_checkpoint(config["resume"], config["out"])
+    resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
+    mesh_shape = [config["pp"], dp, config["tp"]]
+    if resumed and resumed.shared.get("mesh") != mesh_shape:
+        saved = dict(zip(("pp", "dp", "tp"), resumed.shared.get("mesh") or ["?"] * 3))
+        raise UserError(f"{resume_from} was written on a mesh of --pp {saved['pp']} --dp {saved['dp']} --tp "
+                        f"{saved['tp']}: step 10 resumes its shards on the same mesh; launch that")
+    distributed.join(world, config["timeout_s"])
+    mesh = build_mesh(dp, config["tp"], config["pp"], timeout=timedelta(seconds=config["timeout_s"]))
+    device, tp, pp = world.device, config["tp"], config["pp"]
+
+    # ---- data, model, optimiser ----------------------------------------------------------------
+    # The dp replicas read disjoint shards (step 2); the tp and pp ranks of one replica read the same samples.
+    sampler = ShardedSampler(len(corpus.blocks), num_replicas=dp, rank=mesh.dp_rank, shuffle=True, seed=config["seed"])
+    batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
+    # The same full model on every rank (a pure function of the seed): made tensor-parallel over the tp group,
+    # then cut into stages; each rank keeps its stage.
+    reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
+    model = build_model(config, corpus.vocab_size, config["seed"])
+    shapes = {name: p.shape for name, p in model.named_parameters()}  # what the final weights hold
+    if tp > 1:  # at tp = 1 the model stays plain GPT-2, as in steps 5 and 9 (F.cross_entropy, not step 8's loss)
+        model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
+    model = model.to(device)
+    stages = [tensor_parallel_stage(model, s, pp) for s in range(pp)]
+    context = lambda: autocast(config["amp"], device)  # noqa: E731
+    example = batches.blocks[:config["micro_batch_size"], :-1].to(device)
+    random_ops = record_random_ops(stages, example, context) if config["dropout"] > 0 else None
+    stage = stages[mesh.pp_rank]
+    del model, stages
+    named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]
+    tp_group = mesh.tp_group  # the last stage's loss: step 8's over the vocabulary slices, or step 9's
+    loss_fn = (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, group=tp_group)) if tp > 1 \
+        else torch.nn.functional.cross_entropy
+    pipe = Pipeline(stage, mesh.pp_rank, pp,
+                    activation_shape=(config["micro_batch_size"], config["seq_len"], config["n_embd"]),
+                    loss_fn=lambda logits, targets: loss_fn(logits.float().flatten(0, 1), targets.flatten()),
+                    tied_parameter=stage.tied_parameter, ranks=mesh.pp_ranks, schedule=config["schedule"],
+                    context=context, random_ops=random_ops, device=device)
+    # ZeRO-1 over the dp group: each dp rank keeps AdamW's state for 1/dp of this stage's TP shard.
+    optimizer = ShardedOptimizer(adamw_param_groups(named, config), torch.optim.AdamW, process_group=mesh.dp_group,
+                                 **adamw_options(config))
+    scheduler = make_scheduler(optimizer, config)
+    scaler = make_grad_scaler(config, device)  # disabled (no fp16 here): kept for the checkpoint's format
+    reduce = getattr(torch, config["reduce_dtype"])
+
+    start_step, records = 0, []
+    if resumed:
+        own = resumed.rank_state(world.rank)
+        with torch.no_grad():
+            for (_, param), saved in zip(named, own["local_model"]):
+                param.copy_(saved)
+        optimizer.load_state_dict(own["local_optimizer"])
+        start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, dp)  # its RNG, last
+        if world.is_main:
+            print(f"resumed from {resume_from} at step {start_step}")
+    elif world.is_main:
+        clear_checkpoints(config["out"])
+
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
+                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env.update(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_stages=pp,  # parity.py: the global batch
+               mesh={"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "order": "pp, dp, tp (tp innermost)"})
+    log = RunLog(config, env, is_writer=world.is_main, records=records)
+    writer = CheckpointWriter(config, world.rank, world.world_size, shapes, data_parallel_size=dp)
+    accum = config["grad_accum"]
+    tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * dp
+
+    # ---- the training loop ---------------------------------------------------------------------
+    for step in range(start_step, config["steps"]):
+        clock = StepClock()  # this rank's wall and CPU time for the step
+        lr = scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(0, accum, micro_batches):  # one pipeline flush: micro_batches micro-batches
+            inputs, targets = zip(*(batches.next() for _ in range(micro_batches)))
+            # Inside: the tp group all-reduces activations (step 8), the pp neighbours exchange them (step 9).
+            losses = pipe.run(micro_batches, [x.to(device) for x in inputs], [y.to(device) for y in targets],
+                              loss_scale=accum)
+            for loss in losses:  # the last stage's, in micro-batch order
+                loss_sum += loss
+        pipe.finish_gradient_synchronization()  # the tied embedding's gradient, and every send waited
+        comm = take_comm_bytes()
+        comm = {"tp": {k: v for k, v in comm.items() if not k.startswith("p2p")},
+                "pp": {k: v for k, v in comm.items() if k.startswith("p2p")}}
+        if dp > 1:  # the dp replicas of this shard average their gradients (sum, then divide by dp: step 3)
+            allreduce_gradients(stage, reduce_dtype=reduce, group=mesh.dp_group)
+
+        scaler.unscale_(optimizer)
+        grads = [p.grad for p in counted_once(named, mesh) if p.grad is not None]
+        grad_norm = torch.tensor(mesh_norm(grads, mesh), dtype=torch.float32)  # the whole gradient's
+        clip_to_norm([p.grad for _, p in named if p.grad is not None], grad_norm, config["grad_clip"])
+        scaler.step(optimizer)  # this rank's 1/dp of its shard's elements, then all-gathered over dp
+        scaler.update()
+        scheduler.step()
+        comm["dp"] = take_comm_bytes()  # the gradient all-reduce and ZeRO-1's all-gather (and the norm's parts)
+        memory = memory_stats(stage.parameters(), optimizer, device)  # before zero_grad frees the grads
+        memory["micro_batches_in_flight"] = pipe.take_peak_in_flight()
+        optimizer.zero_grad(set_to_none=True)
+
+        # The loss is where the logits are, on the last stage: sent to the stage's peers, averaged over dp.
+        loss_mean = torch.tensor(loss_sum.double().item() if mesh.pp_rank == pp - 1 else 0.0, dtype=torch.float64)
+        dist.broadcast(loss_mean, src=mesh.pp_ranks[-1], group=mesh.pp_group)
+        dist.all_reduce(loss_mean, group=mesh.dp_group)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
+        step_time = clock.stop()  # before the logging's own work and collectives
+        log.log({
+            "step": step + 1,
+            "loss": loss_mean.item() / (accum * dp),
+            "grad_norm": grad_norm.item(),
+            "param_norm": mesh_norm(counted_once(named, mesh), mesh),
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / step_time["wall_s"],
+            "effective_batch_size": config["micro_batch_size"] * accum * dp,
+            "epoch": batches.epoch,
+            # one entry per rank: memory, time, and the bytes sent on each axis of the mesh
+            **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=comm),
+        })
+        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+            full = gather_full_model(stage, named, mesh)  # the whole model by name: what checkpoint readers index
+            shared = {"step": step + 1, "model": {name: full[name] for name in shapes}, "mesh": mesh_shape,
+                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "data": batches.state_dict(), "records": log.records}
+            own = {"rng": rng_state(), "local_model": [p.detach().clone() for _, p in named],
+                   "local_optimizer": optimizer.state_dict()}  # this rank's shard: resumed on the same mesh
+            writer.save(step + 1, shared, own)
+
+    writer.wait()  # the last checkpoint is whole on disk before the run says it is done
+    full = gather_full_model(stage, named, mesh)  # every rank takes part; rank 0 writes the plain model
+    norm = mesh_norm(counted_once(named, mesh), mesh)
+    if world.is_main:
+        final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
+        final["param_norm"] = norm
+        log.write(final)
+        print(f"done: {config['steps']} steps on a {mesh.pp} x {mesh.dp} x {mesh.tp} (pp x dp x tp) mesh "
+              f"({world.backend}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

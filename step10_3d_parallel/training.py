@@ -1,0 +1,168 @@
+"""The pieces of one optimiser step that every step shares: optimiser, LR schedule, AMP, clipping, norms.
+
+They live here, not in each train.py, so that the numbers they produce are computed the same way
+in every step; parity between steps depends on it.
+"""
+import contextlib
+import math
+
+import torch
+
+from config import UserError
+
+
+def pick_device(choice: str, local_rank: int = 0) -> torch.device:
+    """``auto``: the local rank's GPU when there is one (ranks share GPUs round-robin), else the CPU."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def check_amp(amp: str, device: torch.device) -> None:
+    """Refuse an autocast mode this device cannot run, before any work is done."""
+    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError(f"--amp bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} "
+                        "has none: use --amp fp16 or --amp none")
+    if amp == "fp16":
+        try:  # the CPU path exists in recent PyTorch builds, not in all: ask it, do not guess
+            with torch.autocast(device.type, dtype=torch.float16):
+                torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
+            torch.amp.GradScaler(device.type)
+        except (RuntimeError, ValueError) as error:
+            raise UserError(f"--amp fp16 cannot run on {device.type} with this torch build "
+                            f"({str(error).splitlines()[0]}); use --amp bf16 or --amp none") from None
+
+
+def autocast(amp: str, device: torch.device):
+    """The forward-pass context of ``--amp``: parameters and gradients stay float32."""
+    if amp == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
+def make_grad_scaler(config: dict, device: torch.device, scaler_cls=torch.amp.GradScaler) -> torch.amp.GradScaler:
+    """fp16 gradients underflow without loss scaling; bf16 has float32's range and needs none.
+    Disabled, the scaler is a no-op with the same calls, so the loop has one shape for every mode.
+    The sharded steps pass their own ``scaler_cls``, which agrees on overflow across ranks."""
+    return scaler_cls(device.type, init_scale=config["loss_scale_init"], enabled=config["amp"] == "fp16")
+
+
+def decays(name: str) -> bool:
+    """Weight decay for the matrices and embeddings, none for biases and LayerNorm weights (GPT-2
+    practice). Decided by name, not by ``param.dim()``: a ZeRO-3 rank holds 1-D slices of everything."""
+    return not (name.endswith(".bias") or ".ln_" in name)
+
+
+def adamw_param_groups(named_params, config: dict) -> list[dict]:
+    named_params = [(n, p) for n, p in named_params if p.requires_grad]
+    return [
+        {"params": [p for n, p in named_params if decays(n)], "weight_decay": config["weight_decay"]},
+        {"params": [p for n, p in named_params if not decays(n)], "weight_decay": 0.0},
+    ]
+
+
+def adamw_options(config: dict) -> dict:
+    """``foreach=False`` pins one implementation of the update everywhere: the multi-tensor kernel
+    groups its arithmetic differently, and parity is bitwise."""
+    return {"lr": config["lr"], "betas": (config["beta1"], config["beta2"]), "foreach": False}
+
+
+def make_optimizer(named_params, config: dict) -> torch.optim.AdamW:
+    return torch.optim.AdamW(adamw_param_groups(named_params, config), **adamw_options(config))
+
+
+def lr_at(step: int, config: dict) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at the last step.
+    ``step`` counts optimiser steps from 0. A pure function of the step: resume needs no scheduler state."""
+    lr, min_lr, warmup, total = config["lr"], config["min_lr"], config["warmup_steps"], config["steps"]
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - 1 - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (lr - min_lr)
+
+
+def make_scheduler(optimizer, config: dict) -> torch.optim.lr_scheduler.LambdaLR:
+    """``lr_at`` as a PyTorch scheduler (its state_dict is checkpointed like every other state)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, config) / config["lr"])
+
+
+def sum_of_squares(tensors) -> torch.Tensor:
+    """Sum of the squares of all elements of all tensors, accumulated and returned in float64 on the CPU.
+
+    Each float32 square is exact in float64, and the float64 sum carries ~29 more bits than a
+    float32 result keeps: splitting or reordering the sum moves it by ~1e-16 relative. So a ZeRO
+    rank that sums the squares of its slices and then all-reduces the sums gets, after the square
+    root is rounded to float32, the clipping norm a DDP rank gets (unless the norm sits right on a
+    float32 rounding boundary).
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for t in tensors:
+        total = total + t.detach().double().pow(2).sum().cpu()
+    return total
+
+
+def clip_to_norm(grads, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place by the rule of ``torch.nn.utils.clip_grad_norm_``: the coefficient is
+    max_norm / (norm + 1e-6), capped at 1, computed in float32 from the float32 ``norm``."""
+    if max_norm > 0:
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient.to(g.device))
+
+
+def clip_gradients(params, max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; return the norm *before* clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = sum_of_squares(grads).sqrt().float()
+    clip_to_norm(grads, norm, max_norm)
+    return norm
+
+
+# Exponents frexp gives a float32 (subnormals included): x = mantissa * 2**e, -148 <= e <= 128.
+MIN_EXPONENT, EXPONENTS = -148, 277
+
+
+def square_sum_parts(tensors) -> torch.Tensor:
+    """The sum of the squares of every element of ``tensors`` (float32 or narrower), *exactly*, as integers.
+
+    Each float32 is m * 2**(e - 24) with an integer |m| < 2**24, so its square is the integer m**2 (< 2**48)
+    times 2**(2e - 48). Row 0 and 1 of the result hold, per exponent e, the sums of the high and low 24 bits
+    of those integers (each sum is exact: bincount adds integers below 2**24 in float64, exact up to 2**29
+    elements per exponent); row 2 counts NaNs and infinities. Integers add exactly in any order, so the
+    parts of a tensor's slices, summed (or all-reduced) in any grouping, are the parts of the tensor: a
+    ZeRO-3 rank that holds only slices gets the very bits a rank holding everything gets (``param_norm``).
+    """
+    parts = torch.zeros(3, EXPONENTS, dtype=torch.int64)
+    for t in tensors:
+        x = t.detach().reshape(-1).float().cpu()  # on the CPU: bincount is deterministic there
+        nans, infs = torch.isnan(x).sum(), torch.isinf(x).sum()
+        if nans or infs:
+            parts[2, :2] += torch.stack([nans, infs])
+            x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        mantissa, exponent = torch.frexp(x)
+        square = (mantissa.double() * 2.0**24) ** 2  # the integer m**2, exact in float64
+        high = torch.floor(square * 2.0**-24)
+        low = square - high * 2.0**24
+        bins = exponent.long() - MIN_EXPONENT
+        parts[0] += torch.bincount(bins, weights=high, minlength=EXPONENTS).long()
+        parts[1] += torch.bincount(bins, weights=low, minlength=EXPONENTS).long()
+    return parts
+
+
+def norm_from_parts(parts: torch.Tensor) -> float:
+    """sqrt of the sum ``square_sum_parts`` describes: the exact sum, rounded once to float64 (Python's int
+    division is correctly rounded), then a correctly rounded square root."""
+    nans, infs = parts[2].tolist()[:2]
+    if nans or infs:
+        return math.nan if nans else math.inf
+    total = sum(((high << 24) + low) << (2 * i) for i, (high, low) in enumerate(zip(*parts[:2].tolist())))
+    return math.sqrt(total / (1 << (48 - 2 * MIN_EXPONENT)))  # bin i is worth 2**(2 * (i + MIN_EXPONENT) - 48)
+
+
+def param_norm(params) -> float:
+    """In float64: a float32 norm of ~30 would round to steps of 4e-6, coarser than the 1e-6 parity limit.
+    Exact rather than summed in float64: a float64 sum rounds differently when the same numbers are grouped
+    differently (by tensor here, by shard in ZeRO-3), in the last bit, and parity compares records bitwise."""
+    return norm_from_parts(square_sum_parts(params))

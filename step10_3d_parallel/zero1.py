@@ -1,0 +1,266 @@
+"""ShardedOptimizer: ZeRO stage 1, every rank keeps and steps 1/N of the optimiser state.
+
+Step 4 made the gradient all-reduce cheap, but every rank still held the whole AdamW state (two
+moments: 8 bytes per parameter, twice the weights) and ran the same full update as every other
+rank: N copies of identical work and memory. Here:
+
+1. **Element-balanced shards.** The parameters are laid end to end in one flat range (or a few,
+   called chunks), padded to a multiple of N, and rank r owns the r-th of N equal slices. A
+   parameter may be cut between two ranks. Owning whole parameters instead would leave the rank
+   that gets the embedding with most of the state; slices give every rank 1/N, up to padding.
+2. **Views, not copies.** What the local optimiser steps is a *view* into each parameter's
+   storage (``param.detach().view(-1)[start:end]``), so the update lands in the parameter itself,
+   the parameters stay one copy, and the optimiser creates its state for this rank's slices only.
+3. **Gradients by slice.** In ZeRO-1 gradients are still all-reduced whole (by DDP); ``step()``
+   points each view's ``.grad`` at the matching view of the averaged ``param.grad`` (no copy) and
+   steps. In ZeRO-2 (step 6) the views' ``.grad`` point once, for good, into flat gradient shards
+   that a reduce-scatter fills.
+4. **All-gather after the step.** A rank updated only its slices; the rest of its copy is stale
+   until every rank sends its freshly updated slices. Every rank issues the same all-gathers in
+   the same order (chunk 0, 1, ...), because collectives are matched by order.
+5. **A drop-in, as ``ZeroRedundancyOptimizer`` is.** ``param_groups`` hold the full parameters, so
+   whatever decides *whether* or *how much* to step (a ``GradScaler``'s overflow check, clipping
+   with ``clip_grad_norm_``, an LR scheduler) reads the whole averaged gradient, which every rank
+   holds: the ranks agree without a word. Only when gradients are sharded too (ZeRO-2) must that
+   verdict be combined across ranks (step 6's ``sharded_gradients.py``); otherwise
+   rank 1 would skip a step that rank 0 takes.
+
+Adam, AdamW and SGD update every element from that element's own values, so stepping a slice gives
+the bits that stepping the whole tensor gives. An optimiser that looks across a tensor (LAMB's
+per-tensor trust ratio, Adafactor's row and column statistics) would not survive being sliced.
+"""
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from comm_accounting import count_collective
+
+
+class Piece(NamedTuple):
+    """The part of one parameter inside one rank's slice of one chunk."""
+    param: torch.Tensor
+    start: int   # first element, within param.view(-1)
+    end: int     # one past the last
+    chunk: int
+    offset: int  # where the piece begins inside the rank's shard of the chunk
+
+
+def shard_numel(chunk: list, world_size: int | None = None) -> int:
+    """Lp / N: the chunk's L elements, padded up to a multiple of the world size, split N ways."""
+    return math.ceil(sum(p.numel() for p in chunk) / (world_size or dist.get_world_size()))
+
+
+def cut_into_pieces(chunks: list[list], world_size: int) -> list[list[Piece]]:
+    """``pieces[r]``: rank r's pieces, chunk by chunk. Rank r owns flat range
+    [r * Lp/N, (r + 1) * Lp/N) of every chunk; the padding past L belongs to nobody."""
+    pieces = [[] for _ in range(world_size)]
+    for c, chunk in enumerate(chunks):
+        shard = math.ceil(sum(p.numel() for p in chunk) / world_size)
+        begin = 0  # where this parameter begins in the chunk's flat range
+        for p in chunk:
+            for r in range(world_size):
+                lo, hi = max(begin, r * shard), min(begin + p.numel(), (r + 1) * shard)
+                if lo < hi:
+                    pieces[r].append(Piece(p, lo - begin, hi - begin, c, lo - r * shard))
+            begin += p.numel()
+    return pieces
+
+
+def hyperparameters(group: dict) -> dict:
+    """A param group without its parameters: lr, weight decay, betas, ..."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def flat_view(piece: Piece, tensor: torch.Tensor) -> torch.Tensor:
+    """The piece's elements of ``tensor`` (a parameter or its gradient), as a view: no copy."""
+    return tensor.detach().view(-1)[piece.start : piece.end]
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer_cls`` so that this rank keeps and steps only its slices of the parameters.
+
+    Use it as you would ``torch.distributed.optim.ZeroRedundancyOptimizer``: ``zero_grad()``, ``backward()``,
+    the gradient sync (DDP, or anything that leaves every rank the averaged ``param.grad``), ``step()``;
+    with a ``GradScaler``, ``clip_grad_norm_`` and an LR scheduler as with a plain optimiser.
+
+    ``params``: tensors or param-group dicts, as for any optimiser (frozen parameters are dropped).
+    ``chunks``: lists of parameters, each laid out flat and sharded on its own (default: one chunk,
+    every parameter in group order). ``gradient_shards``: ZeRO-2, one flat buffer of Lp/N elements
+    per chunk, filled by another module each step. ``process_group``: the ranks that share the state
+    (default: all; step 10 passes its data-parallel group). ``defaults`` go to ``optimizer_cls``.
+
+    ``param_groups`` are the full parameters' groups (their hyperparameters reach the local optimiser
+    at every ``step()``); with ``gradient_shards`` only the slices have gradients, so ``param_groups``
+    are then the local optimiser's groups of slices. ``state`` is the local optimiser's: this rank's
+    slices only. ``Optimizer.__init__`` is not called: it would create state for the full parameters.
+    """
+
+    def __init__(self, params, optimizer_cls, chunks=None, gradient_shards=None, process_group=None, **defaults):
+        groups = list(params)
+        if not groups:
+            raise ValueError("ShardedOptimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        groups = [{**g, "params": [p for p in ([g["params"]] if torch.is_tensor(g["params"]) else g["params"])
+                                   if p.requires_grad]} for g in groups]
+        self.params = [p for g in groups for p in g["params"]]  # numbered as a plain optimiser numbers them
+        self.group_sizes = [len(g["params"]) for g in groups]
+        self.index = {p: i for i, p in enumerate(self.params)}
+        self.chunks = [list(c) for c in chunks] if chunks is not None else [list(self.params)]
+        listed = [p for c in self.chunks for p in c]
+        if len(self.index) != len(self.params) or len(listed) != len(self.params) or set(listed) != set(self.params):
+            raise ValueError("every trainable parameter must appear exactly once in the groups and in the chunks")
+        if any(len({(p.dtype, p.device) for p in c}) != 1 for c in self.chunks):
+            raise ValueError("a chunk is one flat buffer: its parameters need one dtype and one device")
+        self.group = process_group
+        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+
+        # Every rank computes every rank's pieces: it must know where to put what the all-gather brings.
+        self.pieces_of_rank = cut_into_pieces(self.chunks, self.world_size)
+        group_of = {p: gi for gi, g in enumerate(groups) for p in g["params"]}
+        mine = self.pieces_of_rank[self.rank]
+        # The local optimiser's parameter order: group by group, chunk order inside a group.
+        self.pieces = [piece for gi in range(len(groups)) for piece in mine if group_of[piece.param] == gi]
+        self.views = [flat_view(piece, piece.param) for piece in self.pieces]
+        local_groups = [{**g, "params": [v for piece, v in zip(self.pieces, self.views) if group_of[piece.param] == gi]}
+                        for gi, g in enumerate(groups)]
+        self.local_optimizer = optimizer_cls(local_groups, **defaults)
+        # What GradScaler, clipping and LR schedulers see: the full parameters, with the local groups'
+        # hyperparameters. Hyperparameters flow to the local groups before every step and state_dict,
+        # and back from them whenever a state dict is loaded into the local optimiser (by anyone).
+        self.full_groups = [{**hyperparameters(local), "params": g["params"]}
+                            for g, local in zip(groups, self.local_optimizer.param_groups)]
+        self.local_optimizer.register_state_dict_pre_hook(lambda _: self._push_hyperparameters())
+        self.local_optimizer.register_load_state_dict_post_hook(lambda _: self._pull_hyperparameters())
+
+        self.gradient_shards = gradient_shards
+        if gradient_shards is not None:  # ZeRO-2: each view's gradient is a fixed slice of its chunk's shard
+            if [s.numel() for s in gradient_shards] != [shard_numel(c, self.world_size) for c in self.chunks]:
+                raise ValueError("gradient_shards needs one flat buffer of ceil(L / world size) elements per chunk")
+            for piece, view in zip(self.pieces, self.views):
+                view.grad = gradient_shards[piece.chunk][piece.offset : piece.offset + piece.end - piece.start]
+
+    # ---- What PyTorch's tools read: the full groups (or the slices' in ZeRO-2), the local state ------
+    @property
+    def param_groups(self):  # a property: load_state_dict replaces the local optimiser's list
+        return self.local_optimizer.param_groups if self.gradient_shards is not None else self.full_groups
+
+    def _push_hyperparameters(self) -> None:
+        if self.gradient_shards is None:
+            for full, local in zip(self.full_groups, self.local_optimizer.param_groups):
+                local.update(hyperparameters(full))
+
+    def _pull_hyperparameters(self) -> None:
+        for full, local in zip(self.full_groups, self.local_optimizer.param_groups):
+            full.update(hyperparameters(local))
+
+    @property
+    def state(self):
+        return self.local_optimizer.state
+
+    @property
+    def defaults(self):
+        return self.local_optimizer.defaults
+
+    def add_param_group(self, param_group):
+        raise NotImplementedError("ShardedOptimizer fixes its layout at construction; build a new one")
+
+    def slices(self, named_params=None) -> list:
+        """``(name, start, end)`` of each local parameter: the elements of which parameter its state is for.
+        Without ``named_params``, the parameter's number (its place in the groups) stands for its name."""
+        name_of = {param: name for name, param in named_params} if named_params is not None else self.index
+        return [(name_of[piece.param], piece.start, piece.end) for piece in self.pieces]
+
+    # ---- One optimiser step ------------------------------------------------------------------------
+    def _take_gradient_slices(self) -> None:
+        """ZeRO-1: point every view's ``.grad`` at its slice of the averaged ``param.grad`` (no copy)."""
+        if self.gradient_shards is not None:
+            return  # ZeRO-2: the views already read the gradient shards
+        for piece, view in zip(self.pieces, self.views):
+            view.grad = None if piece.param.grad is None else flat_view(piece, piece.param.grad)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        if self.gradient_shards is None and set_to_none:
+            for view in self.views:
+                view.grad = None  # in ZeRO-2 the views keep their shard slices for good
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # it recomputes the gradients
+            with torch.enable_grad():
+                loss = closure()
+        self._take_gradient_slices()  # whatever scaling or clipping did to param.grad, the views see it
+        self._push_hyperparameters()  # an LR scheduler set them on the full groups
+        self.local_optimizer.step()
+        self.all_gather_parameters()
+        return loss
+
+    def all_gather_parameters(self) -> None:
+        """Every rank sends its updated slice of each chunk and receives everyone else's."""
+        for c, chunk in enumerate(self.chunks):
+            shard = shard_numel(chunk, self.world_size)
+            # Two temporary buffers, the chunk's size (several chunks keep this peak small); the tail is padding.
+            send = torch.zeros(shard, dtype=chunk[0].dtype, device=chunk[0].device)
+            for piece in self.pieces_of_rank[self.rank]:
+                if piece.chunk == c:
+                    send[piece.offset : piece.offset + piece.end - piece.start] = flat_view(piece, piece.param)
+            received = torch.empty(shard * self.world_size, dtype=send.dtype, device=send.device)
+            count_collective("all_gather", received)
+            dist.all_gather_single(received, send, group=self.group)  # torch 2.13's name for all_gather_into_tensor
+            for r, pieces in enumerate(self.pieces_of_rank):
+                for piece in pieces:
+                    if r != self.rank and piece.chunk == c:
+                        begin = r * shard + piece.offset
+                        flat_view(piece, piece.param).copy_(received[begin : begin + piece.end - piece.start])
+
+    # ---- Checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard: the local optimiser's state dict and the slices it covers."""
+        return {**self.local_optimizer.state_dict(), "slices": self.slices(), "world_size": self.world_size}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if [tuple(s) for s in state_dict.get("slices", ())] != self.slices():
+            raise ValueError(f"this optimiser shard covers other slices (saved at world size "
+                             f"{state_dict.get('world_size')}; here world size {self.world_size}, rank {self.rank}, "
+                             "or other chunks): cut this rank's slices from every rank's shards, as "
+                             "common/checkpoint.py does, or load a consolidated state dict into a plain optimiser")
+        self.local_optimizer.load_state_dict({k: v for k, v in state_dict.items() if k not in ("slices", "world_size")})
+
+    def consolidated_state_dict(self) -> dict:
+        """Collective: the state dict a plain ``optimizer_cls`` over the full parameters would have, on every rank.
+
+        For checkpoints and inspection only: gathering the state every step would put the whole
+        state back on every rank, the memory ZeRO-1 exists to save, and send it over the network.
+        """
+        mine = self.local_optimizer.state_dict()
+        mine["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                         for i, s in mine["state"].items()}
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, (self.slices(), mine["state"]), group=self.group)
+        state = {}
+        for slices, shard_state in everyone:
+            for local_index, (index, start, end) in enumerate(slices):
+                param = self.params[index]
+                for key, value in shard_state.get(local_index, {}).items():  # no state yet: no entry
+                    full = state.setdefault(index, {})
+                    if torch.is_tensor(value) and value.shape == (end - start,):  # one value per element
+                        if key not in full:
+                            full[key] = torch.empty(param.shape, dtype=value.dtype, device=param.device)
+                        full[key].view(-1)[start:end] = value
+                    else:  # one value per parameter (AdamW's step): every piece holds it
+                        full.setdefault(key, value)
+        groups, first = [], 0
+        for group, size in zip(mine["param_groups"], self.group_sizes):
+            groups.append({**group, "params": list(range(first, first + size))})
+            first += size
+        return {"state": dict(sorted(state.items())), "param_groups": groups}

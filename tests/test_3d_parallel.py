@@ -1,0 +1,234 @@
+"""Step 10, 3D parallelism: the mesh's groups are PyTorch's ``init_device_mesh``'s; with two degrees at 1 the run
+is bitwise the step that has the remaining axis (tp: step 8, pp: step 9, dp: step 1, which step 5 equals
+bitwise at 2 ranks); two axes at once are bitwise where no sum changes order (pp with tp: step 8; pp with dp:
+step 1) and compared with step 1 as step 8 is where tp meets dp; all three at once, 2 x 2 x 2, for 2 steps.
+
+The runs are shared (one module fixture): every trainer runs once on TINY, global batch 8 samples per step.
+"""
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import REPO, TINY, assert_bitwise_same_run, launch, metrics, spawn, train, weights
+
+STEP10 = REPO / "step10_3d_parallel"
+ACCUM = TINY.index("--grad-accum") + 1
+# Every run: 8 samples per optimiser step (micro-batches of 2), as step 1 on 2 ranks accumulating 2.
+RUNS = {  # name: (step, ranks, flags)
+    "step1": ("step1", 2, ["--grad-accum", "2"]),
+    "step8": ("step8", 2, ["--grad-accum", "4"]),
+    "step9": ("step9", 2, ["--grad-accum", "4"]),
+    "tp2": ("step10", 2, ["--tp", "2", "--grad-accum", "4"]),
+    "pp2": ("step10", 2, ["--pp", "2", "--grad-accum", "4"]),
+    "dp2": ("step10", 2, ["--dp", "2", "--grad-accum", "2", "--save-every", "2"]),
+    "tp2pp2": ("step10", 4, ["--tp", "2", "--pp", "2", "--grad-accum", "4"]),
+    "dp2pp2": ("step10", 4, ["--dp", "2", "--pp", "2", "--grad-accum", "2"]),
+    "dp2tp2": ("step10", 4, ["--dp", "2", "--tp", "2", "--grad-accum", "2", "--save-every", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_corpus):
+    """``runs(name)``: the run folder of ``RUNS[name]``, trained once per module."""
+    done = {}
+
+    def run(name):
+        if name not in done:
+            step, nproc, flags = RUNS[name]
+            tiny = TINY[:ACCUM - 1] + TINY[ACCUM + 1:]  # each run sets its own accumulation
+            out = tmp_path_factory.mktemp(name)
+            result = launch(step, [*tiny, *flags, "--data", str(small_corpus), "--out", str(out)], nproc=nproc)
+            assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            done[name] = out
+        return done[name]
+    return run
+
+
+# ---- the mesh -------------------------------------------------------------------------------------------------
+
+def _mesh_worker(rank, world_size, port, queue, shapes):
+    from conftest import init_gloo, shutdown
+    init_gloo(rank, world_size, port)
+    sys.path.insert(0, str(STEP10))
+    from mesh import build_mesh  # ours, imported after the process group exists, as an outsider would
+    from torch.distributed.device_mesh import init_device_mesh
+    result = []
+    for pp, dp, tp in shapes:
+        ours = build_mesh(dp, tp, pp)
+        theirs = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        for axis in ("pp", "dp", "tp"):
+            their_ranks = dist.get_process_group_ranks(theirs.get_group(axis))
+            our_ranks = dist.get_process_group_ranks(getattr(ours, f"{axis}_group"))
+            result.append((axis, (pp, dp, tp), our_ranks, getattr(ours, f"{axis}_ranks"), their_ranks,
+                           getattr(ours, f"{axis}_rank"), theirs.get_local_rank(axis)))
+    queue.put((rank, result))
+    shutdown()
+
+
+def test_the_mesh_has_init_device_mesh_groups():
+    """8 ranks, as 2 x 2 x 2 and as 1 x 2 x 4 and 2 x 4 x 1 (pp, dp, tp): on every rank, each axis's group holds the
+    same ranks, in the same order, as PyTorch's ``init_device_mesh``, and the rank's coordinate is theirs."""
+    shapes = [(2, 2, 2), (1, 2, 4), (2, 4, 1)]
+    results = spawn(_mesh_worker, 8, shapes, timeout=240)
+    for rank, result in results.items():
+        assert len(result) == 3 * len(shapes)
+        for axis, shape, our_group, our_list, their_group, our_coordinate, their_coordinate in result:
+            assert our_group == their_group == our_list, (rank, axis, shape, our_group, their_group)
+            assert our_coordinate == their_coordinate, (rank, axis, shape)
+    # TP innermost: in 2 x 2 x 2, rank 0's tp peer is rank 1, its dp peer rank 2, its pp peer rank 4.
+    first = {axis: group for axis, shape, group, *_ in results[0] if shape == (2, 2, 2)}
+    assert first == {"tp": [0, 1], "dp": [0, 2], "pp": [0, 4]}
+
+
+def test_axis_groups_are_the_lines_of_the_rank_array():
+    """Without processes: ``axis_groups`` is how ``DeviceMesh`` cuts ``arange(world).reshape(pp, dp, tp)``."""
+    sys.path.insert(0, str(STEP10))
+    from mesh import AXES, axis_groups, coordinates
+    for pp, dp, tp in [(1, 1, 1), (2, 2, 2), (3, 2, 4), (1, 4, 2), (4, 1, 3)]:
+        array = torch.arange(pp * dp * tp).reshape(pp, dp, tp)
+        for d, axis in enumerate(AXES):
+            lines = array.movedim(d, -1).reshape(-1, array.shape[d]).tolist()
+            assert axis_groups(axis, dp, tp, pp) == lines, (axis, pp, dp, tp)
+        for rank in range(pp * dp * tp):
+            at = coordinates(rank, dp, tp, pp)
+            assert array[at["pp"], at["dp"], at["tp"]] == rank
+
+
+# ---- one axis: bitwise the step that has it -------------------------------------------------------------------
+
+def test_tp_only_is_step8_and_pp_only_is_step9(runs):
+    """--tp 2: bitwise step 8 (the same sharding, the same all-reduces, the same loss); --pp 2: bitwise step 9
+    (the same stages and schedule, plain GPT-2 and F.cross_entropy at tp = 1). ZeRO-1 over a dp group of one is
+    a plain AdamW on flat views: the same bits."""
+    assert_bitwise_same_run(runs("tp2"), runs("step8"))
+    assert_bitwise_same_run(runs("pp2"), runs("step9"))
+    assert all(r["grad_norm"] > 0.3 for r in metrics(runs("tp2"))["records"]), "clipping must trigger"
+
+
+def test_dp_only_is_step1(runs):
+    """--dp 2: step 5's training (ZeRO-1 over the dp group) on the pipeline of one stage; at 2 ranks every sum of
+    two is order-free, so it is bitwise step 1 (PyTorch DDP), as step 5 is."""
+    assert_bitwise_same_run(runs("dp2"), runs("step1"))
+
+
+# ---- two axes ---------------------------------------------------------------------------------------------------
+
+def test_pp_with_tp_is_step8_and_pp_with_dp_is_step1(runs):
+    """A pipeline changes no sum: tp 2 x pp 2 is bitwise step 8 at tp 2 (4 micro-batches each), dp 2 x pp 2 is
+    bitwise step 1 on 2 ranks."""
+    assert_bitwise_same_run(runs("tp2pp2"), runs("step8"))
+    assert_bitwise_same_run(runs("dp2pp2"), runs("step1"))
+
+
+def relative_differences(a, b) -> dict:
+    ra, rb = metrics(a)["records"], metrics(b)["records"]
+    wa, wb = weights(a), weights(b)
+    return {"first loss": abs(ra[0]["loss"] - rb[0]["loss"]) / rb[0]["loss"],
+            "first grad norm": abs(ra[0]["grad_norm"] - rb[0]["grad_norm"]) / rb[0]["grad_norm"],
+            "loss": max(abs(x["loss"] - y["loss"]) / y["loss"] for x, y in zip(ra, rb)),
+            "param norm": max(abs(x["param_norm"] - y["param_norm"]) for x, y in zip(ra, rb)),
+            "weights": max((wa[n] - wb[n]).abs().max().item() for n in wb)}
+
+
+def test_dp_with_tp_is_step1_in_another_summation_order(runs):
+    """dp 2 x tp 2 against step 1 on the same global batches: the parity tolerance step 8 establishes. The
+    first step's loss and gradient norm to float32's rounding (< 1e-6 relative), the losses of all steps to
+    < 1e-6, the param norm to < 1e-6, the weights to AdamW's amplification of those roundings (< 1e-4, step 8's
+    README: 1.8e-5 on the tour's 40 steps). The cause is step 8's alone: the same run is bitwise step 8's
+    sums within each replica (tp2pp2 above), and dp 2 adds two replicas' gradients, an order-free sum."""
+    diff = relative_differences(runs("dp2tp2"), runs("step1"))
+    assert diff["first loss"] < 1e-6 and diff["first grad norm"] < 1e-6, diff
+    assert diff["loss"] < 1e-6 and diff["param norm"] < 1e-6, diff
+    assert 0 < diff["weights"] < 1e-4, diff  # 0 would mean no tensor parallelism happened
+
+
+def test_per_axis_communication_and_memory_of_every_rank(runs):
+    """Every record holds every rank's memory and bytes per axis: tp all-reduces on the tp axis only where tp > 1,
+    point-to-point only where pp > 1, the gradient all-reduce on the dp axis only where dp > 1; AdamW's state
+    per rank is half its shard's at dp 2 (up to ZeRO-1's step counters: 4 bytes per piece a tensor is cut into)."""
+    for name, (tp, pp, dp) in {"dp2tp2": (2, 1, 2), "tp2pp2": (2, 2, 1), "dp2pp2": (1, 2, 2)}.items():
+        record = metrics(runs(name))["records"][-1]
+        assert len(record["comm"]) == len(record["memory"]) == 4
+        for comm in record["comm"]:
+            assert bool(comm["tp"]) == (tp > 1), (name, comm)
+            assert bool(comm["pp"]) == (pp > 1), (name, comm)
+            assert bool(comm["dp"].get("all_reduce")) == (dp > 1), (name, comm)  # the gradients, averaged
+    # dp 2 x tp 2 against tp 2 alone (step 8's run): parameters the same per rank, AdamW's state halved.
+    sharded, whole = metrics(runs("dp2tp2"))["records"][-1]["memory"], metrics(runs("tp2"))["records"][-1]["memory"]
+    for rank, memory in enumerate(sharded):
+        assert memory["params"] == whole[rank % 2]["params"]
+        assert abs(memory["optimizer_state"] - whole[rank % 2]["optimizer_state"] / 2) < 4 * 64, (rank, memory)
+
+
+def test_resume_on_the_same_mesh_is_bitwise(runs, tmp_path, small_corpus):
+    """dp 2 x tp 2 resumed from its step-2 checkpoint: steps 3 and 4 are the uninterrupted run's, bit for bit."""
+    full = runs("dp2tp2")
+    _, nproc, flags = RUNS["dp2tp2"]
+    resumed = train("step10", tmp_path / "resumed", small_corpus, *flags,
+                    "--resume", str(full / "checkpoints" / "step_2"), nproc=nproc)
+    assert_bitwise_same_run(full, resumed)
+
+
+# ---- three axes -----------------------------------------------------------------------------------------------
+
+def test_all_three_axes_on_8_ranks(tmp_path, small_corpus, runs):
+    """2 x 2 x 2, two steps (8 processes on 2 cores: about two minutes): the same tolerance against step 1 as dp x tp
+    (the pipeline adds no sum of its own)."""
+    tiny = TINY[:ACCUM - 1] + TINY[ACCUM + 1:]
+    steps = tiny.index("--steps") + 1
+    out = tmp_path / "mesh8"
+    result = launch("step10", [*tiny[:steps], "2", *tiny[steps + 1:], "--dp", "2", "--tp", "2", "--pp", "2",
+                               "--grad-accum", "2", "--data", str(small_corpus), "--out", str(out)], nproc=8,
+                    timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ours, reference = metrics(out)["records"], metrics(runs("dp2tp2"))["records"][:2]
+    assert len(ours) == 2 and len(metrics(out)["records"][0]["memory"]) == 8
+    for a, b in zip(ours, reference):  # the pipeline changes no sum: dp 2 x tp 2's bits
+        assert {k: a[k] for k in ("loss", "grad_norm", "param_norm")} == {k: b[k] for k in ("loss", "grad_norm",
+                                                                                              "param_norm")}
+
+
+def test_a_frozen_tp_rank_ends_the_job_within_the_timeout(tmp_path, small_corpus):
+    """SIGSTOP rank 1 of a tp group (1 x 1 x 2) after two steps: rank 0 waits --timeout-s in a tensor-parallel
+    all-reduce (a group build_mesh made, with the run's timeout, not torch's default 30 minutes), prints one
+    line and exits 3, within the bound tests/test_dead_rank.py allows step 1 and step 7."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from conftest import trainer_command
+    from distributed import COLLECTIVE_FAILED, ROLL_CALL_S
+    from test_dead_rank import FREEZE_TIMEOUT_S, SLACK_S, Lines, workers_by_rank
+
+    args = [*TINY, "--steps", "10000", "--tp", "2", "--data", str(small_corpus), "--out", str(tmp_path / "run"),
+            "--timeout-s", str(FREEZE_TIMEOUT_S)]
+    args.remove("--quiet")  # rank 0's per-step lines say when training is under way
+    proc = subprocess.Popen(trainer_command(STEP10.name, 2, args), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    output, ranks = Lines(proc), {}
+    try:
+        output.wait_for(r"^step\s+2/", timeout=180)
+        ranks = workers_by_rank(proc.pid)
+        os.kill(ranks[1], signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        error_at, error = output.wait_for(r"^error:", timeout=FREEZE_TIMEOUT_S + ROLL_CALL_S + 30)
+        output.wait_for(rf"Sending process {ranks[1]} closing signal SIGTERM", timeout=10)
+        os.kill(ranks[1], signal.SIGCONT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            for pid in workers_by_rank(proc.pid).values():
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+            proc.kill()
+            proc.wait()
+    expected = f"error: rank 0 waited {FREEZE_TIMEOUT_S} s in a collective; rank(s) 1 did not answer"
+    assert error.startswith(expected), error
+    assert FREEZE_TIMEOUT_S <= error_at - frozen_at <= FREEZE_TIMEOUT_S + ROLL_CALL_S + SLACK_S
+    assert f"exitcode  : {COLLECTIVE_FAILED}" in "\n".join(output.rest())
