@@ -23,13 +23,14 @@ from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- step-diffs:start -->", "<!-- step-diffs:end -->"
 
-# The rule for learner-facing lines (docs: the layout's "the lesson and the machinery apart"): what a learner
-# reads on a first pass through a step folder. That is train.py; the idea files, i.e. every Python file that is
-# not a copy of a common/ module (new in this step, or copied from the step that introduced it), less the trace
-# modules (*_trace.py: a timeline for a figure); and, of common/'s copies, the ones that say what a step does:
-# LESSON_COPIES. Every other copy is skipped on a first read, and each step README says so in its line
-# SKIP_LINE: plumbing train.py calls by name (flags, seeds, optimiser helpers, records, bytes per collective)
-# and operations code (one-line failures, the memory budget, explaining a failed collective).
+# The rule for learner-facing lines: what a learner reads on a first pass through a step folder, the files that
+# say what the step does. That is train.py; the idea files, i.e. every Python file that is not a copy of a
+# common/ module (new in this step, or copied from the step that introduced it), less the trace modules
+# (*_trace.py: a timeline for a figure); and, of common/'s copies, LESSON_COPIES: the model, the data, the
+# process group (what steps 1 and up are about) and the checkpoint basics. Every other copy is skipped on a
+# first read, and each step README says so in a paragraph that starts with SKIP_LINE: plumbing train.py calls
+# by name (flags, seeds, optimiser helpers, records, bytes per collective) and operations code (failures.py,
+# memory_budget.py, collective_failures.py). Lines are counted as they are, blank ones and comments included.
 LESSON_COPIES = {"model.py", "data.py", "distributed.py", "checkpoint.py"}
 SKIP_LINE = "**Skip on a first read:**"
 
