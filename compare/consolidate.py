@@ -9,12 +9,45 @@ name and element range); this writes the joined tensors once, for a tool that do
 to keep one file per run instead of one per rank. Bad input is one line and exit code 2.
 """
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # checkpoint.py, config.py
-from checkpoint import Checkpoint, checkpoint_meant_by, consolidate  # noqa: E402
-from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
+from checkpoint import Checkpoint, checkpoint_dir, checkpoint_meant_by, checkpoint_meta  # noqa: E402
+from config import OneLineParser, UserError, check_writable_folder, exit_on_user_error  # noqa: E402
+
+
+def consolidate(source, out_dir: Path) -> Path:
+    """Rewrite checkpoint ``source`` (a ``Checkpoint``, or its folder: any step, any world size) in
+    ``out_dir``/checkpoints as steps 0-4 write theirs: the whole model and AdamW's whole state in state.pt,
+    each rank's file only its RNG. Returns it. Refuses (before writing anything) an ``out_dir`` that cannot
+    be written or already holds that checkpoint."""
+    checkpoint = source if isinstance(source, Checkpoint) else Checkpoint(source, reader="consolidate")
+    final = checkpoint_dir(out_dir, checkpoint.step)
+    check_writable_folder(final, f"consolidating into {out_dir}")
+    if final.exists():
+        raise UserError(f"{final} exists already; consolidate into another folder")
+    names = list(checkpoint.shapes)  # named_parameters() order; the optimiser's is group by group
+    order = [name for _, group in checkpoint.groups for name in names if name in group]
+    slices = [(name, 0, checkpoint.shapes[name].numel()) for name in order]
+    params = [torch.empty(checkpoint.shapes[name], device="meta") for name in order]
+    shared = {key: value for key, value in checkpoint.shared.items() if key not in ("model", "optimizer_slices")}
+    shared.update(model={name: checkpoint.parameter(name) for name in names}, optimizer_slices=slices,
+                  optimizer=checkpoint.optimizer_state_dict(slices, params))
+    tmp = final.with_name(f".tmp_{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for rank in range(checkpoint.world_size):
+        torch.save({"rng": checkpoint.ranks[rank]["rng"]}, tmp / f"rank{rank}.pt")
+    torch.save(shared, tmp / "state.pt")
+    (tmp / "meta.json").write_text(checkpoint_meta(checkpoint.step, checkpoint.world_size, checkpoint.config,
+                                                   checkpoint.shapes, checkpoint.data_parallel_size))
+    os.replace(tmp, final)
+    return final
 
 
 def main(argv=None):

@@ -1,16 +1,18 @@
 """How big is each new idea? For every step folder against the one it grew from (the step before it,
 unless its train.py says "Grown from step N's train.py": steps 8 and 9 grow from a data-parallel
-step, not from step 7): the files added and removed, and how many lines of train.py changed.
+step, not from step 7): the files added and removed, how many lines of train.py changed, and how many lines
+a learner reads in the folder on a first pass (``learner_facing``), beside all its Python lines.
 
     python compare/step_diffs.py           # print the table; exit 1 if README.md's copy is stale
     python compare/step_diffs.py --write   # rewrite the table in README.md
 
 The table lives in README.md between the markers <!-- step-diffs:start --> and <!-- step-diffs:end -->.
 Changed lines are the '+' and '-' lines of a unified diff (difflib), headers not counted; a train.py
-that one folder lacks counts as empty.
+that one folder lacks counts as empty. Lines of a file are its lines of text, blank ones and comments included.
 """
 import argparse
 import difflib
+import json
 import re
 import sys
 from pathlib import Path
@@ -20,6 +22,19 @@ from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- step-diffs:start -->", "<!-- step-diffs:end -->"
+
+# The rule for learner-facing lines: what a learner reads on a first pass through a step folder, the files that
+# say what the step does. That is train.py; the idea files, i.e. every Python file that is not a copy of a
+# common/ module (new in this step, or copied from the step that introduced it), less the trace modules
+# (*_trace.py: a timeline for a figure); and, of common/'s copies, LESSON_COPIES: the model, the data, the
+# process group (what steps 1 and up are about) and the checkpoint basics. Every other copy is skipped on a
+# first read, and each step README says so in a paragraph that starts with SKIP_LINE: plumbing train.py calls
+# by name (flags, seeds, optimiser helpers, records, bytes per collective) and operations code (failures.py,
+# memory_budget.py, collective_failures.py). Lines are counted as they are, blank ones and comments included.
+LESSON_COPIES = {"model.py", "data.py", "distributed.py", "checkpoint.py"}
+SKIP_LINE = "**Skip on a first read:**"
+
+
 def step_folders() -> list[Path]:
     """Every step folder that holds at least one file, in step order (step10 after step9)."""
     return sorted((p for p in REPO_ROOT.glob("step*_*") if re.fullmatch(r"step\d+_\w+", p.name) and p.is_dir()
@@ -41,6 +56,28 @@ def files_of(folder: Path) -> set[str]:
             if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")}
 
 
+def common_copies(folder: Path) -> set[str]:
+    """The files ``folder`` holds as copies of a common/ module (common/copies.json)."""
+    manifest = json.loads((REPO_ROOT / "common" / "copies.json").read_text())
+    return {Path(origin).name for origin in manifest.get(folder.name, []) if origin.startswith("common/")}
+
+
+def learner_facing(folder: Path) -> set[str]:
+    """The Python files of ``folder`` a learner reads on a first pass (the rule above LESSON_COPIES)."""
+    copies = common_copies(folder)
+    return {f for f in files_of(folder) if f.endswith(".py") and (
+        f in LESSON_COPIES or (f not in copies and not f.endswith("_trace.py")))}
+
+
+def skipped_on_first_read(folder: Path) -> set[str]:
+    """The Python files of ``folder`` its README tells a learner to skip on a first read."""
+    return {f for f in files_of(folder) if f.endswith(".py")} - learner_facing(folder)
+
+
+def line_count(folder: Path, files) -> int:
+    return sum(len((folder / f).read_text().splitlines()) for f in files)
+
+
 def changed_lines(a: Path, b: Path) -> tuple[int, int]:
     """(lines added, lines removed) from ``a`` to ``b``; a missing file counts as empty."""
     lines = [p.read_text().splitlines() if p.is_file() else [] for p in (a, b)]
@@ -54,14 +91,20 @@ def table() -> str:
     def names(files):
         return ", ".join(f"`{f}`" for f in sorted(files)) or "-"
 
-    rows = ["| from -> to | files added | files removed | `train.py` lines changed (+ / -) |", "|---|---|---|---|"]
+    def lines(folder):
+        python = [f for f in files_of(folder) if f.endswith(".py")]
+        return f"{line_count(folder, learner_facing(folder)):,} ({line_count(folder, python):,})"
+
+    rows = ["| from -> to | files added | files removed | `train.py` lines changed (+ / -) "
+            "| learner-facing lines of *to* (all Python lines) |", "|---|---|---|---|---|"]
     folders = step_folders()
+    rows.append(f"| - -> `{folders[0].name}` | (the starting point) | - | - | {lines(folders[0])} |")
     for b in folders[1:]:
         a = base_of(b, folders)
         fa, fb = files_of(a), files_of(b)
         added, removed = changed_lines(a / "train.py", b / "train.py")
         rows.append(f"| `{a.name}` -> `{b.name}` | {names(fb - fa)} | {names(fa - fb)} | "
-                    f"{added + removed} (+{added} / -{removed}) |")
+                    f"{added + removed} (+{added} / -{removed}) | {lines(b)} |")
     return "\n".join(rows)
 
 

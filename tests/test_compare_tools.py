@@ -89,3 +89,35 @@ def test_step_diffs_detects_and_rewrites_a_stale_table(tmp_path):
     readme.write_text("no markers here\n")
     result = tool("step_diffs.py", "--readme", readme)
     assert result.returncode == 2 and result.stderr.startswith("error: ")
+
+
+@pytest.mark.quick
+def test_learner_facing_lines_follow_the_rule(tmp_path):
+    """train.py, the idea files (not a copy of common/, not a *_trace.py) and the copies in LESSON_COPIES count;
+    the other copies of common/ do not. Counted against files written here, not against the repository."""
+    import step_diffs
+
+    folder = tmp_path / "step0_single_gpu"  # named in common/copies.json: its copies are the manifest's
+    folder.mkdir()
+    for name, lines in {"train.py": 3, "model.py": 2, "checkpoint.py": 4, "config.py": 5, "failures.py": 7,
+                        "idea.py": 6, "idea_trace.py": 8, "README.md": 9}.items():
+        (folder / name).write_text("x\n" * lines)
+    assert step_diffs.learner_facing(folder) == {"train.py", "model.py", "checkpoint.py", "idea.py"}
+    assert step_diffs.skipped_on_first_read(folder) == {"config.py", "failures.py", "idea_trace.py"}
+    assert step_diffs.line_count(folder, step_diffs.learner_facing(folder)) == 3 + 2 + 4 + 6
+
+
+@pytest.mark.quick
+def test_every_step_readme_names_the_files_to_skip_on_a_first_read():
+    """Each step README has one paragraph starting with step_diffs.SKIP_LINE, and the files it names are exactly
+    the ones the learner-facing count leaves out: a module added to a step, or moved, keeps the two true."""
+    import re
+
+    import step_diffs
+
+    for folder in step_diffs.step_folders():
+        paragraphs = (folder / "README.md").read_text().split("\n\n")
+        skip = [p for p in paragraphs if p.startswith(step_diffs.SKIP_LINE)]
+        assert len(skip) == 1, f"{folder.name}/README.md: one paragraph starting with {step_diffs.SKIP_LINE}"
+        named = set(re.findall(r"`([\w.]+\.py)`", skip[0])) - {"train.py"}
+        assert named == step_diffs.skipped_on_first_read(folder), folder.name

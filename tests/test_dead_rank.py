@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, STEPS, TINY, trainer_command
-from distributed import COLLECTIVE_FAILED, ROLL_CALL_S
+from collective_failures import COLLECTIVE_FAILED, ROLL_CALL_S
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads torchrun's workers from /proc")
 

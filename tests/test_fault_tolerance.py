@@ -10,8 +10,9 @@ import torch
 
 from conftest import REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, trainer_command, weights
 
-sys.path.insert(0, str(REPO / "common"))
-from checkpoint import Checkpoint, consolidate  # noqa: E402
+sys.path[:0] = [str(REPO / "common"), str(REPO / "compare")]
+from checkpoint import Checkpoint  # noqa: E402
+from consolidate import consolidate  # noqa: E402
 
 # Resumed with another split of the same global batch, a run groups its samples into other micro-batches:
 # float32 sums in another order. Measured on this workload (step 1 and step 7, 2 -> 4 ranks, 2 more steps):
@@ -123,7 +124,7 @@ def test_every_layout_reads_back_the_state_that_was_saved(world_size, tour, exac
 
 @pytest.mark.parametrize("step, save", [("step1", "sync"), ("step7", "async")])
 def test_killed_during_a_save_torchrun_restarts_and_the_run_ends_bitwise(step, save, tour, tmp_path, small_corpus):
-    """Rank 1 stops inside the write of checkpoint 4 (a test hook) and is killed there with SIGKILL. torchrun
+    """Rank 1 stops inside the write of checkpoint 4 (tests/writer_hook.py) and is killed there with SIGKILL. torchrun
     restarts both ranks (--max-restarts 1); with --resume auto they find the newest whole checkpoint (step 2,
     not the half-written one), train steps 3 and 4 again, and the run ends bitwise equal to the tour's
     uninterrupted run. The half-written folder is gone, and step 2's files are untouched."""
@@ -133,9 +134,8 @@ def test_killed_during_a_save_torchrun_restarts_and_the_run_ends_bitwise(step, s
         args.append("--async-save")
     command = trainer_command(STEPS[step], 2, args)
     at = command.index("--nproc_per_node=2")
-    command[at + 1:at + 1] = ["--max-restarts=1"]
-    env = {**os.environ, "DTFS_TEST_PAUSE_IN_SAVE": "4:1"}
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    command[at + 1:at + 1] = ["--max-restarts=1", str(REPO / "tests" / "writer_hook.py"), "pause:4:1"]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
         for line in proc.stdout:

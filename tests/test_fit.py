@@ -61,11 +61,11 @@ def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProces
 
 
 def test_out_of_memory_is_one_line_and_exit_2_and_other_errors_keep_their_traceback():
-    oom = run_python("import config\n"
+    oom = run_python("import config, memory_budget\n"
                      "def main():\n"
                      "    raise RuntimeError(\"[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
                      "memory: you tried to allocate 16777216 bytes. Error code 12 (Cannot allocate memory)\")\n"
-                     "config.memory_budget.update(mb=64, step='step6_zero2', start_mb=400)\n"
+                     "memory_budget.budget.update(mb=64, step='step6_zero2', start_mb=400)\n"
                      "config.exit_on_user_error(main)", env={"RANK": "1", "WORLD_SIZE": "4"})
     assert oom.returncode == 2 and oom.stderr.count("\n") == 1, oom.stderr
     assert oom.stderr.startswith("error: out of memory: rank 1 of 4 could not allocate 16.0 MiB more within "

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, STEPS, TINY, assert_bitwise_same_run, metrics, spawn, train
+from slow_rank_hook import HOOK
 
 # TINY with 4 blocks (up to 4 stages), 4 micro-batches per step, and what must flow through the stages
 # right: dropout (one random stream), bf16 autocast, clipping (TINY's), checkpoints at steps 2 and 4.
@@ -159,14 +160,14 @@ def test_an_outsider_pipeline_equals_one_process_accumulating():
 # ---- a stage that hangs --------------------------------------------------------------------------------------------
 
 def test_a_hung_stage_ends_the_job_within_the_timeout(tmp_path, small_corpus):
-    """Stage 1 computes 20 s longer per micro-batch (DTFS_SLOW_RANK): stage 0 waits for its gradient in a receive,
+    """Stage 1 computes 20 s longer per micro-batch (slow_rank_hook.py): stage 0 waits for its gradient in a receive,
     gives up after --timeout-s 3 with the one line of every failed collective, and torchrun stops the job: long
     before the 320 s the slow stage would take, and never a hang."""
     started = time.monotonic()
     args = [*TINY, "--data", str(small_corpus), "--out", str(tmp_path / "run"), "--timeout-s", "3"]
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(REPO / STEPS["step9"] / "train.py"), *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "DTFS_SLOW_RANK": "1:20"})
+                             str(HOOK), "1:20", str(REPO / STEPS["step9"] / "train.py"), *args], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - started
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
     assert result.returncode == 1 and elapsed < 90, (elapsed, result.stderr[-2000:])

@@ -1,8 +1,7 @@
 """Stragglers: every record holds every rank's wall and CPU time per step; compare/stragglers.py flags a rank
-that is consistently slower. A rank slowed on purpose (the DTFS_SLOW_RANK test hook) is flagged in step 1
+that is consistently slower. A rank slowed on purpose (tests/slow_rank_hook.py) is flagged in step 1
 (DDP's C++ reducer) and step 7 (whose forward all-gathers); the tour's unslowed runs flag nobody."""
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -10,7 +9,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, STEPS, TINY, launch, metrics, parity
+from conftest import REPO, STEPS, TIMEOUT, TINY, metrics, parity, trainer_command
+from slow_rank_hook import HOOK, hooked
 
 sys.path.insert(0, str(REPO / "compare"))
 import stragglers  # noqa: E402
@@ -22,8 +22,9 @@ GRAD_ACCUM = TINY[TINY.index("--grad-accum") + 1]
 @pytest.mark.parametrize("step", ["step1", "step7"])
 def test_a_rank_slowed_on_purpose_is_flagged(step, tmp_path, small_corpus):
     out = tmp_path / step
-    result = launch(step, [*TINY, "--steps", "6", "--data", str(small_corpus), "--out", str(out)], nproc=2,
-                    env={"DTFS_SLOW_RANK": f"1:{EXTRA_S}"})
+    args = [*TINY, "--steps", "6", "--data", str(small_corpus), "--out", str(out), *TIMEOUT]
+    result = subprocess.run(hooked(trainer_command(STEPS[step], 2, args), f"1:{EXTRA_S}"), cwd=REPO,
+                            capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     records = metrics(out)["records"]
     extra_per_step = EXTRA_S * int(GRAD_ACCUM)
@@ -125,14 +126,15 @@ def test_parity_ignores_step_times(step1_ws2, tmp_path):
     assert result.returncode == 0 and "PASS (bitwise identical)" in result.stdout, result.stdout
 
 
-def test_a_bad_slow_rank_hook_ends_the_trainer_at_start_up():
-    """The variable is read when data.py is imported (before main(), before the heavy imports): a bad
-    value is one line and exit 2, as any user error. (Good values: the slowed runs above.)"""
+def test_a_bad_slow_rank_hook_ends_the_run_at_start_up():
+    """The hook reads RANK:SECONDS before it imports anything: a bad value is one line and exit 2, as any user
+    error, so that a mistyped test cannot run unslowed. (Good values: the slowed runs above.)"""
     bad = ["1", "x:0.05", "1:x", "-1:0.05", "1:-0.1", "1:0.05:2", "1:100"]
-    procs = [subprocess.Popen([sys.executable, "-c", "import data"], cwd=REPO / "common", stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "DTFS_SLOW_RANK": value})
+    procs = [subprocess.Popen([sys.executable, str(HOOK), value, str(REPO / STEPS["step0"] / "train.py")], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for value in bad]
     for value, p in zip(bad, procs):
         out, err = p.communicate(timeout=60)
         assert p.returncode == 2, (value, err)
-        assert err.startswith(f"error: DTFS_SLOW_RANK={value!r}: expected RANK:SECONDS") and len(err.splitlines()) == 1
+        assert err.startswith(f"error: slow_rank_hook.py {value!r}: expected RANK:SECONDS"), err
+        assert len(err.splitlines()) == 1, err
