@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import UserError, check_writable_folder, explain_failure, failure_explainers
+from config import UserError, explain_failure, failure_explainers
 from seeding import set_rng_state
 
 FORMAT_VERSION = 2
@@ -50,17 +50,13 @@ RESUMABLE_KEYS = ("out", "save_every", "resume", "quiet", "timeout_s", "trace", 
                   "backend", "device", "schedule", "micro_batches")
 BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")  # may change with the world size, the product kept
 
-# Test hook: "STEP:RANK" makes that rank stop in the middle of writing checkpoint STEP (first attempt only,
-# so a run restarted by torchrun goes through), to be killed there. See tests/test_fault_tolerance.py.
-PAUSE_IN_SAVE = os.environ.get("DTFS_TEST_PAUSE_IN_SAVE")
-
 
 def checkpoint_dir(out_dir, step: int) -> Path:
     return Path(out_dir) / "checkpoints" / f"step_{step}"
 
 
 def checkpoint_meta(step: int, world_size: int, config: dict, shapes: dict, data_parallel_size=None) -> str:
-    """meta.json: written last into a checkpoint's folder, by the trainers and by ``consolidate``.
+    """meta.json: written last into a checkpoint's folder, by the trainers and by compare/consolidate.py.
     ``data_parallel_size``: how many ranks drew their own samples, when not all of them (tensor parallelism)."""
     meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config,
             "shapes": {name: list(shape) for name, shape in shapes.items()}}
@@ -218,9 +214,6 @@ class CheckpointWriter:
             tmp.mkdir(parents=True)
         self._barrier()
         torch.save(rank_state, tmp / f"rank{self.rank}.pt")
-        if PAUSE_IN_SAVE == f"{step}:{self.rank}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            print(f"paused in the save of step {step}: rank {self.rank}, pid {os.getpid()}", flush=True)
-            time.sleep(3600)
         if self.rank == 0:
             torch.save(shared_state, tmp / "state.pt")
             (tmp / "meta.json").write_text(checkpoint_meta(step, self.world_size, self.config, self.shapes,
@@ -511,35 +504,6 @@ def open_checkpoint(path: Path, config: dict, world_size: int, is_main: bool) ->
         print(f"resuming {path} with {', '.join(changes)}: the data stream continues at the same sample; {outcome} "
               "(docs/fault_tolerance.md)", file=sys.stderr)
     return checkpoint
-
-
-def consolidate(source, out_dir: Path) -> Path:
-    """Rewrite checkpoint ``source`` (a ``Checkpoint``, or its folder: any step, any world size) in
-    ``out_dir``/checkpoints as steps 0-4 write theirs: the whole model and AdamW's whole state in state.pt,
-    each rank's file only its RNG. Returns it. Refuses (before writing anything) an ``out_dir`` that cannot
-    be written or already holds that checkpoint."""
-    checkpoint = source if isinstance(source, Checkpoint) else Checkpoint(source, reader="consolidate")
-    final = checkpoint_dir(out_dir, checkpoint.step)
-    check_writable_folder(final, f"consolidating into {out_dir}")
-    if final.exists():
-        raise UserError(f"{final} exists already; consolidate into another folder")
-    names = list(checkpoint.shapes)  # named_parameters() order; the optimiser's is group by group
-    order = [name for _, group in checkpoint.groups for name in names if name in group]
-    slices = [(name, 0, checkpoint.shapes[name].numel()) for name in order]
-    params = [torch.empty(checkpoint.shapes[name], device="meta") for name in order]
-    shared = {key: value for key, value in checkpoint.shared.items() if key not in ("model", "optimizer_slices")}
-    shared.update(model={name: checkpoint.parameter(name) for name in names}, optimizer_slices=slices,
-                  optimizer=checkpoint.optimizer_state_dict(slices, params))
-    tmp = final.with_name(f".tmp_{final.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for rank in range(checkpoint.world_size):
-        torch.save({"rng": checkpoint.ranks[rank]["rng"]}, tmp / f"rank{rank}.pt")
-    torch.save(shared, tmp / "state.pt")
-    (tmp / "meta.json").write_text(checkpoint_meta(checkpoint.step, checkpoint.world_size, checkpoint.config,
-                                                   checkpoint.shapes, checkpoint.data_parallel_size))
-    os.replace(tmp, final)
-    return final
 
 
 def load_parameters(named_params, checkpoint: Checkpoint) -> None:

@@ -1,168 +1,23 @@
-"""Command-line flags shared by every step, and the one way a user mistake ends a run.
+"""Command-line flags shared by every step.
 
 Every step builds its parser here, so a shared flag means the same thing in every step folder.
 A flag that belongs to one step's idea (``--bucket-cap-mb``, ``--trace``, ...) is added by that
 step's own files, so the diff that introduces the idea introduces its flag. `--help` lists them all
 with their defaults. The parsed flags become a plain ``dict``: it is written into metrics.json and
 into every checkpoint, and `compare/parity.py` reads it back to decide whether two runs are
-comparable.
+comparable. A mistake in them is a ``UserError``: one line and exit code 2 (failures.py).
 """
 import argparse
-import ctypes
 import os
-import platform
-import re
-import resource
-import sys
 from pathlib import Path
+
+# How a run ends on a mistake, and the memory budget: operations code, in modules of their own (skip them on a
+# first read). Named here too because every train.py imports them from config.
+from failures import UserError, exit_on_user_error, explain_failure, failure_explainers  # noqa: F401
+from memory_budget import limit_memory  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # common/.. or stepK_x/..: both are the repo root
 
-
-class UserError(Exception):
-    """A mistake the user can fix. It ends the run with one line on stderr and exit code 2."""
-
-
-# The memory budget this process runs under (--max-memory-mb), for the out-of-memory line below.
-memory_budget = {"mb": None, "step": None, "start_mb": None}
-
-# How an allocation that failed reads: Python's MemoryError; torch's CPU allocator ("DefaultCPUAllocator:
-# can't allocate memory: you tried to allocate N bytes. Error code 12 (Cannot allocate memory)"); a
-# C++ std::bad_alloc that torch passed on; CUDA's "CUDA out of memory".
-OUT_OF_MEMORY = re.compile(r"can't allocate memory|Cannot allocate memory|std::bad_alloc|out of memory", re.I)
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    if isinstance(error, MemoryError):
-        return True
-    if not isinstance(error, RuntimeError):
-        return False
-    # Under a budget a thread's stack (8 MiB, private and writable) counts as data memory, so a budget too
-    # small for the libraries' threads (datasets reads the corpus with a pool) fails to start one: Python says
-    # "can't start new thread". Without a budget it may be a limit on processes instead: not claimed as memory.
-    return bool(OUT_OF_MEMORY.search(str(error))) or (
-        memory_budget["mb"] is not None and "can't start new thread" in str(error))
-
-
-def out_of_memory_message(error: BaseException) -> str:
-    """One line: who ran out, within which budget, why this step needs that much, what to do instead."""
-    asked = re.search(r"tried to allocate (\d+) bytes", str(error))
-    what = f"could not allocate {int(asked.group(1)) / 2**20:,.1f} MiB more" if asked else "could not get more memory"
-    rank = os.environ.get("RANK")
-    who = f"rank {rank} of {os.environ.get('WORLD_SIZE')}" if rank is not None else "this process"
-    if memory_budget["mb"] is not None:
-        within = (f"within --max-memory-mb {memory_budget['mb']:g} (RLIMIT_DATA: {memory_budget['start_mb']:,.0f} MiB "
-                  f"held at start-up + {memory_budget['mb']:g} MiB)")
-        fix = ", or raise --max-memory-mb"
-    else:
-        within = "(the machine's memory, or a limit set outside this program)"
-        fix = ", or train a smaller model"
-    step = memory_budget["step"] or "this program"
-    number = int(step[4]) if step.startswith("step") and step[4:5].isdigit() else None
-    if number == 7:
-        why = f"{step} already shards everything: use more ranks or a smaller micro-batch"
-    else:
-        replicated = {5: "the weights and the gradients", 6: "the weights"}.get(
-            number, "the whole training state (weights, gradients, AdamW's moments)")
-        why = f"{step} keeps {replicated} on every rank, however many ranks: train with step7_zero3 on more ranks"
-    return f"out of memory: {who} {what} {within}; {why}{fix} (compare/estimate.py predicts the bytes per rank)"
-
-
-# Failures that come in the middle of a run and that a module other than this one can explain: each
-# function returns (message, exit code) for an exception it recognises, else None. distributed.py adds
-# the failed collective (a rank died, froze, or the ranks disagreed); this module, which every step has,
-# step 0 included, knows nothing about process groups.
-failure_explainers = []
-
-
-def explain_failure(error: BaseException) -> tuple[str, int] | None:
-    """(one line, exit code) for a failure that ends a run without a traceback, or None."""
-    if is_out_of_memory(error):
-        return out_of_memory_message(error), 2
-    for explain in failure_explainers:
-        explained = explain(error)
-        if explained is not None:
-            return explained
-    return None
-
-
-def exit_on_user_error(main):
-    """Run ``main()``; turn a ``UserError`` into one line and exit code 2, with no traceback.
-
-    Running out of memory is reported the same way (a model too big for the budget is a choice the
-    user can change), and so is a collective that failed (exit 3, ``distributed.py``), but the process
-    ends with ``os._exit``: the failure may have come in the middle of training, with a process group
-    and a DDP reducer alive, and a normal interpreter exit would tear them down while peers still wait
-    in a collective, or wait itself for a peer that will never answer (torchrun stops the peers)."""
-    try:
-        return main()
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except (MemoryError, RuntimeError) as error:
-        explained = explain_failure(error)
-        if explained is None:
-            raise
-        error.__traceback__ = None  # let go of the frames (and the tensors they hold) before formatting
-        message, code = explained
-        sys.stdout.flush()
-        os.write(2, f"error: {message}\n".encode())
-        os._exit(code)
-
-
-def limit_memory(max_memory_mb: float | None, step: str) -> None:
-    """Let this process allocate at most ``max_memory_mb`` MiB more data memory than it holds now.
-
-    Called once the corpus is tokenized, before the model or the process group: the budget is what
-    training adds, as a GPU's memory would be, and it does not depend on how much the libraries and the
-    data take on this machine. (Set before tokenizing, a small budget made the Rust tokenizer abort the
-    process, or hang, instead of failing an allocation we can report: measured at 1, 16 and 32 MiB.) The OS
-    enforces it: ``RLIMIT_DATA`` caps the data segment and every private writable mapping, which is
-    where torch's CPU tensors live (``brk`` and ``mmap`` both honour it since Linux 4.7). An allocation
-    beyond it fails like any out-of-memory: torch raises, and ``exit_on_user_error`` turns that into
-    one line. Why this limit and not ``RLIMIT_AS`` or an external ``prlimit``: docs/design.md."""
-    if max_memory_mb is not None and max_memory_mb <= 0:
-        raise UserError(f"--max-memory-mb must be positive, got {max_memory_mb:g}")
-    memory_budget.update(mb=None, step=step, start_mb=None)  # the budget is named once it is in force
-    if max_memory_mb is None:
-        return
-    held = data_memory_bytes()
-    if held is None:
-        raise UserError("--max-memory-mb needs Linux (/proc/self/status and RLIMIT_DATA); run without it")
-    limit = held + int(max_memory_mb * 2**20)
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    if hard != resource.RLIM_INFINITY and limit > hard:
-        raise UserError(f"--max-memory-mb {max_memory_mb:g} goes past this process's hard data limit "
-                        f"({hard / 2**20:,.0f} MiB, {held / 2**20:,.0f} MiB of it already held); lower it")
-    release_freed_blocks()
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-    memory_budget.update(mb=max_memory_mb, start_mb=held / 2**20)
-
-
-def release_freed_blocks(threshold: int = 2**20) -> None:
-    """Make glibc give every freed block of ``threshold`` bytes or more straight back to the OS.
-
-    By default glibc serves a block from its heaps (and keeps it there when freed) unless it is larger
-    than its mmap threshold, which rises, as large blocks are freed, up to 32 MiB. A data limit then
-    counts the allocator's cache as if it were tensors: measured on step 7 (24 blocks of 27 MiB, 4 ranks),
-    a peak of 3.2-4.0 GiB of data memory per rank instead of 1.7 GiB. ``mallopt(M_MMAP_THRESHOLD)`` fixes
-    the threshold, so a freed tensor's memory leaves the process at once. Other C libraries: no-op."""
-    if platform.libc_ver()[0] != "glibc":
-        return
-    m_mmap_threshold = -3  # from <malloc.h>
-    ctypes.CDLL(None).mallopt(m_mmap_threshold, threshold)
-
-
-def data_memory_bytes() -> int | None:
-    """What ``RLIMIT_DATA`` counts for this process now (``VmData``), or None where /proc is missing."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmData:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 class OneLineParser(argparse.ArgumentParser):

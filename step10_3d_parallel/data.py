@@ -7,8 +7,6 @@ N processes with accumulation A compute the same thing.
 """
 import hashlib
 import os
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,50 +16,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at run time, ever: th
 # (RLIMIT_DATA). The system allocator takes only what the corpus needs. (docs/design.md, memory budget)
 os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
-from config import UserError  # noqa: E402
-
-
-# ---- a test hook, read before the heavy imports so that a bad value ends the run at once --------
-def slow_rank_from_env(value: str | None, rank: int) -> float:
-    """Test hook: ``DTFS_SLOW_RANK="R:SECONDS"`` makes rank R do SECONDS of extra CPU work per micro-batch.
-
-    It makes a straggler on purpose, so that compare/stragglers.py can be tested on a real run
-    (docs/fault_tolerance.md, "Stragglers"). Returns this rank's extra seconds: 0 unless it is rank R.
-    Unset or empty: no extra work, which is every normal run."""
-    if not value:
-        return 0.0
-    try:
-        slow_rank, seconds = value.split(":")
-        slow_rank, seconds = int(slow_rank), float(seconds)
-        if slow_rank < 0 or not 0 <= seconds < 60:
-            raise ValueError
-    except ValueError:
-        raise UserError(f"DTFS_SLOW_RANK={value!r}: expected RANK:SECONDS, e.g. 1:0.05 (rank >= 0, 0 <= seconds < 60)") \
-            from None
-    return seconds if rank == slow_rank else 0.0
-
-
-try:  # read once, at start-up: torchrun sets RANK before the trainer starts; a plain process is rank 0
-    EXTRA_WORK_S = slow_rank_from_env(os.environ.get("DTFS_SLOW_RANK"), int(os.environ.get("RANK", 0)))
-except UserError as error:  # imported before exit_on_user_error runs: end here, the same way (one line, exit 2)
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def extra_work(seconds: float) -> None:
-    """Busy the CPU for ``seconds`` of this thread's CPU time: extra computation, as a slower device or a
-    heavier input pipeline would cost (a sleep would cost wall time but no work)."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
-
-
-# ---- end of the test hook -------------------------------------------------------------------------
-
 import datasets  # noqa: E402
 import torch  # noqa: E402
 import tqdm  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+from config import UserError  # noqa: E402
 
 # datasets lists the corpus file under a tqdm bar (disabled), and tqdm starts a monitor thread for its bars: a
 # thread with nothing to do here, whose stack counts against --max-memory-mb. When the budget leaves no room
@@ -167,8 +127,6 @@ class MicroBatches:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets of the next micro-batch: ``(B, seq_len)`` each, targets shifted by one."""
-        if EXTRA_WORK_S:
-            extra_work(EXTRA_WORK_S)  # the DTFS_SLOW_RANK test hook; nothing in a normal run
         self.epoch_started = None
         if self.index == self.per_epoch:
             self.epoch, self.index, self._order = self.epoch + 1, 0, None

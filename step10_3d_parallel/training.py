@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from config import UserError
+from failures import UserError
 
 
 def pick_device(choice: str, local_rank: int = 0) -> torch.device:
