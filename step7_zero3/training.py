@@ -148,7 +148,11 @@ def clip_to_norm(grads, norm: torch.Tensor, max_norm: float) -> None:
 
 def clip_gradients(params, max_norm: float) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; return the norm *before* clipping."""
-    grads = [p.grad for p in params if p.grad is not None]
+    return clip_gradient_tensors([p.grad for p in params if p.grad is not None], max_norm)
+
+
+def clip_gradient_tensors(grads, max_norm: float) -> torch.Tensor:
+    """``clip_gradients`` for gradients kept apart from ``.grad`` (16-bit parameters' float32 ``main_grad``)."""
     norm = sum_of_squares(grads).sqrt().float()
     clip_to_norm(grads, norm, max_norm)
     return norm
