@@ -44,6 +44,13 @@ def master_norm(optimizer, device) -> float:
     return norm_from_parts(parts.cpu())
 
 
+def master_pieces(model, optimizer) -> dict:
+    """This rank's float32 master elements (--param-dtype), as step 7 saves its pieces: no gather, no full copy."""
+    slices = optimizer.slices(model.named_parameters())
+    return {"model": {name: master for (name, _, _), master in zip(slices, optimizer.views)},
+            "model_slices": {name: (start, end) for name, start, end in slices}}
+
+
 def master_weights(model, optimizer) -> dict:
     """The model's state dict with every parameter's float32 master in place of its 16-bit copy (collective)."""
     masters = {p.data_ptr(): full for p, full in optimizer.gathered_masters().items()}
@@ -164,11 +171,12 @@ def main():
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "model": master_weights(model, optimizer) if mixed else model.state_dict(),
+            shared = {"step": step + 1, **({} if mixed else {"model": model.state_dict()}),
                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             own = {"rng": rng_state(), "optimizer": optimizer.state_dict(),  # each rank writes its own shard
-                   "optimizer_slices": optimizer.slices(model.named_parameters())}
+                   "optimizer_slices": optimizer.slices(model.named_parameters()),
+                   **(master_pieces(model, optimizer) if mixed else {})}  # the masters, each rank its own
             writer.save(step + 1, shared, own)
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
