@@ -35,8 +35,9 @@ RTOL, ATOL, PARAM_NORM_TOL = 1e-5, 1e-6, 1e-6
 # reduce dtype, bucket cap, where to write, ...) may differ.
 TRAINING_KEYS = (
     "steps", "seed", "amp", "loss_scale_init", "n_layer", "n_head", "n_embd", "seq_len", "dropout",
-    "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+    "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "param_dtype",
 )
+KEY_DEFAULTS = {"param_dtype": "float32"}  # what a run of a step without the flag trained with
 
 
 STEP_FOLDER = re.compile(r"step(\d+)_\w+")  # step0_single_gpu ... step10_3d_parallel
@@ -109,8 +110,8 @@ def global_batch(metrics: dict) -> int:
 def comparability_problems(a: dict, b: dict) -> list[str]:
     """Keys that make two runs compute different things. World size, the accumulation split, the
     reduce dtype and the bucket cap may differ: they change how, not what."""
-    problems = [f"{k} ({a['config'].get(k)!r} vs {b['config'].get(k)!r})"
-                for k in TRAINING_KEYS if a["config"].get(k) != b["config"].get(k)]
+    value = lambda run, k: run["config"].get(k, KEY_DEFAULTS.get(k))  # noqa: E731
+    problems = [f"{k} ({value(a, k)!r} vs {value(b, k)!r})" for k in TRAINING_KEYS if value(a, k) != value(b, k)]
     for key in ("data_sha256", "tokenizer_sha256"):
         if a["env"].get(key) != b["env"].get(key):
             problems.append(f"{key.replace('_sha256', '')} file (different contents)")

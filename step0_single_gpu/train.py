@@ -19,21 +19,32 @@ from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from seeding import rng_state, seed_everything
-from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
-                      param_norm, pick_device)
+from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_gradients, make_grad_scaler,
+                      make_optimizer, make_scheduler, param_dtype, param_norm, pick_device)
 
 STEP = Path(__file__).resolve().parent.name
 
 
+def weights_to_save(model, masters) -> dict:
+    """The model's state dict, with the float32 masters (--param-dtype) in place of the 16-bit copies."""
+    if not masters:
+        return model.state_dict()
+    by_storage = {p.data_ptr(): master for (_, master), p in zip(masters, model.parameters())}
+    return {name: by_storage.get(t.data_ptr(), t) for name, t in model.state_dict().items()}
+
+
 def main():
     # ---- everything that can be wrong is checked before anything is written ------------------
-    config = parse_config(build_parser(STEP))
+    parser = build_parser(STEP)
+    add_param_dtype_flag(parser)
+    config = parse_config(parser)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # torchrun started several copies: each would train alone
         raise UserError(f"{STEP} is one process, but torchrun started {os.environ['WORLD_SIZE']}: each would train "
                         "the whole model alone and write the same --out; run it with python, or run "
                         "step1_torch_ddp under torchrun")
     device = pick_device(config["device"])
     check_amp(config["amp"], device)
+    check_param_dtype(config, device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
@@ -48,14 +59,23 @@ def main():
     sampler = DistributedSampler(range(len(corpus.blocks)), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
-    optimizer = make_optimizer(model.named_parameters(), config)
+    if resumed:  # before the float32 masters are copied out of the parameters
+        load_parameters(model.named_parameters(), resumed)
+    # --param-dtype bf16|fp16: AdamW steps a float32 master of every parameter; the model computes in a
+    # 16-bit copy, rounded from the masters after every step (the sharded steps keep 1/N of the masters).
+    dtype = param_dtype(config)
+    masters = [(name, p.detach().clone().requires_grad_(p.requires_grad)) for name, p in model.named_parameters()] \
+        if dtype else None
+    if dtype:
+        model.to(dtype)
+    trained = masters or list(model.named_parameters())  # what AdamW steps, by name
+    optimizer = make_optimizer(trained, config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)
 
     start_step, records = 0, []
     if resumed:
-        load_parameters(model.named_parameters(), resumed)
-        load_optimizer(optimizer, resumed, optimizer_slices(optimizer, model.named_parameters()))
+        load_optimizer(optimizer, resumed, optimizer_slices(optimizer, trained))
         start_step, records = resumed.restore(scheduler, scaler, batches, 0, 1)  # RNG last
         print(f"resumed from {resume_from} at step {start_step}")
     else:
@@ -79,13 +99,23 @@ def main():
             # Summing loss/accum over the micro-batches makes the gradient the mean over the global batch.
             scaler.scale(loss / accum).backward()
             loss_sum += loss.detach()
+            if masters:  # the micro-batches' 16-bit gradients summed in float32, as the sharded steps sum them
+                for (_, master), p in zip(masters, model.parameters()):
+                    master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
+                    p.grad = None
 
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
+        grad_norm = clip_gradients([p for _, p in trained], config["grad_clip"])
         scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
+        if masters:
+            with torch.no_grad():  # the model's 16-bit copy, rounded once from the updated masters
+                for (_, master), p in zip(masters, model.parameters()):
+                    p.copy_(master)
         scaler.update()
         scheduler.step()
-        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        memory = memory_stats(model.parameters(), optimizer, device,  # before zero_grad frees the grads
+                              grads=[p.grad for _, p in trained if p.grad is not None])
+        memory["master_params"] = sum(p.numel() * p.element_size() for _, p in masters) if masters else 0
         optimizer.zero_grad(set_to_none=True)
 
         if device.type == "cuda":
@@ -95,7 +125,7 @@ def main():
             "step": step + 1,
             "loss": (loss_sum / accum).item(),
             "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(model.parameters()),
+            "param_norm": param_norm(p for _, p in trained),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum,
@@ -104,15 +134,15 @@ def main():
             "step_time": [step_time],
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                      "optimizer_slices": optimizer_slices(optimizer, model.named_parameters()),
+            shared = {"step": step + 1, "model": weights_to_save(model, masters), "optimizer": optimizer.state_dict(),
+                      "optimizer_slices": optimizer_slices(optimizer, trained),
                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             writer.save(step + 1, shared, {"rng": rng_state()})
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
-    final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
-    final["param_norm"] = param_norm(model.parameters())
+    final = save_final_weights(Path(config["out"]), dict(trained))
+    final["param_norm"] = param_norm(p for _, p in trained)
     log.write(final)
     print(f"done: {config['steps']} steps, final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
 

@@ -64,6 +64,28 @@ def assign_buckets(params: list, bucket_cap_bytes: float, first_bucket_cap_bytes
     return groups + ([current] if current else [])
 
 
+def is_16_bit(param: torch.Tensor) -> bool:
+    return param.dtype in (torch.bfloat16, torch.float16)
+
+
+def accumulate(param: torch.Tensor, dtype: torch.dtype) -> None:
+    """A 16-bit parameter's gradient, added to a sum in ``dtype`` (the reduce dtype) kept in ``param.main_grad``,
+    and freed: micro-batches are summed in the reduce dtype, never in 16 bits (as FSDP2 sums them under
+    ``set_requires_gradient_sync(False)``)."""
+    grad, param.grad = param.grad, None
+    param.main_grad = grad.to(dtype) if getattr(param, "main_grad", None) is None else param.main_grad.add_(grad)
+
+
+def local_gradient(param: torch.Tensor, dtype: torch.dtype):
+    """What this rank reduces for ``param``: its ``.grad``; for a 16-bit parameter the sum, in ``dtype``, of
+    the step's micro-batches (taken, and freed, from ``main_grad`` and ``.grad``): nothing rounded to 16 bits."""
+    if not is_16_bit(param):
+        return param.grad
+    if param.grad is not None:
+        accumulate(param, dtype)
+    grad, param.main_grad = getattr(param, "main_grad", None), None
+    return grad
+
 class BucketedDDP(torch.nn.Module):
     """Wrap ``module`` for data parallelism over the default process group.
 
@@ -71,6 +93,9 @@ class BucketedDDP(torch.nn.Module):
     last backward of an optimiser step (the one outside ``no_sync()``) call
     ``finish_gradient_synchronization()`` once; then every rank holds the same averaged gradients.
     ``reduce_dtype=torch.float64`` reduces in float64 (exact, order-free) and rounds back once.
+    16-bit parameters (bf16, fp16: step 5's ``ShardedOptimizer(param_dtype=...)`` makes them): their
+    micro-batches are summed in ``reduce_dtype`` and the averaged gradient is left in float32 in ``param.main_grad``
+    (``param.grad`` None), never rounded to 16 bits on its way to the float32 master weights.
     """
 
     def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
@@ -79,6 +104,7 @@ class BucketedDDP(torch.nn.Module):
         self.module = module
         self.world_size = dist.get_world_size()
         self.find_unused_parameters = find_unused_parameters
+        self.reduce_dtype = reduce_dtype
         self.require_sync = True
 
         # Every replica starts from rank 0's state.
@@ -114,12 +140,14 @@ class BucketedDDP(torch.nn.Module):
     def _on_gradient_ready(self, param: torch.Tensor) -> None:
         """Runs inside backward, right after ``param.grad`` received this backward's contribution."""
         if not self.require_sync:
+            if is_16_bit(param):
+                accumulate(param, self.reduce_dtype)
             return
         bucket, i = self.location[param]
         if bucket.ready[i]:
             raise RuntimeError(f"gradient of {self.names[param]} became ready twice in one backward; "
                                "call finish_gradient_synchronization() after each synchronised backward")
-        bucket.slots[i].copy_(param.grad)
+        bucket.slots[i].copy_(local_gradient(param, self.reduce_dtype))
         bucket.ready[i], bucket.pending = True, bucket.pending - 1
         self._launch_ready_buckets()
 
@@ -140,11 +168,15 @@ class BucketedDDP(torch.nn.Module):
         """Wait for every bucket, average, and write the result into ``param.grad``. Once per optimiser step."""
         unused = self._complete_the_buckets_backward_left_open()
         used_anywhere = self._used_by_any_rank(unused) if self.find_unused_parameters else None
+        unused_ids = {id(p) for p in unused}
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.buffer.div_(self.world_size)
             for i, p in enumerate(bucket.params):
-                if p.grad is not None:
+                if is_16_bit(p):  # float32 (a view of the bucket, or float64 rounded once): no 16-bit rounding
+                    used = id(p) not in unused_ids or (used_anywhere is not None and used_anywhere[p])
+                    p.main_grad = bucket.slots[i].to(torch.float32) if used else None
+                elif p.grad is not None:
                     p.grad.copy_(bucket.slots[i])  # float64 -> float32 rounds here, once
                 elif used_anywhere is not None and used_anywhere[p]:
                     p.grad = bucket.slots[i].to(p.dtype, copy=True)
@@ -171,8 +203,9 @@ class BucketedDDP(torch.nn.Module):
             for i, p in enumerate(bucket.params):
                 if bucket.ready[i]:
                     continue
-                if p.grad is not None:  # no gradient this backward, but one from an earlier micro-batch
-                    bucket.slots[i].copy_(p.grad)
+                grad = local_gradient(p, self.reduce_dtype)
+                if grad is not None:  # no gradient this backward, but one from an earlier micro-batch
+                    bucket.slots[i].copy_(grad)
                 else:
                     bucket.slots[i].zero_()
                     unused.append(p)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
-from comm_accounting import take_comm_bytes
+from comm_accounting import count_collective, take_comm_bytes
 from bucketed_ddp import BucketedDDP
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint)
@@ -27,10 +27,33 @@ from model import build_model, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
 from zero1 import ShardedOptimizer
 from seeding import rng_state, seed_everything
-from training import (adamw_options, adamw_param_groups, autocast, check_amp, clip_gradients, make_grad_scaler,
-                      make_scheduler, param_norm)
+from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, autocast, check_amp, check_param_dtype,
+                      clip_gradient_tensors, clip_gradients, make_grad_scaler, make_scheduler, norm_from_parts,
+                      param_dtype, param_norm, square_sum_parts)
 
 STEP = Path(__file__).resolve().parent.name
+
+
+def master_norm(optimizer, device) -> float:
+    """``training.param_norm`` of the float32 masters (--param-dtype), from this rank's slices: the exact parts
+    of the sums of squares add up across ranks to the parts of the whole, as in step 7."""
+    parts = square_sum_parts(optimizer.views).to(device)  # nccl reduces GPU tensors only
+    count_collective("all_reduce", parts)
+    dist.all_reduce(parts)
+    return norm_from_parts(parts.cpu())
+
+
+def master_pieces(model, optimizer) -> dict:
+    """This rank's float32 master elements (--param-dtype), as step 7 saves its pieces: no gather, no full copy."""
+    slices = optimizer.slices(model.named_parameters())
+    return {"model": {name: master for (name, _, _), master in zip(slices, optimizer.views)},
+            "model_slices": {name: (start, end) for name, start, end in slices}}
+
+
+def master_weights(model, optimizer) -> dict:
+    """The model's state dict with every parameter's float32 master in place of its 16-bit copy (collective)."""
+    masters = {p.data_ptr(): full for p, full in optimizer.gathered_masters().items()}
+    return {name: masters.get(t.data_ptr(), t) for name, t in model.state_dict().items()}
 
 
 def main():
@@ -38,11 +61,16 @@ def main():
     parser = build_parser(STEP)
     distributed.add_flags(parser)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB")
+    add_param_dtype_flag(parser)
     config = parse_config(parser)
     if config["bucket_cap_mb"] <= 0:
         raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
+    if config["param_dtype"] == "fp16":  # its GradScaler would check only this rank's slices of main_grad
+        raise UserError("--param-dtype fp16 needs a loss scaler whose overflow verdict covers every rank's slices; "
+                        "step 5 has none: use --param-dtype bf16 here, or fp16 in step6_zero2 or step7_zero3")
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
+    check_param_dtype(config, world.device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
@@ -60,17 +88,18 @@ def main():
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # Different seeds on purpose, as in step 3: BucketedDDP broadcasts rank 0's parameters.
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
+    if resumed:  # before the optimiser copies its float32 masters (--param-dtype) out of the parameters
+        load_parameters(model.named_parameters(), resumed)
     ddp_model = BucketedDDP(model, bucket_cap_mb=config["bucket_cap_mb"],
                             reduce_dtype=getattr(torch, config["reduce_dtype"]))
     # ZeRO-1: AdamW runs on this rank's 1/N of the elements only; its state exists for those alone.
     optimizer = ShardedOptimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
-                                 **adamw_options(config))
+                                 param_dtype=param_dtype(config), **adamw_options(config))
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)
 
     start_step, records = 0, []
     if resumed:
-        load_parameters(model.named_parameters(), resumed)
         # This rank's slices of AdamW's state, cut from whatever slices the ranks that saved them held.
         load_optimizer(optimizer.local_optimizer, resumed, optimizer.slices(model.named_parameters()))
         start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, world.world_size)  # RNG last
@@ -85,6 +114,7 @@ def main():
     writer = CheckpointWriter(config, world.rank, world.world_size,
                               {name: p.shape for name, p in model.named_parameters()})
     accum = config["grad_accum"]
+    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
     # ---- the training loop ---------------------------------------------------------------------
@@ -111,11 +141,16 @@ def main():
         # Every rank holds the whole averaged gradient (ZeRO-1 shards only the optimiser state), so the
         # overflow check and the clipping norm are the same on every rank without a word, as in step 4.
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
+        if mixed:  # the averaged gradient is float32 in main_grad, whole on every rank: the same norm everywhere
+            grad_norm = clip_gradient_tensors([p.main_grad for p in model.parameters()], config["grad_clip"])
+        else:
+            grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
         scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
         scaler.update()
         scheduler.step()
-        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        memory = memory_stats(model.parameters(), optimizer, device,  # before zero_grad frees the grads
+                              grads=[p.main_grad for p in model.parameters()] if mixed else None)
+        memory["master_params"] = sum(v.numel() * v.element_size() for v in optimizer.views) if mixed else 0
         optimizer.zero_grad(set_to_none=True)
 
         # The logged loss is the mean over every rank and micro-batch (float64: order-free).
@@ -129,7 +164,7 @@ def main():
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(model.parameters()),
+            "param_norm": master_norm(optimizer, device) if mixed else param_norm(model.parameters()),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
@@ -139,17 +174,19 @@ def main():
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "model": model.state_dict(),
+            shared = {"step": step + 1, **({} if mixed else {"model": model.state_dict()}),
                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             own = {"rng": rng_state(), "optimizer": optimizer.state_dict(),  # each rank writes its own shard
-                   "optimizer_slices": optimizer.slices(model.named_parameters())}
+                   "optimizer_slices": optimizer.slices(model.named_parameters()),
+                   **(master_pieces(model, optimizer) if mixed else {})}  # the masters, each rank its own
             writer.save(step + 1, shared, own)
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
+    weights = master_weights(model, optimizer) if mixed else dict(model.named_parameters())
     if world.is_main:
-        final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
-        final["param_norm"] = param_norm(model.parameters())
+        final = save_final_weights(Path(config["out"]), {name: weights[name] for name, _ in model.named_parameters()})
+        final["param_norm"] = param_norm(weights[name] for name, _ in model.named_parameters())
         log.write(final)
         print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
               f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")

@@ -25,6 +25,15 @@ rank: N copies of identical work and memory. Here:
    verdict be combined across ranks (step 6's ``sharded_gradients.py``); otherwise
    rank 1 would skip a step that rank 0 takes.
 
+6. **Mixed precision, as ZeRO and FSDP2 train.** With ``param_dtype`` (bf16 or fp16) the model's parameters
+   become 16-bit (forward and backward compute in 16 bits, the all-gather moves 2 bytes per element) and
+   what the local optimiser steps is a float32 *copy* of this rank's slices: the master weights, beside
+   their moments, 12 bytes per owned element. The gradient is read in float32, never rounded to 16 bits on
+   its way to the master: from ``param.main_grad`` where the gradient sync left one (step 4's
+   ``BucketedDDP`` does for 16-bit parameters, as Megatron-LM's does), or the ZeRO-2 shards. After the
+   step the masters are rounded once to 16 bits and all-gathered. ``param_groups`` are then the masters'
+   groups (ZeRO-2 also: only they have float32 gradients).
+
 Adam, AdamW and SGD update every element from that element's own values, so stepping a slice gives
 the bits that stepping the whole tensor gives. An optimiser that looks across a tensor (LAMB's
 per-tensor trust ratio, Adafactor's row and column statistics) would not survive being sliced.
@@ -89,7 +98,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``chunks``: lists of parameters, each laid out flat and sharded on its own (default: one chunk,
     every parameter in group order). ``gradient_shards``: ZeRO-2, one flat buffer of Lp/N elements
     per chunk, filled by another module each step. ``process_group``: the ranks that share the state
-    (default: all; step 10 passes its data-parallel group). ``defaults`` go to ``optimizer_cls``.
+    (default: all; step 10 passes its data-parallel group). ``param_dtype``: torch.bfloat16 or torch.float16
+    turns the parameters into 16-bit tensors and keeps a float32 master of this rank's slices (rule 6);
+    without ``gradient_shards`` each step reads ``param.main_grad`` (float32), else ``param.grad``, upcast.
+    ``defaults`` go to ``optimizer_cls``.
 
     ``param_groups`` are the full parameters' groups (their hyperparameters reach the local optimiser
     at every ``step()``); with ``gradient_shards`` only the slices have gradients, so ``param_groups``
@@ -97,7 +109,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     slices only. ``Optimizer.__init__`` is not called: it would create state for the full parameters.
     """
 
-    def __init__(self, params, optimizer_cls, chunks=None, gradient_shards=None, process_group=None, **defaults):
+    def __init__(self, params, optimizer_cls, chunks=None, gradient_shards=None, process_group=None,
+                 param_dtype=None, **defaults):
         groups = list(params)
         if not groups:
             raise ValueError("ShardedOptimizer got an empty parameter list")
@@ -125,6 +138,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # The local optimiser's parameter order: group by group, chunk order inside a group.
         self.pieces = [piece for gi in range(len(groups)) for piece in mine if group_of[piece.param] == gi]
         self.views = [flat_view(piece, piece.param) for piece in self.pieces]
+        self.param_dtype = param_dtype
+        if param_dtype is not None:  # rule 6: the float32 masters are copies, the parameters become 16-bit
+            if param_dtype not in (torch.bfloat16, torch.float16) or self.params[0].dtype != torch.float32:
+                raise ValueError(f"param_dtype {param_dtype}: 16-bit parameters over float32 ones only")
+            self.views = [view.clone() for view in self.views]
+            for p in self.params:
+                p.data = p.data.to(param_dtype)
         local_groups = [{**g, "params": [v for piece, v in zip(self.pieces, self.views) if group_of[piece.param] == gi]}
                         for gi, g in enumerate(groups)]
         self.local_optimizer = optimizer_cls(local_groups, **defaults)
@@ -145,11 +165,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ---- What PyTorch's tools read: the full groups (or the slices' in ZeRO-2), the local state ------
     @property
+    def groups_are_local(self) -> bool:
+        """ZeRO-2 and the masters of ``param_dtype``: only the local slices have the gradients a tool reads."""
+        return self.gradient_shards is not None or self.param_dtype is not None
+
+    @property
     def param_groups(self):  # a property: load_state_dict replaces the local optimiser's list
-        return self.local_optimizer.param_groups if self.gradient_shards is not None else self.full_groups
+        return self.local_optimizer.param_groups if self.groups_are_local else self.full_groups
 
     def _push_hyperparameters(self) -> None:
-        if self.gradient_shards is None:
+        if not self.groups_are_local:
             for full, local in zip(self.full_groups, self.local_optimizer.param_groups):
                 local.update(hyperparameters(full))
 
@@ -180,10 +205,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.gradient_shards is not None:
             return  # ZeRO-2: the views already read the gradient shards
         for piece, view in zip(self.pieces, self.views):
-            view.grad = None if piece.param.grad is None else flat_view(piece, piece.param.grad)
+            grad = getattr(piece.param, "main_grad", None) if self.param_dtype is not None else None
+            grad = piece.param.grad if grad is None else grad  # main_grad: float32, never rounded to 16 bits
+            view.grad = None if grad is None else flat_view(piece, grad).to(view.dtype)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
+            if getattr(p, "main_grad", None) is not None and set_to_none:
+                p.main_grad = None
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
@@ -202,6 +231,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._take_gradient_slices()  # whatever scaling or clipping did to param.grad, the views see it
         self._push_hyperparameters()  # an LR scheduler set them on the full groups
         self.local_optimizer.step()
+        if self.param_dtype is not None:  # rounded once, to 16 bits, into this rank's slices of the parameters
+            for piece, master in zip(self.pieces, self.views):
+                flat_view(piece, piece.param).copy_(master)
         self.all_gather_parameters()
         return loss
 
@@ -222,6 +254,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     if r != self.rank and piece.chunk == c:
                         begin = r * shard + piece.offset
                         flat_view(piece, piece.param).copy_(received[begin : begin + piece.end - piece.start])
+
+    @torch.no_grad()
+    def gathered_masters(self) -> dict:
+        """Collective: ``{parameter: its full float32 master}`` (``param_dtype``), every rank's slices gathered
+        chunk by chunk. The whole model in float32: for the final weights and tests, not for every step."""
+        full = {}
+        for c, chunk in enumerate(self.chunks):
+            shard = shard_numel(chunk, self.world_size)
+            send = torch.zeros(shard, dtype=torch.float32, device=self.device)
+            for piece, master in zip(self.pieces, self.views):
+                if piece.chunk == c:
+                    send[piece.offset : piece.offset + piece.end - piece.start] = master
+            received = torch.empty(shard * self.world_size, dtype=send.dtype, device=send.device)
+            count_collective("all_gather", received)
+            dist.all_gather_single(received, send, group=self.group)
+            for r, pieces in enumerate(self.pieces_of_rank):
+                for piece in pieces:
+                    if piece.chunk == c:
+                        target = full.setdefault(piece.param, torch.empty(piece.param.shape, device=self.device))
+                        begin = r * shard + piece.offset
+                        target.view(-1)[piece.start : piece.end] = received[begin : begin + piece.end - piece.start]
+        return full
 
     # ---- Checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:

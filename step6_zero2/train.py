@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
-from comm_accounting import take_comm_bytes
+from comm_accounting import count_collective, take_comm_bytes
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint)
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
@@ -29,10 +29,32 @@ from sharded_gradients import ShardedGradScaler, clip_gradient_shards
 from zero1 import ShardedOptimizer
 from zero2 import ShardedGradientDDP
 from seeding import rng_state, seed_everything
-from training import (adamw_options, adamw_param_groups, autocast, check_amp, make_grad_scaler, make_scheduler,
-                      param_norm)
+from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, autocast, check_amp, check_param_dtype,
+                      make_grad_scaler, make_scheduler, norm_from_parts, param_dtype, param_norm, square_sum_parts)
 
 STEP = Path(__file__).resolve().parent.name
+
+
+def master_norm(optimizer, device) -> float:
+    """``training.param_norm`` of the float32 masters (--param-dtype), from this rank's slices: the exact parts
+    of the sums of squares add up across ranks to the parts of the whole, as in step 7."""
+    parts = square_sum_parts(optimizer.views).to(device)  # nccl reduces GPU tensors only
+    count_collective("all_reduce", parts)
+    dist.all_reduce(parts)
+    return norm_from_parts(parts.cpu())
+
+
+def master_pieces(model, optimizer) -> dict:
+    """This rank's float32 master elements (--param-dtype), as step 7 saves its pieces: no gather, no full copy."""
+    slices = optimizer.slices(model.named_parameters())
+    return {"model": {name: master for (name, _, _), master in zip(slices, optimizer.views)},
+            "model_slices": {name: (start, end) for name, start, end in slices}}
+
+
+def master_weights(model, optimizer) -> dict:
+    """The model's state dict with every parameter's float32 master in place of its 16-bit copy (collective)."""
+    masters = {p.data_ptr(): full for p, full in optimizer.gathered_masters().items()}
+    return {name: masters.get(t.data_ptr(), t) for name, t in model.state_dict().items()}
 
 
 def main():
@@ -42,11 +64,13 @@ def main():
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB")
     parser.add_argument("--reduce-every-micro-batch", action="store_true",
                         help="reduce-scatter every micro-batch into the shard: less memory, more traffic, not bitwise")
+    add_param_dtype_flag(parser)
     config = parse_config(parser)
     if config["bucket_cap_mb"] <= 0:
         raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
+    check_param_dtype(config, world.device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
@@ -64,6 +88,8 @@ def main():
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # Different seeds on purpose, as in step 3: ShardedGradientDDP broadcasts rank 0's parameters.
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
+    if resumed:  # before the optimiser copies its float32 masters (--param-dtype) out of the parameters
+        load_parameters(model.named_parameters(), resumed)
     ddp_model = ShardedGradientDDP(model, bucket_cap_mb=config["bucket_cap_mb"],
                                    reduce_dtype=getattr(torch, config["reduce_dtype"]),
                                    reduce_every_micro_batch=config["reduce_every_micro_batch"])
@@ -71,13 +97,12 @@ def main():
     # receives, and reads its gradient straight from the shard the reduce-scatter fills.
     optimizer = ShardedOptimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
                                  chunks=ddp_model.bucket_params, gradient_shards=ddp_model.gradient_shards,
-                                 **adamw_options(config))
+                                 param_dtype=param_dtype(config), **adamw_options(config))
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
 
     start_step, records = 0, []
     if resumed:
-        load_parameters(model.named_parameters(), resumed)
         # This rank's slices of AdamW's state, cut from whatever slices the ranks that saved them held.
         load_optimizer(optimizer.local_optimizer, resumed, optimizer.slices(model.named_parameters()))
         start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, world.world_size)  # RNG last
@@ -92,6 +117,7 @@ def main():
     writer = CheckpointWriter(config, world.rank, world.world_size,
                               {name: p.shape for name, p in model.named_parameters()})
     accum = config["grad_accum"]
+    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
     # ---- the training loop ---------------------------------------------------------------------
@@ -121,6 +147,7 @@ def main():
         scaler.update()
         scheduler.step()
         memory = memory_stats(model.parameters(), optimizer, device, grads=ddp_model.gradient_shards)
+        memory["master_params"] = sum(v.numel() * v.element_size() for v in optimizer.views) if mixed else 0
         optimizer.zero_grad(set_to_none=True)
 
         # The logged loss is the mean over every rank and micro-batch (float64: order-free).
@@ -134,7 +161,7 @@ def main():
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(model.parameters()),
+            "param_norm": master_norm(optimizer, device) if mixed else param_norm(model.parameters()),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
@@ -144,17 +171,19 @@ def main():
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "model": model.state_dict(),
+            shared = {"step": step + 1, **({} if mixed else {"model": model.state_dict()}),
                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             own = {"rng": rng_state(), "optimizer": optimizer.state_dict(),  # each rank writes its own shard
-                   "optimizer_slices": optimizer.slices(model.named_parameters())}
+                   "optimizer_slices": optimizer.slices(model.named_parameters()),
+                   **(master_pieces(model, optimizer) if mixed else {})}  # the masters, each rank its own
             writer.save(step + 1, shared, own)
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
+    weights = master_weights(model, optimizer) if mixed else dict(model.named_parameters())
     if world.is_main:
-        final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
-        final["param_norm"] = param_norm(model.parameters())
+        final = save_final_weights(Path(config["out"]), {name: weights[name] for name, _ in model.named_parameters()})
+        final["param_norm"] = param_norm(weights[name] for name, _ in model.named_parameters())
         log.write(final)
         print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
               f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")

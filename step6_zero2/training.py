@@ -42,11 +42,45 @@ def autocast(amp: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
+PARAM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_param_dtype_flag(parser) -> None:
+    """``--param-dtype``: the steps that keep float32 master weights beside 16-bit parameters (0, 5, 6, 7)."""
+    parser.add_argument("--param-dtype", choices=list(PARAM_DTYPES), default="float32",
+                        help="dtype of the parameters forward and backward compute in (and of the all-gathers); "
+                             "16 bits keeps a float32 master copy of the owned elements beside AdamW's moments")
+
+
+def param_dtype(config: dict) -> torch.dtype | None:
+    """The 16-bit parameter dtype of ``--param-dtype``, or None for float32 (no master copy)."""
+    dtype = PARAM_DTYPES[config.get("param_dtype", "float32")]
+    return None if dtype == torch.float32 else dtype
+
+
+def check_param_dtype(config: dict, device: torch.device) -> None:
+    """Refuse a ``--param-dtype`` that means nothing clear with the other flags, before any work is done."""
+    dtype = param_dtype(config)
+    if dtype is None:
+        return
+    if config["amp"] != "none":
+        raise UserError(f"--param-dtype {config['param_dtype']} already computes in 16 bits; --amp {config['amp']} "
+                        "would autocast on top of it: drop --amp (it is autocast over float32 weights)")
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError(f"--param-dtype bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} "
+                        "has none: use --param-dtype fp16")
+
+
+def needs_loss_scaling(config: dict) -> bool:
+    """fp16 gradients underflow without loss scaling, whether autocast (``--amp``) or the parameters made them."""
+    return config["amp"] == "fp16" or config.get("param_dtype") == "fp16"
+
+
 def make_grad_scaler(config: dict, device: torch.device, scaler_cls=torch.amp.GradScaler) -> torch.amp.GradScaler:
     """fp16 gradients underflow without loss scaling; bf16 has float32's range and needs none.
     Disabled, the scaler is a no-op with the same calls, so the loop has one shape for every mode.
     The sharded steps pass their own ``scaler_cls``, which agrees on overflow across ranks."""
-    return scaler_cls(device.type, init_scale=config["loss_scale_init"], enabled=config["amp"] == "fp16")
+    return scaler_cls(device.type, init_scale=config["loss_scale_init"], enabled=needs_loss_scaling(config))
 
 
 def decays(name: str) -> bool:
@@ -114,7 +148,11 @@ def clip_to_norm(grads, norm: torch.Tensor, max_norm: float) -> None:
 
 def clip_gradients(params, max_norm: float) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; return the norm *before* clipping."""
-    grads = [p.grad for p in params if p.grad is not None]
+    return clip_gradient_tensors([p.grad for p in params if p.grad is not None], max_norm)
+
+
+def clip_gradient_tensors(grads, max_norm: float) -> torch.Tensor:
+    """``clip_gradients`` for gradients kept apart from ``.grad`` (16-bit parameters' float32 ``main_grad``)."""
     norm = sum_of_squares(grads).sqrt().float()
     clip_to_norm(grads, norm, max_norm)
     return norm

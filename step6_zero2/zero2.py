@@ -78,6 +78,28 @@ def assign_buckets(params: list, bucket_cap_bytes: float, first_bucket_cap_bytes
     return groups + ([current] if current else [])
 
 
+def is_16_bit(param: torch.Tensor) -> bool:
+    return param.dtype in (torch.bfloat16, torch.float16)
+
+
+def accumulate(param: torch.Tensor, dtype: torch.dtype) -> None:
+    """A 16-bit parameter's gradient, added to a sum in ``dtype`` (the reduce dtype) kept in ``param.main_grad``,
+    and freed: micro-batches are summed in the reduce dtype, never in 16 bits (as FSDP2 sums them under
+    ``set_requires_gradient_sync(False)``)."""
+    grad, param.grad = param.grad, None
+    param.main_grad = grad.to(dtype) if getattr(param, "main_grad", None) is None else param.main_grad.add_(grad)
+
+
+def local_gradient(param: torch.Tensor, dtype: torch.dtype):
+    """What this rank reduces for ``param``: its ``.grad``; for a 16-bit parameter the sum, in ``dtype``, of
+    the step's micro-batches (taken, and freed, from ``main_grad`` and ``.grad``): nothing rounded to 16 bits."""
+    if not is_16_bit(param):
+        return param.grad
+    if param.grad is not None:
+        accumulate(param, dtype)
+    grad, param.main_grad = getattr(param, "main_grad", None), None
+    return grad
+
 class ShardedGradientDDP(torch.nn.Module):
     """Wrap ``module`` for data parallelism with sharded gradients over the default process group.
 
@@ -86,6 +108,9 @@ class ShardedGradientDDP(torch.nn.Module):
     ``finish_gradient_synchronization()`` once; then every ``param.grad`` is None and
     ``gradient_shards[c]`` holds this rank's slice of the averaged gradient of ``bucket_params[c]``.
     ``reduce_dtype=torch.float64`` reduces in float64 (exact, order-free) and rounds back once.
+    16-bit parameters (``ShardedOptimizer(param_dtype=...)`` makes them): micro-batches inside ``no_sync()``
+    are summed in ``reduce_dtype`` (``param.main_grad``) and reduced from there; the shards are float32 whatever the
+    parameters' dtype, so the masters' update never sees a gradient rounded to 16 bits.
     """
 
     def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
@@ -95,6 +120,7 @@ class ShardedGradientDDP(torch.nn.Module):
         self.module = module
         self.world_size = dist.get_world_size()
         self.find_unused_parameters = find_unused_parameters
+        self.reduce_dtype = reduce_dtype
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self.require_sync = True
 
@@ -142,6 +168,8 @@ class ShardedGradientDDP(torch.nn.Module):
     def _on_gradient_ready(self, param: torch.Tensor) -> None:
         """Runs inside backward, right after ``param.grad`` received this backward's contribution."""
         if not (self.require_sync or self.reduce_every_micro_batch):
+            if is_16_bit(param):
+                accumulate(param, self.reduce_dtype)
             return
         bucket, i = self.location[param]
         if bucket.ready[i]:
@@ -149,7 +177,7 @@ class ShardedGradientDDP(torch.nn.Module):
                                "call finish_gradient_synchronization() after each synchronised backward")
         if bucket.buffer is None:  # the first gradient of this backward for this bucket
             bucket.allocate()
-        bucket.slots[i].copy_(param.grad)
+        bucket.slots[i].copy_(local_gradient(param, self.reduce_dtype))
         param.grad = None  # the full gradient now lives only in the bucket, and soon only as this rank's slice
         self.had_gradient.add(param)
         bucket.ready[i], bucket.pending = True, bucket.pending - 1
@@ -220,8 +248,9 @@ class ShardedGradientDDP(torch.nn.Module):
             for i, p in enumerate(bucket.params):
                 if bucket.ready[i]:
                     continue
-                if p.grad is not None:  # no gradient this backward, but one from an earlier micro-batch
-                    bucket.slots[i].copy_(p.grad)
+                grad = local_gradient(p, self.reduce_dtype)
+                if grad is not None:  # no gradient this backward, but one from an earlier micro-batch
+                    bucket.slots[i].copy_(grad)
                     p.grad = None
                     self.had_gradient.add(p)
                 elif p not in self.had_gradient:  # its slot stays zero

@@ -33,8 +33,8 @@ from streaming_export import save_final_weights_streaming
 from sharded_gradients import ShardedGradScaler, clip_gradient_shards
 from zero3 import FullyShardedDP
 from seeding import rng_state, seed_everything
-from training import (autocast, check_amp, make_grad_scaler, make_optimizer, make_scheduler, norm_from_parts,
-                      square_sum_parts)
+from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, make_grad_scaler, make_optimizer,
+                      make_scheduler, norm_from_parts, param_dtype, square_sum_parts)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -67,9 +67,11 @@ def main():
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's activations in backward instead of keeping them")
     parser.add_argument("--trace", action="store_true", help="write trace.json and timeline.png of the last step")
+    add_param_dtype_flag(parser)
     config = parse_config(parser)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
+    check_param_dtype(config, world.device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
@@ -98,8 +100,10 @@ def main():
             return resumed.parameter(name)
         return initial_value(name, shape, config["seed"], config["n_layer"])
 
+    # --param-dtype bf16|fp16: the pieces stay the float32 master AdamW steps; gathers and compute are 16-bit.
     ddp_model = FullyShardedDP(model, model.transformer.h, init_fn=init, device=device,
-                               reduce_dtype=getattr(torch, config["reduce_dtype"]), prefetch=not config["no_prefetch"])
+                               reduce_dtype=getattr(torch, config["reduce_dtype"]), prefetch=not config["no_prefetch"],
+                               param_dtype=param_dtype(config))
     tracer = PrefetchTrace(ddp_model) if config["trace"] else None  # keeps the last micro-batch's timeline
     # A plain AdamW: model.named_parameters() now yields this rank's pieces, under the original names.
     optimizer = make_optimizer(model.named_parameters(), config)

@@ -1,6 +1,6 @@
 """Each idea file used the way someone else's training script uses it, beside its PyTorch counterpart.
 
-    python tests/drop_in_harness.py naive_dp|bucketed_ddp|zero1|zero2|zero3 OUT.json
+    python tests/drop_in_harness.py naive_dp|bucketed_ddp|zero1|zero2|zero3|zero1_bf16|zero2_bf16 OUT.json
 
 This file is deliberately written like an outside harness (a course's test suite, a learner's own
 script): ``torch.multiprocessing.spawn`` starts two workers, each creates the process group itself,
@@ -31,9 +31,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPO = Path(__file__).resolve().parent.parent
 FOLDER = {"naive_dp": "step3_naive_dp", "bucketed_ddp": "step4_hooks_bucketing", "zero1": "step5_zero1",
-          "zero2": "step6_zero2", "zero3": "step7_zero3"}
+          "zero2": "step6_zero2", "zero3": "step7_zero3", "zero1_bf16": "step5_zero1", "zero2_bf16": "step6_zero2"}
 IDEA_MODULES = {"naive_dp": ["naive_dp"], "bucketed_ddp": ["bucketed_ddp"], "zero1": ["zero1"],
-                "zero2": ["zero2", "zero1", "sharded_gradients"], "zero3": ["zero3"]}
+                "zero2": ["zero2", "zero1", "sharded_gradients"], "zero3": ["zero3"], "zero1_bf16": ["zero1"],
+                "zero2_bf16": ["zero2", "zero1"]}
 WORLD_SIZE, STEPS, MICRO_BATCHES, VOCAB = 2, 3, 2, 11
 
 
@@ -313,6 +314,90 @@ def case_zero3(rank, problems) -> int:
                 problems.append(f"unclear error for a forgotten sync point: {error}")
         ours.finish_gradient_synchronization()
         del theirs
+    return checked
+
+
+def fsdp2_bf16(model):
+    """FSDP2 with bf16 parameters over float32 shards, gradients reduced in float32: every unit, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in (*model.units, model):
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def trained_fsdp2_bf16(rank: int) -> list[dict]:
+    """FSDP2's float32 masters after each of STEPS steps of the plain loop: what the two cases below must equal."""
+    theirs = fsdp2_bf16(build(lambda: Stack(False), 100))
+    opt = torch.optim.AdamW(groups(theirs), lr=0.05)
+    after = []
+    for step in range(STEPS):
+        for micro_step in range(MICRO_BATCHES):
+            theirs.set_requires_gradient_sync(micro_step == MICRO_BATCHES - 1)
+            loss_of(theirs, step, micro_step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+        after.append({n: p.full_tensor() for n, p in theirs.named_parameters() if p.requires_grad})
+    del theirs, opt
+    return after
+
+
+def case_zero1_bf16(rank, problems) -> int:
+    """ShardedOptimizer(param_dtype=bf16) with the outsider's own gradient sync (float32 sums into ``main_grad``,
+    as the optimiser's docstring asks) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
+    from zero1 import ShardedOptimizer
+    expected = trained_fsdp2_bf16(rank)
+    model = build(lambda: Stack(False), 100)
+    opt = ShardedOptimizer(groups(model), torch.optim.AdamW, param_dtype=torch.bfloat16, lr=0.05)
+    model.to(torch.bfloat16)  # what the optimiser does not step (the frozen layer) computes in bf16 too
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    checked = 0
+    for step in range(STEPS):
+        sums = {}
+        for micro_step in range(MICRO_BATCHES):
+            loss_of(model, step, micro_step, rank).backward()
+            for p in trainable:  # the micro-batches' bf16 gradients, summed in float32
+                if p.grad is not None:
+                    sums[p] = p.grad.float() if p not in sums else sums[p].add_(p.grad)
+                    p.grad = None
+        for p in trainable:
+            p.main_grad = sums.get(p, torch.zeros(p.shape))
+            dist.all_reduce(p.main_grad)
+            p.main_grad.div_(WORLD_SIZE)
+        opt.step()
+        opt.zero_grad()
+        names = {p: n for n, p in model.named_parameters()}
+        ours = {names[p]: full for p, full in opt.gathered_masters().items()}
+        checked += compare(problems, f"ShardedOptimizer bf16 vs FSDP2 step {step}", ours, expected[step])
+        for name, p in model.named_parameters():  # the bf16 copy is the master rounded once
+            if p.requires_grad and not torch.equal(p, ours[name].bfloat16()):
+                problems.append(f"step {step}: {name}'s bf16 copy is not its master rounded")
+    return checked
+
+
+def case_zero2_bf16(rank, problems) -> int:
+    """ShardedGradientDDP + ShardedOptimizer(param_dtype=bf16) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
+    from zero1 import ShardedOptimizer
+    from zero2 import ShardedGradientDDP
+    expected = trained_fsdp2_bf16(rank)
+    ours = ShardedGradientDDP(build(lambda: Stack(False), 100 + rank), bucket_cap_mb=0.0002,
+                              find_unused_parameters=True)
+    opt = ShardedOptimizer(groups(ours.module), torch.optim.AdamW, chunks=ours.bucket_params,
+                           gradient_shards=ours.gradient_shards, param_dtype=torch.bfloat16, lr=0.05)
+    ours.module.to(torch.bfloat16)
+    checked = 0
+    for step in range(STEPS):
+        for micro_step in range(MICRO_BATCHES):
+            with ours.no_sync() if micro_step < MICRO_BATCHES - 1 else contextlib.nullcontext():
+                loss_of(ours, step, micro_step, rank).backward()
+        ours.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+        names = {p: n for n, p in ours.module.named_parameters()}
+        mine = {names[p]: full for p, full in opt.gathered_masters().items()}
+        checked += compare(problems, f"ZeRO-2 bf16 vs FSDP2 step {step}", mine, expected[step])
     return checked
 
 

@@ -206,6 +206,10 @@ CASES = {
     "pipeline-micro-batches": lambda s: trainer("step9", "--grad-accum", "4", "--micro-batches", "3", ranks=2),
     "pipeline-schedule": lambda s: trainer("step9", "--schedule", "zb", ranks=2),
     "pipeline-fp16": lambda s: trainer("step9", "--amp", "fp16", ranks=2),
+    "param-dtype-with-amp": lambda s: trainer("step0", "--param-dtype", "bf16", "--amp", "bf16"),
+    "param-dtype-fp16-zero1": lambda s: trainer("step5", "--param-dtype", "fp16", ranks=2),
+    "param-dtype-not-here": lambda s: trainer("step1", "--param-dtype", "bf16", ranks=2),
+    "fsdp2-reference-flags": lambda s: tool("fsdp2_reference.py", "--param-dtype", "fp16"),
     "world-larger-than-data": lambda s: trainer("step1", *s.tiny[-2:], ranks=5000),
     "ranks-without-a-step": lambda s: trainer("step1", *s.tiny[-2:], "--micro-batch-size", "64", ranks=64),
     "step0-under-torchrun": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
@@ -382,6 +386,13 @@ def gpu_without_bfloat16(monkeypatch):
     training.check_amp("bf16", torch.device("cuda", 0))
 
 
+def gpu_without_bfloat16_parameters(monkeypatch):
+    import training
+    monkeypatch.setattr(training.torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    monkeypatch.setattr(training.torch.cuda, "get_device_name", lambda *args, **kwargs: "Tesla T4")
+    training.check_param_dtype({"param_dtype": "bf16", "amp": "none"}, torch.device("cuda", 0))
+
+
 def tensor_parallel_check(n_head: int, vocab_size: int, ranks: int):
     """What step 8 checks before joining: whole heads and whole vocabulary slices per rank."""
     def run(monkeypatch):
@@ -416,6 +427,8 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--timeout-s must be positive, got 0: it is how long a rank waits for its peers (default 300)":
         lambda: distributed.plan_world({"timeout_s": 0.0}),
     "--amp bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use --amp fp16 or --amp none": gpu_without_bfloat16,
+    "--param-dtype bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use --param-dtype fp16":
+        gpu_without_bfloat16_parameters,
     "--nproc must be at least 1, got 0": tool_main("tour", "--nproc", "0"),
     "--timeout-s must be positive, got 0": tool_main("tour", "--timeout-s", "0"),
     "--budget-mb must be positive, got -1": tool_main("estimate", "--budget-mb", "-1"),
@@ -423,7 +436,8 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "ranks that divides 4, or change --n-head (and --n-embd)": tensor_parallel_check(4, 2048, 8),
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
-QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2")
+QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
+          "--param-dtype bf16")
 
 
 @pytest.mark.parametrize("message", LIKEWISE)

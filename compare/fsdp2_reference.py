@@ -1,0 +1,114 @@
+"""Steps 5-7's mixed-precision training with PyTorch's FSDP2: the run they must equal, bit for bit.
+
+    torchrun --standalone --nproc_per_node=2 compare/fsdp2_reference.py --param-dtype bf16   # runs/fsdp2_reference
+    torchrun --standalone --nproc_per_node=2 step7_zero3/train.py --param-dtype bf16
+    python compare/parity.py step7 runs/fsdp2_reference                                     # PASS (bitwise)
+
+It takes step 7's flags. The model is the same GPT-2 (the same initial weights); each block and then the
+whole model get ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=--param-dtype,
+reduce_dtype=torch.float32)``: float32 sharded master weights, gathered in 16 bits, forward and backward
+in 16 bits, gradients reduce-scattered in float32 and kept in float32 for AdamW. (``--param-dtype
+float32``: no policy, plain FSDP2.) The loop is step 7's: the same data shards, accumulation with
+``set_requires_gradient_sync`` (FSDP2 sums the micro-batches' 16-bit gradients in float32), clipping by
+the norm of the whole gradient (its squares summed in float64, as the steps do), AdamW. The final
+weights are the float32 master, gathered, so parity.py compares them with the steps' final weights.
+fp16 parameters need a loss scaler that FSDP2 does not give a DTensor optimiser here: refused.
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "common"), str(REPO / "step2_sharded_data")]  # the shared pieces; the sampler
+import distributed  # noqa: E402
+from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
+from data import MicroBatches, load_corpus  # noqa: E402
+from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights  # noqa: E402
+from model import build_model, language_model_loss  # noqa: E402
+from sampler import ShardedSampler  # noqa: E402
+from seeding import seed_everything  # noqa: E402
+from training import (add_param_dtype_flag, check_param_dtype, clip_to_norm, make_optimizer,  # noqa: E402
+                      make_scheduler, norm_from_parts, param_dtype, square_sum_parts, sum_of_squares)
+
+
+def main():
+    parser = build_parser("fsdp2_reference")
+    distributed.add_flags(parser)
+    add_param_dtype_flag(parser)
+    config = parse_config(parser)
+    if config["reduce_dtype"] != "float32" or config["amp"] != "none" or config["param_dtype"] == "fp16":
+        raise UserError("the FSDP2 reference runs --param-dtype float32 or bf16, gradients reduced in float32, "
+                        "no --amp: drop --reduce-dtype, --amp and --param-dtype fp16")
+    world = distributed.plan_world(config)
+    check_param_dtype(config, world.device)
+    seed_everything(config["seed"])
+    corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
+    distributed.join(world, config["timeout_s"])
+    device = world.device
+    mesh = init_device_mesh(device.type, (world.world_size,))
+
+    sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
+                             shuffle=True, seed=config["seed"])
+    batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
+    model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
+    dtype = param_dtype(config)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    for block in model.transformer.h:  # the units step 7 gathers; the root keeps embeddings and the last norm
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = make_optimizer(model.named_parameters(), config)  # steps the float32 shards
+    scheduler = make_scheduler(optimizer, config)
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
+                      corpus.tokenizer_sha256, len(corpus.blocks))
+    log = RunLog(config, env, is_writer=world.is_main)
+    accum = config["grad_accum"]
+    shards = lambda tensors: [t.to_local() for t in tensors]  # noqa: E731  (this rank's rows of each)
+
+    for step in range(config["steps"]):
+        clock = StepClock()
+        lr = scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(accum):
+            inputs, targets = batches.next()
+            model.set_requires_gradient_sync(micro_step == accum - 1)  # FSDP2's no_sync()
+            loss = language_model_loss(model, inputs.to(device), targets.to(device))
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        grads = shards(p.grad for p in model.parameters())
+        total = sum_of_squares(grads).to(device)  # float64: the norm the steps compute from their slices
+        dist.all_reduce(total)
+        grad_norm = total.cpu().sqrt().float()
+        clip_to_norm(grads, grad_norm, config["grad_clip"])
+        optimizer.step()
+        scheduler.step()
+        memory = memory_stats(shards(model.parameters()), optimizer, device, grads=grads)
+        optimizer.zero_grad(set_to_none=True)
+        loss_mean = loss_sum.double()
+        dist.all_reduce(loss_mean)
+        parts = square_sum_parts(shards(model.parameters())).to(device)  # exact: any sharding, the same bits
+        dist.all_reduce(parts)
+        step_time = clock.stop()
+        log.log({"step": step + 1, "loss": loss_mean.item() / (accum * world.world_size),
+                 "grad_norm": grad_norm.item(), "param_norm": norm_from_parts(parts.cpu()), "lr": lr,
+                 "tokens_per_s": config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
+                 / step_time["wall_s"],
+                 "effective_batch_size": config["micro_batch_size"] * accum * world.world_size, "epoch": batches.epoch,
+                 **distributed.gather_per_rank(memory=memory, step_time=step_time)})
+
+    weights = {name: p.full_tensor().detach() for name, p in model.named_parameters()}  # the float32 master
+    if world.is_main:
+        final = save_final_weights(Path(config["out"]), weights)
+        final["param_norm"] = norm_from_parts(square_sum_parts(weights.values()))
+        log.write(final)
+        print(f"done: {config['steps']} steps, FSDP2 over {world.world_size} ranks (param_dtype "
+              f"{config['param_dtype']}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+    del model, optimizer, weights  # DTensors hold the mesh's group: free them before the group goes
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

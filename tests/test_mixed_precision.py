@@ -1,0 +1,147 @@
+"""--param-dtype: 16-bit parameters over float32 masters (steps 0, 5, 6, 7), against FSDP2's MixedPrecisionPolicy.
+
+Real torchrun runs on the tiny workload: at world size 2, steps 5, 6 and 7 with bf16 parameters must equal
+compare/fsdp2_reference.py (FSDP2 with ``MixedPrecisionPolicy(bf16, float32)``) and each other to the bit; in
+the exact mode (float64 reduction) they must equal each other at 3 and 4 ranks; fp16 with the loss scaler,
+skipped steps included, at world size 2 (step 5 refuses fp16: see its README). Each gather moves 2 bytes per
+element; gradients move in the reduce dtype. Checkpoints hold the float32 masters and resume bitwise.
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, train, weights
+
+BF16 = ("--param-dtype", "bf16")
+SHARDED = ("step5", "step6", "step7")
+
+
+def fsdp2_reference(out, corpus, *extra):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(REPO / "compare" / "fsdp2_reference.py"), *TINY, "--data", str(corpus), "--out", str(out),
+               *extra, *TIMEOUT]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"fsdp2_reference failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(tmp_path_factory, small_corpus) -> dict:
+    """Steps 5, 6, 7 with bf16 parameters at world size 2 (checkpoints at steps 2 and 4), and FSDP2's run."""
+    top = tmp_path_factory.mktemp("bf16")
+    runs = {step: train(step, top / step, small_corpus, *BF16, "--save-every", "2") for step in SHARDED}
+    runs["fsdp2"] = fsdp2_reference(top / "fsdp2", small_corpus, *BF16)
+    return runs
+
+
+@pytest.mark.parametrize("step", SHARDED)
+def test_bf16_parameters_train_bitwise_as_fsdp2_mixed_precision(step, bf16_runs):
+    assert_bitwise_same_run(bf16_runs[step], bf16_runs["fsdp2"])
+
+
+def test_final_weights_are_the_float32_masters(bf16_runs):
+    """Not the 16-bit copy: float32 tensors, most of whose values bf16 cannot hold."""
+    final = weights(bf16_runs["step6"])
+    assert {t.dtype for t in final.values()} == {torch.float32}
+    values = torch.cat([t.reshape(-1) for t in final.values()])
+    assert (values.bfloat16().float() != values).float().mean() > 0.5
+
+
+def split_model(run) -> tuple[int, int]:
+    """(Ψ, the root unit's elements: every parameter outside the blocks)."""
+    final = weights(run)
+    return (sum(t.numel() for t in final.values()),
+            sum(t.numel() for name, t in final.items() if not name.startswith("transformer.h.")))
+
+
+def test_gathers_move_two_bytes_per_element_and_gradients_the_reduce_dtype(bf16_runs):
+    """Per optimiser step at world size 2 (one chunk or bucket set; Ψ = 92,032 here, even, so no padding in
+    steps 5-6): all-gather 2Ψ bytes; gradients 4Ψ (float32), all-reduced in step 5, reduce-scattered in 6-7.
+    The small all-reduces: the exact parts of the masters' norm (3 x 277 int64), and steps 6-7's clipping
+    norm (one float64). Step 7 gathers every unit in each forward and all but the root in each backward.
+    The first step of steps 5-6 also counts the start-up broadcast of rank 0's weights, still float32 then."""
+    psi, root = split_model(bf16_runs["step5"])
+    assert psi % 2 == 0
+    parts, norm = 3 * 277 * 8, 8
+    for i, r in enumerate(metrics(bf16_runs["step5"])["records"]):
+        assert r["comm"] == {"all_gather": 2 * psi, "all_reduce": 4 * psi + parts,
+                             **({"broadcast": 4 * psi} if i == 0 else {})}
+    for i, r in enumerate(metrics(bf16_runs["step6"])["records"]):
+        assert r["comm"] == {"all_gather": 2 * psi, "reduce_scatter": 4 * psi, "all_reduce": parts + norm,
+                             **({"broadcast": 4 * psi} if i == 0 else {})}
+    config = metrics(bf16_runs["step7"])["config"]
+    units, accum = config["n_layer"] + 1, config["grad_accum"]
+    for r in metrics(bf16_runs["step7"])["records"]:
+        gathered = r["comm"]["all_gather"] / 2  # elements: 2 bytes each
+        assert accum * (2 * psi - root) <= gathered < accum * (2 * psi - root + 2 * units * 2)
+        assert psi <= r["comm"]["reduce_scatter"] / 4 < psi + units * 2
+        assert r["comm"]["all_reduce"] == parts + norm
+
+
+@pytest.mark.parametrize("step", ("step6", "step7"))
+def test_bf16_resumes_bitwise_from_its_float32_masters(step, bf16_runs, tmp_path, small_corpus):
+    original = bf16_runs[step]
+    result = launch(step, [*TINY, *BF16, "--data", str(small_corpus), "--save-every", "2", "--out",
+                           str(tmp_path / "resumed"), "--resume", str(original / "checkpoints" / "step_2")], nproc=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert_bitwise_same_run(original, tmp_path / "resumed")
+
+
+def test_step1_resumes_a_bf16_checkpoint_with_the_float32_masters(bf16_runs, tmp_path, small_corpus):
+    """Step 1 knows nothing of --param-dtype: it reads the masters as plain float32 weights, and its first step
+    continues from them (its own float32 training from there on)."""
+    result = launch("step1", [*TINY, "--data", str(small_corpus), "--out", str(tmp_path / "step1"), "--steps", "4",
+                              "--resume", str(bf16_runs["step5"] / "checkpoints" / "step_4"), "--save-every", "0"],
+                    nproc=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert_bitwise_same_weights(weights(tmp_path / "step1"), weights(bf16_runs["step5"]))
+
+
+def assert_bitwise_same_weights(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.mark.parametrize("world_size", (3, 4))
+def test_exact_mode_bf16_is_bitwise_across_zero_stages(world_size, tmp_path, small_corpus):
+    """float64 reduction: no order to depend on, so steps 5, 6 and 7 agree at any world size (two steps)."""
+    runs = [train(step, tmp_path / step, small_corpus, *BF16, "--reduce-dtype", "float64", "--steps", "2",
+                  nproc=world_size) for step in SHARDED]
+    assert_bitwise_same_run(runs[0], runs[1])
+    assert_bitwise_same_run(runs[0], runs[2])
+
+
+def test_fp16_with_skipped_steps_is_bitwise_between_zero2_and_zero3(tmp_path, small_corpus):
+    """A first loss scale of 2^20 overflows fp16 gradients: both steps skip the same steps (every rank's verdict
+    combined), halve the scale, and go on alike."""
+    fp16 = ("--param-dtype", "fp16", "--loss-scale-init", str(2.0**20))
+    runs = [train(step, tmp_path / step, small_corpus, *fp16) for step in ("step6", "step7")]
+    assert_bitwise_same_run(*runs)
+    norms = [r["grad_norm"] for r in metrics(runs[0])["records"]]
+    skipped = [n != n or n == float("inf") for n in norms]  # an overflowed step logs a non-finite norm
+    assert any(skipped) and not all(skipped), norms
+
+
+def test_step0_bf16_stays_within_bf16_rounding_of_the_sharded_steps(bf16_runs, tmp_path, small_corpus):
+    """One process summing the 4 micro-batches in another order: not bitwise, but the same training."""
+    run = train("step0", tmp_path / "step0", small_corpus, *BF16, "--grad-accum", "4")
+    ours, theirs = metrics(run)["records"], metrics(bf16_runs["step5"])["records"]
+    assert abs(ours[0]["loss"] - theirs[0]["loss"]) < 1e-5 * theirs[0]["loss"]
+    assert all(abs(a["loss"] - b["loss"]) < 1e-3 for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("case", ("zero1_bf16", "zero2_bf16"))
+def test_param_dtype_in_an_outside_harness_equals_fsdp2(case, tmp_path):
+    """tests/drop_in_harness.py: ShardedOptimizer(param_dtype=torch.bfloat16) with the outsider's own float32
+    gradient sync, and step 6's ShardedGradientDDP under it, each against FSDP2 bf16, torch.equal every step."""
+    import json
+    out = tmp_path / "result.json"
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "drop_in_harness.py"), case, str(out)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"the harness failed\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    assert "terminate called" not in result.stderr
+    report = json.loads(out.read_text())
+    assert report["problems"] == [], report["problems"][:10]
+    assert report["checked"] >= 30
