@@ -75,10 +75,13 @@ NODE = "autograd::engine::evaluate_function: "
 
 def predict(config: dict, vocab_size: int, world_size: int, checkpointing: bool) -> list[dict]:
     """Per rank: ``state`` (16Ψ/N as laid out), ``gathered`` and ``activations``, in bytes; and Ψ."""
-    model = estimate.Model(config, vocab_size)
+    dtype = estimate.PARAM_DTYPES[config.get("param_dtype") or "float32"]  # 16 bits: gathered and computed in it
+    model = estimate.Model(config, vocab_size, dtype)
     activations = model.activation_bytes(config["micro_batch_size"], checkpointing)
     ranks = estimate.predict(model, estimate.STEPS[3], world_size, prefetch=not config["no_prefetch"])
-    return [{"state": r["params"] + r["grads"] + r["optimizer_state"], "gathered": r["gathered"],
+    gathered_bytes = 2 if dtype is not None else estimate.BYTES  # the fp32 shards stay the state either way
+    return [{"state": r["params"] + r["grads"] + r["optimizer_state"],
+             "gathered": r["gathered"] // estimate.BYTES * gathered_bytes,
              "activations": activations, "psi": model.psi} for r in ranks]
 
 
@@ -221,6 +224,7 @@ def build(config: dict, vocab_size: int, checkpointing: bool) -> tuple:
         checkpoint_activations(model)
     fsdp = FullyShardedDP(model, model.transformer.h, device=device, prefetch=not config["no_prefetch"],
                           reduce_dtype=getattr(torch, config["reduce_dtype"]),
+                          param_dtype=estimate.PARAM_DTYPES[config.get("param_dtype") or "float32"],
                           init_fn=lambda name, shape: initial_value(name, shape, config["seed"], config["n_layer"]))
     optimizer = make_optimizer(model.named_parameters(), config)
     return fsdp, optimizer, make_grad_scaler(config, device, ShardedGradScaler)
@@ -382,6 +386,9 @@ def main() -> int:
     flags.add_argument("--world-sizes", default="1,2,4", help="comma-separated world sizes")
     flags.add_argument("--activation-checkpointing", action="store_true", help="as step 7's flag")
     flags.add_argument("--no-prefetch", action="store_true", help="as step 7's flag")
+    if not any(action.dest == "param_dtype" for action in parser._actions):  # the trainers' flag, where they lack it
+        flags.add_argument("--param-dtype", choices=tuple(estimate.PARAM_DTYPES), default="float32",
+                           help="FullyShardedDP's param_dtype: gather and compute in 16 bits, fp32 master shards")
     flags.add_argument("--compare-checkpointing", action="store_true",
                        help="measure with and without activation checkpointing, in the same processes, timed steps "
                             "alternating")
