@@ -50,6 +50,7 @@ from config import UserError, build_parser, exit_on_user_error, parse_config  # 
 GIB = 2**30
 USED_FLAGS = {"n_layer", "n_embd", "n_head", "seq_len", "tokenizer", "micro_batch_size", "grad_accum", "param_dtype"}
 SCHEDULES = ("1f1b", "gpipe")
+HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 6144, 8192, 12288, 16384)  # GPT-3's table, and one more
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +64,11 @@ class Shape:
 
     @classmethod
     def from_params(cls, psi: float, vocab: int, seq_len: int) -> "Shape":
-        """GPT-3's family's proportions: h a multiple of 128 and h/128 layers and heads, nearest to Ψ."""
-        def total(h):
-            return cls(h // 128, h, h // 128, vocab, seq_len).psi
-        h = min(range(128, 128 * 200, 128), key=lambda h: abs(total(h) - psi))
-        return cls(h // 128, h, h // 128, vocab, seq_len)
+        """A shape of GPT-3's table for about Ψ parameters: the hidden size nearest (32Ψ/3)^(1/3) (where h = 128 L),
+        heads of 128, then as many layers as Ψ takes."""
+        h = min(HIDDEN_SIZES, key=lambda h: abs(math.log(h / (32 * psi / 3) ** (1 / 3))))
+        layers = max(1, round((psi - (vocab + seq_len + 2) * h) / (12 * h * h + 13 * h)))
+        return cls(layers, h, max(1, h // 128), vocab, seq_len)
 
     @property
     def block(self) -> int:  # ln_1, c_attn, attn.c_proj, ln_2, c_fc, mlp.c_proj: weights and biases
@@ -91,7 +92,9 @@ def rank_params(shape: Shape, tp: int, pp: int, stage: int) -> dict:
     h = shape.n_embd
     blocks = stage_blocks(shape.n_layer, pp, stage) * (-(-(12 * h * h + 7 * h) // tp) + 6 * h)
     vocab = -(-(shape.vocab * h) // tp)
-    rest = (vocab + shape.seq_len * h if stage == 0 else 0) + (2 * h + (vocab if pp > 1 else 0) if stage == pp - 1 else 0)
+    first = vocab + shape.seq_len * h if stage == 0 else 0  # the token (split) and position (whole) embeddings
+    last = 2 * h + (vocab if pp > 1 else 0) if stage == pp - 1 else 0  # the final norm; the tied copy
+    rest = first + last
     return {"blocks": blocks, "rest": rest}
 
 
@@ -166,6 +169,8 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
         psi = held["blocks"] + held["rest"]
         state = estimate.state_bytes(zero, psi, dp, param_dtype, reduce_dtype)
         blocks = stage_blocks(shape.n_layer, pp, stage)
+        if zero == 3:  # step 7's units in flight, whole: the rest (kept through backward) and two blocks
+            state["gathered"] = p_bytes * (held["rest"] + held["blocks"] // max(blocks, 1) * min(blocks, 2))
         flight = in_flight(schedule, pp, stage, micro_batches)
         act = flight * activations.per_micro_batch(blocks, tp, stage == 0, stage == pp - 1, checkpointing)
         comm = {}
@@ -257,7 +262,10 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], hardware: Hardware) 
         reasons.append(f"{estimate.STAGES[c['zero']]}: {estimate.STAGES[worst['zero']]} needs "
                        f"{worst['total'] / GIB:.1f} GiB")
     else:
-        reasons.append(f"{estimate.STAGES[c['zero']]}: fits either way; it moves more than a lower stage")
+        ddp = next((f for f in fit if (f["dp"], f["tp"], f["pp"], f["zero"], f["checkpointing"])
+                    == (c["dp"], c["tp"], c["pp"], 0, c["checkpointing"])), None)
+        saved = f"{(ddp['total'] - c['total']) / GIB:.1f} GiB less than DDP, which fits too" if ddp else "fits"
+        reasons.append(f"{estimate.STAGES[c['zero']]}: {saved}")
     if c["tp"] > 1:
         reasons.append(f"TP {c['tp']} {'inside a node' if c['time']['links']['tp'] else 'ACROSS nodes (slow)'}")
     if c["pp"] > 1:
@@ -274,19 +282,21 @@ def gib(n: float) -> str:
 
 def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dict], micro_batch_size: int,
            global_batch: int, param_dtype: str, top: int) -> str:
-    lines = [f"GPT-2 n_layer {shape.n_layer}, n_embd {shape.n_embd}, n_head {shape.n_head}, vocabulary {shape.vocab:,}, "
-             f"seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} parameters, AdamW",
+    lines = [f"GPT-2 n_layer {shape.n_layer}, n_embd {shape.n_embd}, n_head {shape.n_head}, vocabulary "
+             f"{shape.vocab:,}, seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} parameters, AdamW",
              f"{hardware.devices} devices of {hardware.memory / GIB:g} GiB ({hardware.gpus_per_node} per node); "
              f"micro-batch {micro_batch_size}, global batch {global_batch} sequences",
              f"{len(fit)} configurations fit, {len(rejected)} do not. GiB per rank (the stage holding most); "
-             "communication: bytes per step and rank, per axis",
-             f"{'#':>3} {'configuration':<44}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'held':>5}"
+             "gather: ZeRO-3's units in flight; held: micro-batches of activations held; MB: bytes per step and rank "
+             "each axis moves",
+             f"{'#':>3} {'configuration':<44}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
              f"{'total':>9}{'DP MB':>10}{'TP MB':>10}{'PP MB':>9}{'step s':>9}  why"]
     for i, c in enumerate(fit[:top]):
         s = c["stages"][c["worst_stage"]]
-        comm = {axis: sum(max(st["comm"].get(axis, {"": 0}).values()) for st in [s]) / 1e6 for axis in ("dp", "tp", "pp")}
+        comm = {axis: sum(s["comm"].get(axis, {}).values()) / 1e6 for axis in ("dp", "tp", "pp")}
         lines.append(f"{i + 1:>3} {name(c):<44}{gib(s['params']):>9}{gib(s['grads']):>9}{gib(s['optimizer_state']):>9}"
-                     f"{gib(s['activations']):>9}{s['in_flight']:>5}{gib(c['total']):>9}"
+                     f"{gib(s['gathered']) if 'gathered' in s else '-':>9}{gib(s['activations']):>9}"
+                     f"{s['in_flight']:>5}{gib(c['total']):>9}"
                      + "".join(f"{comm[axis]:>10,.1f}" if axis != "pp" else f"{comm[axis]:>9,.1f}"
                                for axis in ("dp", "tp", "pp"))
                      + f"{c['time']['step_s']:>9.3f}  {justify(c, fit, rejected, hardware)}")
@@ -331,7 +341,8 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
         held = rank_params(shape, mesh["tp"], mesh["pp"], stage)
         estimated = estimate.state_bytes(mesh["zero"], held["blocks"] + held["rest"], mesh["dp"], param_dtype,
                                          reduce_dtype)
-        rows.append({"step": config["step"], "rank": rank, "stage": stage, **{k: mesh[k] for k in ("dp", "tp", "pp", "zero")},
+        rows.append({"step": config["step"], "rank": rank, "stage": stage,
+                     **{k: mesh[k] for k in ("dp", "tp", "pp", "zero")},
                      "measured": {k: memory[k] for k in estimate.KINDS}, "estimated": estimated,
                      "in_flight": memory.get("micro_batches_in_flight")})
     return rows
