@@ -239,7 +239,7 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
                     c["time"] = step_time(c, shape, hardware, micro_batch_size)
                     (fit if c["total"] <= hardware.memory else rejected).append(c)
     simplicity = lambda c: (c["tp"] * c["pp"], c["pp"], c["zero"], c["checkpointing"])  # noqa: E731
-    fit.sort(key=lambda c: (round(c["time"]["step_s"], 4), simplicity(c)))
+    fit.sort(key=lambda c: (float(f"{c['time']['step_s']:.3g}"), simplicity(c)))  # ties (3 digits): the simpler
     rejected.sort(key=simplicity)
     return fit, rejected
 
@@ -249,7 +249,7 @@ def name(c: dict) -> str:
             f"{', checkpointing' if c['checkpointing'] else ''}")
 
 
-def justify(c: dict, fit: list[dict], rejected: list[dict], hardware: Hardware) -> str:
+def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
     """Why this configuration, in the rules' terms: DDP first; ZeRO-2 before ZeRO-3; TP inside a node; PP across
     nodes, paying the bubble; checkpointing only when activations do not fit."""
     reasons = []
@@ -260,11 +260,11 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], hardware: Hardware) 
     elif simpler:
         worst = max(simpler, key=lambda r: r["zero"])
         reasons.append(f"{estimate.STAGES[c['zero']]}: {estimate.STAGES[worst['zero']]} needs "
-                       f"{worst['total'] / GIB:.1f} GiB")
+                       f"{worst['total'] / unit[0]:,.1f} {unit[1]}")
     else:
         ddp = next((f for f in fit if (f["dp"], f["tp"], f["pp"], f["zero"], f["checkpointing"])
                     == (c["dp"], c["tp"], c["pp"], 0, c["checkpointing"])), None)
-        saved = f"{(ddp['total'] - c['total']) / GIB:.1f} GiB less than DDP, which fits too" if ddp else "fits"
+        saved = f"{(ddp['total'] - c['total']) / unit[0]:,.1f} {unit[1]} less than DDP, which fits too" if ddp else "fits"
         reasons.append(f"{estimate.STAGES[c['zero']]}: {saved}")
     if c["tp"] > 1:
         reasons.append(f"TP {c['tp']} {'inside a node' if c['time']['links']['tp'] else 'ACROSS nodes (slow)'}")
@@ -276,21 +276,23 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], hardware: Hardware) 
     return "; ".join(reasons)
 
 
-def gib(n: float) -> str:
-    return f"{n / GIB:,.3f}" if n < 10 * GIB else f"{n / GIB:,.1f}"
+def in_unit(n: float, unit: tuple) -> str:
+    return f"{n / unit[0]:,.3f}" if n < 10 * unit[0] else f"{n / unit[0]:,.1f}"
 
 
 def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dict], micro_batch_size: int,
            global_batch: int, param_dtype: str, top: int) -> str:
+    unit = (GIB, "GiB") if hardware.memory >= 2 * GIB else (2**20, "MiB")
+    gib = lambda n: in_unit(n, unit)  # noqa: E731
     lines = [f"GPT-2 n_layer {shape.n_layer}, n_embd {shape.n_embd}, n_head {shape.n_head}, vocabulary "
              f"{shape.vocab:,}, seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} parameters, AdamW",
-             f"{hardware.devices} devices of {hardware.memory / GIB:g} GiB ({hardware.gpus_per_node} per node); "
+             f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} ({hardware.gpus_per_node} per node); "
              f"micro-batch {micro_batch_size}, global batch {global_batch} sequences",
-             f"{len(fit)} configurations fit, {len(rejected)} do not. GiB per rank (the stage holding most); "
+             f"{len(fit)} configurations fit, {len(rejected)} do not. {unit[1]} per rank (the stage holding most); "
              "gather: ZeRO-3's units in flight; held: micro-batches of activations held; MB: bytes per step and rank "
              "each axis moves",
              f"{'#':>3} {'configuration':<44}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
-             f"{'total':>9}{'DP MB':>10}{'TP MB':>10}{'PP MB':>9}{'step s':>9}  why"]
+             f"{'total':>9}{'DP MB':>10}{'TP MB':>10}{'PP MB':>9}{'step ms':>9}  why"]
     for i, c in enumerate(fit[:top]):
         s = c["stages"][c["worst_stage"]]
         comm = {axis: sum(s["comm"].get(axis, {}).values()) / 1e6 for axis in ("dp", "tp", "pp")}
@@ -299,10 +301,10 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
                      f"{s['in_flight']:>5}{gib(c['total']):>9}"
                      + "".join(f"{comm[axis]:>10,.1f}" if axis != "pp" else f"{comm[axis]:>9,.1f}"
                                for axis in ("dp", "tp", "pp"))
-                     + f"{c['time']['step_s']:>9.3f}  {justify(c, fit, rejected, hardware)}")
+                     + f"{c['time']['step_s'] * 1e3:>9.3g}  {justify(c, fit, rejected, unit)}")
     if not fit:
         best = min(rejected, key=lambda c: c["total"])
-        lines.append(f"nothing fits: the smallest is {name(best)} with {gib(best['total'])} GiB per rank; add devices "
+        lines.append(f"nothing fits: the smallest is {name(best)} with {gib(best['total'])} {unit[1]} per rank; add devices "
                      "or memory, or shorten the micro-batch")
     return "\n".join(lines)
 
@@ -344,14 +346,16 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
         rows.append({"step": config["step"], "rank": rank, "stage": stage,
                      **{k: mesh[k] for k in ("dp", "tp", "pp", "zero")},
                      "measured": {k: memory[k] for k in estimate.KINDS}, "estimated": estimated,
-                     "in_flight": memory.get("micro_batches_in_flight")})
+                     "in_flight": memory.get("micro_batches_in_flight"),
+                     "in_flight_estimated": in_flight(config.get("schedule", "1f1b"), mesh["pp"], stage,
+                                                      config.get("micro_batches") or config["grad_accum"])})
     return rows
 
 
 def measured_report(runs: list[Path]) -> tuple[str, bool]:
     import parity
     lines = [f"{'run':<26}{'rank':>5}{'mesh dp x tp x pp, ZeRO':>26}{'measured state':>16}{'estimated':>12}"
-             f"{'ratio':>8}{'in flight':>11}"]
+             f"{'ratio':>8}{'in flight (measured / est.)':>29}"]
     ok = True
     for run in runs:
         folder, metrics = parity.load_run(str(run))
@@ -359,9 +363,9 @@ def measured_report(runs: list[Path]) -> tuple[str, bool]:
         for row in measured_rows(metrics, vocab):
             m, e = sum(row["measured"].values()), sum(row["estimated"].values())
             ok &= abs(m / e - 1) <= 0.05
-            mesh = f"{row['dp']} x {row['tp']} x {row['pp']}, {estimate.STAGES[row['zero']]}"
-            held = row["in_flight"] if row["in_flight"] is not None else "-"
-            lines.append(f"{Path(folder).name:<26}{row['rank']:>5}{mesh:>26}{m:>16,}{e:>12,}{m / e:>8.3f}{held:>11}")
+            mesh = f"{row['dp']} x {row['tp']} x {row['pp']}, {estimate.STAGES[row['zero']] if row['dp'] > 1 else '-'}"
+            held = f"{row['in_flight']} / {row['in_flight_estimated']}" if row["in_flight"] is not None else "-"
+            lines.append(f"{Path(folder).name:<26}{row['rank']:>5}{mesh:>26}{m:>16,}{e:>12,}{m / e:>8.3f}{held:>29}")
     lines.append(f"every rank's model state within 5% of the estimate: {'yes' if ok else 'NO'}")
     return "\n".join(lines), ok
 
