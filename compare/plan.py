@@ -264,7 +264,8 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
     else:
         ddp = next((f for f in fit if (f["dp"], f["tp"], f["pp"], f["zero"], f["checkpointing"])
                     == (c["dp"], c["tp"], c["pp"], 0, c["checkpointing"])), None)
-        saved = f"{(ddp['total'] - c['total']) / unit[0]:,.1f} {unit[1]} less than DDP, which fits too" if ddp else "fits"
+        less = f"{(ddp['total'] - c['total']) / unit[0]:,.1f} {unit[1]}" if ddp else ""
+        saved = f"{less} less than DDP, which fits too" if ddp else "fits"
         reasons.append(f"{estimate.STAGES[c['zero']]}: {saved}")
     if c["tp"] > 1:
         reasons.append(f"TP {c['tp']} {'inside a node' if c['time']['links']['tp'] else 'ACROSS nodes (slow)'}")
@@ -286,7 +287,8 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
     gib = lambda n: in_unit(n, unit)  # noqa: E731
     lines = [f"GPT-2 n_layer {shape.n_layer}, n_embd {shape.n_embd}, n_head {shape.n_head}, vocabulary "
              f"{shape.vocab:,}, seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} parameters, AdamW",
-             f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} ({hardware.gpus_per_node} per node); "
+             f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} "
+             f"({hardware.gpus_per_node} per node); "
              f"micro-batch {micro_batch_size}, global batch {global_batch} sequences",
              f"{len(fit)} configurations fit, {len(rejected)} do not. {unit[1]} per rank (the stage holding most); "
              "gather: ZeRO-3's units in flight; held: micro-batches of activations held; MB: bytes per step and rank "
@@ -296,7 +298,8 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
     for i, c in enumerate(fit[:top]):
         s = c["stages"][c["worst_stage"]]
         comm = {axis: sum(s["comm"].get(axis, {}).values()) / 1e6 for axis in ("dp", "tp", "pp")}
-        lines.append(f"{i + 1:>3} {name(c):<44}{gib(s['params']):>9}{gib(s['grads']):>9}{gib(s['optimizer_state']):>9}"
+        lines.append(f"{i + 1:>3} {name(c):<44}{gib(s['params']):>9}{gib(s['grads']):>9}"
+                     f"{gib(s['optimizer_state']):>9}"
                      f"{gib(s['gathered']) if 'gathered' in s else '-':>9}{gib(s['activations']):>9}"
                      f"{s['in_flight']:>5}{gib(c['total']):>9}"
                      + "".join(f"{comm[axis]:>10,.1f}" if axis != "pp" else f"{comm[axis]:>9,.1f}"
@@ -304,8 +307,8 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
                      + f"{c['time']['step_s'] * 1e3:>9.3g}  {justify(c, fit, rejected, unit)}")
     if not fit:
         best = min(rejected, key=lambda c: c["total"])
-        lines.append(f"nothing fits: the smallest is {name(best)} with {gib(best['total'])} {unit[1]} per rank; add devices "
-                     "or memory, or shorten the micro-batch")
+        lines.append(f"nothing fits: the smallest is {name(best)} with {gib(best['total'])} {unit[1]} per rank; add "
+                     "devices or memory, or shorten the micro-batch")
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import REPO, metrics, train
+from conftest import metrics, train
 
 import estimate  # compare/, on the path through conftest
 import plan
