@@ -277,6 +277,10 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
     return "; ".join(reasons)
 
 
+def step_ms(ms: float) -> str:
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
 def in_unit(n: float, unit: tuple) -> str:
     return f"{n / unit[0]:,.3f}" if n < 10 * unit[0] else f"{n / unit[0]:,.1f}"
 
@@ -304,7 +308,7 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
                      f"{s['in_flight']:>5}{gib(c['total']):>9}"
                      + "".join(f"{comm[axis]:>10,.1f}" if axis != "pp" else f"{comm[axis]:>9,.1f}"
                                for axis in ("dp", "tp", "pp"))
-                     + f"{c['time']['step_s'] * 1e3:>9.3g}  {justify(c, fit, rejected, unit)}")
+                     + f"{step_ms(c['time']['step_s'] * 1e3):>9}  {justify(c, fit, rejected, unit)}")
     if not fit:
         best = min(rejected, key=lambda c: c["total"])
         lines.append(f"nothing fits: the smallest is {name(best)} with {gib(best['total'])} {unit[1]} per rank; add "
@@ -408,8 +412,8 @@ def main() -> int:
         text, ok = measured_report(config["measured"])
         print(text)
         return 0 if ok else 1
-    for flag in ("devices", "memory_gb", "micro_batch_size", "gpus_per_node", "top"):
-        if config[flag] <= 0:
+    for flag in ("devices", "memory_gb", "micro_batch_size", "gpus_per_node", "top", "params"):
+        if config[flag] is not None and config[flag] <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {config[flag]:g}")
     vocab = config["vocab_size"] or estimate.vocabulary_size(config["tokenizer"])
     shape = (Shape.from_params(config["params"], vocab, config["seq_len"]) if config["params"]
