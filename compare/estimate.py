@@ -3,6 +3,8 @@
     python compare/estimate.py                                   # the default config, world sizes 1-4
     python compare/estimate.py --n-layer 16 --n-embd 1024 --n-head 16 --micro-batch-size 1 \\
         --world-sizes 1,2,4 --budget-mb 2048                     # step 7's "does not fit on one rank" demo
+    python compare/estimate.py --param-dtype bf16                # and the closed forms, 16-bit, N = 1 ... 1024
+    python compare/estimate.py --zero-paper                      # the ZeRO paper's Figure 1, its 4x and 8x
 
 Nothing is allocated: GPT-2 is built on the meta device from the flags the trainers take (--n-layer,
 --n-embd, --n-head, --seq-len, the vocabulary of --tokenizer), so Ψ and every tensor's shape are
@@ -24,6 +26,11 @@ backward in one micro-batch of --micro-batch-size x --seq-len (a forward on the 
 counted by ``saved_tensors_hooks``; the same in every step, and released by each backward).
 ``Model.checkpointed_activation_bytes`` counts what step 7 keeps with --activation-checkpointing
 (``compare/peak_memory.py`` predicts with it).
+
+With 16-bit parameters (``--param-dtype bf16``; ``state_bytes``, ``formula``) the closed forms follow
+the ZeRO paper: DDP 2Ψ + 2Ψ + 12Ψ (K = 12: fp32 master weights and two moments), ZeRO-1 2Ψ + 2Ψ + 12Ψ/N,
+ZeRO-2 2Ψ + (2 + 12)Ψ/N, ZeRO-3 16Ψ/N; and as FSDP2's ``reduce_dtype=float32`` (step 7's ``param_dtype``)
+holds them, gradients in float32: ZeRO-2 2Ψ + (4 + 12)Ψ/N, ZeRO-3 4Ψ/N + 4Ψ/N + 8Ψ/N (docs/planner.md).
 
 ``total`` adds them up for the rank that holds most. With ``--budget-mb`` (the trainers'
 ``--max-memory-mb``: what a rank may allocate beyond its start-up) each row says whether that total

@@ -3,6 +3,8 @@
     python compare/peak_memory.py                                   # the default model at N = 1, 2 and 4
     python compare/peak_memory.py --world-sizes 1,2 --n-layer 8 --seq-len 256 --micro-batch-size 4 \\
         --compare-checkpointing --timed-steps 10                    # activations dominate: with and without
+    python compare/peak_memory.py --param-dtype bf16 --world-sizes 1,2,3,4 --timed-steps 0
+                                                                    # FullyShardedDP(param_dtype=torch.bfloat16)
 
 For each world size N, N processes (gloo on loopback, one CPU thread each, started by
 torch.multiprocessing) build step 7's model the way its train.py does, from step 7's own modules:
@@ -23,8 +25,10 @@ model is built, through one warm-up step (it allocates AdamW's moments and the g
 
 Predicted, with ``compare/estimate.py``'s layouts (padding and AdamW's step counts included):
 
-    state        4Ψ/N + 4Ψ/N + 8Ψ/N
-    gathered     the units in flight: the root (kept from forward to the end of backward) and two blocks
+    state        4Ψ/N + 4Ψ/N + 8Ψ/N (with --param-dtype bf16 too: the fp32 shards are the master weights, the
+                 gradients are reduced and kept in float32, as FSDP2's; 16-bit copies exist only while gathered)
+    gathered     the units in flight (2 bytes an element with --param-dtype): the root (kept from forward to
+                 the end of backward) and two blocks
                  (one computing, the next prefetched; one with --no-prefetch)
     activations  what autograd saves in one micro-batch; with --activation-checkpointing, the root's
                  saved tensors, every block's inputs and one block's own (recomputed in its backward)
