@@ -129,7 +129,7 @@ def test_a_step10_run_is_read_by_its_mesh():
     """What a step 10 run will write (env: the three sizes; memory per rank): each rank compared with its
     stage's estimate. Built here from the estimate itself: a run that held exactly that reads as 1.000."""
     config = {"step": "step10_3d_parallel", "n_layer": 2, "n_embd": 128, "n_head": 4, "seq_len": 64,
-              "tokenizer": "data/tokenizer.json"}
+              "tokenizer": "data/tokenizer.json", "grad_accum": 2}
     env = {"world_size": 8, "data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_stages": 2}
     memory = []
     for rank in range(8):
