@@ -3,6 +3,8 @@
     python compare/estimate.py                                   # the default config, world sizes 1-4
     python compare/estimate.py --n-layer 16 --n-embd 1024 --n-head 16 --micro-batch-size 1 \\
         --world-sizes 1,2,4 --budget-mb 2048                     # step 7's "does not fit on one rank" demo
+    python compare/estimate.py --param-dtype bf16                # and the closed forms, 16-bit, N = 1 ... 1024
+    python compare/estimate.py --zero-paper                      # the ZeRO paper's Figure 1, its 4x and 8x
 
 Nothing is allocated: GPT-2 is built on the meta device from the flags the trainers take (--n-layer,
 --n-embd, --n-head, --seq-len, the vocabulary of --tokenizer), so Ψ and every tensor's shape are
@@ -24,6 +26,11 @@ backward in one micro-batch of --micro-batch-size x --seq-len (a forward on the 
 counted by ``saved_tensors_hooks``; the same in every step, and released by each backward).
 ``Model.checkpointed_activation_bytes`` counts what step 7 keeps with --activation-checkpointing
 (``compare/peak_memory.py`` predicts with it).
+
+With 16-bit parameters (``--param-dtype bf16``; ``state_bytes``, ``formula``) the closed forms follow
+the ZeRO paper: DDP 2Ψ + 2Ψ + 12Ψ (K = 12: fp32 master weights and two moments), ZeRO-1 2Ψ + 2Ψ + 12Ψ/N,
+ZeRO-2 2Ψ + (2 + 12)Ψ/N, ZeRO-3 16Ψ/N; and as FSDP2's ``reduce_dtype=float32`` (step 7's ``param_dtype``)
+holds them, gradients in float32: ZeRO-2 2Ψ + (4 + 12)Ψ/N, ZeRO-3 4Ψ/N + 4Ψ/N + 8Ψ/N (docs/planner.md).
 
 ``total`` adds them up for the rank that holds most. With ``--budget-mb`` (the trainers'
 ``--max-memory-mb``: what a rank may allocate beyond its start-up) each row says whether that total
@@ -52,17 +59,22 @@ KINDS = ("params", "grads", "optimizer_state")
 BYTES = 4  # float32 parameters, gradients and moments
 STEP_COUNT_BYTES = 4  # AdamW's per-tensor step, a float32 scalar tensor
 # The trainer flags an estimate reads; the others are accepted (so a trainer's command line can be pasted) and hidden.
-USED_FLAGS = {"n_layer", "n_embd", "n_head", "seq_len", "tokenizer", "micro_batch_size", "dropout"}
+USED_FLAGS = {"n_layer", "n_embd", "n_head", "seq_len", "tokenizer", "micro_batch_size", "dropout", "param_dtype"}
 
 
 class Model:
-    """GPT-2 of a config on the meta device: names, shapes and units, no memory."""
+    """GPT-2 of a config on the meta device: names, shapes and units, no memory.
 
-    def __init__(self, config: dict, vocab_size: int):
+    ``dtype``: what forward computes in (a 16-bit ``param_dtype``: activations of 2 bytes where the model's
+    own ops keep that dtype)."""
+
+    def __init__(self, config: dict, vocab_size: int, dtype: torch.dtype | None = None):
         from transformers import GPT2LMHeadModel
         self.config, self.vocab_size = config, vocab_size
         with torch.device("meta"):
             self.module = GPT2LMHeadModel(gpt2_config(config, vocab_size))
+        if dtype is not None:
+            self.module.to(dtype)
         self.named = [(name, p.numel()) for name, p in self.module.named_parameters()]  # a tied tensor once
         self.psi = sum(n for _, n in self.named)
         blocks = [f"transformer.h.{i}." for i in range(config["n_layer"])]
@@ -107,10 +119,12 @@ class Model:
         added = [sum(n for k, n in saved.get(i, {}).items() if k not in kept) for i in range(self.config["n_layer"])]
         return sum(kept.values()), max(added, default=0)
 
-    def saved_tensors(self, micro_batch_size: int, use_cache: bool | None = None) -> tuple[dict, dict]:
+    def saved_tensors(self, micro_batch_size: int, use_cache: bool | None = None,
+                      shapes: dict | None = None) -> tuple[dict, dict]:
         """One forward (and the loss) of a micro-batch, counting storages: ({block index, or None for the root:
         {storage: bytes} of the tensors autograd saves there}, {storage: bytes} of the blocks' tensor arguments).
-        ``use_cache``: GPT-2's key/value cache, as the model's config says when None."""
+        ``use_cache``: GPT-2's key/value cache, as the model's config says when None. ``shapes``: filled with
+        {storage: the shape it was first saved with}."""
         weights = {p.untyped_storage()._cdata for p in self.module.parameters()}
         running, saved, arguments = [], {}, {}  # the blocks whose forward runs
 
@@ -118,6 +132,8 @@ class Model:
             storage = tensor.untyped_storage()
             if storage._cdata not in weights:
                 saved.setdefault(running[-1] if running else None, {})[storage._cdata] = storage.nbytes()
+                if shapes is not None:
+                    shapes.setdefault(storage._cdata, tuple(tensor.shape))
             return tensor
 
         def enter(index, block, args, kwargs):
@@ -189,6 +205,100 @@ def predict(model: Model, step: str, world_size: int, bucket_cap_mb: float = 25.
     raise ValueError(f"no estimate for {step!r}; steps: {', '.join(STEPS)}")
 
 
+# ---- The closed forms, with 16-bit parameters (the ZeRO paper's accounting) ---------------------------------
+
+PARAM_DTYPES = {"float32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # None: FullyShardedDP's default
+STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")  # stage 0 (DDP-equivalent: nothing sharded) to 3
+PAPER_PSI, PAPER_N = 7_500_000_000, 64  # the ZeRO paper's Figure 1: 7.5B parameters, 64 devices, K = 12
+PAPER_GB = (120.0, 31.4, 16.6, 1.9)  # its printed numbers (GB = 10^9 bytes), stages 0-3
+
+
+def bytes_per_parameter(stage: int, param_dtype: str = "float32", reduce_dtype: str | None = None) -> tuple:
+    """(parameters, gradients, optimiser state) in bytes per parameter, and which of them are divided by N.
+
+    float32 (steps 0-7 today): 4 + 4 + 8 (two AdamW moments; the parameters are the weights stepped).
+    16-bit ``param_dtype``: 2-byte parameters for compute and communication, K = 12 bytes of fp32 state
+    (the master weights + two moments). The gradients the optimiser reads are kept in ``reduce_dtype``:
+    16 bits when None (the paper's 2 + 2 + 12), or 4 bytes with ``"float32"``, as FSDP2's
+    ``MixedPrecisionPolicy(reduce_dtype=float32)`` and step 7's ``param_dtype`` keep them (the reduced fp32
+    gradient applied to the fp32 master, never rounded to 16 bits). ZeRO-3 held that way keeps no 16-bit
+    shard at all: its parameter shard *is* the fp32 master (4), cast to 16 bits only while gathered, so
+    its K is the two moments (8): 4 + 4 + 8, the same 16Ψ/N as the paper's 2 + 2 + 12."""
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype {param_dtype!r}: one of {', '.join(PARAM_DTYPES)}")
+    sharded = (stage >= 3, stage >= 2, stage >= 1)
+    if param_dtype == "float32":
+        return (4, 4, 8), sharded
+    grad = 2 if reduce_dtype is None else torch.empty(0, dtype=getattr(torch, reduce_dtype)).element_size()
+    if stage == 3 and reduce_dtype is not None:  # FSDP2 / step 7: the fp32 shard is the master
+        return (4, grad, 8), sharded
+    return (2, grad, 12), sharded
+
+
+def state_bytes(stage: int, psi: int, world_size: int, param_dtype: str = "float32",
+                reduce_dtype: str | None = None) -> dict:
+    """Bytes per rank of ZeRO ``stage`` (0: DDP) for Ψ parameters on N ranks, the closed form with the
+    padding included: a sharded kind holds ceil(Ψ/N) elements (the steps pad each flat range to a multiple
+    of N; over several ranges, ``predict`` counts the layouts exactly). AdamW's step counts left out."""
+    per_param, sharded = bytes_per_parameter(stage, param_dtype, reduce_dtype)
+    return {kind: b * (-(-psi // world_size) if cut else psi) for kind, b, cut in zip(KINDS, per_param, sharded)}
+
+
+def formula(stage: int, param_dtype: str = "float32", reduce_dtype: str | None = None) -> str:
+    """The closed form as written: "2Ψ + 2Ψ + 12Ψ/N"."""
+    per_param, sharded = bytes_per_parameter(stage, param_dtype, reduce_dtype)
+    return " + ".join(f"{b}Ψ{'/N' if cut else ''}" for b, cut in zip(per_param, sharded))
+
+
+def reduction_limit(stage: int, param_dtype: str = "bf16", reduce_dtype: str | None = None) -> float:
+    """How many times less than DDP a rank holds as N grows without bound: 16Ψ / (the unsharded terms)."""
+    per_param, sharded = bytes_per_parameter(stage, param_dtype, reduce_dtype)
+    kept = sum(b for b, cut in zip(per_param, sharded) if not cut)
+    return float("inf") if kept == 0 else sum(bytes_per_parameter(0, param_dtype, reduce_dtype)[0]) / kept
+
+
+def zero_paper_report(world_sizes=tuple(2**k for k in range(11))) -> str:
+    """The ZeRO paper's Figure 1 from the closed forms, the "4x" and "8x" as limits, and N = 1 ... 1024."""
+    psi, n = PAPER_PSI, PAPER_N
+    lines = [f"The ZeRO paper's Figure 1: Ψ = 7.5B parameters, N = {n} devices, mixed precision (16-bit parameters "
+             "and gradients, K = 12 bytes of fp32 master weights and Adam moments per parameter), GB = 10^9 bytes",
+             f"{'stage':<8}{'per rank':<26}{'computed':>12}{'the paper':>11}"]
+    for stage in range(4):
+        gb = sum(state_bytes(stage, psi, n, "bf16").values()) / 1e9
+        lines.append(f"{STAGES[stage]:<8}{formula(stage, 'bf16'):<26}{gb:>9.2f} GB{PAPER_GB[stage]:>8.1f} GB")
+    lines += ["",
+              "Where \"4x\" and \"8x\" come from: what DDP holds over what a ZeRO rank holds, as N grows",
+              "  ZeRO-1: 16Ψ / (2Ψ + 2Ψ + 12Ψ/N) -> 16/4 = 4 (the 16-bit weights and gradients stay whole)",
+              "  ZeRO-2: 16Ψ / (2Ψ + 14Ψ/N)      -> 16/2 = 8 (the 16-bit weights stay whole)",
+              "  ZeRO-3: 16Ψ / (16Ψ/N)            =  N (nothing stays whole)",
+              f"{'N':>6}" + "".join(f"{name + ' GB':>12}" for name in STAGES) + f"{'DDP/ZeRO-1':>12}{'DDP/ZeRO-2':>12}"]
+    for world_size in world_sizes:
+        totals = [sum(state_bytes(stage, psi, world_size, "bf16").values()) for stage in range(4)]
+        lines.append(f"{world_size:>6}" + "".join(f"{t / 1e9:>12.2f}" for t in totals)
+                     + f"{totals[0] / totals[1]:>12.2f}{totals[0] / totals[2]:>12.2f}")
+    lines.append(f"{'limit':>6}{'':>48}{reduction_limit(1):>12.2f}{reduction_limit(2):>12.2f}")
+    return "\n".join(lines)
+
+
+def closed_forms_report(psi: int, param_dtype: str, world_sizes) -> str:
+    """Ψ of the configured model through each stage's closed form, as the paper counts it and as FSDP2's
+    ``MixedPrecisionPolicy(reduce_dtype=float32)`` (step 7's ``param_dtype``) holds it."""
+    ways = [(None, "the paper (16-bit gradients)"), ("float32", "gradients reduced and kept in float32, as FSDP2")]
+    if param_dtype == "float32":
+        ways = [(None, "float32 (steps 0-7 today)")]
+    lines = [f"Closed forms, Ψ = {psi:,}, param_dtype {param_dtype}: MiB per rank (parameters + gradients + "
+             "optimizer state, padding included)"]
+    for reduce_dtype, title in ways:
+        lines.append(f"  {title}: " + "; ".join(f"{STAGES[stage]} {formula(stage, param_dtype, reduce_dtype)}"
+                                                 for stage in range(4)))
+        lines.append(f"  {'N':>6}" + "".join(f"{name:>11}" for name in STAGES))
+        for world_size in world_sizes:
+            lines.append(f"  {world_size:>6}" + "".join(
+                f"{mib(sum(state_bytes(stage, psi, world_size, param_dtype, reduce_dtype).values()), 3):>11}"
+                for stage in range(4)))
+    return "\n".join(lines)
+
+
 def vocabulary_size(tokenizer: str) -> int:
     from data import load_tokenizer  # the trainers' own loader (imports datasets: only when estimating)
     return len(load_tokenizer(tokenizer))  # what data.load_corpus gives the trainers
@@ -208,8 +318,8 @@ def estimate(config: dict, world_sizes: list[int], bucket_cap_mb: float = 25.0, 
             "units": [sum(unit) for unit in model.units], "rows": rows}
 
 
-def mib(n: int) -> str:
-    return f"{n / 2**20:,.1f}"
+def mib(n: int, digits: int = 1) -> str:
+    return f"{n / 2**20:,.{digits}f}"
 
 
 def report(config: dict, result: dict, budget_mb: float | None, prefetch: bool) -> str:
@@ -273,7 +383,17 @@ def main() -> int:
     flags.add_argument("--bucket-cap-mb", type=float, default=25.0, help="step 6's gradient bucket cap")
     flags.add_argument("--no-prefetch", action="store_true", help="step 7 run with --no-prefetch")
     flags.add_argument("--json", type=Path, help="also write every rank's numbers here")
+    if not any(action.dest == "param_dtype" for action in parser._actions):  # the trainers' flag, where they lack it
+        flags.add_argument("--param-dtype", choices=tuple(PARAM_DTYPES), default="float32",
+                           help="16-bit parameters: also print the closed forms for N = 1 ... 1024, as the ZeRO "
+                                "paper counts them and as FSDP2 (reduce_dtype float32) holds them")
+    flags.add_argument("--zero-paper", action="store_true",
+                       help="print the ZeRO paper's Figure 1 (7.5B parameters, N = 64) from the closed forms, and "
+                            "where its 4x and 8x come from; nothing else")
     config = parse_config(parser)
+    if config["zero_paper"]:
+        print(zero_paper_report())
+        return 0
     world_sizes = parse_world_sizes(config["world_sizes"])
     if config["budget_mb"] is not None and config["budget_mb"] <= 0:
         raise UserError(f"--budget-mb must be positive, got {config['budget_mb']:g}")
@@ -283,6 +403,9 @@ def main() -> int:
         check_writable_file(config["json"], f"--json {config['json']}")
     result = estimate(config, world_sizes, config["bucket_cap_mb"], not config["no_prefetch"])
     print(report(config, result, config["budget_mb"], not config["no_prefetch"]))
+    if (config.get("param_dtype") or "float32") != "float32":
+        print()
+        print(closed_forms_report(result["psi"], config["param_dtype"], [2**k for k in range(11)]))
     if config["json"]:
         config["json"].write_text(json.dumps({"config": config, **result}, indent=1, default=str) + "\n")
         print(f"numbers: {config['json']}")

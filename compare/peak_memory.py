@@ -3,6 +3,8 @@
     python compare/peak_memory.py                                   # the default model at N = 1, 2 and 4
     python compare/peak_memory.py --world-sizes 1,2 --n-layer 8 --seq-len 256 --micro-batch-size 4 \\
         --compare-checkpointing --timed-steps 10                    # activations dominate: with and without
+    python compare/peak_memory.py --param-dtype bf16 --world-sizes 1,2,3,4 --timed-steps 0
+                                                                    # FullyShardedDP(param_dtype=torch.bfloat16)
 
 For each world size N, N processes (gloo on loopback, one CPU thread each, started by
 torch.multiprocessing) build step 7's model the way its train.py does, from step 7's own modules:
@@ -23,8 +25,10 @@ model is built, through one warm-up step (it allocates AdamW's moments and the g
 
 Predicted, with ``compare/estimate.py``'s layouts (padding and AdamW's step counts included):
 
-    state        4Ψ/N + 4Ψ/N + 8Ψ/N
-    gathered     the units in flight: the root (kept from forward to the end of backward) and two blocks
+    state        4Ψ/N + 4Ψ/N + 8Ψ/N (with --param-dtype bf16 too: the fp32 shards are the master weights, the
+                 gradients are reduced and kept in float32, as FSDP2's; 16-bit copies exist only while gathered)
+    gathered     the units in flight (2 bytes an element with --param-dtype): the root (kept from forward to
+                 the end of backward) and two blocks
                  (one computing, the next prefetched; one with --no-prefetch)
     activations  what autograd saves in one micro-batch; with --activation-checkpointing, the root's
                  saved tensors, every block's inputs and one block's own (recomputed in its backward)
@@ -75,10 +79,13 @@ NODE = "autograd::engine::evaluate_function: "
 
 def predict(config: dict, vocab_size: int, world_size: int, checkpointing: bool) -> list[dict]:
     """Per rank: ``state`` (16Ψ/N as laid out), ``gathered`` and ``activations``, in bytes; and Ψ."""
-    model = estimate.Model(config, vocab_size)
+    dtype = estimate.PARAM_DTYPES[config.get("param_dtype") or "float32"]  # 16 bits: gathered and computed in it
+    model = estimate.Model(config, vocab_size, dtype)
     activations = model.activation_bytes(config["micro_batch_size"], checkpointing)
     ranks = estimate.predict(model, estimate.STEPS[3], world_size, prefetch=not config["no_prefetch"])
-    return [{"state": r["params"] + r["grads"] + r["optimizer_state"], "gathered": r["gathered"],
+    gathered_bytes = 2 if dtype is not None else estimate.BYTES  # the fp32 shards stay the state either way
+    return [{"state": r["params"] + r["grads"] + r["optimizer_state"],
+             "gathered": r["gathered"] // estimate.BYTES * gathered_bytes,
              "activations": activations, "psi": model.psi} for r in ranks]
 
 
@@ -221,6 +228,7 @@ def build(config: dict, vocab_size: int, checkpointing: bool) -> tuple:
         checkpoint_activations(model)
     fsdp = FullyShardedDP(model, model.transformer.h, device=device, prefetch=not config["no_prefetch"],
                           reduce_dtype=getattr(torch, config["reduce_dtype"]),
+                          param_dtype=estimate.PARAM_DTYPES[config.get("param_dtype") or "float32"],
                           init_fn=lambda name, shape: initial_value(name, shape, config["seed"], config["n_layer"]))
     optimizer = make_optimizer(model.named_parameters(), config)
     return fsdp, optimizer, make_grad_scaler(config, device, ShardedGradScaler)
@@ -382,6 +390,9 @@ def main() -> int:
     flags.add_argument("--world-sizes", default="1,2,4", help="comma-separated world sizes")
     flags.add_argument("--activation-checkpointing", action="store_true", help="as step 7's flag")
     flags.add_argument("--no-prefetch", action="store_true", help="as step 7's flag")
+    if not any(action.dest == "param_dtype" for action in parser._actions):  # the trainers' flag, where they lack it
+        flags.add_argument("--param-dtype", choices=tuple(estimate.PARAM_DTYPES), default="float32",
+                           help="FullyShardedDP's param_dtype: gather and compute in 16 bits, fp32 master shards")
     flags.add_argument("--compare-checkpointing", action="store_true",
                        help="measure with and without activation checkpointing, in the same processes, timed steps "
                             "alternating")

@@ -263,6 +263,7 @@ CASES = {
     "matrix-world-sizes": lambda s: tool("exact_matrix.py", "--world-sizes", "two"),
     "matrix-modes": lambda s: tool("exact_matrix.py", "--modes", "float16"),
     "estimate-world-sizes": lambda s: tool("estimate.py", "--world-sizes", "two"),
+    "plan-devices": lambda s: tool("plan.py", "--devices", "0"),
     "peak-profiled-steps": lambda s: tool("peak_memory.py", "--profiled-steps", "0"),
     "bench-strategies": lambda s: tool("bench.py", "--strategies", "zero4"),
     "bench-checkpoint-step": lambda s: tool("bench_checkpoint.py", "--step", "step99"),
@@ -432,6 +433,8 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--nproc must be at least 1, got 0": tool_main("tour", "--nproc", "0"),
     "--timeout-s must be positive, got 0": tool_main("tour", "--timeout-s", "0"),
     "--budget-mb must be positive, got -1": tool_main("estimate", "--budget-mb", "-1"),
+    "--memory-gb must be positive, got 0": tool_main("plan", "--memory-gb", "0"),
+    "--params must be positive, got -1": tool_main("plan", "--params", "-1"),
     "tensor parallelism over 8 ranks needs --n-head divisible by 8, got 4 (more ranks than heads): run on a number of "
     "ranks that divides 4, or change --n-head (and --n-embd)": tensor_parallel_check(4, 2048, 8),
 }

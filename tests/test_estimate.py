@@ -98,3 +98,59 @@ def test_zero_layouts_split_every_element_once(world_size):
         assert steps_counted % 4 == 0 and len(model.named) <= steps_counted // 4 <= len(model.named) * world_size
         if step == estimate.STEPS[3]:
             assert sum(r["params"] for r in ranks) >= 4 * model.psi > sum(r["params"] for r in ranks) - 4 * world_size * 4
+
+
+# ---- The closed forms with 16-bit parameters (issue 17's table) ------------------------------------------------
+
+@pytest.mark.quick
+def test_the_zero_papers_figure_1_to_its_printed_precision():
+    """Ψ = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (GB = 10^9 bytes), from the closed forms."""
+    for stage, printed in enumerate(estimate.PAPER_GB):
+        gb = sum(estimate.state_bytes(stage, estimate.PAPER_PSI, estimate.PAPER_N, "bf16").values()) / 1e9
+        assert round(gb, 1) == printed, (stage, gb)
+    assert [estimate.formula(stage, "bf16") for stage in range(4)] == \
+        ["2Ψ + 2Ψ + 12Ψ", "2Ψ + 2Ψ + 12Ψ/N", "2Ψ + 2Ψ/N + 12Ψ/N", "2Ψ/N + 2Ψ/N + 12Ψ/N"]
+
+
+@pytest.mark.quick
+def test_4x_and_8x_are_limits():
+    """16Ψ / (4Ψ + 12Ψ/N) -> 4 and 16Ψ / (2Ψ + 14Ψ/N) -> 8, approached from below as N grows to 1024."""
+    assert estimate.reduction_limit(1) == 4 and estimate.reduction_limit(2) == 8
+    assert estimate.reduction_limit(3) == float("inf")
+    psi = estimate.PAPER_PSI
+    for stage, limit in ((1, 4), (2, 8)):
+        ratios = [sum(estimate.state_bytes(0, psi, n, "bf16").values())
+                  / sum(estimate.state_bytes(stage, psi, n, "bf16").values()) for n in (8, 64, 1024)]
+        assert ratios == sorted(ratios) and limit * 0.99 < ratios[-1] < limit
+        assert ratios[-1] == pytest.approx(16 / (16 / limit + (16 - 16 / limit) / 1024))
+
+
+@pytest.mark.quick
+def test_the_gradient_dtype_decides_zero_2s_shard():
+    """Kept in 16 bits (the paper): 2Ψ + 14Ψ/N; reduced and kept in float32 (FSDP2's reduce_dtype, step 7's
+    param_dtype): 2Ψ + 16Ψ/N. ZeRO-3 held as FSDP2 holds it (the fp32 shard is the master) is 16Ψ/N either way,
+    as is float32 (4 + 4 + 8); padding: a sharded kind holds ceil(Ψ/N) elements."""
+    psi, n = 1001, 4
+    assert estimate.state_bytes(2, psi, n, "bf16") == {"params": 2 * psi, "grads": 2 * 251, "optimizer_state": 12 * 251}
+    assert estimate.state_bytes(2, psi, n, "bf16", "float32")["grads"] == 4 * 251
+    for args in (("bf16",), ("bf16", "float32"), ("float32",)):
+        assert sum(estimate.state_bytes(3, psi, n, *args).values()) == 16 * 251
+    assert estimate.formula(3, "bf16", "float32") == "4Ψ/N + 4Ψ/N + 8Ψ/N"
+
+
+def test_step7_with_bf16_parameters_holds_16_psi_over_n(tmp_path):
+    """Step 7's FullyShardedDP(param_dtype=torch.bfloat16) at N = 2, measured by compare/peak_memory.py (the bytes
+    live through a whole step, from the profiler's records): within 2% of 16Ψ/N, padding included; its units in
+    flight are gathered in 2 bytes an element."""
+    out = tmp_path / "peak.json"
+    result = subprocess.run([sys.executable, str(REPO / "compare" / "peak_memory.py"), "--param-dtype", "bf16",
+                             "--world-sizes", "2", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len",
+                             "16", "--micro-batch-size", "2", "--profiled-steps", "1", "--timed-steps", "0",
+                             "--timeout-s", "60", "--json", out], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        closed = sum(estimate.state_bytes(3, row["psi"], 2, "bf16", "float32").values())
+        assert abs(max(row["state_measured"]) / closed - 1) <= 0.02, (row["state_measured"], closed)
+        assert row["gathered_peak"] == row["gathered"]

@@ -1,0 +1,435 @@
+"""Before launching: which (dp, tp, pp, ZeRO stage, activation checkpointing) fit, what each rank holds,
+what each axis moves, and which to try first.
+
+    python compare/plan.py --devices 64 --memory-gb 80 --params 7.5e9 --seq-len 2048 --micro-batch-size 1 \\
+        --global-batch 512 --param-dtype bf16                       # a 7.5B model on 8 nodes of 8 GPUs
+    python compare/plan.py --devices 4 --memory-gb 0.03             # the trainers' default model, 4 ranks
+    python compare/plan.py --measured runs/step1_torch_ddp runs/step8_tensor_parallel ...
+                                                                    # estimate beside what runs measured
+
+The model is the trainers' GPT-2 (their flags: --n-layer, --n-embd, --n-head, --seq-len, the vocabulary of
+--tokenizer or --vocab-size), or, with --params, a GPT shaped like GPT-3's family (hidden h a multiple of
+128, h/128 layers and heads). Ψ per block is 12h² + 13h; the embeddings Vh + sh, the final norm 2h.
+
+A rank of the mesh dp x tp x pp holds, of its pipeline stage's blocks (step 9's even split; the first stage
+adds the embeddings, the last the final norm and, when pp > 1, a copy of the tied embedding), 1/tp of every
+matrix and of the column-parallel biases and the vocabulary (step 8's layout), the rest whole. Over the data
+axis its state is what ``estimate.state_bytes`` gives for the ZeRO stage (0: DDP), float32 or 16-bit
+parameters (the ZeRO paper's 2 + 2 + 12; with --reduce-dtype float32, FSDP2's gradients).
+
+Activations per micro-batch are counted on the meta device (``estimate.Model``: what autograd saves, exact
+for the trainers' model); tensor parallelism splits the ones inside its split layers (q, k, v, the attention
+scores, the MLP's 4h, the logits) and leaves the (b, s, h) ones whole. Checkpointing keeps each block's input
+and recomputes one block at a time. Micro-batches held at once: 1 without a pipeline (each backward frees
+its own), M with GPipe on every stage, at most P - s on stage s with 1F1B (the first stage holds P).
+
+Communication per optimiser step and rank, in bytes handed to collectives and point-to-point sends:
+    DP   ZeRO-0 all-reduce G·ψ; ZeRO-1 all-reduce G·ψ + all-gather P·ψ; ZeRO-2 reduce-scatter G·ψ + all-gather
+         P·ψ; ZeRO-3 reduce-scatter G·ψ + all-gathers M·(2ψ_blocks + ψ_rest)·P (each block forward and backward,
+         the rest once per micro-batch): ψ the rank's TP/PP share, P and G the bytes of a parameter, a gradient
+    TP   per micro-batch 4 all-reduces of b·s·h per block (2 forward, 2 backward), one for the embedding, one for
+         the output layer's input: (4 L_stage + 2) b·s·h activations
+    PP   per micro-batch b·s·h activations forward and b·s·h gradients back (one message each way), and the
+         tied embedding's gradient (Vh/tp) from the last stage to the first
+Ranking: by an estimated step time (compute 6Ψ per token, 8Ψ with checkpointing, over --tflops per device,
+stretched by the bubble (M + P - 1)/M; each axis's bytes over the link it crosses: --intra-gbs inside a node,
+--inter-gbs across, ranks laid out tp innermost, then dp, then pp; nothing overlapped, so it errs slow),
+then by simplicity. The first row is the one to try; each row says why it is there.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+import estimate  # noqa: E402
+from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
+
+GIB = 2**30
+USED_FLAGS = {"n_layer", "n_embd", "n_head", "seq_len", "tokenizer", "micro_batch_size", "grad_accum", "param_dtype"}
+SCHEDULES = ("1f1b", "gpipe")
+HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 6144, 8192, 12288, 16384)  # GPT-3's table, and one more
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A GPT-2: layers, hidden size, heads, vocabulary, sequence length (the position table's rows)."""
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab: int
+    seq_len: int
+
+    @classmethod
+    def from_params(cls, psi: float, vocab: int, seq_len: int) -> "Shape":
+        """A shape of GPT-3's table for about Ψ parameters: the hidden size nearest (32Ψ/3)^(1/3) (where h = 128 L),
+        heads of 128, then as many layers as Ψ takes."""
+        h = min(HIDDEN_SIZES, key=lambda h: abs(math.log(h / (32 * psi / 3) ** (1 / 3))))
+        layers = max(1, round((psi - (vocab + seq_len + 2) * h) / (12 * h * h + 13 * h)))
+        return cls(layers, h, max(1, h // 128), vocab, seq_len)
+
+    @property
+    def block(self) -> int:  # ln_1, c_attn, attn.c_proj, ln_2, c_fc, mlp.c_proj: weights and biases
+        return 12 * self.n_embd**2 + 13 * self.n_embd
+
+    @property
+    def psi(self) -> int:
+        return self.vocab * self.n_embd + self.seq_len * self.n_embd + self.n_layer * self.block + 2 * self.n_embd
+
+
+def stage_blocks(n_layer: int, pp: int, stage: int) -> int:
+    """Blocks on ``stage`` of ``pp``: step 9's split, as even as can be, the first stages taking one more."""
+    base, extra = divmod(n_layer, pp)
+    return base + (stage < extra)
+
+
+def rank_params(shape: Shape, tp: int, pp: int, stage: int) -> dict:
+    """Elements a rank of pipeline ``stage`` holds: ``blocks`` (its blocks' share) and ``rest`` (embeddings,
+    final norm, the tied copy). Of a block 12h² + 7h are split over tp (c_attn, attn.c_proj's weight, c_fc,
+    mlp.c_proj's weight), 6h kept whole (the LayerNorms, the row-parallel biases); the vocabulary is split."""
+    h = shape.n_embd
+    blocks = stage_blocks(shape.n_layer, pp, stage) * (-(-(12 * h * h + 7 * h) // tp) + 6 * h)
+    vocab = -(-(shape.vocab * h) // tp)
+    first = vocab + shape.seq_len * h if stage == 0 else 0  # the token (split) and position (whole) embeddings
+    last = 2 * h + (vocab if pp > 1 else 0) if stage == pp - 1 else 0  # the final norm; the tied copy
+    rest = first + last
+    return {"blocks": blocks, "rest": rest}
+
+
+class Activations:
+    """What autograd saves per micro-batch of b sequences, counted once on the meta device: per block and for
+    the rest of the model, the part tensor parallelism splits and the part it keeps whole; with checkpointing,
+    what a block keeps (its input)."""
+
+    def __init__(self, shape: Shape, micro_batch_size: int, dtype=None):
+        config = {"n_layer": 1, "n_embd": shape.n_embd, "n_head": shape.n_head, "seq_len": shape.seq_len,
+                  "dropout": 0.0, "weight_decay": 0.1}
+        model = estimate.Model(config, shape.vocab, dtype)
+        shapes = {}
+        saved, arguments = model.saved_tensors(micro_batch_size, shapes=shapes)
+        h = shape.n_embd
+
+        hidden = micro_batch_size * shape.seq_len * h
+
+        def whole(dims) -> bool:  # (b, s, h) wide or a LayerNorm's per-token statistics: outside the split layers
+            return len(dims) > 0 and ((dims[-1] == h and math.prod(dims) == hidden) or dims[-1] == 1)
+
+        def parts(storages: dict, in_block: bool) -> tuple[int, int]:
+            kept = sum(n for k, n in storages.items() if whole(shapes[k]))
+            # A block saves five (b, s, h) tensors: the LayerNorms' inputs and outputs, whole on every rank, and the
+            # attention's output, the row-parallel c_proj's input, which holds only the rank's heads.
+            if in_block:
+                kept -= hidden * max(n // math.prod(shapes[k]) for k, n in storages.items() if whole(shapes[k]))
+            return kept, sum(storages.values()) - kept
+
+        self.block, self.rest = parts(saved.get(0, {}), True), parts(saved.get(None, {}), False)
+        block_input = max(arguments.values())  # the hidden states (b, s, h); the mask is shared by every block
+        self.kept_per_block = block_input
+
+    def per_micro_batch(self, blocks: int, tp: int, first: bool, last: bool, checkpointing: bool) -> int:
+        """Bytes one micro-batch leaves for backward on a rank of a stage with ``blocks`` blocks."""
+        block = self.block[0] + -(-self.block[1] // tp)
+        # the rest (embedding lookup, final norm, logits, loss): on the last stage, where nearly all of it is
+        rest = self.rest[0] + -(-self.rest[1] // tp) if last else 0
+        if checkpointing:
+            return blocks * self.kept_per_block + (block if blocks else 0) + rest
+        return blocks * block + rest
+
+
+def in_flight(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at once: GPipe M, 1F1B at most P - s; no pipeline: 1."""
+    if pp == 1:
+        return 1
+    return micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
+
+
+@dataclasses.dataclass
+class Hardware:
+    devices: int
+    memory: float  # bytes per device
+    gpus_per_node: int = 8
+    tflops: float = 300.0  # achieved, per device
+    intra_gbs: float = 450.0  # GB/s a rank moves inside a node (NVLink)
+    inter_gbs: float = 50.0  # across nodes (400 Gb/s InfiniBand per GPU)
+
+
+def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpointing: bool, micro_batch_size: int,
+                  micro_batches: int, activations: Activations, param_dtype: str = "float32",
+                  reduce_dtype: str | None = None, schedule: str = "1f1b") -> dict:
+    """Every rank's bytes and every axis's traffic for one configuration (``micro_batches``: per rank and step,
+    the pipeline's M). Stages differ; the rank holding most decides whether it fits."""
+    (p_bytes, g_bytes, _), _ = estimate.bytes_per_parameter(zero, param_dtype, reduce_dtype)
+    act_bytes = 4 if param_dtype == "float32" else 2
+    bsh = micro_batch_size * shape.seq_len * shape.n_embd
+    stages = []
+    for stage in range(pp):
+        held = rank_params(shape, tp, pp, stage)
+        psi = held["blocks"] + held["rest"]
+        state = estimate.state_bytes(zero, psi, dp, param_dtype, reduce_dtype)
+        blocks = stage_blocks(shape.n_layer, pp, stage)
+        if zero == 3:  # step 7's units in flight, whole: the rest (kept through backward) and two blocks
+            state["gathered"] = p_bytes * (held["rest"] + held["blocks"] // max(blocks, 1) * min(blocks, 2))
+        flight = in_flight(schedule, pp, stage, micro_batches)
+        act = flight * activations.per_micro_batch(blocks, tp, stage == 0, stage == pp - 1, checkpointing)
+        comm = {}
+        if dp > 1:
+            if zero == 3:
+                gathers = micro_batches * (2 * held["blocks"] + held["rest"]) * p_bytes
+                comm["dp"] = {"all_gather": gathers, "reduce_scatter": g_bytes * psi}
+            else:
+                comm["dp"] = {"all_reduce" if zero < 2 else "reduce_scatter": g_bytes * psi,
+                              **({"all_gather": p_bytes * psi} if zero else {})}
+        if tp > 1:
+            comm["tp"] = {"all_reduce": micro_batches * (4 * blocks + 2) * bsh * act_bytes}
+        if pp > 1:
+            tied = -(-(shape.vocab * shape.n_embd) // tp) * 4
+            comm["pp"] = {"send": micro_batches * bsh * act_bytes * ((stage < pp - 1) + (stage > 0))
+                          + (micro_batches * tied if stage == pp - 1 else tied if stage == 0 else 0)}
+        stages.append({"stage": stage, "psi": psi, **state, "activations": act, "in_flight": flight,
+                       "total": sum(state.values()) + act, "comm": comm})
+    worst = max(stages, key=lambda s: s["total"])
+    return {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "checkpointing": checkpointing, "schedule": schedule,
+            "micro_batches": micro_batches, "stages": stages, "total": worst["total"], "worst_stage": worst["stage"],
+            "bubble": (pp - 1) / (micro_batches + pp - 1)}
+
+
+def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: int) -> dict:
+    """Seconds per optimiser step, a rough model: compute over the devices, stretched by the bubble, plus each
+    axis's bytes over the link it crosses (a ring moves 2(n-1)/n of an all-reduce's bytes), none overlapped."""
+    dp, tp, pp, m = config["dp"], config["tp"], config["pp"], config["micro_batches"]
+    tokens = dp * m * micro_batch_size * shape.seq_len
+    flops = (8 if config["checkpointing"] else 6) * shape.psi * tokens / (dp * tp * pp)
+    compute = flops / (hardware.tflops * 1e12) * (m + pp - 1) / m
+    inside = lambda span: span <= hardware.gpus_per_node  # noqa: E731 (ranks a group spans, tp innermost)
+    links = {"tp": inside(tp), "dp": inside(tp * dp), "pp": inside(tp * dp * pp)}
+    sizes = {"dp": dp, "tp": tp, "pp": 2}
+    comm = {}
+    for axis, kinds in max(config["stages"], key=lambda s: s["total"])["comm"].items():
+        n = sizes[axis]
+        moved = sum(b * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n if kind != "send" else 1)
+                    for kind, b in kinds.items())
+        comm[axis] = moved / ((hardware.intra_gbs if links[axis] else hardware.inter_gbs) * 1e9)
+    return {"compute_s": compute, "comm_s": comm, "step_s": compute + sum(comm.values()), "links": links}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: int, param_dtype: str = "float32",
+         reduce_dtype: str | None = None, schedule: str = "1f1b") -> tuple[list[dict], list[dict]]:
+    """(the configurations that fit, ranked; those that do not). Every dp x tp x pp = --devices with tp dividing
+    the heads, pp at most the layers and global batch = dp x micro-batch x M."""
+    activations = Activations(shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype])
+    fit, rejected = [], []
+    for tp in divisors(hardware.devices):
+        if shape.n_head % tp:
+            continue
+        for pp in divisors(hardware.devices // tp):
+            dp = hardware.devices // (tp * pp)
+            if pp > shape.n_layer or global_batch % (dp * micro_batch_size):
+                continue
+            m = global_batch // (dp * micro_batch_size)
+            for zero in range(4) if dp > 1 else (0,):
+                for checkpointing in (False, True):
+                    c = configuration(shape, dp, tp, pp, zero, checkpointing, micro_batch_size, m, activations,
+                                      param_dtype, reduce_dtype, schedule)
+                    c["time"] = step_time(c, shape, hardware, micro_batch_size)
+                    (fit if c["total"] <= hardware.memory else rejected).append(c)
+    simplicity = lambda c: (c["tp"] * c["pp"], c["pp"], c["zero"], c["checkpointing"])  # noqa: E731
+    fit.sort(key=lambda c: (float(f"{c['time']['step_s']:.3g}"), simplicity(c)))  # ties (3 digits): the simpler
+    rejected.sort(key=simplicity)
+    return fit, rejected
+
+
+def name(c: dict) -> str:
+    return (f"dp {c['dp']} x tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}"
+            f"{', checkpointing' if c['checkpointing'] else ''}")
+
+
+def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
+    """Why this configuration, in the rules' terms: DDP first; ZeRO-2 before ZeRO-3; TP inside a node; PP across
+    nodes, paying the bubble; checkpointing only when activations do not fit."""
+    reasons = []
+    simpler = [r for r in rejected if r["tp"] == c["tp"] and r["pp"] == c["pp"] and r["checkpointing"] is False
+               and r["zero"] < c["zero"]]
+    if c["zero"] == 0:
+        reasons.append("DDP: the whole state fits, the fewest bytes moved")
+    elif simpler:
+        worst = max(simpler, key=lambda r: r["zero"])
+        reasons.append(f"{estimate.STAGES[c['zero']]}: {estimate.STAGES[worst['zero']]} needs "
+                       f"{worst['total'] / unit[0]:,.1f} {unit[1]}")
+    else:
+        ddp = next((f for f in fit if (f["dp"], f["tp"], f["pp"], f["zero"], f["checkpointing"])
+                    == (c["dp"], c["tp"], c["pp"], 0, c["checkpointing"])), None)
+        less = f"{(ddp['total'] - c['total']) / unit[0]:,.1f} {unit[1]}" if ddp else ""
+        saved = f"{less} less than DDP, which fits too" if ddp else "fits"
+        reasons.append(f"{estimate.STAGES[c['zero']]}: {saved}")
+    if c["tp"] > 1:
+        reasons.append(f"TP {c['tp']} {'inside a node' if c['time']['links']['tp'] else 'ACROSS nodes (slow)'}")
+    if c["pp"] > 1:
+        reasons.append(f"PP {c['pp']}: bubble {c['bubble']:.0%} at M = {c['micro_batches']}"
+                       f"{', stages across nodes' if not c['time']['links']['pp'] else ''}")
+    if c["checkpointing"]:
+        reasons.append("checkpointing: +1 forward")
+    return "; ".join(reasons)
+
+
+def step_ms(ms: float) -> str:
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
+def in_unit(n: float, unit: tuple) -> str:
+    return f"{n / unit[0]:,.3f}" if n < 10 * unit[0] else f"{n / unit[0]:,.1f}"
+
+
+def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dict], micro_batch_size: int,
+           global_batch: int, param_dtype: str, top: int) -> str:
+    unit = (GIB, "GiB") if hardware.memory >= 2 * GIB else (2**20, "MiB")
+    gib = lambda n: in_unit(n, unit)  # noqa: E731
+    lines = [f"GPT-2 n_layer {shape.n_layer}, n_embd {shape.n_embd}, n_head {shape.n_head}, vocabulary "
+             f"{shape.vocab:,}, seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} parameters, AdamW",
+             f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} "
+             f"({hardware.gpus_per_node} per node); "
+             f"micro-batch {micro_batch_size}, global batch {global_batch} sequences",
+             f"{len(fit)} configurations fit, {len(rejected)} do not. {unit[1]} per rank (the stage holding most); "
+             "gather: ZeRO-3's units in flight; held: micro-batches of activations held; MB: bytes per step and rank "
+             "each axis moves",
+             f"{'#':>3} {'configuration':<44}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
+             f"{'total':>9}{'DP MB':>10}{'TP MB':>10}{'PP MB':>9}{'step ms':>9}  why"]
+    for i, c in enumerate(fit[:top]):
+        s = c["stages"][c["worst_stage"]]
+        comm = {axis: sum(s["comm"].get(axis, {}).values()) / 1e6 for axis in ("dp", "tp", "pp")}
+        lines.append(f"{i + 1:>3} {name(c):<44}{gib(s['params']):>9}{gib(s['grads']):>9}"
+                     f"{gib(s['optimizer_state']):>9}"
+                     f"{gib(s['gathered']) if 'gathered' in s else '-':>9}{gib(s['activations']):>9}"
+                     f"{s['in_flight']:>5}{gib(c['total']):>9}"
+                     + "".join(f"{comm[axis]:>10,.1f}" if axis != "pp" else f"{comm[axis]:>9,.1f}"
+                               for axis in ("dp", "tp", "pp"))
+                     + f"{step_ms(c['time']['step_s'] * 1e3):>9}  {justify(c, fit, rejected, unit)}")
+    if not fit:
+        best = min(rejected, key=lambda c: c["total"])
+        lines.append(f"nothing fits: the smallest is {name(best)} with {gib(best['total'])} {unit[1]} per rank; add "
+                     "devices or memory, or shorten the micro-batch")
+    return "\n".join(lines)
+
+
+# ---- Measured beside estimated -----------------------------------------------------------------------------------
+
+ZERO_OF_STEP = {5: 1, 6: 2, 7: 3, 10: 1}  # step 10: ZeRO-1 over the data axis (issue 20)
+
+
+def layout_of(metrics: dict) -> dict:
+    """The mesh of a run from its metrics.json: dp, tp, pp, ZeRO stage, and each rank's (dp, tp, pp)
+    coordinates. Reads ``env``'s ``data_parallel_size``, ``tensor_parallel_size``, ``pipeline_stages`` (steps 8
+    and 9 write them; a step 10 run writes all three, and ``mesh_coords`` [[dp, tp, pp] per rank] where its
+    layout is not tp innermost, then dp, then pp)."""
+    env, step = metrics["env"], metrics["config"]["step"]
+    number = int(step[4:].split("_")[0])
+    world = env["world_size"]
+    tp, pp = env.get("tensor_parallel_size", 1), env.get("pipeline_stages", env.get("pipeline_parallel_size", 1))
+    dp = env.get("data_parallel_size", world) if (tp, pp) == (1, 1) else env.get("data_parallel_size", 1)
+    if dp * tp * pp != world:
+        raise UserError(f"{step}: a mesh of dp {dp} x tp {tp} x pp {pp} is not the world size {world}")
+    coords = env.get("mesh_coords") or [[(r // tp) % dp, r % tp, r // (tp * dp)] for r in range(world)]
+    return {"dp": dp, "tp": tp, "pp": pp, "zero": ZERO_OF_STEP.get(number, 0), "coords": coords}
+
+
+def measured_rows(metrics: dict, vocab: int) -> list[dict]:
+    """Per rank of a run: the model state it recorded (params + grads + optimizer state, the last record) and
+    the planner's for its stage; a step 10 run is read the same way (``layout_of``)."""
+    config, mesh = metrics["config"], layout_of(metrics)
+    shape = Shape(config["n_layer"], config["n_embd"], config["n_head"], vocab, config["seq_len"])
+    param_dtype = config.get("param_dtype") or "float32"
+    reduce_dtype = "float32" if param_dtype != "float32" else None
+    rows = []
+    for rank, memory in enumerate(metrics["records"][-1]["memory"]):
+        stage = mesh["coords"][rank][2]
+        held = rank_params(shape, mesh["tp"], mesh["pp"], stage)
+        estimated = estimate.state_bytes(mesh["zero"], held["blocks"] + held["rest"], mesh["dp"], param_dtype,
+                                         reduce_dtype)
+        rows.append({"step": config["step"], "rank": rank, "stage": stage,
+                     **{k: mesh[k] for k in ("dp", "tp", "pp", "zero")},
+                     "measured": {k: memory[k] for k in estimate.KINDS}, "estimated": estimated,
+                     "in_flight": memory.get("micro_batches_in_flight"),
+                     "in_flight_estimated": in_flight(config.get("schedule", "1f1b"), mesh["pp"], stage,
+                                                      config.get("micro_batches") or config["grad_accum"])})
+    return rows
+
+
+def measured_report(runs: list[Path]) -> tuple[str, bool]:
+    import parity
+    lines = [f"{'run':<26}{'rank':>5}{'mesh dp x tp x pp, ZeRO':>26}{'measured state':>16}{'estimated':>12}"
+             f"{'ratio':>8}{'in flight (measured / est.)':>29}"]
+    ok = True
+    for run in runs:
+        folder, metrics = parity.load_run(str(run))
+        vocab = estimate.vocabulary_size(metrics["config"]["tokenizer"])
+        for row in measured_rows(metrics, vocab):
+            m, e = sum(row["measured"].values()), sum(row["estimated"].values())
+            ok &= abs(m / e - 1) <= 0.05
+            mesh = f"{row['dp']} x {row['tp']} x {row['pp']}, {estimate.STAGES[row['zero']] if row['dp'] > 1 else '-'}"
+            held = f"{row['in_flight']} / {row['in_flight_estimated']}" if row["in_flight"] is not None else "-"
+            lines.append(f"{Path(folder).name:<26}{row['rank']:>5}{mesh:>26}{m:>16,}{e:>12,}{m / e:>8.3f}{held:>29}")
+    lines.append(f"every rank's model state within 5% of the estimate: {'yes' if ok else 'NO'}")
+    return "\n".join(lines), ok
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, the flags with their defaults."""
+
+
+def main() -> int:
+    parser = build_parser("plan")
+    parser.prog, parser.description, parser.formatter_class = "compare/plan.py", __doc__, HelpFormatter
+    for action in parser._actions:
+        if action.dest not in USED_FLAGS and action.option_strings and action.dest != "help":
+            action.help = argparse.SUPPRESS  # a trainer flag with no bearing on the plan: accepted, not advertised
+    flags = parser.add_argument_group("plan")
+    flags.add_argument("--devices", type=int, default=4, help="devices (ranks) in all")
+    flags.add_argument("--memory-gb", type=float, default=80.0, help="memory per device, GiB")
+    flags.add_argument("--gpus-per-node", type=int, default=8)
+    flags.add_argument("--params", type=float, default=None, help="a parameter count instead of --n-layer/--n-embd")
+    flags.add_argument("--vocab-size", type=int, default=None, help="default: the vocabulary of --tokenizer")
+    flags.add_argument("--global-batch", type=int, default=None,
+                       help="sequences per optimiser step (default: --devices x --micro-batch-size x --grad-accum)")
+    if not any(action.dest == "param_dtype" for action in parser._actions):
+        flags.add_argument("--param-dtype", choices=tuple(estimate.PARAM_DTYPES), default="float32")
+    flags.add_argument("--reduce-dtype-fp32", action="store_true",
+                       help="16-bit parameters with gradients kept in float32, as FSDP2 (default: the paper's 16-bit)")
+    flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline's")
+    flags.add_argument("--tflops", type=float, default=300.0, help="achieved TFLOP/s per device (ranking only)")
+    flags.add_argument("--intra-gbs", type=float, default=450.0, help="GB/s per rank inside a node (ranking only)")
+    flags.add_argument("--inter-gbs", type=float, default=50.0, help="GB/s per rank across nodes (ranking only)")
+    flags.add_argument("--top", type=int, default=12, help="configurations printed")
+    flags.add_argument("--measured", type=Path, nargs="+", default=None,
+                       help="run folders (or step names): print their measured model state beside the estimate")
+    flags.add_argument("--json", type=Path, help="also write every configuration here")
+    config = parse_config(parser)
+    if config["measured"]:
+        text, ok = measured_report(config["measured"])
+        print(text)
+        return 0 if ok else 1
+    for flag in ("devices", "memory_gb", "micro_batch_size", "gpus_per_node", "top", "params"):
+        if config[flag] is not None and config[flag] <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive, got {config[flag]:g}")
+    vocab = config["vocab_size"] or estimate.vocabulary_size(config["tokenizer"])
+    shape = (Shape.from_params(config["params"], vocab, config["seq_len"]) if config["params"]
+             else Shape(config["n_layer"], config["n_embd"], config["n_head"], vocab, config["seq_len"]))
+    b = config["micro_batch_size"]
+    global_batch = config["global_batch"] or config["devices"] * b * config["grad_accum"]
+    hardware = Hardware(config["devices"], config["memory_gb"] * GIB, config["gpus_per_node"], config["tflops"],
+                        config["intra_gbs"], config["inter_gbs"])
+    reduce_dtype = "float32" if config["reduce_dtype_fp32"] and config["param_dtype"] != "float32" else None
+    fit, rejected = plan(shape, hardware, b, global_batch, config["param_dtype"], reduce_dtype, config["schedule"])
+    print(report(shape, hardware, fit, rejected, b, global_batch, config["param_dtype"], config["top"]))
+    if config["json"]:
+        config["json"].write_text(json.dumps({"shape": dataclasses.asdict(shape), "fit": fit, "rejected": rejected},
+                                             indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))
