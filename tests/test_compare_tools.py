@@ -121,3 +121,15 @@ def test_every_step_readme_names_the_files_to_skip_on_a_first_read():
         assert len(skip) == 1, f"{folder.name}/README.md: one paragraph starting with {step_diffs.SKIP_LINE}"
         named = set(re.findall(r"`([\w.]+\.py)`", skip[0])) - {"train.py"}
         assert named == step_diffs.skipped_on_first_read(folder), folder.name
+
+
+@pytest.mark.quick
+def test_readme_layout_names_every_compare_tool():
+    """The README's Layout section lists every script in compare/ with a line of what it does: a new tool that
+    nobody can find is not there for a learner."""
+    readme = (REPO / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    listed = {line.split()[0] for line in layout.splitlines() if line.startswith("  ") and line.split()[0].endswith(".py")}
+    tools = {p.name for p in (REPO / "compare").glob("*.py")}
+    assert tools - listed == set(), "compare/ tools missing from the README's Layout section"
+    assert listed - tools == set(), "the README's Layout section names tools that compare/ does not have"
