@@ -128,8 +128,11 @@ def test_readme_layout_names_every_compare_tool():
     """The README's Layout section lists every script in compare/ with a line of what it does: a new tool that
     nobody can find is not there for a learner."""
     readme = (REPO / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
-    listed = {line.split()[0] for line in layout.splitlines() if line.startswith("  ") and line.split()[0].endswith(".py")}
+    import re
+
+    layout = readme[readme.index("compare/ ", readme.index("## Layout")):]
+    layout = layout[:layout.index("```")]
+    listed = set(re.findall(r"(?:^ {2}| {2,})(\w+\.py) ", layout, flags=re.MULTILINE))
     tools = {p.name for p in (REPO / "compare").glob("*.py")}
     assert tools - listed == set(), "compare/ tools missing from the README's Layout section"
     assert listed - tools == set(), "the README's Layout section names tools that compare/ does not have"
