@@ -120,6 +120,27 @@ def exact_run(tmp_path_factory, small_corpus):
     return run
 
 
+# Step 9 (pipeline parallelism) on top of TINY: 4 blocks (up to 4 stages), 4 micro-batches per step, and what must
+# flow through the stages right: dropout (one random stream), bf16 autocast, clipping (TINY's), checkpoints at
+# steps 2 and 4.
+PIPELINE = ("--n-layer", "4", "--grad-accum", "4", "--dropout", "0.1", "--amp", "bf16", "--save-every", "2")
+
+
+@pytest.fixture(scope="session")
+def pipeline_runs(tmp_path_factory, small_corpus):
+    """``pipeline_runs(step, nproc, *extra)``: that trainer on TINY + PIPELINE (+ extra), once per session; its run
+    folder. Step 9's tests (tests/test_pipeline_parallel.py) and step 9's resume test share them."""
+    runs = {}
+
+    def run(step: str, nproc: int = 1, *extra: str) -> Path:
+        key = (step, nproc, extra)
+        if key not in runs:
+            out = tmp_path_factory.mktemp(f"{step}_p{nproc}")
+            runs[key] = train(step, out, small_corpus, *PIPELINE, *extra, nproc=nproc)
+        return runs[key]
+    return run
+
+
 def init_gloo(rank: int, world_size: int, port: int) -> None:
     """In a spawned worker: one CPU thread, and the trainers' own join: a gloo group on loopback, with a
     short timeout. Leave with ``shutdown()``, as the trainers do."""
@@ -131,10 +152,18 @@ def init_gloo(rank: int, world_size: int, port: int) -> None:
 shutdown = distributed.shutdown
 
 
+# The workers' start method. Each is a new process, forked from a server process that has imported torch and this
+# file and done nothing else (no group, no tensor work), so a worker starts where a spawned one would be once it
+# has unpickled its target, without importing torch again: about 3 CPU seconds less per worker, most of what a toy
+# test costs. (Outsiders' harnesses, tests/drop_in_harness.py, still use mp.spawn.)
+WORKERS = mp.get_context("forkserver")
+WORKERS.set_forkserver_preload(["torch", "torch.distributed", "conftest"])
+
+
 def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
-    """Run ``target(rank, world_size, port, queue, *args)`` in ``world_size`` fresh processes.
+    """Run ``target(rank, world_size, port, queue, *args)`` in ``world_size`` fresh processes (``WORKERS``).
     Each worker puts ``(rank, result)`` on the queue; returns ``{rank: result}``."""
-    ctx = mp.get_context("spawn")
+    ctx = WORKERS
     queue = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,6 +1,7 @@
 """Each idea file used the way someone else's training script uses it, beside its PyTorch counterpart.
 
-    python tests/drop_in_harness.py naive_dp|bucketed_ddp|zero1|zero2|zero3|zero1_bf16|zero2_bf16 OUT.json
+    python tests/drop_in_harness.py CASE [CASE ...] OUT.json   # CASE: naive_dp bucketed_ddp zero1 zero2 zero3
+                                                               #       zero1_bf16 zero2_bf16
 
 This file is deliberately written like an outside harness (a course's test suite, a learner's own
 script): ``torch.multiprocessing.spawn`` starts two workers, each creates the process group itself,
@@ -10,9 +11,12 @@ counterpart (``DistributedDataParallel``, ``ZeroRedundancyOptimizer``, FSDP2's `
 same process, and every parameter is compared with ``torch.equal`` after every optimiser step. The
 workers leave with ``dist.destroy_process_group()``, as such a script does, not with our ``shutdown()``.
 
-Rank 0 writes ``{"problems": [...], "checked": N}`` to OUT.json. A worker that dies (an exception, or a
-signal such as the SIGABRT of a thread left alive into interpreter exit) makes ``mp.spawn`` raise, and
-this script exit non-zero.
+Several cases share one spawn (starting a process is most of a case's time): the group is created once, every
+case's idea files are imported next, one case after another and each from its own folder (so what an import
+adds to ``sys.modules`` is still its own doing: no loop has run yet), then the cases' loops run in turn, each
+with its own files back in place. OUT.json holds ``{"cases": {CASE: {"problems": [...], "checked": N}},
+"threads left": [...]}``. A worker that dies (an exception, or a signal such as the SIGABRT of a thread left
+alive into interpreter exit) makes ``mp.spawn`` raise, and this script exit non-zero.
 """
 import contextlib
 import importlib
@@ -401,20 +405,47 @@ def case_zero2_bf16(rank, problems) -> int:
     return checked
 
 
-def worker(rank: int, case: str, port: int, out: str) -> None:
+def from_folder(folder: Path) -> dict:
+    """The modules loaded from ``folder``'s files."""
+    return {name: module for name, module in sys.modules.items()
+            if Path(getattr(module, "__file__", None) or "/").parent == folder}
+
+
+def set_aside(folder: Path) -> dict:
+    """Take ``folder`` off the path and its modules out of ``sys.modules`` (another step folder holds files of
+    the same names: the next case must load its own); returns them, to be put back for the case's loop."""
+    sys.path.remove(str(folder))
+    modules = from_folder(folder)
+    for name in modules:
+        del sys.modules[name]
+    return modules
+
+
+def worker(rank: int, cases: list[str], port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
-    sys.path.insert(0, str(REPO / FOLDER[case]))  # imported only now, with the group already there
-    problems, before = [], set(sys.modules)
-    for module in IDEA_MODULES[case]:
-        importlib.import_module(module)
-    # Importing an idea file must do nothing to the group: no set-up module of the trainers, nothing that binds
-    # the default group (torch.distributed.nn.functional does, as a default argument, when first imported).
-    side_effects = {"distributed", "torch.distributed.nn", "torch.distributed.nn.functional"} & (set(sys.modules) - before)
-    if side_effects:
-        problems.append(f"importing {IDEA_MODULES[case]} imported {sorted(side_effects)}")
-    checked = globals()[f"case_{case}"](rank, problems)
+    problems, modules = {case: [] for case in cases}, {}
+    for case in cases:  # imported only now, with the group already there
+        folder = REPO / FOLDER[case]
+        sys.path.insert(0, str(folder))
+        before = set(sys.modules)
+        for module in IDEA_MODULES[case]:
+            importlib.import_module(module)
+        # Importing an idea file must do nothing to the group: no set-up module of the trainers, nothing that
+        # binds the default group (torch.distributed.nn.functional does, as a default argument, when first imported).
+        side_effects = {"distributed", "torch.distributed.nn", "torch.distributed.nn.functional"} & (set(sys.modules)
+                                                                                                     - before)
+        if side_effects:
+            problems[case].append(f"importing {IDEA_MODULES[case]} imported {sorted(side_effects)}")
+        modules[case] = set_aside(folder)
+    checked = {}
+    for case in cases:
+        folder = REPO / FOLDER[case]
+        sys.path.insert(0, str(folder))
+        sys.modules.update(modules[case])
+        checked[case] = globals()[f"case_{case}"](rank, problems[case])
+        set_aside(folder)
     dist.destroy_process_group()
     # A group that something still holds is not freed: its threads would run on into interpreter exit.
     left = gloo_threads()
@@ -429,14 +460,19 @@ def gloo_threads() -> list[str]:
 
 
 def main() -> None:
-    case, out = sys.argv[1], sys.argv[2]
+    *cases, out = sys.argv[1:]
+    unknown = sorted(set(cases) - set(FOLDER))
+    if not cases or unknown:
+        sys.exit(f"usage: python tests/drop_in_harness.py CASE [CASE ...] OUT.json, CASE one of {sorted(FOLDER)}"
+                 + (f" (not {unknown})" if unknown else ""))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(case, port, out), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(worker, args=(cases, port, out), nprocs=WORLD_SIZE, join=True)
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(WORLD_SIZE)]
-    Path(out).write_text(json.dumps({"problems": [p for r in ranks for p in r["problems"]], "checked": ranks[0]["checked"],
-                                     "threads left": [r["threads left"] for r in ranks]}))
+    reports = {case: {"problems": [p for r in ranks for p in r["problems"][case]], "checked": ranks[0]["checked"][case]}
+               for case in cases}
+    Path(out).write_text(json.dumps({"cases": reports, "threads left": [r["threads left"] for r in ranks]}))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Every idea file dropped into someone else's script: tests/drop_in_harness.py, run as its own program.
 
-Each case spawns two workers with ``torch.multiprocessing.spawn`` that create the process group first,
-import the idea file afterwards, run a plain loop beside the PyTorch counterpart, compare every parameter
-with ``torch.equal`` after every optimiser step, and leave with ``dist.destroy_process_group()``. A worker
-that aborts at interpreter exit (the "terminate called without an active exception" an idea file once
-caused by importing ``distributed.py``) makes the program fail, so every run is also an abort check.
+Two workers spawned with ``torch.multiprocessing.spawn`` create the process group first, import the idea
+files afterwards, run each case's plain loop beside the PyTorch counterpart, compare every parameter with
+``torch.equal`` after every optimiser step, and leave with ``dist.destroy_process_group()``. A worker that
+aborts at interpreter exit (the "terminate called without an active exception" an idea file once caused by
+importing ``distributed.py``) makes the program fail, so the run is also an abort check. The cases share
+that one spawn (the harness imports every idea file before any loop runs, so each import is checked alone).
 """
 import json
 import subprocess
@@ -20,16 +21,26 @@ CASES = {
     "zero1": "ShardedOptimizer vs ZeroRedundancyOptimizer and the plain optimiser (AdamW, SGD), GradScaler, clipping",
     "zero2": "ShardedGradientDDP + ShardedOptimizer vs DistributedDataParallel + AdamW",
     "zero3": "FullyShardedDP vs FSDP2 fully_shard (float32, and bf16 MixedPrecisionPolicy), and vs DDP with a unit called twice",
+    "zero1_bf16": "ShardedOptimizer(param_dtype=bf16) with the outsider's own float32 gradient sync vs FSDP2 bf16",
+    "zero2_bf16": "ShardedGradientDDP + ShardedOptimizer(param_dtype=bf16) vs FSDP2 MixedPrecisionPolicy(bf16, float32)",
 }
 
 
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    """The harness run once for every case (one spawn: starting the processes is most of a case's time)."""
+    folder = tmp_path_factory.mktemp("drop_in")
+    out = folder / "result.json"
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "drop_in_harness.py"), *CASES, str(out)],
+                            cwd=folder, capture_output=True, text=True, timeout=600)
+    return result, json.loads(out.read_text()) if out.is_file() else None
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_idea_file_in_an_outside_harness_equals_its_pytorch_counterpart(case, tmp_path):
-    out = tmp_path / "result.json"
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "drop_in_harness.py"), case, str(out)],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"{CASES[case]}: the harness failed\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+def test_idea_file_in_an_outside_harness_equals_its_pytorch_counterpart(case, harness):
+    result, report = harness
+    assert result.returncode == 0, f"the harness failed\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     assert "terminate called" not in result.stderr
-    report = json.loads(out.read_text())
+    report = report["cases"][case]
     assert report["problems"] == [], f"{CASES[case]}: {report['problems'][:10]}"
     assert report["checked"] >= 30, "too few tensors compared for the comparison to prove anything"

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import EXACT, REPO, STEPS, TINY, assert_bitwise_same_run, launch, metrics, parity, train, weights
+from conftest import (EXACT, PIPELINE, REPO, STEPS, TINY, assert_bitwise_same_run, launch, metrics, parity, train,
+                      weights)
 
 
 def test_step0_two_identical_runs_are_bitwise_identical(tmp_path, small_corpus):
@@ -19,14 +20,17 @@ def test_step0_two_identical_runs_are_bitwise_identical(tmp_path, small_corpus):
 
 
 @pytest.mark.parametrize("step", sorted(STEPS))
-def test_resume_from_a_checkpoint_is_bitwise_with_dropout(step, exact_run, tmp_path, small_corpus):
+def test_resume_from_a_checkpoint_is_bitwise_with_dropout(step, exact_run, pipeline_runs, tmp_path, small_corpus):
     """Every step: resumed from step_2 of a 4-step run, steps 3 and 4 come out bit for bit, with dropout
     on. A step that forgot to restore the data position would train on other batches; one that forgot
     the RNG state would draw other dropout masks. The 2-rank exact-mode runs (dropout, bf16, checkpoints)
-    are the originals where they exist; step 0 (one process) and step 2 train their own."""
+    are the originals where they exist; step 9's is its tests' 2-stage 1F1B run (dropout, bf16, checkpoints);
+    step 0 (one process) and step 2 train their own."""
     if step in ("step0", "step2"):
         extra = ["--dropout", "0.1", "--save-every", "2"]
         original = train(step, tmp_path / "original", small_corpus, *extra)
+    elif step == "step9":
+        extra, original = [*PIPELINE, "--schedule", "1f1b"], pipeline_runs(step, 2, "--schedule", "1f1b")
     else:
         extra, original = list(EXACT), exact_run(step, 2)
     copy = tmp_path / "copy"

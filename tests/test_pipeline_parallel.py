@@ -11,27 +11,14 @@ from datetime import timedelta
 import pytest
 import torch
 
-from conftest import REPO, STEPS, TINY, assert_bitwise_same_run, metrics, spawn, train
+from conftest import PIPELINE, REPO, STEPS, TINY, assert_bitwise_same_run, metrics, spawn, train
 from slow_rank_hook import HOOK
 
-# TINY with 4 blocks (up to 4 stages), 4 micro-batches per step, and what must flow through the stages
-# right: dropout (one random stream), bf16 autocast, clipping (TINY's), checkpoints at steps 2 and 4.
-FLAGS = (*TINY, "--n-layer", "4", "--grad-accum", "4", "--dropout", "0.1", "--amp", "bf16", "--save-every", "2")
+# The runs are shared (conftest's ``pipeline_runs``, on TINY + PIPELINE: 4 blocks, 4 micro-batches per step, dropout,
+# bf16, clipping, checkpoints at steps 2 and 4): step 0, and step 9 on 2 stages with each schedule (the 1F1B one is
+# also step 9's original in tests/test_foundation.py's resume test).
+FLAGS = (*TINY, *PIPELINE)
 B, S, E, VOCAB = 2, 32, 32, 2048  # TINY's micro-batch, sequence and width; data/tokenizer.json's vocabulary
-
-
-@pytest.fixture(scope="session")
-def pipeline_runs(tmp_path_factory, small_corpus):
-    """``run(step, nproc, *extra)``: that trainer on FLAGS, once per session; its run folder."""
-    runs = {}
-
-    def run(step: str, nproc: int = 1, *extra: str):
-        key = (step, nproc, extra)
-        if key not in runs:
-            out = tmp_path_factory.mktemp(f"{step}_p{nproc}")
-            runs[key] = train(step, out, small_corpus, *FLAGS, *extra, nproc=nproc)
-        return runs[key]
-    return run
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -72,7 +59,8 @@ def test_bytes_sent_and_micro_batches_held_match_the_formulas(pipeline_runs):
             assert [m["micro_batches_in_flight"] for m in record["memory"]] == held
     block = 2 * E + 3 * E * E + 3 * E + E * E + E + 2 * E + 4 * E * E + 4 * E + 4 * E * E + E  # ln, attn, ln, mlp
     embeddings = VOCAB * E + S * E
-    stage_params = [m["params"] for m in metrics(pipeline_runs("step9", 2))["records"][0]["memory"]]
+    two_stages = pipeline_runs("step9", 2, "--schedule", "1f1b")
+    stage_params = [m["params"] for m in metrics(two_stages)["records"][0]["memory"]]
     assert stage_params == [4 * (embeddings + 2 * block), 4 * (2 * block + 2 * E + VOCAB * E)]
     assert metrics(pipeline_runs("step0"))["records"][0]["memory"][0]["params"] == 4 * (embeddings + 4 * block + 2 * E)
 

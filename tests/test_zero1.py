@@ -2,7 +2,8 @@
 
 Every rank computes the same full gradients, so the plain optimiser, run in the same process, is the
 exact answer: the sharded one must give the same bits at every step. One spawn per world size runs
-every check; the world-size-3 run saves optimiser shards that the world-size-2 run must refuse.
+every check; the world-size-2 run saves optimiser shards that the world-size-3 run must refuse. The quick tier
+(``-m quick``) runs world size 2.
 """
 import io
 import math
@@ -14,8 +15,6 @@ import torch
 import torch.distributed as dist
 
 from conftest import REPO, init_gloo, spawn
-
-pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 
 
 class Toy(torch.nn.Module):
@@ -178,9 +177,9 @@ def checkpoint_round_trip(ours, our_model, cls, kwargs, results, tmp, rank, worl
     dist.barrier()  # every rank's shard is on disk
     other = tmp / f"ws{world_size}_rank{(rank + 1) % world_size}.pt"
     attempts["other rank"] = (ShardedOptimizer(groups_of(make_model()), cls, **kwargs), other)
-    if world_size == 2:  # the world-size-3 run saved its shards first
+    if world_size == 3:  # the world-size-2 run saved its shards first
         attempts["other world size"] = (ShardedOptimizer(groups_of(make_model()), cls, **kwargs),
-                                        tmp / f"ws3_rank{rank}.pt")
+                                        tmp / f"ws2_rank{rank % 2}.pt")
     for label, (optimizer, source) in attempts.items():
         if isinstance(source, io.BytesIO):
             source = io.BytesIO(source.getvalue())
@@ -319,18 +318,19 @@ def run(world_size, shard_dir):
 
 
 @pytest.fixture(scope="module")
-def ws3(shard_dir):
-    return run(3, shard_dir)
-
-
-@pytest.fixture(scope="module")
-def ws2(ws3, shard_dir):  # after ws3: it reads the shards ws3 saved
+def ws2(shard_dir):
     return run(2, shard_dir)
 
 
-@pytest.fixture(params=[2, 3])
-def world(request, ws2, ws3):
-    return request.param, {2: ws2, 3: ws3}[request.param]
+@pytest.fixture(scope="module")
+def ws3(ws2, shard_dir):  # after ws2: it reads the shards ws2 saved
+    return run(3, shard_dir)
+
+
+# python -m pytest -m quick (pytest.ini) runs world size 2.
+@pytest.fixture(params=[pytest.param(2, marks=pytest.mark.quick), 3])
+def world(request):
+    return request.param, request.getfixturevalue(f"ws{request.param}")
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -393,7 +393,7 @@ def test_resumed_shard_continues_bitwise(world):
 
 def test_a_shard_of_another_layout_is_refused(world):
     world_size, results = world
-    expected = {"other chunking", "other rank"} | ({"other world size"} if world_size == 2 else set())
+    expected = {"other chunking", "other rank"} | ({"other world size"} if world_size == 3 else set())
     for rank, r in results.items():
         assert set(r["refusals"]) == expected
         for label, message in r["refusals"].items():
