@@ -42,13 +42,13 @@ def plot_runs(names: list[str], out: Path) -> Path:
     check_figure_path(out, "--out")
     runs = [parity.load_run(name) for name in names]
     labels = [f"{path.name} (ws {m['env']['world_size']})" for path, m in runs]
-    colors = [f"C{i % 10}" for i in range(len(runs))]  # a run keeps its colour in both columns
+    # A run keeps its colour in both columns; past the default cycle's 10 colours, tab20's 20 (no two runs alike).
+    colors = [f"C{i}" for i in range(len(runs))] if len(runs) <= 10 else [plt.cm.tab20(i % 20) for i in range(len(runs))]
     base = {r["step"]: r for r in runs[0][1]["records"]}
     # One legend for the whole figure, below it, each run with its verdict: per-panel legends would sit on
     # the curves, and the runs are the same in every panel.
     worst = [{key: 0.0 for key, _ in SERIES} for _ in runs]
-    legend_inches = 0.25 + 0.2 * ((len(runs) + 1) // 2)  # two columns of runs, one line each
-    fig, axes = plt.subplots(len(SERIES), 2, figsize=(12, 8.5 + legend_inches), dpi=110, sharex=True)
+    fig, axes = plt.subplots(len(SERIES), 2, figsize=(12, 8.5), dpi=110, sharex=True)
     for row, (key, title) in enumerate(SERIES):
         curves, diffs = axes[row]
         for (path, metrics), color in zip(runs, colors):
@@ -80,7 +80,12 @@ def plot_runs(names: list[str], out: Path) -> Path:
             f"{name} {w[key]:.1e}" if w[key] else f"{name} 0"
             for key, name in (("loss", "loss"), ("grad_norm", "grad norm"), ("param_norm", "param norm"))))
         for label, w in zip(labels[1:], worst[1:])]
-    fig.legend(handles, verdicts, loc="lower center", ncol=2 if len(runs) > 1 else 1, fontsize=9, frameon=False)
+    # Two columns while every verdict fits half the width at this font size; one column otherwise (a long verdict
+    # in two columns runs off both edges). The figure grows by the legend's lines, so no line sits on a panel.
+    columns = 2 if len(runs) > 1 and max(map(len, verdicts)) <= 80 else 1
+    legend_inches = 0.25 + 0.2 * -(-len(verdicts) // columns)
+    fig.set_size_inches(12, 8.5 + legend_inches)
+    fig.legend(handles, verdicts, loc="lower center", ncol=columns, fontsize=9, frameon=False)
     fig.suptitle(f"{len(runs)} runs: the curves (left), and each run minus the reference, {labels[0]} (right)"
                  if len(runs) > 1 else labels[0], fontsize=11)
     fig.tight_layout(rect=(0, legend_inches / fig.get_figheight(), 1, 1))
