@@ -200,7 +200,7 @@ def test_a_frozen_tp_rank_ends_the_job_within_the_timeout(tmp_path, small_corpus
     import time
 
     from conftest import trainer_command
-    from distributed import COLLECTIVE_FAILED, ROLL_CALL_S
+    from collective_failures import COLLECTIVE_FAILED, ROLL_CALL_S
     from test_dead_rank import FREEZE_TIMEOUT_S, SLACK_S, Lines, workers_by_rank
 
     args = [*TINY, "--steps", "10000", "--tp", "2", "--data", str(small_corpus), "--out", str(tmp_path / "run"),

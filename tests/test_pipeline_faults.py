@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, STEPS, TINY, trainer_command
-from distributed import COLLECTIVE_FAILED, ROLL_CALL_S
+from collective_failures import COLLECTIVE_FAILED, ROLL_CALL_S
 from test_dead_rank import SLACK_S, Lines, stop_job, workers_by_rank
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads torchrun's workers from /proc")
@@ -32,7 +32,7 @@ def waiting_stage(rank, world_size, port, queue, waiter):
     torch.set_num_threads(1)
     sys.path.insert(0, str(REPO / STEPS["step9"]))
     from pipeline import Pipeline  # imported first: a slow import must not count against the short timeout
-    from distributed import explain_collective_failure
+    from collective_failures import explain_collective_failure
     # The meeting point waits long (a loaded machine starts processes slowly); the group's operations, P2P_TIMEOUT_S.
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=60))
     store.set(f"ready{rank}", "1")
