@@ -86,6 +86,7 @@ class Unit:
         self.flat = None  # the full-size leaf: created by the first gather, its storage freed between uses
         self.accumulated = None  # param_dtype under no_sync: the micro-batches' gradients summed in reduce_dtype
         self.state, self.handle, self.views = SHARDED, None, None
+        self.sending = None  # param_dtype: the shard cast to 16 bits, in flight in the all-gather
         self.work = self.output = None  # the reduce-scatter in flight and the buffer it writes
         self.compute = self.event = None  # timeline entries still open
 
@@ -214,8 +215,11 @@ class FullyShardedDP(torch.nn.Module):
         count_collective("all_gather", unit.flat)
         event = self._record(f"all-gather {unit.name}", "comm")
         # Into .data: a write autograd does not count, so what backward saved from the last gather stays valid.
-        # With param_dtype the shard goes out cast to 16 bits; the handle keeps that copy alive until it is sent.
-        unit.handle = dist.all_gather_single(unit.flat.data, unit.shard.to(unit.flat.dtype), async_op=True)
+        # With param_dtype the shard goes out cast to 16 bits. The unit holds that copy and drops it after the wait,
+        # so it is freed here, in this thread, not whenever gloo's thread lets go of the handle (a free there is
+        # invisible to the profiler that compare/peak_memory.py reads).
+        unit.sending = unit.shard.to(unit.flat.dtype)
+        unit.handle = dist.all_gather_single(unit.flat.data, unit.sending, async_op=True)
         unit.state = GATHERING
         if event is not None:
             unit.handle.get_future().then(lambda _: event.update(end=time.perf_counter()))
@@ -224,7 +228,7 @@ class FullyShardedDP(torch.nn.Module):
         self._launch_gather(unit)
         if unit.state == GATHERING:
             unit.handle.wait()
-            unit.state, unit.handle = GATHERED, None
+            unit.state, unit.handle, unit.sending = GATHERED, None, None
 
     def _free(self, unit: Unit) -> None:
         if unit.state == SHARDED:
