@@ -13,7 +13,8 @@ The rule: a rank is a straggler when it is the slowest (most CPU time) in at lea
 of the steps (default 75%: consistently, not in a burst) AND its median CPU time is at least
 ``--ratio`` times the other ranks' (default 1.5: above the 1.32x that identical ranks reached on
 a loaded 2-core machine). The first step is left out when there are others: it pays one-time
-start-up costs. At most one rank can be slowest in more than half of the steps, so at most one
+start-up costs. Fewer than ``MIN_STEPS`` analysed steps get no verdict: with 3, a median is one
+step's time and one of two identical ranks is slowest in all of them one time in four. At most one rank can be slowest in more than half of the steps, so at most one
 is flagged. Prints a per-rank table and the verdict; exit 0 whatever the verdict, 2 on bad input.
 """
 import argparse
@@ -27,6 +28,7 @@ import parity  # noqa: E402
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 FRACTION, RATIO = 0.75, 1.5
+MIN_STEPS = 5  # analysed steps (after the first) a verdict needs
 
 
 @dataclass
@@ -81,7 +83,7 @@ def analyse(steps: list[int], times: list[list[dict]], fraction: float = FRACTIO
         cpu = [t["cpu_s"] for t in per_rank]
         ranks[cpu.index(max(cpu))].slowest_in += 1
     straggler = None
-    if n > 1:
+    if n > 1 and len(steps) >= MIN_STEPS:
         for rank in ranks:
             others = statistics.median(c for other in ranks if other is not rank for c in other.cpu_s)
             rank.vs_others = statistics.median(rank.cpu_s) / others if others > 0 else float("inf")
@@ -95,6 +97,8 @@ def verdict(result: Result) -> str:
     if len(result.ranks) == 1:
         return "one rank: nothing to compare"
     n = len(result.steps)
+    if n < MIN_STEPS:
+        return f"too few steps to call: {n} analysed, a verdict needs {MIN_STEPS} (run more steps)"
     rule = f"rule: slowest in >= {result.fraction:.0%} of steps and median CPU time >= {result.ratio:g}x the others'"
     if result.straggler is not None:
         r = result.ranks[result.straggler]

@@ -183,13 +183,15 @@ def main() -> int:
         print(f"{step:<24} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s {records[-1]['loss']:>10.4f} "
               f"{statistics.median(r['tokens_per_s'] for r in records):>8,.0f}  {verdict}")
     # Informational, never a failure: the per-rank CPU time of every step (compare/stragglers.py).
-    flagged = []
+    flagged, too_short = [], 0
     for step in steps:
         _, _, result = stragglers.check(runs[step])
         if result.straggler is not None:
             flagged.append(f"{step}: {stragglers.verdict(result)}")
-    print(f"\nstragglers: {'; '.join(flagged) or 'no rank consistently slower in any step'} "
-          f"(per-rank table: python compare/stragglers.py <step>)")
+        too_short = max(too_short, len(result.ranks) > 1 and len(result.steps) < stragglers.MIN_STEPS)
+    nobody = (f"too few steps to call (a verdict needs {stragglers.MIN_STEPS} after the first)" if too_short
+              else "no rank consistently slower in any step")
+    print(f"\nstragglers: {'; '.join(flagged) or nobody} (per-rank table: python compare/stragglers.py <step>)")
     if skipped:
         print(f"skipped: {'; '.join(skipped)}")
     print(f"plot: {shown(plot)}\nlogs: {shown(log_dir)}")
