@@ -11,22 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at run time, ever: the corpus is a local file
-# pyarrow (under datasets) defaults to jemalloc, which reserves about 1 GiB of address space as it loads:
-# memory nobody uses, but data memory to the OS, so it would eat most of a --max-memory-mb budget
-# (RLIMIT_DATA). The system allocator takes only what the corpus needs. (docs/design.md, memory budget)
-os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
-import datasets  # noqa: E402
 import torch  # noqa: E402
-import tqdm  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from config import UserError  # noqa: E402
-
-# datasets lists the corpus file under a tqdm bar (disabled), and tqdm starts a monitor thread for its bars: a
-# thread with nothing to do here, whose stack counts against --max-memory-mb. When the budget leaves no room
-# for it, tqdm prints a three-line warning above the one `error: out of memory` line. So: no monitor thread.
-tqdm.tqdm.monitor_interval = 0
 
 
 def file_sha256(path) -> str:
@@ -52,7 +41,7 @@ def load_tokenizer(path) -> PreTrainedTokenizerFast:
 
 
 def check_text(path) -> None:
-    """Refuse a --data file that is not text, before datasets fails on it with a traceback of its own."""
+    """Refuse a --data file that is not UTF-8 text, or holds none, with one line instead of a traceback."""
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
@@ -70,10 +59,12 @@ def load_corpus(text_path: str, tokenizer_path: str, seq_len: int) -> Corpus:
     """
     tokenizer = load_tokenizer(tokenizer_path)
     check_text(text_path)
-    # keep_linebreaks: the newlines are part of the text the model should learn to write.
-    datasets.disable_progress_bars()
-    lines = datasets.Dataset.from_text(text_path, keep_linebreaks=True, keep_in_memory=True)
-    ids = [token for line in tokenizer(lines[:]["text"])["input_ids"] for token in line]
+    # Line by line, newlines kept: they are part of the text the model should learn to write. Text mode reads
+    # "\r\n" and "\r" as "\n"; this is what datasets' text loader (Dataset.from_text, keep_linebreaks=True)
+    # hands the tokenizer, without importing it and pyarrow into every rank (tests/test_data.py compares the two).
+    with open(text_path, encoding="utf-8") as f:
+        lines = f.readlines()
+    ids = [token for line in tokenizer(lines)["input_ids"] for token in line]
     block = seq_len + 1
     n_blocks = len(ids) // block
     if n_blocks == 0:
