@@ -13,18 +13,17 @@ replicated, found by comparing the ranks' tensors), and the rest (q, k, v, the a
 """
 import argparse
 import os
-import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "step8_tensor_parallel")]
 from config import OneLineParser, UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
+from launch import spawn_ranks  # noqa: E402
 
 
 class SavedActivations:
@@ -43,7 +42,7 @@ class SavedActivations:
         return tensor
 
 
-def measure(rank: int, world_size: int, port: int, config: dict, queue) -> None:
+def measure(rank: int, world_size: int, port: int, config: dict) -> tuple:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
@@ -62,26 +61,13 @@ def measure(rank: int, world_size: int, port: int, config: dict, queue) -> None:
     dist.all_gather_object(everyone, counter.saved)  # every rank runs the same graph: the same order
     same = [len({theirs[i][1] for theirs in everyone}) == 1 for i in range(len(counter.saved))]
     replicated = sum(nbytes for (nbytes, _), alike in zip(counter.saved, same) if alike)
-    queue.put((rank, sum(nbytes for nbytes, _ in counter.saved), replicated))
     dist.barrier()
     dist.destroy_process_group()
+    return rank, sum(nbytes for nbytes, _ in counter.saved), replicated
 
 
 def run(world_size: int, config: dict) -> list[tuple]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=measure, args=(r, world_size, port, config, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    if any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"a measuring process failed: exit codes {[p.exitcode for p in procs]}")
-    return results
+    return sorted(spawn_ranks(measure, world_size, config, timeout=600).values())
 
 
 def main() -> int:

@@ -1,15 +1,20 @@
-"""Start a step's trainer the way a learner would, and turn its failure into one line."""
+"""Start a step's trainer the way a learner would, and turn its failure into one line; or spawn the ranks of a
+measuring tool (``spawn_ranks``)."""
+import queue as queues
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "common"))  # config.py, as every step has it
 from config import UserError  # noqa: E402
+
+import torch.multiprocessing as mp  # noqa: E402
 
 
 def trainer_command(step: str, nproc: int, args: list[str]) -> list[str]:
@@ -73,3 +78,50 @@ def run_trainer(step: str, nproc: int, args: list[str], log: Path) -> None:
     if code != 0:
         errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
         raise UserError(f"{step} failed (exit {code}): {errors[0] if errors else f'see {log}'}")
+
+
+def spawn_ranks(target, world_size: int, *args, timeout: float = 900) -> dict:
+    """Run ``target(rank, world_size, port, *args)`` in ``world_size`` spawned processes that meet at a free
+    loopback port (each joins its own process group there); ``{rank: what target returned}``. A rank that
+    fails ends them all, with its traceback; one that dies without a word (killed: out of memory?) with its
+    exit code; no answer within ``timeout`` seconds, likewise."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank_main, args=(target, rank, world_size, port, args, results))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    answers, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(answers) < world_size:
+            try:
+                rank, failed, answer = results.get(timeout=1)
+            except queues.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a rank of {world_size} ended with exit code {dead[0]} and no result") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{world_size - len(answers)} of {world_size} ranks gave no result "
+                                       f"in {timeout:g} s") from None
+                continue
+            if failed:
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{answer}")
+            answers[rank] = answer
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return answers
+
+
+def _rank_main(target, rank: int, world_size: int, port: int, args: tuple, results) -> None:
+    try:
+        results.put((rank, False, target(rank, world_size, port, *args)))
+    except BaseException:  # the parent reports it: a rank that died silently would only be a timeout
+        results.put((rank, True, traceback.format_exc()))
+        raise

@@ -49,12 +49,9 @@ import argparse
 import contextlib
 import json
 import os
-import queue as queues
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,11 +59,11 @@ STEP7 = REPO / "step7_zero3"
 # Step 7's folder first: its own copies of config.py, model.py, training.py... are what gets measured.
 sys.path[:0] = [str(STEP7), str(REPO / "compare")]
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import distributed  # noqa: E402
 import estimate  # noqa: E402
 from config import UserError, build_parser, check_writable_file, exit_on_user_error, parse_config  # noqa: E402
+from launch import spawn_ranks  # noqa: E402
 
 # The flags that change what is measured; the trainer's others are accepted (a train.py command line can
 # be pasted) and hidden.
@@ -273,48 +270,6 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
     return results
 
 
-def worker(rank: int, world_size: int, port: int, results, config: dict, vocab_size: int) -> None:
-    try:
-        results.put((rank, measure_rank(rank, world_size, port, config, vocab_size)))
-    except BaseException:  # the parent reports it: a rank that died silently would only be a timeout
-        results.put((rank, {"error": traceback.format_exc()}))
-        raise
-
-
-def spawn(config: dict, vocab_size: int, world_size: int) -> dict:
-    """Run ``measure_rank`` in ``world_size`` fresh processes; {rank: its result}. A rank that fails ends
-    them all, with its traceback (a rank stuck in a collective fails after --timeout-s)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(rank, world_size, port, results, config, vocab_size))
-             for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    measured = {}
-    try:
-        while len(measured) < world_size:
-            try:
-                rank, result = results.get(timeout=1)
-            except queues.Empty:  # a rank that died before it could say why (killed: out of memory?)
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a rank of {world_size} ended with exit code {dead[0]} and no result") from None
-                continue
-            if "error" in result:
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{result['error']}")
-            measured[rank] = result
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    return measured
-
-
 # ---- Report ------------------------------------------------------------------------------------------------
 
 def run(config: dict, world_sizes: list[int]) -> dict:
@@ -323,7 +278,7 @@ def run(config: dict, world_sizes: list[int]) -> dict:
     vocab_size = estimate.vocabulary_size(config["tokenizer"])
     rows = []
     for world_size in world_sizes:
-        measured = spawn(config, vocab_size, world_size)
+        measured = spawn_ranks(measure_rank, world_size, config, vocab_size)
         for checkpointing in checkpointing_modes(config):
             times, cpu_times = ([max(measured[r][checkpointing][kind][i] for r in measured)
                                  for i in range(config["timed_steps"])] for kind in ("step_times", "step_cpu_times"))

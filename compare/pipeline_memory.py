@@ -18,19 +18,18 @@ compare/bubble.py's: 4 blocks of width 128, micro-batches of 4 x 64 tokens.
 """
 import argparse
 import os
-import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 STEP9 = REPO / "step9_pipeline_parallel"
 sys.path.insert(0, str(REPO / "common"))  # config.py, as every step has it
 from config import OneLineParser, UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
+from launch import spawn_ranks  # noqa: E402
 
 MODEL = ["--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--seq-len", "64", "--micro-batch-size", "4"]
 VOCAB = 2048  # data/tokenizer.json's
@@ -95,7 +94,7 @@ def held_formula(schedule: str, stage: int, num_stages: int, micro_batches: int)
     return micro_batches if schedule == "gpipe" else min(num_stages - stage, micro_batches)
 
 
-def measure(rank: int, world_size: int, port: int, config: dict, cases: list, queue) -> None:
+def measure(rank: int, world_size: int, port: int, config: dict, cases: list) -> list:
     """One stage: for each (schedule, M), a fresh stage of the same model runs one step; its counts to rank 0."""
     torch.set_num_threads(1)
     sys.path.insert(0, str(STEP9))  # the step's own modules (its copies of common's, verbatim, and pipeline.py)
@@ -122,28 +121,14 @@ def measure(rank: int, world_size: int, port: int, config: dict, cases: list, qu
                         "held": pipe.take_peak_in_flight(), "left": counter.live})
     everyone = [None] * world_size
     dist.all_gather_object(everyone, results)
-    if rank == 0:
-        queue.put(everyone)
     dist.barrier()
     dist.destroy_process_group()
+    return everyone
 
 
 def run(world_size: int, config: dict, cases: list) -> list[list[dict]]:
     """``[stage][case]`` results of ``measure``, from ``world_size`` spawned processes."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=measure, args=(r, world_size, port, config, cases, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=900)
-    for p in procs:
-        p.join(timeout=60)
-    if any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"a measuring process failed: exit codes {[p.exitcode for p in procs]}")
-    return results
+    return spawn_ranks(measure, world_size, config, cases)[0]
 
 
 def main() -> int:

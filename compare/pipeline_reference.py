@@ -27,7 +27,6 @@ other stages' draws to draw one process's masks; step 9's tests check that again
 """
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -35,12 +34,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STEP9 = REPO_ROOT / "step9_pipeline_parallel"
 sys.path.insert(0, str(REPO_ROOT / "common"))
 from config import OneLineParser, UserError, build_parser, exit_on_user_error  # noqa: E402
+from launch import spawn_ranks  # noqa: E402
 
 VOCAB = 2048  # data/tokenizer.json's
 
@@ -49,7 +48,7 @@ def loss_of(logits, targets):
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())  # language_model_loss's
 
 
-def worker(rank: int, args, port: int, queue) -> None:
+def worker(rank: int, world_size: int, port: int, args) -> list:
     sys.path.insert(0, str(STEP9))  # the step's own copies (common's, verbatim) and pipeline.py
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -145,10 +144,9 @@ def worker(rank: int, args, port: int, queue) -> None:
                                                    for (_, a), (_, b) in zip(default_named, our_named2))
     everyone = [None] * P
     dist.all_gather_object(everyone, report)
-    if first:
-        queue.put(everyone)
     dist.barrier()
     dist.destroy_process_group()
+    return everyone
 
 
 def main() -> int:
@@ -171,21 +169,7 @@ def main() -> int:
     if "1f1b" in args.schedules and args.micro_batches < args.stages:
         raise UserError(f"PyTorch's Schedule1F1B needs at least as many micro-batches as stages: --micro-batches "
                         f">= {args.stages}, or --schedules gpipe")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(rank, args, port, queue)) for rank in range(args.stages)]
-    for p in procs:
-        p.start()
-    try:
-        reports = queue.get(timeout=args.timeout_s * 10)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    reports = spawn_ranks(worker, args.stages, args, timeout=args.timeout_s * 10)[0]
     ok = True
     print(f"{args.stages} stages, {args.micro_batches} micro-batches of {args.micro_batch_size}, {args.steps} AdamW "
           f"steps: our pipeline vs torch.distributed.pipelining (scale_grads=False, loss / M)")
