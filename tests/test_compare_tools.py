@@ -124,15 +124,16 @@ def test_every_step_readme_names_the_files_to_skip_on_a_first_read():
 
 
 @pytest.mark.quick
-def test_readme_layout_names_every_compare_tool():
-    """The README's Layout section lists every script in compare/ with a line of what it does: a new tool that
-    nobody can find is not there for a learner."""
-    readme = (REPO / "README.md").read_text()
+def test_compare_readme_names_every_tool():
+    """compare/README.md lists every script in compare/, once, with a line of what it does (a new tool that nobody
+    can find is not there for a learner), and the front page's Layout points to it."""
     import re
 
-    layout = readme[readme.index("compare/ ", readme.index("## Layout")):]
-    layout = layout[:layout.index("```")]
-    listed = set(re.findall(r"(?:^ {2}| {2,})(\w+\.py) ", layout, flags=re.MULTILINE))
+    rows = re.findall(r"^\| `(\w+\.py)` \| (.+) \|$", (REPO / "compare" / "README.md").read_text(), flags=re.MULTILINE)
+    listed = [name for name, _ in rows]
     tools = {p.name for p in (REPO / "compare").glob("*.py")}
-    assert tools - listed == set(), "compare/ tools missing from the README's Layout section"
-    assert listed - tools == set(), "the README's Layout section names tools that compare/ does not have"
+    assert len(listed) == len(set(listed)) and all(len(what) > 10 for _, what in rows)
+    assert tools - set(listed) == set(), "compare/ tools missing from compare/README.md"
+    assert set(listed) - tools == set(), "compare/README.md names tools that compare/ does not have"
+    readme = (REPO / "README.md").read_text()
+    assert "compare/README.md" in readme[readme.index("## Layout"):]
