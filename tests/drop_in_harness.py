@@ -349,39 +349,6 @@ def trained_fsdp2_bf16(rank: int) -> list[dict]:
     return after
 
 
-def case_zero1_bf16(rank, problems) -> int:
-    """ShardedOptimizer(param_dtype=bf16) with the outsider's own gradient sync (float32 sums into ``main_grad``,
-    as the optimiser's docstring asks) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
-    from zero1 import ShardedOptimizer
-    expected = trained_fsdp2_bf16(rank)
-    model = build(lambda: Stack(False), 100)
-    opt = ShardedOptimizer(groups(model), torch.optim.AdamW, param_dtype=torch.bfloat16, lr=0.05)
-    model.to(torch.bfloat16)  # what the optimiser does not step (the frozen layer) computes in bf16 too
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    checked = 0
-    for step in range(STEPS):
-        sums = {}
-        for micro_step in range(MICRO_BATCHES):
-            loss_of(model, step, micro_step, rank).backward()
-            for p in trainable:  # the micro-batches' bf16 gradients, summed in float32
-                if p.grad is not None:
-                    sums[p] = p.grad.float() if p not in sums else sums[p].add_(p.grad)
-                    p.grad = None
-        for p in trainable:
-            p.main_grad = sums.get(p, torch.zeros(p.shape))
-            dist.all_reduce(p.main_grad)
-            p.main_grad.div_(WORLD_SIZE)
-        opt.step()
-        opt.zero_grad()
-        names = {p: n for n, p in model.named_parameters()}
-        ours = {names[p]: full for p, full in opt.gathered_masters().items()}
-        checked += compare(problems, f"ShardedOptimizer bf16 vs FSDP2 step {step}", ours, expected[step])
-        for name, p in model.named_parameters():  # the bf16 copy is the master rounded once
-            if p.requires_grad and not torch.equal(p, ours[name].bfloat16()):
-                problems.append(f"step {step}: {name}'s bf16 copy is not its master rounded")
-    return checked
-
-
 def summed_and_averaged(model, step, rank, scaler) -> dict:
     """The outsider's own gradient sync for 16-bit parameters: each micro-batch's scaled 16-bit gradient added to a
     float32 sum, the sums all-reduced in float32 and averaged. ``{parameter: its float32 averaged gradient}``."""
@@ -398,6 +365,30 @@ def summed_and_averaged(model, step, rank, scaler) -> dict:
         dist.all_reduce(sums[p])
         sums[p].div_(WORLD_SIZE)
     return sums
+
+
+def case_zero1_bf16(rank, problems) -> int:
+    """ShardedOptimizer(param_dtype=bf16) with the outsider's own gradient sync (float32 sums into ``main_grad``,
+    as the optimiser's docstring asks) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
+    from zero1 import ShardedOptimizer
+    expected = trained_fsdp2_bf16(rank)
+    model = build(lambda: Stack(False), 100)
+    opt = ShardedOptimizer(groups(model), torch.optim.AdamW, param_dtype=torch.bfloat16, lr=0.05)
+    model.to(torch.bfloat16)  # what the optimiser does not step (the frozen layer) computes in bf16 too
+    no_scaling = torch.amp.GradScaler("cpu", enabled=False)  # bf16 has float32's range
+    checked = 0
+    for step in range(STEPS):
+        for p, grad in summed_and_averaged(model, step, rank, no_scaling).items():
+            p.main_grad = grad
+        opt.step()
+        opt.zero_grad()
+        names = {p: n for n, p in model.named_parameters()}
+        ours = {names[p]: full for p, full in opt.gathered_masters().items()}
+        checked += compare(problems, f"ShardedOptimizer bf16 vs FSDP2 step {step}", ours, expected[step])
+        for name, p in model.named_parameters():  # the bf16 copy is the master rounded once
+            if p.requires_grad and not torch.equal(p, ours[name].bfloat16()):
+                problems.append(f"step {step}: {name}'s bf16 copy is not its master rounded")
+    return checked
 
 
 def case_zero1_fp16(rank, problems) -> int:
