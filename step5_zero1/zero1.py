@@ -102,7 +102,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     per chunk, filled by another module each step. ``process_group``: the ranks that share the state
     (default: all; step 10 passes its data-parallel group). ``param_dtype``: torch.bfloat16 or torch.float16
     turns the parameters into 16-bit tensors and keeps a float32 master of this rank's slices (rule 6);
-    without ``gradient_shards`` each step reads ``param.main_grad`` (float32), else ``param.grad``, upcast.
+    without ``gradient_shards`` the masters' ``.grad`` are views of ``param.main_grad`` (float32; else ``param.grad``,
+    upcast), taken at each ``step()`` and whenever ``param_groups`` is read: a scaler unscales them in place.
     ``defaults`` go to ``optimizer_cls``.
 
     ``param_groups`` are the full parameters' groups (their hyperparameters reach the local optimiser
