@@ -430,7 +430,7 @@ def case_zero1_fp16(rank, problems) -> int:
         names = {p: n for n, p in model.named_parameters()}
         ours = {names[p]: full for p, full in opt.gathered_masters().items()}
         theirs = {n: p.detach() for n, p in master.named_parameters() if p.requires_grad}
-        checked += compare(problems, f"ShardedOptimizer fp16 vs a float32 master and GradScaler step {step}", ours, theirs)
+        checked += compare(problems, f"ShardedOptimizer fp16 vs float32 master + GradScaler step {step}", ours, theirs)
         if step == 0 and any(not torch.equal(ours[n], initial[n]) for n in initial):
             problems.append("the overflowing first step was not skipped")
         for name, p in model.named_parameters():

@@ -61,7 +61,8 @@ def test_gathers_move_two_bytes_per_element_and_gradients_the_reduce_dtype(bf16_
     """Per optimiser step at world size 2 (one chunk or bucket set; Ψ = 92,032 here, even, so no padding in
     steps 5-6): all-gather 2Ψ bytes; gradients 4Ψ (float32), all-reduced in step 5, reduce-scattered in 6-7.
     The small all-reduces: the exact parts of the masters' norm (3 x 277 int64), and the clipping norm (one
-    float64: every step's optimiser reads only its slices of the gradient). Step 7 gathers every unit in each forward and all but the root in each backward.
+    float64: every step's optimiser reads only its slices of the gradient). Step 7 gathers every unit in each
+    forward and all but the root in each backward.
     The first step of steps 5-6 also counts the start-up broadcast of rank 0's weights, still float32 then."""
     psi, root = split_model(bf16_runs["step5"])
     assert psi % 2 == 0
