@@ -18,6 +18,9 @@ and so are the counterpart's own (``zero3-no-prefetch`` brings ``zero3``, which 
     torch-zero1        pytorch ZeRO-1               DDP + ZeroRedundancyOptimizer(AdamW)        -
     zero1              ZeRO-1 (step 5)              BucketedDDP + step5_zero1/zero1.py          pytorch ZeRO-1
                                                     ShardedOptimizer(AdamW)
+    zero1-bf16         ZeRO-1 bf16 (step 5)         the same with param_dtype=torch.bfloat16:   ZeRO-1 (step 5)
+                                                    bf16 parameters, float32 masters of the
+                                                    slices (counted in optimizer_state)
     torch-fsdp2        pytorch FSDP2 ZeRO-2         fully_shard(each block, then the root,      -
                                                     reshard_after_forward=False) + AdamW
     zero2              ZeRO-2 (step 6)              step6_zero2/zero2.py ShardedGradientDDP +   pytorch FSDP2 ZeRO-2
@@ -306,6 +309,23 @@ class Zero1(Bucketed):
                                       torch.optim.AdamW, **adamw_options(self.config))
 
 
+class Zero1Bf16(Zero1):
+    """Step 5 with --param-dtype bf16: bf16 parameters, forward and backward, and all-gathers; float32 masters of
+    this rank's slices; the gradient reduced in float32 into ``main_grad``. Measured against its float32 self."""
+    key, name, counterpart = "zero1-bf16", "ZeRO-1 bf16 (step 5)", "ZeRO-1 (step 5)"
+
+    def make_optimizer(self):
+        zero1 = importlib.import_module("zero1")
+        return zero1.ShardedOptimizer(adamw_param_groups(self.model.named_parameters(), self.config),
+                                      torch.optim.AdamW, param_dtype=torch.bfloat16, **adamw_options(self.config))
+
+    def gradients(self):
+        return [p.main_grad for p in self.model.parameters()]  # the float32 reduced gradient, whole
+
+    def optimizer_state(self):
+        return state_bytes(self.optimizer.state) + local_bytes(self.optimizer.views)  # the moments and the masters
+
+
 def padded_bytes(params, world_size: int) -> int:
     """What FSDP2 moves for ``params``: every parameter's dim 0 padded to a multiple of the world size."""
     return sum(-(-p.shape[0] // world_size) * world_size * math.prod(p.shape[1:]) * p.element_size() for p in params)
@@ -550,7 +570,7 @@ class Pipeline1F1B(PipelineGPipe):
     key, name, schedule, counterpart = "pp-1f1b", "pipeline 1F1B (step 9)", "1f1b", "pytorch pipelining 1F1B"
 
 
-STRATEGIES = (TorchDDP, Bucketed, Naive, TorchZero1, Zero1, TorchFSDP2, Zero2, TorchFSDP2Zero3, Zero3,
+STRATEGIES = (TorchDDP, Bucketed, Naive, TorchZero1, Zero1, Zero1Bf16, TorchFSDP2, Zero2, TorchFSDP2Zero3, Zero3,
               Zero3NoPrefetch, TorchTensorParallel, TensorParallel, TorchPipelineGPipe, PipelineGPipe,
               TorchPipeline1F1B, Pipeline1F1B)
 BY_NAME = {s.name: s for s in STRATEGIES}

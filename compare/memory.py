@@ -14,6 +14,15 @@ With Ψ parameters, fp32 AdamW (two moments) and N ranks, the bytes each rank ho
     ZeRO-2 (step 6)     4Ψ          4Ψ/N       8Ψ/N
     ZeRO-3 (step 7)     4Ψ/N        4Ψ/N       8Ψ/N
 
+With ``--param-dtype bf16|fp16`` (steps 0, 5, 6, 7: 16-bit parameters, float32 masters of the owned
+elements, gradients reduced and kept in float32; docs/mixed_precision.md):
+
+    strategy            parameters  gradients        float32 masters  optimizer state
+    one process (0)     2Ψ          4Ψ               4Ψ               8Ψ
+    ZeRO-1 (step 5)     2Ψ          4Ψ (main_grad)   4Ψ/N             8Ψ/N     = 2Ψ + 4Ψ + 12Ψ/N
+    ZeRO-2 (step 6)     2Ψ          4Ψ/N (shards)    4Ψ/N             8Ψ/N     = 2Ψ + 16Ψ/N
+    ZeRO-3 (step 7)     4Ψ/N (its float32 shards are the masters)  4Ψ/N  8Ψ/N   = 16Ψ/N
+
 Measured: each record's ``memory`` entry of every rank (taken after the optimiser step, before the
 gradients are freed), last step. Ψ is counted from the final weights (a tied tensor once).
 """
@@ -33,12 +42,18 @@ from plot import check_figure_path  # noqa: E402
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 TOLERANCE = 0.02
-KINDS = ("params", "grads", "optimizer_state")
-# Bytes per parameter of each kind, and whether it is divided by N: (params, grads, optimizer state).
-FORMULAS = {"DDP": ((4, False), (4, False), (8, False)),
-            "ZeRO-1": ((4, False), (4, False), (8, True)),
-            "ZeRO-2": ((4, False), (4, True), (8, True)),
-            "ZeRO-3": ((4, True), (4, True), (8, True))}
+KINDS = ("params", "grads", "master_params", "optimizer_state")
+# Bytes per parameter of each kind, and whether it is divided by N: (params, grads, masters, optimizer state).
+FORMULAS = {"DDP": ((4, False), (4, False), (0, False), (8, False)),
+            "ZeRO-1": ((4, False), (4, False), (0, False), (8, True)),
+            "ZeRO-2": ((4, False), (4, True), (0, False), (8, True)),
+            "ZeRO-3": ((4, True), (4, True), (0, False), (8, True)),
+            # --param-dtype bf16|fp16: 16-bit parameters; gradients reduced into float32 (whole in step 5's
+            # main_grad, shards in step 6); float32 masters of the owned elements. Step 7's float32 shards are
+            # its masters, so its formula is ZeRO-3's.
+            "DDP 16-bit": ((2, False), (4, False), (4, False), (8, False)),
+            "ZeRO-1 16-bit": ((2, False), (4, False), (4, True), (8, True)),
+            "ZeRO-2 16-bit": ((2, False), (4, True), (4, True), (8, True))}
 
 
 def strategy(step: str) -> str:
@@ -61,7 +76,10 @@ def measure(run_name: str) -> tuple[Path, str, int, int, list[dict]]:
     memory = metrics["records"][-1]["memory"]
     if not isinstance(memory, list):
         raise UserError(f"{run}: memory of one rank only (an older run); run the step again")
-    return run, strategy(metrics["config"]["step"]), psi, metrics["env"]["world_size"], memory
+    name = strategy(metrics["config"]["step"])
+    if metrics["config"].get("param_dtype", "float32") != "float32" and f"{name} 16-bit" in FORMULAS:
+        name = f"{name} 16-bit"
+    return run, name, psi, metrics["env"]["world_size"], [{kind: m.get(kind, 0) for kind in KINDS} for m in memory]
 
 
 def report(run_name: str) -> tuple[str, bool]:
@@ -73,6 +91,10 @@ def report(run_name: str) -> tuple[str, bool]:
     for rank, m in enumerate(memory):
         cells = []
         for kind in KINDS:
+            if formula[kind] == 0:  # no masters in float32 training
+                ok &= m[kind] == 0
+                cells.append(f"{m[kind]:>13,} / {0:>13,}" + " " * 10)
+                continue
             off = m[kind] / formula[kind] - 1
             ok &= abs(off) <= TOLERANCE
             cells.append(f"{m[kind]:>13,} / {formula[kind]:>13,.0f} ({off:+.2%})")
@@ -87,7 +109,7 @@ def bar_chart(run_names: list[str], out: Path) -> Path:
     for x, (run, name, psi, world_size, memory) in enumerate(runs):
         bottom = 0.0
         worst = max(memory, key=lambda m: sum(m[k] for k in KINDS))  # the rank that holds the most
-        for kind, color in zip(KINDS, ("tab:blue", "tab:orange", "tab:green")):
+        for kind, color in zip(KINDS, ("tab:blue", "tab:orange", "tab:purple", "tab:green")):
             ax.bar(x, worst[kind] / 2**20, bottom=bottom, color=color, label=kind if x == 0 else None)
             bottom += worst[kind] / 2**20
     ax.set_xticks(range(len(runs)), [f"{name}\nN = {ws}" for _, name, _, ws, _ in runs])
@@ -103,7 +125,7 @@ def bar_chart(run_names: list[str], out: Path) -> Path:
 
 def formula_text(name: str) -> list[str]:
     """The formula's terms, as written in the docstring: ["4Ψ", "4Ψ", "8Ψ/N"]."""
-    return [f"{per_param}Ψ{'/N' if sharded else ''}" for per_param, sharded in FORMULAS[name]]
+    return [f"{per_param}Ψ{'/N' if sharded else ''}" for per_param, sharded in FORMULAS[name] if per_param]
 
 
 def one_model(runs: list) -> int:
@@ -121,7 +143,9 @@ def scaling_chart(run_names: list[str], out: Path) -> Path:
     runs = [measure(name) for name in run_names]
     psi, sizes = one_model(runs), range(1, max(4, *(ws for _, _, _, ws, _ in runs)) + 1)
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
-    for name, color in zip(FORMULAS, ("tab:gray", "tab:blue", "tab:orange", "tab:green")):
+    drawn = [name for name in FORMULAS if "16-bit" not in name or any(r[1] == name for r in runs)]
+    for name, color in zip(drawn, ("tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:olive",
+                                   "tab:cyan")):
         ax.plot(sizes, [sum(expected(name, psi, n).values()) / 2**20 for n in sizes], color=color, linewidth=1.5,
                 label=f"{name}: {'+'.join(formula_text(name))}")
         points = [(ws, max(sum(m[k] for k in KINDS) for m in memory) / 2**20)
@@ -133,7 +157,7 @@ def scaling_chart(run_names: list[str], out: Path) -> Path:
     ax.set_xlabel("world size N (ranks)")
     ax.set_ylabel("MiB per rank")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"parameters + gradients + AdamW state per rank, Ψ = {psi:,} (fp32)")
+    ax.set_title(f"parameters + gradients (+ float32 masters) + AdamW state per rank, Ψ = {psi:,}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -25,11 +25,12 @@ from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
+from sharded_gradients import ShardedGradScaler, clip_gradient_shards
 from zero1 import ShardedOptimizer
 from seeding import rng_state, seed_everything
 from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, autocast, check_amp, check_param_dtype,
-                      clip_gradient_tensors, clip_gradients, make_grad_scaler, make_scheduler, norm_from_parts,
-                      param_dtype, param_norm, square_sum_parts)
+                      clip_gradients, make_grad_scaler, make_scheduler, norm_from_parts, param_dtype, param_norm,
+                      square_sum_parts)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -65,9 +66,6 @@ def main():
     config = parse_config(parser)
     if config["bucket_cap_mb"] <= 0:
         raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
-    if config["param_dtype"] == "fp16":  # its GradScaler would check only this rank's slices of main_grad
-        raise UserError("--param-dtype fp16 needs a loss scaler whose overflow verdict covers every rank's slices; "
-                        "step 5 has none: use --param-dtype bf16 here, or fp16 in step6_zero2 or step7_zero3")
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     check_param_dtype(config, world.device)
@@ -96,7 +94,9 @@ def main():
     optimizer = ShardedOptimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
                                  param_dtype=param_dtype(config), **adamw_options(config))
     scheduler = make_scheduler(optimizer, config)
-    scaler = make_grad_scaler(config, device)
+    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
+    # With masters the optimiser (and so the scaler) reads only this rank's slices of main_grad: one verdict for all.
+    scaler = make_grad_scaler(config, device, ShardedGradScaler if mixed else torch.amp.GradScaler)
 
     start_step, records = 0, []
     if resumed:
@@ -114,7 +114,6 @@ def main():
     writer = CheckpointWriter(config, world.rank, world.world_size,
                               {name: p.shape for name, p in model.named_parameters()})
     accum = config["grad_accum"]
-    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
     # ---- the training loop ---------------------------------------------------------------------
@@ -140,9 +139,12 @@ def main():
 
         # Every rank holds the whole averaged gradient (ZeRO-1 shards only the optimiser state), so the
         # overflow check and the clipping norm are the same on every rank without a word, as in step 4.
+        # With --param-dtype the optimiser's gradients are the masters': this rank's slices of the float32
+        # main_grad. The scaler unscales those slices in place and combines the ranks' overflow flags, and the
+        # clipping norm adds the ranks' sums of squares (sharded_gradients.py; steps 6 and 7 shard gradients too).
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        if mixed:  # the averaged gradient is float32 in main_grad, whole on every rank: the same norm everywhere
-            grad_norm = clip_gradient_tensors([p.main_grad for p in model.parameters()], config["grad_clip"])
+        if mixed:
+            grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
         else:
             grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
         scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow

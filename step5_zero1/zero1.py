@@ -21,9 +21,9 @@ rank: N copies of identical work and memory. Here:
 5. **A drop-in, as ``ZeroRedundancyOptimizer`` is.** ``param_groups`` hold the full parameters, so
    whatever decides *whether* or *how much* to step (a ``GradScaler``'s overflow check, clipping
    with ``clip_grad_norm_``, an LR scheduler) reads the whole averaged gradient, which every rank
-   holds: the ranks agree without a word. Only when gradients are sharded too (ZeRO-2) must that
-   verdict be combined across ranks (step 6's ``sharded_gradients.py``); otherwise
-   rank 1 would skip a step that rank 0 takes.
+   holds: the ranks agree without a word. Only when the optimiser reads slices of the gradient (rule 6;
+   ZeRO-2) must that verdict be combined across ranks (``sharded_gradients.py``); otherwise rank 1
+   would skip a step that rank 0 takes.
 
 6. **Mixed precision, as ZeRO and FSDP2 train.** With ``param_dtype`` (bf16 or fp16) the model's parameters
    become 16-bit (forward and backward compute in 16 bits, the all-gather moves 2 bytes per element) and
@@ -32,7 +32,9 @@ rank: N copies of identical work and memory. Here:
    its way to the master: from ``param.main_grad`` where the gradient sync left one (step 4's
    ``BucketedDDP`` does for 16-bit parameters, as Megatron-LM's does), or the ZeRO-2 shards. After the
    step the masters are rounded once to 16 bits and all-gathered. ``param_groups`` are then the masters'
-   groups (ZeRO-2 also: only they have float32 gradients).
+   groups (ZeRO-2 also: only they have float32 gradients); in ZeRO-1 their ``.grad`` are views of this
+   rank's slices of ``main_grad``, so a scaler or clipping that reads them sees only this rank's slices and
+   must combine its verdict across ranks (``sharded_gradients.py``).
 
 Adam, AdamW and SGD update every element from that element's own values, so stepping a slice gives
 the bits that stepping the whole tensor gives. An optimiser that looks across a tensor (LAMB's
@@ -100,7 +102,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     per chunk, filled by another module each step. ``process_group``: the ranks that share the state
     (default: all; step 10 passes its data-parallel group). ``param_dtype``: torch.bfloat16 or torch.float16
     turns the parameters into 16-bit tensors and keeps a float32 master of this rank's slices (rule 6);
-    without ``gradient_shards`` each step reads ``param.main_grad`` (float32), else ``param.grad``, upcast.
+    without ``gradient_shards`` the masters' ``.grad`` are views of ``param.main_grad`` (float32; else ``param.grad``,
+    upcast), taken at each ``step()`` and whenever ``param_groups`` is read: a scaler unscales them in place.
     ``defaults`` go to ``optimizer_cls``.
 
     ``param_groups`` are the full parameters' groups (their hyperparameters reach the local optimiser
@@ -171,6 +174,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self):  # a property: load_state_dict replaces the local optimiser's list
+        if self.param_dtype is not None:  # ZeRO-1 masters: their .grad are views of main_grad, taken fresh
+            self._take_gradient_slices()  # so a scaler unscales (and clipping scales) main_grad in place
         return self.local_optimizer.param_groups if self.groups_are_local else self.full_groups
 
     def _push_hyperparameters(self) -> None:

@@ -1,8 +1,10 @@
-"""What ranks that hold only slices of the gradient must agree on: whether to step, and by how much.
+"""What ranks whose optimiser reads only slices of the gradient must agree on: whether to step, and by how much.
 
-Step 5's ranks all held the whole averaged gradient, so a GradScaler's overflow check and the
-clipping norm came out the same on every rank without a word. From step 6 on, rank r holds only
-slice r of the gradient (ZeRO-2's reduce-scatter; ZeRO-3's pieces). Then:
+Step 4's ranks all held the whole averaged gradient, so a GradScaler's overflow check and the
+clipping norm came out the same on every rank without a word. Here rank r's optimiser reads only
+slice r of the gradient: in step 5 with 16-bit parameters (``ShardedOptimizer(param_dtype=...)``:
+its float32 masters' gradients are slices of ``param.main_grad``), in ZeRO-2's reduce-scatter shards
+(step 6) and in ZeRO-3's pieces (step 7). Then:
 
 1. **One overflow verdict.** Each rank checks only its slices for inf/NaN. If rank 1 found an inf
    and rank 0 did not, rank 0 would step and rank 1 would skip: the replicas would part for good.
@@ -41,13 +43,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
 def clip_gradient_shards(optimizer, max_norm: float) -> torch.Tensor:
     """``training.clip_gradients`` for sharded gradients: same rule, same return (the norm before clipping).
 
-    ``optimizer``: a ``ShardedOptimizer`` over ``gradient_shards`` (ZeRO-2), or any optimiser whose groups
-    hold this rank's slices (ZeRO-3 steps a plain AdamW over them). Each rank sums the squares of its own
-    slices (in float64: see ``sum_of_squares``), one all-reduce adds the ranks' sums, and every rank scales
-    its slices by the same coefficient. The slices cover every gradient element exactly once and never the
-    padding. A ZeRO-1 ``ShardedOptimizer`` holds whole gradients: clip those as step 1 does.
+    ``optimizer``: a ``ShardedOptimizer`` over ``gradient_shards`` (ZeRO-2) or with ``param_dtype`` (its
+    masters' gradients are slices of ``param.main_grad``), or any optimiser whose groups hold this rank's
+    slices (ZeRO-3 steps a plain AdamW over them). Each rank sums the squares of its own slices (in float64:
+    see ``sum_of_squares``), one all-reduce adds the ranks' sums, and every rank scales its slices by the
+    same coefficient. The slices cover every gradient element exactly once and never the padding. A ZeRO-1
+    ``ShardedOptimizer`` over float32 parameters holds whole gradients: clip those as step 1 does.
     """
-    if getattr(optimizer, "gradient_shards", ()) is None:  # step 5's ShardedOptimizer, gradients whole
+    if not getattr(optimizer, "groups_are_local", True):  # step 5's ShardedOptimizer over float32 parameters
         raise ValueError("this ShardedOptimizer's gradients are whole on every rank (ZeRO-1): clip them with "
                          "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), as for a plain optimiser")
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -28,7 +28,7 @@ from tensor_parallel import (check_divisible, clip_tensor_parallel_gradients, fu
                              is_sharded, param_norm, parallelize_gpt2, replicated_in_sync, shard_of,
                              vocab_parallel_cross_entropy)
 from training import autocast, check_amp, make_grad_scaler, make_optimizer, make_scheduler, param_norm as whole_norm
-from sharded_gradients import ShardedGradScaler  # step 6's: the fp16 overflow flag agreed by every rank
+from sharded_gradients import ShardedGradScaler  # step 5's: the fp16 overflow flag agreed by every rank
 
 STEP = Path(__file__).resolve().parent.name
 

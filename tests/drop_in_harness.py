@@ -1,7 +1,7 @@
 """Each idea file used the way someone else's training script uses it, beside its PyTorch counterpart.
 
     python tests/drop_in_harness.py CASE [CASE ...] OUT.json   # CASE: naive_dp bucketed_ddp zero1 zero2 zero3
-                                                               #       zero1_bf16 zero2_bf16
+                                                               #       zero1_bf16 zero2_bf16 zero1_fp16
 
 This file is deliberately written like an outside harness (a course's test suite, a learner's own
 script): ``torch.multiprocessing.spawn`` starts two workers, each creates the process group itself,
@@ -35,10 +35,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPO = Path(__file__).resolve().parent.parent
 FOLDER = {"naive_dp": "step3_naive_dp", "bucketed_ddp": "step4_hooks_bucketing", "zero1": "step5_zero1",
-          "zero2": "step6_zero2", "zero3": "step7_zero3", "zero1_bf16": "step5_zero1", "zero2_bf16": "step6_zero2"}
+          "zero2": "step6_zero2", "zero3": "step7_zero3", "zero1_bf16": "step5_zero1", "zero2_bf16": "step6_zero2",
+          "zero1_fp16": "step5_zero1"}
 IDEA_MODULES = {"naive_dp": ["naive_dp"], "bucketed_ddp": ["bucketed_ddp"], "zero1": ["zero1"],
                 "zero2": ["zero2", "zero1", "sharded_gradients"], "zero3": ["zero3"], "zero1_bf16": ["zero1"],
-                "zero2_bf16": ["zero2", "zero1"]}
+                "zero2_bf16": ["zero2", "zero1"], "zero1_fp16": ["zero1", "sharded_gradients"]}
 WORLD_SIZE, STEPS, MICRO_BATCHES, VOCAB = 2, 3, 2, 11
 
 
@@ -348,6 +349,24 @@ def trained_fsdp2_bf16(rank: int) -> list[dict]:
     return after
 
 
+def summed_and_averaged(model, step, rank, scaler) -> dict:
+    """The outsider's own gradient sync for 16-bit parameters: each micro-batch's scaled 16-bit gradient added to a
+    float32 sum, the sums all-reduced in float32 and averaged. ``{parameter: its float32 averaged gradient}``."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    sums = {}
+    for micro_step in range(MICRO_BATCHES):
+        scaler.scale(loss_of(model, step, micro_step, rank)).backward()
+        for p in trainable:
+            if p.grad is not None:
+                sums[p] = p.grad.float() if p not in sums else sums[p].add_(p.grad)
+                p.grad = None
+    for p in trainable:
+        sums[p] = sums.get(p, torch.zeros(p.shape))
+        dist.all_reduce(sums[p])
+        sums[p].div_(WORLD_SIZE)
+    return sums
+
+
 def case_zero1_bf16(rank, problems) -> int:
     """ShardedOptimizer(param_dtype=bf16) with the outsider's own gradient sync (float32 sums into ``main_grad``,
     as the optimiser's docstring asks) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
@@ -356,20 +375,11 @@ def case_zero1_bf16(rank, problems) -> int:
     model = build(lambda: Stack(False), 100)
     opt = ShardedOptimizer(groups(model), torch.optim.AdamW, param_dtype=torch.bfloat16, lr=0.05)
     model.to(torch.bfloat16)  # what the optimiser does not step (the frozen layer) computes in bf16 too
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    no_scaling = torch.amp.GradScaler("cpu", enabled=False)  # bf16 has float32's range
     checked = 0
     for step in range(STEPS):
-        sums = {}
-        for micro_step in range(MICRO_BATCHES):
-            loss_of(model, step, micro_step, rank).backward()
-            for p in trainable:  # the micro-batches' bf16 gradients, summed in float32
-                if p.grad is not None:
-                    sums[p] = p.grad.float() if p not in sums else sums[p].add_(p.grad)
-                    p.grad = None
-        for p in trainable:
-            p.main_grad = sums.get(p, torch.zeros(p.shape))
-            dist.all_reduce(p.main_grad)
-            p.main_grad.div_(WORLD_SIZE)
+        for p, grad in summed_and_averaged(model, step, rank, no_scaling).items():
+            p.main_grad = grad
         opt.step()
         opt.zero_grad()
         names = {p: n for n, p in model.named_parameters()}
@@ -378,6 +388,58 @@ def case_zero1_bf16(rank, problems) -> int:
         for name, p in model.named_parameters():  # the bf16 copy is the master rounded once
             if p.requires_grad and not torch.equal(p, ours[name].bfloat16()):
                 problems.append(f"step {step}: {name}'s bf16 copy is not its master rounded")
+    return checked
+
+
+def case_zero1_fp16(rank, problems) -> int:
+    """ShardedOptimizer(param_dtype=fp16) with ShardedGradScaler and clip_gradient_shards, the outsider's float32
+    gradient sync into ``main_grad``, against PyTorch's plain mixed precision: an fp16 copy of the model for forward
+    and backward, AdamW over a float32 master of all of it, torch.amp.GradScaler, clip_grad_norm_'s rule. The first
+    loss scale (2^30) overflows fp16 and backs off to 2^10: both must skip that step, and only it."""
+    from sharded_gradients import ShardedGradScaler, clip_gradient_shards
+    from zero1 import ShardedOptimizer
+    scaling = {"init_scale": 2.0**30, "backoff_factor": 2.0**-20}
+    model = build(lambda: Stack(False), 100)
+    opt = ShardedOptimizer(groups(model), torch.optim.AdamW, param_dtype=torch.float16, lr=0.05)
+    model.to(torch.float16)
+    scaler = ShardedGradScaler("cpu", **scaling)
+    master, half = build(lambda: Stack(False), 100), build(lambda: Stack(False), 100).to(torch.float16)
+    their_opt, their_scaler = torch.optim.AdamW(groups(master), lr=0.05), torch.amp.GradScaler("cpu", **scaling)
+    initial = {n: p.detach().clone() for n, p in master.named_parameters() if p.requires_grad}
+    checked = 0
+    for step in range(STEPS):
+        for p, grad in summed_and_averaged(model, step, rank, scaler).items():
+            p.main_grad = grad
+        scaler.unscale_(opt)  # this rank's slices of main_grad, in place; one verdict for both ranks
+        clip_gradient_shards(opt, 0.5)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        grads = summed_and_averaged(half, step, rank, their_scaler)
+        for p, hp in zip(master.parameters(), half.parameters()):
+            p.grad = grads.get(hp)
+        their_scaler.unscale_(their_opt)
+        norm = sum(g.double().pow(2).sum() for g in grads.values()).sqrt().float()  # as clip_gradient_shards adds
+        torch.nn.utils.clip_grads_with_norm_(master.parameters(), 0.5, norm)
+        their_scaler.step(their_opt)
+        their_scaler.update()
+        their_opt.zero_grad()
+        with torch.no_grad():
+            for p, hp in zip(master.parameters(), half.parameters()):
+                hp.copy_(p)  # the fp16 copy: the master rounded once
+        names = {p: n for n, p in model.named_parameters()}
+        ours = {names[p]: full for p, full in opt.gathered_masters().items()}
+        theirs = {n: p.detach() for n, p in master.named_parameters() if p.requires_grad}
+        checked += compare(problems, f"ShardedOptimizer fp16 vs float32 master + GradScaler step {step}", ours, theirs)
+        if step == 0 and any(not torch.equal(ours[n], initial[n]) for n in initial):
+            problems.append("the overflowing first step was not skipped")
+        for name, p in model.named_parameters():
+            if p.requires_grad and not torch.equal(p, ours[name].half()):
+                problems.append(f"step {step}: {name}'s fp16 copy is not its master rounded")
+    if (scaler.get_scale(), their_scaler.get_scale()) != (2.0**10, 2.0**10):
+        problems.append(f"scales {scaler.get_scale()}, {their_scaler.get_scale()}: not backed off once, alike")
+    if all(torch.equal(ours[n], initial[n]) for n in initial):
+        problems.append("every step was skipped")
     return checked
 
 

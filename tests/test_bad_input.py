@@ -207,7 +207,6 @@ CASES = {
     "pipeline-schedule": lambda s: trainer("step9", "--schedule", "zb", ranks=2),
     "pipeline-fp16": lambda s: trainer("step9", "--amp", "fp16", ranks=2),
     "param-dtype-with-amp": lambda s: trainer("step0", "--param-dtype", "bf16", "--amp", "bf16"),
-    "param-dtype-fp16-zero1": lambda s: trainer("step5", "--param-dtype", "fp16", ranks=2),
     "param-dtype-not-here": lambda s: trainer("step1", "--param-dtype", "bf16", ranks=2),
     "fsdp2-reference-flags": lambda s: tool("fsdp2_reference.py", "--param-dtype", "fp16"),
     "world-larger-than-data": lambda s: trainer("step1", *s.tiny[-2:], ranks=5000),

@@ -18,7 +18,8 @@ ALWAYS = ["pytorch DDP", "BucketedDDP (step 4)", "naive (step 3)", "pytorch ZeRO
 OURS_ZERO = {"ZeRO-1 (step 5)": ("step5_zero1/zero1.py", "class ShardedOptimizer"),
              "ZeRO-2 (step 6)": ("step6_zero2/zero2.py", "class ShardedGradientDDP"),
              "ZeRO-3 (step 7)": ("step7_zero3/zero3.py", "class FullyShardedDP"),
-             "ZeRO-3 no prefetch (step 7)": ("step7_zero3/zero3.py", "class FullyShardedDP")}
+             "ZeRO-3 no prefetch (step 7)": ("step7_zero3/zero3.py", "class FullyShardedDP"),
+             "ZeRO-1 bf16 (step 5)": ("step5_zero1/zero1.py", "param_dtype")}
 FSDP2 = ("pytorch FSDP2 ZeRO-2", "pytorch FSDP2 ZeRO-3")
 
 
@@ -93,6 +94,11 @@ def test_memory_per_rank_matches_each_strategy(every_row):
         assert ours["params"] == ours["grads"] == [whole] * 2
         assert about_half(ours["optimizer_state"], adam)
         assert rows["ZeRO-1 (step 5)"]["comm"][0]["all_reduce"] == whole  # step 4's buckets
+    if "ZeRO-1 bf16 (step 5)" in mem:  # bf16 parameters; the float32 gradient whole; float32 masters of the slices
+        ours = mem["ZeRO-1 bf16 (step 5)"]
+        assert ours["params"] == [whole // 2] * 2 and ours["grads"] == [whole] * 2
+        assert about_half(ours["optimizer_state"], adam + whole)  # moments and masters, split by elements
+        assert whole // 2 <= rows["ZeRO-1 bf16 (step 5)"]["comm"][0]["all_gather"] <= whole // 2 + 2  # 2 bytes each
     if "ZeRO-2 (step 6)" in mem:  # gradients split too
         ours = mem["ZeRO-2 (step 6)"]
         assert ours["params"] == [whole] * 2

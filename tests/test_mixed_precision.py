@@ -3,11 +3,12 @@
 Real torchrun runs on the tiny workload: at world size 2, steps 5, 6 and 7 with bf16 parameters must equal
 compare/fsdp2_reference.py (FSDP2 with ``MixedPrecisionPolicy(bf16, float32)``) and each other to the bit; in
 the exact mode (float64 reduction) they must equal each other at 3 and 4 ranks; fp16 with the loss scaler,
-skipped steps included, at world size 2 (step 5 refuses fp16: see its README). Each gather moves 2 bytes per
+skipped steps included, at world size 2. Each gather moves 2 bytes per
 element; gradients move in the reduce dtype. Checkpoints hold the float32 masters and resume bitwise.
 """
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,14 +60,15 @@ def split_model(run) -> tuple[int, int]:
 def test_gathers_move_two_bytes_per_element_and_gradients_the_reduce_dtype(bf16_runs):
     """Per optimiser step at world size 2 (one chunk or bucket set; Ψ = 92,032 here, even, so no padding in
     steps 5-6): all-gather 2Ψ bytes; gradients 4Ψ (float32), all-reduced in step 5, reduce-scattered in 6-7.
-    The small all-reduces: the exact parts of the masters' norm (3 x 277 int64), and steps 6-7's clipping
-    norm (one float64). Step 7 gathers every unit in each forward and all but the root in each backward.
+    The small all-reduces: the exact parts of the masters' norm (3 x 277 int64), and the clipping norm (one
+    float64: every step's optimiser reads only its slices of the gradient). Step 7 gathers every unit in each
+    forward and all but the root in each backward.
     The first step of steps 5-6 also counts the start-up broadcast of rank 0's weights, still float32 then."""
     psi, root = split_model(bf16_runs["step5"])
     assert psi % 2 == 0
     parts, norm = 3 * 277 * 8, 8
     for i, r in enumerate(metrics(bf16_runs["step5"])["records"]):
-        assert r["comm"] == {"all_gather": 2 * psi, "all_reduce": 4 * psi + parts,
+        assert r["comm"] == {"all_gather": 2 * psi, "all_reduce": 4 * psi + parts + norm,
                              **({"broadcast": 4 * psi} if i == 0 else {})}
     for i, r in enumerate(metrics(bf16_runs["step6"])["records"]):
         assert r["comm"] == {"all_gather": 2 * psi, "reduce_scatter": 4 * psi, "all_reduce": parts + norm,
@@ -104,24 +106,79 @@ def assert_bitwise_same_weights(a: dict, b: dict) -> None:
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+@pytest.fixture(scope="module")
+def exact_bf16_run(tmp_path_factory, small_corpus):
+    """``run(step, N)``: a step with bf16 parameters in the exact mode (float64 reduction), two steps, trained once
+    and shared by the parity and the memory tests."""
+    top, made = tmp_path_factory.mktemp("exact_bf16"), {}
+
+    def run(step: str, world_size: int) -> Path:
+        if (step, world_size) not in made:
+            made[step, world_size] = train(step, top / f"{step}_n{world_size}", small_corpus, *BF16,
+                                           "--reduce-dtype", "float64", "--steps", "2", nproc=world_size)
+        return made[step, world_size]
+    return run
+
+
 @pytest.mark.parametrize("world_size", (3, 4))
-def test_exact_mode_bf16_is_bitwise_across_zero_stages(world_size, tmp_path, small_corpus):
+def test_exact_mode_bf16_is_bitwise_across_zero_stages(world_size, exact_bf16_run):
     """float64 reduction: no order to depend on, so steps 5, 6 and 7 agree at any world size (two steps)."""
-    runs = [train(step, tmp_path / step, small_corpus, *BF16, "--reduce-dtype", "float64", "--steps", "2",
-                  nproc=world_size) for step in SHARDED]
+    runs = [exact_bf16_run(step, world_size) for step in SHARDED]
     assert_bitwise_same_run(runs[0], runs[1])
     assert_bitwise_same_run(runs[0], runs[2])
 
 
-def test_fp16_with_skipped_steps_is_bitwise_between_zero2_and_zero3(tmp_path, small_corpus):
-    """A first loss scale of 2^20 overflows fp16 gradients: both steps skip the same steps (every rank's verdict
-    combined), halve the scale, and go on alike."""
+# Bytes per parameter, whole (1) or divided by N: 16-bit parameters, float32 gradients (step 5: the reduced
+# gradient, whole, in main_grad; step 6: the reduce-scatter's shards, float32 whatever the reduce dtype), float32
+# masters of the owned elements, AdamW's two moments. Step 5: 2Ψ + 4Ψ + 12Ψ/N; step 6: 2Ψ + 16Ψ/N.
+MIXED_MEMORY = {"step5": {"params": (2, 1), "grads": (4, 1), "master_params": (4, "N"), "optimizer_state": (8, "N")},
+                "step6": {"params": (2, 1), "grads": (4, "N"), "master_params": (4, "N"), "optimizer_state": (8, "N")}}
+
+
+STAGE = {"step5": "ZeRO-1", "step6": "ZeRO-2"}
+
+
+def test_memory_per_rank_meets_the_mixed_precision_formulas(bf16_runs, exact_bf16_run, tmp_path, small_corpus):
+    """Every rank of steps 5 and 6 with bf16 parameters at N = 1, 2, 3, 4, each kind within 2% of its formula
+    (padding and AdamW's step counters included in the measurement). N = 2 and N = 3, 4 are the runs of the
+    tests above (the exact mode changes the reduction, not what is kept); N = 1 runs one step here."""
+    runs = {(step, 2): bf16_runs[step] for step in MIXED_MEMORY}
+    runs |= {(step, n): exact_bf16_run(step, n) for step in MIXED_MEMORY for n in (3, 4)}
+    runs |= {(step, 1): train(step, tmp_path / step, small_corpus, *BF16, "--steps", "1", nproc=0)  # no torchrun
+             for step in MIXED_MEMORY}
+    psi, _ = split_model(bf16_runs["step5"])
+    for (step, world_size), run in sorted(runs.items()):
+        memory = metrics(run)["records"][-1]["memory"]
+        assert len(memory) == world_size
+        for rank, measured in enumerate(memory):
+            for kind, (per_param, divisor) in MIXED_MEMORY[step].items():
+                expected = per_param * psi / (world_size if divisor == "N" else 1)
+                assert abs(measured[kind] / expected - 1) < 0.02, \
+                    f"{step} N={world_size} rank {rank} {kind}: {measured[kind]} vs {expected}"
+    # compare/memory.py knows the same formulas: every run passes its check
+    sys.path.insert(0, str(REPO / "compare"))
+    import memory
+    for (step, world_size), run in runs.items():
+        text, ok = memory.report(str(run))
+        assert ok and f"{STAGE[step]} 16-bit, N = {world_size}," in text, text
+
+
+def test_fp16_with_skipped_steps_is_bitwise_across_zero_stages(tmp_path, small_corpus):
+    """A first loss scale of 2^20 overflows fp16 gradients: steps 5, 6 and 7 skip the same steps (each rank checks
+    its own slices of the float32 reduced gradient, step 5's in main_grad; one all-reduce of a float32 flag
+    combines the verdicts), halve the scale, and go on alike."""
     fp16 = ("--param-dtype", "fp16", "--loss-scale-init", str(2.0**20))
-    runs = [train(step, tmp_path / step, small_corpus, *fp16) for step in ("step6", "step7")]
-    assert_bitwise_same_run(*runs)
+    runs = [train(step, tmp_path / step, small_corpus, *fp16) for step in SHARDED]
+    assert_bitwise_same_run(runs[0], runs[1])
+    assert_bitwise_same_run(runs[0], runs[2])
     norms = [r["grad_norm"] for r in metrics(runs[0])["records"]]
     skipped = [n != n or n == float("inf") for n in norms]  # an overflowed step logs a non-finite norm
     assert any(skipped) and not all(skipped), norms
+    psi, _ = split_model(runs[0])
+    parts, norm, found_inf = 3 * 277 * 8, 8, 4
+    for was_skipped, r in zip(skipped, metrics(runs[0])["records"]):  # skipped: no all-gather
+        assert r["comm"]["all_reduce"] == 4 * psi + parts + norm + found_inf
+        assert r["comm"].get("all_gather", 0) == (0 if was_skipped else 2 * psi)
 
 
 def test_step0_bf16_stays_within_bf16_rounding_of_the_sharded_steps(bf16_runs, tmp_path, small_corpus):
