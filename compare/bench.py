@@ -114,7 +114,7 @@ from transformers import GPT2LMHeadModel
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The shared modules come from common/ (the masters of the step folders' verbatim copies); each
 # step's own module from its folder. Where a name exists in two folders the first listed wins:
-# bucketed_ddp.py is step 4's (step 5 holds a copy), zero1.py step 5's (step 6 holds a copy).
+# bucketed_ddp.py is step 4's (steps 5 and 6 hold copies), zero1.py step 5's (step 6 holds a copy).
 # One `comm_accounting` module is loaded, so every step module adds to the same comm_bytes counter.
 FOLDERS = ("common", "step4_hooks_bucketing", "step3_naive_dp", "step5_zero1", "step6_zero2", "step7_zero3",
            "step8_tensor_parallel", "step9_pipeline_parallel")

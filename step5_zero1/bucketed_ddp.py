@@ -32,23 +32,27 @@ from comm_accounting import count_collective
 
 
 class Bucket:
-    """A flat buffer holding the gradients of a few parameters, reduced with one all-reduce."""
+    """A flat buffer of ``numel`` elements holding the gradients of a few parameters, reduced with one collective."""
 
-    def __init__(self, index: int, params: list, dtype: torch.dtype):
-        self.index, self.params = index, params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-        # slots[i]: the part of the buffer that holds params[i]'s gradient, shaped like the parameter
-        self.slots, offset = [], 0
-        for p in params:
-            self.slots.append(self.buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+    def __init__(self, index: int, params: list, dtype: torch.dtype, numel: int):
+        self.index, self.params, self.dtype, self.numel = index, params, dtype, numel
+        self.buffer = self.slots = None  # made by allocate()
+        self.work = None  # the collective in flight
         self.timeline = None  # a list to record launch/finish times in, when overlap_trace.py asks
         self.reset()
 
+    def allocate(self):
+        self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.params[0].device)
+        # slots[i]: the part of the buffer that holds params[i]'s gradient, shaped like the parameter
+        self.slots, offset = [], 0
+        for p in self.params:
+            self.slots.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
     def reset(self):
+        """No gradient in yet: ready for the next backward."""
         self.ready = [False] * len(self.params)
         self.pending = len(self.params)
-        self.work = None
 
 
 def assign_buckets(params: list, bucket_cap_bytes: float, first_bucket_cap_bytes: float) -> list[list]:
@@ -96,6 +100,9 @@ class BucketedDDP(torch.nn.Module):
     16-bit parameters (bf16, fp16: step 5's ``ShardedOptimizer(param_dtype=...)`` makes them): their
     micro-batches are summed in ``reduce_dtype`` and the averaged gradient is left in float32 in ``param.main_grad``
     (``param.grad`` None), never rounded to 16 bits on its way to the float32 master weights.
+
+    What a bucket's collective is lives in four methods, ``_make_bucket``, ``_fill``, ``_launch`` and
+    ``_finish``: step 6 (ZeRO-2) overrides them to reduce-scatter each bucket instead.
     """
 
     def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
@@ -116,10 +123,15 @@ class BucketedDDP(torch.nn.Module):
         ready_order = [p for p in module.parameters() if p.requires_grad][::-1]
         self.names = {p: n for n, p in module.named_parameters()}
         groups = assign_buckets(ready_order, bucket_cap_mb * 2**20, min(first_bucket_cap_mb, bucket_cap_mb) * 2**20)
-        self.buckets = [Bucket(i, group, reduce_dtype) for i, group in enumerate(groups)]
+        self.buckets = [self._make_bucket(i, group) for i, group in enumerate(groups)]
         self.location = {p: (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
         self.next_to_launch = 0
         self._register_hooks(ready_order)
+
+    def _make_bucket(self, index: int, params: list) -> Bucket:
+        bucket = Bucket(index, params, self.reduce_dtype, numel=sum(p.numel() for p in params))
+        bucket.allocate()  # once: every backward reuses it, as PyTorch DDP's buckets
+        return bucket
 
     def _register_hooks(self, params: list) -> None:
         for p in params:  # fires after backward has added this pass's gradient into p.grad
@@ -147,45 +159,59 @@ class BucketedDDP(torch.nn.Module):
         if bucket.ready[i]:
             raise RuntimeError(f"gradient of {self.names[param]} became ready twice in one backward; "
                                "call finish_gradient_synchronization() after each synchronised backward")
-        bucket.slots[i].copy_(local_gradient(param, self.reduce_dtype))
-        bucket.ready[i], bucket.pending = True, bucket.pending - 1
+        self._fill(bucket, i, local_gradient(param, self.reduce_dtype))
         self._launch_ready_buckets()
+
+    def _fill(self, bucket: Bucket, i: int, grad) -> None:
+        """Put this rank's gradient of ``bucket.params[i]`` into its slot (zeros for None)."""
+        if grad is not None:
+            bucket.slots[i].copy_(grad)
+        else:
+            bucket.slots[i].zero_()
+        bucket.ready[i], bucket.pending = True, bucket.pending - 1
 
     def _launch_ready_buckets(self) -> None:
         # Launch in bucket order only: bucket k waits until buckets 0..k-1 have been launched.
         while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].pending == 0:
-            bucket = self.buckets[self.next_to_launch]
-            count_collective("all_reduce", bucket.buffer)
-            launched = time.perf_counter()
-            bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
-            if bucket.timeline is not None:  # overlap_trace.py wants to see when it ran
-                event = {"launched": launched, "finished": None}
-                bucket.timeline.append(event)
-                bucket.work.get_future().then(lambda _, event=event: event.update(finished=time.perf_counter()))
+            self._launch(self.buckets[self.next_to_launch])
             self.next_to_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the bucket's all-reduce; backward carries on while it runs."""
+        count_collective("all_reduce", bucket.buffer)
+        launched = time.perf_counter()
+        bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+        if bucket.timeline is not None:  # overlap_trace.py wants to see when it ran
+            event = {"launched": launched, "finished": None}
+            bucket.timeline.append(event)
+            bucket.work.get_future().then(lambda _, event=event: event.update(finished=time.perf_counter()))
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket, average, and write the result into ``param.grad``. Once per optimiser step."""
         unused = self._complete_the_buckets_backward_left_open()
         used_anywhere = self._used_by_any_rank(unused) if self.find_unused_parameters else None
         unused_ids = {id(p) for p in unused}
-        for bucket in self.buckets:
-            bucket.work.wait()
-            bucket.buffer.div_(self.world_size)
-            for i, p in enumerate(bucket.params):
-                if is_16_bit(p):  # float32 (a view of the bucket, or float64 rounded once): no 16-bit rounding
-                    used = id(p) not in unused_ids or (used_anywhere is not None and used_anywhere[p])
-                    p.main_grad = bucket.slots[i].to(torch.float32) if used else None
-                elif p.grad is not None:
-                    p.grad.copy_(bucket.slots[i])  # float64 -> float32 rounds here, once
-                elif used_anywhere is not None and used_anywhere[p]:
-                    p.grad = bucket.slots[i].to(p.dtype, copy=True)
-            bucket.reset()
-        self.next_to_launch = 0
+        # A gradient for what this rank used, and (find_unused_parameters=True) for what any rank used.
+        receiving = {p for p in self.location if id(p) not in unused_ids or (used_anywhere and used_anywhere[p])}
+        for bucket in self.buckets:  # every bucket's collective is in flight here
+            self._finish(bucket, receiving)
         if unused and not self.find_unused_parameters:
             names = ", ".join(self.names[p] for p in unused)
             raise RuntimeError(f"parameter(s) {names} received no gradient in this step; make every trainable "
                                "parameter take part in the loss, or pass find_unused_parameters=True")
+
+    def _finish(self, bucket: Bucket, receiving: set) -> None:
+        """Wait for the bucket's all-reduce, average, and write the gradients of ``receiving`` back."""
+        bucket.work.wait()
+        bucket.work = None
+        bucket.buffer.div_(self.world_size)
+        for p, slot in zip(bucket.params, bucket.slots):
+            if is_16_bit(p):  # float32 (a view of the bucket, or float64 rounded once): no 16-bit rounding
+                p.main_grad = slot.to(torch.float32) if p in receiving else None
+            elif p.grad is not None:
+                p.grad.copy_(slot)  # float64 -> float32 rounds here, once
+            elif p in receiving:  # used by another rank only
+                p.grad = slot.to(p.dtype, copy=True)
 
     # ---- Parameters without a gradient in this backward ------------------------------------------
     # Their hooks never fired, so their buckets are still open when backward ends. A parameter that
@@ -197,20 +223,21 @@ class BucketedDDP(torch.nn.Module):
     # optimiser skips them.
 
     def _complete_the_buckets_backward_left_open(self) -> list:
-        """Fill and launch every bucket backward did not complete; return the parameters with no gradient."""
+        """Fill and launch every bucket backward did not complete, and get the buckets ready for the next
+        backward; return the parameters with no gradient."""
         unused = []
         for bucket in self.buckets[self.next_to_launch :]:
             for i, p in enumerate(bucket.params):
                 if bucket.ready[i]:
                     continue
-                grad = local_gradient(p, self.reduce_dtype)
-                if grad is not None:  # no gradient this backward, but one from an earlier micro-batch
-                    bucket.slots[i].copy_(grad)
-                else:
-                    bucket.slots[i].zero_()
+                grad = local_gradient(p, self.reduce_dtype)  # not None: a gradient from an earlier micro-batch
+                if grad is None:
                     unused.append(p)
-                bucket.ready[i], bucket.pending = True, bucket.pending - 1
+                self._fill(bucket, i, grad)
         self._launch_ready_buckets()
+        for bucket in self.buckets:  # their collectives are in flight; the next backward fills them anew
+            bucket.reset()
+        self.next_to_launch = 0
         return unused
 
     def _used_by_any_rank(self, locally_unused: list) -> dict:

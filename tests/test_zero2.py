@@ -145,7 +145,7 @@ def run_case(rank, world_size, dtype, cap_mb, extra_in=range(ACCUM), find_unused
 
 def half_cap(world_size) -> float:
     """A cap (MiB) that splits the toy's gradients into exactly two buckets."""
-    from zero2 import assign_buckets
+    from bucketed_ddp import assign_buckets  # step 4's, copied: the buckets ShardedGradientDDP fills
 
     params = [p for p in fresh().parameters() if p.requires_grad][::-1]
     for k in range(1, len(params)):
