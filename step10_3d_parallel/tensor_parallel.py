@@ -289,6 +289,37 @@ def is_sharded(param: torch.Tensor) -> bool:
     return getattr(param, "tp_blocks", None) is not None
 
 
+def checkpoint_blocks(name: str, param) -> list:
+    """Where this rank's ``param`` sits in the whole one: ``(name, dim, start, end)`` blocks (common/checkpoint.py);
+    a replicated parameter is one block, all of it."""
+    return [(name, *block) for block in param.tp_blocks] if is_sharded(param) else [(name, 0, 0, param.shape[0])]
+
+
+def cut_into_blocks(name: str, param, tensor: torch.Tensor) -> list:
+    """``tensor`` (``param``'s shard, or its AdamW state) in the checkpoint's layout, cut into its blocks."""
+    whole, pieces, offset = full_layout(param, tensor.detach()).contiguous(), [], 0
+    for _, dim, start, end in checkpoint_blocks(name, param):
+        pieces.append(whole.narrow(dim, offset, end - start))
+        offset += end - start
+    return pieces
+
+
+def checkpoint_shards(named: list, params: list, optimizer_state: dict) -> dict:
+    """This rank's shards of the parameters ``named`` (``(name, param)`` pairs) and of their optimiser state
+    (``optimizer_state``: a state dict whose i-th parameter is ``params[i]``), in the checkpoint's (transformers')
+    layout, and which blocks of which parameter they are: common/checkpoint.py joins them back at any degree."""
+    name_of = {p: n for n, p in named}
+    state = {**optimizer_state, "state": dict(optimizer_state["state"])}
+    for i, p in enumerate(params):
+        if i in state["state"]:
+            dim = checkpoint_blocks(name_of[p], p)[0][1]
+            state["state"][i] = {k: torch.cat(cut_into_blocks(name_of[p], p, v), dim=dim)
+                                 if torch.is_tensor(v) and v.dim() else v for k, v in state["state"][i].items()}
+    return {"model_blocks": [b for n, p in named for b in checkpoint_blocks(n, p)],
+            "model": [piece for n, p in named for piece in cut_into_blocks(n, p, p)],
+            "optimizer": state, "optimizer_slices": [checkpoint_blocks(name_of[p], p) for p in params]}
+
+
 def _column(conv, group, blocks, reduce_dtype) -> ColumnParallelLinear:
     full_in, full_out = conv.weight.shape  # Conv1D: (in, out)
     layer = ColumnParallelLinear(full_in, full_out, group=group, reduce_dtype=reduce_dtype)

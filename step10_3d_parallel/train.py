@@ -28,8 +28,8 @@ from naive_dp import allreduce_gradients
 from pipeline import SCHEDULES, GPT2Stage, Pipeline, record_random_ops
 from sampler import ShardedSampler
 from seeding import rng_state, seed_everything
-from tensor_parallel import (gather_full_parameters, is_sharded, parallelize_gpt2,
-                             vocab_parallel_cross_entropy)
+from tensor_parallel import (checkpoint_blocks, checkpoint_shards, full_layout, gather_full_parameters, is_sharded,
+                             parallelize_gpt2, shard_of, vocab_parallel_cross_entropy)
 from training import (adamw_options, adamw_param_groups, autocast, check_amp, clip_to_norm, make_grad_scaler,
                       make_scheduler, norm_from_parts, square_sum_parts)
 from zero1 import ShardedOptimizer
@@ -113,6 +113,34 @@ def gather_full_model(stage, named: list, mesh) -> dict:
     return {n: t for part in stages for n, t in part.items()}
 
 
+def checkpoint_state(named: list, optimizer) -> dict:
+    """This rank's TP/PP shard of the parameters and of AdamW's state, as step 8 writes it (blocks of the whole
+    tensors, named): ZeRO-1's slices are first gathered over the dp group (``consolidated_state_dict``), so the
+    checkpoint never depends on dp. Any step reads it at any mesh or world size (common/checkpoint.py)."""
+    return checkpoint_shards(named, optimizer.params, optimizer.consolidated_state_dict())
+
+
+def load_checkpoint(named: list, optimizer, checkpoint) -> None:
+    """This rank's part of ``checkpoint`` (any step's, any mesh's): its TP shard of every parameter (step 8's
+    blocks of the whole tensors), then its ZeRO-1 slices of that shard's AdamW state (step 5's flat ranges)."""
+    with torch.no_grad():
+        for name, param in named:
+            param.copy_(shard_of(param, checkpoint.parameter(name)))
+    params = [p for _, p in named]
+    index = {p: i for i, p in enumerate(params)}
+    shards = checkpoint.optimizer_state_dict([checkpoint_blocks(n, p) for n, p in named], params)  # this rank's TP
+    state = {}
+    for local, piece in enumerate(optimizer.pieces):  # the local optimiser's parameters: flat slices of the shards
+        entry = shards["state"].get(index[piece.param])
+        if entry:  # none: never stepped
+            state[local] = {k: full_layout(piece.param, v).reshape(-1)[piece.start:piece.end].clone()
+                            if torch.is_tensor(v) and v.dim() else v for k, v in entry.items()}
+    hyper = {i: {k: v for k, v in g.items() if k != "params"} for g in shards["param_groups"] for i in g["params"]}
+    groups = [{**local, **hyper[index[full["params"][0]]]}  # the checkpoint's lr, betas, ... for each group
+              for local, full in zip(optimizer.local_optimizer.state_dict()["param_groups"], optimizer.full_groups)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups, "slices": optimizer.slices()})
+
+
 def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
@@ -128,11 +156,6 @@ def main():
     check_enough_data(len(corpus.blocks), dp, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
-    mesh_shape = [config["pp"], dp, config["tp"]]
-    if resumed and resumed.shared.get("mesh") != mesh_shape:
-        saved = dict(zip(("pp", "dp", "tp"), resumed.shared.get("mesh") or ["?"] * 3))
-        raise UserError(f"{resume_from} was written on a mesh of --pp {saved['pp']} --dp {saved['dp']} --tp "
-                        f"{saved['tp']}: step 10 resumes its shards on the same mesh; launch that")
     distributed.join(world, config["timeout_s"])
     mesh = build_mesh(dp, config["tp"], config["pp"], timeout=timedelta(seconds=config["timeout_s"]))
     device, tp, pp = world.device, config["tp"], config["pp"]
@@ -172,12 +195,8 @@ def main():
     reduce = getattr(torch, config["reduce_dtype"])
 
     start_step, records = 0, []
-    if resumed:
-        own = resumed.rank_state(world.rank)
-        with torch.no_grad():
-            for (_, param), saved in zip(named, own["local_model"]):
-                param.copy_(saved)
-        optimizer.load_state_dict(own["local_optimizer"])
+    if resumed:  # any step's checkpoint, written on any mesh or world size: this rank cuts its part out of it
+        load_checkpoint(named, optimizer, resumed)
         start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, dp)  # its RNG, last
         if world.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
@@ -244,13 +263,10 @@ def main():
             **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=comm),
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            full = gather_full_model(stage, named, mesh)  # the whole model by name: what checkpoint readers index
-            shared = {"step": step + 1, "model": {name: full[name] for name in shapes}, "mesh": mesh_shape,
-                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                      "data": batches.state_dict(), "records": log.records}
-            own = {"rng": rng_state(), "local_model": [p.detach().clone() for _, p in named],
-                   "local_optimizer": optimizer.state_dict()}  # this rank's shard: resumed on the same mesh
-            writer.save(step + 1, shared, own)
+            shared = {"step": step + 1, "mesh": [pp, dp, tp], "scheduler": scheduler.state_dict(),
+                      "scaler": scaler.state_dict(), "data": batches.state_dict(), "records": log.records}
+            shard = checkpoint_state(named, optimizer)  # collective over dp; dp rank 0's copy goes to disk
+            writer.save(step + 1, shared, {"rng": rng_state(), **(shard if mesh.dp_rank == 0 else {})})
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     full = gather_full_model(stage, named, mesh)  # every rank takes part; rank 0 writes the plain model

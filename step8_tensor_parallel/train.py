@@ -24,9 +24,9 @@ from metrics import RunLog, StepClock, environment, memory_stats, save_final_wei
 from model import build_model
 from sampler import ShardedSampler
 from seeding import rng_state, seed_everything
-from tensor_parallel import (check_divisible, clip_tensor_parallel_gradients, full_layout, gather_full_parameters,
-                             is_sharded, param_norm, parallelize_gpt2, replicated_in_sync, shard_of,
-                             vocab_parallel_cross_entropy)
+from tensor_parallel import (check_divisible, checkpoint_blocks, checkpoint_shards, clip_tensor_parallel_gradients,
+                             full_layout, gather_full_parameters, param_norm, parallelize_gpt2, replicated_in_sync,
+                             shard_of, vocab_parallel_cross_entropy)
 from training import autocast, check_amp, make_grad_scaler, make_optimizer, make_scheduler, param_norm as whole_norm
 from sharded_gradients import ShardedGradScaler  # step 5's: the fp16 overflow flag agreed by every rank
 
@@ -39,35 +39,6 @@ def tensor_parallel_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> 
     return vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def blocks(name: str, param) -> list:
-    """Where this rank's ``param`` sits in the whole one: ``(name, dim, start, end)`` blocks (checkpoint.py)."""
-    return [(name, *block) for block in param.tp_blocks] if is_sharded(param) else [(name, 0, 0, param.shape[0])]
-
-
-def cut_into_blocks(name: str, param, tensor: torch.Tensor) -> list:
-    """``tensor`` (``param``'s shard, or its AdamW state) in the checkpoint's layout, cut into its blocks."""
-    whole, pieces, offset = full_layout(param, tensor.detach()).contiguous(), [], 0
-    for _, dim, start, end in blocks(name, param):
-        pieces.append(whole.narrow(dim, offset, end - start))
-        offset += end - start
-    return pieces
-
-
-def checkpoint_state(model, optimizer) -> dict:
-    """This rank's shards of the parameters and of AdamW's state, in the checkpoint's (transformers') layout,
-    and which blocks of which parameter they are: steps 0-8 at any world size read them back."""
-    named = list(model.named_parameters())
-    name_of = {p: n for n, p in named}
-    state = optimizer.state_dict()
-    for i, p in enumerate(params_in_order(optimizer)):
-        if i in state["state"]:
-            state["state"][i] = {k: torch.cat(cut_into_blocks(name_of[p], p, v), dim=blocks(name_of[p], p)[0][1])
-                                 if torch.is_tensor(v) and v.dim() else v for k, v in state["state"][i].items()}
-    return {"model_blocks": [b for n, p in named for b in blocks(n, p)],
-            "model": [piece for n, p in named for piece in cut_into_blocks(n, p, p)],
-            "optimizer": state, "optimizer_slices": [blocks(name_of[p], p) for p in params_in_order(optimizer)]}
-
-
 def load_checkpoint(model, optimizer, checkpoint) -> None:
     """This rank's shards, cut from whatever step and TP degree wrote ``checkpoint``."""
     with torch.no_grad():
@@ -75,7 +46,7 @@ def load_checkpoint(model, optimizer, checkpoint) -> None:
             param.copy_(shard_of(param, checkpoint.parameter(name)))
     params = params_in_order(optimizer)
     name_of = {p: n for n, p in model.named_parameters()}
-    state = checkpoint.optimizer_state_dict([blocks(name_of[p], p) for p in params], params)
+    state = checkpoint.optimizer_state_dict([checkpoint_blocks(name_of[p], p) for p in params], params)
     for i, entry in state["state"].items():
         entry.update({k: full_layout(params[i], v) for k, v in entry.items() if torch.is_tensor(v) and v.dim()})
     optimizer.load_state_dict(state)
@@ -172,7 +143,8 @@ def main():
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
             shared = {"step": step + 1, "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
-            writer.save(step + 1, shared, {"rng": rng_state(), **checkpoint_state(model, optimizer)})
+            own = checkpoint_shards(list(model.named_parameters()), params_in_order(optimizer), optimizer.state_dict())
+            writer.save(step + 1, shared, {"rng": rng_state(), **own})  # steps 0-8 and 10 at any degree read them
 
     in_sync = replicated_in_sync(model)  # the replicated parameters must be the same bits on every rank
     full = gather_full_parameters(model)  # every rank takes part; rank 0 writes the plain model

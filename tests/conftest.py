@@ -141,6 +141,41 @@ def pipeline_runs(tmp_path_factory, small_corpus):
     return run
 
 
+# Step 10's meshes on TINY, each run 8 samples per optimiser step (micro-batches of 2), as step 1 on 2 ranks
+# accumulating 2; name: (step, ranks, flags), the accumulation each run's own. The runs with checkpoints are resumed
+# at other meshes and by step 1 (tests/test_3d_parallel.py).
+MESH_RUNS = {
+    "step1": ("step1", 2, ["--grad-accum", "2"]),
+    "step8": ("step8", 2, ["--grad-accum", "4"]),
+    "step9": ("step9", 2, ["--grad-accum", "4"]),
+    "tp2": ("step10", 2, ["--tp", "2", "--grad-accum", "4", "--save-every", "2"]),
+    "pp2": ("step10", 2, ["--pp", "2", "--grad-accum", "4"]),
+    "dp2": ("step10", 2, ["--dp", "2", "--grad-accum", "2", "--save-every", "2"]),
+    "tp2pp2": ("step10", 4, ["--tp", "2", "--pp", "2", "--grad-accum", "4", "--save-every", "2"]),
+    "dp2pp2": ("step10", 4, ["--dp", "2", "--pp", "2", "--grad-accum", "2", "--save-every", "2"]),
+    "dp2tp2": ("step10", 4, ["--dp", "2", "--tp", "2", "--grad-accum", "2", "--save-every", "2"]),
+}
+
+
+@pytest.fixture(scope="session")
+def mesh_runs(tmp_path_factory, small_corpus):
+    """``mesh_runs(name)``: the run folder of ``MESH_RUNS[name]``, trained once per session. Step 10's tests
+    (tests/test_3d_parallel.py) and the planner's measured rows (tests/test_plan.py) share them."""
+    done = {}
+    at = TINY.index("--grad-accum")
+    tiny = TINY[:at] + TINY[at + 2:]  # each run sets its own accumulation
+
+    def run(name: str) -> Path:
+        if name not in done:
+            step, nproc, flags = MESH_RUNS[name]
+            out = tmp_path_factory.mktemp(name)
+            result = launch(step, [*tiny, *flags, "--data", str(small_corpus), "--out", str(out)], nproc=nproc)
+            assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            done[name] = out
+        return done[name]
+    return run
+
+
 def init_gloo(rank: int, world_size: int, port: int) -> None:
     """In a spawned worker: one CPU thread, and the trainers' own join: a gloo group on loopback, with a
     short timeout. Leave with ``shutdown()``, as the trainers do."""

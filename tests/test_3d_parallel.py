@@ -3,7 +3,8 @@ is bitwise the step that has the remaining axis (tp: step 8, pp: step 9, dp: ste
 bitwise at 2 ranks); two axes at once are bitwise where no sum changes order (pp with tp: step 8; pp with dp:
 step 1) and compared with step 1 as step 8 is where tp meets dp; all three at once, 2 x 2 x 2, for 2 steps.
 
-The runs are shared (one module fixture): every trainer runs once on TINY, global batch 8 samples per step.
+The runs are shared (conftest.py's session fixture ``mesh_runs``): every trainer runs once on TINY, global batch 8
+samples per step; the step-10 runs with checkpoints are resumed at other meshes and by step 1.
 """
 import sys
 
@@ -11,39 +12,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, TINY, assert_bitwise_same_run, launch, metrics, spawn, train, weights
+from conftest import (MESH_RUNS, REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, spawn, train,
+                      weights)
+from launch import run_nodes_here
 
 STEP10 = REPO / "step10_3d_parallel"
 ACCUM = TINY.index("--grad-accum") + 1
-# Every run: 8 samples per optimiser step (micro-batches of 2), as step 1 on 2 ranks accumulating 2.
-RUNS = {  # name: (step, ranks, flags)
-    "step1": ("step1", 2, ["--grad-accum", "2"]),
-    "step8": ("step8", 2, ["--grad-accum", "4"]),
-    "step9": ("step9", 2, ["--grad-accum", "4"]),
-    "tp2": ("step10", 2, ["--tp", "2", "--grad-accum", "4"]),
-    "pp2": ("step10", 2, ["--pp", "2", "--grad-accum", "4"]),
-    "dp2": ("step10", 2, ["--dp", "2", "--grad-accum", "2", "--save-every", "2"]),
-    "tp2pp2": ("step10", 4, ["--tp", "2", "--pp", "2", "--grad-accum", "4"]),
-    "dp2pp2": ("step10", 4, ["--dp", "2", "--pp", "2", "--grad-accum", "2"]),
-    "dp2tp2": ("step10", 4, ["--dp", "2", "--tp", "2", "--grad-accum", "2", "--save-every", "2"]),
-}
+RUNS = MESH_RUNS  # name: (step, ranks, flags); trained once per session (conftest.py), compare/plan.py's test too
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, small_corpus):
-    """``runs(name)``: the run folder of ``RUNS[name]``, trained once per module."""
-    done = {}
-
-    def run(name):
-        if name not in done:
-            step, nproc, flags = RUNS[name]
-            tiny = TINY[:ACCUM - 1] + TINY[ACCUM + 1:]  # each run sets its own accumulation
-            out = tmp_path_factory.mktemp(name)
-            result = launch(step, [*tiny, *flags, "--data", str(small_corpus), "--out", str(out)], nproc=nproc)
-            assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-            done[name] = out
-        return done[name]
-    return run
+def runs(mesh_runs):
+    return mesh_runs
 
 
 # ---- the mesh -------------------------------------------------------------------------------------------------
@@ -169,6 +149,65 @@ def test_resume_on_the_same_mesh_is_bitwise(runs, tmp_path, small_corpus):
     resumed = train("step10", tmp_path / "resumed", small_corpus, *flags,
                     "--resume", str(full / "checkpoints" / "step_2"), nproc=nproc)
     assert_bitwise_same_run(full, resumed)
+
+
+# ---- checkpoints read at another mesh shape, and by step 1 ------------------------------------------------------
+
+def resumed_from(runs, name: str, tmp_path, corpus, step: str, nproc: int, *flags: str):
+    """``step`` on ``nproc`` ranks with ``flags``, resumed from the step-2 checkpoint of run ``name`` (4 steps)."""
+    return train(step, tmp_path / f"{name}_in_{step}_{nproc}", corpus, *flags,
+                 "--resume", str(runs(name) / "checkpoints" / "step_2"), nproc=nproc)
+
+
+def test_a_checkpoint_resumes_at_another_mesh_bitwise_where_the_sums_agree(runs, tmp_path, small_corpus):
+    """pp 2 x tp 2 (4 ranks) resumed at tp 2 alone (2 ranks): the last stage's blocks and the first's are joined
+    into whole tensors, AdamW's state with them, and cut into tp 2 shards again. A pipeline changes no sum, so
+    steps 3 and 4 are bitwise the uninterrupted tp 2 run's (which is bitwise pp 2 x tp 2's, above)."""
+    resumed = resumed_from(runs, "tp2pp2", tmp_path, small_corpus, "step10", 2, "--tp", "2", "--grad-accum", "4")
+    assert_bitwise_same_run(resumed, runs("tp2"))
+
+
+def test_a_tp_checkpoint_resumes_at_dp_in_step1s_summation_order(runs, tmp_path, small_corpus):
+    """tp 2 resumed at dp 2 (ZeRO-1 slices of whole tensors where tp 2 held blocks of rows and columns): steps 3
+    and 4 sum each layer as one process does (step 1's order), so they are the uninterrupted tp 2 run's within
+    step 8's parity tolerance, the same bounds as dp 2 x tp 2 against step 1 above (measured: the loss 6.4e-8
+    relative, the weights 8.1e-8 apart). A lost optimiser state would be far outside them: AdamW's first step
+    from zero moments moves every weight by about the learning rate."""
+    resumed = resumed_from(runs, "tp2", tmp_path, small_corpus, "step10", 2, "--dp", "2", "--grad-accum", "2")
+    assert metrics(resumed)["records"][:2] == metrics(runs("tp2"))["records"][:2]  # the checkpoint's own records
+    diff = relative_differences(resumed, runs("tp2"))
+    assert diff["loss"] < 1e-6 and diff["param norm"] < 1e-6 and 0 < diff["weights"] < 1e-4, diff
+
+
+def test_step1_resumes_a_step10_checkpoint(runs, tmp_path, small_corpus):
+    """Step 1 (PyTorch DDP, 2 ranks) reads a step-10 checkpoint like any other step's: from dp 2 x pp 2 it is
+    bitwise the uninterrupted step 1 run (a pipeline changes no sum, two replicas add in either order alike); from
+    dp 2 x tp 2 (blocks of rows and columns, AdamW's state in ZeRO-1 slices of them) it continues the dp 2 x tp 2
+    run in step 1's summation order, within step 8's tolerance."""
+    assert_bitwise_same_run(resumed_from(runs, "dp2pp2", tmp_path, small_corpus, "step1", 2, "--grad-accum", "2"),
+                            runs("step1"))
+    from_tp = resumed_from(runs, "dp2tp2", tmp_path, small_corpus, "step1", 2, "--grad-accum", "2")
+    diff = relative_differences(from_tp, runs("dp2tp2"))
+    assert diff["loss"] < 1e-6 and diff["param norm"] < 1e-6 and 0 < diff["weights"] < 1e-4, diff
+
+
+# ---- two launches, one mesh -------------------------------------------------------------------------------------
+
+def test_two_launches_train_bitwise_like_one(runs, tmp_path, small_corpus):
+    """dp 2 x tp 2 as two torchrun launches of 2 ranks (``--nnodes=2``, torchrun's c10d rendezvous, as two machines
+    would: compare/launch.py's node_command) trains bitwise like one launch of 4. A rank's place in the mesh depends
+    on its global rank only; with TP innermost each launch holds one tp group ({0, 1}, {2, 3}: TP inside a node)
+    and the dp groups ({0, 2}, {1, 3}) cross between the launches."""
+    _, nproc, flags = RUNS["dp2tp2"]
+    out = tmp_path / "two_launches"
+    tiny = TINY[:ACCUM - 1] + TINY[ACCUM + 1:]
+    nodes = run_nodes_here(STEP10.name, 2, nproc // 2, [*tiny, *flags, "--data", str(small_corpus), "--out", str(out),
+                                                        *TIMEOUT], timeout=300)
+    assert [code for code, _ in nodes] == [0, 0], "\n".join(log[-3000:] for _, log in nodes)
+    # one world of 4: rank 0 (on whichever launch the rendezvous made node 0) reports for all of them
+    assert sum("done: 4 steps on a 1 x 2 x 2 (pp x dp x tp) mesh" in log for _, log in nodes) == 1, nodes
+    assert metrics(out)["env"]["world_size"] == 4
+    assert_bitwise_same_run(runs("dp2tp2"), out)
 
 
 # ---- three axes -----------------------------------------------------------------------------------------------
