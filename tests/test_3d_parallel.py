@@ -6,6 +6,7 @@ step 1) and compared with step 1 as step 8 is where tp meets dp; all three at on
 The runs are shared (conftest.py's session fixture ``mesh_runs``): every trainer runs once on TINY, global batch 8
 samples per step; the step-10 runs with checkpoints are resumed at other meshes and by step 1.
 """
+import re
 import sys
 
 import pytest
@@ -229,10 +230,15 @@ def test_all_three_axes_on_8_ranks(tmp_path, small_corpus, runs):
                                                                                               "param_norm")}
 
 
-def test_a_frozen_tp_rank_ends_the_job_within_the_timeout(tmp_path, small_corpus):
-    """SIGSTOP rank 1 of a tp group (1 x 1 x 2) after two steps: rank 0 waits --timeout-s in a tensor-parallel
-    all-reduce (a group build_mesh made, with the run's timeout, not torch's default 30 minutes), prints one
-    line and exits 3, within the bound tests/test_dead_rank.py allows step 1 and step 7."""
+@pytest.mark.parametrize("mesh, nproc, frozen, waiting", [(("--tp", "2"), 2, 1, "0"), (("--dp", "2", "--pp", "2"), 4, 3, "[012]")],
+                         ids=["tp", "dp-x-pp"])
+def test_a_frozen_rank_ends_the_job_within_the_timeout(mesh, nproc, frozen, waiting, tmp_path, small_corpus):
+    """SIGSTOP one rank after two steps: its peers wait --timeout-s (groups build_mesh made, with the run's timeout,
+    not torch's default 30 minutes), one prints one line and the job exits 3, within the bound
+    tests/test_dead_rank.py allows step 1 and step 7. tp: rank 1 of a tp pair, rank 0 waits in a tensor-parallel
+    all-reduce. dp x pp: rank 3 (stage 1 of replica 1); rank 2 waits in its data-parallel all-reduce, rank 1 in a
+    point-to-point receive from it, any rank in the mesh-wide norm: whichever waits first speaks (rank 0 did in 1
+    of 8 runs where the line was recorded)."""
     import os
     import signal
     import subprocess
@@ -242,20 +248,20 @@ def test_a_frozen_tp_rank_ends_the_job_within_the_timeout(tmp_path, small_corpus
     from collective_failures import COLLECTIVE_FAILED, ROLL_CALL_S
     from test_dead_rank import FREEZE_TIMEOUT_S, SLACK_S, Lines, workers_by_rank
 
-    args = [*TINY, "--steps", "10000", "--tp", "2", "--data", str(small_corpus), "--out", str(tmp_path / "run"),
+    args = [*TINY, "--steps", "10000", *mesh, "--data", str(small_corpus), "--out", str(tmp_path / "run"),
             "--timeout-s", str(FREEZE_TIMEOUT_S)]
     args.remove("--quiet")  # rank 0's per-step lines say when training is under way
-    proc = subprocess.Popen(trainer_command(STEP10.name, 2, args), cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(trainer_command(STEP10.name, nproc, args), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     output, ranks = Lines(proc), {}
     try:
         output.wait_for(r"^step\s+2/", timeout=180)
         ranks = workers_by_rank(proc.pid)
-        os.kill(ranks[1], signal.SIGSTOP)
+        os.kill(ranks[frozen], signal.SIGSTOP)
         frozen_at = time.monotonic()
         error_at, error = output.wait_for(r"^error:", timeout=FREEZE_TIMEOUT_S + ROLL_CALL_S + 30)
-        output.wait_for(rf"Sending process {ranks[1]} closing signal SIGTERM", timeout=10)
-        os.kill(ranks[1], signal.SIGCONT)
+        output.wait_for(rf"Sending process {ranks[frozen]} closing signal SIGTERM", timeout=10)
+        os.kill(ranks[frozen], signal.SIGCONT)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
@@ -267,7 +273,7 @@ def test_a_frozen_tp_rank_ends_the_job_within_the_timeout(tmp_path, small_corpus
                         pass
             proc.kill()
             proc.wait()
-    expected = f"error: rank 0 waited {FREEZE_TIMEOUT_S} s in a collective; rank(s) 1 did not answer"
-    assert error.startswith(expected), error
+    expected = rf"error: rank {waiting} waited {FREEZE_TIMEOUT_S} s in a collective; rank\(s\) {frozen} did not answer"
+    assert re.match(expected, error), error
     assert FREEZE_TIMEOUT_S <= error_at - frozen_at <= FREEZE_TIMEOUT_S + ROLL_CALL_S + SLACK_S
     assert f"exitcode  : {COLLECTIVE_FAILED}" in "\n".join(output.rest())
