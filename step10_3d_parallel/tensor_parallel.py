@@ -320,6 +320,20 @@ def checkpoint_shards(named: list, params: list, optimizer_state: dict) -> dict:
             "optimizer": state, "optimizer_slices": [checkpoint_blocks(name_of[p], p) for p in params]}
 
 
+
+def load_checkpoint_shards(named: list, params: list, checkpoint) -> dict:
+    """The reverse of ``checkpoint_shards``: copy this rank's shard of every parameter ``named`` out of
+    ``checkpoint`` (any step's, any degree's: common/checkpoint.py joins its blocks), and return the optimiser
+    state of the shards (the i-th entry ``params[i]``'s), in the parameters' own layout."""
+    with torch.no_grad():
+        for name, param in named:
+            param.copy_(shard_of(param, checkpoint.parameter(name)))
+    name_of = {p: n for n, p in named}
+    state = checkpoint.optimizer_state_dict([checkpoint_blocks(name_of[p], p) for p in params], params)
+    for i, entry in state["state"].items():
+        entry.update({k: full_layout(params[i], v) for k, v in entry.items() if torch.is_tensor(v) and v.dim()})
+    return state
+
 def _column(conv, group, blocks, reduce_dtype) -> ColumnParallelLinear:
     full_in, full_out = conv.weight.shape  # Conv1D: (in, out)
     layer = ColumnParallelLinear(full_in, full_out, group=group, reduce_dtype=reduce_dtype)

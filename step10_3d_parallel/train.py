@@ -28,8 +28,8 @@ from naive_dp import allreduce_gradients
 from pipeline import SCHEDULES, GPT2Stage, Pipeline, record_random_ops
 from sampler import ShardedSampler
 from seeding import rng_state, seed_everything
-from tensor_parallel import (checkpoint_blocks, checkpoint_shards, full_layout, gather_full_parameters, is_sharded,
-                             parallelize_gpt2, shard_of, vocab_parallel_cross_entropy)
+from tensor_parallel import (checkpoint_shards, gather_full_parameters, is_sharded, load_checkpoint_shards,
+                             parallelize_gpt2, vocab_parallel_cross_entropy)
 from training import (adamw_options, adamw_param_groups, autocast, check_amp, clip_to_norm, make_grad_scaler,
                       make_scheduler, norm_from_parts, square_sum_parts)
 from zero1 import ShardedOptimizer
@@ -123,18 +123,15 @@ def checkpoint_state(named: list, optimizer) -> dict:
 def load_checkpoint(named: list, optimizer, checkpoint) -> None:
     """This rank's part of ``checkpoint`` (any step's, any mesh's): its TP shard of every parameter (step 8's
     blocks of the whole tensors), then its ZeRO-1 slices of that shard's AdamW state (step 5's flat ranges)."""
-    with torch.no_grad():
-        for name, param in named:
-            param.copy_(shard_of(param, checkpoint.parameter(name)))
     params = [p for _, p in named]
     index = {p: i for i, p in enumerate(params)}
-    shards = checkpoint.optimizer_state_dict([checkpoint_blocks(n, p) for n, p in named], params)  # this rank's TP
+    shards = load_checkpoint_shards(named, params, checkpoint)  # this rank's TP shards, step 8's way
     state = {}
     for local, piece in enumerate(optimizer.pieces):  # the local optimiser's parameters: flat slices of the shards
         entry = shards["state"].get(index[piece.param])
         if entry:  # none: never stepped
-            state[local] = {k: full_layout(piece.param, v).reshape(-1)[piece.start:piece.end].clone()
-                            if torch.is_tensor(v) and v.dim() else v for k, v in entry.items()}
+            state[local] = {k: v.reshape(-1)[piece.start:piece.end].clone() if torch.is_tensor(v) and v.dim() else v
+                            for k, v in entry.items()}
     hyper = {i: {k: v for k, v in g.items() if k != "params"} for g in shards["param_groups"] for i in g["params"]}
     groups = [{**local, **hyper[index[full["params"][0]]]}  # the checkpoint's lr, betas, ... for each group
               for local, full in zip(optimizer.local_optimizer.state_dict()["param_groups"], optimizer.full_groups)]

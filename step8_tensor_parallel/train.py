@@ -24,9 +24,9 @@ from metrics import RunLog, StepClock, environment, memory_stats, save_final_wei
 from model import build_model
 from sampler import ShardedSampler
 from seeding import rng_state, seed_everything
-from tensor_parallel import (check_divisible, checkpoint_blocks, checkpoint_shards, clip_tensor_parallel_gradients,
-                             full_layout, gather_full_parameters, param_norm, parallelize_gpt2, replicated_in_sync,
-                             shard_of, vocab_parallel_cross_entropy)
+from tensor_parallel import (check_divisible, checkpoint_shards, clip_tensor_parallel_gradients, gather_full_parameters,
+                             load_checkpoint_shards, param_norm, parallelize_gpt2, replicated_in_sync,
+                             vocab_parallel_cross_entropy)
 from training import autocast, check_amp, make_grad_scaler, make_optimizer, make_scheduler, param_norm as whole_norm
 from sharded_gradients import ShardedGradScaler  # step 5's: the fp16 overflow flag agreed by every rank
 
@@ -37,19 +37,6 @@ def tensor_parallel_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> 
     """``language_model_loss`` when the model returns this rank's vocabulary slice of the logits."""
     logits = model(input_ids=inputs).logits
     return vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def load_checkpoint(model, optimizer, checkpoint) -> None:
-    """This rank's shards, cut from whatever step and TP degree wrote ``checkpoint``."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(shard_of(param, checkpoint.parameter(name)))
-    params = params_in_order(optimizer)
-    name_of = {p: n for n, p in model.named_parameters()}
-    state = checkpoint.optimizer_state_dict([checkpoint_blocks(name_of[p], p) for p in params], params)
-    for i, entry in state["state"].items():
-        entry.update({k: full_layout(params[i], v) for k, v in entry.items() if torch.is_tensor(v) and v.dim()})
-    optimizer.load_state_dict(state)
 
 
 def main():
@@ -87,7 +74,8 @@ def main():
 
     start_step, records = 0, []
     if resumed:
-        load_checkpoint(model, optimizer, resumed)
+        optimizer.load_state_dict(load_checkpoint_shards(list(model.named_parameters()), params_in_order(optimizer),
+                                                         resumed))  # cut from any step's, any degree's checkpoint
         start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, 1)  # RNG last
         if world.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
