@@ -13,6 +13,7 @@ import signal
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from failures import failure_explainers
@@ -24,6 +25,10 @@ SEE = "see docs/fault_tolerance.md"
 ROLL_CALL_S = 2.0
 
 GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")  # a peer never sent (or never took) its part
+# When one operation times out, gloo closes every pair of the group with this text: another operation
+# under way at the same time (step 7's prefetched gather beside a reduce-scatter) raises it instead of the
+# timeout, and may be the one this rank waits on first. It is the same failure: this rank waited a timeout.
+PAIR_CLOSED = "Application timeout caused pair closure"
 # A peer's socket closed: its process ended, or its gloo gave up on the collective (its own timeout).
 PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
 # What TORCH_DISTRIBUTED_DEBUG=DETAIL checks before every collective: that every rank arrives, and that
@@ -97,6 +102,12 @@ def who_is_missing(what: str) -> str:
             f"(the store did not answer a roll call); {SEE}")
 
 
+def group_timeout_s() -> float:
+    """The default process group's timeout in seconds (gloo's; what --timeout-s set)."""
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds()
+
+
 def explain_collective_failure(error: BaseException) -> tuple[str, int] | None:
     """One line for a collective that failed on this rank, and exit code 3; None for any other error."""
     if not isinstance(error, RuntimeError) or not dist.is_initialized():
@@ -114,6 +125,8 @@ def explain_collective_failure(error: BaseException) -> tuple[str, int] | None:
             COLLECTIVE_FAILED
     if match := GLOO_TIMEOUT.search(text):
         return who_is_missing(f"{me} waited {int(match.group(1)) / 1000:g} s in a collective"), COLLECTIVE_FAILED
+    if PAIR_CLOSED in text:
+        return who_is_missing(f"{me} waited {group_timeout_s():g} s in a collective"), COLLECTIVE_FAILED
     if match := PEER_GONE.search(text):
         return who_is_missing(f"{me} lost its connection to a peer in a collective (gloo: {match.group(0)})"),\
             COLLECTIVE_FAILED
