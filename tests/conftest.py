@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "compare"), str(REPO / "common")]  # launch.py imports config from common/
-from launch import trainer_command  # noqa: E402
+from launch import trainer_command  # noqa: E402,F401  (the tests import it from here)
 import distributed  # noqa: E402  (common/distributed.py: workers join and leave the way the trainers do)
 
 STEPS = {p.name.split("_")[0]: p.name for p in REPO.glob("step*_*")
@@ -43,12 +43,30 @@ def small_corpus(tmp_path_factory) -> Path:
 
 
 def launch(step: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 240):
-    """Run a step's trainer the way compare/ does: step 0 (or nproc=0) as plain python, the others under
-    torchrun with the short process-group timeout."""
+    """Run a step's trainer: step 0 (or nproc=0) as one process, the others as ``nproc`` ranks with the short
+    process-group timeout. Each rank is a process of its own with the variables torchrun gives it (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT...), forked from ``WORKERS``' server (``run_forked``): torchrun and its
+    ranks would spend ~6 CPU seconds each importing torch and transformers, most of what a tiny run costs.
+    The trainers then meet in rank 0's store, as they do started by hand; what torchrun itself does (its
+    agent's store, restarts, stopping the other ranks) is tested with real torchrun, and the tour runs every
+    step under it. Returns the ranks' outputs, rank by rank, and torchrun's exit code: 0, or 1 if a rank
+    failed (the ranks' own codes are on stderr's last line then)."""
     nproc = 0 if step == "step0" else nproc
-    command = trainer_command(STEPS[step], nproc, [*args, *TIMEOUT] if nproc else args)
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    script = str(REPO / STEPS[step] / "train.py")
+    if not nproc:
+        return run_forked([sys.executable, script, *args], env=env, timeout=timeout)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [{**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+             for rank in range(nproc)]
+    results = run_forked_together([[sys.executable, script, *args, *TIMEOUT]] * nproc, ranks, timeout)
+    codes = [result.returncode for result in results]
+    stderr = "".join(result.stderr for result in results)
+    if any(codes):
+        stderr += f"ranks' exit codes: {codes}\n"
+    return subprocess.CompletedProcess(results[0].args, int(any(codes)), "".join(r.stdout for r in results), stderr)
 
 
 def train(step: str, out: Path, corpus: Path, *extra: str, nproc: int = 2) -> Path:
@@ -192,7 +210,8 @@ shutdown = distributed.shutdown
 # has unpickled its target, without importing torch again: about 3 CPU seconds less per worker, most of what a toy
 # test costs. (Outsiders' harnesses, tests/drop_in_harness.py, still use mp.spawn.)
 WORKERS = mp.get_context("forkserver")
-WORKERS.set_forkserver_preload(["torch", "torch.distributed", "conftest"])
+# GPT-2's modelling module too: every trainer and most tools import it (transformers, ~3 CPU seconds).
+WORKERS.set_forkserver_preload(["torch", "torch.distributed", "transformers.models.gpt2.modeling_gpt2", "conftest"])
 
 
 def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
@@ -217,3 +236,71 @@ def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
             if p.is_alive():
                 p.kill()
     return results
+
+
+def run_forked(command: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, cwd=REPO, capture_output=True, text=True)`` for ``python SCRIPT ARGS`` or
+    ``python -c CODE ARGS``, in a process forked from ``WORKERS``' server instead of a new interpreter: the same
+    script runs as ``__main__`` with the same argv, environment and working folder, and only the imports of
+    torch and transformers are already done (the repository's own modules are forgotten first, so the script
+    imports its folder's copies as it would). A new interpreter costs ~6 CPU seconds of imports, a fork a
+    tenth of one: most of what a short command (tests/test_bad_input.py's) or a tiny training run costs."""
+    return run_forked_together([command], [env or {}], timeout)[0]
+
+
+def run_forked_together(commands: list[list[str]], envs: list[dict], timeout: float = 300,
+                        grace_s: float = 30) -> list[subprocess.CompletedProcess]:
+    """``run_forked`` for several commands at once (the ranks of one job); once one has failed, the others
+    have ``grace_s`` to end before they are killed, as torchrun stops a job's other ranks."""
+    import tempfile
+    import time
+    assert all(command[0] == sys.executable for command in commands), commands
+    with tempfile.TemporaryDirectory() as folder:
+        files = [(Path(folder, f"{i}.out"), Path(folder, f"{i}.err")) for i in range(len(commands))]
+        processes = []
+        for command, env, (out, err) in zip(commands, envs, files):
+            out.touch(), err.touch()  # read afterwards even if the process ended before it wrote a byte
+            processes.append(WORKERS.Process(target=_run_as_main, args=(command[1:], {**os.environ, **env}, out, err)))
+            processes[-1].start()
+        # As torchrun does: once one process has failed, the others get grace_s to end, then are stopped.
+        deadline, timed_out = time.monotonic() + timeout, False
+        while any(p.is_alive() for p in processes):
+            if any(p.exitcode for p in processes):
+                deadline = min(deadline, time.monotonic() + grace_s)
+            if time.monotonic() > deadline:
+                timed_out = not any(p.exitcode for p in processes)
+                for p in processes:
+                    p.kill()
+                break
+            time.sleep(0.05)
+        for p in processes:
+            p.join()
+        results = [subprocess.CompletedProcess(command, p.exitcode, out.read_text(), err.read_text())
+                   for command, p, (out, err) in zip(commands, processes, files)]
+        if timed_out:
+            raise subprocess.TimeoutExpired(commands[0], timeout, "".join(r.stdout for r in results),
+                                            "".join(r.stderr for r in results))
+        return results
+
+
+def _run_as_main(argv: list[str], env: dict, out: Path, err: Path) -> None:
+    """In the forked process: become ``python *argv`` (see ``run_forked``); the exit code is the script's."""
+    import runpy
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    repo = str(REPO)
+    for name, module in list(sys.modules.items()):  # conftest, common/'s and compare/'s modules: not the script's
+        if (getattr(module, "__file__", None) or "").startswith(repo):
+            del sys.modules[name]
+    sys.path[:] = [entry for entry in sys.path if not entry.startswith(repo)]
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path.insert(0, "")
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+        runpy.run_path(argv[0], run_name="__main__")

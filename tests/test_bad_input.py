@@ -4,16 +4,17 @@ The table in docs/bad_input.md is the list. Each row names its case here (last c
 shows is the pattern the case's one stderr line must match: paths as the doc shows them, ``...`` for what
 depends on the machine. A case with no row, or a row with no case, fails the test.
 
-Each case is a real process of the real command: a trainer as ``python stepK/train.py`` (a distributed step
-as rank 0 of 2 through torchrun's environment variables, which reaches every check, since all of them run
-before the process group is joined), a tool as ``python compare/x.py``. They start a few at a time (most of
-each is importing torch). Each works in a folder of its own laid out like the repository (``runs/``,
+Each case is a process of its own running the real command: a trainer as ``python stepK/train.py`` (a
+distributed step as rank 0 of 2 through torchrun's environment variables, which reaches every check, since all
+of them run before the process group is joined), a tool as ``python compare/x.py``. The processes are forked
+from one that has imported torch and transformers (``conftest.run_forked``: the script runs as ``__main__``
+with its argv and environment; a new interpreter would spend ~6 CPU seconds importing them, in 80 cases),
+a few at a time. Each works in a folder of its own laid out like the repository (``runs/``,
 ``data/``), holding what its command reads: a copy of the tour's step-1 run, damaged on purpose where that
 is the mistake. Afterwards every file in those folders must have the bytes it had before, and none may
 have been added.
 """
 import json
-import os
 import re
 import shutil
 import socket
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, STEPS, TINY, trainer_command
+from conftest import REPO, STEPS, TINY, run_forked, trainer_command
 import distributed  # common/, on the path through conftest
 from config import UserError, build_parser, check_config
 
@@ -317,8 +318,7 @@ def shorten(text: str, root: Path) -> str:
 
 
 def run_case(case: Case) -> subprocess.CompletedProcess:
-    return subprocess.run(case.command, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **case.env})
+    return run_forked(case.command, env=case.env, timeout=300)
 
 
 @pytest.fixture(scope="module")
