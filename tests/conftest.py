@@ -44,24 +44,28 @@ def small_corpus(tmp_path_factory) -> Path:
 
 def launch(step: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 240):
     """Run a step's trainer: step 0 (or nproc=0) as one process, the others as ``nproc`` ranks with the short
-    process-group timeout. Each rank is a process of its own with the variables torchrun gives it (RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT...), forked from ``WORKERS``' server (``run_forked``): torchrun and its
-    ranks would spend ~6 CPU seconds each importing torch and transformers, most of what a tiny run costs.
-    The trainers then meet in rank 0's store, as they do started by hand; what torchrun itself does (its
-    agent's store, restarts, stopping the other ranks) is tested with real torchrun, and the tour runs every
-    step under it. Returns the ranks' outputs, rank by rank, and torchrun's exit code: 0, or 1 if a rank
-    failed (the ranks' own codes are on stderr's last line then)."""
+    process-group timeout (``run_ranks``)."""
     nproc = 0 if step == "step0" else nproc
-    script = str(REPO / STEPS[step] / "train.py")
+    return run_ranks(REPO / STEPS[step] / "train.py", [*args, *TIMEOUT] if nproc else args, nproc, env, timeout)
+
+
+def run_ranks(script: Path, args: list[str], nproc: int, env: dict | None = None, timeout: float = 240):
+    """``python SCRIPT ARGS`` as one process (nproc=0), or as ``nproc`` ranks. Each rank is a process of its own
+    with the variables torchrun gives it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT...), forked from
+    ``WORKERS``' server (``run_forked``): torchrun and its ranks would spend ~6 CPU seconds each importing
+    torch and transformers, most of what a tiny run costs. The ranks then meet in rank 0's store, as they
+    do started by hand; what torchrun itself does (its agent's store, restarts, stopping the other ranks)
+    is tested with real torchrun, and the tour runs every step under it. Returns the ranks' outputs, rank
+    by rank, and torchrun's exit code: 0, or 1 if a rank failed (their own codes end stderr then)."""
     if not nproc:
-        return run_forked([sys.executable, script, *args], env=env, timeout=timeout)
+        return run_forked([sys.executable, str(script), *args], env=env, timeout=timeout)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ranks = [{**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
              for rank in range(nproc)]
-    results = run_forked_together([[sys.executable, script, *args, *TIMEOUT]] * nproc, ranks, timeout)
+    results = run_forked_together([[sys.executable, str(script), *args]] * nproc, ranks, timeout)
     codes = [result.returncode for result in results]
     stderr = "".join(result.stderr for result in results)
     if any(codes):

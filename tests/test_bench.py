@@ -2,7 +2,6 @@
 memory it reports per rank is what each strategy is meant to hold. One timed round of one step:
 this checks the harness, not the speed."""
 import json
-import os
 import re
 import socket
 import subprocess
@@ -10,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, init_gloo, spawn
+from conftest import REPO, init_gloo, run_ranks, spawn
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--micro-batch-size", "2",
         "--rounds", "1", "--steps-per-round", "1", "--timeout-s", "60"]
@@ -23,14 +22,11 @@ OURS_ZERO = {"ZeRO-1 (step 5)": ("step5_zero1/zero1.py", "class ShardedOptimizer
 FSDP2 = ("pytorch FSDP2 ZeRO-2", "pytorch FSDP2 ZeRO-3")
 
 
-def bench(*args, nproc: int = 2, **kwargs) -> subprocess.CompletedProcess:
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+def bench(*args, nproc: int = 2) -> subprocess.CompletedProcess:
     with socket.socket() as s:  # a world of one started without torchrun picks MASTER_PORT itself
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    return subprocess.run([sys.executable, *launcher, str(REPO / "compare" / "bench.py"), *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "MASTER_PORT": port}, **kwargs)
+    return run_ranks(REPO / "compare" / "bench.py", list(map(str, args)), nproc, env={"MASTER_PORT": port})
 
 
 @pytest.fixture(scope="module")

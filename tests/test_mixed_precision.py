@@ -6,24 +6,21 @@ the exact mode (float64 reduction) they must equal each other at 3 and 4 ranks; 
 skipped steps included, at world size 2. Each gather moves 2 bytes per
 element; gradients move in the reduce dtype. Checkpoints hold the float32 masters and resume bitwise.
 """
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, train, weights
+from conftest import REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, run_ranks, train, weights
 
 BF16 = ("--param-dtype", "bf16")
 SHARDED = ("step5", "step6", "step7")
 
 
 def fsdp2_reference(out, corpus, *extra):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(REPO / "compare" / "fsdp2_reference.py"), *TINY, "--data", str(corpus), "--out", str(out),
-               *extra, *TIMEOUT]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_ranks(REPO / "compare" / "fsdp2_reference.py", [*TINY, "--data", str(corpus), "--out", str(out),
+                                                                  *extra, *TIMEOUT], nproc=2, timeout=300)
     assert result.returncode == 0, f"fsdp2_reference failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return out
 

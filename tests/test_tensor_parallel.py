@@ -15,18 +15,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, parity, spawn, train,
-                      weights)
+from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, metrics, parity, run_ranks,
+                      spawn, train, weights)
 
 # Four heads so that 2 and 4 ranks both hold whole heads; bf16 autocast; checkpoints at steps 2 and 4.
 TP_FLAGS = ("--n-head", "4", "--amp", "bf16", "--save-every", "2")
 
 
 def reference(out, corpus, nproc):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "compare" / "tp_reference.py"), *TINY, *TP_FLAGS, "--save-every", "0",
-               "--data", str(corpus), "--out", str(out), *TIMEOUT]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+    result = run_ranks(REPO / "compare" / "tp_reference.py", [*TINY, *TP_FLAGS, "--save-every", "0",
+                                                             "--data", str(corpus), "--out", str(out), *TIMEOUT], nproc)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
