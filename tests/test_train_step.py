@@ -13,8 +13,6 @@ import pytest
 
 from conftest import REPO, STEPS
 
-pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
-
 # Each check runs in a fresh interpreter with the step's folder first on sys.path, as the trainer runs: the
 # step folders hold modules of the same names (model.py, training.py, ...).
 IMPORT_ALL = r"""
