@@ -7,12 +7,12 @@
                                                                     # FullyShardedDP(param_dtype=torch.bfloat16)
 
 For each world size N, N processes (gloo on loopback, one CPU thread each, started by
-torch.multiprocessing) build step 7's model the way its train.py does, from step 7's own modules:
-GPT-2 on the meta device, ``FullyShardedDP`` over the blocks, a plain AdamW over the pieces, and
-train.py's ``checkpoint_activations`` with --activation-checkpointing. Each step is train.py's loop
-body (--grad-accum micro-batches of --micro-batch-size x --seq-len, the last one synchronised, then
-``finish_gradient_synchronization``, clipping, AdamW) on random tokens: memory depends on shapes, not
-on the text, and no corpus has to be loaded.
+torch.multiprocessing) build step 7's model with its train.py's own ``build``: GPT-2 on the meta
+device (with --activation-checkpointing, each block recomputed in backward), ``FullyShardedDP`` over
+the blocks, a plain AdamW over the pieces. Each step is train.py's own ``train_step`` (--grad-accum
+micro-batches of --micro-batch-size x --seq-len, the last one synchronised, then
+``finish_gradient_synchronization``, clipping, AdamW), which names its phases for the profiler, on
+random tokens: memory depends on shapes, not on the text, and no corpus has to be loaded.
 
 Measured, with torch.profiler's memory records (``profile_memory=True``): every allocation and free
 that torch's CPU allocator reports on the rank's main thread, replayed in time order from before the
@@ -46,7 +46,6 @@ rank's CPU time (``time.process_time``, gloo's threads included), which other wo
 disturbs far less than the wall clock.
 """
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -183,52 +182,8 @@ def step_peaks(prof, steps: int) -> tuple[list[dict], int]:
 
 # ---- Each rank's process ----------------------------------------------------------------------------------
 
-def one_step(fsdp, optimizer, scaler, config: dict, inputs, targets) -> None:
-    """step7_zero3/train.py's loop body without the logging, phases named for the profiler."""
-    from model import language_model_loss
-    from training import autocast
-    from sharded_gradients import clip_gradient_shards
-    accum = config["grad_accum"]
-    for micro in range(accum):
-        with contextlib.nullcontext() if micro == accum - 1 else fsdp.no_sync():
-            with torch.profiler.record_function("forward"), autocast(config["amp"], fsdp.device):
-                loss = language_model_loss(fsdp, inputs[micro], targets[micro])
-            with torch.profiler.record_function("backward"):
-                scaler.scale(loss / accum).backward()
-            del loss
-    with torch.profiler.record_function("optimizer"):
-        fsdp.finish_gradient_synchronization()
-        scaler.unscale_(optimizer)
-        clip_gradient_shards(optimizer, config["grad_clip"])
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
-
 def checkpointing_modes(config: dict) -> list[bool]:
     return [False, True] if config["compare_checkpointing"] else [config["activation_checkpointing"]]
-
-
-def build(config: dict, vocab_size: int, checkpointing: bool) -> tuple:
-    """Step 7's model, wrapper, optimiser and scaler, built as its train.py builds them."""
-    from model import gpt2_config, initial_value
-    from train import checkpoint_activations  # step 7's train.py: importing it runs nothing
-    from training import make_grad_scaler, make_optimizer
-    from transformers import GPT2LMHeadModel
-    from sharded_gradients import ShardedGradScaler
-    from zero3 import FullyShardedDP
-
-    device = torch.device("cpu")
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(gpt2_config(config, vocab_size))
-    if checkpointing:
-        checkpoint_activations(model)
-    fsdp = FullyShardedDP(model, model.transformer.h, device=device, prefetch=not config["no_prefetch"],
-                          reduce_dtype=getattr(torch, config["reduce_dtype"]),
-                          param_dtype=estimate.PARAM_DTYPES[config.get("param_dtype") or "float32"],
-                          init_fn=lambda name, shape: initial_value(name, shape, config["seed"], config["n_layer"]))
-    optimizer = make_optimizer(model.named_parameters(), config)
-    return fsdp, optimizer, make_grad_scaler(config, device, ShardedGradScaler)
 
 
 def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size: int) -> dict:
@@ -237,23 +192,28 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
     session are not in its records: the other mode's model does not count), then the timed steps of
     the modes alternate, so that a change in the machine's load hits them alike."""
     from seeding import seed_everything
+    from train import build, train_step  # step 7's train.py: importing it runs nothing
     seed_everything(config["seed"])  # one CPU thread per process, as in every trainer
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     distributed.join(distributed.World(rank, world_size, rank, torch.device("cpu"), "gloo"), config["timeout_s"])
     generator = torch.Generator().manual_seed(config["seed"] + rank)
     shape = (config["grad_accum"], config["micro_batch_size"], config["seq_len"])
     inputs, targets = (torch.randint(0, vocab_size, shape, generator=generator) for _ in range(2))
+    micro_batches = list(zip(inputs, targets))  # views: nothing allocated during the steps
+    device = torch.device("cpu")
 
     trainers, results = {}, {}
     for checkpointing in checkpointing_modes(config):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            trainer = build(config, vocab_size, checkpointing)
-            one_step(*trainer, config, inputs, targets)  # warm-up: AdamW's state, the gradient shards
-            trainer[0].take_peak_gathered_bytes()
+            ddp_model, optimizer, scaler, _ = build({**config, "activation_checkpointing": checkpointing},
+                                                    vocab_size, device)
+            trainer = (ddp_model, optimizer, scaler)
+            train_step(*trainer, micro_batches, config, device)  # warm-up: AdamW's state, the gradient shards
+            gathered_peak = 0
             for i in range(config["profiled_steps"]):
                 with torch.profiler.record_function(f"step {i}"):
-                    one_step(*trainer, config, inputs, targets)
-            gathered_peak = trainer[0].take_peak_gathered_bytes()
+                    memory = train_step(*trainer, micro_batches, config, device)[2]  # the tensors freed at once
+                gathered_peak = max(gathered_peak, memory["gathered_peak"])
         steps, unseen = step_peaks(prof, config["profiled_steps"])
         del prof
         trainers[checkpointing] = trainer
@@ -263,7 +223,7 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
         for checkpointing, trainer in trainers.items():
             torch.distributed.barrier()  # together: the slowest rank's time is the step's
             started, cpu_started = time.perf_counter(), time.process_time()
-            one_step(*trainer, config, inputs, targets)
+            train_step(*trainer, micro_batches, config, device)
             results[checkpointing]["step_times"].append(time.perf_counter() - started)
             results[checkpointing]["step_cpu_times"].append(time.process_time() - cpu_started)
     distributed.shutdown()

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 from torch.utils.data import DistributedSampler
 
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
@@ -23,6 +24,46 @@ from training import (add_param_dtype_flag, autocast, check_amp, check_param_dty
                       make_optimizer, make_scheduler, param_dtype, param_norm, pick_device)
 
 STEP = Path(__file__).resolve().parent.name
+
+
+def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device, masters=None) -> tuple:
+    """One optimiser step on ``micro_batches`` (a list of (inputs, targets)): forward and backward on each,
+    then the gradients unscaled, clipped and applied. ``masters``: the float32 (name, master) pairs AdamW steps
+    with --param-dtype, None without.
+
+    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
+    clipping, and the process's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
+    them); ``record_function`` does nothing when no profiler runs.
+    """
+    trained = masters or list(model.named_parameters())  # what AdamW steps, by name
+    accum = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
+    for micro_step, (inputs, targets) in enumerate(micro_batches):
+        with record_function("forward"), autocast(config["amp"], device):
+            loss = language_model_loss(model, inputs.to(device), targets.to(device))
+        with record_function("backward"):
+            # Summing loss/accum over the micro-batches makes the gradient the mean over the global batch.
+            scaler.scale(loss / accum).backward()
+        loss_sum += loss.detach()
+        if masters:  # the micro-batches' 16-bit gradients summed in float32, as the sharded steps sum them
+            for (_, master), p in zip(masters, model.parameters()):
+                master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
+                p.grad = None
+
+    with record_function("optimizer"):
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_gradients([p for _, p in trained], config["grad_clip"])
+        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
+        if masters:
+            with torch.no_grad():  # the model's 16-bit copy, rounded once from the updated masters
+                for (_, master), p in zip(masters, model.parameters()):
+                    p.copy_(master)
+        scaler.update()
+        memory = memory_stats(model.parameters(), optimizer, device,  # before zero_grad frees the grads
+                              grads=[p.grad for _, p in trained if p.grad is not None])
+        memory["master_params"] = sum(p.numel() * p.element_size() for _, p in masters) if masters else 0
+        optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, memory
 
 
 def weights_to_save(model, masters) -> dict:
@@ -91,32 +132,9 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(accum):
-            inputs, targets = batches.next()
-            with autocast(config["amp"], device):
-                loss = language_model_loss(model, inputs.to(device), targets.to(device))
-            # Summing loss/accum over the micro-batches makes the gradient the mean over the global batch.
-            scaler.scale(loss / accum).backward()
-            loss_sum += loss.detach()
-            if masters:  # the micro-batches' 16-bit gradients summed in float32, as the sharded steps sum them
-                for (_, master), p in zip(masters, model.parameters()):
-                    master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
-                    p.grad = None
-
-        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradients([p for _, p in trained], config["grad_clip"])
-        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
-        if masters:
-            with torch.no_grad():  # the model's 16-bit copy, rounded once from the updated masters
-                for (_, master), p in zip(masters, model.parameters()):
-                    p.copy_(master)
-        scaler.update()
+        micro_batches = [batches.next() for _ in range(accum)]
+        loss_sum, grad_norm, memory = train_step(model, optimizer, scaler, micro_batches, config, device, masters)
         scheduler.step()
-        memory = memory_stats(model.parameters(), optimizer, device,  # before zero_grad frees the grads
-                              grads=[p.grad for _, p in trained if p.grad is not None])
-        memory["master_params"] = sum(p.numel() * p.element_size() for _, p in masters) if masters else 0
-        optimizer.zero_grad(set_to_none=True)
 
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch

@@ -138,6 +138,45 @@ def load_checkpoint(named: list, optimizer, checkpoint) -> None:
     optimizer.load_state_dict({"state": state, "param_groups": groups, "slices": optimizer.slices()})
 
 
+def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh) -> tuple:
+    """One optimiser step on this replica's ``micro_batches`` (a list of (inputs, targets)): pushed through the
+    pipeline ``--micro-batches`` at a time (tensor-parallel inside each stage), this shard's gradients averaged
+    over the dp group, then unscaled, clipped with the whole gradient's norm and applied (ZeRO-1 over dp).
+
+    Returns what the loop logs: the sum of the micro-batches' losses (on the last stage; zero on the others),
+    the gradient norm before clipping, this rank's memory, and the bytes it sent on each axis of the mesh. As in
+    step 9, the schedule interleaves forwards and backwards: no phases to name apart for the profiler.
+    """
+    accum = len(micro_batches)
+    in_flight = config["micro_batches"] or accum
+    loss_sum = torch.zeros((), device=device)
+    for first in range(0, accum, in_flight):  # one pipeline flush: in_flight micro-batches
+        inputs, targets = zip(*micro_batches[first:first + in_flight])
+        # Inside: the tp group all-reduces activations (step 8), the pp neighbours exchange them (step 9).
+        losses = pipe.run(in_flight, [x.to(device) for x in inputs], [y.to(device) for y in targets],
+                          loss_scale=accum)
+        for loss in losses:  # the last stage's, in micro-batch order
+            loss_sum += loss
+    pipe.finish_gradient_synchronization()  # the tied embedding's gradient, and every send waited
+    comm = take_comm_bytes()
+    comm = {"tp": {k: v for k, v in comm.items() if not k.startswith("p2p")},
+            "pp": {k: v for k, v in comm.items() if k.startswith("p2p")}}
+    if mesh.dp > 1:  # the dp replicas of this shard average their gradients (sum, then divide by dp: step 3)
+        allreduce_gradients(pipe.module, reduce_dtype=getattr(torch, config["reduce_dtype"]), group=mesh.dp_group)
+
+    scaler.unscale_(optimizer)
+    grads = [p.grad for p in counted_once(named, mesh) if p.grad is not None]
+    grad_norm = torch.tensor(mesh_norm(grads, mesh), dtype=torch.float32)  # the whole gradient's
+    clip_to_norm([p.grad for _, p in named if p.grad is not None], grad_norm, config["grad_clip"])
+    scaler.step(optimizer)  # this rank's 1/dp of its shard's elements, then all-gathered over dp
+    scaler.update()
+    comm["dp"] = take_comm_bytes()  # the gradient all-reduce and ZeRO-1's all-gather (and the norm's parts)
+    memory = memory_stats(pipe.module.parameters(), optimizer, device)  # before zero_grad frees the grads
+    memory["micro_batches_in_flight"] = pipe.take_peak_in_flight()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, memory, comm
+
+
 def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
@@ -149,7 +188,7 @@ def main():
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
-    dp, micro_batches = check_degrees(config, world.world_size, corpus.vocab_size)
+    dp, _ = check_degrees(config, world.world_size, corpus.vocab_size)
     check_enough_data(len(corpus.blocks), dp, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
@@ -189,7 +228,6 @@ def main():
                                  **adamw_options(config))
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)  # disabled (no fp16 here): kept for the checkpoint's format
-    reduce = getattr(torch, config["reduce_dtype"])
 
     start_step, records = 0, []
     if resumed:  # any step's checkpoint, written on any mesh or world size: this rank cuts its part out of it
@@ -213,32 +251,10 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(0, accum, micro_batches):  # one pipeline flush: micro_batches micro-batches
-            inputs, targets = zip(*(batches.next() for _ in range(micro_batches)))
-            # Inside: the tp group all-reduces activations (step 8), the pp neighbours exchange them (step 9).
-            losses = pipe.run(micro_batches, [x.to(device) for x in inputs], [y.to(device) for y in targets],
-                              loss_scale=accum)
-            for loss in losses:  # the last stage's, in micro-batch order
-                loss_sum += loss
-        pipe.finish_gradient_synchronization()  # the tied embedding's gradient, and every send waited
-        comm = take_comm_bytes()
-        comm = {"tp": {k: v for k, v in comm.items() if not k.startswith("p2p")},
-                "pp": {k: v for k, v in comm.items() if k.startswith("p2p")}}
-        if dp > 1:  # the dp replicas of this shard average their gradients (sum, then divide by dp: step 3)
-            allreduce_gradients(stage, reduce_dtype=reduce, group=mesh.dp_group)
-
-        scaler.unscale_(optimizer)
-        grads = [p.grad for p in counted_once(named, mesh) if p.grad is not None]
-        grad_norm = torch.tensor(mesh_norm(grads, mesh), dtype=torch.float32)  # the whole gradient's
-        clip_to_norm([p.grad for _, p in named if p.grad is not None], grad_norm, config["grad_clip"])
-        scaler.step(optimizer)  # this rank's 1/dp of its shard's elements, then all-gathered over dp
-        scaler.update()
+        micro_batches = [batches.next() for _ in range(accum)]  # the same on every tp and pp rank of a replica
+        loss_sum, grad_norm, memory, comm = train_step(pipe, optimizer, scaler, micro_batches, config, device, named,
+                                                       mesh)
         scheduler.step()
-        comm["dp"] = take_comm_bytes()  # the gradient all-reduce and ZeRO-1's all-gather (and the norm's parts)
-        memory = memory_stats(stage.parameters(), optimizer, device)  # before zero_grad frees the grads
-        memory["micro_batches_in_flight"] = pipe.take_peak_in_flight()
-        optimizer.zero_grad(set_to_none=True)
 
         # The loss is where the logits are, on the last stage: sent to the stage's peers, averaged over dp.
         loss_mean = torch.tensor(loss_sum.double().item() if mesh.pp_rank == pp - 1 else 0.0, dtype=torch.float64)

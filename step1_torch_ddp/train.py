@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
@@ -28,6 +29,37 @@ from training import (autocast, check_amp, clip_gradients, make_grad_scaler, mak
                       param_norm)
 
 STEP = Path(__file__).resolve().parent.name
+
+
+def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
+    on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
+    ``model`` is the model in its data-parallel wrapper, as main() trains it.
+
+    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
+    clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
+    them); ``record_function`` does nothing when no profiler runs.
+    """
+    accum = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
+    for micro_step, (inputs, targets) in enumerate(micro_batches):
+        # Only the last micro-batch's backward all-reduces; the others just accumulate locally.
+        is_last = micro_step == accum - 1
+        with contextlib.nullcontext() if is_last else model.no_sync():
+            with record_function("forward"), autocast(config["amp"], device):
+                loss = language_model_loss(model, inputs.to(device), targets.to(device))
+            with record_function("backward"):
+                scaler.scale(loss / accum).backward()
+        loss_sum += loss.detach()
+
+    with record_function("optimizer"):
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
+        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
+        scaler.update()
+        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, memory
 
 
 def float64_allreduce_hook(process_group, bucket):
@@ -99,27 +131,12 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(accum):
-            inputs, targets = batches.next()
-            # Only the last micro-batch's backward all-reduces; the others just accumulate locally.
-            is_last = micro_step == accum - 1
-            with contextlib.nullcontext() if is_last else ddp_model.no_sync():
-                with autocast(config["amp"], device):
-                    loss = language_model_loss(ddp_model, inputs.to(device), targets.to(device))
-                scaler.scale(loss / accum).backward()
-            loss_sum += loss.detach()
+        micro_batches = [batches.next() for _ in range(accum)]
+        loss_sum, grad_norm, memory = train_step(ddp_model, optimizer, scaler, micro_batches, config, device)
+        scheduler.step()
         if config["reduce_dtype"] == "float32":
             # DDP's built-in reducer is C++; the bytes it all-reduces are every gradient, once per step.
             comm_bytes["all_reduce"] += grad_bytes
-
-        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
-        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
-        scaler.update()
-        scheduler.step()
-        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
-        optimizer.zero_grad(set_to_none=True)
 
         # The logged loss is the mean over every rank and micro-batch (float64: order-free).
         loss_mean = loss_sum.double()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 import distributed
 from comm_accounting import take_comm_bytes
@@ -29,6 +30,35 @@ from training import (autocast, check_amp, clip_gradients, make_grad_scaler, mak
                       param_norm)
 
 STEP = Path(__file__).resolve().parent.name
+
+
+def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
+    on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
+
+    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
+    clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
+    them); ``record_function`` does nothing when no profiler runs.
+    """
+    accum = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
+    for micro_step, (inputs, targets) in enumerate(micro_batches):
+        with record_function("forward"), autocast(config["amp"], device):
+            loss = language_model_loss(model, inputs.to(device), targets.to(device))
+        with record_function("backward"):
+            scaler.scale(loss / accum).backward()  # gradients accumulate locally, no communication
+        loss_sum += loss.detach()
+
+    with record_function("optimizer"):
+        # Synchronise once per optimiser step, after the last micro-batch: sum, then divide by world size.
+        allreduce_gradients(model, getattr(torch, config["reduce_dtype"]))
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
+        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
+        scaler.update()
+        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, memory
 
 
 def main():
@@ -82,28 +112,15 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        loss_sum = torch.zeros((), device=device)
-        shard_check = None
-        for micro_step in range(accum):
-            inputs, targets = batches.next()
+        micro_batches, shard_check = [], None
+        for _ in range(accum):
+            micro_batches.append(batches.next())
             if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
                 shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
                 if world.is_main and not config["quiet"]:
                     print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
-            with autocast(config["amp"], device):
-                loss = language_model_loss(model, inputs.to(device), targets.to(device))
-            scaler.scale(loss / accum).backward()  # gradients accumulate locally, no communication
-            loss_sum += loss.detach()
-        # Synchronise once per optimiser step, after the last micro-batch: sum, then divide by world size.
-        allreduce_gradients(model, getattr(torch, config["reduce_dtype"]))
-
-        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
-        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
-        scaler.update()
+        loss_sum, grad_norm, memory = train_step(model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
-        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
-        optimizer.zero_grad(set_to_none=True)
 
         # The logged loss is the mean over every rank and micro-batch (float64: order-free).
         loss_mean = loss_sum.double()

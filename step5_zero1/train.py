@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 import distributed
 from comm_accounting import count_collective, take_comm_bytes
@@ -33,6 +34,49 @@ from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, a
                       square_sum_parts)
 
 STEP = Path(__file__).resolve().parent.name
+
+
+def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
+    on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
+    ``model`` is the model in its data-parallel wrapper, as main() trains it.
+
+    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
+    clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
+    them); ``record_function`` does nothing when no profiler runs.
+    """
+    accum = len(micro_batches)
+    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
+    loss_sum = torch.zeros((), device=device)
+    for micro_step, (inputs, targets) in enumerate(micro_batches):
+        # Only the last micro-batch's backward all-reduces; the others just accumulate locally.
+        is_last = micro_step == accum - 1
+        with contextlib.nullcontext() if is_last else model.no_sync():
+            with record_function("forward"), autocast(config["amp"], device):
+                loss = language_model_loss(model, inputs.to(device), targets.to(device))
+            with record_function("backward"):
+                scaler.scale(loss / accum).backward()  # the hooks launch bucket all-reduces in here
+        loss_sum += loss.detach()
+
+    with record_function("optimizer"):
+        model.finish_gradient_synchronization()  # the single sync point before the optimiser step
+        # Every rank holds the whole averaged gradient (ZeRO-1 shards only the optimiser state), so the
+        # overflow check and the clipping norm are the same on every rank without a word, as in step 4.
+        # With --param-dtype the optimiser's gradients are the masters': this rank's slices of the float32
+        # main_grad. The scaler unscales those slices in place and combines the ranks' overflow flags, and the
+        # clipping norm adds the ranks' sums of squares (sharded_gradients.py; steps 6 and 7 shard gradients too).
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        if mixed:
+            grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
+        else:
+            grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
+        scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
+        scaler.update()
+        memory = memory_stats(model.parameters(), optimizer, device,  # before zero_grad frees the grads
+                              grads=[p.main_grad for p in model.parameters()] if mixed else None)
+        memory["master_params"] = sum(v.numel() * v.element_size() for v in optimizer.views) if mixed else 0
+        optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, memory
 
 
 def master_norm(optimizer, device) -> float:
@@ -120,40 +164,15 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        loss_sum = torch.zeros((), device=device)
-        shard_check = None
-        for micro_step in range(accum):
-            inputs, targets = batches.next()
+        micro_batches, shard_check = [], None
+        for _ in range(accum):
+            micro_batches.append(batches.next())
             if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
                 shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
                 if world.is_main and not config["quiet"]:
                     print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
-            # Only the last micro-batch's backward all-reduces; the others just accumulate locally.
-            is_last = micro_step == accum - 1
-            with contextlib.nullcontext() if is_last else ddp_model.no_sync():
-                with autocast(config["amp"], device):
-                    loss = language_model_loss(ddp_model, inputs.to(device), targets.to(device))
-                scaler.scale(loss / accum).backward()  # the hooks launch bucket all-reduces in here
-            loss_sum += loss.detach()
-        ddp_model.finish_gradient_synchronization()  # the single sync point before the optimiser step
-
-        # Every rank holds the whole averaged gradient (ZeRO-1 shards only the optimiser state), so the
-        # overflow check and the clipping norm are the same on every rank without a word, as in step 4.
-        # With --param-dtype the optimiser's gradients are the masters': this rank's slices of the float32
-        # main_grad. The scaler unscales those slices in place and combines the ranks' overflow flags, and the
-        # clipping norm adds the ranks' sums of squares (sharded_gradients.py; steps 6 and 7 shard gradients too).
-        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        if mixed:
-            grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
-        else:
-            grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
-        scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
-        scaler.update()
+        loss_sum, grad_norm, memory = train_step(ddp_model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
-        memory = memory_stats(model.parameters(), optimizer, device,  # before zero_grad frees the grads
-                              grads=[p.main_grad for p in model.parameters()] if mixed else None)
-        memory["master_params"] = sum(v.numel() * v.element_size() for v in optimizer.views) if mixed else 0
-        optimizer.zero_grad(set_to_none=True)
 
         # The logged loss is the mean over every rank and micro-batch (float64: order-free).
         loss_mean = loss_sum.double()

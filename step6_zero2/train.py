@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 import distributed
 from comm_accounting import count_collective, take_comm_bytes
@@ -33,6 +34,40 @@ from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, a
                       make_grad_scaler, make_scheduler, norm_from_parts, param_dtype, param_norm, square_sum_parts)
 
 STEP = Path(__file__).resolve().parent.name
+
+
+def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
+    on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
+    ``model`` is the model in its data-parallel wrapper, as main() trains it.
+
+    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
+    clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
+    them); ``record_function`` does nothing when no profiler runs.
+    """
+    accum = len(micro_batches)
+    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
+    loss_sum = torch.zeros((), device=device)
+    for micro_step, (inputs, targets) in enumerate(micro_batches):
+        # Only the last micro-batch's backward reduce-scatters; the others just accumulate locally.
+        is_last = micro_step == accum - 1
+        with contextlib.nullcontext() if is_last else model.no_sync():
+            with record_function("forward"), autocast(config["amp"], device):
+                loss = language_model_loss(model, inputs.to(device), targets.to(device))
+            with record_function("backward"):
+                scaler.scale(loss / accum).backward()  # the hooks launch bucket reduce-scatters in here
+        loss_sum += loss.detach()
+
+    with record_function("optimizer"):
+        model.finish_gradient_synchronization()  # the single sync point: each rank holds its gradient shard
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
+        scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
+        scaler.update()
+        memory = memory_stats(model.parameters(), optimizer, device, grads=model.gradient_shards)
+        memory["master_params"] = sum(v.numel() * v.element_size() for v in optimizer.views) if mixed else 0
+        optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, memory
 
 
 def master_norm(optimizer, device) -> float:
@@ -124,31 +159,15 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        loss_sum = torch.zeros((), device=device)
-        shard_check = None
-        for micro_step in range(accum):
-            inputs, targets = batches.next()
+        micro_batches, shard_check = [], None
+        for _ in range(accum):
+            micro_batches.append(batches.next())
             if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
                 shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
                 if world.is_main and not config["quiet"]:
                     print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
-            # Only the last micro-batch's backward reduce-scatters; the others just accumulate locally.
-            is_last = micro_step == accum - 1
-            with contextlib.nullcontext() if is_last else ddp_model.no_sync():
-                with autocast(config["amp"], device):
-                    loss = language_model_loss(ddp_model, inputs.to(device), targets.to(device))
-                scaler.scale(loss / accum).backward()  # the hooks launch bucket reduce-scatters in here
-            loss_sum += loss.detach()
-        ddp_model.finish_gradient_synchronization()  # the single sync point: each rank holds its gradient shard
-
-        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
-        scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
-        scaler.update()
+        loss_sum, grad_norm, memory = train_step(ddp_model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
-        memory = memory_stats(model.parameters(), optimizer, device, grads=ddp_model.gradient_shards)
-        memory["master_params"] = sum(v.numel() * v.element_size() for v in optimizer.views) if mixed else 0
-        optimizer.zero_grad(set_to_none=True)
 
         # The logged loss is the mean over every rank and micro-batch (float64: order-free).
         loss_mean = loss_sum.double()

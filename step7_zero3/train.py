@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 from transformers import GPT2LMHeadModel
 
 import distributed
@@ -39,6 +40,40 @@ from training import (add_param_dtype_flag, autocast, check_amp, check_param_dty
 STEP = Path(__file__).resolve().parent.name
 
 
+def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
+    on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
+    ``model`` is the model in its data-parallel wrapper, as main() trains it.
+
+    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
+    clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
+    them); ``record_function`` does nothing when no profiler runs.
+    """
+    accum = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
+    for micro_step, (inputs, targets) in enumerate(micro_batches):
+        # Only the last micro-batch's backward reduce-scatters; the others just accumulate locally
+        # (every backward gathers, unit by unit, the parameters it needs).
+        is_last = micro_step == accum - 1
+        with contextlib.nullcontext() if is_last else model.no_sync():
+            with record_function("forward"), autocast(config["amp"], device):
+                loss = language_model_loss(model, inputs.to(device), targets.to(device))
+            with record_function("backward"):
+                scaler.scale(loss / accum).backward()  # the hooks gather, free and reduce-scatter in here
+        loss_sum += loss.detach()
+
+    with record_function("optimizer"):
+        model.finish_gradient_synchronization()  # the single sync point: each piece's .grad is its slice
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
+        scaler.step(optimizer)  # updates this rank's pieces in place; skipped on overflow
+        scaler.update()
+        memory = memory_stats(model.parameter_shards, optimizer, device, grads=model.gradient_shards)
+        memory["gathered_peak"] = model.take_peak_gathered_bytes()  # full units held at once, in this step
+        optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, memory
+
+
 def sharded_param_norm(params, device) -> float:
     """``training.param_norm`` of the full parameters, from this rank's pieces: the exact integer parts of
     the sum of squares add up across ranks to the parts of the whole, so the result has step 1's bits."""
@@ -57,6 +92,33 @@ def checkpoint_activations(model) -> None:
     for block in model.transformer.h:
         block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False,
                                           preserve_rng_state=True)
+
+
+def build(config: dict, vocab_size: int, device, resumed=None) -> tuple:
+    """Step 7's model, wrapper, optimiser and gradient scaler, as main() trains them (compare/peak_memory.py
+    builds them here too). Returns ``(ddp_model, optimizer, scaler, shapes)``: ``shapes`` holds the full
+    parameters' shapes by name, which no rank holds any more once the model is sharded."""
+    # On the meta device the model is only shapes: no rank ever holds all of it. Each rank fills its own
+    # slices from initial_value, a pure function of (seed, name), so no broadcast is needed.
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(gpt2_config(config, vocab_size))
+    shapes = {name: p.shape for name, p in model.named_parameters()}  # what the export's header needs
+    if config["activation_checkpointing"]:
+        checkpoint_activations(model)
+
+    def init(name, shape):  # the same values for the same name on every rank, as build_model gives them
+        if resumed:  # or the checkpoint's, one full parameter at a time, whatever world size wrote them
+            return resumed.parameter(name)
+        return initial_value(name, shape, config["seed"], config["n_layer"])
+
+    # --param-dtype bf16|fp16: the pieces stay the float32 master AdamW steps; gathers and compute are 16-bit.
+    ddp_model = FullyShardedDP(model, model.transformer.h, init_fn=init, device=device,
+                               reduce_dtype=getattr(torch, config["reduce_dtype"]), prefetch=not config["no_prefetch"],
+                               param_dtype=param_dtype(config))
+    # A plain AdamW: model.named_parameters() now yields this rank's pieces, under the original names.
+    optimizer = make_optimizer(model.named_parameters(), config)
+    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
+    return ddp_model, optimizer, scaler, shapes
 
 
 def main():
@@ -87,28 +149,10 @@ def main():
     sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
                              shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # On the meta device the model is only shapes: no rank ever holds all of it. Each rank fills its own
-    # slices from initial_value, a pure function of (seed, name), so no broadcast is needed.
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(gpt2_config(config, corpus.vocab_size))
-    shapes = {name: p.shape for name, p in model.named_parameters()}  # what the export's header needs
-    if config["activation_checkpointing"]:
-        checkpoint_activations(model)
-
-    def init(name, shape):  # the same values for the same name on every rank, as build_model gives them
-        if resumed:  # or the checkpoint's, one full parameter at a time, whatever world size wrote them
-            return resumed.parameter(name)
-        return initial_value(name, shape, config["seed"], config["n_layer"])
-
-    # --param-dtype bf16|fp16: the pieces stay the float32 master AdamW steps; gathers and compute are 16-bit.
-    ddp_model = FullyShardedDP(model, model.transformer.h, init_fn=init, device=device,
-                               reduce_dtype=getattr(torch, config["reduce_dtype"]), prefetch=not config["no_prefetch"],
-                               param_dtype=param_dtype(config))
+    ddp_model, optimizer, scaler, shapes = build(config, corpus.vocab_size, device, resumed)
+    model = ddp_model.module  # its named_parameters() are this rank's pieces, under the original names
     tracer = PrefetchTrace(ddp_model) if config["trace"] else None  # keeps the last micro-batch's timeline
-    # A plain AdamW: model.named_parameters() now yields this rank's pieces, under the original names.
-    optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
-    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
     # Which elements of which parameter each of AdamW's entries holds: what a checkpoint records about them.
     slices = optimizer_slices(optimizer, model.named_parameters(), ddp_model.piece_ranges())
 
@@ -133,32 +177,15 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        loss_sum = torch.zeros((), device=device)
-        shard_check = None
-        for micro_step in range(accum):
-            inputs, targets = batches.next()
+        micro_batches, shard_check = [], None
+        for _ in range(accum):
+            micro_batches.append(batches.next())
             if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
                 shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
                 if world.is_main and not config["quiet"]:
                     print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
-            # Only the last micro-batch's backward reduce-scatters; the others just accumulate locally
-            # (every backward gathers, unit by unit, the parameters it needs).
-            is_last = micro_step == accum - 1
-            with contextlib.nullcontext() if is_last else ddp_model.no_sync():
-                with autocast(config["amp"], device):
-                    loss = language_model_loss(ddp_model, inputs.to(device), targets.to(device))
-                scaler.scale(loss / accum).backward()  # the hooks gather, free and reduce-scatter in here
-            loss_sum += loss.detach()
-        ddp_model.finish_gradient_synchronization()  # the single sync point: each piece's .grad is its slice
-
-        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
-        scaler.step(optimizer)  # updates this rank's pieces in place; skipped on overflow
-        scaler.update()
+        loss_sum, grad_norm, memory = train_step(ddp_model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
-        memory = memory_stats(ddp_model.parameter_shards, optimizer, device, grads=ddp_model.gradient_shards)
-        memory["gathered_peak"] = ddp_model.take_peak_gathered_bytes()  # full units held at once, in this step
-        optimizer.zero_grad(set_to_none=True)
 
         # The logged loss is the mean over every rank and micro-batch (float64: order-free).
         loss_mean = loss_sum.double()

@@ -14,6 +14,7 @@ are, inside forward and backward. The run is bitwise equal to PyTorch's own tens
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 import distributed
 from comm_accounting import take_comm_bytes
@@ -37,6 +38,35 @@ def tensor_parallel_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> 
     """``language_model_loss`` when the model returns this rank's vocabulary slice of the logits."""
     logits = model(input_ids=inputs).logits
     return vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
+    """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every rank): forward
+    and backward on each, then this rank's gradient shards unscaled, clipped and applied.
+
+    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
+    clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
+    them); ``record_function`` does nothing when no profiler runs.
+    """
+    accum = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
+    for micro_step, (inputs, targets) in enumerate(micro_batches):
+        with record_function("forward"), autocast(config["amp"], device):
+            loss = tensor_parallel_loss(model, inputs.to(device), targets.to(device))  # the same on every rank
+        with record_function("backward"):
+            # Activations are all-reduced inside forward and backward (tensor_parallel.py); the gradients
+            # are each rank's own shards, or replicas that come out identical: no gradient synchronisation.
+            scaler.scale(loss / accum).backward()
+        loss_sum += loss.detach()
+
+    with record_function("optimizer"):
+        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
+        grad_norm = clip_tensor_parallel_gradients(model.parameters(), config["grad_clip"])  # the whole gradient's
+        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
+        scaler.update()
+        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, memory
 
 
 def main():
@@ -94,23 +124,9 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(accum):
-            inputs, targets = batches.next()  # the same micro-batch on every rank
-            with autocast(config["amp"], device):
-                loss = tensor_parallel_loss(model, inputs.to(device), targets.to(device))  # the same on every rank
-            # Activations are all-reduced inside forward and backward (tensor_parallel.py); the gradients
-            # are each rank's own shards, or replicas that come out identical: no gradient synchronisation.
-            scaler.scale(loss / accum).backward()
-            loss_sum += loss.detach()
-
-        scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_tensor_parallel_gradients(model.parameters(), config["grad_clip"])  # the whole gradient's
-        scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
-        scaler.update()
+        micro_batches = [batches.next() for _ in range(accum)]  # the same micro-batches on every rank
+        loss_sum, grad_norm, memory = train_step(model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
-        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
-        optimizer.zero_grad(set_to_none=True)
 
         loss_mean = loss_sum.double().item() / accum  # every rank computed the same loss: nothing to average
         if device.type == "cuda":

@@ -58,6 +58,36 @@ def check_pipeline(config: dict, num_stages: int) -> int:
     return micro_batches
 
 
+def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list) -> tuple:
+    """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every stage): pushed
+    through the pipeline ``--micro-batches`` at a time, then this stage's gradients (``named``: its parameters
+    by the model's names) unscaled, clipped with the norm of every stage's gradients, and applied.
+
+    Returns what the loop logs: the sum of the micro-batches' losses (on the last stage; zero on the others),
+    the gradient norm before clipping, and this stage's memory. The schedule interleaves the micro-batches'
+    forwards and backwards, so unlike steps 0-8 the step has no forward and backward phases to name apart.
+    """
+    accum = len(micro_batches)
+    in_flight = config["micro_batches"] or accum
+    loss_sum = torch.zeros((), device=device)
+    for first in range(0, accum, in_flight):  # one pipeline flush: in_flight micro-batches
+        inputs, targets = zip(*micro_batches[first:first + in_flight])
+        losses = pipe.run(in_flight, [x.to(device) for x in inputs], [y.to(device) for y in targets],
+                          loss_scale=accum)  # each loss / accum before its backward, as in step 0
+        for loss in losses:  # the last stage's; in micro-batch order, as step 0 adds them
+            loss_sum += loss
+    pipe.finish_gradient_synchronization()  # the tied embedding's gradient, and every send waited
+
+    scaler.unscale_(optimizer)
+    grad_norm = clip_pipeline_gradients(named, config["grad_clip"])  # one norm from every stage's gradients
+    scaler.step(optimizer)  # each stage steps its own parameters (both copies of the tie step alike)
+    scaler.update()
+    memory = memory_stats((p for _, p in named), optimizer, device)  # before zero_grad frees the grads
+    memory["micro_batches_in_flight"] = pipe.take_peak_in_flight()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, memory
+
+
 def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
@@ -65,7 +95,7 @@ def main():
     add_pipeline_flags(parser)
     config = parse_config(parser)
     world = distributed.plan_world(config)
-    micro_batches = check_pipeline(config, world.world_size)
+    check_pipeline(config, world.world_size)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
@@ -126,25 +156,11 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        loss_sum = torch.zeros((), device=device)
         if config["trace"] and step == config["steps"] - 1:
             pipe.timeline = []  # the last step's forwards, backwards, sends and receives
-        for micro_step in range(0, accum, micro_batches):  # one pipeline flush: micro_batches micro-batches
-            inputs, targets = zip(*(batches.next() for _ in range(micro_batches)))
-            losses = pipe.run(micro_batches, [x.to(device) for x in inputs], [y.to(device) for y in targets],
-                              loss_scale=accum)  # each loss / accum before its backward, as in step 0
-            for loss in losses:  # the last stage's; in micro-batch order, as step 0 adds them
-                loss_sum += loss
-        pipe.finish_gradient_synchronization()  # the tied embedding's gradient, and every send waited
-
-        scaler.unscale_(optimizer)
-        grad_norm = clip_pipeline_gradients(named, config["grad_clip"])  # one norm from every stage's gradients
-        scaler.step(optimizer)  # each stage steps its own parameters (both copies of the tie step alike)
-        scaler.update()
+        micro_batches = [batches.next() for _ in range(accum)]  # the same micro-batches on every stage
+        loss_sum, grad_norm, memory = train_step(pipe, optimizer, scaler, micro_batches, config, device, named)
         scheduler.step()
-        memory = memory_stats(stage.parameters(), optimizer, device)  # before zero_grad frees the grads
-        memory["micro_batches_in_flight"] = pipe.take_peak_in_flight()
-        optimizer.zero_grad(set_to_none=True)
 
         # The logged loss is computed where the losses are, on the last stage, and sent to everyone.
         loss_mean = torch.tensor((loss_sum / accum).item() if is_last else 0.0, dtype=torch.float64)
