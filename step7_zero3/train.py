@@ -20,9 +20,8 @@ import torch.distributed as dist
 from transformers import GPT2LMHeadModel
 
 import distributed
-from comm_accounting import count_collective, take_comm_bytes
-from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
-                        open_checkpoint, optimizer_slices)
+from comm_accounting import take_comm_bytes
+from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats
@@ -30,22 +29,13 @@ from model import gpt2_config, initial_value, language_model_loss
 from prefetch_trace import PrefetchTrace
 from sampler import ShardedSampler, check_no_overlap
 from streaming_export import save_final_weights_streaming
-from sharded_gradients import ShardedGradScaler, clip_gradient_shards
+from sharded_gradients import ShardedGradScaler, clip_gradient_shards, sharded_param_norm
 from zero3 import FullyShardedDP
 from seeding import rng_state, seed_everything
 from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, make_grad_scaler, make_optimizer,
-                      make_scheduler, norm_from_parts, param_dtype, square_sum_parts)
+                      make_scheduler, param_dtype)
 
 STEP = Path(__file__).resolve().parent.name
-
-
-def sharded_param_norm(params, device) -> float:
-    """``training.param_norm`` of the full parameters, from this rank's pieces: the exact integer parts of
-    the sum of squares add up across ranks to the parts of the whole, so the result has step 1's bits."""
-    parts = square_sum_parts(params).to(device)  # nccl reduces GPU tensors only
-    count_collective("all_reduce", parts)
-    dist.all_reduce(parts)
-    return norm_from_parts(parts.cpu())
 
 
 def checkpoint_activations(model) -> None:
@@ -96,8 +86,6 @@ def main():
         checkpoint_activations(model)
 
     def init(name, shape):  # the same values for the same name on every rank, as build_model gives them
-        if resumed:  # or the checkpoint's, one full parameter at a time, whatever world size wrote them
-            return resumed.parameter(name)
         return initial_value(name, shape, config["seed"], config["n_layer"])
 
     # --param-dtype bf16|fp16: the pieces stay the float32 master AdamW steps; gathers and compute are 16-bit.
@@ -109,13 +97,11 @@ def main():
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
-    # Which elements of which parameter each of AdamW's entries holds: what a checkpoint records about them.
-    slices = optimizer_slices(optimizer, model.named_parameters(), ddp_model.piece_ranges())
 
     start_step, records = 0, []
     if resumed:
-        # The pieces came from the checkpoint through init; here, AdamW's state for them.
-        load_optimizer(optimizer, resumed, slices)
+        # This rank's pieces and AdamW's state for them, whatever world size wrote them: only these elements are read.
+        ddp_model.load_checkpoint(resumed, optimizer)
         start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, world.world_size)  # RNG last
         if world.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
@@ -184,8 +170,7 @@ def main():
             shared = {"step": step + 1, "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             # Each rank writes its own pieces and their AdamW state; nothing in state.pt is full-size.
-            own = {"rng": rng_state(), "model": model.state_dict(), "model_slices": ddp_model.piece_ranges(),
-                   "optimizer": optimizer.state_dict(), "optimizer_slices": slices}
+            own = {"rng": rng_state(), **ddp_model.checkpoint_state(optimizer)}
             writer.save(step + 1, shared, own)
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
