@@ -10,29 +10,25 @@ slices of the optimiser state, of the parameters or of their float32 masters).
    once every rank's file is in it: a rank killed mid-write leaves a ``.tmp`` folder, which is never
    read and is removed by the next save. ``--resume auto`` takes the newest ``step_<k>``.
 2. **Read by name and element range.** Whoever holds a tensor says which elements of which parameter it
-   is, in one of three forms: whole tensors (``model``: ``{name: tensor}``); flat slices of the flattened
-   parameters (``model`` beside ``model_slices``: ``{name: (start, end)}``); N-D blocks, a shard of rows
-   or columns (``model``: a list of tensors beside ``model_blocks``: ``(name, dim, start, end)`` each,
-   as torch.distributed.checkpoint describes N-D chunks). The optimiser's state dict goes with
-   ``optimizer_slices``: for its i-th parameter ``(name, start, end)`` (the whole parameter, or a slice),
-   or a list of ``(name, dim, start, end)`` blocks concatenated along ``dim``. ``Checkpoint`` reads what
-   each file says about itself, never which step wrote it: it joins the pieces back (``parameter(name)``)
-   or cuts the ones a loader asks for (``optimizer_state_dict(slices)``). So a checkpoint written by any
-   step at N ranks resumes in any step at N' ranks: each rank asks for the slices it will own, and reads
-   only those (files are memory-mapped), as DeepSpeed's universal checkpoints and
-   torch.distributed.checkpoint do.
+   is, in one of three forms: whole (``model``: ``{name: tensor}``), flat slices of the flattened parameters
+   (``model`` with ``model_slices``: ``{name: (start, end)}``), or N-D blocks of rows or columns (``model``,
+   a list, with ``model_blocks``: ``(name, dim, start, end)`` each, as torch.distributed.checkpoint describes
+   N-D chunks). The optimiser's state dict comes with ``optimizer_slices``: ``(name, start, end)`` or a list
+   of blocks per parameter. ``Checkpoint`` reads what each file says about itself, never which step wrote it,
+   and joins the pieces back (``parameter(name)``) or cuts the ones a loader asks for
+   (``optimizer_state_dict(slices)``). So a checkpoint written at N ranks resumes in any step at N' ranks:
+   each rank reads only the slices it will own (files are memory-mapped), as DeepSpeed's universal
+   checkpoints and torch.distributed.checkpoint do.
 3. **The same run, or refused.** The config must be the checkpoint's, except the flags that say where
    and how to run (``RESUMABLE_KEYS``) and how the global batch is split: micro-batch x accumulation x
    ranks may change if their product does not. The data stream then continues at the same sample.
 4. **In the background** (``--async-save``): the state is copied to memory, and a thread writes it while
    training goes on; its barriers use a process group of their own, so they never interleave with
    training's collectives. One save at a time: the next one first waits for the last.
-5. **One interface for whatever holds state**, as torchtitan's ``Stateful``: each component says what this
-   rank saves for it, as entries of the forms above, and loads its part back from a ``Checkpoint`` at any
-   world size. A plain model: ``{"model": model.state_dict()}`` and ``load_parameters``; a plain optimiser:
-   ``optimizer_state`` and ``load_optimizer``; a wrapper that shards them: its ``checkpoint_state(...)``
-   and ``load_checkpoint(checkpoint, ...)`` (``ShardedOptimizer``, ``FullyShardedDP``; tensor parallelism's
-   ``checkpoint_shards`` and ``load_checkpoint_shards``). A trainer's save is then one entry per component.
+5. **One interface**, as torchtitan's ``Stateful``: each component that holds state says what this rank saves
+   for it (entries of the forms above) and loads its part back from a ``Checkpoint`` at any world size:
+   ``checkpoint_state(...)`` and ``load_checkpoint(checkpoint, ...)`` of ``ShardedOptimizer`` and
+   ``FullyShardedDP``; ``optimizer_state`` and ``load_optimizer`` (below) for a plain optimiser.
 """
 import copy
 import json
