@@ -307,9 +307,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``checkpoint`` (a ``common/checkpoint.Checkpoint``), whatever world size or step wrote it. The parameters
         themselves are the model's to load: every rank holds them whole (``checkpoint.load_parameters``)."""
         named_slices = self.slices(named_params)
-        with torch.no_grad():
-            for (name, start, end), master in zip(named_slices if self.param_dtype is not None else (), self.views):
-                master.copy_(checkpoint.parameter(name, start, end))
+        if self.param_dtype is not None:  # the float32 masters: only this rank's elements are read
+            with torch.no_grad():
+                for (name, start, end), master in zip(named_slices, self.views):
+                    master.copy_(checkpoint.parameter(name, start, end))
         self.local_optimizer.load_state_dict(checkpoint.optimizer_state_dict(named_slices, self.views))
 
     def state_dict(self) -> dict:
