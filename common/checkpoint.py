@@ -2,29 +2,33 @@
 
 Layout: ``<out>/checkpoints/step_<k>/`` holds ``meta.json`` (format, step, world size, config, the full
 shape of every parameter), ``state.pt`` (what every rank holds the same: scheduler, scaler, data
-position, the metrics records so far, and in steps 0-6 the full model; written by rank 0) and
-``rank<r>.pt`` per rank (its RNG states, and what only it holds: its slices of AdamW's state in
-steps 5-6, its slices of the parameters too in step 7).
+position, the metrics records so far, and the whole model and optimiser state where every rank holds them
+whole; written by rank 0) and ``rank<r>.pt`` per rank (its RNG states, and what only it holds: its
+slices of the optimiser state, of the parameters or of their float32 masters).
 
 1. **Whole or absent.** Everything is written into ``.tmp_step_<k>`` and renamed to ``step_<k>`` only
    once every rank's file is in it: a rank killed mid-write leaves a ``.tmp`` folder, which is never
    read and is removed by the next save. ``--resume auto`` takes the newest ``step_<k>``.
 2. **Read by name and element range.** Whoever holds a tensor says which elements of which parameter it
-   is: ``optimizer_slices[i] = (name, start, end)`` for the i-th parameter of the optimiser that was
-   saved (a whole parameter in steps 0-4, a slice in steps 5-7), ``model_slices`` for step 7's pieces.
-   A tensor-parallel shard (step 8) is a block of rows or columns, not a flat range: it is described as
-   a list of ``(name, dim, start, end)`` blocks, concatenated along ``dim`` (``model_blocks``, and the
-   same form in ``optimizer_slices``), as torch.distributed.checkpoint describes N-D chunks.
-   ``Checkpoint`` joins the slices back (``parameter(name)``) or cuts the ones a loader asks for
-   (``optimizer_state_dict(slices)``). So a checkpoint written by any step at N ranks resumes in any
-   step at N' ranks: each rank asks for the slices it will own, and reads only those (files are
-   memory-mapped), as DeepSpeed's universal checkpoints and torch.distributed.checkpoint do.
+   is, in one of three forms: whole (``model``: ``{name: tensor}``), flat slices of the flattened parameters
+   (``model`` with ``model_slices``: ``{name: (start, end)}``), or N-D blocks of rows or columns (``model``,
+   a list, with ``model_blocks``: ``(name, dim, start, end)`` each, as torch.distributed.checkpoint describes
+   N-D chunks). The optimiser's state dict comes with ``optimizer_slices``: ``(name, start, end)`` or a list
+   of blocks per parameter. ``Checkpoint`` reads what each file says about itself, never which step wrote it,
+   and joins the pieces back (``parameter(name)``) or cuts the ones a loader asks for
+   (``optimizer_state_dict(slices)``). So a checkpoint written at N ranks resumes in any step at N' ranks:
+   each rank reads only the slices it will own (files are memory-mapped), as DeepSpeed's universal
+   checkpoints and torch.distributed.checkpoint do.
 3. **The same run, or refused.** The config must be the checkpoint's, except the flags that say where
    and how to run (``RESUMABLE_KEYS``) and how the global batch is split: micro-batch x accumulation x
    ranks may change if their product does not. The data stream then continues at the same sample.
 4. **In the background** (``--async-save``): the state is copied to memory, and a thread writes it while
    training goes on; its barriers use a process group of their own, so they never interleave with
    training's collectives. One save at a time: the next one first waits for the last.
+5. **One interface**, as torchtitan's ``Stateful``: each component that holds state says what this rank saves
+   for it (entries of the forms above) and loads its part back from a ``Checkpoint`` at any world size:
+   ``checkpoint_state(...)`` and ``load_checkpoint(checkpoint, ...)`` of ``ShardedOptimizer`` and
+   ``FullyShardedDP``; ``optimizer_state`` and ``load_optimizer`` (below) for a plain optimiser.
 """
 import copy
 import json
@@ -227,15 +231,21 @@ class CheckpointWriter:
         self._barrier()
 
 
-def optimizer_slices(optimizer, named_params, ranges: dict | None = None) -> list:
-    """``(name, start, end)`` of each parameter of ``optimizer``, in its order: the elements of the full
-    parameter it holds. Whole parameters, unless ``ranges[name]`` says which slice this rank has."""
+def optimizer_slices(optimizer, named_params) -> list:
+    """``(name, 0, numel)`` of each parameter of ``optimizer``, in its order: every one is a whole parameter."""
     name_of = {param: name for name, param in named_params}
-    return [(name_of[p], *(ranges[name_of[p]] if ranges else (0, p.numel()))) for p in params_in_order(optimizer)]
+    return [(name_of[p], 0, p.numel()) for p in params_in_order(optimizer)]
 
 
-def load_optimizer(optimizer, checkpoint, slices: list) -> None:
-    """Give ``optimizer`` (whose i-th parameter holds ``slices[i]``) its state from ``checkpoint``."""
+def optimizer_state(optimizer, named_params) -> dict:
+    """What is saved for a plain torch optimiser over whole parameters, named by ``named_params``: its state dict
+    (``optimizer``) and which parameter each of its parameters is (``optimizer_slices``)."""
+    return {"optimizer": optimizer.state_dict(), "optimizer_slices": optimizer_slices(optimizer, named_params)}
+
+
+def load_optimizer(optimizer, checkpoint, named_params) -> None:
+    """The reverse of ``optimizer_state``: give ``optimizer`` its state from ``checkpoint``, whatever wrote it."""
+    slices = optimizer_slices(optimizer, named_params)
     optimizer.load_state_dict(checkpoint.optimizer_state_dict(slices, params_in_order(optimizer)))
 
 
@@ -278,7 +288,7 @@ class Checkpoint:
             self._corrupted(f"state.pt is for step {self.shared.get('step')}, meta.json says {self.step}")
         # Where each parameter's elements, and each parameter's optimiser state, are: (start, end, tensor or state).
         self.parameter_pieces, self.state_pieces, self.groups = {}, {}, []
-        self.parameter_blocks, self.state_blocks = {}, {}  # tensor-parallel blocks, joined below
+        self.parameter_blocks, self.state_blocks = {}, {}  # N-D blocks, joined below
         for file, holder in [("state.pt", self.shared), *((f"rank{r}.pt", h) for r, h in enumerate(self.ranks))]:
             try:
                 self._index(holder)
@@ -290,16 +300,15 @@ class Checkpoint:
             self._corrupted(f"no rank holds {missing[0]}")
 
     def _index(self, holder: dict) -> None:
-        if "model_slices" in holder:  # step 7: this rank's pieces
-            for name, (start, end) in holder["model_slices"].items():
-                self.parameter_pieces.setdefault(name, []).append((start, end, holder["model"][name]))
-        elif "model_blocks" in holder:  # step 8: this rank's blocks of rows or columns
+        """Note where the file ``holder`` says its tensors belong, in whichever form it wrote them (rule 2)."""
+        if "model_blocks" in holder:  # N-D blocks of rows or columns, a list of tensors beside their places
             for (name, dim, start, end), tensor in zip(holder["model_blocks"], holder["model"]):
                 self.parameter_blocks.setdefault(name, []).append((dim, start, end, tensor))
-        elif "model" in holder:  # steps 0-6: the whole model, in state.pt
-            for name in self.shapes:
-                tensor = holder["model"][name]
-                self.parameter_pieces.setdefault(name, []).append((0, tensor.numel(), tensor))
+        elif "model" in holder:  # flat slices of the flattened parameters; without model_slices, whole ones
+            whole = {name: (0, shape.numel()) for name, shape in self.shapes.items()}
+            ranges = holder["model_slices"] if "model_slices" in holder else whole
+            for name, (start, end) in ranges.items():
+                self.parameter_pieces.setdefault(name, []).append((start, end, holder["model"][name]))
         if "optimizer" in holder:
             self._index_optimizer(holder["optimizer"], holder["optimizer_slices"])
 
@@ -342,7 +351,7 @@ class Checkpoint:
                 names.update(_name(slices[i]) for i in group["params"])
 
     def _join_blocks(self) -> None:
-        """Tensor-parallel blocks of a parameter (and of its state) joined into the whole, read as one piece."""
+        """The N-D blocks of a parameter (and of its state) joined into the whole, read as one piece."""
         for name, blocks in self.parameter_blocks.items():
             whole = self._join(name, [(dim, start, end, tensor) for dim, start, end, tensor in blocks])
             self.parameter_pieces.setdefault(name, []).append((0, whole.numel(), whole))
@@ -378,7 +387,7 @@ class Checkpoint:
         ``slices[i] = (name, start, end)``, in the checkpoint's parameter groups (which are chosen by name)."""
         state = {}
         for i, (piece, param) in enumerate(zip(slices, params)):
-            if _is_blocks(piece):  # a tensor-parallel shard: its blocks, in the checkpoint's layout
+            if _is_blocks(piece):  # N-D blocks (a tensor-parallel shard), in the checkpoint's layout
                 name, whole = piece[0][0], [p for p in self.state_pieces.get(piece[0][0], []) if p[2]]
                 if whole:
                     state[i] = {key: self.block(name, piece, value.view(self.shapes[name]))
@@ -468,7 +477,7 @@ class Checkpoint:
 
 
 def _is_blocks(piece) -> bool:
-    """A tensor-parallel description, ``[(name, dim, start, end), ...]``, rather than ``(name, start, end)``."""
+    """N-D blocks, ``[(name, dim, start, end), ...]``, rather than a flat slice ``(name, start, end)``."""
     return isinstance(piece[0], (list, tuple))
 
 
@@ -507,7 +516,7 @@ def open_checkpoint(path: Path, config: dict, world_size: int, is_main: bool) ->
 
 
 def load_parameters(named_params, checkpoint: Checkpoint) -> None:
-    """Copy every full parameter from ``checkpoint`` (steps 0-6, whose every rank holds the whole model)."""
+    """Copy every full parameter from ``checkpoint`` into ``named_params``: a model every rank holds whole."""
     with torch.no_grad():
         for name, param in named_params:
             param.copy_(checkpoint.parameter(name))

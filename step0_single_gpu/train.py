@@ -14,7 +14,7 @@ from torch.profiler import record_function
 from torch.utils.data import DistributedSampler
 
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
-                        open_checkpoint, optimizer_slices)
+                        open_checkpoint, optimizer_state)
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
@@ -116,7 +116,7 @@ def main():
 
     start_step, records = 0, []
     if resumed:
-        load_optimizer(optimizer, resumed, optimizer_slices(optimizer, trained))
+        load_optimizer(optimizer, resumed, trained)
         start_step, records = resumed.restore(scheduler, scaler, batches, 0, 1)  # RNG last
         print(f"resumed from {resume_from} at step {start_step}")
     else:
@@ -152,8 +152,8 @@ def main():
             "step_time": [step_time],
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "model": weights_to_save(model, masters), "optimizer": optimizer.state_dict(),
-                      "optimizer_slices": optimizer_slices(optimizer, trained),
+            shared = {"step": step + 1, "model": weights_to_save(model, masters),
+                      **optimizer_state(optimizer, trained),
                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             writer.save(step + 1, shared, {"rng": rng_state()})

@@ -19,7 +19,7 @@ from torch.utils.data import DistributedSampler
 import distributed
 from comm_accounting import comm_bytes, count_collective, take_comm_bytes
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
-                        open_checkpoint, optimizer_slices)
+                        open_checkpoint, optimizer_state)
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
@@ -111,7 +111,7 @@ def main():
     start_step, records = 0, []
     if resumed:
         load_parameters(model.named_parameters(), resumed)
-        load_optimizer(optimizer, resumed, optimizer_slices(optimizer, model.named_parameters()))
+        load_optimizer(optimizer, resumed, model.named_parameters())
         start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, world.world_size)  # RNG last
         if world.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
@@ -158,8 +158,8 @@ def main():
             "comm": take_comm_bytes(),
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                      "optimizer_slices": optimizer_slices(optimizer, model.named_parameters()),
+            shared = {"step": step + 1, "model": model.state_dict(),
+                      **optimizer_state(optimizer, model.named_parameters()),
                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             writer.save(step + 1, shared, {"rng": rng_state()})

@@ -11,12 +11,14 @@ its float32 masters' gradients are slices of ``param.main_grad``), in ZeRO-2's r
    ``ShardedGradScaler`` combines the flags with one all-reduce (MAX), as FSDP's does.
 2. **One clipping norm.** Each rank sums the squares of its own slices, one all-reduce adds the
    sums, and every rank scales its slices by the same coefficient (``clip_gradient_shards``).
+3. **One parameter norm for the log**, from slices too (the float32 masters, ZeRO-3's pieces): the exact
+   parts of the sums of squares add up across ranks to the whole's (``sharded_param_norm``).
 """
 import torch
 import torch.distributed as dist
 
 from comm_accounting import count_collective
-from training import clip_to_norm, sum_of_squares
+from training import clip_to_norm, norm_from_parts, square_sum_parts, sum_of_squares
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -63,3 +65,13 @@ def clip_gradient_shards(optimizer, max_norm: float) -> torch.Tensor:
     norm = total.cpu().sqrt().float()
     clip_to_norm(grads, norm, max_norm)
     return norm
+
+
+def sharded_param_norm(slices, device) -> float:
+    """``training.param_norm`` of the full parameters from this rank's ``slices`` of them (collective): the exact
+    integer parts of the sums of squares add up across ranks to the parts of the whole, so every rank gets the
+    bits one process holding everything gets."""
+    parts = square_sum_parts(slices).to(device)  # nccl reduces GPU tensors only
+    count_collective("all_reduce", parts)
+    dist.all_reduce(parts)
+    return norm_from_parts(parts.cpu())

@@ -17,21 +17,19 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 import distributed
-from comm_accounting import count_collective, take_comm_bytes
+from comm_accounting import take_comm_bytes
 from bucketed_ddp import BucketedDDP
-from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
-                        open_checkpoint)
+from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, load_parameters, open_checkpoint
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
-from sharded_gradients import ShardedGradScaler, clip_gradient_shards
+from sharded_gradients import ShardedGradScaler, clip_gradient_shards, sharded_param_norm
 from zero1 import ShardedOptimizer
 from seeding import rng_state, seed_everything
 from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, autocast, check_amp, check_param_dtype,
-                      clip_gradients, make_grad_scaler, make_scheduler, norm_from_parts, param_dtype, param_norm,
-                      square_sum_parts)
+                      clip_gradients, make_grad_scaler, make_scheduler, param_dtype, param_norm)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -79,28 +77,6 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     return loss_sum, grad_norm, memory
 
 
-def master_norm(optimizer, device) -> float:
-    """``training.param_norm`` of the float32 masters (--param-dtype), from this rank's slices: the exact parts
-    of the sums of squares add up across ranks to the parts of the whole, as in step 7."""
-    parts = square_sum_parts(optimizer.views).to(device)  # nccl reduces GPU tensors only
-    count_collective("all_reduce", parts)
-    dist.all_reduce(parts)
-    return norm_from_parts(parts.cpu())
-
-
-def master_pieces(model, optimizer) -> dict:
-    """This rank's float32 master elements (--param-dtype), as step 7 saves its pieces: no gather, no full copy."""
-    slices = optimizer.slices(model.named_parameters())
-    return {"model": {name: master for (name, _, _), master in zip(slices, optimizer.views)},
-            "model_slices": {name: (start, end) for name, start, end in slices}}
-
-
-def master_weights(model, optimizer) -> dict:
-    """The model's state dict with every parameter's float32 master in place of its 16-bit copy (collective)."""
-    masters = {p.data_ptr(): full for p, full in optimizer.gathered_masters().items()}
-    return {name: masters.get(t.data_ptr(), t) for name, t in model.state_dict().items()}
-
-
 def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
@@ -144,8 +120,8 @@ def main():
 
     start_step, records = 0, []
     if resumed:
-        # This rank's slices of AdamW's state, cut from whatever slices the ranks that saved them held.
-        load_optimizer(optimizer.local_optimizer, resumed, optimizer.slices(model.named_parameters()))
+        # This rank's slices of AdamW's state (and masters), cut from whatever slices the saving ranks held.
+        optimizer.load_checkpoint(resumed, model.named_parameters())
         start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, world.world_size)  # RNG last
         if world.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
@@ -185,7 +161,7 @@ def main():
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
-            "param_norm": master_norm(optimizer, device) if mixed else param_norm(model.parameters()),
+            "param_norm": sharded_param_norm(optimizer.views, device) if mixed else param_norm(model.parameters()),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
@@ -198,13 +174,11 @@ def main():
             shared = {"step": step + 1, **({} if mixed else {"model": model.state_dict()}),
                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
-            own = {"rng": rng_state(), "optimizer": optimizer.state_dict(),  # each rank writes its own shard
-                   "optimizer_slices": optimizer.slices(model.named_parameters()),
-                   **(master_pieces(model, optimizer) if mixed else {})}  # the masters, each rank its own
+            own = {"rng": rng_state(), **optimizer.checkpoint_state(model.named_parameters())}  # each rank its shard
             writer.save(step + 1, shared, own)
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
-    weights = master_weights(model, optimizer) if mixed else dict(model.named_parameters())
+    weights = optimizer.master_weights(model.named_parameters())  # float32: the masters (collective)
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: weights[name] for name, _ in model.named_parameters()})
         final["param_norm"] = param_norm(weights[name] for name, _ in model.named_parameters())

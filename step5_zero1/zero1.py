@@ -282,7 +282,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         target.view(-1)[piece.start : piece.end] = received[begin : begin + piece.end - piece.start]
         return full
 
-    # ---- Checkpoints ---------------------------------------------------------------------------------
+    def master_weights(self, named_params) -> dict:
+        """``{name: full float32 weight}``: with ``param_dtype`` the masters gathered (a collective, every rank
+        takes part), else the parameters themselves, which every rank holds whole and up to date after ``step()``."""
+        if self.param_dtype is None:
+            return {name: param for name, param in named_params}
+        masters = self.gathered_masters()
+        return {name: masters.get(param, param) for name, param in named_params}
+
+    # ---- Checkpoints (the interface of common/checkpoint.py: what this rank saves, and loading it back) ----
+    def checkpoint_state(self, named_params) -> dict:
+        """What this rank saves: its slices of the optimiser state (``optimizer``, ``optimizer_slices``) and, with
+        ``param_dtype``, its float32 masters as flat slices (``model``, ``model_slices``), named by
+        ``named_params``. No gather, no full copy: each rank writes only what it holds."""
+        named_slices = self.slices(named_params)
+        state = {"optimizer": self.state_dict(), "optimizer_slices": named_slices}
+        if self.param_dtype is not None:
+            state["model"] = {name: master for (name, _, _), master in zip(named_slices, self.views)}
+            state["model_slices"] = {name: (start, end) for name, start, end in named_slices}
+        return state
+
+    def load_checkpoint(self, checkpoint, named_params) -> None:
+        """Cut this rank's slices of the optimiser state (and, with ``param_dtype``, of the float32 masters) out of
+        ``checkpoint`` (a ``common/checkpoint.Checkpoint``), whatever world size or step wrote it. The parameters
+        themselves are the model's to load: every rank holds them whole (``checkpoint.load_parameters``)."""
+        named_slices = self.slices(named_params)
+        if self.param_dtype is not None:  # the float32 masters: only this rank's elements are read
+            with torch.no_grad():
+                for (name, start, end), master in zip(named_slices, self.views):
+                    master.copy_(checkpoint.parameter(name, start, end))
+        self.local_optimizer.load_state_dict(checkpoint.optimizer_state_dict(named_slices, self.views))
+
     def state_dict(self) -> dict:
         """This rank's shard: the local optimiser's state dict and the slices it covers."""
         return {**self.local_optimizer.state_dict(), "slices": self.slices(), "world_size": self.world_size}

@@ -21,9 +21,8 @@ from torch.profiler import record_function
 from transformers import GPT2LMHeadModel
 
 import distributed
-from comm_accounting import count_collective, take_comm_bytes
-from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
-                        open_checkpoint, optimizer_slices)
+from comm_accounting import take_comm_bytes
+from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats
@@ -31,11 +30,11 @@ from model import gpt2_config, initial_value, language_model_loss
 from prefetch_trace import PrefetchTrace
 from sampler import ShardedSampler, check_no_overlap
 from streaming_export import save_final_weights_streaming
-from sharded_gradients import ShardedGradScaler, clip_gradient_shards
+from sharded_gradients import ShardedGradScaler, clip_gradient_shards, sharded_param_norm
 from zero3 import FullyShardedDP
 from seeding import rng_state, seed_everything
 from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, make_grad_scaler, make_optimizer,
-                      make_scheduler, norm_from_parts, param_dtype, square_sum_parts)
+                      make_scheduler, param_dtype)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -74,15 +73,6 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     return loss_sum, grad_norm, memory
 
 
-def sharded_param_norm(params, device) -> float:
-    """``training.param_norm`` of the full parameters, from this rank's pieces: the exact integer parts of
-    the sum of squares add up across ranks to the parts of the whole, so the result has step 1's bits."""
-    parts = square_sum_parts(params).to(device)  # nccl reduces GPU tensors only
-    count_collective("all_reduce", parts)
-    dist.all_reduce(parts)
-    return norm_from_parts(parts.cpu())
-
-
 def checkpoint_activations(model) -> None:
     """Keep only each block's input in forward and recompute the rest in backward (preserve_rng_state:
     dropout draws the same masks twice). The block's FSDP hooks run around it, once: the recomputation
@@ -94,7 +84,7 @@ def checkpoint_activations(model) -> None:
                                           preserve_rng_state=True)
 
 
-def build(config: dict, vocab_size: int, device, resumed=None) -> tuple:
+def build(config: dict, vocab_size: int, device) -> tuple:
     """Step 7's model, wrapper, optimiser and gradient scaler, as main() trains them (compare/peak_memory.py
     builds them here too). Returns ``(ddp_model, optimizer, scaler, shapes)``: ``shapes`` holds the full
     parameters' shapes by name, which no rank holds any more once the model is sharded."""
@@ -107,8 +97,6 @@ def build(config: dict, vocab_size: int, device, resumed=None) -> tuple:
         checkpoint_activations(model)
 
     def init(name, shape):  # the same values for the same name on every rank, as build_model gives them
-        if resumed:  # or the checkpoint's, one full parameter at a time, whatever world size wrote them
-            return resumed.parameter(name)
         return initial_value(name, shape, config["seed"], config["n_layer"])
 
     # --param-dtype bf16|fp16: the pieces stay the float32 master AdamW steps; gathers and compute are 16-bit.
@@ -149,17 +137,15 @@ def main():
     sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
                              shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    ddp_model, optimizer, scaler, shapes = build(config, corpus.vocab_size, device, resumed)
+    ddp_model, optimizer, scaler, shapes = build(config, corpus.vocab_size, device)
     model = ddp_model.module  # its named_parameters() are this rank's pieces, under the original names
     tracer = PrefetchTrace(ddp_model) if config["trace"] else None  # keeps the last micro-batch's timeline
     scheduler = make_scheduler(optimizer, config)
-    # Which elements of which parameter each of AdamW's entries holds: what a checkpoint records about them.
-    slices = optimizer_slices(optimizer, model.named_parameters(), ddp_model.piece_ranges())
 
     start_step, records = 0, []
     if resumed:
-        # The pieces came from the checkpoint through init; here, AdamW's state for them.
-        load_optimizer(optimizer, resumed, slices)
+        # This rank's pieces and AdamW's state for them, whatever world size wrote them: only these elements are read.
+        ddp_model.load_checkpoint(resumed, optimizer)
         start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, world.world_size)  # RNG last
         if world.is_main:
             print(f"resumed from {resume_from} at step {start_step}")
@@ -211,8 +197,7 @@ def main():
             shared = {"step": step + 1, "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "data": batches.state_dict(), "records": log.records}
             # Each rank writes its own pieces and their AdamW state; nothing in state.pt is full-size.
-            own = {"rng": rng_state(), "model": model.state_dict(), "model_slices": ddp_model.piece_ranges(),
-                   "optimizer": optimizer.state_dict(), "optimizer_slices": slices}
+            own = {"rng": rng_state(), **ddp_model.checkpoint_state(optimizer)}
             writer.save(step + 1, shared, own)
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done

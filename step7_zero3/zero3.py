@@ -371,14 +371,35 @@ class FullyShardedDP(torch.nn.Module):
             yield from zip(unit.names, unit.full_views(full))
             del full  # gone once the caller lets go of this unit's tensors
 
-    def full_state_dict(self) -> dict:
-        """Collective: every full parameter, in ``named_parameters()`` order. The whole model: tests only."""
-        gathered = {name: tensor.clone() for name, tensor in self.gathered_parameters()}
-        return {name: gathered[name] for name, _ in self.module.named_parameters()}
-
     def piece_ranges(self) -> dict:
         """``{name: (start, end)}``: the elements of each (flattened) parameter this rank's piece holds."""
         return {name: r for unit in self.units for name, r in zip(unit.names, unit.ranges)}
+
+    # ---- Checkpoints (the interface of common/checkpoint.py: what this rank saves, and loading it back) ----
+    def checkpoint_state(self, optimizer=None) -> dict:
+        """What this rank saves: its pieces as flat slices (``model``; ``model_slices``, which elements of each
+        flattened parameter they are) and, given the ``optimizer`` that steps the pieces, its state dict and the
+        slice each of its parameters is (``optimizer``, ``optimizer_slices``). Nothing full-size, no collective."""
+        state = {"model": self.module.state_dict(), "model_slices": self.piece_ranges()}
+        if optimizer is not None:
+            state.update(optimizer=optimizer.state_dict(), optimizer_slices=self._optimizer_slices(optimizer))
+        return state
+
+    def load_checkpoint(self, checkpoint, optimizer=None) -> None:
+        """Copy this rank's pieces out of ``checkpoint`` (a ``common/checkpoint.Checkpoint``, written at any world
+        size by any step: only these elements are read) and, given the ``optimizer``, its state for them."""
+        ranges = self.piece_ranges()
+        with torch.no_grad():
+            for name, piece in self.module.named_parameters():
+                piece.copy_(checkpoint.parameter(name, *ranges[name]))
+        if optimizer is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            optimizer.load_state_dict(checkpoint.optimizer_state_dict(self._optimizer_slices(optimizer), params))
+
+    def _optimizer_slices(self, optimizer) -> list:
+        """``(name, start, end)`` of each of ``optimizer``'s parameters (pieces), numbered as its state dict is."""
+        ranges, name_of = self.piece_ranges(), {piece: name for name, piece in self.module.named_parameters()}
+        return [(name_of[p], *ranges[name_of[p]]) for group in optimizer.param_groups for p in group["params"]]
 
     @property
     def parameter_shards(self) -> list:

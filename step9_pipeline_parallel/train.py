@@ -137,7 +137,7 @@ def main():
     start_step, records = 0, []
     if resumed:
         load_parameters(named, resumed)  # by name: the stage boundaries may have moved
-        load_optimizer(optimizer, resumed, optimizer_slices(optimizer, named))
+        load_optimizer(optimizer, resumed, named)
         start_step, records = resumed.restore(scheduler, scaler, batches, 0, 1)  # RNG last: one stream for all
         if world.is_main:
             print(f"resumed from {resume_from} at step {start_step}")

@@ -90,6 +90,12 @@ def peak_live_bytes(prof) -> int:
     return peak
 
 
+def full_state_dict(fsdp) -> dict:
+    """Collective: every full parameter of a ``FullyShardedDP``, in ``named_parameters()`` order (the whole model)."""
+    gathered = {name: tensor.clone() for name, tensor in fsdp.gathered_parameters()}
+    return {name: gathered[name] for name, _ in fsdp.named_parameters()}
+
+
 def toy_worker(rank, world_size, port, queue, prefetch):
     sys.path.insert(0, str(STEP7))
     import comm_accounting
@@ -147,7 +153,7 @@ def toy_worker(rank, world_size, port, queue, prefetch):
         for i, p in enumerate(ref.parameters()):
             p.grad = (sum(g[i].double() for g in grads) / world_size).float()
         ref_optimizer.step()
-        full = fsdp.full_state_dict()
+        full = full_state_dict(fsdp)
         comm_accounting.take_comm_bytes()
         results["differences"] += [f"step {step}: {n}" for n, p in ref.named_parameters()
                                    if not torch.equal(full[n], p)]
@@ -190,7 +196,7 @@ def test_toy_trains_bitwise_like_one_process(toy):
     for rank, r in results.items():
         assert r["differences"] == [], f"rank {rank}: {r['differences']}"
         names, ref_names = r["names"]
-        assert names == ref_names  # full_state_dict: the original names, the tied weight once
+        assert names == ref_names  # gathered_parameters(): the original names, the tied weight once
     ours, reference = results[0]["decay groups"]
     assert ours == reference and all(ours), ours  # weight decay, decided by name, survives the 1-D pieces
 

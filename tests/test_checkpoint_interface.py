@@ -1,0 +1,150 @@
+"""The checkpoint interface (common/checkpoint.py, rule 5) of the sharding wrappers, against one plain process.
+
+Each wrapper says what this rank saves (``checkpoint_state``) and loads its part back (``load_checkpoint``). The
+independent answer is a plain model and a plain AdamW in the same process, given the same gradients: what every
+rank saved, joined by ``Checkpoint``, must be that model's parameters and AdamW's state, bit for bit; and a
+checkpoint written at one world size, loaded at another, must step on to the plain model's next bits.
+"""
+import io
+import sys
+import zlib
+
+import pytest
+import torch
+
+from conftest import REPO, init_gloo, shutdown, spawn
+
+LR = dict(lr=0.1, betas=(0.9, 0.99), weight_decay=0.01)
+
+
+def toy() -> torch.nn.Sequential:
+    """Sizes no world size divides evenly (15 + 3 + 12 + 4 elements), the same values on every rank."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 4))
+
+
+def gradient(name: str, param: torch.Tensor, step: int) -> torch.Tensor:
+    """The averaged gradient every rank holds at ``step``: a pure function of the name, so ranks agree."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{name} {step}".encode()))
+    return torch.randn(param.shape, generator=generator)
+
+
+def reference(steps: int) -> tuple[torch.nn.Module, torch.optim.AdamW]:
+    """The plain model and AdamW after ``steps`` steps on ``gradient``: the answer a sharded run must give."""
+    model = toy()
+    optimizer = torch.optim.AdamW(model.parameters(), **LR)
+    for step in range(steps):
+        for name, param in model.named_parameters():
+            param.grad = gradient(name, param, step)
+        optimizer.step()
+    return model, optimizer
+
+
+def save(folder, rank: int, world_size: int, named_shapes: dict, own: dict) -> None:
+    """Write this rank's file of checkpoint step_1 in ``folder`` with the trainers' writer."""
+    from checkpoint import CheckpointWriter
+    config = {"out": str(folder), "async_save": False, "quiet": True}
+    CheckpointWriter(config, rank, world_size, named_shapes).save(1, {"step": 1}, own)
+
+
+def as_bytes(tensors: dict) -> bytes:
+    """Tensors through the result queue as bytes: a tensor itself would be shared memory, gone with the worker."""
+    buffer = io.BytesIO()
+    torch.save({name: t.detach().clone() for name, t in tensors.items()}, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> dict:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before):
+    """ZeRO-1 with float32 masters (param_dtype=bf16): save after ``steps_before`` steps (``folder`` empty), or
+    load the checkpoint in ``folder`` and take one more step."""
+    init_gloo(rank, world_size, port)
+    sys.path.insert(0, str(REPO / "step5_zero1"))
+    from checkpoint import Checkpoint, load_parameters
+    from zero1 import ShardedOptimizer
+    model = toy()
+    named = list(model.named_parameters())
+    path = folder / "checkpoints" / "step_1"
+    loading = path.is_dir()
+    if loading:  # other values: the masters must come from the checkpoint, not from the parameters
+        with torch.no_grad():
+            for _, param in named:
+                param.fill_(0.5)
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, param_dtype=torch.bfloat16, **LR)
+    if loading:
+        load_parameters(named, Checkpoint(path))  # the model's part (16-bit): every rank holds it whole
+        optimizer.load_checkpoint(Checkpoint(path), named)
+    for step in range(steps_before, steps_before + 1) if loading else range(steps_before):
+        for name, param in named:
+            param.main_grad = gradient(name, param, step)  # float32, as the gradient sync leaves it
+        optimizer.step()
+    if not loading:
+        save(folder, rank, world_size, {n: p.shape for n, p in named}, optimizer.checkpoint_state(named))
+    weights = optimizer.master_weights(named)  # collective
+    queue.put((rank, {"weights": as_bytes(weights), "dtypes": {str(p.dtype) for _, p in named}}))
+    shutdown()
+
+
+def fsdp_worker(rank, world_size, port, queue, folder, steps_before):
+    """ZeRO-3 (its pieces and the plain AdamW that steps them), as ``sharded_optimizer_worker``."""
+    init_gloo(rank, world_size, port)
+    sys.path.insert(0, str(REPO / "step7_zero3"))
+    from checkpoint import Checkpoint
+    from zero3 import FullyShardedDP
+    model = toy()
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    path = folder / "checkpoints" / "step_1"
+    loading = path.is_dir()
+    if loading:  # other values: the pieces must come from the checkpoint
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(0.5)
+    fsdp = FullyShardedDP(model, [model[0]])
+    optimizer = torch.optim.AdamW(fsdp.parameters(), **LR)
+    if loading:
+        fsdp.load_checkpoint(Checkpoint(path), optimizer)
+    ranges = fsdp.piece_ranges()
+    for step in range(steps_before, steps_before + 1) if loading else range(steps_before):
+        for name, piece in fsdp.named_parameters():  # this rank's slice of the averaged gradient
+            piece.grad = gradient(name, torch.empty(shapes[name]), step).view(-1)[slice(*ranges[name])].clone()
+        optimizer.step()
+    if not loading:
+        save(folder, rank, world_size, shapes, fsdp.checkpoint_state(optimizer))
+    weights = {name: t.clone() for name, t in fsdp.gathered_parameters()}  # collective
+    queue.put((rank, {"weights": as_bytes(weights)}))
+    shutdown()
+
+
+@pytest.mark.parametrize("worker", [sharded_optimizer_worker, fsdp_worker], ids=["ShardedOptimizer", "FullyShardedDP"])
+def test_saved_pieces_join_into_the_plain_model_and_load_at_another_world_size(worker, tmp_path):
+    from checkpoint import Checkpoint
+    steps = 2
+    saved = spawn(worker, 2, tmp_path, steps)
+    plain, plain_optimizer = reference(steps)
+    checkpoint = Checkpoint(tmp_path / "checkpoints" / "step_1")
+    named = list(plain.named_parameters())
+    for name, param in named:  # every rank's slices, joined: the plain model's parameters
+        assert torch.equal(checkpoint.parameter(name), param), name
+    slices = [(name, 0, param.numel()) for name, param in named]
+    joined = checkpoint.optimizer_state_dict(slices, [p for _, p in named])  # and AdamW's whole state
+    for i, (name, _) in enumerate(named):
+        want = plain_optimizer.state_dict()["state"][i]
+        assert set(joined["state"][i]) == set(want), name
+        assert all(torch.equal(joined["state"][i][key], want[key]) for key in want), name
+    assert joined["param_groups"][0]["lr"] == LR["lr"]
+    for rank, result in saved.items():
+        weights = from_bytes(result["weights"])
+        assert all(torch.equal(weights[n], p) for n, p in named), f"rank {rank}: weights before saving"
+
+    # Loaded at world size 3 (other slices), one more step: the plain model's next bits.
+    resumed = spawn(worker, 3, tmp_path, steps)
+    plain, _ = reference(steps + 1)
+    for rank, result in resumed.items():
+        weights = from_bytes(result["weights"])
+        different = [n for n, p in plain.named_parameters() if not torch.equal(weights[n], p)]
+        assert not different, f"rank {rank}: {different}"
+    if worker is sharded_optimizer_worker:
+        assert resumed[0]["dtypes"] == {"torch.bfloat16"}  # the model computes in 16 bits; the masters are float32
