@@ -81,17 +81,11 @@ def run_trainer(step: str, nproc: int, args: list[str], log: Path) -> None:
 
 
 def spawn_ranks(target, world_size: int, *args, timeout: float = 900) -> dict:
-    """Run ``target(rank, world_size, port, *args)`` in ``world_size`` new processes that meet at a free
+    """Run ``target(rank, world_size, port, *args)`` in ``world_size`` spawned processes that meet at a free
     loopback port (each joins its own process group there); ``{rank: what target returned}``. A rank that
     fails ends them all, with its traceback; one that dies without a word (killed: out of memory?) with its
-    exit code; no answer within ``timeout`` seconds, likewise.
-
-    The processes are forked from a server process that imported torch and GPT-2's model once and did
-    nothing else (multiprocessing's "forkserver"; no thread pool or tensor exists in it yet, so forking is
-    safe): a spawned interpreter would import them again in every rank, ~6 CPU seconds each, more than a
-    tool's measurement of a small model costs."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers.models.gpt2.modeling_gpt2"])  # before its first start only
+    exit code; no answer within ``timeout`` seconds, likewise."""
+    ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
