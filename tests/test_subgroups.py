@@ -16,6 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+# PyTorch's references, imported at the top as a script does: torch.distributed.optim imported once a group exists
+# imports torch.distributed.nn.functional, which then holds the default group, so destroy_process_group cannot
+# free it and gloo's threads run into interpreter exit ("terminate called without an active exception", SIGABRT;
+# seen once in a full suite on the loaded 2-core machine). Our files are imported after the groups exist.
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, MICRO_BATCHES, WORLD_SIZE = 3, 2, 4
@@ -45,8 +51,6 @@ def worker(rank: int, port: int, out: str) -> None:
     from naive_dp import allreduce_gradients
     sys.path[0] = str(REPO / "step5_zero1")
     from zero1 import ShardedOptimizer
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     seed = 7 + rank // 2  # the two groups start apart too: each group is a replica set of its own
     ours = toy(seed)
