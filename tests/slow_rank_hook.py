@@ -26,12 +26,6 @@ def parse(spec: str) -> tuple[int, float]:
     return slow_rank, seconds
 
 
-def hooked(command: list[str], spec: str) -> list[str]:
-    """``command`` (a trainer's, as compare/launch.py builds it) with this hook running its train.py."""
-    at = next(i for i, part in enumerate(command) if part.endswith("train.py"))
-    return [*command[:at], str(HOOK), spec, *command[at:]]
-
-
 def extra_work(seconds: float) -> None:
     """Busy the CPU for ``seconds`` of this thread's CPU time (a sleep would cost wall time but no work)."""
     end = time.thread_time() + seconds

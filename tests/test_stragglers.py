@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, STEPS, TIMEOUT, TINY, metrics, parity, train, trainer_command
-from slow_rank_hook import HOOK, hooked
+from conftest import REPO, STEPS, TIMEOUT, TINY, metrics, parity, run_ranks, train
+from slow_rank_hook import HOOK
 
 sys.path.insert(0, str(REPO / "compare"))
 import stragglers  # noqa: E402
@@ -24,8 +24,7 @@ GRAD_ACCUM = TINY[TINY.index("--grad-accum") + 1]
 def test_a_rank_slowed_on_purpose_is_flagged(step, tmp_path, small_corpus):
     out = tmp_path / step
     args = [*TINY, "--steps", "6", "--data", str(small_corpus), "--out", str(out), *TIMEOUT]
-    result = subprocess.run(hooked(trainer_command(STEPS[step], 2, args), f"1:{EXTRA_S}"), cwd=REPO,
-                            capture_output=True, text=True, timeout=240)
+    result = run_ranks(HOOK, [f"1:{EXTRA_S}", str(REPO / STEPS[step] / "train.py"), *args], nproc=2)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     records = metrics(out)["records"]
     extra_per_step = EXTRA_S * int(GRAD_ACCUM)
