@@ -1,6 +1,7 @@
-"""Shared helpers: launch real trainers (plain python for step 0, torchrun over gloo otherwise) on a
-tiny workload, and read what they wrote. Every trainer sets one CPU thread per process itself
-(seeding.seed_everything); the process-group timeout is short so a broken collective fails fast."""
+"""Shared helpers: launch real trainers (one process for step 0, a process per rank over gloo otherwise, each
+forked from a server that has imported torch: ``run_ranks``) on a tiny workload, and read what they wrote.
+Every trainer sets one CPU thread per process itself (seeding.seed_everything); the process-group timeout is
+short so a broken collective fails fast."""
 import json
 import os
 import re
