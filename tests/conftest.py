@@ -296,11 +296,13 @@ def _run_as_main(argv: list[str], env: dict, out: Path, err: Path) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO)
-    repo = str(REPO)
+    def ours(path: str) -> bool:  # the repository or one of its folders; not a virtual environment inside it
+        return bool(path) and REPO in (Path(path).resolve(), Path(path).resolve().parent)
+
     for name, module in list(sys.modules.items()):  # conftest, common/'s and compare/'s modules: not the script's
-        if (getattr(module, "__file__", None) or "").startswith(repo):
+        if ours(os.path.dirname(getattr(module, "__file__", None) or "")):
             del sys.modules[name]
-    sys.path[:] = [entry for entry in sys.path if not entry.startswith(repo)]
+    sys.path[:] = [entry for entry in sys.path if not ours(entry)]
     if argv[0] == "-c":
         sys.argv = ["-c", *argv[2:]]
         sys.path.insert(0, "")
