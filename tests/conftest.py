@@ -297,7 +297,7 @@ def _run_as_main(argv: list[str], env: dict, out: Path, err: Path) -> None:
     os.environ.update(env)
     os.chdir(REPO)
     def ours(path: str) -> bool:  # the repository or one of its folders; not a virtual environment inside it
-        return bool(path) and REPO in (Path(path).resolve(), Path(path).resolve().parent)
+        return path.startswith(str(REPO)) and REPO in (Path(path).resolve(), Path(path).resolve().parent)
 
     for name, module in list(sys.modules.items()):  # conftest, common/'s and compare/'s modules: not the script's
         if ours(os.path.dirname(getattr(module, "__file__", None) or "")):
