@@ -88,6 +88,7 @@ class Unit:
         self.state, self.handle, self.views = SHARDED, None, None
         self.sending = None  # param_dtype: the shard cast to 16 bits, in flight in the all-gather
         self.work = self.output = None  # the reduce-scatter in flight and the buffer it writes
+        self.reducing = None  # the full gradient it reads
         self.compute = self.event = None  # timeline entries still open
 
     def full_views(self, flat: torch.Tensor) -> list:  # shaped like the parameters; the padding left out
@@ -215,9 +216,9 @@ class FullyShardedDP(torch.nn.Module):
         count_collective("all_gather", unit.flat)
         event = self._record(f"all-gather {unit.name}", "comm")
         # Into .data: a write autograd does not count, so what backward saved from the last gather stays valid.
-        # With param_dtype the shard goes out cast to 16 bits. The unit holds that copy and drops it after the wait,
-        # so it is freed here, in this thread, not whenever gloo's thread lets go of the handle (a free there is
-        # invisible to the profiler that compare/peak_memory.py reads).
+        # With param_dtype the shard goes out cast to 16 bits. The unit frees that copy's storage after the wait,
+        # here, in this thread: dropping the reference is not enough, gloo's thread may hold the last one, and a
+        # free there is invisible to the profiler that compare/peak_memory.py reads.
         unit.sending = unit.shard.to(unit.flat.dtype)
         unit.handle = dist.all_gather_single(unit.flat.data, unit.sending, async_op=True)
         unit.state = GATHERING
@@ -228,6 +229,8 @@ class FullyShardedDP(torch.nn.Module):
         self._launch_gather(unit)
         if unit.state == GATHERING:
             unit.handle.wait()
+            if unit.sending is not unit.shard:  # the 16-bit copy: freed now, in this thread (see _launch_gather)
+                unit.sending.untyped_storage().resize_(0)
             unit.state, unit.handle, unit.sending = GATHERED, None, None
 
     def _free(self, unit: Unit) -> None:
@@ -330,15 +333,17 @@ class FullyShardedDP(torch.nn.Module):
         unit.output = unit.grad_shard if self.reduce_dtype == torch.float32 else full.new_empty(len(unit.shard))
         count_collective("reduce_scatter", full)
         unit.event = self._record(f"reduce-scatter {unit.name}", "comm")
+        unit.reducing = full  # its storage is freed after the wait, in this thread, as an all-gather's copy is
         unit.work = dist.reduce_scatter_single(unit.output, full, async_op=True)
         self.reducing = unit
         self.reduced.add(unit)
 
     def _finish_reduce_scatter(self, unit: Unit) -> None:
         unit.work.wait()  # gloo writes the output only here (and its handle has no future to call back)
+        unit.reducing.untyped_storage().resize_(0)
         self._done(unit, "event")
         unit.grad_shard.copy_(unit.output.div_(self.world_size))  # float64 -> float32 rounds here, once
-        unit.work = unit.output = self.reducing = None
+        unit.work = unit.output = unit.reducing = self.reducing = None
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the last reduce-scatter; then each piece's ``.grad`` is its slice of the averaged gradient."""
