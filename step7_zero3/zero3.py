@@ -88,7 +88,7 @@ class Unit:
         self.state, self.handle, self.views = SHARDED, None, None
         self.sending = None  # param_dtype: the shard cast to 16 bits, in flight in the all-gather
         self.work = self.output = None  # the reduce-scatter in flight and the buffer it writes
-        self.reducing = None  # the full gradient it reads
+        self.input = None  # the full gradient it reads
         self.compute = self.event = None  # timeline entries still open
 
     def full_views(self, flat: torch.Tensor) -> list:  # shaped like the parameters; the padding left out
@@ -333,17 +333,17 @@ class FullyShardedDP(torch.nn.Module):
         unit.output = unit.grad_shard if self.reduce_dtype == torch.float32 else full.new_empty(len(unit.shard))
         count_collective("reduce_scatter", full)
         unit.event = self._record(f"reduce-scatter {unit.name}", "comm")
-        unit.reducing = full  # its storage is freed after the wait, in this thread, as an all-gather's copy is
+        unit.input = full  # its storage is freed after the wait, in this thread, as an all-gather's copy is
         unit.work = dist.reduce_scatter_single(unit.output, full, async_op=True)
         self.reducing = unit
         self.reduced.add(unit)
 
     def _finish_reduce_scatter(self, unit: Unit) -> None:
         unit.work.wait()  # gloo writes the output only here (and its handle has no future to call back)
-        unit.reducing.untyped_storage().resize_(0)
+        unit.input.untyped_storage().resize_(0)
         self._done(unit, "event")
         unit.grad_shard.copy_(unit.output.div_(self.world_size))  # float64 -> float32 rounds here, once
-        unit.work = unit.output = unit.reducing = self.reducing = None
+        unit.work = unit.output = unit.input = self.reducing = None
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the last reduce-scatter; then each piece's ``.grad`` is its slice of the averaged gradient."""
