@@ -43,6 +43,13 @@ def small_corpus(tmp_path_factory) -> Path:
     return path
 
 
+def free_port() -> int:
+    """A loopback port no one listens on now: where a job's rank 0 serves its store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(step: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 240):
     """Run a step's trainer: step 0 (or nproc=0) as one process, the others as ``nproc`` ranks with the short
     process-group timeout (``run_ranks``)."""
@@ -60,9 +67,7 @@ def run_ranks(script: Path, args: list[str], nproc: int, env: dict | None = None
     by rank, and torchrun's exit code: 0, or 1 if a rank failed (their own codes end stderr then)."""
     if not nproc:
         return run_forked([sys.executable, str(script), *args], env=env, timeout=timeout)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ranks = [{**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
              for rank in range(nproc)]
@@ -224,9 +229,7 @@ def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
     Each worker puts ``(rank, result)`` on the queue; returns ``{rank: result}``."""
     ctx = WORKERS
     queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=target, args=(rank, world_size, port, queue, *args)) for rank in range(world_size)]
     for p in procs:
         p.start()
@@ -296,6 +299,7 @@ def _run_as_main(argv: list[str], env: dict, out: Path, err: Path) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO)
+
     def ours(path: str) -> bool:  # the repository or one of its folders; not a virtual environment inside it
         return path.startswith(str(REPO)) and REPO in (Path(path).resolve(), Path(path).resolve().parent)
 

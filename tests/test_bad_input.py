@@ -17,7 +17,6 @@ have been added.
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, STEPS, TINY, run_forked, trainer_command
+from conftest import REPO, STEPS, TINY, free_port, run_forked, trainer_command
 import distributed  # common/, on the path through conftest
 from config import UserError, build_parser, check_config
 
@@ -48,18 +47,12 @@ class Case:
         return next(Path(part) for part in self.command if part.endswith(".py")).relative_to(REPO).as_posix()
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def trainer(step: str, *args, ranks: int | None = None, env: dict | None = None) -> Case:
     """``python stepK/train.py ARGS``; with ``ranks``, as rank 0 of that many, as torchrun would start it. Were a
     check missing, the rank would go on to wait for its peers: a port of its own and a short timeout end that."""
     if ranks:
         env = {"WORLD_SIZE": str(ranks), "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": free_port(), **(env or {})}
+               "MASTER_PORT": str(free_port()), **(env or {})}
         args = (*args, "--timeout-s", "20")
     return Case(trainer_command(STEPS[step], 0, list(map(str, args))), env or {})
 

@@ -3,13 +3,12 @@ memory it reports per rank is what each strategy is meant to hold. One timed rou
 this checks the harness, not the speed."""
 import json
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, init_gloo, run_ranks, spawn
+from conftest import REPO, free_port, init_gloo, run_ranks, spawn
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--micro-batch-size", "2",
         "--rounds", "1", "--steps-per-round", "1", "--timeout-s", "60"]
@@ -23,10 +22,8 @@ FSDP2 = ("pytorch FSDP2 ZeRO-2", "pytorch FSDP2 ZeRO-3")
 
 
 def bench(*args, nproc: int = 2) -> subprocess.CompletedProcess:
-    with socket.socket() as s:  # a world of one started without torchrun picks MASTER_PORT itself
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    return run_ranks(REPO / "compare" / "bench.py", list(map(str, args)), nproc, env={"MASTER_PORT": port})
+    # A world of one started without torchrun picks MASTER_PORT itself.
+    return run_ranks(REPO / "compare" / "bench.py", list(map(str, args)), nproc, env={"MASTER_PORT": str(free_port())})
 
 
 @pytest.fixture(scope="module")
