@@ -90,6 +90,9 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     model.add_argument("--n-embd", type=int, default=128)
     model.add_argument("--seq-len", type=int, default=64, help="tokens per sample (the model's max sequence length)")
     model.add_argument("--dropout", type=float, default=0.0)
+    model.add_argument("--attention", choices=["auto", "math", "sdpa"], default="auto",
+                       help="math: scores, mask and softmax written out (the same kernels on every device); sdpa: "
+                            "scaled_dot_product_attention (flash attention on a GPU); auto: sdpa on cuda, else math")
     model.add_argument("--data", type=_path_under_repo, default=str(REPO_ROOT / "data" / "tinyshakespeare.txt"))
     model.add_argument("--tokenizer", type=_path_under_repo, default=str(REPO_ROOT / "data" / "tokenizer.json"))
 
@@ -110,9 +113,19 @@ def parse_config(parser: argparse.ArgumentParser, argv=None) -> dict:
     ``UserError``. A step checks its own."""
     config = vars(parser.parse_args(argv))
     check_config(config)
+    config["attention"] = resolved_attention(config)
     if config["max_memory_mb"] is not None and config["max_memory_mb"] <= 0:
         raise UserError(f"--max-memory-mb must be positive, got {config['max_memory_mb']:g}")
     return config
+
+
+def resolved_attention(config: dict) -> str:
+    """``--attention auto`` made concrete, so that metrics.json and checkpoints say which attention ran."""
+    if config.get("attention", "auto") != "auto":
+        return config["attention"]
+    import torch  # here, not at the top: --help and flag errors need no torch
+    on_cuda = config["device"] == "cuda" or (config["device"] == "auto" and torch.cuda.is_available())
+    return "sdpa" if on_cuda else "math"
 
 
 def check_config(config: dict) -> None:

@@ -6,16 +6,13 @@ the mean over the whole global batch. That is what lets one process with accumul
 N processes with accumulation A compute the same thing.
 """
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at run time, ever: the corpus is a local file
+import torch
+from tokenizers import Tokenizer
 
-import torch  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
-
-from config import UserError  # noqa: E402
+from config import UserError
 
 
 def file_sha256(path) -> str:
@@ -31,10 +28,11 @@ class Corpus:
     tokenizer_sha256: str
 
 
-def load_tokenizer(path) -> PreTrainedTokenizerFast:
-    """The tokenizer in ``path`` (a tokenizers JSON file, as data/train_tokenizer.py writes), or a ``UserError``."""
+def load_tokenizer(path) -> Tokenizer:
+    """The tokenizer in ``path`` (a tokenizers JSON file, as data/train_tokenizer.py writes), or a ``UserError``.
+    A local file, read by the ``tokenizers`` library itself: no network at run time, ever."""
     try:
-        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+        return Tokenizer.from_file(str(path))
     except Exception:  # noqa: BLE001 (not JSON, JSON of something else: the library's words would not help)
         raise UserError(f"--tokenizer {path} is not a tokenizer file (the JSON that data/train_tokenizer.py "
                         "writes); pass data/tokenizer.json") from None
@@ -64,14 +62,14 @@ def load_corpus(text_path: str, tokenizer_path: str, seq_len: int) -> Corpus:
     # hands the tokenizer, without importing it and pyarrow into every rank (tests/test_data.py compares the two).
     with open(text_path, encoding="utf-8") as f:
         lines = f.readlines()
-    ids = [token for line in tokenizer(lines)["input_ids"] for token in line]
+    ids = [token for encoding in tokenizer.encode_batch(lines) for token in encoding.ids]
     block = seq_len + 1
     n_blocks = len(ids) // block
     if n_blocks == 0:
         raise UserError(f"--data {text_path} holds {len(ids)} tokens, fewer than one block of --seq-len {seq_len} + 1; "
                         "lower --seq-len or pass more text")
     blocks = torch.tensor(ids[: n_blocks * block], dtype=torch.long).view(n_blocks, block)
-    return Corpus(blocks, len(tokenizer), file_sha256(text_path), file_sha256(tokenizer_path))
+    return Corpus(blocks, tokenizer.get_vocab_size(), file_sha256(text_path), file_sha256(tokenizer_path))
 
 
 def check_enough_data(n_samples: int, world_size: int, micro_batch_size: int, grad_accum: int) -> None:
