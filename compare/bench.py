@@ -109,7 +109,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import GPT2LMHeadModel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The shared modules come from common/ (the masters of the step folders' verbatim copies); each
@@ -123,7 +122,7 @@ import comm_accounting  # noqa: E402
 import distributed  # noqa: E402
 from bucketed_ddp import BucketedDDP  # noqa: E402
 from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
-from model import build_model, gpt2_config, initial_value, language_model_loss  # noqa: E402
+from model import GPT2, build_model, gpt2_config, initial_value, language_model_loss  # noqa: E402
 from naive_dp import allreduce_gradients, broadcast_parameters  # noqa: E402
 from seeding import seed_everything  # noqa: E402
 from training import adamw_options, adamw_param_groups  # noqa: E402
@@ -409,7 +408,7 @@ class Zero3(Strategy):
         # As step7_zero3/train.py builds it: shapes only, on the meta device; FullyShardedDP fills each
         # rank's slices from initial_value, so the weights are every other row's.
         with torch.device("meta"):
-            return GPT2LMHeadModel(gpt2_config(self.config, VOCAB_SIZE))
+            return GPT2(gpt2_config(self.config, VOCAB_SIZE))
 
     def wrap(self, model):
         zero3 = importlib.import_module("zero3")
@@ -456,7 +455,7 @@ class TorchTensorParallel(Strategy):
         return loss_parallel()  # cross-entropy on the vocabulary-sharded logits, forward and backward
 
     def loss(self, inputs, targets):
-        logits = self.wrapped(input_ids=inputs).logits
+        logits = self.wrapped(inputs)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def analytic_comm(self):
@@ -481,7 +480,7 @@ class TensorParallel(TorchTensorParallel):
 
     def loss(self, inputs, targets):
         tensor_parallel = importlib.import_module("tensor_parallel")
-        logits = self.wrapped(input_ids=inputs).logits  # this rank's vocabulary slice
+        logits = self.wrapped(inputs)  # this rank's vocabulary slice
         return tensor_parallel.vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 

@@ -46,10 +46,13 @@ def main():
     n = dist.get_world_size()
     numel = int(args.mib * 2**20 / 4) // n * n
     full, shard = torch.ones(numel), torch.ones(numel // n)
+    # torch 2.13's names; 2.11 has only all_gather_into_tensor / reduce_scatter_tensor (common/comm_accounting.py)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     results = {
         "all_reduce": timed(lambda: dist.all_reduce(full), args.repeats),
-        "reduce_scatter_single": timed(lambda: dist.reduce_scatter_single(shard, full), args.repeats),
-        "all_gather_single": timed(lambda: dist.all_gather_single(full, shard), args.repeats),
+        "reduce_scatter_single": timed(lambda: reduce_scatter(shard, full), args.repeats),
+        "all_gather_single": timed(lambda: all_gather(full, shard), args.repeats),
     }
     if dist.get_rank() == 0:
         ar = statistics.median(results["all_reduce"])

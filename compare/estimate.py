@@ -45,13 +45,12 @@ import functools
 import json
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, model.py, as every step has them
 from config import UserError, build_parser, check_writable_file, exit_on_user_error, parse_config  # noqa: E402
-from model import gpt2_config  # noqa: E402
+from model import GPT2, gpt2_config  # noqa: E402
 from training import adamw_param_groups  # noqa: E402
 
 STEPS = ("DDP (steps 0-4)", "ZeRO-1 (step 5)", "ZeRO-2 (step 6)", "ZeRO-3 (step 7)")
@@ -69,10 +68,9 @@ class Model:
     own ops keep that dtype)."""
 
     def __init__(self, config: dict, vocab_size: int, dtype: torch.dtype | None = None):
-        from transformers import GPT2LMHeadModel
         self.config, self.vocab_size = config, vocab_size
         with torch.device("meta"):
-            self.module = GPT2LMHeadModel(gpt2_config(config, vocab_size))
+            self.module = GPT2(gpt2_config(config, vocab_size))
         if dtype is not None:
             self.module.to(dtype)
         self.named = [(name, p.numel()) for name, p in self.module.named_parameters()]  # a tied tensor once
@@ -112,18 +110,17 @@ class Model:
     def checkpointed_activation_bytes(self, micro_batch_size: int) -> tuple[int, int]:
         """With every block checkpointed: (what is kept from forward to backward, the most a block's recomputation
         adds while its backward runs). Kept: what the root saves and each block's tensor arguments (a checkpointed
-        block keeps its inputs, the attention mask among them, and nothing it computes); added: the block's own
-        saved tensors, alive again while it recomputes them."""
-        saved, arguments = self.saved_tensors(micro_batch_size, use_cache=False)  # step 7 turns the cache off for it
+        block keeps its input and nothing it computes); added: the block's own saved tensors, alive again while it
+        recomputes them."""
+        saved, arguments = self.saved_tensors(micro_batch_size)
         kept = {**saved.get(None, {}), **arguments}
         added = [sum(n for k, n in saved.get(i, {}).items() if k not in kept) for i in range(self.config["n_layer"])]
         return sum(kept.values()), max(added, default=0)
 
-    def saved_tensors(self, micro_batch_size: int, use_cache: bool | None = None,
-                      shapes: dict | None = None) -> tuple[dict, dict]:
+    def saved_tensors(self, micro_batch_size: int, shapes: dict | None = None) -> tuple[dict, dict]:
         """One forward (and the loss) of a micro-batch, counting storages: ({block index, or None for the root:
         {storage: bytes} of the tensors autograd saves there}, {storage: bytes} of the blocks' tensor arguments).
-        ``use_cache``: GPT-2's key/value cache, as the model's config says when None. ``shapes``: filled with
+        ``shapes``: filled with
         {storage: the shape it was first saved with}."""
         weights = {p.untyped_storage()._cdata for p in self.module.parameters()}
         running, saved, arguments = [], {}, {}  # the blocks whose forward runs
@@ -152,16 +149,8 @@ class Model:
             for i, block in enumerate(blocks):
                 stack.callback(block.register_forward_pre_hook(functools.partial(enter, i), with_kwargs=True).remove)
                 stack.callback(block.register_forward_hook(leave).remove)
-            if use_cache is not None:
-                stack.callback(setattr, self.module.config, "use_cache", self.module.config.use_cache)
-                self.module.config.use_cache = use_cache
-            if not self.module.config.use_cache and device.type == "meta":
-                # Without a cache, transformers looks for packed sequences in the positions (0..T-1 in every row
-                # here: there are none, and its answer is None) by reading values, which the meta device lacks.
-                from transformers import masking_utils
-                stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda _: None))
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                logits = self.module(input_ids=tokens).logits
+                logits = self.module(tokens)
                 torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
         return saved, arguments
 
@@ -300,8 +289,8 @@ def closed_forms_report(psi: int, param_dtype: str, world_sizes) -> str:
 
 
 def vocabulary_size(tokenizer: str) -> int:
-    from data import load_tokenizer  # the trainers' own loader (imports datasets: only when estimating)
-    return len(load_tokenizer(tokenizer))  # what data.load_corpus gives the trainers
+    from data import load_tokenizer  # the trainers' own loader (only when estimating)
+    return load_tokenizer(tokenizer).get_vocab_size()  # what data.load_corpus gives the trainers
 
 
 def estimate(config: dict, world_sizes: list[int], bucket_cap_mb: float = 25.0, prefetch: bool = True) -> dict:

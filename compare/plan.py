@@ -71,7 +71,7 @@ class Shape:
         return cls(layers, h, max(1, h // 128), vocab, seq_len)
 
     @property
-    def block(self) -> int:  # ln_1, c_attn, attn.c_proj, ln_2, c_fc, mlp.c_proj: weights and biases
+    def block(self) -> int:  # ln_1, c_q, c_k, c_v, attn.c_proj, ln_2, c_fc, mlp.c_proj: weights and biases
         return 12 * self.n_embd**2 + 13 * self.n_embd
 
     @property
@@ -87,7 +87,7 @@ def stage_blocks(n_layer: int, pp: int, stage: int) -> int:
 
 def rank_params(shape: Shape, tp: int, pp: int, stage: int) -> dict:
     """Elements a rank of pipeline ``stage`` holds: ``blocks`` (its blocks' share) and ``rest`` (embeddings,
-    final norm, the tied copy). Of a block 12h² + 7h are split over tp (c_attn, attn.c_proj's weight, c_fc,
+    final norm, the tied copy). Of a block 12h² + 7h are split over tp (c_q, c_k, c_v, attn.c_proj's weight, c_fc,
     mlp.c_proj's weight), 6h kept whole (the LayerNorms, the row-parallel biases); the vocabulary is split."""
     h = shape.n_embd
     blocks = stage_blocks(shape.n_layer, pp, stage) * (-(-(12 * h * h + 7 * h) // tp) + 6 * h)

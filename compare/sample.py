@@ -20,9 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, model.py, data.py
 import parity  # noqa: E402
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # as in data.py: the tokenizer is a local file, never a download
 from model import build_model  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
+from data import load_tokenizer  # noqa: E402
 
 
 def load_trained_model(name: str):
@@ -36,9 +35,9 @@ def load_trained_model(name: str):
     if hashlib.sha256(tokenizer_path.read_bytes()).hexdigest() != metrics["env"].get("tokenizer_sha256"):
         raise UserError(f"{tokenizer_path} has changed since {run} was trained, and its token ids would mean other "
                         "text; put the file back as it was, or run the step again")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path))
+    tokenizer = load_tokenizer(tokenizer_path)
     weights = parity.load_weights(run, metrics)
-    model = build_model(config, len(tokenizer), seed=config["seed"])  # the architecture; the weights follow
+    model = build_model(config, tokenizer.get_vocab_size(), seed=config["seed"])  # the architecture; the weights follow
     params = dict(model.named_parameters())  # a tied weight once, as the trainers saved it
     if sorted(params) != sorted(weights) or any(params[n].shape != weights[n].shape for n in params):
         raise UserError(f"{run}: the weights do not fit the model its config describes")
@@ -65,7 +64,7 @@ def generate(model, ids: list[int], tokens: int, temperature: float, top_k: int,
     ids = list(ids)
     for _ in range(tokens):
         window = torch.tensor([ids[-context:]])  # the model has seen sequences of at most seq_len tokens
-        logits = model(input_ids=window).logits[0, -1].float()
+        logits = model(window)[0, -1].float()
         ids.append(next_token(logits, temperature, top_k, generator))
     return ids
 
@@ -84,7 +83,7 @@ def main() -> int:
     if args.temperature < 0 or args.top_k < 0:
         raise UserError("--temperature and --top-k cannot be negative")
     model, tokenizer, config = load_trained_model(args.run)
-    prompt = tokenizer(args.prompt)["input_ids"]
+    prompt = tokenizer.encode(args.prompt).ids
     if not prompt:
         raise UserError("--prompt is empty: give the model some text to continue")
     ids = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed, config["seq_len"])

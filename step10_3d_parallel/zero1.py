@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from comm_accounting import count_collective
+from comm_accounting import all_gather_single, count_collective
 
 
 class Piece(NamedTuple):
@@ -253,7 +253,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     send[piece.offset : piece.offset + piece.end - piece.start] = flat_view(piece, piece.param)
             received = torch.empty(shard * self.world_size, dtype=send.dtype, device=send.device)
             count_collective("all_gather", received)
-            dist.all_gather_single(received, send, group=self.group)  # torch 2.13's name for all_gather_into_tensor
+            all_gather_single(received, send, group=self.group)  # comm_accounting: the name this torch has
             for r, pieces in enumerate(self.pieces_of_rank):
                 for piece in pieces:
                     if r != self.rank and piece.chunk == c:
@@ -273,7 +273,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     send[piece.offset : piece.offset + piece.end - piece.start] = master
             received = torch.empty(shard * self.world_size, dtype=send.dtype, device=send.device)
             count_collective("all_gather", received)
-            dist.all_gather_single(received, send, group=self.group)
+            all_gather_single(received, send, group=self.group)
             for r, pieces in enumerate(self.pieces_of_rank):
                 for piece in pieces:
                     if piece.chunk == c:

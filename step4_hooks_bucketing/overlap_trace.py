@@ -33,8 +33,8 @@ class OverlapTrace:
                 p.register_post_accumulate_grad_hook(self._on_gradient_ready)
 
     def _on_forward(self, module, inputs, output):
-        if output.logits.requires_grad:
-            output.logits.register_hook(self._on_backward_start)
+        if output.requires_grad:  # the logits: the first tensor backward reaches
+            output.register_hook(self._on_backward_start)
 
     def _on_backward_start(self, grad):
         self.backward = {"start": time.perf_counter(), "end": None}

@@ -59,8 +59,8 @@ class CausalSelfAttention(nn.Module):
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
             causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             scores = scores.masked_fill(~causal, float("-inf"))
-            weights = F.softmax(scores.float(), dim=-1).to(v.dtype)  # the softmax in float32, as under autocast
-            y = self.attn_dropout(weights) @ v
+            weights = F.softmax(scores, dim=-1)  # under autocast: in float32 (autocast's rule for softmax)
+            y = self.attn_dropout(weights).to(v.dtype) @ v
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # the heads side by side again
         return self.resid_dropout(self.c_proj(y))
 

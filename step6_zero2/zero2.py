@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from bucketed_ddp import Bucket, BucketedDDP
-from comm_accounting import count_collective
+from comm_accounting import reduce_scatter_single, count_collective
 
 
 class ShardedBucket(Bucket):
@@ -108,7 +108,7 @@ class ShardedGradientDDP(BucketedDDP):
         bucket.output = bucket.buffer.new_empty(bucket.numel // self.world_size)  # this rank's slice
         launched = time.perf_counter()
         # PyTorch 2.13's name for reduce_scatter_tensor (which still works, with a deprecation warning)
-        bucket.work = dist.reduce_scatter_single(bucket.output, bucket.buffer, async_op=True)
+        bucket.work = reduce_scatter_single(bucket.output, bucket.buffer, async_op=True)
         bucket.buffer = bucket.slots = None  # the handle keeps what the collective still needs (rule 3)
         if bucket.timeline is not None:  # a tracer wants to see when it ran
             bucket.timeline.append({"launched": launched, "finished": None})

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
-from transformers import GPT2LMHeadModel
 
 import distributed
 from comm_accounting import take_comm_bytes
@@ -26,7 +25,7 @@ from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, ope
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats
-from model import gpt2_config, initial_value, language_model_loss
+from model import GPT2, gpt2_config, initial_value, language_model_loss
 from prefetch_trace import PrefetchTrace
 from sampler import ShardedSampler, check_no_overlap
 from streaming_export import save_final_weights_streaming
@@ -76,9 +75,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
 def checkpoint_activations(model) -> None:
     """Keep only each block's input in forward and recompute the rest in backward (preserve_rng_state:
     dropout draws the same masks twice). The block's FSDP hooks run around it, once: the recomputation
-    calls the inner forward, with the weights the pre-backward hook gathered. GPT-2's key/value cache
-    is turned off: the recomputation would append to it a second time, and training never reads it."""
-    model.config.use_cache = False
+    calls the inner forward, with the weights the pre-backward hook gathered."""
     for block in model.transformer.h:
         block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False,
                                           preserve_rng_state=True)
@@ -91,7 +88,7 @@ def build(config: dict, vocab_size: int, device) -> tuple:
     # On the meta device the model is only shapes: no rank ever holds all of it. Each rank fills its own
     # slices from initial_value, a pure function of (seed, name), so no broadcast is needed.
     with torch.device("meta"):
-        model = GPT2LMHeadModel(gpt2_config(config, vocab_size))
+        model = GPT2(gpt2_config(config, vocab_size))
     shapes = {name: p.shape for name, p in model.named_parameters()}  # what the export's header needs
     if config["activation_checkpointing"]:
         checkpoint_activations(model)

@@ -9,7 +9,7 @@ Step 6 still kept every parameter on every rank; here:
    slices), and one layout serves parameters, gradients and optimiser state alike.
 2. **Pieces under the original names.** Every registered parameter is replaced by this rank's piece of
    it: a 1-D ``nn.Parameter`` that views the unit's shard (0 elements where the rank owns none of it).
-   ``named_parameters()`` still says ``transformer.h.0.attn.c_attn.weight``, so a plain torch optimiser
+   ``named_parameters()`` still says ``transformer.h.0.attn.c_q.weight``, so a plain torch optimiser
    steps the pieces in place and weight decay, decided by name, lands where it always did.
 3. **Gather before use, free after.** A forward pre-hook all-gathers the unit's shards into one buffer
    of Lp elements and points the module's parameters at views of it; the post-hook points them back at
@@ -51,7 +51,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from comm_accounting import count_collective
+from comm_accounting import all_gather_single, reduce_scatter_single, count_collective
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
 
@@ -220,7 +220,7 @@ class FullyShardedDP(torch.nn.Module):
         # here, in this thread: dropping the reference is not enough, gloo's thread may hold the last one, and a
         # free there is invisible to the profiler that compare/peak_memory.py reads.
         unit.sending = unit.shard.to(unit.flat.dtype)
-        unit.handle = dist.all_gather_single(unit.flat.data, unit.sending, async_op=True)
+        unit.handle = all_gather_single(unit.flat.data, unit.sending, async_op=True)
         unit.state = GATHERING
         if event is not None:
             unit.handle.get_future().then(lambda _: event.update(end=time.perf_counter()))
@@ -334,7 +334,7 @@ class FullyShardedDP(torch.nn.Module):
         count_collective("reduce_scatter", full)
         unit.event = self._record(f"reduce-scatter {unit.name}", "comm")
         unit.input = full  # its storage is freed after the wait, in this thread, as an all-gather's copy is
-        unit.work = dist.reduce_scatter_single(unit.output, full, async_op=True)
+        unit.work = reduce_scatter_single(unit.output, full, async_op=True)
         self.reducing = unit
         self.reduced.add(unit)
 
@@ -372,7 +372,7 @@ class FullyShardedDP(torch.nn.Module):
         for unit in self.units:
             full = torch.empty(unit.padded, device=self.device)
             count_collective("all_gather", full)
-            dist.all_gather_single(full, unit.shard)
+            all_gather_single(full, unit.shard)
             yield from zip(unit.names, unit.full_views(full))
             del full  # gone once the caller lets go of this unit's tensors
 

@@ -61,7 +61,7 @@ def run_ranks(script: Path, args: list[str], nproc: int, env: dict | None = None
     """``python SCRIPT ARGS`` as one process (nproc=0), or as ``nproc`` ranks. Each rank is a process of its own
     with the variables torchrun gives it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT...), forked from
     ``WORKERS``' server (``run_forked``): torchrun and its ranks would spend ~6 CPU seconds each importing
-    torch and transformers, most of what a tiny run costs. The ranks then meet in rank 0's store, as they
+    torch and tokenizers, most of what a tiny run costs. The ranks then meet in rank 0's store, as they
     do started by hand; what torchrun itself does (its agent's store, restarts, stopping the other ranks)
     is tested with real torchrun, and the tour runs every step under it. Returns the ranks' outputs, rank
     by rank, and torchrun's exit code: 0, or 1 if a rank failed (their own codes end stderr then)."""
@@ -220,8 +220,8 @@ shutdown = distributed.shutdown
 # has unpickled its target, without importing torch again: about 3 CPU seconds less per worker, most of what a toy
 # test costs. (Outsiders' harnesses, tests/drop_in_harness.py, still use mp.spawn.)
 WORKERS = mp.get_context("forkserver")
-# GPT-2's modelling module too: every trainer and most tools import it (transformers, ~3 CPU seconds).
-WORKERS.set_forkserver_preload(["torch", "torch.distributed", "transformers.models.gpt2.modeling_gpt2", "conftest"])
+# tokenizers too: every trainer reads the corpus with it.
+WORKERS.set_forkserver_preload(["torch", "torch.distributed", "tokenizers", "conftest"])
 
 
 def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
@@ -250,7 +250,7 @@ def run_forked(command: list[str], env: dict | None = None, timeout: float = 300
     """``subprocess.run(command, cwd=REPO, capture_output=True, text=True)`` for ``python SCRIPT ARGS`` or
     ``python -c CODE ARGS``, in a process forked from ``WORKERS``' server instead of a new interpreter: the same
     script runs as ``__main__`` with the same argv, environment and working folder, and only the imports of
-    torch and transformers are already done (the repository's own modules are forgotten first, so the script
+    torch and tokenizers are already done (the repository's own modules are forgotten first, so the script
     imports its folder's copies as it would). A new interpreter costs ~6 CPU seconds of imports, a fork a
     tenth of one: most of what a short command (tests/test_bad_input.py's) or a tiny training run costs."""
     return run_forked_together([command], [env or {}], timeout)[0]

@@ -7,7 +7,7 @@ depends on the machine. A case with no row, or a row with no case, fails the tes
 Each case is a process of its own running the real command: a trainer as ``python stepK/train.py`` (a
 distributed step as rank 0 of 2 through torchrun's environment variables, which reaches every check, since all
 of them run before the process group is joined), a tool as ``python compare/x.py``. The processes are forked
-from one that has imported torch and transformers (``conftest.run_forked``: the script runs as ``__main__``
+from one that has imported torch and tokenizers (``conftest.run_forked``: the script runs as ``__main__``
 with its argv and environment; a new interpreter would spend ~6 CPU seconds importing them, in 80 cases),
 a few at a time. Each works in a folder of its own laid out like the repository (``runs/``,
 ``data/``), holding what its command reads: a copy of the tour's step-1 run, damaged on purpose where that

@@ -35,7 +35,7 @@ def test_sampling_is_seeded_and_greedy_ignores_the_seed(step1_ws2):
     model, tokenizer, config = sample.load_trained_model(str(step1_ws2))
 
     def text(prompt, tokens, temperature, seed):
-        ids = tokenizer(prompt)["input_ids"]
+        ids = tokenizer.encode(prompt).ids
         return tokenizer.decode(sample.generate(model, ids, tokens, temperature, 40, seed, config["seq_len"])) + "\n"
 
     assert text("ROMEO:", 20, 0.8, 3) == first.stdout, "same seed, different text"

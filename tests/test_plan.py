@@ -32,7 +32,7 @@ def test_a_parameter_count_gets_gpt3s_shape():
 
 @pytest.mark.quick
 def test_tensor_and_pipeline_shares_are_steps_8_and_9s():
-    """Step 8: 1/T of the matrices, c_attn's and c_fc's biases and the vocabulary, the rest whole
+    """Step 8: 1/T of the matrices, c_q, c_k, c_v's and c_fc's biases and the vocabulary, the rest whole
     (test_tensor_parallel.py's formula); step 9: the embeddings on the first stage, the final norm and the
     tied copy on the last (test_pipeline_parallel.py's)."""
     h, layers, s, vocab = 32, 2, 32, 2048

@@ -1,0 +1,156 @@
+"""common/model.py against computations nobody here wrote.
+
+Parity between steps cannot see a bug that every step shares, and every step trains this model. So the
+oracle is Hugging Face ``transformers``' GPT-2 (a test-only dependency, imported by this file alone): the
+same weights copied into it (its ``Conv1D`` holds ``(in, out)``, the transpose of ``nn.Linear``, and one
+fused ``c_attn`` laid out ``[q | k | v]``), then logits and every gradient compared in float64, where two
+correct implementations of the same formula agree to ~1e-15 whatever order they add in.
+"""
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "common"))
+from model import GPT2, build_model, gpt2_config, initial_value, language_model_loss  # noqa: E402
+
+CONFIG = {"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 16, "dropout": 0.0}
+VOCAB = 64
+
+
+def hugging_face_copy(model):
+    """transformers' GPT2LMHeadModel holding ``model``'s weights (eager attention, float64)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = model.config
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.n_embd,
+                                    n_layer=cfg.n_layer, n_head=cfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                                    attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=None,
+                                    eos_token_id=None, attn_implementation="eager")).double()
+    ours = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if ".attn.c_attn." in name:  # [q | k | v] along the output features, transposed
+                prefix, kind = name.split(".c_attn.")
+                parts = [ours[f"{prefix}.c_{x}.{kind}"] for x in "qkv"]
+                param.copy_(torch.cat([p.t() if kind == "weight" else p for p in parts], dim=-1))
+            elif name.endswith("weight") and any(k in name for k in (".c_proj.", ".c_fc.")):
+                param.copy_(ours[name].t())
+            else:
+                param.copy_(ours[name])
+    return hf
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+def test_logits_and_gradients_equal_transformers_gpt2(attention):
+    model = build_model({**CONFIG, "attention": attention}, VOCAB, seed=3).double()
+    hf = hugging_face_copy(model)
+    ids = torch.randint(0, VOCAB, (3, CONFIG["seq_len"]), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(ids, -1, dims=1)
+
+    ours = model(ids)
+    theirs = hf(input_ids=ids).logits
+    assert ours.shape == theirs.shape == (3, CONFIG["seq_len"], VOCAB)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+    torch.nn.functional.cross_entropy(ours.flatten(0, 1), targets.flatten()).backward()
+    torch.nn.functional.cross_entropy(theirs.flatten(0, 1), targets.flatten()).backward()
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    checked = 0
+    for name, param in model.named_parameters():
+        kind = name.rsplit(".", 1)[1]
+        if ".attn.c_" in name and ".c_proj." not in name:
+            prefix, which = name.split(".attn.c_")
+            index = "qkv".index(which[0])
+            grad = hf_grads[f"{prefix}.attn.c_attn.{kind}"]
+            h = CONFIG["n_embd"]
+            grad = grad[:, index * h:(index + 1) * h].t() if kind == "weight" else grad[index * h:(index + 1) * h]
+        elif kind == "weight" and (".c_proj." in name or ".c_fc." in name):
+            grad = hf_grads[name].t()
+        else:
+            grad = hf_grads[name]
+        torch.testing.assert_close(param.grad, grad, rtol=1e-10, atol=1e-12, msg=name)
+        checked += 1
+    assert checked == len(list(model.parameters())) == 2 + 2 + CONFIG["n_layer"] * 16
+
+
+@pytest.mark.quick
+def test_a_deliberate_bug_is_caught_by_the_oracle():
+    """The oracle can fail: a model whose attention forgets the causal mask differs from transformers'."""
+    model = build_model({**CONFIG, "attention": "math"}, VOCAB, seed=3).double()
+    hf = hugging_face_copy(model)
+    ids = torch.randint(0, VOCAB, (2, CONFIG["seq_len"]), generator=torch.Generator().manual_seed(1))
+    original = torch.Tensor.masked_fill
+    try:
+        torch.Tensor.masked_fill = lambda self, mask, value: self  # no causal mask
+        broken = model(ids)
+    finally:
+        torch.Tensor.masked_fill = original
+    assert not torch.allclose(broken, hf(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.quick
+def test_math_and_sdpa_attention_agree_in_float32():
+    ids = torch.randint(0, VOCAB, (4, CONFIG["seq_len"]), generator=torch.Generator().manual_seed(2))
+    grads = {}
+    for attention in ("math", "sdpa"):
+        model = build_model({**CONFIG, "attention": attention}, VOCAB, seed=5)
+        loss = language_model_loss(model, ids, torch.roll(ids, -1, dims=1))
+        loss.backward()
+        grads[attention] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(grads["math"][0], grads["sdpa"][0], rtol=1e-6, atol=1e-6)
+    for name, grad in grads["math"][1].items():
+        torch.testing.assert_close(grad, grads["sdpa"][1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.quick
+def test_parameter_names_shapes_and_initial_values():
+    """The documented names and nn.Linear layouts; every value is initial_value(seed, name), so any rank can
+    build one parameter alone; the output layer is the token embedding."""
+    model = build_model(CONFIG, VOCAB, seed=7)
+    h = CONFIG["n_embd"]
+    block = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_q.weight": (h, h), "attn.c_q.bias": (h,),
+             "attn.c_k.weight": (h, h), "attn.c_k.bias": (h,), "attn.c_v.weight": (h, h), "attn.c_v.bias": (h,),
+             "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
+             "mlp.c_fc.weight": (4 * h, h), "mlp.c_fc.bias": (4 * h,), "mlp.c_proj.weight": (h, 4 * h),
+             "mlp.c_proj.bias": (h,)}
+    expected = {"transformer.wte.weight": (VOCAB, h), "transformer.wpe.weight": (CONFIG["seq_len"], h),
+                **{f"transformer.h.{i}.{k}": v for i in range(CONFIG["n_layer"]) for k, v in block.items()},
+                "transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)}
+    named = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert named == expected
+    assert model.lm_head.weight is model.transformer.wte.weight
+    for name, param in model.named_parameters():
+        assert torch.equal(param, initial_value(name, param.shape, 7, CONFIG["n_layer"])), name
+    std = model.transformer.h[0].mlp.c_proj.weight.std().item()
+    assert abs(std - 0.02 / (2 * CONFIG["n_layer"]) ** 0.5) < 0.002  # GPT-2's scaled residual projections
+    assert abs(model.transformer.h[0].mlp.c_fc.weight.std().item() - 0.02) < 0.002
+    assert not torch.equal(build_model(CONFIG, VOCAB, seed=8).transformer.wte.weight, model.transformer.wte.weight)
+
+
+@pytest.mark.quick
+def test_building_the_model_draws_nothing_from_the_global_generator():
+    """Dropout's masks must not depend on how (or whether) a rank built the model."""
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    build_model(CONFIG, VOCAB, seed=1)
+    assert torch.equal(before, torch.get_rng_state())
+    with torch.device("meta"):
+        assert GPT2(gpt2_config(CONFIG, VOCAB)).transformer.wte.weight.is_meta
+
+
+@pytest.mark.quick
+def test_no_step_tool_or_test_but_this_one_imports_transformers():
+    importers = []
+    for path in REPO.rglob("*.py"):
+        if any(part.startswith(".") or part in ("runs", "__pycache__") for part in path.relative_to(REPO).parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "transformers" or n.startswith("transformers.") for n in names):
+                importers.append(str(path.relative_to(REPO)))
+    assert sorted(set(importers)) == ["tests/test_model.py"]
