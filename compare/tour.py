@@ -93,11 +93,29 @@ def other_order(result, run_a: dict, run_b: dict) -> str:
             f"max abs diff {result.max_abs:.1e}, param norm diff {result.max_param_norm_diff:.1e}")
 
 
+def run_step(step: str, args, extra: list[str], timeout: list[str], out: str, log: Path) -> None:
+    """Run one step with the tour's flags for it (see the module's docstring)."""
+    if number(step) == 0:  # one process accumulating what nproc ranks accumulate together
+        run_trainer(step, 0, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
+                              "--out", out, *extra], log)
+    elif number(step) == MESH:  # dp replicas of a tp = 2 model, step 1's global batch
+        run_trainer(step, args.nproc, [*mesh_flags(args.nproc), "--quiet", "--out", out, *timeout, *extra],
+                    log)
+    elif splits_the_model(step):  # nproc ranks share one stream of micro-batches, as step 0's process
+        run_trainer(step, args.nproc, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
+                                       "--out", out, *timeout, *extra], log)
+    else:
+        run_trainer(step, args.nproc, ["--grad-accum", str(DEFAULT_GRAD_ACCUM), "--quiet",
+                                       "--out", out, *timeout, *extra], log)
+
+
 def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="ranks for the distributed steps")
     parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs",
                         help="each step writes <runs-dir>/<step folder>; logs and plot go beside them")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a step that fails is reported in the table and the others still run (compare/gpu_check.py)")
     parser.add_argument("--timeout-s", type=float,
                         help="process-group timeout for the distributed steps (their default if unset)")
     args, extra = parser.parse_known_args()
@@ -122,24 +140,23 @@ def main() -> int:
     runs = {step: str(args.runs_dir / step) for step in steps}
     log_dir = args.runs_dir / "tour"
 
-    times = {}
+    times, failed = {}, {}
     for step in steps:
         print(f"running {step} ...", end=" ", flush=True)
         started = time.perf_counter()
-        if number(step) == 0:  # one process accumulating what nproc ranks accumulate together
-            run_trainer(step, 0, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
-                                  "--out", runs[step], *extra], log_dir / f"{step}.log")
-        elif number(step) == MESH:  # dp replicas of a tp = 2 model, step 1's global batch
-            run_trainer(step, args.nproc, [*mesh_flags(args.nproc), "--quiet", "--out", runs[step], *timeout, *extra],
-                        log_dir / f"{step}.log")
-        elif splits_the_model(step):  # nproc ranks share one stream of micro-batches, as step 0's process
-            run_trainer(step, args.nproc, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
-                                           "--out", runs[step], *timeout, *extra], log_dir / f"{step}.log")
-        else:
-            run_trainer(step, args.nproc, ["--grad-accum", str(DEFAULT_GRAD_ACCUM), "--quiet",
-                                           "--out", runs[step], *timeout, *extra], log_dir / f"{step}.log")
+        try:
+            run_step(step, args, extra, timeout, runs[step], log_dir / f"{step}.log")
+        except UserError as error:
+            if not args.keep_going:
+                raise
+            failed[step] = str(error)
+            print(f"FAILED: {error}")
+            continue
         times[step] = time.perf_counter() - started
         print(f"{times[step]:.0f} s")
+    steps = [step for step in steps if step not in failed]
+    if not any(number(s) == 1 for s in steps):
+        raise UserError(f"step 1, the reference, failed: {'; '.join(failed.values())}")
 
     reference = next(s for s in steps if number(s) == 1)
     single = next((s for s in steps if number(s) == 0), None)
@@ -194,6 +211,9 @@ def main() -> int:
     print(f"\nstragglers: {'; '.join(flagged) or nobody} (per-rank table: python compare/stragglers.py <step>)")
     if skipped:
         print(f"skipped: {'; '.join(skipped)}")
+    for step, error in failed.items():
+        print(f"{step:<24} FAILED: {error}")
+        all_passed = False
     print(f"plot: {shown(plot)}\nlogs: {shown(log_dir)}")
     print("tour: all parity checks passed" if all_passed else "tour: PARITY FAILED (see above)")
     return 0 if all_passed else 1

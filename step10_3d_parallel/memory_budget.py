@@ -14,7 +14,7 @@ import resource
 from failures import UserError, failure_explainers
 
 # The memory budget this process runs under (--max-memory-mb), for the out-of-memory line below.
-budget = {"mb": None, "step": None, "start_mb": None}
+budget = {"mb": None, "step": None, "start_mb": None, "gpu": None}
 
 # How an allocation that failed reads: Python's MemoryError; torch's CPU allocator ("DefaultCPUAllocator:
 # can't allocate memory: you tried to allocate N bytes. Error code 12 (Cannot allocate memory)"); a
@@ -40,7 +40,10 @@ def out_of_memory_message(error: BaseException) -> str:
     what = f"could not allocate {int(asked.group(1)) / 2**20:,.1f} MiB more" if asked else "could not get more memory"
     rank = os.environ.get("RANK")
     who = f"rank {rank} of {os.environ.get('WORLD_SIZE')}" if rank is not None else "this process"
-    if budget["mb"] is not None:
+    if budget["gpu"] is not None:
+        within = f"within --max-memory-mb {budget['mb']:g} of {budget['gpu']}'s memory"
+        fix = ", or raise --max-memory-mb"
+    elif budget["mb"] is not None:
         within = (f"within --max-memory-mb {budget['mb']:g} (RLIMIT_DATA: {budget['start_mb']:,.0f} MiB "
                   f"held at start-up + {budget['mb']:g} MiB)")
         fix = ", or raise --max-memory-mb"
@@ -67,8 +70,10 @@ def explain_out_of_memory(error: BaseException) -> tuple[str, int] | None:
 failure_explainers.insert(0, explain_out_of_memory)
 
 
-def limit_memory(max_memory_mb: float | None, step: str) -> None:
-    """Let this process allocate at most ``max_memory_mb`` MiB more data memory than it holds now.
+def limit_memory(max_memory_mb: float | None, step: str, device=None) -> None:
+    """Let this process allocate at most ``max_memory_mb`` MiB more data memory than it holds now; on a CUDA
+    ``device``, at most ``max_memory_mb`` MiB of that GPU's memory (``torch.cuda.set_per_process_memory_fraction``:
+    the caching allocator refuses more, as a smaller GPU would; ranks sharing one GPU each get their own budget).
 
     Called once the corpus is tokenized, before the model or the process group: the budget is what
     training adds, as a GPU's memory would be, and it does not depend on how much the libraries and the
@@ -80,8 +85,17 @@ def limit_memory(max_memory_mb: float | None, step: str) -> None:
     into one line. Why this limit and not ``RLIMIT_AS`` or an external ``prlimit``: docs/design.md."""
     if max_memory_mb is not None and max_memory_mb <= 0:
         raise UserError(f"--max-memory-mb must be positive, got {max_memory_mb:g}")
-    budget.update(mb=None, step=step, start_mb=None)  # the budget is named once it is in force
+    budget.update(mb=None, step=step, start_mb=None, gpu=None)  # the budget is named once it is in force
     if max_memory_mb is None:
+        return
+    if device is not None and device.type == "cuda":
+        import torch
+        total = torch.cuda.get_device_properties(device).total_memory
+        if max_memory_mb * 2**20 > total:
+            raise UserError(f"--max-memory-mb {max_memory_mb:g} is more than {device}'s {total / 2**20:,.0f} MiB; "
+                            "lower it")
+        torch.cuda.set_per_process_memory_fraction(max_memory_mb * 2**20 / total, device)
+        budget.update(mb=max_memory_mb, gpu=str(device))
         return
     held = data_memory_bytes()
     if held is None:

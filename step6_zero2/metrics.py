@@ -126,6 +126,9 @@ class RunLog:
         self.started = time.perf_counter()
 
     def log(self, record: dict) -> None:
+        # Seconds since this process started logging, everything included (the logging's own norms and
+        # synchronisations too, which step_time leaves out): what end-to-end throughput is measured from.
+        record["since_start_s"] = round(time.perf_counter() - self.started, 4)
         self.records.append(record)
         if self.is_writer and not self.config["quiet"]:
             memory = record["memory"][0]

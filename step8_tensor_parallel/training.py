@@ -131,10 +131,11 @@ def sum_of_squares(tensors) -> torch.Tensor:
     root is rounded to float32, the clipping norm a DDP rank gets (unless the norm sits right on a
     float32 rounding boundary).
     """
-    total = torch.zeros((), dtype=torch.float64)
-    for t in tensors:
-        total = total + t.detach().double().pow(2).sum().cpu()
-    return total
+    total = None  # summed on the tensors' device, in order; one copy to the CPU at the end (one GPU sync, not one
+    for t in tensors:  # per tensor): float64 additions in the same order give the same bits on either device
+        square = t.detach().double().pow(2).sum()
+        total = square if total is None else total + square.to(total.device)
+    return torch.zeros((), dtype=torch.float64) if total is None else total.cpu()
 
 
 def clip_to_norm(grads, norm: torch.Tensor, max_norm: float) -> None:
@@ -172,21 +173,30 @@ def square_sum_parts(tensors) -> torch.Tensor:
     parts of a tensor's slices, summed (or all-reduced) in any grouping, are the parts of the tensor: a
     ZeRO-3 rank that holds only slices gets the very bits a rank holding everything gets (``param_norm``).
     """
-    parts = torch.zeros(3, EXPONENTS, dtype=torch.int64)
+    parts = None
     for t in tensors:
-        x = t.detach().reshape(-1).float().cpu()  # on the CPU: bincount is deterministic there
-        nans, infs = torch.isnan(x).sum(), torch.isinf(x).sum()
-        if nans or infs:
-            parts[2, :2] += torch.stack([nans, infs])
-            x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-        mantissa, exponent = torch.frexp(x)
+        x = t.detach().reshape(-1).float()  # on its own device: only the (3, 277) result comes to the CPU
+        if parts is None:
+            parts = torch.zeros(3, EXPONENTS, dtype=torch.int64, device=x.device)
+        parts[2, 0] += torch.isnan(x).sum().to(parts.device)
+        parts[2, 1] += torch.isinf(x).sum().to(parts.device)
+        mantissa, exponent = torch.frexp(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
         square = (mantissa.double() * 2.0**24) ** 2  # the integer m**2, exact in float64
         high = torch.floor(square * 2.0**-24)
         low = square - high * 2.0**24
         bins = exponent.long() - MIN_EXPONENT
-        parts[0] += torch.bincount(bins, weights=high, minlength=EXPONENTS).long()
-        parts[1] += torch.bincount(bins, weights=low, minlength=EXPONENTS).long()
-    return parts
+        parts[0] += _sums_by_bin(bins, high).long().to(parts.device)
+        parts[1] += _sums_by_bin(bins, low).long().to(parts.device)
+    return torch.zeros(3, EXPONENTS, dtype=torch.int64) if parts is None else parts.cpu()
+
+
+def _sums_by_bin(bins: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per bin, the sum of ``values`` (integers below 2**24, in float64): exact in any order. On the CPU
+    ``bincount``; on a GPU ``index_put_`` with accumulation, which has a deterministic CUDA kernel (bincount
+    with weights has none, and deterministic mode refuses it)."""
+    if values.device.type == "cpu":
+        return torch.bincount(bins, weights=values, minlength=EXPONENTS)
+    return torch.zeros(EXPONENTS, dtype=torch.float64, device=values.device).index_put_((bins,), values, accumulate=True)
 
 
 def norm_from_parts(parts: torch.Tensor) -> float:
