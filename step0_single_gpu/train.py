@@ -78,6 +78,8 @@ def main():
     # ---- everything that can be wrong is checked before anything is written ------------------
     parser = build_parser(STEP)
     add_param_dtype_flag(parser)
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each block (as torchtitan does): fused kernels, other rounding than eager")
     config = parse_config(parser)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # torchrun started several copies: each would train alone
         raise UserError(f"{STEP} is one process, but torchrun started {os.environ['WORLD_SIZE']}: each would train "
@@ -100,6 +102,9 @@ def main():
     sampler = DistributedSampler(range(len(corpus.blocks)), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
+    if config["compile"]:  # block by block: the parameters keep their names, the loop does not change
+        for block in model.transformer.h:
+            block.compile()
     if resumed:  # before the float32 masters are copied out of the parameters
         load_parameters(model.named_parameters(), resumed)
     # --param-dtype bf16|fp16: AdamW steps a float32 master of every parameter; the model computes in a

@@ -143,8 +143,11 @@ def clip_to_norm(grads, norm: torch.Tensor, max_norm: float) -> None:
     max_norm / (norm + 1e-6), capped at 1, computed in float32 from the float32 ``norm``."""
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        on_device = {}  # one copy to each device, not one per gradient
         for g in grads:
-            g.mul_(coefficient.to(g.device))
+            if g.device not in on_device:
+                on_device[g.device] = coefficient.to(g.device)
+            g.mul_(on_device[g.device])
 
 
 def clip_gradients(params, max_norm: float) -> torch.Tensor:
@@ -175,18 +178,20 @@ def square_sum_parts(tensors) -> torch.Tensor:
     """
     parts = None
     for t in tensors:
-        x = t.detach().reshape(-1).float()  # on its own device: only the (3, 277) result comes to the CPU
-        if parts is None:
-            parts = torch.zeros(3, EXPONENTS, dtype=torch.int64, device=x.device)
-        parts[2, 0] += torch.isnan(x).sum().to(parts.device)
-        parts[2, 1] += torch.isinf(x).sum().to(parts.device)
-        mantissa, exponent = torch.frexp(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
-        square = (mantissa.double() * 2.0**24) ** 2  # the integer m**2, exact in float64
-        high = torch.floor(square * 2.0**-24)
-        low = square - high * 2.0**24
-        bins = exponent.long() - MIN_EXPONENT
-        parts[0] += _sums_by_bin(bins, high).long().to(parts.device)
-        parts[1] += _sums_by_bin(bins, low).long().to(parts.device)
+        # On its own device (only the (3, 277) result comes to the CPU), 4M elements at a time: the float64
+        # intermediates take ~44 bytes an element, and integer sums do not care how they are grouped.
+        for x in t.detach().reshape(-1).float().split(1 << 22):
+            if parts is None:
+                parts = torch.zeros(3, EXPONENTS, dtype=torch.int64, device=x.device)
+            parts[2, 0] += torch.isnan(x).sum().to(parts.device)
+            parts[2, 1] += torch.isinf(x).sum().to(parts.device)
+            mantissa, exponent = torch.frexp(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
+            square = (mantissa.double() * 2.0**24) ** 2  # the integer m**2, exact in float64
+            high = torch.floor(square * 2.0**-24)
+            low = square - high * 2.0**24
+            bins = exponent.long() - MIN_EXPONENT
+            parts[0] += _sums_by_bin(bins, high).long().to(parts.device)
+            parts[1] += _sums_by_bin(bins, low).long().to(parts.device)
     return torch.zeros(3, EXPONENTS, dtype=torch.int64) if parts is None else parts.cpu()
 
 

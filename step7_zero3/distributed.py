@@ -122,7 +122,10 @@ def shutdown() -> None:
       reducer holds the group: free every ``DistributedDataParallel`` before calling this.
     """
     if dist.is_initialized():
-        dist.barrier()
+        if dist.get_backend() == "nccl":  # nccl's barrier needs to be told its GPU (else a warning, or a guess)
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
         dist.destroy_process_group()
 
 

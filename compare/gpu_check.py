@@ -1,0 +1,326 @@
+"""One command that runs every GPU path on the GPUs present and writes a markdown report.
+
+    python compare/gpu_check.py                     # on the GPU(s): about 6-8 minutes on one H100
+    python compare/gpu_check.py --device cpu        # the same checks, tiny, on the CPU (the tests run it)
+
+What it checks, each section a verdict:
+
+1. **The tour on the GPU, ranks sharing it** (2 ranks over gloo on one device, the way a learner with one GPU
+   runs the steps): every step with its parity verdict against step 1 on the same device (compare/tour.py).
+2. **One GPU per rank over nccl**, when there are 2 or more GPUs: the same tour.
+3. **Resume and repeat**: step 0 stopped at a checkpoint and resumed equals the uninterrupted run bit for bit,
+   and so does a second run (deterministic kernels, flash attention's backward included).
+4. **Memory**: the bytes of parameters, gradients and AdamW state per rank of steps 1 and 5-7 (from the tour's
+   runs) against compare/memory.py's formulas, with what CUDA allocated.
+5. **Speed**: step 0 at GPT-2 small's shape (12 layers, 768 wide, sequence 1024, micro-batch 16, bf16) beside
+   compare/plain_loop.py on the same model, with SDPA and with SDPA + torch.compile; tokens/s and MFU,
+   interleaved rounds, medians.
+6. **A model that does not fit one rank**: a per-rank budget (--max-memory-mb: a fraction of the GPU) that
+   16 bytes per parameter exceeds; step 1 (DDP) must end with one out-of-memory line, step 7 (ZeRO-3, 2 ranks
+   sharing the GPU) must train.
+
+Exit 0 when every section passes, 1 otherwise; the report goes to --report (and stdout).
+"""
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
+import estimate  # noqa: E402
+import memory  # noqa: E402
+import parity  # noqa: E402
+from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
+from launch import trainer_command  # noqa: E402
+
+REPO_ROOT = parity.REPO_ROOT
+TOKENIZER = str(REPO_ROOT / "data" / "tokenizer.json")
+# Dense bf16 peak FLOP/s of the GPUs we know, for MFU (the vendor's datasheets, without sparsity).
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12}
+
+
+class Check:
+    """The sizes and flags of one mode: the GPU's, or the CPU's tiny ones."""
+
+    def __init__(self, device: str, out: Path, report: Path, header: str):
+        self.device, self.out, self.gpu = device, out, device == "cuda"
+        self.report, self.header, self.started = report, header, time.perf_counter()
+        self.sections, self.passed = {}, True  # {place in the report: text}
+        self.common = ["--device", device]
+        self.tour_flags = [] if self.gpu else ["--steps", "3", "--save-every", "0"]
+        self.small = ["--n-layer", "12", "--n-head", "12", "--n-embd", "768", "--seq-len", "1024",
+                      "--micro-batch-size", "16", "--grad-accum", "2", "--amp", "bf16"] if self.gpu else \
+                     ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--seq-len", "32", "--micro-batch-size", "4",
+                      "--grad-accum", "2"]
+        self.speed_steps, self.speed_warmup, self.rounds = (14, 4, 2) if self.gpu else (4, 1, 1)
+        # A model whose 16 bytes per parameter do not fit the budget; ZeRO-3 over 2 ranks needs about half.
+        self.fit_model = (["--n-layer", "8", "--n-embd", "1024", "--n-head", "16"] if self.gpu else
+                          ["--n-layer", "12", "--n-embd", "512", "--n-head", "8"])
+
+    def section(self, place: int, title: str, ok: bool | None, body: str) -> None:
+        """Add a section (``ok`` None: not run) and rewrite the report, so a check cut short keeps what it found."""
+        self.passed &= ok is not False
+        verdict = {True: "PASS", False: "FAIL", None: "not run"}[ok]
+        self.sections[place] = f"## {title}: {verdict}\n\n{body.rstrip()}\n"
+        print(self.sections[place], flush=True)
+        self.write()
+
+    def write(self, verdict: str = "(still running)") -> None:
+        self.report.parent.mkdir(parents=True, exist_ok=True)
+        body = "\n".join(text for _, text in sorted(self.sections.items()))
+        self.report.write_text(f"{self.header}\n{body}\n{verdict} ({time.perf_counter() - self.started:.0f} s)\n")
+
+
+def run(command: list[str], log: Path, timeout: float = 900) -> tuple[int, str]:
+    """Run ``command`` from the repository root; all output to ``log``; (exit code, output)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+        code, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as expired:
+        code, output = 124, f"timed out after {timeout:.0f} s\n{expired.stdout or ''}{expired.stderr or ''}"
+    log.write_text(output)
+    return code, output
+
+
+def error_line(output: str) -> str:
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    return errors[0] if errors else (output.strip().splitlines() or ["(no output)"])[-1]
+
+
+def environment(device: str) -> str:
+    lines = [f"- date: {datetime.date.today().isoformat()}", f"- torch {torch.__version__}, Python "
+             f"{platform.python_version()}, {platform.machine()}"]
+    if device == "cuda":
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        lines.append(f"- {len(names)} GPU(s): {', '.join(sorted(set(names)))}; CUDA {torch.version.cuda}")
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+            lines.append(f"- driver, memory: {driver}")
+        except (OSError, IndexError, subprocess.TimeoutExpired):
+            lines.append("- driver: nvidia-smi not available")
+    else:
+        lines.append("- device: CPU (the tiny mode: the same checks, small sizes)")
+    return "\n".join(lines)
+
+
+def check_tour(check: Check, place: int, nproc: int, title: str, backend: str) -> Path:
+    runs = check.out / f"tour_{backend}"
+    command = [sys.executable, str(REPO_ROOT / "compare" / "tour.py"), "--keep-going", "--nproc", str(nproc),
+               "--runs-dir", str(runs), *check.common, *check.tour_flags]  # --backend auto: gloo or nccl
+    code, output = run(command, check.out / f"tour_{backend}.log", timeout=1500)
+    lines = output.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("step ") and "parity vs" in line), None)
+    table = lines[start:] if start is not None else lines[-20:]
+    body = "```\n" + "\n".join(line for line in table if not line.startswith(("plot:", "logs:"))) + "\n```\n"
+    check.section(place, title, code == 0, f"`{' '.join(['compare/tour.py', *command[2:]])}`\n\n{body}")
+    return runs
+
+
+def check_resume(check: Check, place: int) -> None:
+    out = check.out / "resume"
+    flags = [*check.common, "--steps", "6", "--save-every", "3", "--quiet", *check.small]
+    results = {}
+    for name, extra in (("whole", []), ("again", []), ("resumed", ["--resume", str(out / "whole" / "checkpoints" /
+                                                                                      "step_3")])):
+        code, output = run(trainer_command("step0_single_gpu", 0, [*flags, "--out", str(out / name), *extra]),
+                           out / f"{name}.log")
+        if code:
+            check.section(place, "Resume and repeat (step 0)", False, f"{name}: exit {code}: `{error_line(output)}`")
+            return
+    lines = []
+    ok = True
+    for other in ("again", "resumed"):
+        _, _, result = parity.check(str(out / "whole"), str(out / other))
+        a, b = (json.loads((out / n / "metrics.json").read_text())["records"] for n in ("whole", other))
+        same_records = all(x[k] == y[k] for x, y in zip(a[3:], b[3:]) for k in ("loss", "grad_norm", "param_norm"))
+        ok &= result.bitwise and same_records
+        lines.append(f"- {other} vs whole: {parity.verdict(result)}; steps 4-6 loss, grad norm, param norm "
+                     f"{'equal' if same_records else 'DIFFER'}")
+        results[other] = result
+    attention = json.loads((out / "whole" / "metrics.json").read_text())["config"]["attention"]
+    check.section(place, "Resume and repeat (step 0)", ok,
+                  f"step 0, {attention} attention, 6 steps, checkpoint at 3: `{' '.join(flags)}`\n\n" + "\n".join(lines))
+
+
+def check_memory(check: Check, place: int, runs: Path) -> None:
+    lines, ok = [], True
+    for step in ("step1_torch_ddp", "step5_zero1", "step6_zero2", "step7_zero3"):
+        if not (runs / step / "metrics.json").exists():
+            lines.append(f"{step}: no run (see the tour)")
+            ok = False
+            continue
+        text, within = memory.report(str(runs / step))
+        records = json.loads((runs / step / "metrics.json").read_text())["records"]
+        cuda = [m.get("cuda_allocated") for m in records[-1]["memory"]]
+        if cuda[0] is not None:
+            text += "\n  CUDA allocated after the step, per rank: " + ", ".join(f"{c:,} B" for c in cuda)
+        lines.append(text)
+        ok &= within
+    check.section(place, "Memory per rank against the formulas", ok, "```\n" + "\n\n".join(lines) + "\n```")
+
+
+def flops_per_token(config: dict) -> float:
+    """nanoGPT's estimate: 6 per parameter (the position embedding left out), and attention's 12 L h T."""
+    model = estimate.Model(config, estimate.vocabulary_size(TOKENIZER))
+    params = model.psi - config["seq_len"] * config["n_embd"]
+    return 6 * params + 12 * config["n_layer"] * config["n_embd"] * config["seq_len"]
+
+
+def step0_tokens_per_s(run_dir: Path, warmup: int) -> tuple[float, int | None]:
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    records, config = metrics["records"], metrics["config"]
+    tokens = config["micro_batch_size"] * config["grad_accum"] * config["seq_len"] * (len(records) - warmup)
+    seconds = records[-1]["since_start_s"] - records[warmup - 1]["since_start_s"]
+    return tokens / seconds, records[-1]["memory"][0].get("cuda_peak")
+
+
+def check_speed(check: Check, place: int) -> None:
+    out = check.out / "speed"
+    flags = [*check.common, *check.small, "--steps", str(check.speed_steps), "--save-every", "0", "--quiet"]
+    variants = [("plain loop, SDPA", "plain", []), ("step 0, SDPA", "step0", [])]
+    if check.gpu:
+        variants += [("plain loop, SDPA + compile", "plain", ["--compile"]),
+                     ("step 0, SDPA + compile", "step0", ["--compile"])]
+    measured = {name: [] for name, _, _ in variants}
+    peaks, failures = {}, []
+    for round_ in range(check.rounds):  # interleaved: a slow spell of the machine hits every variant
+        for name, kind, extra in variants:
+            if round_ and "compile" in name:
+                continue  # compiling costs a minute; one round of it
+            log = out / f"{kind}{'_compile' if extra else ''}_{round_}.log"
+            if kind == "plain":
+                command = [sys.executable, str(REPO_ROOT / "compare" / "plain_loop.py"), *flags, "--attention", "sdpa",
+                           "--warmup", str(check.speed_warmup), *extra]
+                code, output = run(command, log)
+                if code == 0:
+                    result = json.loads(output.strip().splitlines()[-1])
+                    measured[name].append(result["tokens_per_s"])
+                    peaks[name] = result["cuda_peak"]
+            else:
+                run_dir = out / f"step0{'_compile' if extra else ''}_{round_}"
+                code, output = run(trainer_command("step0_single_gpu", 0, [*flags, "--attention", "sdpa", *extra,
+                                                                          "--out", str(run_dir)]), log)
+                if code == 0:
+                    tokens_per_s, peaks[name] = step0_tokens_per_s(run_dir, check.speed_warmup)
+                    measured[name].append(tokens_per_s)
+            if code:
+                failures.append(f"{name}: exit {code}: `{error_line(output)}`")
+    config = {"n_layer": int(check.small[1]), "n_head": int(check.small[3]), "n_embd": int(check.small[5]),
+              "seq_len": int(check.small[7]), "dropout": 0.0, "weight_decay": 0.1}
+    per_token = flops_per_token(config)
+    peak = next((v for k, v in PEAK_BF16.items() if check.gpu and k in torch.cuda.get_device_name(0)), None)
+    rows = ["| run | tokens/s (median of rounds) | rounds | MFU | CUDA peak |", "|---|---|---|---|---|"]
+    for name, values in measured.items():
+        if not values:
+            continue
+        median = statistics.median(values)
+        mfu = f"{median * per_token / peak:.1%}" if peak else "n/a"
+        cuda = f"{peaks[name] / 2**30:.1f} GiB" if peaks.get(name) else "n/a"
+        rows.append(f"| {name} | {median:,.0f} ({min(values):,.0f}-{max(values):,.0f}) | {len(values)} | {mfu} | {cuda} |")
+    ratios = []
+    for plain, ours in (("plain loop, SDPA", "step 0, SDPA"), ("plain loop, SDPA + compile", "step 0, SDPA + compile")):
+        if measured.get(plain) and measured.get(ours):
+            ratios.append((ours, statistics.median(measured[ours]) / statistics.median(measured[plain]), plain))
+    text = "\n".join(rows) + "\n\n" + "\n".join(f"- {ours}: {ratio:.2f}x of the {plain}" for ours, ratio, plain in ratios)
+    ok = not failures and bool(ratios) and (not check.gpu or ratios[0][1] >= 0.9)
+    target = "target: step 0 with SDPA at 0.9x or better of the plain SDPA loop" if check.gpu else \
+        "CPU: the tiny sizes check that every variant runs; the ratio is not a target here"
+    check.section(place, "Speed: step 0 beside a plain PyTorch loop", ok,
+                  f"`{' '.join(flags)}`, {check.speed_steps} steps, clock from step {check.speed_warmup + 1}; "
+                  f"{per_token / 1e9:.2f} GFLOP per token\n\n{text}\n\n{target}\n" +
+                  "".join(f"\n- FAILED {f}" for f in failures))
+
+
+def check_fits(check: Check, place: int) -> None:
+    out = check.out / "fits"
+    config = {"n_layer": int(check.fit_model[1]), "n_embd": int(check.fit_model[3]), "n_head": int(check.fit_model[5]),
+              "seq_len": 64, "dropout": 0.0, "weight_decay": 0.1}
+    psi = estimate.Model(config, estimate.vocabulary_size(TOKENIZER)).psi
+    budget = round(0.75 * 16 * psi / 2**20)  # 16Ψ does not fit; ZeRO-3's 8Ψ at N = 2 does, with room for the rest
+    flags = [*check.common, *check.fit_model, "--seq-len", "64", "--micro-batch-size", "1", "--grad-accum", "1",
+             "--steps", "2", "--save-every", "0", "--quiet", "--max-memory-mb", str(budget), "--timeout-s", "120"]
+    ddp_code, ddp_output = run(trainer_command("step1_torch_ddp", 2, [*flags, "--out", str(out / "ddp")]),
+                               out / "ddp.log")
+    zero3_code, zero3_output = run(trainer_command("step7_zero3", 2, [*flags, "--out", str(out / "zero3")]),
+                                   out / "zero3.log")
+    ddp_line = error_line(ddp_output)
+    ok = ddp_code != 0 and ddp_line.startswith("error: out of memory") and zero3_code == 0
+    lines = [f"Ψ = {psi:,} parameters: 16Ψ = {16 * psi / 2**20:,.0f} MiB of training state; budget "
+             f"{budget:,} MiB per rank (`--max-memory-mb`), 2 ranks sharing the device",
+             f"- step 1 (DDP): exit {ddp_code}: `{ddp_line}`"]
+    if zero3_code == 0:
+        records = json.loads((out / "zero3" / "metrics.json").read_text())["records"]
+        state = [m["params"] + m["grads"] + m["optimizer_state"] for m in records[-1]["memory"]]
+        peak = [m.get("cuda_peak") for m in records[-1]["memory"]]
+        lines.append(f"- step 7 (ZeRO-3): trained {len(records)} steps; state per rank "
+                     + ", ".join(f"{s / 2**20:,.0f} MiB" for s in state) + f" (8Ψ = {8 * psi / 2**20:,.0f} MiB)"
+                     + ("; CUDA peak " + ", ".join(f"{p / 2**20:,.0f} MiB" for p in peak) if peak[0] else ""))
+    else:
+        lines.append(f"- step 7 (ZeRO-3): exit {zero3_code}: `{error_line(zero3_output)}`")
+    check.section(place, "A model that does not fit one rank's budget", ok, "\n".join(lines))
+
+
+def main() -> int:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "gpu_check", help="runs and logs")
+    parser.add_argument("--report", type=Path, help="where the markdown report goes (default: OUT/report.md)")
+    parser.add_argument("--only", nargs="+", choices=["tour", "nccl", "resume", "memory", "speed", "fits"],
+                        help="run only these sections (memory needs tour)")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("torch sees no CUDA GPU here; run with --device cpu for the tiny CPU mode")
+    sections = set(args.only or ["tour", "nccl", "resume", "memory", "speed", "fits"])
+    header = f"# GPU check ({args.device})\n\n{environment(args.device)}\n"
+    print(header, flush=True)
+    check = Check(args.device, args.out.resolve(), (args.report or args.out / "report.md").resolve(), header)
+    check.write()
+
+    def tour_and_memory():
+        try:
+            runs = check_tour(check, 1, 2, "The tour, 2 ranks sharing one device (gloo)", "gloo")
+            if "memory" in sections:
+                check_memory(check, 2, runs)
+        except Exception as error:  # noqa: BLE001 (a thread's exception would only be printed)
+            check.section(2, "The tour and memory", False, f"`{error!r}`")
+
+    # On a GPU the tour (2 ranks, small model) runs beside the resume and budget checks, which need little
+    # of the device; the speed check runs alone, last. On the CPU (2 cores here) everything runs in turn.
+    tour = threading.Thread(target=tour_and_memory) if sections & {"tour", "memory"} else None
+    if tour:
+        tour.start()
+        if not check.gpu:
+            tour.join()
+    if "resume" in sections:
+        check_resume(check, 4)
+    if "fits" in sections:
+        check_fits(check, 5)
+    if tour:
+        tour.join()
+    if "nccl" in sections and check.gpu:
+        count = torch.cuda.device_count()
+        if count >= 2:
+            check_tour(check, 3, min(count, 4), f"The tour, one GPU per rank ({min(count, 4)} ranks, nccl)", "nccl")
+        else:
+            check.section(3, "One GPU per rank (nccl)", None, "One GPU here: nccl needs a GPU per rank.")
+    if "speed" in sections:
+        check_speed(check, 6)
+    verdict = "every section passed" if check.passed else "SOME SECTIONS FAILED"
+    check.write(verdict)
+    print(f"gpu_check: {verdict} ({time.perf_counter() - check.started:.0f} s); report: {check.report}")
+    return 0 if check.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))
