@@ -54,7 +54,7 @@ def measure(rank: int, world_size: int, port: int, config: dict) -> tuple:
     inputs = torch.randint(0, vocab, (b, s + 1), generator=torch.Generator().manual_seed(0))
     counter = SavedActivations(model.parameters())
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor):
-        logits = model(input_ids=inputs[:, :-1]).logits
+        logits = model(inputs[:, :-1])
         loss = vocab_parallel_cross_entropy(logits.float().flatten(0, 1), inputs[:, 1:].flatten())
     loss.backward()
     everyone = [None] * world_size

@@ -459,11 +459,11 @@ class TorchTensorParallel(Strategy):
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def analytic_comm(self):
-        """Step 8's formula (its README): per micro-batch (4 n_layer + 2) all-reduces of b x s x h floats and
+        """Step 8's formula (its README): per micro-batch (6 n_layer + 2) all-reduces of b x s x h floats and
         the loss's 3 x b x s; accumulation x world size micro-batches per step."""
         c = self.config
         b, s, h = c["micro_batch_size"], c["seq_len"], c["n_embd"]
-        per_micro_batch = ((4 * c["n_layer"] + 2) * b * s * h + 3 * b * s) * 4
+        per_micro_batch = ((6 * c["n_layer"] + 2) * b * s * h + 3 * b * s) * 4
         return {"all_reduce": per_micro_batch * c["grad_accum"] * dist.get_world_size()}
 
 

@@ -27,8 +27,8 @@ Communication per optimiser step and rank, in bytes handed to collectives and po
     DP   ZeRO-0 all-reduce G·ψ; ZeRO-1 all-reduce G·ψ + all-gather P·ψ; ZeRO-2 reduce-scatter G·ψ + all-gather
          P·ψ; ZeRO-3 reduce-scatter G·ψ + all-gathers M·(2ψ_blocks + ψ_rest)·P (each block forward and backward,
          the rest once per micro-batch): ψ the rank's TP/PP share, P and G the bytes of a parameter, a gradient
-    TP   per micro-batch 4 all-reduces of b·s·h per block (2 forward, 2 backward), one for the embedding, one for
-         the output layer's input: (4 L_stage + 2) b·s·h activations
+    TP   per micro-batch 6 all-reduces of b·s·h per block (2 forward; 4 backward: q, k, v and the MLP's input),
+         one for the embedding, one for the output layer's input: (6 L_stage + 2) b·s·h activations
     PP   per micro-batch b·s·h activations forward and b·s·h gradients back (one message each way), and the
          tied embedding's gradient (Vh/tp) from the last stage to the first
 Ranking: by an estimated step time (compute 6Ψ per token, 8Ψ with checkpointing, over --tflops per device,
@@ -182,7 +182,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
                 comm["dp"] = {"all_reduce" if zero < 2 else "reduce_scatter": g_bytes * psi,
                               **({"all_gather": p_bytes * psi} if zero else {})}
         if tp > 1:
-            comm["tp"] = {"all_reduce": micro_batches * (4 * blocks + 2) * bsh * act_bytes}
+            comm["tp"] = {"all_reduce": micro_batches * (6 * blocks + 2) * bsh * act_bytes}
         if pp > 1:
             tied = -(-(shape.vocab * shape.n_embd) // tp) * 4
             comm["pp"] = {"send": micro_batches * bsh * act_bytes * ((stage < pp - 1) + (stage > 0))

@@ -3,24 +3,21 @@
     torchrun --standalone --nproc_per_node=2 compare/tp_reference.py          # writes runs/tp_reference
     python compare/parity.py step8 runs/tp_reference                          # PASS (bitwise identical)
 
-It takes step 8's flags. The model is the same GPT-2 (the same initial weights), copied into the form
-``torch.distributed.tensor.parallel`` shards: every ``Conv1D`` (weight ``(in, out)``) becomes an
-``nn.Linear`` (``(out, in)``), and ``c_attn``'s rows are reordered so that the contiguous block
-``ColwiseParallel`` gives rank r holds rank r's heads of q, k and v (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``).
-Then ``parallelize_module`` with ``ColwiseParallel`` (c_attn, c_fc, the output layer, its logits left
-sharded), ``RowwiseParallel`` (both c_proj, and the token embedding), and the loss under
-``loss_parallel()``. Two things the built-in does not do for GPT-2, done here: it breaks the tie
-between the embedding and the output layer (each gets its own DTensor), so the tie is made again; and
-the attention's split into q, k, v must be told the local width. The loop is step 8's: same data, AMP,
-accumulation, clipping by the norm of the whole gradient (computed exactly, as step 8 does), AdamW.
-The final weights are gathered and written in transformers' layout, so parity.py compares them.
+It takes step 8's flags. The model is the same GPT-2 (common/model.py, the same initial weights), and
+``parallelize_module`` gets step 8's plan in PyTorch's styles: ``ColwiseParallel`` for each block's c_q, c_k,
+c_v (a contiguous block of rows: whole heads) and c_fc, and for the output layer with its logits left sharded;
+``RowwiseParallel`` for both c_proj and the token embedding; the loss under ``loss_parallel()``. One thing
+the built-in does not do for GPT-2, done here: it breaks the tie between the embedding and the output layer
+(each gets its own DTensor), so the tie is made again. The attention reads its number of heads off the
+width: it runs on the local heads as it is. The loop is step 8's: same data, AMP, accumulation, clipping by
+the norm of the whole gradient (computed exactly, as step 8 does), AdamW. The final weights are gathered by
+name and written as they are, so parity.py compares them.
 """
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -38,38 +35,17 @@ from training import (autocast, check_amp, clip_to_norm, make_grad_scaler, make_
                       norm_from_parts, param_norm, square_sum_parts)
 
 
-def head_order(n_embd: int, size: int) -> torch.Tensor:
-    """Rows of ``[q | k | v]`` in the order ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``: rank r's heads contiguous."""
-    local = n_embd // size
-    return torch.cat([torch.arange(part * n_embd + r * local, part * n_embd + (r + 1) * local)
-                      for r in range(size) for part in range(3)])
-
-
-def as_linear(conv, rows=None) -> nn.Linear:
-    """``nn.Linear`` computing what transformers' ``Conv1D`` computes (optionally with its outputs reordered)."""
-    linear = nn.Linear(*conv.weight.shape)
-    with torch.no_grad():
-        weight, bias = conv.weight.t(), conv.bias
-        linear.weight.copy_(weight if rows is None else weight[rows])
-        linear.bias.copy_(bias if rows is None else bias[rows])
-    return linear
+# Step 8's plan (tensor_parallel.BLOCK_PLAN), in PyTorch's styles: a style per layer of every block.
+BLOCK_PLAN = {"attn.c_q": ColwiseParallel, "attn.c_k": ColwiseParallel, "attn.c_v": ColwiseParallel,
+              "attn.c_proj": RowwiseParallel, "mlp.c_fc": ColwiseParallel, "mlp.c_proj": RowwiseParallel}
 
 
 def parallelize(model, mesh):
-    """GPT-2 (Conv1D) -> the same model as ``nn.Linear`` layers -> PyTorch tensor parallelism over ``mesh``."""
-    size, cfg = mesh.size(), model.config
+    """Our GPT-2 -> PyTorch tensor parallelism over ``mesh``, with step 8's plan."""
     plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}  # logits stay sharded
-    for i, block in enumerate(model.transformer.h):
-        block.attn.c_attn = as_linear(block.attn.c_attn, head_order(cfg.n_embd, size))
-        block.attn.split_size = cfg.n_embd // size  # the local q, k and v
-        for path in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
-            parent, name = path.split(".")
-            setattr(getattr(block, parent), name, as_linear(getattr(getattr(block, parent), name)))
-        plan.update({f"transformer.h.{i}.attn.c_attn": ColwiseParallel(),
-                     f"transformer.h.{i}.mlp.c_fc": ColwiseParallel(),
-                     f"transformer.h.{i}.attn.c_proj": RowwiseParallel(),
-                     f"transformer.h.{i}.mlp.c_proj": RowwiseParallel()})
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),  # logits stay sharded
+            **{f"transformer.h.{i}.{name}": style() for i in range(len(model.transformer.h))
+               for name, style in BLOCK_PLAN.items()}}
     parallelize_module(model, mesh, plan)
     model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) of the same matrix: tie them again
     return model
@@ -88,19 +64,10 @@ def exact_norm(tensors, params) -> float:
     return norm_from_parts(parts + square_sum_parts(local(t) for t, s in zip(tensors, sharded) if not s))
 
 
-def full_weights(model, n_embd: int, size: int) -> dict:
-    """Every parameter whole, in transformers' layout (Conv1D ``(in, out)``, c_attn back in ``[q | k | v]``)."""
-    inverse = torch.argsort(head_order(n_embd, size))
-    weights = {}
-    for name, p in model.named_parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        t = t.detach()
-        if ".c_attn." in name:
-            t = t[inverse]
-        if any(k in name for k in (".c_attn.", ".c_proj.", ".c_fc.")) and name.endswith("weight"):
-            t = t.t()
-        weights[name] = t.contiguous()
-    return weights
+def full_weights(model) -> dict:
+    """Every parameter whole, by name (the model's own layout: nothing to undo)."""
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous()
+            for name, p in model.named_parameters()}
 
 
 def main():
@@ -141,7 +108,7 @@ def main():
             inputs, targets = batches.next()
             with loss_parallel():  # cross-entropy on logits sharded by vocabulary, and its backward
                 with autocast(config["amp"], device):
-                    logits = model(input_ids=inputs.to(device)).logits
+                    logits = model(inputs.to(device))
                     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten())
                 scaler.scale(loss / accum).backward()
             loss_sum += local(loss).detach()
@@ -161,7 +128,7 @@ def main():
                  "effective_batch_size": config["micro_batch_size"] * accum, "epoch": batches.epoch,
                  **distributed.gather_per_rank(memory=memory, step_time=step_time)})
 
-    weights = full_weights(model, config["n_embd"], world.world_size)
+    weights = full_weights(model)
     if world.is_main:
         final = save_final_weights(Path(config["out"]), weights)
         final["param_norm"] = param_norm(weights.values())

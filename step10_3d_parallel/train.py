@@ -79,7 +79,7 @@ def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage
     stage = GPT2Stage(model, stage_index, num_stages)
     if stage.is_last and is_sharded(model.transformer.wte.weight):
         copy, embedding = stage.lm_head.weight, model.transformer.wte.weight
-        copy.tp_blocks, copy.tp_transposed = embedding.tp_blocks, embedding.tp_transposed  # the same shard
+        copy.tp_blocks = embedding.tp_blocks  # the same shard
         model.lm_head.weight = copy
         stage.lm_head = model.lm_head
     return stage

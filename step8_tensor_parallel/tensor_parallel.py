@@ -9,17 +9,20 @@ work *inside* each layer. Here:
    ``A`` (its output features: rank r computes ``y_r``, a slice of ``y``, from the whole ``x``) or by
    its columns (its input features: rank r computes a partial ``x_r A_r^T`` of the whole ``y``, and
    the ranks sum). An MLP is a column-parallel layer, an element-wise activation, a row-parallel
-   layer: the activation needs no communication in between, so a block costs one all-reduce in
-   forward and one in backward per pair (attention: c_attn then c_proj; MLP: c_fc then c_proj).
+   layer: the activation needs no communication in between, so a pair costs one all-reduce forward (after
+   the row-parallel layer) and one backward per column-parallel layer (attention: c_q, c_k and c_v, then
+   c_proj; MLP: c_fc, then c_proj). The plan (``BLOCK_PLAN``) names each layer and its kind, as
+   torchtitan's does. (Megatron fuses q, k and v into one matrix, one backward all-reduce instead of
+   three; PyTorch's ``ColwiseParallel`` on each, which we equal bit for bit, does not.)
 2. **Two conjugate functions carry all the communication.** ``copy_to_tensor_parallel_region``
    (Megatron's *f*): identity forward, all-reduce of the gradient backward, in front of a
    column-parallel layer, because each rank's ``x`` feeds only its slice of ``y``. And
    ``reduce_from_tensor_parallel_region`` (*g*): all-reduce forward, identity backward, after a
    row-parallel layer. Nothing else in the model knows it is distributed.
-3. **Whole heads.** GPT-2's ``c_attn`` is one matrix laid out ``[q | k | v]``. Rank r takes heads
-   ``r H/T .. (r+1) H/T - 1`` of each of q, k and v (three blocks of rows), so attention runs on
-   local heads with no communication. A contiguous third of ``[q | k | v]`` would hand a rank q of
-   some heads and k of others: silently wrong (measured: 3.8e-2 off).
+3. **Whole heads.** q, k and v are three ``nn.Linear`` whose rows are the heads side by side, so rank r's
+   contiguous block of rows of each is heads ``r H/T .. (r+1) H/T - 1``: attention runs on its local heads
+   with no communication, and reads their number off the width (no attribute to patch). Hence T must
+   divide the number of heads: a block that cut a head in two would be silently wrong.
 4. **The row-parallel bias as PyTorch adds it.** Each rank adds ``bias / T`` to its partial sum
    before the all-reduce (DTensor's Replicate -> Partial, ``_partition_value``), so the result is
    bitwise PyTorch's ``RowwiseParallel``. The bias gradient is the true one (``_BiasShare``):
@@ -149,6 +152,17 @@ def _split(size: int, group, what: str) -> int:
     return size // world_size
 
 
+def _block_of(full: torch.Tensor, dim: int, group, what: str) -> nn.Parameter:
+    """Rank r's block r of T of ``full`` along ``dim``, as a new Parameter that records where it sits: ``tp_blocks``,
+    ``[(dim, start, end)]`` (a list: the checkpoint's format, common/checkpoint.py, allows several)."""
+    length = _split(full.shape[dim], group, what)
+    start = dist.get_rank(group) * length
+    shard = nn.Parameter(full.detach().narrow(dim, start, length).clone(memory_format=torch.contiguous_format),
+                         requires_grad=full.requires_grad)
+    shard.tp_blocks = [(dim, start, start + length)]
+    return shard
+
+
 # ---- the layers --------------------------------------------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
@@ -169,6 +183,17 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    def from_full(cls, linear: nn.Linear, group=None, reduce_dtype=None) -> "ColumnParallelLinear":
+        """This rank's part of ``linear`` (the same full layer on every rank): its block of rows, of the bias too."""
+        with torch.device("meta"):  # no storage, no random draw: dropout's masks must not depend on this
+            layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
+                        reduce_dtype=reduce_dtype)
+        layer.weight = _block_of(linear.weight, 0, group, "out_features")
+        if linear.bias is not None:
+            layer.bias = _block_of(linear.bias, 0, group, "out_features")
+        return layer
 
     def forward(self, x):
         x = copy_to_tensor_parallel_region(x, self.group, self.reduce_dtype)
@@ -196,6 +221,17 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
 
+    @classmethod
+    def from_full(cls, linear: nn.Linear, group=None, reduce_dtype=None) -> "RowParallelLinear":
+        """This rank's part of ``linear`` (the same full layer on every rank): its block of columns, the bias whole."""
+        with torch.device("meta"):
+            layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
+                        reduce_dtype=reduce_dtype)
+        layer.weight = _block_of(linear.weight, 1, group, "in_features")
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone())  # replicated
+        return layer
+
     def forward(self, x):
         if not self.input_is_parallel:
             x = _ScatterToTensorParallelRegion.apply(x, self.group)
@@ -218,6 +254,14 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = dist.get_rank(group) * local
         self.weight = nn.Parameter(torch.empty(local, embedding_dim))
         nn.init.normal_(self.weight)
+
+    @classmethod
+    def from_full(cls, embedding: nn.Embedding, group=None, reduce_dtype=None) -> "VocabParallelEmbedding":
+        """This rank's part of ``embedding`` (the same full table on every rank): its block of rows (tokens)."""
+        with torch.device("meta"):
+            layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group, reduce_dtype=reduce_dtype)
+        layer.weight = _block_of(embedding.weight, 0, group, "the vocabulary (num_embeddings)")
+        return layer
 
     def forward(self, ids):
         elsewhere = (ids < self.vocab_start) | (ids >= self.vocab_start + self.weight.shape[0])
@@ -262,99 +306,22 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 
 
 # ---- GPT-2, made tensor-parallel ----------------------------------------------------------------------------
-# Where each rank's shard sits in the full parameter, in the checkpoint's (transformers') layout: a list of
-# (dim, start, end) blocks, concatenated along dim. GPT-2's Conv1D holds its weight as (in, out), the
-# transpose of nn.Linear's, so a column-parallel Conv1D is a block of columns there (``transposed``).
-
-def _blocks(param, blocks: list, transposed: bool) -> None:
-    param.tp_blocks, param.tp_transposed = blocks, transposed
-
-
-def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``full`` (a full parameter, or its optimiser state, in the checkpoint's layout),
-    laid out as ``param`` is; ``full`` itself for a replicated parameter."""
-    blocks = getattr(param, "tp_blocks", None)
-    if blocks is None:
-        return full
-    piece = torch.cat([full.narrow(dim, start, end - start) for dim, start, end in blocks], dim=blocks[0][0])
-    return piece.t() if param.tp_transposed else piece
+# Every sharded parameter is one contiguous block of the full one (``from_full``: rank r's block r of T along
+# dim 0 for column-parallel weights and biases and for the vocabulary, dim 1 for row-parallel weights), in the
+# model's own layout (nn.Linear's ``(out, in)``), so a shard is its own checkpoint block, nothing transposed.
+# The plan (torchtitan's style, our layers): each layer by its name, and the layer that replaces it. A
+# column-parallel layer's output stays split (by heads, or the MLP's hidden features) into the row-parallel one.
+BLOCK_PLAN = {"attn.c_q": ColumnParallelLinear, "attn.c_k": ColumnParallelLinear,  # whole heads: a block of rows
+              "attn.c_v": ColumnParallelLinear, "attn.c_proj": RowParallelLinear,
+              "mlp.c_fc": ColumnParallelLinear, "mlp.c_proj": RowParallelLinear}
+MODEL_PLAN = {"transformer.wte": VocabParallelEmbedding,
+              "lm_head": ColumnParallelLinear}  # over the vocabulary; tied to wte again after
 
 
-def full_layout(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (laid out as ``param``) in the checkpoint's layout: the inverse of ``shard_of``'s transpose."""
-    return local.t() if getattr(param, "tp_transposed", False) else local
-
-
-def is_sharded(param: torch.Tensor) -> bool:
-    return getattr(param, "tp_blocks", None) is not None
-
-
-def checkpoint_blocks(name: str, param) -> list:
-    """Where this rank's ``param`` sits in the whole one: ``(name, dim, start, end)`` blocks (common/checkpoint.py);
-    a replicated parameter is one block, all of it."""
-    return [(name, *block) for block in param.tp_blocks] if is_sharded(param) else [(name, 0, 0, param.shape[0])]
-
-
-def cut_into_blocks(name: str, param, tensor: torch.Tensor) -> list:
-    """``tensor`` (``param``'s shard, or its AdamW state) in the checkpoint's layout, cut into its blocks."""
-    whole, pieces, offset = full_layout(param, tensor.detach()).contiguous(), [], 0
-    for _, dim, start, end in checkpoint_blocks(name, param):
-        pieces.append(whole.narrow(dim, offset, end - start))
-        offset += end - start
-    return pieces
-
-
-def checkpoint_shards(named: list, params: list, optimizer_state: dict) -> dict:
-    """This rank's shards of the parameters ``named`` (``(name, param)`` pairs) and of their optimiser state
-    (``optimizer_state``: a state dict whose i-th parameter is ``params[i]``), in the checkpoint's (transformers')
-    layout, and which blocks of which parameter they are: common/checkpoint.py joins them back at any degree."""
-    name_of = {p: n for n, p in named}
-    state = {**optimizer_state, "state": dict(optimizer_state["state"])}
-    for i, p in enumerate(params):
-        if i in state["state"]:
-            dim = checkpoint_blocks(name_of[p], p)[0][1]
-            state["state"][i] = {k: torch.cat(cut_into_blocks(name_of[p], p, v), dim=dim)
-                                 if torch.is_tensor(v) and v.dim() else v for k, v in state["state"][i].items()}
-    return {"model_blocks": [b for n, p in named for b in checkpoint_blocks(n, p)],
-            "model": [piece for n, p in named for piece in cut_into_blocks(n, p, p)],
-            "optimizer": state, "optimizer_slices": [checkpoint_blocks(name_of[p], p) for p in params]}
-
-
-
-def load_checkpoint_shards(named: list, params: list, checkpoint) -> dict:
-    """The reverse of ``checkpoint_shards``: copy this rank's shard of every parameter ``named`` out of
-    ``checkpoint`` (any step's, any degree's: common/checkpoint.py joins its blocks), and return the optimiser
-    state of the shards (the i-th entry ``params[i]``'s), in the parameters' own layout."""
-    with torch.no_grad():
-        for name, param in named:
-            param.copy_(shard_of(param, checkpoint.parameter(name)))
-    name_of = {p: n for n, p in named}
-    state = checkpoint.optimizer_state_dict([checkpoint_blocks(name_of[p], p) for p in params], params)
-    for i, entry in state["state"].items():
-        entry.update({k: full_layout(params[i], v) for k, v in entry.items() if torch.is_tensor(v) and v.dim()})
-    return state
-
-def _column(conv, group, blocks, reduce_dtype) -> ColumnParallelLinear:
-    full_in, full_out = conv.weight.shape  # Conv1D: (in, out)
-    layer = ColumnParallelLinear(full_in, full_out, group=group, reduce_dtype=reduce_dtype)
-    with torch.no_grad():
-        for param, full in ((layer.weight, conv.weight), (layer.bias, conv.bias)):
-            dims = [(1 if param.dim() == 2 else 0, s, e) for _, s, e in blocks]
-            _blocks(param, dims, transposed=param.dim() == 2)
-            param.copy_(shard_of(param, full))
-    return layer
-
-
-def _row(conv, group, reduce_dtype) -> RowParallelLinear:
-    full_in, full_out = conv.weight.shape
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    layer = RowParallelLinear(full_in, full_out, group=group, reduce_dtype=reduce_dtype)
-    local = full_in // size
-    with torch.no_grad():
-        _blocks(layer.weight, [(0, rank * local, (rank + 1) * local)], transposed=True)
-        layer.weight.copy_(shard_of(layer.weight, conv.weight))
-        layer.bias.copy_(conv.bias)  # replicated
-    return layer
+def tensor_parallel_plan(n_layer: int) -> dict:
+    """Every layer of GPT-2 that tensor parallelism splits, by its full name, and how."""
+    return {**MODEL_PLAN, **{f"transformer.h.{i}.{name}": style for i in range(n_layer)
+                             for name, style in BLOCK_PLAN.items()}}
 
 
 def check_divisible(n_head: int, vocab_size: int, world_size: int) -> None:
@@ -371,69 +338,87 @@ def check_divisible(n_head: int, vocab_size: int, world_size: int) -> None:
 
 
 def parallelize_gpt2(model, group=None, reduce_dtype=None):
-    """Turn a transformers ``GPT2LMHeadModel`` (every rank holding the same full weights) into its
-    tensor-parallel form over ``group``, in place, and return it.
+    """Turn our GPT-2 (common/model.py; every rank holding the same full weights) into its tensor-parallel form
+    over ``group``, in place, and return it.
 
-    Each block's ``attn.c_attn`` and ``mlp.c_fc`` become ``ColumnParallelLinear`` (c_attn by whole heads of
-    q, k and v), ``attn.c_proj`` and ``mlp.c_proj`` ``RowParallelLinear``; ``transformer.wte`` a
-    ``VocabParallelEmbedding`` and ``lm_head`` a ``ColumnParallelLinear`` over the vocabulary whose weight is
-    that embedding's Parameter (the tie kept). Parameter names do not change. The model's forward then
-    returns this rank's vocabulary slice of the logits: take the loss with ``vocab_parallel_cross_entropy``.
-    Every sharded parameter carries ``tp_blocks`` (see ``shard_of``)."""
+    ``tensor_parallel_plan``: each block's ``attn.c_q``, ``attn.c_k``, ``attn.c_v`` and ``mlp.c_fc`` become
+    ``ColumnParallelLinear`` (rank r: heads ``r H/T .. (r+1) H/T - 1`` of q, k and v), ``attn.c_proj`` and
+    ``mlp.c_proj`` ``RowParallelLinear``; ``transformer.wte`` a ``VocabParallelEmbedding`` and ``lm_head`` a
+    ``ColumnParallelLinear`` over the vocabulary whose weight is that embedding's Parameter (the tie kept). The
+    attention reads its number of heads off the width, so it runs on the local heads unchanged. Parameter names
+    do not change. The model's forward then returns this rank's vocabulary slice of the logits: take the loss
+    with ``vocab_parallel_cross_entropy``. Every sharded parameter carries ``tp_blocks`` (see ``shard_of``)."""
     cfg = model.config
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    check_divisible(cfg.n_head, cfg.vocab_size, size)
-    h = cfg.n_embd
-    local_h, local_ff = h // size, model.transformer.h[0].mlp.c_fc.weight.shape[1] // size
-    for block in model.transformer.h:
-        attn, mlp = block.attn, block.mlp
-        heads = [(None, part * h + rank * local_h, part * h + (rank + 1) * local_h) for part in range(3)]  # q, k, v
-        attn.c_attn = _column(attn.c_attn, group, heads, reduce_dtype)
-        attn.c_proj = _row(attn.c_proj, group, reduce_dtype)
-        attn.split_size, attn.num_heads = local_h, cfg.n_head // size  # the split into q, k, v, of local heads
-        mlp.c_fc = _column(mlp.c_fc, group, [(None, rank * local_ff, (rank + 1) * local_ff)], reduce_dtype)
-        mlp.c_proj = _row(mlp.c_proj, group, reduce_dtype)
-    full = model.transformer.wte.weight
-    embedding = VocabParallelEmbedding(cfg.vocab_size, h, group=group, reduce_dtype=reduce_dtype)
-    local_v = cfg.vocab_size // size
-    with torch.no_grad():
-        _blocks(embedding.weight, [(0, rank * local_v, (rank + 1) * local_v)], transposed=False)
-        embedding.weight.copy_(shard_of(embedding.weight, full))
-    model.transformer.wte = embedding
-    model.lm_head = ColumnParallelLinear(h, cfg.vocab_size, bias=False, group=group, reduce_dtype=reduce_dtype)
-    model.lm_head.weight = embedding.weight  # one Parameter: its gradient sums both uses, as in GPT-2
+    check_divisible(cfg.n_head, cfg.vocab_size, dist.get_world_size(group))
+    for name, style in tensor_parallel_plan(len(model.transformer.h)).items():
+        parent, _, leaf = name.rpartition(".")
+        module = model.get_submodule(parent)
+        setattr(module, leaf, style.from_full(getattr(module, leaf), group, reduce_dtype))
+    model.lm_head.weight = model.transformer.wte.weight  # one Parameter: its gradient sums both uses, as in GPT-2
     return model
 
 
+def is_sharded(param: torch.Tensor) -> bool:
+    return getattr(param, "tp_blocks", None) is not None
+
+
+def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``full`` (a full parameter, or its optimiser state), shaped as ``param``; ``full``
+    itself for a replicated parameter."""
+    if not is_sharded(param):
+        return full
+    [(dim, start, end)] = param.tp_blocks
+    return full.narrow(dim, start, end - start)
+
+
+def checkpoint_blocks(name: str, param) -> list:
+    """Where this rank's ``param`` sits in the whole one: ``(name, dim, start, end)`` blocks (common/checkpoint.py);
+    a replicated parameter is one block, all of it."""
+    return [(name, *block) for block in param.tp_blocks] if is_sharded(param) else [(name, 0, 0, param.shape[0])]
+
+
+def checkpoint_shards(named: list, params: list, optimizer_state: dict) -> dict:
+    """This rank's shards of the parameters ``named`` (``(name, param)`` pairs) and of their optimiser state
+    (``optimizer_state``: a state dict whose i-th parameter is ``params[i]``), and which block of which parameter
+    each is: common/checkpoint.py joins them back at any degree. A shard is its own block, as it is laid out."""
+    name_of = {p: n for n, p in named}
+    return {"model_blocks": [b for n, p in named for b in checkpoint_blocks(n, p)],
+            "model": [p.detach() for _, p in named],
+            "optimizer": optimizer_state, "optimizer_slices": [checkpoint_blocks(name_of[p], p) for p in params]}
+
+
+def load_checkpoint_shards(named: list, params: list, checkpoint) -> dict:
+    """The reverse of ``checkpoint_shards``: copy this rank's shard of every parameter ``named`` out of
+    ``checkpoint`` (any step's, any degree's: common/checkpoint.py joins its blocks), and return the optimiser
+    state of the shards (the i-th entry ``params[i]``'s)."""
+    with torch.no_grad():
+        for name, param in named:
+            param.copy_(shard_of(param, checkpoint.parameter(name)))
+    name_of = {p: n for n, p in named}
+    return checkpoint.optimizer_state_dict([checkpoint_blocks(name_of[p], p) for p in params], params)
+
+
 def gather_full_parameters(model, group=None) -> dict:
-    """Every parameter whole, by name, in transformers' layout (Conv1D weights ``(in, out)``), on every rank:
-    what ``GPT2LMHeadModel.named_parameters()`` would hold. One all-gather per sharded parameter."""
+    """Every parameter whole, by name, on every rank: what the plain model's ``named_parameters()`` would hold.
+    One all-gather per sharded parameter."""
     size = dist.get_world_size(group)
     full = {}
     for name, param in model.named_parameters():
-        local = full_layout(param, param.detach()).contiguous()
+        local = param.detach().contiguous()
         if not is_sharded(param):
             full[name] = local.clone()
             continue
         parts = [torch.empty_like(local) for _ in range(size)]
         count_collective("all_gather", local)
         dist.all_gather(parts, local, group=group)
-        full[name] = assemble(param.tp_blocks, parts, dist.get_rank(group), size)
+        full[name] = assemble(param.tp_blocks, parts)
     return full
 
 
-def assemble(my_blocks: list, parts: list, rank: int, size: int) -> torch.Tensor:
-    """The full tensor from every rank's shard (``parts[r]``, in the full layout), given this rank's blocks:
-    rank r's blocks are this rank's, moved by (r - rank) block lengths (every rank holds the same pattern)."""
-    dim = my_blocks[0][0]
-    pieces = []
-    for r, part in enumerate(parts):
-        offset = 0
-        for _, start, end in my_blocks:
-            length = end - start
-            pieces.append((start + (r - rank) * length, part.narrow(dim, offset, length)))
-            offset += length
-    return torch.cat([piece for _, piece in sorted(pieces, key=lambda p: p[0])], dim=dim)
+def assemble(blocks: list, parts: list) -> torch.Tensor:
+    """The full tensor from every rank's shard (``parts[r]``, rank r's), given one rank's ``tp_blocks``: rank r
+    holds block r of T along the same dim, so the full tensor is the shards side by side in rank order."""
+    return torch.cat(parts, dim=blocks[0][0])
 
 
 # ---- what the training loop needs from every rank's shards ----------------------------------------------

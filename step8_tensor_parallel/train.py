@@ -36,7 +36,7 @@ STEP = Path(__file__).resolve().parent.name
 
 def tensor_parallel_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``language_model_loss`` when the model returns this rank's vocabulary slice of the logits."""
-    logits = model(input_ids=inputs).logits
+    logits = model(inputs)
     return vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 

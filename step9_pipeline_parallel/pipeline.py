@@ -11,7 +11,9 @@ flows through the ranks as micro-batches. Here:
    per activation and one per gradient, ``batch x sequence x hidden x dtype size`` bytes each.
    Sends are asynchronous and waited at the end of the step (``finish_gradient_synchronization``),
    so a stage never blocks on a peer that is itself blocked sending to it; receives block, within the
-   process group's timeout (a dead or frozen stage ends the job, never hangs it).
+   process group's timeout (a dead or frozen stage ends the job, never hangs it). gloo sends and receives
+   CPU tensors only (its collectives take CUDA tensors, its point-to-point does not), so where ranks share
+   one GPU over gloo a message goes through host memory: ``host_staged``.
 2. **Two schedules.** ``gpipe``: every micro-batch forward, then every backward (M micro-batches of
    activations held at once). ``1f1b``: stage s runs P - s - 1 forwards (warm-up), then alternates one
    forward and one backward, then the remaining backwards (at most P - s micro-batches held). Both
@@ -40,7 +42,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers.masking_utils import create_causal_mask
 
 from comm_accounting import count_collective
 
@@ -56,13 +57,14 @@ def stage_blocks(n_blocks: int, num_stages: int) -> list[range]:
 
 
 class GPT2Stage(nn.Module):
-    """Stage ``stage`` of ``num_stages`` of a ``GPT2LMHeadModel``, under the model's own parameter names.
+    """Stage ``stage`` of ``num_stages`` of our ``GPT2`` (model.py), under the model's own parameter names.
 
-    The first stage maps token ids to hidden states (embedding, position embedding, dropout, its blocks),
-    the middle ones hidden states to hidden states, the last hidden states to logits (its blocks, final
-    norm, output layer). The blocks are the model's own modules, keyed by their index in the model, so a
-    stage's ``named_parameters()`` are the model's names (``transformer.h.3.mlp.c_fc.weight``). With more
-    than one stage the last stage's output layer gets a copy of the tied embedding: ``tied_parameter``.
+    A slice of the model's block list: the first stage maps token ids to hidden states (``embed``: token and
+    position embeddings, dropout; then its blocks), the middle ones hidden states to hidden states, the last
+    hidden states to logits (its blocks, then ``head``: final norm, output layer). The modules are the model's
+    own, the blocks keyed by their index in the model, so a stage's ``named_parameters()`` are the model's
+    names (``transformer.h.3.mlp.c_fc.weight``). With more than one stage the last stage's output layer gets
+    a copy of the tied embedding: ``tied_parameter``.
     """
 
     def __init__(self, model, stage: int, num_stages: int):
@@ -94,20 +96,15 @@ class GPT2Stage(nn.Module):
         return self._tied[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """What ``GPT2LMHeadModel.forward`` computes for this stage's part, op for op (no cache, no padding)."""
-        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        if self.is_first:
-            hidden = self.transformer.wte(x) + self.transformer.wpe(position_ids)
-            hidden = self.transformer.drop(hidden)
-        else:
-            hidden = x
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
+        """``GPT2.forward``'s ops for this stage's part, in its order: the stages in turn compute the model."""
+        if self.is_first:  # GPT2.embed
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(positions))
         for block in self.transformer.h.values():
-            hidden = block(hidden, None, mask, position_ids=position_ids)
-        if self.is_last:
-            hidden = self.lm_head(self.transformer.ln_f(hidden))
-        return hidden
+            x = block(x)
+        if self.is_last:  # GPT2.head
+            x = self.lm_head(self.transformer.ln_f(x))
+        return x
 
     def owned_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters this stage answers for, by the model's names: the tied embedding counts once, on
@@ -141,7 +138,10 @@ def record_random_ops(stages: list[nn.Module], example_input: torch.Tensor, cont
     forward: it decides the dtypes of the masks), without gradients and on a fork of the generator, so
     nothing of the real stream is used. Every rank calls it before it keeps only its own stage."""
     ops = []
-    with torch.no_grad(), torch.random.fork_rng(devices=[]), context():
+    device = example_input.device  # on a GPU dropout draws from the GPU's generator: fork that one too
+    forked = torch.random.fork_rng(devices=[]) if device.type == "cpu" else \
+        torch.random.fork_rng(devices=[device], device_type=device.type)
+    with torch.no_grad(), forked, context():
         x = example_input
         for stage in stages:
             with RandomOps() as recorder:
@@ -157,6 +157,19 @@ def replay_random_ops(ops: list) -> None:
 
     for func, args, kwargs in ops:
         func(*[make(a) for a in args], **{k: make(v) for k, v in kwargs.items()})
+
+
+# ---- point-to-point: gloo moves CPU tensors only ------------------------------------------------------------------
+
+def host_staged(backend: str, device) -> bool:
+    """Whether a point-to-point message on ``device`` must go through host memory: over gloo, off the CPU.
+
+    gloo's send and receive move CPU tensors only: given a CUDA tensor they fail in its transport
+    (``gloo/transport/tcp/pair.cc: writev: Bad address``), though gloo's all-reduce and broadcast take CUDA
+    tensors. So where ranks share one GPU (gloo) the sender copies the message to the CPU and sends that, and
+    the receiver receives into a CPU buffer and copies it to its device. The bits do not change; on the CPU,
+    and with nccl, nothing is staged."""
+    return backend == "gloo" and torch.device(device).type != "cpu"
 
 
 # ---- the schedule -----------------------------------------------------------------------------------------------
@@ -216,6 +229,8 @@ class Pipeline:
     def _send(self, tensor: torch.Tensor, stage: int, kind: str, tag: int = ACTIVATION_TAG) -> None:
         started = time.perf_counter()
         tensor = tensor.detach().contiguous()
+        if host_staged(dist.get_backend(), tensor.device):
+            tensor = tensor.cpu()  # a copy in host memory (the copy waits for the GPU), kept until the send is waited
         self.pending_sends.append((dist.isend(tensor, self.ranks[stage], tag=tag), tensor))
         count_collective(kind, tensor)
         self._record("send", None, started)
@@ -223,8 +238,11 @@ class Pipeline:
     def _recv(self, shape, dtype, stage: int, tag: int = ACTIVATION_TAG) -> torch.Tensor:
         """Blocks until the tensor is here, at most the process group's timeout (then gloo raises)."""
         started = time.perf_counter()
-        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        staged = host_staged(dist.get_backend(), self.device)
+        tensor = torch.empty(shape, dtype=dtype, device="cpu" if staged else self.device)
         dist.irecv(tensor, self.ranks[stage], tag=tag).wait()
+        if staged:
+            tensor = tensor.to(self.device)  # from the host buffer to this stage's device
         self._record("recv", None, started)
         return tensor
 

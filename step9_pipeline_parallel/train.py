@@ -163,8 +163,8 @@ def main():
         scheduler.step()
 
         # The logged loss is computed where the losses are, on the last stage, and sent to everyone.
-        loss_mean = torch.tensor((loss_sum / accum).item() if is_last else 0.0, dtype=torch.float64)
-        dist.broadcast(loss_mean, src=num_stages - 1)
+        loss_mean = torch.tensor((loss_sum / accum).item() if is_last else 0.0, dtype=torch.float64, device=device)
+        dist.broadcast(loss_mean, src=num_stages - 1)  # on the device: nccl moves GPU tensors only
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
@@ -172,7 +172,7 @@ def main():
             "step": step + 1,
             "loss": loss_mean.item(),
             "grad_norm": grad_norm.item(),
-            "param_norm": pipeline_param_norm(named),
+            "param_norm": pipeline_param_norm(named, device),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum,
@@ -188,7 +188,7 @@ def main():
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     full = gather_full_state(named, None, world.is_main).get("model")
-    norm = pipeline_param_norm(named)
+    norm = pipeline_param_norm(named, device)
     if pipe.timeline is not None:
         from pipeline_trace import write_trace  # operations code, read it after the lesson
         write_trace(pipe.timeline, stage_index, num_stages, Path(config["out"]))
@@ -219,11 +219,11 @@ def clip_pipeline_gradients(named: list, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def pipeline_param_norm(named: list) -> float:
+def pipeline_param_norm(named: list, device) -> float:
     """``training.param_norm`` of the whole model: exact integer parts, added across stages (exactly)."""
-    parts = square_sum_parts(p for _, p in owned(named))
+    parts = square_sum_parts(p for _, p in owned(named)).to(device)  # nccl reduces GPU tensors only
     dist.all_reduce(parts)
-    return norm_from_parts(parts)
+    return norm_from_parts(parts.cpu())
 
 
 def gather_full_state(named: list, optimizer, is_main: bool) -> dict:

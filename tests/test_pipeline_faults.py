@@ -66,7 +66,7 @@ def test_a_point_to_point_wait_obeys_the_process_group_timeout(waiter):
     never sends: gloo raises after the process group's timeout, and the trainers' explainer turns that into the
     line every failed collective gets, naming the silent stage."""
     from conftest import spawn
-    results = spawn(waiting_stage, 2, waiter, timeout=300)  # importing torch and transformers: slow when loaded
+    results = spawn(waiting_stage, 2, waiter, timeout=300)  # importing torch: slow when loaded
     kind, waited, text, line, code = results[waiter]
     assert kind == "RuntimeError" and re.search(rf"Timed out waiting {P2P_TIMEOUT_S * 1000}ms", text), text
     assert P2P_TIMEOUT_S <= waited <= P2P_TIMEOUT_S + SLACK_S, waited

@@ -1,7 +1,10 @@
 """Step 9, pipeline parallelism: bitwise equal to step 0 with the same micro-batches (both schedules, 2 and 4
 stages, dropout and bf16 on), to torch.distributed.pipelining on the same stages, and to one process in an
-outsider's own harness; checkpoints that resume at another number of stages and that step 1 reads; the bytes
-each stage sends and the micro-batches it holds, against their formulas; a stage that hangs ends the job."""
+outsider's own harness (on the CPU, staged through host memory, and on one GPU shared over gloo); the stages
+compute the model's forward bit for bit; checkpoints that resume at another number of stages and that step 1
+reads; the bytes each stage sends and the micro-batches it holds, against their formulas; a stage that hangs
+ends the job."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -76,23 +79,74 @@ def test_equal_to_torch_distributed_pipelining_on_the_same_stages():
     assert "scale_grads=True: max abs gradient diff 0.0e+00" not in result.stdout  # M = 3: not exact
 
 
+def step9_module(name: str):
+    """Step 9's ``name``.py, imported under a name of its own (other steps have modules of the same names)."""
+    spec = importlib.util.spec_from_file_location(f"step9_{name}", REPO / STEPS["step9"] / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- the stages: a slice of the model's blocks, the model's forward ----------------------------------------------
+
+@pytest.mark.parametrize("n_layer, num_stages", [(4, 1), (4, 2), (3, 2), (4, 4)])
+def test_stages_in_turn_compute_the_models_forward_bitwise(n_layer, num_stages):
+    """The stages one after the other give the logits of ``model(ids)`` bit for bit, dropout on (the same draws
+    in the same order), under the model's parameter names: each block once, the tie held by the first stage
+    and copied by the last."""
+    pipeline, model_py = step9_module("pipeline"), step9_module("model")
+    config = dict(seq_len=S, n_layer=n_layer, n_head=2, n_embd=E, dropout=0.1, attention="math")
+    model = model_py.build_model(config, VOCAB, seed=0)
+    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(2)
+    expected = model(ids)
+    stages = [pipeline.GPT2Stage(model, s, num_stages) for s in range(num_stages)]
+    torch.manual_seed(2)
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    assert torch.equal(x, expected)
+    names = [n for stage in stages for n, _ in stage.owned_parameters()]
+    assert names == [n for n, _ in model.named_parameters()]
+    if num_stages > 1:
+        assert stages[0].tied_parameter is model.transformer.wte.weight
+        assert torch.equal(stages[-1].tied_parameter, model.transformer.wte.weight)
+        assert stages[-1].tied_parameter is not model.transformer.wte.weight
+
+
+# ---- gloo moves CPU tensors only: a GPU's messages go through host memory ----------------------------------------
+
+def test_only_gloo_off_the_cpu_stages_through_host_memory():
+    host_staged = step9_module("pipeline").host_staged
+    assert host_staged("gloo", torch.device("cuda", 0)) and host_staged("gloo", "cuda")
+    assert not host_staged("gloo", torch.device("cpu")) and not host_staged("gloo", "cpu")
+    assert not host_staged("nccl", torch.device("cuda", 1))
+
+
 # ---- an outsider's harness: their model, their loop, our Pipeline ------------------------------------------------
 
-def outsider_worker(rank, world_size, port, queue):
+def outsider_worker(rank, world_size, port, queue, where="cpu"):
     """Process group first, our module imported after; a two-stage toy model whose first and last layer share a
-    weight; a plain loop; the gradients compared with one process accumulating the same micro-batches."""
+    weight; a plain loop; the gradients compared with one process accumulating the same micro-batches.
+    ``where``: "cpu"; "cpu staged" (every message through the host-memory path, a no-op copy on the CPU); "cuda"
+    (both ranks on one GPU, over gloo: staged for real)."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
     sys.path.insert(0, str(REPO / STEPS["step9"]))
+    import pipeline
     from pipeline import Pipeline
+    device = torch.device("cuda", 0) if where == "cuda" else torch.device("cpu")
+    if where == "cpu staged":
+        pipeline.host_staged = lambda backend, device: True
+    assert pipeline.host_staged(dist.get_backend(), device) == (where != "cpu")
 
     def build():  # the same toy model every time: a first layer whose weight the last layer uses again
         torch.manual_seed(0)
-        return torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Linear(16, 16)
+        return torch.nn.Parameter(torch.randn(16, 8).to(device)), torch.nn.Linear(16, 16).to(device)
 
-    data, targets = torch.randn(2, 5, 3, 8, generator=torch.Generator().manual_seed(1))  # the same on every rank
+    data, targets = torch.randn(2, 5, 3, 8, generator=torch.Generator().manual_seed(1)).to(device)  # same everywhere
     loss_fn = torch.nn.functional.mse_loss
 
     def first(x, shared):  # x (3, 8) -> (3, 16)
@@ -127,7 +181,8 @@ def outsider_worker(rank, world_size, port, queue):
         shared, inner = build()
         module = First(shared) if rank == 0 else Last(shared, inner)
         tied = shared if rank == 0 else module.copy
-        pipe = Pipeline(module, rank, 2, (3, 16), loss_fn=loss_fn, tied_parameter=tied, schedule=schedule)
+        pipe = Pipeline(module, rank, 2, (3, 16), loss_fn=loss_fn, tied_parameter=tied, schedule=schedule,
+                        device=device)
         pipe.run(5, inputs=list(data) if rank == 0 else None, targets=list(targets) if rank == 1 else None,
                  loss_scale=5)
         pipe.finish_gradient_synchronization()
@@ -138,8 +193,10 @@ def outsider_worker(rank, world_size, port, queue):
     dist.destroy_process_group()
 
 
-def test_an_outsider_pipeline_equals_one_process_accumulating():
-    results = spawn(outsider_worker, 2)
+@pytest.mark.parametrize("where", ["cpu", "cpu staged", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU: two ranks share it over gloo"))])
+def test_an_outsider_pipeline_equals_one_process_accumulating(where):
+    results = spawn(outsider_worker, 2, where)
     assert results == {0: {"gpipe shared": True, "1f1b shared": True},
                        1: {"gpipe shared": True, "gpipe inner.weight": True, "1f1b shared": True,
                            "1f1b inner.weight": True}}

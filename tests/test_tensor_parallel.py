@@ -76,14 +76,15 @@ def test_a_checkpoint_is_read_at_another_degree_and_by_step1(tp_runs, tmp_path, 
 
 def test_communication_per_step_is_the_formula(tp_runs):
     """all_reduce bytes per optimiser step, every step (README, "Communication"): per micro-batch
-    (4 n_layer + 2) all-reduces of b x s x h floats (two per block forward, two backward; the embedding's
-    forward, the output layer's input gradient) in bf16 for the blocks' row-parallel outputs under autocast,
-    plus the loss's 3 x b x s floats, plus the exact norm parts of the gradient and the parameters."""
+    (6 n_layer + 2) all-reduces of b x s x h floats (two per block forward, after each row-parallel layer; four
+    backward, before each column-parallel one: c_q, c_k, c_v and c_fc; the embedding's forward, the output
+    layer's input gradient) in bf16 for the blocks' row-parallel outputs under autocast, plus the loss's
+    3 x b x s floats, plus the exact norm parts of the gradient and the parameters."""
     config = metrics(tp_runs("ours", 2))["config"]
     b, s, h, layers, accum = (config[k] for k in ("micro_batch_size", "seq_len", "n_embd", "n_layer", "grad_accum"))
     bsh = b * s * h
     # Under bf16 autocast: the row-parallel outputs (2 per block, forward) are bf16; every other all-reduce fp32.
-    per_micro_batch = 2 * layers * bsh * 2 + (2 * layers + 2) * bsh * 4 + 3 * b * s * 4
+    per_micro_batch = 2 * layers * bsh * 2 + (4 * layers + 2) * bsh * 4 + 3 * b * s * 4
     norm_parts = 2 * 3 * 277 * 8  # the gradient's and the parameters' square_sum_parts, int64
     for nproc in (2, 4):
         for record in metrics(tp_runs("ours", nproc))["records"]:
@@ -91,7 +92,7 @@ def test_communication_per_step_is_the_formula(tp_runs):
 
 
 def test_memory_per_rank_is_the_formula(tp_runs):
-    """Each rank holds 1/T of every matrix and of c_attn, c_fc's biases; the LayerNorms, the position embedding
+    """Each rank holds 1/T of every matrix and of c_q, c_k, c_v, c_fc's biases; the LayerNorms, the position embedding
     and the row-parallel biases whole: params = sharded / T + replicated, grads the same, AdamW 2 x params."""
     config = metrics(tp_runs("ours", 2))["config"]
     h, layers, s, vocab = config["n_embd"], config["n_layer"], config["seq_len"], 2048
