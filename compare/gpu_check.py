@@ -54,7 +54,7 @@ class Check:
     def __init__(self, device: str, out: Path, report: Path, header: str):
         self.device, self.out, self.gpu = device, out, device == "cuda"
         self.report, self.header, self.started = report, header, time.perf_counter()
-        self.sections, self.passed = {}, True  # {place in the report: text}
+        self.sections, self.verdicts = {}, {}  # {place in the report: text}, {place: ok}
         self.common = ["--device", device]
         self.tour_flags = [] if self.gpu else ["--steps", "3", "--save-every", "0"]
         self.small = ["--n-layer", "12", "--n-head", "12", "--n-embd", "768", "--seq-len", "1024",
@@ -68,11 +68,15 @@ class Check:
 
     def section(self, place: int, title: str, ok: bool | None, body: str) -> None:
         """Add a section (``ok`` None: not run) and rewrite the report, so a check cut short keeps what it found."""
-        self.passed &= ok is not False
+        self.verdicts[place] = ok  # a section rewritten as it goes (speed) keeps its last verdict
         verdict = {True: "PASS", False: "FAIL", None: "not run"}[ok]
         self.sections[place] = f"## {title}: {verdict}\n\n{body.rstrip()}\n"
         print(self.sections[place], flush=True)
         self.write()
+
+    @property
+    def passed(self) -> bool:
+        return all(ok is not False for ok in self.verdicts.values())
 
     def write(self, verdict: str = "(still running)") -> None:
         self.report.parent.mkdir(parents=True, exist_ok=True)
@@ -187,49 +191,54 @@ def step0_tokens_per_s(run_dir: Path, warmup: int) -> tuple[float, int | None]:
 
 def check_speed(check: Check, place: int) -> None:
     out = check.out / "speed"
-    flags = [*check.common, *check.small, "--steps", str(check.speed_steps), "--save-every", "0", "--quiet"]
-    variants = [("plain loop, SDPA", "plain", []), ("step 0, SDPA", "step0", [])]
-    if check.gpu:
-        variants += [("plain loop, SDPA + compile", "plain", ["--compile"]),
-                     ("step 0, SDPA + compile", "step0", ["--compile"])]
-    measured = {name: [] for name, _, _ in variants}
-    peaks, failures = {}, []
-    for round_ in range(check.rounds):  # interleaved: a slow spell of the machine hits every variant
-        for name, kind, extra in variants:
-            if round_ and "compile" in name:
-                continue  # compiling costs a minute; one round of it
-            log = out / f"{kind}{'_compile' if extra else ''}_{round_}.log"
-            if kind == "plain":
-                command = [sys.executable, str(REPO_ROOT / "compare" / "plain_loop.py"), *flags, "--attention", "sdpa",
-                           "--warmup", str(check.speed_warmup), *extra]
-                code, output = run(command, log)
-                if code == 0:
-                    result = json.loads(output.strip().splitlines()[-1])
-                    measured[name].append(result["tokens_per_s"])
-                    peaks[name] = result["cuda_peak"]
-            else:
-                run_dir = out / f"step0{'_compile' if extra else ''}_{round_}"
-                code, output = run(trainer_command("step0_single_gpu", 0, [*flags, "--attention", "sdpa", *extra,
-                                                                          "--out", str(run_dir)]), log)
-                if code == 0:
-                    tokens_per_s, peaks[name] = step0_tokens_per_s(run_dir, check.speed_warmup)
-                    measured[name].append(tokens_per_s)
-            if code:
-                failures.append(f"{name}: exit {code}: `{error_line(output)}`")
+    flags = [*check.common, *check.small, "--steps", str(check.speed_steps), "--save-every", "0", "--quiet",
+             "--attention", "sdpa"]
+    # (name, plain loop or step 0, extra flags). The middle plain loop has step 0's two global choices (deterministic
+    # kernels, the single-tensor AdamW): what remains between it and step 0 is what the trainer adds per step.
+    variants = [("plain loop, SDPA", "plain", []),
+                ("plain loop, SDPA, deterministic + single-tensor AdamW", "plain", ["--deterministic", "--single-tensor"]),
+                ("step 0, SDPA", "step0", [])]
+    schedule = [(round_, *variant) for round_ in range(check.rounds) for variant in variants]
+    if check.gpu:  # compiling costs a minute or more: one round of it, last
+        schedule += [(0, "plain loop, SDPA + compile", "plain", ["--compile"]),
+                     (0, "step 0, SDPA + compile", "step0", ["--compile"])]
+    measured, peaks, failures = {}, {}, []
+    for round_, name, kind, extra in schedule:  # interleaved: a slow spell of the machine hits every variant
+        tag = f"{kind}{''.join(extra).replace('-', '_')}_{round_}"
+        if kind == "plain":
+            command = [sys.executable, str(REPO_ROOT / "compare" / "plain_loop.py"), *flags,
+                       "--warmup", str(check.speed_warmup), *extra]
+            code, output = run(command, out / f"{tag}.log")
+            if code == 0:
+                result = json.loads(output.strip().splitlines()[-1])
+                measured.setdefault(name, []).append(result["tokens_per_s"])
+                peaks[name] = result["cuda_peak"]
+        else:
+            code, output = run(trainer_command("step0_single_gpu", 0, [*flags, *extra, "--out", str(out / tag)]),
+                               out / f"{tag}.log")
+            if code == 0:
+                tokens_per_s, peaks[name] = step0_tokens_per_s(out / tag, check.speed_warmup)
+                measured.setdefault(name, []).append(tokens_per_s)
+        if code:
+            failures.append(f"{name}: exit {code}: `{error_line(output)}`")
+        speed_section(check, place, flags, measured, peaks, failures)  # after every run: a cut-short check keeps it
+
+
+def speed_section(check: Check, place: int, flags: list, measured: dict, peaks: dict, failures: list) -> None:
     config = {"n_layer": int(check.small[1]), "n_head": int(check.small[3]), "n_embd": int(check.small[5]),
               "seq_len": int(check.small[7]), "dropout": 0.0, "weight_decay": 0.1}
     per_token = flops_per_token(config)
     peak = next((v for k, v in PEAK_BF16.items() if check.gpu and k in torch.cuda.get_device_name(0)), None)
     rows = ["| run | tokens/s (median of rounds) | rounds | MFU | CUDA peak |", "|---|---|---|---|---|"]
     for name, values in measured.items():
-        if not values:
-            continue
         median = statistics.median(values)
         mfu = f"{median * per_token / peak:.1%}" if peak else "n/a"
         cuda = f"{peaks[name] / 2**30:.1f} GiB" if peaks.get(name) else "n/a"
         rows.append(f"| {name} | {median:,.0f} ({min(values):,.0f}-{max(values):,.0f}) | {len(values)} | {mfu} | {cuda} |")
     ratios = []
-    for plain, ours in (("plain loop, SDPA", "step 0, SDPA"), ("plain loop, SDPA + compile", "step 0, SDPA + compile")):
+    for plain, ours in (("plain loop, SDPA", "step 0, SDPA"),
+                        ("plain loop, SDPA, deterministic + single-tensor AdamW", "step 0, SDPA"),
+                        ("plain loop, SDPA + compile", "step 0, SDPA + compile")):
         if measured.get(plain) and measured.get(ours):
             ratios.append((ours, statistics.median(measured[ours]) / statistics.median(measured[plain]), plain))
     text = "\n".join(rows) + "\n\n" + "\n".join(f"- {ours}: {ratio:.2f}x of the {plain}" for ours, ratio, plain in ratios)
@@ -254,7 +263,8 @@ def check_fits(check: Check, place: int) -> None:
                                out / "ddp.log")
     zero3_code, zero3_output = run(trainer_command("step7_zero3", 2, [*flags, "--out", str(out / "zero3")]),
                                    out / "zero3.log")
-    ddp_line = error_line(ddp_output)
+    ddp_line = next((line for line in ddp_output.splitlines() if line.startswith("error: out of memory")),
+                    error_line(ddp_output))  # the rank that ran out says so; its peer may only see it leave
     ok = ddp_code != 0 and ddp_line.startswith("error: out of memory") and zero3_code == 0
     lines = [f"Ψ = {psi:,} parameters: 16Ψ = {16 * psi / 2**20:,.0f} MiB of training state; budget "
              f"{budget:,} MiB per rank (`--max-memory-mb`), 2 ranks sharing the device",
