@@ -113,8 +113,9 @@ class Activations:
 
         hidden = micro_batch_size * shape.seq_len * h
 
-        def whole(dims) -> bool:  # (b, s, h) wide or a LayerNorm's per-token statistics: outside the split layers
-            return len(dims) > 0 and ((dims[-1] == h and math.prod(dims) == hidden) or dims[-1] == 1)
+        def whole(dims) -> bool:  # (b, s, h) wide, a LayerNorm's per-token statistics, or the (s, s) causal mask
+            return len(dims) > 0 and ((dims[-1] == h and math.prod(dims) == hidden) or dims[-1] == 1
+                                      or tuple(dims) == (shape.seq_len, shape.seq_len))
 
         def parts(storages: dict, in_block: bool) -> tuple[int, int]:
             kept = sum(n for k, n in storages.items() if whole(shapes[k]))

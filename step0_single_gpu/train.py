@@ -90,7 +90,7 @@ def main():
     check_param_dtype(config, device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
-    limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
+    limit_memory(config["max_memory_mb"], STEP, device)  # the budget: what training adds to libraries and data
     check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, 1, is_main=True) if resume_from else None

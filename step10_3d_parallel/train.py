@@ -187,7 +187,7 @@ def main():
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
-    limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
+    limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
     dp, _ = check_degrees(config, world.world_size, corpus.vocab_size)
     check_enough_data(len(corpus.blocks), dp, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])

@@ -70,7 +70,7 @@ def main():
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
-    limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
+    limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
     check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, world.world_size, world.is_main) if resume_from else None

@@ -99,7 +99,7 @@ def main():
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
-    limit_memory(config["max_memory_mb"], STEP)  # the budget: what training adds to libraries and data
+    limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
     check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     # One pipeline is one data replica: its checkpoints read and write as step 0's (world size 1).

@@ -157,3 +157,36 @@ def test_max_norm_zero_means_no_clipping():
     before = [p.grad.clone() for p in params]
     norm = clip_gradients(params, 0.0)
     assert norm.item() > 1 and all(torch.equal(p.grad, b) for p, b in zip(params, before))
+
+
+@pytest.mark.quick
+def test_param_norm_is_the_exact_norm_whatever_the_grouping():
+    """``param_norm`` against a closed form computed with Python's integers (exact), for tensors cut into
+    slices in two ways, with values across many exponents, over the 4M-element chunk boundary."""
+    import fractions
+    from training import square_sum_parts, norm_from_parts
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(4_200_000, generator=g) * torch.exp2(torch.randint(-30, 30, (4_200_000,), generator=g).float())
+    exact = sum(fractions.Fraction(float(x)) ** 2 for x in whole[:20_000].tolist())
+    assert norm_from_parts(square_sum_parts([whole[:20_000]])) == math.sqrt(exact)
+    parts = square_sum_parts([whole])
+    assert torch.equal(parts, square_sum_parts(whole.split(1_000_003)))
+    assert torch.equal(parts, square_sum_parts([whole[:7], whole[7:]]))
+    assert param_norm([whole]) == norm_from_parts(parts)
+
+
+@pytest.mark.quick
+def test_the_gpu_bin_sums_equal_bincount_and_leave_deterministic_mode_as_it_was():
+    """The GPU path of square_sum_parts (atomic adds, deterministic mode lifted for one call), run on the CPU."""
+    from training import EXPONENTS, _atomic_sums_by_bin
+    g = torch.Generator().manual_seed(1)
+    bins = torch.randint(0, EXPONENTS, (100_000,), generator=g)
+    values = torch.randint(0, 2**24, (100_000,), generator=g).double()
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        for mode in (True, False):
+            torch.use_deterministic_algorithms(mode)
+            assert torch.equal(_atomic_sums_by_bin(bins, values), torch.bincount(bins, weights=values, minlength=EXPONENTS))
+            assert torch.are_deterministic_algorithms_enabled() == mode
+    finally:
+        torch.use_deterministic_algorithms(before)
