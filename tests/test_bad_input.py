@@ -389,6 +389,15 @@ def gpu_without_bfloat16_parameters(monkeypatch):
     training.check_param_dtype({"param_dtype": "bf16", "amp": "none"}, torch.device("cuda", 0))
 
 
+def gpu_budget_over_its_memory(monkeypatch):
+    """What --max-memory-mb checks on a GPU (an H100's 81,559 MiB), before any work."""
+    import types
+    import memory_budget
+    total = types.SimpleNamespace(total_memory=81559 * 2**20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *args, **kwargs: total)
+    memory_budget.limit_memory(100000, "step0_single_gpu", torch.device("cuda", 0))
+
+
 def tensor_parallel_check(n_head: int, vocab_size: int, ranks: int):
     """What step 8 checks before joining: whole heads and whole vocabulary slices per rank."""
     def run(monkeypatch):
@@ -425,6 +434,7 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--amp bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use --amp fp16 or --amp none": gpu_without_bfloat16,
     "--param-dtype bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use --param-dtype fp16":
         gpu_without_bfloat16_parameters,
+    "--max-memory-mb 100000 is more than cuda:0's 81,559 MiB; lower it": gpu_budget_over_its_memory,
     "--nproc must be at least 1, got 0": tool_main("tour", "--nproc", "0"),
     "--timeout-s must be positive, got 0": tool_main("tour", "--timeout-s", "0"),
     "--budget-mb must be positive, got -1": tool_main("estimate", "--budget-mb", "-1"),
@@ -435,7 +445,7 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
-          "--param-dtype bf16")
+          "--param-dtype bf16", "--max-memory-mb 100000")
 
 
 @pytest.mark.parametrize("message", LIKEWISE)
