@@ -95,10 +95,10 @@ def counted_once(named: list, mesh) -> list:
 def mesh_norm(tensors: list, mesh) -> float:
     """The norm of the whole model's tensors from every rank's shards: exact integer parts (training.py), summed
     over the tp group and then the pp group. Exact in any order: the bits one process holding it all gets."""
-    parts = square_sum_parts(tensors)
+    parts = square_sum_parts(tensors).to(tensors[0].device)  # nccl reduces GPU tensors only
     for group in (mesh.tp_group, mesh.pp_group):
         dist.all_reduce(parts, group=group)
-    return norm_from_parts(parts)
+    return norm_from_parts(parts.cpu())
 
 
 def gather_full_model(stage, named: list, mesh) -> dict:
@@ -257,7 +257,8 @@ def main():
         scheduler.step()
 
         # The loss is where the logits are, on the last stage: sent to the stage's peers, averaged over dp.
-        loss_mean = torch.tensor(loss_sum.double().item() if mesh.pp_rank == pp - 1 else 0.0, dtype=torch.float64)
+        loss_mean = torch.tensor(loss_sum.double().item() if mesh.pp_rank == pp - 1 else 0.0, dtype=torch.float64,
+                                 device=device)  # on the device: nccl moves GPU tensors only
         dist.broadcast(loss_mean, src=mesh.pp_ranks[-1], group=mesh.pp_group)
         dist.all_reduce(loss_mean, group=mesh.dp_group)
         if device.type == "cuda":

@@ -428,10 +428,11 @@ def norm_parts(tensors, sharded, group=None) -> torch.Tensor:
     shards (``sharded[i]`` true) or replicas of: the shards' parts all-reduced (integers: exact in any order),
     the replicas counted once. Every rank gets the same bits, the bits one process holding it all gets."""
     tensors, sharded = list(tensors), list(sharded)
-    parts = square_sum_parts(t for t, s in zip(tensors, sharded) if s)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    parts = square_sum_parts(t for t, s in zip(tensors, sharded) if s).to(device)  # nccl reduces GPU tensors only
     count_collective("all_reduce", parts)
     dist.all_reduce(parts, group=group)
-    return parts + square_sum_parts(t for t, s in zip(tensors, sharded) if not s)
+    return parts.cpu() + square_sum_parts(t for t, s in zip(tensors, sharded) if not s)
 
 
 def param_norm(params, group=None) -> float:
