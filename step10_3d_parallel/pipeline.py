@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from comm_accounting import count_collective
+from model import GPT2
 
 SCHEDULES = ("gpipe", "1f1b")
 ACTIVATION_TAG, TIED_TAG = 0, 1  # two streams between the last and the first stage (at P = 2, the same pair)
@@ -97,13 +98,12 @@ class GPT2Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``GPT2.forward``'s ops for this stage's part, in its order: the stages in turn compute the model."""
-        if self.is_first:  # GPT2.embed
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(positions))
+        if self.is_first:  # the model's own code, run on the modules this stage holds (wte, wpe, drop)
+            x = GPT2.embed(self, x)
         for block in self.transformer.h.values():
             x = block(x)
-        if self.is_last:  # GPT2.head
-            x = self.lm_head(self.transformer.ln_f(x))
+        if self.is_last:  # ln_f, then the output layer
+            x = GPT2.head(self, x)
         return x
 
     def owned_parameters(self) -> list[tuple[str, nn.Parameter]]:
