@@ -134,7 +134,6 @@ def check_tour(check: Check, place: int, nproc: int, title: str, backend: str) -
 def check_resume(check: Check, place: int) -> None:
     out = check.out / "resume"
     flags = [*check.common, "--steps", "6", "--save-every", "3", "--quiet", *check.small]
-    results = {}
     for name, extra in (("whole", []), ("again", []), ("resumed", ["--resume", str(out / "whole" / "checkpoints" /
                                                                                       "step_3")])):
         code, output = run(trainer_command("step0_single_gpu", 0, [*flags, "--out", str(out / name), *extra]),
@@ -151,7 +150,6 @@ def check_resume(check: Check, place: int) -> None:
         ok &= result.bitwise and same_records
         lines.append(f"- {other} vs whole: {parity.verdict(result)}; steps 4-6 loss, grad norm, param norm "
                      f"{'equal' if same_records else 'DIFFER'}")
-        results[other] = result
     attention = json.loads((out / "whole" / "metrics.json").read_text())["config"]["attention"]
     check.section(place, "Resume and repeat (step 0)", ok,
                   f"step 0, {attention} attention, 6 steps, checkpoint at 3: `{' '.join(flags)}`\n\n" + "\n".join(lines))
@@ -208,6 +206,10 @@ def check_speed(check: Check, place: int) -> None:
     if check.gpu:  # compiling costs a minute or more: one round of it, last
         schedule += [(0, "plain loop, SDPA + compile", "plain", ["--compile"]),
                      (0, "step 0, SDPA + compile", "step0", ["--compile"])]
+    config = {"n_layer": int(check.small[1]), "n_head": int(check.small[3]), "n_embd": int(check.small[5]),
+              "seq_len": int(check.small[7]), "dropout": 0.0, "weight_decay": 0.1}
+    per_token = flops_per_token(config)
+    peak = next((v for k, v in PEAK_BF16.items() if check.gpu and k in torch.cuda.get_device_name(0)), None)
     measured, peaks, failures = {}, {}, []
     for round_, name, kind, extra in schedule:  # interleaved: a slow spell of the machine hits every variant
         tag = f"{kind}{''.join(extra).replace('-', '_')}_{round_}"
@@ -228,14 +230,13 @@ def check_speed(check: Check, place: int) -> None:
                 measured.setdefault(f"{name}: train_step alone (records' step_time)", []).append(step_only)
         if code:
             failures.append(f"{name}: exit {code}: `{error_line(output)}`")
-        speed_section(check, place, flags, measured, peaks, failures)  # after every run: a cut-short check keeps it
+        # after every run: a check cut short keeps what it measured
+        speed_section(check, place, flags, measured, peaks, failures, per_token, peak)
 
 
-def speed_section(check: Check, place: int, flags: list, measured: dict, peaks: dict, failures: list) -> None:
-    config = {"n_layer": int(check.small[1]), "n_head": int(check.small[3]), "n_embd": int(check.small[5]),
-              "seq_len": int(check.small[7]), "dropout": 0.0, "weight_decay": 0.1}
-    per_token = flops_per_token(config)
-    peak = next((v for k, v in PEAK_BF16.items() if check.gpu and k in torch.cuda.get_device_name(0)), None)
+def speed_section(check: Check, place: int, flags: list, measured: dict, peaks: dict, failures: list,
+                  per_token: float, peak: float | None) -> None:
+    """The speed section as measured so far: ``per_token`` FLOPs per token, ``peak`` the GPU's bf16 FLOP/s."""
     rows = ["| run | tokens/s (median of rounds) | rounds | MFU | CUDA peak |", "|---|---|---|---|---|"]
     for name, values in measured.items():
         median = statistics.median(values)
