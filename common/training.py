@@ -98,9 +98,12 @@ def adamw_param_groups(named_params, config: dict) -> list[dict]:
 
 
 def adamw_options(config: dict) -> dict:
-    """``foreach=False`` pins one implementation of the update everywhere: the multi-tensor kernel
-    groups its arithmetic differently, and parity is bitwise."""
-    return {"lr": config["lr"], "betas": (config["beta1"], config["beta2"]), "foreach": False}
+    """AdamW's hyperparameters, and one implementation of its update for every step and reference of a run:
+    the two implementations group their arithmetic differently, and parity is bitwise. torch's default on
+    each device, pinned: the single-tensor update on the CPU, the multi-tensor (``foreach``) kernels on a
+    GPU, where the single-tensor update launches a dozen small kernels per parameter."""
+    from config import on_cuda
+    return {"lr": config["lr"], "betas": (config["beta1"], config["beta2"]), "foreach": on_cuda(config)}
 
 
 def make_optimizer(named_params, config: dict) -> torch.optim.AdamW:

@@ -191,19 +191,17 @@ def step0_tokens_per_s(run_dir: Path, warmup: int) -> tuple[float, float, int | 
             records[-1]["memory"][0].get("cuda_peak"))
 
 
-def check_speed(check: Check, place: int) -> None:
+def check_speed(check: Check, place: int, compiled: bool) -> None:
     out = check.out / "speed"
     flags = [*check.common, *check.small, "--steps", str(check.speed_steps), "--save-every", "0", "--quiet",
              "--attention", "sdpa"]
-    # (name, plain loop or step 0, extra flags). The middle plain loop has step 0's two global choices (deterministic
-    # kernels, the single-tensor AdamW): what remains between it and step 0 is what the trainer adds per step.
-    variants = [("plain loop, SDPA", "plain", []), ("step 0, SDPA", "step0", [])]
-    # Step 0's two global choices, each of which every step makes so that parity holds: their cost, one round.
-    diagnostics = [("plain loop, SDPA, deterministic", "plain", ["--deterministic"]),
-                   ("plain loop, SDPA, deterministic + single-tensor AdamW", "plain", ["--deterministic", "--single-tensor"])]
-    schedule = [(0, *variant) for variant in variants[:1] + diagnostics + variants[1:]]
-    schedule += [(round_, *variant) for round_ in range(1, check.rounds) for variant in variants]
-    if check.gpu:  # compiling costs a minute or more: one round of it, last
+    # (name, plain loop or step 0, extra flags). The deterministic plain loop makes step 0's one global choice
+    # (deterministic kernels, so that two runs and resume are bitwise): its gap to the plain loop is that choice's
+    # cost, and what remains between it and step 0 is what the trainer adds per step.
+    variants = [("plain loop, SDPA", "plain", []), ("plain loop, SDPA, deterministic", "plain", ["--deterministic"]),
+                ("step 0, SDPA", "step0", [])]
+    schedule = [(round_, *variant) for round_ in range(check.rounds) for variant in variants]
+    if check.gpu and compiled:  # compiling costs a minute or more: one round of it, last
         schedule += [(0, "plain loop, SDPA + compile", "plain", ["--compile"]),
                      (0, "step 0, SDPA + compile", "step0", ["--compile"])]
     config = {"n_layer": int(check.small[1]), "n_head": int(check.small[3]), "n_embd": int(check.small[5]),
@@ -245,9 +243,9 @@ def speed_section(check: Check, place: int, flags: list, measured: dict, peaks: 
         rows.append(f"| {name} | {median:,.0f} ({min(values):,.0f}-{max(values):,.0f}) | {len(values)} | {mfu} | {cuda} |")
     ratios = []
     for plain, ours in (("plain loop, SDPA", "step 0, SDPA"),
-                        ("plain loop, SDPA, deterministic + single-tensor AdamW", "step 0, SDPA"),
-                        ("plain loop, SDPA, deterministic + single-tensor AdamW",
-                         "step 0, SDPA: train_step alone (records' step_time)"),
+                        ("plain loop, SDPA", "plain loop, SDPA, deterministic"),
+                        ("plain loop, SDPA, deterministic", "step 0, SDPA"),
+                        ("plain loop, SDPA, deterministic", "step 0, SDPA: train_step alone (records' step_time)"),
                         ("plain loop, SDPA + compile", "step 0, SDPA + compile")):
         if measured.get(plain) and measured.get(ours):
             ratios.append((ours, statistics.median(measured[ours]) / statistics.median(measured[plain]), plain))
@@ -296,12 +294,12 @@ def main() -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "gpu_check", help="runs and logs")
     parser.add_argument("--report", type=Path, help="where the markdown report goes (default: OUT/report.md)")
-    parser.add_argument("--only", nargs="+", choices=["tour", "nccl", "resume", "memory", "speed", "fits"],
-                        help="run only these sections (memory needs tour)")
+    parser.add_argument("--only", nargs="+", choices=["tour", "nccl", "resume", "memory", "speed", "compile", "fits"],
+                        help="run only these sections (memory needs tour; compile: speed's compiled pair)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("torch sees no CUDA GPU here; run with --device cpu for the tiny CPU mode")
-    sections = set(args.only or ["tour", "nccl", "resume", "memory", "speed", "fits"])
+    sections = set(args.only or ["tour", "nccl", "resume", "memory", "speed", "compile", "fits"])
     header = f"# GPU check ({args.device})\n\n{environment(args.device)}\n"
     print(header, flush=True)
     check = Check(args.device, args.out.resolve(), (args.report or args.out / "report.md").resolve(), header)
@@ -334,8 +332,8 @@ def main() -> int:
             check_tour(check, 3, min(count, 4), f"The tour, one GPU per rank ({min(count, 4)} ranks, nccl)", "nccl")
         else:
             check.section(3, "One GPU per rank (nccl)", None, "One GPU here: nccl needs a GPU per rank.")
-    if "speed" in sections:
-        check_speed(check, 6)
+    if sections & {"speed", "compile"}:
+        check_speed(check, 6, "compile" in sections)
     verdict = "every section passed" if check.passed else "SOME SECTIONS FAILED"
     check.write(verdict)
     print(f"gpu_check: {verdict} ({time.perf_counter() - check.started:.0f} s); report: {check.report}")

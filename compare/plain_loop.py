@@ -31,13 +31,12 @@ def main():
     parser.add_argument("--warmup", type=int, default=5, help="steps before the clock starts (compilation, caches)")
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic kernels, as every step runs (seeding.seed_everything), to measure their cost")
-    parser.add_argument("--single-tensor", action="store_true",
-                        help="AdamW's single-tensor update (foreach=False), as every step uses, to measure its cost")
     config = parse_config(parser)
     device = pick_device(config["device"])
     if config["deterministic"]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
     torch.manual_seed(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     sampler = DistributedSampler(range(len(corpus.blocks)), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
@@ -47,8 +46,7 @@ def main():
         for block in model.transformer.h:
             block.compile()
     optimizer = torch.optim.AdamW(adamw_param_groups(model.named_parameters(), config), lr=config["lr"],
-                                  betas=(config["beta1"], config["beta2"]),
-                                  **({"foreach": False} if config["single_tensor"] else {}))
+                                  betas=(config["beta1"], config["beta2"]))
     accum = config["grad_accum"]
     started = None
     for step in range(config["steps"]):

@@ -17,6 +17,9 @@ def seed_everything(seed: int) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs this for deterministic GEMMs
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    # Deterministic mode also fills every new uninitialised tensor with NaN, a kernel per allocation: a
+    # guard for code that reads memory before writing it, which none here does (two runs are compared bitwise).
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.benchmark = False
     random.seed(seed)
     np.random.seed(seed)

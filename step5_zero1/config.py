@@ -123,9 +123,13 @@ def resolved_attention(config: dict) -> str:
     """``--attention auto`` made concrete, so that metrics.json and checkpoints say which attention ran."""
     if config.get("attention", "auto") != "auto":
         return config["attention"]
+    return "sdpa" if on_cuda(config) else "math"
+
+
+def on_cuda(config: dict) -> bool:
+    """Whether ``--device`` (``auto`` included) puts this run on a GPU."""
     import torch  # here, not at the top: --help and flag errors need no torch
-    on_cuda = config["device"] == "cuda" or (config["device"] == "auto" and torch.cuda.is_available())
-    return "sdpa" if on_cuda else "math"
+    return config["device"] == "cuda" or (config["device"] == "auto" and torch.cuda.is_available())
 
 
 def check_config(config: dict) -> None:

@@ -111,6 +111,7 @@ def checkpoint_meant_by(path: Path) -> Path | None:
 
 
 # What a fresh run removes from <out>/checkpoints: the folders a save writes, and nothing else.
+UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")  # AdamW options that are not hyperparameters
 OWN_CHECKPOINT_FOLDER = re.compile(r"(\.tmp_|\.old_)?step_\d+")
 
 
@@ -344,8 +345,10 @@ class Checkpoint:
                 name, start, end = piece
                 self.state_pieces.setdefault(name, []).append((start, end, state))
         if not self.groups:  # the same hyperparameters in every rank's groups
-            self.groups = [({k: v for k, v in g.items() if k != "params"}, {_name(slices[i]) for i in g["params"]})
-                           for g in state_dict["param_groups"]]
+            # Which implementation runs the update (foreach on a GPU, single-tensor on the CPU) is the resuming
+            # run's choice, not the saved run's: a checkpoint written on one device resumes on the other.
+            self.groups = [({k: v for k, v in g.items() if k not in ("params", *UPDATE_IMPLEMENTATION)},
+                            {_name(slices[i]) for i in g["params"]}) for g in state_dict["param_groups"]]
         else:
             for (_, names), group in zip(self.groups, state_dict["param_groups"]):
                 names.update(_name(slices[i]) for i in group["params"])

@@ -190,3 +190,24 @@ def test_the_gpu_bin_sums_equal_bincount_and_leave_deterministic_mode_as_it_was(
             assert torch.are_deterministic_algorithms_enabled() == mode
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_a_checkpoint_keeps_the_hyperparameters_and_leaves_the_update_implementation_to_the_resuming_run(tmp_path):
+    """A run on the CPU saves AdamW with ``foreach=False`` (training.adamw_options); resumed on a GPU it must run
+    the multi-tensor update every step there uses, so only the hyperparameters come from the checkpoint."""
+    from checkpoint import Checkpoint, CheckpointWriter, load_optimizer, optimizer_state
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    named = list(model.named_parameters())
+    saved = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9), weight_decay=0.3, foreach=False)
+    model(torch.randn(4, 3)).sum().backward()
+    saved.step()
+    config = {"out": str(tmp_path), "async_save": False, "quiet": True}
+    writer = CheckpointWriter(config, 0, 1, {name: p.shape for name, p in named})
+    writer.save(1, {"step": 1, "model": {n: p.detach() for n, p in named}, **optimizer_state(saved, named)}, {})
+    resumed = torch.optim.AdamW(model.parameters(), lr=0.5, foreach=True)
+    load_optimizer(resumed, Checkpoint(find_checkpoint("auto", tmp_path)), named)
+    group = resumed.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (0.01, (0.8, 0.9), 0.3)
+    assert group["foreach"] is not False  # None: torch's default for the device, which adamw_options pins
+    assert all(torch.equal(resumed.state[p]["exp_avg_sq"], saved.state[p]["exp_avg_sq"]) for p in model.parameters())
