@@ -31,8 +31,9 @@ from metrics import RunLog, StepClock, environment, memory_stats, save_final_wei
 from model import build_model, language_model_loss  # noqa: E402
 from sampler import ShardedSampler  # noqa: E402
 from seeding import seed_everything  # noqa: E402
-from training import (add_param_dtype_flag, check_param_dtype, clip_to_norm, make_optimizer,  # noqa: E402
-                      make_scheduler, norm_from_parts, param_dtype, square_sum_parts, sum_of_squares)
+from training import (add_param_dtype_flag, check_param_dtype, make_optimizer,  # noqa: E402
+                      make_scheduler, norm_from_parts, param_dtype, scale_gradients, square_sum_parts,
+                      sum_of_squares)
 
 
 def main():
@@ -82,7 +83,7 @@ def main():
         total = sum_of_squares(grads).to(device)  # float64: the norm the steps compute from their slices
         dist.all_reduce(total)
         grad_norm = total.cpu().sqrt().float()
-        clip_to_norm(grads, grad_norm, config["grad_clip"])
+        scale_gradients(grads, grad_norm, config["grad_clip"])
         optimizer.step()
         scheduler.step()
         memory = memory_stats(shards(model.parameters()), optimizer, device, grads=grads)

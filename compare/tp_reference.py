@@ -31,8 +31,8 @@ from data import MicroBatches, load_corpus  # noqa: E402
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights  # noqa: E402
 from model import build_model  # noqa: E402
 from seeding import seed_everything  # noqa: E402
-from training import (autocast, check_amp, clip_to_norm, make_grad_scaler, make_optimizer, make_scheduler,  # noqa: E402
-                      norm_from_parts, param_norm, square_sum_parts)
+from training import (autocast, check_amp, make_grad_scaler, make_optimizer, make_scheduler,  # noqa: E402
+                      param_norm, scale_gradients, sum_of_squares)
 
 
 # Step 8's plan (tensor_parallel.BLOCK_PLAN), in PyTorch's styles: a style per layer of every block.
@@ -55,13 +55,11 @@ def local(t):
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def exact_norm(tensors, params) -> float:
-    """The norm of the whole tensors, as step 8 computes it: shards' exact parts all-reduced, replicas once
-    (a row-parallel bias is a DTensor too, but ``Replicate``)."""
-    sharded = [isinstance(p, DTensor) and any(placement.is_shard() for placement in p.placements) for p in params]
-    parts = square_sum_parts(local(t) for t, s in zip(tensors, sharded) if s)
-    dist.all_reduce(parts)
-    return norm_from_parts(parts + square_sum_parts(local(t) for t, s in zip(tensors, sharded) if not s))
+def counted_once(params) -> list:
+    """Which parameters this rank counts in a norm of the whole model, as step 8 counts them: shards on every
+    rank, replicas on rank 0 only (a row-parallel bias is a DTensor too, but ``Replicate``)."""
+    first = dist.get_rank() == 0
+    return [p for p in params if first or (isinstance(p, DTensor) and any(x.is_shard() for x in p.placements))]
 
 
 def full_weights(model) -> dict:
@@ -113,9 +111,11 @@ def main():
                 scaler.scale(loss / accum).backward()
             loss_sum += local(loss).detach()
         scaler.unscale_(optimizer)
+        squares = sum_of_squares(local(p.grad) for p in counted_once(params)).to(device)  # as step 8 adds them
+        dist.all_reduce(squares)
+        grad_norm = squares.cpu().sqrt().float()
         grads = [p.grad for p in params]
-        grad_norm = torch.tensor(exact_norm(grads, params), dtype=torch.float32)
-        clip_to_norm([local(g) for g in grads], grad_norm, config["grad_clip"])
+        scale_gradients([local(g) for g in grads], grad_norm, config["grad_clip"])
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
@@ -123,7 +123,7 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         step_time = clock.stop()
         log.log({"step": step + 1, "loss": loss_sum.double().item() / accum, "grad_norm": grad_norm.item(),
-                 "param_norm": exact_norm(params, params), "lr": lr,
+                 "param_norm": param_norm([local(p) for p in counted_once(params)], [dist.group.WORLD]), "lr": lr,
                  "tokens_per_s": config["micro_batch_size"] * accum * config["seq_len"] / step_time["wall_s"],
                  "effective_batch_size": config["micro_batch_size"] * accum, "epoch": batches.epoch,
                  **distributed.gather_per_rank(memory=memory, step_time=step_time)})

@@ -20,7 +20,7 @@ from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from seeding import rng_state, seed_everything
-from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_gradients, make_grad_scaler,
+from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_grad_norm, make_grad_scaler,
                       make_optimizer, make_scheduler, param_dtype, param_norm, pick_device)
 
 STEP = Path(__file__).resolve().parent.name
@@ -52,7 +52,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
 
     with record_function("optimizer"):
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradients([p for _, p in trained], config["grad_clip"])
+        grad_norm = clip_grad_norm([p for _, p in trained], config["grad_clip"])
         scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
         if masters:
             with torch.no_grad():  # the model's 16-bit copy, rounded once from the updated masters

@@ -19,19 +19,19 @@ import torch.distributed as dist
 import distributed
 from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint
-from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
+from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from mesh import build_mesh, check_mesh
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from naive_dp import allreduce_gradients
-from pipeline import SCHEDULES, GPT2Stage, Pipeline, record_random_ops
+from pipeline import SCHEDULES, GPT2Stage, Pipeline, check_pipeline, record_random_ops
 from sampler import ShardedSampler
 from seeding import rng_state, seed_everything
-from tensor_parallel import (checkpoint_shards, gather_full_parameters, is_sharded, load_checkpoint_shards,
-                             parallelize_gpt2, vocab_parallel_cross_entropy)
-from training import (adamw_options, adamw_param_groups, autocast, check_amp, clip_to_norm, make_grad_scaler,
-                      make_scheduler, norm_from_parts, square_sum_parts)
+from tensor_parallel import (check_divisible, checkpoint_shards, gather_full_parameters, is_sharded,
+                             load_checkpoint_shards, parallelize_gpt2, vocab_parallel_cross_entropy)
+from training import (adamw_options, adamw_param_groups, autocast, check_amp, clip_grad_norm, make_grad_scaler,
+                      make_scheduler, param_norm)
 from zero1 import ShardedOptimizer
 
 STEP = Path(__file__).resolve().parent.name
@@ -49,27 +49,13 @@ def add_mesh_flags(parser) -> None:
 
 
 def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, int]:
-    """Every mistake in the mesh flags, with one line, before anything connects; returns (dp, M)."""
+    """Every mistake in the mesh flags, with one line, before anything connects; returns (dp, M): the mesh's
+    own (mesh.py), step 8's for the tp degree and step 9's for the pp degree."""
     tp, pp = config["tp"], config["pp"]
     dp = config["dp"] if config["dp"] is not None else max(1, world_size // max(1, tp * pp))
     check_mesh(dp, tp, pp, world_size)
-    if config["n_head"] % tp:  # step 8's check_divisible, in terms of --tp
-        raise UserError(f"--tp {tp} needs --n-head divisible by {tp}, got {config['n_head']} (each tp rank holds whole "
-                        f"heads): use a --tp that divides {config['n_head']}, or change --n-head (and --n-embd)")
-    if vocab_size % tp:
-        raise UserError(f"--tp {tp} needs a vocabulary divisible by {tp}, the tokenizer has {vocab_size} tokens: use a "
-                        f"--tp that divides {vocab_size}, or pad the vocabulary (Megatron does)")
-    if pp > config["n_layer"]:
-        raise UserError(f"--pp {pp} stages but the model has {config['n_layer']} blocks: every stage needs at "
-                        f"least one; use --pp {config['n_layer']} or less, or a larger --n-layer")
-    micro_batches = config["micro_batches"] or config["grad_accum"]
-    if micro_batches < 1 or config["grad_accum"] % micro_batches:
-        raise UserError(f"--micro-batches {micro_batches} does not divide --grad-accum {config['grad_accum']}: "
-                        "use a divisor of it, or leave it out")
-    if config["amp"] == "fp16":  # as in step 9: the loss scaler's overflow verdict would cross stages
-        raise UserError("--amp fp16 is not supported by step 10 (its loss scaling would need every stage to agree "
-                        "on overflow): use --amp bf16 or --amp none")
-    return dp, micro_batches
+    check_divisible(config["n_head"], vocab_size, tp, flag="--tp")
+    return dp, check_pipeline(config, pp, flag="--pp")
 
 
 def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage:
@@ -85,20 +71,16 @@ def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage
     return stage
 
 
+def added(a: dict, b: dict) -> dict:
+    """Two records of bytes per collective, added."""
+    return {kind: a.get(kind, 0) + b.get(kind, 0) for kind in sorted(a.keys() | b.keys())}
+
+
 def counted_once(named: list, mesh) -> list:
     """The tensors whose squares add up to the whole model's (or gradient's) across the mesh: TP shards on every
     tp rank, replicated ones on tp rank 0 only, the tie's copy on the last stage not at all."""
     return [p for n, p in named if (is_sharded(p) or mesh.tp_rank == 0)
             and not (n == "transformer.wte.weight" and mesh.pp_rank > 0)]
-
-
-def mesh_norm(tensors: list, mesh) -> float:
-    """The norm of the whole model's tensors from every rank's shards: exact integer parts (training.py), summed
-    over the tp group and then the pp group. Exact in any order: the bits one process holding it all gets."""
-    parts = square_sum_parts(tensors).to(tensors[0].device)  # nccl reduces GPU tensors only
-    for group in (mesh.tp_group, mesh.pp_group):
-        dist.all_reduce(parts, group=group)
-    return norm_from_parts(parts.cpu())
 
 
 def gather_full_model(stage, named: list, mesh) -> dict:
@@ -163,14 +145,15 @@ def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, devic
             "pp": {k: v for k, v in comm.items() if k.startswith("p2p")}}
     if mesh.dp > 1:  # the dp replicas of this shard average their gradients (sum, then divide by dp: step 3)
         allreduce_gradients(pipe.module, reduce_dtype=getattr(torch, config["reduce_dtype"]), group=mesh.dp_group)
+    comm["dp"] = take_comm_bytes()
 
     scaler.unscale_(optimizer)
-    grads = [p.grad for p in counted_once(named, mesh) if p.grad is not None]
-    grad_norm = torch.tensor(mesh_norm(grads, mesh), dtype=torch.float32)  # the whole gradient's
-    clip_to_norm([p.grad for _, p in named if p.grad is not None], grad_norm, config["grad_clip"])
+    grad_norm = clip_grad_norm([p for _, p in named], config["grad_clip"], [mesh.tp_group, mesh.pp_group],
+                               counted=counted_once(named, mesh), device=device)  # the whole gradient's
+    comm["norms"] = take_comm_bytes()  # its sums of squares, over tp then pp (the parameter norm's: main())
     scaler.step(optimizer)  # this rank's 1/dp of its shard's elements, then all-gathered over dp
     scaler.update()
-    comm["dp"] = take_comm_bytes()  # the gradient all-reduce and ZeRO-1's all-gather (and the norm's parts)
+    comm["dp"] = added(comm["dp"], take_comm_bytes())  # the gradient all-reduce and ZeRO-1's all-gather
     memory = memory_stats(pipe.module.parameters(), optimizer, device)  # before zero_grad frees the grads
     memory["micro_batches_in_flight"] = pipe.take_peak_in_flight()
     optimizer.zero_grad(set_to_none=True)
@@ -264,16 +247,18 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
+        norm = param_norm(counted_once(named, mesh), [mesh.tp_group, mesh.pp_group], device)
+        comm["norms"] = added(comm["norms"], take_comm_bytes())
         log.log({
             "step": step + 1,
             "loss": loss_mean.item() / (accum * dp),
             "grad_norm": grad_norm.item(),
-            "param_norm": mesh_norm(counted_once(named, mesh), mesh),
+            "param_norm": norm,
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * dp,
             "epoch": batches.epoch,
-            # one entry per rank: memory, time, and the bytes sent on each axis of the mesh
+            # one entry per rank: memory, time, and the bytes sent on each axis of the mesh and for the norms
             **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=comm),
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
@@ -284,7 +269,7 @@ def main():
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     full = gather_full_model(stage, named, mesh)  # every rank takes part; rank 0 writes the plain model
-    norm = mesh_norm(counted_once(named, mesh), mesh)
+    norm = param_norm(counted_once(named, mesh), [mesh.tp_group, mesh.pp_group], device)
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
         final["param_norm"] = norm

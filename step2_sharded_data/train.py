@@ -27,7 +27,7 @@ from metrics import RunLog, StepClock, environment, memory_stats, save_final_wei
 from model import build_model, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
 from seeding import rng_state, seed_everything
-from training import (autocast, check_amp, clip_gradients, make_grad_scaler, make_optimizer, make_scheduler,
+from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
                       param_norm)
 
 STEP = Path(__file__).resolve().parent.name
@@ -56,7 +56,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
 
     with record_function("optimizer"):
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradients(model.parameters(), config["grad_clip"])
+        grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"])
         scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
         scaler.update()
         memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads

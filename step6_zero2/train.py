@@ -19,18 +19,19 @@ from torch.profiler import record_function
 
 import distributed
 from comm_accounting import take_comm_bytes
-from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, load_parameters, open_checkpoint
+from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_parameters, open_checkpoint,
+                        params_in_order)
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
-from sharded_gradients import ShardedGradScaler, clip_gradient_shards, sharded_param_norm
+from sharded_gradients import ShardedGradScaler
 from zero1 import ShardedOptimizer
 from zero2 import ShardedGradientDDP
 from seeding import rng_state, seed_everything
 from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, autocast, check_amp, check_param_dtype,
-                      make_grad_scaler, make_scheduler, param_dtype, param_norm)
+                      clip_grad_norm, make_grad_scaler, make_scheduler, param_dtype, param_norm)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -60,7 +61,8 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     with record_function("optimizer"):
         model.finish_gradient_synchronization()  # the single sync point: each rank holds its gradient shard
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
+        grad_norm = clip_grad_norm(params_in_order(optimizer), config["grad_clip"], [dist.group.WORLD],
+                                   device=device)  # one norm from every rank's slices
         scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
         scaler.update()
         memory = memory_stats(model.parameters(), optimizer, device, grads=model.gradient_shards)
@@ -157,7 +159,7 @@ def main():
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
-            "param_norm": sharded_param_norm(optimizer.views, device) if mixed else param_norm(model.parameters()),
+            "param_norm": param_norm(optimizer.views, [dist.group.WORLD], device) if mixed else param_norm(model.parameters()),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,

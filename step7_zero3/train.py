@@ -29,11 +29,11 @@ from model import GPT2, gpt2_config, initial_value, language_model_loss
 from prefetch_trace import PrefetchTrace
 from sampler import ShardedSampler, check_no_overlap
 from streaming_export import save_final_weights_streaming
-from sharded_gradients import ShardedGradScaler, clip_gradient_shards, sharded_param_norm
+from sharded_gradients import ShardedGradScaler
 from zero3 import FullyShardedDP
 from seeding import rng_state, seed_everything
-from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, make_grad_scaler, make_optimizer,
-                      make_scheduler, param_dtype)
+from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_grad_norm, make_grad_scaler,
+                      make_optimizer, make_scheduler, param_dtype, param_norm)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -63,7 +63,8 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     with record_function("optimizer"):
         model.finish_gradient_synchronization()  # the single sync point: each piece's .grad is its slice
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_gradient_shards(optimizer, config["grad_clip"])  # one norm from every rank's slices
+        grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"], [dist.group.WORLD],
+                                   device=device)  # one norm from every rank's pieces
         scaler.step(optimizer)  # updates this rank's pieces in place; skipped on overflow
         scaler.update()
         memory = memory_stats(model.parameter_shards, optimizer, device, grads=model.gradient_shards)
@@ -181,7 +182,7 @@ def main():
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
-            "param_norm": sharded_param_norm(model.parameters(), device),
+            "param_norm": param_norm(model.parameters(), [dist.group.WORLD], device),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
@@ -203,7 +204,7 @@ def main():
     # Every rank takes part in the export (it gathers unit by unit); rank 0 writes the file as they come.
     final = save_final_weights_streaming(Path(config["out"]), shapes,
                                          ddp_model.gathered_parameters(), world.is_main)
-    norm = sharded_param_norm(model.parameters(), device)
+    norm = param_norm(model.parameters(), [dist.group.WORLD], device)
     if world.is_main:
         final["param_norm"] = norm
         log.write(final)

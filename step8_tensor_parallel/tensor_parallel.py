@@ -51,7 +51,6 @@ import torch.nn.functional as F
 
 from config import UserError
 from comm_accounting import count_collective
-from training import clip_to_norm, norm_from_parts, square_sum_parts
 
 
 # ---- the communication: Megatron's f and g, and the gather/scatter pair ---------------------------------
@@ -324,17 +323,18 @@ def tensor_parallel_plan(n_layer: int) -> dict:
                              for name, style in BLOCK_PLAN.items()}}
 
 
-def check_divisible(n_head: int, vocab_size: int, world_size: int) -> None:
-    """Refuse, with one line, a tensor-parallel degree that cannot split the heads or the vocabulary."""
+def check_divisible(n_head: int, vocab_size: int, world_size: int, flag: str | None = None) -> None:
+    """Refuse, with one line, a tensor-parallel degree that cannot split the heads or the vocabulary. ``flag``: the
+    option that sets the degree, named in the line (step 10's ``--tp``); none: the number of ranks sets it."""
+    degree = f"{flag} {world_size}" if flag else f"tensor parallelism over {world_size} ranks"
+    fix = f"use a {flag} that divides" if flag else "run on a number of ranks that divides"
     if n_head % world_size:
         why = "more ranks than heads" if world_size > n_head else "each rank holds whole heads"
-        raise UserError(f"tensor parallelism over {world_size} ranks needs --n-head divisible by {world_size}, got "
-                        f"{n_head} ({why}): run on a number of ranks that divides {n_head}, or change --n-head "
-                        "(and --n-embd)")
+        raise UserError(f"{degree} needs --n-head divisible by {world_size}, got {n_head} ({why}): {fix} {n_head}, "
+                        "or change --n-head (and --n-embd)")
     if vocab_size % world_size:
-        raise UserError(f"tensor parallelism over {world_size} ranks needs a vocabulary divisible by {world_size}, "
-                        f"the tokenizer has {vocab_size} tokens: run on a number of ranks that divides {vocab_size}, "
-                        "or pad the vocabulary (Megatron does)")
+        raise UserError(f"{degree} needs a vocabulary divisible by {world_size}, the tokenizer has {vocab_size} "
+                        f"tokens: {fix} {vocab_size}, or pad the vocabulary (Megatron does)")
 
 
 def parallelize_gpt2(model, group=None, reduce_dtype=None):
@@ -423,33 +423,11 @@ def assemble(blocks: list, parts: list) -> torch.Tensor:
 
 # ---- what the training loop needs from every rank's shards ----------------------------------------------
 
-def norm_parts(tensors, sharded, group=None) -> torch.Tensor:
-    """The exact sum of squares (``training.square_sum_parts``) of the whole tensors that ``tensors`` are
-    shards (``sharded[i]`` true) or replicas of: the shards' parts all-reduced (integers: exact in any order),
-    the replicas counted once. Every rank gets the same bits, the bits one process holding it all gets."""
-    tensors, sharded = list(tensors), list(sharded)
-    device = tensors[0].device if tensors else torch.device("cpu")
-    parts = square_sum_parts(t for t, s in zip(tensors, sharded) if s).to(device)  # nccl reduces GPU tensors only
-    count_collective("all_reduce", parts)
-    dist.all_reduce(parts, group=group)
-    return parts.cpu() + square_sum_parts(t for t, s in zip(tensors, sharded) if not s)
-
-
-def param_norm(params, group=None) -> float:
-    """``training.param_norm`` of the whole model, from every rank's shards."""
-    params = list(params)
-    return norm_from_parts(norm_parts(params, [is_sharded(p) for p in params], group))
-
-
-def clip_tensor_parallel_gradients(params, max_norm: float, group=None) -> torch.Tensor:
-    """``clip_gradients`` for a tensor-parallel model: the norm of the whole gradient (before clipping), from
-    every rank's shards, and every rank's gradients scaled by the same coefficient."""
-    params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
-    norm = torch.tensor(norm_from_parts(norm_parts(grads, [is_sharded(p) for p in params], group)),
-                        dtype=torch.float32)
-    clip_to_norm(grads, norm, max_norm)
-    return norm
+def counted_once(params, group=None) -> list:
+    """This rank's share of the whole model for a global norm (``training.clip_grad_norm`` and ``param_norm``
+    over ``group``): its shards, and the replicated parameters on the group's first rank only."""
+    first = dist.get_rank(group) == 0
+    return [p for p in params if is_sharded(p) or first]
 
 
 def replicated_in_sync(model, group=None) -> bool:

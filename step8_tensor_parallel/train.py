@@ -14,6 +14,7 @@ are, inside forward and backward. The run is bitwise equal to PyTorch's own tens
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
 import distributed
@@ -25,10 +26,10 @@ from metrics import RunLog, StepClock, environment, memory_stats, save_final_wei
 from model import build_model
 from sampler import ShardedSampler
 from seeding import rng_state, seed_everything
-from tensor_parallel import (check_divisible, checkpoint_shards, clip_tensor_parallel_gradients, gather_full_parameters,
-                             load_checkpoint_shards, param_norm, parallelize_gpt2, replicated_in_sync,
-                             vocab_parallel_cross_entropy)
-from training import autocast, check_amp, make_grad_scaler, make_optimizer, make_scheduler, param_norm as whole_norm
+from tensor_parallel import (check_divisible, checkpoint_shards, counted_once, gather_full_parameters,
+                             load_checkpoint_shards, parallelize_gpt2, replicated_in_sync, vocab_parallel_cross_entropy)
+from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
+                      param_norm)
 from sharded_gradients import ShardedGradScaler  # step 5's: the fp16 overflow flag agreed by every rank
 
 STEP = Path(__file__).resolve().parent.name
@@ -61,7 +62,8 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
 
     with record_function("optimizer"):
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_tensor_parallel_gradients(model.parameters(), config["grad_clip"])  # the whole gradient's
+        grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"], [dist.group.WORLD],  # the whole gradient's
+                                   counted=counted_once(model.parameters()))
         scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
         scaler.update()
         memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
@@ -136,7 +138,7 @@ def main():
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(model.parameters()),
+            "param_norm": param_norm(counted_once(model.parameters()), [dist.group.WORLD]),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum,
@@ -155,7 +157,7 @@ def main():
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     if world.is_main:
         final = save_final_weights(Path(config["out"]), full)
-        final["param_norm"] = whole_norm(full.values())
+        final["param_norm"] = param_norm(full.values())
         final["replicas_identical"] = in_sync
         log.write(final)
         print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "

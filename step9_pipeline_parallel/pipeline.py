@@ -44,10 +44,30 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from comm_accounting import count_collective
+from failures import UserError
 from model import GPT2
 
 SCHEDULES = ("gpipe", "1f1b")
 ACTIVATION_TAG, TIED_TAG = 0, 1  # two streams between the last and the first stage (at P = 2, the same pair)
+
+
+def check_pipeline(config: dict, num_stages: int, flag: str | None = None) -> int:
+    """The pipeline's own mistakes, before anything is connected; returns M, the micro-batches of one flush.
+    ``flag``: the option that sets the number of stages, named in the line (step 10's ``--pp``); none: the
+    number of ranks sets it."""
+    if num_stages > config["n_layer"]:
+        stages, fix = (f"{flag} {num_stages} stages", f"use {flag} {config['n_layer']} or less") if flag else \
+            (f"{num_stages} stages (one per rank)", f"use at most {config['n_layer']} ranks")
+        raise UserError(f"{stages} but the model has {config['n_layer']} blocks: every stage needs at least one; "
+                        f"{fix} or a larger --n-layer")
+    micro_batches = config["micro_batches"] or config["grad_accum"]
+    if micro_batches < 1 or config["grad_accum"] % micro_batches:
+        raise UserError(f"--micro-batches {micro_batches} does not divide --grad-accum {config['grad_accum']} (the "
+                        "micro-batches of an optimiser step): use a divisor of it, or leave it out")
+    if config["amp"] == "fp16":  # the gradient scaler's overflow verdict would have to be agreed between stages
+        raise UserError("--amp fp16 is not supported by a pipeline (its loss scaling would need every stage to agree "
+                        "on overflow): use --amp bf16 or --amp none")
+    return micro_batches
 
 
 def stage_blocks(n_blocks: int, num_stages: int) -> list[range]:

@@ -19,15 +19,15 @@ import distributed
 from comm_accounting import take_comm_bytes
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint, optimizer_slices)
-from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
+from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
-from pipeline import SCHEDULES, GPT2Stage, Pipeline, record_random_ops
+from pipeline import SCHEDULES, GPT2Stage, Pipeline, check_pipeline, record_random_ops
 from sampler import ShardedSampler
 from seeding import rng_state, seed_everything
-from training import (autocast, check_amp, clip_to_norm, make_grad_scaler, make_optimizer, make_scheduler,
-                      norm_from_parts, square_sum_parts)
+from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
+                      param_norm)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -41,21 +41,6 @@ def add_pipeline_flags(parser) -> None:
                             "optimiser step); --grad-accum must be a multiple of it")
     flags.add_argument("--trace", action="store_true",
                        help="write each stage's timeline of the last step (trace_stage<s>.json, pipeline.png)")
-
-
-def check_pipeline(config: dict, num_stages: int) -> int:
-    """The pipeline's own mistakes, before anything is connected; returns M."""
-    if num_stages > config["n_layer"]:
-        raise UserError(f"{num_stages} stages (one per rank) but the model has {config['n_layer']} blocks: every stage "
-                        f"needs at least one; use at most {config['n_layer']} ranks or a larger --n-layer")
-    micro_batches = config["micro_batches"] or config["grad_accum"]
-    if micro_batches < 1 or config["grad_accum"] % micro_batches:
-        raise UserError(f"--micro-batches {micro_batches} does not divide --grad-accum {config['grad_accum']} (the "
-                        "micro-batches of an optimiser step): use a divisor of it, or leave it out")
-    if config["amp"] == "fp16":  # the gradient scaler's overflow verdict would have to be agreed between stages
-        raise UserError("--amp fp16 is not supported by step 9 (its loss scaling would need every stage to agree "
-                        "on overflow): use --amp bf16 or --amp none")
-    return micro_batches
 
 
 def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list) -> tuple:
@@ -79,7 +64,8 @@ def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, devic
     pipe.finish_gradient_synchronization()  # the tied embedding's gradient, and every send waited
 
     scaler.unscale_(optimizer)
-    grad_norm = clip_pipeline_gradients(named, config["grad_clip"])  # one norm from every stage's gradients
+    grad_norm = clip_grad_norm([p for _, p in named], config["grad_clip"], [dist.group.WORLD],  # one norm from
+                               counted=[p for _, p in owned(named)], device=device)  # every stage's gradients
     scaler.step(optimizer)  # each stage steps its own parameters (both copies of the tie step alike)
     scaler.update()
     memory = memory_stats((p for _, p in named), optimizer, device)  # before zero_grad frees the grads
@@ -172,7 +158,7 @@ def main():
             "step": step + 1,
             "loss": loss_mean.item(),
             "grad_norm": grad_norm.item(),
-            "param_norm": pipeline_param_norm(named, device),
+            "param_norm": param_norm((p for _, p in owned(named)), [dist.group.WORLD], device),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum,
@@ -188,7 +174,7 @@ def main():
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     full = gather_full_state(named, None, world.is_main).get("model")
-    norm = pipeline_param_norm(named, device)
+    norm = param_norm((p for _, p in owned(named)), [dist.group.WORLD], device)
     if pipe.timeline is not None:
         from pipeline_trace import write_trace  # operations code, read it after the lesson
         write_trace(pipe.timeline, stage_index, num_stages, Path(config["out"]))
@@ -205,25 +191,6 @@ def owned(named: list) -> list:
     """This stage's share of the model's parameters: the tied embedding once, on the first stage."""
     first = dist.get_rank() == 0
     return [(n, p) for n, p in named if n != "transformer.wte.weight" or first]
-
-
-def clip_pipeline_gradients(named: list, max_norm: float) -> torch.Tensor:
-    """``training.clip_gradients`` across stages, bit for bit: every stage's per-tensor sums of squares (float64)
-    are gathered, then added in the model's order, as one process adds them; each stage scales its own."""
-    squares = [p.grad.detach().double().pow(2).sum().item() for _, p in owned(named) if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float64)
-    for value in [v for stage_squares in distributed.gather_from_every_rank(squares) for v in stage_squares]:
-        total = total + torch.tensor(value, dtype=torch.float64)
-    norm = total.sqrt().float()
-    clip_to_norm([p.grad for _, p in named if p.grad is not None], norm, max_norm)
-    return norm
-
-
-def pipeline_param_norm(named: list, device) -> float:
-    """``training.param_norm`` of the whole model: exact integer parts, added across stages (exactly)."""
-    parts = square_sum_parts(p for _, p in owned(named)).to(device)  # nccl reduces GPU tensors only
-    dist.all_reduce(parts)
-    return norm_from_parts(parts.cpu())
 
 
 def gather_full_state(named: list, optimizer, is_main: bool) -> dict:

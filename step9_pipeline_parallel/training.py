@@ -101,9 +101,11 @@ def adamw_options(config: dict) -> dict:
     """AdamW's hyperparameters, and one implementation of its update for every step and reference of a run:
     the two implementations group their arithmetic differently, and parity is bitwise. torch's default on
     each device, pinned: the single-tensor update on the CPU, the multi-tensor (``foreach``) kernels on a
-    GPU, where the single-tensor update launches a dozen small kernels per parameter."""
+    GPU, where the single-tensor update launches a dozen small kernels per parameter. A config without a
+    device (a script of one's own) gets ``foreach=None``: torch's default for the parameters' device, the same."""
     from config import on_cuda
-    return {"lr": config["lr"], "betas": (config["beta1"], config["beta2"]), "foreach": on_cuda(config)}
+    foreach = on_cuda(config) if "device" in config else None
+    return {"lr": config["lr"], "betas": (config["beta1"], config["beta2"]), "foreach": foreach}
 
 
 def make_optimizer(named_params, config: dict) -> torch.optim.AdamW:
@@ -141,9 +143,36 @@ def sum_of_squares(tensors) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float64) if total is None else total.cpu()
 
 
-def clip_to_norm(grads, norm: torch.Tensor, max_norm: float) -> None:
-    """Scale ``grads`` in place by the rule of ``torch.nn.utils.clip_grad_norm_``: the coefficient is
-    max_norm / (norm + 1e-6), capped at 1, computed in float32 from the float32 ``norm``."""
+def clip_grad_norm(params, max_norm: float, groups=(), counted=None, device=None) -> torch.Tensor:
+    """Scale the gradients of ``params`` in place so that the whole model's gradient has norm at most
+    ``max_norm``; return that norm before clipping, in float32. The rule of ``torch.nn.utils.clip_grad_norm_`` (coefficient
+    max_norm / (norm + 1e-6), capped at 1, in float32), and one function for every layout, after torchtitan's
+    ``clip_grad_norm_(..., pp_mesh=)``:
+
+    - ``params``: every parameter whose ``.grad`` this rank scales (whole tensors; ZeRO's slices or float32
+      masters; a stage's; tensor-parallel shards);
+    - ``counted``: those whose gradients' squares this rank adds (default ``params``). Across the ranks of
+      ``groups``, every element of the model's gradient is counted exactly once: a slice or a shard on its own rank, a
+      replica on one rank only (step 8's LayerNorms on tp rank 0; the tied embedding on the first stage);
+    - ``groups``: the process groups whose ranks hold the rest, all-reduced in turn (ZeRO's ranks; the
+      pipeline's stages; tp, then pp, in step 10). ``device``: where nccl reduces (default: the gradients').
+
+    The squares are added in float64 (``sum_of_squares``) and the norm rounded to float32: cut into slices or
+    stages and added in another grouping, the float64 sum moves by ~1e-16 relative, far below float32's
+    rounding, so every layout gets the float32 norm one process gets (unless it sits within ~1e-16 of a
+    float32 rounding boundary). Not exact, unlike ``param_norm``: exactness would cost ~25x the time here.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = sum_of_squares(grads if counted is None else [p.grad for p in counted if p.grad is not None])
+    squares = _summed_over(squares, groups, device or (grads[0].device if grads else torch.device("cpu")))
+    norm = squares.sqrt().float()
+    scale_gradients(grads, norm, max_norm)
+    return norm
+
+
+def scale_gradients(grads, norm: torch.Tensor, max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_``'s rule, given the float32 ``norm``: ``grads`` times max_norm / (norm +
+    1e-6), capped at 1; ``max_norm`` 0 leaves them alone (no clipping)."""
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         on_device = {}  # one copy to each device, not one per gradient
@@ -153,16 +182,30 @@ def clip_to_norm(grads, norm: torch.Tensor, max_norm: float) -> None:
             g.mul_(on_device[g.device])
 
 
-def clip_gradients(params, max_norm: float) -> torch.Tensor:
-    """Scale gradients so their global norm is at most ``max_norm``; return the norm *before* clipping."""
-    return clip_gradient_tensors([p.grad for p in params if p.grad is not None], max_norm)
+def param_norm(tensors, groups=(), device=None) -> float:
+    """The whole model's parameter norm, in float64, from this rank's ``tensors`` (every element counted once
+    across the ranks of ``groups``, as for ``clip_grad_norm``). In float64: a float32 norm of ~30 would round
+    to steps of 4e-6, coarser than the 1e-6 parity limit. Exact rather than summed in float64
+    (``square_sum_parts``): records are compared bitwise, and a float64 sum rounds differently when the same
+    numbers are grouped differently (by tensor here, by slice in ZeRO-3, by stage in step 9), in the last bit;
+    integers do not."""
+    tensors = list(tensors)
+    parts = square_sum_parts(tensors)
+    return norm_from_parts(_summed_over(parts, groups, device or (tensors[0].device if tensors else None)))
 
 
-def clip_gradient_tensors(grads, max_norm: float) -> torch.Tensor:
-    """``clip_gradients`` for gradients kept apart from ``.grad`` (16-bit parameters' float32 ``main_grad``)."""
-    norm = sum_of_squares(grads).sqrt().float()
-    clip_to_norm(grads, norm, max_norm)
-    return norm
+def _summed_over(tensor: torch.Tensor, groups, device) -> torch.Tensor:
+    """``tensor`` (on the CPU) all-reduced over each of ``groups`` in turn, on ``device`` (nccl reduces device
+    tensors only), back on the CPU. Counted in the records' communication bytes (comm_accounting.py)."""
+    if not groups:
+        return tensor
+    import torch.distributed as dist
+    from comm_accounting import count_collective  # steps 1 on (step 0 has no groups)
+    tensor = tensor.to(device or "cpu")
+    for group in groups:
+        count_collective("all_reduce", tensor)
+        dist.all_reduce(tensor, group=group)
+    return tensor.cpu()
 
 
 # Exponents frexp gives a float32 (subnormals included): x = mantissa * 2**e, -148 <= e <= 128.
@@ -255,10 +298,3 @@ def norm_from_parts(parts: torch.Tensor) -> float:
         return math.nan if nans else math.inf
     total = sum(((high << 24) + low) << (2 * i) for i, (high, low) in enumerate(zip(*parts[:2].tolist())))
     return math.sqrt(total / (1 << (48 - 2 * MIN_EXPONENT)))  # bin i is worth 2**(2 * (i + MIN_EXPONENT) - 48)
-
-
-def param_norm(params) -> float:
-    """In float64: a float32 norm of ~30 would round to steps of 4e-6, coarser than the 1e-6 parity limit.
-    Exact rather than summed in float64: a float64 sum rounds differently when the same numbers are grouped
-    differently (by tensor here, by shard in ZeRO-3), in the last bit, and parity compares records bitwise."""
-    return norm_from_parts(square_sum_parts(params))

@@ -228,7 +228,8 @@ def case_zero1(rank, problems) -> int:
 
 def case_zero2(rank, problems) -> int:
     """Sharded gradients: ours end to end, against DDP with a plain AdamW, a GradScaler and clip_grad_norm_."""
-    from sharded_gradients import ShardedGradScaler, clip_gradient_shards
+    from sharded_gradients import ShardedGradScaler
+    from training import clip_grad_norm
     from zero1 import ShardedOptimizer
     from zero2 import ShardedGradientDDP
     ours = ShardedGradientDDP(build(Toy, 100 + rank), bucket_cap_mb=0.0002, find_unused_parameters=True)
@@ -245,12 +246,12 @@ def case_zero2(rank, problems) -> int:
                     scaler.scale(loss_of(model, step, micro_step, rank)).backward()
         ours.finish_gradient_synchronization()
         our_scaler.unscale_(our_opt)
-        clip_gradient_shards(our_opt, 0.5)
+        clip_grad_norm([p for g in our_opt.param_groups for p in g["params"]], 0.5, [dist.group.WORLD])  # slices
         our_scaler.step(our_opt)
         our_scaler.update()
         our_opt.zero_grad()
         their_scaler.unscale_(their_opt)
-        # clip_gradient_shards adds the squares in float64 (any grouping of the slices rounds to the same
+        # clip_grad_norm adds the squares in float64 (any grouping of the slices rounds to the same
         # float32 norm); clip_grad_norm_ adds float32 norms. So: PyTorch's clipping rule, with that norm.
         grads = [p.grad for p in theirs.parameters() if p.grad is not None]
         norm = sum(g.double().pow(2).sum() for g in grads).sqrt().float()
@@ -392,11 +393,12 @@ def case_zero1_bf16(rank, problems) -> int:
 
 
 def case_zero1_fp16(rank, problems) -> int:
-    """ShardedOptimizer(param_dtype=fp16) with ShardedGradScaler and clip_gradient_shards, the outsider's float32
+    """ShardedOptimizer(param_dtype=fp16) with ShardedGradScaler and clip_grad_norm over its slices, the outsider's float32
     gradient sync into ``main_grad``, against PyTorch's plain mixed precision: an fp16 copy of the model for forward
     and backward, AdamW over a float32 master of all of it, torch.amp.GradScaler, clip_grad_norm_'s rule. The first
     loss scale (2^30) overflows fp16 and backs off to 2^10: both must skip that step, and only it."""
-    from sharded_gradients import ShardedGradScaler, clip_gradient_shards
+    from sharded_gradients import ShardedGradScaler
+    from training import clip_grad_norm
     from zero1 import ShardedOptimizer
     scaling = {"init_scale": 2.0**30, "backoff_factor": 2.0**-20}
     model = build(lambda: Stack(False), 100)
@@ -411,7 +413,7 @@ def case_zero1_fp16(rank, problems) -> int:
         for p, grad in summed_and_averaged(model, step, rank, scaler).items():
             p.main_grad = grad
         scaler.unscale_(opt)  # this rank's slices of main_grad, in place; one verdict for both ranks
-        clip_gradient_shards(opt, 0.5)
+        clip_grad_norm([p for g in opt.param_groups for p in g["params"]], 0.5, [dist.group.WORLD])  # masters' slices
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
@@ -419,7 +421,7 @@ def case_zero1_fp16(rank, problems) -> int:
         for p, hp in zip(master.parameters(), half.parameters()):
             p.grad = grads.get(hp)
         their_scaler.unscale_(their_opt)
-        norm = sum(g.double().pow(2).sum() for g in grads.values()).sqrt().float()  # as clip_gradient_shards adds
+        norm = sum(g.double().pow(2).sum() for g in grads.values()).sqrt().float()  # as clip_grad_norm adds
         torch.nn.utils.clip_grads_with_norm_(master.parameters(), 0.5, norm)
         their_scaler.step(their_opt)
         their_scaler.update()

@@ -51,14 +51,16 @@ def test_bytes_sent_and_micro_batches_held_match_the_formulas(pipeline_runs):
     """Per micro-batch each way: batch x sequence x hidden x 4 bytes; the tie: the last stage's half of the
     embedding's gradient per micro-batch, the first stage's combined gradient once per step. GPipe holds all M
     micro-batches' activations on every stage, 1F1B at most P - s on stage s. Stage 0 holds the embeddings and
-    its blocks; the last stage its blocks, the final norm and its copy of the tied embedding."""
-    activation, tie, M = B * S * E * 4, VOCAB * E * 4, 4
+    its blocks; the last stage its blocks, the final norm and its copy of the tied embedding. Both stages add
+    the two norms' all-reduces: the gradient's float64 sum of squares, the parameters' exact parts."""
+    activation, tie, M, norms = B * S * E * 4, VOCAB * E * 4, 4, 8 + 3 * 277 * 8
     for schedule, held in [("1f1b", [2, 1]), ("gpipe", [M, M])]:
         records = metrics(pipeline_runs("step9", 2, "--schedule", schedule))["records"]
         for record in records:
-            assert record["comm"] == [{"p2p activations": M * activation, "p2p tied-parameter gradient": tie},
+            assert record["comm"] == [{"p2p activations": M * activation, "p2p tied-parameter gradient": tie,
+                                       "all_reduce": norms},
                                       {"p2p activation gradients": M * activation,
-                                       "p2p tied-parameter gradient": M * tie}]
+                                       "p2p tied-parameter gradient": M * tie, "all_reduce": norms}]
             assert [m["micro_batches_in_flight"] for m in record["memory"]] == held
     block = 2 * E + 3 * E * E + 3 * E + E * E + E + 2 * E + 4 * E * E + 4 * E + 4 * E * E + E  # ln, attn, ln, mlp
     embeddings = VOCAB * E + S * E

@@ -13,7 +13,7 @@ import torch
 from conftest import metrics
 from checkpoint import clear_checkpoints, find_checkpoint
 from config import UserError
-from training import clip_gradients, lr_at, param_norm
+from training import clip_grad_norm, lr_at, param_norm
 
 pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 
@@ -125,7 +125,7 @@ def test_param_norm_is_the_float64_norm():
     assert abs(param_norm(params) - exact) / exact <= 1e-15
 
 
-# ---- training.clip_gradients: the rule of torch.nn.utils.clip_grad_norm_ -----------------------------
+# ---- training.clip_grad_norm: torch.nn.utils.clip_grad_norm_ as its oracle ---------------------------
 
 def with_gradients(scale):
     g = torch.Generator().manual_seed(0)
@@ -141,7 +141,7 @@ def test_clipping_matches_pytorch(scale, max_norm, clipped):
     """A norm of ~0.44 against a limit of 0.3: the coefficient's + 1e-6 changes it by ~2e-6, many ulps."""
     ours, theirs = with_gradients(scale), with_gradients(scale)
     unclipped = [p.grad.clone() for p in ours]
-    norm = clip_gradients(ours, max_norm)
+    norm = clip_grad_norm(ours, max_norm)
     their_norm = torch.nn.utils.clip_grad_norm_(theirs, max_norm, foreach=False)
     # The norm: float64 sum of squares, rounded once; on this data PyTorch's float32 norm is the same
     # number, so the coefficients can be compared bit for bit.
@@ -155,8 +155,26 @@ def test_clipping_matches_pytorch(scale, max_norm, clipped):
 def test_max_norm_zero_means_no_clipping():
     params = with_gradients(1.0)
     before = [p.grad.clone() for p in params]
-    norm = clip_gradients(params, 0.0)
+    norm = clip_grad_norm(params, 0.0)
     assert norm.item() > 1 and all(torch.equal(p.grad, b) for p, b in zip(params, before))
+
+
+def test_one_clipping_function_for_every_layout_counts_each_element_once():
+    """clip_grad_norm's ``counted``: the whole model's norm from a rank's share, every element once. Here one
+    process plays both ranks of a 2-way split, adding their float64 sums as the all-reduce would: the norm of
+    the whole model (torch.nn.utils.clip_grad_norm_ the oracle) and both shares clipped by its coefficient."""
+    whole, theirs = with_gradients(0.03), with_gradients(0.03)
+    their_norm = torch.nn.utils.clip_grad_norm_(theirs, 0.3, foreach=False)
+    # rank 0 holds the first two tensors and a replica of the third; rank 1 holds the third alone
+    shares = [[whole[0], whole[1], whole[2]], [whole[2]]]
+    counted = [[whole[0], whole[1]], [whole[2]]]
+    from training import sum_of_squares
+    total = sum(sum_of_squares(p.grad for p in c) for c in counted)
+    norm = clip_grad_norm(shares[0], 0.0, counted=counted[0])  # no clipping: the rank's own sum only
+    assert norm.item() == sum_of_squares(p.grad for p in counted[0]).sqrt().float().item()
+    assert total.sqrt().float().item() == their_norm.item()
+    norm = clip_grad_norm(whole, 0.3)  # one process, every element counted once
+    assert norm.item() == their_norm.item() and all(torch.equal(a.grad, b.grad) for a, b in zip(whole, theirs))
 
 
 @pytest.mark.quick

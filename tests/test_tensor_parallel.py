@@ -79,13 +79,13 @@ def test_communication_per_step_is_the_formula(tp_runs):
     (6 n_layer + 2) all-reduces of b x s x h floats (two per block forward, after each row-parallel layer; four
     backward, before each column-parallel one: c_q, c_k, c_v and c_fc; the embedding's forward, the output
     layer's input gradient) in bf16 for the blocks' row-parallel outputs under autocast, plus the loss's
-    3 x b x s floats, plus the exact norm parts of the gradient and the parameters."""
+    3 x b x s floats, plus the gradient's float64 sum of squares and the parameters' exact norm parts."""
     config = metrics(tp_runs("ours", 2))["config"]
     b, s, h, layers, accum = (config[k] for k in ("micro_batch_size", "seq_len", "n_embd", "n_layer", "grad_accum"))
     bsh = b * s * h
     # Under bf16 autocast: the row-parallel outputs (2 per block, forward) are bf16; every other all-reduce fp32.
     per_micro_batch = 2 * layers * bsh * 2 + (4 * layers + 2) * bsh * 4 + 3 * b * s * 4
-    norm_parts = 2 * 3 * 277 * 8  # the gradient's and the parameters' square_sum_parts, int64
+    norm_parts = 8 + 3 * 277 * 8  # the gradient's sum of squares (float64); the parameters' square_sum_parts (int64)
     for nproc in (2, 4):
         for record in metrics(tp_runs("ours", nproc))["records"]:
             assert record["comm"] == {"all_reduce": accum * per_micro_batch + norm_parts}
@@ -122,6 +122,10 @@ def outsider(rank, world_size, port, queue):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours - reference).abs().max() / reference.abs().max()).item()
 
 
 def use_it_in_your_own_script():
@@ -164,6 +168,13 @@ def use_it_in_your_own_script():
     h = up(x)
     gathered = ColumnParallelLinear(16, 32, gather_output=True)  # the whole output on every rank (all-gather)
     gathered.load_state_dict(tp_up.state_dict())
+    # ... and its backward: each rank's slice of the output gradient, the input gradient all-reduced
+    reference = nn.Linear(16, 32)
+    reference.load_state_dict(up.state_dict())
+    weights = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))  # the same on every rank
+    x_ours, x_full = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    (gathered(x_ours) * weights).sum().backward()
+    (reference(x_full) * weights).sum().backward()
     return {
         "embedding": torch.equal(tp_embed(ids), x),
         "column-parallel output": torch.equal(tp_up(x), h.chunk(T, -1)[rank]),
@@ -176,6 +187,10 @@ def use_it_in_your_own_script():
         "down.weight grad": (tp_down.weight.grad - down.weight.grad.chunk(T, 1)[rank]).abs().max().item(),
         "head.weight grad": (tp_head.weight.grad - head.weight.grad.chunk(T, 0)[rank]).abs().max().item(),
         "embedding grad": (tp_embed.weight.grad - embed.weight.grad.chunk(T, 0)[rank]).abs().max().item(),
+        # relative to the largest value: these gradients are O(1), the loss's above are O(1e-2)
+        "gathered weight grad": relative(gathered.weight.grad, reference.weight.grad.chunk(T, 0)[rank]),
+        "gathered bias grad": relative(gathered.bias.grad, reference.bias.grad.chunk(T, 0)[rank]),
+        "gathered input grad": relative(x_ours.grad, x_full.grad),
     }
 
 
@@ -199,7 +214,8 @@ def test_the_layers_in_an_outsiders_loop(outside):
         assert result["row-parallel, same order"], (rank, result)
         assert result["row-parallel vs nn.Linear"] < 1e-6, (rank, result)
         assert result["loss vs F.cross_entropy"] < 1e-6, (rank, result)
-        for key in ("up.weight grad", "down.weight grad", "head.weight grad", "embedding grad"):
+        for key in ("up.weight grad", "down.weight grad", "head.weight grad", "embedding grad", "gathered weight grad",
+                    "gathered bias grad", "gathered input grad"):
             assert result[key] < 1e-6, (rank, key, result)
 
 
