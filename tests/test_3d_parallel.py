@@ -88,6 +88,15 @@ def test_tp_only_is_step8_and_pp_only_is_step9(runs):
     assert all(r["grad_norm"] > 0.3 for r in metrics(runs("tp2"))["records"]), "clipping must trigger"
 
 
+def test_flushes_smaller_than_the_accumulation_are_step9(runs, tmp_path, small_corpus):
+    """--micro-batches 2 with --grad-accum 4: two pipeline flushes a step, each micro-batch's loss still divided
+    by the 4 of the whole step (dividing by the flush's 2 would double every gradient), bitwise step 9's one
+    flush of 4."""
+    flushes = train("step10", tmp_path / "flushes", small_corpus, "--pp", "2", "--grad-accum", "4",  # after TINY's
+                    "--micro-batches", "2", nproc=2)
+    assert_bitwise_same_run(flushes, runs("step9"))
+
+
 def test_dp_only_is_step1(runs):
     """--dp 2: step 5's training (ZeRO-1 over the dp group) on the pipeline of one stage; at 2 ranks every sum of
     two is order-free, so it is bitwise step 1 (PyTorch DDP), as step 5 is."""
