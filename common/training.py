@@ -134,11 +134,16 @@ def sum_of_squares(tensors) -> torch.Tensor:
     float32 result keeps: splitting or reordering the sum moves it by ~1e-16 relative. So a ZeRO
     rank that sums the squares of its slices and then all-reduces the sums gets, after the square
     root is rounded to float32, the clipping norm a DDP rank gets (unless the norm sits right on a
-    float32 rounding boundary).
+    float32 rounding boundary). On a GPU the elements are taken in pieces of 4M across tensors
+    (``_pieces``): a GPT-2 small's 148 gradients in 21 pieces, three kernels each, not three per tensor
+    (profiled on an H200, step 0 spent its step launching kernels more than running them). On the CPU,
+    tensor by tensor: each one's float64 squares stay in cache (6x faster than pieces, measured here).
     """
+    tensors = list(tensors)
+    pieces = _pieces(tensors) if tensors and tensors[0].is_cuda else (t.detach() for t in tensors)
     total = None  # summed on the tensors' device, in order; one copy to the CPU at the end (one GPU sync, not one
-    for t in tensors:  # per tensor): float64 additions in the same order give the same bits on either device
-        square = t.detach().double().pow(2).sum()
+    for x in pieces:  # per piece): float64 additions in the same order give the same bits on either device
+        square = x.double().pow(2).sum()
         total = square if total is None else total + square.to(total.device)
     return torch.zeros((), dtype=torch.float64) if total is None else total.cpu()
 
@@ -175,11 +180,11 @@ def scale_gradients(grads, norm: torch.Tensor, max_norm: float) -> None:
     1e-6), capped at 1; ``max_norm`` 0 leaves them alone (no clipping)."""
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        on_device = {}  # one copy to each device, not one per gradient
+        by_device = {}
         for g in grads:
-            if g.device not in on_device:
-                on_device[g.device] = coefficient.to(g.device)
-            g.mul_(on_device[g.device])
+            by_device.setdefault(g.device, []).append(g)
+        for device, same_device in by_device.items():  # one multi-tensor multiply per device, as torch's does
+            torch._foreach_mul_(same_device, coefficient.to(device))
 
 
 def param_norm(tensors, groups=(), device=None) -> float:
