@@ -27,7 +27,6 @@ from training import adamw_param_groups, autocast, pick_device  # noqa: E402
 
 def main():
     parser = build_parser("plain_loop")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--warmup", type=int, default=5, help="steps before the clock starts (compilation, caches)")
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic kernels, as every step runs (seeding.seed_everything), to measure their cost")

@@ -18,7 +18,7 @@ from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, lo
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
-from model import build_model, language_model_loss
+from model import build_model, compile_blocks, language_model_loss
 from seeding import rng_state, seed_everything
 from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_grad_norm, make_grad_scaler,
                       make_optimizer, make_scheduler, param_dtype, param_norm, pick_device)
@@ -78,8 +78,6 @@ def main():
     # ---- everything that can be wrong is checked before anything is written ------------------
     parser = build_parser(STEP)
     add_param_dtype_flag(parser)
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile each block (as torchtitan does): fused kernels, other rounding than eager")
     config = parse_config(parser)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # torchrun started several copies: each would train alone
         raise UserError(f"{STEP} is one process, but torchrun started {os.environ['WORLD_SIZE']}: each would train "
@@ -103,8 +101,7 @@ def main():
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
     if config["compile"]:  # block by block: the parameters keep their names, the loop does not change
-        for block in model.transformer.h:
-            block.compile()
+        compile_blocks(model)
     if resumed:  # before the float32 masters are copied out of the parameters
         load_parameters(model.named_parameters(), resumed)
     # --param-dtype bf16|fp16: AdamW steps a float32 master of every parameter; the model computes in a

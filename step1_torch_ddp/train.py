@@ -23,7 +23,7 @@ from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, lo
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
-from model import build_model, language_model_loss
+from model import build_model, compile_blocks, language_model_loss
 from seeding import rng_state, seed_everything
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
                       param_norm)
@@ -100,6 +100,8 @@ def main():
                                  shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
+    if config["compile"]:  # block by block, as in step 0: the communication stays outside the blocks
+        compile_blocks(model)
     # DDP broadcasts rank 0's parameters at construction, then all-reduces gradients during backward.
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if world.backend == "nccl" else None)
     if config["reduce_dtype"] == "float64":

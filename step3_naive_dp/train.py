@@ -22,7 +22,7 @@ from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, lo
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
-from model import build_model, language_model_loss
+from model import build_model, compile_blocks, language_model_loss
 from naive_dp import allreduce_gradients, broadcast_parameters, replicas_in_sync
 from sampler import ShardedSampler, check_no_overlap
 from seeding import rng_state, seed_everything
@@ -85,6 +85,8 @@ def main():
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # Different seeds on purpose: without the broadcast the replicas would start, and stay, different.
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
+    if config["compile"]:  # block by block, as in step 0: the communication stays outside the blocks
+        compile_blocks(model)
     broadcast_parameters(model, src=0)
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)

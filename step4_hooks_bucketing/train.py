@@ -25,7 +25,7 @@ from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, lo
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
-from model import build_model, language_model_loss
+from model import build_model, compile_blocks, language_model_loss
 from overlap_trace import OverlapTrace
 from sampler import ShardedSampler, check_no_overlap
 from seeding import rng_state, seed_everything
@@ -95,6 +95,8 @@ def main():
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # Different seeds on purpose, as in step 3: BucketedDDP broadcasts rank 0's parameters.
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
+    if config["compile"]:  # block by block, as in step 0: the communication stays outside the blocks
+        compile_blocks(model)
     ddp_model = BucketedDDP(model, bucket_cap_mb=config["bucket_cap_mb"],
                             reduce_dtype=getattr(torch, config["reduce_dtype"]))
     tracer = OverlapTrace(ddp_model) if config["trace"] else None  # keeps the last step's timeline

@@ -24,7 +24,7 @@ from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, lo
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
-from model import build_model, language_model_loss
+from model import build_model, compile_blocks, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
 from sharded_gradients import ShardedGradScaler
 from zero1 import ShardedOptimizer
@@ -102,6 +102,8 @@ def main():
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # Different seeds on purpose, as in step 3: ShardedGradientDDP broadcasts rank 0's parameters.
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
+    if config["compile"]:  # block by block, as in step 0: the communication stays outside the blocks
+        compile_blocks(model)
     if resumed:  # before the optimiser copies its float32 masters (--param-dtype) out of the parameters
         load_parameters(model.named_parameters(), resumed)
     ddp_model = ShardedGradientDDP(model, bucket_cap_mb=config["bucket_cap_mb"],

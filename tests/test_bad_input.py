@@ -200,6 +200,7 @@ CASES = {
     "pipeline-micro-batches": lambda s: trainer("step9", "--grad-accum", "4", "--micro-batches", "3", ranks=2),
     "pipeline-schedule": lambda s: trainer("step9", "--schedule", "zb", ranks=2),
     "pipeline-fp16": lambda s: trainer("step9", "--amp", "fp16", ranks=2),
+    "compile-not-here": lambda s: trainer("step7", "--compile", ranks=2),
     "param-dtype-with-amp": lambda s: trainer("step0", "--param-dtype", "bf16", "--amp", "bf16"),
     "param-dtype-not-here": lambda s: trainer("step1", "--param-dtype", "bf16", ranks=2),
     "fsdp2-reference-flags": lambda s: tool("fsdp2_reference.py", "--param-dtype", "fp16"),
