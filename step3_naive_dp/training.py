@@ -150,15 +150,15 @@ def sum_of_squares(tensors) -> torch.Tensor:
 
 def clip_grad_norm(params, max_norm: float, groups=(), counted=None, device=None) -> torch.Tensor:
     """Scale the gradients of ``params`` in place so that the whole model's gradient has norm at most
-    ``max_norm``; return that norm before clipping, in float32. The rule of ``torch.nn.utils.clip_grad_norm_`` (coefficient
-    max_norm / (norm + 1e-6), capped at 1, in float32), and one function for every layout, after torchtitan's
-    ``clip_grad_norm_(..., pp_mesh=)``:
+    ``max_norm``; return that norm before clipping, in float32. The rule of ``torch.nn.utils.clip_grad_norm_``
+    (coefficient max_norm / (norm + 1e-6), capped at 1, in float32), and one function for every layout, after
+    torchtitan's ``clip_grad_norm_(..., pp_mesh=)``:
 
     - ``params``: every parameter whose ``.grad`` this rank scales (whole tensors; ZeRO's slices or float32
       masters; a stage's; tensor-parallel shards);
     - ``counted``: those whose gradients' squares this rank adds (default ``params``). Across the ranks of
-      ``groups``, every element of the model's gradient is counted exactly once: a slice or a shard on its own rank, a
-      replica on one rank only (step 8's LayerNorms on tp rank 0; the tied embedding on the first stage);
+      ``groups``, every element of the model's gradient is counted exactly once: a slice or a shard on its own
+      rank, a replica on one rank only (step 8's LayerNorms on tp rank 0; the tied embedding on the first stage);
     - ``groups``: the process groups whose ranks hold the rest, all-reduced in turn (ZeRO's ranks; the
       pipeline's stages; tp, then pp, in step 10). ``device``: where nccl reduces (default: the gradients').
 

@@ -66,7 +66,8 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
         # clipping norm adds the ranks' sums of squares (sharded_gradients.py; steps 6 and 7 shard gradients too).
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
         if mixed:  # one norm from every rank's slices
-            grad_norm = clip_grad_norm(params_in_order(optimizer), config["grad_clip"], [dist.group.WORLD], device=device)
+            grad_norm = clip_grad_norm(params_in_order(optimizer), config["grad_clip"], [dist.group.WORLD],
+                                       device=device)
         else:
             grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"])
         scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
@@ -164,7 +165,8 @@ def main():
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(optimizer.views, [dist.group.WORLD], device) if mixed else param_norm(model.parameters()),
+            "param_norm": (param_norm(optimizer.views, [dist.group.WORLD], device) if mixed  # the masters' slices
+                           else param_norm(model.parameters())),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,

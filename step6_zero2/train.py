@@ -161,7 +161,8 @@ def main():
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(optimizer.views, [dist.group.WORLD], device) if mixed else param_norm(model.parameters()),
+            "param_norm": (param_norm(optimizer.views, [dist.group.WORLD], device) if mixed  # the masters' slices
+                           else param_norm(model.parameters())),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
