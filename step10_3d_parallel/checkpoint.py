@@ -111,7 +111,6 @@ def checkpoint_meant_by(path: Path) -> Path | None:
 
 
 # What a fresh run removes from <out>/checkpoints: the folders a save writes, and nothing else.
-UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")  # AdamW options that are not hyperparameters
 OWN_CHECKPOINT_FOLDER = re.compile(r"(\.tmp_|\.old_)?step_\d+")
 
 
@@ -251,6 +250,10 @@ def load_optimizer(optimizer, checkpoint, named_params) -> None:
 
 
 # ---- Reading ------------------------------------------------------------------------------------------
+
+# Optimiser options that say how the update runs, not what it computes: the resuming run's own, not the saved ones.
+UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+
 
 class Checkpoint:
     """A whole checkpoint on disk, read as full tensors by parameter name, whatever step and world size wrote it.
