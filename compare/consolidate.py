@@ -4,7 +4,7 @@ whole state in one state.pt, as steps 0-4 write theirs (DeepSpeed calls this a u
     python compare/consolidate.py runs/step7_zero3/checkpoints/step_20 runs/consolidated
     torchrun --standalone --nproc_per_node=2 step1_torch_ddp/train.py --resume runs/consolidated/checkpoints/step_20
 
-Every trainer already resumes any step's checkpoint at any world size (checkpoint.py reads it by parameter
+Every trainer already resumes any step's checkpoint at any world size (resharding.py reads it by parameter
 name and element range); this writes the joined tensors once, for a tool that does not know the slices, or
 to keep one file per run instead of one per rank. Bad input is one line and exit code 2.
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # checkpoint.py, config.py
-from checkpoint import Checkpoint, checkpoint_dir, checkpoint_meant_by, checkpoint_meta  # noqa: E402
+from checkpoint import checkpoint_dir, checkpoint_meant_by, checkpoint_meta  # noqa: E402
+from resharding import Checkpoint  # noqa: E402
 from config import OneLineParser, UserError, check_writable_folder, exit_on_user_error  # noqa: E402
 
 

@@ -13,6 +13,7 @@ import torch
 from torch.profiler import record_function
 from torch.utils.data import DistributedSampler
 
+from background_writer import BackgroundWriter
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint, optimizer_state)
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
@@ -126,7 +127,9 @@ def main():
 
     env = environment(device, 1, None, config["amp"], corpus.data_sha256, corpus.tokenizer_sha256, len(corpus.blocks))
     log = RunLog(config, env, is_writer=True, records=records)
-    writer = CheckpointWriter(config, 0, 1, {name: p.shape for name, p in model.named_parameters()})
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
+        config, 0, 1, {name: p.shape for name, p in model.named_parameters()})
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 

@@ -153,7 +153,7 @@ def _split(size: int, group, what: str) -> int:
 
 def _block_of(full: torch.Tensor, dim: int, group, what: str) -> nn.Parameter:
     """Rank r's block r of T of ``full`` along ``dim``, as a new Parameter that records where it sits: ``tp_blocks``,
-    ``[(dim, start, end)]`` (a list: the checkpoint's format, common/checkpoint.py, allows several)."""
+    ``[(dim, start, end)]`` (a list: the checkpoint format of resharding.py allows several)."""
     length = _split(full.shape[dim], group, what)
     start = dist.get_rank(group) * length
     shard = nn.Parameter(full.detach().narrow(dim, start, length).clone(memory_format=torch.contiguous_format),
@@ -372,7 +372,7 @@ def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 def checkpoint_blocks(name: str, param) -> list:
-    """Where this rank's ``param`` sits in the whole one: ``(name, dim, start, end)`` blocks (common/checkpoint.py);
+    """Where this rank's ``param`` sits in the whole one: ``(name, dim, start, end)`` blocks (resharding.py);
     a replicated parameter is one block, all of it."""
     return [(name, *block) for block in param.tp_blocks] if is_sharded(param) else [(name, 0, 0, param.shape[0])]
 
@@ -380,7 +380,7 @@ def checkpoint_blocks(name: str, param) -> list:
 def checkpoint_shards(named: list, params: list, optimizer_state: dict) -> dict:
     """This rank's shards of the parameters ``named`` (``(name, param)`` pairs) and of their optimiser state
     (``optimizer_state``: a state dict whose i-th parameter is ``params[i]``), and which block of which parameter
-    each is: common/checkpoint.py joins them back at any degree. A shard is its own block, as it is laid out."""
+    each is: resharding.py joins them back at any degree. A shard is its own block, as it is laid out."""
     name_of = {p: n for n, p in named}
     return {"model_blocks": [b for n, p in named for b in checkpoint_blocks(n, p)],
             "model": [p.detach() for _, p in named],
@@ -389,7 +389,7 @@ def checkpoint_shards(named: list, params: list, optimizer_state: dict) -> dict:
 
 def load_checkpoint_shards(named: list, params: list, checkpoint) -> dict:
     """The reverse of ``checkpoint_shards``: copy this rank's shard of every parameter ``named`` out of
-    ``checkpoint`` (any step's, any degree's: common/checkpoint.py joins its blocks), and return the optimiser
+    ``checkpoint`` (any step's, any degree's: resharding.py joins its blocks), and return the optimiser
     state of the shards (the i-th entry ``params[i]``'s)."""
     with torch.no_grad():
         for name, param in named:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
+from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
@@ -98,7 +99,7 @@ def gather_full_model(stage, named: list, mesh) -> dict:
 def checkpoint_state(named: list, optimizer) -> dict:
     """This rank's TP/PP shard of the parameters and of AdamW's state, as step 8 writes it (blocks of the whole
     tensors, named): ZeRO-1's slices are first gathered over the dp group (``consolidated_state_dict``), so the
-    checkpoint never depends on dp. Any step reads it at any mesh or world size (common/checkpoint.py)."""
+    checkpoint never depends on dp. Any step reads it at any mesh or world size (resharding.py)."""
     return checkpoint_shards(named, optimizer.params, optimizer.consolidated_state_dict())
 
 
@@ -226,7 +227,9 @@ def main():
     env.update(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_stages=pp,  # parity.py: the global batch
                mesh={"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "order": "pp, dp, tp (tp innermost)"})
     log = RunLog(config, env, is_writer=world.is_main, records=records)
-    writer = CheckpointWriter(config, world.rank, world.world_size, shapes, data_parallel_size=dp)
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
+        config, world.rank, world.world_size, shapes, data_parallel_size=dp)
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * dp
 

@@ -290,7 +290,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         masters = self.gathered_masters()
         return {name: masters.get(param, param) for name, param in named_params}
 
-    # ---- Checkpoints (the interface of common/checkpoint.py: what this rank saves, and loading it back) ----
+    # ---- Checkpoints (the interface of checkpoint.py: what this rank saves, and loading it back) ----
     def checkpoint_state(self, named_params) -> dict:
         """What this rank saves: its slices of the optimiser state (``optimizer``, ``optimizer_slices``) and, with
         ``param_dtype``, its float32 masters as flat slices (``model``, ``model_slices``), named by
@@ -322,7 +322,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"this optimiser shard covers other slices (saved at world size "
                              f"{state_dict.get('world_size')}; here world size {self.world_size}, rank {self.rank}, "
                              "or other chunks): cut this rank's slices from every rank's shards, as "
-                             "common/checkpoint.py does, or load a consolidated state dict into a plain optimiser")
+                             "resharding.py does, or load a consolidated state dict into a plain optimiser")
         self.local_optimizer.load_state_dict({k: v for k, v in state_dict.items() if k not in ("slices", "world_size")})
 
     def consolidated_state_dict(self) -> dict:

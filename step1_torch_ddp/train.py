@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 import distributed
+from background_writer import BackgroundWriter
 from comm_accounting import comm_bytes, count_collective, take_comm_bytes
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint, optimizer_state)
@@ -123,8 +124,9 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     log = RunLog(config, env, is_writer=world.is_main, records=records)
-    writer = CheckpointWriter(config, world.rank, world.world_size,
-                              {name: p.shape for name, p in model.named_parameters()})
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
+        config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()})
     accum = config["grad_accum"]
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 import distributed
+from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint, optimizer_state)
@@ -105,8 +106,9 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     log = RunLog(config, env, is_writer=world.is_main, records=records)
-    writer = CheckpointWriter(config, world.rank, world.world_size,
-                              {name: p.shape for name, p in model.named_parameters()})
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
+        config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()})
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 # How a run ends on a mistake, and the memory budget: operations code, in modules of their own (skip them on a
 # first read). Named here too because every train.py imports them from config.
-from failures import UserError, exit_on_user_error, explain_failure, failure_explainers  # noqa: F401
+from failures import UserError, exit_on_user_error, explain_failure, failure_explainers, not_written  # noqa: F401
 from memory_budget import limit_memory  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # common/.. or stepK_x/..: both are the repo root

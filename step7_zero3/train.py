@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 import distributed
+from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
@@ -153,7 +154,9 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     log = RunLog(config, env, is_writer=world.is_main, records=records)
-    writer = CheckpointWriter(config, world.rank, world.world_size, shapes)
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
+        config, world.rank, world.world_size, shapes)
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 

@@ -380,7 +380,7 @@ class FullyShardedDP(torch.nn.Module):
         """``{name: (start, end)}``: the elements of each (flattened) parameter this rank's piece holds."""
         return {name: r for unit in self.units for name, r in zip(unit.names, unit.ranges)}
 
-    # ---- Checkpoints (the interface of common/checkpoint.py: what this rank saves, and loading it back) ----
+    # ---- Checkpoints (the interface of checkpoint.py: what this rank saves, and loading it back) ----
     def checkpoint_state(self, optimizer=None) -> dict:
         """What this rank saves: its pieces as flat slices (``model``; ``model_slices``, which elements of each
         flattened parameter they are) and, given the ``optimizer`` that steps the pieces, its state dict and the

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 import distributed
+from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint, params_in_order
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
@@ -118,7 +119,9 @@ def main():
                       corpus.tokenizer_sha256, len(corpus.blocks))
     env.update(tensor_parallel_size=world.world_size, data_parallel_size=1)  # parity.py: the global batch
     log = RunLog(config, env, is_writer=world.is_main, records=records)
-    writer = CheckpointWriter(config, world.rank, world.world_size, full_shapes, data_parallel_size=1)
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
+        config, world.rank, world.world_size, full_shapes, data_parallel_size=1)
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 

@@ -3,7 +3,7 @@
 Operations code, not the lesson: skip it on a first read. ``train.py`` runs ``main()`` through
 ``exit_on_user_error``; a mistake the user can fix (``UserError``) ends the run with exit code 2, and so do
 the failures another module knows how to explain: running out of memory (``memory_budget.py``), a
-checkpoint that could not be written (``checkpoint.py``), and, with exit code 3, a collective that failed
+checkpoint that could not be written (below), and, with exit code 3, a collective that failed
 because a peer died, froze or disagreed (``collective_failures.py``).
 """
 import os
@@ -28,6 +28,27 @@ def explain_failure(error: BaseException) -> tuple[str, int] | None:
         if explained is not None:
             return explained
     return None
+
+
+class CheckpointNotWritten(RuntimeError):
+    """A save that failed: one line and exit code 2, like running out of memory, at whatever point of training;
+    the checkpoints saved before it stay whole."""
+
+
+failure_explainers.append(lambda error: (str(error), 2) if isinstance(error, CheckpointNotWritten) else None)
+
+
+def not_written(error: BaseException, rank: int, step: int, out_dir) -> BaseException:
+    """What a failed checkpoint write raises: out of memory or a failed collective as they are (they have their
+    own one-line explanations), anything else (a full disk, a folder removed under the run) as
+    ``CheckpointNotWritten``."""
+    if explain_failure(error) is not None:
+        return error
+    failure = CheckpointNotWritten(
+        f"rank {rank} could not write checkpoint step_{step} in {out_dir}/checkpoints ({type(error).__name__}: "
+        f"{error}); the checkpoints before it are whole: make room, then resume with --resume")
+    failure.__cause__ = error
+    return failure
 
 
 def exit_on_user_error(main):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
+from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint, optimizer_slices)
@@ -134,7 +135,8 @@ def main():
                       corpus.tokenizer_sha256, len(corpus.blocks))
     env.update(pipeline_stages=num_stages, data_parallel_size=1)  # compare/parity.py: the global batch is one replica's
     log = RunLog(config, env, is_writer=world.is_main, records=records)
-    writer = CheckpointWriter(config, world.rank, 1, shapes)
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(config, world.rank, 1, shapes)
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 

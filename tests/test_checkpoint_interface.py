@@ -1,4 +1,4 @@
-"""The checkpoint interface (common/checkpoint.py, rule 5) of the sharding wrappers, against one plain process.
+"""The checkpoint interface (common/checkpoint.py, rule 3) of the sharding wrappers, against one plain process.
 
 Each wrapper says what this rank saves (``checkpoint_state``) and loads its part back (``load_checkpoint``). The
 independent answer is a plain model and a plain AdamW in the same process, given the same gradients: what every
@@ -63,7 +63,8 @@ def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before
     load the checkpoint in ``folder`` and take one more step."""
     init_gloo(rank, world_size, port)
     sys.path.insert(0, str(REPO / "step5_zero1"))
-    from checkpoint import Checkpoint, load_parameters
+    from checkpoint import load_parameters
+    from resharding import Checkpoint
     from zero1 import ShardedOptimizer
     model = toy()
     named = list(model.named_parameters())
@@ -92,7 +93,7 @@ def fsdp_worker(rank, world_size, port, queue, folder, steps_before):
     """ZeRO-3 (its pieces and the plain AdamW that steps them), as ``sharded_optimizer_worker``."""
     init_gloo(rank, world_size, port)
     sys.path.insert(0, str(REPO / "step7_zero3"))
-    from checkpoint import Checkpoint
+    from resharding import Checkpoint
     from zero3 import FullyShardedDP
     model = toy()
     shapes = {n: p.shape for n, p in model.named_parameters()}
@@ -120,7 +121,7 @@ def fsdp_worker(rank, world_size, port, queue, folder, steps_before):
 
 @pytest.mark.parametrize("worker", [sharded_optimizer_worker, fsdp_worker], ids=["ShardedOptimizer", "FullyShardedDP"])
 def test_saved_pieces_join_into_the_plain_model_and_load_at_another_world_size(worker, tmp_path):
-    from checkpoint import Checkpoint
+    from resharding import Checkpoint
     steps = 2
     saved = spawn(worker, 2, tmp_path, steps)
     plain, plain_optimizer = reference(steps)
@@ -148,3 +149,38 @@ def test_saved_pieces_join_into_the_plain_model_and_load_at_another_world_size(w
         assert not different, f"rank {rank}: {different}"
     if worker is sharded_optimizer_worker:
         assert resumed[0]["dtypes"] == {"torch.bfloat16"}  # the model computes in 16 bits; the masters are float32
+
+
+FIXTURE = REPO / "tests" / "fixtures" / "format2_step5_two_ranks"
+
+
+@pytest.mark.parametrize("step", ["step5", "step1"])
+def test_a_checkpoint_written_before_the_reader_was_split_out_resumes_bitwise(step, small_corpus, tmp_path):
+    """tests/fixtures/format2_step5_two_ranks: step 5's checkpoint at step 2 of a 4-step run at 2 ranks (ZeRO-1
+    slices in each rank's file, dropout on), written by the code before checkpoint.py was split into
+    checkpoint.py, resharding.py and background_writer.py; expected.json holds that run's records and the sha256
+    of its final weights. Resumed today in step 5 (the same layout) and in step 1 (DDP: the slices joined into
+    whole tensors), both must end on those bits. Only the machine-specific paths in meta.json are rewritten."""
+    import hashlib
+    import json
+    import shutil
+
+    from conftest import launch, metrics, weights
+    expected = json.loads((FIXTURE / "expected.json").read_text())
+    out = tmp_path / "run"
+    shutil.copytree(FIXTURE / "step_2", out / "checkpoints" / "step_2")
+    meta_path = out / "checkpoints" / "step_2" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    tokenizer = str(REPO / "data" / "tokenizer.json")
+    meta["config"].update(data=str(small_corpus), tokenizer=tokenizer)
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    args = ["--steps", "4", "--micro-batch-size", "2", "--grad-accum", "2", "--seq-len", "32", "--n-layer", "1",
+            "--n-embd", "8", "--n-head", "2", "--grad-clip", "0.3", "--warmup-steps", "2", "--save-every", "2",
+            "--dropout", "0.1", "--quiet", "--data", str(small_corpus), "--tokenizer", tokenizer, "--out", str(out),
+            "--resume", "auto"]
+    result = launch(step, args, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = {name: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for name, t in weights(out).items()}
+    assert final == expected["final_weights_sha256"]
+    keep = expected["records"][0].keys()
+    assert [{k: r[k] for k in keep} for r in metrics(out)["records"]] == expected["records"]

@@ -11,7 +11,7 @@ import torch
 from conftest import REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, trainer_command, weights
 
 sys.path[:0] = [str(REPO / "common"), str(REPO / "compare")]
-from checkpoint import Checkpoint  # noqa: E402
+from resharding import Checkpoint  # noqa: E402
 from consolidate import consolidate  # noqa: E402
 
 # Resumed with another split of the same global batch, a run groups its samples into other micro-batches:

@@ -213,7 +213,8 @@ def test_the_gpu_bin_sums_equal_bincount_and_leave_deterministic_mode_as_it_was(
 def test_a_checkpoint_keeps_the_hyperparameters_and_leaves_the_update_implementation_to_the_resuming_run(tmp_path):
     """A run on the CPU saves AdamW with ``foreach=False`` (training.adamw_options); resumed on a GPU it must run
     the multi-tensor update every step there uses, so only the hyperparameters come from the checkpoint."""
-    from checkpoint import Checkpoint, CheckpointWriter, load_optimizer, optimizer_state
+    from checkpoint import CheckpointWriter, load_optimizer, optimizer_state
+    from resharding import Checkpoint
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     named = list(model.named_parameters())
