@@ -19,11 +19,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import distributed
 from background_writer import BackgroundWriter
-from comm_accounting import comm_bytes, count_collective, take_comm_bytes
+from comm_accounting import comm_bytes, take_comm_bytes
 from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
                         open_checkpoint, optimizer_state)
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
+from exact_reduction import float64_allreduce_hook
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
@@ -65,21 +66,6 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     return loss_sum, grad_norm, memory
 
 
-def float64_allreduce_hook(process_group, bucket):
-    """DDP communication hook of the exact mode: reduce in float64, divide, round to float32 once.
-
-    Summing float32 gradients of 3+ ranks gives a result that depends on the order of the additions;
-    summing them in float64 is exact for the few ranks we run, so every implementation that does the
-    same gets the same bits, whatever order its all-reduce adds in.
-    """
-    buffer = bucket.buffer()
-    wide = buffer.to(torch.float64)
-    count_collective("all_reduce", wide)
-    world_size = dist.get_world_size(process_group)
-    future = dist.all_reduce(wide, group=process_group, async_op=True).get_future()
-    return future.then(lambda fut: buffer.copy_(fut.value()[0].div_(world_size)))
-
-
 def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
@@ -107,7 +93,7 @@ def main():
         compile_blocks(model)
     # DDP broadcasts rank 0's parameters at construction, then all-reduces gradients during backward.
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if world.backend == "nccl" else None)
-    if config["reduce_dtype"] == "float64":
+    if config["reduce_dtype"] == "float64":  # the exact mode: DDP reduces in float64 (exact_reduction.py)
         ddp_model.register_comm_hook(None, float64_allreduce_hook)
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
