@@ -27,8 +27,9 @@ from metrics import RunLog, StepClock, environment, memory_stats, save_final_wei
 from model import build_model
 from sampler import ShardedSampler
 from seeding import rng_state, seed_everything
-from tensor_parallel import (check_divisible, checkpoint_shards, counted_once, gather_full_parameters,
-                             load_checkpoint_shards, parallelize_gpt2, replicated_in_sync, vocab_parallel_cross_entropy)
+from tensor_parallel import check_divisible, parallelize_gpt2, vocab_parallel_cross_entropy
+from tensor_parallel_state import (checkpoint_shards, counted_once, gather_full_parameters, load_checkpoint_shards,
+                                   replicated_in_sync)
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
                       param_norm)
 from sharded_gradients import ShardedGradScaler  # step 5's: the fp16 overflow flag agreed by every rank
