@@ -19,106 +19,24 @@ import torch.distributed as dist
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
+from composition import (add_mesh_flags, added, check_degrees, checkpoint_state, counted_once, gather_full_model,
+                         load_checkpoint, tensor_parallel_stage)
 from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from mesh import build_mesh, check_mesh
+from mesh import build_mesh
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from naive_dp import allreduce_gradients
-from pipeline import SCHEDULES, GPT2Stage, Pipeline, check_pipeline, record_random_ops
+from pipeline import Pipeline, record_random_ops
 from sampler import ShardedSampler
 from seeding import rng_state, seed_everything
-from tensor_parallel import (check_divisible, checkpoint_shards, gather_full_parameters, is_sharded,
-                             load_checkpoint_shards, parallelize_gpt2, vocab_parallel_cross_entropy)
+from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
 from training import (adamw_options, adamw_param_groups, autocast, check_amp, clip_grad_norm, make_grad_scaler,
                       make_scheduler, param_norm)
 from zero1 import ShardedOptimizer
 
 STEP = Path(__file__).resolve().parent.name
-
-
-def add_mesh_flags(parser) -> None:
-    flags = parser.add_argument_group("3D parallelism (their product is the number of ranks)")
-    flags.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what --tp and --pp leave)")
-    flags.add_argument("--tp", type=int, default=1,
-                       help="tensor-parallel degree: must divide --n-head and the vocabulary")
-    flags.add_argument("--pp", type=int, default=1, help="pipeline stages: at most --n-layer")
-    flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline's schedule (step 9)")
-    flags.add_argument("--micro-batches", type=int, default=None, metavar="M",
-                       help="micro-batches in the pipeline at once (default: --grad-accum); must divide --grad-accum")
-
-
-def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, int]:
-    """Every mistake in the mesh flags, with one line, before anything connects; returns (dp, M): the mesh's
-    own (mesh.py), step 8's for the tp degree and step 9's for the pp degree."""
-    tp, pp = config["tp"], config["pp"]
-    dp = config["dp"] if config["dp"] is not None else max(1, world_size // max(1, tp * pp))
-    check_mesh(dp, tp, pp, world_size)
-    check_divisible(config["n_head"], vocab_size, tp, flag="--tp")
-    return dp, check_pipeline(config, pp, flag="--pp")
-
-
-def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage:
-    """Step 9's stage of a model step 8 made tensor-parallel. The output layer must stay the tensor-parallel one
-    (its input's gradient is all-reduced over the tp group, Megatron's f): GPT2Stage gives the last stage a
-    plain Linear, so it gets the model's ColumnParallelLinear back, with the stage's copy of the tie."""
-    stage = GPT2Stage(model, stage_index, num_stages)
-    if stage.is_last and is_sharded(model.transformer.wte.weight):
-        copy, embedding = stage.lm_head.weight, model.transformer.wte.weight
-        copy.tp_blocks = embedding.tp_blocks  # the same shard
-        model.lm_head.weight = copy
-        stage.lm_head = model.lm_head
-    return stage
-
-
-def added(a: dict, b: dict) -> dict:
-    """Two records of bytes per collective, added."""
-    return {kind: a.get(kind, 0) + b.get(kind, 0) for kind in sorted(a.keys() | b.keys())}
-
-
-def counted_once(named: list, mesh) -> list:
-    """The tensors whose squares add up to the whole model's (or gradient's) across the mesh: TP shards on every
-    tp rank, replicated ones on tp rank 0 only, the tie's copy on the last stage not at all."""
-    return [p for n, p in named if (is_sharded(p) or mesh.tp_rank == 0)
-            and not (n == "transformer.wte.weight" and mesh.pp_rank > 0)]
-
-
-def gather_full_model(stage, named: list, mesh) -> dict:
-    """Every parameter whole, by name, on every rank: the tp shards all-gathered (step 8), the stages' parts
-    then gathered over the pp group (step 9)."""
-    full = gather_full_parameters(stage, group=mesh.tp_group)  # by the stage module's names
-    name_of = {n: name for (n, _), (name, _) in zip(stage.named_parameters(), named)}
-    mine = {name_of[n]: t for n, t in full.items()
-            if not (name_of[n] == "transformer.wte.weight" and mesh.pp_rank > 0)}
-    stages = [None] * mesh.pp
-    dist.all_gather_object(stages, mine, group=mesh.pp_group)
-    return {n: t for part in stages for n, t in part.items()}
-
-
-def checkpoint_state(named: list, optimizer) -> dict:
-    """This rank's TP/PP shard of the parameters and of AdamW's state, as step 8 writes it (blocks of the whole
-    tensors, named): ZeRO-1's slices are first gathered over the dp group (``consolidated_state_dict``), so the
-    checkpoint never depends on dp. Any step reads it at any mesh or world size (resharding.py)."""
-    return checkpoint_shards(named, optimizer.params, optimizer.consolidated_state_dict())
-
-
-def load_checkpoint(named: list, optimizer, checkpoint) -> None:
-    """This rank's part of ``checkpoint`` (any step's, any mesh's): its TP shard of every parameter (step 8's
-    blocks of the whole tensors), then its ZeRO-1 slices of that shard's AdamW state (step 5's flat ranges)."""
-    params = [p for _, p in named]
-    index = {p: i for i, p in enumerate(params)}
-    shards = load_checkpoint_shards(named, params, checkpoint)  # this rank's TP shards, step 8's way
-    state = {}
-    for local, piece in enumerate(optimizer.pieces):  # the local optimiser's parameters: flat slices of the shards
-        entry = shards["state"].get(index[piece.param])
-        if entry:  # none: never stepped
-            state[local] = {k: v.reshape(-1)[piece.start:piece.end].clone() if torch.is_tensor(v) and v.dim() else v
-                            for k, v in entry.items()}
-    hyper = {i: {k: v for k, v in g.items() if k != "params"} for g in shards["param_groups"] for i in g["params"]}
-    groups = [{**local, **hyper[index[full["params"][0]]]}  # the checkpoint's lr, betas, ... for each group
-              for local, full in zip(optimizer.local_optimizer.state_dict()["param_groups"], optimizer.full_groups)]
-    optimizer.load_state_dict({"state": state, "param_groups": groups, "slices": optimizer.slices()})
 
 
 def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh) -> tuple:
