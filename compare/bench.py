@@ -312,11 +312,12 @@ class Zero1Bf16(Zero1):
     """Step 5 with --param-dtype bf16: bf16 parameters, forward and backward, and all-gathers; float32 masters of
     this rank's slices; the gradient reduced in float32 into ``main_grad``. Measured against its float32 self."""
     key, name, counterpart = "zero1-bf16", "ZeRO-1 bf16 (step 5)", "ZeRO-1 (step 5)"
+    module_needed = ("masters", "step5_zero1", ("ShardedOptimizerWithMasters",))
 
     def make_optimizer(self):
-        zero1 = importlib.import_module("zero1")
-        return zero1.ShardedOptimizer(adamw_param_groups(self.model.named_parameters(), self.config),
-                                      torch.optim.AdamW, param_dtype=torch.bfloat16, **adamw_options(self.config))
+        masters = importlib.import_module("masters")
+        return masters.ShardedOptimizerWithMasters(adamw_param_groups(self.model.named_parameters(), self.config),
+                                                   torch.optim.AdamW, torch.bfloat16, **adamw_options(self.config))
 
     def gradients(self):
         return [p.main_grad for p in self.model.parameters()]  # the float32 reduced gradient, whole

@@ -21,20 +21,9 @@ rank: N copies of identical work and memory. Here:
 5. **A drop-in, as ``ZeroRedundancyOptimizer`` is.** ``param_groups`` hold the full parameters, so
    whatever decides *whether* or *how much* to step (a ``GradScaler``'s overflow check, clipping
    with ``clip_grad_norm_``, an LR scheduler) reads the whole averaged gradient, which every rank
-   holds: the ranks agree without a word. Only when the optimiser reads slices of the gradient (rule 6;
-   ZeRO-2) must that verdict be combined across ranks (``sharded_gradients.py``); otherwise rank 1
-   would skip a step that rank 0 takes.
-
-6. **Mixed precision, as ZeRO and FSDP2 train.** With ``param_dtype`` (bf16 or fp16) the model's parameters
-   become 16-bit (forward and backward compute in 16 bits, the all-gather moves 2 bytes per element) and
-   what the local optimiser steps is a float32 *copy* of this rank's slices: the master weights, beside
-   their moments, 12 bytes per owned element. The gradient is read in float32, never rounded to 16 bits on
-   its way to the master: from ``param.main_grad`` where the gradient sync left one (step 4's
-   ``BucketedDDP`` does for 16-bit parameters, as Megatron-LM's does), or the ZeRO-2 shards. After the
-   step the masters are rounded once to 16 bits and all-gathered. ``param_groups`` are then the masters'
-   groups (ZeRO-2 also: only they have float32 gradients); in ZeRO-1 their ``.grad`` are views of this
-   rank's slices of ``main_grad``, so a scaler or clipping that reads them sees only this rank's slices and
-   must combine its verdict across ranks (``sharded_gradients.py``).
+   holds: the ranks agree without a word. Only when the optimiser reads slices of the gradient (ZeRO-2,
+   or the float32 masters of ``masters.py``) must that verdict be combined across ranks
+   (``sharded_gradients.py``); otherwise rank 1 would skip a step that rank 0 takes.
 
 Adam, AdamW and SGD update every element from that element's own values, so stepping a slice gives
 the bits that stepping the whole tensor gives. An optimiser that looks across a tensor (LAMB's
@@ -100,11 +89,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``chunks``: lists of parameters, each laid out flat and sharded on its own (default: one chunk,
     every parameter in group order). ``gradient_shards``: ZeRO-2, one flat buffer of Lp/N elements
     per chunk, filled by another module each step. ``process_group``: the ranks that share the state
-    (default: all; step 10 passes its data-parallel group). ``param_dtype``: torch.bfloat16 or torch.float16
-    turns the parameters into 16-bit tensors and keeps a float32 master of this rank's slices (rule 6);
-    without ``gradient_shards`` the masters' ``.grad`` are views of ``param.main_grad`` (float32; else ``param.grad``,
-    upcast), taken at each ``step()`` and whenever ``param_groups`` is read: a scaler unscales them in place.
-    ``defaults`` go to ``optimizer_cls``.
+    (default: all; step 10 passes its data-parallel group). ``defaults`` go to ``optimizer_cls``. 16-bit
+    parameters with float32 masters of this rank's slices: ``masters.ShardedOptimizerWithMasters``.
 
     ``param_groups`` are the full parameters' groups (their hyperparameters reach the local optimiser
     at every ``step()``); with ``gradient_shards`` only the slices have gradients, so ``param_groups``
@@ -112,8 +98,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     slices only. ``Optimizer.__init__`` is not called: it would create state for the full parameters.
     """
 
-    def __init__(self, params, optimizer_cls, chunks=None, gradient_shards=None, process_group=None,
-                 param_dtype=None, **defaults):
+    def __init__(self, params, optimizer_cls, chunks=None, gradient_shards=None, process_group=None, **defaults):
         groups = list(params)
         if not groups:
             raise ValueError("ShardedOptimizer got an empty parameter list")
@@ -140,14 +125,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mine = self.pieces_of_rank[self.rank]
         # The local optimiser's parameter order: group by group, chunk order inside a group.
         self.pieces = [piece for gi in range(len(groups)) for piece in mine if group_of[piece.param] == gi]
-        self.views = [flat_view(piece, piece.param) for piece in self.pieces]
-        self.param_dtype = param_dtype
-        if param_dtype is not None:  # rule 6: the float32 masters are copies, the parameters become 16-bit
-            if param_dtype not in (torch.bfloat16, torch.float16) or self.params[0].dtype != torch.float32:
-                raise ValueError(f"param_dtype {param_dtype}: 16-bit parameters over float32 ones only")
-            self.views = [view.clone() for view in self.views]
-            for p in self.params:
-                p.data = p.data.to(param_dtype)
+        self.views = self._to_step([flat_view(piece, piece.param) for piece in self.pieces])
         local_groups = [{**g, "params": [v for piece, v in zip(self.pieces, self.views) if group_of[piece.param] == gi]}
                         for gi, g in enumerate(groups)]
         self.local_optimizer = optimizer_cls(local_groups, **defaults)
@@ -166,16 +144,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for piece, view in zip(self.pieces, self.views):
                 view.grad = gradient_shards[piece.chunk][piece.offset : piece.offset + piece.end - piece.start]
 
+    def _to_step(self, views: list) -> list:
+        """What the local optimiser steps: the views themselves (rule 2). ``masters.py``: float32 copies."""
+        return views
+
     # ---- What PyTorch's tools read: the full groups (or the slices' in ZeRO-2), the local state ------
     @property
     def groups_are_local(self) -> bool:
-        """ZeRO-2 and the masters of ``param_dtype``: only the local slices have the gradients a tool reads."""
-        return self.gradient_shards is not None or self.param_dtype is not None
+        """ZeRO-2: only the local slices have the gradients a tool reads."""
+        return self.gradient_shards is not None
 
     @property
     def param_groups(self):  # a property: load_state_dict replaces the local optimiser's list
-        if self.param_dtype is not None:  # ZeRO-1 masters: their .grad are views of main_grad, taken fresh
-            self._take_gradient_slices()  # so a scaler unscales (and clipping scales) main_grad in place
         return self.local_optimizer.param_groups if self.groups_are_local else self.full_groups
 
     def _push_hyperparameters(self) -> None:
@@ -210,14 +190,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.gradient_shards is not None:
             return  # ZeRO-2: the views already read the gradient shards
         for piece, view in zip(self.pieces, self.views):
-            grad = getattr(piece.param, "main_grad", None) if self.param_dtype is not None else None
-            grad = piece.param.grad if grad is None else grad  # main_grad: float32, never rounded to 16 bits
-            view.grad = None if grad is None else flat_view(piece, grad).to(view.dtype)
+            view.grad = None if piece.param.grad is None else flat_view(piece, piece.param.grad)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
-            if getattr(p, "main_grad", None) is not None and set_to_none:
-                p.main_grad = None
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
@@ -236,9 +212,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._take_gradient_slices()  # whatever scaling or clipping did to param.grad, the views see it
         self._push_hyperparameters()  # an LR scheduler set them on the full groups
         self.local_optimizer.step()
-        if self.param_dtype is not None:  # rounded once, to 16 bits, into this rank's slices of the parameters
-            for piece, master in zip(self.pieces, self.views):
-                flat_view(piece, piece.param).copy_(master)
         self.all_gather_parameters()
         return loss
 
@@ -260,58 +233,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         begin = r * shard + piece.offset
                         flat_view(piece, piece.param).copy_(received[begin : begin + piece.end - piece.start])
 
-    @torch.no_grad()
-    def gathered_masters(self) -> dict:
-        """Collective: ``{parameter: its full float32 master}`` (``param_dtype``), every rank's slices gathered
-        chunk by chunk. The whole model in float32: for the final weights and tests, not for every step."""
-        full = {}
-        for c, chunk in enumerate(self.chunks):
-            shard = shard_numel(chunk, self.world_size)
-            send = torch.zeros(shard, dtype=torch.float32, device=self.device)
-            for piece, master in zip(self.pieces, self.views):
-                if piece.chunk == c:
-                    send[piece.offset : piece.offset + piece.end - piece.start] = master
-            received = torch.empty(shard * self.world_size, dtype=send.dtype, device=send.device)
-            count_collective("all_gather", received)
-            all_gather_single(received, send, group=self.group)
-            for r, pieces in enumerate(self.pieces_of_rank):
-                for piece in pieces:
-                    if piece.chunk == c:
-                        target = full.setdefault(piece.param, torch.empty(piece.param.shape, device=self.device))
-                        begin = r * shard + piece.offset
-                        target.view(-1)[piece.start : piece.end] = received[begin : begin + piece.end - piece.start]
-        return full
-
     def master_weights(self, named_params) -> dict:
-        """``{name: full float32 weight}``: with ``param_dtype`` the masters gathered (a collective, every rank
-        takes part), else the parameters themselves, which every rank holds whole and up to date after ``step()``."""
-        if self.param_dtype is None:
-            return {name: param for name, param in named_params}
-        masters = self.gathered_masters()
-        return {name: masters.get(param, param) for name, param in named_params}
+        """``{name: full weight}``: the parameters themselves, which every rank holds whole and up to date after
+        ``step()`` (``masters.py``: the float32 masters, gathered)."""
+        return {name: param for name, param in named_params}
 
     # ---- Checkpoints (the interface of checkpoint.py: what this rank saves, and loading it back) ----
     def checkpoint_state(self, named_params) -> dict:
-        """What this rank saves: its slices of the optimiser state (``optimizer``, ``optimizer_slices``) and, with
-        ``param_dtype``, its float32 masters as flat slices (``model``, ``model_slices``), named by
+        """What this rank saves: its slices of the optimiser state (``optimizer``, ``optimizer_slices``), named by
         ``named_params``. No gather, no full copy: each rank writes only what it holds."""
-        named_slices = self.slices(named_params)
-        state = {"optimizer": self.state_dict(), "optimizer_slices": named_slices}
-        if self.param_dtype is not None:
-            state["model"] = {name: master for (name, _, _), master in zip(named_slices, self.views)}
-            state["model_slices"] = {name: (start, end) for name, start, end in named_slices}
-        return state
+        return {"optimizer": self.state_dict(), "optimizer_slices": self.slices(named_params)}
 
     def load_checkpoint(self, checkpoint, named_params) -> None:
-        """Cut this rank's slices of the optimiser state (and, with ``param_dtype``, of the float32 masters) out of
-        ``checkpoint`` (a ``common/checkpoint.Checkpoint``), whatever world size or step wrote it. The parameters
-        themselves are the model's to load: every rank holds them whole (``checkpoint.load_parameters``)."""
-        named_slices = self.slices(named_params)
-        if self.param_dtype is not None:  # the float32 masters: only this rank's elements are read
-            with torch.no_grad():
-                for (name, start, end), master in zip(named_slices, self.views):
-                    master.copy_(checkpoint.parameter(name, start, end))
-        self.local_optimizer.load_state_dict(checkpoint.optimizer_state_dict(named_slices, self.views))
+        """Cut this rank's slices of the optimiser state out of ``checkpoint`` (a ``resharding.Checkpoint``),
+        whatever world size or step wrote it. The parameters themselves are the model's to load: every rank holds
+        them whole (``checkpoint.load_parameters``)."""
+        self.local_optimizer.load_state_dict(checkpoint.optimizer_state_dict(self.slices(named_params), self.views))
 
     def state_dict(self) -> dict:
         """This rank's shard: the local optimiser's state dict and the slices it covers."""

@@ -97,7 +97,7 @@ class BucketedDDP(torch.nn.Module):
     last backward of an optimiser step (the one outside ``no_sync()``) call
     ``finish_gradient_synchronization()`` once; then every rank holds the same averaged gradients.
     ``reduce_dtype=torch.float64`` reduces in float64 (exact, order-free) and rounds back once.
-    16-bit parameters (bf16, fp16: step 5's ``ShardedOptimizer(param_dtype=...)`` makes them): their
+    16-bit parameters (bf16, fp16: step 5's ``ShardedOptimizerWithMasters`` makes them): their
     micro-batches are summed in ``reduce_dtype`` and the averaged gradient is left in float32 in ``param.main_grad``
     (``param.grad`` None), never rounded to 16 bits on its way to the float32 master weights.
 

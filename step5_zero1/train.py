@@ -24,6 +24,7 @@ from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, lo
                         params_in_order)
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
+from masters import ShardedOptimizerWithMasters
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
@@ -116,10 +117,12 @@ def main():
     ddp_model = BucketedDDP(model, bucket_cap_mb=config["bucket_cap_mb"],
                             reduce_dtype=getattr(torch, config["reduce_dtype"]))
     # ZeRO-1: AdamW runs on this rank's 1/N of the elements only; its state exists for those alone.
-    optimizer = ShardedOptimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
-                                 param_dtype=param_dtype(config), **adamw_options(config))
+    groups, mixed = adamw_param_groups(model.named_parameters(), config), param_dtype(config) is not None
+    if mixed:  # --param-dtype: 16-bit parameters, float32 masters of this rank's slices (masters.py)
+        optimizer = ShardedOptimizerWithMasters(groups, torch.optim.AdamW, param_dtype(config), **adamw_options(config))
+    else:
+        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, **adamw_options(config))
     scheduler = make_scheduler(optimizer, config)
-    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
     # With masters the optimiser (and so the scaler) reads only this rank's slices of main_grad: one verdict for all.
     scaler = make_grad_scaler(config, device, ShardedGradScaler if mixed else torch.amp.GradScaler)
 

@@ -24,6 +24,7 @@ from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, lo
                         params_in_order)
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
+from masters import ShardedOptimizerWithMasters
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
@@ -112,9 +113,12 @@ def main():
                                    reduce_every_micro_batch=config["reduce_every_micro_batch"])
     # ZeRO-1 as in step 5, sharded the way the buckets are: rank r updates the slice of each bucket it
     # receives, and reads its gradient straight from the shard the reduce-scatter fills.
-    optimizer = ShardedOptimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
-                                 chunks=ddp_model.bucket_params, gradient_shards=ddp_model.gradient_shards,
-                                 param_dtype=param_dtype(config), **adamw_options(config))
+    groups, layout = adamw_param_groups(model.named_parameters(), config), dict(
+        chunks=ddp_model.bucket_params, gradient_shards=ddp_model.gradient_shards, **adamw_options(config))
+    if param_dtype(config):  # --param-dtype: 16-bit parameters, float32 masters of this rank's slices (masters.py)
+        optimizer = ShardedOptimizerWithMasters(groups, torch.optim.AdamW, param_dtype(config), **layout)
+    else:
+        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, **layout)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
 

@@ -61,7 +61,7 @@ class ShardedGradientDDP(BucketedDDP):
     ``finish_gradient_synchronization()`` once; then every ``param.grad`` is None and
     ``gradient_shards[c]`` holds this rank's slice of the averaged gradient of ``bucket_params[c]``.
     ``reduce_dtype=torch.float64`` reduces in float64 (exact, order-free) and rounds back once.
-    16-bit parameters (``ShardedOptimizer(param_dtype=...)`` makes them): micro-batches inside ``no_sync()``
+    16-bit parameters (``ShardedOptimizerWithMasters`` makes them): micro-batches inside ``no_sync()``
     are summed in ``reduce_dtype`` (``param.main_grad``) and reduced from there; the shards are float32 whatever the
     parameters' dtype, so the masters' update never sees a gradient rounded to 16 bits.
     """

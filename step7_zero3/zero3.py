@@ -391,7 +391,7 @@ class FullyShardedDP(torch.nn.Module):
         return state
 
     def load_checkpoint(self, checkpoint, optimizer=None) -> None:
-        """Copy this rank's pieces out of ``checkpoint`` (a ``common/checkpoint.Checkpoint``, written at any world
+        """Copy this rank's pieces out of ``checkpoint`` (a ``resharding.Checkpoint``, written at any world
         size by any step: only these elements are read) and, given the ``optimizer``, its state for them."""
         ranges = self.piece_ranges()
         with torch.no_grad():

@@ -2,7 +2,7 @@
 
 Step 4's ranks all held the whole averaged gradient, so a GradScaler's overflow check and the
 clipping norm came out the same on every rank without a word. Here rank r's optimiser reads only
-slice r of the gradient: in step 5 with 16-bit parameters (``ShardedOptimizer(param_dtype=...)``:
+slice r of the gradient: in step 5 with 16-bit parameters (``ShardedOptimizerWithMasters``:
 its float32 masters' gradients are slices of ``param.main_grad``), in ZeRO-2's reduce-scatter shards
 (step 6) and in ZeRO-3's pieces (step 7). Then:
 

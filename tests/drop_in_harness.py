@@ -369,12 +369,12 @@ def summed_and_averaged(model, step, rank, scaler) -> dict:
 
 
 def case_zero1_bf16(rank, problems) -> int:
-    """ShardedOptimizer(param_dtype=bf16) with the outsider's own gradient sync (float32 sums into ``main_grad``,
-    as the optimiser's docstring asks) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
-    from zero1 import ShardedOptimizer
+    """ShardedOptimizerWithMasters(param_dtype=bf16) with the outsider's own gradient sync (float32 sums into
+    ``main_grad``, as the optimiser's docstring asks) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
+    from masters import ShardedOptimizerWithMasters
     expected = trained_fsdp2_bf16(rank)
     model = build(lambda: Stack(False), 100)
-    opt = ShardedOptimizer(groups(model), torch.optim.AdamW, param_dtype=torch.bfloat16, lr=0.05)
+    opt = ShardedOptimizerWithMasters(groups(model), torch.optim.AdamW, torch.bfloat16, lr=0.05)
     model.to(torch.bfloat16)  # what the optimiser does not step (the frozen layer) computes in bf16 too
     no_scaling = torch.amp.GradScaler("cpu", enabled=False)  # bf16 has float32's range
     checked = 0
@@ -393,16 +393,16 @@ def case_zero1_bf16(rank, problems) -> int:
 
 
 def case_zero1_fp16(rank, problems) -> int:
-    """ShardedOptimizer(param_dtype=fp16) with ShardedGradScaler and clip_grad_norm over its slices, the outsider's float32
+    """ShardedOptimizerWithMasters(fp16) with ShardedGradScaler and clip_grad_norm over its slices, the outsider's float32
     gradient sync into ``main_grad``, against PyTorch's plain mixed precision: an fp16 copy of the model for forward
     and backward, AdamW over a float32 master of all of it, torch.amp.GradScaler, clip_grad_norm_'s rule. The first
     loss scale (2^30) overflows fp16 and backs off to 2^10: both must skip that step, and only it."""
     from sharded_gradients import ShardedGradScaler
     from training import clip_grad_norm
-    from zero1 import ShardedOptimizer
+    from masters import ShardedOptimizerWithMasters
     scaling = {"init_scale": 2.0**30, "backoff_factor": 2.0**-20}
     model = build(lambda: Stack(False), 100)
-    opt = ShardedOptimizer(groups(model), torch.optim.AdamW, param_dtype=torch.float16, lr=0.05)
+    opt = ShardedOptimizerWithMasters(groups(model), torch.optim.AdamW, torch.float16, lr=0.05)
     model.to(torch.float16)
     scaler = ShardedGradScaler("cpu", **scaling)
     master, half = build(lambda: Stack(False), 100), build(lambda: Stack(False), 100).to(torch.float16)
@@ -446,14 +446,14 @@ def case_zero1_fp16(rank, problems) -> int:
 
 
 def case_zero2_bf16(rank, problems) -> int:
-    """ShardedGradientDDP + ShardedOptimizer(param_dtype=bf16) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
-    from zero1 import ShardedOptimizer
+    """ShardedGradientDDP + ShardedOptimizerWithMasters(bf16) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
+    from masters import ShardedOptimizerWithMasters
     from zero2 import ShardedGradientDDP
     expected = trained_fsdp2_bf16(rank)
     ours = ShardedGradientDDP(build(lambda: Stack(False), 100 + rank), bucket_cap_mb=0.0002,
                               find_unused_parameters=True)
-    opt = ShardedOptimizer(groups(ours.module), torch.optim.AdamW, chunks=ours.bucket_params,
-                           gradient_shards=ours.gradient_shards, param_dtype=torch.bfloat16, lr=0.05)
+    opt = ShardedOptimizerWithMasters(groups(ours.module), torch.optim.AdamW, torch.bfloat16, chunks=ours.bucket_params,
+                                      gradient_shards=ours.gradient_shards, lr=0.05)
     ours.module.to(torch.bfloat16)
     checked = 0
     for step in range(STEPS):

@@ -17,7 +17,7 @@ OURS_ZERO = {"ZeRO-1 (step 5)": ("step5_zero1/zero1.py", "class ShardedOptimizer
              "ZeRO-2 (step 6)": ("step6_zero2/zero2.py", "class ShardedGradientDDP"),
              "ZeRO-3 (step 7)": ("step7_zero3/zero3.py", "class FullyShardedDP"),
              "ZeRO-3 no prefetch (step 7)": ("step7_zero3/zero3.py", "class FullyShardedDP"),
-             "ZeRO-1 bf16 (step 5)": ("step5_zero1/zero1.py", "param_dtype")}
+             "ZeRO-1 bf16 (step 5)": ("step5_zero1/masters.py", "param_dtype")}
 FSDP2 = ("pytorch FSDP2 ZeRO-2", "pytorch FSDP2 ZeRO-3")
 
 

@@ -65,7 +65,7 @@ def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before
     sys.path.insert(0, str(REPO / "step5_zero1"))
     from checkpoint import load_parameters
     from resharding import Checkpoint
-    from zero1 import ShardedOptimizer
+    from masters import ShardedOptimizerWithMasters
     model = toy()
     named = list(model.named_parameters())
     path = folder / "checkpoints" / "step_1"
@@ -74,7 +74,7 @@ def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before
         with torch.no_grad():
             for _, param in named:
                 param.fill_(0.5)
-    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, param_dtype=torch.bfloat16, **LR)
+    optimizer = ShardedOptimizerWithMasters(model.parameters(), torch.optim.AdamW, torch.bfloat16, **LR)
     if loading:
         load_parameters(named, Checkpoint(path))  # the model's part (16-bit): every rank holds it whole
         optimizer.load_checkpoint(Checkpoint(path), named)

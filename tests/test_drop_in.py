@@ -21,9 +21,9 @@ CASES = {
     "zero1": "ShardedOptimizer vs ZeroRedundancyOptimizer and the plain optimiser (AdamW, SGD), GradScaler, clipping",
     "zero2": "ShardedGradientDDP + ShardedOptimizer vs DistributedDataParallel + AdamW",
     "zero3": "FullyShardedDP vs FSDP2 fully_shard (float32, and bf16 MixedPrecisionPolicy), and vs DDP with a unit called twice",
-    "zero1_bf16": "ShardedOptimizer(param_dtype=bf16) with the outsider's own float32 gradient sync vs FSDP2 bf16",
-    "zero2_bf16": "ShardedGradientDDP + ShardedOptimizer(param_dtype=bf16) vs FSDP2 MixedPrecisionPolicy(bf16, float32)",
-    "zero1_fp16": "ShardedOptimizer(param_dtype=fp16) + ShardedGradScaler + clip_grad_norm, an overflowing step "
+    "zero1_bf16": "ShardedOptimizerWithMasters(bf16) with the outsider's own float32 gradient sync vs FSDP2 bf16",
+    "zero2_bf16": "ShardedGradientDDP + ShardedOptimizerWithMasters(bf16) vs FSDP2 MixedPrecisionPolicy(bf16, float32)",
+    "zero1_fp16": "ShardedOptimizerWithMasters(fp16) + ShardedGradScaler + clip_grad_norm, an overflowing step "
                   "skipped, vs a float32 master copy with torch.amp.GradScaler",
 }
 

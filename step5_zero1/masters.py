@@ -1,0 +1,117 @@
+"""ShardedOptimizerWithMasters: ZeRO-1 (zero1.py) with 16-bit parameters and float32 master weights, as ZeRO and
+FSDP2 train in mixed precision.
+
+1. **16-bit parameters, float32 masters.** With ``param_dtype`` (bf16 or fp16) the model's parameters become
+   16-bit: forward and backward compute in 16 bits and the all-gather moves 2 bytes per element. What the
+   local optimiser steps is a float32 *copy* of this rank's slices, the master weights, beside their moments:
+   12 bytes per owned element, 2Ψ + 2Ψ + 12Ψ/N in all.
+2. **The gradient never rounded on its way to the master.** It is read in float32: from ``param.main_grad``
+   where the gradient sync left one (step 4's ``BucketedDDP`` does for 16-bit parameters, as Megatron-LM's
+   does), else ``param.grad`` upcast, or from the ZeRO-2 shards.
+3. **Rounded once, then all-gathered.** After the step each master is rounded to 16 bits into this rank's
+   slice of its parameter, and the slices are all-gathered as in ZeRO-1.
+4. **The masters' groups are what tools read.** ``param_groups`` are the local optimiser's groups: in ZeRO-1
+   their ``.grad`` are views of this rank's slices of ``main_grad``, taken fresh whenever they are read, so a
+   scaler unscales (and clipping scales) ``main_grad`` in place; it sees only this rank's slices, so its
+   verdict must be combined across ranks (``sharded_gradients.py``).
+5. **Checkpoints hold the masters**, each rank its float32 slices beside its optimiser state, never the 16-bit
+   copies: a run resumed at any world size steps on from the same float32 values.
+"""
+import torch
+
+from comm_accounting import all_gather_single, count_collective
+from zero1 import ShardedOptimizer, flat_view, shard_numel
+
+
+class ShardedOptimizerWithMasters(ShardedOptimizer):
+    """``ShardedOptimizer`` whose parameters are ``param_dtype`` (torch.bfloat16 or torch.float16) and whose local
+    optimiser steps float32 masters of this rank's slices. Every other argument is ``ShardedOptimizer``'s."""
+
+    def __init__(self, params, optimizer_cls, param_dtype, **kwargs):
+        self.param_dtype = param_dtype
+        super().__init__(params, optimizer_cls, **kwargs)
+
+    def _to_step(self, views: list) -> list:
+        """Rule 1: float32 copies of this rank's slices; the parameters themselves become 16-bit."""
+        if self.param_dtype not in (torch.bfloat16, torch.float16) or self.params[0].dtype != torch.float32:
+            raise ValueError(f"param_dtype {self.param_dtype}: 16-bit parameters over float32 ones only")
+        masters = [view.clone() for view in views]
+        for p in self.params:
+            p.data = p.data.to(self.param_dtype)
+        return masters
+
+    @property
+    def groups_are_local(self) -> bool:
+        return True  # rule 4
+
+    @property
+    def param_groups(self):
+        self._take_gradient_slices()  # rule 4: fresh views of main_grad, for a scaler to unscale in place
+        return super().param_groups
+
+    def _take_gradient_slices(self) -> None:
+        """Rule 2: each master's ``.grad`` a float32 view of its slice of ``main_grad`` (ZeRO-2: of the shards)."""
+        if self.gradient_shards is not None:
+            return
+        for piece, master in zip(self.pieces, self.views):
+            grad = getattr(piece.param, "main_grad", None)
+            grad = piece.param.grad if grad is None else grad
+            master.grad = None if grad is None else flat_view(piece, grad).to(master.dtype)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if set_to_none:
+            for p in self.params:
+                if getattr(p, "main_grad", None) is not None:
+                    p.main_grad = None
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def all_gather_parameters(self) -> None:
+        """Rule 3: the masters rounded once into this rank's slices of the 16-bit parameters, then all-gathered."""
+        for piece, master in zip(self.pieces, self.views):
+            flat_view(piece, piece.param).copy_(master)
+        super().all_gather_parameters()
+
+    @torch.no_grad()
+    def gathered_masters(self) -> dict:
+        """Collective: ``{parameter: its full float32 master}`` (``param_dtype``), every rank's slices gathered
+        chunk by chunk. The whole model in float32: for the final weights and tests, not for every step."""
+        full = {}
+        for c, chunk in enumerate(self.chunks):
+            shard = shard_numel(chunk, self.world_size)
+            send = torch.zeros(shard, dtype=torch.float32, device=self.device)
+            for piece, master in zip(self.pieces, self.views):
+                if piece.chunk == c:
+                    send[piece.offset : piece.offset + piece.end - piece.start] = master
+            received = torch.empty(shard * self.world_size, dtype=send.dtype, device=send.device)
+            count_collective("all_gather", received)
+            all_gather_single(received, send, group=self.group)
+            for r, pieces in enumerate(self.pieces_of_rank):
+                for piece in pieces:
+                    if piece.chunk == c:
+                        target = full.setdefault(piece.param, torch.empty(piece.param.shape, device=self.device))
+                        begin = r * shard + piece.offset
+                        target.view(-1)[piece.start : piece.end] = received[begin : begin + piece.end - piece.start]
+        return full
+
+    def master_weights(self, named_params) -> dict:
+        """``{name: full float32 weight}``: the masters gathered (a collective, every rank takes part)."""
+        masters = self.gathered_masters()
+        return {name: masters.get(param, param) for name, param in named_params}
+
+    # ---- Checkpoints (rule 5) ------------------------------------------------------------------------------
+    def checkpoint_state(self, named_params) -> dict:
+        """ZeRO-1's state, and this rank's float32 masters as flat slices (``model``, ``model_slices``)."""
+        state = super().checkpoint_state(named_params)
+        named_slices = state["optimizer_slices"]
+        state["model"] = {name: master for (name, _, _), master in zip(named_slices, self.views)}
+        state["model_slices"] = {name: (start, end) for name, start, end in named_slices}
+        return state
+
+    def load_checkpoint(self, checkpoint, named_params) -> None:
+        """This rank's elements of the float32 masters, then ZeRO-1's slices of the optimiser state."""
+        named_params = list(named_params)  # read twice
+        with torch.no_grad():
+            for (name, start, end), master in zip(self.slices(named_params), self.views):
+                master.copy_(checkpoint.parameter(name, start, end))
+        super().load_checkpoint(checkpoint, named_params)
