@@ -14,13 +14,13 @@ from torch.profiler import record_function
 from torch.utils.data import DistributedSampler
 
 from background_writer import BackgroundWriter
-from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
-                        open_checkpoint, optimizer_state)
+from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, load_optimizer,
+                        load_parameters, open_checkpoint, optimizer_state)
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
-from seeding import rng_state, seed_everything
+from seeding import seed_everything
 from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_grad_norm, make_grad_scaler,
                       make_optimizer, make_scheduler, param_dtype, param_norm, pick_device)
 
@@ -129,7 +129,8 @@ def main():
     log = RunLog(config, env, is_writer=True, records=records)
     # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, 0, 1, {name: p.shape for name, p in model.named_parameters()})
+        config, 0, 1, {name: p.shape for name, p in model.named_parameters()},
+        run=RunState(scheduler, scaler, batches, log))
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 
@@ -157,11 +158,7 @@ def main():
             "step_time": [step_time],
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "model": weights_to_save(model, masters),
-                      **optimizer_state(optimizer, trained),
-                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                      "data": batches.state_dict(), "records": log.records}
-            writer.save(step + 1, shared, {"rng": rng_state()})
+            writer.save(step + 1, {"model": weights_to_save(model, masters), **optimizer_state(optimizer, trained)})
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     final = save_final_weights(Path(config["out"]), dict(trained))

@@ -21,7 +21,7 @@ from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from composition import (add_mesh_flags, added, check_degrees, checkpoint_state, counted_once, gather_full_model,
                          load_checkpoint, tensor_parallel_stage)
-from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint
+from checkpoint import CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, open_checkpoint
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from mesh import build_mesh
@@ -30,7 +30,7 @@ from model import build_model
 from naive_dp import allreduce_gradients
 from pipeline import Pipeline, record_random_ops
 from sampler import ShardedSampler
-from seeding import rng_state, seed_everything
+from seeding import seed_everything
 from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
 from training import (adamw_options, adamw_param_groups, autocast, check_amp, clip_grad_norm, make_grad_scaler,
                       make_scheduler, param_norm)
@@ -147,7 +147,8 @@ def main():
     log = RunLog(config, env, is_writer=world.is_main, records=records)
     # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, shapes, data_parallel_size=dp)
+        config, world.rank, world.world_size, shapes, data_parallel_size=dp,
+        run=RunState(scheduler, scaler, batches, log))
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * dp
 
@@ -183,10 +184,8 @@ def main():
             **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=comm),
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "mesh": [pp, dp, tp], "scheduler": scheduler.state_dict(),
-                      "scaler": scaler.state_dict(), "data": batches.state_dict(), "records": log.records}
             shard = checkpoint_state(named, optimizer)  # collective over dp; dp rank 0's copy goes to disk
-            writer.save(step + 1, shared, {"rng": rng_state(), **(shard if mesh.dp_rank == 0 else {})})
+            writer.save(step + 1, {"mesh": [pp, dp, tp]}, shard if mesh.dp_rank == 0 else {})
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     full = gather_full_model(stage, named, mesh)  # every rank takes part; rank 0 writes the plain model

@@ -20,15 +20,15 @@ from torch.nn.parallel import DistributedDataParallel
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import comm_bytes, take_comm_bytes
-from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
-                        open_checkpoint, optimizer_state)
+from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, load_optimizer,
+                        load_parameters, open_checkpoint, optimizer_state)
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from exact_reduction import float64_allreduce_hook
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
-from seeding import rng_state, seed_everything
+from seeding import seed_everything
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
                       param_norm)
 
@@ -114,7 +114,8 @@ def main():
     log = RunLog(config, env, is_writer=world.is_main, records=records)
     # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()})
+        config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()},
+        run=RunState(scheduler, scaler, batches, log))
     accum = config["grad_accum"]
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
@@ -157,11 +158,7 @@ def main():
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "model": model.state_dict(),
-                      **optimizer_state(optimizer, model.named_parameters()),
-                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                      "data": batches.state_dict(), "records": log.records}
-            writer.save(step + 1, shared, {"rng": rng_state()})
+            writer.save(step + 1, {"model": model.state_dict(), **optimizer_state(optimizer, model.named_parameters())})
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     if world.is_main:

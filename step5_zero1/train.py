@@ -20,8 +20,8 @@ import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from bucketed_ddp import BucketedDDP
-from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_parameters, open_checkpoint,
-                        params_in_order)
+from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, load_parameters,
+                        open_checkpoint, params_in_order)
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from masters import ShardedOptimizerWithMasters
@@ -30,7 +30,7 @@ from model import build_model, compile_blocks, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
 from sharded_gradients import ShardedGradScaler
 from zero1 import ShardedOptimizer
-from seeding import rng_state, seed_everything
+from seeding import seed_everything
 from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, autocast, check_amp, check_param_dtype,
                       clip_grad_norm, make_grad_scaler, make_scheduler, param_dtype, param_norm)
 
@@ -141,7 +141,8 @@ def main():
     log = RunLog(config, env, is_writer=world.is_main, records=records)
     # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()})
+        config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()},
+        run=RunState(scheduler, scaler, batches, log))
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
@@ -181,11 +182,8 @@ def main():
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, **({} if mixed else {"model": model.state_dict()}),
-                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                      "data": batches.state_dict(), "records": log.records}
-            own = {"rng": rng_state(), **optimizer.checkpoint_state(model.named_parameters())}  # each rank its shard
-            writer.save(step + 1, shared, own)
+            shared = {} if mixed else {"model": model.state_dict()}  # with masters, each rank saves its float32 slices
+            writer.save(step + 1, shared, optimizer.checkpoint_state(model.named_parameters()))  # each rank its shard
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     weights = optimizer.master_weights(model.named_parameters())  # float32: the masters (collective)

@@ -22,7 +22,7 @@ from torch.profiler import record_function
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
-from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint
+from checkpoint import CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, open_checkpoint
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats
@@ -32,7 +32,7 @@ from sampler import ShardedSampler, check_no_overlap
 from streaming_export import save_final_weights_streaming
 from sharded_gradients import ShardedGradScaler
 from zero3 import FullyShardedDP
-from seeding import rng_state, seed_everything
+from seeding import seed_everything
 from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_grad_norm, make_grad_scaler,
                       make_optimizer, make_scheduler, param_dtype, param_norm)
 
@@ -156,7 +156,7 @@ def main():
     log = RunLog(config, env, is_writer=world.is_main, records=records)
     # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, shapes)
+        config, world.rank, world.world_size, shapes, run=RunState(scheduler, scaler, batches, log))
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
@@ -195,11 +195,8 @@ def main():
             "shard_check": shard_check,
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                      "data": batches.state_dict(), "records": log.records}
             # Each rank writes its own pieces and their AdamW state; nothing in state.pt is full-size.
-            own = {"rng": rng_state(), **ddp_model.checkpoint_state(optimizer)}
-            writer.save(step + 1, shared, own)
+            writer.save(step + 1, {}, ddp_model.checkpoint_state(optimizer))
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     if tracer:

@@ -20,13 +20,13 @@ from torch.profiler import record_function
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
-from checkpoint import CheckpointWriter, clear_checkpoints, find_checkpoint, open_checkpoint, params_in_order
+from checkpoint import CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, open_checkpoint, params_in_order
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from sampler import ShardedSampler
-from seeding import rng_state, seed_everything
+from seeding import seed_everything
 from tensor_parallel import check_divisible, parallelize_gpt2, vocab_parallel_cross_entropy
 from tensor_parallel_state import (checkpoint_shards, counted_once, gather_full_parameters, load_checkpoint_shards,
                                    replicated_in_sync)
@@ -122,7 +122,8 @@ def main():
     log = RunLog(config, env, is_writer=world.is_main, records=records)
     # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, full_shapes, data_parallel_size=1)
+        config, world.rank, world.world_size, full_shapes, data_parallel_size=1,
+        run=RunState(scheduler, scaler, batches, log))
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 
@@ -151,10 +152,8 @@ def main():
             "comm": take_comm_bytes(),
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                      "data": batches.state_dict(), "records": log.records}
             own = checkpoint_shards(list(model.named_parameters()), params_in_order(optimizer), optimizer.state_dict())
-            writer.save(step + 1, shared, {"rng": rng_state(), **own})  # steps 0-8 and 10 at any degree read them
+            writer.save(step + 1, {}, own)  # steps 0-8 and 10 at any degree read them
 
     in_sync = replicated_in_sync(model)  # the replicated parameters must be the same bits on every rank
     full = gather_full_parameters(model)  # every rank takes part; rank 0 writes the plain model

@@ -10,7 +10,8 @@ sharded over the ranks, from step 5 on).
    resumes any other's checkpoint at any world size, and refuses another run's (``check_resumable``).
 3. **One interface**, as torchtitan's ``Stateful``: what holds state says what this rank saves for it and loads
    its part back (``optimizer_state`` / ``load_optimizer`` here; ``checkpoint_state`` / ``load_checkpoint`` in
-   the sharded steps). ``--async-save`` writes in the background: ``background_writer.py``.
+   the sharded steps). The writer adds the step, each rank's RNG and the ``RunState`` registered with it, so the
+   loop hands it only the model and the optimiser. ``--async-save`` writes in the background: ``background_writer.py``.
 """
 import json
 import os
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from config import UserError, not_written
+from seeding import rng_state
 
 FORMAT_VERSION = 2
 OWN_CHECKPOINT_FOLDER = re.compile(r"(\.tmp_|\.old_)?step_\d+")  # what a save writes, all a fresh run removes
@@ -89,23 +91,41 @@ def clear_checkpoints(out_dir) -> None:
             folder.rmdir()
 
 
+class RunState:
+    """What every rank holds alike besides the model and the optimiser: the schedule, the loss scale, the data
+    position and the records so far. Registered once with the writer; ``Checkpoint.restore`` loads it back."""
+
+    def __init__(self, scheduler, scaler, batches, log):
+        self.scheduler, self.scaler, self.batches, self.log = scheduler, scaler, batches, log
+
+    def checkpoint_state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "data": self.batches.state_dict(), "records": self.log.records}
+
+
 class CheckpointWriter:
     """Saves checkpoints for one rank: every rank calls ``save`` at the same steps, and ``wait`` before exit.
-    ``shapes``: every parameter's full shape, by name (what any loader needs to join slices back)."""
+    ``shapes``: every parameter's full shape, by name (what any loader needs to join slices back). ``run``: the
+    ``RunState`` every checkpoint holds, beside the step and each rank's RNG."""
 
-    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, data_parallel_size=None):
+    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, data_parallel_size=None, run=None):
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.shapes, self.data_parallel_size = shapes, data_parallel_size
+        self.shapes, self.data_parallel_size, self.run = shapes, data_parallel_size, run
         self.group = None  # the barriers' process group: the default one
 
-    def save(self, step: int, shared_state: dict, rank_state: dict) -> None:
-        """Write checkpoint ``step`` and say how long training paused for it."""
+    def save(self, step: int, shared_state: dict, rank_state: dict | None = None) -> None:
+        """Write checkpoint ``step``: ``shared_state`` (written by rank 0) and this rank's ``rank_state``, each with
+        what the writer adds itself; say how long training paused for it."""
         started = time.perf_counter()
         try:
-            self._write(step, shared_state, rank_state)
+            self._write(step, *self._states(step, shared_state, rank_state))
         except Exception as error:  # a full disk, a folder removed under the run: one line, exit 2
             raise not_written(error, self.rank, step, self.config["out"])
         self._report(step, started, "written")
+
+    def _states(self, step: int, shared_state: dict, rank_state: dict | None) -> tuple[dict, dict]:
+        run = self.run.checkpoint_state() if self.run is not None else {}
+        return {"step": step, **run, **shared_state}, {"rng": rng_state(), **(rank_state or {})}
 
     def wait(self) -> None:
         """Nothing to wait for: ``save`` returns once the checkpoint is whole (``BackgroundWriter`` waits)."""

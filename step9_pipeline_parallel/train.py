@@ -18,15 +18,15 @@ import torch.distributed as dist
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
-from checkpoint import (CheckpointWriter, clear_checkpoints, find_checkpoint, load_optimizer, load_parameters,
-                        open_checkpoint, optimizer_slices)
+from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, load_optimizer,
+                        load_parameters, open_checkpoint, optimizer_slices)
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from pipeline import SCHEDULES, GPT2Stage, Pipeline, check_pipeline, record_random_ops
 from sampler import ShardedSampler
-from seeding import rng_state, seed_everything
+from seeding import seed_everything
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
                       param_norm)
 
@@ -136,7 +136,8 @@ def main():
     env.update(pipeline_stages=num_stages, data_parallel_size=1)  # compare/parity.py: the global batch is one replica's
     log = RunLog(config, env, is_writer=world.is_main, records=records)
     # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
-    writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(config, world.rank, 1, shapes)
+    writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
+        config, world.rank, 1, shapes, run=RunState(scheduler, scaler, batches, log))
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 
@@ -169,10 +170,7 @@ def main():
             **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=take_comm_bytes()),
         })
         if config["save_every"] and (step + 1) % config["save_every"] == 0:
-            shared = {"step": step + 1, **gather_full_state(named, optimizer, world.is_main),
-                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                      "data": batches.state_dict(), "records": log.records}
-            writer.save(step + 1, shared, {"rng": rng_state()})  # every stage's RNG is the same stream
+            writer.save(step + 1, gather_full_state(named, optimizer, world.is_main))  # every stage's RNG: one stream
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     full = gather_full_state(named, None, world.is_main).get("model")
