@@ -3,8 +3,9 @@ its ranking the rules it states; and a run's metrics (step 10's too, when it wri
 import math
 
 import pytest
+import torch
 
-from conftest import metrics, train
+from conftest import REPO, metrics, train
 
 import estimate  # compare/, on the path through conftest
 import plan
@@ -181,3 +182,80 @@ def test_step10_runs_hold_what_the_planner_says(mesh_runs):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 x 2 x 1, ZeRO-1" in result.stdout and "2 x 1 x 2, ZeRO-1" in result.stdout, result.stdout
     assert result.stdout.rstrip().endswith("within 5% of the estimate: yes"), result.stdout
+
+
+def saved_bytes(module, inputs, targets=None) -> int:
+    """What autograd saves for backward in one forward of ``module`` (and the loss, given ``targets``): each storage
+    once, the parameters left out. Counted here, not with the planner's ``estimate.Model``."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = module(inputs)
+        if targets is not None:
+            torch.nn.functional.cross_entropy(output.float().flatten(0, 1), targets.flatten())
+    return sum(storages.values())
+
+
+def peak_in_flight(actions: list) -> int:
+    """The most micro-batches whose forward ran and whose backward has not, along a stage's action list."""
+    held = peak = 0
+    for kind, _ in actions:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_stages_hold_what_the_real_stages_hold_at_every_tp_and_pp(schedule):
+    """Independently of plan.py's own functions: step 9's ``GPT2Stage`` cuts a real GPT-2 into P stages; a stage's
+    parameters per tensor-parallel rank are counted with step 8's plan (the layers it splits, and which dim; the
+    last stage's copy of the tied embedding split over the vocabulary, as step 10 keeps it), and must equal the
+    planner's at every tp x pp; a stage's activations are what autograd saves in one real forward, times the
+    micro-batches step 9's ``schedule_actions`` holds at its peak, and must be the planner's within 0.5%: it counts
+    the embeddings' saved indices with the rest of the model on the last stage, where the real first stage holds
+    them (measured here: 0.17-0.26% low on the first stage, b s + s int64 a micro-batch; 0.03% high on the last).
+    A tied copy counted whole on the last stage, or one micro-batch too many in flight, fails it (checked)."""
+    import sys
+    sys.path.insert(0, str(REPO / "step9_pipeline_parallel"))
+    sys.path.insert(0, str(REPO / "step8_tensor_parallel"))
+    from model import build_model
+    from pipeline import GPT2Stage, schedule_actions
+    from tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, tensor_parallel_plan
+
+    n_layer, h, heads, vocab, seq, b, micro_batches = 5, 32, 4, 2048, 16, 2, 3
+    shape = plan.Shape(n_layer, h, heads, vocab, seq)
+    config = {"n_layer": n_layer, "n_embd": h, "n_head": heads, "seq_len": seq, "dropout": 0.0, "attention": "math"}
+    model = build_model(config, vocab, 0)
+    styles = tensor_parallel_plan(n_layer)
+    activations = plan.Activations(shape, b)
+    ids = torch.randint(0, vocab, (b, seq))
+
+    def elements_per_tp_rank(stage, tp: int) -> int:
+        total = 0
+        for name, param in stage.named_parameters():
+            layer, _, kind = name.rpartition(".")
+            style = styles.get(layer)
+            split = (style in (ColumnParallelLinear, VocabParallelEmbedding)
+                     or (style is RowParallelLinear and kind == "weight"))
+            total += param.numel() // tp if split else param.numel()
+        return total
+
+    for pp in (2, 3):
+        stages = [GPT2Stage(model, s, pp) for s in range(pp)]
+        for tp in (1, 2, 4):
+            planned = [sum(plan.rank_params(shape, tp, pp, s).values()) for s in range(pp)]
+            assert planned == [elements_per_tp_rank(stage, tp) for stage in stages], (pp, tp)
+        estimate_ = plan.configuration(shape, 1, 1, pp, 0, False, b, micro_batches, activations, schedule=schedule)
+        hidden = torch.randn(b, seq, h, requires_grad=True)  # what a stage after the first receives
+        for s, stage in enumerate(stages):
+            saved = saved_bytes(stage, ids if s == 0 else hidden, ids if s == pp - 1 else None)
+            held = peak_in_flight(schedule_actions(schedule, s, pp, micro_batches)) * saved
+            assert abs(estimate_["stages"][s]["activations"] / held - 1) < 0.005, (pp, s, held, estimate_["stages"][s])
