@@ -115,3 +115,11 @@ class ShardedOptimizerWithMasters(ShardedOptimizer):
             for (name, start, end), master in zip(self.slices(named_params), self.views):
                 master.copy_(checkpoint.parameter(name, start, end))
         super().load_checkpoint(checkpoint, named_params)
+
+
+def sharded_optimizer(params, optimizer_cls, param_dtype=None, **kwargs) -> ShardedOptimizer:
+    """ZeRO-1's ``ShardedOptimizer``, or, given a 16-bit ``param_dtype`` (``--param-dtype``), its float32-master
+    subclass: the trainers' one constructor for both."""
+    if param_dtype is None:
+        return ShardedOptimizer(params, optimizer_cls, **kwargs)
+    return ShardedOptimizerWithMasters(params, optimizer_cls, param_dtype, **kwargs)

@@ -24,12 +24,11 @@ from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_chec
                         open_checkpoint, params_in_order)
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from masters import ShardedOptimizerWithMasters
+from masters import sharded_optimizer
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
 from sharded_gradients import ShardedGradScaler
-from zero1 import ShardedOptimizer
 from seeding import seed_everything
 from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, autocast, check_amp, check_param_dtype,
                       clip_grad_norm, make_grad_scaler, make_scheduler, param_dtype, param_norm)
@@ -116,13 +115,12 @@ def main():
         load_parameters(model.named_parameters(), resumed)
     ddp_model = BucketedDDP(model, bucket_cap_mb=config["bucket_cap_mb"],
                             reduce_dtype=getattr(torch, config["reduce_dtype"]))
-    # ZeRO-1: AdamW runs on this rank's 1/N of the elements only; its state exists for those alone.
-    groups, mixed = adamw_param_groups(model.named_parameters(), config), param_dtype(config) is not None
-    if mixed:  # --param-dtype: 16-bit parameters, float32 masters of this rank's slices (masters.py)
-        optimizer = ShardedOptimizerWithMasters(groups, torch.optim.AdamW, param_dtype(config), **adamw_options(config))
-    else:
-        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, **adamw_options(config))
+    # ZeRO-1: AdamW runs on this rank's 1/N of the elements only; its state exists for those alone. With
+    # --param-dtype the parameters become 16-bit and AdamW steps float32 masters of this rank's slices (masters.py).
+    optimizer = sharded_optimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
+                                  param_dtype(config), **adamw_options(config))
     scheduler = make_scheduler(optimizer, config)
+    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
     # With masters the optimiser (and so the scaler) reads only this rank's slices of main_grad: one verdict for all.
     scaler = make_grad_scaler(config, device, ShardedGradScaler if mixed else torch.amp.GradScaler)
 

@@ -24,12 +24,11 @@ from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_chec
                         open_checkpoint, params_in_order)
 from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from masters import ShardedOptimizerWithMasters
+from masters import sharded_optimizer
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
 from sampler import ShardedSampler, check_no_overlap
 from sharded_gradients import ShardedGradScaler
-from zero1 import ShardedOptimizer
 from zero2 import ShardedGradientDDP
 from seeding import seed_everything
 from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, autocast, check_amp, check_param_dtype,
@@ -113,12 +112,9 @@ def main():
                                    reduce_every_micro_batch=config["reduce_every_micro_batch"])
     # ZeRO-1 as in step 5, sharded the way the buckets are: rank r updates the slice of each bucket it
     # receives, and reads its gradient straight from the shard the reduce-scatter fills.
-    groups, layout = adamw_param_groups(model.named_parameters(), config), dict(
-        chunks=ddp_model.bucket_params, gradient_shards=ddp_model.gradient_shards, **adamw_options(config))
-    if param_dtype(config):  # --param-dtype: 16-bit parameters, float32 masters of this rank's slices (masters.py)
-        optimizer = ShardedOptimizerWithMasters(groups, torch.optim.AdamW, param_dtype(config), **layout)
-    else:
-        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, **layout)
+    optimizer = sharded_optimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
+                                  param_dtype(config), chunks=ddp_model.bucket_params,
+                                  gradient_shards=ddp_model.gradient_shards, **adamw_options(config))
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
 
