@@ -217,21 +217,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def all_gather_parameters(self) -> None:
         """Every rank sends its updated slice of each chunk and receives everyone else's."""
+        mine = [flat_view(piece, piece.param) for piece in self.pieces]
+        for rank, piece, values in self._all_gather_chunks(mine):
+            if rank != self.rank:
+                flat_view(piece, piece.param).copy_(values)
+
+    def _all_gather_chunks(self, mine: list, dtype=None):
+        """Collective, chunk by chunk (rule 4): this rank sends ``mine``, the values of its pieces (in ``pieces``
+        order), and every rank's come back. Yields ``(rank, piece, its values)`` for every rank's pieces; each rank
+        must consume it whole (one all-gather per chunk). ``dtype``: what is sent (default: the chunk's own)."""
         for c, chunk in enumerate(self.chunks):
             shard = shard_numel(chunk, self.world_size)
             # Two temporary buffers, the chunk's size (several chunks keep this peak small); the tail is padding.
-            send = torch.zeros(shard, dtype=chunk[0].dtype, device=chunk[0].device)
-            for piece in self.pieces_of_rank[self.rank]:
+            send = torch.zeros(shard, dtype=dtype or chunk[0].dtype, device=chunk[0].device)
+            for piece, values in zip(self.pieces, mine):
                 if piece.chunk == c:
-                    send[piece.offset : piece.offset + piece.end - piece.start] = flat_view(piece, piece.param)
+                    send[piece.offset : piece.offset + piece.end - piece.start] = values
             received = torch.empty(shard * self.world_size, dtype=send.dtype, device=send.device)
             count_collective("all_gather", received)
             all_gather_single(received, send, group=self.group)  # comm_accounting: the name this torch has
-            for r, pieces in enumerate(self.pieces_of_rank):
+            for rank, pieces in enumerate(self.pieces_of_rank):
                 for piece in pieces:
-                    if r != self.rank and piece.chunk == c:
-                        begin = r * shard + piece.offset
-                        flat_view(piece, piece.param).copy_(received[begin : begin + piece.end - piece.start])
+                    if piece.chunk == c:
+                        begin = rank * shard + piece.offset
+                        yield rank, piece, received[begin : begin + piece.end - piece.start]
 
     def master_weights(self, named_params) -> dict:
         """``{name: full weight}``: the parameters themselves, which every rank holds whole and up to date after

@@ -19,8 +19,7 @@ FSDP2 train in mixed precision.
 """
 import torch
 
-from comm_accounting import all_gather_single, count_collective
-from zero1 import ShardedOptimizer, flat_view, shard_numel
+from zero1 import ShardedOptimizer, flat_view
 
 
 class ShardedOptimizerWithMasters(ShardedOptimizer):
@@ -77,21 +76,9 @@ class ShardedOptimizerWithMasters(ShardedOptimizer):
         """Collective: ``{parameter: its full float32 master}`` (``param_dtype``), every rank's slices gathered
         chunk by chunk. The whole model in float32: for the final weights and tests, not for every step."""
         full = {}
-        for c, chunk in enumerate(self.chunks):
-            shard = shard_numel(chunk, self.world_size)
-            send = torch.zeros(shard, dtype=torch.float32, device=self.device)
-            for piece, master in zip(self.pieces, self.views):
-                if piece.chunk == c:
-                    send[piece.offset : piece.offset + piece.end - piece.start] = master
-            received = torch.empty(shard * self.world_size, dtype=send.dtype, device=send.device)
-            count_collective("all_gather", received)
-            all_gather_single(received, send, group=self.group)
-            for r, pieces in enumerate(self.pieces_of_rank):
-                for piece in pieces:
-                    if piece.chunk == c:
-                        target = full.setdefault(piece.param, torch.empty(piece.param.shape, device=self.device))
-                        begin = r * shard + piece.offset
-                        target.view(-1)[piece.start : piece.end] = received[begin : begin + piece.end - piece.start]
+        for _, piece, values in self._all_gather_chunks(self.views, torch.float32):
+            target = full.setdefault(piece.param, torch.empty(piece.param.shape, device=self.device))
+            target.view(-1)[piece.start : piece.end] = values
         return full
 
     def master_weights(self, named_params) -> dict:
