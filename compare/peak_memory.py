@@ -97,6 +97,11 @@ def label(ranges: tuple) -> str:
     return node or ops[-1]
 
 
+def phase_of(ranges: tuple) -> str:
+    """The phase of the training step (``PHASES``) an allocation was made in; "-" outside them."""
+    return next((r for r in ranges if r in PHASES), "-")
+
+
 def allocations(prof) -> list[tuple]:
     """Every allocation and free recorded, in time order: (ns, address, bytes (negative: a free), ranges
     around it, innermost first: ops, autograd nodes, ``record_function`` labels)."""
@@ -139,13 +144,13 @@ def replay(events: list[tuple]):
 def step_peaks(prof, steps: int) -> tuple[list[dict], int]:
     """Per profiled step (ranges "step 0", "step 1", ...):
 
-    ``state``: bytes of the blocks live from its start to its end; ``peak``: the most bytes live during it,
+    ``state``: bytes of the blocks live from its start to its end (``state_parts``: by what allocated them);
+    ``peak``: the most bytes live during it,
     the ``phase`` it falls in and what made the allocation that reached it (``made_by``); ``beyond_state``:
     what is live at the peak besides the state, by phase and ``label`` ("before the step": a block from an
     earlier step, freed unseen or freed later). Also: how many blocks were freed unseen, in all."""
     events = allocations(prof)
     step_of = lambda ranges: next((int(r[5:]) for r in ranges if r.startswith("step ")), None)  # noqa: E731
-    phase_of = lambda ranges: next((r for r in ranges if r in PHASES), "-")  # noqa: E731
     results = [{"peak": -1} for _ in range(steps)]
     unseen = 0
     for i, total, _, freed_unseen in replay(events):
@@ -170,14 +175,21 @@ def step_peaks(prof, steps: int) -> tuple[list[dict], int]:
             start = r.pop("live at start", {})
             state = {address: block for address, block in start.items() if live.get(address) == block}
             r["state"] = sum(nbytes for nbytes, _ in state.values())
-            parts = {}
-            for address, (nbytes, j) in r.pop("live at peak").items():
-                if address not in state:
-                    key = f"{phase_of(events[j][3])}: {label(events[j][3])}" if j >= r["first"] else "before the step"
-                    parts[key] = parts.get(key, 0) + nbytes
-            r["beyond_state"] = dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+            r["state_parts"] = parts_by_label(state.values(), events)
+            beyond = [(nbytes, j) for address, (nbytes, j) in r.pop("live at peak").items() if address not in state]
+            r["beyond_state"] = parts_by_label(beyond, events, before=r["first"])
             del r["first"], r["last"], r["at"]
     return results, unseen
+
+
+def parts_by_label(blocks, events: list[tuple], before: int = 0) -> dict:
+    """Bytes of ``blocks`` ((bytes, index of the allocation) pairs) by the phase and op that allocated them,
+    largest first; a block allocated before event ``before`` counts as "before the step"."""
+    parts = {}
+    for nbytes, j in blocks:
+        key = f"{phase_of(events[j][3])}: {label(events[j][3])}" if j >= before else "before the step"
+        parts[key] = parts.get(key, 0) + nbytes
+    return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
 
 
 # ---- Each rank's process ----------------------------------------------------------------------------------
@@ -249,6 +261,7 @@ def run(config: dict, world_sizes: list[int]) -> dict:
                              **predicted,
                              "predicted": predicted["state"] + predicted["gathered"] + predicted["activations"],
                              "state_measured": [s["state"] for s in m["steps"]],
+                             "state_parts": max(m["steps"], key=lambda s: s["state"])["state_parts"],
                              "peaks": [s["peak"] for s in m["steps"]],
                              "peak": top["peak"], "peak_phase": top["phase"], "peak_made_by": top["made_by"],
                              "beyond_state": top["beyond_state"], "unseen_frees": m["unseen"],
