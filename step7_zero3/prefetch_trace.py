@@ -1,12 +1,13 @@
 """Make prefetching visible: one micro-batch's forward and backward, unit by unit, with every all-gather
 and reduce-scatter, on one timeline.
 
-``PrefetchTrace(fsdp_model)`` asks ``FullyShardedDP`` to record its ``timeline``: when each unit's
-forward and backward computed (from its weights being gathered to its closing hook), and when each
-collective was launched and finished (an all-gather's end is its completion callback; a gloo
-reduce-scatter has none, so its end is when the rank waited for it). A forward pre-hook of the
-tracer's own empties the record at every forward, so at the end it holds the last micro-batch: the
-synchronised one of the last optimiser step. ``write`` turns it into
+``PrefetchTrace(fsdp_model)`` watches a ``FullyShardedDP`` from outside, as step 4's ``OverlapTrace`` watches
+its buckets: hooks of its own on each unit's module time its forward (from its weights being gathered to its
+post-hook), and it wraps the wrapper's methods to see each backward (from the hook that gathers the unit to
+the one that frees it) and each collective launched and finished (an all-gather's end is its completion
+callback; a gloo reduce-scatter has none, so its end is when the rank waited for it). The record is
+emptied at every forward, so at the end it holds the last micro-batch: the synchronised one of the last
+optimiser step. ``write`` turns it into
 
 - ``trace.json``: Chrome trace format (open it in chrome://tracing or https://ui.perfetto.dev);
 - ``timeline.png``: compute on the top row, each collective on a row of its own below.
@@ -15,6 +16,7 @@ An all-gather bar that ends before its unit's compute bar begins, while the prev
 computing, is a prefetch that hid the transfer behind compute.
 """
 import json
+import time
 from pathlib import Path
 
 import matplotlib
@@ -27,22 +29,61 @@ COLORS = {"forward": "tab:blue", "backward": "tab:green", "all-gather": "tab:ora
 
 class PrefetchTrace:
     def __init__(self, fsdp_model):
-        self.fsdp = fsdp_model
-        fsdp_model.timeline = []
+        self.fsdp, self.timeline, self.recording, self.open = fsdp_model, [], True, {}
         # prepend: empty the record before FullyShardedDP's own pre-hook launches this forward's gathers
         fsdp_model.module.register_forward_pre_hook(self._on_forward, prepend=True)
+        for unit in fsdp_model.units:
+            if unit is not fsdp_model.root:  # after FullyShardedDP's pre-hook (gathered), before its post-hook
+                unit.module.register_forward_pre_hook(lambda m, a, unit=unit: self._start("forward", unit))
+                unit.module.register_forward_hook(lambda m, a, o, unit=unit: self._end("forward", unit), prepend=True)
+        # The rest from outside FullyShardedDP's methods, which its hooks look up at each call.
+        self._around("_launch_gather", after=self._on_launch_gather)
+        self._around("_pre_backward", after=lambda unit: self._start("backward", unit))
+        self._around("_free", before=lambda unit: self._end("backward", unit))  # the first thing a backward ends with
+        self._around("_reduce_scatter", after=lambda unit: self._start("reduce-scatter", unit, "comm"))
+        self._around("_finish_reduce_scatter", after=lambda unit: self._end("reduce-scatter", unit))
 
-    def _on_forward(self, module, args):
-        self.fsdp.timeline.clear()
+    def _on_forward(self, module, args) -> None:
+        if self.recording:  # keep the last micro-batch's record only
+            self.timeline.clear()
+
+    def _around(self, method: str, before=None, after=None) -> None:
+        original = getattr(self.fsdp, method)
+
+        def wrapped(unit, *args):
+            if before:
+                before(unit)
+            result = original(unit, *args)
+            if after:
+                after(unit)
+            return result
+        setattr(self.fsdp, method, wrapped)
+
+    def _start(self, what: str, unit, category: str = "compute") -> None:
+        if self.recording:
+            event = {"name": f"{what} {unit.name}", "cat": category, "start": time.perf_counter(), "end": None}
+            self.timeline.append(event)
+            self.open[what, unit.name] = event
+
+    def _end(self, what: str, unit) -> None:
+        event = self.open.pop((what, unit.name), None)
+        if event is not None:
+            event["end"] = time.perf_counter()
+
+    def _on_launch_gather(self, unit) -> None:
+        if unit.handle is not None and unit.handle is not self.open.get(("handle", unit.name)):  # launched just now
+            self.open["handle", unit.name] = unit.handle
+            self._start("all-gather", unit, "comm")
+            event = self.open.pop(("all-gather", unit.name), None)
+            if event is not None:  # its end: the completion callback, on gloo's thread
+                unit.handle.get_future().then(lambda _: event.update(end=time.perf_counter()))
 
     def stop(self) -> None:
-        """Keep what was recorded so far, and record nothing more (an export's gathers are not training)."""
-        self.kept, self.fsdp.timeline = self.events(), None
+        """Record nothing more (an export's gathers are not training)."""
+        self.recording = False
 
     def events(self) -> list[dict]:
-        if self.fsdp.timeline is None:
-            return self.kept
-        return [e for e in self.fsdp.timeline if e["end"] is not None]
+        return [e for e in self.timeline if e["end"] is not None]
 
     def write(self, rank: int, out_dir: Path) -> tuple[Path, Path]:
         events = self.events()

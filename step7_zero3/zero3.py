@@ -46,7 +46,6 @@ fire, and launch their collectives, in the same order everywhere.
 import contextlib
 import functools
 import math
-import time
 
 import torch
 import torch.distributed as dist
@@ -89,7 +88,6 @@ class Unit:
         self.sending = None  # param_dtype: the shard cast to 16 bits, in flight in the all-gather
         self.work = self.output = None  # the reduce-scatter in flight and the buffer it writes
         self.input = None  # the full gradient it reads
-        self.compute = self.event = None  # timeline entries still open
 
     def full_views(self, flat: torch.Tensor) -> list:  # shaped like the parameters; the padding left out
         sizes = self.numels + [self.padded - sum(self.numels)]
@@ -141,7 +139,6 @@ class FullyShardedDP(torch.nn.Module):
         self.reducing = None  # the unit whose reduce-scatter is in flight
         self.reduced = set()  # units reduce-scattered in this optimiser step (cleared by the sync point)
         self.gathered_bytes = self.peak_gathered_bytes = 0
-        self.timeline = None  # a list to record collectives and unit compute in, when a tracer asks
 
     def _build_units(self, model, unit_modules: list, init_fn) -> list:
         names = {m: n for n, m in model.named_modules()}
@@ -214,22 +211,17 @@ class FullyShardedDP(torch.nn.Module):
         self.gathered_bytes += unit.padded * unit.flat.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         count_collective("all_gather", unit.flat)
-        event = self._record(f"all-gather {unit.name}", "comm")
         # Into .data: a write autograd does not count, so what backward saved from the last gather stays valid.
-        # With param_dtype the shard goes out cast to 16 bits. The unit frees that copy's storage after the wait,
-        # here, in this thread: dropping the reference is not enough, gloo's thread may hold the last one, and a
-        # free there is invisible to the profiler that compare/peak_memory.py reads.
+        # With param_dtype the shard goes out cast to 16 bits, a copy freed after the wait (see _gathered).
         unit.sending = unit.shard.to(unit.flat.dtype)
         unit.handle = all_gather_single(unit.flat.data, unit.sending, async_op=True)
         unit.state = GATHERING
-        if event is not None:
-            unit.handle.get_future().then(lambda _: event.update(end=time.perf_counter()))
 
     def _gathered(self, unit: Unit) -> None:  # launching the gather if nobody did
         self._launch_gather(unit)
         if unit.state == GATHERING:
             unit.handle.wait()
-            if unit.sending is not unit.shard:  # the 16-bit copy: freed now, in this thread (see _launch_gather)
+            if unit.sending is not unit.shard:  # the 16-bit copy: freed now, here (gloo's thread may hold it last)
                 unit.sending.untyped_storage().resize_(0)
             unit.state, unit.handle, unit.sending = GATHERED, None, None
 
@@ -279,10 +271,8 @@ class FullyShardedDP(torch.nn.Module):
         self._gathered(unit)
         unit.views = unit.full_views(unit.flat)
         unit.install(unit.views)
-        unit.compute = self._record(f"forward {unit.name}", "compute")
 
     def _post_forward(self, unit: Unit, module, args, output) -> None:
-        self._done(unit)
         unit.install(unit.pieces)
         position = len(self.post_forward_order)
         self.post_forward_order.append(unit)
@@ -300,11 +290,9 @@ class FullyShardedDP(torch.nn.Module):
         self._prefetch(self.post_forward_order, position - 1)
         self._gathered(unit)
         unit.install(unit.views)  # for activation checkpointing: the forward recomputed in backward reads them
-        unit.compute = self._record(f"backward {unit.name}", "compute")
 
     def _post_backward(self, unit: Unit, flat: torch.Tensor) -> None:
         """Runs once per backward, after every gradient of the unit has been summed into ``flat.grad``."""
-        self._done(unit)
         unit.install(unit.pieces)
         self._free(unit)
         if self.require_sync:
@@ -332,7 +320,6 @@ class FullyShardedDP(torch.nn.Module):
             unit.grad_shard = torch.zeros(len(unit.shard), device=self.device)
         unit.output = unit.grad_shard if self.reduce_dtype == torch.float32 else full.new_empty(len(unit.shard))
         count_collective("reduce_scatter", full)
-        unit.event = self._record(f"reduce-scatter {unit.name}", "comm")
         unit.input = full  # its storage is freed after the wait, in this thread, as an all-gather's copy is
         unit.work = reduce_scatter_single(unit.output, full, async_op=True)
         self.reducing = unit
@@ -341,7 +328,6 @@ class FullyShardedDP(torch.nn.Module):
     def _finish_reduce_scatter(self, unit: Unit) -> None:
         unit.work.wait()  # gloo writes the output only here (and its handle has no future to call back)
         unit.input.untyped_storage().resize_(0)
-        self._done(unit, "event")
         unit.grad_shard.copy_(unit.output.div_(self.world_size))  # float64 -> float32 rounds here, once
         unit.work = unit.output = unit.input = self.reducing = None
 
@@ -418,20 +404,6 @@ class FullyShardedDP(torch.nn.Module):
         """The most bytes of gathered parameters held at once since the last call (tracked, not sampled)."""
         peak, self.peak_gathered_bytes = self.peak_gathered_bytes, self.gathered_bytes
         return peak
-
-    # ---- The timeline a tracer asks for by setting ``timeline`` to a list --------------------------------
-    def _record(self, name: str, category: str):
-        if self.timeline is None:
-            return None
-        event = {"name": name, "cat": category, "start": time.perf_counter(), "end": None}
-        self.timeline.append(event)
-        return event
-
-    def _done(self, unit: Unit, which: str = "compute") -> None:
-        event = getattr(unit, which, None)
-        if event is not None:
-            event["end"] = time.perf_counter()
-        setattr(unit, which, None)
 
 
 def _tensors_in(output) -> list:

@@ -100,6 +100,7 @@ def toy_worker(rank, world_size, port, queue, prefetch):
     sys.path.insert(0, str(STEP7))
     import comm_accounting
     from training import adamw_options, adamw_param_groups
+    from prefetch_trace import PrefetchTrace
     from zero3 import FullyShardedDP
 
     init_gloo(rank, world_size, port)
@@ -132,7 +133,7 @@ def toy_worker(rank, world_size, port, queue, prefetch):
     results["differences"], results["comm"], results["root freed"] = [], [], []
     for step in range(STEPS):
         if step == STEPS - 1:
-            fsdp.timeline = []
+            tracer = PrefetchTrace(fsdp)  # attached mid-run, from outside: its last micro-batch
         for micro in range(ACCUM):
             with fsdp.no_sync() if micro < ACCUM - 1 else torch.enable_grad():
                 loss = loss_of(fsdp, batch(step, micro, rank))
@@ -160,7 +161,7 @@ def toy_worker(rank, world_size, port, queue, prefetch):
     results["names"] = (list(full), [n for n, _ in ref.named_parameters()])
     results["freed after forward"] = freed_after_forward
     results["padded"] = [(unit.padded, sum(unit.numels)) for unit in fsdp.units]
-    results["timeline"] = [(e["name"], e["start"], e["end"]) for e in fsdp.timeline]
+    results["timeline"] = [(e["name"], e["start"], e["end"]) for e in tracer.events()]
     results["released"] = {reshard: measure_release(rank, reshard) for reshard in (True, False)}
     queue.put((rank, results))
     dist.destroy_process_group()
@@ -254,6 +255,9 @@ def test_toy_prefetches_the_next_unit_while_one_computes(toy):
     first_forward = next(e for e in timeline if e[0] == "forward blocks.1")
     next_gather = next(e for e in timeline if e[0] == "all-gather blocks.2")
     assert (next_gather[1] < first_forward[2]) == prefetch, timeline
+    # The tracer, attached from outside in the last step, saw every kind of event of its last micro-batch.
+    assert {name.split(" ")[0] for name, _, _ in timeline} == {"forward", "backward", "all-gather", "reduce-scatter"}
+    assert all(start <= end for _, start, end in timeline), timeline
 
 
 # ---- The trainer against step 1 ----------------------------------------------------------------------
