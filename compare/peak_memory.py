@@ -37,8 +37,9 @@ The breakdown names what the prediction leaves out. On GPT-2 here the peak comes
 micro-batch's backward starts: the state, the root (no block is gathered then), the activations, the
 full gradients the earlier micro-batches accumulated (4Ψ, not 4Ψ/N: under ``no_sync`` they stay
 whole) and the loss's gradients with respect to the log-probabilities and the logits (2 x B x T x
-vocabulary float32). The records miss what gloo's worker threads allocate (the profiler records the
-thread it runs on); a tensor one of them frees is taken off when its address is allocated again.
+vocabulary float32). The records miss what gloo's worker threads allocate and free (the profiler records
+the thread it runs on): a tensor one of them frees is taken off when its address is allocated again, and
+a collective's own copy (gloo's reduce-scatter clones its input) is never counted as state.
 
 Step time: the median, over --timed-steps steps run after the profiled ones without the profiler,
 of the slowest rank's time (the ranks start each timed step together); cpu time: the same with the
@@ -97,6 +98,16 @@ def label(ranges: tuple) -> str:
     return node or ops[-1]
 
 
+def collective_copy(ranges: tuple) -> bool:
+    """Whether an allocation is a collective's own copy: gloo's reduce-scatter clones its input (measured:
+    ``aten::clone`` inside ``c10d::_reduce_scatter_base_``, the input's size). The copy goes when the
+    collective's work object does, freed by whichever thread lets go of it last: the rank's, after its
+    ``wait()``, or now and then gloo's worker thread, whose frees the records miss. Such a copy still "live"
+    from a step's start to its end is one of those: it is not state, and the replay says how many bytes of
+    them it set apart (``collective_copies``)."""
+    return any(r.startswith("c10d::") for r in ranges)
+
+
 def phase_of(ranges: tuple) -> str:
     """The phase of the training step (``PHASES``) an allocation was made in; "-" outside them."""
     return next((r for r in ranges if r in PHASES), "-")
@@ -141,15 +152,15 @@ def replay(events: list[tuple]):
         yield i, total, live, unseen
 
 
-def step_peaks(prof, steps: int) -> tuple[list[dict], int]:
-    """Per profiled step (ranges "step 0", "step 1", ...):
+def step_peaks(events: list[tuple], steps: int) -> tuple[list[dict], int]:
+    """From ``allocations``' events, per profiled step (ranges "step 0", "step 1", ...):
 
-    ``state``: bytes of the blocks live from its start to its end (``state_parts``: by what allocated them);
+    ``state``: bytes of the blocks live from its start to its end, collectives' copies apart (``state_parts``:
+    by what allocated them);
     ``peak``: the most bytes live during it,
     the ``phase`` it falls in and what made the allocation that reached it (``made_by``); ``beyond_state``:
     what is live at the peak besides the state, by phase and ``label`` ("before the step": a block from an
     earlier step, freed unseen or freed later). Also: how many blocks were freed unseen, in all."""
-    events = allocations(prof)
     step_of = lambda ranges: next((int(r[5:]) for r in ranges if r.startswith("step ")), None)  # noqa: E731
     results = [{"peak": -1} for _ in range(steps)]
     unseen = 0
@@ -174,6 +185,9 @@ def step_peaks(prof, steps: int) -> tuple[list[dict], int]:
             r = at_end[i]
             start = r.pop("live at start", {})
             state = {address: block for address, block in start.items() if live.get(address) == block}
+            copies = {address for address, (_, j) in state.items() if collective_copy(events[j][3])}
+            r["collective_copies"] = sum(state[address][0] for address in copies)  # see collective_copy
+            state = {address: block for address, block in state.items() if address not in copies}
             r["state"] = sum(nbytes for nbytes, _ in state.values())
             r["state_parts"] = parts_by_label(state.values(), events)
             beyond = [(nbytes, j) for address, (nbytes, j) in r.pop("live at peak").items() if address not in state]
@@ -226,7 +240,7 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
                 with torch.profiler.record_function(f"step {i}"):
                     memory = train_step(*trainer, micro_batches, config, device)[2]  # the tensors freed at once
                 gathered_peak = max(gathered_peak, memory["gathered_peak"])
-        steps, unseen = step_peaks(prof, config["profiled_steps"])
+        steps, unseen = step_peaks(allocations(prof), config["profiled_steps"])
         del prof
         trainers[checkpointing] = trainer
         results[checkpointing] = {"steps": steps, "unseen": unseen, "gathered_peak": gathered_peak,
@@ -262,6 +276,7 @@ def run(config: dict, world_sizes: list[int]) -> dict:
                              "predicted": predicted["state"] + predicted["gathered"] + predicted["activations"],
                              "state_measured": [s["state"] for s in m["steps"]],
                              "state_parts": max(m["steps"], key=lambda s: s["state"])["state_parts"],
+                             "collective_copies": [s["collective_copies"] for s in m["steps"]],
                              "peaks": [s["peak"] for s in m["steps"]],
                              "peak": top["peak"], "peak_phase": top["phase"], "peak_made_by": top["made_by"],
                              "beyond_state": top["beyond_state"], "unseen_frees": m["unseen"],

@@ -152,5 +152,6 @@ def test_step7_with_bf16_parameters_holds_16_psi_over_n(tmp_path):
     assert len(rows) == 2
     for row in rows:
         closed = sum(estimate.state_bytes(3, row["psi"], 2, "bf16", "float32").values())
-        assert abs(max(row["state_measured"]) / closed - 1) <= 0.02, (row["state_measured"], closed, row["state_parts"])
+        assert abs(max(row["state_measured"]) / closed - 1) <= 0.02, (row["state_measured"], closed, row["state_parts"],
+                                                                      row["collective_copies"])
         assert row["gathered_peak"] == row["gathered"]

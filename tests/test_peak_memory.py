@@ -69,3 +69,20 @@ def test_the_report_names_the_peak(measured):
     _, stdout = measured
     assert "at its peak (backward, LogSoftmaxBackward0)" in stdout, stdout
     # Bad flags: tests/test_bad_input.py (docs/bad_input.md).
+
+
+def test_the_replay_sets_a_collectives_copy_freed_unseen_apart_from_the_state(monkeypatch):
+    """The replay, on events written by hand: a parameter shard allocated before the step; gloo's reduce-scatter
+    clone of the last step, whose free came on gloo's worker thread (no record: the profiler records its own
+    thread); a temporary of the step. State: the shard only; the clone is reported apart; the peak counts it
+    (the replay cannot know when it went)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # peak_memory.py puts step 7's folder first: not for others
+    import peak_memory
+    clone = ("aten::empty_strided", "aten::clone", "c10d::_reduce_scatter_base_", "backward")
+    events = [(1, 0x1000, 400, ("aten::zeros",)),
+              (2, 0x2000, 800, clone),  # never freed in the records
+              (3, 0x3000, 16, ("aten::empty", "forward", "step 0")),
+              (4, 0x3000, -16, ("forward", "step 0"))]
+    [step], unseen = peak_memory.step_peaks(events, 1)
+    assert (step["state"], step["collective_copies"], step["peak"], unseen) == (400, 800, 1216, 0), step
+    assert step["state_parts"] == {"-: aten::zeros": 400}
