@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # checkpoint.py, config.py
-from checkpoint import checkpoint_dir, checkpoint_meant_by, checkpoint_meta  # noqa: E402
-from resharding import Checkpoint  # noqa: E402
+from checkpoint import checkpoint_dir, checkpoint_meta  # noqa: E402
+from resharding import Checkpoint, not_a_checkpoint  # noqa: E402
 from config import OneLineParser, UserError, check_writable_folder, exit_on_user_error  # noqa: E402
 
 
@@ -56,10 +56,8 @@ def main(argv=None):
     parser.add_argument("checkpoint", type=Path, help="a checkpoints/step_<k> folder")
     parser.add_argument("out", type=Path, help="run folder to write <out>/checkpoints/step_<k> into")
     args = parser.parse_args(argv)
-    if not (args.checkpoint / "meta.json").is_file():
-        meant = checkpoint_meant_by(args.checkpoint)  # a run folder named instead of one of its checkpoints?
-        raise UserError(f"{args.checkpoint} is not a checkpoint (a checkpoints/step_<k> folder with meta.json)"
-                        + (f"; did you mean {meant}?" if meant else ""))
+    if not (args.checkpoint / "meta.json").is_file():  # a run folder named instead of one of its checkpoints?
+        raise not_a_checkpoint(args.checkpoint)
     source = Checkpoint(args.checkpoint, reader="consolidate")
     written = consolidate(source, args.out)
     print(f"{written}: {len(source.shapes)} parameters of {source.config['step']} (world size {source.world_size}) "

@@ -1,17 +1,12 @@
 """Checkpoints that are whole or absent, found again by ``--resume``, and refused to another run.
 
-``<out>/checkpoints/step_<k>/``: ``meta.json`` (format, step, world size, config, every parameter's shape),
-``state.pt`` (what every rank holds alike, written by rank 0: scheduler, scaler, data position, records, and
-the model and optimiser where they are whole) and ``rank<r>.pt`` (the rank's RNG, and its slices of a state
-sharded over the ranks, from step 5 on).
+``<out>/checkpoints/step_<k>/``: ``meta.json`` (format, step, world size, config, parameter shapes), ``state.pt``
+(written by rank 0: what every rank holds alike) and ``rank<r>.pt`` (the rank's RNG and, from step 5 on, its slices).
 
 1. **Whole or absent**: written into ``.tmp_step_<k>``, renamed ``step_<k>`` once every rank's file is in it.
-2. **Read by parameter name**: ``resharding.py`` joins whatever pieces the writing ranks held, so any step
-   resumes any other's checkpoint at any world size, and refuses another run's (``check_resumable``).
-3. **One interface**, as torchtitan's ``Stateful``: what holds state says what this rank saves for it and loads
-   its part back (``optimizer_state`` / ``load_optimizer`` here; ``checkpoint_state`` / ``load_checkpoint`` in
-   the sharded steps). The writer adds the step, each rank's RNG and the ``RunState`` registered with it, so the
-   loop hands it only the model and the optimiser. ``--async-save`` writes in the background: ``background_writer.py``.
+2. **Read by parameter name** (``resharding.py``): any step resumes any other's checkpoint at any world size.
+3. **One interface**, as torchtitan's ``Stateful``: what holds state says what this rank saves and loads its part
+   back. The writer adds the step, each rank's RNG and the ``RunState``; the loop hands it the model and optimiser.
 """
 import json
 import os
@@ -35,7 +30,7 @@ def checkpoint_dir(out_dir, step: int) -> Path:
 
 
 def checkpoint_meta(step: int, world_size: int, config: dict, shapes: dict, data_parallel_size=None) -> str:
-    """meta.json. ``data_parallel_size``: how many ranks drew their own samples, when not all did (TP, PP)."""
+    """meta.json. ``data_parallel_size``: the ranks that drew their own samples, when not all did (TP, PP)."""
     meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config,
             "shapes": {name: list(shape) for name, shape in shapes.items()}}
     if data_parallel_size is not None and data_parallel_size != world_size:
@@ -61,22 +56,10 @@ def find_checkpoint(resume: str | None, out_dir) -> Path | None:
             raise UserError(f"--resume: no checkpoint in {out_dir}/checkpoints; train with --save-every N first, "
                             "pass --resume PATH, or --resume auto to start afresh when there is none")
         return found[-1] if found else None
-    path = Path(resume)
-    if not (path / "meta.json").is_file():
-        meant = checkpoint_meant_by(path)
-        raise UserError(f"--resume {resume} is not a checkpoint (a checkpoints/step_<k> folder with meta.json)"
-                        + (f"; did you mean --resume {meant}?" if meant else ""))
-    return path
-
-
-def checkpoint_meant_by(path: Path) -> Path | None:
-    """The checkpoint someone who named ``path`` instead probably meant: the one a file of it is in, or the
-    newest whole checkpoint of a run folder (or of its checkpoints/ folder). None when there is none near."""
-    path = Path(path)
-    if path.is_file() and (path.parent / "meta.json").is_file():
-        return path.parent
-    found = complete_checkpoints(path.parent if path.name == "checkpoints" else path)
-    return found[-1] if found else None
+    if not (Path(resume) / "meta.json").is_file():
+        from resharding import not_a_checkpoint  # the advice: which checkpoint was probably meant
+        raise not_a_checkpoint(resume, "--resume ")
+    return Path(resume)
 
 
 def clear_checkpoints(out_dir) -> None:
@@ -92,8 +75,7 @@ def clear_checkpoints(out_dir) -> None:
 
 
 class RunState:
-    """What every rank holds alike besides the model and the optimiser: the schedule, the loss scale, the data
-    position and the records so far. Registered once with the writer; ``Checkpoint.restore`` loads it back."""
+    """What every rank holds alike besides model and optimiser; ``Checkpoint.restore`` loads it back."""
 
     def __init__(self, scheduler, scaler, batches, log):
         self.scheduler, self.scaler, self.batches, self.log = scheduler, scaler, batches, log
@@ -104,9 +86,8 @@ class RunState:
 
 
 class CheckpointWriter:
-    """Saves checkpoints for one rank: every rank calls ``save`` at the same steps, and ``wait`` before exit.
-    ``shapes``: every parameter's full shape, by name (what any loader needs to join slices back). ``run``: the
-    ``RunState`` every checkpoint holds, beside the step and each rank's RNG."""
+    """Every rank calls ``save`` at the same steps, and ``wait`` before exit. ``shapes``: every parameter's full
+    shape, by name (what a loader needs to join slices back). ``--async-save``: ``background_writer.py``."""
 
     def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, data_parallel_size=None, run=None):
         self.config, self.rank, self.world_size = config, rank, world_size
@@ -114,8 +95,7 @@ class CheckpointWriter:
         self.group = None  # the barriers' process group: the default one
 
     def save(self, step: int, shared_state: dict, rank_state: dict | None = None) -> None:
-        """Write checkpoint ``step``: ``shared_state`` (written by rank 0) and this rank's ``rank_state``, each with
-        what the writer adds itself; say how long training paused for it."""
+        """Write checkpoint ``step``: ``shared_state`` (by rank 0) and this rank's ``rank_state``."""
         started = time.perf_counter()
         try:
             self._write(step, *self._states(step, shared_state, rank_state))
@@ -132,8 +112,8 @@ class CheckpointWriter:
 
     def _report(self, step: int, started: float, how: str) -> None:
         if self.rank == 0 and not self.config["quiet"]:
-            paused_ms = (time.perf_counter() - started) * 1e3
-            print(f"checkpoint step_{step} {how}: training paused {paused_ms:.0f} ms", flush=True)
+            print(f"checkpoint step_{step} {how}: training paused {(time.perf_counter() - started) * 1e3:.0f} ms",
+                  flush=True)
 
     def _barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -167,7 +147,7 @@ def params_in_order(optimizer) -> list:
 
 
 def optimizer_slices(optimizer, named_params) -> list:
-    """``(name, 0, numel)`` of each parameter of ``optimizer``, in its order: every one is a whole parameter."""
+    """``(name, 0, numel)`` of each of ``optimizer``'s parameters, in its order: whole parameters."""
     name_of = {param: name for name, param in named_params}
     return [(name_of[p], 0, p.numel()) for p in params_in_order(optimizer)]
 
@@ -191,8 +171,7 @@ def load_parameters(named_params, checkpoint) -> None:
 
 
 def open_checkpoint(path: Path, config: dict, world_size: int, is_main: bool):
-    """Open ``path`` for this run: every check before anything is connected or written (``is_main`` says what
-    changes: world size, batch split)."""
+    """Open ``path`` for this run, checked before anything is connected or written (``is_main`` says what changes)."""
     from resharding import Checkpoint  # here, not at the top: resharding.py builds on this file
     checkpoint = Checkpoint(path)
     checkpoint.check_resumable(config, world_size, say_changes=is_main)

@@ -35,6 +35,19 @@ BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")  # may change with the wor
 UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
+def not_a_checkpoint(path, flag: str = "") -> UserError:
+    """The error for ``path``, not a checkpoint, naming the one probably meant: the checkpoint a file of it is in,
+    or the newest whole checkpoint of a run folder (or of its checkpoints/ folder)."""
+    path = Path(path)
+    if path.is_file() and (path.parent / "meta.json").is_file():
+        meant = path.parent
+    else:
+        found = complete_checkpoints(path.parent if path.name == "checkpoints" else path)
+        meant = found[-1] if found else None
+    return UserError(f"{flag}{path} is not a checkpoint (a checkpoints/step_<k> folder with meta.json)"
+                     + (f"; did you mean {flag}{meant}?" if meant else ""))
+
+
 class Checkpoint:
     """A whole checkpoint on disk, read as full tensors by parameter name, whatever step and world size wrote it.
 
