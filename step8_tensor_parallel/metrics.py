@@ -8,8 +8,11 @@ metrics.json (schema version ``SCHEMA_VERSION``) is read by `compare/parity.py` 
   ``grad_norm`` (before clipping), ``param_norm``, ``lr``, ``tokens_per_s``, ``effective_batch_size``
   (micro-batch x accumulation x world size, in samples), ``epoch``, ``memory`` (a list, one dict of
   bytes per rank: sharded steps differ per rank), ``step_time`` (a list, one dict per rank: ``wall_s``
-  and ``cpu_s``, see ``StepClock``; read by `compare/stragglers.py`, ignored by parity) and, in distributed
+  and ``cpu_s``, see ``StepClock``; read by `compare/stragglers.py`, ignored by parity), ``device_s`` (what
+  the step cost: the devices of the job x the wall time since the previous record) and, in distributed
   steps, ``comm`` (bytes rank 0 handed to each kind of collective during the step);
+- ``cost``: ``RunLog.cost``, the whole run's device-seconds and tokens, every launch of a resumed run included
+  (read by `compare/cost.py`);
 - ``final``: ``weights`` (safetensors file, relative to the run folder), ``sha256`` of that file,
   ``param_norm``, and ``fingerprints`` (per tensor: shape, sha256 of its bytes, norm).
 """
@@ -123,12 +126,16 @@ class RunLog:
         self.config, self.env, self.is_writer = config, env, is_writer
         self.records = list(records or [])
         self.out_dir = Path(config["out"])
-        self.started = time.perf_counter()
+        self.started = self.last = time.perf_counter()
 
     def log(self, record: dict) -> None:
         # Seconds since this process started logging, everything included (the logging's own norms and
         # synchronisations too, which step_time leaves out): what end-to-end throughput is measured from.
-        record["since_start_s"] = round(time.perf_counter() - self.started, 4)
+        now = time.perf_counter()
+        record["since_start_s"] = round(now - self.started, 4)
+        # What the step cost: every device of the job was held from the previous record to this one.
+        record["device_s"] = round(self.env["world_size"] * (now - self.last), 4)
+        self.last = now
         self.records.append(record)
         if self.is_writer and not self.config["quiet"]:
             memory = record["memory"][0]
@@ -138,15 +145,31 @@ class RunLog:
                   f"grad norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
                   f"{record['tokens_per_s']:,.0f} tok/s | {rss}{cuda}", flush=True)
 
+    def cost(self) -> dict:
+        """Device-seconds and tokens of the records so far (those of earlier launches too: a resumed run
+        carries them), and what they buy: tokens per device-hour. A device is a GPU, or a rank on the CPU.
+        ``steps_timed``: the records that say their cost (one written before ``device_s`` was recorded does not)."""
+        timed = [r for r in self.records if "device_s" in r]
+        device_s = sum(r["device_s"] for r in timed)
+        tokens = sum(r["effective_batch_size"] for r in timed) * self.config["seq_len"]
+        return {"devices": self.env["world_size"], "device": self.env["device"], "steps_timed": len(timed),
+                "device_s": round(device_s, 4), "device_hours": device_s / 3600, "tokens": tokens,
+                "tokens_per_device_hour": tokens / (device_s / 3600) if device_s > 0 else None}
+
     def write(self, final: dict | None = None) -> None:
         if not self.is_writer:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        cost = self.cost()
         write_json_atomically(self.out_dir / "metrics.json", {
             "schema_version": SCHEMA_VERSION,
             "config": self.config,
             "env": self.env,
             "records": self.records,
             "final": final,
+            "cost": cost,
             "wall_time_s": round(time.perf_counter() - self.started, 3),
         })
+        if final is not None and not self.config["quiet"]:
+            print(f"cost: {cost['device_s']:,.1f} device-seconds ({cost['devices']} x {cost['device']}), "
+                  f"{cost['tokens']:,} tokens, {cost['tokens_per_device_hour'] or 0:,.0f} tokens per device-hour")

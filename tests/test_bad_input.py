@@ -239,6 +239,7 @@ CASES = {
     "no-step-times": lambda s: tool("stragglers.py", s.run(
         metrics_edit=lambda m: [record.pop("step_time") for record in m["records"]])),
     "stragglers-threshold": lambda s: tool("stragglers.py", s.run(), "--ratio", "0.5"),
+    "no-cost": lambda s: tool("cost.py", s.run(metrics_edit=lambda m: m.pop("cost"))),
     "tokenizer-changed": lambda s: tool("sample.py", changed_tokenizer(s)),
     "sample-no-tokens": lambda s: tool("sample.py", s.run(), "--tokens", "0"),
     "scaling-two-models": lambda s: tool("memory.py", s.run(), s.run("other", metrics_edit=lambda m: m["final"][

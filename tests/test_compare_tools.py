@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, weights
+from conftest import REPO, STEPS, TIMEOUT, metrics, train, weights
 
 
 def tool(name, *args):
@@ -137,3 +137,30 @@ def test_compare_readme_names_every_tool():
     assert set(listed) - tools == set(), "compare/README.md names tools that compare/ does not have"
     readme = (REPO / "README.md").read_text()
     assert "compare/README.md" in readme[readme.index("## Layout"):]
+
+
+def test_every_run_records_what_it_cost_every_launch_included(tour, tmp_path, small_corpus):
+    """Each record's device_s is the job's devices x the wall time since the record before it, so over a launch
+    they add up to devices x its last since_start_s; metrics.json's cost sums them and counts the tokens the
+    tour's global batch gives (4 steps x 8 samples x 32 tokens, at every layout). A run resumed from step 2
+    keeps the first launch's two records and their cost. compare/cost.py puts runs side by side."""
+    runs, _ = tour
+    for name in ("step0", "step1", "step7", "step9"):
+        m = metrics(runs / STEPS[name])
+        records, cost, world = m["records"], m["cost"], m["env"]["world_size"]
+        assert cost["devices"] == world and cost["steps_timed"] == 4
+        assert cost["tokens"] == 4 * 8 * 32, name
+        assert cost["device_s"] == pytest.approx(sum(r["device_s"] for r in records), abs=1e-3)
+        assert cost["device_s"] == pytest.approx(world * records[-1]["since_start_s"], abs=4 * world * 1e-4), name
+        assert cost["tokens_per_device_hour"] == pytest.approx(cost["tokens"] / (cost["device_s"] / 3600))
+    first = metrics(runs / STEPS["step1"])
+    resumed = train("step1", tmp_path / "resumed", small_corpus, "--resume",
+                    str(runs / STEPS["step1"] / "checkpoints" / "step_2"), *TIMEOUT)
+    later = metrics(resumed)
+    assert [r["device_s"] for r in later["records"][:2]] == [r["device_s"] for r in first["records"][:2]]
+    assert later["cost"]["device_s"] == pytest.approx(sum(r["device_s"] for r in later["records"]), abs=1e-3)
+    assert later["cost"]["tokens"] == 4 * 8 * 32
+    shown = tool("cost.py", runs / STEPS["step0"], resumed)
+    assert shown.returncode == 0, shown.stderr
+    rows = shown.stdout.splitlines()
+    assert rows[2].split()[:4] == ["resumed", "2", "4", "1,024"], shown.stdout
