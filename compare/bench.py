@@ -708,8 +708,8 @@ def print_report(summary: dict, notes: list, header: str) -> None:
                 f"[{r['paired_min']:.3f}, {r['paired_max']:.3f}]")
 
     print(header)
-    print(f"\nStep time (ratios: reference time / row time, above 1.0 = the row is faster; "
-          f"of the medians, then round by round: median [min, max])")
+    print("\nStep time (ratios: reference time / row time, above 1.0 = the row is faster; "
+          "of the medians, then round by round: median [min, max])")
     print(f"{'strategy':<{name_w}}{'median step':>12} {'min':>8} {'max':>8} {'tokens/s':>9}  "
           f"{'vs counterpart':<31} {'vs pytorch DDP':<31}")
     for name, row in rows.items():

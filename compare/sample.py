@@ -11,7 +11,6 @@ a generator seeded with --seed: the same flags give the same text, run after run
 """
 import argparse
 import hashlib
-import os
 import sys
 from pathlib import Path
 

@@ -109,7 +109,7 @@ def check_no_overlap(indices: list[int], dataset_len: int, world_size: int, drop
     lengths = [len(shard) for shard in gathered]
     if len(set(lengths)) != 1:
         raise RuntimeError("ranks hold different numbers of samples (a rank with fewer steps would leave the others "
-                           f"hanging in all-reduce): " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths)))
+                           "hanging in all-reduce): " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths)))
     per_rank = samples_per_rank(dataset_len, world_size, drop_last)
     if lengths[0] != per_rank:
         raise RuntimeError(f"every rank holds {lengths[0]} samples, expected {per_rank} for {dataset_len} samples "

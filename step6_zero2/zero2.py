@@ -34,7 +34,6 @@ import contextlib
 import time
 
 import torch
-import torch.distributed as dist
 
 from bucketed_ddp import Bucket, BucketedDDP
 from comm_accounting import reduce_scatter_single, count_collective
