@@ -179,3 +179,49 @@ def test_shutdown_leaves_no_gloo_thread_behind():
     for rank, (started, left) in spawn(leave_worker, 2).items():
         assert started, "no gloo thread to watch: the names of PyTorch's threads changed"
         assert left == [], f"rank {rank}: threads of the destroyed group still running: {left}"
+
+
+# ---- exact_reduction.py as an outsider uses it: PyTorch's DDP, their own harness ------------------------
+
+def exact_hook_worker(rank, world_size, port, out):
+    from datetime import timedelta
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))  # group first
+    sys.path.insert(0, str(REPO / STEPS["step1"]))
+    from exact_reduction import float64_allreduce_hook
+    ddp = torch.nn.parallel.DistributedDataParallel(exact_hook_model(), bucket_cap_mb=0.001)  # several buckets
+    ddp.register_comm_hook(None, float64_allreduce_hook)
+    ddp(exact_hook_batch(rank)).square().mean().backward()
+    if rank == 0:
+        torch.save([p.grad for p in ddp.module.parameters()], out)
+    dist.destroy_process_group()
+
+
+def exact_hook_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+
+def exact_hook_batch(rank):
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)) * 10.0 ** rank  # unlike magnitudes
+
+
+def test_exact_reduction_hook_gives_ddp_the_float64_average(tmp_path):
+    """DDP with float64_allreduce_hook at 3 ranks, in a harness that names none of our helpers, against the
+    closed form computed here: each rank's float32 gradient, summed in float64, divided by 3, rounded once."""
+    import torch.multiprocessing as mp
+    from conftest import free_port
+    out = tmp_path / "grads.pt"
+    mp.spawn(exact_hook_worker, args=(3, free_port(), str(out)), nprocs=3, join=True)
+    torch.set_num_threads(1)
+    grads = []
+    for rank in range(3):
+        model = exact_hook_model()
+        model(exact_hook_batch(rank)).square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    expected = [(sum(g[i].double() for g in grads) / 3).float() for i in range(len(grads[0]))]
+    got = torch.load(out)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    float32_sum = [(grads[0][i] + grads[1][i] + grads[2][i]) / 3 for i in range(len(grads[0]))]
+    assert not all(torch.equal(a, b) for a, b in zip(float32_sum, expected))  # the order would have mattered
