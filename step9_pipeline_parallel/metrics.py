@@ -7,7 +7,8 @@ metrics.json (schema version ``SCHEMA_VERSION``) is read by `compare/parity.py` 
 - ``records``: per optimiser step ``step`` (1-based), ``loss`` (mean over all ranks and micro-batches),
   ``grad_norm`` (before clipping), ``param_norm``, ``lr``, ``tokens_per_s``, ``effective_batch_size``
   (micro-batch x accumulation x world size, in samples), ``epoch``, ``memory`` (a list, one dict of
-  bytes per rank: sharded steps differ per rank), ``step_time`` (a list, one dict per rank: ``wall_s``
+  bytes per rank: sharded steps differ per rank; on a GPU also its ``gpu_utilization``, percent or None where
+  NVML cannot be read), ``step_time`` (a list, one dict per rank: ``wall_s``
   and ``cpu_s``, see ``StepClock``; read by `compare/stragglers.py`, ignored by parity), ``device_s`` (what
   the step cost: the devices of the job x the wall time since the previous record) and, in distributed
   steps, ``comm`` (bytes rank 0 handed to each kind of collective during the step);
@@ -52,7 +53,17 @@ def memory_stats(params, optimizer, device: torch.device, grads=None) -> dict:
     if device.type == "cuda":
         stats["cuda_allocated"] = torch.cuda.memory_allocated(device)
         stats["cuda_peak"] = torch.cuda.max_memory_allocated(device)
+        stats["gpu_utilization"] = gpu_utilization(device)
     return stats
+
+
+def gpu_utilization(device: torch.device) -> int | None:
+    """The percent of the last sample period (1/6 s to 1 s) in which the GPU ran a kernel, from NVML through
+    ``torch.cuda.utilization``; None where it cannot be read (no ``pynvml``, a driver without NVML)."""
+    try:
+        return int(torch.cuda.utilization(device))
+    except Exception:  # noqa: BLE001  (ModuleNotFoundError for pynvml, NVML's own errors: all "not available")
+        return None
 
 
 class StepClock:

@@ -230,3 +230,21 @@ def test_a_checkpoint_keeps_the_hyperparameters_and_leaves_the_update_implementa
     assert (group["lr"], group["betas"], group["weight_decay"]) == (0.01, (0.8, 0.9), 0.3)
     assert group["foreach"] is not False  # None: torch's default for the device, which adamw_options pins
     assert all(torch.equal(resumed.state[p]["exp_avg_sq"], saved.state[p]["exp_avg_sq"]) for p in model.parameters())
+
+
+def test_memory_stats_on_a_gpu_read_its_utilisation_or_say_none(monkeypatch):
+    """On a GPU each rank's memory entry carries NVML's utilisation through torch.cuda (faked here: no GPU), and
+    None where NVML cannot be read (torch.cuda.utilization raises without pynvml) instead of ending the run."""
+    import metrics
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 2)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    monkeypatch.setattr(torch.cuda, "utilization", lambda device: 87)
+    assert metrics.memory_stats([], optimizer, cuda)["gpu_utilization"] == 87
+
+    def no_pynvml(device):
+        raise ModuleNotFoundError("pynvml does not seem to be installed")
+    monkeypatch.setattr(torch.cuda, "utilization", no_pynvml)
+    assert metrics.memory_stats([], optimizer, cuda)["gpu_utilization"] is None
+    assert "gpu_utilization" not in metrics.memory_stats([], optimizer, torch.device("cpu"))
