@@ -19,12 +19,13 @@ import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, load_optimizer,
-                        load_parameters, open_checkpoint, optimizer_slices)
+                        load_parameters, open_checkpoint)
 from config import build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from pipeline import SCHEDULES, GPT2Stage, Pipeline, check_pipeline, record_random_ops
+from pipeline_state import gather_full_state, owned
 from sampler import ShardedSampler
 from seeding import seed_everything
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
@@ -185,39 +186,6 @@ def main():
         print(f"done: {config['steps']} steps on {num_stages} pipeline stages ({world.backend}, "
               f"{config['schedule']}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
     distributed.shutdown()
-
-
-def owned(named: list) -> list:
-    """This stage's share of the model's parameters: the tied embedding once, on the first stage."""
-    first = dist.get_rank() == 0
-    return [(n, p) for n, p in named if n != "transformer.wte.weight" or first]
-
-
-def gather_full_state(named: list, optimizer, is_main: bool) -> dict:
-    """On rank 0: the whole model by name (``model``) and, given an ``optimizer``, AdamW's state as one process
-    would hold it (``optimizer`` and ``optimizer_slices``, the tied embedding's state taken once). Others: {}."""
-    mine = {"model": {n: p.detach().cpu() for n, p in owned(named)}}
-    if optimizer is not None:
-        mine.update(optimizer=optimizer.state_dict(), optimizer_slices=optimizer_slices(optimizer, named))
-    everyone = distributed.gather_from_every_rank(mine)
-    if not is_main:
-        return {}
-    full = {"model": {n: t for stage in everyone for n, t in stage["model"].items()}}
-    if optimizer is not None:
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
-                  for g in everyone[0]["optimizer"]["param_groups"]]
-        state, slices = {}, []
-        for stage in everyone:
-            for group, stage_group in zip(groups, stage["optimizer"]["param_groups"]):
-                for i in stage_group["params"]:
-                    if any(s[0] == stage["optimizer_slices"][i][0] for s in slices):
-                        continue  # the tied embedding's second copy: the same state as the first
-                    if i in stage["optimizer"]["state"]:
-                        state[len(slices)] = stage["optimizer"]["state"][i]
-                    group["params"].append(len(slices))
-                    slices.append(stage["optimizer_slices"][i])
-        full.update(optimizer={"state": state, "param_groups": groups}, optimizer_slices=slices)
-    return full
 
 
 if __name__ == "__main__":
