@@ -195,6 +195,10 @@ def exact_hook_worker(rank, world_size, port, out):
     ddp(exact_hook_batch(rank)).square().mean().backward()
     if rank == 0:
         torch.save([p.grad for p in ddp.module.parameters()], out)
+    # DDP's C++ reducer holds the group: dropped as the last holder, the group's destructor would wait, holding the
+    # GIL, for a gloo thread that needs the GIL to release the hook's callback (seen: a hang at exit). So: first.
+    del ddp
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -213,7 +217,13 @@ def test_exact_reduction_hook_gives_ddp_the_float64_average(tmp_path):
     import torch.multiprocessing as mp
     from conftest import free_port
     out = tmp_path / "grads.pt"
-    mp.spawn(exact_hook_worker, args=(3, free_port(), str(out)), nprocs=3, join=True)
+    ranks, deadline = mp.spawn(exact_hook_worker, args=(3, free_port(), str(out)), nprocs=3, join=False), 120
+    while not ranks.join(timeout=1):  # raises if a rank failed
+        deadline -= 1
+        if deadline <= 0:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the 3 ranks did not finish within 120 s")
     torch.set_num_threads(1)
     grads = []
     for rank in range(3):
