@@ -24,6 +24,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from zero3 import SHARDED  # noqa: E402
+
 COLORS = {"forward": "tab:blue", "backward": "tab:green", "all-gather": "tab:orange", "reduce-scatter": "tab:red"}
 
 
@@ -37,7 +39,7 @@ class PrefetchTrace:
                 unit.module.register_forward_pre_hook(lambda m, a, unit=unit: self._start("forward", unit))
                 unit.module.register_forward_hook(lambda m, a, o, unit=unit: self._end("forward", unit), prepend=True)
         # The rest from outside FullyShardedDP's methods, which its hooks look up at each call.
-        self._around("_launch_gather", after=self._on_launch_gather)
+        self._around("_launch_gather", before=self._gather_launching, after=self._gather_launched)
         self._around("_pre_backward", after=lambda unit: self._start("backward", unit))
         self._around("_free", before=lambda unit: self._end("backward", unit))  # the first thing a backward ends with
         self._around("_reduce_scatter", after=lambda unit: self._start("reduce-scatter", unit, "comm"))
@@ -70,13 +72,14 @@ class PrefetchTrace:
         if event is not None:
             event["end"] = time.perf_counter()
 
-    def _on_launch_gather(self, unit) -> None:
-        if unit.handle is not None and unit.handle is not self.open.get(("handle", unit.name)):  # launched just now
-            self.open["handle", unit.name] = unit.handle
+    def _gather_launching(self, unit) -> None:
+        if unit.state == SHARDED:  # _launch_gather launches exactly then
             self._start("all-gather", unit, "comm")
-            event = self.open.pop(("all-gather", unit.name), None)
-            if event is not None:  # its end: the completion callback, on gloo's thread
-                unit.handle.get_future().then(lambda _: event.update(end=time.perf_counter()))
+
+    def _gather_launched(self, unit) -> None:
+        event = self.open.pop(("all-gather", unit.name), None)
+        if event is not None:  # its end: the completion callback, on gloo's thread
+            unit.handle.get_future().then(lambda _: event.update(end=time.perf_counter()))
 
     def stop(self) -> None:
         """Record nothing more (an export's gathers are not training)."""

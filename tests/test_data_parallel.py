@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -217,10 +218,10 @@ def test_exact_reduction_hook_gives_ddp_the_float64_average(tmp_path):
     import torch.multiprocessing as mp
     from conftest import free_port
     out = tmp_path / "grads.pt"
-    ranks, deadline = mp.spawn(exact_hook_worker, args=(3, free_port(), str(out)), nprocs=3, join=False), 120
+    ranks = mp.spawn(exact_hook_worker, args=(3, free_port(), str(out)), nprocs=3, join=False)
+    deadline = time.monotonic() + 120
     while not ranks.join(timeout=1):  # raises if a rank failed
-        deadline -= 1
-        if deadline <= 0:
+        if time.monotonic() > deadline:
             for process in ranks.processes:
                 process.kill()
             pytest.fail("the 3 ranks did not finish within 120 s")
