@@ -130,8 +130,8 @@ from training import adamw_options, adamw_param_groups  # noqa: E402
 VOCAB_SIZE = 2048  # the tokenizer's; the tokens are random, so the corpus is not read
 MEMORY_KINDS = ("params", "grads", "optimizer_state")
 # Trainer flags of the shared parser that a benchmark does not use (no corpus, checkpoint, schedule, clipping)
-UNUSED_FLAGS = {"steps", "out", "save_every", "resume", "quiet", "data", "tokenizer", "min_lr", "warmup_steps",
-                "grad_clip"}
+UNUSED_FLAGS = {"steps", "out", "save_every", "preempt_grace_s", "resume", "quiet", "data", "tokenizer", "min_lr",
+                "warmup_steps", "grad_clip"}
 
 
 def optional_module(name: str, folder: str, needs: tuple[str, ...]):

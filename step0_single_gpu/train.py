@@ -16,7 +16,7 @@ from torch.utils.data import DistributedSampler
 from background_writer import BackgroundWriter
 from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, load_optimizer,
                         load_parameters, open_checkpoint, optimizer_state)
-from config import UserError, build_parser, exit_on_user_error, limit_memory, parse_config
+from config import Preemption, UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
@@ -135,6 +135,7 @@ def main():
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 
     # ---- the training loop ---------------------------------------------------------------------
+    preemption = Preemption(config["preempt_grace_s"])  # --preempt-grace-s: SIGTERM saves, then exits
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
@@ -157,8 +158,11 @@ def main():
             "memory": [memory],  # one entry per rank
             "step_time": [step_time],
         })
-        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+        preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
+        if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             writer.save(step + 1, {"model": weights_to_save(model, masters), **optimizer_state(optimizer, trained)})
+        if preempted:
+            preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     final = save_final_weights(Path(config["out"]), dict(trained))

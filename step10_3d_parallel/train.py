@@ -22,7 +22,7 @@ from comm_accounting import take_comm_bytes
 from composition import (add_mesh_flags, added, check_degrees, checkpoint_state, counted_once, gather_full_model,
                          load_checkpoint, tensor_parallel_stage)
 from checkpoint import CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, open_checkpoint
-from config import build_parser, exit_on_user_error, limit_memory, parse_config
+from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from mesh import build_mesh
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
@@ -153,6 +153,7 @@ def main():
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * dp
 
     # ---- the training loop ---------------------------------------------------------------------
+    preemption = Preemption(config["preempt_grace_s"], world.rank)  # --preempt-grace-s: SIGTERM saves, then exits
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
@@ -183,9 +184,12 @@ def main():
             # one entry per rank: memory, time, and the bytes sent on each axis of the mesh and for the norms
             **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=comm),
         })
-        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+        preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
+        if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             shard = checkpoint_state(named, optimizer)  # collective over dp; dp rank 0's copy goes to disk
             writer.save(step + 1, {"mesh": [pp, dp, tp]}, shard if mesh.dp_rank == 0 else {})
+        if preempted:
+            preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     full = gather_full_model(stage, named, mesh)  # every rank takes part; rank 0 writes the plain model

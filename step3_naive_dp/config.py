@@ -13,7 +13,8 @@ from pathlib import Path
 
 # How a run ends on a mistake, and the memory budget: operations code, in modules of their own (skip them on a
 # first read). Named here too because every train.py imports them from config.
-from failures import UserError, exit_on_user_error, explain_failure, failure_explainers, not_written  # noqa: F401
+from failures import (Preemption, UserError, exit_on_user_error, explain_failure, failure_explainers,  # noqa: F401
+                      not_written)
 from memory_budget import limit_memory  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # common/.. or stepK_x/..: both are the repo root
@@ -78,6 +79,9 @@ def build_parser(step: str) -> argparse.ArgumentParser:
                           "with 'auto', from the newest one or afresh when there is none (for torchrun --max-restarts)")
     run.add_argument("--async-save", action="store_true",
                      help="copy the state to memory at each checkpoint and write it in the background")
+    run.add_argument("--preempt-grace-s", type=float, default=0.0, metavar="S",
+                     help="on SIGTERM (a spot machine's notice, torchrun stopping), finish the step, save it and exit "
+                          "with code 4 within S seconds; 0: SIGTERM ends the run at once")
     run.add_argument("--quiet", action="store_true", help="no per-step console lines")
     run.add_argument("--max-memory-mb", type=float, default=None, metavar="MB",
                      help="memory budget per rank: the OS refuses this process more than MB MiB of data memory "
@@ -148,6 +152,18 @@ def on_cuda(config: dict) -> bool:
     return config["device"] == "cuda" or (config["device"] == "auto" and torch.cuda.is_available())
 
 
+def check_grace(grace_s: float) -> None:
+    """Under torchrun, --preempt-grace-s must end before torchrun kills what it told to stop: it waits
+    --shutdown_timeout (its environment's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s) after its SIGTERM."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or not grace_s:
+        return
+    launcher_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
+    if grace_s >= launcher_s:
+        raise UserError(f"--preempt-grace-s {grace_s:g} is not shorter than the {launcher_s:g} s torchrun waits after "
+                        "a SIGTERM before it kills its ranks: give less (the save must fit in it), or raise "
+                        "torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+
+
 def check_config(config: dict) -> None:
     """The checks of the shared flags (what ``parse_config`` does, less the budget): for a tool that starts
     trainers and wants to refuse their flags before it starts any (compare/tour.py)."""
@@ -163,9 +179,10 @@ def check_config(config: dict) -> None:
     for key in ("lr", "loss_scale_init"):
         if not config[key] > 0:
             raise UserError(f"--{key.replace('_', '-')} must be positive, got {config[key]:g}")
-    for key in ("save_every", "warmup_steps", "grad_clip", "min_lr", "weight_decay"):
+    for key in ("save_every", "preempt_grace_s", "warmup_steps", "grad_clip", "min_lr", "weight_decay"):
         if not config[key] >= 0:
             raise UserError(f"--{key.replace('_', '-')} cannot be negative, got {config[key]:g}")
+    check_grace(config["preempt_grace_s"])
     for key in ("dropout", "beta1", "beta2"):
         if not 0.0 <= config[key] < 1.0:
             raise UserError(f"--{key} must be in [0, 1), got {config[key]:g}")

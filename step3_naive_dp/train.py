@@ -20,7 +20,7 @@ from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, load_optimizer,
                         load_parameters, open_checkpoint, optimizer_state)
-from config import build_parser, exit_on_user_error, limit_memory, parse_config
+from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
@@ -114,6 +114,7 @@ def main():
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
     # ---- the training loop ---------------------------------------------------------------------
+    preemption = Preemption(config["preempt_grace_s"], world.rank)  # --preempt-grace-s: SIGTERM saves, then exits
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
@@ -147,8 +148,11 @@ def main():
             "comm": take_comm_bytes(),
             "shard_check": shard_check,
         })
-        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+        preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
+        if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             writer.save(step + 1, {"model": model.state_dict(), **optimizer_state(optimizer, model.named_parameters())})
+        if preempted:
+            preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 
     in_sync = replicas_in_sync(model)  # every rank must hold the same weights, bit for bit
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done

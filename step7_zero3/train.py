@@ -23,7 +23,7 @@ import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, open_checkpoint
-from config import build_parser, exit_on_user_error, limit_memory, parse_config
+from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats
 from model import GPT2, gpt2_config, initial_value, language_model_loss
@@ -161,6 +161,7 @@ def main():
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
     # ---- the training loop ---------------------------------------------------------------------
+    preemption = Preemption(config["preempt_grace_s"], world.rank)  # --preempt-grace-s: SIGTERM saves, then exits
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
@@ -194,9 +195,12 @@ def main():
             "comm": take_comm_bytes(),
             "shard_check": shard_check,
         })
-        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+        preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
+        if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             # Each rank writes its own pieces and their AdamW state; nothing in state.pt is full-size.
             writer.save(step + 1, {}, ddp_model.checkpoint_state(optimizer))
+        if preempted:
+            preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     if tracer:

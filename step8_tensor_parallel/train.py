@@ -21,7 +21,7 @@ import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, open_checkpoint, params_in_order
-from config import build_parser, exit_on_user_error, limit_memory, parse_config
+from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
@@ -128,6 +128,7 @@ def main():
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 
     # ---- the training loop ---------------------------------------------------------------------
+    preemption = Preemption(config["preempt_grace_s"], world.rank)  # --preempt-grace-s: SIGTERM saves, then exits
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
@@ -151,9 +152,12 @@ def main():
             **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
             "comm": take_comm_bytes(),
         })
-        if config["save_every"] and (step + 1) % config["save_every"] == 0:
+        preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
+        if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             own = checkpoint_shards(list(model.named_parameters()), params_in_order(optimizer), optimizer.state_dict())
             writer.save(step + 1, {}, own)  # steps 0-8 and 10 at any degree read them
+        if preempted:
+            preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 
     in_sync = replicated_in_sync(model)  # the replicated parameters must be the same bits on every rank
     full = gather_full_parameters(model)  # every rank takes part; rank 0 writes the plain model

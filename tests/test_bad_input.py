@@ -164,6 +164,8 @@ CASES = {
     "count-below-one": lambda s: trainer("step0", "--steps", "0"),
     "negative": lambda s: trainer("step0", "--save-every", "-1"),
     "memory-budget-zero": lambda s: trainer("step0", "--max-memory-mb", "0"),
+    "preempt-grace-too-long": lambda s: trainer("step1", "--preempt-grace-s", "30", ranks=2,
+                                                env={"TORCHELASTIC_RESTART_COUNT": "0"}),  # as torchrun starts it
     # ---- files
     "data-missing": lambda s: trainer("step0", "--data", s.root / "data" / "shakespeare.txt"),
     "data-not-text": lambda s: trainer("step0", "--data", s.data("corpus.bin", bytes(range(128, 256)))),
@@ -430,6 +432,7 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--weight-decay cannot be negative, got -0.1": flags("--weight-decay", "-0.1"),
     "--warmup-steps cannot be negative, got -1": flags("--warmup-steps", "-1"),
     "--grad-clip cannot be negative, got -1": flags("--grad-clip", "-1"),
+    "--preempt-grace-s cannot be negative, got -1": flags("--preempt-grace-s", "-1"),
     "--data data is a folder, not a file; pass the file itself": flags("--data", str(REPO / "data")),
     "--timeout-s must be positive, got 0: it is how long a rank waits for its peers (default 300)":
         lambda: distributed.plan_world({"timeout_s": 0.0}),

@@ -1,9 +1,17 @@
-"""Run a trainer with its checkpoint writer slowed down or failing: a test hook injected from tests/, so that
-the trainers carry no test switch of their own.
+"""Run a trainer with its checkpoint writer slowed down or failing, or with a SIGTERM sent at a chosen point: a
+test hook injected from tests/, so that the trainers carry no test switch of their own.
 
     python tests/writer_hook.py slow:2 step7_zero3/train.py --async-save ...   # every write starts 2 s late
     python tests/writer_hook.py fail:4 step7_zero3/train.py --async-save ...   # writing step_4 raises OSError
     torchrun ... tests/writer_hook.py pause:4:1 step1_torch_ddp/train.py ...    # rank 1 stops inside step_4's write
+    torchrun ... tests/writer_hook.py sigterm:2:launcher step1_torch_ddp/train.py --preempt-grace-s 20 ...
+    torchrun ... tests/writer_hook.py sigterm-in-save:2:1 step7_zero3/train.py --preempt-grace-s 20 ...
+
+``sigterm:K:TO``: after step K, before the ranks agree whether to stop, rank 0 sends SIGTERM to ``launcher``
+(torchrun, which passes it on to every rank), to ``self`` (itself alone: its peers must follow), or ``self-twice``
+(two, the second once the first is noticed); on the first attempt only, and it waits until the trainer has noticed
+its own signal, so the step the run stops after is K. ``sigterm-in-save:K:R``: rank R sends SIGTERM to torchrun in
+the middle of writing checkpoint K. Modes combine with commas (``sigterm:2:self,slow:5``).
 
 Under torchrun, give this file as the script and the trainer's train.py as its second argument. The patch goes
 on the step's own ``checkpoint`` module (the trainer's folder first on sys.path, as when it runs by itself),
@@ -12,20 +20,24 @@ disk, so a test can see whether the trainer waited for it. A paused rank prints 
 """
 import os
 import runpy
+import signal
 import sys
 import time
+from functools import partialmethod
 from pathlib import Path
 
-mode, script, *args = sys.argv[1:]
-kind, value = mode.split(":", 1)
+modes, script, *args = sys.argv[1:]
 sys.path.insert(0, str(Path(script).resolve().parent))
 sys.argv = [script, *args]
 import checkpoint  # noqa: E402  (the step's copy, the module train.py imports)
+import failures  # noqa: E402
+
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 write = checkpoint.CheckpointWriter._write
 
 
-def slow_or_failing_write(self, step, *state):
+def slow_or_failing_write(self, step, *state, kind, value):
     if kind == "fail" and step == int(value):
         raise OSError(28, f"No space left on device (writer_hook.py, rank {self.rank}, step_{step})")
     if kind == "slow":
@@ -38,21 +50,47 @@ def slow_or_failing_write(self, step, *state):
 barrier = checkpoint.CheckpointWriter._barrier
 
 
-def pausing_barrier(self):
+def pausing_barrier(self, kind, value):
     """``pause:STEP:RANK``: rank RANK stops in the middle of writing checkpoint STEP, once its own file is in
     .tmp_step_<STEP> (the barrier before the rename), on the first attempt only, so that a run torchrun
     restarts goes through. See tests/test_fault_tolerance.py."""
     step, rank = map(int, value.split(":"))
     tmp = checkpoint.checkpoint_dir(self.config["out"], step).with_name(f".tmp_step_{step}")
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if self.rank == rank and first_attempt and (tmp / f"rank{rank}.pt").is_file():
-        print(f"paused in the save of step {step}: rank {self.rank}, pid {os.getpid()}", flush=True)
-        time.sleep(3600)
+        if kind == "pause":
+            print(f"paused in the save of step {step}: rank {self.rank}, pid {os.getpid()}", flush=True)
+            time.sleep(3600)
+        os.kill(os.getppid(), signal.SIGTERM)  # sigterm-in-save: torchrun passes it on while the save goes on
+        print(f"SIGTERM sent to torchrun in the save of step {step} by rank {self.rank}", flush=True)
     barrier(self)
 
 
-if kind == "pause":
-    checkpoint.CheckpointWriter._barrier = pausing_barrier
-else:
-    checkpoint.CheckpointWriter._write = slow_or_failing_write
+agreed = failures.Preemption.agreed
+agreements = 0
+
+
+def signalled_agreement(self, value):
+    """``sigterm:K:TO``: at the K-th agreement (after step K), rank 0 is signalled first, then the ranks agree."""
+    global agreements
+    agreements += 1
+    step, to = value.split(":")
+    if self.rank == 0 and agreements == int(step) and first_attempt:
+        os.kill(os.getppid() if to == "launcher" else os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while self.signalled_at is None and time.monotonic() < deadline:  # noticed by the trainer's own watcher
+            time.sleep(0.01)
+        if to == "self-twice":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)  # the watcher ends the process here
+    return agreed(self)
+
+
+for mode in modes.split(","):
+    kind, value = mode.split(":", 1)
+    if kind in ("pause", "sigterm-in-save"):
+        checkpoint.CheckpointWriter._barrier = partialmethod(pausing_barrier, kind=kind, value=value)
+    elif kind == "sigterm":
+        failures.Preemption.agreed = partialmethod(signalled_agreement, value=value)
+    else:
+        checkpoint.CheckpointWriter._write = partialmethod(slow_or_failing_write, kind=kind, value=value)
 runpy.run_path(script, run_name="__main__")
