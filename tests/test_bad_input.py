@@ -206,6 +206,7 @@ CASES = {
     "param-dtype-with-amp": lambda s: trainer("step0", "--param-dtype", "bf16", "--amp", "bf16"),
     "param-dtype-not-here": lambda s: trainer("step1", "--param-dtype", "bf16", ranks=2),
     "fsdp2-reference-flags": lambda s: tool("fsdp2_reference.py", "--param-dtype", "fp16"),
+    "accelerate-reference-flags": lambda s: tool("accelerate_reference.py", "--amp", "bf16"),
     "world-larger-than-data": lambda s: trainer("step1", *s.tiny[-2:], ranks=5000),
     "ranks-without-a-step": lambda s: trainer("step1", *s.tiny[-2:], "--micro-batch-size", "64", ranks=64),
     "step0-under-torchrun": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
