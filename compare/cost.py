@@ -8,7 +8,8 @@ common/metrics.py), and ``metrics.json``'s ``cost`` sums them over every launch 
 run's earlier launches included. The table gives, per run: devices, steps, tokens, device-seconds,
 device-hours, tokens per device-hour (the efficiency to compare layouts by: the same model and tokens at a
 lower cost), tokens per second per device, and the final loss. On the CPU these are lessons, not prices:
-ranks share the machine's cores, so more ranks do not buy more compute. Exit 0, or 2 on bad input.
+ranks share the machine's cores, so more ranks do not buy more compute. Each node's samples and tokens per second
+(median over the steps) are in ``cost["per_node"]`` and the run's last line. Exit 0, or 2 on bad input.
 """
 import argparse
 import sys

@@ -10,7 +10,8 @@ metrics.json (schema version ``SCHEMA_VERSION``) is read by `compare/parity.py` 
   bytes per rank: sharded steps differ per rank; on a GPU also its ``gpu_utilization``, percent or None where
   NVML cannot be read), ``step_time`` (a list, one dict per rank: ``wall_s``
   and ``cpu_s``, see ``StepClock``; read by `compare/stragglers.py`, ignored by parity), ``device_s`` (what
-  the step cost: the devices of the job x the wall time since the previous record) and, in distributed
+  the step cost: the devices of the job x the wall time since the previous record), ``per_node`` (each node's
+  samples and tokens per second, ``RunLog.per_node``) and, in distributed
   steps, ``comm`` (bytes rank 0 handed to each kind of collective during the step);
 - ``cost``: ``RunLog.cost``, the whole run's device-seconds and tokens, every launch of a resumed run included
   (read by `compare/cost.py`);
@@ -93,6 +94,8 @@ def environment(device: torch.device, world_size: int, backend: str | None, amp:
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "backend": backend,
         "world_size": world_size,
+        # torchrun's ranks per node (--nproc_per_node); a node's ranks are consecutive: node = rank // this
+        "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         "param_dtype": "float32",
         "autocast_dtype": {"none": None, "bf16": "bfloat16", "fp16": "float16"}[amp],
         "cpu_threads_per_process": torch.get_num_threads(),
@@ -147,6 +150,7 @@ class RunLog:
         # What the step cost: every device of the job was held from the previous record to this one.
         record["device_s"] = round(self.env["world_size"] * (now - self.last), 4)
         self.last = now
+        record["per_node"] = self.per_node(record)
         self.records.append(record)
         if self.is_writer and not self.config["quiet"]:
             memory = record["memory"][0]
@@ -156,6 +160,25 @@ class RunLog:
                   f"grad norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
                   f"{record['tokens_per_s']:,.0f} tok/s | {rss}{cuda}", flush=True)
 
+    def per_node(self, record: dict) -> list[dict]:
+        """Each node's share of the step's samples (its ranks' share of the job), per second of its slowest rank's
+        wall time (``samples_per_s``, ``tokens_per_s``: what the node delivered) and of its busiest rank's CPU time
+        (``busy_tokens_per_s``: what it could deliver without waiting). In synchronous training every node's wall
+        time is the job's, since fast ranks wait in the collectives; a straggling node shows in the busy figure."""
+        if "step_time" not in record:
+            return []
+        times, per_node = record["step_time"], self.env.get("ranks_per_node") or len(record["step_time"])
+        samples = record["effective_batch_size"] * per_node / len(times)  # a full node's share of the step
+        nodes = []
+        for node in range(0, len(times), per_node):
+            ranks = times[node:node + per_node]
+            wall, busy = max(t["wall_s"] for t in ranks), max(t["cpu_s"] for t in ranks)
+            share = samples * len(ranks) / per_node
+            nodes.append({"node": node // per_node, "ranks": len(ranks), "samples_per_s": share / wall,
+                          "tokens_per_s": share * self.config["seq_len"] / wall,
+                          "busy_tokens_per_s": share * self.config["seq_len"] / busy if busy > 0 else None})
+        return nodes
+
     def cost(self) -> dict:
         """Device-seconds and tokens of the records so far (those of earlier launches too: a resumed run
         carries them), and what they buy: tokens per device-hour. A device is a GPU, or a rank on the CPU.
@@ -163,9 +186,17 @@ class RunLog:
         timed = [r for r in self.records if "device_s" in r]
         device_s = sum(r["device_s"] for r in timed)
         tokens = sum(r["effective_batch_size"] for r in timed) * self.config["seq_len"]
+        nodes = {}  # the median over the steps of each node's figures
+        for record in self.records:
+            for entry in record.get("per_node", []):
+                nodes.setdefault(entry["node"], []).append(entry)
+        median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
         return {"devices": self.env["world_size"], "device": self.env["device"], "steps_timed": len(timed),
                 "device_s": round(device_s, 4), "device_hours": device_s / 3600, "tokens": tokens,
-                "tokens_per_device_hour": tokens / (device_s / 3600) if device_s > 0 else None}
+                "tokens_per_device_hour": tokens / (device_s / 3600) if device_s > 0 else None,
+                "per_node": [{"node": node, **{key: median([e[key] for e in entries if e[key] is not None] or [0.0])
+                                               for key in ("samples_per_s", "tokens_per_s", "busy_tokens_per_s")}}
+                             for node, entries in sorted(nodes.items())]}
 
     def write(self, final: dict | None = None) -> None:
         if not self.is_writer:
@@ -182,5 +213,8 @@ class RunLog:
             "wall_time_s": round(time.perf_counter() - self.started, 3),
         })
         if final is not None and not self.config["quiet"]:
+            nodes = ", ".join(f"node {n['node']} {n['samples_per_s']:,.1f} samples/s ({n['tokens_per_s']:,.0f} tokens/s, "
+                              f"{n['busy_tokens_per_s']:,.0f} busy)" for n in cost["per_node"])
             print(f"cost: {cost['device_s']:,.1f} device-seconds ({cost['devices']} x {cost['device']}), "
-                  f"{cost['tokens']:,} tokens, {cost['tokens_per_device_hour'] or 0:,.0f} tokens per device-hour")
+                  f"{cost['tokens']:,} tokens, {cost['tokens_per_device_hour'] or 0:,.0f} tokens per device-hour; "
+                  f"median per node: {nodes}")

@@ -153,6 +153,13 @@ def test_every_run_records_what_it_cost_every_launch_included(tour, tmp_path, sm
         assert cost["device_s"] == pytest.approx(sum(r["device_s"] for r in records), abs=1e-3)
         assert cost["device_s"] == pytest.approx(world * records[-1]["since_start_s"], abs=4 * world * 1e-4), name
         assert cost["tokens_per_device_hour"] == pytest.approx(cost["tokens"] / (cost["device_s"] / 3600))
+        for r in records:  # one node holding every rank: the whole step per its slowest rank's second
+            wall, busy = max(t["wall_s"] for t in r["step_time"]), max(t["cpu_s"] for t in r["step_time"])
+            assert r["per_node"] == [{"node": 0, "ranks": world, "samples_per_s": pytest.approx(8 / wall),
+                                      "tokens_per_s": pytest.approx(8 * 32 / wall),
+                                      "busy_tokens_per_s": pytest.approx(8 * 32 / busy)}], name
+        medians = sorted(r["per_node"][0]["samples_per_s"] for r in records)[2]
+        assert [n["node"] for n in cost["per_node"]] == [0] and cost["per_node"][0]["samples_per_s"] == medians
     first = metrics(runs / STEPS["step1"])
     resumed = train("step1", tmp_path / "resumed", small_corpus, "--resume",
                     str(runs / STEPS["step1"] / "checkpoints" / "step_2"), *TIMEOUT)

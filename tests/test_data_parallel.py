@@ -95,7 +95,12 @@ def test_two_nodes_train_bitwise_like_one(exact_run, tmp_path, small_corpus):
         assert [code for code, _ in nodes] == [0, 0], f"{step}:\n" + "\n".join(log[-3000:] for _, log in nodes)
         # one world of 4: rank 0 (on whichever launch the rendezvous made node 0) reports for all of them
         assert sum("done: 4 steps on 4 ranks" in log for _, log in nodes) == 1, [log[-1000:] for _, log in nodes]
-        assert metrics(out)["env"]["world_size"] == 4
+        assert metrics(out)["env"]["world_size"] == 4 and metrics(out)["env"]["ranks_per_node"] == 2
+        for r in metrics(out)["records"]:  # each node: its 2 ranks' 8 of the 16 samples, per its slowest rank
+            walls = [t["wall_s"] for t in r["step_time"]]
+            assert [(n["node"], n["ranks"]) for n in r["per_node"]] == [(0, 2), (1, 2)]
+            assert [n["samples_per_s"] for n in r["per_node"]] == \
+                [pytest.approx(8 / max(walls[:2])), pytest.approx(8 / max(walls[2:]))]
         assert_bitwise_same_run(exact_run(step, 4), out)
 
 
