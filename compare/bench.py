@@ -34,6 +34,8 @@ and so are the counterpart's own (``zero3-no-prefetch`` brings ``zero3``, which 
                                                     AdamW over this rank's pieces
     zero3-no-prefetch  ZeRO-3 no prefetch (step 7)  the same with prefetch=False: each unit     ZeRO-3 (step 7)
                                                     gathered only when it is needed
+    zero3-offload      ZeRO-3 offload (step 7)      the same with step7_zero3/offload.py's      ZeRO-3 (step 7)
+                                                    OffloadedOptimizer: AdamW on host copies
     torch-tp           pytorch TP                   compare/tp_reference.py's parallelize():    -
                                                     parallelize_module (Colwise/Rowwise) +
                                                     loss_parallel + AdamW
@@ -434,6 +436,18 @@ class Zero3NoPrefetch(Zero3):
     prefetch = False
 
 
+class Zero3Offload(Zero3):
+    """step7_zero3/offload.py: AdamW on host copies of the pieces. On a CPU the host is the device: the row measures
+    what the moves cost (gradients out, parameters back), not what they save."""
+    key, name, counterpart = "zero3-offload", "ZeRO-3 offload (step 7)", "ZeRO-3 (step 7)"
+    module_needed = ("offload", "step7_zero3", ("OffloadedOptimizer",))
+
+    def make_optimizer(self):
+        offload = importlib.import_module("offload")
+        return offload.OffloadedOptimizer(self.model.named_parameters(), lambda named: torch.optim.AdamW(
+            adamw_param_groups(named, self.config), **adamw_options(self.config)))
+
+
 class TorchTensorParallel(Strategy):
     key, name, pytorch = "torch-tp", "pytorch TP", True
 
@@ -571,7 +585,7 @@ class Pipeline1F1B(PipelineGPipe):
 
 
 STRATEGIES = (TorchDDP, Bucketed, Naive, TorchZero1, Zero1, Zero1Bf16, TorchFSDP2, Zero2, TorchFSDP2Zero3, Zero3,
-              Zero3NoPrefetch, TorchTensorParallel, TensorParallel, TorchPipelineGPipe, PipelineGPipe,
+              Zero3NoPrefetch, Zero3Offload, TorchTensorParallel, TensorParallel, TorchPipelineGPipe, PipelineGPipe,
               TorchPipeline1F1B, Pipeline1F1B)
 BY_NAME = {s.name: s for s in STRATEGIES}
 

@@ -13,6 +13,7 @@ float32``: no policy, plain FSDP2.) The loop is step 7's: the same data shards, 
 the norm of the whole gradient (its squares summed in float64, as the steps do), AdamW. The final
 weights are the float32 master, gathered, so parity.py compares them with the steps' final weights.
 fp16 parameters need a loss scaler that FSDP2 does not give a DTensor optimiser here: refused.
+``--offload-optimizer``: ``CPUOffloadPolicy``, the counterpart of step 7's (step7_zero3/offload.py).
 """
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "common"), str(REPO / "step2_sharded_data")]  # the shared pieces; the sampler
@@ -40,6 +41,8 @@ def main():
     parser = build_parser("fsdp2_reference")
     distributed.add_flags(parser)
     add_param_dtype_flag(parser)
+    parser.add_argument("--offload-optimizer", action="store_true",
+                        help="CPUOffloadPolicy: the sharded parameters, gradients and AdamW on the host (step 7's flag)")
     config = parse_config(parser)
     if config["reduce_dtype"] != "float32" or config["amp"] != "none" or config["param_dtype"] == "fp16":
         raise UserError("the FSDP2 reference runs --param-dtype float32 or bf16, gradients reduced in float32, "
@@ -58,9 +61,10 @@ def main():
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
     dtype = param_dtype(config)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if config["offload_optimizer"] else OffloadPolicy()
     for block in model.transformer.h:  # the units step 7 gathers; the root keeps embeddings and the last norm
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
     optimizer = make_optimizer(model.named_parameters(), config)  # steps the float32 shards
     scheduler = make_scheduler(optimizer, config)
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,

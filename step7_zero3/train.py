@@ -25,8 +25,9 @@ from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, open_checkpoint
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from metrics import RunLog, StepClock, environment, memory_stats
+from metrics import RunLog, StepClock, environment, memory_stats, tensor_bytes
 from model import GPT2, gpt2_config, initial_value, language_model_loss
+from offload import OffloadedOptimizer
 from prefetch_trace import PrefetchTrace
 from sampler import ShardedSampler, check_no_overlap
 from streaming_export import save_final_weights_streaming
@@ -70,6 +71,8 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
         scaler.update()
         memory = memory_stats(model.parameter_shards, optimizer, device, grads=model.gradient_shards)
         memory["gathered_peak"] = model.take_peak_gathered_bytes()  # full units held at once, in this step
+        if isinstance(optimizer, OffloadedOptimizer):  # on the host: the float32 copies and AdamW's state
+            memory["host"] = tensor_bytes(optimizer.host_copies) + memory["optimizer_state"]
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
 
@@ -104,6 +107,8 @@ def build(config: dict, vocab_size: int, device) -> tuple:
                                param_dtype=param_dtype(config))
     # A plain AdamW: model.named_parameters() now yields this rank's pieces, under the original names.
     optimizer = make_optimizer(model.named_parameters(), config)
+    if config.get("offload_optimizer"):  # the same AdamW, on host copies of the pieces (offload.py)
+        optimizer = OffloadedOptimizer(model.named_parameters(), lambda named: make_optimizer(named, config))
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
     return ddp_model, optimizer, scaler, shapes
 
@@ -116,6 +121,8 @@ def main():
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's activations in backward instead of keeping them")
     parser.add_argument("--trace", action="store_true", help="write trace.json and timeline.png of the last step")
+    parser.add_argument("--offload-optimizer", action="store_true",
+                        help="AdamW's state and step in host memory (ZeRO-Offload): the device keeps parameters and gradients")
     add_param_dtype_flag(parser)
     config = parse_config(parser)
     world = distributed.plan_world(config)

@@ -1,7 +1,7 @@
 """Each idea file used the way someone else's training script uses it, beside its PyTorch counterpart.
 
     python tests/drop_in_harness.py CASE [CASE ...] OUT.json   # CASE: naive_dp bucketed_ddp zero1 zero2 zero3
-                                                               #       zero1_bf16 zero2_bf16 zero1_fp16
+                                                               #       zero1_bf16 zero2_bf16 zero1_fp16 offload
 
 This file is deliberately written like an outside harness (a course's test suite, a learner's own
 script): ``torch.multiprocessing.spawn`` starts two workers, each creates the process group itself,
@@ -36,10 +36,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 REPO = Path(__file__).resolve().parent.parent
 FOLDER = {"naive_dp": "step3_naive_dp", "bucketed_ddp": "step4_hooks_bucketing", "zero1": "step5_zero1",
           "zero2": "step6_zero2", "zero3": "step7_zero3", "zero1_bf16": "step5_zero1", "zero2_bf16": "step6_zero2",
-          "zero1_fp16": "step5_zero1"}
+          "zero1_fp16": "step5_zero1", "offload": "step7_zero3"}
 IDEA_MODULES = {"naive_dp": ["naive_dp"], "bucketed_ddp": ["bucketed_ddp"], "zero1": ["zero1"],
                 "zero2": ["zero2", "zero1", "sharded_gradients"], "zero3": ["zero3"], "zero1_bf16": ["zero1"],
-                "zero2_bf16": ["zero2", "zero1"], "zero1_fp16": ["zero1", "sharded_gradients"]}
+                "zero2_bf16": ["zero2", "zero1"], "zero1_fp16": ["zero1", "sharded_gradients"],
+                "offload": ["zero3", "offload"]}
 WORLD_SIZE, STEPS, MICRO_BATCHES, VOCAB = 2, 3, 2, 11
 
 
@@ -321,6 +322,54 @@ def case_zero3(rank, problems) -> int:
         ours.finish_gradient_synchronization()
         del theirs
     return checked
+
+
+def case_offload(rank, problems) -> int:
+    """FullyShardedDP with OffloadedOptimizer (AdamW on host copies) against FSDP2 with CPUOffloadPolicy, an LR
+    schedule on both: bitwise at every step; the moments and the masters on the host, apart from the parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from offload import OffloadedOptimizer
+    from zero3 import FullyShardedDP
+    ours_model = build(lambda: Stack(False), 100)
+    ours = FullyShardedDP(ours_model, ours_model.units)
+    theirs = build(lambda: Stack(False), 100)
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    for module in (*theirs.units, theirs):
+        fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    opts = [OffloadedOptimizer(ours.named_parameters(), lambda named: torch.optim.AdamW(groups_of(named), lr=0.05)),
+            torch.optim.AdamW(groups(theirs), lr=0.05)]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (step + 1)) for opt in opts]
+    checked = 0
+    for step in range(STEPS):
+        for micro_step in range(MICRO_BATCHES):
+            last = micro_step == MICRO_BATCHES - 1
+            with ours.no_sync() if not last else contextlib.nullcontext():
+                loss_of(ours, step, micro_step, rank).backward()
+            theirs.set_requires_gradient_sync(last)
+            loss_of(theirs, step, micro_step, rank).backward()
+        ours.finish_gradient_synchronization()
+        for opt, schedule in zip(opts, schedules):
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+        mine = {name: tensor.clone() for name, tensor in ours.gathered_parameters()}
+        checked += compare(problems, f"offloaded, vs FSDP2 CPUOffloadPolicy step {step}", mine,
+                           {name: p.full_tensor() for name, p in theirs.named_parameters()})
+    pieces = {p.untyped_storage().data_ptr() for p in ours.parameters()}
+    held = [t for state in opts[0].state.values() for t in state.values() if torch.is_tensor(t)] + opts[0].host_copies
+    if not held or any(t.device.type != "cpu" or t.untyped_storage().data_ptr() in pieces for t in held):
+        problems.append("the optimiser's state or masters are not host tensors of their own")
+    del theirs
+    return checked
+
+
+def groups_of(named) -> list[dict]:
+    """``groups`` for (name, tensor) pairs, as OffloadedOptimizer hands its host copies to the optimiser it builds."""
+    named = list(named)
+    decayed = {n for n, _ in named if n.endswith("weight") and "norm" not in n}
+    return [{"params": [p for n, p in named if n in decayed], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}]
 
 
 def fsdp2_bf16(model):

@@ -25,6 +25,7 @@ CASES = {
     "zero2_bf16": "ShardedGradientDDP + ShardedOptimizerWithMasters(bf16) vs FSDP2 MixedPrecisionPolicy(bf16, float32)",
     "zero1_fp16": "ShardedOptimizerWithMasters(fp16) + ShardedGradScaler + clip_grad_norm, an overflowing step "
                   "skipped, vs a float32 master copy with torch.amp.GradScaler",
+    "offload": "FullyShardedDP + OffloadedOptimizer (AdamW on the host) vs FSDP2 with CPUOffloadPolicy",
 }
 
 
