@@ -18,6 +18,8 @@ What it checks, each section a verdict:
 6. **A model that does not fit one rank**: a per-rank budget (--max-memory-mb: a fraction of the GPU) that
    16 bytes per parameter exceeds; step 1 (DDP) must end with one out-of-memory line, step 7 (ZeRO-3, 2 ranks
    sharing the GPU) must train.
+7. **ZeRO-Offload**: step 7 with and without ``--offload-optimizer``: the parity verdict, and the device bytes
+   AdamW's state no longer takes.
 
 Exit 0 when every section passes, 1 otherwise; the report goes to --report (and stdout).
 """
@@ -291,17 +293,47 @@ def check_fits(check: Check, place: int) -> None:
     check.section(place, "A model that does not fit one rank's budget", ok, "\n".join(lines))
 
 
+def check_offload(check: Check, place: int) -> None:
+    """Step 7 with and without --offload-optimizer, 2 ranks sharing the device: the run within the parity contract
+    (bitwise on a CPU, where AdamW runs on the same kernels either way), and on a GPU the device bytes after the
+    step lower by AdamW's state (the moments move to the host, beside a float32 copy of the pieces)."""
+    out = check.out / "offload"
+    flags = [*check.common, *check.small, "--steps", "4", "--save-every", "0", "--quiet", "--timeout-s", "120"]
+    runs = {}
+    for name, extra in (("on the device", []), ("offloaded", ["--offload-optimizer"])):
+        code, output = run(trainer_command("step7_zero3", 2, [*flags, *extra, "--out", str(out / name)]),
+                           out / f"{name}.log")
+        if code:
+            check.section(place, "ZeRO-Offload (step 7)", False, f"{name}: exit {code}: `{error_line(output)}`")
+            return
+        runs[name] = json.loads((out / name / "metrics.json").read_text())["records"][-1]["memory"]
+    _, _, result = parity.check(str(out / "on the device"), str(out / "offloaded"))
+    ok = result.passed and (result.bitwise or check.gpu)
+    lines = [f"`{' '.join(flags)}`, offloaded vs not: {parity.verdict(result)}"]
+    for name, ranks in runs.items():
+        cuda = [m.get("cuda_allocated") for m in ranks]
+        lines.append(f"- {name}: per rank AdamW state {ranks[0]['optimizer_state']:,} B, host "
+                     f"{ranks[0].get('host', 0):,} B" + (", CUDA allocated after the step "
+                                                         + ", ".join(f"{c:,} B" for c in cuda) if cuda[0] else ""))
+    if check.gpu:
+        device = {name: ranks[0]["cuda_allocated"] for name, ranks in runs.items()}
+        saved = device["on the device"] - device["offloaded"]
+        ok &= saved >= runs["offloaded"][0]["optimizer_state"] * 0.9  # the moments left the device
+        lines.append(f"- device bytes saved per rank: {saved:,} B")
+    check.section(place, "ZeRO-Offload (step 7)", ok, "\n".join(lines))
+
+
 def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "gpu_check", help="runs and logs")
     parser.add_argument("--report", type=Path, help="where the markdown report goes (default: OUT/report.md)")
-    parser.add_argument("--only", nargs="+", choices=["tour", "nccl", "resume", "memory", "speed", "compile", "fits"],
+    parser.add_argument("--only", nargs="+", choices=["tour", "nccl", "resume", "memory", "speed", "compile", "fits", "offload"],
                         help="run only these sections (memory needs tour; compile: speed's compiled pair)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("torch sees no CUDA GPU here; run with --device cpu for the tiny CPU mode")
-    sections = set(args.only or ["tour", "nccl", "resume", "memory", "speed", "compile", "fits"])
+    sections = set(args.only or ["tour", "nccl", "resume", "memory", "speed", "compile", "fits", "offload"])
     header = f"# GPU check ({args.device})\n\n{environment(args.device)}\n"
     print(header, flush=True)
     check = Check(args.device, args.out.resolve(), (args.report or args.out / "report.md").resolve(), header)
@@ -326,6 +358,8 @@ def main() -> int:
         check_resume(check, 4)
     if "fits" in sections:
         check_fits(check, 5)
+    if "offload" in sections:
+        check_offload(check, 7)
     if tour:
         tour.join()
     if "nccl" in sections and check.gpu:

@@ -10,15 +10,16 @@ from conftest import REPO, STEPS, run_forked
 def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
     report = tmp_path / "report.md"
     result = run_forked([sys.executable, str(REPO / "compare" / "gpu_check.py"), "--device", "cpu", "--out",
-                         str(tmp_path / "runs"), "--report", str(report), "--only", "resume", "speed", "fits"],
+                         str(tmp_path / "runs"), "--report", str(report), "--only", "resume", "speed", "fits",
+                         "offload"],
                         timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     text = report.read_text()
     assert text.startswith("# GPU check (cpu)") and text.rstrip().splitlines()[-1].startswith("every section passed")
     for title in ("Resume and repeat (step 0): PASS", "Speed: step 0 beside a plain PyTorch loop: PASS",
-                  "A model that does not fit one rank's budget: PASS"):
+                  "A model that does not fit one rank's budget: PASS", "ZeRO-Offload (step 7): PASS"):
         assert f"## {title}" in text, text
-    assert text.count("(bitwise identical)") == 2  # the second run and the resumed one
+    assert text.count("(bitwise identical)") == 3  # the second run, the resumed one, the offloaded one
     assert "step 1 (DDP): exit 1: `error: out of memory" in text and "step 7 (ZeRO-3): trained 2 steps" in text
     for run in ("plain loop, SDPA |", "plain loop, SDPA, deterministic |",
                 "step 0, SDPA |",
