@@ -33,8 +33,9 @@ Communication per optimiser step and rank, in bytes handed to collectives and po
          tied embedding's gradient (Vh/tp) from the last stage to the first
 Ranking: by an estimated step time (compute 6Ψ per token, 8Ψ with checkpointing, over --tflops per device,
 stretched by the bubble (M + P - 1)/M; each axis's bytes over the link it crosses: --intra-gbs inside a node,
---inter-gbs across, ranks laid out tp innermost, then dp, then pp; nothing overlapped, so it errs slow),
-then by simplicity. The first row is the one to try; each row says why it is there.
+--inter-gbs across, ranks laid out tp innermost, then dp, then pp; with --offload-optimizer, ZeRO-3 may keep
+AdamW's state on the host, its gradient shard out and float32 shard back over --host-gbs; nothing overlapped,
+so it errs slow), then by simplicity. The first row is the one to try; each row says why it is there.
 """
 import argparse
 import dataclasses
@@ -154,13 +155,17 @@ class Hardware:
     tflops: float = 300.0  # achieved, per device
     intra_gbs: float = 450.0  # GB/s a rank moves inside a node (NVLink)
     inter_gbs: float = 50.0  # across nodes (400 Gb/s InfiniBand per GPU)
+    host_gbs: float = 25.0  # between a device and its host (PCIe 4 x16), each way: ZeRO-Offload's moves
 
 
 def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpointing: bool, micro_batch_size: int,
                   micro_batches: int, activations: Activations, param_dtype: str = "float32",
-                  reduce_dtype: str | None = None, schedule: str = "1f1b") -> dict:
+                  reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False) -> dict:
     """Every rank's bytes and every axis's traffic for one configuration (``micro_batches``: per rank and step,
-    the pipeline's M). Stages differ; the rank holding most decides whether it fits."""
+    the pipeline's M). Stages differ; the rank holding most decides whether it fits. ``offload`` (ZeRO-3 only,
+    step 7's --offload-optimizer): the optimiser state leaves the device for the host (``host``), with a float32
+    copy of the shard where the shard is the master; the gradient shard goes out and the float32 shard comes
+    back every step (``offloaded``, bytes each way)."""
     (p_bytes, g_bytes, _), _ = estimate.bytes_per_parameter(zero, param_dtype, reduce_dtype)
     act_bytes = 4 if param_dtype == "float32" else 2
     bsh = micro_batch_size * shape.seq_len * shape.n_embd
@@ -172,6 +177,11 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
         blocks = stage_blocks(shape.n_layer, pp, stage)
         if zero == 3:  # step 7's units in flight, whole: the rest (kept through backward) and two blocks
             state["gathered"] = p_bytes * (held["rest"] + held["blocks"] // max(blocks, 1) * min(blocks, 2))
+        host = offloaded = 0
+        if offload:
+            host = state["optimizer_state"] + (state["params"] if p_bytes == 4 else 0)
+            offloaded = state["grads"] + 4 * -(-psi // dp)
+            state["optimizer_state"] = 0
         flight = in_flight(schedule, pp, stage, micro_batches)
         act = flight * activations.per_micro_batch(blocks, tp, stage == 0, stage == pp - 1, checkpointing)
         comm = {}
@@ -189,9 +199,10 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
             comm["pp"] = {"send": micro_batches * bsh * act_bytes * ((stage < pp - 1) + (stage > 0))
                           + (micro_batches * tied if stage == pp - 1 else tied if stage == 0 else 0)}
         stages.append({"stage": stage, "psi": psi, **state, "activations": act, "in_flight": flight,
-                       "total": sum(state.values()) + act, "comm": comm})
+                       "total": sum(state.values()) + act, "comm": comm, "host": host, "offloaded": offloaded})
     worst = max(stages, key=lambda s: s["total"])
     return {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "checkpointing": checkpointing, "schedule": schedule,
+            "offload": offload,
             "micro_batches": micro_batches, "stages": stages, "total": worst["total"], "worst_stage": worst["stage"],
             "bubble": (pp - 1) / (micro_batches + pp - 1)}
 
@@ -207,7 +218,10 @@ def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: 
     links = {"tp": inside(tp), "dp": inside(tp * dp), "pp": inside(tp * dp * pp)}
     sizes = {"dp": dp, "tp": tp, "pp": 2}
     comm = {}
-    for axis, kinds in max(config["stages"], key=lambda s: s["total"])["comm"].items():
+    worst = max(config["stages"], key=lambda s: s["total"])
+    if worst["offloaded"]:  # ZeRO-Offload: the gradient shard out, the float32 shard back, over the host link
+        comm["host"] = worst["offloaded"] / (hardware.host_gbs * 1e9)
+    for axis, kinds in worst["comm"].items():
         n = sizes[axis]
         moved = sum(b * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n if kind != "send" else 1)
                     for kind, b in kinds.items())
@@ -220,7 +234,7 @@ def divisors(n: int) -> list[int]:
 
 
 def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: int, param_dtype: str = "float32",
-         reduce_dtype: str | None = None, schedule: str = "1f1b") -> tuple[list[dict], list[dict]]:
+         reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False) -> tuple[list[dict], list[dict]]:
     """(the configurations that fit, ranked; those that do not). Every dp x tp x pp = --devices with tp dividing
     the heads, pp at most the layers and global batch = dp x micro-batch x M."""
     activations = Activations(shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype])
@@ -234,12 +248,13 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
                 continue
             m = global_batch // (dp * micro_batch_size)
             for zero in range(4) if dp > 1 else (0,):
-                for checkpointing in (False, True):
-                    c = configuration(shape, dp, tp, pp, zero, checkpointing, micro_batch_size, m, activations,
-                                      param_dtype, reduce_dtype, schedule)
-                    c["time"] = step_time(c, shape, hardware, micro_batch_size)
-                    (fit if c["total"] <= hardware.memory else rejected).append(c)
-    simplicity = lambda c: (c["tp"] * c["pp"], c["pp"], c["zero"], c["checkpointing"])  # noqa: E731
+                for offloaded in (False, True) if offload and zero == 3 else (False,):
+                    for checkpointing in (False, True):
+                        c = configuration(shape, dp, tp, pp, zero, checkpointing, micro_batch_size, m, activations,
+                                          param_dtype, reduce_dtype, schedule, offloaded)
+                        c["time"] = step_time(c, shape, hardware, micro_batch_size)
+                        (fit if c["total"] <= hardware.memory else rejected).append(c)
+    simplicity = lambda c: (c["tp"] * c["pp"], c["pp"], c["zero"], c["offload"], c["checkpointing"])  # noqa: E731
     fit.sort(key=lambda c: (float(f"{c['time']['step_s']:.3g}"), simplicity(c)))  # ties (3 digits): the simpler
     rejected.sort(key=simplicity)
     return fit, rejected
@@ -247,7 +262,7 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
 
 def name(c: dict) -> str:
     return (f"dp {c['dp']} x tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}"
-            f"{', checkpointing' if c['checkpointing'] else ''}")
+            f"{', offload' if c.get('offload') else ''}{', checkpointing' if c['checkpointing'] else ''}")
 
 
 def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
@@ -273,6 +288,10 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
     if c["pp"] > 1:
         reasons.append(f"PP {c['pp']}: bubble {c['bubble']:.0%} at M = {c['micro_batches']}"
                        f"{', stages across nodes' if not c['time']['links']['pp'] else ''}")
+    if c.get("offload"):
+        s = c["stages"][c["worst_stage"]]
+        reasons.append(f"offload: {s['host'] / unit[0]:,.1f} {unit[1]} on the host, "
+                       f"+{step_ms(c['time']['comm_s']['host'] * 1e3)} ms over its link")
     if c["checkpointing"]:
         reasons.append("checkpointing: +1 forward")
     return "; ".join(reasons)
@@ -298,12 +317,12 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
              f"{len(fit)} configurations fit, {len(rejected)} do not. {unit[1]} per rank (the stage holding most); "
              "gather: ZeRO-3's units in flight; held: micro-batches of activations held; MB: bytes per step and rank "
              "each axis moves",
-             f"{'#':>3} {'configuration':<44}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
+             f"{'#':>3} {'configuration':<54}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
              f"{'total':>9}{'DP MB':>10}{'TP MB':>10}{'PP MB':>9}{'step ms':>9}  why"]
     for i, c in enumerate(fit[:top]):
         s = c["stages"][c["worst_stage"]]
         comm = {axis: sum(s["comm"].get(axis, {}).values()) / 1e6 for axis in ("dp", "tp", "pp")}
-        lines.append(f"{i + 1:>3} {name(c):<44}{gib(s['params']):>9}{gib(s['grads']):>9}"
+        lines.append(f"{i + 1:>3} {name(c):<54}{gib(s['params']):>9}{gib(s['grads']):>9}"
                      f"{gib(s['optimizer_state']):>9}"
                      f"{gib(s['gathered']) if 'gathered' in s else '-':>9}{gib(s['activations']):>9}"
                      f"{s['in_flight']:>5}{gib(c['total']):>9}"
@@ -404,6 +423,9 @@ def main() -> int:
     flags.add_argument("--tflops", type=float, default=300.0, help="achieved TFLOP/s per device (ranking only)")
     flags.add_argument("--intra-gbs", type=float, default=450.0, help="GB/s per rank inside a node (ranking only)")
     flags.add_argument("--inter-gbs", type=float, default=50.0, help="GB/s per rank across nodes (ranking only)")
+    flags.add_argument("--offload-optimizer", action="store_true",
+                       help="also try ZeRO-3 with AdamW's state on the host (step 7's --offload-optimizer)")
+    flags.add_argument("--host-gbs", type=float, default=25.0, help="GB/s between a device and its host (offload)")
     flags.add_argument("--top", type=int, default=12, help="configurations printed")
     flags.add_argument("--measured", type=Path, nargs="+", default=None,
                        help="run folders (or step names): print their measured model state beside the estimate")
@@ -413,7 +435,7 @@ def main() -> int:
         text, ok = measured_report(config["measured"])
         print(text)
         return 0 if ok else 1
-    for flag in ("devices", "memory_gb", "micro_batch_size", "gpus_per_node", "top", "params"):
+    for flag in ("devices", "memory_gb", "micro_batch_size", "gpus_per_node", "top", "params", "host_gbs"):
         if config[flag] is not None and config[flag] <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {config[flag]:g}")
     vocab = config["vocab_size"] or estimate.vocabulary_size(config["tokenizer"])
@@ -422,9 +444,10 @@ def main() -> int:
     b = config["micro_batch_size"]
     global_batch = config["global_batch"] or config["devices"] * b * config["grad_accum"]
     hardware = Hardware(config["devices"], config["memory_gb"] * GIB, config["gpus_per_node"], config["tflops"],
-                        config["intra_gbs"], config["inter_gbs"])
+                        config["intra_gbs"], config["inter_gbs"], config["host_gbs"])
     reduce_dtype = "float32" if config["reduce_dtype_fp32"] and config["param_dtype"] != "float32" else None
-    fit, rejected = plan(shape, hardware, b, global_batch, config["param_dtype"], reduce_dtype, config["schedule"])
+    fit, rejected = plan(shape, hardware, b, global_batch, config["param_dtype"], reduce_dtype, config["schedule"],
+                         config["offload_optimizer"])
     print(report(shape, hardware, fit, rejected, b, global_batch, config["param_dtype"], config["top"]))
     if config["json"]:
         config["json"].write_text(json.dumps({"shape": dataclasses.asdict(shape), "fit": fit, "rejected": rejected},

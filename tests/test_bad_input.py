@@ -446,6 +446,7 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--budget-mb must be positive, got -1": tool_main("estimate", "--budget-mb", "-1"),
     "--memory-gb must be positive, got 0": tool_main("plan", "--memory-gb", "0"),
     "--params must be positive, got -1": tool_main("plan", "--params", "-1"),
+    "--host-gbs must be positive, got 0": tool_main("plan", "--host-gbs", "0"),
     "tensor parallelism over 8 ranks needs --n-head divisible by 8, got 4 (more ranks than heads): run on a number of "
     "ranks that divides 4, or change --n-head (and --n-embd)": tensor_parallel_check(4, 2048, 8),
 }

@@ -41,6 +41,20 @@ def test_the_host_holds_the_masters_and_the_moments(offloaded, tour):
             assert "host" not in same
 
 
+def test_the_planner_predicts_the_host_and_device_bytes(offloaded):
+    """compare/plan.py --offload-optimizer's closed form for the run's layout (ZeRO-3, dp 2): the host's 12Ψ/N
+    and the device's state without AdamW's, within 0.1% of each rank's record (the steps' per-unit padding and
+    AdamW's step counters are all that differ)."""
+    import plan  # compare/, on the path through conftest
+    config = metrics(offloaded)["config"]
+    shape = plan.Shape(config["n_layer"], config["n_embd"], config["n_head"], 2048, config["seq_len"])
+    predicted = plan.configuration(shape, 2, 1, 1, 3, False, config["micro_batch_size"], config["grad_accum"],
+                                   plan.Activations(shape, config["micro_batch_size"]), offload=True)["stages"][0]
+    for memory in metrics(offloaded)["records"][-1]["memory"]:
+        assert memory["host"] == pytest.approx(predicted["host"], rel=1e-3)
+        assert memory["params"] + memory["grads"] == pytest.approx(predicted["params"] + predicted["grads"], rel=1e-3)
+
+
 @pytest.mark.parametrize("with_offload", [True, False])
 def test_a_checkpoint_resumes_with_or_without_offload_bitwise(with_offload, offloaded, tour, tmp_path, small_corpus):
     """The tour's step-2 checkpoint (no offload) resumed offloaded, and the offloaded one resumed without: both

@@ -59,6 +59,34 @@ def test_in_flight_and_bubble():
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("param_dtype, reduce_dtype, copy", [("float32", None, 4), ("bf16", None, 0),
+                                                             ("bf16", "float32", 4)])
+def test_offload_moves_adamws_state_to_the_host_in_closed_form(param_dtype, reduce_dtype, copy):
+    """ZeRO-3 at dp 4, offloaded: the device loses exactly the optimiser state; the host holds it and, where the
+    parameter shard is the float32 master (float32, or FSDP2's fp32 gradients), a float32 copy of the shard; each
+    step moves the gradient shard out and the float32 shard back, over --host-gbs, added to the step time."""
+    activations = plan.Activations(DEFAULT, 8, estimate.PARAM_DTYPES[param_dtype])
+    on, off = (plan.configuration(DEFAULT, 4, 1, 1, 3, False, 8, 2, activations, param_dtype, reduce_dtype,
+                                  offload=offload) for offload in (False, True))
+    shard = -(-DEFAULT.psi // 4)
+    (p_bytes, g_bytes, k_bytes), _ = estimate.bytes_per_parameter(3, param_dtype, reduce_dtype)
+    kept, moved = on["stages"][0], off["stages"][0]
+    assert kept["total"] - moved["total"] == k_bytes * shard == kept["optimizer_state"]
+    assert moved["optimizer_state"] == 0 and moved["host"] == (k_bytes + copy) * shard and kept["host"] == 0
+    assert moved["offloaded"] == (g_bytes + 4) * shard
+    hardware = plan.Hardware(4, 80 * plan.GIB, host_gbs=20.0)
+    slower = plan.step_time(off, DEFAULT, hardware, 8)["step_s"] - plan.step_time(on, DEFAULT, hardware, 8)["step_s"]
+    assert slower == pytest.approx((g_bytes + 4) * shard / 20e9)
+    # offered only when asked and only at ZeRO-3: between the two totals, dp 4's ZeRO-3 fits offloaded alone
+    small = plan.Hardware(4, (moved["total"] + kept["total"]) / 2)
+    layout = lambda c: (c["dp"], c["zero"], c["offload"], c["checkpointing"])  # noqa: E731
+    fit, rejected = plan.plan(DEFAULT, small, 8, 64, param_dtype, reduce_dtype, offload=True)
+    assert (4, 3, True, False) in map(layout, fit) and (4, 3, False, False) in map(layout, rejected)
+    assert all(c["zero"] == 3 for c in fit + rejected if c["offload"])
+    assert not any(c["offload"] for c in sum(plan.plan(DEFAULT, small, 8, 64, param_dtype, reduce_dtype), []))
+
+
+@pytest.mark.quick
 def test_activations_split_by_tensor_parallelism_as_measured():
     """compare/activations.py's measurement (step 8's README, 8 x 64 tokens, the default model): 14,194,180 bytes
     at TP = 1, 8,427,012 at TP = 2, 5,543,428 at TP = 4. The planner's count: within 0.1% at TP = 1 and 2, and
