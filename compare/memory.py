@@ -100,6 +100,12 @@ def report(run_name: str) -> tuple[str, bool]:
             ok &= abs(off) <= TOLERANCE
             cells.append(f"{m[kind]:>13,} / {formula[kind]:>13,.0f} ({off:+.2%})")
         lines.append(f"  {rank:>4}  " + "  ".join(f"{c:>40}" for c in cells))
+    hosts = [m.get("host") for m in parity.load_run(run_name)[1]["records"][-1]["memory"]]
+    if hosts[0] is not None:  # --offload-optimizer: AdamW's state and a float32 copy of the shard, on the host
+        host = 12 * psi / world_size
+        ok &= all(abs(h / host - 1) <= TOLERANCE for h in hosts)
+        lines.append("  host (--offload-optimizer), measured / 12Ψ/N: "
+                     + ", ".join(f"{h:,} / {host:,.0f} ({h / host - 1:+.2%})" for h in hosts))
     lines.append(f"  every rank within {TOLERANCE:.0%} of the formula: {'yes' if ok else 'NO'}")
     return "\n".join(lines), ok
 

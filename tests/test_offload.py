@@ -41,6 +41,12 @@ def test_the_host_holds_the_masters_and_the_moments(offloaded, tour):
             assert "host" not in same
 
 
+def test_the_memory_tool_checks_the_host_bytes_against_12_psi_over_n(offloaded):
+    import memory  # compare/, on the path through conftest
+    text, ok = memory.report(str(offloaded))
+    assert ok and "host (--offload-optimizer), measured / 12Ψ/N: " in text, text
+
+
 def test_the_planner_predicts_the_host_and_device_bytes(offloaded):
     """compare/plan.py --offload-optimizer's closed form for the run's layout (ZeRO-3, dp 2): the host's 12Ψ/N
     and the device's state without AdamW's, within 0.1% of each rank's record (the steps' per-unit padding and
