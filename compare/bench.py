@@ -127,6 +127,7 @@ from config import UserError, build_parser, exit_on_user_error, parse_config  # 
 from model import GPT2, build_model, gpt2_config, initial_value, language_model_loss  # noqa: E402
 from naive_dp import allreduce_gradients, broadcast_parameters  # noqa: E402
 from seeding import seed_everything  # noqa: E402
+import training  # noqa: E402
 from training import adamw_options, adamw_param_groups  # noqa: E402
 
 VOCAB_SIZE = 2048  # the tokenizer's; the tokens are random, so the corpus is not read
@@ -442,10 +443,10 @@ class Zero3Offload(Zero3):
     key, name, counterpart = "zero3-offload", "ZeRO-3 offload (step 7)", "ZeRO-3 (step 7)"
     module_needed = ("offload", "step7_zero3", ("OffloadedOptimizer",))
 
-    def make_optimizer(self):
+    def make_optimizer(self):  # the AdamW every row steps, built on the host copies
         offload = importlib.import_module("offload")
-        return offload.OffloadedOptimizer(self.model.named_parameters(), lambda named: torch.optim.AdamW(
-            adamw_param_groups(named, self.config), **adamw_options(self.config)))
+        return offload.OffloadedOptimizer(self.model.named_parameters(),
+                                          lambda named: training.make_optimizer(named, self.config))
 
 
 class TorchTensorParallel(Strategy):

@@ -80,7 +80,9 @@ def measure(run_name: str) -> tuple[Path, str, int, int, list[dict]]:
     name = strategy(metrics["config"]["step"])
     if metrics["config"].get("param_dtype", "float32") != "float32" and f"{name} 16-bit" in FORMULAS:
         name = f"{name} 16-bit"
-    return run, name, psi, metrics["env"]["world_size"], [{kind: m.get(kind, 0) for kind in KINDS} for m in memory]
+    # per rank: each kind's bytes, and ``host`` (the bytes --offload-optimizer keeps on the host; None without it)
+    return run, name, psi, metrics["env"]["world_size"], [{**{kind: m.get(kind, 0) for kind in KINDS},
+                                                          "host": m.get("host")} for m in memory]
 
 
 def report(run_name: str) -> tuple[str, bool]:
@@ -100,7 +102,7 @@ def report(run_name: str) -> tuple[str, bool]:
             ok &= abs(off) <= TOLERANCE
             cells.append(f"{m[kind]:>13,} / {formula[kind]:>13,.0f} ({off:+.2%})")
         lines.append(f"  {rank:>4}  " + "  ".join(f"{c:>40}" for c in cells))
-    hosts = [m.get("host") for m in parity.load_run(run_name)[1]["records"][-1]["memory"]]
+    hosts = [m["host"] for m in memory]
     if hosts[0] is not None:  # --offload-optimizer: AdamW's state and a float32 copy of the shard, on the host
         host = 12 * psi / world_size
         ok &= all(abs(h / host - 1) <= TOLERANCE for h in hosts)

@@ -262,7 +262,7 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
 
 def name(c: dict) -> str:
     return (f"dp {c['dp']} x tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}"
-            f"{', offload' if c.get('offload') else ''}{', checkpointing' if c['checkpointing'] else ''}")
+            f"{', offload' if c['offload'] else ''}{', checkpointing' if c['checkpointing'] else ''}")
 
 
 def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
@@ -288,7 +288,7 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
     if c["pp"] > 1:
         reasons.append(f"PP {c['pp']}: bubble {c['bubble']:.0%} at M = {c['micro_batches']}"
                        f"{', stages across nodes' if not c['time']['links']['pp'] else ''}")
-    if c.get("offload"):
+    if c["offload"]:
         s = c["stages"][c["worst_stage"]]
         reasons.append(f"offload: {s['host'] / unit[0]:,.1f} {unit[1]} on the host, "
                        f"+{step_ms(c['time']['comm_s']['host'] * 1e3)} ms over its link")
