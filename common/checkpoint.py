@@ -1,81 +1,48 @@
-"""Checkpoints that are whole or absent, found again by ``--resume``, and refused to another run.
-
-``<out>/checkpoints/step_<k>/``: ``meta.json`` (format, step, world size, config, parameter shapes), ``state.pt``
-(written by rank 0: what every rank holds alike) and ``rank<r>.pt`` (the rank's RNG and, from step 5 on, its slices).
+"""Checkpoints that are whole or absent, and resumed in one call. ``<out>/checkpoints/step_<k>/`` holds ``meta.json``
+(format, step, world size, config, parameter shapes), ``state.pt`` (written by rank 0: what every rank holds alike)
+and ``rank<r>.pt`` (the rank's RNG and, from step 5 on, its slices).
 
 1. **Whole or absent**: written into ``.tmp_step_<k>``, renamed ``step_<k>`` once every rank's file is in it.
-2. **Read by parameter name** (``resharding.py``): any step resumes any other's checkpoint at any world size.
-3. **One interface**, as torchtitan's ``Stateful``: what holds state says what this rank saves and loads its part
-   back. The writer adds the step, each rank's RNG and the ``RunState``; the loop hands it the model and optimiser.
+2. **One call each way**, as torchtitan's ``Stateful``: the writer is given the run's *parts* once, each with
+   ``checkpoint_state()`` and ``load_checkpoint(checkpoint)``; the loop calls ``start(checkpoint)`` and ``save(step)``.
+3. **Read back by parameter name** (``resharding.py``, which also finds them): by any step, at any world size.
 """
-import json
 import os
-import re
 import shutil
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from config import UserError, not_written
-from seeding import rng_state
-
-FORMAT_VERSION = 2
-OWN_CHECKPOINT_FOLDER = re.compile(r"(\.tmp_|\.old_)?step_\d+")  # what a save writes, all a fresh run removes
-
-
-def checkpoint_dir(out_dir, step: int) -> Path:
-    return Path(out_dir) / "checkpoints" / f"step_{step}"
+from config import not_written
+from resharding import checkpoint_dir, checkpoint_meta, clear_checkpoints
+from seeding import rng_state, set_rng_state
+from training import params_in_order
 
 
-def checkpoint_meta(step: int, world_size: int, config: dict, shapes: dict, data_parallel_size=None) -> str:
-    """meta.json. ``data_parallel_size``: the ranks that drew their own samples, when not all did (TP, PP)."""
-    meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config,
-            "shapes": {name: list(shape) for name, shape in shapes.items()}}
-    if data_parallel_size is not None and data_parallel_size != world_size:
-        meta["data_parallel_size"] = data_parallel_size
-    return json.dumps(meta, indent=1) + "\n"
+def optimizer_state(optimizer, named_params) -> dict:
+    """What is saved for a plain optimiser over whole parameters: its state dict, and whose state each entry is."""
+    name_of = {param: name for name, param in named_params}
+    return {"optimizer": optimizer.state_dict(),
+            "optimizer_slices": [(name_of[p], 0, p.numel()) for p in params_in_order(optimizer)]}
 
 
-def complete_checkpoints(out_dir) -> list[Path]:
-    """The whole checkpoints in ``out_dir``, oldest first (by step number, not by name)."""
-    folders = [p for p in (Path(out_dir) / "checkpoints").glob("step_*")
-               if p.name[5:].isdigit() and (p / "meta.json").is_file()]
-    return sorted(folders, key=lambda p: int(p.name[5:]))
+def load_optimizer(optimizer, checkpoint, named_params) -> None:
+    """The reverse of ``optimizer_state``: give ``optimizer`` its state from ``checkpoint``, whatever wrote it."""
+    slices = optimizer_state(optimizer, named_params)["optimizer_slices"]
+    optimizer.load_state_dict(checkpoint.optimizer_state_dict(slices, params_in_order(optimizer)))
 
 
-def find_checkpoint(resume: str | None, out_dir) -> Path | None:
-    """``--resume``: ``auto``, the newest whole checkpoint in ``out_dir`` or None (a fresh start) when there
-    is none; ``latest``, the same but none is an error; otherwise the given folder; None: a fresh start."""
-    if resume is None:
-        return None
-    if resume in ("auto", "latest"):
-        found = complete_checkpoints(out_dir)
-        if not found and resume == "latest":
-            raise UserError(f"--resume: no checkpoint in {out_dir}/checkpoints; train with --save-every N first, "
-                            "pass --resume PATH, or --resume auto to start afresh when there is none")
-        return found[-1] if found else None
-    if not (Path(resume) / "meta.json").is_file():
-        from resharding import not_a_checkpoint  # the advice: which checkpoint was probably meant
-        raise not_a_checkpoint(resume, "--resume ")
-    return Path(resume)
-
-
-def clear_checkpoints(out_dir) -> None:
-    """A fresh run replaces the run in ``out_dir``: its checkpoints would otherwise be taken for this run's.
-    Only the folders a save writes go; anything else in <out>/checkpoints was put there by someone else."""
-    folder = Path(out_dir) / "checkpoints"
-    if folder.is_dir():
-        for entry in folder.iterdir():
-            if entry.is_dir() and OWN_CHECKPOINT_FOLDER.fullmatch(entry.name):
-                shutil.rmtree(entry, ignore_errors=True)
-        if not any(folder.iterdir()):
-            folder.rmdir()
+def load_parameters(named_params, checkpoint) -> None:
+    """Copy every full parameter from ``checkpoint`` into ``named_params``: a model every rank holds whole."""
+    with torch.no_grad():
+        for name, param in named_params:
+            param.copy_(checkpoint.parameter(name))
 
 
 class RunState:
-    """What every rank holds alike besides model and optimiser; ``Checkpoint.restore`` loads it back."""
+    """A part (rule 2) every rank holds alike: the schedule, the loss scale, the data position and the log."""
+    per_rank = False  # rank 0 saves it for everyone
 
     def __init__(self, scheduler, scaler, batches, log):
         self.scheduler, self.scaler, self.batches, self.log = scheduler, scaler, batches, log
@@ -84,31 +51,73 @@ class RunState:
         return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": self.batches.state_dict(), "records": self.log.records}
 
+    def load_checkpoint(self, checkpoint) -> None:
+        self.scheduler.load_state_dict(checkpoint.shared["scheduler"])
+        self.scaler.load_state_dict(checkpoint.shared["scaler"])
+        ranks = self.batches.sampler.num_replicas  # the ranks drawing samples now: the same position, maybe cut anew
+        self.batches.load_state_dict(checkpoint.data_state(self.batches.micro_batch_size, ranks))
+        self.log.records = list(checkpoint.shared["records"])
+
+
+class WholeModel:
+    """A part: a model every rank holds whole and a plain ``optimizer`` (if any) over its parameters, or, given
+    ``masters`` (step 0's --param-dtype), over their float32 masters, saved and loaded in place of 16-bit copies."""
+    per_rank = False
+
+    def __init__(self, model, optimizer=None, masters=None):
+        self.model, self.optimizer, self.masters = model, optimizer, masters or []
+        self.trained = self.masters or list(model.named_parameters())  # what the optimiser steps, by name
+
+    def checkpoint_state(self) -> dict:
+        master_of = {p.data_ptr(): m for (_, m), p in zip(self.masters, self.model.parameters())}
+        state = {"model": {name: master_of.get(t.data_ptr(), t) for name, t in self.model.state_dict().items()}}
+        return {**state, **optimizer_state(self.optimizer, self.trained)} if self.optimizer else state
+
+    def load_checkpoint(self, checkpoint) -> None:
+        load_parameters([*self.model.named_parameters(), *self.masters], checkpoint)  # 16-bit copies rounded
+        if self.optimizer:
+            load_optimizer(self.optimizer, checkpoint, self.trained)
+
 
 class CheckpointWriter:
-    """Every rank calls ``save`` at the same steps, and ``wait`` before exit. ``shapes``: every parameter's full
-    shape, by name (what a loader needs to join slices back). ``--async-save``: ``background_writer.py``."""
+    """Every rank calls ``start`` once, ``save`` at the same steps, ``wait`` before exit. ``shapes``: every full
+    parameter's, by name (what joins slices back); ``parts``: rule 2; ``--async-save``: ``background_writer.py``."""
 
-    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, data_parallel_size=None, run=None):
-        self.config, self.rank, self.world_size = config, rank, world_size
-        self.shapes, self.data_parallel_size, self.run = shapes, data_parallel_size, run
-        self.group = None  # the barriers' process group: the default one
+    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, parts: list, data_parallel_size=None):
+        self.config, self.rank, self.world_size, self.shapes = config, rank, world_size, shapes
+        self.parts, self.data_parallel_size, self.group = parts, data_parallel_size, None  # the barriers' group: the default
 
-    def save(self, step: int, shared_state: dict, rank_state: dict | None = None) -> None:
-        """Write checkpoint ``step``: ``shared_state`` (by rank 0) and this rank's ``rank_state``."""
+    def start(self, checkpoint) -> int:
+        """Resume from ``checkpoint``: every part, then this rank's RNG (nothing may draw after it); given None,
+        clear the checkpoints an earlier run left in --out. Returns the step to go on from."""
+        if checkpoint is None:
+            if self.rank == 0:
+                clear_checkpoints(self.config["out"])
+            return 0
+        for part in self.parts:
+            part.load_checkpoint(checkpoint)
+        set_rng_state(checkpoint.rank_state(self.rank if self.world_size > 1 else 0)["rng"])  # 1: one stream
+        if self.rank == 0:
+            print(f"resumed from {checkpoint.path} at step {checkpoint.step}")
+        return checkpoint.step
+
+    def save(self, step: int) -> None:
+        """Write checkpoint ``step``: every part, asked on every rank (a part may gather: a collective)."""
         started = time.perf_counter()
         try:
-            self._write(step, *self._states(step, shared_state, rank_state))
+            self._write(step, *self._states(step))
         except Exception as error:  # a full disk, a folder removed under the run: one line, exit 2
             raise not_written(error, self.rank, step, self.config["out"])
         self._report(step, started, "written")
 
-    def _states(self, step: int, shared_state: dict, rank_state: dict | None) -> tuple[dict, dict]:
-        run = self.run.checkpoint_state() if self.run is not None else {}
-        return {"step": step, **run, **shared_state}, {"rng": rng_state(), **(rank_state or {})}
+    def _states(self, step: int) -> tuple[dict, dict]:
+        shared, own = {"step": step}, {"rng": rng_state()}
+        for part in self.parts:
+            (own if part.per_rank else shared).update(part.checkpoint_state())
+        return shared, own
 
-    def wait(self) -> None:
-        """Nothing to wait for: ``save`` returns once the checkpoint is whole (``BackgroundWriter`` waits)."""
+    def wait(self) -> None:  # nothing to wait for: save returns once the checkpoint is whole
+        pass
 
     def _report(self, step: int, started: float, how: str) -> None:
         if self.rank == 0 and not self.config["quiet"]:
@@ -139,40 +148,3 @@ class CheckpointWriter:
             os.replace(tmp, final)
             shutil.rmtree(out / f".old_step_{step}", ignore_errors=True)
         self._barrier()
-
-
-def params_in_order(optimizer) -> list:
-    """The optimiser's parameters, numbered as its state dict numbers them."""
-    return [param for group in optimizer.param_groups for param in group["params"]]
-
-
-def optimizer_slices(optimizer, named_params) -> list:
-    """``(name, 0, numel)`` of each of ``optimizer``'s parameters, in its order: whole parameters."""
-    name_of = {param: name for name, param in named_params}
-    return [(name_of[p], 0, p.numel()) for p in params_in_order(optimizer)]
-
-
-def optimizer_state(optimizer, named_params) -> dict:
-    """What is saved for a plain optimiser over whole parameters: its state dict, and their names."""
-    return {"optimizer": optimizer.state_dict(), "optimizer_slices": optimizer_slices(optimizer, named_params)}
-
-
-def load_optimizer(optimizer, checkpoint, named_params) -> None:
-    """The reverse of ``optimizer_state``: give ``optimizer`` its state from ``checkpoint``, whatever wrote it."""
-    slices = optimizer_slices(optimizer, named_params)
-    optimizer.load_state_dict(checkpoint.optimizer_state_dict(slices, params_in_order(optimizer)))
-
-
-def load_parameters(named_params, checkpoint) -> None:
-    """Copy every full parameter from ``checkpoint`` into ``named_params``: a model every rank holds whole."""
-    with torch.no_grad():
-        for name, param in named_params:
-            param.copy_(checkpoint.parameter(name))
-
-
-def open_checkpoint(path: Path, config: dict, world_size: int, is_main: bool):
-    """Open ``path`` for this run, checked before anything is connected or written (``is_main`` says what changes)."""
-    from resharding import Checkpoint  # here, not at the top: resharding.py builds on this file
-    checkpoint = Checkpoint(path)
-    checkpoint.check_resumable(config, world_size, say_changes=is_main)
-    return checkpoint

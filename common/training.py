@@ -11,6 +11,11 @@ import torch
 from failures import UserError
 
 
+def params_in_order(optimizer) -> list:
+    """The optimiser's parameters, numbered as its state dict numbers them."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
 def pick_device(choice: str, local_rank: int = 0) -> torch.device:
     """``auto``: the local rank's GPU when there is one (ranks share GPUs round-robin), else the CPU."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):

@@ -14,12 +14,12 @@ from torch.profiler import record_function
 from torch.utils.data import DistributedSampler
 
 from background_writer import BackgroundWriter
-from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, load_optimizer,
-                        load_parameters, open_checkpoint, optimizer_state)
+from checkpoint import CheckpointWriter, RunState, WholeModel
 from config import Preemption, UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
+from resharding import find_checkpoint, open_checkpoint
 from seeding import seed_everything
 from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_grad_norm, make_grad_scaler,
                       make_optimizer, make_scheduler, param_dtype, param_norm, pick_device)
@@ -67,14 +67,6 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     return loss_sum, grad_norm, memory
 
 
-def weights_to_save(model, masters) -> dict:
-    """The model's state dict, with the float32 masters (--param-dtype) in place of the 16-bit copies."""
-    if not masters:
-        return model.state_dict()
-    by_storage = {p.data_ptr(): master for (_, master), p in zip(masters, model.parameters())}
-    return {name: by_storage.get(t.data_ptr(), t) for name, t in model.state_dict().items()}
-
-
 def main():
     # ---- everything that can be wrong is checked before anything is written ------------------
     parser = build_parser(STEP)
@@ -103,8 +95,6 @@ def main():
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
     if config["compile"]:  # block by block: the parameters keep their names, the loop does not change
         compile_blocks(model)
-    if resumed:  # before the float32 masters are copied out of the parameters
-        load_parameters(model.named_parameters(), resumed)
     # --param-dtype bf16|fp16: AdamW steps a float32 master of every parameter; the model computes in a
     # 16-bit copy, rounded from the masters after every step (the sharded steps keep 1/N of the masters).
     dtype = param_dtype(config)
@@ -117,20 +107,14 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)
 
-    start_step, records = 0, []
-    if resumed:
-        load_optimizer(optimizer, resumed, trained)
-        start_step, records = resumed.restore(scheduler, scaler, batches, 0, 1)  # RNG last
-        print(f"resumed from {resume_from} at step {start_step}")
-    else:
-        clear_checkpoints(config["out"])
-
     env = environment(device, 1, None, config["amp"], corpus.data_sha256, corpus.tokenizer_sha256, len(corpus.blocks))
-    log = RunLog(config, env, is_writer=True, records=records)
-    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    log = RunLog(config, env, is_writer=True)
+    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
+    # state is copied to memory and a thread writes it (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, 0, 1, {name: p.shape for name, p in model.named_parameters()},
-        run=RunState(scheduler, scaler, batches, log))
+        [RunState(scheduler, scaler, batches, log), WholeModel(model, optimizer, masters)])
+    start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 
@@ -160,7 +144,7 @@ def main():
         })
         preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
-            writer.save(step + 1, {"model": weights_to_save(model, masters), **optimizer_state(optimizer, trained)})
+            writer.save(step + 1)
         if preempted:
             preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 

@@ -77,26 +77,33 @@ def gather_full_model(stage, named: list, mesh) -> dict:
     return {n: t for part in stages for n, t in part.items()}
 
 
-def checkpoint_state(named: list, optimizer) -> dict:
-    """This rank's TP/PP shard of the parameters and of AdamW's state, as step 8 writes it (blocks of the whole
-    tensors, named): ZeRO-1's slices are first gathered over the dp group (``consolidated_state_dict``), so the
-    checkpoint never depends on dp. Any step reads it at any mesh or world size (resharding.py)."""
-    return checkpoint_shards(named, optimizer.params, optimizer.consolidated_state_dict())
+class MeshShards:
+    """checkpoint.py's part for a rank of the mesh (rule 4): its TP/PP shard of the parameters and of AdamW's state,
+    as step 8 writes it (blocks of the whole tensors, named), ZeRO-1's slices first gathered over the dp group
+    (``consolidated_state_dict``) and written by dp rank 0. Any step reads it at any mesh or world size."""
+    per_rank = True
 
+    def __init__(self, named: list, optimizer, mesh):
+        self.named, self.optimizer, self.mesh = named, optimizer, mesh
 
-def load_checkpoint(named: list, optimizer, checkpoint) -> None:
-    """This rank's part of ``checkpoint`` (any step's, any mesh's): its TP shard of every parameter (step 8's
-    blocks of the whole tensors), then its ZeRO-1 slices of that shard's AdamW state (step 5's flat ranges)."""
-    params = [p for _, p in named]
-    index = {p: i for i, p in enumerate(params)}
-    shards = load_checkpoint_shards(named, params, checkpoint)  # this rank's TP shards, step 8's way
-    state = {}
-    for local, piece in enumerate(optimizer.pieces):  # the local optimiser's parameters: flat slices of the shards
-        entry = shards["state"].get(index[piece.param])
-        if entry:  # none: never stepped
-            state[local] = {k: v.reshape(-1)[piece.start:piece.end].clone() if torch.is_tensor(v) and v.dim() else v
-                            for k, v in entry.items()}
-    hyper = {i: {k: v for k, v in g.items() if k != "params"} for g in shards["param_groups"] for i in g["params"]}
-    groups = [{**local, **hyper[index[full["params"][0]]]}  # the checkpoint's lr, betas, ... for each group
-              for local, full in zip(optimizer.local_optimizer.state_dict()["param_groups"], optimizer.full_groups)]
-    optimizer.load_state_dict({"state": state, "param_groups": groups, "slices": optimizer.slices()})
+    def checkpoint_state(self) -> dict:
+        state = self.optimizer.consolidated_state_dict()  # a collective over dp: every dp rank takes part
+        return checkpoint_shards(self.named, self.optimizer.params, state) if self.mesh.dp_rank == 0 else {}
+
+    def load_checkpoint(self, checkpoint) -> None:
+        """This rank's TP shard of every parameter (step 8's blocks), then its ZeRO-1 slices of that shard's AdamW
+        state (step 5's flat ranges), out of any step's checkpoint at any mesh."""
+        optimizer = self.optimizer
+        params = [p for _, p in self.named]
+        index = {p: i for i, p in enumerate(params)}
+        shards = load_checkpoint_shards(self.named, params, checkpoint)  # this rank's TP shards, step 8's way
+        state = {}
+        for local, piece in enumerate(optimizer.pieces):  # the local optimiser's parameters: flat slices of the shards
+            entry = shards["state"].get(index[piece.param])
+            if entry:  # none: never stepped
+                state[local] = {k: v.reshape(-1)[piece.start:piece.end].clone() if torch.is_tensor(v) and v.dim() else v
+                                for k, v in entry.items()}
+        hyper = {i: {k: v for k, v in g.items() if k != "params"} for g in shards["param_groups"] for i in g["params"]}
+        groups = [{**local, **hyper[index[full["params"][0]]]}  # the checkpoint's lr, betas, ... for each group
+                  for local, full in zip(optimizer.local_optimizer.state_dict()["param_groups"], optimizer.full_groups)]
+        optimizer.load_state_dict({"state": state, "param_groups": groups, "slices": optimizer.slices()})

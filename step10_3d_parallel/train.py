@@ -19,9 +19,9 @@ import torch.distributed as dist
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
-from composition import (add_mesh_flags, added, check_degrees, checkpoint_state, counted_once, gather_full_model,
-                         load_checkpoint, tensor_parallel_stage)
-from checkpoint import CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, open_checkpoint
+from composition import (MeshShards, add_mesh_flags, added, check_degrees, counted_once, gather_full_model,
+                         tensor_parallel_stage)
+from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from mesh import build_mesh
@@ -29,6 +29,7 @@ from metrics import RunLog, StepClock, environment, memory_stats, save_final_wei
 from model import build_model
 from naive_dp import allreduce_gradients
 from pipeline import Pipeline, record_random_ops
+from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
 from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
@@ -131,24 +132,17 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)  # disabled (no fp16 here): kept for the checkpoint's format
 
-    start_step, records = 0, []
-    if resumed:  # any step's checkpoint, written on any mesh or world size: this rank cuts its part out of it
-        load_checkpoint(named, optimizer, resumed)
-        start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, dp)  # its RNG, last
-        if world.is_main:
-            print(f"resumed from {resume_from} at step {start_step}")
-    elif world.is_main:
-        clear_checkpoints(config["out"])
-
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     env.update(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_stages=pp,  # parity.py: the global batch
                mesh={"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "order": "pp, dp, tp (tp innermost)"})
-    log = RunLog(config, env, is_writer=world.is_main, records=records)
-    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    log = RunLog(config, env, is_writer=world.is_main)
+    # What a checkpoint holds (checkpoint.py): each rank its TP/PP shard, the same whatever dp (composition.py), any
+    # step's cut back out of it at any mesh; --async-save: written by a thread (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, shapes, data_parallel_size=dp,
-        run=RunState(scheduler, scaler, batches, log))
+        config, world.rank, world.world_size, shapes,
+        [RunState(scheduler, scaler, batches, log), MeshShards(named, optimizer, mesh)], data_parallel_size=dp)
+    start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * dp
 
@@ -186,8 +180,7 @@ def main():
         })
         preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
-            shard = checkpoint_state(named, optimizer)  # collective over dp; dp rank 0's copy goes to disk
-            writer.save(step + 1, {"mesh": [pp, dp, tp]}, shard if mesh.dp_rank == 0 else {})
+            writer.save(step + 1)
         if preempted:
             preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 

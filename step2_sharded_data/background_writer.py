@@ -34,16 +34,16 @@ def snapshot(state):
 class BackgroundWriter(CheckpointWriter):
     """A ``CheckpointWriter`` whose ``save`` returns once the state is copied to memory; a thread writes it."""
 
-    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, data_parallel_size=None, run=None):
-        super().__init__(config, rank, world_size, shapes, data_parallel_size, run)
+    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, parts: list, data_parallel_size=None):
+        super().__init__(config, rank, world_size, shapes, parts, data_parallel_size)
         self.thread, self.error = None, None
         if dist.is_available() and dist.is_initialized():
             self.group = dist.new_group(backend="gloo")  # rule 2: every rank creates it, in the same order
 
-    def save(self, step: int, shared_state: dict, rank_state: dict | None = None) -> None:
+    def save(self, step: int) -> None:
         started = time.perf_counter()
         self.wait()  # rule 3: the previous write is finished before this one starts
-        states = snapshot(self._states(step, shared_state, rank_state))
+        states = snapshot(self._states(step))
         self.thread = threading.Thread(target=self._write_catching, args=(step, *states), name="checkpoint-writer")
         self.thread.start()
         self._report(step, started, "copied to memory, written in the background")

@@ -18,12 +18,12 @@ from torch.profiler import record_function
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
-from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, load_optimizer,
-                        load_parameters, open_checkpoint, optimizer_state)
+from checkpoint import CheckpointWriter, RunState, WholeModel
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
+from resharding import find_checkpoint, open_checkpoint
 from naive_dp import allreduce_gradients, broadcast_parameters, replicas_in_sync
 from sampler import ShardedSampler, check_no_overlap
 from seeding import seed_everything
@@ -93,23 +93,15 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)
 
-    start_step, records = 0, []
-    if resumed:
-        load_parameters(model.named_parameters(), resumed)
-        load_optimizer(optimizer, resumed, model.named_parameters())
-        start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, world.world_size)  # RNG last
-        if world.is_main:
-            print(f"resumed from {resume_from} at step {start_step}")
-    elif world.is_main:
-        clear_checkpoints(config["out"])
-
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
-    log = RunLog(config, env, is_writer=world.is_main, records=records)
-    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    log = RunLog(config, env, is_writer=world.is_main)
+    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
+    # state is copied to memory and a thread writes it (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()},
-        run=RunState(scheduler, scaler, batches, log))
+        [RunState(scheduler, scaler, batches, log), WholeModel(model, optimizer)])
+    start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
@@ -150,7 +142,7 @@ def main():
         })
         preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
-            writer.save(step + 1, {"model": model.state_dict(), **optimizer_state(optimizer, model.named_parameters())})
+            writer.save(step + 1)
         if preempted:
             preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 

@@ -96,12 +96,14 @@ class ShardedOptimizerWithMasters(ShardedOptimizer):
         return state
 
     def load_checkpoint(self, checkpoint, named_params) -> None:
-        """This rank's elements of the float32 masters, then ZeRO-1's slices of the optimiser state."""
+        """This rank's elements of the float32 masters, ZeRO-1's slices of the optimiser state, then the 16-bit
+        parameters rounded from the masters as after a step (rule 3: a collective)."""
         named_params = list(named_params)  # read twice
         with torch.no_grad():
             for (name, start, end), master in zip(self.slices(named_params), self.views):
                 master.copy_(checkpoint.parameter(name, start, end))
         super().load_checkpoint(checkpoint, named_params)
+        self.all_gather_parameters()
 
 
 def sharded_optimizer(params, optimizer_cls, param_dtype=None, **kwargs) -> ShardedOptimizer:

@@ -20,18 +20,18 @@ import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from bucketed_ddp import BucketedDDP
-from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, load_parameters,
-                        open_checkpoint, params_in_order)
+from checkpoint import CheckpointWriter, RunState, WholeModel
 from config import Preemption, UserError, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from masters import sharded_optimizer
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
+from resharding import PerRank, find_checkpoint, open_checkpoint
 from sampler import ShardedSampler, check_no_overlap
 from sharded_gradients import ShardedGradScaler
 from seeding import seed_everything
 from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, autocast, check_amp, check_param_dtype,
-                      clip_grad_norm, make_grad_scaler, make_scheduler, param_dtype, param_norm)
+                      clip_grad_norm, make_grad_scaler, make_scheduler, param_dtype, param_norm, params_in_order)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -111,8 +111,6 @@ def main():
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
     if config["compile"]:  # block by block, as in step 0: the communication stays outside the blocks
         compile_blocks(model)
-    if resumed:  # before the optimiser copies its float32 masters (--param-dtype) out of the parameters
-        load_parameters(model.named_parameters(), resumed)
     ddp_model = BucketedDDP(model, bucket_cap_mb=config["bucket_cap_mb"],
                             reduce_dtype=getattr(torch, config["reduce_dtype"]))
     # ZeRO-1: AdamW runs on this rank's 1/N of the elements only; its state exists for those alone. With
@@ -124,23 +122,16 @@ def main():
     # With masters the optimiser (and so the scaler) reads only this rank's slices of main_grad: one verdict for all.
     scaler = make_grad_scaler(config, device, ShardedGradScaler if mixed else torch.amp.GradScaler)
 
-    start_step, records = 0, []
-    if resumed:
-        # This rank's slices of AdamW's state (and masters), cut from whatever slices the saving ranks held.
-        optimizer.load_checkpoint(resumed, model.named_parameters())
-        start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, world.world_size)  # RNG last
-        if world.is_main:
-            print(f"resumed from {resume_from} at step {start_step}")
-    elif world.is_main:
-        clear_checkpoints(config["out"])
-
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
-    log = RunLog(config, env, is_writer=world.is_main, records=records)
-    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    log = RunLog(config, env, is_writer=world.is_main)
+    # What a checkpoint holds (checkpoint.py): rank 0 the model, unless the masters hold it (each rank its float32
+    # slices); each rank its slices of AdamW's state, loaded back at any world size (resharding.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()},
-        run=RunState(scheduler, scaler, batches, log))
+        [RunState(scheduler, scaler, batches, log), *([] if mixed else [WholeModel(model)]),
+         PerRank(optimizer, list(model.named_parameters()))])
+    start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
@@ -182,8 +173,7 @@ def main():
         })
         preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
-            shared = {} if mixed else {"model": model.state_dict()}  # with masters, each rank saves its float32 slices
-            writer.save(step + 1, shared, optimizer.checkpoint_state(model.named_parameters()))  # each rank its shard
+            writer.save(step + 1)
         if preempted:
             preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 

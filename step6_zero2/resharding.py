@@ -14,16 +14,24 @@ by parameter name and element range, so a checkpoint written by any step at N ra
 3. **The same run, or refused** (``check_resumable``): the config must be the checkpoint's, except the flags
    that say where and how to run (``RESUMABLE_KEYS``) and how the global batch is split: micro-batch x
    accumulation x ranks may change if their product does not. The data stream continues at the same sample.
+4. **Found by ``--resume``** (``find_checkpoint``: ``auto`` and ``latest`` take the newest *whole* one) and opened
+   (``open_checkpoint``) before anything is connected or written; a fresh run clears the checkpoints an earlier run
+   left in its ``--out`` (``clear_checkpoints``). ``meta.json`` (``checkpoint_meta``) says what wrote the rest.
+5. **Each rank's own part** (``PerRank``): an idea file's sharded state, saved by every rank for itself beside
+   checkpoint.py's shared parts, read back here at any world size.
 """
 import json
+import re
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from checkpoint import FORMAT_VERSION, complete_checkpoints
 from config import UserError
-from seeding import set_rng_state
+
+FORMAT_VERSION = 2
+OWN_CHECKPOINT_FOLDER = re.compile(r"(\.tmp_|\.old_)?step_\d+")  # what a save writes, all a fresh run removes
 
 # Flags that may change when resuming: they say where to write, what to print, where to run and how
 # long to wait, not what to compute. Every other flag must be the checkpoint's.
@@ -33,6 +41,54 @@ BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")  # may change with the wor
 
 # Optimiser options that say how the update runs, not what it computes: the resuming run's own, not the saved ones.
 UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+
+
+def checkpoint_dir(out_dir, step: int) -> Path:
+    return Path(out_dir) / "checkpoints" / f"step_{step}"
+
+
+def complete_checkpoints(out_dir) -> list[Path]:
+    """The whole checkpoints in ``out_dir``, oldest first (by step number, not by name)."""
+    folders = [p for p in (Path(out_dir) / "checkpoints").glob("step_*")
+               if p.name[5:].isdigit() and (p / "meta.json").is_file()]
+    return sorted(folders, key=lambda p: int(p.name[5:]))
+
+
+def find_checkpoint(resume: str | None, out_dir) -> Path | None:
+    """``--resume``: ``auto``, the newest whole checkpoint in ``out_dir`` or None (a fresh start) when there
+    is none; ``latest``, the same but none is an error; otherwise the given folder; None: a fresh start."""
+    if resume is None:
+        return None
+    if resume in ("auto", "latest"):
+        found = complete_checkpoints(out_dir)
+        if not found and resume == "latest":
+            raise UserError(f"--resume: no checkpoint in {out_dir}/checkpoints; train with --save-every N first, "
+                            "pass --resume PATH, or --resume auto to start afresh when there is none")
+        return found[-1] if found else None
+    if not (Path(resume) / "meta.json").is_file():
+        raise not_a_checkpoint(resume, "--resume ")
+    return Path(resume)
+
+
+def clear_checkpoints(out_dir) -> None:
+    """A fresh run replaces the run in ``out_dir``: its checkpoints would otherwise be taken for this run's.
+    Only the folders a save writes go; anything else in <out>/checkpoints was put there by someone else."""
+    folder = Path(out_dir) / "checkpoints"
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            if entry.is_dir() and OWN_CHECKPOINT_FOLDER.fullmatch(entry.name):
+                shutil.rmtree(entry, ignore_errors=True)
+        if not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def checkpoint_meta(step: int, world_size: int, config: dict, shapes: dict, data_parallel_size=None) -> str:
+    """meta.json. ``data_parallel_size``: the ranks that drew their own samples, when not all did (TP, PP)."""
+    meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config,
+            "shapes": {name: list(shape) for name, shape in shapes.items()}}
+    if data_parallel_size is not None and data_parallel_size != world_size:
+        meta["data_parallel_size"] = data_parallel_size
+    return json.dumps(meta, indent=1) + "\n"
 
 
 def not_a_checkpoint(path, flag: str = "") -> UserError:
@@ -223,15 +279,6 @@ class Checkpoint:
         whole = self.parameter(name) if whole is None else whole
         return torch.cat([whole.narrow(dim, start, end - start) for _, dim, start, end in blocks], dim=blocks[0][1])
 
-    def restore(self, scheduler, scaler, batches, rank: int, world_size: int) -> tuple[int, list]:
-        """Load what is not the model or the optimiser: the schedule, the loss scale, the data position, and,
-        last (loading must not consume randomness after it), this rank's RNG. Returns (step, records)."""
-        scheduler.load_state_dict(self.shared["scheduler"])
-        scaler.load_state_dict(self.shared["scaler"])
-        batches.load_state_dict(self.data_state(batches.micro_batch_size, world_size))
-        set_rng_state(self.rank_state(rank)["rng"])
-        return self.step, list(self.shared["records"])
-
     def rank_state(self, rank: int) -> dict:
         """What rank ``rank`` saved (its RNG); at another world size, rank ``rank mod N``'s: a stream, not the one
         an uninterrupted run at the new size would have drawn."""
@@ -306,3 +353,25 @@ def _cut(pieces: list, start: int, end: int, checkpoint: Checkpoint, name: str) 
     if covered != end:
         checkpoint._corrupted(f"no rank holds elements {covered}-{end} of {name}")
     return torch.cat(parts) if parts else pieces[0][2].reshape(-1)[:0].clone()
+
+
+def open_checkpoint(path: Path, config: dict, world_size: int, is_main: bool):
+    """Open ``path`` for this run, checked before anything is connected or written (``is_main`` says what changes)."""
+    checkpoint = Checkpoint(path)
+    checkpoint.check_resumable(config, world_size, say_changes=is_main)
+    return checkpoint
+
+
+class PerRank:
+    """A part each rank saves for itself: ``holder.checkpoint_state(*args)``, ``holder.load_checkpoint(c, *args)``
+    (an idea file's sharded state: ZeRO's slices, ``zero3.py``'s pieces)."""
+    per_rank = True
+
+    def __init__(self, holder, *args):
+        self.holder, self.args = holder, args
+
+    def checkpoint_state(self) -> dict:
+        return self.holder.checkpoint_state(*self.args)
+
+    def load_checkpoint(self, checkpoint) -> None:
+        self.holder.load_checkpoint(checkpoint, *self.args)

@@ -22,13 +22,14 @@ from torch.profiler import record_function
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
-from checkpoint import CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, open_checkpoint
+from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, tensor_bytes
 from model import GPT2, gpt2_config, initial_value, language_model_loss
 from offload import OffloadedOptimizer
 from prefetch_trace import PrefetchTrace
+from resharding import PerRank, find_checkpoint, open_checkpoint
 from sampler import ShardedSampler, check_no_overlap
 from streaming_export import save_final_weights_streaming
 from sharded_gradients import ShardedGradScaler
@@ -148,22 +149,15 @@ def main():
     tracer = PrefetchTrace(ddp_model) if config["trace"] else None  # keeps the last micro-batch's timeline
     scheduler = make_scheduler(optimizer, config)
 
-    start_step, records = 0, []
-    if resumed:
-        # This rank's pieces and AdamW's state for them, whatever world size wrote them: only these elements are read.
-        ddp_model.load_checkpoint(resumed, optimizer)
-        start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, world.world_size)  # RNG last
-        if world.is_main:
-            print(f"resumed from {resume_from} at step {start_step}")
-    elif world.is_main:
-        clear_checkpoints(config["out"])
-
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
-    log = RunLog(config, env, is_writer=world.is_main, records=records)
-    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    log = RunLog(config, env, is_writer=world.is_main)
+    # What a checkpoint holds (checkpoint.py): each rank its pieces and AdamW's state for them, loaded back at any
+    # world size, only those elements read (resharding.py); --async-save: written by a thread (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, shapes, run=RunState(scheduler, scaler, batches, log))
+        config, world.rank, world.world_size, shapes, [RunState(scheduler, scaler, batches, log),
+                                                       PerRank(ddp_model, optimizer)])
+    start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
@@ -205,7 +199,7 @@ def main():
         preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             # Each rank writes its own pieces and their AdamW state; nothing in state.pt is full-size.
-            writer.save(step + 1, {}, ddp_model.checkpoint_state(optimizer))
+            writer.save(step + 1)
         if preempted:
             preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 

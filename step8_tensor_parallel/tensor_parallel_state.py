@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from comm_accounting import count_collective
+from training import params_in_order
 
 
 def is_sharded(param: torch.Tensor) -> bool:
@@ -55,6 +56,22 @@ def load_checkpoint_shards(named: list, params: list, checkpoint) -> dict:
             param.copy_(shard_of(param, checkpoint.parameter(name)))
     name_of = {p: n for n, p in named}
     return checkpoint.optimizer_state_dict([checkpoint_blocks(name_of[p], p) for p in params], params)
+
+
+class TensorParallelShards:
+    """checkpoint.py's part for a tensor-parallel model and its plain optimiser: each rank saves its shards as they
+    are (``checkpoint_shards``) and loads back its shards of any step's checkpoint (``load_checkpoint_shards``)."""
+    per_rank = True
+
+    def __init__(self, model, optimizer):
+        self.named, self.optimizer = list(model.named_parameters()), optimizer
+
+    def checkpoint_state(self) -> dict:
+        return checkpoint_shards(self.named, params_in_order(self.optimizer), self.optimizer.state_dict())
+
+    def load_checkpoint(self, checkpoint) -> None:
+        params = params_in_order(self.optimizer)
+        self.optimizer.load_state_dict(load_checkpoint_shards(self.named, params, checkpoint))
 
 
 def gather_full_parameters(model, group=None) -> dict:

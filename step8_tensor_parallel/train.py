@@ -20,16 +20,16 @@ from torch.profiler import record_function
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
-from checkpoint import CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, open_checkpoint, params_in_order
+from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
+from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
 from tensor_parallel import check_divisible, parallelize_gpt2, vocab_parallel_cross_entropy
-from tensor_parallel_state import (checkpoint_shards, counted_once, gather_full_parameters, load_checkpoint_shards,
-                                   replicated_in_sync)
+from tensor_parallel_state import TensorParallelShards, counted_once, gather_full_parameters, replicated_in_sync
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
                       param_norm)
 from sharded_gradients import ShardedGradScaler  # step 5's: the fp16 overflow flag agreed by every rank
@@ -106,24 +106,16 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # fp16: every rank skips, or steps, together
 
-    start_step, records = 0, []
-    if resumed:
-        optimizer.load_state_dict(load_checkpoint_shards(list(model.named_parameters()), params_in_order(optimizer),
-                                                         resumed))  # cut from any step's, any degree's checkpoint
-        start_step, records = resumed.restore(scheduler, scaler, batches, world.rank, 1)  # RNG last
-        if world.is_main:
-            print(f"resumed from {resume_from} at step {start_step}")
-    elif world.is_main:
-        clear_checkpoints(config["out"])
-
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     env.update(tensor_parallel_size=world.world_size, data_parallel_size=1)  # parity.py: the global batch
-    log = RunLog(config, env, is_writer=world.is_main, records=records)
-    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    log = RunLog(config, env, is_writer=world.is_main)
+    # What a checkpoint holds (checkpoint.py): each rank its shards, as blocks that steps 0-8 and 10 read back at
+    # any degree (tensor_parallel_state.py); --async-save: written by a thread (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, full_shapes, data_parallel_size=1,
-        run=RunState(scheduler, scaler, batches, log))
+        config, world.rank, world.world_size, full_shapes,
+        [RunState(scheduler, scaler, batches, log), TensorParallelShards(model, optimizer)], data_parallel_size=1)
+    start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 
@@ -154,8 +146,7 @@ def main():
         })
         preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
-            own = checkpoint_shards(list(model.named_parameters()), params_in_order(optimizer), optimizer.state_dict())
-            writer.save(step + 1, {}, own)  # steps 0-8 and 10 at any degree read them
+            writer.save(step + 1)
         if preempted:
             preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 

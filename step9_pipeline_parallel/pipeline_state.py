@@ -10,7 +10,7 @@ to rank 0 as one process would hold them, which is what step 9's checkpoints and
 import torch.distributed as dist
 
 import distributed
-from checkpoint import optimizer_slices
+from checkpoint import load_optimizer, load_parameters, optimizer_state
 
 
 def owned(named: list) -> list:
@@ -24,7 +24,7 @@ def gather_full_state(named: list, optimizer, is_main: bool) -> dict:
     would hold it (``optimizer`` and ``optimizer_slices``, the tied embedding's state taken once). Others: {}."""
     mine = {"model": {n: p.detach().cpu() for n, p in owned(named)}}
     if optimizer is not None:
-        mine.update(optimizer=optimizer.state_dict(), optimizer_slices=optimizer_slices(optimizer, named))
+        mine.update(optimizer_state(optimizer, named))
     everyone = distributed.gather_from_every_rank(mine)
     if not is_main:
         return {}
@@ -45,3 +45,18 @@ def gather_full_state(named: list, optimizer, is_main: bool) -> dict:
         full.update(optimizer={"state": state, "param_groups": groups}, optimizer_slices=slices)
     return full
 
+
+class PipelineState:
+    """checkpoint.py's part for a pipeline stage: every stage's state gathered to rank 0, which saves it as one
+    process's (rule 1); each stage loads its own parameters back by name, wherever the stage boundaries now are."""
+    per_rank = False
+
+    def __init__(self, named: list, optimizer):
+        self.named, self.optimizer = named, optimizer
+
+    def checkpoint_state(self) -> dict:
+        return gather_full_state(self.named, self.optimizer, dist.get_rank() == 0)  # a collective, on every stage
+
+    def load_checkpoint(self, checkpoint) -> None:
+        load_parameters(self.named, checkpoint)
+        load_optimizer(self.optimizer, checkpoint, self.named)

@@ -18,14 +18,14 @@ import torch.distributed as dist
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
-from checkpoint import (CheckpointWriter, RunState, clear_checkpoints, find_checkpoint, load_optimizer,
-                        load_parameters, open_checkpoint)
+from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from pipeline import SCHEDULES, GPT2Stage, Pipeline, check_pipeline, record_random_ops
-from pipeline_state import gather_full_state, owned
+from pipeline_state import PipelineState, gather_full_state, owned
+from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
@@ -122,23 +122,15 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)  # disabled (no fp16 here): kept for the checkpoint's format
 
-    start_step, records = 0, []
-    if resumed:
-        load_parameters(named, resumed)  # by name: the stage boundaries may have moved
-        load_optimizer(optimizer, resumed, named)
-        start_step, records = resumed.restore(scheduler, scaler, batches, 0, 1)  # RNG last: one stream for all
-        if world.is_main:
-            print(f"resumed from {resume_from} at step {start_step}")
-    elif world.is_main:
-        clear_checkpoints(config["out"])
-
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     env.update(pipeline_stages=num_stages, data_parallel_size=1)  # compare/parity.py: the global batch is one replica's
-    log = RunLog(config, env, is_writer=world.is_main, records=records)
-    # --async-save: the state is copied to memory and a thread writes it (background_writer.py)
+    log = RunLog(config, env, is_writer=world.is_main)
+    # What a checkpoint holds (checkpoint.py): one process's, gathered to rank 0, read back by name wherever the
+    # stage boundaries now are (pipeline_state.py); one RNG stream (world size 1); --async-save: background_writer.py.
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, 1, shapes, run=RunState(scheduler, scaler, batches, log))
+        config, world.rank, 1, shapes, [RunState(scheduler, scaler, batches, log), PipelineState(named, optimizer)])
+    start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 
@@ -173,7 +165,7 @@ def main():
         })
         preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
-            writer.save(step + 1, gather_full_state(named, optimizer, world.is_main))  # every stage's RNG: one stream
+            writer.save(step + 1)
         if preempted:
             preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 

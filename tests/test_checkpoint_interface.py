@@ -40,11 +40,13 @@ def reference(steps: int) -> tuple[torch.nn.Module, torch.optim.AdamW]:
     return model, optimizer
 
 
-def save(folder, rank: int, world_size: int, named_shapes: dict, own: dict) -> None:
-    """Write this rank's file of checkpoint step_1 in ``folder`` with the trainers' writer."""
+def save(folder, rank: int, world_size: int, named_shapes: dict, holder, *args) -> None:
+    """Write checkpoint step_1 in ``folder`` with the trainers' writer: ``holder.checkpoint_state(*args)`` the
+    rank's part (``resharding.PerRank``)."""
     from checkpoint import CheckpointWriter
+    from resharding import PerRank
     config = {"out": str(folder), "async_save": False, "quiet": True}
-    CheckpointWriter(config, rank, world_size, named_shapes).save(1, {"step": 1}, own)
+    CheckpointWriter(config, rank, world_size, named_shapes, [PerRank(holder, *args)]).save(1)
 
 
 def as_bytes(tensors: dict) -> bytes:
@@ -83,7 +85,7 @@ def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before
             param.main_grad = gradient(name, param, step)  # float32, as the gradient sync leaves it
         optimizer.step()
     if not loading:
-        save(folder, rank, world_size, {n: p.shape for n, p in named}, optimizer.checkpoint_state(named))
+        save(folder, rank, world_size, {n: p.shape for n, p in named}, optimizer, named)
     weights = optimizer.master_weights(named)  # collective
     queue.put((rank, {"weights": as_bytes(weights), "dtypes": {str(p.dtype) for _, p in named}}))
     shutdown()
@@ -113,7 +115,7 @@ def fsdp_worker(rank, world_size, port, queue, folder, steps_before):
             piece.grad = gradient(name, torch.empty(shapes[name]), step).view(-1)[slice(*ranges[name])].clone()
         optimizer.step()
     if not loading:
-        save(folder, rank, world_size, shapes, fsdp.checkpoint_state(optimizer))
+        save(folder, rank, world_size, shapes, fsdp, optimizer)
     weights = {name: t.clone() for name, t in fsdp.gathered_parameters()}  # collective
     queue.put((rank, {"weights": as_bytes(weights)}))
     shutdown()

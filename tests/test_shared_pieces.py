@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from conftest import metrics
-from checkpoint import clear_checkpoints, find_checkpoint
+from resharding import clear_checkpoints, find_checkpoint
 from config import UserError
 from training import clip_grad_norm, lr_at, param_norm
 
 pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 
 
-# ---- checkpoint.find_checkpoint ----------------------------------------------------------------------
+# ---- resharding.find_checkpoint ----------------------------------------------------------------------
 
 def fake_checkpoint(out, name, meta=True):
     folder = out / "checkpoints" / name
@@ -213,7 +213,7 @@ def test_the_gpu_bin_sums_equal_bincount_and_leave_deterministic_mode_as_it_was(
 def test_a_checkpoint_keeps_the_hyperparameters_and_leaves_the_update_implementation_to_the_resuming_run(tmp_path):
     """A run on the CPU saves AdamW with ``foreach=False`` (training.adamw_options); resumed on a GPU it must run
     the multi-tensor update every step there uses, so only the hyperparameters come from the checkpoint."""
-    from checkpoint import CheckpointWriter, load_optimizer, optimizer_state
+    from checkpoint import CheckpointWriter, WholeModel, load_optimizer
     from resharding import Checkpoint
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
@@ -222,8 +222,7 @@ def test_a_checkpoint_keeps_the_hyperparameters_and_leaves_the_update_implementa
     model(torch.randn(4, 3)).sum().backward()
     saved.step()
     config = {"out": str(tmp_path), "async_save": False, "quiet": True}
-    writer = CheckpointWriter(config, 0, 1, {name: p.shape for name, p in named})
-    writer.save(1, {"step": 1, "model": {n: p.detach() for n, p in named}, **optimizer_state(saved, named)}, {})
+    CheckpointWriter(config, 0, 1, {name: p.shape for name, p in named}, [WholeModel(model, saved)]).save(1)
     resumed = torch.optim.AdamW(model.parameters(), lr=0.5, foreach=True)
     load_optimizer(resumed, Checkpoint(find_checkpoint("auto", tmp_path)), named)
     group = resumed.param_groups[0]
