@@ -6,7 +6,6 @@ clipping, a warm-up + cosine schedule, bitwise-exact checkpoint/resume and a per
     python step0_single_gpu/train.py                 # about 20 s on 2 CPU cores
     python step0_single_gpu/train.py --resume        # continue from the latest checkpoint in --out
 """
-import os
 from pathlib import Path
 
 import torch
@@ -15,27 +14,24 @@ from torch.utils.data import DistributedSampler
 
 from background_writer import BackgroundWriter
 from checkpoint import CheckpointWriter, RunState, WholeModel
-from config import Preemption, UserError, build_parser, exit_on_user_error, limit_memory, parse_config
+from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
 from resharding import find_checkpoint, open_checkpoint
 from seeding import seed_everything
-from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_grad_norm, make_grad_scaler,
-                      make_optimizer, make_scheduler, param_dtype, param_norm, pick_device)
+from training import (add_param_dtype_flag, autocast, check_amp, check_one_process, check_param_dtype, clip_grad_norm,
+                      float32_masters, make_grad_scaler, make_optimizer, make_scheduler, param_dtype, param_norm,
+                      pick_device)
 
 STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device, masters=None) -> tuple:
-    """One optimiser step on ``micro_batches`` (a list of (inputs, targets)): forward and backward on each,
-    then the gradients unscaled, clipped and applied. ``masters``: the float32 (name, master) pairs AdamW steps
-    with --param-dtype, None without.
-
-    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
-    clipping, and the process's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
-    them); ``record_function`` does nothing when no profiler runs.
-    """
+    """One optimiser step on ``micro_batches`` (a list of (inputs, targets)): forward and backward on each, then
+    the gradients unscaled, clipped and applied (``masters``: the float32 (name, master) pairs AdamW steps with
+    --param-dtype). Returns what the loop logs: the losses' sum, the gradient norm before clipping, the memory.
+    The phases are named for torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
     trained = masters or list(model.named_parameters())  # what AdamW steps, by name
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
@@ -72,10 +68,7 @@ def main():
     parser = build_parser(STEP)
     add_param_dtype_flag(parser)
     config = parse_config(parser)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # torchrun started several copies: each would train alone
-        raise UserError(f"{STEP} is one process, but torchrun started {os.environ['WORLD_SIZE']}: each would train "
-                        "the whole model alone and write the same --out; run it with python, or run "
-                        "step1_torch_ddp under torchrun")
+    check_one_process(STEP)  # not several copies under torchrun, each training alone
     device = pick_device(config["device"])
     check_amp(config["amp"], device)
     check_param_dtype(config, device)
@@ -97,11 +90,7 @@ def main():
         compile_blocks(model)
     # --param-dtype bf16|fp16: AdamW steps a float32 master of every parameter; the model computes in a
     # 16-bit copy, rounded from the masters after every step (the sharded steps keep 1/N of the masters).
-    dtype = param_dtype(config)
-    masters = [(name, p.detach().clone().requires_grad_(p.requires_grad)) for name, p in model.named_parameters()] \
-        if dtype else None
-    if dtype:
-        model.to(dtype)
+    masters = float32_masters(model, param_dtype(config))  # None without --param-dtype
     trained = masters or list(model.named_parameters())  # what AdamW steps, by name
     optimizer = make_optimizer(trained, config)
     scheduler = make_scheduler(optimizer, config)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mesh import check_mesh
-from pipeline import SCHEDULES, GPT2Stage, check_pipeline
+from pipeline import GPT2Stage, add_pipeline_flags, check_pipeline
 from tensor_parallel import check_divisible
 from tensor_parallel_state import checkpoint_shards, gather_full_parameters, is_sharded, load_checkpoint_shards
 
@@ -25,9 +25,7 @@ def add_mesh_flags(parser) -> None:
     flags.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel degree: must divide --n-head and the vocabulary")
     flags.add_argument("--pp", type=int, default=1, help="pipeline stages: at most --n-layer")
-    flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline's schedule (step 9)")
-    flags.add_argument("--micro-batches", type=int, default=None, metavar="M",
-                       help="micro-batches in the pipeline at once (default: --grad-accum); must divide --grad-accum")
+    add_pipeline_flags(parser)  # step 9's --schedule and --micro-batches
 
 
 def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, int]:

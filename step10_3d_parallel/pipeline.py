@@ -51,6 +51,15 @@ SCHEDULES = ("gpipe", "1f1b")
 ACTIVATION_TAG, TIED_TAG = 0, 1  # two streams between the last and the first stage (at P = 2, the same pair)
 
 
+def add_pipeline_flags(parser) -> None:
+    flags = parser.add_argument_group("pipeline")
+    flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                       help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward (less memory)")
+    flags.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                       help="micro-batches in the pipeline at once (default: --grad-accum, one pipeline flush per "
+                            "optimiser step); --grad-accum must be a multiple of it")
+
+
 def check_pipeline(config: dict, num_stages: int, flag: str | None = None) -> int:
     """The pipeline's own mistakes, before anything is connected; returns M, the micro-batches of one flush.
     ``flag``: the option that sets the number of stages, named in the line (step 10's ``--pp``); none: the

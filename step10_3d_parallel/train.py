@@ -1,11 +1,8 @@
 """Step 10: data, tensor and pipeline parallelism at once, on one device mesh (mesh.py). Grown from step 9's train.py.
 
-The world is laid out as a pp x dp x tp mesh (--pp --dp --tp, their product the number of ranks). Each
-pipeline stage (step 9's pipeline.py, over the pp group) is made tensor-parallel over its tp group (step 8's
-tensor_parallel.py); the dp replicas of that stage read different samples (step 2's sampler), average
-their gradients over the dp group (step 3's allreduce_gradients) and shard AdamW's state of their own
-TP/PP shard over it (step 5's ShardedOptimizer). With two degrees at 1 the run is bitwise step 8's
-(tp only), step 9's (pp only) or step 5's (dp only); otherwise it is compared with step 1 as step 8 is.
+A pp x dp x tp mesh (--pp --dp --tp): each pipeline stage (step 9) is tensor-parallel over its tp group (step 8);
+the dp replicas of a stage read their own samples (step 2), average their gradients (step 3) and shard AdamW's
+state (step 5) over the dp group. Two degrees at 1: bitwise step 8's, 9's or 5's; else compared with step 1.
 
     torchrun --standalone --nproc_per_node=4 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 1
     torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 2 --steps 2
@@ -56,8 +53,8 @@ def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, devic
         inputs, targets = zip(*micro_batches[first:first + in_flight])
         # Inside: the tp group all-reduces activations (step 8), the pp neighbours exchange them (step 9).
         losses = pipe.run(in_flight, [x.to(device) for x in inputs], [y.to(device) for y in targets],
-                          loss_scale=accum)
-        for loss in losses:  # the last stage's, in micro-batch order
+                          loss_scale=accum)  # each loss / accum before its backward, as in step 0
+        for loss in losses:  # the last stage's; in micro-batch order, as step 0 adds them
             loss_sum += loss
     pipe.finish_gradient_synchronization()  # the tied embedding's gradient, and every send waited
     comm = take_comm_bytes()
@@ -74,7 +71,7 @@ def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, devic
     scaler.step(optimizer)  # this rank's 1/dp of its shard's elements, then all-gathered over dp
     scaler.update()
     comm["dp"] = added(comm["dp"], take_comm_bytes())  # the gradient all-reduce and ZeRO-1's all-gather
-    memory = memory_stats(pipe.module.parameters(), optimizer, device)  # before zero_grad frees the grads
+    memory = memory_stats((p for _, p in named), optimizer, device)  # before zero_grad frees the grads
     memory["micro_batches_in_flight"] = pipe.take_peak_in_flight()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory, comm
@@ -97,7 +94,8 @@ def main():
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
     distributed.join(world, config["timeout_s"])
     mesh = build_mesh(dp, config["tp"], config["pp"], timeout=timedelta(seconds=config["timeout_s"]))
-    device, tp, pp = world.device, config["tp"], config["pp"]
+    device, stage_index, num_stages, tp = world.device, mesh.pp_rank, mesh.pp, mesh.tp
+    is_last = stage_index == num_stages - 1
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # The dp replicas read disjoint shards (step 2); the tp and pp ranks of one replica read the same samples.
@@ -111,17 +109,18 @@ def main():
     if tp > 1:  # at tp = 1 the model stays plain GPT-2, as in steps 5 and 9 (F.cross_entropy, not step 8's loss)
         model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
     model = model.to(device)
-    stages = [tensor_parallel_stage(model, s, pp) for s in range(pp)]
+    stages = [tensor_parallel_stage(model, s, num_stages) for s in range(num_stages)]
     context = lambda: autocast(config["amp"], device)  # noqa: E731
     example = batches.blocks[:config["micro_batch_size"], :-1].to(device)
     random_ops = record_random_ops(stages, example, context) if config["dropout"] > 0 else None
-    stage = stages[mesh.pp_rank]
+    stage = stages[stage_index]
     del model, stages
+    # The model's names, the tied copy on the last stage under the embedding's: what checkpoints speak of.
     named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]
     tp_group = mesh.tp_group  # the last stage's loss: step 8's over the vocabulary slices, or step 9's
     loss_fn = (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, group=tp_group)) if tp > 1 \
         else torch.nn.functional.cross_entropy
-    pipe = Pipeline(stage, mesh.pp_rank, pp,
+    pipe = Pipeline(stage, stage_index, num_stages,
                     activation_shape=(config["micro_batch_size"], config["seq_len"], config["n_embd"]),
                     loss_fn=lambda logits, targets: loss_fn(logits.float().flatten(0, 1), targets.flatten()),
                     tied_parameter=stage.tied_parameter, ranks=mesh.pp_ranks, schedule=config["schedule"],
@@ -134,7 +133,7 @@ def main():
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
-    env.update(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_stages=pp,  # parity.py: the global batch
+    env.update(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_stages=num_stages,  # parity.py: the global batch
                mesh={"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "order": "pp, dp, tp (tp innermost)"})
     log = RunLog(config, env, is_writer=world.is_main)
     # What a checkpoint holds (checkpoint.py): each rank its TP/PP shard, the same whatever dp (composition.py), any
@@ -157,7 +156,7 @@ def main():
         scheduler.step()
 
         # The loss is where the logits are, on the last stage: sent to the stage's peers, averaged over dp.
-        loss_mean = torch.tensor(loss_sum.double().item() if mesh.pp_rank == pp - 1 else 0.0, dtype=torch.float64,
+        loss_mean = torch.tensor(loss_sum.double().item() if is_last else 0.0, dtype=torch.float64,
                                  device=device)  # on the device: nccl moves GPU tensors only
         dist.broadcast(loss_mean, src=mesh.pp_ranks[-1], group=mesh.pp_group)
         dist.all_reduce(loss_mean, group=mesh.dp_group)
@@ -191,8 +190,8 @@ def main():
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
         final["param_norm"] = norm
         log.write(final)
-        print(f"done: {config['steps']} steps on a {mesh.pp} x {mesh.dp} x {mesh.tp} (pp x dp x tp) mesh "
-              f"({world.backend}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+        print(f"done: {config['steps']} steps on a {num_stages} x {dp} x {tp} (pp x dp x tp) mesh ({world.backend}, "
+              f"{config['schedule']}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
     distributed.shutdown()
 
 

@@ -36,7 +36,7 @@ STEP = Path(__file__).resolve().parent.name
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
     """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
     on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
-    ``model`` is the model in its data-parallel wrapper, as main() trains it.
+    ``model``: what main() trains, the model or its data-parallel wrapper.
 
     Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
     clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads

@@ -1,9 +1,7 @@
 """Step 2: step 1's loop with a data sampler written from scratch (sampler.py).
 
-The sampler decides which samples each rank sees. It must give every rank a disjoint shard, the
-same number of samples on every rank, and a new shuffle each epoch that all ranks agree on,
-without talking to each other. At the start of every epoch the ranks prove it: they all-gather
-their index lists and check that no sample is on two ranks and that together they cover the data.
+Every rank gets a disjoint shard, as many samples as the others and a new shuffle each epoch that all agree on,
+without a word; at the start of every epoch the ranks all-gather their indices and check it.
 The run must be bitwise identical to step 1's: same indices, same everything.
 
     torchrun --standalone --nproc_per_node=2 step2_sharded_data/train.py
@@ -38,7 +36,7 @@ STEP = Path(__file__).resolve().parent.name
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
     """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
     on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
-    ``model`` is the model in its data-parallel wrapper, as main() trains it.
+    ``model``: what main() trains, the model or its data-parallel wrapper.
 
     Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
     clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads

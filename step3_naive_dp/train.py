@@ -1,10 +1,8 @@
 """Step 3: naive data parallelism, written by hand (naive_dp.py) instead of DDP.
 
-The ranks build their models from *different* seeds on purpose, then copy rank 0's parameters to
-everyone (broadcast). Each rank runs forward and backward on its own shard; after the last
-micro-batch every gradient is all-reduced (one all-reduce per parameter), divided by the world
-size, and only then does the optimiser step. The run must be bitwise identical to step 1's at
-world size 2, and at any world size with --reduce-dtype float64.
+Models built from different seeds on purpose, then rank 0's parameters broadcast; after the last micro-batch
+every gradient is all-reduced (one all-reduce per parameter) and divided by the world size, then AdamW steps.
+The run must be bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
 
     torchrun --standalone --nproc_per_node=2 step3_naive_dp/train.py
     python compare/parity.py step1 step3
@@ -36,6 +34,7 @@ STEP = Path(__file__).resolve().parent.name
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
     """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
     on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
+    ``model``: what main() trains, the model or its data-parallel wrapper.
 
     Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
     clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads

@@ -41,12 +41,15 @@ def optimizer_state_bytes(optimizer) -> int:
 
 def memory_stats(params, optimizer, device: torch.device, grads=None) -> dict:
     """Bytes held by this process: what its parameters, gradients (``grads``, by default every
-    ``param.grad``) and optimiser state take, its peak resident set size (the whole process:
-    Python, torch, data), and on a GPU what CUDA allocated."""
+    ``param.grad``, or the float32 ``param.main_grad`` a gradient sync left beside a 16-bit parameter) and
+    optimiser state take, its peak resident set size (the whole process: Python, torch, data), and on a GPU
+    what CUDA allocated."""
     params = list(params)
+    if grads is None:
+        grads = [p.grad if getattr(p, "main_grad", None) is None else p.main_grad for p in params]
     stats = {
         "params": tensor_bytes(params),
-        "grads": tensor_bytes(p.grad for p in params) if grads is None else tensor_bytes(grads),
+        "grads": tensor_bytes(grads),
         "optimizer_state": optimizer_state_bytes(optimizer),
         # ru_maxrss is in KiB on Linux and in bytes on macOS
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024),

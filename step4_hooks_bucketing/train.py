@@ -1,10 +1,8 @@
 """Step 4: real DDP by hand: autograd hooks, gradient buckets, all-reduce overlapped with backward.
 
-BucketedDDP (bucketed_ddp.py) replaces step 3's per-parameter all-reduce after backward: gradients
-are reduced in a few flat buckets, each launched asynchronously the moment its last gradient is
-ready, while backward goes on computing. One sync point before the optimiser step waits for them
-all; no_sync() keeps accumulation micro-steps free of communication. The run must be bitwise
-identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
+BucketedDDP (bucketed_ddp.py): gradients reduced in a few flat buckets, each launched the moment its last
+gradient is ready while backward goes on; one sync point before the optimiser step; no_sync() while accumulating.
+The run must be bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
 
     torchrun --standalone --nproc_per_node=2 step4_hooks_bucketing/train.py
     torchrun --standalone --nproc_per_node=2 step4_hooks_bucketing/train.py --trace   # overlap timeline
@@ -22,7 +20,7 @@ from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from bucketed_ddp import BucketedDDP
 from checkpoint import CheckpointWriter, RunState, WholeModel
-from config import Preemption, UserError, build_parser, exit_on_user_error, limit_memory, parse_config
+from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
@@ -39,7 +37,7 @@ STEP = Path(__file__).resolve().parent.name
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
     """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
     on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
-    ``model`` is the model in its data-parallel wrapper, as main() trains it.
+    ``model``: what main() trains, the model or its data-parallel wrapper.
 
     Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
     clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
@@ -75,8 +73,6 @@ def main():
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB")
     parser.add_argument("--trace", action="store_true", help="write trace.json and timeline.png of the last step")
     config = parse_config(parser)
-    if config["bucket_cap_mb"] <= 0:
-        raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])

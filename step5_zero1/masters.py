@@ -14,8 +14,8 @@ FSDP2 train in mixed precision.
    their ``.grad`` are views of this rank's slices of ``main_grad``, taken fresh whenever they are read, so a
    scaler unscales (and clipping scales) ``main_grad`` in place; it sees only this rank's slices, so its
    verdict must be combined across ranks (``sharded_gradients.py``).
-5. **Checkpoints hold the masters**, each rank its float32 slices beside its optimiser state, never the 16-bit
-   copies: a run resumed at any world size steps on from the same float32 values.
+5. **Checkpoints hold the masters**, each rank its float32 slices beside its optimiser state (``zero1_state.py``:
+   what ZeRO-1 saves are the tensors it steps), never the 16-bit copies: a resumed run steps on from them.
 """
 import torch
 
@@ -86,24 +86,9 @@ class ShardedOptimizerWithMasters(ShardedOptimizer):
         masters = self.gathered_masters()
         return {name: masters.get(param, param) for name, param in named_params}
 
-    # ---- Checkpoints (rule 5) ------------------------------------------------------------------------------
-    def checkpoint_state(self, named_params) -> dict:
-        """ZeRO-1's state, and this rank's float32 masters as flat slices (``model``, ``model_slices``)."""
-        state = super().checkpoint_state(named_params)
-        named_slices = state["optimizer_slices"]
-        state["model"] = {name: master for (name, _, _), master in zip(named_slices, self.views)}
-        state["model_slices"] = {name: (start, end) for name, start, end in named_slices}
-        return state
-
-    def load_checkpoint(self, checkpoint, named_params) -> None:
-        """This rank's elements of the float32 masters, ZeRO-1's slices of the optimiser state, then the 16-bit
-        parameters rounded from the masters as after a step (rule 3: a collective)."""
-        named_params = list(named_params)  # read twice
-        with torch.no_grad():
-            for (name, start, end), master in zip(self.slices(named_params), self.views):
-                master.copy_(checkpoint.parameter(name, start, end))
-        super().load_checkpoint(checkpoint, named_params)
-        self.all_gather_parameters()
+    @property
+    def masters(self) -> list:
+        return self.views  # rule 1
 
 
 def sharded_optimizer(params, optimizer_cls, param_dtype=None, **kwargs) -> ShardedOptimizer:

@@ -1,10 +1,8 @@
 """Step 5: ZeRO stage 1: AdamW's state partitioned across the ranks (zero1.py).
 
-Step 4's BucketedDDP still gives every rank the whole averaged gradient, but each rank now keeps
-AdamW's moments for only its 1/N of the parameters' elements, updates only that slice, and the
-updated parameters are all-gathered so every rank holds the whole model again. Optimizer-state
-memory per rank drops from 8 to 8/N bytes per parameter. The run must be bitwise identical to
-step 1's at world size 2, and at any world size with --reduce-dtype float64.
+Each rank keeps AdamW's moments for its 1/N of the parameters' elements and updates only that slice; the updated
+slices are all-gathered so every rank holds the whole model again: 8/N optimiser bytes per parameter, not 8.
+The run must be bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
 
     torchrun --standalone --nproc_per_node=2 step5_zero1/train.py
     python compare/parity.py step1 step5
@@ -20,11 +18,11 @@ import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from bucketed_ddp import BucketedDDP
-from checkpoint import CheckpointWriter, RunState, WholeModel
-from config import Preemption, UserError, build_parser, exit_on_user_error, limit_memory, parse_config
+from checkpoint import CheckpointWriter, RunState
+from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from masters import sharded_optimizer
-from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
+from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights, tensor_bytes
 from model import build_model, compile_blocks, language_model_loss
 from resharding import PerRank, find_checkpoint, open_checkpoint
 from sampler import ShardedSampler, check_no_overlap
@@ -39,14 +37,13 @@ STEP = Path(__file__).resolve().parent.name
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
     """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
     on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
-    ``model`` is the model in its data-parallel wrapper, as main() trains it.
+    ``model``: what main() trains, the model or its data-parallel wrapper.
 
     Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
     clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
     them); ``record_function`` does nothing when no profiler runs.
     """
     accum = len(micro_batches)
-    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
         # Only the last micro-batch's backward all-reduces; the others just accumulate locally.
@@ -60,22 +57,16 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
 
     with record_function("optimizer"):
         model.finish_gradient_synchronization()  # the single sync point before the optimiser step
-        # Every rank holds the whole averaged gradient (ZeRO-1 shards only the optimiser state), so the
-        # overflow check and the clipping norm are the same on every rank without a word, as in step 4.
-        # With --param-dtype the optimiser's gradients are the masters': this rank's slices of the float32
-        # main_grad. The scaler unscales those slices in place and combines the ranks' overflow flags, and the
-        # clipping norm adds the ranks' sums of squares (sharded_gradients.py; steps 6 and 7 shard gradients too).
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        if mixed:  # one norm from every rank's slices
-            grad_norm = clip_grad_norm(params_in_order(optimizer), config["grad_clip"], [dist.group.WORLD],
-                                       device=device)
-        else:
-            grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"])
+        # Every rank holds the whole averaged gradient (ZeRO-1 shards only the optimiser state): one norm on every
+        # rank without a word, as in step 4. With --param-dtype the optimiser steps this rank's float32 slices: the
+        # ranks' sums of squares are added (optimizer.norm_groups; the scaler combines their overflow flags).
+        grad_norm = clip_grad_norm(params_in_order(optimizer), config["grad_clip"], optimizer.norm_groups,
+                                   device=device)
         scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
         scaler.update()
-        memory = memory_stats(model.parameters(), optimizer, device,  # before zero_grad frees the grads
-                              grads=[p.main_grad for p in model.parameters()] if mixed else None)
-        memory["master_params"] = sum(v.numel() * v.element_size() for v in optimizer.views) if mixed else 0
+        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        memory["master_params"] = tensor_bytes(optimizer.masters)  # --param-dtype: this rank's float32 slices
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
 
@@ -87,8 +78,6 @@ def main():
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB")
     add_param_dtype_flag(parser)
     config = parse_config(parser)
-    if config["bucket_cap_mb"] <= 0:
-        raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     check_param_dtype(config, world.device)
@@ -118,19 +107,16 @@ def main():
     optimizer = sharded_optimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
                                   param_dtype(config), **adamw_options(config))
     scheduler = make_scheduler(optimizer, config)
-    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
-    # With masters the optimiser (and so the scaler) reads only this rank's slices of main_grad: one verdict for all.
-    scaler = make_grad_scaler(config, device, ShardedGradScaler if mixed else torch.amp.GradScaler)
+    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # fp16: one overflow verdict for all ranks
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds (checkpoint.py): rank 0 the model, unless the masters hold it (each rank its float32
-    # slices); each rank its slices of AdamW's state, loaded back at any world size (resharding.py).
+    # What a checkpoint holds (checkpoint.py): each rank its slices of the weights (with --param-dtype, the float32
+    # masters) and of AdamW's state, cut back out at any world size (resharding.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()},
-        [RunState(scheduler, scaler, batches, log), *([] if mixed else [WholeModel(model)]),
-         PerRank(optimizer, list(model.named_parameters()))])
+        [RunState(scheduler, scaler, batches, log), PerRank(optimizer, list(model.named_parameters()))])
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
@@ -161,8 +147,7 @@ def main():
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
-            "param_norm": (param_norm(optimizer.views, [dist.group.WORLD], device) if mixed  # the masters' slices
-                           else param_norm(model.parameters())),
+            "param_norm": param_norm(params_in_order(optimizer), optimizer.norm_groups, device),  # what AdamW steps
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,

@@ -5,6 +5,7 @@ in every step; parity between steps depends on it.
 """
 import contextlib
 import math
+import os
 
 import torch
 
@@ -14,6 +15,14 @@ from failures import UserError
 def params_in_order(optimizer) -> list:
     """The optimiser's parameters, numbered as its state dict numbers them."""
     return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def check_one_process(step: str) -> None:
+    """Step 0 is one process: under torchrun each copy would train the whole model alone into the same --out."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise UserError(f"{step} is one process, but torchrun started {os.environ['WORLD_SIZE']}: each would train "
+                        "the whole model alone and write the same --out; run it with python, or run "
+                        "step1_torch_ddp under torchrun")
 
 
 def pick_device(choice: str, local_rank: int = 0) -> torch.device:
@@ -61,6 +70,17 @@ def param_dtype(config: dict) -> torch.dtype | None:
     """The 16-bit parameter dtype of ``--param-dtype``, or None for float32 (no master copy)."""
     dtype = PARAM_DTYPES[config.get("param_dtype", "float32")]
     return None if dtype == torch.float32 else dtype
+
+
+def float32_masters(model, dtype) -> list | None:
+    """``--param-dtype`` (``dtype``, 16-bit): float32 ``(name, master)`` copies of the parameters, for AdamW to step,
+    and the model cast to ``dtype`` (the copy it computes in, rounded from the masters after every step). None, and
+    the model as it is, for float32."""
+    if dtype is None:
+        return None
+    masters = [(name, p.detach().clone().requires_grad_(p.requires_grad)) for name, p in model.named_parameters()]
+    model.to(dtype)
+    return masters
 
 
 def check_param_dtype(config: dict, device: torch.device) -> None:

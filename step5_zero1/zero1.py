@@ -1,33 +1,25 @@
 """ShardedOptimizer: ZeRO stage 1, every rank keeps and steps 1/N of the optimiser state.
 
-Step 4 made the gradient all-reduce cheap, but every rank still held the whole AdamW state (two
-moments: 8 bytes per parameter, twice the weights) and ran the same full update as every other
-rank: N copies of identical work and memory. Here:
+Step 4 made the gradient all-reduce cheap, but every rank still held the whole AdamW state (8 bytes per
+parameter, twice the weights) and ran the same full update as every other rank. Here:
 
-1. **Element-balanced shards.** The parameters are laid end to end in one flat range (or a few,
-   called chunks), padded to a multiple of N, and rank r owns the r-th of N equal slices. A
-   parameter may be cut between two ranks. Owning whole parameters instead would leave the rank
-   that gets the embedding with most of the state; slices give every rank 1/N, up to padding.
-2. **Views, not copies.** What the local optimiser steps is a *view* into each parameter's
-   storage (``param.detach().view(-1)[start:end]``), so the update lands in the parameter itself,
-   the parameters stay one copy, and the optimiser creates its state for this rank's slices only.
-3. **Gradients by slice.** In ZeRO-1 gradients are still all-reduced whole (by DDP); ``step()``
-   points each view's ``.grad`` at the matching view of the averaged ``param.grad`` (no copy) and
-   steps. In ZeRO-2 (step 6) the views' ``.grad`` point once, for good, into flat gradient shards
-   that a reduce-scatter fills.
-4. **All-gather after the step.** A rank updated only its slices; the rest of its copy is stale
-   until every rank sends its freshly updated slices. Every rank issues the same all-gathers in
-   the same order (chunk 0, 1, ...), because collectives are matched by order.
-5. **A drop-in, as ``ZeroRedundancyOptimizer`` is.** ``param_groups`` hold the full parameters, so
-   whatever decides *whether* or *how much* to step (a ``GradScaler``'s overflow check, clipping
-   with ``clip_grad_norm_``, an LR scheduler) reads the whole averaged gradient, which every rank
-   holds: the ranks agree without a word. Only when the optimiser reads slices of the gradient (ZeRO-2,
-   or the float32 masters of ``masters.py``) must that verdict be combined across ranks
-   (``sharded_gradients.py``); otherwise rank 1 would skip a step that rank 0 takes.
+1. **Element-balanced shards.** The parameters are laid end to end in one flat range (or a few chunks), padded
+   to a multiple of N; rank r owns the r-th of N equal slices, so a parameter may be cut between two ranks
+   (owning whole parameters would leave the rank with the embedding most of the state).
+2. **Views, not copies.** The local optimiser steps *views* into the parameters' storage
+   (``param.detach().view(-1)[start:end]``): the update lands in the parameter itself, and the optimiser
+   creates state for this rank's slices only.
+3. **Gradients by slice.** ``step()`` points each view's ``.grad`` at its slice of the averaged ``param.grad``
+   (no copy). In ZeRO-2 (step 6) the views' ``.grad`` point, for good, into shards a reduce-scatter fills.
+4. **All-gather after the step.** Every rank sends its updated slices and receives everyone else's, chunk by
+   chunk, in the same order on every rank (collectives are matched by order).
+5. **A drop-in, as ``ZeroRedundancyOptimizer`` is.** ``param_groups`` hold the full parameters, so a
+   ``GradScaler``, ``clip_grad_norm_`` and an LR scheduler read the whole averaged gradient every rank holds:
+   the ranks agree without a word. Where the optimiser reads slices only (ZeRO-2, ``masters.py``), that verdict
+   is combined across ranks (``sharded_gradients.py``). Saving and loading: ``zero1_state.py``.
 
-Adam, AdamW and SGD update every element from that element's own values, so stepping a slice gives
-the bits that stepping the whole tensor gives. An optimiser that looks across a tensor (LAMB's
-per-tensor trust ratio, Adafactor's row and column statistics) would not survive being sliced.
+Adam, AdamW and SGD update each element from its own values, so a slice steps to the bits the whole tensor
+would; an optimiser that looks across a tensor (LAMB, Adafactor) would not survive being sliced.
 """
 import math
 from typing import NamedTuple
@@ -36,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from comm_accounting import all_gather_single, count_collective
+from zero1_state import ShardedOptimizerState, hyperparameters
 
 
 class Piece(NamedTuple):
@@ -68,34 +61,23 @@ def cut_into_pieces(chunks: list[list], world_size: int) -> list[list[Piece]]:
     return pieces
 
 
-def hyperparameters(group: dict) -> dict:
-    """A param group without its parameters: lr, weight decay, betas, ..."""
-    return {k: v for k, v in group.items() if k != "params"}
-
-
 def flat_view(piece: Piece, tensor: torch.Tensor) -> torch.Tensor:
     """The piece's elements of ``tensor`` (a parameter or its gradient), as a view: no copy."""
     return tensor.detach().view(-1)[piece.start : piece.end]
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
-    """Wrap ``optimizer_cls`` so that this rank keeps and steps only its slices of the parameters.
+class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
+    """Wrap ``optimizer_cls`` so that this rank keeps and steps only its slices of the parameters; use it as
+    ``ZeroRedundancyOptimizer``: ``zero_grad()``, ``backward()``, the gradient sync (anything that leaves every
+    rank the averaged ``param.grad``), ``step()``, with a ``GradScaler``, clipping and an LR scheduler.
 
-    Use it as you would ``torch.distributed.optim.ZeroRedundancyOptimizer``: ``zero_grad()``, ``backward()``,
-    the gradient sync (DDP, or anything that leaves every rank the averaged ``param.grad``), ``step()``;
-    with a ``GradScaler``, ``clip_grad_norm_`` and an LR scheduler as with a plain optimiser.
+    ``params``: tensors or param-group dicts (frozen parameters are dropped). ``chunks``: lists of parameters,
+    each laid out flat and sharded on its own (default: one). ``gradient_shards``: ZeRO-2, one flat buffer of
+    Lp/N elements per chunk, filled elsewhere. ``process_group``: the ranks sharing the state (default: all).
+    ``defaults`` go to ``optimizer_cls``. 16-bit parameters with float32 masters: ``masters.py``.
 
-    ``params``: tensors or param-group dicts, as for any optimiser (frozen parameters are dropped).
-    ``chunks``: lists of parameters, each laid out flat and sharded on its own (default: one chunk,
-    every parameter in group order). ``gradient_shards``: ZeRO-2, one flat buffer of Lp/N elements
-    per chunk, filled by another module each step. ``process_group``: the ranks that share the state
-    (default: all; step 10 passes its data-parallel group). ``defaults`` go to ``optimizer_cls``. 16-bit
-    parameters with float32 masters of this rank's slices: ``masters.ShardedOptimizerWithMasters``.
-
-    ``param_groups`` are the full parameters' groups (their hyperparameters reach the local optimiser
-    at every ``step()``); with ``gradient_shards`` only the slices have gradients, so ``param_groups``
-    are then the local optimiser's groups of slices. ``state`` is the local optimiser's: this rank's
-    slices only. ``Optimizer.__init__`` is not called: it would create state for the full parameters.
+    ``param_groups`` are the full parameters' groups (with ``gradient_shards``, the local groups of slices);
+    ``state`` is the local optimiser's. ``Optimizer.__init__`` is not called: it would create full-size state.
     """
 
     def __init__(self, params, optimizer_cls, chunks=None, gradient_shards=None, process_group=None, **defaults):
@@ -147,42 +129,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _to_step(self, views: list) -> list:
         """What the local optimiser steps: the views themselves (rule 2). ``masters.py``: float32 copies."""
         return views
-
-    # ---- What PyTorch's tools read: the full groups (or the slices' in ZeRO-2), the local state ------
-    @property
-    def groups_are_local(self) -> bool:
-        """ZeRO-2: only the local slices have the gradients a tool reads."""
-        return self.gradient_shards is not None
-
-    @property
-    def param_groups(self):  # a property: load_state_dict replaces the local optimiser's list
-        return self.local_optimizer.param_groups if self.groups_are_local else self.full_groups
-
-    def _push_hyperparameters(self) -> None:
-        if not self.groups_are_local:
-            for full, local in zip(self.full_groups, self.local_optimizer.param_groups):
-                local.update(hyperparameters(full))
-
-    def _pull_hyperparameters(self) -> None:
-        for full, local in zip(self.full_groups, self.local_optimizer.param_groups):
-            full.update(hyperparameters(local))
-
-    @property
-    def state(self):
-        return self.local_optimizer.state
-
-    @property
-    def defaults(self):
-        return self.local_optimizer.defaults
-
-    def add_param_group(self, param_group):
-        raise NotImplementedError("ShardedOptimizer fixes its layout at construction; build a new one")
-
-    def slices(self, named_params=None) -> list:
-        """``(name, start, end)`` of each local parameter: the elements of which parameter its state is for.
-        Without ``named_params``, the parameter's number (its place in the groups) stands for its name."""
-        name_of = {param: name for name, param in named_params} if named_params is not None else self.index
-        return [(name_of[piece.param], piece.start, piece.end) for piece in self.pieces]
 
     # ---- One optimiser step ------------------------------------------------------------------------
     def _take_gradient_slices(self) -> None:
@@ -241,61 +187,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     if piece.chunk == c:
                         begin = rank * shard + piece.offset
                         yield rank, piece, received[begin : begin + piece.end - piece.start]
-
-    def master_weights(self, named_params) -> dict:
-        """``{name: full weight}``: the parameters themselves, which every rank holds whole and up to date after
-        ``step()`` (``masters.py``: the float32 masters, gathered)."""
-        return {name: param for name, param in named_params}
-
-    # ---- Checkpoints (the interface of checkpoint.py: what this rank saves, and loading it back) ----
-    def checkpoint_state(self, named_params) -> dict:
-        """What this rank saves: its slices of the optimiser state (``optimizer``, ``optimizer_slices``), named by
-        ``named_params``. No gather, no full copy: each rank writes only what it holds."""
-        return {"optimizer": self.state_dict(), "optimizer_slices": self.slices(named_params)}
-
-    def load_checkpoint(self, checkpoint, named_params) -> None:
-        """Cut this rank's slices of the optimiser state out of ``checkpoint`` (a ``resharding.Checkpoint``),
-        whatever world size or step wrote it. The parameters themselves are the model's to load: every rank holds
-        them whole (``checkpoint.load_parameters``)."""
-        self.local_optimizer.load_state_dict(checkpoint.optimizer_state_dict(self.slices(named_params), self.views))
-
-    def state_dict(self) -> dict:
-        """This rank's shard: the local optimiser's state dict and the slices it covers."""
-        return {**self.local_optimizer.state_dict(), "slices": self.slices(), "world_size": self.world_size}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if [tuple(s) for s in state_dict.get("slices", ())] != self.slices():
-            raise ValueError(f"this optimiser shard covers other slices (saved at world size "
-                             f"{state_dict.get('world_size')}; here world size {self.world_size}, rank {self.rank}, "
-                             "or other chunks): cut this rank's slices from every rank's shards, as "
-                             "resharding.py does, or load a consolidated state dict into a plain optimiser")
-        self.local_optimizer.load_state_dict({k: v for k, v in state_dict.items() if k not in ("slices", "world_size")})
-
-    def consolidated_state_dict(self) -> dict:
-        """Collective: the state dict a plain ``optimizer_cls`` over the full parameters would have, on every rank.
-
-        For checkpoints and inspection only: gathering the state every step would put the whole
-        state back on every rank, the memory ZeRO-1 exists to save, and send it over the network.
-        """
-        mine = self.local_optimizer.state_dict()
-        mine["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
-                         for i, s in mine["state"].items()}
-        everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, (self.slices(), mine["state"]), group=self.group)
-        state = {}
-        for slices, shard_state in everyone:
-            for local_index, (index, start, end) in enumerate(slices):
-                param = self.params[index]
-                for key, value in shard_state.get(local_index, {}).items():  # no state yet: no entry
-                    full = state.setdefault(index, {})
-                    if torch.is_tensor(value) and value.shape == (end - start,):  # one value per element
-                        if key not in full:
-                            full[key] = torch.empty(param.shape, dtype=value.dtype, device=param.device)
-                        full[key].view(-1)[start:end] = value
-                    else:  # one value per parameter (AdamW's step): every piece holds it
-                        full.setdefault(key, value)
-        groups, first = [], 0
-        for group, size in zip(mine["param_groups"], self.group_sizes):
-            groups.append({**group, "params": list(range(first, first + size))})
-            first += size
-        return {"state": dict(sorted(state.items())), "param_groups": groups}

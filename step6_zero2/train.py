@@ -20,11 +20,11 @@ from torch.profiler import record_function
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
-from checkpoint import CheckpointWriter, RunState, WholeModel
-from config import Preemption, UserError, build_parser, exit_on_user_error, limit_memory, parse_config
+from checkpoint import CheckpointWriter, RunState
+from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from masters import sharded_optimizer
-from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
+from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights, tensor_bytes
 from model import build_model, compile_blocks, language_model_loss
 from resharding import PerRank, find_checkpoint, open_checkpoint
 from sampler import ShardedSampler, check_no_overlap
@@ -40,14 +40,13 @@ STEP = Path(__file__).resolve().parent.name
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
     """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
     on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
-    ``model`` is the model in its data-parallel wrapper, as main() trains it.
+    ``model``: what main() trains, the model or its data-parallel wrapper.
 
     Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
     clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
     them); ``record_function`` does nothing when no profiler runs.
     """
     accum = len(micro_batches)
-    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
         # Only the last micro-batch's backward reduce-scatters; the others just accumulate locally.
@@ -67,7 +66,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
         scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
         scaler.update()
         memory = memory_stats(model.parameters(), optimizer, device, grads=model.gradient_shards)
-        memory["master_params"] = sum(v.numel() * v.element_size() for v in optimizer.views) if mixed else 0
+        memory["master_params"] = tensor_bytes(optimizer.masters)  # --param-dtype: this rank's float32 slices
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
 
@@ -81,8 +80,6 @@ def main():
                         help="reduce-scatter every micro-batch into the shard: less memory, more traffic, not bitwise")
     add_param_dtype_flag(parser)
     config = parse_config(parser)
-    if config["bucket_cap_mb"] <= 0:
-        raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']}")
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     check_param_dtype(config, world.device)
@@ -120,12 +117,11 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds (checkpoint.py): rank 0 the model, unless the masters hold it (each rank its float32
-    # slices); each rank its slices of AdamW's state, loaded back at any world size (resharding.py).
+    # What a checkpoint holds (checkpoint.py): each rank its slices of the weights (with --param-dtype, the float32
+    # masters) and of AdamW's state, cut back out at any world size (resharding.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()},
-        [RunState(scheduler, scaler, batches, log), *([] if mixed else [WholeModel(model)]),
-         PerRank(optimizer, list(model.named_parameters()))])
+        [RunState(scheduler, scaler, batches, log), PerRank(optimizer, list(model.named_parameters()))])
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size

@@ -85,7 +85,7 @@ class CheckpointWriter:
 
     def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, parts: list, data_parallel_size=None):
         self.config, self.rank, self.world_size, self.shapes = config, rank, world_size, shapes
-        self.parts, self.data_parallel_size, self.group = parts, data_parallel_size, None  # the barriers' group: the default
+        self.parts, self.data_parallel_size, self.group = parts, data_parallel_size, None  # the barriers' group: default
 
     def start(self, checkpoint) -> int:
         """Resume from ``checkpoint``: every part, then this rank's RNG (nothing may draw after it); given None,

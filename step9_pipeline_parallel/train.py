@@ -1,11 +1,9 @@
 """Step 9: pipeline parallelism, written by hand (pipeline.py): the model cut into stages, one per rank.
 
-Grown from step 3's train.py, but the ranks no longer hold copies of the model: rank s holds stage s
-(consecutive blocks; the embedding with the first stage, the final norm and output layer with the
-last), and all ranks together are ONE replica. Every rank reads the same micro-batches (one data
-stream, as step 0's); each optimiser step pushes ``--grad-accum`` micro-batches through the pipeline,
-``--micro-batches`` at a time, by ``--schedule gpipe|1f1b``. Each stage steps its own parameters. The
-run must be bitwise identical to step 0 with the same --micro-batch-size and --grad-accum.
+Grown from step 3's train.py, but all ranks together are ONE replica: rank s holds stage s (consecutive blocks),
+every rank reads the same micro-batches (step 0's), and each optimiser step pushes them through the pipeline,
+--micro-batches at a time, by --schedule gpipe|1f1b. Each stage steps its own parameters.
+The run must be bitwise identical to step 0 with the same --micro-batch-size and --grad-accum.
 
     torchrun --standalone --nproc_per_node=2 step9_pipeline_parallel/train.py --grad-accum 4
     python step0_single_gpu/train.py --grad-accum 4 && python compare/parity.py step0 step9
@@ -23,7 +21,7 @@ from config import Preemption, build_parser, exit_on_user_error, limit_memory, p
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
-from pipeline import SCHEDULES, GPT2Stage, Pipeline, check_pipeline, record_random_ops
+from pipeline import GPT2Stage, Pipeline, add_pipeline_flags, check_pipeline, record_random_ops
 from pipeline_state import PipelineState, gather_full_state, owned
 from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
@@ -32,17 +30,6 @@ from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, mak
                       param_norm)
 
 STEP = Path(__file__).resolve().parent.name
-
-
-def add_pipeline_flags(parser) -> None:
-    flags = parser.add_argument_group("pipeline")
-    flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                       help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward (less memory)")
-    flags.add_argument("--micro-batches", type=int, default=None, metavar="M",
-                       help="micro-batches in the pipeline at once (default: --grad-accum, one pipeline flush per "
-                            "optimiser step); --grad-accum must be a multiple of it")
-    flags.add_argument("--trace", action="store_true",
-                       help="write each stage's timeline of the last step (trace_stage<s>.json, pipeline.png)")
 
 
 def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list) -> tuple:
@@ -80,7 +67,9 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
-    add_pipeline_flags(parser)
+    add_pipeline_flags(parser)  # --schedule, --micro-batches
+    parser.add_argument("--trace", action="store_true",
+                        help="write each stage's timeline of the last step (trace_stage<s>.json, pipeline.png)")
     config = parse_config(parser)
     world = distributed.plan_world(config)
     check_pipeline(config, world.world_size)
@@ -103,7 +92,7 @@ def main():
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # Every rank builds the whole model (each parameter is a pure function of its name) and keeps its stage.
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
-    shapes = {name: p.shape for name, p in model.named_parameters()}
+    shapes = {name: p.shape for name, p in model.named_parameters()}  # what the final weights hold
     stages = [GPT2Stage(model, s, num_stages) for s in range(num_stages)]
     context = lambda: autocast(config["amp"], device)  # noqa: E731
     example = batches.blocks[:config["micro_batch_size"], :-1].to(device)
@@ -151,11 +140,12 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
+        norm = param_norm((p for _, p in owned(named)), [dist.group.WORLD], device)
         log.log({
             "step": step + 1,
             "loss": loss_mean.item(),
             "grad_norm": grad_norm.item(),
-            "param_norm": param_norm((p for _, p in owned(named)), [dist.group.WORLD], device),
+            "param_norm": norm,
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum,

@@ -95,7 +95,7 @@ def test_consolidated_zero3_checkpoint_resumes_step1_bitwise(tour, tmp_path, sma
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_layout_reads_back_the_state_that_was_saved(world_size, tour, exact_run, tmp_path):
-    """Whatever wrote it (whole tensors in state.pt, AdamW slices per rank, parameter pieces per rank), a
+    """Whatever wrote it (whole tensors in state.pt, weight and AdamW slices per rank, parameter pieces per rank), a
     checkpoint read back whole is the same state: step 1's, step 5's and step 7's at step 2 are torch.equal
     (the runs are bitwise alike), at 2 ranks (the tour's) and 3 (the exact-mode runs': pieces cut 3 ways,
     what a resume at 3 -> 2 reads), and consolidating one changes no bit."""
