@@ -159,10 +159,11 @@ FIXTURE = REPO / "tests" / "fixtures" / "format2_step5_two_ranks"
 @pytest.mark.parametrize("step", ["step5", "step1"])
 def test_a_checkpoint_written_before_the_reader_was_split_out_resumes_bitwise(step, small_corpus, tmp_path):
     """tests/fixtures/format2_step5_two_ranks: step 5's checkpoint at step 2 of a 4-step run at 2 ranks (ZeRO-1
-    slices in each rank's file, dropout on), written by the code before checkpoint.py was split into
-    checkpoint.py, resharding.py and background_writer.py; expected.json holds that run's records and the sha256
-    of its final weights. Resumed today in step 5 (the same layout) and in step 1 (DDP: the slices joined into
-    whole tensors), both must end on those bits. Only the machine-specific paths in meta.json are rewritten."""
+    slices in each rank's file, the whole model in state.pt, dropout on), written by the code before checkpoint.py
+    was split into checkpoint.py, resharding.py and background_writer.py, and before the loop saved through parts
+    (step 5 now writes its weights as slices too); expected.json holds that run's records and the sha256 of its
+    final weights. Resumed today in step 5 and in step 1 (DDP: the slices joined into whole tensors), both must end
+    on those bits. Only the machine-specific paths in meta.json are rewritten."""
     import hashlib
     import json
     import shutil
