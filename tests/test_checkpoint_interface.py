@@ -62,10 +62,10 @@ def from_bytes(data: bytes) -> dict:
 
 def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before):
     """ZeRO-1 with float32 masters (param_dtype=bf16): save after ``steps_before`` steps (``folder`` empty), or
-    load the checkpoint in ``folder`` and take one more step."""
+    load the checkpoint in ``folder`` (the optimiser alone: it rounds and all-gathers the 16-bit parameters
+    itself) and take one more step."""
     init_gloo(rank, world_size, port)
     sys.path.insert(0, str(REPO / "step5_zero1"))
-    from checkpoint import load_parameters
     from resharding import Checkpoint
     from masters import ShardedOptimizerWithMasters
     model = toy()
@@ -77,9 +77,10 @@ def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before
             for _, param in named:
                 param.fill_(0.5)
     optimizer = ShardedOptimizerWithMasters(model.parameters(), torch.optim.AdamW, torch.bfloat16, **LR)
+    loaded = {}
     if loading:
-        load_parameters(named, Checkpoint(path))  # the model's part (16-bit): every rank holds it whole
         optimizer.load_checkpoint(Checkpoint(path), named)
+        loaded = {"loaded_parameters": as_bytes(dict(named))}  # the 16-bit copies the next forward would use
     for step in range(steps_before, steps_before + 1) if loading else range(steps_before):
         for name, param in named:
             param.main_grad = gradient(name, param, step)  # float32, as the gradient sync leaves it
@@ -87,7 +88,7 @@ def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before
     if not loading:
         save(folder, rank, world_size, {n: p.shape for n, p in named}, optimizer, named)
     weights = optimizer.master_weights(named)  # collective
-    queue.put((rank, {"weights": as_bytes(weights), "dtypes": {str(p.dtype) for _, p in named}}))
+    queue.put((rank, {"weights": as_bytes(weights), "dtypes": {str(p.dtype) for _, p in named}, **loaded}))
     shutdown()
 
 
@@ -151,6 +152,10 @@ def test_saved_pieces_join_into_the_plain_model_and_load_at_another_world_size(w
         assert not different, f"rank {rank}: {different}"
     if worker is sharded_optimizer_worker:
         assert resumed[0]["dtypes"] == {"torch.bfloat16"}  # the model computes in 16 bits; the masters are float32
+        saved_plain, _ = reference(steps)  # what was saved, rounded once: every rank's 16-bit parameters
+        for rank, result in resumed.items():
+            loaded = from_bytes(result["loaded_parameters"])
+            assert all(torch.equal(loaded[n], p.to(torch.bfloat16)) for n, p in saved_plain.named_parameters()), rank
 
 
 FIXTURE = REPO / "tests" / "fixtures" / "format2_step5_two_ranks"

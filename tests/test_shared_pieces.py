@@ -68,6 +68,44 @@ def test_a_fresh_run_removes_only_the_checkpoint_folders_a_run_writes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best_model", "notes.txt"]
 
 
+class Part:
+    """A checkpoint part (checkpoint.py, rule 2) that records what the writer asks of it."""
+
+    def __init__(self, per_rank: bool, value: int, calls: list):
+        self.per_rank, self.value, self.calls = per_rank, value, calls
+        self.key = f"{'own' if per_rank else 'shared'}_{value}"
+
+    def checkpoint_state(self) -> dict:
+        return {self.key: torch.tensor(self.value)}
+
+    def load_checkpoint(self, checkpoint) -> None:
+        state = checkpoint.ranks[0] if self.per_rank else checkpoint.shared
+        self.calls.append((self.key, int(state[self.key]), float(torch.rand(()))))  # draws before the RNG is set
+
+
+def test_the_writer_saves_each_part_where_it_says_and_starts_from_them_in_order_rng_last(tmp_path):
+    """One call each way: ``save(step)`` puts a shared part in state.pt and a per-rank one in rank0.pt beside the
+    RNG; ``start(checkpoint)`` loads every part in the order given, then the RNG (what a part draws while loading
+    must not move the stream), and returns the step; ``start(None)`` clears an earlier run's checkpoints."""
+    from checkpoint import CheckpointWriter
+    from resharding import Checkpoint
+    config = {"out": str(tmp_path), "async_save": False, "quiet": True}
+    calls = []
+    parts = [Part(False, 1, calls), Part(True, 2, calls), Part(False, 3, calls)]
+    torch.manual_seed(5)
+    CheckpointWriter(config, 0, 1, {}, parts).save(7)
+    after_save = torch.rand(3)  # what the run draws next
+    folder = tmp_path / "checkpoints" / "step_7"
+    shared, own = torch.load(folder / "state.pt"), torch.load(folder / "rank0.pt")
+    assert set(shared) == {"step", "shared_1", "shared_3"} and shared["step"] == 7
+    assert set(own) == {"rng", "own_2"}
+    assert CheckpointWriter(config, 0, 1, {}, parts).start(Checkpoint(folder)) == 7
+    assert [(key, value) for key, value, _ in calls] == [("shared_1", 1), ("own_2", 2), ("shared_3", 3)]
+    assert torch.equal(torch.rand(3), after_save)  # the parts' draws were undone: the RNG came last
+    assert CheckpointWriter(config, 0, 1, {}, parts).start(None) == 0
+    assert not (tmp_path / "checkpoints").exists()
+
+
 # ---- training.lr_at: warm-up and cosine in closed form -----------------------------------------------
 
 SCHEDULE = {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 4, "steps": 10}
