@@ -13,7 +13,8 @@ The rule: a rank is a straggler when it is the slowest (most CPU time) in at lea
 of the steps (default 75%: consistently, not in a burst) AND its median CPU time is at least
 ``--ratio`` times the other ranks' (default 1.5: above the 1.32x that identical ranks reached on
 a loaded 2-core machine). The first step is left out when there are others: it pays one-time
-start-up costs. Fewer than ``MIN_STEPS`` analysed steps get no verdict: with 3, a median is one
+start-up costs. In a pipeline each stage runs its own blocks, so only the ranks of one stage are compared
+(``work_groups``). Fewer than ``MIN_STEPS`` analysed steps get no verdict: with 3, a median is one
 step's time and one of two identical ranks is slowest in all of them one time in four. At most one rank can be slowest in more than half of the steps, so at most one
 is flagged. Prints a per-rank table and the verdict; exit 0 whatever the verdict, 2 on bad input.
 """
@@ -47,6 +48,7 @@ class Result:
     straggler: int | None
     fraction: float
     ratio: float
+    groups: list[list[int]]  # the ranks compared with each other
 
 
 def step_times(metrics: dict, source) -> tuple[list[int], list[list[dict]]]:
@@ -74,28 +76,44 @@ def step_times(metrics: dict, source) -> tuple[list[int], list[list[dict]]]:
     return [r["step"] for r in records], times
 
 
-def analyse(steps: list[int], times: list[list[dict]], fraction: float = FRACTION, ratio: float = RATIO) -> Result:
+def work_groups(env: dict, world_size: int) -> list[list[int]]:
+    """The ranks that do the same work, so that their CPU times compare: all of them, but in a pipeline (steps 9 and
+    10) each stage runs its own blocks, the last one the output layer and the loss too: only a stage's ranks compare
+    (the ranks of stage s are s x world/P ... (s + 1) x world/P - 1: the mesh's pp axis is its outermost)."""
+    stages = env.get("pipeline_stages") or 1
+    per_stage = world_size // stages if world_size % stages == 0 else world_size
+    return [list(range(first, first + per_stage)) for first in range(0, world_size, per_stage)]
+
+
+def analyse(steps: list[int], times: list[list[dict]], fraction: float = FRACTION, ratio: float = RATIO,
+            groups: list[list[int]] | None = None) -> Result:
+    """``groups``: the ranks compared with each other (``work_groups``; default: all)."""
     if len(steps) > 1:  # the first step pays one-time costs (first calls, allocator growth), not a rank's pace
         steps, times = steps[1:], times[1:]
     n = len(times[0])
+    groups = groups or [list(range(n))]
     ranks = [RankTimes(r, [t[r]["wall_s"] for t in times], [t[r]["cpu_s"] for t in times]) for r in range(n)]
     for per_rank in times:
-        cpu = [t["cpu_s"] for t in per_rank]
-        ranks[cpu.index(max(cpu))].slowest_in += 1
+        for group in groups:
+            cpu = [per_rank[r]["cpu_s"] for r in group]
+            ranks[group[cpu.index(max(cpu))]].slowest_in += 1
     straggler = None
-    if n > 1 and len(steps) >= MIN_STEPS:
-        for rank in ranks:
-            others = statistics.median(c for other in ranks if other is not rank for c in other.cpu_s)
-            rank.vs_others = statistics.median(rank.cpu_s) / others if others > 0 else float("inf")
-            if rank.slowest_in >= fraction * len(steps) and rank.vs_others >= ratio:
-                straggler = rank.rank
-    return Result(ranks, steps, straggler, fraction, ratio)
+    if max(map(len, groups)) > 1 and len(steps) >= MIN_STEPS:
+        for group in (g for g in groups if len(g) > 1):
+            for rank in (ranks[r] for r in group):
+                others = statistics.median(c for r in group if r != rank.rank for c in ranks[r].cpu_s)
+                rank.vs_others = statistics.median(rank.cpu_s) / others if others > 0 else float("inf")
+                if rank.slowest_in >= fraction * len(steps) and rank.vs_others >= ratio and straggler is None:
+                    straggler = rank.rank
+    return Result(ranks, steps, straggler, fraction, ratio, groups)
 
 
 def verdict(result: Result) -> str:
     """One line: who is flagged and by how much, or why nobody is (the closest candidate's numbers)."""
     if len(result.ranks) == 1:
         return "one rank: nothing to compare"
+    if max(map(len, result.groups)) == 1:
+        return "one rank per pipeline stage, each running its own blocks: no two ranks do the same work to compare"
     n = len(result.steps)
     if n < MIN_STEPS:
         return f"too few steps to call: {n} analysed, a verdict needs {MIN_STEPS} (run more steps)"
@@ -112,7 +130,7 @@ def verdict(result: Result) -> str:
 def check(name: str, fraction: float = FRACTION, ratio: float = RATIO) -> tuple[Path, dict, Result]:
     run, metrics = parity.load_run(name)
     steps, times = step_times(metrics, run / "metrics.json")
-    return run, metrics, analyse(steps, times, fraction, ratio)
+    return run, metrics, analyse(steps, times, fraction, ratio, work_groups(metrics["env"], len(times[0])))
 
 
 def report(run: Path, metrics: dict, result: Result) -> str:

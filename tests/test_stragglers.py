@@ -85,6 +85,15 @@ def test_the_rule_counts_steps_and_compares_medians():
     short = stragglers.analyse(*times(start, *[slow] * 4))  # 4 analysed steps, all slow: too few to call
     assert short.straggler is None and short.ranks[1].slowest_in == 4
     assert stragglers.verdict(short) == "too few steps to call: 4 analysed, a verdict needs 5 (run more steps)"
+    # A pipeline's stages do different work (the last one the loss too): only a stage's own ranks compare.
+    stage_work = times(start, *[[0.010, 0.030]] * 5)
+    assert stragglers.analyse(*stage_work).straggler == 1  # as if the two ranks did the same work
+    piped = stragglers.analyse(*stage_work, groups=stragglers.work_groups({"pipeline_stages": 2}, 2))
+    assert piped.straggler is None and stragglers.verdict(piped).startswith("one rank per pipeline stage")
+    mesh = stragglers.work_groups({"pipeline_stages": 2}, 4)  # step 10, pp 2 x dp 2: ranks 0-1 and 2-3
+    assert mesh == [[0, 1], [2, 3]]
+    two_stages = stragglers.analyse(*times(start, *[[0.010, 0.011, 0.030, 0.060]] * 5), groups=mesh)
+    assert two_stages.straggler == 3 and two_stages.ranks[3].vs_others == pytest.approx(2.0)  # 0.060 vs rank 2's
     alone = stragglers.analyse(*times([0.02], [0.03]))
     assert alone.straggler is None and stragglers.verdict(alone) == "one rank: nothing to compare"
     single_step = stragglers.analyse(*times([0.01, 0.03]))  # nothing else to go by: the first step counts
