@@ -48,15 +48,19 @@ def slow_or_failing_write(self, step, *state, kind, value):
 
 
 barrier = checkpoint.CheckpointWriter._barrier
+paused = False
 
 
 def pausing_barrier(self, kind, value):
     """``pause:STEP:RANK``: rank RANK stops in the middle of writing checkpoint STEP, once its own file is in
     .tmp_step_<STEP> (the barrier before the rename), on the first attempt only, so that a run torchrun
     restarts goes through. See tests/test_fault_tolerance.py."""
+    global paused
     step, rank = map(int, value.split(":"))
     tmp = checkpoint.checkpoint_dir(self.config["out"], step).with_name(f".tmp_step_{step}")
-    if self.rank == rank and first_attempt and (tmp / f"rank{rank}.pt").is_file():
+    # Once: the barrier after the rename can come before rank 0 has renamed, the file still in .tmp_step_<STEP>.
+    if self.rank == rank and first_attempt and not paused and (tmp / f"rank{rank}.pt").is_file():
+        paused = True
         if kind == "pause":
             print(f"paused in the save of step {step}: rank {self.rank}, pid {os.getpid()}", flush=True)
             time.sleep(3600)
