@@ -44,6 +44,8 @@ import math
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
 import estimate  # noqa: E402
 from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
@@ -113,6 +115,7 @@ class Activations:
         h = shape.n_embd
 
         hidden = micro_batch_size * shape.seq_len * h
+        element = (dtype or torch.float32).itemsize  # the activations' (the LayerNorms' statistics stay float32)
 
         def whole(dims) -> bool:  # (b, s, h) wide, a LayerNorm's per-token statistics, or the (s, s) causal mask
             return len(dims) > 0 and ((dims[-1] == h and math.prod(dims) == hidden) or dims[-1] == 1
@@ -123,7 +126,7 @@ class Activations:
             # A block saves five (b, s, h) tensors: the LayerNorms' inputs and outputs, whole on every rank, and the
             # attention's output, the row-parallel c_proj's input, which holds only the rank's heads.
             if in_block:
-                kept -= hidden * max(n // math.prod(shapes[k]) for k, n in storages.items() if whole(shapes[k]))
+                kept -= hidden * element
             return kept, sum(storages.values()) - kept
 
         self.block, self.rest = parts(saved.get(0, {}), True), parts(saved.get(None, {}), False)
@@ -131,13 +134,19 @@ class Activations:
         self.kept_per_block = block_input
 
     def per_micro_batch(self, blocks: int, tp: int, first: bool, last: bool, checkpointing: bool) -> int:
-        """Bytes one micro-batch leaves for backward on a rank of a stage with ``blocks`` blocks."""
-        block = self.block[0] + -(-self.block[1] // tp)
+        """Bytes one micro-batch leaves for backward on a rank of a stage with ``blocks`` blocks (with
+        checkpointing, the blocks' inputs: the block recomputed in backward is ``recomputed``)."""
         # the rest (embedding lookup, final norm, logits, loss): on the last stage, where nearly all of it is
         rest = self.rest[0] + -(-self.rest[1] // tp) if last else 0
-        if checkpointing:
-            return blocks * self.kept_per_block + (block if blocks else 0) + rest
-        return blocks * block + rest
+        return blocks * (self.kept_per_block if checkpointing else self.block_bytes(tp)) + rest
+
+    def block_bytes(self, tp: int) -> int:
+        return self.block[0] + -(-self.block[1] // tp)
+
+    def recomputed(self, blocks: int, tp: int, checkpointing: bool) -> int:
+        """With checkpointing, what one block's recomputation holds while its backward runs: once per stage,
+        whatever the micro-batches in flight (one backward, so one recomputation, runs at a time)."""
+        return self.block_bytes(tp) if checkpointing and blocks else 0
 
 
 def in_flight(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
@@ -183,7 +192,8 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
             offloaded = state["grads"] + 4 * -(-psi // dp)
             state["optimizer_state"] = 0
         flight = in_flight(schedule, pp, stage, micro_batches)
-        act = flight * activations.per_micro_batch(blocks, tp, stage == 0, stage == pp - 1, checkpointing)
+        act = (flight * activations.per_micro_batch(blocks, tp, stage == 0, stage == pp - 1, checkpointing)
+               + activations.recomputed(blocks, tp, checkpointing))
         comm = {}
         if dp > 1:
             if zero == 3:

@@ -97,7 +97,37 @@ def test_activations_split_by_tensor_parallelism_as_measured():
         estimated = activations.per_micro_batch(2, tp, True, True, False)
         assert abs(estimated / measured[tp] - 1) <= tolerance, (tp, estimated, measured[tp])
     # checkpointing keeps a block's input per block and recomputes one block
-    assert activations.per_micro_batch(2, 1, True, True, True) < activations.per_micro_batch(2, 1, True, True, False)
+    assert (activations.per_micro_batch(2, 1, True, True, True) + activations.recomputed(2, 1, True)
+            < activations.per_micro_batch(2, 1, True, True, False))
+
+
+@pytest.mark.quick
+def test_16_bit_activations_split_by_tensor_parallelism_are_half_the_float32_ones():
+    """In bf16 every tensor tensor parallelism splits is half its float32 size, the attention output (the
+    row-parallel c_proj's input) among them; only the LayerNorms' float32 statistics, kept whole, are not. The
+    attention output moved from the kept part at the size of a float32 statistic instead (4 bytes an element, not 2)
+    made the split part 5% too large at GPT-2 medium's width and the kept part too small (fails before the fix)."""
+    shape = plan.Shape(6, 1024, 8, 50257, 1024)
+    float32, bf16 = plan.Activations(shape, 1), plan.Activations(shape, 1, torch.bfloat16)
+    assert bf16.block[1] * 2 == float32.block[1]
+    # kept whole: the LayerNorms' float32 statistics and the boolean causal mask stay; the rest halves
+    fixed = 2 * 2 * 1024 * 4 + 1024 * 1024  # ln_1 and ln_2's mean and rstd per token; the (s, s) mask
+    assert bf16.block[0] - fixed == (float32.block[0] - fixed) // 2
+
+
+@pytest.mark.quick
+def test_a_pipeline_with_checkpointing_recomputes_one_block_at_a_time():
+    """With activation checkpointing a stage keeps each block's input (b x s x h, float32) for every micro-batch in
+    flight, and holds one block's recomputation while its backward runs: once, however many micro-batches are in
+    flight. Stage 0 of 4 holds 1 micro-batch at M = 1 and 4 at M = 8 (1F1B): three more micro-batches' block inputs,
+    computed here from the shape, not the planner (multiplying the recomputation by the micro-batches in flight
+    overstated the first stage and fails this)."""
+    b, shape = 2, plan.Shape(8, 64, 4, 2048, 32)
+    activations = plan.Activations(shape, b)
+    held = {m: plan.configuration(shape, 1, 1, 4, 0, True, b, m, activations)["stages"][0] for m in (1, 8)}
+    assert (held[1]["in_flight"], held[8]["in_flight"]) == (1, 4)
+    blocks, block_input = 2, b * shape.seq_len * shape.n_embd * 4
+    assert held[8]["activations"] - held[1]["activations"] == 3 * blocks * block_input
 
 
 @pytest.mark.quick
