@@ -26,7 +26,8 @@ its own), M with GPipe on every stage, at most P - s on stage s with 1F1B (the f
 Communication per optimiser step and rank, in bytes handed to collectives and point-to-point sends:
     DP   ZeRO-0 all-reduce G·ψ; ZeRO-1 all-reduce G·ψ + all-gather P·ψ; ZeRO-2 reduce-scatter G·ψ + all-gather
          P·ψ; ZeRO-3 reduce-scatter G·ψ + all-gathers M·(2ψ_blocks + ψ_rest)·P (each block forward and backward,
-         the rest once per micro-batch): ψ the rank's TP/PP share, P and G the bytes of a parameter, a gradient
+         the rest once per micro-batch): ψ the rank's TP/PP share, P and G the bytes of a parameter as computed
+         (ZeRO-3 gathers 16-bit units from a float32 shard) and of a gradient
     TP   per micro-batch 6 all-reduces of b·s·h per block (2 forward; 4 backward: q, k, v and the MLP's input),
          one for the embedding, one for the output layer's input: (6 L_stage + 2) b·s·h activations
     PP   per micro-batch b·s·h activations forward and b·s·h gradients back (one message each way), and the
@@ -176,7 +177,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
     copy of the shard where the shard is the master; the gradient shard goes out and the float32 shard comes
     back every step (``offloaded``, bytes each way)."""
     (p_bytes, g_bytes, _), _ = estimate.bytes_per_parameter(zero, param_dtype, reduce_dtype)
-    act_bytes = 4 if param_dtype == "float32" else 2
+    act_bytes = 4 if param_dtype == "float32" else 2  # also what ZeRO-3 gathers: 16-bit units from a float32 shard
     bsh = micro_batch_size * shape.seq_len * shape.n_embd
     stages = []
     for stage in range(pp):
@@ -185,7 +186,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
         state = estimate.state_bytes(zero, psi, dp, param_dtype, reduce_dtype)
         blocks = stage_blocks(shape.n_layer, pp, stage)
         if zero == 3:  # step 7's units in flight, whole: the rest (kept through backward) and two blocks
-            state["gathered"] = p_bytes * (held["rest"] + held["blocks"] // max(blocks, 1) * min(blocks, 2))
+            state["gathered"] = act_bytes * (held["rest"] + held["blocks"] // max(blocks, 1) * min(blocks, 2))
         host = offloaded = 0
         if offload:
             host = state["optimizer_state"] + (state["params"] if p_bytes == 4 else 0)
@@ -197,7 +198,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
         comm = {}
         if dp > 1:
             if zero == 3:
-                gathers = micro_batches * (2 * held["blocks"] + held["rest"]) * p_bytes
+                gathers = micro_batches * (2 * held["blocks"] + held["rest"]) * act_bytes
                 comm["dp"] = {"all_gather": gathers, "reduce_scatter": g_bytes * psi}
             else:
                 comm["dp"] = {"all_reduce" if zero < 2 else "reduce_scatter": g_bytes * psi,

@@ -116,6 +116,23 @@ def test_16_bit_activations_split_by_tensor_parallelism_are_half_the_float32_one
 
 
 @pytest.mark.quick
+def test_zero3_gathers_16_bit_units_whatever_the_gradients_are_reduced_in():
+    """ZeRO-3 with 16-bit parameters and float32 reduction (FSDP2's policy, step 7's --param-dtype) keeps a float32
+    shard, the master, but casts it to 16 bits to gather it: the units in flight and the all-gathers are 2 bytes an
+    element, as with 16-bit reduction. Only the gradients' reduce-scatter doubles. (Taking the shard's 4 bytes for
+    the gathered units doubled both, and fails this.)"""
+    shape = plan.Shape(4, 256, 4, 2048, 64)
+    activations = plan.Activations(shape, 2, torch.bfloat16)
+    by_reduce = {r: plan.configuration(shape, 4, 1, 1, 3, False, 2, 4, activations, "bf16", r)["stages"][0]
+                 for r in (None, "float32")}
+    units = sum(plan.rank_params(shape, 1, 1, 0).values())  # one stage: every parameter
+    assert by_reduce["float32"]["gathered"] == by_reduce[None]["gathered"] <= 2 * units
+    assert by_reduce["float32"]["comm"]["dp"]["all_gather"] == by_reduce[None]["comm"]["dp"]["all_gather"]
+    rs = {r: c["comm"]["dp"]["reduce_scatter"] for r, c in by_reduce.items()}
+    assert rs["float32"] == 2 * rs[None]
+
+
+@pytest.mark.quick
 def test_a_pipeline_with_checkpointing_recomputes_one_block_at_a_time():
     """With activation checkpointing a stage keeps each block's input (b x s x h, float32) for every micro-batch in
     flight, and holds one block's recomputation while its backward runs: once, however many micro-batches are in
