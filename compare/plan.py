@@ -32,7 +32,8 @@ Communication per optimiser step and rank, in bytes handed to collectives and po
          one for the embedding, one for the output layer's input: (6 L_stage + 2) b·s·h activations
     PP   per micro-batch b·s·h activations forward and b·s·h gradients back (one message each way), and the
          tied embedding's gradient (Vh/tp) from the last stage to the first
-Ranking: by an estimated step time (compute 6Ψ per token, 8Ψ with checkpointing, over --tflops per device,
+Ranking: by an estimated step time (compute 6Ψ + 12 L s h per token, 8Ψ + 16 L s h for the blocks with
+checkpointing, over --tflops,
 stretched by the bubble (M + P - 1)/M; each axis's bytes over the link it crosses: --intra-gbs inside a node,
 --inter-gbs across, ranks laid out tp innermost, then dp, then pp; with --offload-optimizer, ZeRO-3 may keep
 AdamW's state on the host, its gradient shard out and float32 shard back over --host-gbs; nothing overlapped,
@@ -218,12 +219,20 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
             "bubble": (pp - 1) / (micro_batches + pp - 1)}
 
 
+def flops_per_token(shape: Shape, checkpointing: bool) -> float:
+    """Forward and backward, 3 passes of 2 flops per weight and 4 s h a layer for attention's QKᵀ and AV:
+    6Ψ + 12 L s h, Narayanan et al. 2021's 72 L h² (1 + s / 6h + V / 12 L h). Checkpointing runs the blocks'
+    forward once more (their 96 L h² (1 + s / 6h + V / 16 L h)): 2Ψ_blocks + 4 L s h."""
+    blocks, attention = shape.n_layer * shape.block, 4 * shape.n_layer * shape.seq_len * shape.n_embd
+    return 6 * shape.psi + 3 * attention + (2 * blocks + attention if checkpointing else 0)
+
+
 def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: int) -> dict:
     """Seconds per optimiser step, a rough model: compute over the devices, stretched by the bubble, plus each
     axis's bytes over the link it crosses (a ring moves 2(n-1)/n of an all-reduce's bytes), none overlapped."""
     dp, tp, pp, m = config["dp"], config["tp"], config["pp"], config["micro_batches"]
     tokens = dp * m * micro_batch_size * shape.seq_len
-    flops = (8 if config["checkpointing"] else 6) * shape.psi * tokens / (dp * tp * pp)
+    flops = flops_per_token(shape, config["checkpointing"]) * tokens / (dp * tp * pp)
     compute = flops / (hardware.tflops * 1e12) * (m + pp - 1) / m
     inside = lambda span: span <= hardware.gpus_per_node  # noqa: E731 (ranks a group spans, tp innermost)
     links = {"tp": inside(tp), "dp": inside(tp * dp), "pp": inside(tp * dp * pp)}
