@@ -23,7 +23,8 @@ scores, the MLP's 4h, the logits) and leaves the (b, s, h) ones whole. Checkpoin
 and recomputes one block at a time. Micro-batches held at once: 1 without a pipeline (each backward frees
 its own), M with GPipe on every stage, at most P - s on stage s with 1F1B (the first stage holds P).
 
-Communication per optimiser step and rank, in bytes handed to collectives and point-to-point sends:
+Communication per optimiser step and rank, in bytes handed to collectives and point-to-point sends (the report
+also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
     DP   ZeRO-0 all-reduce G·ψ; ZeRO-1 all-reduce G·ψ + all-gather P·ψ; ZeRO-2 reduce-scatter G·ψ + all-gather
          P·ψ; ZeRO-3 reduce-scatter G·ψ + all-gathers M·(2ψ_blocks + ψ_rest)·P (each block forward and backward,
          the rest once per micro-batch): ψ the rank's TP/PP share, P and G the bytes of a parameter as computed
@@ -242,11 +243,18 @@ def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: 
     if worst["offloaded"]:  # ZeRO-Offload: the gradient shard out, the float32 shard back, over the host link
         comm["host"] = worst["offloaded"] / (hardware.host_gbs * 1e9)
     for axis, kinds in worst["comm"].items():
-        n = sizes[axis]
-        moved = sum(b * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n if kind != "send" else 1)
-                    for kind, b in kinds.items())
-        comm[axis] = moved / ((hardware.intra_gbs if links[axis] else hardware.inter_gbs) * 1e9)
+        link_gbs = hardware.intra_gbs if links[axis] else hardware.inter_gbs
+        comm[axis] = on_the_wire(kinds, sizes[axis]) / (link_gbs * 1e9)
     return {"compute_s": compute, "comm_s": comm, "step_s": compute + sum(comm.values()), "links": links}
+
+
+def on_the_wire(kinds: dict, n: int) -> float:
+    """Bytes a rank sends for ``kinds`` (bytes handed to each kind of collective, as the records count them) on a
+    group of ``n`` ranks with ring algorithms: an all-reduce 2(n - 1)/n of its buffer (a reduce-scatter, then an
+    all-gather), a reduce-scatter or an all-gather (n - 1)/n of the whole buffer, a point-to-point send all of it.
+    So ZeRO-2's reduce-scatter + all-gather hands collectives twice DDP's all-reduce bytes, and sends the same."""
+    return sum(b * (2 * (n - 1) / n if kind == "all_reduce" else 1 if kind == "send" else (n - 1) / n)
+               for kind, b in kinds.items())
 
 
 def divisors(n: int) -> list[int]:
@@ -336,17 +344,19 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
              f"micro-batch {micro_batch_size}, global batch {global_batch} sequences",
              f"{len(fit)} configurations fit, {len(rejected)} do not. {unit[1]} per rank (the stage holding most); "
              "gather: ZeRO-3's units in flight; held: micro-batches of activations held; MB: bytes per step and rank "
-             "each axis moves",
+             "each axis hands to collectives / sends on the wire (ring algorithms)",
              f"{'#':>3} {'configuration':<54}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
-             f"{'total':>9}{'DP MB':>10}{'TP MB':>10}{'PP MB':>9}{'step ms':>9}  why"]
+             f"{'total':>9}{'DP MB':>14}{'TP MB':>14}{'PP MB':>12}{'step ms':>9}  why"]
     for i, c in enumerate(fit[:top]):
         s = c["stages"][c["worst_stage"]]
-        comm = {axis: sum(s["comm"].get(axis, {}).values()) / 1e6 for axis in ("dp", "tp", "pp")}
+        sizes = {"dp": c["dp"], "tp": c["tp"], "pp": 2}
+        comm = {axis: f"{sum(s['comm'].get(axis, {}).values()) / 1e6:,.1f}/"
+                      f"{on_the_wire(s['comm'].get(axis, {}), sizes[axis]) / 1e6:,.1f}" for axis in ("dp", "tp", "pp")}
         lines.append(f"{i + 1:>3} {name(c):<54}{gib(s['params']):>9}{gib(s['grads']):>9}"
                      f"{gib(s['optimizer_state']):>9}"
                      f"{gib(s['gathered']) if 'gathered' in s else '-':>9}{gib(s['activations']):>9}"
                      f"{s['in_flight']:>5}{gib(c['total']):>9}"
-                     + "".join(f"{comm[axis]:>10,.1f}" if axis != "pp" else f"{comm[axis]:>9,.1f}"
+                     + "".join(f"{comm[axis]:>14}" if axis != "pp" else f"{comm[axis]:>12}"
                                for axis in ("dp", "tp", "pp"))
                      + f"{step_ms(c['time']['step_s'] * 1e3):>9}  {justify(c, fit, rejected, unit)}")
     if not fit:

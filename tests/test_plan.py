@@ -146,6 +146,18 @@ def test_compute_counts_attention_as_narayanan_et_al_do():
 
 
 @pytest.mark.quick
+def test_on_the_wire_zero2_sends_what_ddp_sends():
+    """Bytes handed to collectives (as the records count them) against bytes a rank sends with ring algorithms, on
+    4 ranks: DDP's all-reduce of 4Ψ sends 2 x 3/4 of it; ZeRO-2's reduce-scatter of 4Ψ and all-gather of 4Ψ hand
+    collectives twice that, and send 3/4 of each: the same 6Ψ. ZeRO-1 sends 9Ψ, a point-to-point send all of it."""
+    psi = 1000
+    ddp, zero2 = {"all_reduce": 4 * psi}, {"reduce_scatter": 4 * psi, "all_gather": 4 * psi}
+    assert plan.on_the_wire(ddp, 4) == plan.on_the_wire(zero2, 4) == 6 * psi
+    assert plan.on_the_wire({"all_reduce": 4 * psi, "all_gather": 4 * psi}, 4) == 9 * psi
+    assert plan.on_the_wire({"send": 7}, 2) == 7
+
+
+@pytest.mark.quick
 def test_a_pipeline_with_checkpointing_recomputes_one_block_at_a_time():
     """With activation checkpointing a stage keeps each block's input (b x s x h, float32) for every micro-batch in
     flight, and holds one block's recomputation while its backward runs: once, however many micro-batches are in
