@@ -26,9 +26,10 @@ its own), M with GPipe on every stage, at most P - s on stage s with 1F1B (the f
 Communication per optimiser step and rank, in bytes handed to collectives and point-to-point sends (the report
 also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
     DP   ZeRO-0 all-reduce G·ψ; ZeRO-1 all-reduce G·ψ + all-gather P·ψ; ZeRO-2 reduce-scatter G·ψ + all-gather
-         P·ψ; ZeRO-3 reduce-scatter G·ψ + all-gathers M·(2ψ_blocks + ψ_rest)·P (each block forward and backward,
-         the rest once per micro-batch): ψ the rank's TP/PP share, P and G the bytes of a parameter as computed
-         (ZeRO-3 gathers 16-bit units from a float32 shard) and of a gradient
+         P·ψ (M reduce-scatters with --reduce-every-micro-batch; else no_sync() holds a whole gradient until the
+         step's one); ZeRO-3 reduce-scatter G·ψ + all-gathers M·(2ψ_blocks + ψ_rest)·P (each block forward and
+         backward, the rest once per micro-batch): ψ the rank's TP/PP share, P and G the bytes of a parameter as
+         computed (ZeRO-3 gathers 16-bit units from a float32 shard) and of a gradient
     TP   per micro-batch 6 all-reduces of b·s·h per block (2 forward; 4 backward: q, k, v and the MLP's input),
          one for the embedding, one for the output layer's input: (6 L_stage + 2) b·s·h activations
     PP   per micro-batch b·s·h activations forward and b·s·h gradients back (one message each way), and the
@@ -172,9 +173,13 @@ class Hardware:
 
 def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpointing: bool, micro_batch_size: int,
                   micro_batches: int, activations: Activations, param_dtype: str = "float32",
-                  reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False) -> dict:
+                  reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
+                  reduce_every_micro_batch: bool = False) -> dict:
     """Every rank's bytes and every axis's traffic for one configuration (``micro_batches``: per rank and step,
-    the pipeline's M). Stages differ; the rank holding most decides whether it fits. ``offload`` (ZeRO-3 only,
+    the pipeline's M). Stages differ; the rank holding most decides whether it fits. ZeRO-2 and -3 over M > 1
+    micro-batches: as the trainers' ``no_sync()`` does, whole gradients accumulate until the step's one
+    reduce-scatter (``accumulated``, beside the shard); ``reduce_every_micro_batch`` (step 6's flag): M
+    reduce-scatters into the shard instead. ``offload`` (ZeRO-3 only,
     step 7's --offload-optimizer): the optimiser state leaves the device for the host (``host``), with a float32
     copy of the shard where the shard is the master; the gradient shard goes out and the float32 shard comes
     back every step (``offloaded``, bytes each way)."""
@@ -189,6 +194,12 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
         blocks = stage_blocks(shape.n_layer, pp, stage)
         if zero == 3:  # step 7's units in flight, whole: the rest (kept through backward) and two blocks
             state["gathered"] = act_bytes * (held["rest"] + held["blocks"] // max(blocks, 1) * min(blocks, 2))
+        reduce_scatters = 1
+        if zero >= 2 and micro_batches > 1:
+            if reduce_every_micro_batch:
+                reduce_scatters = micro_batches
+            else:
+                state["accumulated"] = g_bytes * psi
         host = offloaded = 0
         if offload:
             host = state["optimizer_state"] + (state["params"] if p_bytes == 4 else 0)
@@ -201,9 +212,9 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
         if dp > 1:
             if zero == 3:
                 gathers = micro_batches * (2 * held["blocks"] + held["rest"]) * act_bytes
-                comm["dp"] = {"all_gather": gathers, "reduce_scatter": g_bytes * psi}
+                comm["dp"] = {"all_gather": gathers, "reduce_scatter": reduce_scatters * g_bytes * psi}
             else:
-                comm["dp"] = {"all_reduce" if zero < 2 else "reduce_scatter": g_bytes * psi,
+                comm["dp"] = {"all_reduce" if zero < 2 else "reduce_scatter": reduce_scatters * g_bytes * psi,
                               **({"all_gather": p_bytes * psi} if zero else {})}
         if tp > 1:
             comm["tp"] = {"all_reduce": micro_batches * (6 * blocks + 2) * bsh * act_bytes}
@@ -262,7 +273,8 @@ def divisors(n: int) -> list[int]:
 
 
 def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: int, param_dtype: str = "float32",
-         reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False) -> tuple[list[dict], list[dict]]:
+         reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
+         reduce_every_micro_batch: bool = False) -> tuple[list[dict], list[dict]]:
     """(the configurations that fit, ranked; those that do not). Every dp x tp x pp = --devices with tp dividing
     the heads, pp at most the layers and global batch = dp x micro-batch x M."""
     activations = Activations(shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype])
@@ -279,7 +291,7 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
                 for offloaded in (False, True) if offload and zero == 3 else (False,):
                     for checkpointing in (False, True):
                         c = configuration(shape, dp, tp, pp, zero, checkpointing, micro_batch_size, m, activations,
-                                          param_dtype, reduce_dtype, schedule, offloaded)
+                                          param_dtype, reduce_dtype, schedule, offloaded, reduce_every_micro_batch)
                         c["time"] = step_time(c, shape, hardware, micro_batch_size)
                         (fit if c["total"] <= hardware.memory else rejected).append(c)
     simplicity = lambda c: (c["tp"] * c["pp"], c["pp"], c["zero"], c["offload"], c["checkpointing"])  # noqa: E731
@@ -343,6 +355,7 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
              f"({hardware.gpus_per_node} per node); "
              f"micro-batch {micro_batch_size}, global batch {global_batch} sequences",
              f"{len(fit)} configurations fit, {len(rejected)} do not. {unit[1]} per rank (the stage holding most); "
+             "grads: with ZeRO-2/3, the shard and the whole gradient no_sync() accumulates (M > 1); "
              "gather: ZeRO-3's units in flight; held: micro-batches of activations held; MB: bytes per step and rank "
              "each axis hands to collectives / sends on the wire (ring algorithms)",
              f"{'#':>3} {'configuration':<54}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
@@ -352,7 +365,7 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
         sizes = {"dp": c["dp"], "tp": c["tp"], "pp": 2}
         comm = {axis: f"{sum(s['comm'].get(axis, {}).values()) / 1e6:,.1f}/"
                       f"{on_the_wire(s['comm'].get(axis, {}), sizes[axis]) / 1e6:,.1f}" for axis in ("dp", "tp", "pp")}
-        lines.append(f"{i + 1:>3} {name(c):<54}{gib(s['params']):>9}{gib(s['grads']):>9}"
+        lines.append(f"{i + 1:>3} {name(c):<54}{gib(s['params']):>9}{gib(s['grads'] + s.get('accumulated', 0)):>9}"
                      f"{gib(s['optimizer_state']):>9}"
                      f"{gib(s['gathered']) if 'gathered' in s else '-':>9}{gib(s['activations']):>9}"
                      f"{s['in_flight']:>5}{gib(c['total']):>9}"
@@ -456,6 +469,9 @@ def main() -> int:
     flags.add_argument("--offload-optimizer", action="store_true",
                        help="also try ZeRO-3 with AdamW's state on the host (step 7's --offload-optimizer)")
     flags.add_argument("--host-gbs", type=float, default=25.0, help="GB/s between a device and its host (offload)")
+    flags.add_argument("--reduce-every-micro-batch", action="store_true",
+                       help="ZeRO-2/3 reduce-scatter every micro-batch into the shard (step 6's flag), not one "
+                            "whole gradient accumulated under no_sync() per step (the trainers' default)")
     flags.add_argument("--top", type=int, default=12, help="configurations printed")
     flags.add_argument("--measured", type=Path, nargs="+", default=None,
                        help="run folders (or step names): print their measured model state beside the estimate")
@@ -477,7 +493,7 @@ def main() -> int:
                         config["intra_gbs"], config["inter_gbs"], config["host_gbs"])
     reduce_dtype = "float32" if config["reduce_dtype_fp32"] and config["param_dtype"] != "float32" else None
     fit, rejected = plan(shape, hardware, b, global_batch, config["param_dtype"], reduce_dtype, config["schedule"],
-                         config["offload_optimizer"])
+                         config["offload_optimizer"], config["reduce_every_micro_batch"])
     print(report(shape, hardware, fit, rejected, b, global_batch, config["param_dtype"], config["top"]))
     if config["json"]:
         config["json"].write_text(json.dumps({"shape": dataclasses.asdict(shape), "fit": fit, "rejected": rejected},

@@ -158,6 +158,27 @@ def test_on_the_wire_zero2_sends_what_ddp_sends():
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero2_and_3_accumulate_as_the_trainers_do_or_reduce_every_micro_batch(zero):
+    """Over M = 4 micro-batches the trainers' no_sync() accumulates the whole gradient (4Ψ in float32) beside the
+    shard (4Ψ/N) until the step's one reduce-scatter; step 6's --reduce-every-micro-batch keeps the shard only and
+    reduce-scatters 4 times. One micro-batch: neither. Closed forms, Ψ from the shape."""
+    shape = plan.Shape(2, 64, 4, 512, 16)
+    activations = plan.Activations(shape, 2)
+    psi, n = shape.psi, 4
+
+    def rank(m, every=False):
+        return plan.configuration(shape, n, 1, 1, zero, False, 2, m, activations,
+                                  reduce_every_micro_batch=every)["stages"][0]
+    local, every, one = rank(4), rank(4, True), rank(1)
+    assert local["accumulated"] == 4 * psi and "accumulated" not in every and "accumulated" not in one
+    assert local["grads"] == every["grads"] == one["grads"] == 4 * -(-psi // n)
+    assert local["total"] - every["total"] == 4 * psi
+    assert local["comm"]["dp"]["reduce_scatter"] == one["comm"]["dp"]["reduce_scatter"] == 4 * psi
+    assert every["comm"]["dp"]["reduce_scatter"] == 4 * 4 * psi
+
+
+@pytest.mark.quick
 def test_a_pipeline_with_checkpointing_recomputes_one_block_at_a_time():
     """With activation checkpointing a stage keeps each block's input (b x s x h, float32) for every micro-batch in
     flight, and holds one block's recomputation while its backward runs: once, however many micro-batches are in
