@@ -386,8 +386,6 @@ def main() -> int:
     world_sizes = parse_world_sizes(config["world_sizes"])
     if config["budget_mb"] is not None and config["budget_mb"] <= 0:
         raise UserError(f"--budget-mb must be positive, got {config['budget_mb']:g}")
-    if config["bucket_cap_mb"] <= 0:
-        raise UserError(f"--bucket-cap-mb must be positive, got {config['bucket_cap_mb']:g}")
     if config["json"]:
         check_writable_file(config["json"], f"--json {config['json']}")
     result = estimate(config, world_sizes, config["bucket_cap_mb"], not config["no_prefetch"])

@@ -248,7 +248,7 @@ def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: 
     compute = flops / (hardware.tflops * 1e12) * (m + pp - 1) / m
     inside = lambda span: span <= hardware.gpus_per_node  # noqa: E731 (ranks a group spans, tp innermost)
     links = {"tp": inside(tp), "dp": inside(tp * dp), "pp": inside(tp * dp * pp)}
-    sizes = {"dp": dp, "tp": tp, "pp": 2}
+    sizes = group_sizes(config)
     comm = {}
     worst = max(config["stages"], key=lambda s: s["total"])
     if worst["offloaded"]:  # ZeRO-Offload: the gradient shard out, the float32 shard back, over the host link
@@ -257,6 +257,11 @@ def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: 
         link_gbs = hardware.intra_gbs if links[axis] else hardware.inter_gbs
         comm[axis] = on_the_wire(kinds, sizes[axis]) / (link_gbs * 1e9)
     return {"compute_s": compute, "comm_s": comm, "step_s": compute + sum(comm.values()), "links": links}
+
+
+def group_sizes(config: dict) -> dict:
+    """The ranks of each axis's group: a pipeline's sends go to one neighbour at a time."""
+    return {"dp": config["dp"], "tp": config["tp"], "pp": 2}
 
 
 def on_the_wire(kinds: dict, n: int) -> float:
@@ -362,7 +367,7 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
              f"{'total':>9}{'DP MB':>14}{'TP MB':>14}{'PP MB':>12}{'step ms':>9}  why"]
     for i, c in enumerate(fit[:top]):
         s = c["stages"][c["worst_stage"]]
-        sizes = {"dp": c["dp"], "tp": c["tp"], "pp": 2}
+        sizes = group_sizes(c)
         comm = {axis: f"{sum(s['comm'].get(axis, {}).values()) / 1e6:,.1f}/"
                       f"{on_the_wire(s['comm'].get(axis, {}), sizes[axis]) / 1e6:,.1f}" for axis in ("dp", "tp", "pp")}
         lines.append(f"{i + 1:>3} {name(c):<54}{gib(s['params']):>9}{gib(s['grads'] + s.get('accumulated', 0)):>9}"

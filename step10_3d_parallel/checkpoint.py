@@ -15,21 +15,19 @@ import torch
 import torch.distributed as dist
 
 from config import not_written
-from resharding import checkpoint_dir, checkpoint_meta, clear_checkpoints
+from resharding import checkpoint_dir, checkpoint_meta, clear_checkpoints, optimizer_slices
 from seeding import rng_state, set_rng_state
 from training import params_in_order
 
 
 def optimizer_state(optimizer, named_params) -> dict:
     """What is saved for a plain optimiser over whole parameters: its state dict, and whose state each entry is."""
-    name_of = {param: name for name, param in named_params}
-    return {"optimizer": optimizer.state_dict(),
-            "optimizer_slices": [(name_of[p], 0, p.numel()) for p in params_in_order(optimizer)]}
+    return {"optimizer": optimizer.state_dict(), "optimizer_slices": optimizer_slices(optimizer, named_params)}
 
 
 def load_optimizer(optimizer, checkpoint, named_params) -> None:
     """The reverse of ``optimizer_state``: give ``optimizer`` its state from ``checkpoint``, whatever wrote it."""
-    slices = optimizer_state(optimizer, named_params)["optimizer_slices"]
+    slices = optimizer_slices(optimizer, named_params)
     optimizer.load_state_dict(checkpoint.optimizer_state_dict(slices, params_in_order(optimizer)))
 
 

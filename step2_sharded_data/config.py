@@ -176,7 +176,7 @@ def check_config(config: dict) -> None:
     # AdamW refuses a negative --lr, --weight-decay or a beta outside [0, 1) itself, but with a traceback from
     # inside torch once the corpus is tokenized; a zero --lr would divide by zero in the schedule. Written as
     # "not >=" and the like so that nan is refused too.
-    for key in ("lr", "loss_scale_init", "bucket_cap_mb"):  # the last: steps 4-6's own flag, where it is defined
+    for key in ("lr", "loss_scale_init", "bucket_cap_mb"):  # the last where defined: steps 4-6, bench, estimate
         if key in config and not config[key] > 0:
             raise UserError(f"--{key.replace('_', '-')} must be positive, got {config[key]:g}")
     for key in ("save_every", "preempt_grace_s", "warmup_steps", "grad_clip", "min_lr", "weight_decay"):

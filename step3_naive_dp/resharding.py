@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from config import UserError
+from training import params_in_order
 
 FORMAT_VERSION = 2
 OWN_CHECKPOINT_FOLDER = re.compile(r"(\.tmp_|\.old_)?step_\d+")  # what a save writes, all a fresh run removes
@@ -89,6 +90,13 @@ def checkpoint_meta(step: int, world_size: int, config: dict, shapes: dict, data
     if data_parallel_size is not None and data_parallel_size != world_size:
         meta["data_parallel_size"] = data_parallel_size
     return json.dumps(meta, indent=1) + "\n"
+
+
+def optimizer_slices(optimizer, named_params) -> list:
+    """``optimizer_slices`` (rule 1) of a plain optimiser over whole parameters: ``(name, 0, numel)`` of each of its
+    parameters, numbered as its state dict numbers them."""
+    name_of = {param: name for name, param in named_params}
+    return [(name_of[p], 0, p.numel()) for p in params_in_order(optimizer)]
 
 
 def not_a_checkpoint(path, flag: str = "") -> UserError:

@@ -112,7 +112,6 @@ def main():
                                   gradient_shards=ddp_model.gradient_shards, **adamw_options(config))
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
-    mixed = param_dtype(config) is not None  # 16-bit parameters, float32 masters of this rank's slices
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
                       corpus.tokenizer_sha256, len(corpus.blocks))
@@ -152,8 +151,8 @@ def main():
             "step": step + 1,
             "loss": loss_mean,
             "grad_norm": grad_norm.item(),
-            "param_norm": (param_norm(optimizer.views, [dist.group.WORLD], device) if mixed  # the masters' slices
-                           else param_norm(model.parameters())),
+            "param_norm": (param_norm(optimizer.masters, optimizer.norm_groups, device) if optimizer.masters
+                           else param_norm(model.parameters())),  # --param-dtype: every rank's float32 slices
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
