@@ -64,7 +64,7 @@ def main():
     model, optimizer = accelerator.prepare(model, optimizer)  # DistributedDataParallel, AcceleratedOptimizer
 
     env = environment(device, world_size, dist.get_backend() if dist.is_initialized() else "none", config["amp"],
-                      corpus.data_sha256, corpus.tokenizer_sha256, len(corpus.blocks))
+                      corpus)
     log = RunLog(config, env, is_writer=accelerator.is_main_process)
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world_size
     for step in range(config["steps"]):

@@ -67,8 +67,7 @@ def main():
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
     optimizer = make_optimizer(model.named_parameters(), config)  # steps the float32 shards
     scheduler = make_scheduler(optimizer, config)
-    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
-                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
     accum = config["grad_accum"]
     shards = lambda tensors: [t.to_local() for t in tensors]  # noqa: E731  (this rank's rows of each)

@@ -95,16 +95,23 @@ def table() -> str:
         python = [f for f in files_of(folder) if f.endswith(".py")]
         return f"{line_count(folder, learner_facing(folder)):,} ({line_count(folder, python):,})"
 
+    def beyond(folder):  # learner-facing lines beyond step 0's and this step's idea files (distributed.py one)
+        ideas = learner_facing(folder) - {"train.py"} - (LESSON_COPIES - {"distributed.py"})
+        extra = line_count(folder, learner_facing(folder)) - line_count(folders[0], learner_facing(folders[0])) \
+            - line_count(folder, ideas)
+        return f"{extra:+d}"
+
     rows = ["| from -> to | files added | files removed | `train.py` lines changed (+ / -) "
-            "| learner-facing lines of *to* (all Python lines) |", "|---|---|---|---|---|"]
+            "| learner-facing lines of *to* (all Python lines) | beyond step 0's + *to*'s idea files |",
+            "|---|---|---|---|---|---|"]
     folders = step_folders()
-    rows.append(f"| - -> `{folders[0].name}` | (the starting point) | - | - | {lines(folders[0])} |")
+    rows.append(f"| - -> `{folders[0].name}` | (the starting point) | - | - | {lines(folders[0])} | - |")
     for b in folders[1:]:
         a = base_of(b, folders)
         fa, fb = files_of(a), files_of(b)
         added, removed = changed_lines(a / "train.py", b / "train.py")
         rows.append(f"| `{a.name}` -> `{b.name}` | {names(fb - fa)} | {names(fa - fb)} | "
-                    f"{added + removed} (+{added} / -{removed}) | {lines(b)} |")
+                    f"{added + removed} (+{added} / -{removed}) | {lines(b)} | {beyond(b)} |")
     return "\n".join(rows)
 
 

@@ -92,8 +92,7 @@ def main():
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)
-    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
-                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     env.update(tensor_parallel_size=world.world_size, data_parallel_size=1)
     log = RunLog(config, env, is_writer=world.is_main)
     accum = config["grad_accum"]

@@ -96,7 +96,7 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)
 
-    env = environment(device, 1, None, config["amp"], corpus.data_sha256, corpus.tokenizer_sha256, len(corpus.blocks))
+    env = environment(device, 1, None, config["amp"], corpus)
     log = RunLog(config, env, is_writer=True)
     # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
     # state is copied to memory and a thread writes it (background_writer.py).
@@ -140,8 +140,7 @@ def main():
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     final = save_final_weights(Path(config["out"]), dict(trained))
     final["param_norm"] = param_norm(p for _, p in trained)
-    log.write(final)
-    print(f"done: {config['steps']} steps, final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+    log.finish(final)
 
 
 if __name__ == "__main__":

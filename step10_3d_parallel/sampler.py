@@ -142,6 +142,21 @@ def check_no_overlap(indices: list[int], dataset_len: int, world_size: int, drop
     return {"ranks": world_size, "per_rank": per_rank, "distinct": len(holders), "padding": padding, "ok": True}
 
 
+
+def checked_micro_batches(batches, accum: int, verbose: bool = False) -> tuple[list, dict | None]:
+    """The step's next ``accum`` micro-batches from ``batches`` (data.MicroBatches over a ShardedSampler), and
+    ``check_no_overlap``'s summary when one of them started an epoch (else None): a collective, which every rank
+    reaches at the same micro-step, as every rank starts every epoch at the same one. ``verbose``: print it."""
+    micro_batches, shard_check = [], None
+    for _ in range(accum):
+        micro_batches.append(batches.next())
+        if batches.epoch_started is not None:
+            sampler = batches.sampler
+            shard_check = check_no_overlap(list(sampler), sampler.dataset_len, sampler.num_replicas, sampler.drop_last)
+            if verbose:
+                print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
+    return micro_batches, shard_check
+
 if __name__ == "__main__":  # a tiny example for the README: 10 samples at world size 2 and 3
     for world_size in (2, 3):
         for epoch in (0, 1):

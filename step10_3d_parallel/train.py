@@ -38,14 +38,10 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh) -> tuple:
-    """One optimiser step on this replica's ``micro_batches`` (a list of (inputs, targets)): pushed through the
-    pipeline ``--micro-batches`` at a time (tensor-parallel inside each stage), this shard's gradients averaged
-    over the dp group, then unscaled, clipped with the whole gradient's norm and applied (ZeRO-1 over dp).
-
-    Returns what the loop logs: the sum of the micro-batches' losses (on the last stage; zero on the others),
-    the gradient norm before clipping, this rank's memory, and the bytes it sent on each axis of the mesh. As in
-    step 9, the schedule interleaves forwards and backwards: no phases to name apart for the profiler.
-    """
+    """One optimiser step on this replica's ``micro_batches``, pushed through the pipeline ``--micro-batches`` at a
+    time (tensor-parallel inside each stage); this shard's gradients averaged over dp, unscaled, clipped with the
+    whole gradient's norm, applied (ZeRO-1 over dp). Returns the losses' sum (the last stage's; zero elsewhere), the
+    gradient norm, this rank's memory and the bytes it sent on each axis of the mesh. No phases to name apart."""
     accum = len(micro_batches)
     in_flight = config["micro_batches"] or accum
     loss_sum = torch.zeros((), device=device)
@@ -131,8 +127,7 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)  # disabled (no fp16 here): kept for the checkpoint's format
 
-    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
-                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     env.update(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_stages=num_stages,  # parity.py: the global batch
                mesh={"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "order": "pp, dp, tp (tp innermost)"})
     log = RunLog(config, env, is_writer=world.is_main)
@@ -189,9 +184,7 @@ def main():
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
         final["param_norm"] = norm
-        log.write(final)
-        print(f"done: {config['steps']} steps on a {num_stages} x {dp} x {tp} (pp x dp x tp) mesh ({world.backend}, "
-              f"{config['schedule']}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+        log.finish(final, f" on a {num_stages} x {dp} x {tp} (pp x dp x tp) mesh ({world.backend}, {config['schedule']})")
     distributed.shutdown()
 
 

@@ -140,3 +140,11 @@ def gather_per_rank(**values) -> dict:
     """``{name: [rank 0's value, rank 1's, ...]}`` for every keyword, in one gather: a record's per-rank fields."""
     everyone = gather_from_every_rank(values)
     return {name: [value[name] for value in everyone] for name in values}
+
+
+def mean_over_ranks(total: torch.Tensor, count: int, group=None) -> float:
+    """The mean over every rank of ``group`` of ``count`` values each rank summed into ``total`` (the loop's
+    loss: micro-batches' losses on every rank). Collective. Summed in float64: the same bits whatever the order."""
+    total = total.detach().double()
+    dist.all_reduce(total, group=group)
+    return total.item() / (count * dist.get_world_size(group))

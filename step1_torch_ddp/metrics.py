@@ -39,11 +39,11 @@ def optimizer_state_bytes(optimizer) -> int:
     return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
 
-def memory_stats(params, optimizer, device: torch.device, grads=None) -> dict:
+def memory_stats(params, optimizer, device: torch.device, grads=None, masters=None) -> dict:
     """Bytes held by this process: what its parameters, gradients (``grads``, by default every
-    ``param.grad``, or the float32 ``param.main_grad`` a gradient sync left beside a 16-bit parameter) and
-    optimiser state take, its peak resident set size (the whole process: Python, torch, data), and on a GPU
-    what CUDA allocated."""
+    ``param.grad``, or the float32 ``param.main_grad`` a gradient sync left beside a 16-bit parameter),
+    float32 ``masters`` (given: ``master_params``) and optimiser state take, its peak resident set size (the
+    whole process: Python, torch, data), and on a GPU what CUDA allocated."""
     params = list(params)
     if grads is None:
         grads = [p.grad if getattr(p, "main_grad", None) is None else p.main_grad for p in params]
@@ -51,6 +51,7 @@ def memory_stats(params, optimizer, device: torch.device, grads=None) -> dict:
         "params": tensor_bytes(params),
         "grads": tensor_bytes(grads),
         "optimizer_state": optimizer_state_bytes(optimizer),
+        **({} if masters is None else {"master_params": tensor_bytes(masters)}),
         # ru_maxrss is in KiB on Linux and in bytes on macOS
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024),
     }
@@ -89,8 +90,8 @@ class StepClock:
         return {"wall_s": time.perf_counter() - self.wall, "cpu_s": time.thread_time() - self.cpu}
 
 
-def environment(device: torch.device, world_size: int, backend: str | None, amp: str, data_sha256: str,
-                tokenizer_sha256: str, n_samples: int) -> dict:
+def environment(device: torch.device, world_size: int, backend: str | None, amp: str, corpus) -> dict:
+    """What a run's metrics.json records about where it ran and on what data (``corpus``: data.Corpus)."""
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -102,9 +103,9 @@ def environment(device: torch.device, world_size: int, backend: str | None, amp:
         "param_dtype": "float32",
         "autocast_dtype": {"none": None, "bf16": "bfloat16", "fp16": "float16"}[amp],
         "cpu_threads_per_process": torch.get_num_threads(),
-        "data_sha256": data_sha256,
-        "tokenizer_sha256": tokenizer_sha256,
-        "n_samples": n_samples,
+        "data_sha256": corpus.data_sha256,
+        "tokenizer_sha256": corpus.tokenizer_sha256,
+        "n_samples": len(corpus.blocks),
     }
 
 
@@ -200,6 +201,16 @@ class RunLog:
                 "per_node": [{"node": node, **{key: median([e[key] for e in entries if e[key] is not None] or [0.0])
                                                for key in ("samples_per_s", "tokens_per_s", "busy_tokens_per_s")}}
                              for node, entries in sorted(nodes.items())]}
+
+    def finish(self, final: dict, layout: str | None = None) -> None:
+        """Write metrics.json with ``final`` (the exported weights' record) and say the run is done: its steps, what
+        it ran on (``layout``; by default the ranks and their backend), its last loss and where its weights are."""
+        self.write(final)
+        if self.is_writer:
+            env = self.env
+            layout = layout or (f" on {env['world_size']} ranks ({env['backend']})" if env["backend"] else "")
+            print(f"done: {self.config['steps']} steps{layout}, final loss {self.records[-1]['loss']:.4f}, "
+                  f"weights in {self.config['out']}")
 
     def write(self, final: dict | None = None) -> None:
         if not self.is_writer:

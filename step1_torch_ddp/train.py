@@ -4,14 +4,12 @@ Each rank trains on its own shard of every global batch; DDP averages the gradie
 during backward. Its run in runs/step1_torch_ddp/ is what steps 2-7 must reproduce.
 
     torchrun --standalone --nproc_per_node=2 step1_torch_ddp/train.py
-    torchrun --standalone --nproc_per_node=2 step1_torch_ddp/train.py --resume
     torchrun --standalone --nproc_per_node=3 step1_torch_ddp/train.py --reduce-dtype float64   # exact mode
 """
 import contextlib
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
@@ -23,7 +21,7 @@ from checkpoint import CheckpointWriter, RunState, WholeModel
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from exact_reduction import float64_allreduce_hook
-from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
+from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights, tensor_bytes
 from model import build_model, compile_blocks, language_model_loss
 from resharding import find_checkpoint, open_checkpoint
 from seeding import seed_everything
@@ -34,19 +32,14 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
-    on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
-    ``model``: what main() trains, the model or its data-parallel wrapper.
-
-    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
-    clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
-    them); ``record_function`` does nothing when no profiler runs.
-    """
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
+    each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
+    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
+    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
-        # Only the last micro-batch's backward all-reduces; the others just accumulate locally.
-        is_last = micro_step == accum - 1
+        is_last = micro_step == accum - 1  # only the last backward all-reduces; the others accumulate locally
         with contextlib.nullcontext() if is_last else model.no_sync():
             with record_function("forward"), autocast(config["amp"], device):
                 loss = language_model_loss(model, inputs.to(device), targets.to(device))
@@ -97,8 +90,7 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)
 
-    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
-                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
     # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
     # state is copied to memory and a thread writes it (background_writer.py).
@@ -107,7 +99,6 @@ def main():
         [RunState(scheduler, scaler, batches, log), WholeModel(model, optimizer)])
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
     # ---- the training loop ---------------------------------------------------------------------
@@ -118,20 +109,15 @@ def main():
         micro_batches = [batches.next() for _ in range(accum)]
         loss_sum, grad_norm, memory = train_step(ddp_model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
-        if config["reduce_dtype"] == "float32":
-            # DDP's built-in reducer is C++; the bytes it all-reduces are every gradient, once per step.
-            comm_bytes["all_reduce"] += grad_bytes
+        if config["reduce_dtype"] == "float32":  # DDP's C++ reducer all-reduces every gradient once a step
+            comm_bytes["all_reduce"] += tensor_bytes(p for p in model.parameters() if p.requires_grad)
 
-        # The logged loss is the mean over every rank and micro-batch (float64: order-free).
-        loss_mean = loss_sum.double()
-        dist.all_reduce(loss_mean)
-        loss_mean = loss_mean.item() / (accum * world.world_size)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
         log.log({
             "step": step + 1,
-            "loss": loss_mean,
+            "loss": distributed.mean_over_ranks(loss_sum, accum),  # over every rank and micro-batch
             "grad_norm": grad_norm.item(),
             "param_norm": param_norm(model.parameters()),
             "lr": lr,
@@ -151,9 +137,7 @@ def main():
     if world.is_main:
         final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
         final["param_norm"] = param_norm(model.parameters())
-        log.write(final)
-        print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
-              f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+        log.finish(final)
     del ddp_model  # its C++ reducer must let go of the process group first: see shutdown()
     distributed.shutdown()
 

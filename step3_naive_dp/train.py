@@ -10,7 +10,6 @@ The run must be bitwise identical to step 1's at world size 2, and at any world 
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
 import distributed
@@ -23,7 +22,7 @@ from metrics import RunLog, StepClock, environment, memory_stats, save_final_wei
 from model import build_model, compile_blocks, language_model_loss
 from resharding import find_checkpoint, open_checkpoint
 from naive_dp import allreduce_gradients, broadcast_parameters, replicas_in_sync
-from sampler import ShardedSampler, check_no_overlap
+from sampler import ShardedSampler, checked_micro_batches
 from seeding import seed_everything
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
                       param_norm)
@@ -32,14 +31,10 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
-    on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
-    ``model``: what main() trains, the model or its data-parallel wrapper.
-
-    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
-    clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
-    them); ``record_function`` does nothing when no profiler runs.
-    """
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
+    each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
+    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
+    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
@@ -78,10 +73,8 @@ def main():
     device = world.device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
-    # Every rank shuffles with the same seed, then takes every world_size-th index from its rank on:
-    # disjoint shards, the same number of samples on every rank (padded by repeating if needed).
-    sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
-                             shuffle=True, seed=config["seed"])
+    # Step 2's sampler: disjoint shards, as many samples on every rank, a new shuffle each epoch.
+    sampler = ShardedSampler(len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # Different seeds on purpose: without the broadcast the replicas would start, and stay, different.
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
@@ -92,8 +85,7 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)
 
-    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
-                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
     # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
     # state is copied to memory and a thread writes it (background_writer.py).
@@ -109,26 +101,16 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        micro_batches, shard_check = [], None
-        for _ in range(accum):
-            micro_batches.append(batches.next())
-            if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
-                shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
-                if world.is_main and not config["quiet"]:
-                    print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
+        micro_batches, shard_check = checked_micro_batches(batches, accum, world.is_main and not config["quiet"])
         loss_sum, grad_norm, memory = train_step(model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
 
-        # The logged loss is the mean over every rank and micro-batch (float64: order-free).
-        loss_mean = loss_sum.double()
-        dist.all_reduce(loss_mean)
-        loss_mean = loss_mean.item() / (accum * world.world_size)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
         log.log({
             "step": step + 1,
-            "loss": loss_mean,
+            "loss": distributed.mean_over_ranks(loss_sum, accum),  # over every rank and micro-batch
             "grad_norm": grad_norm.item(),
             "param_norm": param_norm(model.parameters()),
             "lr": lr,
@@ -151,9 +133,7 @@ def main():
         final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
         final["param_norm"] = param_norm(model.parameters())
         final["replicas_identical"] = in_sync
-        log.write(final)
-        print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
-              f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+        log.finish(final)
     distributed.shutdown()
 
 

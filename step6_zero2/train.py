@@ -24,10 +24,10 @@ from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from masters import sharded_optimizer
-from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights, tensor_bytes
+from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
 from resharding import PerRank, find_checkpoint, open_checkpoint
-from sampler import ShardedSampler, check_no_overlap
+from sampler import ShardedSampler, checked_micro_batches
 from sharded_gradients import ShardedGradScaler
 from zero2 import ShardedGradientDDP
 from seeding import seed_everything
@@ -38,19 +38,14 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
-    on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
-    ``model``: what main() trains, the model or its data-parallel wrapper.
-
-    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
-    clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
-    them); ``record_function`` does nothing when no profiler runs.
-    """
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
+    each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
+    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
+    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
-        # Only the last micro-batch's backward reduce-scatters; the others just accumulate locally.
-        is_last = micro_step == accum - 1
+        is_last = micro_step == accum - 1  # only the last backward reduce-scatters; the others accumulate locally
         with contextlib.nullcontext() if is_last else model.no_sync():
             with record_function("forward"), autocast(config["amp"], device):
                 loss = language_model_loss(model, inputs.to(device), targets.to(device))
@@ -65,8 +60,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
                                    device=device)  # one norm from every rank's slices
         scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
         scaler.update()
-        memory = memory_stats(model.parameters(), optimizer, device, grads=model.gradient_shards)
-        memory["master_params"] = tensor_bytes(optimizer.masters)  # --param-dtype: this rank's float32 slices
+        memory = memory_stats(model.parameters(), optimizer, device, model.gradient_shards, optimizer.masters)
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
 
@@ -93,10 +87,8 @@ def main():
     device = world.device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
-    # Every rank shuffles with the same seed, then takes every world_size-th index from its rank on:
-    # disjoint shards, the same number of samples on every rank (padded by repeating if needed).
-    sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
-                             shuffle=True, seed=config["seed"])
+    # Step 2's sampler: disjoint shards, as many samples on every rank, a new shuffle each epoch.
+    sampler = ShardedSampler(len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # Different seeds on purpose, as in step 3: ShardedGradientDDP broadcasts rank 0's parameters.
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
@@ -113,8 +105,7 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
 
-    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
-                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
     # What a checkpoint holds (checkpoint.py): each rank its slices of the weights (with --param-dtype, the float32
     # masters) and of AdamW's state, cut back out at any world size (resharding.py).
@@ -130,26 +121,16 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        micro_batches, shard_check = [], None
-        for _ in range(accum):
-            micro_batches.append(batches.next())
-            if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
-                shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
-                if world.is_main and not config["quiet"]:
-                    print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
+        micro_batches, shard_check = checked_micro_batches(batches, accum, world.is_main and not config["quiet"])
         loss_sum, grad_norm, memory = train_step(ddp_model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
 
-        # The logged loss is the mean over every rank and micro-batch (float64: order-free).
-        loss_mean = loss_sum.double()
-        dist.all_reduce(loss_mean)
-        loss_mean = loss_mean.item() / (accum * world.world_size)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
         log.log({
             "step": step + 1,
-            "loss": loss_mean,
+            "loss": distributed.mean_over_ranks(loss_sum, accum),  # over every rank and micro-batch
             "grad_norm": grad_norm.item(),
             "param_norm": (param_norm(optimizer.masters, optimizer.norm_groups, device) if optimizer.masters
                            else param_norm(model.parameters())),  # --param-dtype: every rank's float32 slices
@@ -172,9 +153,7 @@ def main():
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: weights[name] for name, _ in model.named_parameters()})
         final["param_norm"] = param_norm(weights[name] for name, _ in model.named_parameters())
-        log.write(final)
-        print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
-              f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+        log.finish(final)
     distributed.shutdown()
 
 

@@ -1,11 +1,9 @@
 """Step 7: ZeRO stage 3: the parameters partitioned too (zero3.py); FSDP, from scratch.
 
-Step 6 still kept every parameter on every rank. Here the model is built on the meta device (no
-memory), each rank keeps 1/N of every block's parameters and of the root's (embeddings, final norm),
-and gathers a unit's parameters only while its forward or backward runs, the next unit's gather
-already under way. A plain AdamW steps this rank's pieces, under their original names. Parameter,
-gradient and optimiser memory per rank: 4/N, 4/N and 8/N bytes per parameter. The run must be
-bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
+Step 6 still kept every parameter on every rank. Here the model is built on the meta device, each rank keeps 1/N
+of every block's parameters and of the root's, and gathers a unit only while its forward or backward runs, the next
+unit's gather already under way; a plain AdamW steps this rank's pieces: 4/N + 4/N + 8/N bytes per parameter.
+The run must be bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
 
     torchrun --standalone --nproc_per_node=2 step7_zero3/train.py
     torchrun --standalone --nproc_per_node=2 step7_zero3/train.py --trace      # prefetch timeline
@@ -30,7 +28,7 @@ from model import GPT2, gpt2_config, initial_value, language_model_loss
 from offload import OffloadedOptimizer
 from prefetch_trace import PrefetchTrace
 from resharding import PerRank, find_checkpoint, open_checkpoint
-from sampler import ShardedSampler, check_no_overlap
+from sampler import ShardedSampler, checked_micro_batches
 from streaming_export import save_final_weights_streaming
 from sharded_gradients import ShardedGradScaler
 from zero3 import FullyShardedDP
@@ -42,20 +40,14 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward
-    on each, the gradients synchronised across ranks once, then unscaled, clipped and applied.
-    ``model``: what main() trains, the model or its data-parallel wrapper.
-
-    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
-    clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
-    them); ``record_function`` does nothing when no profiler runs.
-    """
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
+    each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
+    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
+    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
-        # Only the last micro-batch's backward reduce-scatters; the others just accumulate locally
-        # (every backward gathers, unit by unit, the parameters it needs).
-        is_last = micro_step == accum - 1
+        is_last = micro_step == accum - 1  # only the last backward reduce-scatters; the others accumulate locally
         with contextlib.nullcontext() if is_last else model.no_sync():
             with record_function("forward"), autocast(config["amp"], device):
                 loss = language_model_loss(model, inputs.to(device), targets.to(device))
@@ -139,18 +131,15 @@ def main():
     device = world.device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
-    # Every rank shuffles with the same seed, then takes every world_size-th index from its rank on:
-    # disjoint shards, the same number of samples on every rank (padded by repeating if needed).
-    sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
-                             shuffle=True, seed=config["seed"])
+    # Step 2's sampler: disjoint shards, as many samples on every rank, a new shuffle each epoch.
+    sampler = ShardedSampler(len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     ddp_model, optimizer, scaler, shapes = build(config, corpus.vocab_size, device)
     model = ddp_model.module  # its named_parameters() are this rank's pieces, under the original names
     tracer = PrefetchTrace(ddp_model) if config["trace"] else None  # keeps the last micro-batch's timeline
     scheduler = make_scheduler(optimizer, config)
 
-    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
-                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
     # What a checkpoint holds (checkpoint.py): each rank its pieces and AdamW's state for them, loaded back at any
     # world size, only those elements read (resharding.py); --async-save: written by a thread (background_writer.py).
@@ -166,26 +155,16 @@ def main():
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        micro_batches, shard_check = [], None
-        for _ in range(accum):
-            micro_batches.append(batches.next())
-            if batches.epoch_started is not None:  # every rank starts every epoch at the same micro-step
-                shard_check = check_no_overlap(list(sampler), len(corpus.blocks), world.world_size, drop_last=False)
-                if world.is_main and not config["quiet"]:
-                    print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
+        micro_batches, shard_check = checked_micro_batches(batches, accum, world.is_main and not config["quiet"])
         loss_sum, grad_norm, memory = train_step(ddp_model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
 
-        # The logged loss is the mean over every rank and micro-batch (float64: order-free).
-        loss_mean = loss_sum.double()
-        dist.all_reduce(loss_mean)
-        loss_mean = loss_mean.item() / (accum * world.world_size)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
         log.log({
             "step": step + 1,
-            "loss": loss_mean,
+            "loss": distributed.mean_over_ranks(loss_sum, accum),  # over every rank and micro-batch
             "grad_norm": grad_norm.item(),
             "param_norm": param_norm(model.parameters(), [dist.group.WORLD], device),
             "lr": lr,
@@ -212,11 +191,9 @@ def main():
     norm = param_norm(model.parameters(), [dist.group.WORLD], device)
     if world.is_main:
         final["param_norm"] = norm
-        log.write(final)
         if tracer:
             tracer.write(world.rank, Path(config["out"]))
-        print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
-              f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+        log.finish(final)
     distributed.shutdown()
 
 

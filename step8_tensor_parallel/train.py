@@ -1,10 +1,8 @@
 """Step 8: tensor parallelism, written by hand (tensor_parallel.py). Grown from step 3's train.py.
 
-Steps 1-7 gave every rank its own samples. Here the T ranks (T = world size) read the same
-micro-batches and split every layer instead: each holds whole attention heads, a slice of the MLP
-and a slice of the vocabulary, 1/T of every weight matrix. No gradient is all-reduced: activations
-are, inside forward and backward. The run is bitwise equal to PyTorch's own tensor parallelism
-(compare/tp_reference.py); against step 1 it differs in the order of sums (README).
+Steps 1-7 gave every rank its own samples. Here the T ranks read the same micro-batches and split every layer:
+whole attention heads, a slice of the MLP and of the vocabulary, 1/T of every weight matrix; activations are
+all-reduced, not gradients. Bitwise equal to PyTorch's tensor parallelism; step 1 sums in another order (README).
 
     torchrun --standalone --nproc_per_node=2 step8_tensor_parallel/train.py
     torchrun --standalone --nproc_per_node=2 compare/tp_reference.py
@@ -37,28 +35,20 @@ from sharded_gradients import ShardedGradScaler  # step 5's: the fp16 overflow f
 STEP = Path(__file__).resolve().parent.name
 
 
-def tensor_parallel_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``language_model_loss`` when the model returns this rank's vocabulary slice of the logits."""
-    logits = model(inputs)
-    return vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every rank): forward
-    and backward on each, then this rank's gradient shards unscaled, clipped and applied.
-
-    Returns what the loop logs: the sum of the micro-batches' losses (detached), the gradient norm before
-    clipping, and this rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads
-    them); ``record_function`` does nothing when no profiler runs.
-    """
+    """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every rank): forward and
+    backward on each, then this rank's gradient shards unscaled, clipped and applied. Returns what the loop logs:
+    the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
+    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
         with record_function("forward"), autocast(config["amp"], device):
-            loss = tensor_parallel_loss(model, inputs.to(device), targets.to(device))  # the same on every rank
+            logits = model(inputs.to(device))  # this rank's slice of the vocabulary; the loss is every rank's
+            loss = vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten())
         with record_function("backward"):
-            # Activations are all-reduced inside forward and backward (tensor_parallel.py); the gradients
-            # are each rank's own shards, or replicas that come out identical: no gradient synchronisation.
+            # Activations are all-reduced in here (tensor_parallel.py); each rank's gradients are its own shards,
+            # or replicas that come out identical: no gradient synchronisation.
             scaler.scale(loss / accum).backward()
         loss_sum += loss.detach()
 
@@ -106,8 +96,7 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # fp16: every rank skips, or steps, together
 
-    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
-                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     env.update(tensor_parallel_size=world.world_size, data_parallel_size=1)  # parity.py: the global batch
     log = RunLog(config, env, is_writer=world.is_main)
     # What a checkpoint holds (checkpoint.py): each rank its shards, as blocks that steps 0-8 and 10 read back at
@@ -128,13 +117,12 @@ def main():
         loss_sum, grad_norm, memory = train_step(model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
 
-        loss_mean = loss_sum.double().item() / accum  # every rank computed the same loss: nothing to average
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
         log.log({
             "step": step + 1,
-            "loss": loss_mean,
+            "loss": loss_sum.double().item() / accum,  # every rank computed the same loss: nothing to average
             "grad_norm": grad_norm.item(),
             "param_norm": param_norm(counted_once(model.parameters()), [dist.group.WORLD]),
             "lr": lr,
@@ -157,9 +145,7 @@ def main():
         final = save_final_weights(Path(config["out"]), full)
         final["param_norm"] = param_norm(full.values())
         final["replicas_identical"] = in_sync
-        log.write(final)
-        print(f"done: {config['steps']} steps on {world.world_size} ranks ({world.backend}), "
-              f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+        log.finish(final)
     distributed.shutdown()
 
 

@@ -33,14 +33,10 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list) -> tuple:
-    """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every stage): pushed
-    through the pipeline ``--micro-batches`` at a time, then this stage's gradients (``named``: its parameters
-    by the model's names) unscaled, clipped with the norm of every stage's gradients, and applied.
-
-    Returns what the loop logs: the sum of the micro-batches' losses (on the last stage; zero on the others),
-    the gradient norm before clipping, and this stage's memory. The schedule interleaves the micro-batches'
-    forwards and backwards, so unlike steps 0-8 the step has no forward and backward phases to name apart.
-    """
+    """One optimiser step on ``micro_batches`` (the same on every stage), pushed through the pipeline
+    ``--micro-batches`` at a time; this stage's gradients (``named``: by the model's names) unscaled, clipped with
+    every stage's norm, applied. Returns the losses' sum (the last stage's; zero elsewhere), the gradient norm, this
+    stage's memory. Forwards and backwards interleave: no phases to name apart for the profiler."""
     accum = len(micro_batches)
     in_flight = config["micro_batches"] or accum
     loss_sum = torch.zeros((), device=device)
@@ -111,8 +107,7 @@ def main():
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)  # disabled (no fp16 here): kept for the checkpoint's format
 
-    env = environment(device, world.world_size, world.backend, config["amp"], corpus.data_sha256,
-                      corpus.tokenizer_sha256, len(corpus.blocks))
+    env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     env.update(pipeline_stages=num_stages, data_parallel_size=1)  # compare/parity.py: the global batch is one replica's
     log = RunLog(config, env, is_writer=world.is_main)
     # What a checkpoint holds (checkpoint.py): one process's, gathered to rank 0, read back by name wherever the
@@ -168,9 +163,7 @@ def main():
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
         final["param_norm"] = norm
-        log.write(final)
-        print(f"done: {config['steps']} steps on {num_stages} pipeline stages ({world.backend}, "
-              f"{config['schedule']}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+        log.finish(final, f" on {num_stages} pipeline stages ({world.backend}, {config['schedule']})")
     distributed.shutdown()
 
 

@@ -13,7 +13,7 @@ from conftest import REPO, init_gloo, shutdown, spawn
 
 sys.path.insert(0, str(REPO / "step2_sharded_data"))
 import sampler as sampler_module  # noqa: E402
-from sampler import ShardedSampler, check_no_overlap  # noqa: E402
+from sampler import ShardedSampler, check_no_overlap, checked_micro_batches  # noqa: E402
 
 LENGTHS = list(range(0, 41)) + [97, 1000]  # empty, shorter than the world, not divisible, large
 WORLD_SIZES = range(1, 9)
@@ -197,3 +197,32 @@ def test_real_processes_all_catch_a_planted_overlap(world_size):
 def test_real_processes_all_catch_a_short_shard():
     results = run_world(3, plant="short")
     assert all("different numbers of samples" in r.get("error", "") for r in results), results
+
+
+def loop_worker(rank, world_size, port, queue):
+    """One rank of the trainers' bookkeeping: three steps of two micro-batches from checked_micro_batches (an
+    epoch is 5 micro-batches per rank, so steps 1 and 3 start one), and the loss mean of distributed.py."""
+    import distributed
+    from data import MicroBatches
+    init_gloo(rank, world_size, port)
+    blocks = torch.arange(40).view(10, 4)
+    batches = MicroBatches(blocks, ShardedSampler(10, world_size, rank, seed=3), 1)
+    twin = MicroBatches(blocks, ShardedSampler(10, world_size, rank, seed=3), 1)  # drawn one by one
+    steps = []
+    for _ in range(3):
+        micro_batches, shard_check = checked_micro_batches(batches, 2)
+        expected = [twin.next() for _ in range(2)]
+        steps.append((all(torch.equal(a, b) for got, want in zip(micro_batches, expected) for a, b in zip(got, want)),
+                      shard_check))
+    # rank r summed 3 losses to r + 1: the mean over every rank's losses is (1 + 2) / 6, exactly
+    mean = distributed.mean_over_ranks(torch.tensor(float(rank + 1)), 3)
+    shutdown()
+    queue.put((rank, {"steps": steps, "mean": mean}))
+
+
+def test_the_loops_micro_batches_are_checked_at_each_epoch_start_and_the_loss_averaged_over_every_rank():
+    results = spawn(loop_worker, 2)
+    summary = {"ranks": 2, "per_rank": 5, "distinct": 10, "padding": 0, "ok": True}
+    for rank in (0, 1):
+        assert results[rank] == {"steps": [(True, summary), (True, None), (True, summary)], "mean": 0.5}
+

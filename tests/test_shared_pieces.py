@@ -285,3 +285,19 @@ def test_memory_stats_on_a_gpu_read_its_utilisation_or_say_none(monkeypatch):
     monkeypatch.setattr(torch.cuda, "utilization", no_pynvml)
     assert metrics.memory_stats([], optimizer, cuda)["gpu_utilization"] is None
     assert "gpu_utilization" not in metrics.memory_stats([], optimizer, torch.device("cpu"))
+
+
+def test_the_done_line_names_the_layout_the_last_loss_and_where_the_weights_are(tmp_path, monkeypatch, capsys):
+    from metrics import RunLog
+    cases = (({"world_size": 1, "backend": None}, None, "done: 3 steps, final loss 2.5000"),
+             ({"world_size": 4, "backend": "gloo"}, None, "done: 3 steps on 4 ranks (gloo), final loss 2.5000"),
+             ({"world_size": 4, "backend": "gloo"}, " on 2 pipeline stages (gloo, 1f1b)",
+              "done: 3 steps on 2 pipeline stages (gloo, 1f1b), final loss 2.5000"))
+    for env, layout, said in cases:
+        for is_writer in (True, False):
+            log = RunLog({"out": str(tmp_path), "steps": 3, "quiet": True}, env, is_writer, [{"loss": 2.5}])
+            written = []
+            monkeypatch.setattr(log, "write", written.append)
+            log.finish({"param_norm": 1.0}, layout)
+            assert written == [{"param_norm": 1.0}]  # write() itself leaves metrics.json to the writer
+            assert capsys.readouterr().out == (f"{said}, weights in {tmp_path}\n" if is_writer else "")
