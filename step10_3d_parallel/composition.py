@@ -3,19 +3,21 @@
 1. **The flags and their checks**: the mesh's own (mesh.py), step 8's for the tp degree, step 9's for the pp
    degree, every one before anything connects.
 2. **A stage of a tensor-parallel model**: step 9 cuts the model step 8 made tensor-parallel; the last stage keeps
-   the tensor-parallel output layer, with its copy of the tie.
+   the tensor-parallel output layer, with its copy of the tie (``parallelize_on_mesh``: the whole wrapping order).
 3. **Counted once across the mesh**: a norm adds TP shards on every tp rank, replicated tensors on tp rank 0, and
    the tie on the first stage only.
 4. **One checkpoint whatever the mesh**: each rank writes its TP/PP shard as step 8 does, its ZeRO-1 slices first
    gathered over dp, so the checkpoint never depends on dp; loading cuts this rank's part back out of any step's
    checkpoint at any mesh.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 
 from mesh import check_mesh
-from pipeline import GPT2Stage, add_pipeline_flags, check_pipeline
-from tensor_parallel import check_divisible
+from pipeline import GPT2Stage, add_pipeline_flags, check_pipeline, pipeline_gpt2
+from tensor_parallel import check_divisible, parallelize_gpt2, vocab_parallel_cross_entropy
 from tensor_parallel_state import checkpoint_shards, gather_full_parameters, is_sharded, load_checkpoint_shards
 
 
@@ -49,6 +51,21 @@ def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage
         model.lm_head.weight = copy
         stage.lm_head = model.lm_head
     return stage
+
+
+def parallelize_on_mesh(model, mesh, config: dict, example: torch.Tensor, device) -> tuple:
+    """``(stage, named, pipe)`` of this rank (step 9's ``pipeline_gpt2``): ``model``, whole on every rank, made
+    tensor-parallel over the tp group (step 8; at tp = 1 it stays plain GPT-2, as in steps 5 and 9), cut into
+    stages (rule 2), this rank's run by a Pipeline over the pp group, the last stage's loss step 8's over the
+    vocabulary slices (or step 9's at tp = 1). The caller frees ``model``: the rank keeps its stage only."""
+    if mesh.tp > 1:
+        reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
+        model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
+    model = model.to(device)
+    stages = [tensor_parallel_stage(model, s, mesh.pp) for s in range(mesh.pp)]
+    loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group) if mesh.tp > 1 \
+        else torch.nn.functional.cross_entropy
+    return pipeline_gpt2(stages, mesh.pp_rank, config, example, device, loss_fn, ranks=mesh.pp_ranks)
 
 
 def added(a: dict, b: dict) -> dict:

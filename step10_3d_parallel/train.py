@@ -17,7 +17,7 @@ import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
 from composition import (MeshShards, add_mesh_flags, added, check_degrees, counted_once, gather_full_model,
-                         tensor_parallel_stage)
+                         parallelize_on_mesh)
 from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
@@ -25,13 +25,11 @@ from mesh import build_mesh
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from naive_dp import allreduce_gradients
-from pipeline import Pipeline, record_random_ops
 from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
-from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
-from training import (adamw_options, adamw_param_groups, autocast, check_amp, clip_grad_norm, make_grad_scaler,
-                      make_scheduler, param_norm)
+from training import (adamw_options, adamw_param_groups, check_amp, clip_grad_norm, make_grad_scaler, make_scheduler,
+                      param_norm)
 from zero1 import ShardedOptimizer
 
 STEP = Path(__file__).resolve().parent.name
@@ -90,37 +88,19 @@ def main():
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
     distributed.join(world, config["timeout_s"])
     mesh = build_mesh(dp, config["tp"], config["pp"], timeout=timedelta(seconds=config["timeout_s"]))
-    device, stage_index, num_stages, tp = world.device, mesh.pp_rank, mesh.pp, mesh.tp
-    is_last = stage_index == num_stages - 1
+    device, num_stages, tp = world.device, mesh.pp, mesh.tp
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # The dp replicas read disjoint shards (step 2); the tp and pp ranks of one replica read the same samples.
     sampler = ShardedSampler(len(corpus.blocks), num_replicas=dp, rank=mesh.dp_rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # The same full model on every rank (a pure function of the seed): made tensor-parallel over the tp group,
-    # then cut into stages; each rank keeps its stage.
-    reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
+    # The same full model on every rank (a pure function of the seed): made tensor-parallel over the tp group (step
+    # 8), then cut into stages over the pp group (step 9); each rank keeps its stage (composition.py).
     model = build_model(config, corpus.vocab_size, config["seed"])
     shapes = {name: p.shape for name, p in model.named_parameters()}  # what the final weights hold
-    if tp > 1:  # at tp = 1 the model stays plain GPT-2, as in steps 5 and 9 (F.cross_entropy, not step 8's loss)
-        model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
-    model = model.to(device)
-    stages = [tensor_parallel_stage(model, s, num_stages) for s in range(num_stages)]
-    context = lambda: autocast(config["amp"], device)  # noqa: E731
-    example = batches.blocks[:config["micro_batch_size"], :-1].to(device)
-    random_ops = record_random_ops(stages, example, context) if config["dropout"] > 0 else None
-    stage = stages[stage_index]
-    del model, stages
-    # The model's names, the tied copy on the last stage under the embedding's: what checkpoints speak of.
-    named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]
-    tp_group = mesh.tp_group  # the last stage's loss: step 8's over the vocabulary slices, or step 9's
-    loss_fn = (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, group=tp_group)) if tp > 1 \
-        else torch.nn.functional.cross_entropy
-    pipe = Pipeline(stage, stage_index, num_stages,
-                    activation_shape=(config["micro_batch_size"], config["seq_len"], config["n_embd"]),
-                    loss_fn=lambda logits, targets: loss_fn(logits.float().flatten(0, 1), targets.flatten()),
-                    tied_parameter=stage.tied_parameter, ranks=mesh.pp_ranks, schedule=config["schedule"],
-                    context=context, random_ops=random_ops, device=device)
+    example = batches.blocks[:config["micro_batch_size"], :-1].to(device)  # dropout's draws are recorded on it
+    stage, named, pipe = parallelize_on_mesh(model, mesh, config, example, device)
+    del model
     # ZeRO-1 over the dp group: each dp rank keeps AdamW's state for 1/dp of this stage's TP shard.
     optimizer = ShardedOptimizer(adamw_param_groups(named, config), torch.optim.AdamW, process_group=mesh.dp_group,
                                  **adamw_options(config))
@@ -150,11 +130,9 @@ def main():
                                                        mesh)
         scheduler.step()
 
-        # The loss is where the logits are, on the last stage: sent to the stage's peers, averaged over dp.
-        loss_mean = torch.tensor(loss_sum.double().item() if is_last else 0.0, dtype=torch.float64,
-                                 device=device)  # on the device: nccl moves GPU tensors only
-        dist.broadcast(loss_mean, src=mesh.pp_ranks[-1], group=mesh.pp_group)
-        dist.all_reduce(loss_mean, group=mesh.dp_group)
+        # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp.
+        last = torch.tensor(loss_sum.double().item(), dtype=torch.float64, device=device)  # nccl: GPU tensors only
+        dist.broadcast(last, src=mesh.pp_ranks[-1], group=mesh.pp_group)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
@@ -162,7 +140,7 @@ def main():
         comm["norms"] = added(comm["norms"], take_comm_bytes())
         log.log({
             "step": step + 1,
-            "loss": loss_mean.item() / (accum * dp),
+            "loss": distributed.mean_over_ranks(last, accum, mesh.dp_group),
             "grad_norm": grad_norm.item(),
             "param_norm": norm,
             "lr": lr,

@@ -1,11 +1,9 @@
 """Step 6: ZeRO stage 2: gradients partitioned too (zero2.py), on top of step 5's sharded AdamW.
 
-Step 5 still all-reduced every bucket, so every rank held the whole averaged gradient and used
-1/N of it. Here each bucket is reduce-scattered the moment its last gradient is ready: each rank
-receives only the averaged slice it updates, and the full gradients are freed as soon as they are
-in a bucket. Gradient memory per rank drops from 4 to 4/N bytes per parameter (outside backward).
-The run must be bitwise identical to step 1's at world size 2, and at any world size with
---reduce-dtype float64.
+Step 5 all-reduced every bucket, so every rank held the whole averaged gradient and used 1/N of it. Here each
+bucket is reduce-scattered the moment its last gradient is ready: each rank receives only the averaged slice it
+updates, the full gradients freed once in a bucket: 4/N gradient bytes per parameter, not 4 (outside backward).
+The run must be bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
 
     torchrun --standalone --nproc_per_node=2 step6_zero2/train.py
     python compare/parity.py step1 step6
@@ -14,7 +12,6 @@ import contextlib
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
 import distributed
@@ -56,7 +53,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     with record_function("optimizer"):
         model.finish_gradient_synchronization()  # the single sync point: each rank holds its gradient shard
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_grad_norm(params_in_order(optimizer), config["grad_clip"], [dist.group.WORLD],
+        grad_norm = clip_grad_norm(params_in_order(optimizer), config["grad_clip"], optimizer.norm_groups,
                                    device=device)  # one norm from every rank's slices
         scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
         scaler.update()
@@ -94,8 +91,7 @@ def main():
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
     if config["compile"]:  # block by block, as in step 0: the communication stays outside the blocks
         compile_blocks(model)
-    ddp_model = ShardedGradientDDP(model, bucket_cap_mb=config["bucket_cap_mb"],
-                                   reduce_dtype=getattr(torch, config["reduce_dtype"]),
+    ddp_model = ShardedGradientDDP(model, config["bucket_cap_mb"], reduce_dtype=getattr(torch, config["reduce_dtype"]),
                                    reduce_every_micro_batch=config["reduce_every_micro_batch"])
     # ZeRO-1 as in step 5, sharded the way the buckets are: rank r updates the slice of each bucket it
     # receives, and reads its gradient straight from the shard the reduce-scatter fills.
@@ -132,8 +128,7 @@ def main():
             "step": step + 1,
             "loss": distributed.mean_over_ranks(loss_sum, accum),  # over every rank and micro-batch
             "grad_norm": grad_norm.item(),
-            "param_norm": (param_norm(optimizer.masters, optimizer.norm_groups, device) if optimizer.masters
-                           else param_norm(model.parameters())),  # --param-dtype: every rank's float32 slices
+            "param_norm": param_norm(params_in_order(optimizer), optimizer.norm_groups, device),  # what AdamW steps
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,

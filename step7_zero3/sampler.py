@@ -152,7 +152,8 @@ def checked_micro_batches(batches, accum: int, verbose: bool = False) -> tuple[l
         micro_batches.append(batches.next())
         if batches.epoch_started is not None:
             sampler = batches.sampler
-            shard_check = check_no_overlap(list(sampler), sampler.dataset_len, sampler.num_replicas, sampler.drop_last)
+            shard_check = check_no_overlap(list(sampler), sampler.dataset_len, sampler.num_replicas,
+                                           sampler.drop_last)
             if verbose:
                 print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
     return micro_batches, shard_check

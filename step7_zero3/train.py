@@ -10,7 +10,6 @@ The run must be bitwise identical to step 1's at world size 2, and at any world 
     python compare/parity.py step1 step7
 """
 import contextlib
-import functools
 from pathlib import Path
 
 import torch
@@ -24,14 +23,14 @@ from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, tensor_bytes
-from model import GPT2, gpt2_config, initial_value, language_model_loss
+from model import language_model_loss
 from offload import OffloadedOptimizer
 from prefetch_trace import PrefetchTrace
 from resharding import PerRank, find_checkpoint, open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from streaming_export import save_final_weights_streaming
 from sharded_gradients import ShardedGradScaler
-from zero3 import FullyShardedDP
+from zero3 import add_zero3_flags, shard_gpt2
 from seeding import seed_everything
 from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_grad_norm, make_grad_scaler,
                       make_optimizer, make_scheduler, param_dtype, param_norm)
@@ -70,38 +69,15 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     return loss_sum, grad_norm, memory
 
 
-def checkpoint_activations(model) -> None:
-    """Keep only each block's input in forward and recompute the rest in backward (preserve_rng_state:
-    dropout draws the same masks twice). The block's FSDP hooks run around it, once: the recomputation
-    calls the inner forward, with the weights the pre-backward hook gathered."""
-    for block in model.transformer.h:
-        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False,
-                                          preserve_rng_state=True)
-
-
 def build(config: dict, vocab_size: int, device) -> tuple:
-    """Step 7's model, wrapper, optimiser and gradient scaler, as main() trains them (compare/peak_memory.py
-    builds them here too). Returns ``(ddp_model, optimizer, scaler, shapes)``: ``shapes`` holds the full
-    parameters' shapes by name, which no rank holds any more once the model is sharded."""
-    # On the meta device the model is only shapes: no rank ever holds all of it. Each rank fills its own
-    # slices from initial_value, a pure function of (seed, name), so no broadcast is needed.
-    with torch.device("meta"):
-        model = GPT2(gpt2_config(config, vocab_size))
-    shapes = {name: p.shape for name, p in model.named_parameters()}  # what the export's header needs
-    if config["activation_checkpointing"]:
-        checkpoint_activations(model)
-
-    def init(name, shape):  # the same values for the same name on every rank, as build_model gives them
-        return initial_value(name, shape, config["seed"], config["n_layer"])
-
+    """Step 7's wrapper, optimiser and gradient scaler, as main() trains them (compare/peak_memory.py builds them
+    here too): ``(ddp_model, optimizer, scaler, shapes)``, ``shapes`` the full parameters' (zero3.shard_gpt2)."""
     # --param-dtype bf16|fp16: the pieces stay the float32 master AdamW steps; gathers and compute are 16-bit.
-    ddp_model = FullyShardedDP(model, model.transformer.h, init_fn=init, device=device,
-                               reduce_dtype=getattr(torch, config["reduce_dtype"]), prefetch=not config["no_prefetch"],
-                               param_dtype=param_dtype(config))
-    # A plain AdamW: model.named_parameters() now yields this rank's pieces, under the original names.
-    optimizer = make_optimizer(model.named_parameters(), config)
+    ddp_model, shapes = shard_gpt2(config, vocab_size, device, param_dtype(config))
+    named = list(ddp_model.module.named_parameters())  # this rank's pieces, under the original names
+    optimizer = make_optimizer(named, config)  # a plain AdamW
     if config.get("offload_optimizer"):  # the same AdamW, on host copies of the pieces (offload.py)
-        optimizer = OffloadedOptimizer(model.named_parameters(), lambda named: make_optimizer(named, config))
+        optimizer = OffloadedOptimizer(named, lambda named: make_optimizer(named, config))
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
     return ddp_model, optimizer, scaler, shapes
 
@@ -110,12 +86,8 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
-    parser.add_argument("--no-prefetch", action="store_true", help="gather each unit only when it is needed")
-    parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="recompute each block's activations in backward instead of keeping them")
+    add_zero3_flags(parser)  # --no-prefetch, --activation-checkpointing, --offload-optimizer
     parser.add_argument("--trace", action="store_true", help="write trace.json and timeline.png of the last step")
-    parser.add_argument("--offload-optimizer", action="store_true",
-                        help="AdamW's state and step in host memory (ZeRO-Offload): the device keeps parameters and gradients")
     add_param_dtype_flag(parser)
     config = parse_config(parser)
     world = distributed.plan_world(config)
@@ -177,7 +149,6 @@ def main():
         })
         preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
-            # Each rank writes its own pieces and their AdamW state; nothing in state.pt is full-size.
             writer.save(step + 1)
         if preempted:
             preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
@@ -186,8 +157,7 @@ def main():
     if tracer:
         tracer.stop()  # the export's gathers below are not part of training
     # Every rank takes part in the export (it gathers unit by unit); rank 0 writes the file as they come.
-    final = save_final_weights_streaming(Path(config["out"]), shapes,
-                                         ddp_model.gathered_parameters(), world.is_main)
+    final = save_final_weights_streaming(Path(config["out"]), shapes, ddp_model.gathered_parameters(), world.is_main)
     norm = param_norm(model.parameters(), [dist.group.WORLD], device)
     if world.is_main:
         final["param_norm"] = norm

@@ -36,6 +36,7 @@ flows through the ranks as micro-batches. Here:
    does (``loss / accum``), and starts that micro-batch's backward.
 """
 import contextlib
+import functools
 import time
 
 import torch
@@ -351,3 +352,25 @@ class Pipeline:
         """The most micro-batches whose activations this stage held at once since the last call."""
         peak, self.peak_in_flight = self.peak_in_flight, self.in_flight
         return peak
+
+
+def pipeline_gpt2(stages: list, stage_index: int, config: dict, example: torch.Tensor, device, loss_fn,
+                  ranks=None) -> tuple:
+    """``(stage, named, pipe)``: this rank's stage of ``stages`` (the whole model cut into stages, on every rank;
+    the caller frees the others), its parameters by the model's names (the tied copy on the last stage under the
+    embedding's: what checkpoints speak of), and the ``Pipeline`` that runs it by ``config["schedule"]``, its
+    messages one micro-batch's activations. ``loss_fn(logits, targets)``: the last stage's loss on float32
+    (B*S, V) logits. Forwards run under --amp's autocast; with dropout every stage's random ops are recorded
+    first, on ``example`` (rule 4)."""
+    from training import autocast  # this project's trainers' autocast: Pipeline itself takes any context
+    context = functools.partial(autocast, config["amp"], device)
+    random_ops = record_random_ops(stages, example, context) if config["dropout"] > 0 else None
+    stage = stages[stage_index]
+    named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]
+    pipe = Pipeline(stage, stage_index, len(stages),
+                    activation_shape=(config["micro_batch_size"], config["seq_len"], config["n_embd"]),
+                    loss_fn=lambda logits, targets: loss_fn(logits.float().flatten(0, 1), targets.flatten()),
+                    tied_parameter=stage.tied_parameter, ranks=ranks, schedule=config["schedule"], context=context,
+                    random_ops=random_ops, device=device)
+    return stage, named, pipe
+

@@ -21,13 +21,12 @@ from config import Preemption, build_parser, exit_on_user_error, limit_memory, p
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
-from pipeline import GPT2Stage, Pipeline, add_pipeline_flags, check_pipeline, record_random_ops
+from pipeline import GPT2Stage, add_pipeline_flags, check_pipeline, pipeline_gpt2
 from pipeline_state import PipelineState, gather_full_state, owned
 from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
-from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
-                      param_norm)
+from training import check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler, param_norm
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -64,8 +63,7 @@ def main():
     parser = build_parser(STEP)
     distributed.add_flags(parser)
     add_pipeline_flags(parser)  # --schedule, --micro-batches
-    parser.add_argument("--trace", action="store_true",
-                        help="write each stage's timeline of the last step (trace_stage<s>.json, pipeline.png)")
+    parser.add_argument("--trace", action="store_true", help="write the stages' timelines of the last step")
     config = parse_config(parser)
     world = distributed.plan_world(config)
     check_pipeline(config, world.world_size)
@@ -79,30 +77,19 @@ def main():
     resumed = open_checkpoint(resume_from, config, 1, world.is_main) if resume_from else None
     distributed.join(world, config["timeout_s"])
     device, stage_index, num_stages = world.device, world.rank, world.world_size
-    is_last = stage_index == num_stages - 1
 
     # ---- data, model, optimiser ----------------------------------------------------------------
-    # One replica: every stage draws the same micro-batches, step 0's (the first reads the inputs, the last
-    # the targets).
+    # One replica: every stage draws step 0's micro-batches (the first reads the inputs, the last the targets).
     sampler = ShardedSampler(len(corpus.blocks), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # Every rank builds the whole model (each parameter is a pure function of its name) and keeps its stage.
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
     shapes = {name: p.shape for name, p in model.named_parameters()}  # what the final weights hold
     stages = [GPT2Stage(model, s, num_stages) for s in range(num_stages)]
-    context = lambda: autocast(config["amp"], device)  # noqa: E731
-    example = batches.blocks[:config["micro_batch_size"], :-1].to(device)
-    random_ops = record_random_ops(stages, example, context) if config["dropout"] > 0 else None
-    stage = stages[stage_index]
+    example = batches.blocks[:config["micro_batch_size"], :-1].to(device)  # dropout's draws are recorded on it
+    # This rank's stage, its parameters by the model's names, and the Pipeline that runs it (step 0's loss).
+    stage, named, pipe = pipeline_gpt2(stages, stage_index, config, example, device, torch.nn.functional.cross_entropy)
     del model, stages
-    # The model's names, the tied copy on the last stage under the embedding's: what checkpoints speak of.
-    named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]
-    pipe = Pipeline(stage, stage_index, num_stages,
-                    activation_shape=(config["micro_batch_size"], config["seq_len"], config["n_embd"]),
-                    loss_fn=lambda logits, targets: torch.nn.functional.cross_entropy(
-                        logits.float().flatten(0, 1), targets.flatten()),  # model.language_model_loss's
-                    tied_parameter=stage.tied_parameter, schedule=config["schedule"], context=context,
-                    random_ops=random_ops, device=device)
     optimizer = make_optimizer(named, config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)  # disabled (no fp16 here): kept for the checkpoint's format
@@ -130,17 +117,16 @@ def main():
         scheduler.step()
 
         # The logged loss is computed where the losses are, on the last stage, and sent to everyone.
-        loss_mean = torch.tensor((loss_sum / accum).item() if is_last else 0.0, dtype=torch.float64, device=device)
+        loss_mean = torch.tensor((loss_sum / accum).item(), dtype=torch.float64, device=device)
         dist.broadcast(loss_mean, src=num_stages - 1)  # on the device: nccl moves GPU tensors only
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
-        norm = param_norm((p for _, p in owned(named)), [dist.group.WORLD], device)
         log.log({
             "step": step + 1,
             "loss": loss_mean.item(),
             "grad_norm": grad_norm.item(),
-            "param_norm": norm,
+            "param_norm": param_norm((p for _, p in owned(named)), [dist.group.WORLD], device),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum,
