@@ -2,6 +2,7 @@
 
     python compare/activations.py                   # TP = 1, 2, 4 on the default model, one micro-batch
     python compare/activations.py --tp 1 2 --n-layer 4 --seq-len 128
+    python compare/activations.py --sequence-parallel        # and step 8's --sequence-parallel beside each
 
 Autograd keeps tensors from forward for backward: the activations. This counts them exactly, as the
 forward of one micro-batch saves them (``torch.autograd.graph.saved_tensors_hooks``; each storage once,
@@ -9,7 +10,8 @@ the parameters left out), on every rank of step 8's model at each TP degree, in 
 (TP = 1 is the whole model: one data-parallel rank's activations). Printed: the bytes each rank saves, the
 part every rank holds identically (the residual stream, the LayerNorms' inputs and outputs, the token ids:
 replicated, found by comparing the ranks' tensors), and the rest (q, k, v, the attention scores, the MLP's
-4h, the logits), which tensor parallelism splits 1/T.
+4h, the logits), which tensor parallelism splits 1/T. With ``--sequence-parallel`` each degree is measured again
+with tensor_parallel.py's rule 7: the replicated part is what it splits.
 """
 import argparse
 import os
@@ -42,14 +44,14 @@ class SavedActivations:
         return tensor
 
 
-def measure(rank: int, world_size: int, port: int, config: dict) -> tuple:
+def measure(rank: int, world_size: int, port: int, config: dict, sequence_parallel: bool = False) -> tuple:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     from model import build_model
     from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
     vocab = 2048
-    model = parallelize_gpt2(build_model(config, vocab, config["seed"]))
+    model = parallelize_gpt2(build_model(config, vocab, config["seed"]), sequence_parallel=sequence_parallel)
     b, s = config["micro_batch_size"], config["seq_len"]
     inputs = torch.randint(0, vocab, (b, s + 1), generator=torch.Generator().manual_seed(0))
     counter = SavedActivations(model.parameters())
@@ -66,13 +68,14 @@ def measure(rank: int, world_size: int, port: int, config: dict) -> tuple:
     return rank, sum(nbytes for nbytes, _ in counter.saved), replicated
 
 
-def run(world_size: int, config: dict) -> list[tuple]:
-    return sorted(spawn_ranks(measure, world_size, config, timeout=600).values())
+def run(world_size: int, config: dict, sequence_parallel: bool = False) -> list[tuple]:
+    return sorted(spawn_ranks(measure, world_size, config, sequence_parallel, timeout=600).values())
 
 
 def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="tensor-parallel degrees to measure")
+    parser.add_argument("--sequence-parallel", action="store_true", help="each degree with rule 7 too")
     args, extra = parser.parse_known_args()
     config = parse_config(build_parser("activations"), extra)
     for t in args.tp:
@@ -80,13 +83,18 @@ def main() -> int:
             raise UserError(f"--tp {t}: each degree must divide the {config['n_head']} heads")
     print(f"saved for backward, one micro-batch of {config['micro_batch_size']} x {config['seq_len']} tokens "
           f"(n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head {config['n_head']}), per rank:")
-    print(f"{'TP':>3} {'saved per rank':>15} {'replicated':>12} {'split':>12} {'split x TP':>12}")
+    print(f"{'TP':>3} {'SP':>3} {'saved per rank':>15} {'replicated':>12} {'split':>12} {'split x TP':>12}")
     for t in args.tp:
-        results = run(t, config)
-        if len({r[1:] for r in results}) != 1:
-            raise RuntimeError(f"the ranks saved different amounts at TP = {t}: {results}")
-        total, replicated = results[0][1:]
-        print(f"{t:>3} {total:>15,} {replicated:>12,} {total - replicated:>12,} {(total - replicated) * t:>12,}")
+        for sequence_parallel in ([False, True] if args.sequence_parallel and t > 1 else [False]):
+            if sequence_parallel and config["seq_len"] % t:
+                raise UserError(f"--tp {t} with --sequence-parallel: each degree must divide --seq-len "
+                                f"{config['seq_len']}")
+            results = run(t, config, sequence_parallel)
+            if len({r[1:] for r in results}) != 1:
+                raise RuntimeError(f"the ranks saved different amounts at TP = {t}: {results}")
+            total, replicated = results[0][1:]
+            print(f"{t:>3} {'yes' if sequence_parallel else 'no':>3} {total:>15,} {replicated:>12,} "
+                  f"{total - replicated:>12,} {(total - replicated) * t:>12,}")
     return 0
 
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.data import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
@@ -40,13 +41,32 @@ BLOCK_PLAN = {"attn.c_q": ColwiseParallel, "attn.c_k": ColwiseParallel, "attn.c_
               "attn.c_proj": RowwiseParallel, "mlp.c_fc": ColwiseParallel, "mlp.c_proj": RowwiseParallel}
 
 
-def parallelize(model, mesh):
-    """Our GPT-2 -> PyTorch tensor parallelism over ``mesh``, with step 8's plan."""
+def sequence_parallel_plan(n_layer: int) -> dict:
+    """Step 8's plan with --sequence-parallel, as torchtitan writes it for Llama: the activations between the layers
+    ``Shard(1)`` (split along the sequence), ``SequenceParallel`` LayerNorms, each attention and MLP gathering its
+    input once (``PrepareModuleInput``), the row-parallel layers reduce-scattering into ``Shard(1)``. GPT-2's
+    learned position embedding (Llama has none) gives each rank its block of positions (``Shard(0)``)."""
+    gather = lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))  # noqa: E731
+    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "transformer.wpe": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+            "transformer.ln_f": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(n_layer):
+        plan.update({f"transformer.h.{i}.{name}": style for name, style in {
+            "ln_1": SequenceParallel(), "attn": gather(), "attn.c_q": ColwiseParallel(), "attn.c_k": ColwiseParallel(),
+            "attn.c_v": ColwiseParallel(), "attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln_2": SequenceParallel(), "mlp": gather(), "mlp.c_fc": ColwiseParallel(),
+            "mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))}.items()})
+    return plan
+
+
+def parallelize(model, mesh, sequence_parallel: bool = False):
+    """Our GPT-2 -> PyTorch tensor parallelism over ``mesh``, with step 8's plan (and --sequence-parallel's)."""
     plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),  # logits stay sharded
             **{f"transformer.h.{i}.{name}": style() for i in range(len(model.transformer.h))
                for name, style in BLOCK_PLAN.items()}}
-    parallelize_module(model, mesh, plan)
+    parallelize_module(model, mesh, sequence_parallel_plan(len(model.transformer.h)) if sequence_parallel else plan)
     model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) of the same matrix: tie them again
     return model
 
@@ -71,9 +91,13 @@ def full_weights(model) -> dict:
 def main():
     parser = build_parser("tp_reference")
     distributed.add_flags(parser)
+    parser.add_argument("--sequence-parallel", action="store_true", help="step 8's --sequence-parallel: PyTorch's plan")
     config = parse_config(parser)
     if config["reduce_dtype"] != "float32":
         raise UserError("PyTorch's tensor parallelism all-reduces in the activations' dtype: drop --reduce-dtype")
+    if config["sequence_parallel"] and config["dropout"] > 0:
+        raise UserError("PyTorch's sequence-parallel dropout draws the same mask on every rank's block of the "
+                        "sequence, step 8 one process's mask: compare them with --dropout 0")
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
@@ -87,7 +111,8 @@ def main():
 
     sampler = DistributedSampler(range(len(corpus.blocks)), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    model = parallelize(build_model(config, corpus.vocab_size, config["seed"]).to(device), mesh)
+    model = parallelize(build_model(config, corpus.vocab_size, config["seed"]).to(device), mesh,
+                        config["sequence_parallel"])
     params = list(model.parameters())
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
@@ -109,6 +134,9 @@ def main():
                     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten())
                 scaler.scale(loss / accum).backward()
             loss_sum += local(loss).detach()
+        for p in params:  # SequenceParallel's LayerNorm gradients are partial sums: added up here, once per step
+            if isinstance(p.grad, DTensor) and any(x.is_partial() for x in p.grad.placements):
+                p.grad = p.grad.redistribute(placements=[Replicate()])
         scaler.unscale_(optimizer)
         squares = sum_of_squares(local(p.grad) for p in counted_once(params)).to(device)  # as step 8 adds them
         dist.all_reduce(squares)

@@ -15,6 +15,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from config import UserError
 from mesh import check_mesh
 from pipeline import GPT2Stage, add_pipeline_flags, check_pipeline, pipeline_gpt2
 from tensor_parallel import check_divisible, parallelize_gpt2, vocab_parallel_cross_entropy
@@ -27,6 +28,8 @@ def add_mesh_flags(parser) -> None:
     flags.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel degree: must divide --n-head and the vocabulary")
     flags.add_argument("--pp", type=int, default=1, help="pipeline stages: at most --n-layer")
+    flags.add_argument("--sequence-parallel", action="store_true",
+                       help="split the activations between the layers along the sequence over tp (step 8's rule 7)")
     add_pipeline_flags(parser)  # step 9's --schedule and --micro-batches
 
 
@@ -36,7 +39,10 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
     tp, pp = config["tp"], config["pp"]
     dp = config["dp"] if config["dp"] is not None else max(1, world_size // max(1, tp * pp))
     check_mesh(dp, tp, pp, world_size)
-    check_divisible(config["n_head"], vocab_size, tp, flag="--tp")
+    if config["sequence_parallel"] and tp == 1:
+        raise UserError("--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more")
+    check_divisible(config["n_head"], vocab_size, tp, flag="--tp",
+                    seq_len=config["seq_len"] if config["sequence_parallel"] else None)
     return dp, check_pipeline(config, pp, flag="--pp")
 
 
@@ -60,12 +66,14 @@ def parallelize_on_mesh(model, mesh, config: dict, example: torch.Tensor, device
     vocabulary slices (or step 9's at tp = 1). The caller frees ``model``: the rank keeps its stage only."""
     if mesh.tp > 1:
         reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
-        model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
+        model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype,
+                                 sequence_parallel=config["sequence_parallel"])
     model = model.to(device)
     stages = [tensor_parallel_stage(model, s, mesh.pp) for s in range(mesh.pp)]
     loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group) if mesh.tp > 1 \
         else torch.nn.functional.cross_entropy
-    return pipeline_gpt2(stages, mesh.pp_rank, config, example, device, loss_fn, ranks=mesh.pp_ranks)
+    return pipeline_gpt2(stages, mesh.pp_rank, config, example, device, loss_fn, ranks=mesh.pp_ranks,
+                         sequence_split=mesh.tp if config["sequence_parallel"] else 1)  # stages send S/T tokens
 
 
 def added(a: dict, b: dict) -> dict:

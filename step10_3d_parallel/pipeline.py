@@ -355,11 +355,12 @@ class Pipeline:
 
 
 def pipeline_gpt2(stages: list, stage_index: int, config: dict, example: torch.Tensor, device, loss_fn,
-                  ranks=None) -> tuple:
+                  ranks=None, sequence_split: int = 1) -> tuple:
     """``(stage, named, pipe)``: this rank's stage of ``stages`` (the whole model cut into stages, on every rank;
     the caller frees the others), its parameters by the model's names (the tied copy on the last stage under the
     embedding's: what checkpoints speak of), and the ``Pipeline`` that runs it by ``config["schedule"]``, its
-    messages one micro-batch's activations. ``loss_fn(logits, targets)``: the last stage's loss on float32
+    messages one micro-batch's activations (``sequence_split``: a 1/N block of its tokens, step 10's sequence
+    parallelism). ``loss_fn(logits, targets)``: the last stage's loss on float32
     (B*S, V) logits. Forwards run under --amp's autocast; with dropout every stage's random ops are recorded
     first, on ``example`` (rule 4)."""
     from training import autocast  # this project's trainers' autocast: Pipeline itself takes any context
@@ -368,7 +369,8 @@ def pipeline_gpt2(stages: list, stage_index: int, config: dict, example: torch.T
     stage = stages[stage_index]
     named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]
     pipe = Pipeline(stage, stage_index, len(stages),
-                    activation_shape=(config["micro_batch_size"], config["seq_len"], config["n_embd"]),
+                    activation_shape=(config["micro_batch_size"], config["seq_len"] // sequence_split,
+                                      config["n_embd"]),
                     loss_fn=lambda logits, targets: loss_fn(logits.float().flatten(0, 1), targets.flatten()),
                     tied_parameter=stage.tied_parameter, ranks=ranks, schedule=config["schedule"], context=context,
                     random_ops=random_ops, device=device)

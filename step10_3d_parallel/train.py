@@ -28,6 +28,7 @@ from naive_dp import allreduce_gradients
 from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
+from tensor_parallel import finish_gradient_synchronization
 from training import (adamw_options, adamw_param_groups, check_amp, clip_grad_norm, make_grad_scaler, make_scheduler,
                       param_norm)
 from zero1 import ShardedOptimizer
@@ -51,6 +52,7 @@ def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, devic
         for loss in losses:  # the last stage's; in micro-batch order, as step 0 adds them
             loss_sum += loss
     pipe.finish_gradient_synchronization()  # the tied embedding's gradient, and every send waited
+    finish_gradient_synchronization(pipe.module)  # --sequence-parallel: the LayerNorms' partial gradients, over tp
     comm = take_comm_bytes()
     comm = {"tp": {k: v for k, v in comm.items() if not k.startswith("p2p")},
             "pp": {k: v for k, v in comm.items() if k.startswith("p2p")}}

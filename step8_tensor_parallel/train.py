@@ -26,7 +26,8 @@ from model import build_model
 from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
-from tensor_parallel import check_divisible, parallelize_gpt2, vocab_parallel_cross_entropy
+from tensor_parallel import (check_divisible, finish_gradient_synchronization, parallelize_gpt2,
+                             vocab_parallel_cross_entropy)
 from tensor_parallel_state import TensorParallelShards, counted_once, gather_full_parameters, replicated_in_sync
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
                       param_norm)
@@ -53,6 +54,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
         loss_sum += loss.detach()
 
     with record_function("optimizer"):
+        finish_gradient_synchronization(model)  # --sequence-parallel: the LayerNorms' partial gradients added up
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
         grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"], [dist.group.WORLD],  # the whole gradient's
                                    counted=counted_once(model.parameters()))
@@ -67,13 +69,16 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="split the activations between the layers along the sequence too (rule 7)")
     config = parse_config(parser)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
-    check_divisible(config["n_head"], corpus.vocab_size, world.world_size)  # whole heads, whole vocabulary slices
+    check_divisible(config["n_head"], corpus.vocab_size, world.world_size,  # whole heads, vocabulary (sequence) slices
+                    seq_len=config["seq_len"] if config["sequence_parallel"] else None)
     check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     # One data-parallel replica: the T ranks draw the samples one process would.
@@ -91,7 +96,7 @@ def main():
     reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
     model = build_model(config, corpus.vocab_size, config["seed"])
     full_shapes = {name: p.shape for name, p in model.named_parameters()}  # what checkpoints describe
-    model = parallelize_gpt2(model, reduce_dtype=reduce_dtype).to(device)
+    model = parallelize_gpt2(model, reduce_dtype=reduce_dtype, sequence_parallel=config["sequence_parallel"]).to(device)
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # fp16: every rank skips, or steps, together

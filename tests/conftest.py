@@ -182,6 +182,10 @@ MESH_RUNS = {
     "tp2pp2": ("step10", 4, ["--tp", "2", "--pp", "2", "--grad-accum", "4", "--save-every", "2"]),
     "dp2pp2": ("step10", 4, ["--dp", "2", "--pp", "2", "--grad-accum", "2", "--save-every", "2"]),
     "dp2tp2": ("step10", 4, ["--dp", "2", "--tp", "2", "--grad-accum", "2", "--save-every", "2"]),
+    # sequence parallelism through a pipeline: the stages send S/T tokens; dropout and bf16 on
+    "step8sp": ("step8", 2, ["--grad-accum", "4", "--sequence-parallel", "--dropout", "0.1", "--amp", "bf16"]),
+    "tp2pp2sp": ("step10", 4, ["--tp", "2", "--pp", "2", "--grad-accum", "4", "--sequence-parallel", "--dropout", "0.1",
+                               "--amp", "bf16"]),
 }
 
 

@@ -112,6 +112,13 @@ def test_pp_with_tp_is_step8_and_pp_with_dp_is_step1(runs):
     assert_bitwise_same_run(runs("dp2pp2"), runs("step1"))
 
 
+def test_sequence_parallelism_on_the_tp_axis_through_a_pipeline_is_step8s(runs):
+    """--sequence-parallel at tp 2 x pp 2 (the stages send each other S/T tokens of every micro-batch; dropout
+    replays its whole masks across stages) is bitwise step 8's --sequence-parallel at tp 2, dropout and bf16 on."""
+    assert_bitwise_same_run(runs("tp2pp2sp"), runs("step8sp"))
+    assert [m["micro_batches_in_flight"] for m in metrics(runs("tp2pp2sp"))["records"][-1]["memory"]] == [2, 2, 1, 1]
+
+
 def relative_differences(a, b) -> dict:
     ra, rb = metrics(a)["records"], metrics(b)["records"]
     wa, wb = weights(a), weights(b)

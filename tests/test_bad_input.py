@@ -214,6 +214,8 @@ CASES = {
     "tp-heads": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), ranks=3),
     "tp-vocabulary": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), "--n-head", "3", "--n-embd", "96",
                                        ranks=3),
+    "tp-sequence": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), "--sequence-parallel",
+                                     "--seq-len", "30", ranks=4),
     "mesh-product": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--dp", "2", "--tp", "2",
                                       "--pp", "2", ranks=4),
     "mesh-tp-heads": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--dp", "2", "--tp", "2",
@@ -403,6 +405,15 @@ def gpu_budget_over_its_memory(monkeypatch):
     memory_budget.limit_memory(100000, "step0_single_gpu", torch.device("cuda", 0))
 
 
+def degrees_check(config: dict):
+    """What step 10 checks before joining (composition.check_degrees), on 2 ranks and a 2048-token vocabulary."""
+    def run(monkeypatch):
+        monkeypatch.syspath_prepend(str(REPO / STEPS["step10"]))
+        import composition
+        composition.check_degrees(config, 2, 2048)
+    return run
+
+
 def tensor_parallel_check(n_head: int, vocab_size: int, ranks: int):
     """What step 8 checks before joining: whole heads and whole vocabulary slices per rank."""
     def run(monkeypatch):
@@ -449,9 +460,13 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--host-gbs must be positive, got 0": tool_main("plan", "--host-gbs", "0"),
     "tensor parallelism over 8 ranks needs --n-head divisible by 8, got 4 (more ranks than heads): run on a number of "
     "ranks that divides 4, or change --n-head (and --n-embd)": tensor_parallel_check(4, 2048, 8),
+    "--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more": degrees_check(
+        {"dp": None, "tp": 1, "pp": 1, "sequence_parallel": True, "n_head": 2, "seq_len": 32, "micro_batches": None,
+         "grad_accum": 2, "n_layer": 2}),
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
+          "--sequence-parallel splits",
           "--param-dtype bf16", "--max-memory-mb 100000")
 
 

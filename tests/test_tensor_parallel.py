@@ -1,11 +1,13 @@
 """Step 8, tensor parallelism: bitwise equal to PyTorch's own (compare/tp_reference.py) at TP = 2 and 4, with
-accumulation, clipping that triggers and bf16 autocast; the layers used the way an outsider uses them;
+accumulation, clipping that triggers and bf16 autocast, and so is --sequence-parallel to PyTorch's sequence-parallel
+plan; the layers (and sequence parallelism) used the way an outsider uses them;
 checkpoints read at another TP degree and by step 1; communication and memory per rank against the formulas in
 step8_tensor_parallel/README.md. (Step 8 against step 1 on the same global batches, in float32, is measured by
 the tour: tests/test_plot_and_tour.py; its resume at TP = 2 is bitwise with dropout and bf16 on, in
 tests/test_foundation.py's resume test, as every step's.)
 
-The runs are shared (session fixtures): step 8 and the reference at TP = 2 and 4, on TINY with 4 heads.
+The runs are shared (session fixtures): step 8 and the reference at TP = 2 and 4, on TINY with 4 heads, with and
+without --sequence-parallel.
 """
 import subprocess
 import sys
@@ -22,8 +24,8 @@ from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, metri
 TP_FLAGS = ("--n-head", "4", "--amp", "bf16", "--save-every", "2")
 
 
-def reference(out, corpus, nproc):
-    result = run_ranks(REPO / "compare" / "tp_reference.py", [*TINY, *TP_FLAGS, "--save-every", "0",
+def reference(out, corpus, nproc, *flags):
+    result = run_ranks(REPO / "compare" / "tp_reference.py", [*TINY, *TP_FLAGS, "--save-every", "0", *flags,
                                                              "--data", str(corpus), "--out", str(out), *TIMEOUT], nproc)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
@@ -31,14 +33,16 @@ def reference(out, corpus, nproc):
 
 @pytest.fixture(scope="session")
 def tp_runs(tmp_path_factory, small_corpus):
-    """``tp_runs(kind, nproc)``: step 8 ("ours") or PyTorch's TP ("torch") on TINY + TP_FLAGS, once per session."""
+    """``tp_runs(kind, nproc)``: step 8 ("ours") or PyTorch's TP ("torch") on TINY + TP_FLAGS, once per session;
+    "ours_sp" and "torch_sp": both with --sequence-parallel."""
     runs = {}
 
     def run(kind, nproc):
         if (kind, nproc) not in runs:
             out = tmp_path_factory.mktemp(f"tp_{kind}_{nproc}")
-            runs[kind, nproc] = (train("step8", out, small_corpus, *TP_FLAGS, nproc=nproc) if kind == "ours"
-                                 else reference(out, small_corpus, nproc))
+            flags = ["--sequence-parallel"] if kind.endswith("_sp") else []
+            runs[kind, nproc] = (train("step8", out, small_corpus, *TP_FLAGS, *flags, nproc=nproc)
+                                 if kind.startswith("ours") else reference(out, small_corpus, nproc, *flags))
         return runs[kind, nproc]
     return run
 
@@ -53,6 +57,46 @@ def test_step8_is_bitwise_pytorch_tensor_parallelism(tp_runs, nproc):
     assert metrics(ours)["final"]["replicas_identical"]
     result = parity(ours, torch_tp)
     assert result.returncode == 0 and "PASS (bitwise identical)" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_sequence_parallelism_is_bitwise_pytorchs_sequence_parallel_plan(tp_runs, nproc):
+    """--sequence-parallel against torchtitan's plan for it (SequenceParallel LayerNorms, PrepareModuleInput before
+    attention and MLP, RowwiseParallel into Shard(1)): the same run as the test above, bit for bit. Against step 8
+    without it, the forward sums are the same at TP = 2 (the first step's loss is bitwise) but the backward's are
+    not (q, k and v's gradients added before one reduce-scatter, not after three all-reduces; the LayerNorms'
+    partial sums added across ranks): close, not bitwise."""
+    ours, torch_sp = tp_runs("ours_sp", nproc), tp_runs("torch_sp", nproc)
+    assert_bitwise_same_run(ours, torch_sp)
+    assert metrics(ours)["final"]["replicas_identical"]
+    result = parity(ours, torch_sp)
+    assert result.returncode == 0 and "PASS (bitwise identical)" in result.stdout, result.stdout
+    if nproc == 2:
+        plain = tp_runs("ours", 2)
+        assert metrics(ours)["records"][0]["loss"] == metrics(plain)["records"][0]["loss"]
+        result = parity(plain, ours)  # the parity contract; measured: 32 of 36 tensors bitwise, 9.3e-10 apart
+        assert result.returncode == 0 and "verdict: PASS" in result.stdout, result.stdout
+
+
+def test_sequence_parallel_communication_per_step_is_the_formula(tp_runs):
+    """Bytes handed to collectives per optimiser step with --sequence-parallel (tensor_parallel.py rule 7): per
+    micro-batch, the all-reduces of the activations become all-gathers of each rank's S/T tokens (before attention,
+    MLP and the output layer; backward, after each reduce-scatter; the position embedding's gradient) and
+    reduce-scatters of the whole (b, s, h) partial sums (after the embedding and both c_proj; backward, before each
+    gather), in the dtype they carry under bf16 autocast: the row-parallel outputs bf16, the rest float32. Per step,
+    the LayerNorms' gradients all-reduced once, beside the loss's and the norms' numbers."""
+    config = metrics(tp_runs("ours_sp", 2))["config"]
+    b, s, h, layers, accum = (config[k] for k in ("micro_batch_size", "seq_len", "n_embd", "n_layer", "grad_accum"))
+    bsh = b * s * h
+    norm_parts = 8 + 3 * 277 * 8  # as without sequence parallelism: the parameters are the same
+    layer_norms = (2 * layers + 1) * 2 * h * 4
+    for nproc in (2, 4):
+        gathers = (2 * layers + 1) * bsh // nproc * 4 + 2 * layers * bsh // nproc * 2 + bsh // nproc * 4 \
+            + s * h // nproc * 4  # forward (attn, mlp, lm_head); backward (c_proj in bf16, the embedding, wpe)
+        scatters = 2 * layers * bsh * 2 + bsh * 4 + (2 * layers + 1) * bsh * 4  # forward; backward (the gathers)
+        for record in metrics(tp_runs("ours_sp", nproc))["records"]:
+            assert record["comm"] == {"all_gather": accum * gathers, "reduce_scatter": accum * scatters,
+                                      "all_reduce": accum * 3 * b * s * 4 + layer_norms + norm_parts}, record["comm"]
 
 
 def test_a_checkpoint_is_read_at_another_degree_and_by_step1(tp_runs, tmp_path, small_corpus):
@@ -106,8 +150,9 @@ def test_memory_per_rank_is_the_formula(tp_runs):
 
 
 # ---- the layers, the way an outsider uses them -------------------------------------------------------------
-# The function below is the README's "use it in your own script" snippet, line for line: the process group
-# first, our module imported after, a plain loop, compared with nn.Linear / nn.Embedding / F.cross_entropy.
+# The functions below use them as someone else's script would (the README's "use it in your own script"): the
+# process group first, our module imported after, a plain loop, compared with nn.Linear / nn.Embedding /
+# F.cross_entropy, and our GPT-2 with sequence parallelism compared with it without.
 
 def outsider(rank, world_size, port, queue):
     try:
@@ -116,7 +161,7 @@ def outsider(rank, world_size, port, queue):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         sys.path.insert(0, str(REPO / STEPS["step8"]))
-        queue.put((rank, (use_it_in_your_own_script(), None)))
+        queue.put((rank, ({**use_it_in_your_own_script(), **use_sequence_parallelism_in_your_own_script()}, None)))
     except Exception:  # noqa: BLE001
         queue.put((rank, (None, traceback.format_exc())))
     finally:
@@ -194,6 +239,42 @@ def use_it_in_your_own_script():
     }
 
 
+def use_sequence_parallelism_in_your_own_script():
+    import torch.nn.functional as F
+    from model import GPT2, GPTConfig
+    from tensor_parallel import (SequenceParallelDropout, finish_gradient_synchronization, parallelize_gpt2,
+                                 vocab_parallel_cross_entropy)
+
+    rank, T = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
+    plain, split = GPT2(cfg), GPT2(cfg)
+    split.load_state_dict(plain.state_dict())
+    plain, split = parallelize_gpt2(plain), parallelize_gpt2(split, sequence_parallel=True)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    losses, partial = {}, None
+    for name, model in (("plain", plain), ("split", split)):
+        torch.manual_seed(2)  # the same dropout masks for both
+        logits = model(ids[:, :-1])
+        losses[name] = vocab_parallel_cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        losses[name].backward()
+        if name == "split":
+            partial = split.transformer.ln_f.weight.grad.clone()  # this rank's tokens only
+        finish_gradient_synchronization(model)
+    x = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(4)
+    whole = F.dropout(x, 0.5, training=True)
+    torch.manual_seed(4)
+    mine = SequenceParallelDropout(0.5)(x.chunk(T, dim=1)[rank])
+    grads = {n: p.grad for n, p in split.named_parameters()}
+    return {
+        "sp loss": torch.equal(losses["split"], losses["plain"]),
+        "sp grads": max(relative(grads[n], p.grad) for n, p in plain.named_parameters()),
+        "sp partial layer norm": relative(partial, plain.transformer.ln_f.weight.grad),
+        "sp dropout": torch.equal(mine, whole.chunk(T, dim=1)[rank]),
+    }
+
+
 @pytest.fixture(scope="module")
 def outside():
     got = spawn(outsider, 2)
@@ -219,16 +300,33 @@ def test_the_layers_in_an_outsiders_loop(outside):
             assert result[key] < 1e-6, (rank, key, result)
 
 
+def test_sequence_parallelism_in_an_outsiders_loop(outside):
+    """Our GPT-2 made tensor-parallel with and without sequence parallelism, dropout on, in a plain loop: the
+    same loss bit for bit (each rank's block of one process's masks; at TP = 2 the reduce-scatters add what the
+    all-reduces added), the same gradients to float32's rounding once finish_gradient_synchronization has added
+    the LayerNorms' partial sums (before it, a rank's is far from the whole: measured ~0.3-1 relative)."""
+    for rank, result in outside.items():
+        assert result["sp loss"] and result["sp dropout"], (rank, result)
+        assert result["sp grads"] < 1e-5, (rank, result)
+        assert result["sp partial layer norm"] > 0.1, (rank, result)
+
+
 def test_activations_tool_splits_what_tensor_parallelism_splits():
     """compare/activations.py: at TP = 2 each rank saves less than the whole model's forward, more than half of
     it (the replicated (b, s, h) tensors stay whole), and the split part is about the whole model's."""
     result = subprocess.run([sys.executable, str(REPO / "compare" / "activations.py"), "--tp", "1", "2", "--n-layer", "1",
-                             "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--micro-batch-size", "2"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+                             "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--micro-batch-size", "2",
+                             "--sequence-parallel"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = {int(line.split()[0]): [int(x.replace(",", "")) if x != "-" else 0 for x in line.split()[1:]]
+    rows = {(int(line.split()[0]), line.split()[1]): [int(x.replace(",", "")) for x in line.split()[2:]]
             for line in result.stdout.splitlines() if line.strip()[:1].isdigit()}
-    (whole, _, _, _), (saved, replicated, split, split_times_tp) = rows[1], rows[2]
+    (whole, _, _, _), (saved, replicated, split, split_times_tp) = rows[1, "no"], rows[2, "no"]
     assert whole / 2 < saved < whole, rows
     assert replicated > 0 and split == saved - replicated, rows
     assert 0.9 * whole < split_times_tp < 1.1 * whole, rows
+    # --sequence-parallel splits the LayerNorms' and dropout's tensors and the residual stream: what stays
+    # replicated is the gathered inputs the column-parallel layers keep for their weights' gradients (b x s x h
+    # floats before attention, the MLP and the output layer), and a few numbers per token (ids, the loss's)
+    b, s, h = 2, 16, 32
+    sp_saved, sp_replicated, _, _ = rows[2, "yes"]
+    assert sp_saved < saved and 3 * b * s * h * 4 <= sp_replicated < 3 * b * s * h * 4 + b * s * 16, rows
