@@ -268,11 +268,46 @@ def use_sequence_parallelism_in_your_own_script():
     mine = SequenceParallelDropout(0.5)(x.chunk(T, dim=1)[rank])
     grads = {n: p.grad for n, p in split.named_parameters()}
     return {
+        **against_pytorchs_sequence_parallel_plan(GPT2, GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2,
+                                                                  n_embd=16), ids),
         "sp loss": torch.equal(losses["split"], losses["plain"]),
         "sp grads": max(relative(grads[n], p.grad) for n, p in plain.named_parameters()),
         "sp partial layer norm": relative(partial, plain.transformer.ln_f.weight.grad),
         "sp dropout": torch.equal(mine, whole.chunk(T, dim=1)[rank]),
     }
+
+
+def against_pytorchs_sequence_parallel_plan(GPT2, cfg, ids) -> dict:
+    """The same loop on PyTorch's counterpart (compare/tp_reference.py's plan, torchtitan's), dropout off: its
+    masks are not one process's. Every loss and gradient bit for bit, the LayerNorms' once DTensor adds them."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from tensor_parallel import finish_gradient_synchronization, parallelize_gpt2, vocab_parallel_cross_entropy
+    sys.path.insert(0, str(REPO / "compare"))
+    import tp_reference
+
+    ours, theirs = GPT2(cfg), GPT2(cfg)
+    theirs.load_state_dict(ours.state_dict())
+    ours = parallelize_gpt2(ours, sequence_parallel=True)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(theirs, mesh, tp_reference.sequence_parallel_plan(cfg.n_layer))
+    theirs.lm_head.weight = theirs.transformer.wte.weight
+    loss = vocab_parallel_cross_entropy(ours(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    finish_gradient_synchronization(ours)
+    with loss_parallel():
+        their_loss = F.cross_entropy(theirs(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].flatten())
+        their_loss.backward()
+    def local(grad):  # this rank's block; a partial sum (the LayerNorms') added over the ranks first
+        if not isinstance(grad, DTensor):
+            return grad
+        return (grad.redistribute(placements=[Replicate()]) if grad.placements[0].is_partial() else grad).to_local()
+    grads = {n: local(p.grad) for n, p in theirs.named_parameters()}
+    their_loss = their_loss.to_local() if isinstance(their_loss, DTensor) else their_loss
+    return {"sp vs pytorch loss": torch.equal(loss, their_loss),
+            "sp vs pytorch grads": [n for n, p in ours.named_parameters() if not torch.equal(p.grad, grads[n])]}
 
 
 @pytest.fixture(scope="module")
@@ -301,12 +336,15 @@ def test_the_layers_in_an_outsiders_loop(outside):
 
 
 def test_sequence_parallelism_in_an_outsiders_loop(outside):
-    """Our GPT-2 made tensor-parallel with and without sequence parallelism, dropout on, in a plain loop: the
+    """Our GPT-2 made tensor-parallel with sequence parallelism in a plain loop: against PyTorch's sequence-parallel
+    plan (dropout off), every loss and gradient bit for bit. Against ours without it, dropout on: the
     same loss bit for bit (each rank's block of one process's masks; at TP = 2 the reduce-scatters add what the
     all-reduces added), the same gradients to float32's rounding once finish_gradient_synchronization has added
     the LayerNorms' partial sums (before it, a rank's is far from the whole: measured ~0.3-1 relative)."""
     for rank, result in outside.items():
         assert result["sp loss"] and result["sp dropout"], (rank, result)
+        assert result["sp vs pytorch loss"], (rank, result)
+        assert result["sp vs pytorch grads"] == [], (rank, result["sp vs pytorch grads"])  # names that differ
         assert result["sp grads"] < 1e-5, (rank, result)
         assert result["sp partial layer norm"] > 0.1, (rank, result)
 
