@@ -125,32 +125,45 @@ class Activations:
             return len(dims) > 0 and ((dims[-1] == h and math.prod(dims) == hidden) or dims[-1] == 1
                                       or tuple(dims) == (shape.seq_len, shape.seq_len))
 
-        def parts(storages: dict, in_block: bool) -> tuple[int, int]:
+        def parts(storages: dict, in_block: bool) -> tuple[int, int, int]:
             kept = sum(n for k, n in storages.items() if whole(shapes[k]))
             # A block saves five (b, s, h) tensors: the LayerNorms' inputs and outputs, whole on every rank, and the
             # attention's output, the row-parallel c_proj's input, which holds only the rank's heads.
             if in_block:
                 kept -= hidden * element
-            return kept, sum(storages.values()) - kept
+            # Sequence parallelism (step 8's rule 7) splits the LayerNorms' inputs (two per block, the final one in
+            # the rest) and their per-token statistics; their outputs, gathered whole for the column-parallel layers
+            # and kept for their weights' gradients, stay whole (as in PyTorch's plan).
+            statistics = sum(n for k, n in storages.items() if len(shapes[k]) > 0 and shapes[k][-1] == 1)
+            kept_sp = kept - statistics - (2 if in_block else 1) * hidden * element
+            return kept, sum(storages.values()) - kept, kept_sp
 
         self.block, self.rest = parts(saved.get(0, {}), True), parts(saved.get(None, {}), False)
         block_input = max(arguments.values())  # the hidden states (b, s, h); the mask is shared by every block
         self.kept_per_block = block_input
 
-    def per_micro_batch(self, blocks: int, tp: int, first: bool, last: bool, checkpointing: bool) -> int:
+    def per_micro_batch(self, blocks: int, tp: int, first: bool, last: bool, checkpointing: bool,
+                        sequence_parallel: bool = False) -> int:
         """Bytes one micro-batch leaves for backward on a rank of a stage with ``blocks`` blocks (with
-        checkpointing, the blocks' inputs: the block recomputed in backward is ``recomputed``)."""
+        checkpointing, the blocks' inputs: the block recomputed in backward is ``recomputed``; with
+        ``sequence_parallel``, 1/tp of them, and of what rule 7 splits)."""
         # the rest (embedding lookup, final norm, logits, loss): on the last stage, where nearly all of it is
-        rest = self.rest[0] + -(-self.rest[1] // tp) if last else 0
-        return blocks * (self.kept_per_block if checkpointing else self.block_bytes(tp)) + rest
+        rest = self.split(self.rest, tp, sequence_parallel) if last else 0
+        kept = -(-self.kept_per_block // tp) if sequence_parallel else self.kept_per_block
+        return blocks * (kept if checkpointing else self.block_bytes(tp, sequence_parallel)) + rest
 
-    def block_bytes(self, tp: int) -> int:
-        return self.block[0] + -(-self.block[1] // tp)
+    @staticmethod
+    def split(part: tuple, tp: int, sequence_parallel: bool) -> int:
+        kept = part[2] if sequence_parallel and tp > 1 else part[0]
+        return kept + -(-(part[0] + part[1] - kept) // tp)
 
-    def recomputed(self, blocks: int, tp: int, checkpointing: bool) -> int:
+    def block_bytes(self, tp: int, sequence_parallel: bool = False) -> int:
+        return self.split(self.block, tp, sequence_parallel)
+
+    def recomputed(self, blocks: int, tp: int, checkpointing: bool, sequence_parallel: bool = False) -> int:
         """With checkpointing, what one block's recomputation holds while its backward runs: once per stage,
         whatever the micro-batches in flight (one backward, so one recomputation, runs at a time)."""
-        return self.block_bytes(tp) if checkpointing and blocks else 0
+        return self.block_bytes(tp, sequence_parallel) if checkpointing and blocks else 0
 
 
 def in_flight(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
@@ -174,7 +187,7 @@ class Hardware:
 def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpointing: bool, micro_batch_size: int,
                   micro_batches: int, activations: Activations, param_dtype: str = "float32",
                   reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
-                  reduce_every_micro_batch: bool = False) -> dict:
+                  reduce_every_micro_batch: bool = False, sequence_parallel: bool = False) -> dict:
     """Every rank's bytes and every axis's traffic for one configuration (``micro_batches``: per rank and step,
     the pipeline's M). Stages differ; the rank holding most decides whether it fits. ZeRO-2 and -3 over M > 1
     micro-batches: as the trainers' ``no_sync()`` does, whole gradients accumulate until the step's one
@@ -182,7 +195,9 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
     reduce-scatters into the shard instead. ``offload`` (ZeRO-3 only,
     step 7's --offload-optimizer): the optimiser state leaves the device for the host (``host``), with a float32
     copy of the shard where the shard is the master; the gradient shard goes out and the float32 shard comes
-    back every step (``offloaded``, bytes each way)."""
+    back every step (``offloaded``, bytes each way). ``sequence_parallel`` (at tp > 1, step 8's rule 7): what the
+    LayerNorms save split 1/tp too; each activation all-reduce a reduce-scatter and an all-gather."""
+    sequence_parallel = sequence_parallel and tp > 1
     (p_bytes, g_bytes, _), _ = estimate.bytes_per_parameter(zero, param_dtype, reduce_dtype)
     act_bytes = 4 if param_dtype == "float32" else 2  # also what ZeRO-3 gathers: 16-bit units from a float32 shard
     bsh = micro_batch_size * shape.seq_len * shape.n_embd
@@ -206,8 +221,9 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
             offloaded = state["grads"] + 4 * -(-psi // dp)
             state["optimizer_state"] = 0
         flight = in_flight(schedule, pp, stage, micro_batches)
-        act = (flight * activations.per_micro_batch(blocks, tp, stage == 0, stage == pp - 1, checkpointing)
-               + activations.recomputed(blocks, tp, checkpointing))
+        act = (flight * activations.per_micro_batch(blocks, tp, stage == 0, stage == pp - 1, checkpointing,
+                                                    sequence_parallel)
+               + activations.recomputed(blocks, tp, checkpointing, sequence_parallel))
         comm = {}
         if dp > 1:
             if zero == 3:
@@ -217,7 +233,9 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
                 comm["dp"] = {"all_reduce" if zero < 2 else "reduce_scatter": reduce_scatters * g_bytes * psi,
                               **({"all_gather": p_bytes * psi} if zero else {})}
         if tp > 1:
-            comm["tp"] = {"all_reduce": micro_batches * (6 * blocks + 2) * bsh * act_bytes}
+            reduced = micro_batches * (6 * blocks + 2) * bsh * act_bytes
+            comm["tp"] = ({"all_gather": reduced, "reduce_scatter": reduced} if sequence_parallel
+                          else {"all_reduce": reduced})
         if pp > 1:
             tied = -(-(shape.vocab * shape.n_embd) // tp) * 4
             comm["pp"] = {"send": micro_batches * bsh * act_bytes * ((stage < pp - 1) + (stage > 0))
@@ -226,7 +244,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
                        "total": sum(state.values()) + act, "comm": comm, "host": host, "offloaded": offloaded})
     worst = max(stages, key=lambda s: s["total"])
     return {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "checkpointing": checkpointing, "schedule": schedule,
-            "offload": offload,
+            "offload": offload, "sequence_parallel": sequence_parallel,
             "micro_batches": micro_batches, "stages": stages, "total": worst["total"], "worst_stage": worst["stage"],
             "bubble": (pp - 1) / (micro_batches + pp - 1)}
 
@@ -279,7 +297,7 @@ def divisors(n: int) -> list[int]:
 
 def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: int, param_dtype: str = "float32",
          reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
-         reduce_every_micro_batch: bool = False) -> tuple[list[dict], list[dict]]:
+         reduce_every_micro_batch: bool = False, sequence_parallel: bool = False) -> tuple[list[dict], list[dict]]:
     """(the configurations that fit, ranked; those that do not). Every dp x tp x pp = --devices with tp dividing
     the heads, pp at most the layers and global batch = dp x micro-batch x M."""
     activations = Activations(shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype])
@@ -296,7 +314,8 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
                 for offloaded in (False, True) if offload and zero == 3 else (False,):
                     for checkpointing in (False, True):
                         c = configuration(shape, dp, tp, pp, zero, checkpointing, micro_batch_size, m, activations,
-                                          param_dtype, reduce_dtype, schedule, offloaded, reduce_every_micro_batch)
+                                          param_dtype, reduce_dtype, schedule, offloaded, reduce_every_micro_batch,
+                                          sequence_parallel)
                         c["time"] = step_time(c, shape, hardware, micro_batch_size)
                         (fit if c["total"] <= hardware.memory else rejected).append(c)
     simplicity = lambda c: (c["tp"] * c["pp"], c["pp"], c["zero"], c["offload"], c["checkpointing"])  # noqa: E731
@@ -307,7 +326,8 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
 
 def name(c: dict) -> str:
     return (f"dp {c['dp']} x tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}"
-            f"{', offload' if c['offload'] else ''}{', checkpointing' if c['checkpointing'] else ''}")
+            f"{', offload' if c['offload'] else ''}{', checkpointing' if c['checkpointing'] else ''}"
+            f"{', sequence-parallel' if c.get('sequence_parallel') else ''}")
 
 
 def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
@@ -477,6 +497,8 @@ def main() -> int:
     flags.add_argument("--reduce-every-micro-batch", action="store_true",
                        help="ZeRO-2/3 reduce-scatter every micro-batch into the shard (step 6's flag), not one "
                             "whole gradient accumulated under no_sync() per step (the trainers' default)")
+    flags.add_argument("--sequence-parallel", action="store_true",
+                       help="tensor parallelism with step 8's --sequence-parallel (rule 7)")
     flags.add_argument("--top", type=int, default=12, help="configurations printed")
     flags.add_argument("--measured", type=Path, nargs="+", default=None,
                        help="run folders (or step names): print their measured model state beside the estimate")
@@ -498,7 +520,7 @@ def main() -> int:
                         config["intra_gbs"], config["inter_gbs"], config["host_gbs"])
     reduce_dtype = "float32" if config["reduce_dtype_fp32"] and config["param_dtype"] != "float32" else None
     fit, rejected = plan(shape, hardware, b, global_batch, config["param_dtype"], reduce_dtype, config["schedule"],
-                         config["offload_optimizer"], config["reduce_every_micro_batch"])
+                         config["offload_optimizer"], config["reduce_every_micro_batch"], config["sequence_parallel"])
     print(report(shape, hardware, fit, rejected, b, global_batch, config["param_dtype"], config["top"]))
     if config["json"]:
         config["json"].write_text(json.dumps({"shape": dataclasses.asdict(shape), "fit": fit, "rejected": rejected},

@@ -106,9 +106,10 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        count_collective("all_gather", x)
         dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=-1)
+        whole = torch.cat(parts, dim=-1)
+        count_collective("all_gather", whole)  # the whole buffer, as every all-gather here is counted
+        return whole
 
     @staticmethod
     def backward(ctx, grad):
@@ -133,7 +134,7 @@ def _all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     world_size = dist.get_world_size(group)
     x = x.contiguous()
     stacked = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    count_collective("all_gather", x)
+    count_collective("all_gather", stacked)  # the whole buffer, as every all-gather here is counted
     all_gather_single(stacked, x, group=group)
     return torch.cat(stacked.chunk(world_size, dim=0), dim=dim)
 

@@ -80,7 +80,7 @@ def test_sequence_parallelism_is_bitwise_pytorchs_sequence_parallel_plan(tp_runs
 
 def test_sequence_parallel_communication_per_step_is_the_formula(tp_runs):
     """Bytes handed to collectives per optimiser step with --sequence-parallel (tensor_parallel.py rule 7): per
-    micro-batch, the all-reduces of the activations become all-gathers of each rank's S/T tokens (before attention,
+    micro-batch, the all-reduces of the activations become all-gathers of the sequence (before attention,
     MLP and the output layer; backward, after each reduce-scatter; the position embedding's gradient) and
     reduce-scatters of the whole (b, s, h) partial sums (after the embedding and both c_proj; backward, before each
     gather), in the dtype they carry under bf16 autocast: the row-parallel outputs bf16, the rest float32. Per step,
@@ -90,10 +90,11 @@ def test_sequence_parallel_communication_per_step_is_the_formula(tp_runs):
     bsh = b * s * h
     norm_parts = 8 + 3 * 277 * 8  # as without sequence parallelism: the parameters are the same
     layer_norms = (2 * layers + 1) * 2 * h * 4
+    # each collective counted by its whole buffer, so a gather and a reduce-scatter hand twice an all-reduce's bytes
+    # and send the same on a ring (compare/plan.py's on_the_wire)
+    gathers = (2 * layers + 1) * bsh * 4 + 2 * layers * bsh * 2 + bsh * 4 + s * h * 4  # forward; backward (c_proj
+    scatters = 2 * layers * bsh * 2 + bsh * 4 + (2 * layers + 1) * bsh * 4  # in bf16, embedding, wpe); the same
     for nproc in (2, 4):
-        gathers = (2 * layers + 1) * bsh // nproc * 4 + 2 * layers * bsh // nproc * 2 + bsh // nproc * 4 \
-            + s * h // nproc * 4  # forward (attn, mlp, lm_head); backward (c_proj in bf16, the embedding, wpe)
-        scatters = 2 * layers * bsh * 2 + bsh * 4 + (2 * layers + 1) * bsh * 4  # forward; backward (the gathers)
         for record in metrics(tp_runs("ours_sp", nproc))["records"]:
             assert record["comm"] == {"all_gather": accum * gathers, "reduce_scatter": accum * scatters,
                                       "all_reduce": accum * 3 * b * s * 4 + layer_norms + norm_parts}, record["comm"]
