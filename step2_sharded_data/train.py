@@ -99,6 +99,7 @@ def main():
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
+    grad_bytes = tensor_bytes(p for p in model.parameters() if p.requires_grad)  # counted here: DDP's reducer is C++
 
     # ---- the training loop ---------------------------------------------------------------------
     preemption = Preemption(config["preempt_grace_s"], world.rank)  # --preempt-grace-s: SIGTERM saves, then exits
@@ -109,7 +110,7 @@ def main():
         loss_sum, grad_norm, memory = train_step(ddp_model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
         if config["reduce_dtype"] == "float32":  # DDP's C++ reducer all-reduces every gradient once a step
-            comm_bytes["all_reduce"] += tensor_bytes(p for p in model.parameters() if p.requires_grad)
+            comm_bytes["all_reduce"] += grad_bytes
 
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch

@@ -98,37 +98,6 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
         return grad, None, None
 
 
-class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    """Forward: the ranks' slices of the last dimension, concatenated; backward: this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
-        whole = torch.cat(parts, dim=-1)
-        count_collective("all_gather", whole)  # the whole buffer, as every all-gather here is counted
-        return whole
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _my_slice(grad, ctx.group), None
-
-
-class _ScatterToTensorParallelRegion(torch.autograd.Function):
-    """Forward: this rank's slice of the last dimension; backward: the slices' gradients gathered."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _my_slice(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _GatherFromTensorParallelRegion.forward(ctx, grad, ctx.group), None
-
-
 def _all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """The ranks' blocks of ``x`` along ``dim``, concatenated in rank order (exact: nothing is added)."""
     world_size = dist.get_world_size(group)
@@ -137,6 +106,36 @@ def _all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     count_collective("all_gather", stacked)  # the whole buffer, as every all-gather here is counted
     all_gather_single(stacked, x, group=group)
     return torch.cat(stacked.chunk(world_size, dim=0), dim=dim)
+
+
+def _my_block(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class _GatherAlong(torch.autograd.Function):
+    """Forward: the ranks' blocks of ``dim``, concatenated; backward: this rank's block of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _my_block(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterAlong(torch.autograd.Function):
+    """Forward: this rank's block of ``dim``, no communication; backward: the blocks' gradients all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _my_block(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_along(grad, ctx.dim, ctx.group), None, None
 
 
 def _reduce_scatter_along(x: torch.Tensor, dim: int, group, reduce_dtype=None) -> torch.Tensor:
@@ -177,19 +176,6 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _all_gather_along(grad, 1, ctx.group), None, None
 
 
-class _ScatterAlong(torch.autograd.Function):
-    """This rank's block of ``dim``, no communication; backward, the blocks' gradients all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_along(grad, ctx.dim, ctx.group), None, None
-
-
 def gather_from_sequence_parallel_region(x, group=None, reduce_dtype=None):
     return _GatherFromSequenceParallelRegion.apply(x, group, reduce_dtype)
 
@@ -208,10 +194,6 @@ class _BiasShare(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-def _my_slice(x: torch.Tensor, group) -> torch.Tensor:
-    return x.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)].contiguous()
 
 
 def copy_to_tensor_parallel_region(x, group=None, reduce_dtype=None):
@@ -278,7 +260,7 @@ class ColumnParallelLinear(nn.Module):
         if not self.sequence_parallel:  # rule 7: the module's gather already made x whole, and reduces its gradient
             x = copy_to_tensor_parallel_region(x, self.group, self.reduce_dtype)
         y = F.linear(x, self.weight, self.bias)
-        return _GatherFromTensorParallelRegion.apply(y, self.group) if self.gather_output else y
+        return _GatherAlong.apply(y, -1, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -315,7 +297,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         if not self.input_is_parallel:
-            x = _ScatterToTensorParallelRegion.apply(x, self.group)
+            x = _ScatterAlong.apply(x, -1, self.group)
         share = None if self.bias is None else _BiasShare.apply(self.bias, dist.get_world_size(self.group))
         reduce = reduce_scatter_to_sequence_parallel_region if self.sequence_parallel \
             else reduce_from_tensor_parallel_region
@@ -495,9 +477,9 @@ def parallelize_gpt2(model, group=None, reduce_dtype=None, sequence_parallel: bo
     ``ColumnParallelLinear`` over the vocabulary whose weight is that embedding's Parameter (the tie kept). The
     attention reads its number of heads off the width, so it runs on the local heads unchanged. Parameter names
     do not change. The model's forward then returns this rank's vocabulary slice of the logits: take the loss
-    with ``vocab_parallel_cross_entropy``. Every sharded parameter carries ``tp_blocks``: where it sits in the whole one (tensor_parallel_state.py).
-    ``sequence_parallel``: rule 7 too (``sequence_parallel_gpt2``); call ``finish_gradient_synchronization(model)``
-    after the micro-batches' backwards, before the optimiser step."""
+    with ``vocab_parallel_cross_entropy``. Every sharded parameter carries ``tp_blocks``: where it sits in the whole
+    one (tensor_parallel_state.py). ``sequence_parallel``: rule 7 too (``sequence_parallel_gpt2``); call
+    ``finish_gradient_synchronization(model)`` after the micro-batches' backwards, before the optimiser step."""
     cfg = model.config
     check_divisible(cfg.n_head, cfg.vocab_size, dist.get_world_size(group))
     for name, style in tensor_parallel_plan(len(model.transformer.h)).items():

@@ -360,9 +360,8 @@ def pipeline_gpt2(stages: list, stage_index: int, config: dict, example: torch.T
     the caller frees the others), its parameters by the model's names (the tied copy on the last stage under the
     embedding's: what checkpoints speak of), and the ``Pipeline`` that runs it by ``config["schedule"]``, its
     messages one micro-batch's activations (``sequence_split``: a 1/N block of its tokens, step 10's sequence
-    parallelism). ``loss_fn(logits, targets)``: the last stage's loss on float32
-    (B*S, V) logits. Forwards run under --amp's autocast; with dropout every stage's random ops are recorded
-    first, on ``example`` (rule 4)."""
+    parallelism). ``loss_fn(logits, targets)``: the last stage's loss on float32 (B*S, V) logits. Forwards run
+    under --amp's autocast; with dropout every stage's random ops are recorded first, on ``example`` (rule 4)."""
     from training import autocast  # this project's trainers' autocast: Pipeline itself takes any context
     context = functools.partial(autocast, config["amp"], device)
     random_ops = record_random_ops(stages, example, context) if config["dropout"] > 0 else None
