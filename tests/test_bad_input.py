@@ -216,6 +216,7 @@ CASES = {
                                        ranks=3),
     "tp-sequence": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), "--sequence-parallel",
                                      "--seq-len", "30", ranks=4),
+    "cp-sequence": lambda s: trainer("step11", "--data", s.data("small.txt", CORPUS), "--seq-len", "30", ranks=4),
     "mesh-product": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--dp", "2", "--tp", "2",
                                       "--pp", "2", ranks=4),
     "mesh-tp-heads": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--dp", "2", "--tp", "2",
@@ -414,6 +415,15 @@ def degrees_check(config: dict):
     return run
 
 
+def context_parallel_check(config: dict, ranks: int):
+    """What step 11 checks before joining: 2 x C chunks of the sequence, no dropout."""
+    def run(monkeypatch):
+        monkeypatch.syspath_prepend(str(REPO / STEPS["step11"]))
+        import context_parallel
+        context_parallel.check_context_parallel(config, ranks)
+    return run
+
+
 def tensor_parallel_check(n_head: int, vocab_size: int, ranks: int):
     """What step 8 checks before joining: whole heads and whole vocabulary slices per rank."""
     def run(monkeypatch):
@@ -463,10 +473,12 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more": degrees_check(
         {"dp": None, "tp": 1, "pp": 1, "sequence_parallel": True, "n_head": 2, "seq_len": 32, "micro_batches": None,
          "grad_accum": 2, "n_layer": 2}),
+    "step 11 does not draw dropout masks across the ring: use --dropout 0": context_parallel_check(
+        {"seq_len": 32, "dropout": 0.1}, 2),
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
-          "--sequence-parallel splits",
+          "--sequence-parallel splits", "step 11 does not",
           "--param-dtype bf16", "--max-memory-mb 100000")
 
 

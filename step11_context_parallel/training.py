@@ -1,0 +1,330 @@
+"""The pieces of one optimiser step that every step shares: optimiser, LR schedule, AMP, clipping, norms.
+
+They live here, not in each train.py, so that the numbers they produce are computed the same way
+in every step; parity between steps depends on it.
+"""
+import contextlib
+import math
+import os
+
+import torch
+
+from failures import UserError
+
+
+def params_in_order(optimizer) -> list:
+    """The optimiser's parameters, numbered as its state dict numbers them."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def check_one_process(step: str) -> None:
+    """Step 0 is one process: under torchrun each copy would train the whole model alone into the same --out."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise UserError(f"{step} is one process, but torchrun started {os.environ['WORLD_SIZE']}: each would train "
+                        "the whole model alone and write the same --out; run it with python, or run "
+                        "step1_torch_ddp under torchrun")
+
+
+def pick_device(choice: str, local_rank: int = 0) -> torch.device:
+    """``auto``: the local rank's GPU when there is one (ranks share GPUs round-robin), else the CPU."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def check_amp(amp: str, device: torch.device) -> None:
+    """Refuse an autocast mode this device cannot run, before any work is done."""
+    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError(f"--amp bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} "
+                        "has none: use --amp fp16 or --amp none")
+    if amp == "fp16":
+        try:  # the CPU path exists in recent PyTorch builds, not in all: ask it, do not guess
+            with torch.autocast(device.type, dtype=torch.float16):
+                torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
+            torch.amp.GradScaler(device.type)
+        except (RuntimeError, ValueError) as error:
+            raise UserError(f"--amp fp16 cannot run on {device.type} with this torch build "
+                            f"({str(error).splitlines()[0]}); use --amp bf16 or --amp none") from None
+
+
+def autocast(amp: str, device: torch.device):
+    """The forward-pass context of ``--amp``: parameters and gradients stay float32."""
+    if amp == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
+PARAM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_param_dtype_flag(parser) -> None:
+    """``--param-dtype``: the steps that keep float32 master weights beside 16-bit parameters (0, 5, 6, 7)."""
+    parser.add_argument("--param-dtype", choices=list(PARAM_DTYPES), default="float32",
+                        help="dtype of the parameters forward and backward compute in (and of the all-gathers); "
+                             "16 bits keeps a float32 master copy of the owned elements beside AdamW's moments")
+
+
+def param_dtype(config: dict) -> torch.dtype | None:
+    """The 16-bit parameter dtype of ``--param-dtype``, or None for float32 (no master copy)."""
+    dtype = PARAM_DTYPES[config.get("param_dtype", "float32")]
+    return None if dtype == torch.float32 else dtype
+
+
+def float32_masters(model, dtype) -> list | None:
+    """``--param-dtype`` (``dtype``, 16-bit): float32 ``(name, master)`` copies of the parameters, for AdamW to step,
+    and the model cast to ``dtype`` (the copy it computes in, rounded from the masters after every step). None, and
+    the model as it is, for float32."""
+    if dtype is None:
+        return None
+    masters = [(name, p.detach().clone().requires_grad_(p.requires_grad)) for name, p in model.named_parameters()]
+    model.to(dtype)
+    return masters
+
+
+def check_param_dtype(config: dict, device: torch.device) -> None:
+    """Refuse a ``--param-dtype`` that means nothing clear with the other flags, before any work is done."""
+    dtype = param_dtype(config)
+    if dtype is None:
+        return
+    if config["amp"] != "none":
+        raise UserError(f"--param-dtype {config['param_dtype']} already computes in 16 bits; --amp {config['amp']} "
+                        "would autocast on top of it: drop --amp (it is autocast over float32 weights)")
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError(f"--param-dtype bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} "
+                        "has none: use --param-dtype fp16")
+
+
+def needs_loss_scaling(config: dict) -> bool:
+    """fp16 gradients underflow without loss scaling, whether autocast (``--amp``) or the parameters made them."""
+    return config["amp"] == "fp16" or config.get("param_dtype") == "fp16"
+
+
+def make_grad_scaler(config: dict, device: torch.device, scaler_cls=torch.amp.GradScaler) -> torch.amp.GradScaler:
+    """fp16 gradients underflow without loss scaling; bf16 has float32's range and needs none.
+    Disabled, the scaler is a no-op with the same calls, so the loop has one shape for every mode.
+    The sharded steps pass their own ``scaler_cls``, which agrees on overflow across ranks."""
+    return scaler_cls(device.type, init_scale=config["loss_scale_init"], enabled=needs_loss_scaling(config))
+
+
+def decays(name: str) -> bool:
+    """Weight decay for the matrices and embeddings, none for biases and LayerNorm weights (GPT-2
+    practice). Decided by name, not by ``param.dim()``: a ZeRO-3 rank holds 1-D slices of everything."""
+    return not (name.endswith(".bias") or ".ln_" in name)
+
+
+def adamw_param_groups(named_params, config: dict) -> list[dict]:
+    named_params = [(n, p) for n, p in named_params if p.requires_grad]
+    return [
+        {"params": [p for n, p in named_params if decays(n)], "weight_decay": config["weight_decay"]},
+        {"params": [p for n, p in named_params if not decays(n)], "weight_decay": 0.0},
+    ]
+
+
+def adamw_options(config: dict) -> dict:
+    """AdamW's hyperparameters, and one implementation of its update for every step and reference of a run:
+    the two implementations group their arithmetic differently, and parity is bitwise. torch's default on
+    each device, pinned: the single-tensor update on the CPU, the multi-tensor (``foreach``) kernels on a
+    GPU, where the single-tensor update launches a dozen small kernels per parameter. A config without a
+    device (a script of one's own) gets ``foreach=None``: torch's default for the parameters' device, the same."""
+    from config import on_cuda
+    foreach = on_cuda(config) if "device" in config else None
+    return {"lr": config["lr"], "betas": (config["beta1"], config["beta2"]), "foreach": foreach}
+
+
+def make_optimizer(named_params, config: dict) -> torch.optim.AdamW:
+    return torch.optim.AdamW(adamw_param_groups(named_params, config), **adamw_options(config))
+
+
+def lr_at(step: int, config: dict) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at the last step.
+    ``step`` counts optimiser steps from 0. A pure function of the step: resume needs no scheduler state."""
+    lr, min_lr, warmup, total = config["lr"], config["min_lr"], config["warmup_steps"], config["steps"]
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - 1 - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (lr - min_lr)
+
+
+def make_scheduler(optimizer, config: dict) -> torch.optim.lr_scheduler.LambdaLR:
+    """``lr_at`` as a PyTorch scheduler (its state_dict is checkpointed like every other state)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, config) / config["lr"])
+
+
+def sum_of_squares(tensors) -> torch.Tensor:
+    """Sum of the squares of all elements of all tensors, accumulated and returned in float64 on the CPU.
+
+    Each float32 square is exact in float64, and the float64 sum carries ~29 more bits than a
+    float32 result keeps: splitting or reordering the sum moves it by ~1e-16 relative. So a ZeRO
+    rank that sums the squares of its slices and then all-reduces the sums gets, after the square
+    root is rounded to float32, the clipping norm a DDP rank gets (unless the norm sits right on a
+    float32 rounding boundary). On a GPU the elements are taken in pieces of 4M across tensors
+    (``_pieces``): a GPT-2 small's 148 gradients in 21 pieces, three kernels each, not three per tensor
+    (profiled on an H200, step 0 spent its step launching kernels more than running them). On the CPU,
+    tensor by tensor: each one's float64 squares stay in cache (6x faster than pieces, measured here).
+    """
+    tensors = list(tensors)
+    pieces = _pieces(tensors) if tensors and tensors[0].is_cuda else (t.detach() for t in tensors)
+    total = None  # summed on the tensors' device, in order; one copy to the CPU at the end (one GPU sync, not one
+    for x in pieces:  # per piece): float64 additions in the same order give the same bits on either device
+        square = x.double().pow(2).sum()
+        total = square if total is None else total + square.to(total.device)
+    return torch.zeros((), dtype=torch.float64) if total is None else total.cpu()
+
+
+def clip_grad_norm(params, max_norm: float, groups=(), counted=None, device=None) -> torch.Tensor:
+    """Scale the gradients of ``params`` in place so that the whole model's gradient has norm at most
+    ``max_norm``; return that norm before clipping, in float32. The rule of ``torch.nn.utils.clip_grad_norm_``
+    (coefficient max_norm / (norm + 1e-6), capped at 1, in float32), and one function for every layout, after
+    torchtitan's ``clip_grad_norm_(..., pp_mesh=)``:
+
+    - ``params``: every parameter whose ``.grad`` this rank scales (whole tensors; ZeRO's slices or float32
+      masters; a stage's; tensor-parallel shards);
+    - ``counted``: those whose gradients' squares this rank adds (default ``params``). Across the ranks of
+      ``groups``, every element of the model's gradient is counted exactly once: a slice or a shard on its own
+      rank, a replica on one rank only (step 8's LayerNorms on tp rank 0; the tied embedding on the first stage);
+    - ``groups``: the process groups whose ranks hold the rest, all-reduced in turn (ZeRO's ranks; the
+      pipeline's stages; tp, then pp, in step 10). ``device``: where nccl reduces (default: the gradients').
+
+    The squares are added in float64 (``sum_of_squares``) and the norm rounded to float32: cut into slices or
+    stages and added in another grouping, the float64 sum moves by ~1e-16 relative, far below float32's
+    rounding, so every layout gets the float32 norm one process gets (unless it sits within ~1e-16 of a
+    float32 rounding boundary). Not exact, unlike ``param_norm``: exactness would cost ~25x the time here.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = sum_of_squares(grads if counted is None else [p.grad for p in counted if p.grad is not None])
+    squares = _summed_over(squares, groups, device or (grads[0].device if grads else torch.device("cpu")))
+    norm = squares.sqrt().float()
+    scale_gradients(grads, norm, max_norm)
+    return norm
+
+
+def scale_gradients(grads, norm: torch.Tensor, max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_``'s rule, given the float32 ``norm``: ``grads`` times max_norm / (norm +
+    1e-6), capped at 1; ``max_norm`` 0 leaves them alone (no clipping)."""
+    if max_norm > 0:
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        by_device = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        for device, same_device in by_device.items():  # one multi-tensor multiply per device, as torch's does
+            torch._foreach_mul_(same_device, coefficient.to(device))
+
+
+def param_norm(tensors, groups=(), device=None) -> float:
+    """The whole model's parameter norm, in float64, from this rank's ``tensors`` (every element counted once
+    across the ranks of ``groups``, as for ``clip_grad_norm``). In float64: a float32 norm of ~30 would round
+    to steps of 4e-6, coarser than the 1e-6 parity limit. Exact rather than summed in float64
+    (``square_sum_parts``): records are compared bitwise, and a float64 sum rounds differently when the same
+    numbers are grouped differently (by tensor here, by slice in ZeRO-3, by stage in step 9), in the last bit;
+    integers do not."""
+    tensors = list(tensors)
+    parts = square_sum_parts(tensors)
+    return norm_from_parts(_summed_over(parts, groups, device or (tensors[0].device if tensors else None)))
+
+
+def _summed_over(tensor: torch.Tensor, groups, device) -> torch.Tensor:
+    """``tensor`` (on the CPU) all-reduced over each of ``groups`` in turn, on ``device`` (nccl reduces device
+    tensors only), back on the CPU. Counted in the records' communication bytes (comm_accounting.py)."""
+    if not groups:
+        return tensor
+    import torch.distributed as dist
+    from comm_accounting import count_collective  # steps 1 on (step 0 has no groups)
+    tensor = tensor.to(device or "cpu")
+    for group in groups:
+        count_collective("all_reduce", tensor)
+        dist.all_reduce(tensor, group=group)
+    return tensor.cpu()
+
+
+# Exponents frexp gives a float32 (subnormals included): x = mantissa * 2**e, -148 <= e <= 128.
+MIN_EXPONENT, EXPONENTS = -148, 277
+
+
+def square_sum_parts(tensors) -> torch.Tensor:
+    """The sum of the squares of every element of ``tensors`` (float32 or narrower), *exactly*, as integers.
+
+    Each float32 is m * 2**(e - 24) with an integer |m| < 2**24, so its square is the integer m**2 (< 2**48)
+    times 2**(2e - 48). Row 0 and 1 of the result hold, per exponent e, the sums of the high and low 24 bits
+    of those integers (each sum is exact: bincount adds integers below 2**24 in float64, exact up to 2**29
+    elements per exponent); row 2 counts NaNs and infinities. Integers add exactly in any order, so the
+    parts of a tensor's slices, summed (or all-reduced) in any grouping, are the parts of the tensor: a
+    ZeRO-3 rank that holds only slices gets the very bits a rank holding everything gets (``param_norm``).
+    """
+    parts = None
+    for x in _pieces(tensors):
+        if parts is None:
+            parts = torch.zeros(3, EXPONENTS, dtype=torch.int64, device=x.device)
+        parts[2, 0] += torch.isnan(x).sum().to(parts.device)
+        parts[2, 1] += torch.isinf(x).sum().to(parts.device)
+        mantissa, exponent = torch.frexp(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
+        square = (mantissa.double() * 2.0**24) ** 2  # the integer m**2, exact in float64
+        high = torch.floor(square * 2.0**-24)
+        low = square - high * 2.0**24
+        bins = exponent.long() - MIN_EXPONENT
+        parts[0] += _sums_by_bin(bins, high).long().to(parts.device)
+        parts[1] += _sums_by_bin(bins, low).long().to(parts.device)
+    return torch.zeros(3, EXPONENTS, dtype=torch.int64) if parts is None else parts.cpu()
+
+
+def _pieces(tensors):
+    """The elements of ``tensors`` in float32, flattened and regrouped into pieces of one device each, 4M
+    elements on a GPU, 1M on the CPU (the last one shorter). Integer sums do not care how the elements are
+    grouped, so the grouping is chosen for speed and memory: on a GPU, a GPT-2's 148 tensors make 21 pieces,
+    not 148 rounds of a dozen small kernels; a piece's float64 intermediates take ~44 bytes an element."""
+    pending, count, size = [], 0, None
+    for t in tensors:
+        rest = t.detach().reshape(-1)
+        if pending and rest.device != pending[0].device:  # a piece lies on one device
+            yield torch.cat(pending)
+            pending, count = [], 0
+        size = 1 << (22 if rest.is_cuda else 20)
+        while rest.numel():
+            take = min(size - count, rest.numel())
+            pending.append(rest[:take].float())
+            rest, count = rest[take:], count + take
+            if count == size:
+                yield torch.cat(pending) if len(pending) > 1 else pending[0]
+                pending, count = [], 0
+    if pending:
+        yield torch.cat(pending) if len(pending) > 1 else pending[0]
+
+
+def _sums_by_bin(bins: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per bin, the sum of ``values`` (integers below 2**24 in float64, at most 2**22 of them). On the CPU
+    ``bincount``. On a GPU atomic adds (``_atomic_sums_by_bin``)."""
+    if values.device.type == "cpu":
+        return torch.bincount(bins, weights=values, minlength=EXPONENTS)
+    return _atomic_sums_by_bin(bins, values)
+
+
+LANES = 4096  # addresses per bin for the GPU's atomic adds
+
+
+def _atomic_sums_by_bin(bins: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``index_add_``'s atomic adds: their order varies from run to run, but every partial sum is an integer
+    below 2**46, exact in float64, so the result cannot. Two things make it fast. Each bin's adds are spread
+    over ``LANES`` addresses by element position (a GPT-2's values fall in a few dozen bins, and atomic adds
+    to one address wait for each other), and the lanes are summed after: exact too. And deterministic mode,
+    which refuses atomic float adds, is lifted for this one call: its sorted replacement adds each bin's
+    values one after the other (6 s a step for GPT-2 small's 87M parameters, measured on an H100)."""
+    deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        lanes = torch.arange(bins.numel(), device=bins.device) % LANES
+        spread = torch.zeros(EXPONENTS * LANES, dtype=torch.float64, device=values.device)
+        return spread.index_add_(0, bins * LANES + lanes, values).view(EXPONENTS, LANES).sum(1)
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
+def norm_from_parts(parts: torch.Tensor) -> float:
+    """sqrt of the sum ``square_sum_parts`` describes: the exact sum, rounded once to float64 (Python's int
+    division is correctly rounded), then a correctly rounded square root."""
+    nans, infs = parts[2].tolist()[:2]
+    if nans or infs:
+        return math.nan if nans else math.inf
+    total = sum(((high << 24) + low) << (2 * i) for i, (high, low) in enumerate(zip(*parts[:2].tolist())))
+    return math.sqrt(total / (1 << (48 - 2 * MIN_EXPONENT)))  # bin i is worth 2**(2 * (i + MIN_EXPONENT) - 48)

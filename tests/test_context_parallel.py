@@ -1,0 +1,230 @@
+"""Step 11: context parallelism (context_parallel.py), ring attention over a sequence split in 2C chunks.
+
+The ring merges partial softmaxes in another order than one process does, so its proof is against a
+single-process blockwise reference written here, independently of the ring (no communication, its own
+chunk layouts): the same pairs of chunks in the same order, forward and backward, bit for bit. Against
+exact attention (PyTorch's scaled_dot_product_attention in float64) it is close, and the trainer is compared
+with step 0 on the same micro-batches, the way step 8 is (another summation order, the numbers asserted).
+"""
+import json
+import math
+import os
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from conftest import REPO, free_port, metrics, parity, train
+
+FOLDER = REPO / "step11_context_parallel"
+B, H, S, D = 2, 3, 32, 8
+
+
+def inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(4))
+    return q, k, v, dout
+
+
+# ---- the reference: one process, chunk pairs in the ring's order -----------------------------------
+
+def rank_chunks(rank, cp, layout):
+    return [rank, 2 * cp - 1 - rank] if layout == "zigzag" else [2 * rank, 2 * rank + 1]
+
+
+def blockwise(q, k, v, dout, cp, layout):
+    """For each rank: its output, dq, and (at its owner) dk, dv, computed chunk pair by chunk pair. A rank r meets
+    the key chunks of ranks r, r-1, ..., r-C+1 in turn; the key chunks of rank o collect their gradients at
+    ranks o, o+1, ..., o+C-1 in turn."""
+    n = S // (2 * cp)
+    part = {c: slice(c * n, (c + 1) * n) for c in range(2 * cp)}
+    scale = 1 / math.sqrt(D)
+
+    def scores(a, b):
+        s = (q[:, :, part[a]] @ k[:, :, part[b]].transpose(-2, -1)).float() * scale
+        return s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")) if a == b else s
+
+    out, lse = {}, {}
+    for r in range(cp):
+        for a in rank_chunks(r, cp, layout):
+            for o in [(r - t) % cp for t in range(cp)]:
+                for b in rank_chunks(o, cp, layout):
+                    if b > a:
+                        continue
+                    s = scores(a, b)
+                    l_b = torch.logsumexp(s, -1, keepdim=True)
+                    o_b = (torch.exp(s - l_b).to(v.dtype) @ v[:, :, part[b]]).float()
+                    if a not in out:
+                        out[a], lse[a] = o_b, l_b
+                    else:
+                        both = torch.logaddexp(lse[a], l_b)
+                        out[a] = out[a] * torch.exp(lse[a] - both) + o_b * torch.exp(l_b - both)
+                        lse[a] = both
+    out = {a: o.to(q.dtype) for a, o in out.items()}
+    delta = {a: (dout[:, :, part[a]].float() * out[a].float()).sum(-1, keepdim=True) for a in out}
+    dq = {a: torch.zeros(B, H, n, D) for a in out}
+    dk, dv = {b: torch.zeros(B, H, n, D) for b in out}, {b: torch.zeros(B, H, n, D) for b in out}
+    for r in range(cp):  # dq: rank r's queries meet the blocks in ring order
+        for t in range(cp):
+            o = (r - t) % cp
+            for a in rank_chunks(r, cp, layout):
+                for b in rank_chunks(o, cp, layout):
+                    if b > a:
+                        continue
+                    p = torch.exp(scores(a, b) - lse[a])
+                    ds = (p * ((dout[:, :, part[a]] @ v[:, :, part[b]].transpose(-2, -1)).float() - delta[a])
+                          * scale).to(q.dtype)
+                    dq[a] += (ds @ k[:, :, part[b]]).float()
+    for o in range(cp):  # dk, dv: rank o's block collects at ranks o, o+1, ... in turn
+        for t in range(cp):
+            r = (o + t) % cp
+            for a in rank_chunks(r, cp, layout):
+                for b in rank_chunks(o, cp, layout):
+                    if b > a:
+                        continue
+                    p = torch.exp(scores(a, b) - lse[a])
+                    dv[b] += (p.to(v.dtype).transpose(-2, -1) @ dout[:, :, part[a]]).float()
+                    ds = (p * ((dout[:, :, part[a]] @ v[:, :, part[b]].transpose(-2, -1)).float() - delta[a])
+                          * scale).to(q.dtype)
+                    dk[b] += (ds.transpose(-2, -1) @ q[:, :, part[a]]).float()
+    per_rank = {}
+    for r in range(cp):
+        mine = rank_chunks(r, cp, layout)
+        per_rank[r] = [torch.cat([t[c].to(q.dtype) for c in mine], dim=2) for t in (out, dq, dk, dv)]
+    return per_rank
+
+
+# ---- the ring, as someone uses it in their own script -----------------------------------------------
+
+def saved_bytes(fn, *tensors) -> int:
+    """Bytes autograd keeps for backward while ``fn`` runs (each storage once)."""
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*tensors)
+    return sum(kept.values())
+
+
+def ring_worker(rank, cp, port, out_dir):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=cp, timeout=timedelta(seconds=60))  # group first
+    sys.path.insert(0, str(FOLDER))
+    from context_parallel import RingAttention, sequence_shard
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for layout in ("zigzag", "contiguous"):
+            q, k, v, dout = (sequence_shard(t, layout=layout, dim=2) for t in inputs(dtype))
+            q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+            out = RingAttention.apply(q, k, v, None, layout)
+            out.backward(dout)
+            results[f"{dtype}/{layout}"] = [out.detach(), q.grad, k.grad, v.grad]
+    q, k, v = (sequence_shard(t, dim=2).requires_grad_() for t in inputs(torch.float32)[:3])
+    results["saved_bytes"] = saved_bytes(lambda *t: RingAttention.apply(*t, None, "zigzag"), q, k, v)
+    torch.save(results, out_dir / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ring_results(tmp_path_factory):
+    """Every rank's output and gradients at C = 1, 2 and 4, both layouts, float32 and bf16 (one job per C)."""
+    found = {}
+    for cp in (1, 2, 4):
+        out_dir = tmp_path_factory.mktemp(f"ring{cp}")
+        mp.start_processes(ring_worker, args=(cp, free_port(), out_dir), nprocs=cp, start_method="spawn")
+        found[cp] = {r: torch.load(out_dir / f"rank{r}.pt") for r in range(cp)}
+    return found
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_attention_is_bitwise_the_blockwise_reference(ring_results, cp, dtype, layout):
+    expected = blockwise(*inputs(dtype), cp, layout)
+    for rank in range(cp):
+        got = ring_results[cp][rank][f"{dtype}/{layout}"]
+        for name, g, e in zip(("output", "dq", "dk", "dv"), got, expected[rank]):
+            assert g.dtype == dtype and torch.equal(g, e), f"rank {rank}: {name} differs by {(g - e).abs().max()}"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_is_attention(ring_results, cp):
+    """Against PyTorch's causal attention in float64 on the whole sequence: float32's rounding, no more."""
+    q, k, v, dout = (t.double().requires_grad_() for t in inputs(torch.float32))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.backward(dout.detach())
+    exact = [out.detach(), q.grad, k.grad, v.grad]
+    sys.path.insert(0, str(FOLDER))
+    from context_parallel import shard_positions
+    for rank in range(cp):
+        positions = shard_positions(S, rank, cp, "zigzag")
+        got = ring_results[cp][rank]["torch.float32/zigzag"]
+        for name, g, e in zip(("output", "dq", "dk", "dv"), got, exact):
+            error = (g.double() - e[:, :, positions]).abs().max().item()
+            assert error < 2e-6, f"rank {rank}: {name} off by {error}"
+
+
+def test_zigzag_balances_the_work_the_causal_mask_leaves():
+    """The pairs each rank computes (attention_pairs) against the causal mask itself: a pair of chunks is work
+    when any of its query positions sees any of its key positions. Zig-zag: 2C + 1 on every rank."""
+    sys.path.insert(0, str(FOLDER))
+    from context_parallel import attention_pairs
+    for cp in (1, 2, 3, 4, 8):
+        n = 4
+        visible = torch.ones(2 * cp * n, 2 * cp * n, dtype=torch.bool).tril()
+        for layout in ("zigzag", "contiguous"):
+            work = []
+            for rank in range(cp):
+                pairs = sum(bool(visible[a * n:(a + 1) * n, b * n:(b + 1) * n].any())
+                            for a in rank_chunks(rank, cp, layout) for b in range(2 * cp))
+                assert attention_pairs(rank, cp, layout) == pairs, (cp, layout, rank)
+                work.append(pairs)
+            if layout == "zigzag":
+                assert work == [2 * cp + 1] * cp
+            else:
+                assert work == [4 * r + 3 for r in range(cp)]
+
+
+def test_no_rank_keeps_a_score_matrix(ring_results):
+    """What the ring keeps for backward: q, k, v, its output and one lse per query, S/C tokens each: 1/C of C = 1's
+    bytes on every rank. model.py's attention keeps its S x S probabilities per head besides."""
+    sys.path.insert(0, str(REPO / "common"))
+    from model import CausalSelfAttention, GPTConfig
+    ring = (4 * B * H * S * D + B * H * S) * 4  # float32, C = 1
+    for cp in (1, 2, 4):
+        assert [ring_results[cp][r]["saved_bytes"] for r in range(cp)] == [ring // cp] * cp, cp
+    math_attention = CausalSelfAttention(GPTConfig(vocab_size=8, seq_len=S, n_layer=1, n_head=H, n_embd=H * D))
+    whole = saved_bytes(math_attention, torch.randn(B, S, H * D, requires_grad=True))
+    assert whole - ring >= B * H * S * S * 4 - B * H * S * 4  # the probabilities (softmax's output), S x S per head
+
+
+# ---- the trainer ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def step0_run(tmp_path_factory, small_corpus):
+    return train("step0", tmp_path_factory.mktemp("cp_step0"), small_corpus)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_step11_trains_like_step0_in_another_summation_order(step0_run, cp, tmp_path, small_corpus):
+    """The same micro-batches as one process: the first step's loss to float32's rounding, the weights close
+    after 4 steps (parity.py's tolerances), the replicas identical."""
+    run = train("step11", tmp_path / "cp", small_corpus, nproc=cp)
+    first, ours = metrics(step0_run)["records"][0], metrics(run)["records"][0]
+    assert abs(ours["loss"] - first["loss"]) / first["loss"] < 1e-6, (ours["loss"], first["loss"])
+    assert metrics(run)["env"]["context_parallel_size"] == cp
+    assert metrics(run)["final"]["replicas_identical"]
+    result = parity(step0_run, run)
+    assert result.returncode == 0 and "PASS" in result.stdout, result.stdout
+    sends = metrics(run)["records"][0]["comm"]["send"]  # per micro-batch: forward and backward, every block
+    tokens, width, layers = 2 * 32 // cp, 32, 2  # TINY: micro-batch 2, 32 tokens, n_embd 32, 2 layers
+    kv, grads = 2 * tokens * width * 4, 2 * tokens * width * 4  # k and v (float32); their float32 gradients
+    assert sends == 2 * layers * ((cp - 1) * kv * 2 + cp * grads), json.dumps(metrics(run)["records"][0]["comm"])
