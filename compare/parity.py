@@ -41,7 +41,7 @@ KEY_DEFAULTS = {"param_dtype": "float32"}  # what a run of a step without the fl
 
 
 STEP_FOLDER = re.compile(r"step(\d+)_\w+")  # step0_single_gpu ... step10_3d_parallel
-MODEL_PARALLEL_FROM = 8  # steps 8 and up split the model, not the batch: their sums are not step 1's (README)
+MODEL_PARALLEL_FROM = 8  # steps 8 and up split the model or the sequence, not the batch: their sums are not step 1's
 
 
 def step_number(folder: str) -> int:

@@ -17,7 +17,8 @@ order than step 1; its difference is printed the same way (the first step's loss
 relative to step 1's, and the drift), and it is skipped when ``--nproc`` does not divide its heads. Step 10
 runs its ``--nproc`` ranks as a dp x tp mesh, tp = 2 and dp = nproc / 2, each replica accumulating as many
 micro-batches as make step 1's global batch (at 2 ranks: one replica of tp 2, step 8's run); its difference
-to step 1 is step 8's kind, printed the same way (skipped for an odd ``--nproc``). It also
+to step 1 is step 8's kind, printed the same way (skipped for an odd ``--nproc``). Step 11 splits every sequence
+over the ``--nproc`` ranks (skipped when 2 x nproc chunks do not cut ``--seq-len``); printed as step 8 is. It also
 says whether a run had a rank consistently slower than the others (compare/stragglers.py): that is
 information, not a failure.
 Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see --runs-dir).
@@ -70,6 +71,7 @@ def check_the_data_feeds(nproc: int, extra: list[str]) -> tuple[dict, int]:
 
 SPLITS_HEADS = {8}  # tensor parallelism: --nproc must divide the heads and the vocabulary
 MESH = 10  # step 10: a dp x tp mesh, tp = 2
+CONTEXT = 11  # step 11: the sequence cut into 2 x nproc chunks
 
 
 def mesh_flags(nproc: int) -> list[str]:
@@ -80,7 +82,7 @@ def mesh_flags(nproc: int) -> list[str]:
 
 
 def splits_the_model(step: str) -> bool:
-    """Steps 8 and up: their ranks share one stream of micro-batches (model parallelism, not data)."""
+    """Steps 8 and up: their ranks share one stream of micro-batches (they split the model or the sequence)."""
     return number(step) >= parity.MODEL_PARALLEL_FROM
 
 
@@ -135,6 +137,9 @@ def main() -> int:
                            "--nproc must divide both)")
         elif number(step) == MESH and (args.nproc % 2 or config["n_head"] % 2 or vocab_size % 2):
             skipped.append(f"{step} (a dp x tp mesh with tp = 2: --nproc and the heads must be even)")
+        elif number(step) == CONTEXT and config["seq_len"] % (2 * args.nproc):
+            skipped.append(f"{step} (cuts --seq-len {config['seq_len']} into 2 x {args.nproc} chunks: "
+                           f"use a multiple of {2 * args.nproc})")
         else:
             steps.append(step)
     runs = {step: str(args.runs_dir / step) for step in steps}
