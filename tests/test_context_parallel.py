@@ -144,6 +144,7 @@ def ring_results(tmp_path_factory):
     return found
 
 
+@pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -155,6 +156,7 @@ def test_ring_attention_is_bitwise_the_blockwise_reference(ring_results, cp, dty
             assert g.dtype == dtype and torch.equal(g, e), f"rank {rank}: {name} differs by {(g - e).abs().max()}"
 
 
+@pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_is_attention(ring_results, cp):
     """Against PyTorch's causal attention in float64 on the whole sequence: float32's rounding, no more."""
@@ -172,6 +174,7 @@ def test_ring_attention_is_attention(ring_results, cp):
             assert error < 2e-6, f"rank {rank}: {name} off by {error}"
 
 
+@pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 def test_zigzag_balances_the_work_the_causal_mask_leaves():
     """The pairs each rank computes (attention_pairs) against the causal mask itself: a pair of chunks is work
     when any of its query positions sees any of its key positions. Zig-zag: 2C + 1 on every rank."""
@@ -193,6 +196,7 @@ def test_zigzag_balances_the_work_the_causal_mask_leaves():
                 assert work == [4 * r + 3 for r in range(cp)]
 
 
+@pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 def test_no_rank_keeps_a_score_matrix(ring_results):
     """What the ring keeps for backward: q, k, v, its output and one lse per query, S/C tokens each: 1/C of C = 1's
     bytes on every rank. model.py's attention keeps its S x S probabilities per head besides."""
@@ -213,7 +217,7 @@ def step0_run(tmp_path_factory, small_corpus):
     return train("step0", tmp_path_factory.mktemp("cp_step0"), small_corpus)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [pytest.param(2, marks=pytest.mark.quick), 4])
 def test_step11_trains_like_step0_in_another_summation_order(step0_run, cp, tmp_path, small_corpus):
     """The same micro-batches as one process: the first step's loss to float32's rounding, the weights close
     after 4 steps (parity.py's tolerances), the replicas identical."""
