@@ -25,9 +25,12 @@ on a rank's tokens unchanged. Here:
    attention's backward); the key/value blocks travel the same way, each with a float32 buffer for its
    dK and dV that every rank adds its queries' part to; one more pass brings each buffer home.
 6. **The loss and the gradients.** Each rank's loss is the mean over its S/C tokens of every sequence;
-   every rank has as many, so the mean of the ranks' gradients (step 3's all-reduce, over the group) is
-   the gradient of the mean over all tokens: context parallelism is data parallelism over positions.
+   every rank has as many, so the mean of the ranks' gradients (step 3's all-reduce) is the gradient of the
+   mean over all tokens: context parallelism is data parallelism over positions. Beside data parallelism
+   (``--cp`` below the world size) the ranks are laid out ``arange(world).view(dp, cp)``, one ring per row,
+   and the same all-reduce over every rank averages both.
 """
+import functools
 import math
 
 import torch
@@ -64,8 +67,11 @@ def attention_pairs(rank: int, cp: int, layout: str = "zigzag") -> int:
                for key in chunks_of(chunk_rank, cp, layout))
 
 
-def check_context_parallel(config: dict, cp: int) -> None:
+def check_context_parallel(config: dict, cp: int, world_size: int) -> None:
     """Refuse what the ring cannot split, before anything starts (one line each, docs/bad_input.md)."""
+    if cp < 1 or world_size % cp:
+        raise UserError(f"--cp {cp} does not divide the {world_size} ranks into rings: launch a multiple of {cp} "
+                        "processes, or change --cp")
     if config["seq_len"] % (2 * cp):
         raise UserError(f"--seq-len {config['seq_len']} is cut into 2 x {cp} chunks for {cp} ranks: "
                         f"use a multiple of {2 * cp}")
@@ -189,9 +195,20 @@ class RingSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
+def context_parallel_groups(cp: int):
+    """(this rank's ring, its data-parallel index): the ranks laid out ``arange(world).view(dp, cp)``, one ring
+    per row (rule 6). Every rank creates every group, in the same order; one ring of every rank is the world."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if cp == world_size:
+        return None, 0
+    rings = [dist.new_group(row) for row in torch.arange(world_size).view(-1, cp).tolist()]
+    return rings[rank // cp], rank // cp
+
+
 def context_parallel_gpt2(model: nn.Module, group=None, layout: str = "zigzag") -> nn.Module:
     """Our GPT-2 (model.py), in place, for its rank of ``group``: it takes the whole micro-batch and returns
-    the logits of this rank's positions (rule 1); the targets go through ``sequence_shard`` too."""
+    the logits of this rank's positions (rule 1); ``model.sequence_shard(targets)`` gives the targets of those."""
+    model.sequence_shard = functools.partial(sequence_shard, group=group, layout=layout)
     model.transformer.wte.register_forward_pre_hook(lambda module, args: (sequence_shard(args[0], group, layout),))
     model.transformer.wpe.register_forward_pre_hook(  # the global positions of this rank's tokens
         lambda module, args: (sequence_shard(args[0], group, layout, dim=0),))

@@ -23,7 +23,7 @@ from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from resharding import find_checkpoint, open_checkpoint
-from context_parallel import LAYOUTS, check_context_parallel, context_parallel_gpt2, sequence_shard
+from context_parallel import LAYOUTS, check_context_parallel, context_parallel_gpt2, context_parallel_groups
 from naive_dp import allreduce_gradients, replicas_in_sync
 from sampler import ShardedSampler
 from seeding import seed_everything
@@ -44,7 +44,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     for micro_step, (inputs, targets) in enumerate(micro_batches):
         with record_function("forward"), autocast(config["amp"], device):
             logits = model(inputs.to(device))  # the logits of this rank's positions (rule 1)
-            targets = sequence_shard(targets.to(device), layout=config["cp_layout"])
+            targets = model.sequence_shard(targets.to(device))
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())  # over this rank's tokens
         with record_function("backward"):
             scaler.scale(loss / accum).backward()  # the key/value gradients travel the ring in here
@@ -66,6 +66,8 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
+    parser.add_argument("--cp", type=int, help="ranks that split each sequence (default: all of them); the "
+                        "world size / cp rings split the batch, as data parallelism does")
     parser.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag",
                         help="which chunks of the sequence each rank keeps (rule 4: contiguous is unbalanced)")
     config = parse_config(parser)
@@ -74,43 +76,45 @@ def main():
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
-    check_context_parallel(config, world.world_size)  # the sequence cut into 2 x C chunks
-    check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
+    cp = config["cp"] or world.world_size
+    check_context_parallel(config, cp, world.world_size)  # rings of cp ranks, the sequence cut into 2 x cp chunks
+    dp = world.world_size // cp  # data-parallel replicas, each a ring
+    check_enough_data(len(corpus.blocks), dp, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
-    # One data-parallel replica: the C ranks draw the samples one process would.
-    resumed = open_checkpoint(resume_from, config, 1, world.is_main) if resume_from else None
+    resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
     distributed.join(world, config["timeout_s"])
     device = world.device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
-    # Every rank reads every sample: the ranks share each micro-batch and split its sequences.
-    sampler = ShardedSampler(len(corpus.blocks), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
+    # The ranks of a ring share each micro-batch and split its sequences; the rings split the batch (step 2).
+    ring, dp_rank = context_parallel_groups(cp)
+    sampler = ShardedSampler(len(corpus.blocks), num_replicas=dp, rank=dp_rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # The same whole model on every rank (a pure function of the seed), taking this rank's positions.
-    model = context_parallel_gpt2(build_model(config, corpus.vocab_size, config["seed"]), layout=config["cp_layout"])
+    model = context_parallel_gpt2(build_model(config, corpus.vocab_size, config["seed"]), ring, config["cp_layout"])
     model = model.to(device)
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
-    env.update(context_parallel_size=world.world_size, data_parallel_size=1)  # parity.py: the global batch
+    env.update(context_parallel_size=cp, data_parallel_size=dp)  # parity.py: the global batch
     log = RunLog(config, env, is_writer=world.is_main)
     # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
     # state is copied to memory and a thread writes it (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()},
-        [RunState(scheduler, scaler, batches, log), WholeModel(model, optimizer)], data_parallel_size=1)
+        [RunState(scheduler, scaler, batches, log), WholeModel(model, optimizer)], data_parallel_size=dp)
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
-    tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
+    tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * dp
 
     # ---- the training loop ---------------------------------------------------------------------
     preemption = Preemption(config["preempt_grace_s"], world.rank)  # --preempt-grace-s: SIGTERM saves, then exits
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        micro_batches = [batches.next() for _ in range(accum)]  # the same micro-batches on every rank
+        micro_batches = [batches.next() for _ in range(accum)]  # the same micro-batches on every rank of a ring
         loss_sum, grad_norm, memory = train_step(model, optimizer, scaler, micro_batches, config, device)
         scheduler.step()
 
@@ -124,7 +128,7 @@ def main():
             "param_norm": param_norm(model.parameters()),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
-            "effective_batch_size": config["micro_batch_size"] * accum,
+            "effective_batch_size": config["micro_batch_size"] * accum * dp,
             "epoch": batches.epoch,
             **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
             "comm": take_comm_bytes(),

@@ -232,3 +232,17 @@ def test_step11_trains_like_step0_in_another_summation_order(step0_run, cp, tmp_
     tokens, width, layers = 2 * 32 // cp, 32, 2  # TINY: micro-batch 2, 32 tokens, n_embd 32, 2 layers
     kv, grads = 2 * tokens * width * 4, 2 * tokens * width * 4  # k and v (float32); their float32 gradients
     assert sends == 2 * layers * ((cp - 1) * kv * 2 + cp * grads), json.dumps(metrics(run)["records"][0]["comm"])
+
+
+def test_rings_beside_data_parallelism_train_like_step1(step1_ws2, tmp_path, small_corpus):
+    """--cp 2 on 4 ranks: two rings, each a data-parallel replica reading step 1's rank's samples (rule 6). The same
+    global batches as step 1 at 2 ranks: the first loss to float32's rounding, the weights within parity.py's
+    tolerances; every rank's replica the same bits."""
+    run = train("step11", tmp_path / "dp2cp2", small_corpus, "--cp", "2", nproc=4)
+    env, first = metrics(run)["env"], metrics(run)["records"][0]
+    assert (env["context_parallel_size"], env["data_parallel_size"]) == (2, 2)
+    reference = metrics(step1_ws2)["records"][0]
+    assert abs(first["loss"] - reference["loss"]) / reference["loss"] < 1e-6, (first["loss"], reference["loss"])
+    assert metrics(run)["final"]["replicas_identical"]
+    result = parity(step1_ws2, run)
+    assert result.returncode == 0 and "PASS" in result.stdout, result.stdout
