@@ -18,9 +18,9 @@ relative to step 1's, and the drift), and it is skipped when ``--nproc`` does no
 runs its ``--nproc`` ranks as a dp x tp mesh, tp = 2 and dp = nproc / 2, each replica accumulating as many
 micro-batches as make step 1's global batch (at 2 ranks: one replica of tp 2, step 8's run); its difference
 to step 1 is step 8's kind, printed the same way (skipped for an odd ``--nproc``). Step 11 splits every sequence
-over the ``--nproc`` ranks (skipped when 2 x nproc chunks do not cut ``--seq-len``, and with dropout); printed
-as step 8 is. It also says whether a run had a rank consistently slower than the others (compare/stragglers.py):
-that is information, not a failure.
+over the ``--nproc`` ranks (skipped when 2 x nproc chunks do not cut ``--seq-len``); printed as step 8 is. It
+also says whether a run had a rank consistently slower than the others (compare/stragglers.py): that is
+information, not a failure.
 Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see --runs-dir).
 """
 import statistics
@@ -140,8 +140,6 @@ def main() -> int:
         elif number(step) == CONTEXT and config["seq_len"] % (2 * args.nproc):
             skipped.append(f"{step} (cuts --seq-len {config['seq_len']} into 2 x {args.nproc} chunks: "
                            f"use a multiple of {2 * args.nproc})")
-        elif number(step) == CONTEXT and config["dropout"]:
-            skipped.append(f"{step} (draws no dropout masks across its ring: runs with --dropout 0)")
         else:
             steps.append(step)
     runs = {step: str(args.runs_dir / step) for step in steps}

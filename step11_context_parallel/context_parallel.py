@@ -29,6 +29,10 @@ on a rank's tokens unchanged. Here:
    mean over all tokens: context parallelism is data parallelism over positions. Beside data parallelism
    (``--cp`` below the world size) the ranks are laid out ``arange(world).view(dp, cp)``, one ring per row,
    and the same all-reduce over every rank averages both.
+7. **Dropout.** Between the layers (``SequenceShardDropout``) a rank draws the mask one process draws for
+   the whole sequence and keeps its positions: drawing only its own would give every rank the same mask, as
+   they share the random stream. Attention's dropout is drawn pair by pair in the ring; backward draws the
+   same masks again from a generator set to the state forward started from, so no mask is kept.
 """
 import functools
 import math
@@ -36,6 +40,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from comm_accounting import count_collective
 from config import UserError
@@ -75,8 +80,6 @@ def check_context_parallel(config: dict, cp: int, world_size: int) -> None:
     if config["seq_len"] % (2 * cp):
         raise UserError(f"--seq-len {config['seq_len']} is cut into 2 x {cp} chunks for {cp} ranks: "
                         f"use a multiple of {2 * cp}")
-    if config["dropout"]:
-        raise UserError("step 11 does not draw dropout masks across the ring: use --dropout 0")
 
 
 class _Ring:
@@ -115,12 +118,23 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     return s
 
 
+def _rng_state(device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _dropout_mask(like: torch.Tensor, p: float, generator=None) -> torch.Tensor:
+    """What ``F.dropout`` multiplies by on the CPU: kept with probability 1 - p, scaled by 1 / (1 - p)."""
+    return torch.empty_like(like).bernoulli_(1 - p, generator=generator).div_(1 - p)
+
+
 class RingAttention(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d), causal) v for this rank's queries against every rank's keys and values."""
+    """softmax(q k^T / sqrt(d), causal) v for this rank's queries against every rank's keys and values; with
+    ``dropout`` on the attention weights (rule 7)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout):
+    def forward(ctx, q, k, v, group, layout, dropout=0.0):
         ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
+        ctx.rng_state = _rng_state(q.device) if dropout else None  # where backward redraws the masks from
         scale, mine = 1.0 / math.sqrt(q.shape[-1]), chunks_of(rank, cp, layout)
         qs = q.chunk(2, dim=2)
         out, lse = [None, None], [None, None]
@@ -134,7 +148,10 @@ class RingAttention(torch.autograd.Function):
                         continue  # rule 4: every key after every query
                     s = _scores(qs[i], k_c, key == query, scale)
                     block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
-                    block_out = (torch.exp(s - block_lse).to(v_c.dtype) @ v_c).float()
+                    weights = torch.exp(s - block_lse)
+                    if dropout:
+                        weights = weights * _dropout_mask(weights, dropout)
+                    block_out = (weights.to(v_c.dtype) @ v_c).float()
                     if out[i] is None:
                         out[i], lse[i] = block_out, block_lse
                     else:  # rule 3
@@ -145,13 +162,16 @@ class RingAttention(torch.autograd.Function):
                 kv = pending()
         out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout = group, layout
+        ctx.group, ctx.layout, ctx.dropout = group, layout, dropout
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout = ctx.group, ctx.layout
+        group, layout, dropout = ctx.group, ctx.layout, ctx.dropout
+        if dropout:  # forward's masks, drawn again in the same order
+            generator = torch.Generator(device=q.device)
+            generator.set_state(ctx.rng_state)
         ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
         scale, mine = 1.0 / math.sqrt(q.shape[-1]), chunks_of(rank, cp, layout)
         qs, dos, lses = q.chunk(2, dim=2), dout.chunk(2, dim=2), lse.chunk(2, dim=2)
@@ -169,14 +189,33 @@ class RingAttention(torch.autograd.Function):
                         continue
                     k_c, v_c = kv[0].chunk(2, dim=2)[j], kv[1].chunk(2, dim=2)[j]
                     p = torch.exp(_scores(qs[i], k_c, key == query, scale) - lses[i])  # the final probabilities
-                    dv_c[j].add_((p.to(v_c.dtype).transpose(-2, -1) @ dos[i]).float())
-                    ds = (p * ((dos[i] @ v_c.transpose(-2, -1)).float() - deltas[i]) * scale).to(q.dtype)
+                    mask = _dropout_mask(p, dropout, generator) if dropout else None
+                    kept = p * mask if dropout else p
+                    dv_c[j].add_((kept.to(v_c.dtype).transpose(-2, -1) @ dos[i]).float())
+                    dp = (dos[i] @ v_c.transpose(-2, -1)).float()
+                    ds = (p * ((dp * mask if dropout else dp) - deltas[i]) * scale).to(q.dtype)
                     dq[i].add_((ds @ k_c).float())
                     dk_c[j].add_((ds.transpose(-2, -1) @ qs[i]).float())
             dkv = ring.start(dkv, GRAD_TAG)() if cp > 1 else dkv  # rule 5: after the last step, home
             if pending:
                 kv = pending()
-        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+class SequenceShardDropout(nn.Module):
+    """``nn.Dropout`` on this rank's positions: the whole sequence's mask, as one process draws it, then this
+    rank's positions of it (rule 7)."""
+
+    def __init__(self, p: float, group=None, layout: str = "zigzag"):
+        super().__init__()
+        self.p, self.group, self.layout = p, group, layout
+
+    def forward(self, x):
+        if not self.training or not self.p:
+            return x
+        whole = (x.shape[0], x.shape[1] * dist.get_world_size(self.group), *x.shape[2:])
+        mask = F.dropout(torch.ones(whole, dtype=x.dtype, device=x.device), self.p)
+        return x * sequence_shard(mask, self.group, self.layout)
 
 
 class RingSelfAttention(nn.Module):
@@ -186,13 +225,14 @@ class RingSelfAttention(nn.Module):
     def __init__(self, attn: nn.Module, group=None, layout: str = "zigzag"):
         super().__init__()
         self.c_q, self.c_k, self.c_v, self.c_proj = attn.c_q, attn.c_k, attn.c_v, attn.c_proj
-        self.head_dim, self.group, self.layout = attn.head_dim, group, layout
+        self.head_dim, self.group, self.layout, self.dropout = attn.head_dim, group, layout, attn.dropout
+        self.resid_dropout = SequenceShardDropout(attn.dropout, group, layout)
 
     def forward(self, x):
         B, T, _ = x.shape
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.c_q, self.c_k, self.c_v))
-        y = RingAttention.apply(q, k, v, self.group, self.layout)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+        y = RingAttention.apply(q, k, v, self.group, self.layout, self.dropout if self.training else 0.0)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1)))
 
 
 def context_parallel_groups(cp: int):
@@ -212,6 +252,8 @@ def context_parallel_gpt2(model: nn.Module, group=None, layout: str = "zigzag") 
     model.transformer.wte.register_forward_pre_hook(lambda module, args: (sequence_shard(args[0], group, layout),))
     model.transformer.wpe.register_forward_pre_hook(  # the global positions of this rank's tokens
         lambda module, args: (sequence_shard(args[0], group, layout, dim=0),))
+    model.transformer.drop = SequenceShardDropout(model.config.dropout, group, layout)
     for block in model.transformer.h:
         block.attn = RingSelfAttention(block.attn, group, layout)
+        block.mlp.dropout = SequenceShardDropout(model.config.dropout, group, layout)
     return model

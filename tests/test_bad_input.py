@@ -416,7 +416,7 @@ def degrees_check(config: dict):
 
 
 def context_parallel_check(config: dict, cp: int, ranks: int):
-    """What step 11 checks before joining: rings of cp ranks, 2 x cp chunks of the sequence, no dropout."""
+    """What step 11 checks before joining: rings of cp ranks, 2 x cp chunks of the sequence."""
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step11"]))
         import context_parallel
@@ -473,14 +473,12 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more": degrees_check(
         {"dp": None, "tp": 1, "pp": 1, "sequence_parallel": True, "n_head": 2, "seq_len": 32, "micro_batches": None,
          "grad_accum": 2, "n_layer": 2}),
-    "step 11 does not draw dropout masks across the ring: use --dropout 0": context_parallel_check(
-        {"seq_len": 32, "dropout": 0.1}, 2, 2),
     "--cp 3 does not divide the 4 ranks into rings: launch a multiple of 3 processes, or change --cp":
         context_parallel_check({"seq_len": 36, "dropout": 0.0}, 3, 4),
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
-          "--sequence-parallel splits", "step 11 does not", "--cp 3 does not",
+          "--sequence-parallel splits", "--cp 3 does not",
           "--param-dtype bf16", "--max-memory-mb 100000")
 
 

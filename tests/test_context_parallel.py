@@ -22,6 +22,7 @@ from conftest import REPO, free_port, metrics, parity, train
 
 FOLDER = REPO / "step11_context_parallel"
 B, H, S, D = 2, 3, 32, 8
+DROPOUT, DROPOUT_SEED = 0.25, 1234
 
 
 def inputs(dtype):
@@ -36,10 +37,11 @@ def rank_chunks(rank, cp, layout):
     return [rank, 2 * cp - 1 - rank] if layout == "zigzag" else [2 * rank, 2 * rank + 1]
 
 
-def blockwise(q, k, v, dout, cp, layout):
-    """For each rank: its output, dq, and (at its owner) dk, dv, computed chunk pair by chunk pair. A rank r meets
-    the key chunks of ranks r, r-1, ..., r-C+1 in turn; the key chunks of rank o collect their gradients at
-    ranks o, o+1, ..., o+C-1 in turn."""
+def blockwise(q, k, v, dout, cp, layout, dropout=0.0, seed=None):
+    """For each rank: its output, dq, and (at its owner) dk, dv, computed chunk pair by chunk pair. At step t a
+    rank r holds the key chunks of rank r - t; the key chunks of rank o collect their gradients at ranks o, o+1,
+    ..., o+C-1 in turn. With ``dropout``, each rank draws a mask per pair in that order from a generator seeded
+    ``seed`` (the ranks' shared stream), as F.dropout draws it on the CPU."""
     n = S // (2 * cp)
     part = {c: slice(c * n, (c + 1) * n) for c in range(2 * cp)}
     scale = 1 / math.sqrt(D)
@@ -48,16 +50,22 @@ def blockwise(q, k, v, dout, cp, layout):
         s = (q[:, :, part[a]] @ k[:, :, part[b]].transpose(-2, -1)).float() * scale
         return s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")) if a == b else s
 
-    out, lse = {}, {}
+    out, lse, masks = {}, {}, {}
     for r in range(cp):
-        for a in rank_chunks(r, cp, layout):
-            for o in [(r - t) % cp for t in range(cp)]:
+        generator = torch.Generator().manual_seed(seed) if dropout else None
+        for t in range(cp):
+            o = (r - t) % cp
+            for a in rank_chunks(r, cp, layout):
                 for b in rank_chunks(o, cp, layout):
                     if b > a:
                         continue
                     s = scores(a, b)
                     l_b = torch.logsumexp(s, -1, keepdim=True)
-                    o_b = (torch.exp(s - l_b).to(v.dtype) @ v[:, :, part[b]]).float()
+                    w = torch.exp(s - l_b)
+                    if dropout:
+                        masks[a, b] = torch.empty_like(w).bernoulli_(1 - dropout, generator=generator) / (1 - dropout)
+                        w = w * masks[a, b]
+                    o_b = (w.to(v.dtype) @ v[:, :, part[b]]).float()
                     if a not in out:
                         out[a], lse[a] = o_b, l_b
                     else:
@@ -66,31 +74,31 @@ def blockwise(q, k, v, dout, cp, layout):
                         lse[a] = both
     out = {a: o.to(q.dtype) for a, o in out.items()}
     delta = {a: (dout[:, :, part[a]].float() * out[a].float()).sum(-1, keepdim=True) for a in out}
+
+    def grads(a, b):
+        """(what dv gets, ds) of one pair."""
+        p = torch.exp(scores(a, b) - lse[a])
+        dp = (dout[:, :, part[a]] @ v[:, :, part[b]].transpose(-2, -1)).float()
+        if dropout:
+            return p * masks[a, b], (p * (dp * masks[a, b] - delta[a]) * scale).to(q.dtype)
+        return p, (p * (dp - delta[a]) * scale).to(q.dtype)
+
     dq = {a: torch.zeros(B, H, n, D) for a in out}
     dk, dv = {b: torch.zeros(B, H, n, D) for b in out}, {b: torch.zeros(B, H, n, D) for b in out}
     for r in range(cp):  # dq: rank r's queries meet the blocks in ring order
         for t in range(cp):
-            o = (r - t) % cp
             for a in rank_chunks(r, cp, layout):
-                for b in rank_chunks(o, cp, layout):
-                    if b > a:
-                        continue
-                    p = torch.exp(scores(a, b) - lse[a])
-                    ds = (p * ((dout[:, :, part[a]] @ v[:, :, part[b]].transpose(-2, -1)).float() - delta[a])
-                          * scale).to(q.dtype)
-                    dq[a] += (ds @ k[:, :, part[b]]).float()
+                for b in rank_chunks((r - t) % cp, cp, layout):
+                    if b <= a:
+                        dq[a] += (grads(a, b)[1] @ k[:, :, part[b]]).float()
     for o in range(cp):  # dk, dv: rank o's block collects at ranks o, o+1, ... in turn
         for t in range(cp):
-            r = (o + t) % cp
-            for a in rank_chunks(r, cp, layout):
+            for a in rank_chunks((o + t) % cp, cp, layout):
                 for b in rank_chunks(o, cp, layout):
-                    if b > a:
-                        continue
-                    p = torch.exp(scores(a, b) - lse[a])
-                    dv[b] += (p.to(v.dtype).transpose(-2, -1) @ dout[:, :, part[a]]).float()
-                    ds = (p * ((dout[:, :, part[a]] @ v[:, :, part[b]].transpose(-2, -1)).float() - delta[a])
-                          * scale).to(q.dtype)
-                    dk[b] += (ds.transpose(-2, -1) @ q[:, :, part[a]]).float()
+                    if b <= a:
+                        kept, ds = grads(a, b)
+                        dv[b] += (kept.to(v.dtype).transpose(-2, -1) @ dout[:, :, part[a]]).float()
+                        dk[b] += (ds.transpose(-2, -1) @ q[:, :, part[a]]).float()
     per_rank = {}
     for r in range(cp):
         mine = rank_chunks(r, cp, layout)
@@ -126,6 +134,13 @@ def ring_worker(rank, cp, port, out_dir):
             out = RingAttention.apply(q, k, v, None, layout)
             out.backward(dout)
             results[f"{dtype}/{layout}"] = [out.detach(), q.grad, k.grad, v.grad]
+    q, k, v, dout = (sequence_shard(t, dim=2) for t in inputs(torch.bfloat16))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    torch.manual_seed(DROPOUT_SEED)  # every rank: the same stream, as the trainers seed it
+    out = RingAttention.apply(q, k, v, None, "zigzag", DROPOUT)
+    torch.manual_seed(DROPOUT_SEED + 1)  # backward must not read the global stream
+    out.backward(dout)
+    results["dropout"] = [out.detach(), q.grad, k.grad, v.grad]
     q, k, v = (sequence_shard(t, dim=2).requires_grad_() for t in inputs(torch.float32)[:3])
     results["saved_bytes"] = saved_bytes(lambda *t: RingAttention.apply(*t, None, "zigzag"), q, k, v)
     torch.save(results, out_dir / f"rank{rank}.pt")
@@ -154,6 +169,19 @@ def test_ring_attention_is_bitwise_the_blockwise_reference(ring_results, cp, dty
         got = ring_results[cp][rank][f"{dtype}/{layout}"]
         for name, g, e in zip(("output", "dq", "dk", "dv"), got, expected[rank]):
             assert g.dtype == dtype and torch.equal(g, e), f"rank {rank}: {name} differs by {(g - e).abs().max()}"
+
+
+@pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_with_dropout_redraws_forwards_masks_in_backward(ring_results, cp):
+    """Attention dropout 0.25, bf16: the masks forward drew pair by pair, drawn again in backward from the state
+    forward started at (not from the global stream, which the worker moved in between): bitwise the reference
+    that keeps every mask."""
+    expected = blockwise(*inputs(torch.bfloat16), cp, "zigzag", DROPOUT, DROPOUT_SEED)
+    for rank in range(cp):
+        for name, g, e in zip(("output", "dq", "dk", "dv"), ring_results[cp][rank]["dropout"], expected[rank]):
+            assert torch.equal(g, e), f"rank {rank}: {name} differs by {(g - e).abs().max()}"
+    assert not torch.equal(expected[0][0], blockwise(*inputs(torch.bfloat16), cp, "zigzag")[0][0])  # it dropped
 
 
 @pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
