@@ -473,12 +473,14 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more": degrees_check(
         {"dp": None, "tp": 1, "pp": 1, "sequence_parallel": True, "n_head": 2, "seq_len": 32, "micro_batches": None,
          "grad_accum": 2, "n_layer": 2}),
+    "--cp 3: step 11 cuts --seq-len 64 into 2 x 3 chunks; use degrees whose 2 x C divides it":
+        tool_main("activations", "--cp", "1", "3"),
     "--cp 3 does not divide the 4 ranks into rings: launch a multiple of 3 processes, or change --cp":
         context_parallel_check({"seq_len": 36, "dropout": 0.0}, 3, 4),
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
-          "--sequence-parallel splits", "--cp 3 does not",
+          "--sequence-parallel splits", "--cp 3",
           "--param-dtype bf16", "--max-memory-mb 100000")
 
 

@@ -9,6 +9,7 @@ with step 0 on the same micro-batches, the way step 8 is (another summation orde
 import json
 import math
 import os
+import subprocess
 import sys
 from datetime import timedelta
 
@@ -274,3 +275,21 @@ def test_rings_beside_data_parallelism_train_like_step1(step1_ws2, tmp_path, sma
     assert metrics(run)["final"]["replicas_identical"]
     result = parity(step1_ws2, run)
     assert result.returncode == 0 and "PASS" in result.stdout, result.stdout
+
+
+def test_the_activations_tool_finds_every_saved_byte_split_over_the_ring():
+    """compare/activations.py --cp: what one rank of step 11's whole model saves for backward (every tensor
+    autograd keeps, each storage once) is 1/C of C = 1's, to the byte, but for the loss's one float32 scalar
+    (cross-entropy's total weight) that every rank keeps; model.py's attention keeps more (its S x S matrices)."""
+    code = ("import sys, json; sys.path.insert(0, 'compare'); import activations as a;"
+            "c = a.parse_config(a.build_parser('activations'), sys.argv[1:]);"
+            "print(json.dumps(a.run_cp([1, 2, 4], c)))")
+    flags = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--micro-batch-size", "2"]
+    result = subprocess.run([sys.executable, "-c", code, *flags], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {(label, c): saved for label, c, saved in json.loads(result.stdout.splitlines()[-1])}
+    whole, scalar = rows["ring", 1], 4
+    for c in (2, 4):
+        assert rows["ring", c] == (whole - scalar) // c + scalar and (whole - scalar) % c == 0, rows
+    assert rows["model.py", 1] - whole >= 2 * 32 * 32 * 4, rows  # at least one S x S float32 matrix per head
