@@ -413,12 +413,14 @@ def layout_of(metrics: dict) -> dict:
     """The mesh of a run from its metrics.json: dp, tp, pp, ZeRO stage, and each rank's (dp, tp, pp)
     coordinates. Reads ``env``'s ``data_parallel_size``, ``tensor_parallel_size``, ``pipeline_stages`` (steps 8
     and 9 write them; a step 10 run writes all three, and ``mesh_coords`` [[dp, tp, pp] per rank] where its
-    layout is not tp innermost, then dp, then pp)."""
+    layout is not tp innermost, then dp, then pp); step 11's ``context_parallel_size``: a ring's ranks are
+    replicas of the model state, counted in dp."""
     env, step = metrics["env"], metrics["config"]["step"]
     number = int(step[4:].split("_")[0])
     world = env["world_size"]
     tp, pp = env.get("tensor_parallel_size", 1), env.get("pipeline_stages", env.get("pipeline_parallel_size", 1))
     dp = env.get("data_parallel_size", world) if (tp, pp) == (1, 1) else env.get("data_parallel_size", 1)
+    dp *= env.get("context_parallel_size", 1)  # step 11: every rank of a ring holds the whole state, a replica
     if dp * tp * pp != world:
         raise UserError(f"{step}: a mesh of dp {dp} x tp {tp} x pp {pp} is not the world size {world}")
     coords = env.get("mesh_coords") or [[(r // tp) % dp, r % tp, r // (tp * dp)] for r in range(world)]

@@ -325,6 +325,18 @@ def test_step10_runs_hold_what_the_planner_says(mesh_runs):
     assert result.stdout.rstrip().endswith("within 5% of the estimate: yes"), result.stdout
 
 
+def test_step11_ranks_hold_the_whole_model_state(tour):
+    """Context parallelism splits activations, not the model: each rank of a ring holds what a data-parallel
+    replica holds (the tour's step 11 run, 2 ranks), read as replicas by ``layout_of``."""
+    from conftest import STEPS
+    run = metrics(tour[0] / STEPS["step11"])
+    rows = plan.measured_rows(run, estimate.vocabulary_size(run["config"]["tokenizer"]))
+    assert [(r["dp"], r["tp"], r["pp"], r["zero"], r["stage"]) for r in rows] == [(2, 1, 1, 0, 0)] * 2
+    for row in rows:
+        for kind in estimate.KINDS:
+            assert math.isclose(row["measured"][kind], row["estimated"][kind], rel_tol=0.05), (row, kind)
+
+
 def saved_bytes(module, inputs, targets=None) -> int:
     """What autograd saves for backward in one forward of ``module`` (and the loss, given ``targets``): each storage
     once, the parameters left out. Counted here, not with the planner's ``estimate.Model``."""
