@@ -34,11 +34,11 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every rank): forward and
-    backward on this rank's positions of each, the gradients averaged across ranks once, then unscaled, clipped
-    and applied. Returns what the loop
-    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
-    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
+    """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every rank of a ring):
+    forward and backward on this rank's positions of each, the gradients averaged across ranks once, then unscaled,
+    clipped and applied. Returns what the loop logs: the losses' sum, the gradient norm before clipping, this
+    rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads them): free when no
+    profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
