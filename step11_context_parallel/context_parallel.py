@@ -99,8 +99,10 @@ class _Ring:
         out = tensor.detach().cpu() if staged else tensor.detach().contiguous()
         into = torch.empty_like(out)
         count_collective("send", out)
-        works = [dist.isend(out, self.next, group=self.group, tag=tag),
-                 dist.irecv(into, self.prev, group=self.group, tag=tag)]
+        # One batch: nccl posts both at once (a send and a receive issued one after the other on its stream would
+        # wait for each other round the ring); gloo issues them in turn.
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, self.next, self.group, tag),
+                                        dist.P2POp(dist.irecv, into, self.prev, self.group, tag)])
 
         def wait() -> torch.Tensor:
             for work in works:
