@@ -97,7 +97,6 @@ def main():
     weights = dict(accelerator.unwrap_model(model).named_parameters())
     if accelerator.is_main_process:
         final = save_final_weights(Path(config["out"]), weights)
-        final["param_norm"] = param_norm(weights.values())
         log.write(final)
         print(f"done: {config['steps']} steps, Accelerate over {world_size} ranks, final loss "
               f"{log.records[-1]['loss']:.4f}, weights in {config['out']}")

@@ -106,7 +106,6 @@ def main():
     weights = {name: p.full_tensor().detach() for name, p in model.named_parameters()}  # the float32 master
     if world.is_main:
         final = save_final_weights(Path(config["out"]), weights)
-        final["param_norm"] = norm_from_parts(square_sum_parts(weights.values()))
         log.write(final)
         print(f"done: {config['steps']} steps, FSDP2 over {world.world_size} ranks (param_dtype "
               f"{config['param_dtype']}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")

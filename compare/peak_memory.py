@@ -7,7 +7,7 @@
                                                                     # FullyShardedDP(param_dtype=torch.bfloat16)
 
 For each world size N, N processes (gloo on loopback, one CPU thread each, started by
-torch.multiprocessing) build step 7's model with its train.py's own ``build``: GPT-2 on the meta
+torch.multiprocessing) build step 7's model as its train.py does (``zero3.shard_gpt2``): GPT-2 on the meta
 device (with --activation-checkpointing, each block recomputed in backward), ``FullyShardedDP`` over
 the blocks, a plain AdamW over the pieces. Each step is train.py's own ``train_step`` (--grad-accum
 micro-batches of --micro-batch-size x --seq-len, the last one synchronised, then
@@ -218,7 +218,10 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
     session are not in its records: the other mode's model does not count), then the timed steps of
     the modes alternate, so that a change in the machine's load hits them alike."""
     from seeding import seed_everything
-    from train import build, train_step  # step 7's train.py: importing it runs nothing
+    from sharded_gradients import ShardedGradScaler
+    from train import train_step  # step 7's train.py: importing it runs nothing
+    from training import make_grad_scaler, make_optimizer, param_dtype
+    from zero3 import shard_gpt2
     seed_everything(config["seed"])  # one CPU thread per process, as in every trainer
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     distributed.join(distributed.World(rank, world_size, rank, torch.device("cpu"), "gloo"), config["timeout_s"])
@@ -231,9 +234,10 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
     trainers, results = {}, {}
     for checkpointing in checkpointing_modes(config):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            ddp_model, optimizer, scaler, _ = build({**config, "activation_checkpointing": checkpointing},
-                                                    vocab_size, device)
-            trainer = (ddp_model, optimizer, scaler)
+            ddp_model, _ = shard_gpt2({**config, "activation_checkpointing": checkpointing}, vocab_size, device,
+                                      param_dtype(config))  # as step 7's train.py builds them
+            trainer = (ddp_model, make_optimizer(ddp_model.named_parameters(), config),
+                       make_grad_scaler(config, device, ShardedGradScaler))
             train_step(*trainer, micro_batches, config, device)  # warm-up: AdamW's state, the gradient shards
             gathered_peak = 0
             for i in range(config["profiled_steps"]):

@@ -158,7 +158,6 @@ def main():
     weights = full_weights(model)
     if world.is_main:
         final = save_final_weights(Path(config["out"]), weights)
-        final["param_norm"] = param_norm(weights.values())
         log.write(final)
         print(f"done: {config['steps']} steps, PyTorch tensor parallelism over {world.world_size} ranks, "
               f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")

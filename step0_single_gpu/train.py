@@ -139,7 +139,6 @@ def main():
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     final = save_final_weights(Path(config["out"]), dict(trained))
-    final["param_norm"] = param_norm(p for _, p in trained)
     log.finish(final)
 
 

@@ -15,10 +15,12 @@ import functools
 import torch
 import torch.distributed as dist
 
+from comm_accounting import take_comm_bytes
 from config import UserError
 from mesh import check_mesh
 from pipeline import GPT2Stage, add_pipeline_flags, check_pipeline, pipeline_gpt2
-from tensor_parallel import check_divisible, parallelize_gpt2, vocab_parallel_cross_entropy
+from tensor_parallel import check_tensor_parallel, parallelize_gpt2, vocab_parallel_cross_entropy
+from tensor_parallel import finish_gradient_synchronization as finish_tensor_parallel_synchronization
 from tensor_parallel_state import checkpoint_shards, gather_full_parameters, is_sharded, load_checkpoint_shards
 
 
@@ -41,8 +43,7 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
     check_mesh(dp, tp, pp, world_size)
     if config["sequence_parallel"] and tp == 1:
         raise UserError("--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more")
-    check_divisible(config["n_head"], vocab_size, tp, flag="--tp",
-                    seq_len=config["seq_len"] if config["sequence_parallel"] else None)
+    check_tensor_parallel(config, vocab_size, tp, flag="--tp")
     return dp, check_pipeline(config, pp, flag="--pp")
 
 
@@ -59,11 +60,13 @@ def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage
     return stage
 
 
-def parallelize_on_mesh(model, mesh, config: dict, example: torch.Tensor, device) -> tuple:
-    """``(stage, named, pipe)`` of this rank (step 9's ``pipeline_gpt2``): ``model``, whole on every rank, made
-    tensor-parallel over the tp group (step 8; at tp = 1 it stays plain GPT-2, as in steps 5 and 9), cut into
-    stages (rule 2), this rank's run by a Pipeline over the pp group, the last stage's loss step 8's over the
-    vocabulary slices (or step 9's at tp = 1). The caller frees ``model``: the rank keeps its stage only."""
+def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
+    """``(stage, named, pipe, shapes)`` of this rank (step 9's ``pipeline_gpt2``, and the whole model's parameter
+    shapes: what checkpoints and the final weights describe): ``model``, whole on every rank, made tensor-parallel
+    over the tp group (step 8; at tp = 1 it stays plain GPT-2, as in steps 5 and 9), cut into stages (rule 2), this
+    rank's run by a Pipeline over the pp group, the last stage's loss step 8's over the vocabulary slices (or step
+    9's at tp = 1). Pass ``model`` and keep no reference to it: the rank keeps its stage only."""
+    shapes = {name: p.shape for name, p in model.named_parameters()}
     if mesh.tp > 1:
         reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
         model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype,
@@ -72,13 +75,36 @@ def parallelize_on_mesh(model, mesh, config: dict, example: torch.Tensor, device
     stages = [tensor_parallel_stage(model, s, mesh.pp) for s in range(mesh.pp)]
     loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group) if mesh.tp > 1 \
         else torch.nn.functional.cross_entropy
-    return pipeline_gpt2(stages, mesh.pp_rank, config, example, device, loss_fn, ranks=mesh.pp_ranks,
-                         sequence_split=mesh.tp if config["sequence_parallel"] else 1)  # stages send S/T tokens
+    stage, named, pipe = pipeline_gpt2(stages, mesh.pp_rank, config, device, loss_fn, ranks=mesh.pp_ranks,
+                                       sequence_split=mesh.tp if config["sequence_parallel"] else 1)  # S/T tokens
+    return stage, named, pipe, shapes
 
 
-def added(a: dict, b: dict) -> dict:
-    """Two records of bytes per collective, added."""
-    return {kind: a.get(kind, 0) + b.get(kind, 0) for kind in sorted(a.keys() | b.keys())}
+def finish_gradient_synchronization(pipe) -> None:
+    """The single sync point of a tensor-parallel stage, before the optimiser step: step 9's (the tie's gradient
+    from the first stage, every send waited), then step 8's (--sequence-parallel: the LayerNorms' partial
+    gradients, added over tp)."""
+    pipe.finish_gradient_synchronization()
+    finish_tensor_parallel_synchronization(pipe.module)
+
+
+class BytesByAxis:
+    """The bytes this rank hands to collectives in one step (comm_accounting.py), by what they are for: ``tp``
+    (activations inside a stage), ``pp`` (point-to-point between stages), ``dp`` (the gradients' all-reduce,
+    ZeRO-1's all-gather) and ``norms`` (sums of squares, over tp then pp). Starts with what was counted so far,
+    added to ``axis``."""
+
+    def __init__(self, axis: str):
+        self.counts = {"tp": {}, "pp": {}, "dp": {}, "norms": {}}
+        self.take(axis)
+
+    def take(self, axis: str) -> dict:
+        """What was counted since the last take, added to ``axis`` (point-to-point to ``pp``, whatever ``axis``);
+        returns the counts so far, by axis (plain dicts: what a record keeps)."""
+        for kind, count in take_comm_bytes().items():
+            counts = self.counts["pp" if kind.startswith("p2p") else axis]
+            counts[kind] = counts.get(kind, 0) + count
+        return self.counts
 
 
 def counted_once(named: list, mesh) -> list:

@@ -29,6 +29,7 @@ and the ranks that hold the same shard of the same stage in the other replicas. 
 builds the same groups (``tests/test_3d_parallel.py`` checks it rank by rank); it is what to use in
 your own code. This file shows what it does.
 """
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch.distributed as dist
@@ -82,18 +83,23 @@ class DeviceMesh(NamedTuple):
     tp_group: object
     pp_group: object
 
+    def record(self) -> dict:
+        """The degrees, as a run's record keeps them (compare/parity.py reads the global batch from them)."""
+        return {"data_parallel_size": self.dp, "tensor_parallel_size": self.tp, "pipeline_stages": self.pp,
+                "mesh": {"pp": self.pp, "dp": self.dp, "tp": self.tp, "order": "pp, dp, tp (tp innermost)"}}
 
-def build_mesh(dp: int, tp: int, pp: int, timeout=None) -> DeviceMesh:
+
+def build_mesh(dp: int, tp: int, pp: int, timeout_s: float | None = None) -> DeviceMesh:
     """Create the three axes' process groups (every rank calls this, with the same degrees) and return this rank's
-    place in them. The default process group must exist; ``dp * tp * pp`` must be its size. ``timeout`` (a
-    ``timedelta``): how long a collective on these groups waits for a peer; pass the default group's, or a new
-    group waits torch's default 30 minutes for a rank that died."""
+    place in them. The default process group must exist; ``dp * tp * pp`` must be its size. ``timeout_s``: how
+    long a collective on these groups waits for a peer; pass the default group's, or a new group waits torch's
+    default 30 minutes for a rank that died."""
     check_mesh(dp, tp, pp, dist.get_world_size())
     rank = dist.get_rank()
     mine = {}
     for axis in ("tp", "dp", "pp"):  # the same order on every rank: new_group is a collective
         for ranks in axis_groups(axis, dp, tp, pp):
-            group = dist.new_group(ranks, timeout=timeout)
+            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s) if timeout_s else None)
             if rank in ranks:
                 mine[axis] = ranks, group
     at = coordinates(rank, dp, tp, pp)

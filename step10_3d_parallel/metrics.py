@@ -39,11 +39,13 @@ def optimizer_state_bytes(optimizer) -> int:
     return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
 
-def memory_stats(params, optimizer, device: torch.device, grads=None, masters=None) -> dict:
+def memory_stats(params, optimizer, device: torch.device, grads=None, masters=None, **counts) -> dict:
     """Bytes held by this process: what its parameters, gradients (``grads``, by default every
     ``param.grad``, or the float32 ``param.main_grad`` a gradient sync left beside a 16-bit parameter),
     float32 ``masters`` (given: ``master_params``) and optimiser state take, its peak resident set size (the
-    whole process: Python, torch, data), and on a GPU what CUDA allocated."""
+    whole process: Python, torch, data), and on a GPU what CUDA allocated; ``host``: what an optimiser offloaded
+    to host memory keeps there (offload.py: its float32 copies and its state); then ``counts``, a step's own
+    (a pipeline's micro-batches in flight, ZeRO-3's gathered peak), as given."""
     params = list(params)
     if grads is None:
         grads = [p.grad if getattr(p, "main_grad", None) is None else p.main_grad for p in params]
@@ -55,11 +57,13 @@ def memory_stats(params, optimizer, device: torch.device, grads=None, masters=No
         # ru_maxrss is in KiB on Linux and in bytes on macOS
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024),
     }
+    if hasattr(optimizer, "host_copies"):
+        stats["host"] = tensor_bytes(optimizer.host_copies) + stats["optimizer_state"]
     if device.type == "cuda":
         stats["cuda_allocated"] = torch.cuda.memory_allocated(device)
         stats["cuda_peak"] = torch.cuda.max_memory_allocated(device)
         stats["gpu_utilization"] = gpu_utilization(device)
-    return stats
+    return {**stats, **counts}
 
 
 def gpu_utilization(device: torch.device) -> int | None:
@@ -123,7 +127,9 @@ def write_json_atomically(path: Path, data) -> None:
 
 
 def save_final_weights(out_dir: Path, named_tensors: dict) -> dict:
-    """Write the full weights as safetensors and return the ``final`` section (without ``param_norm``)."""
+    """Write the full weights as safetensors and return the ``final`` section, with their ``param_norm``: exact
+    (training.py), so the bits every step logs from its own slices, shards or stages."""
+    from training import param_norm
     weights = {name: t.detach().cpu().contiguous() for name, t in named_tensors.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.safetensors"
@@ -131,7 +137,8 @@ def save_final_weights(out_dir: Path, named_tensors: dict) -> dict:
     save_file(weights, str(tmp))
     os.replace(tmp, path)
     return {"weights": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-            "fingerprints": {name: fingerprint(t) for name, t in weights.items()}}
+            "fingerprints": {name: fingerprint(t) for name, t in weights.items()},
+            "param_norm": param_norm(weights.values())}
 
 
 class RunLog:

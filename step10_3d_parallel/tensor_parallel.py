@@ -410,6 +410,17 @@ def tensor_parallel_plan(n_layer: int) -> dict:
                              for name, style in BLOCK_PLAN.items()}}
 
 
+def add_tensor_parallel_flags(parser) -> None:
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="split the activations between the layers along the sequence too (rule 7)")
+
+
+def check_tensor_parallel(config: dict, vocab_size: int, world_size: int, flag: str | None = None) -> None:
+    """``check_divisible`` for a run's flags: --n-head, the vocabulary and, with --sequence-parallel, --seq-len."""
+    check_divisible(config["n_head"], vocab_size, world_size, flag,
+                    seq_len=config["seq_len"] if config["sequence_parallel"] else None)
+
+
 def check_divisible(n_head: int, vocab_size: int, world_size: int, flag: str | None = None,
                     seq_len: int | None = None) -> None:
     """Refuse, with one line, a tensor-parallel degree that cannot split the heads or the vocabulary (or, given

@@ -1,23 +1,19 @@
 """Step 10: data, tensor and pipeline parallelism at once, on one device mesh (mesh.py). Grown from step 9's train.py.
 
-A pp x dp x tp mesh (--pp --dp --tp): each pipeline stage (step 9) is tensor-parallel over its tp group (step 8);
-the dp replicas of a stage read their own samples (step 2), average their gradients (step 3) and shard AdamW's
-state (step 5) over the dp group. Two degrees at 1: bitwise step 8's, 9's or 5's; else compared with step 1.
+A pp x dp x tp mesh: each pipeline stage (step 9) tensor-parallel over its tp group (step 8); the dp replicas of a
+stage read their own samples (step 2), average gradients (step 3), shard AdamW's state (step 5). Bitwise: README.
 
     torchrun --standalone --nproc_per_node=4 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 1
     torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 2 --steps 2
 """
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import distributed
 from background_writer import BackgroundWriter
-from comm_accounting import take_comm_bytes
-from composition import (MeshShards, add_mesh_flags, added, check_degrees, counted_once, gather_full_model,
-                         parallelize_on_mesh)
+from composition import (BytesByAxis, MeshShards, add_mesh_flags, check_degrees, counted_once,
+                         finish_gradient_synchronization, gather_full_model, parallelize_on_mesh)
 from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
@@ -28,7 +24,6 @@ from naive_dp import allreduce_gradients
 from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
-from tensor_parallel import finish_gradient_synchronization
 from training import (adamw_options, adamw_param_groups, check_amp, clip_grad_norm, make_grad_scaler, make_scheduler,
                       param_norm)
 from zero1 import ShardedOptimizer
@@ -37,38 +32,32 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh) -> tuple:
-    """One optimiser step on this replica's ``micro_batches``, pushed through the pipeline ``--micro-batches`` at a
-    time (tensor-parallel inside each stage); this shard's gradients averaged over dp, unscaled, clipped with the
-    whole gradient's norm, applied (ZeRO-1 over dp). Returns the losses' sum (the last stage's; zero elsewhere), the
-    gradient norm, this rank's memory and the bytes it sent on each axis of the mesh. No phases to name apart."""
+    """One optimiser step on this replica's ``micro_batches``, through the pipeline ``--micro-batches`` at a time;
+    this shard's gradients averaged over dp, unscaled, clipped with the whole gradient's norm, applied (ZeRO-1 over
+    dp). Returns the losses' sum (the last stage's), the gradient norm, this rank's memory, the bytes sent by axis."""
     accum = len(micro_batches)
     in_flight = config["micro_batches"] or accum
     loss_sum = torch.zeros((), device=device)
     for first in range(0, accum, in_flight):  # one pipeline flush: in_flight micro-batches
         inputs, targets = zip(*micro_batches[first:first + in_flight])
-        # Inside: the tp group all-reduces activations (step 8), the pp neighbours exchange them (step 9).
         losses = pipe.run(in_flight, [x.to(device) for x in inputs], [y.to(device) for y in targets],
                           loss_scale=accum)  # each loss / accum before its backward, as in step 0
         for loss in losses:  # the last stage's; in micro-batch order, as step 0 adds them
             loss_sum += loss
-    pipe.finish_gradient_synchronization()  # the tied embedding's gradient, and every send waited
-    finish_gradient_synchronization(pipe.module)  # --sequence-parallel: the LayerNorms' partial gradients, over tp
-    comm = take_comm_bytes()
-    comm = {"tp": {k: v for k, v in comm.items() if not k.startswith("p2p")},
-            "pp": {k: v for k, v in comm.items() if k.startswith("p2p")}}
+    finish_gradient_synchronization(pipe)  # step 9's (the tie, every send waited), then step 8's (sequence-parallel)
+    comm = BytesByAxis("tp")  # the bytes sent so far: over tp inside the stages, point-to-point over pp
     if mesh.dp > 1:  # the dp replicas of this shard average their gradients (sum, then divide by dp: step 3)
         allreduce_gradients(pipe.module, reduce_dtype=getattr(torch, config["reduce_dtype"]), group=mesh.dp_group)
-    comm["dp"] = take_comm_bytes()
+    comm.take("dp")
 
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm([p for _, p in named], config["grad_clip"], [mesh.tp_group, mesh.pp_group],
                                counted=counted_once(named, mesh), device=device)  # the whole gradient's
-    comm["norms"] = take_comm_bytes()  # its sums of squares, over tp then pp (the parameter norm's: main())
+    comm.take("norms")  # its sums of squares, over tp then pp (the parameter norm's: main())
     scaler.step(optimizer)  # this rank's 1/dp of its shard's elements, then all-gathered over dp
     scaler.update()
-    comm["dp"] = added(comm["dp"], take_comm_bytes())  # the gradient all-reduce and ZeRO-1's all-gather
-    memory = memory_stats((p for _, p in named), optimizer, device)  # before zero_grad frees the grads
-    memory["micro_batches_in_flight"] = pipe.take_peak_in_flight()
+    comm.take("dp")  # ZeRO-1's all-gather
+    memory = memory_stats((p for _, p in named), optimizer, device, micro_batches_in_flight=pipe.take_peak_in_flight())
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory, comm
 
@@ -88,33 +77,25 @@ def main():
     check_enough_data(len(corpus.blocks), dp, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
-    distributed.join(world, config["timeout_s"])
-    mesh = build_mesh(dp, config["tp"], config["pp"], timeout=timedelta(seconds=config["timeout_s"]))
-    device, num_stages, tp = world.device, mesh.pp, mesh.tp
+    device = distributed.join(world, config["timeout_s"])  # this rank's device
+    mesh = build_mesh(dp, config["tp"], config["pp"], timeout_s=config["timeout_s"])
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # The dp replicas read disjoint shards (step 2); the tp and pp ranks of one replica read the same samples.
     sampler = ShardedSampler(len(corpus.blocks), num_replicas=dp, rank=mesh.dp_rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # The same full model on every rank (a pure function of the seed): made tensor-parallel over the tp group (step
-    # 8), then cut into stages over the pp group (step 9); each rank keeps its stage (composition.py).
-    model = build_model(config, corpus.vocab_size, config["seed"])
-    shapes = {name: p.shape for name, p in model.named_parameters()}  # what the final weights hold
-    example = batches.blocks[:config["micro_batch_size"], :-1].to(device)  # dropout's draws are recorded on it
-    stage, named, pipe = parallelize_on_mesh(model, mesh, config, example, device)
-    del model
-    # ZeRO-1 over the dp group: each dp rank keeps AdamW's state for 1/dp of this stage's TP shard.
+    # The same whole model on every rank (the seed's), tensor-parallel over tp, cut into stages over pp: rank keeps one.
+    stage, named, pipe, shapes = parallelize_on_mesh(build_model(config, corpus.vocab_size, config["seed"]), mesh,
+                                                     config, device)
     optimizer = ShardedOptimizer(adamw_param_groups(named, config), torch.optim.AdamW, process_group=mesh.dp_group,
-                                 **adamw_options(config))
+                                 **adamw_options(config))  # ZeRO-1 over dp: AdamW's state for 1/dp of this shard
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)  # disabled (no fp16 here): kept for the checkpoint's format
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
-    env.update(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_stages=num_stages,  # parity.py: the global batch
-               mesh={"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "order": "pp, dp, tp (tp innermost)"})
+    env.update(mesh.record())  # the degrees (parity.py: the global batch)
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds (checkpoint.py): each rank its TP/PP shard, the same whatever dp (composition.py), any
-    # step's cut back out of it at any mesh; --async-save: written by a thread (background_writer.py).
+    # Checkpoints: each rank its TP/PP shard, the same whatever dp, any step's read back at any mesh (rule 4).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, world.rank, world.world_size, shapes,
         [RunState(scheduler, scaler, batches, log), MeshShards(named, optimizer, mesh)], data_parallel_size=dp)
@@ -132,25 +113,20 @@ def main():
                                                        mesh)
         scheduler.step()
 
-        # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp.
-        last = torch.tensor(loss_sum.double().item(), dtype=torch.float64, device=device)  # nccl: GPU tensors only
-        dist.broadcast(last, src=mesh.pp_ranks[-1], group=mesh.pp_group)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
-        norm = param_norm(counted_once(named, mesh), [mesh.tp_group, mesh.pp_group], device)
-        comm["norms"] = added(comm["norms"], take_comm_bytes())
         log.log({
             "step": step + 1,
-            "loss": distributed.mean_over_ranks(last, accum, mesh.dp_group),
+            # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp.
+            "loss": distributed.mean_over_ranks(pipe.from_last_stage(loss_sum, mesh.pp_group), accum, mesh.dp_group),
             "grad_norm": grad_norm.item(),
-            "param_norm": norm,
+            "param_norm": param_norm(counted_once(named, mesh), [mesh.tp_group, mesh.pp_group], device),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * dp,
             "epoch": batches.epoch,
-            # one entry per rank: memory, time, and the bytes sent on each axis of the mesh and for the norms
-            **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=comm),
+            **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=comm.take("norms")),
         })
         preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
@@ -160,11 +136,9 @@ def main():
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     full = gather_full_model(stage, named, mesh)  # every rank takes part; rank 0 writes the plain model
-    norm = param_norm(counted_once(named, mesh), [mesh.tp_group, mesh.pp_group], device)
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
-        final["param_norm"] = norm
-        log.finish(final, f" on a {num_stages} x {dp} x {tp} (pp x dp x tp) mesh ({world.backend}, {config['schedule']})")
+        log.finish(final, f" on a {mesh.pp} x {dp} x {mesh.tp} (pp x dp x tp) mesh ({world.backend})")
     distributed.shutdown()
 
 

@@ -72,14 +72,25 @@ def attention_pairs(rank: int, cp: int, layout: str = "zigzag") -> int:
                for key in chunks_of(chunk_rank, cp, layout))
 
 
-def check_context_parallel(config: dict, cp: int, world_size: int) -> None:
-    """Refuse what the ring cannot split, before anything starts (one line each, docs/bad_input.md)."""
+def add_context_parallel_flags(parser) -> None:
+    flags = parser.add_argument_group("context parallelism")
+    flags.add_argument("--cp", type=int, help="ranks that split each sequence (default: all of them); the "
+                       "world size / cp rings split the batch, as data parallelism does")
+    flags.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag",
+                       help="which chunks of the sequence each rank keeps (rule 4: contiguous is unbalanced)")
+
+
+def check_context_parallel(config: dict, world_size: int) -> tuple[int, int]:
+    """Refuse what the ring cannot split, before anything starts (one line each, docs/bad_input.md); returns
+    ``(cp, dp)``: the ranks of a ring (``--cp``, default all) and the rings, each a data-parallel replica."""
+    cp = config["cp"] or world_size
     if cp < 1 or world_size % cp:
         raise UserError(f"--cp {cp} does not divide the {world_size} ranks into rings: launch a multiple of {cp} "
                         "processes, or change --cp")
     if config["seq_len"] % (2 * cp):
         raise UserError(f"--seq-len {config['seq_len']} is cut into 2 x {cp} chunks for {cp} ranks: "
                         f"use a multiple of {2 * cp}")
+    return cp, world_size // cp
 
 
 class _Ring:

@@ -166,7 +166,8 @@ def build_model(config: dict, vocab_size: int, seed: int) -> GPT2:
     return model
 
 
-def language_model_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; the logits go to float32 first, so AMP changes the model, not the loss."""
+def language_model_loss(model, inputs: torch.Tensor, targets: torch.Tensor, cross_entropy=F.cross_entropy):
+    """Mean next-token cross-entropy; the logits go to float32 first, so AMP changes the model, not the loss.
+    ``cross_entropy(logits, targets)``: on (B*S, V) logits and (B*S,) targets (step 8's: over vocabulary slices)."""
     logits = model(inputs)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return cross_entropy(logits.float().flatten(0, 1), targets.flatten())

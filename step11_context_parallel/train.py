@@ -11,7 +11,6 @@ bitwise to a blockwise reference, close to step 1 (README).
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import record_function
 
 import distributed
@@ -21,9 +20,10 @@ from checkpoint import CheckpointWriter, RunState, WholeModel
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
-from model import build_model
+from model import build_model, language_model_loss
 from resharding import find_checkpoint, open_checkpoint
-from context_parallel import LAYOUTS, check_context_parallel, context_parallel_gpt2, context_parallel_groups
+from context_parallel import (add_context_parallel_flags, check_context_parallel, context_parallel_gpt2,
+                              context_parallel_groups)
 from naive_dp import allreduce_gradients, replicas_in_sync
 from sampler import ShardedSampler
 from seeding import seed_everything
@@ -43,9 +43,8 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
         with record_function("forward"), autocast(config["amp"], device):
-            logits = model(inputs.to(device))  # the logits of this rank's positions (rule 1)
-            targets = model.sequence_shard(targets.to(device))
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())  # over this rank's tokens
+            # The model computes this rank's positions (rule 1): the loss is over this rank's tokens.
+            loss = language_model_loss(model, inputs.to(device), model.sequence_shard(targets.to(device)))
         with record_function("backward"):
             scaler.scale(loss / accum).backward()  # the key/value gradients travel the ring in here
         loss_sum += loss.detach()
@@ -66,33 +65,26 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
-    parser.add_argument("--cp", type=int, help="ranks that split each sequence (default: all of them); the "
-                        "world size / cp rings split the batch, as data parallelism does")
-    parser.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag",
-                        help="which chunks of the sequence each rank keeps (rule 4: contiguous is unbalanced)")
+    add_context_parallel_flags(parser)  # --cp, --cp-layout
     config = parse_config(parser)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
-    cp = config["cp"] or world.world_size
-    check_context_parallel(config, cp, world.world_size)  # rings of cp ranks, the sequence cut into 2 x cp chunks
-    dp = world.world_size // cp  # data-parallel replicas, each a ring
+    cp, dp = check_context_parallel(config, world.world_size)  # dp rings of cp ranks, sequences cut in 2 x cp chunks
     check_enough_data(len(corpus.blocks), dp, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
-    distributed.join(world, config["timeout_s"])
-    device = world.device
+    device = distributed.join(world, config["timeout_s"])  # this rank's device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # The ranks of a ring share each micro-batch and split its sequences; the rings split the batch (step 2).
     ring, dp_rank = context_parallel_groups(cp)
     sampler = ShardedSampler(len(corpus.blocks), num_replicas=dp, rank=dp_rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # The same whole model on every rank (a pure function of the seed), taking this rank's positions.
-    model = context_parallel_gpt2(build_model(config, corpus.vocab_size, config["seed"]), ring, config["cp_layout"])
-    model = model.to(device)
+    model = build_model(config, corpus.vocab_size, config["seed"]).to(device)  # the same on every rank (the seed's)
+    context_parallel_gpt2(model, ring, config["cp_layout"])  # in place: ring attention, this rank's positions
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)
@@ -143,7 +135,6 @@ def main():
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     if world.is_main:
         final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
-        final["param_norm"] = param_norm(model.parameters())
         final["replicas_identical"] = in_sync
         log.finish(final)
     distributed.shutdown()

@@ -70,8 +70,7 @@ def main():
     check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, world.world_size, world.is_main) if resume_from else None
-    distributed.join(world, config["timeout_s"])
-    device = world.device
+    device = distributed.join(world, config["timeout_s"])  # this rank's device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # Every rank shuffles with the same seed, then takes every world_size-th index from its rank on:
@@ -137,7 +136,6 @@ def main():
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     if world.is_main:
         final = save_final_weights(Path(config["out"]), dict(model.named_parameters()))
-        final["param_norm"] = param_norm(model.parameters())
         log.finish(final)
     del ddp_model  # its C++ reducer must let go of the process group first: see shutdown()
     distributed.shutdown()

@@ -185,16 +185,17 @@ def clip_grad_norm(params, max_norm: float, groups=(), counted=None, device=None
       ``groups``, every element of the model's gradient is counted exactly once: a slice or a shard on its own
       rank, a replica on one rank only (step 8's LayerNorms on tp rank 0; the tied embedding on the first stage);
     - ``groups``: the process groups whose ranks hold the rest, all-reduced in turn (ZeRO's ranks; the
-      pipeline's stages; tp, then pp, in step 10). ``device``: where nccl reduces (default: the gradients').
+      pipeline's stages; tp, then pp, in step 10). ``device``: where nccl reduces (default: the parameters').
 
     The squares are added in float64 (``sum_of_squares``) and the norm rounded to float32: cut into slices or
     stages and added in another grouping, the float64 sum moves by ~1e-16 relative, far below float32's
     rounding, so every layout gets the float32 norm one process gets (unless it sits within ~1e-16 of a
     float32 rounding boundary). Not exact, unlike ``param_norm``: exactness would cost ~25x the time here.
     """
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     squares = sum_of_squares(grads if counted is None else [p.grad for p in counted if p.grad is not None])
-    squares = _summed_over(squares, groups, device or (grads[0].device if grads else torch.device("cpu")))
+    squares = _summed_over(squares, groups, device or (params[0].device if params else torch.device("cpu")))
     norm = squares.sqrt().float()
     scale_gradients(grads, norm, max_norm)
     return norm

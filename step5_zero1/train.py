@@ -52,10 +52,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     with record_function("optimizer"):
         model.finish_gradient_synchronization()  # the single sync point before the optimiser step
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        # Every rank holds the whole gradient, as in step 4; with --param-dtype AdamW steps this rank's float32
-        # slices, so the ranks' sums of squares are added (norm_groups; the scaler combines the overflow flags).
-        grad_norm = clip_grad_norm(params_in_order(optimizer), config["grad_clip"], optimizer.norm_groups,
-                                   device=device)
+        grad_norm = clip_grad_norm(params_in_order(optimizer), config["grad_clip"], optimizer.norm_groups)  # all ranks'
         scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
         scaler.update()
         memory = memory_stats(model.parameters(), optimizer, device, masters=optimizer.masters)  # before zero_grad
@@ -79,28 +76,24 @@ def main():
     check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, world.world_size, world.is_main) if resume_from else None
-    distributed.join(world, config["timeout_s"])
-    device = world.device
+    device = distributed.join(world, config["timeout_s"])  # this rank's device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # Step 2's sampler: disjoint shards, as many samples on every rank, a new shuffle each epoch.
     sampler = ShardedSampler(len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # Different seeds on purpose, as in step 3: BucketedDDP broadcasts rank 0's parameters.
-    model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
+    model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)  # rank 0's is broadcast
     if config["compile"]:  # block by block, as in step 0: the communication stays outside the blocks
         compile_blocks(model)
     ddp_model = BucketedDDP(model, config["bucket_cap_mb"], reduce_dtype=getattr(torch, config["reduce_dtype"]))
-    # ZeRO-1: AdamW and its state for this rank's 1/N of the elements only (--param-dtype: float32 masters of them).
     optimizer = sharded_optimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
-                                  param_dtype(config), **adamw_options(config))
+                                  param_dtype(config), **adamw_options(config))  # ZeRO-1: state for 1/N only
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # fp16: one overflow verdict for all ranks
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds (checkpoint.py): each rank its slices of the weights (with --param-dtype, the float32
-    # masters) and of AdamW's state, cut back out at any world size (resharding.py).
+    # Checkpoints: each rank its slices of the weights (or masters) and of AdamW's state, read at any world size.
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()},
         [RunState(scheduler, scaler, batches, log), PerRank(optimizer, list(model.named_parameters()))])
@@ -142,8 +135,7 @@ def main():
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     weights = optimizer.master_weights(model.named_parameters())  # float32: the masters (collective)
     if world.is_main:
-        final = save_final_weights(Path(config["out"]), {name: weights[name] for name, _ in model.named_parameters()})
-        final["param_norm"] = param_norm(weights[name] for name, _ in model.named_parameters())
+        final = save_final_weights(Path(config["out"]), weights)
         log.finish(final)
     distributed.shutdown()
 

@@ -1,9 +1,7 @@
 """Step 6: ZeRO stage 2: gradients partitioned too (zero2.py), on top of step 5's sharded AdamW.
 
-Step 5 all-reduced every bucket, so every rank held the whole averaged gradient and used 1/N of it. Here each
-bucket is reduce-scattered the moment its last gradient is ready: each rank receives only the averaged slice it
-updates, the full gradients freed once in a bucket: 4/N gradient bytes per parameter, not 4 (outside backward).
-The run must be bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
+Step 5 all-reduced every bucket; here each is reduce-scattered the moment its last gradient is ready, each rank
+receiving only the averaged slice it updates: 4/N gradient bytes per parameter, not 4. Bitwise to step 1 (README).
 
     torchrun --standalone --nproc_per_node=2 step6_zero2/train.py
     python compare/parity.py step1 step6
@@ -26,7 +24,7 @@ from model import build_model, compile_blocks, language_model_loss
 from resharding import PerRank, find_checkpoint, open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from sharded_gradients import ShardedGradScaler
-from zero2 import ShardedGradientDDP
+from zero2 import ShardedGradientDDP, add_zero2_flags
 from seeding import seed_everything
 from training import (adamw_options, adamw_param_groups, add_param_dtype_flag, autocast, check_amp, check_param_dtype,
                       clip_grad_norm, make_grad_scaler, make_scheduler, param_dtype, param_norm, params_in_order)
@@ -53,8 +51,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     with record_function("optimizer"):
         model.finish_gradient_synchronization()  # the single sync point: each rank holds its gradient shard
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_grad_norm(params_in_order(optimizer), config["grad_clip"], optimizer.norm_groups,
-                                   device=device)  # one norm from every rank's slices
+        grad_norm = clip_grad_norm(params_in_order(optimizer), config["grad_clip"], optimizer.norm_groups)  # all ranks'
         scaler.step(optimizer)  # updates this rank's slices, then all-gathers the parameters; skipped on overflow
         scaler.update()
         memory = memory_stats(model.parameters(), optimizer, device, model.gradient_shards, optimizer.masters)
@@ -66,9 +63,7 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB")
-    parser.add_argument("--reduce-every-micro-batch", action="store_true",
-                        help="reduce-scatter every micro-batch into the shard: less memory, more traffic, not bitwise")
+    add_zero2_flags(parser)  # --bucket-cap-mb, --reduce-every-micro-batch
     add_param_dtype_flag(parser)
     config = parse_config(parser)
     world = distributed.plan_world(config)
@@ -80,21 +75,18 @@ def main():
     check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, world.world_size, world.is_main) if resume_from else None
-    distributed.join(world, config["timeout_s"])
-    device = world.device
+    device = distributed.join(world, config["timeout_s"])  # this rank's device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # Step 2's sampler: disjoint shards, as many samples on every rank, a new shuffle each epoch.
     sampler = ShardedSampler(len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # Different seeds on purpose, as in step 3: ShardedGradientDDP broadcasts rank 0's parameters.
-    model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
+    model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)  # rank 0's is broadcast
     if config["compile"]:  # block by block, as in step 0: the communication stays outside the blocks
         compile_blocks(model)
     ddp_model = ShardedGradientDDP(model, config["bucket_cap_mb"], reduce_dtype=getattr(torch, config["reduce_dtype"]),
                                    reduce_every_micro_batch=config["reduce_every_micro_batch"])
-    # ZeRO-1 as in step 5, sharded the way the buckets are: rank r updates the slice of each bucket it
-    # receives, and reads its gradient straight from the shard the reduce-scatter fills.
+    # ZeRO-1 as in step 5, sliced as the buckets are: AdamW reads each gradient from the reduce-scatter's shard.
     optimizer = sharded_optimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
                                   param_dtype(config), chunks=ddp_model.bucket_params,
                                   gradient_shards=ddp_model.gradient_shards, **adamw_options(config))
@@ -103,8 +95,7 @@ def main():
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds (checkpoint.py): each rank its slices of the weights (with --param-dtype, the float32
-    # masters) and of AdamW's state, cut back out at any world size (resharding.py).
+    # Checkpoints: each rank its slices of the weights (or masters) and of AdamW's state, read at any world size.
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()},
         [RunState(scheduler, scaler, batches, log), PerRank(optimizer, list(model.named_parameters()))])
@@ -146,8 +137,7 @@ def main():
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     weights = optimizer.master_weights(model.named_parameters())  # float32: the masters (collective)
     if world.is_main:
-        final = save_final_weights(Path(config["out"]), {name: weights[name] for name, _ in model.named_parameters()})
-        final["param_norm"] = param_norm(weights[name] for name, _ in model.named_parameters())
+        final = save_final_weights(Path(config["out"]), weights)
         log.finish(final)
     distributed.shutdown()
 

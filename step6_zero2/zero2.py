@@ -149,3 +149,10 @@ class ShardedGradientDDP(BucketedDDP):
         used = super()._used_by_any_rank(locally_unused)
         self.unused_parameters = [self.names[p] for p, u in used.items() if not u]
         return used
+
+
+def add_zero2_flags(parser) -> None:
+    flags = parser.add_argument_group("ZeRO-2")
+    flags.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB (step 4's)")
+    flags.add_argument("--reduce-every-micro-batch", action="store_true",
+                       help="reduce-scatter every micro-batch into the shard: less memory, more traffic, not bitwise")

@@ -19,6 +19,8 @@ import json
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -85,6 +87,12 @@ class PrefetchTrace:
         """Record nothing more (an export's gathers are not training)."""
         self.recording = False
 
+    def finish(self, out_dir: Path | None) -> None:
+        """``stop``, then (given ``out_dir``: one rank gives it) ``write`` this rank's timeline there."""
+        self.stop()
+        if out_dir is not None:
+            self.write(dist.get_rank() if dist.is_initialized() else 0, out_dir)
+
     def events(self) -> list[dict]:
         return [e for e in self.timeline if e["end"] is not None]
 
@@ -97,6 +105,7 @@ class PrefetchTrace:
         chrome = [{"name": e["name"], "cat": e["cat"], "ph": "X", "pid": rank, "tid": row(e),
                    "ts": us(e["start"]), "dur": us(e["end"]) - us(e["start"])} for e in events]
         trace_path = Path(out_dir) / "trace.json"
+        trace_path.parent.mkdir(parents=True, exist_ok=True)
         trace_path.write_text(json.dumps({"traceEvents": chrome, "displayTimeUnit": "ms"}, indent=1) + "\n")
 
         fig, ax = plt.subplots(figsize=(11, 1.2 + 0.4 * len(rows)), dpi=110)

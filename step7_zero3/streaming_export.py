@@ -43,10 +43,12 @@ def header_and_offsets(shapes: dict, dtype: torch.dtype = torch.float32) -> tupl
 def save_final_weights_streaming(out_dir: Path, shapes: dict, named_tensors, is_writer: bool) -> dict | None:
     """``save_final_weights`` for tensors that arrive one by one (``named_tensors``: an iterator of
     ``(name, tensor)``, every name of ``shapes`` once). Every rank must consume the iterator (its gathers
-    are collectives); only the writer writes, and gets the ``final`` section back (without ``param_norm``)."""
+    are collectives); only the writer writes, and gets the ``final`` section back (its exact ``param_norm`` from
+    each tensor's parts as it passes, training.py)."""
+    from training import norm_from_parts, square_sum_parts
     path = Path(out_dir) / "model.safetensors"
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fingerprints, f = {}, None
+    fingerprints, f, parts = {}, None, None
     if is_writer:
         header, offsets = header_and_offsets(shapes)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,6 +61,7 @@ def save_final_weights_streaming(out_dir: Path, shapes: dict, named_tensors, is_
                 f.seek(offsets[name])
                 f.write(t.view(torch.uint8).numpy().tobytes())
                 fingerprints[name] = fingerprint(t)
+                parts = square_sum_parts([t]) if parts is None else parts + square_sum_parts([t])
     finally:
         if f is not None:
             f.close()
@@ -72,4 +75,4 @@ def save_final_weights_streaming(out_dir: Path, shapes: dict, named_tensors, is_
         for block in iter(lambda: f.read(1 << 20), b""):
             sha256.update(block)
     return {"weights": path.name, "sha256": sha256.hexdigest(),
-            "fingerprints": {name: fingerprints[name] for name in shapes}}
+            "fingerprints": {name: fingerprints[name] for name in shapes}, "param_norm": norm_from_parts(parts)}

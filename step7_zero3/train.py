@@ -3,11 +3,9 @@
 Step 6 still kept every parameter on every rank. Here the model is built on the meta device, each rank keeps 1/N
 of every block's parameters and of the root's, and gathers a unit only while its forward or backward runs, the next
 unit's gather already under way; a plain AdamW steps this rank's pieces: 4/N + 4/N + 8/N bytes per parameter.
-The run must be bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
 
     torchrun --standalone --nproc_per_node=2 step7_zero3/train.py
-    torchrun --standalone --nproc_per_node=2 step7_zero3/train.py --trace      # prefetch timeline
-    python compare/parity.py step1 step7
+    python compare/parity.py step1 step7                    # bitwise at 2 ranks (--trace: the prefetch timeline)
 """
 import contextlib
 from pathlib import Path
@@ -22,7 +20,7 @@ from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from metrics import RunLog, StepClock, environment, memory_stats, tensor_bytes
+from metrics import RunLog, StepClock, environment, memory_stats
 from model import language_model_loss
 from offload import OffloadedOptimizer
 from prefetch_trace import PrefetchTrace
@@ -40,9 +38,8 @@ STEP = Path(__file__).resolve().parent.name
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
     """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
-    each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
-    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
-    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
+    each, the gradients synchronised once, unscaled, clipped, applied. Returns the losses' sum, the gradient norm
+    before clipping, this rank's memory; the phases named for torch.profiler (compare/peak_memory.py reads them)."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
@@ -57,37 +54,20 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     with record_function("optimizer"):
         model.finish_gradient_synchronization()  # the single sync point: each piece's .grad is its slice
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"], [dist.group.WORLD],
-                                   device=device)  # one norm from every rank's pieces
+        grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"], [dist.group.WORLD])  # every rank's pieces
         scaler.step(optimizer)  # updates this rank's pieces in place; skipped on overflow
         scaler.update()
-        memory = memory_stats(model.parameter_shards, optimizer, device, grads=model.gradient_shards)
-        memory["gathered_peak"] = model.take_peak_gathered_bytes()  # full units held at once, in this step
-        if isinstance(optimizer, OffloadedOptimizer):  # on the host: the float32 copies and AdamW's state
-            memory["host"] = tensor_bytes(optimizer.host_copies) + memory["optimizer_state"]
+        memory = memory_stats(model.parameter_shards, optimizer, device, grads=model.gradient_shards,
+                              gathered_peak=model.take_peak_gathered_bytes())  # full units held at once, this step
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
-
-
-def build(config: dict, vocab_size: int, device) -> tuple:
-    """Step 7's wrapper, optimiser and gradient scaler, as main() trains them (compare/peak_memory.py builds them
-    here too): ``(ddp_model, optimizer, scaler, shapes)``, ``shapes`` the full parameters' (zero3.shard_gpt2)."""
-    # --param-dtype bf16|fp16: the pieces stay the float32 master AdamW steps; gathers and compute are 16-bit.
-    ddp_model, shapes = shard_gpt2(config, vocab_size, device, param_dtype(config))
-    named = list(ddp_model.module.named_parameters())  # this rank's pieces, under the original names
-    optimizer = make_optimizer(named, config)  # a plain AdamW
-    if config.get("offload_optimizer"):  # the same AdamW, on host copies of the pieces (offload.py)
-        optimizer = OffloadedOptimizer(named, lambda named: make_optimizer(named, config))
-    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
-    return ddp_model, optimizer, scaler, shapes
 
 
 def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
-    add_zero3_flags(parser)  # --no-prefetch, --activation-checkpointing, --offload-optimizer
-    parser.add_argument("--trace", action="store_true", help="write trace.json and timeline.png of the last step")
+    add_zero3_flags(parser)  # --no-prefetch, --activation-checkpointing, --offload-optimizer, --trace
     add_param_dtype_flag(parser)
     config = parse_config(parser)
     world = distributed.plan_world(config)
@@ -99,22 +79,23 @@ def main():
     check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, world.world_size, world.is_main) if resume_from else None
-    distributed.join(world, config["timeout_s"])
-    device = world.device
+    device = distributed.join(world, config["timeout_s"])  # this rank's device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # Step 2's sampler: disjoint shards, as many samples on every rank, a new shuffle each epoch.
     sampler = ShardedSampler(len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    ddp_model, optimizer, scaler, shapes = build(config, corpus.vocab_size, device)
-    model = ddp_model.module  # its named_parameters() are this rank's pieces, under the original names
-    tracer = PrefetchTrace(ddp_model) if config["trace"] else None  # keeps the last micro-batch's timeline
+    ddp_model, shapes = shard_gpt2(config, corpus.vocab_size, device, param_dtype(config))  # only this rank's pieces
+    optimizer = make_optimizer(ddp_model.named_parameters(), config)  # a plain AdamW over this rank's pieces, or
+    if config["offload_optimizer"]:  # the same AdamW on host copies of them (ZeRO-Offload, offload.py)
+        optimizer = OffloadedOptimizer(ddp_model.named_parameters(), lambda named: make_optimizer(named, config))
     scheduler = make_scheduler(optimizer, config)
+    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # one overflow verdict for all ranks
+    tracer = PrefetchTrace(ddp_model) if config["trace"] else None  # keeps the last micro-batch's timeline
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds (checkpoint.py): each rank its pieces and AdamW's state for them, loaded back at any
-    # world size, only those elements read (resharding.py); --async-save: written by a thread (background_writer.py).
+    # Checkpoints: each rank its pieces and AdamW's state for them, read at any world size (only those elements).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, world.rank, world.world_size, shapes, [RunState(scheduler, scaler, batches, log),
                                                        PerRank(ddp_model, optimizer)])
@@ -138,7 +119,7 @@ def main():
             "step": step + 1,
             "loss": distributed.mean_over_ranks(loss_sum, accum),  # over every rank and micro-batch
             "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(model.parameters(), [dist.group.WORLD], device),
+            "param_norm": param_norm(ddp_model.parameters(), [dist.group.WORLD], device),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
@@ -154,16 +135,10 @@ def main():
             preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
-    if tracer:
-        tracer.stop()  # the export's gathers below are not part of training
-    # Every rank takes part in the export (it gathers unit by unit); rank 0 writes the file as they come.
+    if tracer:  # stopped first: the export's gathers are not training
+        tracer.finish(Path(config["out"]) if world.is_main else None)  # rank 0 writes its timeline
     final = save_final_weights_streaming(Path(config["out"]), shapes, ddp_model.gathered_parameters(), world.is_main)
-    norm = param_norm(model.parameters(), [dist.group.WORLD], device)
-    if world.is_main:
-        final["param_norm"] = norm
-        if tracer:
-            tracer.write(world.rank, Path(config["out"]))
-        log.finish(final)
+    log.finish(final)  # every rank gathered, unit by unit; rank 0 wrote the tensors as they came, and writes the log
     distributed.shutdown()
 
 

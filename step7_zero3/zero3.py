@@ -425,6 +425,7 @@ def add_zero3_flags(parser) -> None:
     flags.add_argument("--offload-optimizer", action="store_true",
                        help="AdamW's state and step in host memory (ZeRO-Offload, offload.py): the device keeps "
                             "parameters and gradients")
+    flags.add_argument("--trace", action="store_true", help="write trace.json and timeline.png of the last step")
 
 
 def checkpoint_activations(blocks) -> None:

@@ -1,8 +1,7 @@
 """Step 8: tensor parallelism, written by hand (tensor_parallel.py). Grown from step 3's train.py.
 
 Steps 1-7 gave every rank its own samples. Here the T ranks read the same micro-batches and split every layer:
-whole attention heads, a slice of the MLP and of the vocabulary, 1/T of every weight matrix; activations are
-all-reduced, not gradients. Bitwise equal to PyTorch's tensor parallelism; step 1 sums in another order (README).
+whole heads, 1/T of the MLP, of the vocabulary, of every weight matrix; activations are all-reduced, not gradients.
 
     torchrun --standalone --nproc_per_node=2 step8_tensor_parallel/train.py
     torchrun --standalone --nproc_per_node=2 compare/tp_reference.py
@@ -22,12 +21,12 @@ from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
-from model import build_model
+from model import build_model, language_model_loss
 from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
-from tensor_parallel import (check_divisible, finish_gradient_synchronization, parallelize_gpt2,
-                             vocab_parallel_cross_entropy)
+from tensor_parallel import (add_tensor_parallel_flags, check_tensor_parallel, finish_gradient_synchronization,
+                             parallelize_gpt2, vocab_parallel_cross_entropy)
 from tensor_parallel_state import TensorParallelShards, counted_once, gather_full_parameters, replicated_in_sync
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
                       param_norm)
@@ -38,19 +37,15 @@ STEP = Path(__file__).resolve().parent.name
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
     """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every rank): forward and
-    backward on each, then this rank's gradient shards unscaled, clipped and applied. Returns what the loop logs:
-    the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
-    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
+    backward on each, then this rank's gradient shards unscaled, clipped and applied. Returns the losses' sum, the
+    gradient norm before clipping, this rank's memory; the phases named for torch.profiler (compare/peak_memory.py)."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
         with record_function("forward"), autocast(config["amp"], device):
-            logits = model(inputs.to(device))  # this rank's slice of the vocabulary; the loss is every rank's
-            loss = vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten())
+            loss = language_model_loss(model, inputs.to(device), targets.to(device), vocab_parallel_cross_entropy)
         with record_function("backward"):
-            # Activations are all-reduced in here (tensor_parallel.py); each rank's gradients are its own shards,
-            # or replicas that come out identical: no gradient synchronisation.
-            scaler.scale(loss / accum).backward()
+            scaler.scale(loss / accum).backward()  # activations all-reduced in here; no gradient to synchronise
         loss_sum += loss.detach()
 
     with record_function("optimizer"):
@@ -69,30 +64,25 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="split the activations between the layers along the sequence too (rule 7)")
+    add_tensor_parallel_flags(parser)  # --sequence-parallel
     config = parse_config(parser)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
-    check_divisible(config["n_head"], corpus.vocab_size, world.world_size,  # whole heads, vocabulary (sequence) slices
-                    seq_len=config["seq_len"] if config["sequence_parallel"] else None)
+    check_tensor_parallel(config, corpus.vocab_size, world.world_size)  # whole heads, vocabulary (sequence) slices
     check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
-    # One data-parallel replica: the T ranks draw the samples one process would.
     resumed = open_checkpoint(resume_from, config, 1, world.is_main) if resume_from else None
-    distributed.join(world, config["timeout_s"])
-    device = world.device
+    device = distributed.join(world, config["timeout_s"])  # this rank's device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # Every rank reads every sample: the ranks share each micro-batch, they do not split the batch.
     sampler = ShardedSampler(len(corpus.blocks), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # The same full model on every rank (a pure function of the seed), then each keeps its shards.
-    # The activations are all-reduced in their own dtype (bf16 under --amp bf16), as PyTorch's TP does;
-    # --reduce-dtype float64 sums them in float64 and rounds once: order-free, but not step 1's sums (README).
+    # The same full model on every rank (the seed's), then each keeps its shards. Activations are all-reduced in
+    # their own dtype (bf16 under --amp bf16), as PyTorch's TP; --reduce-dtype float64: order-free, not step 1's sums.
     reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
     model = build_model(config, corpus.vocab_size, config["seed"])
     full_shapes = {name: p.shape for name, p in model.named_parameters()}  # what checkpoints describe
@@ -104,8 +94,7 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     env.update(tensor_parallel_size=world.world_size, data_parallel_size=1)  # parity.py: the global batch
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds (checkpoint.py): each rank its shards, as blocks that steps 0-8 and 10 read back at
-    # any degree (tensor_parallel_state.py); --async-save: written by a thread (background_writer.py).
+    # Checkpoints: each rank its shards, as blocks that steps 0-8 and 10 read back at any degree.
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, world.rank, world.world_size, full_shapes,
         [RunState(scheduler, scaler, batches, log), TensorParallelShards(model, optimizer)], data_parallel_size=1)
@@ -148,7 +137,6 @@ def main():
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     if world.is_main:
         final = save_final_weights(Path(config["out"]), full)
-        final["param_norm"] = param_norm(full.values())
         final["replicas_identical"] = in_sync
         log.finish(final)
     distributed.shutdown()

@@ -79,8 +79,9 @@ def plan_world(config: dict) -> World:
     return World(rank, world_size, local_rank, device, backend)
 
 
-def join(world: World, timeout_s: float) -> None:
-    """Join the process group; a peer that does not answer within ``timeout_s`` is an error, not a hang.
+def join(world: World, timeout_s: float) -> torch.device:
+    """Join the process group; a peer that does not answer within ``timeout_s`` is an error, not a hang. Returns
+    the device this rank computes on (a GPU: made the current one, as nccl expects).
 
     Under torchrun the ranks meet in the store that torchrun's agent keeps for the whole job. When torchrun
     restarts a failed group (``--max-restarts``), the new ranks would find the keys the dead ranks left in it
@@ -94,12 +95,13 @@ def join(world: World, timeout_s: float) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(world.backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
-        return
+        return world.device
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
                           is_master=not agent_store and world.rank == 0, timeout=timeout)
     dist.init_process_group(world.backend, store=dist.PrefixStore(f"attempt_{attempt}/", store), rank=world.rank,
                             world_size=world.world_size, timeout=timeout)
+    return world.device
 
 
 def shutdown() -> None:

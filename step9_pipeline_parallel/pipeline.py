@@ -348,22 +348,32 @@ class Pipeline:
             work.wait()
         self.pending_sends.clear()
 
+    def from_last_stage(self, value: torch.Tensor, group=None) -> torch.Tensor:
+        """What the last stage holds in ``value`` (the loss: only it has the logits), on every stage, in float64:
+        a broadcast over ``group`` (the pipeline's ranks; default every rank), on the device: nccl moves GPU tensors
+        only. Collective."""
+        value = torch.tensor(value.item(), dtype=torch.float64, device=self.device)
+        dist.broadcast(value, src=self.ranks[-1], group=group)
+        return value
+
     def take_peak_in_flight(self) -> int:
         """The most micro-batches whose activations this stage held at once since the last call."""
         peak, self.peak_in_flight = self.peak_in_flight, self.in_flight
         return peak
 
 
-def pipeline_gpt2(stages: list, stage_index: int, config: dict, example: torch.Tensor, device, loss_fn,
-                  ranks=None, sequence_split: int = 1) -> tuple:
+def pipeline_gpt2(stages: list, stage_index: int, config: dict, device, loss_fn, ranks=None,
+                  sequence_split: int = 1) -> tuple:
     """``(stage, named, pipe)``: this rank's stage of ``stages`` (the whole model cut into stages, on every rank;
     the caller frees the others), its parameters by the model's names (the tied copy on the last stage under the
     embedding's: what checkpoints speak of), and the ``Pipeline`` that runs it by ``config["schedule"]``, its
     messages one micro-batch's activations (``sequence_split``: a 1/N block of its tokens, step 10's sequence
     parallelism). ``loss_fn(logits, targets)``: the last stage's loss on float32 (B*S, V) logits. Forwards run
-    under --amp's autocast; with dropout every stage's random ops are recorded first, on ``example`` (rule 4)."""
+    under --amp's autocast; with dropout every stage's random ops are recorded first (rule 4), on a micro-batch of
+    token 0: only their shapes and dtypes are kept, not what they draw."""
     from training import autocast  # this project's trainers' autocast: Pipeline itself takes any context
     context = functools.partial(autocast, config["amp"], device)
+    example = torch.zeros(config["micro_batch_size"], config["seq_len"], dtype=torch.long, device=device)
     random_ops = record_random_ops(stages, example, context) if config["dropout"] > 0 else None
     stage = stages[stage_index]
     named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]

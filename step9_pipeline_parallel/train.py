@@ -1,9 +1,8 @@
 """Step 9: pipeline parallelism, written by hand (pipeline.py): the model cut into stages, one per rank.
 
 Grown from step 3's train.py, but all ranks together are ONE replica: rank s holds stage s (consecutive blocks),
-every rank reads the same micro-batches (step 0's), and each optimiser step pushes them through the pipeline,
---micro-batches at a time, by --schedule gpipe|1f1b. Each stage steps its own parameters.
-The run must be bitwise identical to step 0 with the same --micro-batch-size and --grad-accum.
+every rank reads step 0's micro-batches, and each optimiser step pushes them through the pipeline, --micro-batches
+at a time, by --schedule gpipe|1f1b. Bitwise identical to step 0 with the same --micro-batch-size and --grad-accum.
 
     torchrun --standalone --nproc_per_node=2 step9_pipeline_parallel/train.py --grad-accum 4
     python step0_single_gpu/train.py --grad-accum 4 && python compare/parity.py step0 step9
@@ -52,8 +51,7 @@ def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, devic
                                counted=[p for _, p in owned(named)], device=device)  # every stage's gradients
     scaler.step(optimizer)  # each stage steps its own parameters (both copies of the tie step alike)
     scaler.update()
-    memory = memory_stats((p for _, p in named), optimizer, device)  # before zero_grad frees the grads
-    memory["micro_batches_in_flight"] = pipe.take_peak_in_flight()
+    memory = memory_stats((p for _, p in named), optimizer, device, micro_batches_in_flight=pipe.take_peak_in_flight())
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
 
@@ -73,22 +71,19 @@ def main():
     limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
     check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
-    # One pipeline is one data replica: its checkpoints read and write as step 0's (world size 1).
-    resumed = open_checkpoint(resume_from, config, 1, world.is_main) if resume_from else None
-    distributed.join(world, config["timeout_s"])
-    device, stage_index, num_stages = world.device, world.rank, world.world_size
+    resumed = open_checkpoint(resume_from, config, 1, world.is_main) if resume_from else None  # one replica: as step 0
+    device, stage_index, num_stages = distributed.join(world, config["timeout_s"]), world.rank, world.world_size
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # One replica: every stage draws step 0's micro-batches (the first reads the inputs, the last the targets).
     sampler = ShardedSampler(len(corpus.blocks), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # Every rank builds the whole model (each parameter is a pure function of its name) and keeps its stage.
+    # Every rank builds the whole model (a pure function of the seed), cuts it into stages and keeps its own: its
+    # parameters by the model's names, and the Pipeline that runs it (step 0's loss on the last stage).
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
     shapes = {name: p.shape for name, p in model.named_parameters()}  # what the final weights hold
     stages = [GPT2Stage(model, s, num_stages) for s in range(num_stages)]
-    example = batches.blocks[:config["micro_batch_size"], :-1].to(device)  # dropout's draws are recorded on it
-    # This rank's stage, its parameters by the model's names, and the Pipeline that runs it (step 0's loss).
-    stage, named, pipe = pipeline_gpt2(stages, stage_index, config, example, device, torch.nn.functional.cross_entropy)
+    stage, named, pipe = pipeline_gpt2(stages, stage_index, config, device, torch.nn.functional.cross_entropy)
     del model, stages
     optimizer = make_optimizer(named, config)
     scheduler = make_scheduler(optimizer, config)
@@ -97,8 +92,7 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     env.update(pipeline_stages=num_stages, data_parallel_size=1)  # compare/parity.py: the global batch is one replica's
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds (checkpoint.py): one process's, gathered to rank 0, read back by name wherever the
-    # stage boundaries now are (pipeline_state.py); one RNG stream (world size 1); --async-save: background_writer.py.
+    # Checkpoints: one process's (one RNG stream), gathered to rank 0, read by name wherever the stages now cut.
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config, world.rank, 1, shapes, [RunState(scheduler, scaler, batches, log), PipelineState(named, optimizer)])
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
@@ -116,23 +110,19 @@ def main():
         loss_sum, grad_norm, memory = train_step(pipe, optimizer, scaler, micro_batches, config, device, named)
         scheduler.step()
 
-        # The logged loss is computed where the losses are, on the last stage, and sent to everyone.
-        loss_mean = torch.tensor((loss_sum / accum).item(), dtype=torch.float64, device=device)
-        dist.broadcast(loss_mean, src=num_stages - 1)  # on the device: nccl moves GPU tensors only
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
         log.log({
             "step": step + 1,
-            "loss": loss_mean.item(),
+            "loss": pipe.from_last_stage(loss_sum / accum).item(),  # where the logits are: the last stage's
             "grad_norm": grad_norm.item(),
             "param_norm": param_norm((p for _, p in owned(named)), [dist.group.WORLD], device),
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum,
             "epoch": batches.epoch,
-            # one entry per stage; comm: the bytes each stage sent, by kind
-            **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=take_comm_bytes()),
+            **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=take_comm_bytes()),  # per stage
         })
         preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
@@ -142,13 +132,11 @@ def main():
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     full = gather_full_state(named, None, world.is_main).get("model")
-    norm = param_norm((p for _, p in owned(named)), [dist.group.WORLD], device)
     if pipe.timeline is not None:
         from pipeline_trace import write_trace  # operations code, read it after the lesson
         write_trace(pipe.timeline, stage_index, num_stages, Path(config["out"]))
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
-        final["param_norm"] = norm
         log.finish(final, f" on {num_stages} pipeline stages ({world.backend}, {config['schedule']})")
     distributed.shutdown()
 

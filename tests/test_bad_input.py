@@ -415,12 +415,12 @@ def degrees_check(config: dict):
     return run
 
 
-def context_parallel_check(config: dict, cp: int, ranks: int):
-    """What step 11 checks before joining: rings of cp ranks, 2 x cp chunks of the sequence."""
+def context_parallel_check(config: dict, ranks: int):
+    """What step 11 checks before joining: rings of --cp ranks, 2 x cp chunks of the sequence."""
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step11"]))
         import context_parallel
-        context_parallel.check_context_parallel(config, cp, ranks)
+        context_parallel.check_context_parallel(config, ranks)
     return run
 
 
@@ -476,7 +476,7 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--cp 3: step 11 cuts --seq-len 64 into 2 x 3 chunks; use degrees whose 2 x C divides it":
         tool_main("activations", "--cp", "1", "3"),
     "--cp 3 does not divide the 4 ranks into rings: launch a multiple of 3 processes, or change --cp":
-        context_parallel_check({"seq_len": 36, "dropout": 0.0}, 3, 4),
+        context_parallel_check({"seq_len": 36, "dropout": 0.0, "cp": 3}, 4),
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",

@@ -231,6 +231,25 @@ def test_param_norm_is_the_exact_norm_whatever_the_grouping():
     assert param_norm([whole]) == norm_from_parts(parts)
 
 
+def test_the_final_weights_record_their_exact_norm_whole_or_streamed(tmp_path, monkeypatch):
+    """``save_final_weights`` (common/) and step 7's ``save_final_weights_streaming`` (tensors one at a time, as
+    ZeRO-3 gathers them) record the ``param_norm`` of what they write: the exact norm, Python's integers."""
+    import fractions
+    from conftest import REPO
+    from metrics import save_final_weights
+    monkeypatch.syspath_prepend(str(REPO / "step7_zero3"))
+    from streaming_export import save_final_weights_streaming
+    g = torch.Generator().manual_seed(0)
+    weights = {"a.weight": torch.randn(40, 30, generator=g) * 3, "a.bias": torch.randn(30, generator=g) * 1e-3,
+               "b": 0.1 + torch.rand(7, generator=g)}
+    exact = math.sqrt(sum(fractions.Fraction(x) ** 2 for t in weights.values() for x in t.flatten().tolist()))
+    whole = save_final_weights(tmp_path / "whole", weights)
+    streamed = save_final_weights_streaming(tmp_path / "streamed", {n: t.shape for n, t in weights.items()},
+                                            iter(weights.items()), is_writer=True)
+    assert whole["param_norm"] == streamed["param_norm"] == exact
+    assert whole["fingerprints"] == streamed["fingerprints"]
+
+
 @pytest.mark.quick
 def test_the_gpu_bin_sums_equal_bincount_and_leave_deterministic_mode_as_it_was():
     """The GPU path of square_sum_parts (atomic adds, deterministic mode lifted for one call), run on the CPU."""
