@@ -373,8 +373,10 @@ def pipeline_gpt2(stages: list, stage_index: int, config: dict, device, loss_fn,
     token 0: only their shapes and dtypes are kept, not what they draw."""
     from training import autocast  # this project's trainers' autocast: Pipeline itself takes any context
     context = functools.partial(autocast, config["amp"], device)
-    example = torch.zeros(config["micro_batch_size"], config["seq_len"], dtype=torch.long, device=device)
-    random_ops = record_random_ops(stages, example, context) if config["dropout"] > 0 else None
+    random_ops = None
+    if config["dropout"] > 0:
+        example = torch.zeros(config["micro_batch_size"], config["seq_len"], dtype=torch.long, device=device)
+        random_ops = record_random_ops(stages, example, context)
     stage = stages[stage_index]
     named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]
     pipe = Pipeline(stage, stage_index, len(stages),

@@ -48,7 +48,7 @@ def save_final_weights_streaming(out_dir: Path, shapes: dict, named_tensors, is_
     from training import norm_from_parts, square_sum_parts
     path = Path(out_dir) / "model.safetensors"
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fingerprints, f, parts = {}, None, None
+    fingerprints, f, parts = {}, None, square_sum_parts([])  # zeros: no tensor yet
     if is_writer:
         header, offsets = header_and_offsets(shapes)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,7 @@ def save_final_weights_streaming(out_dir: Path, shapes: dict, named_tensors, is_
                 f.seek(offsets[name])
                 f.write(t.view(torch.uint8).numpy().tobytes())
                 fingerprints[name] = fingerprint(t)
-                parts = square_sum_parts([t]) if parts is None else parts + square_sum_parts([t])
+                parts += square_sum_parts([t])
     finally:
         if f is not None:
             f.close()
