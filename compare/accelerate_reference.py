@@ -47,7 +47,7 @@ def main():
     if config["reduce_dtype"] != "float32" or config["amp"] != "none":
         raise UserError("the Accelerate reference is step 1 in float32: drop --reduce-dtype and --amp")
     world = distributed.plan_world(config)  # the device the steps would pick; Accelerate joins the group itself
-    seed_everything(config["seed"])
+    seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     accum = config["grad_accum"]
     # Accelerate joins the process group itself (gloo on CPUs, nccl on GPUs), with our timeout.

@@ -853,7 +853,7 @@ def main():
     classes, notes = choose(config["strategies"])
     if not classes:
         raise UserError("no row of --strategies can run here: " + "; ".join(notes))
-    seed_everything(config["seed"])  # also: one CPU thread per process
+    seed_everything(config["seed"], config["deterministic"])  # also: one CPU thread per process
     rank, world_size, _, _ = distributed.world_from_env()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a world of one started without torchrun
     os.environ.setdefault("MASTER_PORT", "29500")

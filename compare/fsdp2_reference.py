@@ -49,7 +49,7 @@ def main():
                         "no --amp: drop --reduce-dtype, --amp and --param-dtype fp16")
     world = distributed.plan_world(config)
     check_param_dtype(config, world.device)
-    seed_everything(config["seed"])
+    seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     distributed.join(world, config["timeout_s"])
     device = world.device

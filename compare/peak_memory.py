@@ -222,7 +222,7 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
     from train import train_step  # step 7's train.py: importing it runs nothing
     from training import make_grad_scaler, make_optimizer, param_dtype
     from zero3 import shard_gpt2
-    seed_everything(config["seed"])  # one CPU thread per process, as in every trainer
+    seed_everything(config["seed"], config["deterministic"])  # one CPU thread per process, as in every trainer
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     distributed.join(distributed.World(rank, world_size, rank, torch.device("cpu"), "gloo"), config["timeout_s"])
     generator = torch.Generator().manual_seed(config["seed"] + rank)

@@ -1,10 +1,11 @@
 """The training loop a learner writes in an afternoon, on the same model and data: what step 0's speed is
-measured against (compare/gpu_check.py). No exact norms, no checkpoints, no per-step records, no
-deterministic kernels: torch's defaults (AdamW's multi-tensor kernel on a GPU), bf16 autocast on CUDA,
-``clip_grad_norm_``, and ``loss.item()`` once a step, as nanoGPT's loop logs it.
+measured against (compare/gpu_check.py). No exact norms, no checkpoints, no per-step records: torch's
+defaults (AdamW's multi-tensor kernel on a GPU), bf16 autocast on CUDA, ``clip_grad_norm_``, and
+``loss.item()`` once a step, as nanoGPT's loop logs it. Deterministic kernels as every step runs them, or
+``--nondeterministic`` as torch runs by default (each step takes the flag too).
 
     python compare/plain_loop.py --attention sdpa --n-layer 12 --n-head 12 --n-embd 768 --seq-len 1024 \\
-        --micro-batch-size 16 --steps 20 --warmup 5 [--compile]
+        --micro-batch-size 16 --steps 20 --warmup 5 [--compile] [--nondeterministic]
 
 It takes step 0's flags (the ones it does not use are ignored) and prints one JSON line: tokens/s over the
 steps after --warmup, and the peak CUDA bytes.
@@ -28,8 +29,6 @@ from training import adamw_param_groups, autocast, pick_device  # noqa: E402
 def main():
     parser = build_parser("plain_loop")
     parser.add_argument("--warmup", type=int, default=5, help="steps before the clock starts (compilation, caches)")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="deterministic kernels, as every step runs (seeding.seed_everything), to measure their cost")
     config = parse_config(parser)
     device = pick_device(config["device"])
     if config["deterministic"]:

@@ -100,7 +100,7 @@ def main():
                         "sequence, step 8 one process's mask: compare them with --dropout 0")
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
-    seed_everything(config["seed"])
+    seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     if config["n_head"] % world.world_size or corpus.vocab_size % world.world_size:
         raise UserError(f"{world.world_size} ranks must divide --n-head {config['n_head']} and the vocabulary "

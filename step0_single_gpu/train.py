@@ -72,7 +72,7 @@ def main():
     device = pick_device(config["device"])
     check_amp(config["amp"], device)
     check_param_dtype(config, device)
-    seed_everything(config["seed"])
+    seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP, device)  # the budget: what training adds to libraries and data
     check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])

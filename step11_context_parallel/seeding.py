@@ -12,11 +12,12 @@ import numpy as np
 import torch
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and every GPU); force deterministic kernels and one CPU thread."""
+def seed_everything(seed: int, deterministic: bool = True) -> None:
+    """Seed Python, NumPy and torch (CPU and every GPU); one CPU thread; deterministic kernels unless
+    ``deterministic`` is False (--nondeterministic: torch's defaults, a GPU's fastest kernels)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs this for deterministic GEMMs
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(deterministic)
     # Deterministic mode also fills every new uninitialised tensor with NaN, a kernel per allocation: a
     # guard for code that reads memory before writing it, which none here does (two runs are compared bitwise).
     torch.utils.deterministic.fill_uninitialized_memory = False

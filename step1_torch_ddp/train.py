@@ -64,7 +64,7 @@ def main():
     config = parse_config(parser)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
-    seed_everything(config["seed"])
+    seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
     check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])

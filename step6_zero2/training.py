@@ -153,7 +153,8 @@ def make_scheduler(optimizer, config: dict) -> torch.optim.lr_scheduler.LambdaLR
 
 
 def sum_of_squares(tensors) -> torch.Tensor:
-    """Sum of the squares of all elements of all tensors, accumulated and returned in float64 on the CPU.
+    """Sum of the squares of all elements of all tensors, accumulated and returned in float64 on their device
+    (on a GPU nothing waits for it: the clipping that follows scales on the device too).
 
     Each float32 square is exact in float64, and the float64 sum carries ~29 more bits than a
     float32 result keeps: splitting or reordering the sum moves it by ~1e-16 relative. So a ZeRO
@@ -166,11 +167,11 @@ def sum_of_squares(tensors) -> torch.Tensor:
     """
     tensors = list(tensors)
     pieces = _pieces(tensors) if tensors and tensors[0].is_cuda else (t.detach() for t in tensors)
-    total = None  # summed on the tensors' device, in order; one copy to the CPU at the end (one GPU sync, not one
-    for x in pieces:  # per piece): float64 additions in the same order give the same bits on either device
+    total = None  # summed on the first tensor's device, in order: float64 additions in the same order give the
+    for x in pieces:  # same bits on either device
         square = x.double().pow(2).sum()
         total = square if total is None else total + square.to(total.device)
-    return torch.zeros((), dtype=torch.float64) if total is None else total.cpu()
+    return torch.zeros((), dtype=torch.float64) if total is None else total
 
 
 def clip_grad_norm(params, max_norm: float, groups=(), counted=None, device=None) -> torch.Tensor:
@@ -248,25 +249,26 @@ def square_sum_parts(tensors) -> torch.Tensor:
 
     Each float32 is m * 2**(e - 24) with an integer |m| < 2**24, so its square is the integer m**2 (< 2**48)
     times 2**(2e - 48). Row 0 and 1 of the result hold, per exponent e, the sums of the high and low 24 bits
-    of those integers (each sum is exact: bincount adds integers below 2**24 in float64, exact up to 2**29
-    elements per exponent); row 2 counts NaNs and infinities. Integers add exactly in any order, so the
-    parts of a tensor's slices, summed (or all-reduced) in any grouping, are the parts of the tensor: a
-    ZeRO-3 rank that holds only slices gets the very bits a rank holding everything gets (``param_norm``).
+    of those integers (each sum is exact: integers below 2**24 added in float64, exact up to 2**29 of them
+    per address); row 2 counts NaNs and infinities. Integers add exactly in any order, so the parts of a
+    tensor's slices, summed (or all-reduced) in any grouping, are the parts of the tensor: a ZeRO-3 rank that
+    holds only slices gets the very bits a rank holding everything gets (``param_norm``). About twenty
+    kernels a piece (``_pieces``), one copy to the CPU at the end: on a GPU the norm is launched, not waited on.
     """
-    parts = None
+    sums, nonfinite = None, []  # per exponent (high, low), float64 on the pieces' device; [NaNs, infinities]
     for x in _pieces(tensors):
-        if parts is None:
-            parts = torch.zeros(3, EXPONENTS, dtype=torch.int64, device=x.device)
-        parts[2, 0] += torch.isnan(x).sum().to(parts.device)
-        parts[2, 1] += torch.isinf(x).sum().to(parts.device)
+        nonfinite.append(torch.stack([torch.isnan(x).sum(), torch.isinf(x).sum()]))
         mantissa, exponent = torch.frexp(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
-        square = (mantissa.double() * 2.0**24) ** 2  # the integer m**2, exact in float64
-        high = torch.floor(square * 2.0**-24)
-        low = square - high * 2.0**24
-        bins = exponent.long() - MIN_EXPONENT
-        parts[0] += _sums_by_bin(bins, high).long().to(parts.device)
-        parts[1] += _sums_by_bin(bins, low).long().to(parts.device)
-    return torch.zeros(3, EXPONENTS, dtype=torch.int64) if parts is None else parts.cpu()
+        square = mantissa.double().mul_(2.0**24).square_()  # the integer m**2, exact in float64
+        values = torch.empty(2, x.numel(), dtype=torch.float64, device=x.device)
+        torch.floor(square * 2.0**-24, out=values[0])  # its high 24 bits
+        torch.sub(square, values[0], alpha=2.0**24, out=values[1])  # its low 24 bits (exact: integers)
+        sums = _add_by_bin(sums, exponent, values)
+    parts = torch.zeros(3, EXPONENTS, dtype=torch.int64)
+    if sums is not None:
+        parts[:2] = sums.cpu()
+        parts[2, :2] = torch.stack(nonfinite).sum(0).cpu()
+    return parts
 
 
 def _pieces(tensors):
@@ -292,33 +294,49 @@ def _pieces(tensors):
         yield torch.cat(pending) if len(pending) > 1 else pending[0]
 
 
-def _sums_by_bin(bins: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Per bin, the sum of ``values`` (integers below 2**24 in float64, at most 2**22 of them). On the CPU
-    ``bincount``. On a GPU atomic adds (``_atomic_sums_by_bin``)."""
-    if values.device.type == "cpu":
-        return torch.bincount(bins, weights=values, minlength=EXPONENTS)
-    return _atomic_sums_by_bin(bins, values)
-
-
 LANES = 4096  # addresses per bin for the GPU's atomic adds
 
 
-def _atomic_sums_by_bin(bins: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``index_add_``'s atomic adds: their order varies from run to run, but every partial sum is an integer
-    below 2**46, exact in float64, so the result cannot. Two things make it fast. Each bin's adds are spread
-    over ``LANES`` addresses by element position (a GPT-2's values fall in a few dozen bins, and atomic adds
-    to one address wait for each other), and the lanes are summed after: exact too. And deterministic mode,
-    which refuses atomic float adds, is lifted for this one call: its sorted replacement adds each bin's
-    values one after the other (6 s a step for GPT-2 small's 87M parameters, measured on an H100)."""
-    deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
-        torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(False)
-    try:
-        lanes = torch.arange(bins.numel(), device=bins.device) % LANES
-        spread = torch.zeros(EXPONENTS * LANES, dtype=torch.float64, device=values.device)
-        return spread.index_add_(0, bins * LANES + lanes, values).view(EXPONENTS, LANES).sum(1)
-    finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+def _add_by_bin(sums, exponent: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``sums`` (None at first) plus, per exponent (``frexp``'s, from MIN_EXPONENT), the sums of the rows of
+    ``values`` (2 x n integers below 2**24 in float64). On the CPU ``bincount``, returning int64 sums. On a GPU
+    atomic adds into EXPONENTS x LANES addresses (``sums``: that float64 spread), each bin's adds spread over
+    ``LANES`` addresses by position (a GPT-2's values fall in a few dozen bins, and atomic adds to one address
+    wait for each other); the int64 sums over lanes are taken when read (``.cpu()``). Their order varies from
+    run to run but every partial sum is an integer below 2**53, exact in float64, so the result cannot. Deterministic
+    mode, which refuses atomic adds, is lifted for this one call: its sorted replacement adds each bin's values
+    one after the other (6 s a step for GPT-2 small's 87M parameters, measured on an H100)."""
+    bins = exponent.long() - MIN_EXPONENT
+    if values.device.type == "cpu" and sums is None:
+        sums = torch.zeros(2, EXPONENTS, dtype=torch.int64)
+    if values.device.type == "cpu":
+        for row in range(2):
+            sums[row] += torch.bincount(bins, weights=values[row], minlength=EXPONENTS).long()
+        return sums
+    if sums is None:
+        sums = _LaneSums(values.device)
+    sums.add(bins, values)
+    return sums
+
+
+class _LaneSums:
+    """The GPU's per-bin sums, each bin spread over LANES addresses; ``.cpu()``: their exact int64 totals."""
+
+    def __init__(self, device):
+        self.spread = torch.zeros(2, EXPONENTS * LANES, dtype=torch.float64, device=device)
+
+    def add(self, bins: torch.Tensor, values: torch.Tensor) -> None:
+        deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
+            torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(False)
+        try:
+            lanes = torch.arange(bins.numel(), device=bins.device).remainder_(LANES)
+            self.spread.index_add_(1, bins.mul_(LANES).add_(lanes), values)
+        finally:
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+    def cpu(self) -> torch.Tensor:
+        return self.spread.view(2, EXPONENTS, LANES).long().sum(2).cpu()
 
 
 def norm_from_parts(parts: torch.Tensor) -> float:

@@ -66,7 +66,7 @@ def main():
     world = distributed.plan_world(config)
     check_pipeline(config, world.world_size)
     check_amp(config["amp"], world.device)
-    seed_everything(config["seed"])
+    seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
     check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])

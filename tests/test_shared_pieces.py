@@ -216,9 +216,10 @@ def test_one_clipping_function_for_every_layout_counts_each_element_once():
 
 
 @pytest.mark.quick
-def test_param_norm_is_the_exact_norm_whatever_the_grouping():
+def test_param_norm_is_the_exact_norm_whatever_the_grouping(monkeypatch):
     """``param_norm`` against a closed form computed with Python's integers (exact), for tensors cut into
-    slices in two ways, with values across many exponents, over the 4M-element chunk boundary."""
+    slices in two ways, with values across many exponents, over the 4M-element chunk boundary; the GPU's atomic
+    adds give the same parts; subnormals, NaNs and infinities."""
     import fractions
     from training import square_sum_parts, norm_from_parts
     g = torch.Generator().manual_seed(0)
@@ -229,6 +230,18 @@ def test_param_norm_is_the_exact_norm_whatever_the_grouping():
     assert torch.equal(parts, square_sum_parts(whole.split(1_000_003)))
     assert torch.equal(parts, square_sum_parts([whole[:7], whole[7:]]))
     assert param_norm([whole]) == norm_from_parts(parts)
+    import training  # the GPU's way of adding by bin (atomic adds into lanes), run on the CPU: the same parts
+
+    def gpu_way(sums, exponent, values):
+        sums = training._LaneSums(values.device) if sums is None else sums
+        sums.add(exponent.long() - training.MIN_EXPONENT, values)
+        return sums
+    monkeypatch.setattr(training, "_add_by_bin", gpu_way)
+    assert torch.equal(parts, square_sum_parts(whole.split(1_000_003)))
+    tiny = torch.tensor([1e-40, -3e-45, 2.5, 0.0])  # subnormals
+    assert norm_from_parts(square_sum_parts([tiny])) == math.sqrt(sum(fractions.Fraction(float(x)) ** 2 for x in tiny))
+    assert math.isnan(norm_from_parts(square_sum_parts([whole[:9], torch.tensor([1.0, math.inf, math.nan])])))
+    assert norm_from_parts(square_sum_parts([torch.tensor([-math.inf, 2.0])])) == math.inf
 
 
 def test_the_final_weights_record_their_exact_norm_whole_or_streamed(tmp_path, monkeypatch):
@@ -253,15 +266,19 @@ def test_the_final_weights_record_their_exact_norm_whole_or_streamed(tmp_path, m
 @pytest.mark.quick
 def test_the_gpu_bin_sums_equal_bincount_and_leave_deterministic_mode_as_it_was():
     """The GPU path of square_sum_parts (atomic adds, deterministic mode lifted for one call), run on the CPU."""
-    from training import EXPONENTS, _atomic_sums_by_bin
+    from training import EXPONENTS, _LaneSums
     g = torch.Generator().manual_seed(1)
     bins = torch.randint(0, EXPONENTS, (100_000,), generator=g)
-    values = torch.randint(0, 2**24, (100_000,), generator=g).double()
+    values = torch.randint(0, 2**24, (2, 100_000), generator=g).double()
+    expected = torch.stack([torch.bincount(bins, weights=values[row], minlength=EXPONENTS) for row in (0, 1)])
     before = torch.are_deterministic_algorithms_enabled()
     try:
         for mode in (True, False):
             torch.use_deterministic_algorithms(mode)
-            assert torch.equal(_atomic_sums_by_bin(bins, values), torch.bincount(bins, weights=values, minlength=EXPONENTS))
+            sums = _LaneSums(torch.device("cpu"))
+            sums.add(bins[:60_000].clone(), values[:, :60_000])  # two pieces into one spread, as square_sum_parts adds
+            sums.add(bins[60_000:].clone(), values[:, 60_000:])
+            assert torch.equal(sums.cpu(), expected.long())
             assert torch.are_deterministic_algorithms_enabled() == mode
     finally:
         torch.use_deterministic_algorithms(before)
@@ -320,3 +337,19 @@ def test_the_done_line_names_the_layout_the_last_loss_and_where_the_weights_are(
             log.finish({"param_norm": 1.0}, layout)
             assert written == [{"param_norm": 1.0}]  # write() itself leaves metrics.json to the writer
             assert capsys.readouterr().out == (f"{said}, weights in {tmp_path}\n" if is_writer else "")
+
+
+@pytest.mark.quick
+def test_nondeterministic_lifts_deterministic_kernels_and_the_default_keeps_them():
+    """``--nondeterministic`` (every step, compare/plain_loop.py) reaches seed_everything: torch's default kernels."""
+    from config import build_parser, parse_config
+    from seeding import seed_everything
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        for argv, deterministic in (([], True), (["--nondeterministic"], False)):
+            config = parse_config(build_parser("step0_single_gpu"), argv)
+            assert config["deterministic"] is deterministic
+            seed_everything(config["seed"], config["deterministic"])
+            assert torch.are_deterministic_algorithms_enabled() is deterministic
+    finally:
+        torch.use_deterministic_algorithms(before)
