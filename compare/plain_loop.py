@@ -11,7 +11,6 @@ It takes step 0's flags (the ones it does not use are ignored) and prints one JS
 steps after --warmup, and the peak CUDA bytes.
 """
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,6 @@ def main():
     config = parse_config(parser)
     device = pick_device(config["device"])
     if config["deterministic"]:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.utils.deterministic.fill_uninitialized_memory = False
     torch.manual_seed(config["seed"])

@@ -252,22 +252,23 @@ def square_sum_parts(tensors) -> torch.Tensor:
     of those integers (each sum is exact: integers below 2**24 added in float64, exact up to 2**29 of them
     per address); row 2 counts NaNs and infinities. Integers add exactly in any order, so the parts of a
     tensor's slices, summed (or all-reduced) in any grouping, are the parts of the tensor: a ZeRO-3 rank that
-    holds only slices gets the very bits a rank holding everything gets (``param_norm``). About twenty
-    kernels a piece (``_pieces``), one copy to the CPU at the end: on a GPU the norm is launched, not waited on.
+    holds only slices gets the very bits a rank holding everything gets (``param_norm``). About fifteen
+    kernels a piece (``_pieces``) and one copy to the CPU at the end: a GPU is not waited on piece by piece.
     """
-    sums, nonfinite = None, []  # per exponent (high, low), float64 on the pieces' device; [NaNs, infinities]
+    sums, nans, infs = None, [], []  # per exponent (high, low), on the pieces' device; NaNs and infinities per piece
     for x in _pieces(tensors):
-        nonfinite.append(torch.stack([torch.isnan(x).sum(), torch.isinf(x).sum()]))
+        nans.append(torch.isnan(x).sum())
+        infs.append(torch.isinf(x).sum())
         mantissa, exponent = torch.frexp(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
-        square = mantissa.double().mul_(2.0**24).square_()  # the integer m**2, exact in float64
         values = torch.empty(2, x.numel(), dtype=torch.float64, device=x.device)
-        torch.floor(square * 2.0**-24, out=values[0])  # its high 24 bits
-        torch.sub(square, values[0], alpha=2.0**24, out=values[1])  # its low 24 bits (exact: integers)
+        square = torch.mul(mantissa, 2.0**24, out=values[1]).square_()  # the integer m**2, exact in float64
+        torch.div(square, 2.0**24, rounding_mode="floor", out=values[0])  # its high 24 bits
+        square.sub_(values[0], alpha=2.0**24)  # and its low 24 bits (exact: integers), in place
         sums = _add_by_bin(sums, exponent, values)
     parts = torch.zeros(3, EXPONENTS, dtype=torch.int64)
     if sums is not None:
         parts[:2] = sums.cpu()
-        parts[2, :2] = torch.stack(nonfinite).sum(0).cpu()
+        parts[2, :2] = torch.stack([torch.stack(nans).sum(), torch.stack(infs).sum()]).cpu()
     return parts
 
 
@@ -297,41 +298,44 @@ def _pieces(tensors):
 LANES = 4096  # addresses per bin for the GPU's atomic adds
 
 
-def _add_by_bin(sums, exponent: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``sums`` (None at first) plus, per exponent (``frexp``'s, from MIN_EXPONENT), the sums of the rows of
-    ``values`` (2 x n integers below 2**24 in float64). On the CPU ``bincount``, returning int64 sums. On a GPU
-    atomic adds into EXPONENTS x LANES addresses (``sums``: that float64 spread), each bin's adds spread over
-    ``LANES`` addresses by position (a GPT-2's values fall in a few dozen bins, and atomic adds to one address
-    wait for each other); the int64 sums over lanes are taken when read (``.cpu()``). Their order varies from
-    run to run but every partial sum is an integer below 2**53, exact in float64, so the result cannot. Deterministic
-    mode, which refuses atomic adds, is lifted for this one call: its sorted replacement adds each bin's values
-    one after the other (6 s a step for GPT-2 small's 87M parameters, measured on an H100)."""
-    bins = exponent.long() - MIN_EXPONENT
-    if values.device.type == "cpu" and sums is None:
-        sums = torch.zeros(2, EXPONENTS, dtype=torch.int64)
-    if values.device.type == "cpu":
-        for row in range(2):
-            sums[row] += torch.bincount(bins, weights=values[row], minlength=EXPONENTS).long()
+def _add_by_bin(sums, exponent: torch.Tensor, values: torch.Tensor):
+    """``sums`` (None at first) plus the sums of ``values`` (2 x n integers below 2**24 in float64) by
+    ``exponent`` (``frexp``'s, int32; used up). On the CPU ``bincount``, into int64 sums. On a GPU atomic adds
+    (``_LaneSums``)."""
+    if values.device.type != "cpu":
+        sums = _LaneSums(values.device) if sums is None else sums
+        sums.add(exponent, values)
         return sums
-    if sums is None:
-        sums = _LaneSums(values.device)
-    sums.add(bins, values)
+    sums = torch.zeros(2, EXPONENTS, dtype=torch.int64) if sums is None else sums
+    bins = exponent.sub_(MIN_EXPONENT)
+    for row in range(2):
+        sums[row] += torch.bincount(bins, weights=values[row], minlength=EXPONENTS).long()
     return sums
 
 
 class _LaneSums:
-    """The GPU's per-bin sums, each bin spread over LANES addresses; ``.cpu()``: their exact int64 totals."""
+    """A GPU's sums by exponent, by atomic adds into EXPONENTS x LANES float64 addresses: each bin's adds are
+    spread over ``LANES`` addresses by element position (a GPT-2's values fall in a few dozen bins, and atomic
+    adds to one address wait for each other). Their order varies from run to run, but every partial sum is an
+    integer below 2**53, exact in float64, so the result cannot; ``cpu()`` adds the lanes in int64. Deterministic
+    mode, which refuses atomic adds, is lifted for the adds alone: its sorted replacement adds each bin's values
+    one after the other (6 s a step for GPT-2 small's 87M parameters, measured on an H100)."""
+
+    offsets = {}  # per device: each position's lane, less MIN_EXPONENT's bins (int32, one piece long)
 
     def __init__(self, device):
         self.spread = torch.zeros(2, EXPONENTS * LANES, dtype=torch.float64, device=device)
+        if device not in self.offsets:
+            lanes = torch.arange(1 << 22, dtype=torch.int32, device=device).remainder_(LANES)
+            self.offsets[device] = lanes.sub_(MIN_EXPONENT * LANES)
 
-    def add(self, bins: torch.Tensor, values: torch.Tensor) -> None:
+    def add(self, exponent: torch.Tensor, values: torch.Tensor) -> None:
+        index = exponent.mul_(LANES).add_(self.offsets[values.device][:exponent.numel()])  # int32: < 2**21
         deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
             torch.is_deterministic_algorithms_warn_only_enabled()
         torch.use_deterministic_algorithms(False)
         try:
-            lanes = torch.arange(bins.numel(), device=bins.device).remainder_(LANES)
-            self.spread.index_add_(1, bins.mul_(LANES).add_(lanes), values)
+            self.spread.index_add_(1, index, values)
         finally:
             torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 

@@ -22,7 +22,7 @@ def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
     assert text.count("(bitwise identical)") == 3  # the second run, the resumed one, the offloaded one
     assert "step 1 (DDP): exit 1: `error: out of memory" in text and "step 7 (ZeRO-3): trained 2 steps" in text
     for run in ("plain loop, SDPA |", "plain loop, SDPA, deterministic |", "step 0, SDPA |",
-                "step 0, SDPA, deterministic |", "step 0, SDPA: train_step alone (records' step_time) |"):
+                "step 0, SDPA, --nondeterministic |", "step 0, SDPA: train_step alone (records' step_time) |"):
         assert f"| {run}" in text, text
 
 

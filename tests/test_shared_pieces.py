@@ -234,7 +234,7 @@ def test_param_norm_is_the_exact_norm_whatever_the_grouping(monkeypatch):
 
     def gpu_way(sums, exponent, values):
         sums = training._LaneSums(values.device) if sums is None else sums
-        sums.add(exponent.long() - training.MIN_EXPONENT, values)
+        sums.add(exponent, values)
         return sums
     monkeypatch.setattr(training, "_add_by_bin", gpu_way)
     assert torch.equal(parts, square_sum_parts(whole.split(1_000_003)))
@@ -266,7 +266,7 @@ def test_the_final_weights_record_their_exact_norm_whole_or_streamed(tmp_path, m
 @pytest.mark.quick
 def test_the_gpu_bin_sums_equal_bincount_and_leave_deterministic_mode_as_it_was():
     """The GPU path of square_sum_parts (atomic adds, deterministic mode lifted for one call), run on the CPU."""
-    from training import EXPONENTS, _LaneSums
+    from training import EXPONENTS, MIN_EXPONENT, _LaneSums
     g = torch.Generator().manual_seed(1)
     bins = torch.randint(0, EXPONENTS, (100_000,), generator=g)
     values = torch.randint(0, 2**24, (2, 100_000), generator=g).double()
@@ -276,8 +276,9 @@ def test_the_gpu_bin_sums_equal_bincount_and_leave_deterministic_mode_as_it_was(
         for mode in (True, False):
             torch.use_deterministic_algorithms(mode)
             sums = _LaneSums(torch.device("cpu"))
-            sums.add(bins[:60_000].clone(), values[:, :60_000])  # two pieces into one spread, as square_sum_parts adds
-            sums.add(bins[60_000:].clone(), values[:, 60_000:])
+            exponents = (bins + MIN_EXPONENT).int()  # frexp's, as square_sum_parts hands them
+            sums.add(exponents[:60_000].clone(), values[:, :60_000])  # two pieces into one spread
+            sums.add(exponents[60_000:].clone(), values[:, 60_000:])
             assert torch.equal(sums.cpu(), expected.long())
             assert torch.are_deterministic_algorithms_enabled() == mode
     finally:
