@@ -13,7 +13,7 @@ import torch
 
 def seed_everything(seed: int, deterministic: bool = True) -> None:
     """Seed Python, NumPy and torch (CPU and every GPU); one CPU thread; deterministic kernels unless
-    ``deterministic`` is False (--nondeterministic: torch's defaults, a GPU's fastest kernels)."""
+    ``deterministic`` is False (--nondeterministic: torch's default kernels)."""
     # No CUBLAS_WORKSPACE_CONFIG: torch gives each stream its own cuBLAS workspace, which is what cuBLAS needs to
     # be deterministic, and torch 2.11 on asks for nothing more; the old advice (:4096:8) costs a GPU a third of
     # its speed (docs/gpu.md).

@@ -84,8 +84,8 @@ def build_parser(step: str) -> argparse.ArgumentParser:
                           "with code 4 within S seconds; 0: SIGTERM ends the run at once")
     run.add_argument("--quiet", action="store_true", help="no per-step console lines")
     run.add_argument("--nondeterministic", dest="deterministic", action="store_false",
-                     help="torch's fastest kernels (on a GPU: attention's backward by atomic adds): faster, but two "
-                          "runs, a resumed run and the steps' parity no longer agree bit for bit")
+                     help="torch's default kernels instead of deterministic ones (on a GPU some backward passes add "
+                          "atomically): two runs, a resumed run and the steps' parity no longer agree bit for bit")
     run.add_argument("--max-memory-mb", type=float, default=None, metavar="MB",
                      help="memory budget per rank: the OS refuses this process more than MB MiB of data memory "
                           "(tensors, heap) beyond what it holds at start-up (Python, torch, libraries), via "
