@@ -3,12 +3,14 @@ on the same stages: are the gradients and the weights the same bits?
 
     python compare/pipeline_reference.py                                  # 2 stages, gpipe and 1f1b, M = 3
     python compare/pipeline_reference.py --stages 4 --micro-batches 8 --steps 3
+    python compare/pipeline_reference.py --schedules interleaved-1f1b --micro-batches 4   # 2 chunks per stage
     python compare/pipeline_reference.py --steps 20 --n-embd 128 --seq-len 64 --micro-batch-size 8   # + times
 
 It starts ``--stages`` processes (gloo, CPU, one thread each), builds our GPT-2 in each (the same weights: every
 parameter is a function of its name), cuts it into the same stages with ``GPT2Stage``, and trains ``--steps``
 AdamW steps from the same weights on the same micro-batches twice per schedule: with PyTorch's ``PipelineStage``
-and ``ScheduleGPipe`` / ``Schedule1F1B``, and with our ``Pipeline``. After every step it asserts that every
+and ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (``--virtual-stages`` chunks per process,
+the model cut into P x V), and with our ``Pipeline``. After every step it asserts that every
 gradient and every weight of every stage is ``torch.equal`` in the two; exit 0 when all are, 1 otherwise.
 
 Two things PyTorch's schedules do not do as one process accumulating M micro-batches does, and what the
@@ -51,7 +53,7 @@ def loss_of(logits, targets):
 def worker(rank: int, world_size: int, port: int, args) -> list:
     sys.path.insert(0, str(STEP9))  # the step's own copies (common's, verbatim) and pipeline.py
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from model import build_model
     from pipeline import GPT2Stage, Pipeline
@@ -68,10 +70,22 @@ def worker(rank: int, world_size: int, port: int, args) -> list:
     first, last = rank == 0, rank == P - 1
     data = torch.randint(0, VOCAB, (args.steps, M * B, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
 
-    def fresh_stage():
-        stage = GPT2Stage(build_model(config, VOCAB, config["seed"]), rank, P)
-        named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]
-        return stage, named, make_optimizer(named, config)
+    def fresh_stage(schedule):
+        """This process's stage (a ``GPT2Stage``), or with the interleaved schedule its list of V chunks (the
+        model's stages rank, rank + P, ...), with its tied parameter (or None), its parameters and optimiser."""
+        V = args.virtual_stages if schedule == "interleaved-1f1b" else 1
+        model = build_model(config, VOCAB, config["seed"])
+        chunks = [GPT2Stage(model, v * P + rank, P * V) for v in range(V)]
+        named = [("transformer.wte.weight" if p is chunk.tied_parameter else n, p)
+                 for chunk in chunks for n, p in chunk.named_parameters()]
+        tied = (chunks[0] if first else chunks[-1]).tied_parameter
+        return (chunks if V > 1 else chunks[0]), tied, named, make_optimizer(named, config)
+
+    def their_schedule_of(schedule, module, **options):
+        modules = module if isinstance(module, list) else [module]
+        stages = [PipelineStage(chunk, chunk.stage, chunk.num_stages, torch.device("cpu")) for chunk in modules]
+        schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+        return schedule_cls[schedule](stages if len(stages) > 1 else stages[0], M, **options)
 
     def step_builtin(schedule, inputs, targets):
         """PyTorch's schedules take the whole batch on the first stage and the targets on the last."""
@@ -79,25 +93,24 @@ def worker(rank: int, world_size: int, port: int, args) -> list:
 
     report = {}
     for schedule in args.schedules:
-        theirs, their_named, their_optimizer = fresh_stage()
-        ours, our_named, our_optimizer = fresh_stage()
+        theirs, their_tied, their_named, their_optimizer = fresh_stage(schedule)
+        ours, our_tied, our_named, our_optimizer = fresh_stage(schedule)
         halves = []  # the tied embedding's half of each micro-batch's gradient, in order
-        if theirs.tied_parameter is not None:
-            theirs.tied_parameter.register_hook(lambda grad: halves.append(grad.clone()) or grad)
-        builtin = PipelineStage(theirs, rank, P, torch.device("cpu"))
-        schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        their_schedule = schedule_cls(builtin, M, loss_fn=lambda out, y: loss_of(out, y) / M, scale_grads=False)
-        pipe = Pipeline(ours, rank, P, (B, args.seq_len, args.n_embd), loss_fn=loss_of,
-                        tied_parameter=ours.tied_parameter, schedule=schedule)
+        if their_tied is not None:
+            their_tied.register_hook(lambda grad: halves.append(grad.clone()) or grad)
+        their_schedule = their_schedule_of(schedule, theirs, loss_fn=lambda out, y: loss_of(out, y) / M,
+                                           scale_grads=False)
+        pipe = Pipeline(ours, rank, P, (B, args.seq_len, args.n_embd), loss_fn=loss_of, tied_parameter=our_tied,
+                        schedule=schedule)
         differing, tie_naive_diff, times = [], 0.0, {"theirs": [], "ours": []}
         for step in range(args.steps):
-            inputs, targets = data[step, :, :-1], data[step, :, 1:]
+            inputs, targets = data[step, :, :-1].contiguous(), data[step, :, 1:].contiguous()
             # PyTorch's: the whole batch in, split into M micro-batches of B consecutive samples.
             halves.clear()
             dist.barrier()  # both timed from the same start on every stage
             started = time.perf_counter()
             step_builtin(their_schedule, inputs, targets)
-            if theirs.tied_parameter is not None:  # one process's order: (a_i + b_i), accumulated in order
+            if their_tied is not None:  # one process's order: (a_i + b_i), accumulated in order
                 mine = halves[:]
                 other = [torch.empty_like(h) for h in mine]
                 for h, o in zip(mine, other):  # first <-> last: each gets the other's halves
@@ -112,7 +125,7 @@ def worker(rank: int, world_size: int, port: int, args) -> list:
                 naive = sum(e for e, _ in pairs) if len(pairs) > 1 else pairs[0][0]
                 naive_output = sum(o for _, o in pairs) if len(pairs) > 1 else pairs[0][1]
                 tie_naive_diff = max(tie_naive_diff, (naive + naive_output - combined).abs().max().item())
-                theirs.tied_parameter.grad = combined
+                their_tied.grad = combined
             times["theirs"].append(time.perf_counter() - started)
             dist.barrier()
             started = time.perf_counter()
@@ -132,11 +145,10 @@ def worker(rank: int, world_size: int, port: int, args) -> list:
                             "times": times}
 
         # The trap: PyTorch's default scale_grads=True (sum, then divide by M), one step, against ours.
-        default, default_named, _ = fresh_stage()
-        default_schedule = schedule_cls(PipelineStage(default, rank, P, torch.device("cpu")), M, loss_fn=loss_of)
-        step_builtin(default_schedule, data[0, :, :-1], data[0, :, 1:])
-        inputs, targets = data[0, :, :-1], data[0, :, 1:]
-        ours2, our_named2, _ = fresh_stage()
+        default, _, default_named, _ = fresh_stage(schedule)
+        inputs, targets = data[0, :, :-1].contiguous(), data[0, :, 1:].contiguous()  # torch 2.11 checks strides
+        step_builtin(their_schedule_of(schedule, default, loss_fn=loss_of), inputs, targets)
+        ours2, _, our_named2, _ = fresh_stage(schedule)
         pipe2 = Pipeline(ours2, rank, P, (B, args.seq_len, args.n_embd), loss_fn=loss_of, schedule=schedule)
         pipe2.run(M, list(inputs.split(B)), list(targets.split(B)), loss_scale=M)  # untied halves, as theirs
         pipe2.finish_gradient_synchronization()
@@ -154,7 +166,9 @@ def main() -> int:
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (processes)")
     parser.add_argument("--micro-batches", type=int, default=3, help="micro-batches per step (M)")
     parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=["gpipe", "1f1b"])
+    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b", "interleaved-1f1b"],
+                        default=["gpipe", "1f1b"])
+    parser.add_argument("--virtual-stages", type=int, default=2, help="chunks per stage, interleaved-1f1b")
     parser.add_argument("--steps", type=int, default=2, help="AdamW steps")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=32)
@@ -169,6 +183,10 @@ def main() -> int:
     if "1f1b" in args.schedules and args.micro_batches < args.stages:
         raise UserError(f"PyTorch's Schedule1F1B needs at least as many micro-batches as stages: --micro-batches "
                         f">= {args.stages}, or --schedules gpipe")
+    if "interleaved-1f1b" in args.schedules and (args.micro_batches % args.stages or args.virtual_stages < 2
+                                                 or args.stages * args.virtual_stages > args.n_layer):
+        raise UserError(f"interleaved-1f1b: --micro-batches must be a multiple of --stages ({args.stages}), "
+                        "--virtual-stages at least 2, and --stages x --virtual-stages at most --n-layer")
     reports = spawn_ranks(worker, args.stages, args, timeout=args.timeout_s * 10)[0]
     ok = True
     print(f"{args.stages} stages, {args.micro_batches} micro-batches of {args.micro_batch_size}, {args.steps} AdamW "

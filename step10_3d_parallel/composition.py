@@ -18,7 +18,7 @@ import torch.distributed as dist
 from comm_accounting import take_comm_bytes
 from config import UserError
 from mesh import check_mesh
-from pipeline import GPT2Stage, add_pipeline_flags, check_pipeline, pipeline_gpt2
+from pipeline import GPT2Stage, add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
 from tensor_parallel import check_tensor_parallel, parallelize_gpt2, vocab_parallel_cross_entropy
 from tensor_parallel import finish_gradient_synchronization as finish_tensor_parallel_synchronization
 from tensor_parallel_state import checkpoint_shards, gather_full_parameters, is_sharded, load_checkpoint_shards
@@ -32,7 +32,7 @@ def add_mesh_flags(parser) -> None:
     flags.add_argument("--pp", type=int, default=1, help="pipeline stages: at most --n-layer")
     flags.add_argument("--sequence-parallel", action="store_true",
                        help="split the activations between the layers along the sequence over tp (step 8's rule 7)")
-    add_pipeline_flags(parser)  # step 9's --schedule and --micro-batches
+    add_pipeline_flags(parser)  # step 9's --schedule, --virtual-stages and --micro-batches
 
 
 def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, int]:
@@ -72,7 +72,8 @@ def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
         model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype,
                                  sequence_parallel=config["sequence_parallel"])
     model = model.to(device)
-    stages = [tensor_parallel_stage(model, s, mesh.pp) for s in range(mesh.pp)]
+    chunks = mesh.pp * virtual_stages(config)  # the model's stages: V per pp rank with --schedule interleaved-1f1b
+    stages = [tensor_parallel_stage(model, s, chunks) for s in range(chunks)]
     loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group) if mesh.tp > 1 \
         else torch.nn.functional.cross_entropy
     stage, named, pipe = pipeline_gpt2(stages, mesh.pp_rank, config, device, loss_fn, ranks=mesh.pp_ranks,

@@ -14,12 +14,17 @@ flows through the ranks as micro-batches. Here:
    process group's timeout (a dead or frozen stage ends the job, never hangs it). gloo sends and receives
    CPU tensors only (its collectives take CUDA tensors, its point-to-point does not), so where ranks share
    one GPU over gloo a message goes through host memory: ``host_staged``.
-2. **Two schedules.** ``gpipe``: every micro-batch forward, then every backward (M micro-batches of
+2. **Three schedules.** ``gpipe``: every micro-batch forward, then every backward (M micro-batches of
    activations held at once). ``1f1b``: stage s runs P - s - 1 forwards (warm-up), then alternates one
-   forward and one backward, then the remaining backwards (at most P - s micro-batches held). Both
-   run the backwards in micro-batch order 0, 1, ..., M - 1, which is the order one process
-   accumulating M micro-batches adds their gradients in: so every ``.grad`` holds the same bits.
-   Idle time per stage, the bubble, is (P - 1) / (M + P - 1) of the step in both; 1F1B saves memory.
+   forward and one backward, then the remaining backwards (at most P - s micro-batches held). Idle time per
+   stage, the bubble, is (P - 1) / (M + P - 1) of the step in both; 1F1B saves memory. ``interleaved-1f1b``
+   (Narayanan et al. 2021): the model cut into P x V chunks, rank r holding chunks r, r + P, ..., so a
+   micro-batch loops through the ranks V times; micro-batches go in rounds of P, through chunk 0, then the
+   same P through chunk 1, ...; the warm-up is (V - 1) P + 2 (P - r - 1) forwards. A chunk is 1/V of a
+   stage's work, so the ramp-up and drain cost 1/V as much: the bubble is (P - 1) / (V M + P - 1), for V
+   times the messages. Every schedule runs each chunk's backwards in micro-batch order 0, 1, ..., M - 1,
+   which is the order one process accumulating M micro-batches adds their gradients in: so every ``.grad``
+   holds the same bits.
 3. **The tied embedding, combined per micro-batch.** GPT-2's token embedding is also its output
    layer: the first stage holds it for the lookup, the last a copy for the logits. One process sums
    the two gradient contributions of each micro-batch before adding it to ``.grad``. So the last stage
@@ -30,7 +35,9 @@ flows through the ranks as micro-batches. Here:
 4. **One random stream.** Dropout draws from the global generator, in model order, micro-batch after
    micro-batch. Every stage replays the draws of the other stages (the same random ops on
    throw-away tensors of the same shapes, recorded once by ``record_random_ops``) so that it draws
-   its own masks from exactly where one process would: the masks are one process's masks.
+   its own masks from exactly where one process would: the masks are one process's masks. A rank
+   holding V chunks runs their forwards out of micro-batch order, so each chunk keeps its own copy of
+   the generator's state, one micro-batch further on at each of its forwards.
 5. **The loss on the last stage.** Only the last stage has the targets' logits; it divides each
    micro-batch's loss by the number of micro-batches accumulated per optimiser step, as one process
    does (``loss / accum``), and starts that micro-batch's backward.
@@ -48,32 +55,56 @@ from comm_accounting import count_collective
 from failures import UserError
 from model import GPT2
 
-SCHEDULES = ("gpipe", "1f1b")
-ACTIVATION_TAG, TIED_TAG = 0, 1  # two streams between the last and the first stage (at P = 2, the same pair)
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+TIED_TAG = 1  # the tie's stream between the last and the first stage; activations: message_tag
 
 
 def add_pipeline_flags(parser) -> None:
     flags = parser.add_argument_group("pipeline")
     flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                       help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward (less memory)")
+                       help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward (less memory); "
+                            "interleaved-1f1b: 1f1b over --virtual-stages chunks per rank (a smaller bubble)")
+    flags.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                       help="chunks of layers per rank with --schedule interleaved-1f1b (default 2): rank r holds "
+                            "chunks r, r + P, ...")
     flags.add_argument("--micro-batches", type=int, default=None, metavar="M",
                        help="micro-batches in the pipeline at once (default: --grad-accum, one pipeline flush per "
                             "optimiser step); --grad-accum must be a multiple of it")
+
+
+def virtual_stages(config: dict) -> int:
+    """V, the chunks of layers each rank holds: --virtual-stages with the interleaved schedule (default 2), else 1."""
+    if config["schedule"] != "interleaved-1f1b":
+        return 1
+    return 2 if config.get("virtual_stages") is None else config["virtual_stages"]
 
 
 def check_pipeline(config: dict, num_stages: int, flag: str | None = None) -> int:
     """The pipeline's own mistakes, before anything is connected; returns M, the micro-batches of one flush.
     ``flag``: the option that sets the number of stages, named in the line (step 10's ``--pp``); none: the
     number of ranks sets it."""
-    if num_stages > config["n_layer"]:
+    interleaved, chunks = config["schedule"] == "interleaved-1f1b", virtual_stages(config)
+    if config.get("virtual_stages") not in (None, 1) and not interleaved:
+        raise UserError(f"--virtual-stages {config['virtual_stages']} gives each rank chunks of layers for the "
+                        "interleaved schedule: add --schedule interleaved-1f1b, or leave --virtual-stages out")
+    if interleaved and (chunks < 2 or num_stages < 2):
+        raise UserError(f"--schedule interleaved-1f1b loops every micro-batch through the stages V times: it needs "
+                        f"--virtual-stages 2 or more (got {chunks}) and 2 or more stages (got {num_stages})")
+    if num_stages * chunks > config["n_layer"]:
         stages, fix = (f"{flag} {num_stages} stages", f"use {flag} {config['n_layer']} or less") if flag else \
             (f"{num_stages} stages (one per rank)", f"use at most {config['n_layer']} ranks")
+        if chunks > 1:
+            stages, fix = f"{stages} x {chunks} virtual stages", "use fewer stages or virtual stages"
         raise UserError(f"{stages} but the model has {config['n_layer']} blocks: every stage needs at least one; "
                         f"{fix} or a larger --n-layer")
     micro_batches = config["micro_batches"] or config["grad_accum"]
     if micro_batches < 1 or config["grad_accum"] % micro_batches:
         raise UserError(f"--micro-batches {micro_batches} does not divide --grad-accum {config['grad_accum']} (the "
                         "micro-batches of an optimiser step): use a divisor of it, or leave it out")
+    if interleaved and micro_batches % num_stages:
+        raise UserError(f"--schedule interleaved-1f1b sends micro-batches through the {num_stages} stages in rounds "
+                        f"of {num_stages}: make --micro-batches (or --grad-accum) a multiple of {num_stages}, "
+                        f"not {micro_batches}")
     if config["amp"] == "fp16":  # the gradient scaler's overflow verdict would have to be agreed between stages
         raise UserError("--amp fp16 is not supported by a pipeline (its loss scaling would need every stage to agree "
                         "on overflow): use --amp bf16 or --amp none")
@@ -202,10 +233,30 @@ def host_staged(backend: str, device) -> bool:
     return backend == "gloo" and torch.device(device).type != "cpu"
 
 
+def message_tag(to_stage: int, gradient: bool) -> int:
+    """The point-to-point tag of an activation (``gradient``: an activation's gradient) sent to the model's stage
+    ``to_stage``: a stream per receiving stage and direction, so that a receive takes its own messages in
+    micro-batch order whatever else the sender sent between them (a rank with V chunks talks to its neighbour for
+    several of them). 1 is the tie's (TIED_TAG)."""
+    return 2 + 2 * to_stage + int(gradient)
+
+
+def dropout_generator(device) -> torch.Generator:
+    """The generator dropout draws from on ``device``: the CPU's, or that GPU's."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
 # ---- the schedule -----------------------------------------------------------------------------------------------
 
-def schedule_actions(schedule: str, stage: int, num_stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """What stage ``stage`` does, in order: ``("F", i)`` forward of micro-batch i, ``("B", i)`` its backward."""
+def schedule_actions(schedule: str, stage: int, num_stages: int, micro_batches: int,
+                     chunks: int = 1) -> list[tuple]:
+    """What stage ``stage`` does, in order: ``("F", i)`` forward of micro-batch i, ``("B", i)`` its backward; with
+    the interleaved schedule ``("F", i, v)`` and ``("B", i, v)``, through this rank's chunk v of ``chunks``."""
+    if schedule == "interleaved-1f1b":
+        return interleaved_actions(stage, num_stages, micro_batches, chunks)
     forwards, backwards = [("F", i) for i in range(micro_batches)], [("B", i) for i in range(micro_batches)]
     if schedule == "gpipe":
         return forwards + backwards
@@ -216,16 +267,33 @@ def schedule_actions(schedule: str, stage: int, num_stages: int, micro_batches: 
     return forwards[:warmup] + steady + backwards[micro_batches - warmup:]
 
 
+def interleaved_actions(stage: int, num_stages: int, micro_batches: int, chunks: int) -> list[tuple[str, int, int]]:
+    """Interleaved 1F1B (Narayanan et al. 2021, as Megatron-LM and ``ScheduleInterleaved1F1B`` order it; M a
+    multiple of P). The k-th forward of a rank: micro-batch ``(k // (P V)) P + k % P`` through chunk
+    ``(k // P) % V`` (a round of P micro-batches through chunk 0, the same round through chunk 1, ...); the k-th
+    backward the same with the chunks in reverse. The warm-up: the forwards that fill the rank's chunks before the
+    first backward comes back, (V - 1) P on the last rank, two more per rank before it (a forward there and a
+    backward back)."""
+    P, M, V = num_stages, micro_batches, chunks
+    total = M * V  # forwards (and backwards) of this rank: every micro-batch through every chunk
+    warmup = min((V - 1) * P + 2 * (P - stage - 1), total)
+    forward = [("F", (k // (P * V)) * P + k % P, (k // P) % V) for k in range(total)]
+    backward = [("B", (k // (P * V)) * P + k % P, V - 1 - (k // P) % V) for k in range(total)]
+    steady = [action for pair in zip(forward[warmup:], backward) for action in pair]
+    return forward[:warmup] + steady + backward[total - warmup:]
+
+
 class Pipeline:
     """Runs one stage of a pipeline: this rank's ``module``, micro-batch by micro-batch, by a schedule.
 
-    ``module``: this stage (any ``nn.Module`` mapping one tensor to one tensor). ``activation_shape`` and
-    ``activation_dtype``: what every stage but the last receives (the previous stage's output for one
-    micro-batch). ``loss_fn(output, target)``: the last stage's loss. ``tied_parameter``: on the first and
-    the last stage, the parameter both hold a copy of (GPT-2's embedding), or None. ``ranks``: the global
-    rank of each stage (default: stage s is rank s). ``context``: entered around each forward (autocast).
-    ``random_ops``: ``record_random_ops``'s list for every stage, or None when nothing draws at random.
-    ``device``: where received tensors go (this stage's device).
+    ``module``: this stage (any ``nn.Module`` mapping one tensor to one tensor); with
+    ``schedule="interleaved-1f1b"``, a list of this rank's V chunks, chunk v being the model's stage v P + ``stage``
+    of P V. ``activation_shape`` and ``activation_dtype``: what every stage but the first receives (the previous
+    stage's output for one micro-batch). ``loss_fn(output, target)``: the last stage's loss. ``tied_parameter``: on
+    the first and the last stage, the parameter both hold a copy of (GPT-2's embedding), or None. ``ranks``: the
+    global rank of each stage (default: stage s is rank s). ``context``: entered around each forward (autocast).
+    ``random_ops``: ``record_random_ops``'s list for every stage of the model (P V of them), or None when nothing
+    draws at random. ``device``: where received tensors go (this stage's device).
 
     ``run(micro_batches, inputs, targets, loss_scale)`` runs the forwards and backwards of that many
     micro-batches (the first stage reads the list ``inputs``, the last ``targets``; the others pass neither)
@@ -234,29 +302,39 @@ class Pipeline:
     ``finish_gradient_synchronization()`` is the single sync point before the optimiser step.
     """
 
-    def __init__(self, module: nn.Module, stage: int, num_stages: int, activation_shape, activation_dtype=torch.float32,
+    def __init__(self, module, stage: int, num_stages: int, activation_shape, activation_dtype=torch.float32,
                  loss_fn=None, tied_parameter=None, ranks=None, schedule: str = "1f1b", context=contextlib.nullcontext,
                  random_ops=None, device=torch.device("cpu")):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        self.module, self.stage, self.num_stages, self.schedule = module, stage, num_stages, schedule
+        self.chunks = list(module) if isinstance(module, (list, tuple)) else [module]
+        if (len(self.chunks) > 1) != (schedule == "interleaved-1f1b"):
+            raise ValueError(f"schedule {schedule!r} with {len(self.chunks)} chunks on a rank: the interleaved "
+                             "schedule takes a list of 2 or more chunks, the others one module")
+        self.module = nn.ModuleList(self.chunks) if len(self.chunks) > 1 else module  # this rank's part: a module
+        self.stage, self.num_stages, self.schedule = stage, num_stages, schedule
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.activation_shape, self.activation_dtype = torch.Size(activation_shape), activation_dtype
-        self.loss_fn, self.context, self.device = loss_fn, context, device
+        self.loss_fn, self.context, self.device = loss_fn, context, torch.device(device)
         self.ranks = list(ranks) if ranks is not None else list(range(num_stages))
-        random_ops = random_ops or [[] for _ in range(num_stages)]
-        self.ops_before = [op for ops in random_ops[:stage] for op in ops]
-        self.ops_after = [op for ops in random_ops[stage + 1:] for op in ops]
+        self.model_stages = num_stages * len(self.chunks)  # P V: chunk v here is the model's stage v P + stage
+        random_ops = random_ops or [[] for _ in range(self.model_stages)]
+        self.draws = any(random_ops)
+        self.ops_before = [[op for ops in random_ops[:k] for op in ops] for k in self._model_stage_of_chunk()]
+        self.ops_after = [[op for ops in random_ops[k + 1:] for op in ops] for k in self._model_stage_of_chunk()]
         self.pending_sends = []  # (work, tensor): a send's tensor must live until it is waited
         self.tied_parameter = tied_parameter if num_stages > 1 else None
         if self.tied_parameter is not None:
             hook = self._add_tied_contribution if self.is_first else self._send_tied_contribution
             self.tied_parameter.register_hook(hook)
-        self.timeline = None  # a list to record (what, micro-batch, start, end) into: pipeline_trace.py
-        self.in_flight, self.peak_in_flight = 0, 0  # micro-batches whose activations are held for backward
+        self.timeline = None  # a list to record (what, micro-batch, start, end, chunk) into: pipeline_trace.py
+        self.in_flight, self.peak_in_flight = 0, 0  # micro-batches (per chunk) whose activations are held for backward
+
+    def _model_stage_of_chunk(self) -> list[int]:
+        return [v * self.num_stages + self.stage for v in range(len(self.chunks))]
 
     # ---- point-to-point ----------------------------------------------------------------------------------------
-    def _send(self, tensor: torch.Tensor, stage: int, kind: str, tag: int = ACTIVATION_TAG) -> None:
+    def _send(self, tensor: torch.Tensor, stage: int, kind: str, tag: int) -> None:
         started = time.perf_counter()
         tensor = tensor.detach().contiguous()
         if host_staged(dist.get_backend(), tensor.device):
@@ -265,7 +343,7 @@ class Pipeline:
         count_collective(kind, tensor)
         self._record("send", None, started)
 
-    def _recv(self, shape, dtype, stage: int, tag: int = ACTIVATION_TAG) -> torch.Tensor:
+    def _recv(self, shape, dtype, stage: int, tag: int) -> torch.Tensor:
         """Blocks until the tensor is here, at most the process group's timeout (then gloo raises)."""
         started = time.perf_counter()
         staged = host_staged(dist.get_backend(), self.device)
@@ -276,9 +354,9 @@ class Pipeline:
         self._record("recv", None, started)
         return tensor
 
-    def _record(self, what: str, micro_batch, started: float) -> None:
+    def _record(self, what: str, micro_batch, started: float, chunk: int = 0) -> None:
         if self.timeline is not None:
-            self.timeline.append((what, micro_batch, started, time.perf_counter()))
+            self.timeline.append((what, micro_batch, started, time.perf_counter(), chunk))
 
     # ---- the tied parameter: one contribution per micro-batch from the last stage, added on the first --------
     def _send_tied_contribution(self, grad: torch.Tensor) -> torch.Tensor:
@@ -289,51 +367,71 @@ class Pipeline:
         # One process sums the two contributions, then accumulates: a + b == b + a, bit for bit.
         return grad + self._recv(grad.shape, grad.dtype, self.num_stages - 1, TIED_TAG)
 
-    # ---- one forward, one backward -----------------------------------------------------------------------------
-    def _forward(self, i: int, inputs, targets, held: dict, losses: list) -> None:
-        x = inputs[i] if self.is_first else self._recv(self.activation_shape, self.activation_dtype, self.stage - 1)
-        if not self.is_first:
+    # ---- one forward, one backward, of micro-batch i through this rank's chunk v --------------------------------
+    def _forward(self, i: int, v: int, inputs, targets, held: dict, losses: list, generators) -> None:
+        k = v * self.num_stages + self.stage  # the model's stage: receive from k - 1, send to k + 1
+        first, last = k == 0, k == self.model_stages - 1
+        if first:
+            x = inputs[i]
+        else:
+            x = self._recv(self.activation_shape, self.activation_dtype, (k - 1) % self.num_stages,
+                           message_tag(k, gradient=False))
             x.requires_grad_(True)  # its gradient is what this stage sends back
         started = time.perf_counter()
-        replay_random_ops(self.ops_before)  # the draws of the stages before this one, for this micro-batch
+        if generators:  # this chunk's place in the random stream (rule 4)
+            generators[0].set_state(generators[1][v])
+        replay_random_ops(self.ops_before[v])  # the draws of the stages before this one, for this micro-batch
         with self.context():
-            output = self.module(x)
-            loss = self.loss_fn(output, targets[i]) if self.is_last else None
-        replay_random_ops(self.ops_after)
-        self._record("forward", i, started)
-        if self.is_last:
+            output = self.chunks[v](x)
+            loss = self.loss_fn(output, targets[i]) if last else None
+        replay_random_ops(self.ops_after[v])
+        if generators:
+            generators[1][v] = generators[0].get_state()
+        self._record("forward", i, started, v)
+        if last:
             losses.append(loss.detach())
         else:
             if output.shape != self.activation_shape or output.dtype != self.activation_dtype:
-                raise ValueError(f"stage {self.stage} produced {tuple(output.shape)} {output.dtype}, the next stage "
+                raise ValueError(f"stage {k} produced {tuple(output.shape)} {output.dtype}, the next stage "
                                  f"expects {tuple(self.activation_shape)} {self.activation_dtype}")
-            self._send(output, self.stage + 1, "p2p activations")
-        held[i] = (x, loss if self.is_last else output)
+            self._send(output, (k + 1) % self.num_stages, "p2p activations", message_tag(k + 1, gradient=False))
+        held[i, v] = (x, loss if last else output)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
-    def _backward(self, i: int, held: dict, loss_scale: float) -> None:
-        x, output = held.pop(i)
-        if self.is_last:
+    def _backward(self, i: int, v: int, held: dict, loss_scale: float) -> None:
+        k = v * self.num_stages + self.stage
+        x, output = held.pop((i, v))
+        if k == self.model_stages - 1:
             started = time.perf_counter()
             (output / loss_scale).backward()  # as one process does: (loss / accum).backward()
         else:
-            grad = self._recv(output.shape, output.dtype, self.stage + 1)
+            grad = self._recv(output.shape, output.dtype, (k + 1) % self.num_stages, message_tag(k, gradient=True))
             started = time.perf_counter()
             torch.autograd.backward(output, grad)
-        self._record("backward", i, started)
+        self._record("backward", i, started, v)
         self.in_flight -= 1
-        if not self.is_first:
-            self._send(x.grad, self.stage - 1, "p2p activation gradients")
+        if k > 0:
+            self._send(x.grad, (k - 1) % self.num_stages, "p2p activation gradients", message_tag(k - 1, gradient=True))
 
     def run(self, micro_batches: int, inputs=None, targets=None, loss_scale: float = 1.0) -> list[torch.Tensor]:
         """Forward and backward ``micro_batches`` micro-batches by the schedule; the last stage's losses."""
-        held, losses = {}, []
-        for kind, i in schedule_actions(self.schedule, self.stage, self.num_stages, micro_batches):
+        if self.schedule == "interleaved-1f1b" and micro_batches % self.num_stages:
+            raise ValueError(f"the interleaved schedule runs micro-batches in rounds of {self.num_stages} (the "
+                             f"stages): {micro_batches} is not a multiple")
+        held, losses, generators = {}, [], None
+        if self.draws and len(self.chunks) > 1:  # each chunk's own copy of the generator's state (rule 4)
+            generator = dropout_generator(self.device)
+            generators = (generator, [generator.get_state()] * len(self.chunks))
+        for kind, i, *chunk in schedule_actions(self.schedule, self.stage, self.num_stages, micro_batches,
+                                                len(self.chunks)):
+            v = chunk[0] if chunk else 0
             if kind == "F":
-                self._forward(i, inputs, targets, held, losses)
+                self._forward(i, v, inputs, targets, held, losses, generators)
             else:
-                self._backward(i, held, loss_scale)
+                self._backward(i, v, held, loss_scale)
+        if generators:  # every chunk now one step of micro-batches on: where one process's generator is
+            generators[0].set_state(generators[1][0])
         return losses
 
     def finish_gradient_synchronization(self) -> None:
@@ -368,22 +466,25 @@ def pipeline_gpt2(stages: list, stage_index: int, config: dict, device, loss_fn,
     the caller frees the others), its parameters by the model's names (the tied copy on the last stage under the
     embedding's: what checkpoints speak of), and the ``Pipeline`` that runs it by ``config["schedule"]``, its
     messages one micro-batch's activations (``sequence_split``: a 1/N block of its tokens, step 10's sequence
-    parallelism). ``loss_fn(logits, targets)``: the last stage's loss on float32 (B*S, V) logits. Forwards run
-    under --amp's autocast; with dropout every stage's random ops are recorded first (rule 4), on a micro-batch of
-    token 0: only their shapes and dtypes are kept, not what they draw."""
+    parallelism). With the interleaved schedule ``stages`` holds P x V stages (``virtual_stages(config)`` per rank)
+    and ``stage`` this rank's chunks in a ``ModuleList``: stages ``stage_index``, ``stage_index + P``, ...
+    ``loss_fn(logits, targets)``: the last stage's loss on float32 (B*S, V) logits. Forwards run under --amp's
+    autocast; with dropout every stage's random ops are recorded first (rule 4), on a micro-batch of token 0: only
+    their shapes and dtypes are kept, not what they draw."""
     from training import autocast  # this project's trainers' autocast: Pipeline itself takes any context
     context = functools.partial(autocast, config["amp"], device)
     random_ops = None
     if config["dropout"] > 0:
         example = torch.zeros(config["micro_batch_size"], config["seq_len"], dtype=torch.long, device=device)
         random_ops = record_random_ops(stages, example, context)
-    stage = stages[stage_index]
-    named = [("transformer.wte.weight" if p is stage.tied_parameter else n, p) for n, p in stage.named_parameters()]
-    pipe = Pipeline(stage, stage_index, len(stages),
+    num_stages = len(stages) // virtual_stages(config)
+    chunks = stages[stage_index::num_stages]
+    named = [("transformer.wte.weight" if p is chunk.tied_parameter else n, p)
+             for chunk in chunks for n, p in chunk.named_parameters()]
+    pipe = Pipeline(chunks if len(chunks) > 1 else chunks[0], stage_index, num_stages,
                     activation_shape=(config["micro_batch_size"], config["seq_len"] // sequence_split,
                                       config["n_embd"]),
                     loss_fn=lambda logits, targets: loss_fn(logits.float().flatten(0, 1), targets.flatten()),
-                    tied_parameter=stage.tied_parameter, ranks=ranks, schedule=config["schedule"], context=context,
-                    random_ops=random_ops, device=device)
-    return stage, named, pipe
-
+                    tied_parameter=(chunks[0] if stage_index == 0 else chunks[-1]).tied_parameter, ranks=ranks,
+                    schedule=config["schedule"], context=context, random_ops=random_ops, device=device)
+    return pipe.module, named, pipe

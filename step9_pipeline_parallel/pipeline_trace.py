@@ -1,15 +1,16 @@
 """Make the bubble visible: every stage's forwards, backwards, sends and receives of one optimiser step, on one
 timeline, and the fraction of the step each stage sat idle.
 
-``Pipeline.timeline``, set to a list, records ``(what, micro-batch, start, end)`` for each forward and backward
-(the micro-batch's number) and each send and receive (a send's bar is only its launch: the bytes go in the
-background; a receive's bar is the wait). ``write_trace`` (every stage calls it: it gathers the stages'
+``Pipeline.timeline``, set to a list, records ``(what, micro-batch, start, end, chunk)`` for each forward and
+backward (the micro-batch's number; the chunk: 0, or the rank's chunk with the interleaved schedule) and each
+send and receive (a send's bar is only its launch: the bytes go in the background; a receive's bar is the wait). ``write_trace`` (every stage calls it: it gathers the stages'
 timelines) writes, from rank 0, in the run folder:
 
 - ``trace.json``: Chrome trace format, one row per stage (chrome://tracing or https://ui.perfetto.dev);
-- ``pipeline.png``: one row per stage, forwards blue and backwards green with their micro-batch's number;
+- ``pipeline.png``: one row per stage, forwards blue and backwards green with their micro-batch's number (a
+  rank's later chunks paler);
 - ``bubble.json``: per stage the idle fraction, 1 - (its forward and backward time) / (the step's time, first
-  event of any stage to the last), beside the ideal schedule's (P - 1) / (M + P - 1).
+  event of any stage to the last), beside the ideal schedule's (P - 1) / (V M + P - 1) (V = 1 but interleaved).
 
 On this 2-core machine 4 stages share 2 cores, so a stage's compute is slower while others compute: the idle
 fractions measured at P = 4 mix the bubble with that sharing (the step README says how much).
@@ -37,38 +38,40 @@ def idle_fractions(timelines: list[list]) -> list[float]:
             for events in timelines]
 
 
-def write_trace(timeline: list, stage: int, num_stages: int, out_dir: Path) -> None:
+def write_trace(timeline: list, stage: int, num_stages: int, out_dir: Path, chunks: int = 1) -> None:
     timelines = distributed.gather_from_every_rank(timeline)
     if stage != 0:
         return
     micro_batches = 1 + max(e[1] for e in timelines[0] if e[1] is not None)
     origin = min(e[2] for events in timelines for e in events)
     ms = lambda t: (t - origin) * 1e3  # noqa: E731
-    chrome = [{"name": what if i is None else f"{what} {i}", "cat": what, "ph": "X", "pid": 0, "tid": s,
+    name = lambda what, i, v: what if i is None else f"{what} {i}" + (f" chunk {v}" if chunks > 1 else "")  # noqa
+    chrome = [{"name": name(what, i, v), "cat": what, "ph": "X", "pid": 0, "tid": s,
                "ts": round(ms(start) * 1e3, 1), "dur": round((end - start) * 1e6, 1)}
-              for s, events in enumerate(timelines) for what, i, start, end in events]
+              for s, events in enumerate(timelines) for what, i, start, end, v in events]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "trace.json").write_text(json.dumps({"traceEvents": chrome, "displayTimeUnit": "ms"}) + "\n")
     idle = idle_fractions(timelines)
-    ideal = (num_stages - 1) / (micro_batches + num_stages - 1)
+    ideal = (num_stages - 1) / (chunks * micro_batches + num_stages - 1)
     (out_dir / "bubble.json").write_text(json.dumps({"stages": num_stages, "micro_batches": micro_batches,
-                                                     "idle": idle, "ideal": ideal}, indent=1) + "\n")
+                                                     "chunks": chunks, "idle": idle, "ideal": ideal}, indent=1) + "\n")
 
     fig, ax = plt.subplots(figsize=(11, 1.0 + 0.55 * num_stages), dpi=110)
     for s, events in enumerate(timelines):
-        for what, i, start, end in events:
+        for what, i, start, end, v in events:
             compute = what in ("forward", "backward")
             height = 0.8 if compute else 0.25
             offset = 0 if compute else (0.3 if what == "send" else -0.3)
             ax.barh(s + offset, ms(end) - ms(start), left=ms(start), height=height, color=COLORS[what],
-                    edgecolor="white" if compute else None)
+                    edgecolor="white" if compute else None, alpha=1 - 0.5 * v / max(1, chunks - 1))
             if compute:
                 ax.text((ms(start) + ms(end)) / 2, s, str(i), ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(num_stages), [f"stage {s}\nidle {f:.0%}" for s, f in enumerate(idle)])
     ax.invert_yaxis()
     ax.set_xlabel("time since the step's first event (ms)")
-    ax.set_title(f"{num_stages} stages, {micro_batches} micro-batches: forward (blue), backward (green) "
+    layout = f"{num_stages} stages" + (f" x {chunks} chunks" if chunks > 1 else "")
+    ax.set_title(f"{layout}, {micro_batches} micro-batches: forward (blue), backward (green) "
                  f"by micro-batch; receive waits (red), sends (orange); ideal bubble {ideal:.0%}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out_dir / "pipeline.png")

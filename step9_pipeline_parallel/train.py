@@ -2,7 +2,7 @@
 
 Grown from step 3's train.py, but all ranks together are ONE replica: rank s holds stage s (consecutive blocks),
 every rank reads step 0's micro-batches, and each optimiser step pushes them through the pipeline, --micro-batches
-at a time, by --schedule gpipe|1f1b. Bitwise identical to step 0 with the same --micro-batch-size and --grad-accum.
+at a time, by --schedule gpipe|1f1b|interleaved-1f1b. Bitwise identical to step 0 with the same --grad-accum.
 
     torchrun --standalone --nproc_per_node=2 step9_pipeline_parallel/train.py --grad-accum 4
     python step0_single_gpu/train.py --grad-accum 4 && python compare/parity.py step0 step9
@@ -20,7 +20,7 @@ from config import Preemption, build_parser, exit_on_user_error, limit_memory, p
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
-from pipeline import GPT2Stage, add_pipeline_flags, check_pipeline, pipeline_gpt2
+from pipeline import GPT2Stage, add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
 from pipeline_state import PipelineState, gather_full_state, owned
 from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
@@ -82,7 +82,8 @@ def main():
     # parameters by the model's names, and the Pipeline that runs it (step 0's loss on the last stage).
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
     shapes = {name: p.shape for name, p in model.named_parameters()}  # what the final weights hold
-    stages = [GPT2Stage(model, s, num_stages) for s in range(num_stages)]
+    chunks = num_stages * virtual_stages(config)  # the model's stages: V per rank with --schedule interleaved-1f1b
+    stages = [GPT2Stage(model, s, chunks) for s in range(chunks)]
     stage, named, pipe = pipeline_gpt2(stages, stage_index, config, device, torch.nn.functional.cross_entropy)
     del model, stages
     optimizer = make_optimizer(named, config)
@@ -134,7 +135,7 @@ def main():
     full = gather_full_state(named, None, world.is_main).get("model")
     if pipe.timeline is not None:
         from pipeline_trace import write_trace  # operations code, read it after the lesson
-        write_trace(pipe.timeline, stage_index, num_stages, Path(config["out"]))
+        write_trace(pipe.timeline, stage_index, num_stages, Path(config["out"]), len(pipe.chunks))
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
         log.finish(final, f" on {num_stages} pipeline stages ({world.backend}, {config['schedule']})")
