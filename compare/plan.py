@@ -56,7 +56,8 @@ from config import UserError, build_parser, exit_on_user_error, parse_config  # 
 
 GIB = 2**30
 USED_FLAGS = {"n_layer", "n_embd", "n_head", "seq_len", "tokenizer", "micro_batch_size", "grad_accum", "param_dtype"}
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+VIRTUAL_STAGES = 2  # the interleaved schedule's chunks per stage, as step 9's default
 HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 6144, 8192, 12288, 16384)  # GPT-3's table, and one more
 
 
@@ -92,12 +93,19 @@ def stage_blocks(n_layer: int, pp: int, stage: int) -> int:
     return base + (stage < extra)
 
 
-def rank_params(shape: Shape, tp: int, pp: int, stage: int) -> dict:
+def chunk_blocks(n_layer: int, pp: int, stage: int, chunks: int = 1) -> list[int]:
+    """Blocks of each chunk a rank of pipeline ``stage`` holds: one chunk, step 9's split; interleaved, the chunks
+    stage, stage + pp, ... of the model cut into pp x chunks."""
+    return [stage_blocks(n_layer, pp * chunks, v * pp + stage) for v in range(chunks)]
+
+
+def rank_params(shape: Shape, tp: int, pp: int, stage: int, chunks: int = 1) -> dict:
     """Elements a rank of pipeline ``stage`` holds: ``blocks`` (its blocks' share) and ``rest`` (embeddings,
     final norm, the tied copy). Of a block 12h² + 7h are split over tp (c_q, c_k, c_v, attn.c_proj's weight, c_fc,
-    mlp.c_proj's weight), 6h kept whole (the LayerNorms, the row-parallel biases); the vocabulary is split."""
+    mlp.c_proj's weight), 6h kept whole (the LayerNorms, the row-parallel biases); the vocabulary is split.
+    ``chunks``: the interleaved schedule's per stage."""
     h = shape.n_embd
-    blocks = stage_blocks(shape.n_layer, pp, stage) * (-(-(12 * h * h + 7 * h) // tp) + 6 * h)
+    blocks = sum(chunk_blocks(shape.n_layer, pp, stage, chunks)) * (-(-(12 * h * h + 7 * h) // tp) + 6 * h)
     vocab = -(-(shape.vocab * h) // tp)
     first = vocab + shape.seq_len * h if stage == 0 else 0  # the token (split) and position (whole) embeddings
     last = 2 * h + (vocab if pp > 1 else 0) if stage == pp - 1 else 0  # the final norm; the tied copy
@@ -166,11 +174,33 @@ class Activations:
         return self.block_bytes(tp, sequence_parallel) if checkpointing and blocks else 0
 
 
-def in_flight(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at once: GPipe M, 1F1B at most P - s; no pipeline: 1."""
+def in_flight(schedule: str, pp: int, stage: int, micro_batches: int, chunks: int = VIRTUAL_STAGES) -> int:
+    """Micro-batches whose activations a stage holds at once: GPipe M, 1F1B at most P - s; interleaved, chunk
+    micro-batches, its warm-up plus one, (V - 1) P + 2 (P - s - 1) + 1, at most M V; no pipeline: 1."""
     if pp == 1:
         return 1
+    if schedule == "interleaved-1f1b":
+        return min((chunks - 1) * pp + 2 * (pp - stage - 1) + 1, micro_batches * chunks)
     return micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
+
+
+def interleaved_activations(activations, shape: Shape, tp: int, pp: int, stage: int, micro_batches: int,
+                            checkpointing: bool, sequence_parallel: bool, chunks: int = VIRTUAL_STAGES) -> int:
+    """The most bytes a rank of the interleaved schedule holds for backward: its chunks' activations per micro-batch
+    (the last chunk with the logits) added and taken away along step 9's own action list, at their peak."""
+    step9 = str(Path(__file__).resolve().parent.parent / "step9_pipeline_parallel")
+    if step9 not in sys.path:
+        sys.path.append(step9)  # after common/: the copies step 9 shares are common's own
+    from pipeline import schedule_actions
+    blocks = chunk_blocks(shape.n_layer, pp, stage, chunks)
+    last = [v * pp + stage == pp * chunks - 1 for v in range(chunks)]
+    per = [activations.per_micro_batch(b, tp, False, is_last, checkpointing, sequence_parallel)
+           for b, is_last in zip(blocks, last)]
+    held = peak = 0
+    for kind, _, v in schedule_actions("interleaved-1f1b", stage, pp, micro_batches, chunks):
+        held += per[v] if kind == "F" else -per[v]
+        peak = max(peak, held)
+    return peak
 
 
 @dataclasses.dataclass
@@ -198,15 +228,16 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
     back every step (``offloaded``, bytes each way). ``sequence_parallel`` (at tp > 1, step 8's rule 7): what the
     LayerNorms save split 1/tp too; each activation all-reduce a reduce-scatter and an all-gather."""
     sequence_parallel = sequence_parallel and tp > 1
+    chunks = VIRTUAL_STAGES if schedule == "interleaved-1f1b" and pp > 1 else 1
     (p_bytes, g_bytes, _), _ = estimate.bytes_per_parameter(zero, param_dtype, reduce_dtype)
     act_bytes = 4 if param_dtype == "float32" else 2  # also what ZeRO-3 gathers: 16-bit units from a float32 shard
     bsh = micro_batch_size * shape.seq_len * shape.n_embd
     stages = []
     for stage in range(pp):
-        held = rank_params(shape, tp, pp, stage)
+        held = rank_params(shape, tp, pp, stage, chunks)
         psi = held["blocks"] + held["rest"]
         state = estimate.state_bytes(zero, psi, dp, param_dtype, reduce_dtype)
-        blocks = stage_blocks(shape.n_layer, pp, stage)
+        blocks = sum(chunk_blocks(shape.n_layer, pp, stage, chunks))
         if zero == 3:  # step 7's units in flight, whole: the rest (kept through backward) and two blocks
             state["gathered"] = act_bytes * (held["rest"] + held["blocks"] // max(blocks, 1) * min(blocks, 2))
         reduce_scatters = 1
@@ -220,10 +251,14 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
             host = state["optimizer_state"] + (state["params"] if p_bytes == 4 else 0)
             offloaded = state["grads"] + 4 * -(-psi // dp)
             state["optimizer_state"] = 0
-        flight = in_flight(schedule, pp, stage, micro_batches)
-        act = (flight * activations.per_micro_batch(blocks, tp, stage == 0, stage == pp - 1, checkpointing,
-                                                    sequence_parallel)
-               + activations.recomputed(blocks, tp, checkpointing, sequence_parallel))
+        flight = in_flight(schedule, pp, stage, micro_batches, chunks)
+        if chunks > 1:
+            act = interleaved_activations(activations, shape, tp, pp, stage, micro_batches, checkpointing,
+                                          sequence_parallel, chunks)
+        else:
+            act = flight * activations.per_micro_batch(blocks, tp, stage == 0, stage == pp - 1, checkpointing,
+                                                       sequence_parallel)
+        act += activations.recomputed(blocks, tp, checkpointing, sequence_parallel)
         comm = {}
         if dp > 1:
             if zero == 3:
@@ -238,7 +273,8 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
                           else {"all_reduce": reduced})
         if pp > 1:
             tied = -(-(shape.vocab * shape.n_embd) // tp) * 4
-            comm["pp"] = {"send": micro_batches * bsh * act_bytes * ((stage < pp - 1) + (stage > 0))
+            hops = 2 * chunks - (stage == pp - 1) - (stage == 0)  # activations out, gradients back, per chunk
+            comm["pp"] = {"send": micro_batches * bsh * act_bytes * hops
                           + (micro_batches * tied if stage == pp - 1 else tied if stage == 0 else 0)}
         stages.append({"stage": stage, "psi": psi, **state, "activations": act, "in_flight": flight,
                        "total": sum(state.values()) + act, "comm": comm, "host": host, "offloaded": offloaded})
@@ -246,7 +282,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
     return {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "checkpointing": checkpointing, "schedule": schedule,
             "offload": offload, "sequence_parallel": sequence_parallel,
             "micro_batches": micro_batches, "stages": stages, "total": worst["total"], "worst_stage": worst["stage"],
-            "bubble": (pp - 1) / (micro_batches + pp - 1)}
+            "bubble": (pp - 1) / (chunks * micro_batches + pp - 1)}
 
 
 def flops_per_token(shape: Shape, checkpointing: bool) -> float:
@@ -263,7 +299,7 @@ def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: 
     dp, tp, pp, m = config["dp"], config["tp"], config["pp"], config["micro_batches"]
     tokens = dp * m * micro_batch_size * shape.seq_len
     flops = flops_per_token(shape, config["checkpointing"]) * tokens / (dp * tp * pp)
-    compute = flops / (hardware.tflops * 1e12) * (m + pp - 1) / m
+    compute = flops / (hardware.tflops * 1e12) / (1 - config["bubble"])  # (V M + P - 1) / V M
     inside = lambda span: span <= hardware.gpus_per_node  # noqa: E731 (ranks a group spans, tp innermost)
     links = {"tp": inside(tp), "dp": inside(tp * dp), "pp": inside(tp * dp * pp)}
     sizes = group_sizes(config)
@@ -299,7 +335,8 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
          reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
          reduce_every_micro_batch: bool = False, sequence_parallel: bool = False) -> tuple[list[dict], list[dict]]:
     """(the configurations that fit, ranked; those that do not). Every dp x tp x pp = --devices with tp dividing
-    the heads, pp at most the layers and global batch = dp x micro-batch x M."""
+    the heads, pp at most the layers and global batch = dp x micro-batch x M. The interleaved schedule where it can
+    run (M a multiple of pp, 2 chunks of a block or more per stage), 1F1B where it cannot."""
     activations = Activations(shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype])
     fit, rejected = [], []
     for tp in divisors(hardware.devices):
@@ -310,11 +347,13 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
             if pp > shape.n_layer or global_batch % (dp * micro_batch_size):
                 continue
             m = global_batch // (dp * micro_batch_size)
+            runs = schedule != "interleaved-1f1b" or (m % pp == 0 and pp * VIRTUAL_STAGES <= shape.n_layer)
             for zero in range(4) if dp > 1 else (0,):
                 for offloaded in (False, True) if offload and zero == 3 else (False,):
                     for checkpointing in (False, True):
                         c = configuration(shape, dp, tp, pp, zero, checkpointing, micro_batch_size, m, activations,
-                                          param_dtype, reduce_dtype, schedule, offloaded, reduce_every_micro_batch,
+                                          param_dtype, reduce_dtype, schedule if runs else "1f1b", offloaded,
+                                          reduce_every_micro_batch,
                                           sequence_parallel)
                         c["time"] = step_time(c, shape, hardware, micro_batch_size)
                         (fit if c["total"] <= hardware.memory else rejected).append(c)
@@ -381,8 +420,8 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
              f"micro-batch {micro_batch_size}, global batch {global_batch} sequences",
              f"{len(fit)} configurations fit, {len(rejected)} do not. {unit[1]} per rank (the stage holding most); "
              "grads: with ZeRO-2/3, the shard and the whole gradient no_sync() accumulates (M > 1); "
-             "gather: ZeRO-3's units in flight; held: micro-batches of activations held; MB: bytes per step and rank "
-             "each axis hands to collectives / sends on the wire (ring algorithms)",
+             "gather: ZeRO-3's units in flight; held: micro-batches of activations held (interleaved: chunks'); "
+             "MB: bytes per step and rank each axis hands to collectives / sends on the wire (ring algorithms)",
              f"{'#':>3} {'configuration':<54}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
              f"{'total':>9}{'DP MB':>14}{'TP MB':>14}{'PP MB':>12}{'step ms':>9}  why"]
     for i, c in enumerate(fit[:top]):
@@ -437,7 +476,8 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
     rows = []
     for rank, memory in enumerate(metrics["records"][-1]["memory"]):
         stage = mesh["coords"][rank][2]
-        held = rank_params(shape, mesh["tp"], mesh["pp"], stage)
+        chunks = config.get("virtual_stages") or VIRTUAL_STAGES if config.get("schedule") == "interleaved-1f1b" else 1
+        held = rank_params(shape, mesh["tp"], mesh["pp"], stage, chunks if mesh["pp"] > 1 else 1)
         estimated = estimate.state_bytes(mesh["zero"], held["blocks"] + held["rest"], mesh["dp"], param_dtype,
                                          reduce_dtype)
         rows.append({"step": config["step"], "rank": rank, "stage": stage,
@@ -445,7 +485,7 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
                      "measured": {k: memory[k] for k in estimate.KINDS}, "estimated": estimated,
                      "in_flight": memory.get("micro_batches_in_flight"),
                      "in_flight_estimated": in_flight(config.get("schedule", "1f1b"), mesh["pp"], stage,
-                                                      config.get("micro_batches") or config["grad_accum"])})
+                                                      config.get("micro_batches") or config["grad_accum"], chunks)})
     return rows
 
 
@@ -489,7 +529,8 @@ def main() -> int:
         flags.add_argument("--param-dtype", choices=tuple(estimate.PARAM_DTYPES), default="float32")
     flags.add_argument("--reduce-dtype-fp32", action="store_true",
                        help="16-bit parameters with gradients kept in float32, as FSDP2 (default: the paper's 16-bit)")
-    flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline's")
+    flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                       help="the pipeline's (interleaved: 2 chunks a stage where M and the blocks allow, else 1f1b)")
     flags.add_argument("--tflops", type=float, default=300.0, help="achieved TFLOP/s per device (ranking only)")
     flags.add_argument("--intra-gbs", type=float, default=450.0, help="GB/s per rank inside a node (ranking only)")
     flags.add_argument("--inter-gbs", type=float, default=50.0, help="GB/s per rank across nodes (ranking only)")
