@@ -10,8 +10,9 @@ It starts ``--stages`` processes (gloo, CPU, one thread each), builds our GPT-2 
 parameter is a function of its name), cuts it into the same stages with ``GPT2Stage``, and trains ``--steps``
 AdamW steps from the same weights on the same micro-batches twice per schedule: with PyTorch's ``PipelineStage``
 and ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (``--virtual-stages`` chunks per process,
-the model cut into P x V), and with our ``Pipeline``. After every step it asserts that every
-gradient and every weight of every stage is ``torch.equal`` in the two; exit 0 when all are, 1 otherwise.
+the model cut into P x V) / ``ScheduleInterleavedZeroBubble`` (one stage per process), and with our
+``Pipeline``. After every step it asserts that every gradient and every weight of every stage is ``torch.equal``
+in the two; exit 0 when all are, 1 otherwise.
 
 Two things PyTorch's schedules do not do as one process accumulating M micro-batches does, and what the
 reference does instead (each printed with what it would cost):
@@ -53,7 +54,8 @@ def loss_of(logits, targets):
 def worker(rank: int, world_size: int, port: int, args) -> list:
     sys.path.insert(0, str(STEP9))  # the step's own copies (common's, verbatim) and pipeline.py
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
 
     from model import build_model
     from pipeline import GPT2Stage, Pipeline
@@ -84,8 +86,10 @@ def worker(rank: int, world_size: int, port: int, args) -> list:
     def their_schedule_of(schedule, module, **options):
         modules = module if isinstance(module, list) else [module]
         stages = [PipelineStage(chunk, chunk.stage, chunk.num_stages, torch.device("cpu")) for chunk in modules]
-        schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
-        return schedule_cls[schedule](stages if len(stages) > 1 else stages[0], M, **options)
+        schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+                        "zero-bubble": ScheduleInterleavedZeroBubble}  # (one stage per process: ZB-H1's order)
+        single = schedule in ("gpipe", "1f1b")  # the others take a list of this process's stages
+        return schedule_cls[schedule](stages[0] if single else stages, M, **options)
 
     def step_builtin(schedule, inputs, targets):
         """PyTorch's schedules take the whole batch on the first stage and the targets on the last."""
@@ -166,7 +170,7 @@ def main() -> int:
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (processes)")
     parser.add_argument("--micro-batches", type=int, default=3, help="micro-batches per step (M)")
     parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b", "interleaved-1f1b"],
+    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"],
                         default=["gpipe", "1f1b"])
     parser.add_argument("--virtual-stages", type=int, default=2, help="chunks per stage, interleaved-1f1b")
     parser.add_argument("--steps", type=int, default=2, help="AdamW steps")

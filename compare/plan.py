@@ -56,7 +56,7 @@ from config import UserError, build_parser, exit_on_user_error, parse_config  # 
 
 GIB = 2**30
 USED_FLAGS = {"n_layer", "n_embd", "n_head", "seq_len", "tokenizer", "micro_batch_size", "grad_accum", "param_dtype"}
-SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")
 VIRTUAL_STAGES = 2  # the interleaved schedule's chunks per stage, as step 9's default
 HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 6144, 8192, 12288, 16384)  # GPT-3's table, and one more
 
@@ -176,9 +176,12 @@ class Activations:
 
 def in_flight(schedule: str, pp: int, stage: int, micro_batches: int, chunks: int = VIRTUAL_STAGES) -> int:
     """Micro-batches whose activations a stage holds at once: GPipe M, 1F1B at most P - s; interleaved, chunk
-    micro-batches, its warm-up plus one, (V - 1) P + 2 (P - s - 1) + 1, at most M V; no pipeline: 1."""
+    micro-batches, its warm-up plus one, (V - 1) P + 2 (P - s - 1) + 1, at most M V; zero bubble min(P, M) (each
+    held until its deferred W); no pipeline: 1."""
     if pp == 1:
         return 1
+    if schedule == "zero-bubble":
+        return min(pp, micro_batches)
     if schedule == "interleaved-1f1b":
         return min((chunks - 1) * pp + 2 * (pp - stage - 1) + 1, micro_batches * chunks)
     return micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
@@ -282,7 +285,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
     return {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "checkpointing": checkpointing, "schedule": schedule,
             "offload": offload, "sequence_parallel": sequence_parallel,
             "micro_batches": micro_batches, "stages": stages, "total": worst["total"], "worst_stage": worst["stage"],
-            "bubble": (pp - 1) / (chunks * micro_batches + pp - 1)}
+            "bubble": (pp - 1) / ((3 if schedule == "zero-bubble" else chunks) * micro_batches + pp - 1)}
 
 
 def flops_per_token(shape: Shape, checkpointing: bool) -> float:
@@ -530,7 +533,8 @@ def main() -> int:
     flags.add_argument("--reduce-dtype-fp32", action="store_true",
                        help="16-bit parameters with gradients kept in float32, as FSDP2 (default: the paper's 16-bit)")
     flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                       help="the pipeline's (interleaved: 2 chunks a stage where M and the blocks allow, else 1f1b)")
+                       help="the pipeline's (interleaved: 2 chunks a stage where M and the blocks allow, else 1f1b; "
+                            "zero-bubble: B = W = F assumed in its bubble)")
     flags.add_argument("--tflops", type=float, default=300.0, help="achieved TFLOP/s per device (ranking only)")
     flags.add_argument("--intra-gbs", type=float, default=450.0, help="GB/s per rank inside a node (ranking only)")
     flags.add_argument("--inter-gbs", type=float, default=50.0, help="GB/s per rank across nodes (ranking only)")

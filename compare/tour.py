@@ -12,13 +12,13 @@ tour fails otherwise. Step 0 is compared too, and its difference printed: its mi
 other samples than the ranks' do, so its sums round differently (docs/parity.md measures it). Steps 8 and
 up split the model, not the batch: their ``--nproc`` ranks share one stream of micro-batches,
 accumulating ``grad_accum x nproc`` of them as step 0 does. Step 9 (pipeline parallelism) changes no
-sum, so it must be bitwise equal to step 0; so must its interleaved schedule (2 chunks per rank), run once more
-beside step 0 on a model of 2 x nproc blocks (or the --n-layer given, if more), in runs/interleaved. Step 8
-(tensor parallelism) sums inside each layer in another order than step 1; its difference is printed the same way (the first step's loss and gradient norm
-relative to step 1's, and the drift), and it is skipped when ``--nproc`` does not divide its heads. Step 10
-runs its ``--nproc`` ranks as a dp x tp mesh, tp = 2 and dp = nproc / 2, each replica accumulating as many
-micro-batches as make step 1's global batch (at 2 ranks: one replica of tp 2, step 8's run); its difference
-to step 1 is step 8's kind, printed the same way (skipped for an odd ``--nproc``). Step 11 splits every sequence
+sum, so it must be bitwise equal to step 0; so must its zero-bubble schedule (runs/zero_bubble) and its interleaved
+one (2 chunks per rank), run once more beside step 0 on a model of 2 x nproc blocks (or the --n-layer given, if
+more), in runs/interleaved. Step 8 (tensor parallelism) sums inside each layer in another order than step 1; its
+difference is printed the same way (the first step's loss and gradient norm relative to step 1's, and the drift),
+and it is skipped when ``--nproc`` does not divide its heads. Step 10 runs its ``--nproc`` ranks as a dp x tp
+mesh, tp = 2 and dp = nproc / 2, each replica accumulating as many micro-batches as make step 1's global batch (at
+2 ranks: one replica of tp 2, step 8's run); its difference to step 1 is step 8's kind, printed the same way (skipped for an odd ``--nproc``). Step 11 splits every sequence
 over the ``--nproc`` ranks (skipped when 2 x nproc chunks do not cut ``--seq-len``); printed as step 8 is. It
 also says whether a run had a rank consistently slower than the others (compare/stragglers.py): that is
 information, not a failure.
@@ -83,6 +83,19 @@ def mesh_flags(nproc: int) -> list[str]:
 
 
 INTERLEAVED = ["--schedule", "interleaved-1f1b", "--virtual-stages", "2"]
+
+
+def run_zero_bubble(single: str, pipeline: str, args, extra: list[str], timeout: list[str]) -> tuple:
+    """Step 9's zero-bubble schedule on the tour's model; its parity with the tour's step 0."""
+    out = args.runs_dir / "zero_bubble" / pipeline
+    print("running step 9 zero-bubble ...", end=" ", flush=True)
+    started = time.perf_counter()
+    run_step(pipeline, args, [*extra, "--schedule", "zero-bubble"], timeout, str(out),
+             args.runs_dir / "tour" / "zero_bubble.log")
+    print(f"{time.perf_counter() - started:.0f} s")
+    run_a, run_b, result = parity.check(str(args.runs_dir / single), str(out))
+    print(parity.report(run_a, run_b, result, brief=True))
+    return result, time.perf_counter() - started
 
 
 def run_interleaved(single: str, pipeline: str, args, extra: list[str], timeout: list[str], n_layer: int) -> tuple:
@@ -193,9 +206,10 @@ def main() -> int:
             run_a, run_b, against_step0[step] = parity.check(runs[single], runs[step])
             print(parity.report(run_a, run_b, against_step0[step], brief=True))
     pipeline = next((s for s in steps if number(s) == 9), None)
-    interleaved = None
-    if single and pipeline and args.nproc >= 2:  # the interleaved schedule needs 2 or more stages
-        interleaved = run_interleaved(single, pipeline, args, extra, timeout, config["n_layer"])
+    schedules = {}
+    if single and pipeline and args.nproc >= 2:  # both schedules need 2 or more stages
+        schedules["  zero bubble"] = run_zero_bubble(single, pipeline, args, extra, timeout)
+        schedules["  interleaved, V = 2"] = run_interleaved(single, pipeline, args, extra, timeout, config["n_layer"])
     # The reference first: the difference panel then shows every step against PyTorch DDP.
     plot = plot_runs([runs[reference]] + [runs[s] for s in steps if s != reference], args.runs_dir / "plots" / "tour.png")
 
@@ -227,12 +241,12 @@ def main() -> int:
                 verdict += "  <-- expected bitwise identical" if results[step].passed else ""
         print(f"{step:<24} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s {records[-1]['loss']:>10.4f} "
               f"{statistics.median(r['tokens_per_s'] for r in records):>8,.0f}  {verdict}")
-    if interleaved:  # one pipeline, its chunks interleaved: still one process's sums
-        result, seconds = interleaved
+    for name, (result, seconds) in schedules.items():  # one pipeline, other schedules: still one process's sums
         bitwise = result.passed and result.bitwise
         all_passed &= bitwise
-        print(f"{'  interleaved, V = 2':<24} {args.nproc:>5} {seconds:>5.0f}s {'':>10} {'':>8}  vs {single} on the "
-              f"same model: {parity.verdict(result)}{'' if bitwise else '  <-- expected bitwise identical'}")
+        print(f"{name:<24} {args.nproc:>5} {seconds:>5.0f}s {'':>10} {'':>8}  vs {single}"
+              f"{' on the same model' if 'interleaved' in name else ''}: {parity.verdict(result)}"
+              f"{'' if bitwise else '  <-- expected bitwise identical'}")
     # Informational, never a failure: the per-rank CPU time of every step (compare/stragglers.py).
     flagged, too_short = [], 0
     for step in steps:

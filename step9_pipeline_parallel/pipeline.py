@@ -41,6 +41,14 @@ flows through the ranks as micro-batches. Here:
 5. **The loss on the last stage.** Only the last stage has the targets' logits; it divides each
    micro-batch's loss by the number of micro-batches accumulated per optimiser step, as one process
    does (``loss / accum``), and starts that micro-batch's backward.
+6. **Zero bubble: the backward split in two** (ZB-H1, Qi et al. 2023). The stage before waits only for
+   the gradient of this stage's input, so ``B`` computes that (and, on the way, the gradient of every
+   weighted layer's output, which it keeps) and sends it at once; ``W``, later, turns each kept output
+   gradient into that layer's weight gradients (``backward(out, grad, inputs=layer's weights)``: the same
+   kernels on the same numbers as one whole backward). Stage s defers its W's by s backwards, so they fill
+   the slots where 1F1B idles: the bubble falls from 3 (P - 1) to P - 1 units (F = B = W = 1), each stage
+   holding min(P, M) micro-batches until their W. The W's add into ``.grad`` in micro-batch order, and the
+   first stage runs the tied embedding's W's last, once the last stage's halves have all been sent.
 """
 import contextlib
 import functools
@@ -55,7 +63,7 @@ from comm_accounting import count_collective
 from failures import UserError
 from model import GPT2
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 TIED_TAG = 1  # the tie's stream between the last and the first stage; activations: message_tag
 
 
@@ -63,7 +71,8 @@ def add_pipeline_flags(parser) -> None:
     flags = parser.add_argument_group("pipeline")
     flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                        help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward (less memory); "
-                            "interleaved-1f1b: 1f1b over --virtual-stages chunks per rank (a smaller bubble)")
+                            "interleaved-1f1b: 1f1b over --virtual-stages chunks per rank (a smaller bubble); "
+                            "zero-bubble: 1f1b with each backward split, weight gradients deferred into the bubble")
     flags.add_argument("--virtual-stages", type=int, default=None, metavar="V",
                        help="chunks of layers per rank with --schedule interleaved-1f1b (default 2): rank r holds "
                             "chunks r, r + P, ...")
@@ -87,6 +96,9 @@ def check_pipeline(config: dict, num_stages: int, flag: str | None = None) -> in
     if config.get("virtual_stages") not in (None, 1) and not interleaved:
         raise UserError(f"--virtual-stages {config['virtual_stages']} gives each rank chunks of layers for the "
                         "interleaved schedule: add --schedule interleaved-1f1b, or leave --virtual-stages out")
+    if config["schedule"] == "zero-bubble" and num_stages < 2:
+        raise UserError("--schedule zero-bubble defers each stage's weight gradients past the next stage's work: it "
+                        "needs 2 or more stages (one process: any other schedule)")
     if interleaved and (chunks < 2 or num_stages < 2):
         raise UserError(f"--schedule interleaved-1f1b loops every micro-batch through the stages V times: it needs "
                         f"--virtual-stages 2 or more (got {chunks}) and 2 or more stages (got {num_stages})")
@@ -257,6 +269,8 @@ def schedule_actions(schedule: str, stage: int, num_stages: int, micro_batches: 
     the interleaved schedule ``("F", i, v)`` and ``("B", i, v)``, through this rank's chunk v of ``chunks``."""
     if schedule == "interleaved-1f1b":
         return interleaved_actions(stage, num_stages, micro_batches, chunks)
+    if schedule == "zero-bubble":
+        return zero_bubble_actions(stage, num_stages, micro_batches)
     forwards, backwards = [("F", i) for i in range(micro_batches)], [("B", i) for i in range(micro_batches)]
     if schedule == "gpipe":
         return forwards + backwards
@@ -265,6 +279,24 @@ def schedule_actions(schedule: str, stage: int, num_stages: int, micro_batches: 
     warmup = min(num_stages - stage - 1, micro_batches)  # forwards in flight before the first backward arrives
     steady = [action for pair in zip(forwards[warmup:], backwards) for action in pair]
     return forwards[:warmup] + steady + backwards[micro_batches - warmup:]
+
+
+def zero_bubble_actions(stage: int, num_stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """ZB-H1 (Qi et al. 2023), as ``ScheduleInterleavedZeroBubble`` orders one stage per rank: 1F1B, its backward
+    split into ``("B", i)``, the gradient of the stage's input (what the stage before waits for), and ``("W", i)``,
+    the gradients of its weights (what nobody waits for). Stage s runs its first W after its (s + 1)-th B, then one
+    W after each B, the rest at the end: the W's fill the slots where 1F1B's stage s idles waiting for gradients."""
+    P, M = num_stages, micro_batches
+    warmup = min(P - stage - 1, M)
+    actions, weights = [("F", i) for i in range(warmup)], 0
+    for k in range(M):  # the k-th backward, after the forward 1F1B runs before it
+        if warmup + k < M:
+            actions.append(("F", warmup + k))
+        actions.append(("B", k))
+        if k >= stage:
+            actions.append(("W", weights))
+            weights += 1
+    return actions + [("W", i) for i in range(weights, M)]
 
 
 def interleaved_actions(stage: int, num_stages: int, micro_batches: int, chunks: int) -> list[tuple[str, int, int]]:
@@ -327,8 +359,17 @@ class Pipeline:
         if self.tied_parameter is not None:
             hook = self._add_tied_contribution if self.is_first else self._send_tied_contribution
             self.tied_parameter.register_hook(hook)
+        self.layer_outputs, self.deferred, self.peak_deferred, self.tied_weights = None, {}, 0, []  # rule 6
+        if schedule == "zero-bubble":  # every layer that holds weights reports its output during a forward
+            for layer in self.module.modules():
+                if next(layer.parameters(recurse=False), None) is not None:
+                    layer.register_forward_hook(self._record_layer_output)
         self.timeline = None  # a list to record (what, micro-batch, start, end, chunk) into: pipeline_trace.py
         self.in_flight, self.peak_in_flight = 0, 0  # micro-batches (per chunk) whose activations are held for backward
+
+    def _record_layer_output(self, layer, args, output) -> None:
+        if self.layer_outputs is not None:
+            self.layer_outputs.append((layer, output))
 
     def _model_stage_of_chunk(self) -> list[int]:
         return [v * self.num_stages + self.stage for v in range(len(self.chunks))]
@@ -381,6 +422,7 @@ class Pipeline:
         if generators:  # this chunk's place in the random stream (rule 4)
             generators[0].set_state(generators[1][v])
         replay_random_ops(self.ops_before[v])  # the draws of the stages before this one, for this micro-batch
+        self.layer_outputs = [] if self.schedule == "zero-bubble" else None
         with self.context():
             output = self.chunks[v](x)
             loss = self.loss_fn(output, targets[i]) if last else None
@@ -395,24 +437,50 @@ class Pipeline:
                 raise ValueError(f"stage {k} produced {tuple(output.shape)} {output.dtype}, the next stage "
                                  f"expects {tuple(self.activation_shape)} {self.activation_dtype}")
             self._send(output, (k + 1) % self.num_stages, "p2p activations", message_tag(k + 1, gradient=False))
-        held[i, v] = (x, loss if last else output)
+        held[i, v] = (x, loss if last else output, self.layer_outputs)
+        self.layer_outputs = None
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     def _backward(self, i: int, v: int, held: dict, loss_scale: float) -> None:
+        """The whole backward of micro-batch i through chunk v; with zero-bubble, its B only (rule 6)."""
         k = v * self.num_stages + self.stage
-        x, output = held.pop((i, v))
+        x, output, layers = held.pop((i, v))
         if k == self.model_stages - 1:
             started = time.perf_counter()
-            (output / loss_scale).backward()  # as one process does: (loss / accum).backward()
+            output, grad = output / loss_scale, None  # as one process does: (loss / accum).backward()
         else:
             grad = self._recv(output.shape, output.dtype, (k + 1) % self.num_stages, message_tag(k, gradient=True))
             started = time.perf_counter()
+        if layers is None:
             torch.autograd.backward(output, grad)
+            input_grad = x.grad if k > 0 else None
+        else:  # B: the gradients of the stage's input and of each weighted layer's output, the graph kept for W
+            wanted = ([x] if k > 0 else []) + [out for _, out in layers]
+            grads = torch.autograd.grad(output, wanted, grad, retain_graph=True, allow_unused=True)
+            input_grad = grads[0] if k > 0 else None
+            self.deferred[i, v] = list(zip(layers, grads[len(wanted) - len(layers):]))
+            self.peak_deferred = max(self.peak_deferred, len(self.deferred))
         self._record("backward", i, started, v)
-        self.in_flight -= 1
+        self.in_flight -= layers is None  # zero-bubble: its activations are held until W
         if k > 0:
-            self._send(x.grad, (k - 1) % self.num_stages, "p2p activation gradients", message_tag(k - 1, gradient=True))
+            self._send(input_grad, (k - 1) % self.num_stages, "p2p activation gradients",
+                       message_tag(k - 1, gradient=True))
+
+    def _weights(self, i: int, v: int) -> None:
+        """W of micro-batch i: each weighted layer's weight gradients from its output's gradient, saved by B,
+        accumulated into ``.grad`` as a whole backward would (the tie's hooks run here)."""
+        started = time.perf_counter()
+        for (layer, out), grad in self.deferred.pop((i, v)):
+            weights = list(layer.parameters(recurse=False))
+            if grad is None:
+                continue
+            if self.is_first and self.tied_parameter is not None and any(w is self.tied_parameter for w in weights):
+                self.tied_weights.append((out, grad, weights))  # after the last W: the last stage's halves are in
+            else:
+                torch.autograd.backward(out, grad, inputs=weights)
+        self._record("weights", i, started, v)
+        self.in_flight -= 1
 
     def run(self, micro_batches: int, inputs=None, targets=None, loss_scale: float = 1.0) -> list[torch.Tensor]:
         """Forward and backward ``micro_batches`` micro-batches by the schedule; the last stage's losses."""
@@ -428,8 +496,13 @@ class Pipeline:
             v = chunk[0] if chunk else 0
             if kind == "F":
                 self._forward(i, v, inputs, targets, held, losses, generators)
-            else:
+            elif kind == "B":
                 self._backward(i, v, held, loss_scale)
+            else:
+                self._weights(i, v)
+        for out, grad, weights in self.tied_weights:  # zero-bubble: the tie's W's, in micro-batch order (rule 6)
+            torch.autograd.backward(out, grad, inputs=weights)
+        self.tied_weights.clear()
         if generators:  # every chunk now one step of micro-batches on: where one process's generator is
             generators[0].set_state(generators[1][0])
         return losses

@@ -3,14 +3,15 @@ timeline, and the fraction of the step each stage sat idle.
 
 ``Pipeline.timeline``, set to a list, records ``(what, micro-batch, start, end, chunk)`` for each forward and
 backward (the micro-batch's number; the chunk: 0, or the rank's chunk with the interleaved schedule) and each
-send and receive (a send's bar is only its launch: the bytes go in the background; a receive's bar is the wait). ``write_trace`` (every stage calls it: it gathers the stages'
-timelines) writes, from rank 0, in the run folder:
+send and receive (a send's bar is only its launch: the bytes go in the background; a receive's bar is the wait),
+and zero bubble's W's ("weights"). ``write_trace`` (every stage calls it: it gathers the stages' timelines) writes,
+from rank 0, in the run folder:
 
 - ``trace.json``: Chrome trace format, one row per stage (chrome://tracing or https://ui.perfetto.dev);
 - ``pipeline.png``: one row per stage, forwards blue and backwards green with their micro-batch's number (a
   rank's later chunks paler);
-- ``bubble.json``: per stage the idle fraction, 1 - (its forward and backward time) / (the step's time, first
-  event of any stage to the last), beside the ideal schedule's (P - 1) / (V M + P - 1) (V = 1 but interleaved).
+- ``bubble.json``: per stage the idle fraction, 1 - (its forward, backward and W time) / (the step's time, first
+  event of any stage to the last), beside the ideal schedule's (``ideal_bubble``).
 
 On this 2-core machine 4 stages share 2 cores, so a stage's compute is slower while others compute: the idle
 fractions measured at P = 4 mix the bubble with that sharing (the step README says how much).
@@ -26,7 +27,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import distributed  # noqa: E402
 
-COLORS = {"forward": "tab:blue", "backward": "tab:green", "send": "tab:orange", "recv": "tab:red"}
+COLORS = {"forward": "tab:blue", "backward": "tab:green", "weights": "tab:purple", "send": "tab:orange",
+          "recv": "tab:red"}
+COMPUTE = ("forward", "backward", "weights")  # weights: zero bubble's W, split from its backward
 
 
 def idle_fractions(timelines: list[list]) -> list[float]:
@@ -34,11 +37,19 @@ def idle_fractions(timelines: list[list]) -> list[float]:
     nor in a backward."""
     start = min(e[2] for events in timelines for e in events)
     end = max(e[3] for events in timelines for e in events)
-    return [1 - sum(e[3] - e[2] for e in events if e[0] in ("forward", "backward")) / (end - start)
+    return [1 - sum(e[3] - e[2] for e in events if e[0] in COMPUTE) / (end - start)
             for events in timelines]
 
 
-def write_trace(timeline: list, stage: int, num_stages: int, out_dir: Path, chunks: int = 1) -> None:
+def ideal_bubble(schedule: str, num_stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """The idle fraction of a stage in the ideal schedule, a backward twice a forward: (P - 1) / (M + P - 1) for
+    GPipe and 1F1B, (P - 1) / (V M + P - 1) interleaved, (P - 1) / (3 M + P - 1) zero bubble (B = W = F; M >= P)."""
+    work = {"interleaved-1f1b": chunks, "zero-bubble": 3}.get(schedule, 1) * micro_batches
+    return (num_stages - 1) / (work + num_stages - 1)
+
+
+def write_trace(timeline: list, stage: int, num_stages: int, out_dir: Path, chunks: int = 1,
+                schedule: str = "1f1b") -> None:
     timelines = distributed.gather_from_every_rank(timeline)
     if stage != 0:
         return
@@ -53,14 +64,15 @@ def write_trace(timeline: list, stage: int, num_stages: int, out_dir: Path, chun
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "trace.json").write_text(json.dumps({"traceEvents": chrome, "displayTimeUnit": "ms"}) + "\n")
     idle = idle_fractions(timelines)
-    ideal = (num_stages - 1) / (chunks * micro_batches + num_stages - 1)
+    ideal = ideal_bubble(schedule, num_stages, micro_batches, chunks)
     (out_dir / "bubble.json").write_text(json.dumps({"stages": num_stages, "micro_batches": micro_batches,
-                                                     "chunks": chunks, "idle": idle, "ideal": ideal}, indent=1) + "\n")
+                                                     "chunks": chunks, "schedule": schedule,
+                                                     "idle": idle, "ideal": ideal}, indent=1) + "\n")
 
     fig, ax = plt.subplots(figsize=(11, 1.0 + 0.55 * num_stages), dpi=110)
     for s, events in enumerate(timelines):
         for what, i, start, end, v in events:
-            compute = what in ("forward", "backward")
+            compute = what in COMPUTE
             height = 0.8 if compute else 0.25
             offset = 0 if compute else (0.3 if what == "send" else -0.3)
             ax.barh(s + offset, ms(end) - ms(start), left=ms(start), height=height, color=COLORS[what],
@@ -71,7 +83,7 @@ def write_trace(timeline: list, stage: int, num_stages: int, out_dir: Path, chun
     ax.invert_yaxis()
     ax.set_xlabel("time since the step's first event (ms)")
     layout = f"{num_stages} stages" + (f" x {chunks} chunks" if chunks > 1 else "")
-    ax.set_title(f"{layout}, {micro_batches} micro-batches: forward (blue), backward (green) "
+    ax.set_title(f"{layout}, {micro_batches} micro-batches: forward (blue), backward (green), W (purple) "
                  f"by micro-batch; receive waits (red), sends (orange); ideal bubble {ideal:.0%}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out_dir / "pipeline.png")

@@ -2,7 +2,7 @@
 
 Grown from step 3's train.py, but all ranks together are ONE replica: rank s holds stage s (consecutive blocks),
 every rank reads step 0's micro-batches, and each optimiser step pushes them through the pipeline, --micro-batches
-at a time, by --schedule gpipe|1f1b|interleaved-1f1b. Bitwise identical to step 0 with the same --grad-accum.
+at a time, by --schedule (gpipe, 1f1b, interleaved-1f1b, zero-bubble). Bitwise identical to step 0.
 
     torchrun --standalone --nproc_per_node=2 step9_pipeline_parallel/train.py --grad-accum 4
     python step0_single_gpu/train.py --grad-accum 4 && python compare/parity.py step0 step9
@@ -135,7 +135,7 @@ def main():
     full = gather_full_state(named, None, world.is_main).get("model")
     if pipe.timeline is not None:
         from pipeline_trace import write_trace  # operations code, read it after the lesson
-        write_trace(pipe.timeline, stage_index, num_stages, Path(config["out"]), len(pipe.chunks))
+        write_trace(pipe.timeline, stage_index, num_stages, Path(config["out"]), len(pipe.chunks), pipe.schedule)
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
         log.finish(final, f" on {num_stages} pipeline stages ({world.backend}, {config['schedule']})")

@@ -56,6 +56,12 @@ def test_in_flight_and_bubble():
     activations = plan.Activations(DEFAULT, 8)
     c = plan.configuration(DEFAULT, 1, 1, 2, 0, False, 8, 4, activations, schedule="gpipe")
     assert c["bubble"] == 1 / 5
+    # Zero bubble (ZB-H1): every stage holds min(P, M) until its W, step 9's schedule_actions' count (the
+    # simulation in tests/test_pipeline_schedules.py); the bubble (P - 1) / (3 M + P - 1) with B = W = F.
+    assert [plan.in_flight("zero-bubble", 4, s, 8) for s in range(4)] == [4] * 4
+    assert plan.in_flight("zero-bubble", 4, 0, 2) == 2
+    c = plan.configuration(DEFAULT, 1, 1, 2, 0, False, 8, 4, activations, schedule="zero-bubble")
+    assert c["bubble"] == 1 / 13 and [s["in_flight"] for s in c["stages"]] == [2, 2]
 
 
 @pytest.mark.quick

@@ -42,10 +42,12 @@ def test_the_tour_runs_every_step_and_its_parity_checks(tour):
     # The data-parallel steps, bitwise to step 1; the pipeline (step 9), bitwise to step 0.
     bitwise_steps = [step for step in STEPS if 2 <= int(step[4:]) < 8 or step == "step9"]
     assert len(bitwise_steps) >= 5  # steps 2-6 at least
-    # A report and a table row each, and the same for step 9's interleaved schedule beside step 0 on 4 blocks.
-    assert output.count("PASS (bitwise identical)") == 2 * len(bitwise_steps) + 2
-    row = next(line for line in output.splitlines() if line.startswith("  interleaved, V = 2"))
-    assert "PASS (bitwise identical)" in row and (runs / "interleaved" / STEPS["step9"] / "metrics.json").exists()
+    # A report and a table row each, and the same for step 9's zero-bubble schedule beside step 0, and its
+    # interleaved one beside step 0 on 4 blocks.
+    assert output.count("PASS (bitwise identical)") == 2 * len(bitwise_steps) + 4
+    for row, folder in (("  zero bubble", "zero_bubble"), ("  interleaved, V = 2", "interleaved")):
+        line = next(line for line in output.splitlines() if line.startswith(row))
+        assert "PASS (bitwise identical)" in line and (runs / folder / STEPS["step9"] / "metrics.json").exists()
     assert "same global batches, other summation order" in output  # step 0, measured, not judged
     if "step8" in STEPS:  # tensor parallelism: measured against step 1, not judged; its first step to float32's rounding
         line = next(line for line in output.splitlines() if line.startswith(STEPS["step8"]))
