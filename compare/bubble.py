@@ -96,9 +96,9 @@ def simulated(rank: int, world_size: int, port: int, args) -> list:
                 pipe.run(m, inputs=data if rank == 0 else None, targets=data if rank == P - 1 else None)
                 pipe.finish_gradient_synchronization()
             everyone = [None] * P
-            dist.all_gather_object(everyone, (pipe.timeline, pipe.take_peak_in_flight()))
-            rows.append({"schedule": schedule, "stages": P, "micro_batches": m, "held": [h for _, h in everyone],
-                         "idle": idle_fractions([t for t, _ in everyone]),
+            dist.all_gather_object(everyone, (pipe.timeline, pipe.take_peak_in_flight(), pipe.peak_deferred))
+            rows.append({"schedule": schedule, "stages": P, "micro_batches": m, "held": [e[1] for e in everyone],
+                         "waiting": [e[2] for e in everyone], "idle": idle_fractions([e[0] for e in everyone]),
                          "ideal": ideal_bubble(schedule, P, m, chunks)})
     dist.destroy_process_group()
     return rows
@@ -157,8 +157,12 @@ def main() -> int:
                    "zero-bubble": [min(p, m)] * p}
         formula = formula[r["schedule"]]
         idle = " ".join(f"{f:.2f}" for f in r["idle"])
+        waiting = ""
+        if r["schedule"] == "zero-bubble" and "waiting" in r:  # W's deferred at once: min(s + 1, M) on stage s
+            waiting = [min(s + 1, m) for s in range(p)]
+            waiting = f"; W's waiting {r['waiting']}, formula {waiting}{'' if r['waiting'] == waiting else ' differs'}"
         print(f"{r['schedule']:<16} {p:>2} {m:>2} {r['ideal']:>6.2f}  {idle:<28} {str(r['held']):<14} {formula}"
-              f"{'' if r['held'] == formula else '  <-- differs'}")
+              f"{'' if r['held'] == formula else '  <-- differs'}{waiting}")
 
     import matplotlib
     matplotlib.use("Agg")

@@ -186,12 +186,13 @@ def test_step10_pp_axis_takes_the_schedules_bitwise(pipeline_runs, schedule):
                             pipeline_runs("step10", 4, "--pp", "2", "--tp", "2", *schedule))
 
 
-def test_a_1f1b_checkpoint_resumed_interleaved_is_bitwise(pipeline_runs, tmp_path, small_corpus):
-    """The 2-stage 1F1B run's step-2 checkpoint resumed with 2 chunks per rank (the blocks now cut in 4, the state
-    found by name, the random stream where one process left it): finishes bitwise like step 0."""
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble"])
+def test_a_1f1b_checkpoint_resumed_by_another_schedule_is_bitwise(pipeline_runs, tmp_path, small_corpus, schedule):
+    """The 2-stage 1F1B run's step-2 checkpoint resumed interleaved (2 chunks per rank: the blocks now cut in 4, the
+    state found by name, the random stream where one process left it) or with zero bubble: bitwise like step 0."""
     checkpoint = pipeline_runs("step9", 2, "--schedule", "1f1b") / "checkpoints" / "step_2"
-    resumed = train("step9", tmp_path / "interleaved", small_corpus, *PIPELINE, "--schedule",
-                    "interleaved-1f1b", "--resume", str(checkpoint))
+    resumed = train("step9", tmp_path / schedule, small_corpus, *PIPELINE, "--schedule", schedule,
+                    "--resume", str(checkpoint))
     assert_bitwise_same_run(pipeline_runs("step0"), resumed)
 
 
@@ -217,8 +218,8 @@ def test_zero_bubble_four_stages_train_bitwise_like_step0(tmp_path, small_corpus
 
 def test_bubble_with_simulated_compute_runs_every_schedule(tmp_path):
     """compare/bubble.py --simulate-ms: step 9's Pipeline around sleeping stages, every schedule at P = 2, M = 4;
-    the micro-batches each stage held, counted by the Pipeline, are each schedule's closed form (the idle fractions
-    are timings: the step README has them, measured on a quiet machine)."""
+    the micro-batches each stage held and zero bubble's W's waiting at once, counted by the Pipeline, are each
+    schedule's closed form (the idle fractions are timings: the step README has them, from a quiet machine)."""
     png = tmp_path / "bubble.png"
     result = subprocess.run([sys.executable, str(REPO / "compare" / "bubble.py"), "--simulate-ms", "5", "--stages",
                              "2", "--micro-batches", "4", "--png", str(png)], cwd=REPO, capture_output=True,
@@ -230,3 +231,4 @@ def test_bubble_with_simulated_compute_runs_every_schedule(tmp_path):
     assert "differs" not in result.stdout and png.read_bytes().startswith(b"\x89PNG")
     ideal = {row[0]: float(row[3]) for row in rows}
     assert ideal == {"gpipe": 0.2, "1f1b": 0.2, "interleaved-1f1b": 0.11, "zero-bubble": 0.08}
+    assert "W's waiting [1, 2], formula [1, 2]" in result.stdout  # zero bubble's deferred W's, counted by Pipeline
