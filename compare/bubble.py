@@ -2,7 +2,8 @@
 idle fraction of its last step against the ideal schedule's (P - 1) / (M + P - 1), (P - 1) / (V M + P - 1)
 interleaved over V = 2 chunks per stage (M a multiple of P), (P - 1) / (3 M + P - 1) zero bubble, and the
 micro-batches whose activations each stage held at once (GPipe: M; 1F1B: at most P - s on stage s; interleaved:
-(V - 1) P + 2 (P - s - 1) + 1 chunks' worth; zero bubble: min(P, M), each until its W).
+(V - 1) P + 2 (P - s - 1) + 1 chunks' worth; zero bubble: min(P, M), each until its W), and the activation bytes
+each stage sent, M B S h x 4 per hop: V hops out and V back, one fewer at either end.
 
     python compare/bubble.py                        # every schedule, a table, runs/plots/bubble.png
     python compare/bubble.py --stages 2 --micro-batches 1 4 --schedules 1f1b
@@ -104,6 +105,7 @@ def simulated(rank: int, world_size: int, port: int, args) -> list:
     return rows
 
 
+ACTIVATION = 4 * 64 * 128 * 4  # MODEL's micro-batch x sequence x width, float32: one message's bytes
 MODEL = ["--n-layer", "8", "--n-embd", "128", "--n-head", "4", "--seq-len", "64", "--micro-batch-size", "4",
          "--steps", "3", "--save-every", "0", "--quiet", "--trace"]
 
@@ -143,7 +145,8 @@ def main() -> int:
                 bubble = json.loads((out / "bubble.json").read_text())
                 last = json.loads((out / "metrics.json").read_text())["records"][-1]
                 held = [memory["micro_batches_in_flight"] for memory in last["memory"]]
-                results.append({"schedule": schedule, **bubble, "held": held})
+                sent = [c.get("p2p activations", 0) + c.get("p2p activation gradients", 0) for c in last["comm"]]
+                results.append({"schedule": schedule, **bubble, "held": held, "sent": sent})
 
     cores = os.cpu_count()
     compute = f"compute simulated, {args.simulate_ms:g} ms" if args.simulate_ms else f"{cores} CPU cores"
@@ -158,6 +161,10 @@ def main() -> int:
         formula = formula[r["schedule"]]
         idle = " ".join(f"{f:.2f}" for f in r["idle"])
         waiting = ""
+        if "sent" in r:  # activations out and gradients back, B S h x 4 bytes each, V times interleaved
+            chunks = VIRTUAL if r["schedule"] == "interleaved-1f1b" else 1
+            sent = [m * ACTIVATION * (2 * chunks - (s == p - 1) - (s == 0)) for s in range(p)]
+            waiting = "; p2p bytes = formula" if r["sent"] == sent else f"; p2p bytes {r['sent']} differ from {sent}"
         if r["schedule"] == "zero-bubble" and "waiting" in r:  # W's deferred at once: min(s + 1, M) on stage s
             waiting = [min(s + 1, m) for s in range(p)]
             waiting = f"; W's waiting {r['waiting']}, formula {waiting}{'' if r['waiting'] == waiting else ' differs'}"
