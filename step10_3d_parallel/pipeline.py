@@ -323,7 +323,8 @@ class Pipeline:
     of P V. ``activation_shape`` and ``activation_dtype``: what every stage but the first receives (the previous
     stage's output for one micro-batch). ``loss_fn(output, target)``: the last stage's loss. ``tied_parameter``: on
     the first and the last stage, the parameter both hold a copy of (GPT-2's embedding), or None. ``ranks``: the
-    global rank of each stage (default: stage s is rank s). ``context``: entered around each forward (autocast).
+    global rank of each stage (default: stage s is rank s). ``schedule``: one of ``SCHEDULES`` (rule 2; zero-bubble's
+    split backward: rule 6). ``context``: entered around each forward (autocast).
     ``random_ops``: ``record_random_ops``'s list for every stage of the model (P V of them), or None when nothing
     draws at random. ``device``: where received tensors go (this stage's device).
 
