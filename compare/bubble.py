@@ -75,8 +75,8 @@ def simulated(rank: int, world_size: int, port: int, args) -> list:
     sys.path.insert(0, str(REPO_ROOT / STEP))
     import torch
     import torch.distributed as dist
-    from pipeline import Pipeline
-    from pipeline_trace import ideal_bubble, idle_fractions
+    from pipeline import Pipeline, ideal_bubble
+    from pipeline_trace import idle_fractions
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

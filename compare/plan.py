@@ -187,14 +187,20 @@ def in_flight(schedule: str, pp: int, stage: int, micro_batches: int, chunks: in
     return micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
 
 
+def step9_pipeline():
+    """Step 9's pipeline.py: the schedules the planner counts with (their action lists, their bubble)."""
+    step9 = str(Path(__file__).resolve().parent.parent / "step9_pipeline_parallel")
+    if step9 not in sys.path:
+        sys.path.append(step9)  # after common/: the copies step 9 shares are common's own
+    import pipeline
+    return pipeline
+
+
 def interleaved_activations(activations, shape: Shape, tp: int, pp: int, stage: int, micro_batches: int,
                             checkpointing: bool, sequence_parallel: bool, chunks: int = VIRTUAL_STAGES) -> int:
     """The most bytes a rank of the interleaved schedule holds for backward: its chunks' activations per micro-batch
     (the last chunk with the logits) added and taken away along step 9's own action list, at their peak."""
-    step9 = str(Path(__file__).resolve().parent.parent / "step9_pipeline_parallel")
-    if step9 not in sys.path:
-        sys.path.append(step9)  # after common/: the copies step 9 shares are common's own
-    from pipeline import schedule_actions
+    schedule_actions = step9_pipeline().schedule_actions
     blocks = chunk_blocks(shape.n_layer, pp, stage, chunks)
     last = [v * pp + stage == pp * chunks - 1 for v in range(chunks)]
     per = [activations.per_micro_batch(b, tp, False, is_last, checkpointing, sequence_parallel)
@@ -285,7 +291,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
     return {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "checkpointing": checkpointing, "schedule": schedule,
             "offload": offload, "sequence_parallel": sequence_parallel,
             "micro_batches": micro_batches, "stages": stages, "total": worst["total"], "worst_stage": worst["stage"],
-            "bubble": (pp - 1) / ((3 if schedule == "zero-bubble" else chunks) * micro_batches + pp - 1)}
+            "bubble": step9_pipeline().ideal_bubble(schedule, pp, micro_batches, chunks)}
 
 
 def flops_per_token(shape: Shape, checkpointing: bool) -> float:

@@ -82,31 +82,19 @@ def mesh_flags(nproc: int) -> list[str]:
     return ["--tp", "2", "--dp", str(dp), "--grad-accum", str(DEFAULT_GRAD_ACCUM * nproc // dp)]
 
 
-INTERLEAVED = ["--schedule", "interleaved-1f1b", "--virtual-stages", "2"]
-
-
-def run_zero_bubble(single: str, pipeline: str, args, extra: list[str], timeout: list[str]) -> tuple:
-    """Step 9's zero-bubble schedule on the tour's model; its parity with the tour's step 0."""
-    out = args.runs_dir / "zero_bubble" / pipeline
-    print("running step 9 zero-bubble ...", end=" ", flush=True)
+def run_schedule(folder: str, flags: list[str], single: str, pipeline: str, args, extra: list[str],
+                 timeout: list[str], layers: list[str] = ()) -> tuple:
+    """Step 9 with ``flags`` (another schedule) in runs/<folder>; its parity with the tour's step 0, or, given
+    ``layers`` (a deeper model), with step 0 run beside it on that model. Returns (parity, seconds)."""
+    runs = {step: args.runs_dir / folder / step for step in (single, pipeline)}
+    if not layers:
+        runs[single] = args.runs_dir / single
+    print(f"running step 9 {' '.join(flags)}{' and step 0' if layers else ''} ...", end=" ", flush=True)
     started = time.perf_counter()
-    run_step(pipeline, args, [*extra, "--schedule", "zero-bubble"], timeout, str(out),
-             args.runs_dir / "tour" / "zero_bubble.log")
-    print(f"{time.perf_counter() - started:.0f} s")
-    run_a, run_b, result = parity.check(str(args.runs_dir / single), str(out))
-    print(parity.report(run_a, run_b, result, brief=True))
-    return result, time.perf_counter() - started
-
-
-def run_interleaved(single: str, pipeline: str, args, extra: list[str], timeout: list[str], n_layer: int) -> tuple:
-    """Step 9's interleaved schedule and step 0 on a model deep enough for 2 chunks per rank; their parity."""
-    layers = ["--n-layer", str(max(n_layer, 2 * args.nproc))]
-    runs = {step: args.runs_dir / "interleaved" / step for step in (single, pipeline)}
-    print("running step 0 and step 9 interleaved-1f1b ...", end=" ", flush=True)
-    started = time.perf_counter()
-    run_step(single, args, [*extra, *layers], timeout, str(runs[single]), args.runs_dir / "tour" / "interleaved0.log")
-    run_step(pipeline, args, [*extra, *layers, *INTERLEAVED], timeout, str(runs[pipeline]),
-             args.runs_dir / "tour" / "interleaved9.log")
+    if layers:
+        run_step(single, args, [*extra, *layers], timeout, str(runs[single]), args.runs_dir / "tour" / f"{folder}0.log")
+    run_step(pipeline, args, [*extra, *layers, *flags], timeout, str(runs[pipeline]),
+             args.runs_dir / "tour" / f"{folder}.log")
     print(f"{time.perf_counter() - started:.0f} s")
     run_a, run_b, result = parity.check(str(runs[single]), str(runs[pipeline]))
     print(parity.report(run_a, run_b, result, brief=True))
@@ -208,8 +196,11 @@ def main() -> int:
     pipeline = next((s for s in steps if number(s) == 9), None)
     schedules = {}
     if single and pipeline and args.nproc >= 2:  # both schedules need 2 or more stages
-        schedules["  zero bubble"] = run_zero_bubble(single, pipeline, args, extra, timeout)
-        schedules["  interleaved, V = 2"] = run_interleaved(single, pipeline, args, extra, timeout, config["n_layer"])
+        schedules["  zero bubble"] = run_schedule("zero_bubble", ["--schedule", "zero-bubble"], single, pipeline,
+                                                  args, extra, timeout)
+        schedules["  interleaved, V = 2"] = run_schedule(  # a model of 2 chunks per rank at least
+            "interleaved", ["--schedule", "interleaved-1f1b", "--virtual-stages", "2"], single, pipeline, args, extra,
+            timeout, ["--n-layer", str(max(config["n_layer"], 2 * args.nproc))])
     # The reference first: the difference panel then shows every step against PyTorch DDP.
     plot = plot_runs([runs[reference]] + [runs[s] for s in steps if s != reference], args.runs_dir / "plots" / "tour.png")
 

@@ -315,6 +315,13 @@ def interleaved_actions(stage: int, num_stages: int, micro_batches: int, chunks:
     return forward[:warmup] + steady + backward[total - warmup:]
 
 
+def ideal_bubble(schedule: str, num_stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """The idle fraction of a stage in the ideal schedule, a backward twice a forward: (P - 1) / (M + P - 1) for
+    GPipe and 1F1B, (P - 1) / (V M + P - 1) interleaved, (P - 1) / (3 M + P - 1) zero bubble (B = W = F; M >= P)."""
+    work = {"interleaved-1f1b": chunks, "zero-bubble": 3}.get(schedule, 1) * micro_batches
+    return (num_stages - 1) / (work + num_stages - 1)
+
+
 class Pipeline:
     """Runs one stage of a pipeline: this rank's ``module``, micro-batch by micro-batch, by a schedule.
 
@@ -350,11 +357,12 @@ class Pipeline:
         self.activation_shape, self.activation_dtype = torch.Size(activation_shape), activation_dtype
         self.loss_fn, self.context, self.device = loss_fn, context, torch.device(device)
         self.ranks = list(ranks) if ranks is not None else list(range(num_stages))
-        self.model_stages = num_stages * len(self.chunks)  # P V: chunk v here is the model's stage v P + stage
+        self.model_stages = num_stages * len(self.chunks)  # P V of them
+        self.model_stage = [v * num_stages + stage for v in range(len(self.chunks))]  # chunk v's: receives from k - 1
         random_ops = random_ops or [[] for _ in range(self.model_stages)]
         self.draws = any(random_ops)
-        self.ops_before = [[op for ops in random_ops[:k] for op in ops] for k in self._model_stage_of_chunk()]
-        self.ops_after = [[op for ops in random_ops[k + 1:] for op in ops] for k in self._model_stage_of_chunk()]
+        self.ops_before = [[op for ops in random_ops[:k] for op in ops] for k in self.model_stage]
+        self.ops_after = [[op for ops in random_ops[k + 1:] for op in ops] for k in self.model_stage]
         self.pending_sends = []  # (work, tensor): a send's tensor must live until it is waited
         self.tied_parameter = tied_parameter if num_stages > 1 else None
         if self.tied_parameter is not None:
@@ -371,9 +379,6 @@ class Pipeline:
     def _record_layer_output(self, layer, args, output) -> None:
         if self.layer_outputs is not None:
             self.layer_outputs.append((layer, output))
-
-    def _model_stage_of_chunk(self) -> list[int]:
-        return [v * self.num_stages + self.stage for v in range(len(self.chunks))]
 
     # ---- point-to-point ----------------------------------------------------------------------------------------
     def _send(self, tensor: torch.Tensor, stage: int, kind: str, tag: int) -> None:
@@ -411,7 +416,7 @@ class Pipeline:
 
     # ---- one forward, one backward, of micro-batch i through this rank's chunk v --------------------------------
     def _forward(self, i: int, v: int, inputs, targets, held: dict, losses: list, generators) -> None:
-        k = v * self.num_stages + self.stage  # the model's stage: receive from k - 1, send to k + 1
+        k = self.model_stage[v]  # receive from the model's stage k - 1, send to k + 1
         first, last = k == 0, k == self.model_stages - 1
         if first:
             x = inputs[i]
@@ -445,7 +450,7 @@ class Pipeline:
 
     def _backward(self, i: int, v: int, held: dict, loss_scale: float) -> None:
         """The whole backward of micro-batch i through chunk v; with zero-bubble, its B only (rule 6)."""
-        k = v * self.num_stages + self.stage
+        k = self.model_stage[v]
         x, output, layers = held.pop((i, v))
         if k == self.model_stages - 1:
             started = time.perf_counter()
@@ -473,9 +478,9 @@ class Pipeline:
         accumulated into ``.grad`` as a whole backward would (the tie's hooks run here)."""
         started = time.perf_counter()
         for (layer, out), grad in self.deferred.pop((i, v)):
-            weights = list(layer.parameters(recurse=False))
             if grad is None:
                 continue
+            weights = list(layer.parameters(recurse=False))
             if self.is_first and self.tied_parameter is not None and any(w is self.tied_parameter for w in weights):
                 self.tied_weights.append((out, grad, weights))  # after the last W: the last stage's halves are in
             else:

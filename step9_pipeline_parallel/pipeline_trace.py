@@ -11,7 +11,7 @@ from rank 0, in the run folder:
 - ``pipeline.png``: one row per stage, forwards blue and backwards green with their micro-batch's number (a
   rank's later chunks paler);
 - ``bubble.json``: per stage the idle fraction, 1 - (its forward, backward and W time) / (the step's time, first
-  event of any stage to the last), beside the ideal schedule's (``ideal_bubble``).
+  event of any stage to the last), beside the ideal schedule's (pipeline.py's ``ideal_bubble``).
 
 On this 2-core machine 4 stages share 2 cores, so a stage's compute is slower while others compute: the idle
 fractions measured at P = 4 mix the bubble with that sharing (the step README says how much).
@@ -26,6 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import distributed  # noqa: E402
+from pipeline import ideal_bubble  # noqa: E402
 
 COLORS = {"forward": "tab:blue", "backward": "tab:green", "weights": "tab:purple", "send": "tab:orange",
           "recv": "tab:red"}
@@ -39,13 +40,6 @@ def idle_fractions(timelines: list[list]) -> list[float]:
     end = max(e[3] for events in timelines for e in events)
     return [1 - sum(e[3] - e[2] for e in events if e[0] in COMPUTE) / (end - start)
             for events in timelines]
-
-
-def ideal_bubble(schedule: str, num_stages: int, micro_batches: int, chunks: int = 1) -> float:
-    """The idle fraction of a stage in the ideal schedule, a backward twice a forward: (P - 1) / (M + P - 1) for
-    GPipe and 1F1B, (P - 1) / (V M + P - 1) interleaved, (P - 1) / (3 M + P - 1) zero bubble (B = W = F; M >= P)."""
-    work = {"interleaved-1f1b": chunks, "zero-bubble": 3}.get(schedule, 1) * micro_batches
-    return (num_stages - 1) / (work + num_stages - 1)
 
 
 def write_trace(timeline: list, stage: int, num_stages: int, out_dir: Path, chunks: int = 1,

@@ -60,7 +60,7 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
-    add_pipeline_flags(parser)  # --schedule, --micro-batches
+    add_pipeline_flags(parser)  # --schedule, --virtual-stages, --micro-batches
     parser.add_argument("--trace", action="store_true", help="write the stages' timelines of the last step")
     config = parse_config(parser)
     world = distributed.plan_world(config)
