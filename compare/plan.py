@@ -9,7 +9,9 @@ what each axis moves, and which to try first.
 
 The model is the trainers' GPT-2 (their flags: --n-layer, --n-embd, --n-head, --seq-len, the vocabulary of
 --tokenizer or --vocab-size), or, with --params, a GPT shaped like GPT-3's family (hidden h a multiple of
-128, h/128 layers and heads). Ψ per block is 12h² + 13h; the embeddings Vh + sh, the final norm 2h.
+128, h/128 layers and heads), or a published one (--preset: GPT-2, GPT-3, Korthikanti et al.'s, Llama 3, with
+grouped-query attention, SwiGLU, RMSNorm, untied embeddings: ``Shape``). GPT-2's Ψ per block is 12h² + 13h;
+the embeddings Vh + sh, the final norm 2h.
 
 A rank of the mesh dp x tp x pp holds, of its pipeline stage's blocks (step 9's even split; the first stage
 adds the embeddings, the last the final norm and, when pp > 1, a copy of the tied embedding), 1/tp of every
@@ -18,8 +20,10 @@ axis its state is what ``estimate.state_bytes`` gives for the ZeRO stage (0: DDP
 parameters (the ZeRO paper's 2 + 2 + 12; with --reduce-dtype float32, FSDP2's gradients).
 
 Activations per micro-batch are counted on the meta device (``estimate.Model``: what autograd saves, exact
-for the trainers' model); tensor parallelism splits the ones inside its split layers (q, k, v, the attention
-scores, the MLP's 4h, the logits) and leaves the (b, s, h) ones whole. Checkpointing keeps each block's input
+for the trainers' model with math attention), or, with --preset, --params, --attention sdpa or
+--selective-recompute, by Korthikanti et al.'s formula (``activation_formula.py``: as on a GPU); tensor
+parallelism splits the ones inside its split layers (q, k, v, the attention scores, the MLP's 4h, the logits) and
+leaves the (b, s, h) ones whole. Checkpointing keeps each block's input
 and recomputes one block at a time. Micro-batches held at once: 1 without a pipeline (each backward frees
 its own), M with GPipe on every stage, at most P - s on stage s with 1F1B (the first stage holds P).
 
@@ -52,10 +56,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
 import estimate  # noqa: E402
+from activation_formula import FormulaActivations  # noqa: E402
 from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
 
 GIB = 2**30
-USED_FLAGS = {"n_layer", "n_embd", "n_head", "seq_len", "tokenizer", "micro_batch_size", "grad_accum", "param_dtype"}
+USED_FLAGS = {"n_layer", "n_embd", "n_head", "seq_len", "tokenizer", "micro_batch_size", "grad_accum", "param_dtype",
+              "attention", "dropout"}
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")
 VIRTUAL_STAGES = 2  # the interleaved schedule's chunks per stage, as step 9's default
 HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 6144, 8192, 12288, 16384)  # GPT-3's table, and one more
@@ -63,12 +69,22 @@ HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 6144, 8192, 12288, 1638
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A GPT-2: layers, hidden size, heads, vocabulary, sequence length (the position table's rows)."""
+    """A decoder-only transformer by its shape: the trainers' GPT-2 by default (multi-head attention, a GELU MLP
+    of 4h, LayerNorms, biases, learned positions, the output layer tied to the token embedding); Llama's kind with
+    ``n_kv_head`` < ``n_head`` (grouped-query attention), ``mlp="swiglu"``, ``ffn``, ``norm="rmsnorm"``,
+    ``bias=False``, ``positions=False`` (rotary: no table) and ``tied=False``."""
     n_layer: int
     n_embd: int
     n_head: int
     vocab: int
     seq_len: int
+    n_kv_head: int = 0  # 0: n_head
+    ffn: int = 0  # the MLP's width; 0: 4h
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    bias: bool = True
+    positions: bool = True
+    tied: bool = True
 
     @classmethod
     def from_params(cls, psi: float, vocab: int, seq_len: int) -> "Shape":
@@ -79,12 +95,57 @@ class Shape:
         return cls(layers, h, max(1, h // 128), vocab, seq_len)
 
     @property
-    def block(self) -> int:  # ln_1, c_q, c_k, c_v, attn.c_proj, ln_2, c_fc, mlp.c_proj: weights and biases
-        return 12 * self.n_embd**2 + 13 * self.n_embd
+    def is_trainers(self) -> bool:
+        """The trainers' GPT-2, which ``Activations`` can count on the meta device."""
+        return (self.kv_dim, self.ffn_width, self.mlp, self.norm, self.bias, self.positions, self.tied) == \
+            (self.n_embd, 4 * self.n_embd, "gelu", "layernorm", True, True, True)
+
+    @property
+    def kv_dim(self) -> int:  # the width of k and of v
+        return (self.n_kv_head or self.n_head) * (self.n_embd // self.n_head)
+
+    @property
+    def ffn_width(self) -> int:
+        return self.ffn or 4 * self.n_embd
+
+    @property
+    def block_split(self) -> int:
+        """A block's elements tensor parallelism splits: c_q, c_k, c_v, attn.c_proj's weight, the MLP's matrices,
+        and the column-parallel layers' biases."""
+        h, f = self.n_embd, self.ffn_width
+        matrices = 2 * h * h + 2 * h * self.kv_dim + (3 if self.mlp == "swiglu" else 2) * h * f
+        return matrices + (h + 2 * self.kv_dim + (2 if self.mlp == "swiglu" else 1) * f if self.bias else 0)
+
+    @property
+    def norm_params(self) -> int:
+        return (2 if self.norm == "layernorm" else 1) * self.n_embd
+
+    @property
+    def block(self) -> int:  # GPT-2: 12h² + 7h split, 6h whole (the LayerNorms, the row-parallel biases)
+        return self.block_split + 2 * self.norm_params + (2 * self.n_embd if self.bias else 0)
 
     @property
     def psi(self) -> int:
-        return self.vocab * self.n_embd + self.seq_len * self.n_embd + self.n_layer * self.block + 2 * self.n_embd
+        embeddings = (1 if self.tied else 2) * self.vocab * self.n_embd + self.positions * self.seq_len * self.n_embd
+        return embeddings + self.n_layer * self.block + self.norm_params
+
+
+# Published shapes: GPT-2 (Radford et al. 2019, Hugging Face's counts), GPT-3 (Brown et al. 2020, Table 2.1; 13B's
+# h as released, 5120), Korthikanti et al. 2022's Table 3 (vocabulary 51,200), Llama 3 (Dubey et al. 2024, Table 3)
+PRESETS = {
+    "gpt2": Shape(12, 768, 12, 50257, 1024), "gpt2-medium": Shape(24, 1024, 16, 50257, 1024),
+    "gpt2-large": Shape(36, 1280, 20, 50257, 1024), "gpt2-xl": Shape(48, 1600, 25, 50257, 1024),
+    "gpt3-125m": Shape(12, 768, 12, 50257, 2048), "gpt3-350m": Shape(24, 1024, 16, 50257, 2048),
+    "gpt3-760m": Shape(24, 1536, 16, 50257, 2048), "gpt3-1.3b": Shape(24, 2048, 24, 50257, 2048),
+    "gpt3-2.7b": Shape(32, 2560, 32, 50257, 2048), "gpt3-6.7b": Shape(32, 4096, 32, 50257, 2048),
+    "gpt3-13b": Shape(40, 5120, 40, 50257, 2048), "gpt3-175b": Shape(96, 12288, 96, 50257, 2048),
+    "megatron-22b": Shape(48, 6144, 64, 51200, 2048), "megatron-175b": Shape(96, 12288, 96, 51200, 2048),
+    "megatron-530b": Shape(105, 20480, 128, 51200, 2048), "megatron-1t": Shape(128, 25600, 160, 51200, 2048),
+    **{f"llama3-{name}": Shape(layers, h, heads, 128256, 8192, n_kv_head=8, ffn=ffn, mlp="swiglu", norm="rmsnorm",
+                               bias=False, positions=False, tied=False)
+       for name, layers, h, heads, ffn in (("8b", 32, 4096, 32, 14336), ("70b", 80, 8192, 64, 28672),
+                                           ("405b", 126, 16384, 128, 53248))},
+}
 
 
 def stage_blocks(n_layer: int, pp: int, stage: int) -> int:
@@ -105,10 +166,12 @@ def rank_params(shape: Shape, tp: int, pp: int, stage: int, chunks: int = 1) -> 
     mlp.c_proj's weight), 6h kept whole (the LayerNorms, the row-parallel biases); the vocabulary is split.
     ``chunks``: the interleaved schedule's per stage."""
     h = shape.n_embd
-    blocks = sum(chunk_blocks(shape.n_layer, pp, stage, chunks)) * (-(-(12 * h * h + 7 * h) // tp) + 6 * h)
+    blocks = sum(chunk_blocks(shape.n_layer, pp, stage, chunks)) * (-(-shape.block_split // tp) + shape.block
+                                                                    - shape.block_split)
     vocab = -(-(shape.vocab * h) // tp)
-    first = vocab + shape.seq_len * h if stage == 0 else 0  # the token (split) and position (whole) embeddings
-    last = 2 * h + (vocab if pp > 1 else 0) if stage == pp - 1 else 0  # the final norm; the tied copy
+    first = vocab + shape.positions * shape.seq_len * h if stage == 0 else 0  # token (split), positions (whole)
+    # the final norm; the output layer: its own matrix, or the tied copy on a last stage of its own
+    last = shape.norm_params + (vocab if pp > 1 or not shape.tied else 0) if stage == pp - 1 else 0
     rest = first + last
     return {"blocks": blocks, "rest": rest}
 
@@ -118,9 +181,9 @@ class Activations:
     the rest of the model, the part tensor parallelism splits and the part it keeps whole; with checkpointing,
     what a block keeps (its input)."""
 
-    def __init__(self, shape: Shape, micro_batch_size: int, dtype=None):
+    def __init__(self, shape: Shape, micro_batch_size: int, dtype=None, dropout: float = 0.0):
         config = {"n_layer": 1, "n_embd": shape.n_embd, "n_head": shape.n_head, "seq_len": shape.seq_len,
-                  "dropout": 0.0, "weight_decay": 0.1}
+                  "dropout": dropout, "weight_decay": 0.1}
         model = estimate.Model(config, shape.vocab, dtype)
         shapes = {}
         saved, arguments = model.saved_tensors(micro_batch_size, shapes=shapes)
@@ -281,7 +344,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
             comm["tp"] = ({"all_gather": reduced, "reduce_scatter": reduced} if sequence_parallel
                           else {"all_reduce": reduced})
         if pp > 1:
-            tied = -(-(shape.vocab * shape.n_embd) // tp) * 4
+            tied = -(-(shape.vocab * shape.n_embd) // tp) * 4 if shape.tied else 0
             hops = 2 * chunks - (stage == pp - 1) - (stage == 0)  # activations out, gradients back, per chunk
             comm["pp"] = {"send": micro_batches * bsh * act_bytes * hops
                           + (micro_batches * tied if stage == pp - 1 else tied if stage == 0 else 0)}
@@ -289,17 +352,19 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
                        "total": sum(state.values()) + act, "comm": comm, "host": host, "offloaded": offloaded})
     worst = max(stages, key=lambda s: s["total"])
     return {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "checkpointing": checkpointing, "schedule": schedule,
+            "selective": getattr(activations, "selective", False) and not checkpointing,
             "offload": offload, "sequence_parallel": sequence_parallel,
             "micro_batches": micro_batches, "stages": stages, "total": worst["total"], "worst_stage": worst["stage"],
             "bubble": step9_pipeline().ideal_bubble(schedule, pp, micro_batches, chunks)}
 
 
-def flops_per_token(shape: Shape, checkpointing: bool) -> float:
+def flops_per_token(shape: Shape, checkpointing: bool, selective: bool = False) -> float:
     """Forward and backward, 3 passes of 2 flops per weight and 4 s h a layer for attention's QKᵀ and AV:
     6Ψ + 12 L s h, Narayanan et al. 2021's 72 L h² (1 + s / 6h + V / 12 L h). Checkpointing runs the blocks'
-    forward once more (their 96 L h² (1 + s / 6h + V / 16 L h)): 2Ψ_blocks + 4 L s h."""
+    forward once more (their 96 L h² (1 + s / 6h + V / 16 L h)): 2Ψ_blocks + 4 L s h; selective recomputation
+    only attention's QKᵀ and AV: 4 L s h."""
     blocks, attention = shape.n_layer * shape.block, 4 * shape.n_layer * shape.seq_len * shape.n_embd
-    return 6 * shape.psi + 3 * attention + (2 * blocks + attention if checkpointing else 0)
+    return 6 * shape.psi + 3 * attention + (2 * blocks + attention if checkpointing else attention if selective else 0)
 
 
 def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: int) -> dict:
@@ -307,7 +372,7 @@ def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: 
     axis's bytes over the link it crosses (a ring moves 2(n-1)/n of an all-reduce's bytes), none overlapped."""
     dp, tp, pp, m = config["dp"], config["tp"], config["pp"], config["micro_batches"]
     tokens = dp * m * micro_batch_size * shape.seq_len
-    flops = flops_per_token(shape, config["checkpointing"]) * tokens / (dp * tp * pp)
+    flops = flops_per_token(shape, config["checkpointing"], config.get("selective", False)) * tokens / (dp * tp * pp)
     compute = flops / (hardware.tflops * 1e12) / (1 - config["bubble"])  # (V M + P - 1) / V M
     inside = lambda span: span <= hardware.gpus_per_node  # noqa: E731 (ranks a group spans, tp innermost)
     links = {"tp": inside(tp), "dp": inside(tp * dp), "pp": inside(tp * dp * pp)}
@@ -342,14 +407,16 @@ def divisors(n: int) -> list[int]:
 
 def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: int, param_dtype: str = "float32",
          reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
-         reduce_every_micro_batch: bool = False, sequence_parallel: bool = False) -> tuple[list[dict], list[dict]]:
+         reduce_every_micro_batch: bool = False, sequence_parallel: bool = False,
+         activations=None) -> tuple[list[dict], list[dict]]:
     """(the configurations that fit, ranked; those that do not). Every dp x tp x pp = --devices with tp dividing
-    the heads, pp at most the layers and global batch = dp x micro-batch x M. The interleaved schedule where it can
-    run (M a multiple of pp, 2 chunks of a block or more per stage), 1F1B where it cannot."""
-    activations = Activations(shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype])
+    the heads (and the key/value heads), pp at most the layers and global batch = dp x micro-batch x M. The
+    interleaved schedule where it can run (M a multiple of pp, 2 chunks of a block or more per stage), 1F1B where it
+    cannot. ``activations``: by default counted on the meta device (the trainers' model)."""
+    activations = activations or Activations(shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype])
     fit, rejected = [], []
     for tp in divisors(hardware.devices):
-        if shape.n_head % tp:
+        if shape.n_head % tp or (shape.n_kv_head or shape.n_head) % tp:
             continue
         for pp in divisors(hardware.devices // tp):
             dp = hardware.devices // (tp * pp)
@@ -375,6 +442,7 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
 def name(c: dict) -> str:
     return (f"dp {c['dp']} x tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}"
             f"{', offload' if c['offload'] else ''}{', checkpointing' if c['checkpointing'] else ''}"
+            f"{', selective' if c.get('selective') else ''}"
             f"{', sequence-parallel' if c.get('sequence_parallel') else ''}")
 
 
@@ -419,11 +487,13 @@ def in_unit(n: float, unit: tuple) -> str:
 
 
 def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dict], micro_batch_size: int,
-           global_batch: int, param_dtype: str, top: int) -> str:
+           global_batch: int, param_dtype: str, top: int, accounting: str = "counted on the meta device") -> str:
     unit = (GIB, "GiB") if hardware.memory >= 2 * GIB else (2**20, "MiB")
     gib = lambda n: in_unit(n, unit)  # noqa: E731
-    lines = [f"GPT-2 n_layer {shape.n_layer}, n_embd {shape.n_embd}, n_head {shape.n_head}, vocabulary "
-             f"{shape.vocab:,}, seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} parameters, AdamW",
+    kind = "GPT-2" if shape.mlp == "gelu" else f"{shape.mlp}, {shape.norm}, {shape.n_kv_head or shape.n_head} kv heads"
+    lines = [f"{kind} n_layer {shape.n_layer}, n_embd {shape.n_embd}, n_head {shape.n_head}, vocabulary "
+             f"{shape.vocab:,}, seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} parameters, AdamW; "
+             f"activations {accounting}",
              f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} "
              f"({hardware.gpus_per_node} per node); "
              f"micro-batch {micro_batch_size}, global batch {global_batch} sequences",
@@ -432,7 +502,7 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
              "gather: ZeRO-3's units in flight; held: micro-batches of activations held (interleaved: chunks'); "
              "MB: bytes per step and rank each axis hands to collectives / sends on the wire (ring algorithms)",
              f"{'#':>3} {'configuration':<54}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
-             f"{'total':>9}{'DP MB':>14}{'TP MB':>14}{'PP MB':>12}{'step ms':>9}  why"]
+             f"{'total':>9}{'DP MB':>20}{'TP MB':>20}{'PP MB':>16}{'step ms':>9}  why"]
     for i, c in enumerate(fit[:top]):
         s = c["stages"][c["worst_stage"]]
         sizes = group_sizes(c)
@@ -442,7 +512,7 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
                      f"{gib(s['optimizer_state']):>9}"
                      f"{gib(s['gathered']) if 'gathered' in s else '-':>9}{gib(s['activations']):>9}"
                      f"{s['in_flight']:>5}{gib(c['total']):>9}"
-                     + "".join(f"{comm[axis]:>14}" if axis != "pp" else f"{comm[axis]:>12}"
+                     + "".join(f"{comm[axis]:>20}" if axis != "pp" else f"{comm[axis]:>16}"
                                for axis in ("dp", "tp", "pp"))
                      + f"{step_ms(c['time']['step_s'] * 1e3):>9}  {justify(c, fit, rejected, unit)}")
     if not fit:
@@ -531,6 +601,18 @@ def main() -> int:
     flags.add_argument("--memory-gb", type=float, default=80.0, help="memory per device, GiB")
     flags.add_argument("--gpus-per-node", type=int, default=8)
     flags.add_argument("--params", type=float, default=None, help="a parameter count instead of --n-layer/--n-embd")
+    flags.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                       help="a published model's shape (GPT-2, GPT-3, Korthikanti et al.'s, Llama 3) instead")
+    shape_flags = parser.add_argument_group("the model's shape beyond GPT-2's (on the flags' model or a preset)")
+    shape_flags.add_argument("--n-kv-head", type=int, default=None, help="key/value heads (grouped-query attention)")
+    shape_flags.add_argument("--ffn", type=int, default=None, help="the MLP's width (default 4h)")
+    shape_flags.add_argument("--mlp", choices=("gelu", "swiglu"), default=None)
+    shape_flags.add_argument("--norm", choices=("layernorm", "rmsnorm"), default=None)
+    shape_flags.add_argument("--untied", action="store_true", help="an output layer of its own")
+    shape_flags.add_argument("--no-bias", action="store_true", help="linear layers without biases")
+    shape_flags.add_argument("--rotary", action="store_true", help="no position table (rotary embeddings)")
+    flags.add_argument("--selective-recompute", action="store_true",
+                       help="recompute attention's s x s part in backward (Korthikanti et al.) where not checkpointing")
     flags.add_argument("--vocab-size", type=int, default=None, help="default: the vocabulary of --tokenizer")
     flags.add_argument("--global-batch", type=int, default=None,
                        help="sequences per optimiser step (default: --devices x --micro-batch-size x --grad-accum)")
@@ -561,20 +643,46 @@ def main() -> int:
         text, ok = measured_report(config["measured"])
         print(text)
         return 0 if ok else 1
-    for flag in ("devices", "memory_gb", "micro_batch_size", "gpus_per_node", "top", "params", "host_gbs"):
+    for flag in ("devices", "memory_gb", "micro_batch_size", "gpus_per_node", "top", "params", "host_gbs", "n_kv_head",
+                 "ffn"):
         if config[flag] is not None and config[flag] <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {config[flag]:g}")
     vocab = config["vocab_size"] or estimate.vocabulary_size(config["tokenizer"])
-    shape = (Shape.from_params(config["params"], vocab, config["seq_len"]) if config["params"]
-             else Shape(config["n_layer"], config["n_embd"], config["n_head"], vocab, config["seq_len"]))
+    if config["preset"] and config["params"]:
+        raise UserError("--preset and --params both describe the model: give one")
+    if config["preset"]:
+        given = {"vocab": vocab} if config["vocab_size"] else {}
+        if config["seq_len"] != parser.get_default("seq_len"):
+            given["seq_len"] = config["seq_len"]  # the preset's own unless --seq-len says otherwise
+        shape = dataclasses.replace(PRESETS[config["preset"]], **given)
+    elif config["params"]:
+        shape = Shape.from_params(config["params"], vocab, config["seq_len"])
+    else:
+        shape = Shape(config["n_layer"], config["n_embd"], config["n_head"], vocab, config["seq_len"])
+    shape = dataclasses.replace(shape, **{field: value for field, value in (
+        ("n_kv_head", config["n_kv_head"]), ("ffn", config["ffn"]), ("mlp", config["mlp"]), ("norm", config["norm"]),
+        ("tied", False if config["untied"] else None), ("bias", False if config["no_bias"] else None),
+        ("positions", False if config["rotary"] else None)) if value is not None})
+    if shape.n_head % (shape.n_kv_head or shape.n_head):
+        raise UserError(f"--n-kv-head must divide the {shape.n_head} heads, got {shape.n_kv_head}")
     b = config["micro_batch_size"]
     global_batch = config["global_batch"] or config["devices"] * b * config["grad_accum"]
     hardware = Hardware(config["devices"], config["memory_gb"] * GIB, config["gpus_per_node"], config["tflops"],
                         config["intra_gbs"], config["inter_gbs"], config["host_gbs"])
     reduce_dtype = "float32" if config["reduce_dtype_fp32"] and config["param_dtype"] != "float32" else None
+    activations = Activations(shape, b, estimate.PARAM_DTYPES[config["param_dtype"]], config["dropout"])
+    accounting = f"counted on the meta device (the trainers' model, dropout {config['dropout']:g})"
+    if (config["preset"] or config["params"] or not shape.is_trainers or config["attention"] == "sdpa"
+            or config["selective_recompute"]):
+        element = 4 if config["param_dtype"] == "float32" else 2
+        activations = FormulaActivations(shape, b, element, config["attention"], config["dropout"],
+                                         config["selective_recompute"])
+        accounting = (f"by formula (compare/activation_formula.py: {config['attention']} attention, dropout "
+                      f"{config['dropout']:g}{', selective recomputation' if config['selective_recompute'] else ''})")
     fit, rejected = plan(shape, hardware, b, global_batch, config["param_dtype"], reduce_dtype, config["schedule"],
-                         config["offload_optimizer"], config["reduce_every_micro_batch"], config["sequence_parallel"])
-    print(report(shape, hardware, fit, rejected, b, global_batch, config["param_dtype"], config["top"]))
+                         config["offload_optimizer"], config["reduce_every_micro_batch"], config["sequence_parallel"],
+                         activations)
+    print(report(shape, hardware, fit, rejected, b, global_batch, config["param_dtype"], config["top"], accounting))
     if config["json"]:
         config["json"].write_text(json.dumps({"shape": dataclasses.asdict(shape), "fit": fit, "rejected": rejected},
                                              indent=1, default=str) + "\n")

@@ -268,6 +268,8 @@ CASES = {
     "matrix-modes": lambda s: tool("exact_matrix.py", "--modes", "float16"),
     "estimate-world-sizes": lambda s: tool("estimate.py", "--world-sizes", "two"),
     "plan-devices": lambda s: tool("plan.py", "--devices", "0"),
+    "plan-preset-and-params": lambda s: tool("plan.py", "--preset", "gpt2", "--params", "1e9"),
+    "plan-kv-heads": lambda s: tool("plan.py", "--n-kv-head", "3"),
     "peak-profiled-steps": lambda s: tool("peak_memory.py", "--profiled-steps", "0"),
     "bench-strategies": lambda s: tool("bench.py", "--strategies", "zero4"),
     "bubble-stages": lambda s: tool("bubble.py", "--stages", "0"),
