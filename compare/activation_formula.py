@@ -40,35 +40,38 @@ TABLE2 = {
 }
 
 
+def split(n: int, ways: int) -> int:
+    """A rank's share of n bytes cut ``ways`` ways (rounded up)."""
+    return -(-n // ways)
+
+
 class FormulaActivations:
     """The planner's activations by formula, with the interface of ``plan.Activations`` (bytes one micro-batch
-    leaves for backward on a rank; what one block's recomputation adds)."""
+    leaves for backward on a rank; what one block's recomputation adds). ``selective``: attention's s x s part
+    recomputed in backward (nothing to recompute with flash attention, which keeps none)."""
 
     def __init__(self, shape, micro_batch_size: int, element: int = 2, attention: str = "math", dropout: float = 0.0,
                  selective: bool = False, mask: int = 1):
         self.shape, self.b, self.e, self.m = shape, micro_batch_size, element, mask
         self.attention, self.dropout, self.selective = attention, dropout > 0, selective
+        self.tokens = shape.seq_len * micro_batch_size  # T
+        self.statistics = (8 if shape.norm == "layernorm" else 4) * self.tokens  # per norm: mean, 1/std; or 1/rms
 
     def terms(self, tp: int = 1, sequence_parallel: bool = False) -> dict:
         """One layer's saved bytes on a rank, by name."""
-        shape, e, m = self.shape, self.e, self.m
+        shape, e, m, tokens = self.shape, self.e, self.m, self.tokens
         h, a, s = shape.n_embd, shape.n_head, shape.seq_len
-        tokens = s * self.b
-        whole = tp if sequence_parallel else 1  # what sequence parallelism splits over the group
-
-        def split(n: int, by: int) -> int:
-            return -(-n // by)
-        statistics = (2 if shape.norm == "layernorm" else 1) * 4  # mean and 1/std, or 1/rms, in float32
+        whole = tp if sequence_parallel else 1  # what sequence parallelism splits over the group, else kept whole
         terms = {
             "norm inputs": split(2 * tokens * h * e, whole),
-            "norm statistics": split(2 * statistics * tokens, whole),
+            "norm statistics": split(2 * self.statistics, whole),
             "attention and MLP inputs": split(2 * tokens * h * e, whole),
             "dropout masks": split(2 * tokens * h * m, whole) if self.dropout else 0,
             "q, k, v": split(tokens * (h + 2 * shape.kv_dim) * e, tp),
             "attention output": split(tokens * h * e, tp),
             "MLP": split((3 if shape.mlp == "swiglu" else 2) * tokens * shape.ffn_width * e, tp),
         }
-        if self.attention == "math":
+        if self.attention == "math":  # softmax's output; with dropout, its mask and output too
             scores = a * tokens * s * (e + (m + e if self.dropout else 0))
             terms["scores"] = 0 if self.selective else split(scores, tp)
         else:
@@ -80,16 +83,15 @@ class FormulaActivations:
 
     def kept_per_block(self, tp: int, sequence_parallel: bool) -> int:
         """A checkpointed layer keeps its input, the hidden states."""
-        return -(-self.shape.seq_len * self.b * self.shape.n_embd * self.e // (tp if sequence_parallel else 1))
+        return split(self.tokens * self.shape.n_embd * self.e, tp if sequence_parallel else 1)
 
     def rest(self, tp: int, first: bool, last: bool, sequence_parallel: bool) -> int:
-        tokens_h = self.shape.seq_len * self.b * self.shape.n_embd
-        whole = tp if sequence_parallel else 1
-        total = -(-tokens_h * self.m // whole) if first and self.dropout else 0  # the embedding dropout's mask
-        if last:  # the final norm's input and output, its statistics; the float32 logits, split by vocabulary
-            statistics = (8 if self.shape.norm == "layernorm" else 4) * self.shape.seq_len * self.b
-            total += -(-(2 * tokens_h * self.e + statistics) // whole)
-            total += -(-4 * self.shape.seq_len * self.b * self.shape.vocab // tp)
+        """Outside the layers: the embedding dropout's mask on the first stage; on the last, the final norm's input,
+        output and statistics, and the float32 logits (split by vocabulary)."""
+        hidden, whole = self.tokens * self.shape.n_embd, tp if sequence_parallel else 1
+        total = split(hidden * self.m, whole) if first and self.dropout else 0
+        if last:
+            total += split(2 * hidden * self.e + self.statistics, whole) + split(4 * self.tokens * self.shape.vocab, tp)
         return total
 
     def per_micro_batch(self, blocks: int, tp: int, first: bool, last: bool, checkpointing: bool,
