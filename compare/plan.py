@@ -555,7 +555,7 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
     rows = []
     for rank, memory in enumerate(metrics["records"][-1]["memory"]):
         stage = mesh["coords"][rank][2]
-        chunks = config.get("virtual_stages") or VIRTUAL_STAGES if config.get("schedule") == "interleaved-1f1b" else 1
+        chunks = step9_pipeline().virtual_stages({"schedule": "1f1b", **config})  # step 9's own rule: V, or 1
         held = rank_params(shape, mesh["tp"], mesh["pp"], stage, chunks if mesh["pp"] > 1 else 1)
         estimated = estimate.state_bytes(mesh["zero"], held["blocks"] + held["rest"], mesh["dp"], param_dtype,
                                          reduce_dtype)
