@@ -140,11 +140,11 @@ PAIR_TIMEOUT_S = 2  # the spawned ranks' process-group timeout
 def two_collectives_under_way(rank, world_size, port, queue):
     """Rank 0 starts two collectives (as step 7 has a prefetched gather under way beside a reduce-scatter) that
     rank 1, alive but silent, never joins, and waits on the second first. Reports what each wait raised and the
-    line the trainers print for the first error."""
+    line the trainers print for a collective closed with the pair (the real one where gloo raised it)."""
     import torch.distributed as dist
     import torch
     from datetime import timedelta
-    from collective_failures import explain_collective_failure
+    from collective_failures import PAIR_CLOSED, explain_collective_failure
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=60))
     store.set(f"ready{rank}", "1")
@@ -161,9 +161,12 @@ def two_collectives_under_way(rank, world_size, port, queue):
                 errors.append(None)
             except RuntimeError as error:
                 errors.append(error)
-        # Which of the two times out first is gloo's race (CI saw either); the other is closed with the pair.
-        closed = next((error for error in errors if error is not None and "pair closure" in str(error)), None)
-        result = ([str(error) for error in errors], closed and explain_collective_failure(closed))
+        # Which of the two times out first, and whether the other times out too before the pair is closed under
+        # it, is gloo's race (seen: either one first; under load, both timed out). Where neither was closed, the
+        # line is asked for gloo's own words for it, in this rank with its group as it is.
+        closed = next((error for error in errors if error is not None and PAIR_CLOSED in str(error)),
+                      RuntimeError(f"[gloo/transport/tcp/pair.cc] {PAIR_CLOSED}"))
+        result = ([str(error) for error in errors], explain_collective_failure(closed))
     else:
         time.sleep(PAIR_TIMEOUT_S + ROLL_CALL_S + 4)  # alive, silent: it answers neither the collectives nor the roll call
         result = "idle"
@@ -178,11 +181,12 @@ def test_a_collective_closed_by_another_ones_timeout_gets_the_timeout_line():
     way at the same time raises "Application timeout caused pair closure", not the timeout. A rank that waits
     on that one first must still print the frozen rank's line, not a traceback (seen once in a full suite: step
     7, rank 0 frozen, rank 1 ended with exit code 1). Which of the two times out and which is closed is gloo's
-    race: either order, one of each."""
+    race: either order, or both timed out (a full suite on a loaded machine); each wait raises one or the other."""
     from conftest import spawn
     texts, explained = spawn(two_collectives_under_way, 2, timeout=300)[0]
-    assert sum("Application timeout caused pair closure" in text for text in texts) == 1, texts
-    assert sum(f"Timed out waiting {PAIR_TIMEOUT_S * 1000}ms" in text for text in texts) == 1, texts
+    assert all(f"Timed out waiting {PAIR_TIMEOUT_S * 1000}ms" in text or "Application timeout caused pair closure"
+               in text for text in texts), texts
+    assert any(f"Timed out waiting {PAIR_TIMEOUT_S * 1000}ms" in text for text in texts), texts
     assert explained == (f"rank 0 waited {PAIR_TIMEOUT_S:g} s in a collective; rank(s) 1 did not answer a roll call "
                          f"within {ROLL_CALL_S:g} s either: dead, frozen, or slower than --timeout-s; "
                          f"see docs/fault_tolerance.md", COLLECTIVE_FAILED), explained

@@ -144,9 +144,14 @@ def test_building_the_model_draws_nothing_from_the_global_generator():
 
 @pytest.mark.quick
 def test_no_step_tool_or_test_but_this_one_imports_transformers():
+    """The repository's own files: not a virtual environment made inside the clone (``python -m venv venv``, as a
+    learner may: its site-packages hold files this Python cannot even parse)."""
     importers = []
+    environments = {p.parent.name for p in REPO.glob("*/pyvenv.cfg")}
     for path in REPO.rglob("*.py"):
-        if any(part.startswith(".") or part in ("runs", "__pycache__") for part in path.relative_to(REPO).parts):
+        parts = path.relative_to(REPO).parts
+        if parts[0] in environments or any(part.startswith(".") or part in ("runs", "__pycache__", "site-packages")
+                                           for part in parts):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
