@@ -101,8 +101,12 @@ class Shape:
             (self.n_embd, 4 * self.n_embd, "gelu", "layernorm", True, True, True)
 
     @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
     def kv_dim(self) -> int:  # the width of k and of v
-        return (self.n_kv_head or self.n_head) * (self.n_embd // self.n_head)
+        return self.kv_heads * (self.n_embd // self.n_head)
 
     @property
     def ffn_width(self) -> int:
@@ -162,8 +166,9 @@ def chunk_blocks(n_layer: int, pp: int, stage: int, chunks: int = 1) -> list[int
 
 def rank_params(shape: Shape, tp: int, pp: int, stage: int, chunks: int = 1) -> dict:
     """Elements a rank of pipeline ``stage`` holds: ``blocks`` (its blocks' share) and ``rest`` (embeddings,
-    final norm, the tied copy). Of a block 12h² + 7h are split over tp (c_q, c_k, c_v, attn.c_proj's weight, c_fc,
-    mlp.c_proj's weight), 6h kept whole (the LayerNorms, the row-parallel biases); the vocabulary is split.
+    final norm, the tied copy). Of a block ``Shape.block_split`` is split over tp (GPT-2: 12h² + 7h, c_q, c_k, c_v,
+    attn.c_proj's weight, c_fc, mlp.c_proj's weight), the rest kept whole (GPT-2: 6h, the LayerNorms, the
+    row-parallel biases); the vocabulary is split.
     ``chunks``: the interleaved schedule's per stage."""
     h = shape.n_embd
     blocks = sum(chunk_blocks(shape.n_layer, pp, stage, chunks)) * (-(-shape.block_split // tp) + shape.block
@@ -286,6 +291,11 @@ class Hardware:
     host_gbs: float = 25.0  # between a device and its host (PCIe 4 x16), each way: ZeRO-Offload's moves
 
 
+def activation_bytes(param_dtype: str) -> int:
+    """Bytes of an activation element: float32's, or the 16-bit parameters' (2)."""
+    return (estimate.PARAM_DTYPES[param_dtype] or torch.float32).itemsize
+
+
 def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpointing: bool, micro_batch_size: int,
                   micro_batches: int, activations: Activations, param_dtype: str = "float32",
                   reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
@@ -302,7 +312,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
     sequence_parallel = sequence_parallel and tp > 1
     chunks = VIRTUAL_STAGES if schedule == "interleaved-1f1b" and pp > 1 else 1
     (p_bytes, g_bytes, _), _ = estimate.bytes_per_parameter(zero, param_dtype, reduce_dtype)
-    act_bytes = 4 if param_dtype == "float32" else 2  # also what ZeRO-3 gathers: 16-bit units from a float32 shard
+    act_bytes = activation_bytes(param_dtype)  # also what ZeRO-3 gathers: 16-bit units from a float32 shard
     bsh = micro_batch_size * shape.seq_len * shape.n_embd
     stages = []
     for stage in range(pp):
@@ -416,7 +426,7 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
     activations = activations or Activations(shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype])
     fit, rejected = [], []
     for tp in divisors(hardware.devices):
-        if shape.n_head % tp or (shape.n_kv_head or shape.n_head) % tp:
+        if shape.n_head % tp or shape.kv_heads % tp:
             continue
         for pp in divisors(hardware.devices // tp):
             dp = hardware.devices // (tp * pp)
@@ -490,7 +500,7 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
            global_batch: int, param_dtype: str, top: int, accounting: str = "counted on the meta device") -> str:
     unit = (GIB, "GiB") if hardware.memory >= 2 * GIB else (2**20, "MiB")
     gib = lambda n: in_unit(n, unit)  # noqa: E731
-    kind = "GPT-2" if shape.mlp == "gelu" else f"{shape.mlp}, {shape.norm}, {shape.n_kv_head or shape.n_head} kv heads"
+    kind = "GPT-2" if shape.is_trainers else f"{shape.mlp}, {shape.norm}, {shape.kv_heads} kv heads"
     lines = [f"{kind} n_layer {shape.n_layer}, n_embd {shape.n_embd}, n_head {shape.n_head}, vocabulary "
              f"{shape.vocab:,}, seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} parameters, AdamW; "
              f"activations {accounting}",
@@ -663,22 +673,22 @@ def main() -> int:
         ("n_kv_head", config["n_kv_head"]), ("ffn", config["ffn"]), ("mlp", config["mlp"]), ("norm", config["norm"]),
         ("tied", False if config["untied"] else None), ("bias", False if config["no_bias"] else None),
         ("positions", False if config["rotary"] else None)) if value is not None})
-    if shape.n_head % (shape.n_kv_head or shape.n_head):
+    if shape.n_head % shape.kv_heads:
         raise UserError(f"--n-kv-head must divide the {shape.n_head} heads, got {shape.n_kv_head}")
     b = config["micro_batch_size"]
     global_batch = config["global_batch"] or config["devices"] * b * config["grad_accum"]
     hardware = Hardware(config["devices"], config["memory_gb"] * GIB, config["gpus_per_node"], config["tflops"],
                         config["intra_gbs"], config["inter_gbs"], config["host_gbs"])
     reduce_dtype = "float32" if config["reduce_dtype_fp32"] and config["param_dtype"] != "float32" else None
-    activations = Activations(shape, b, estimate.PARAM_DTYPES[config["param_dtype"]], config["dropout"])
-    accounting = f"counted on the meta device (the trainers' model, dropout {config['dropout']:g})"
     if (config["preset"] or config["params"] or not shape.is_trainers or config["attention"] == "sdpa"
             or config["selective_recompute"]):
-        element = 4 if config["param_dtype"] == "float32" else 2
-        activations = FormulaActivations(shape, b, element, config["attention"], config["dropout"],
-                                         config["selective_recompute"])
+        activations = FormulaActivations(shape, b, activation_bytes(config["param_dtype"]), config["attention"],
+                                         config["dropout"], config["selective_recompute"])
         accounting = (f"by formula (compare/activation_formula.py: {config['attention']} attention, dropout "
                       f"{config['dropout']:g}{', selective recomputation' if config['selective_recompute'] else ''})")
+    else:
+        activations = Activations(shape, b, estimate.PARAM_DTYPES[config["param_dtype"]], config["dropout"])
+        accounting = f"counted on the meta device (the trainers' model, dropout {config['dropout']:g})"
     fit, rejected = plan(shape, hardware, b, global_batch, config["param_dtype"], reduce_dtype, config["schedule"],
                          config["offload_optimizer"], config["reduce_every_micro_batch"], config["sequence_parallel"],
                          activations)
