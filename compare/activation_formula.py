@@ -28,6 +28,10 @@ and the log-sum-exp are what the paper leaves out: below 0.1% of a layer at its 
 
 Outside the layers (its section 4.3): the first stage keeps the embedding dropout's mask, T h m; the last stage
 the final norm's input and output, 2 T h e, and the logits in float32 for the loss, 4 T V / t.
+
+Context parallelism over C ranks (step 11's ring) gives each rank T/C of the tokens and every term above falls
+to 1/C: attention by the ring keeps what flash attention keeps (the log-sum-exp, the output as c_proj's input),
+never a score matrix, whatever --attention says.
 """
 
 # Korthikanti et al.'s Table 2, per layer in units of s b h (e = 2, dropout on, multi-head attention, f = 4h)
@@ -48,13 +52,15 @@ def split(n: int, ways: int) -> int:
 class FormulaActivations:
     """The planner's activations by formula, with the interface of ``plan.Activations`` (bytes one micro-batch
     leaves for backward on a rank; what one block's recomputation adds). ``selective``: attention's s x s part
-    recomputed in backward (nothing to recompute with flash attention, which keeps none)."""
+    recomputed in backward (nothing to recompute with flash attention, which keeps none). ``cp``: a rank's share of
+    every sequence under context parallelism, attention by the ring."""
 
     def __init__(self, shape, micro_batch_size: int, element: int = 2, attention: str = "math", dropout: float = 0.0,
-                 selective: bool = False, mask: int = 1):
+                 selective: bool = False, mask: int = 1, cp: int = 1):
         self.shape, self.b, self.e, self.m = shape, micro_batch_size, element, mask
-        self.attention, self.dropout, self.selective = attention, dropout > 0, selective
-        self.tokens = shape.seq_len * micro_batch_size  # T
+        self.attention = attention if cp == 1 else "ring"  # the ring keeps what flash attention keeps
+        self.dropout, self.selective = dropout > 0, selective
+        self.tokens = shape.seq_len * micro_batch_size // cp  # T on this rank
         self.statistics = (8 if shape.norm == "layernorm" else 4) * self.tokens  # per norm: mean, 1/std; or 1/rms
 
     def terms(self, tp: int = 1, sequence_parallel: bool = False) -> dict:

@@ -1,5 +1,5 @@
-"""Before launching: which (dp, tp, pp, ZeRO stage, activation checkpointing) fit, what each rank holds,
-what each axis moves, and which to try first.
+"""Before launching: which (dp, cp, tp, pp, ZeRO stage, activation checkpointing, sequence parallelism) fit, what
+each rank holds, what each axis moves, and which to try first.
 
     python compare/plan.py --devices 64 --memory-gb 80 --params 7.5e9 --seq-len 2048 --micro-batch-size 1 \\
         --global-batch 512 --param-dtype bf16                       # a 7.5B model on 8 nodes of 8 GPUs
@@ -24,8 +24,13 @@ for the trainers' model with math attention), or, with --preset, --params, --att
 --selective-recompute, by Korthikanti et al.'s formula (``activation_formula.py``: as on a GPU); tensor
 parallelism splits the ones inside its split layers (q, k, v, the attention scores, the MLP's 4h, the logits) and
 leaves the (b, s, h) ones whole. Checkpointing keeps each block's input
-and recomputes one block at a time. Micro-batches held at once: 1 without a pipeline (each backward frees
-its own), M with GPipe on every stage, at most P - s on stage s with 1F1B (the first stage holds P).
+and recomputes one block at a time. Sequence parallelism (step 8's rule 7, at tp > 1) splits the LayerNorms'
+activations too; context parallelism (step 11: cp ranks share each sequence, each a replica of the model state,
+ZeRO over dp x cp) gives each rank 1/cp of every activation, by the formula with the ring's attention. Both are
+kept only where the same layout with less of them does not fit (CP too where the global batch is too small for
+dp x cp replicas); --sequence-parallel asks for SP at every tp > 1. Micro-batches held at once: 1 without a
+pipeline (each backward frees its own), M with GPipe on every stage, at most P - s on stage s with 1F1B (the
+first stage holds P).
 
 Communication per optimiser step and rank, in bytes handed to collectives and point-to-point sends (the report
 also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
@@ -38,15 +43,18 @@ also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
          one for the embedding, one for the output layer's input: (6 L_stage + 2) b·s·h activations
     PP   per micro-batch b·s·h activations forward and b·s·h gradients back (one message each way), and the
          tied embedding's gradient (Vh/tp) from the last stage to the first
+    CP   per micro-batch and block, to the next rank of the ring: cp - 1 K/V blocks forward (again with
+         checkpointing) and backward, and cp float32 dK/dV buffers (step 11's records)
 Ranking: by an estimated step time (compute 6Ψ + 12 L s h per token, 8Ψ + 16 L s h for the blocks with
 checkpointing, over --tflops,
 stretched by the bubble (M + P - 1)/M; each axis's bytes over the link it crosses: --intra-gbs inside a node,
---inter-gbs across, ranks laid out tp innermost, then dp, then pp; with --offload-optimizer, ZeRO-3 may keep
+--inter-gbs across, ranks laid out tp innermost, then cp, then dp, then pp; with --offload-optimizer, ZeRO-3 may keep
 AdamW's state on the host, its gradient shard out and float32 shard back over --host-gbs; nothing overlapped,
 so it errs slow), then by simplicity. The first row is the one to try; each row says why it is there.
 """
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -299,7 +307,7 @@ def activation_bytes(param_dtype: str) -> int:
 def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpointing: bool, micro_batch_size: int,
                   micro_batches: int, activations: Activations, param_dtype: str = "float32",
                   reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
-                  reduce_every_micro_batch: bool = False, sequence_parallel: bool = False) -> dict:
+                  reduce_every_micro_batch: bool = False, sequence_parallel: bool = False, cp: int = 1) -> dict:
     """Every rank's bytes and every axis's traffic for one configuration (``micro_batches``: per rank and step,
     the pipeline's M). Stages differ; the rank holding most decides whether it fits. ZeRO-2 and -3 over M > 1
     micro-batches: as the trainers' ``no_sync()`` does, whole gradients accumulate until the step's one
@@ -308,17 +316,20 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
     step 7's --offload-optimizer): the optimiser state leaves the device for the host (``host``), with a float32
     copy of the shard where the shard is the master; the gradient shard goes out and the float32 shard comes
     back every step (``offloaded``, bytes each way). ``sequence_parallel`` (at tp > 1, step 8's rule 7): what the
-    LayerNorms save split 1/tp too; each activation all-reduce a reduce-scatter and an all-gather."""
+    LayerNorms save split 1/tp too; each activation all-reduce a reduce-scatter and an all-gather. ``cp`` (step 11):
+    each sequence split over cp ranks, each a replica of the state, so ZeRO shards over dp x cp; ``activations``
+    must then be the ring's (``FormulaActivations(..., cp=cp)``); the ring passes K/V blocks to its neighbour."""
     sequence_parallel = sequence_parallel and tp > 1
     chunks = VIRTUAL_STAGES if schedule == "interleaved-1f1b" and pp > 1 else 1
     (p_bytes, g_bytes, _), _ = estimate.bytes_per_parameter(zero, param_dtype, reduce_dtype)
     act_bytes = activation_bytes(param_dtype)  # also what ZeRO-3 gathers: 16-bit units from a float32 shard
-    bsh = micro_batch_size * shape.seq_len * shape.n_embd
+    bsh = micro_batch_size * shape.seq_len * shape.n_embd // cp  # a rank's tokens of a micro-batch, b s h wide
+    replicas = dp * cp  # ranks holding the same model state: ZeRO's group
     stages = []
     for stage in range(pp):
         held = rank_params(shape, tp, pp, stage, chunks)
         psi = held["blocks"] + held["rest"]
-        state = estimate.state_bytes(zero, psi, dp, param_dtype, reduce_dtype)
+        state = estimate.state_bytes(zero, psi, replicas, param_dtype, reduce_dtype)
         blocks = sum(chunk_blocks(shape.n_layer, pp, stage, chunks))
         if zero == 3:  # step 7's units in flight, whole: the rest (kept through backward) and two blocks
             state["gathered"] = act_bytes * (held["rest"] + held["blocks"] // max(blocks, 1) * min(blocks, 2))
@@ -331,7 +342,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
         host = offloaded = 0
         if offload:
             host = state["optimizer_state"] + (state["params"] if p_bytes == 4 else 0)
-            offloaded = state["grads"] + 4 * -(-psi // dp)
+            offloaded = state["grads"] + 4 * -(-psi // replicas)
             state["optimizer_state"] = 0
         flight = in_flight(schedule, pp, stage, micro_batches, chunks)
         if chunks > 1:
@@ -342,7 +353,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
                                                        sequence_parallel)
         act += activations.recomputed(blocks, tp, checkpointing, sequence_parallel)
         comm = {}
-        if dp > 1:
+        if replicas > 1:
             if zero == 3:
                 gathers = micro_batches * (2 * held["blocks"] + held["rest"]) * act_bytes
                 comm["dp"] = {"all_gather": gathers, "reduce_scatter": reduce_scatters * g_bytes * psi}
@@ -358,10 +369,14 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
             hops = 2 * chunks - (stage == pp - 1) - (stage == 0)  # activations out, gradients back, per chunk
             comm["pp"] = {"send": micro_batches * bsh * act_bytes * hops
                           + (micro_batches * tied if stage == pp - 1 else tied if stage == 0 else 0)}
+        if cp > 1:  # per block: C - 1 K/V blocks forward (again with checkpointing) and backward, C float32 dK/dV
+            kv = 2 * micro_batch_size * shape.seq_len // cp * -(-shape.kv_dim // tp)
+            passes = (cp - 1) * (3 if checkpointing else 2) * act_bytes + cp * 4
+            comm["cp"] = {"send": micro_batches * blocks * kv * passes}
         stages.append({"stage": stage, "psi": psi, **state, "activations": act, "in_flight": flight,
                        "total": sum(state.values()) + act, "comm": comm, "host": host, "offloaded": offloaded})
     worst = max(stages, key=lambda s: s["total"])
-    return {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "checkpointing": checkpointing, "schedule": schedule,
+    return {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "zero": zero, "checkpointing": checkpointing, "schedule": schedule,
             "selective": getattr(activations, "selective", False) and not checkpointing,
             "offload": offload, "sequence_parallel": sequence_parallel,
             "micro_batches": micro_batches, "stages": stages, "total": worst["total"], "worst_stage": worst["stage"],
@@ -380,12 +395,13 @@ def flops_per_token(shape: Shape, checkpointing: bool, selective: bool = False) 
 def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: int) -> dict:
     """Seconds per optimiser step, a rough model: compute over the devices, stretched by the bubble, plus each
     axis's bytes over the link it crosses (a ring moves 2(n-1)/n of an all-reduce's bytes), none overlapped."""
-    dp, tp, pp, m = config["dp"], config["tp"], config["pp"], config["micro_batches"]
-    tokens = dp * m * micro_batch_size * shape.seq_len
-    flops = flops_per_token(shape, config["checkpointing"], config.get("selective", False)) * tokens / (dp * tp * pp)
+    dp, cp, tp, pp, m = config["dp"], config.get("cp", 1), config["tp"], config["pp"], config["micro_batches"]
+    tokens = dp * m * micro_batch_size * shape.seq_len  # a ring's cp ranks share each sequence
+    flops = (flops_per_token(shape, config["checkpointing"], config.get("selective", False)) * tokens
+             / (dp * cp * tp * pp))
     compute = flops / (hardware.tflops * 1e12) / (1 - config["bubble"])  # (V M + P - 1) / V M
-    inside = lambda span: span <= hardware.gpus_per_node  # noqa: E731 (ranks a group spans, tp innermost)
-    links = {"tp": inside(tp), "dp": inside(tp * dp), "pp": inside(tp * dp * pp)}
+    inside = lambda span: span <= hardware.gpus_per_node  # noqa: E731 (ranks a group spans, tp innermost, then cp)
+    links = {"tp": inside(tp), "cp": inside(tp * cp), "dp": inside(tp * cp * dp), "pp": inside(tp * cp * dp * pp)}
     sizes = group_sizes(config)
     comm = {}
     worst = max(config["stages"], key=lambda s: s["total"])
@@ -398,8 +414,9 @@ def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: 
 
 
 def group_sizes(config: dict) -> dict:
-    """The ranks of each axis's group: a pipeline's sends go to one neighbour at a time."""
-    return {"dp": config["dp"], "tp": config["tp"], "pp": 2}
+    """The ranks of each axis's group (ZeRO's and the gradients' over dp x cp: a ring's ranks are replicas); a
+    pipeline's and a ring's sends go to one neighbour at a time."""
+    return {"dp": config["dp"] * config.get("cp", 1), "tp": config["tp"], "pp": 2, "cp": 2}
 
 
 def on_the_wire(kinds: dict, n: int) -> float:
@@ -418,39 +435,68 @@ def divisors(n: int) -> list[int]:
 def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: int, param_dtype: str = "float32",
          reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
          reduce_every_micro_batch: bool = False, sequence_parallel: bool = False,
-         activations=None) -> tuple[list[dict], list[dict]]:
-    """(the configurations that fit, ranked; those that do not). Every dp x tp x pp = --devices with tp dividing
-    the heads (and the key/value heads), pp at most the layers and global batch = dp x micro-batch x M. The
-    interleaved schedule where it can run (M a multiple of pp, 2 chunks of a block or more per stage), 1F1B where it
-    cannot. ``activations``: by default counted on the meta device (the trainers' model)."""
+         activations=None, ring_activations=None) -> tuple[list[dict], list[dict]]:
+    """(the configurations that fit, ranked; those that do not). Every dp x cp x tp x pp = --devices with tp dividing
+    the heads (and the key/value heads), pp at most the layers, 2 cp dividing the sequence and global batch =
+    dp x micro-batch x M. The interleaved schedule where it can run (M a multiple of pp, 2 chunks of a block or
+    more per stage), 1F1B where it cannot. Sequence parallelism (``sequence_parallel``: always) and context
+    parallelism are kept where they are needed: a layout with them fits only if the same layout without them (cp
+    folded into dp) does not, or cannot run (the global batch too small for dp x cp replicas).
+    ``activations``: by default counted on the meta device (the trainers' model); ``ring_activations(cp)``: by
+    default the formula's, with the ring's attention."""
     activations = activations or Activations(shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype])
-    fit, rejected = [], []
+    ring_activations = ring_activations or (lambda cp: FormulaActivations(
+        shape, micro_batch_size, activation_bytes(param_dtype), cp=cp))
+    configs = []
     for tp in divisors(hardware.devices):
         if shape.n_head % tp or shape.kv_heads % tp:
             continue
         for pp in divisors(hardware.devices // tp):
-            dp = hardware.devices // (tp * pp)
-            if pp > shape.n_layer or global_batch % (dp * micro_batch_size):
-                continue
-            m = global_batch // (dp * micro_batch_size)
-            runs = schedule != "interleaved-1f1b" or (m % pp == 0 and pp * VIRTUAL_STAGES <= shape.n_layer)
-            for zero in range(4) if dp > 1 else (0,):
-                for offloaded in (False, True) if offload and zero == 3 else (False,):
-                    for checkpointing in (False, True):
-                        c = configuration(shape, dp, tp, pp, zero, checkpointing, micro_batch_size, m, activations,
-                                          param_dtype, reduce_dtype, schedule if runs else "1f1b", offloaded,
-                                          reduce_every_micro_batch,
-                                          sequence_parallel)
-                        c["time"] = step_time(c, shape, hardware, micro_batch_size)
-                        (fit if c["total"] <= hardware.memory else rejected).append(c)
-    simplicity = lambda c: (c["tp"] * c["pp"], c["pp"], c["zero"], c["offload"], c["checkpointing"])  # noqa: E731
+            for cp in divisors(hardware.devices // (tp * pp)):
+                dp = hardware.devices // (tp * pp * cp)
+                if pp > shape.n_layer or global_batch % (dp * micro_batch_size) or shape.seq_len % (2 * cp):
+                    continue
+                m = global_batch // (dp * micro_batch_size)
+                runs = schedule != "interleaved-1f1b" or (m % pp == 0 and pp * VIRTUAL_STAGES <= shape.n_layer)
+                held = activations if cp == 1 else ring_activations(cp)
+                for zero, offloaded, checkpointing, sp in itertools.product(
+                        range(4) if dp * cp > 1 else (0,), (False, True) if offload else (False,), (False, True),
+                        (True,) if sequence_parallel else (False, True) if tp > 1 else (False,)):
+                    if offloaded and zero != 3:
+                        continue
+                    c = configuration(shape, dp, tp, pp, zero, checkpointing, micro_batch_size, m, held, param_dtype,
+                                      reduce_dtype, schedule if runs else "1f1b", offloaded, reduce_every_micro_batch,
+                                      sp, cp)
+                    c["time"] = step_time(c, shape, hardware, micro_batch_size)
+                    c["fits"] = c["total"] <= hardware.memory
+                    configs.append(c)
+    fitting = {layout_key(c) for c in configs if c["fits"]}
+    fit = [c for c in configs if c["fits"] and not plainer(c, sequence_parallel) & fitting]
+    rejected = [c for c in configs if not c["fits"]]
+    simplicity = lambda c: (c["tp"] * c["pp"], c["pp"], c["cp"], c["sequence_parallel"], c["zero"],  # noqa: E731
+                            c["offload"], c["checkpointing"])
     fit.sort(key=lambda c: (float(f"{c['time']['step_s']:.3g}"), simplicity(c)))  # ties (3 digits): the simpler
     rejected.sort(key=simplicity)
     return fit, rejected
 
 
+def layout_key(c: dict) -> tuple:
+    return c["dp"], c["cp"], c["tp"], c["pp"], c["zero"], c["offload"], c["checkpointing"], c["sequence_parallel"]
+
+
+def plainer(c: dict, sequence_parallel: bool = False) -> set:
+    """The keys of the same layout with less of what only activations call for: context parallelism folded into dp,
+    or sequence parallelism left out (unless ``sequence_parallel`` asks for it everywhere), or both."""
+    sp = sequence_parallel and c["tp"] > 1
+    folds = [{"dp": c["dp"] * c["cp"], "cp": 1}] if c["cp"] > 1 else []
+    unsplits = [{"sequence_parallel": sp}] if c["sequence_parallel"] != sp else []
+    changes = folds + unsplits + ([{**folds[0], **unsplits[0]}] if folds and unsplits else [])
+    return {layout_key({**c, **change}) for change in changes}
+
+
 def name(c: dict) -> str:
-    return (f"dp {c['dp']} x tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}"
+    cp = f"cp {c['cp']} x " if c.get("cp", 1) > 1 else ""
+    return (f"dp {c['dp']} x {cp}tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}"
             f"{', offload' if c['offload'] else ''}{', checkpointing' if c['checkpointing'] else ''}"
             f"{', selective' if c.get('selective') else ''}"
             f"{', sequence-parallel' if c.get('sequence_parallel') else ''}")
@@ -460,8 +506,8 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
     """Why this configuration, in the rules' terms: DDP first; ZeRO-2 before ZeRO-3; TP inside a node; PP across
     nodes, paying the bubble; checkpointing only when activations do not fit."""
     reasons = []
-    simpler = [r for r in rejected if r["tp"] == c["tp"] and r["pp"] == c["pp"] and r["checkpointing"] is False
-               and r["zero"] < c["zero"]]
+    same = lambda r: all(r[k] == c[k] for k in ("dp", "cp", "tp", "pp", "sequence_parallel"))  # noqa: E731
+    simpler = [r for r in rejected if same(r) and r["checkpointing"] is False and r["zero"] < c["zero"]]
     if c["zero"] == 0:
         reasons.append("DDP: the whole state fits, the fewest bytes moved")
     elif simpler:
@@ -469,8 +515,7 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
         reasons.append(f"{estimate.STAGES[c['zero']]}: {estimate.STAGES[worst['zero']]} needs "
                        f"{worst['total'] / unit[0]:,.1f} {unit[1]}")
     else:
-        ddp = next((f for f in fit if (f["dp"], f["tp"], f["pp"], f["zero"], f["checkpointing"])
-                    == (c["dp"], c["tp"], c["pp"], 0, c["checkpointing"])), None)
+        ddp = next((f for f in fit if same(f) and (f["zero"], f["checkpointing"]) == (0, c["checkpointing"])), None)
         less = f"{(ddp['total'] - c['total']) / unit[0]:,.1f} {unit[1]}" if ddp else ""
         saved = f"{less} less than DDP, which fits too" if ddp else "fits"
         reasons.append(f"{estimate.STAGES[c['zero']]}: {saved}")
@@ -479,6 +524,8 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
     if c["pp"] > 1:
         reasons.append(f"PP {c['pp']}: bubble {c['bubble']:.0%} at M = {c['micro_batches']}"
                        f"{', stages across nodes' if not c['time']['links']['pp'] else ''}")
+    if c["sequence_parallel"] or c["cp"] > 1:
+        reasons.append(activations_reason(c, rejected, unit))
     if c["offload"]:
         s = c["stages"][c["worst_stage"]]
         reasons.append(f"offload: {s['host'] / unit[0]:,.1f} {unit[1]} on the host, "
@@ -486,6 +533,18 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
     if c["checkpointing"]:
         reasons.append("checkpointing: +1 forward")
     return "; ".join(reasons)
+
+
+def activations_reason(c: dict, rejected: list[dict], unit: tuple) -> str:
+    """Why context or sequence parallelism: the same layout with less of them does not fit, or cannot run."""
+    keys = plainer(c) | plainer(c, sequence_parallel=True)  # SP left out, or kept where it was asked for everywhere
+    without = [r for r in rejected if layout_key(r) in keys]
+    needed_sp = c["sequence_parallel"] and layout_key({**c, "sequence_parallel": False}) in map(layout_key, without)
+    what = " and ".join(([f"CP {c['cp']}: each sequence split {c['cp']} ways"] if c["cp"] > 1 else [])
+                        + (["SP: the LayerNorms' activations split"] if needed_sp else []))
+    if without:
+        return f"{what} (without: {in_unit(min(r['total'] for r in without), unit)} {unit[1]})"
+    return f"{what} (without: the global batch is too small for dp {c['dp'] * c['cp']})"
 
 
 def step_ms(ms: float) -> str:
@@ -511,19 +570,19 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
              "grads: with ZeRO-2/3, the shard and the whole gradient no_sync() accumulates (M > 1); "
              "gather: ZeRO-3's units in flight; held: micro-batches of activations held (interleaved: chunks'); "
              "MB: bytes per step and rank each axis hands to collectives / sends on the wire (ring algorithms)",
-             f"{'#':>3} {'configuration':<54}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
-             f"{'total':>9}{'DP MB':>20}{'TP MB':>20}{'PP MB':>16}{'step ms':>9}  why"]
+             f"{'#':>3} {'configuration':<62}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
+             f"{'total':>9}{'DP MB':>20}{'TP MB':>20}{'PP MB':>20}{'CP MB':>20}{'step ms':>9}  why"]
     for i, c in enumerate(fit[:top]):
         s = c["stages"][c["worst_stage"]]
         sizes = group_sizes(c)
         comm = {axis: f"{sum(s['comm'].get(axis, {}).values()) / 1e6:,.1f}/"
-                      f"{on_the_wire(s['comm'].get(axis, {}), sizes[axis]) / 1e6:,.1f}" for axis in ("dp", "tp", "pp")}
-        lines.append(f"{i + 1:>3} {name(c):<54}{gib(s['params']):>9}{gib(s['grads'] + s.get('accumulated', 0)):>9}"
+                      f"{on_the_wire(s['comm'].get(axis, {}), sizes[axis]) / 1e6:,.1f}"
+                for axis in ("dp", "tp", "pp", "cp")}
+        lines.append(f"{i + 1:>3} {name(c):<62}{gib(s['params']):>9}{gib(s['grads'] + s.get('accumulated', 0)):>9}"
                      f"{gib(s['optimizer_state']):>9}"
                      f"{gib(s['gathered']) if 'gathered' in s else '-':>9}{gib(s['activations']):>9}"
                      f"{s['in_flight']:>5}{gib(c['total']):>9}"
-                     + "".join(f"{comm[axis]:>20}" if axis != "pp" else f"{comm[axis]:>16}"
-                               for axis in ("dp", "tp", "pp"))
+                     + "".join(f"{comm[axis]:>20}" for axis in ("dp", "tp", "pp", "cp"))
                      + f"{step_ms(c['time']['step_s'] * 1e3):>9}  {justify(c, fit, rejected, unit)}")
     if not fit:
         best = min(rejected, key=lambda c: c["total"])
@@ -643,7 +702,8 @@ def main() -> int:
                        help="ZeRO-2/3 reduce-scatter every micro-batch into the shard (step 6's flag), not one "
                             "whole gradient accumulated under no_sync() per step (the trainers' default)")
     flags.add_argument("--sequence-parallel", action="store_true",
-                       help="tensor parallelism with step 8's --sequence-parallel (rule 7)")
+                       help="step 8's --sequence-parallel (rule 7) at every tp > 1 (default: where activations "
+                            "need it)")
     flags.add_argument("--top", type=int, default=12, help="configurations printed")
     flags.add_argument("--measured", type=Path, nargs="+", default=None,
                        help="run folders (or step names): print their measured model state beside the estimate")
@@ -689,9 +749,13 @@ def main() -> int:
     else:
         activations = Activations(shape, b, estimate.PARAM_DTYPES[config["param_dtype"]], config["dropout"])
         accounting = f"counted on the meta device (the trainers' model, dropout {config['dropout']:g})"
+    def ring_activations(cp: int) -> FormulaActivations:  # step 11's ring: flash attention's terms, 1/cp of them
+        return FormulaActivations(shape, b, activation_bytes(config["param_dtype"]), config["attention"],
+                                  config["dropout"], config["selective_recompute"], cp=cp)
+    accounting += "; with cp > 1 by formula, attention by the ring"
     fit, rejected = plan(shape, hardware, b, global_batch, config["param_dtype"], reduce_dtype, config["schedule"],
                          config["offload_optimizer"], config["reduce_every_micro_batch"], config["sequence_parallel"],
-                         activations)
+                         activations, ring_activations)
     print(report(shape, hardware, fit, rejected, b, global_batch, config["param_dtype"], config["top"], accounting))
     if config["json"]:
         config["json"].write_text(json.dumps({"shape": dataclasses.asdict(shape), "fit": fit, "rejected": rejected},

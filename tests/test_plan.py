@@ -276,7 +276,7 @@ def test_the_ranking_follows_the_rules():
     assert totals[3] < totals[2] < totals[1] < totals[0]
     tight = plan.Hardware(devices=4, memory=(totals[2] + totals[3]) / 2)
     fit, _ = plan.plan(deep, tight, 8, 32)
-    assert {c["zero"] for c in fit if (c["tp"], c["pp"], c["checkpointing"]) == (1, 1, False)} == {3}
+    assert {c["zero"] for c in fit if (c["cp"], c["tp"], c["pp"], c["checkpointing"]) == (1, 1, 1, False)} == {3}
     # 16 devices, 8 per node: TP 8 stays inside a node, TP 16 would cross; the same shape otherwise
     big = plan.Shape(24, 2048, 16, 50257, 2048)
     sixteen = plan.Hardware(devices=16, memory=80 * 2**30)
@@ -284,6 +284,51 @@ def test_the_ranking_follows_the_rules():
     times = {(c["tp"], c["pp"], c["zero"], c["checkpointing"]): c["time"]["step_s"] for c in fit}
     assert times[(8, 2, 0, False)] < times[(16, 1, 0, False)]
     assert next(c for c in fit if c["tp"] == 16)["time"]["links"]["tp"] is False
+
+
+@pytest.mark.quick
+def test_context_and_sequence_parallelism_only_where_activations_do_not_fit():
+    """Context parallelism (step 11) splits every activation 1/C (the ring's formula, measured against step 11 in
+    test_context_parallel.py), keeps the whole model state on every rank of a ring (ZeRO shards over dp x cp) and
+    passes K/V blocks to a neighbour. The planner keeps a layout with CP or SP only where the same layout with less
+    of them does not fit, or cannot run (a global batch smaller than the replicas)."""
+    from activation_formula import FormulaActivations
+    long = plan.Shape(2, 128, 4, 2048, 1024)  # the default model at 1,024 tokens, one sequence a micro-batch
+    flash = FormulaActivations(long, 1, 4, "sdpa")  # attention without an s x s matrix, as the ring's
+
+    def ring(cp):
+        return FormulaActivations(long, 1, 4, cp=cp)
+    whole = plan.configuration(long, 4, 1, 1, 1, False, 1, 1, flash)["stages"][0]
+    for cp in (2, 4):
+        split = plan.configuration(long, 4 // cp, 1, 1, 1, False, 1, 1, ring(cp), cp=cp)["stages"][0]
+        assert split["activations"] * cp == whole["activations"] == flash.per_micro_batch(2, 1, True, True, False)
+        assert all(split[k] == whole[k] for k in ("params", "grads", "optimizer_state"))  # ZeRO-1 over 4 replicas
+        assert split["comm"]["dp"] == whole["comm"]["dp"]
+    configs = lambda memory, batch=4, sp=False: plan.plan(long, plan.Hardware(4, memory), 1, batch,  # noqa: E731
+                                                          sequence_parallel=sp, activations=flash,
+                                                          ring_activations=ring)
+    fit, _ = configs(2**30)
+    assert not [c for c in fit if c["cp"] > 1 or c["sequence_parallel"]]  # everything fits without them
+    fit, rejected = configs(30 * 2**20)  # DDP at dp 4 needs 37.1 MiB, at dp 2 x cp 2 24.6 MiB
+    split = [c for c in fit if c["cp"] > 1]
+    assert any((c["dp"], c["cp"], c["zero"]) == (2, 2, 0) for c in split)
+    for c in split:  # the same layout with cp folded into dp is rejected, and the row says so
+        twin = next(r for r in rejected if plan.layout_key(r) in plan.plainer(c))
+        assert (twin["dp"], twin["cp"]) == (4, 1) and twin["total"] > 30 * 2**20
+        assert f"(without: {plan.in_unit(twin['total'], (2**20, 'MiB'))} MiB)" in plan.justify(
+            c, fit, rejected, (2**20, "MiB"))
+    fit, _ = configs(2**30, batch=1)  # one sequence a step: only a layout without data parallelism runs
+    assert {(c["dp"], c["cp"], c["tp"], c["pp"]) for c in fit if (c["zero"], c["checkpointing"]) == (0, False)} \
+        >= {(1, 4, 1, 1), (1, 2, 2, 1)}
+    ring4 = next(c for c in fit if c["cp"] == 4)
+    assert "too small for dp 4" in plan.justify(ring4, fit, [], (2**20, "MiB"))
+    # tp 2 at dp 2: 22.1 MiB without SP, 19.6 MiB with it: SP kept between the two, left out above
+    fit, rejected = configs(21 * 2**20)
+    rows = {(c["zero"], c["sequence_parallel"]) for c in fit
+            if (c["dp"], c["cp"], c["tp"], c["pp"], c["checkpointing"]) == (2, 1, 2, 1, False)}
+    assert (0, True) in rows and (0, False) not in rows
+    assert not [zero for zero, sp in rows if sp and (zero, False) in rows]  # SP only where it is needed
+    assert [c for c in configs(2**30)[0] if c["tp"] == 2 and not c["sequence_parallel"]]
 
 
 @pytest.mark.quick
