@@ -17,13 +17,16 @@ on a rank's tokens unchanged. Here:
    and its log-sum-exp ``lse``. Two such partial results merge exactly, in float32:
    ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)``.
    Only the merged output and lse are kept for backward: no rank ever holds a score matrix beyond one
-   chunk by one chunk, and none is saved.
+   chunk by one chunk, and none is saved. The output is laid out (B, S, H, D), as flash attention lays it
+   out, so the projection after it reads the same storage instead of a copy.
 4. **Causal, balanced.** A key chunk after a query chunk is skipped, the diagonal pair is masked. With the
    contiguous split rank r computes 4r + 3 pairs, so the last rank does (4C - 1)/3 times the first's work
    and everyone waits for it; zig-zag gives every rank 2C + 1 (``attention_pairs``).
 5. **Backward around the ring again.** The probabilities are recomputed from the saved lse (flash
    attention's backward); the key/value blocks travel the same way, each with a float32 buffer for its
-   dK and dV that every rank adds its queries' part to; one more pass brings each buffer home.
+   dK and dV that every rank adds its queries' part to; one more pass brings each buffer home. A buffer
+   travels while the next block is computed: a rank computes its part first and adds it once the buffer
+   has come (in the same order, so the sums are those of adding at once).
 6. **The loss and the gradients.** Each rank's loss is the mean over its S/C tokens of every sequence;
    every rank has as many, so the mean of the ranks' gradients (step 3's all-reduce) is the gradient of the
    mean over all tokens: context parallelism is data parallelism over positions. Beside data parallelism
@@ -173,7 +176,9 @@ class RingAttention(torch.autograd.Function):
                         lse[i] = merged
             if pending:
                 kv = pending()
-        out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+        # laid out (B, S, H, D) as flash attention lays it out: c_proj's input is then the same storage, kept once
+        out = torch.cat(out, dim=2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        lse = torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.layout, ctx.dropout = group, layout, dropout
         return out
@@ -191,11 +196,11 @@ class RingAttention(torch.autograd.Function):
         deltas = (dout.float() * out.float()).sum(-1, keepdim=True).chunk(2, dim=2)  # rowsum(dO * O)
         dq = [torch.zeros_like(c, dtype=torch.float32) for c in qs]
         kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv, dtype=torch.float32)  # the travelling buffer of the block held
+        dkv, arriving = torch.zeros_like(kv, dtype=torch.float32), None  # the travelling buffer of the block held
         for step in range(cp):
             source = (rank - step) % cp
             pending = ring.start(kv, KV_TAG) if step < cp - 1 else None
-            dk_c, dv_c = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
+            parts = []  # this rank's share of the held block's dK, dV, added once the block's buffer is here
             for i, query in enumerate(mine):
                 for j, key in enumerate(chunks_of(source, cp, layout)):
                     if key > query:
@@ -204,14 +209,21 @@ class RingAttention(torch.autograd.Function):
                     p = torch.exp(_scores(qs[i], k_c, key == query, scale) - lses[i])  # the final probabilities
                     mask = _dropout_mask(p, dropout, generator) if dropout else None
                     kept = p * mask if dropout else p
-                    dv_c[j].add_((kept.to(v_c.dtype).transpose(-2, -1) @ dos[i]).float())
                     dp = (dos[i] @ v_c.transpose(-2, -1)).float()
                     ds = (p * ((dp * mask if dropout else dp) - deltas[i]) * scale).to(q.dtype)
                     dq[i].add_((ds @ k_c).float())
-                    dk_c[j].add_((ds.transpose(-2, -1) @ qs[i]).float())
-            dkv = ring.start(dkv, GRAD_TAG)() if cp > 1 else dkv  # rule 5: after the last step, home
+                    dv = (kept.to(v_c.dtype).transpose(-2, -1) @ dos[i]).float()
+                    parts.append((j, (ds.transpose(-2, -1) @ qs[i]).float(), dv))
+            if arriving:  # rule 5: the buffer the previous rank sent while this block was computed
+                dkv = arriving()
+            for j, dk_part, dv_part in parts:  # added in the order computed, as if added at once
+                dkv[0].chunk(2, dim=2)[j].add_(dk_part)
+                dkv[1].chunk(2, dim=2)[j].add_(dv_part)
+            arriving = ring.start(dkv, GRAD_TAG) if cp > 1 else None  # on to the next rank; after the last step, home
             if pending:
                 kv = pending()
+        if arriving:
+            dkv = arriving()
         return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 

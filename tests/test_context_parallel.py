@@ -121,6 +121,27 @@ def saved_bytes(fn, *tensors) -> int:
     return sum(kept.values())
 
 
+def ring_events(q, k, v, dout) -> list:
+    """The order in which one forward and backward start messages, wait for them and compute chunk pairs."""
+    import context_parallel
+    events, start, scores = [], context_parallel._Ring.start, context_parallel._scores
+
+    def logged_start(ring, tensor, tag):
+        events.append(("send", tag))
+        wait = start(ring, tensor, tag)
+        return lambda: events.append(("wait", tag)) or wait()
+
+    def logged_scores(*args):
+        events.append(("compute", None))
+        return scores(*args)
+    context_parallel._Ring.start, context_parallel._scores = logged_start, logged_scores
+    try:
+        context_parallel.RingAttention.apply(q, k, v, None, "zigzag").backward(dout)
+    finally:
+        context_parallel._Ring.start, context_parallel._scores = start, scores
+    return events
+
+
 def ring_worker(rank, cp, port, out_dir):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -144,6 +165,7 @@ def ring_worker(rank, cp, port, out_dir):
     results["dropout"] = [out.detach(), q.grad, k.grad, v.grad]
     q, k, v = (sequence_shard(t, dim=2).requires_grad_() for t in inputs(torch.float32)[:3])
     results["saved_bytes"] = saved_bytes(lambda *t: RingAttention.apply(*t, None, "zigzag"), q, k, v)
+    results["events"] = ring_events(q, k, v, dout.float())
     torch.save(results, out_dir / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -239,6 +261,27 @@ def test_no_rank_keeps_a_score_matrix(ring_results):
     assert whole - ring >= B * H * S * S * 4 - B * H * S * 4  # the probabilities (softmax's output), S x S per head
 
 
+@pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_message_travels_while_a_block_is_computed(ring_results, cp):
+    """Rule 2 and rule 5: each key/value block (forward and backward) and each dK/dV buffer is sent before a chunk
+    pair is computed and waited for after it, so the compute hides the transfer; only the last pass, which
+    brings the dK/dV buffers home after every block is done, has nothing left to hide behind."""
+    sys.path.insert(0, str(FOLDER))
+    from context_parallel import GRAD_TAG, KV_TAG
+    for rank in range(cp):
+        events = ring_results[cp][rank]["events"]
+        sent = {KV_TAG: [], GRAD_TAG: []}
+        hidden = {KV_TAG: [], GRAD_TAG: []}
+        for i, (kind, tag) in enumerate(events):
+            if kind == "send":
+                sent[tag].append(i)
+            elif kind == "wait":
+                hidden[tag].append(any(e[0] == "compute" for e in events[sent[tag][len(hidden[tag])]:i]))
+        assert hidden[KV_TAG] == [True] * 2 * (cp - 1), (rank, events)
+        assert hidden[GRAD_TAG] == [True] * (cp - 1) + [False], (rank, events)
+
+
 # ---- the trainer ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -261,6 +304,11 @@ def test_step11_trains_like_step0_in_another_summation_order(step0_run, cp, tmp_
     tokens, width, layers = 2 * 32 // cp, 32, 2  # TINY: micro-batch 2, 32 tokens, n_embd 32, 2 layers
     kv, grads = 2 * tokens * width * 4, 2 * tokens * width * 4  # k and v (float32); their float32 gradients
     assert sends == 2 * layers * ((cp - 1) * kv * 2 + cp * grads), json.dumps(metrics(run)["records"][0]["comm"])
+    import plan  # compare/, on the path through conftest: the planner's ring traffic is this run's
+    from activation_formula import FormulaActivations
+    shape = plan.Shape(layers, width, 2, 2048, 32)
+    layout = plan.configuration(shape, 1, 1, 1, 0, False, 2, 2, FormulaActivations(shape, 2, 4, cp=cp), cp=cp)
+    assert layout["stages"][0]["comm"]["cp"] == {"send": sends}
 
 
 def test_rings_beside_data_parallelism_train_like_step1(step1_ws2, tmp_path, small_corpus):
@@ -292,4 +340,12 @@ def test_the_activations_tool_finds_every_saved_byte_split_over_the_ring():
     whole, scalar = rows["ring", 1], 4
     for c in (2, 4):
         assert rows["ring", c] == (whole - scalar) // c + scalar and (whole - scalar) % c == 0, rows
+    # The planner's ring (Korthikanti et al.'s terms for flash attention, which the ring keeps at C = 1 too, with 1/C
+    # of the tokens) is every byte but the integer token ids, position ids and targets (8 bytes each) and the scalar.
+    import plan  # compare/, on the path through conftest
+    from activation_formula import FormulaActivations
+    shape, b, s = plan.Shape(1, 32, 2, 2048, 32), 2, 32
+    for c in (1, 2, 4):
+        formula = FormulaActivations(shape, b, 4, "sdpa", cp=c).per_micro_batch(1, 1, True, True, False)
+        assert rows["ring", c] == formula + 8 * (2 * b + 1) * s // c + scalar, (c, rows["ring", c], formula)
     assert rows["model.py", 1] - whole >= 2 * 32 * 32 * 4, rows  # at least one S x S float32 matrix per head
