@@ -21,6 +21,8 @@ What it checks, each section a verdict:
    sharing the GPU) must train.
 7. **ZeRO-Offload**: step 7 with and without ``--offload-optimizer``: the parity verdict, and the device bytes
    AdamW's state no longer takes.
+8. **Context parallelism**: step 11's ring attention beside PyTorch's ``context_parallel`` (CUDA only) on the same
+   tensors, each against attention on the whole sequence, with ms and CUDA peak per rank (compare/cp_reference.py).
 
 Exit 0 when every section passes, 1 otherwise; the report goes to --report (and stdout).
 """
@@ -336,17 +338,27 @@ def check_offload(check: Check, place: int) -> None:
     check.section(place, "ZeRO-Offload (step 7)", ok, "\n".join(lines))
 
 
+def check_context(check: Check, place: int) -> None:
+    sizes = [] if check.gpu else ["--seq-len", "256", "--heads", "2", "--head-dim", "16", "--repeats", "2"]
+    command = [sys.executable, str(REPO_ROOT / "compare" / "cp_reference.py"), *check.common, *sizes]
+    code, output = run(command, check.out / "context.log", timeout=600)
+    body = output[output.index("C = "):] if "C = " in output else f"exit {code}: `{error_line(output)}`"
+    check.section(place, "Context parallelism: step 11's ring beside PyTorch's context_parallel", code == 0,
+                  f"`{' '.join(['compare/cp_reference.py', *command[2:]])}`\n\n{body}")
+
+
 def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "gpu_check", help="runs and logs")
     parser.add_argument("--report", type=Path, help="where the markdown report goes (default: OUT/report.md)")
-    parser.add_argument("--only", nargs="+", choices=["tour", "nccl", "resume", "memory", "speed", "compile", "fits", "offload"],
+    parser.add_argument("--only", nargs="+", choices=["tour", "nccl", "resume", "memory", "speed", "compile", "fits",
+                                                      "offload", "context"],
                         help="run only these sections (memory needs tour; compile: speed's compiled pair)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("torch sees no CUDA GPU here; run with --device cpu for the tiny CPU mode")
-    sections = set(args.only or ["tour", "nccl", "resume", "memory", "speed", "compile", "fits", "offload"])
+        raise UserError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
+    sections = set(args.only or ["tour", "nccl", "resume", "memory", "speed", "compile", "fits", "offload", "context"])
     header = f"# GPU check ({args.device})\n\n{environment(args.device)}\n"
     print(header, flush=True)
     check = Check(args.device, args.out.resolve(), (args.report or args.out / "report.md").resolve(), header)
@@ -373,6 +385,8 @@ def main() -> int:
         check_fits(check, 5)
     if "offload" in sections:
         check_offload(check, 7)
+    if "context" in sections:
+        check_context(check, 8)
     if tour:
         tour.join()
     if "nccl" in sections and check.gpu:

@@ -388,6 +388,14 @@ def tool_main(module: str, *argv):
     return run
 
 
+def no_gpu(run):
+    """``run`` where torch sees no GPU, whatever this machine has."""
+    def without(monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        run(monkeypatch)
+    return without
+
+
 def gpu_without_bfloat16(monkeypatch):
     import training
     monkeypatch.setattr(training.torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
@@ -482,6 +490,10 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
         tool_main("activations", "--cp", "1", "3"),
     "--cp 3 does not divide the 4 ranks into rings: launch a multiple of 3 processes, or change --cp":
         context_parallel_check({"seq_len": 36, "dropout": 0.0, "cp": 3}, 4),
+    "--seq-len 36 is cut into 2 x 4 chunks for 4 ranks: use a multiple of 8":
+        tool_main("cp_reference", "--device", "cpu", "--cp", "4", "--seq-len", "36"),
+    "--device cuda asked for, but torch sees no CUDA GPU; use --device cpu": no_gpu(tool_main("cp_reference")),
+    "--device cuda asked for, but torch sees no CUDA GPU; use --device cpu ": no_gpu(tool_main("gpu_check")),
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
@@ -494,6 +506,6 @@ def test_a_likewise_check_refuses_in_its_own_words(message, monkeypatch):
     raises = LIKEWISE[message]
     with pytest.raises(UserError) as refused:
         raises(monkeypatch) if raises.__code__.co_argcount else raises()
-    assert shorten(str(refused.value), REPO) == message
+    assert shorten(str(refused.value), REPO) == message.rstrip()  # a trailing space: another tool's same words
     if message.startswith(QUOTED):
         assert message.replace("Tesla T4", "<GPU>") in TABLE.read_text(), f"docs/bad_input.md does not quote {message!r}"
