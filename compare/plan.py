@@ -537,7 +537,7 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
 
 def activations_reason(c: dict, rejected: list[dict], unit: tuple) -> str:
     """Why context or sequence parallelism: the same layout with less of them does not fit, or cannot run."""
-    keys = plainer(c) | plainer(c, sequence_parallel=True)  # SP left out, or kept where it was asked for everywhere
+    keys = plainer(c) | plainer(c, sequence_parallel=True)  # less CP or SP, with SP or without: the least it needs
     without = [r for r in rejected if layout_key(r) in keys]
     needed_sp = c["sequence_parallel"] and layout_key({**c, "sequence_parallel": False}) in map(layout_key, without)
     what = " and ".join(([f"CP {c['cp']}: each sequence split {c['cp']} ways"] if c["cp"] > 1 else [])
