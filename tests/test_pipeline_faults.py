@@ -163,7 +163,13 @@ def test_a_frozen_stage_ends_the_job_within_the_timeout(tmp_path, small_corpus, 
         stop_job(proc)
     lines = output.rest()
     codes = exit_codes(lines, ranks)
-    errors = sorted(line for line in lines if line.startswith("error:"))
+    errors = sorted(line for line in lines if line.startswith("error:") and not line.startswith("error: rank 1 "))
+    # The frozen rank, continued once torchrun has sent it SIGTERM, may find its peers gone before the signal ends it
+    # (seen once, under a loaded full suite): its one line then says that another rank failed first.
+    frozen = [line for line in lines if line.startswith("error: rank 1 ")]
+    assert all(line.startswith("error: rank 1 lost its connection to a peer in a collective") and
+               "when the launcher stopped this rank" in line and "(another rank failed first" in line
+               for line in frozen) and len(frozen) <= 1, frozen
 
     bound = TIMEOUT_S + ROLL_CALL_S + SLACK_S
     assert TIMEOUT_S <= first_at - frozen_at <= bound, f"first error line {first_at - frozen_at:.1f} s after SIGSTOP"
