@@ -38,6 +38,18 @@ def relative_errors(got: list, exact: list) -> dict:
             for name, g, e in zip(NAMES, got, exact)}
 
 
+def forward_backward(attention, q, k, v, dout) -> list:
+    """[output, dq, dk, dv] of ``attention(q, k, v)`` with ``dout`` as the output's gradient, on fresh leaves."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves)
+    out.backward(dout)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def causal_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def timed(fn, repeats: int, device: torch.device) -> tuple[float, int]:
     """(median ms of ``fn``, the CUDA peak it reached above what was allocated before, bytes; 0 on the CPU)."""
     cuda = device.type == "cuda"
@@ -71,18 +83,14 @@ def compare(rank: int, world_size: int, port: int, config: dict) -> dict:
     g = torch.Generator().manual_seed(0)  # every rank: the same whole tensors
     q, k, v, dout = (torch.randn(b, h, s, d, generator=g).to(device, dtype) for _ in range(4))
 
-    whole = [t.to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]  # the whole sequence, float32
-    out = F.scaled_dot_product_attention(*whole, is_causal=True)
-    out.backward(dout.float())
     positions = shard_positions(s, rank, world_size, "zigzag").to(device)
-    exact = [t.index_select(2, positions) for t in (out.detach(), *(w.grad for w in whole))]
-    del whole, out
+    whole = forward_backward(causal_sdpa, *(t.float() for t in (q, k, v, dout)))  # the whole sequence, float32
+    exact = [t.index_select(2, positions) for t in whole]
+    del whole
+    local = [t.index_select(2, positions) for t in (q, k, v, dout)]  # this rank's positions, as step 11 keeps them
 
     def ours():
-        local = [t.index_select(2, positions).requires_grad_() for t in (q, k, v)]
-        result = RingAttention.apply(*local, None, "zigzag")
-        result.backward(dout.index_select(2, positions))
-        return [result.detach(), *(t.grad for t in local)]
+        return forward_backward(lambda *qkv: RingAttention.apply(*qkv, None, "zigzag"), *local)
     result = {"backend": backend, "ours": relative_errors(ours(), exact)}
     result["ours_ms"], result["ours_peak"] = timed(ours, config["repeats"], device)
 
@@ -108,10 +116,7 @@ def theirs(q, k, v, dout, exact, world_size: int, repeats: int, device) -> dict:
         cq, ck, cv, cdout = buffers  # now this rank's chunks, laid out as step 11's zig-zag
 
         def run():
-            local = [t.detach().requires_grad_() for t in (cq, ck, cv)]
-            out = F.scaled_dot_product_attention(*local, is_causal=True)
-            out.backward(cdout)
-            return [out.detach(), *(t.grad for t in local)]
+            return forward_backward(causal_sdpa, cq, ck, cv, cdout)  # SDPA here is PyTorch's ring
         errors = relative_errors(run(), exact)
         ms, peak = timed(run, repeats, device)
     return {"theirs": errors, "theirs_ms": ms, "theirs_peak": peak}

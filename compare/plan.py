@@ -54,6 +54,7 @@ so it errs slow), then by simplicity. The first row is the one to try; each row 
 """
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -395,7 +396,7 @@ def flops_per_token(shape: Shape, checkpointing: bool, selective: bool = False) 
 def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: int) -> dict:
     """Seconds per optimiser step, a rough model: compute over the devices, stretched by the bubble, plus each
     axis's bytes over the link it crosses (a ring moves 2(n-1)/n of an all-reduce's bytes), none overlapped."""
-    dp, cp, tp, pp, m = config["dp"], config.get("cp", 1), config["tp"], config["pp"], config["micro_batches"]
+    dp, cp, tp, pp, m = config["dp"], config["cp"], config["tp"], config["pp"], config["micro_batches"]
     tokens = dp * m * micro_batch_size * shape.seq_len  # a ring's cp ranks share each sequence
     flops = (flops_per_token(shape, config["checkpointing"], config.get("selective", False)) * tokens
              / (dp * cp * tp * pp))
@@ -416,7 +417,7 @@ def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: 
 def group_sizes(config: dict) -> dict:
     """The ranks of each axis's group (ZeRO's and the gradients' over dp x cp: a ring's ranks are replicas); a
     pipeline's and a ring's sends go to one neighbour at a time."""
-    return {"dp": config["dp"] * config.get("cp", 1), "tp": config["tp"], "pp": 2, "cp": 2}
+    return {"dp": config["dp"] * config["cp"], "tp": config["tp"], "pp": 2, "cp": 2}
 
 
 def on_the_wire(kinds: dict, n: int) -> float:
@@ -495,7 +496,7 @@ def plainer(c: dict, sequence_parallel: bool = False) -> set:
 
 
 def name(c: dict) -> str:
-    cp = f"cp {c['cp']} x " if c.get("cp", 1) > 1 else ""
+    cp = f"cp {c['cp']} x " if c["cp"] > 1 else ""
     return (f"dp {c['dp']} x {cp}tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}"
             f"{', offload' if c['offload'] else ''}{', checkpointing' if c['checkpointing'] else ''}"
             f"{', selective' if c.get('selective') else ''}"
@@ -740,22 +741,20 @@ def main() -> int:
     hardware = Hardware(config["devices"], config["memory_gb"] * GIB, config["gpus_per_node"], config["tflops"],
                         config["intra_gbs"], config["inter_gbs"], config["host_gbs"])
     reduce_dtype = "float32" if config["reduce_dtype_fp32"] and config["param_dtype"] != "float32" else None
+    formula = functools.partial(FormulaActivations, shape, b, activation_bytes(config["param_dtype"]),
+                                config["attention"], config["dropout"], config["selective_recompute"])
     if (config["preset"] or config["params"] or not shape.is_trainers or config["attention"] == "sdpa"
             or config["selective_recompute"]):
-        activations = FormulaActivations(shape, b, activation_bytes(config["param_dtype"]), config["attention"],
-                                         config["dropout"], config["selective_recompute"])
+        activations = formula()
         accounting = (f"by formula (compare/activation_formula.py: {config['attention']} attention, dropout "
                       f"{config['dropout']:g}{', selective recomputation' if config['selective_recompute'] else ''})")
     else:
         activations = Activations(shape, b, estimate.PARAM_DTYPES[config["param_dtype"]], config["dropout"])
         accounting = f"counted on the meta device (the trainers' model, dropout {config['dropout']:g})"
-    def ring_activations(cp: int) -> FormulaActivations:  # step 11's ring: flash attention's terms, 1/cp of them
-        return FormulaActivations(shape, b, activation_bytes(config["param_dtype"]), config["attention"],
-                                  config["dropout"], config["selective_recompute"], cp=cp)
     accounting += "; with cp > 1 by formula, attention by the ring"
     fit, rejected = plan(shape, hardware, b, global_batch, config["param_dtype"], reduce_dtype, config["schedule"],
                          config["offload_optimizer"], config["reduce_every_micro_batch"], config["sequence_parallel"],
-                         activations, ring_activations)
+                         activations, lambda cp: formula(cp=cp))  # step 11's ring: flash attention's terms, 1/cp
     print(report(shape, hardware, fit, rejected, b, global_batch, config["param_dtype"], config["top"], accounting))
     if config["json"]:
         config["json"].write_text(json.dumps({"shape": dataclasses.asdict(shape), "fit": fit, "rejected": rejected},
