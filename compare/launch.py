@@ -84,8 +84,12 @@ def spawn_ranks(target, world_size: int, *args, timeout: float = 900) -> dict:
     """Run ``target(rank, world_size, port, *args)`` in ``world_size`` spawned processes that meet at a free
     loopback port (each joins its own process group there); ``{rank: what target returned}``. A rank that
     fails ends them all, with its traceback; one that dies without a word (killed: out of memory?) with its
-    exit code; no answer within ``timeout`` seconds, likewise."""
-    ctx = mp.get_context("spawn")
+    exit code; no answer within ``timeout`` seconds, likewise. The ranks are forked from a server process that
+    has imported the tool (and so torch) and done nothing else: a spawned rank would import torch again, seconds
+    each, and a rank forked from the tool itself would inherit its state (CUDA's, once it has touched the GPU)."""
+    ctx = mp.get_context("forkserver")
+    # torch._dynamo too: building a model under a device context imports it, ~3 CPU seconds a rank
+    ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", "torch._dynamo"])  # no effect once it runs
     results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

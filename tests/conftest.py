@@ -109,8 +109,7 @@ def assert_bitwise_same_run(a: Path, b: Path) -> None:
 
 
 def parity(a, b) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "compare" / "parity.py"), str(a), str(b)],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    return run_forked([sys.executable, str(REPO / "compare" / "parity.py"), str(a), str(b)], timeout=60)
 
 
 @pytest.fixture(scope="session")
@@ -224,8 +223,14 @@ shutdown = distributed.shutdown
 # has unpickled its target, without importing torch again: about 3 CPU seconds less per worker, most of what a toy
 # test costs. (Outsiders' harnesses, tests/drop_in_harness.py, still use mp.spawn.)
 WORKERS = mp.get_context("forkserver")
-# tokenizers too: every trainer reads the corpus with it.
-WORKERS.set_forkserver_preload(["torch", "torch.distributed", "tokenizers", "conftest"])
+# And what every trainer imports beyond torch, ~1,000 modules that cost a rank 2-4 CPU seconds, more than the rest of
+# a tiny run: tokenizers (the corpus), safetensors (the weights), torch._inductor.config (which
+# torch.use_deterministic_algorithms imports, and with it torch._dynamo and sympy), the traces' matplotlib, and
+# torch.distributed's FSDP, DTensor, pipelining and checkpoint (the references and the resharding). A name that
+# does not import is skipped by the server.
+WORKERS.set_forkserver_preload(["torch", "torch.distributed", "tokenizers", "safetensors.torch", "torch._inductor.config",
+                                "matplotlib.pyplot", "torch.distributed.fsdp", "torch.distributed.tensor",
+                                "torch.distributed.pipelining", "torch.distributed.checkpoint", "conftest"])
 
 
 def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:

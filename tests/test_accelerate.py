@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from conftest import REPO, TIMEOUT, TINY, metrics, run_ranks, train, weights
+from conftest import REPO, TIMEOUT, TINY, metrics, parity, run_ranks, train, weights
 
 SCRIPT = REPO / "compare" / "accelerate_reference.py"
 
@@ -52,6 +52,5 @@ def test_with_clipping_only_the_norm_differs_and_by_a_few_ulps(step1_ws2, tmp_pa
     wa, wb = weights(step1_ws2), weights(ours)
     worst = max((wa[name] - wb[name]).abs().max().item() for name in wa)
     assert 0 < worst < 1e-6, worst
-    verdict = subprocess.run([sys.executable, str(REPO / "compare" / "parity.py"), str(step1_ws2), str(ours)],
-                             cwd=REPO, capture_output=True, text=True, timeout=60)
+    verdict = parity(step1_ws2, ours)
     assert verdict.returncode == 0 and "verdict: PASS" in verdict.stdout, verdict.stdout[-2000:]

@@ -171,15 +171,15 @@ def test_the_command_line_describes_a_model_by_its_shape_or_a_preset(tmp_path):
     """Llama 3 8B by flags is the preset; a preset takes --seq-len and --vocab-size over its own; a shape that is
     not the trainers' model is sized by the formula."""
     import json
-    import subprocess
     import sys
-    from conftest import REPO
+    from conftest import REPO, run_forked
 
     def shape(*flags) -> tuple[dict, str]:
         out = tmp_path / "plan.json"
-        text = subprocess.run([sys.executable, str(REPO / "compare" / "plan.py"), "--devices", "8", "--top", "1",
-                               "--micro-batch-size", "1", "--json", str(out), *flags], capture_output=True, text=True,
-                              check=True, timeout=120).stdout
+        result = run_forked([sys.executable, str(REPO / "compare" / "plan.py"), "--devices", "8", "--top", "1",
+                             "--micro-batch-size", "1", "--json", str(out), *flags], timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        text = result.stdout
         return json.loads(out.read_text())["shape"], text
     by_flags, text = shape("--n-layer", "32", "--n-embd", "4096", "--n-head", "32", "--n-kv-head", "8", "--ffn",
                            "14336", "--mlp", "swiglu", "--norm", "rmsnorm", "--untied", "--no-bias", "--rotary",

@@ -5,12 +5,11 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, STEPS, TIMEOUT, metrics, train, weights
+from conftest import REPO, STEPS, TIMEOUT, metrics, run_forked, train, weights
 
 
 def tool(name, *args):
-    return subprocess.run([sys.executable, str(REPO / "compare" / name), *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return run_forked([sys.executable, str(REPO / "compare" / name), *map(str, args)], timeout=120)
 
 
 def samples(*runs):

@@ -9,7 +9,6 @@ with step 0 on the same micro-batches, the way step 8 is (another summation orde
 import json
 import math
 import os
-import subprocess
 import sys
 from datetime import timedelta
 
@@ -19,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import REPO, free_port, metrics, parity, train
+from conftest import REPO, free_port, metrics, parity, run_forked, train
 
 FOLDER = REPO / "step11_context_parallel"
 B, H, S, D = 2, 3, 32, 8
@@ -333,8 +332,7 @@ def test_the_activations_tool_finds_every_saved_byte_split_over_the_ring():
             "c = a.parse_config(a.build_parser('activations'), sys.argv[1:]);"
             "print(json.dumps(a.run_cp([1, 2, 4], c)))")
     flags = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--micro-batch-size", "2"]
-    result = subprocess.run([sys.executable, "-c", code, *flags], cwd=REPO, capture_output=True, text=True,
-                            timeout=300)
+    result = run_forked([sys.executable, "-c", code, *flags])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {(label, c): saved for label, c, saved in json.loads(result.stdout.splitlines()[-1])}
     whole, scalar = rows["ring", 1], 4

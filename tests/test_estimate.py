@@ -1,12 +1,11 @@
 """compare/estimate.py: the bytes it predicts per rank are the bytes real runs hold."""
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, STEPS, metrics
+from conftest import REPO, STEPS, metrics, run_forked
 
 import estimate  # compare/, on the path through conftest
 
@@ -63,8 +62,7 @@ def test_activations_counted_on_the_meta_device_are_those_of_a_real_forward():
 
 
 def run_estimate(*args):
-    return subprocess.run([sys.executable, str(REPO / "compare" / "estimate.py"), *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return run_forked([sys.executable, str(REPO / "compare" / "estimate.py"), *map(str, args)], timeout=120)
 
 
 def test_the_command_line_marks_what_fits(tmp_path):
@@ -143,10 +141,10 @@ def test_step7_with_bf16_parameters_holds_16_psi_over_n(tmp_path):
     live through a whole step, from the profiler's records): within 2% of 16Ψ/N, padding included; its units in
     flight are gathered in 2 bytes an element."""
     out = tmp_path / "peak.json"
-    result = subprocess.run([sys.executable, str(REPO / "compare" / "peak_memory.py"), "--param-dtype", "bf16",
-                             "--world-sizes", "2", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len",
-                             "16", "--micro-batch-size", "2", "--profiled-steps", "1", "--timed-steps", "0",
-                             "--timeout-s", "60", "--json", out], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_forked([sys.executable, str(REPO / "compare" / "peak_memory.py"), "--param-dtype", "bf16",
+                         "--world-sizes", "2", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
+                         "--micro-batch-size", "2", "--profiled-steps", "1", "--timed-steps", "0", "--timeout-s", "60",
+                         "--json", str(out)])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, trainer_command, weights
+from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, run_forked, trainer_command,
+                      weights)
 
 sys.path[:0] = [str(REPO / "common"), str(REPO / "compare")]
 from resharding import Checkpoint  # noqa: E402
@@ -81,8 +82,8 @@ def test_consolidated_zero3_checkpoint_resumes_step1_bitwise(tour, tmp_path, sma
     """Step 7's per-rank pieces, joined into one plain state.pt, hold step 1's state bit for bit (the two train
     alike), so step 1 resumed from it ends exactly where step 1's own uninterrupted run does."""
     source = tour[0] / STEPS["step7"] / "checkpoints" / "step_2"
-    result = subprocess.run([sys.executable, str(REPO / "compare" / "consolidate.py"), str(source),
-                             str(tmp_path / "plain")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = run_forked([sys.executable, str(REPO / "compare" / "consolidate.py"), str(source), str(tmp_path / "plain")],
+                        timeout=120)
     assert result.returncode == 0, result.stderr
     plain = Checkpoint(tmp_path / "plain" / "checkpoints" / "step_2")
     assert "model_slices" not in plain.shared and all(set(r) == {"rng"} for r in plain.ranks)

@@ -4,12 +4,11 @@ One run of the tool at world size 2 on a small model, with and without activatio
 same two processes): the state it measures is compare/estimate.py's 16Ψ/N layout to the byte, and the
 peak (at the start of the last micro-batch's backward) is the sum docs/zero3.md explains."""
 import json
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_forked
 
 import estimate  # compare/, on the path through conftest
 
@@ -17,8 +16,7 @@ SMALL = {"n_layer": 3, "n_embd": 32, "n_head": 2, "seq_len": 128, "micro_batch_s
 
 
 def peak_memory(*args, timeout=300):
-    return subprocess.run([sys.executable, str(REPO / "compare" / "peak_memory.py"), *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_forked([sys.executable, str(REPO / "compare" / "peak_memory.py"), *map(str, args)], timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from conftest import PIPELINE, REPO, STEPS, TINY, assert_bitwise_same_run, metrics, spawn, train
+from conftest import PIPELINE, REPO, STEPS, TINY, assert_bitwise_same_run, metrics, run_forked, spawn, train
 from slow_rank_hook import HOOK
 
 # The runs are shared (conftest's ``pipeline_runs``, on TINY + PIPELINE: 4 blocks, 4 micro-batches per step, dropout,
@@ -74,8 +74,7 @@ def test_equal_to_torch_distributed_pipelining_on_the_same_stages():
     """compare/pipeline_reference.py: PyTorch's PipelineStage with ScheduleGPipe and Schedule1F1B (scale_grads=False,
     loss / M) against ours, 2 stages, 3 micro-batches: every gradient and weight torch.equal; and the two traps
     it avoids cost something (their default scale_grads=True, and adding the tie's accumulated halves)."""
-    result = subprocess.run([sys.executable, str(REPO / "compare" / "pipeline_reference.py"), "--steps", "1"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_forked([sys.executable, str(REPO / "compare" / "pipeline_reference.py"), "--steps", "1"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("bitwise identical") == 2 and result.stdout.rstrip().endswith("PASS"), result.stdout
     assert "scale_grads=True: max abs gradient diff 0.0e+00" not in result.stdout  # M = 3: not exact

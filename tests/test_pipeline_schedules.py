@@ -6,12 +6,11 @@ their action lists run to the end with blocking receives and sends that never bl
 once), with the bubble of their formulas; step 10's pp axis takes them; their mistakes stop in one line."""
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
-from conftest import PIPELINE, REPO, TINY, assert_bitwise_same_run, launch, metrics, train
+from conftest import PIPELINE, REPO, TINY, assert_bitwise_same_run, launch, metrics, run_forked, train
 
 STEP9 = REPO / "step9_pipeline_parallel"
 
@@ -164,10 +163,9 @@ def test_equal_to_torchs_interleaved_and_zero_bubble_schedules(stages, layers):
     """compare/pipeline_reference.py: PyTorch's ScheduleInterleaved1F1B on the same P x 2 chunks, and its
     ScheduleInterleavedZeroBubble on one stage per process (its B and W: ``stage_backward_input`` / ``_weight``),
     PipelineStage each, scale_grads=False, loss / M, against ours, M = 4: every gradient and weight torch.equal."""
-    result = subprocess.run([sys.executable, str(REPO / "compare" / "pipeline_reference.py"), "--steps", "1",
-                             "--schedules", "interleaved-1f1b", "zero-bubble", "--stages", str(stages), "--n-layer",
-                             str(layers), "--micro-batches", "4"], cwd=REPO, capture_output=True, text=True,
-                            timeout=300)
+    result = run_forked([sys.executable, str(REPO / "compare" / "pipeline_reference.py"), "--steps", "1",
+                         "--schedules", "interleaved-1f1b", "zero-bubble", "--stages", str(stages), "--n-layer",
+                         str(layers), "--micro-batches", "4"])
     assert result.returncode == 0, result.stdout + result.stderr
     for schedule in ("interleaved-1f1b", "zero-bubble"):
         assert re.search(rf"{schedule} gradients and weights of \d+ tensors after every step: bitwise identical",
@@ -221,9 +219,8 @@ def test_bubble_with_simulated_compute_runs_every_schedule(tmp_path):
     the micro-batches each stage held and zero bubble's W's waiting at once, counted by the Pipeline, are each
     schedule's closed form (the idle fractions are timings: the step README has them, from a quiet machine)."""
     png = tmp_path / "bubble.png"
-    result = subprocess.run([sys.executable, str(REPO / "compare" / "bubble.py"), "--simulate-ms", "5", "--stages",
-                             "2", "--micro-batches", "4", "--png", str(png)], cwd=REPO, capture_output=True,
-                            text=True, timeout=300)
+    result = run_forked([sys.executable, str(REPO / "compare" / "bubble.py"), "--simulate-ms", "5", "--stages", "2",
+                         "--micro-batches", "4", "--png", str(png)])
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] and line.split()[0] in
             ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")]

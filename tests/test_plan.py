@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import REPO, metrics, train
+from conftest import REPO, metrics, run_forked, train
 
 import estimate  # compare/, on the path through conftest
 import plan
@@ -368,7 +368,6 @@ def test_step10_runs_hold_what_the_planner_says(mesh_runs):
     tests/test_3d_parallel.py): every rank's parameters, gradients and ZeRO-1 share of AdamW's state within 5% of
     its stage's estimate (measured: within 0.02%, the step counters ZeRO-1 keeps per piece), the micro-batches its
     stage held; and ``compare/plan.py --measured`` prints them and exits 0."""
-    import subprocess
     import sys
     from conftest import REPO
     for name, (dp, tp, pp) in {"dp2tp2": (2, 2, 1), "dp2pp2": (2, 1, 2)}.items():
@@ -382,9 +381,8 @@ def test_step10_runs_hold_what_the_planner_says(mesh_runs):
             for kind in estimate.KINDS:
                 assert math.isclose(row["measured"][kind], row["estimated"][kind], rel_tol=0.05), (name, row, kind)
             assert row["in_flight"] == row["in_flight_estimated"], (name, row)
-    result = subprocess.run([sys.executable, str(REPO / "compare" / "plan.py"), "--measured",
-                             str(mesh_runs("dp2tp2")), str(mesh_runs("dp2pp2"))],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = run_forked([sys.executable, str(REPO / "compare" / "plan.py"), "--measured", str(mesh_runs("dp2tp2")),
+                         str(mesh_runs("dp2pp2"))], timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 x 2 x 1, ZeRO-1" in result.stdout and "2 x 1 x 2, ZeRO-1" in result.stdout, result.stdout
     assert result.stdout.rstrip().endswith("within 5% of the estimate: yes"), result.stdout

@@ -1,12 +1,11 @@
 """compare/plot.py on runs made up for the test, and compare/tour.py (the main job) on the tiny workload."""
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, STEPS
+from conftest import REPO, STEPS, run_forked
 
 pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 
@@ -22,8 +21,7 @@ def fake_run(folder, wiggle=0.0):
 
 
 def plot(*args):
-    return subprocess.run([sys.executable, str(REPO / "compare" / "plot.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return run_forked([sys.executable, str(REPO / "compare" / "plot.py"), *map(str, args)], timeout=120)
 
 
 def test_plot_writes_a_png_of_several_runs(tmp_path):

@@ -9,7 +9,6 @@ tests/test_foundation.py's resume test, as every step's.)
 The runs are shared (session fixtures): step 8 and the reference at TP = 2 and 4, on TINY with 4 heads, with and
 without --sequence-parallel.
 """
-import subprocess
 import sys
 import traceback
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, metrics, parity, run_ranks,
+from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, metrics, parity, run_forked, run_ranks,
                       spawn, train, weights)
 
 # Four heads so that 2 and 4 ranks both hold whole heads; bf16 autocast; checkpoints at steps 2 and 4.
@@ -353,9 +352,9 @@ def test_sequence_parallelism_in_an_outsiders_loop(outside):
 def test_activations_tool_splits_what_tensor_parallelism_splits():
     """compare/activations.py: at TP = 2 each rank saves less than the whole model's forward, more than half of
     it (the replicated (b, s, h) tensors stay whole), and the split part is about the whole model's."""
-    result = subprocess.run([sys.executable, str(REPO / "compare" / "activations.py"), "--tp", "1", "2", "--n-layer", "1",
-                             "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--micro-batch-size", "2",
-                             "--sequence-parallel"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_forked([sys.executable, str(REPO / "compare" / "activations.py"), "--tp", "1", "2", "--n-layer", "1",
+                         "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--micro-batch-size", "2",
+                         "--sequence-parallel"])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {(int(line.split()[0]), line.split()[1]): [int(x.replace(",", "")) for x in line.split()[2:]]
             for line in result.stdout.splitlines() if line.strip()[:1].isdigit()}

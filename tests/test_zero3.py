@@ -2,14 +2,13 @@
 in one process, and the trainer against step 1 (PyTorch DDP): bitwise, with memory, communication,
 prefetch, checkpoints and the streamed export checked on the same runs."""
 import math
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import EXACT, REPO, assert_bitwise_same_run, init_gloo, metrics, parity, spawn, train
+from conftest import EXACT, REPO, assert_bitwise_same_run, init_gloo, metrics, parity, run_forked, spawn, train
 from conftest import STEPS as STEP_FOLDERS  # STEPS below is the toy's number of steps
 
 import estimate  # compare/, on the path through conftest
@@ -350,8 +349,7 @@ def test_trainer_memory_per_rank_is_the_zero3_formula(ws1, ws2, exact3):
 
 
 def memory_tool(*args):
-    return subprocess.run([sys.executable, str(REPO / "compare" / "memory.py"), *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return run_forked([sys.executable, str(REPO / "compare" / "memory.py"), *map(str, args)], timeout=120)
 
 
 def test_memory_tool_checks_one_rank_and_plots_bytes_against_world_size(ws1, ws2, exact3, tmp_path):
