@@ -81,7 +81,7 @@ def run_trainer(step: str, nproc: int, args: list[str], log: Path) -> None:
 
 
 def spawn_ranks(target, world_size: int, *args, timeout: float = 900) -> dict:
-    """Run ``target(rank, world_size, port, *args)`` in ``world_size`` spawned processes that meet at a free
+    """Run ``target(rank, world_size, port, *args)`` in ``world_size`` processes that meet at a free
     loopback port (each joins its own process group there); ``{rank: what target returned}``. A rank that
     fails ends them all, with its traceback; one that dies without a word (killed: out of memory?) with its
     exit code; no answer within ``timeout`` seconds, likewise. The ranks are forked from a server process that
