@@ -15,11 +15,6 @@ import json
 import time
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 class OverlapTrace:
     def __init__(self, ddp_model):
@@ -66,6 +61,10 @@ def write_trace(events: list[dict], rank: int, out_dir: Path) -> tuple[Path, Pat
     trace_path.write_text(json.dumps({"traceEvents": chrome, "displayTimeUnit": "ms"}, indent=1) + "\n")
 
     rows = sorted(events, key=lambda e: (e["cat"] != "compute", e["start"]))
+    import matplotlib  # here, not at the top: a rank that draws nothing does not import it (~0.6 s)
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(rows)), dpi=110)
     for y, e in enumerate(rows):
         start, end = (e["start"] - origin) * 1e3, (e["end"] - origin) * 1e3

@@ -21,12 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from zero3 import SHARDED  # noqa: E402
+from zero3 import SHARDED
 
 COLORS = {"forward": "tab:blue", "backward": "tab:green", "all-gather": "tab:orange", "reduce-scatter": "tab:red"}
 
@@ -107,6 +102,10 @@ class PrefetchTrace:
         trace_path = Path(out_dir) / "trace.json"
         trace_path.parent.mkdir(parents=True, exist_ok=True)
         trace_path.write_text(json.dumps({"traceEvents": chrome, "displayTimeUnit": "ms"}, indent=1) + "\n")
+
+        import matplotlib  # here, not at the top: a rank that draws nothing does not import it (~0.6 s)
+        matplotlib.use("Agg")  # files only
+        import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(11, 1.2 + 0.4 * len(rows)), dpi=110)
         for e in events:

@@ -20,13 +20,8 @@ Operations code: read it after pipeline.py.
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-import distributed  # noqa: E402
-from pipeline import ideal_bubble  # noqa: E402
+import distributed
+from pipeline import ideal_bubble
 
 COLORS = {"forward": "tab:blue", "backward": "tab:green", "weights": "tab:purple", "send": "tab:orange",
           "recv": "tab:red"}
@@ -62,6 +57,10 @@ def write_trace(timeline: list, stage: int, num_stages: int, out_dir: Path, chun
     (out_dir / "bubble.json").write_text(json.dumps({"stages": num_stages, "micro_batches": micro_batches,
                                                      "chunks": chunks, "schedule": schedule,
                                                      "idle": idle, "ideal": ideal}, indent=1) + "\n")
+
+    import matplotlib  # here, not at the top: a rank that draws nothing does not import it (~0.6 s)
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 1.0 + 0.55 * num_stages), dpi=110)
     for s, events in enumerate(timelines):

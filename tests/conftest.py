@@ -225,7 +225,7 @@ shutdown = distributed.shutdown
 WORKERS = mp.get_context("forkserver")
 # And what every trainer imports beyond torch, ~1,000 modules that cost a rank 2-4 CPU seconds, more than the rest of
 # a tiny run: tokenizers (the corpus), safetensors (the weights), torch._inductor.config (which
-# torch.use_deterministic_algorithms imports, and with it torch._dynamo and sympy), the traces' matplotlib, and
+# torch.use_deterministic_algorithms imports, and with it torch._dynamo and sympy), matplotlib (--trace), and
 # torch.distributed's FSDP, DTensor, pipelining and checkpoint (the references and the resharding). A name that
 # does not import is skipped by the server.
 WORKERS.set_forkserver_preload(["torch", "torch.distributed", "tokenizers", "safetensors.torch", "torch._inductor.config",
