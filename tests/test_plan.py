@@ -369,7 +369,6 @@ def test_step10_runs_hold_what_the_planner_says(mesh_runs):
     its stage's estimate (measured: within 0.02%, the step counters ZeRO-1 keeps per piece), the micro-batches its
     stage held; and ``compare/plan.py --measured`` prints them and exits 0."""
     import sys
-    from conftest import REPO
     for name, (dp, tp, pp) in {"dp2tp2": (2, 2, 1), "dp2pp2": (2, 1, 2)}.items():
         run = metrics(mesh_runs(name))
         rows = plan.measured_rows(run, estimate.vocabulary_size(run["config"]["tokenizer"]))
