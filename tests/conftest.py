@@ -183,6 +183,8 @@ MESH_RUNS = {
     "dp2tp2": ("step10", 4, ["--dp", "2", "--tp", "2", "--grad-accum", "2", "--save-every", "2"]),
     # sequence parallelism through a pipeline: the stages send S/T tokens; dropout and bf16 on
     "step8sp": ("step8", 2, ["--grad-accum", "4", "--sequence-parallel", "--dropout", "0.1", "--amp", "bf16"]),
+    # the same without sequence parallelism: the same masks, the same first loss (tests/test_tensor_parallel.py)
+    "step8dropbf16": ("step8", 2, ["--grad-accum", "4", "--dropout", "0.1", "--amp", "bf16"]),
     "tp2pp2sp": ("step10", 4, ["--tp", "2", "--pp", "2", "--grad-accum", "4", "--sequence-parallel", "--dropout", "0.1",
                                "--amp", "bf16"]),
 }

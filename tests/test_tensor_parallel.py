@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, metrics, parity, run_forked, run_ranks,
-                      spawn, train, weights)
+from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, init_gloo, metrics, parity, run_forked,
+                      run_ranks, shutdown, spawn, train, weights)
 
 # Four heads so that 2 and 4 ranks both hold whole heads; bf16 autocast; checkpoints at steps 2 and 4.
 TP_FLAGS = ("--n-head", "4", "--amp", "bf16", "--save-every", "2")
@@ -75,6 +75,23 @@ def test_sequence_parallelism_is_bitwise_pytorchs_sequence_parallel_plan(tp_runs
         assert metrics(ours)["records"][0]["loss"] == metrics(plain)["records"][0]["loss"]
         result = parity(plain, ours)  # the parity contract; measured: 32 of 36 tensors bitwise, 9.3e-10 apart
         assert result.returncode == 0 and "verdict: PASS" in result.stdout, result.stdout
+
+
+def test_sequence_parallel_dropout_under_bf16_is_step8s_masks(mesh_runs):
+    """--sequence-parallel --dropout 0.1 --amp bf16 at TP = 2 against the same run without --sequence-parallel
+    (conftest.MESH_RUNS "step8sp" and "step8dropbf16"): the first step's loss (4 micro-batches, 12 dropout layers
+    each, every mask drawn again from the shared stream) is the same float. Under bf16 the dropout after both c_proj
+    sees bf16 activations: SequenceParallelDropout's mask and output must be in the input's dtype, as F.dropout's,
+    or the products round elsewhere; step 10's SP run is compared only with this one, whose code it copies, and the
+    other checks of the masks run in float32. The whole run is not bitwise: backward adds other sums (q, k and v's
+    gradients before one reduce-scatter, the LayerNorms' partial sums across ranks), so the weights differ by ulps
+    after the first step (measured: 5 of 36 tensors; the later losses happened to be the same floats). Those runs
+    stay within parity.py's tolerances."""
+    sp, plain = mesh_runs("step8sp"), mesh_runs("step8dropbf16")
+    assert metrics(sp)["config"]["dropout"] == metrics(plain)["config"]["dropout"] == 0.1
+    assert metrics(sp)["records"][0]["loss"] == metrics(plain)["records"][0]["loss"]
+    result = parity(plain, sp)
+    assert result.returncode == 0 and "verdict: PASS" in result.stdout, result.stdout
 
 
 def test_sequence_parallel_communication_per_step_is_the_formula(tp_runs):
@@ -347,6 +364,37 @@ def test_sequence_parallelism_in_an_outsiders_loop(outside):
         assert result["sp vs pytorch grads"] == [], (rank, result["sp vs pytorch grads"])  # names that differ
         assert result["sp grads"] < 1e-5, (rank, result)
         assert result["sp partial layer norm"] > 0.1, (rank, result)
+
+
+def sp_dropout_worker(rank, world_size, port, queue):
+    init_gloo(rank, world_size, port)
+    try:
+        sys.path.insert(0, str(REPO / STEPS["step8"]))
+        import torch.nn.functional as F
+        from tensor_parallel import SequenceParallelDropout
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        torch.manual_seed(3)
+        whole = F.dropout(x, 0.1, training=True)
+        after = torch.rand(1)  # where the stream is afterwards
+        torch.manual_seed(3)
+        mine = SequenceParallelDropout(0.1)(x.chunk(world_size, dim=1)[rank].clone())
+        expected = whole.chunk(world_size, dim=1)[rank]
+        queue.put((rank, ({"dtype": str(mine.dtype), "bitwise": mine.dtype == expected.dtype and
+                           torch.equal(mine, expected), "stream": torch.equal(torch.rand(1), after)}, None)))
+    except Exception:  # noqa: BLE001
+        queue.put((rank, (None, traceback.format_exc())))
+    shutdown()
+
+
+def test_sequence_parallel_dropout_on_bf16_is_f_dropout_in_bf16():
+    """SequenceParallelDropout on a rank's block of a bf16 tensor against F.dropout of the whole tensor from the same
+    generator state (2 ranks): the output bf16, as F.dropout's, and bit for bit its block of F.dropout's output,
+    and the stream left where F.dropout leaves it. The float32 check in the outsider's loop above does not see a
+    mask built in float32 (a float32 output, products rounded once instead of in bf16) or cast in the wrong place."""
+    got = spawn(sp_dropout_worker, 2)
+    for rank, (result, error) in got.items():
+        assert error is None, f"rank {rank} failed:\n{error}"
+        assert result == {"dtype": "torch.bfloat16", "bitwise": True, "stream": True}, (rank, result)
 
 
 def test_activations_tool_splits_what_tensor_parallelism_splits():
