@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import traceback
 from datetime import timedelta
 
 import pytest
@@ -18,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import REPO, free_port, metrics, parity, run_forked, train
+from conftest import REPO, free_port, init_gloo, metrics, parity, run_forked, shutdown, spawn, train
 
 FOLDER = REPO / "step11_context_parallel"
 B, H, S, D = 2, 3, 32, 8
@@ -279,6 +280,43 @@ def test_every_message_travels_while_a_block_is_computed(ring_results, cp):
                 hidden[tag].append(any(e[0] == "compute" for e in events[sent[tag][len(hidden[tag])]:i]))
         assert hidden[KV_TAG] == [True] * 2 * (cp - 1), (rank, events)
         assert hidden[GRAD_TAG] == [True] * (cp - 1) + [False], (rank, events)
+
+
+def shard_dropout_worker(rank, cp, port, queue):
+    init_gloo(rank, cp, port)
+    try:
+        sys.path.insert(0, str(FOLDER))
+        from context_parallel import SequenceShardDropout
+
+        def zigzag(t):  # this rank's chunks of 2C, as the reference's own layout has them
+            chunks = t.chunk(2 * cp, dim=1)
+            return torch.cat([chunks[c] for c in rank_chunks(rank, cp, "zigzag")], dim=1)
+        result = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(B, S, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+            torch.manual_seed(DROPOUT_SEED)
+            whole = F.dropout(x, DROPOUT, training=True)
+            after = torch.rand(1)
+            torch.manual_seed(DROPOUT_SEED)  # every rank: the same stream, as the trainers seed it
+            mine = SequenceShardDropout(DROPOUT)(zigzag(x))
+            result[str(dtype)] = (mine.dtype == dtype and torch.equal(mine, zigzag(whole)),
+                                  torch.equal(torch.rand(1), after))
+        queue.put((rank, (result, None)))
+    except Exception:  # noqa: BLE001
+        queue.put((rank, (None, traceback.format_exc())))
+    shutdown()
+
+
+def test_dropout_between_the_layers_keeps_this_ranks_zigzag_chunks_of_one_mask():
+    """Rule 7 on 2 ranks: SequenceShardDropout (after the embedding, attention's c_proj and the MLP) on a rank's
+    zig-zag shard is that shard of F.dropout of the whole sequence from the same generator state, bit for bit,
+    float32 and bf16, and leaves the stream where F.dropout leaves it. The ring's tests drop only attention's
+    weights; this is the dropout outside attention, checked directly against one process's: a rank keeping
+    another part of the whole mask (a contiguous block, the other layout's chunks) trains on masks no one process
+    draws."""
+    for rank, (result, error) in spawn(shard_dropout_worker, 2).items():
+        assert error is None, f"rank {rank} failed:\n{error}"
+        assert result == {"torch.float32": (True, True), "torch.bfloat16": (True, True)}, (rank, result)
 
 
 # ---- the trainer ------------------------------------------------------------------------------------
