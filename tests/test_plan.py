@@ -234,6 +234,30 @@ def test_a_pipeline_with_checkpointing_recomputes_one_block_at_a_time():
 
 
 @pytest.mark.quick
+def test_full_recomputation_with_sequence_parallelism_keeps_1_over_t_of_each_layers_input():
+    """Korthikanti et al.'s 175B layout of Table 3 (t 8, p 8, micro-batch 1, 64 micro-batches, 16-bit) with full
+    recomputation and sequence parallelism, by the formula: the first stage holds, for each of its 8 micro-batches
+    in flight, its 12 layers' inputs at 2sbh/t each and the embedding dropout's mask (sbh/t), and once the layer
+    being recomputed, (34 + 5as/h) sbh/t, beside its two LayerNorms' float32 statistics (8 bytes a token each, split
+    over t), to the byte. The trainers' model counted on the meta device likewise: with SP each micro-batch more
+    in flight holds its blocks' inputs (b s h float32) split over t. The formula keeping the input whole under
+    sequence parallelism (t times too much, the rest of the row unchanged) passed every other test."""
+    from activation_formula import FormulaActivations
+    shape, t = plan.PRESETS["megatron-175b"], 8
+    a, s, h = shape.n_head, shape.seq_len, shape.n_embd
+    formula = FormulaActivations(shape, 1, 2, "math", 0.1)
+    first = plan.configuration(shape, 1, t, 8, 0, True, 1, 64, formula, "bf16", sequence_parallel=True)["stages"][0]
+    sbh = s * h
+    assert first["in_flight"] == 8
+    assert first["activations"] == 8 * (12 * 2 + 1) * sbh // t + (34 * sbh + 5 * a * s * s) // t + 2 * 8 * s // t
+    b, small = 2, plan.Shape(8, 64, 4, 2048, 32)
+    activations = plan.Activations(small, b)
+    held = {m: plan.configuration(small, 1, 2, 4, 0, True, b, m, activations, sequence_parallel=True)["stages"][0]
+            for m in (1, 8)}
+    assert held[8]["activations"] - held[1]["activations"] == 3 * 2 * b * small.seq_len * small.n_embd * 4 // 2
+
+
+@pytest.mark.quick
 def test_communication_is_the_steps_formulas():
     """DP: DDP all-reduces 4Ψ, step 5 4Ψ + 4Ψ, step 6 4Ψ + 4Ψ, step 7 (accumulation 2) 3.19 x 4Ψ of all-gathers
     (the README's table); TP: (6L + 2) b s h per micro-batch (step 8's README, the loss's 3bs left out);
