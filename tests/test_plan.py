@@ -258,6 +258,25 @@ def test_full_recomputation_with_sequence_parallelism_keeps_1_over_t_of_each_lay
 
 
 @pytest.mark.quick
+def test_the_ring_sends_grouped_query_attentions_key_value_width():
+    """The cp axis for Llama 3 8B (8 key/value heads of 128 beside 32 query heads) at cp 4, tp 2, bf16: per micro-batch
+    and block the structure step 11's run records for GPT-2 (tests/test_context_parallel.py: C - 1 K/V blocks forward,
+    again with checkpointing, and backward; C float32 dK/dV buffers), each block 2 b (s/C) (kv_dim/tp) elements.
+    GPT-2's key/value width is its hidden size, so sizing the blocks by h instead of n_kv_head x head_dim (4 times too
+    much here) passed every test of the ring's traffic."""
+    from activation_formula import FormulaActivations
+    shape, cp, tp, b, m = plan.PRESETS["llama3-8b"], 4, 2, 1, 4
+    assert shape.kv_dim == 8 * 128 < shape.n_embd
+    tokens, width, layers = b * shape.seq_len // cp, shape.kv_dim // tp, shape.n_layer
+    kv, grads = 2 * tokens * width * 2, 2 * tokens * width * 4  # k and v (bf16); their float32 gradients
+    for checkpointing, forward in ((False, 1), (True, 2)):
+        layout = plan.configuration(shape, 1, tp, 1, 0, checkpointing, b, m, FormulaActivations(shape, b, 2, cp=cp),
+                                    "bf16", cp=cp)
+        sends = m * layers * ((cp - 1) * kv * (forward + 1) + cp * grads)
+        assert layout["stages"][0]["comm"]["cp"] == {"send": sends}, checkpointing
+
+
+@pytest.mark.quick
 def test_communication_is_the_steps_formulas():
     """DP: DDP all-reduces 4Ψ, step 5 4Ψ + 4Ψ, step 6 4Ψ + 4Ψ, step 7 (accumulation 2) 3.19 x 4Ψ of all-gathers
     (the README's table); TP: (6L + 2) b s h per micro-batch (step 8's README, the loss's 3bs left out);
