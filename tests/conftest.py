@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "compare"), str(REPO / "common")]  # launch.py imports config from common/
 from launch import trainer_command  # noqa: E402,F401  (the tests import it from here)
 import distributed  # noqa: E402  (common/distributed.py: workers join and leave the way the trainers do)
+import other_order  # noqa: E402  (compare/other_order.py: another summation order, bounded on this machine)
 
 STEPS = {p.name.split("_")[0]: p.name for p in REPO.glob("step*_*")
          if re.fullmatch(r"step\d+_\w+", p.name) and (p / "train.py").is_file()}
@@ -110,6 +111,23 @@ def assert_bitwise_same_run(a: Path, b: Path) -> None:
 
 def parity(a, b) -> subprocess.CompletedProcess:
     return run_forked([sys.executable, str(REPO / "compare" / "parity.py"), str(a), str(b)], timeout=60)
+
+
+def other_order_drift(reference, a: Path, b: Path) -> tuple[other_order.Drift, list[str]]:
+    """Run ``b`` against ``a`` where ``b`` sums in another order (compare/other_order.py): its drift, and what of
+    it exceeds ``reference`` (a Drift measured on this machine) times the stated factor. Empty: within."""
+    ma, mb = metrics(a), metrics(b)
+    drift = other_order.drift(mb, weights(b), ma, weights(a))
+    return drift, other_order.beyond(drift, other_order.bound(reference, mb, weights(b)))
+
+
+@pytest.fixture(scope="session")
+def order_reference(tour) -> other_order.Drift:
+    """How far two correct implementations drift apart on this machine: the tour's step 0 (one process, 4
+    micro-batches) from its step 1 (DDP, 2 ranks x 2), the same global batches summed in another order. Every test
+    of a run in another summation order takes its bound from it (compare/other_order.py)."""
+    single, ddp = tour[0] / STEPS["step0"], tour[0] / STEPS["step1"]
+    return other_order.drift(metrics(single), weights(single), metrics(ddp), weights(ddp))
 
 
 @pytest.fixture(scope="session")

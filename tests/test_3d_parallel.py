@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (MESH_RUNS, REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, spawn, train,
-                      weights)
+from conftest import (MESH_RUNS, REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, other_order_drift,
+                      spawn, train)
 from launch import run_nodes_here
 
 STEP10 = REPO / "step10_3d_parallel"
@@ -119,26 +119,22 @@ def test_sequence_parallelism_on_the_tp_axis_through_a_pipeline_is_step8s(runs):
     assert [m["micro_batches_in_flight"] for m in metrics(runs("tp2pp2sp"))["records"][-1]["memory"]] == [2, 2, 1, 1]
 
 
-def relative_differences(a, b) -> dict:
-    ra, rb = metrics(a)["records"], metrics(b)["records"]
-    wa, wb = weights(a), weights(b)
-    return {"first loss": abs(ra[0]["loss"] - rb[0]["loss"]) / rb[0]["loss"],
-            "first grad norm": abs(ra[0]["grad_norm"] - rb[0]["grad_norm"]) / rb[0]["grad_norm"],
-            "loss": max(abs(x["loss"] - y["loss"]) / y["loss"] for x, y in zip(ra, rb)),
-            "param norm": max(abs(x["param_norm"] - y["param_norm"]) for x, y in zip(ra, rb)),
-            "weights": max((wa[n] - wb[n]).abs().max().item() for n in wb)}
+def first_grad_norm(a, b) -> float:
+    """The first step's gradient norms, relative: like the first loss, one step's sums in another order."""
+    ga, gb = metrics(a)["records"][0]["grad_norm"], metrics(b)["records"][0]["grad_norm"]
+    return abs(ga - gb) / gb
 
 
-def test_dp_with_tp_is_step1_in_another_summation_order(runs):
-    """dp 2 x tp 2 against step 1 on the same global batches: the parity tolerance step 8 establishes. The
-    first step's loss and gradient norm to float32's rounding (< 1e-6 relative), the losses of all steps to
-    < 1e-6, the param norm to < 1e-6, the weights to AdamW's amplification of those roundings (< 1e-4, step 8's
-    README: 1.8e-5 on the tour's 40 steps). The cause is step 8's alone: the same run is bitwise step 8's
-    sums within each replica (tp2pp2 above), and dp 2 adds two replicas' gradients, an order-free sum."""
-    diff = relative_differences(runs("dp2tp2"), runs("step1"))
-    assert diff["first loss"] < 1e-6 and diff["first grad norm"] < 1e-6, diff
-    assert diff["loss"] < 1e-6 and diff["param norm"] < 1e-6, diff
-    assert 0 < diff["weights"] < 1e-4, diff  # 0 would mean no tensor parallelism happened
+def test_dp_with_tp_is_step1_in_another_summation_order(runs, order_reference):
+    """dp 2 x tp 2 against step 1 on the same global batches, as step 8 is: the first step's loss and gradient
+    norm to float32's rounding (< 1e-6 relative), the losses, the param norm and the weights within
+    compare/other_order.py's factor of step 0's drift from step 1 on this machine (measured 0.6-1.1x on three
+    kernel paths). The cause is step 8's alone: the same run is bitwise step 8's sums within each replica
+    (tp2pp2 above), and dp 2 adds two replicas' gradients, an order-free sum."""
+    drift, beyond = other_order_drift(order_reference, runs("step1"), runs("dp2tp2"))
+    assert first_grad_norm(runs("dp2tp2"), runs("step1")) < 1e-6
+    assert not beyond, f"{beyond}; {drift}; step 0 from step 1: {order_reference}"
+    assert drift.weights > 0  # 0 would mean no tensor parallelism happened
 
 
 def test_per_axis_communication_and_memory_of_every_rank(runs):
@@ -184,28 +180,27 @@ def test_a_checkpoint_resumes_at_another_mesh_bitwise_where_the_sums_agree(runs,
     assert_bitwise_same_run(resumed, runs("tp2"))
 
 
-def test_a_tp_checkpoint_resumes_at_dp_in_step1s_summation_order(runs, tmp_path, small_corpus):
+def test_a_tp_checkpoint_resumes_at_dp_in_step1s_summation_order(runs, order_reference, tmp_path, small_corpus):
     """tp 2 resumed at dp 2 (ZeRO-1 slices of whole tensors where tp 2 held blocks of rows and columns): steps 3
     and 4 sum each layer as one process does (step 1's order), so they are the uninterrupted tp 2 run's within
-    step 8's parity tolerance, the same bounds as dp 2 x tp 2 against step 1 above (measured: the loss 6.4e-8
-    relative, the weights 8.1e-8 apart). A lost optimiser state would be far outside them: AdamW's first step
+    the bound of another summation order, as dp 2 x tp 2 against step 1 above. A lost optimiser state would be far outside them: AdamW's first step
     from zero moments moves every weight by about the learning rate."""
     resumed = resumed_from(runs, "tp2", tmp_path, small_corpus, "step10", 2, "--dp", "2", "--grad-accum", "2")
     assert metrics(resumed)["records"][:2] == metrics(runs("tp2"))["records"][:2]  # the checkpoint's own records
-    diff = relative_differences(resumed, runs("tp2"))
-    assert diff["loss"] < 1e-6 and diff["param norm"] < 1e-6 and 0 < diff["weights"] < 1e-4, diff
+    drift, beyond = other_order_drift(order_reference, runs("tp2"), resumed)
+    assert not beyond and drift.weights > 0, f"{beyond}; {drift}; step 0 from step 1: {order_reference}"
 
 
-def test_step1_resumes_a_step10_checkpoint(runs, tmp_path, small_corpus):
+def test_step1_resumes_a_step10_checkpoint(runs, order_reference, tmp_path, small_corpus):
     """Step 1 (PyTorch DDP, 2 ranks) reads a step-10 checkpoint like any other step's: from dp 2 x pp 2 it is
     bitwise the uninterrupted step 1 run (a pipeline changes no sum, two replicas add in either order alike); from
     dp 2 x tp 2 (blocks of rows and columns, AdamW's state in ZeRO-1 slices of them) it continues the dp 2 x tp 2
-    run in step 1's summation order, within step 8's tolerance."""
+    run in step 1's summation order, within the bound of another summation order (as above)."""
     assert_bitwise_same_run(resumed_from(runs, "dp2pp2", tmp_path, small_corpus, "step1", 2, "--grad-accum", "2"),
                             runs("step1"))
     from_tp = resumed_from(runs, "dp2tp2", tmp_path, small_corpus, "step1", 2, "--grad-accum", "2")
-    diff = relative_differences(from_tp, runs("dp2tp2"))
-    assert diff["loss"] < 1e-6 and diff["param norm"] < 1e-6 and 0 < diff["weights"] < 1e-4, diff
+    drift, beyond = other_order_drift(order_reference, runs("dp2tp2"), from_tp)
+    assert not beyond and drift.weights > 0, f"{beyond}; {drift}; step 0 from step 1: {order_reference}"
 
 
 # ---- two launches, one mesh -------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import REPO, free_port, init_gloo, metrics, parity, run_forked, shutdown, spawn, train
+from conftest import (REPO, free_port, init_gloo, metrics, other_order_drift, run_forked, shutdown, spawn,
+                      train)
 
 FOLDER = REPO / "step11_context_parallel"
 B, H, S, D = 2, 3, 32, 8
@@ -327,16 +328,16 @@ def step0_run(tmp_path_factory, small_corpus):
 
 
 @pytest.mark.parametrize("cp", [pytest.param(2, marks=pytest.mark.quick), 4])
-def test_step11_trains_like_step0_in_another_summation_order(step0_run, cp, tmp_path, small_corpus):
-    """The same micro-batches as one process: the first step's loss to float32's rounding, the weights close
-    after 4 steps (parity.py's tolerances), the replicas identical."""
+def test_step11_trains_like_step0_in_another_summation_order(step0_run, order_reference, cp, tmp_path,
+                                                             small_corpus):
+    """The same micro-batches as one process: the first step's loss to float32's rounding, the losses, param
+    norm and weights after 4 steps within compare/other_order.py's factor of step 0's own drift from step 1 on
+    this machine (measured: 1.0-2.3x on three kernel paths), the replicas identical."""
     run = train("step11", tmp_path / "cp", small_corpus, nproc=cp)
-    first, ours = metrics(step0_run)["records"][0], metrics(run)["records"][0]
-    assert abs(ours["loss"] - first["loss"]) / first["loss"] < 1e-6, (ours["loss"], first["loss"])
     assert metrics(run)["env"]["context_parallel_size"] == cp
     assert metrics(run)["final"]["replicas_identical"]
-    result = parity(step0_run, run)
-    assert result.returncode == 0 and "PASS" in result.stdout, result.stdout
+    drift, beyond = other_order_drift(order_reference, step0_run, run)
+    assert not beyond and drift.weights > 0, f"{beyond}; {drift}; step 0 from step 1: {order_reference}"
     sends = metrics(run)["records"][0]["comm"]["send"]  # per micro-batch: forward and backward, every block
     tokens, width, layers = 2 * 32 // cp, 32, 2  # TINY: micro-batch 2, 32 tokens, n_embd 32, 2 layers
     kv, grads = 2 * tokens * width * 4, 2 * tokens * width * 4  # k and v (float32); their float32 gradients
@@ -348,18 +349,16 @@ def test_step11_trains_like_step0_in_another_summation_order(step0_run, cp, tmp_
     assert layout["stages"][0]["comm"]["cp"] == {"send": sends}
 
 
-def test_rings_beside_data_parallelism_train_like_step1(step1_ws2, tmp_path, small_corpus):
+def test_rings_beside_data_parallelism_train_like_step1(step1_ws2, order_reference, tmp_path, small_corpus):
     """--cp 2 on 4 ranks: two rings, each a data-parallel replica reading step 1's rank's samples (rule 6). The same
-    global batches as step 1 at 2 ranks: the first loss to float32's rounding, the weights within parity.py's
-    tolerances; every rank's replica the same bits."""
+    global batches as step 1 at 2 ranks: the first loss to float32's rounding, the drift within
+    compare/other_order.py's factor of step 0's on this machine; every rank's replica the same bits."""
     run = train("step11", tmp_path / "dp2cp2", small_corpus, "--cp", "2", nproc=4)
-    env, first = metrics(run)["env"], metrics(run)["records"][0]
+    env = metrics(run)["env"]
     assert (env["context_parallel_size"], env["data_parallel_size"]) == (2, 2)
-    reference = metrics(step1_ws2)["records"][0]
-    assert abs(first["loss"] - reference["loss"]) / reference["loss"] < 1e-6, (first["loss"], reference["loss"])
     assert metrics(run)["final"]["replicas_identical"]
-    result = parity(step1_ws2, run)
-    assert result.returncode == 0 and "PASS" in result.stdout, result.stdout
+    drift, beyond = other_order_drift(order_reference, step1_ws2, run)
+    assert not beyond and drift.weights > 0, f"{beyond}; {drift}; step 0 from step 1: {order_reference}"
 
 
 def test_the_activations_tool_finds_every_saved_byte_split_over_the_ring():
