@@ -79,14 +79,14 @@ def test_sequence_parallelism_is_bitwise_pytorchs_sequence_parallel_plan(tp_runs
 
 def test_sequence_parallel_dropout_under_bf16_is_step8s_masks(mesh_runs):
     """--sequence-parallel --dropout 0.1 --amp bf16 at TP = 2 against the same run without --sequence-parallel
-    (conftest.MESH_RUNS "step8sp" and "step8dropbf16"): the first step's loss (4 micro-batches, 12 dropout layers
-    each, every mask drawn again from the shared stream) is the same float. Under bf16 the dropout after both c_proj
-    sees bf16 activations: SequenceParallelDropout's mask and output must be in the input's dtype, as F.dropout's,
-    or the products round elsewhere; step 10's SP run is compared only with this one, whose code it copies, and the
-    other checks of the masks run in float32. The whole run is not bitwise: backward adds other sums (q, k and v's
-    gradients before one reduce-scatter, the LayerNorms' partial sums across ranks), so the weights differ by ulps
-    after the first step (measured: 5 of 36 tensors; the later losses happened to be the same floats). Those runs
-    stay within parity.py's tolerances."""
+    (conftest.MESH_RUNS "step8sp" and "step8dropbf16"): the first step's loss (4 micro-batches, each through 5
+    dropouts between the layers: after the embedding, each block's attention and MLP) is the same float. Under bf16
+    the dropouts after both c_proj see bf16 activations: SequenceParallelDropout's mask and output must be in the
+    input's dtype, as F.dropout's, or the products round elsewhere. Step 10's SP run is compared only with step 8's,
+    whose code it copies, and the other checks of the masks run in float32. The whole run is not bitwise: backward
+    adds other sums (q, k and v's gradients before one reduce-scatter, the LayerNorms' partial sums across ranks),
+    so the weights differ by ulps after the first step (measured: 5 of 36 tensors; the later losses happened to be
+    the same floats). The runs stay within parity.py's tolerances."""
     sp, plain = mesh_runs("step8sp"), mesh_runs("step8dropbf16")
     assert metrics(sp)["config"]["dropout"] == metrics(plain)["config"]["dropout"] == 0.1
     assert metrics(sp)["records"][0]["loss"] == metrics(plain)["records"][0]["loss"]
