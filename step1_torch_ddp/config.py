@@ -56,12 +56,20 @@ def _path_under_repo(value: str) -> str:
     return str(path if path.is_absolute() else (Path.cwd() / path).resolve())
 
 
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, but a switch's: "--nondeterministic ... (default: True)" read as
+    nondeterministic by default (its value is the deterministic setting it turns off). A switch is off until given."""
+
+    def _get_help_string(self, action):
+        return action.help if action.nargs == 0 else super()._get_help_string(action)
+
 def build_parser(step: str) -> argparse.ArgumentParser:
     """The flags every step has. Defaults are the reference workload (about a minute on 2 CPU cores)."""
     p = OneLineParser(
         prog=f"{step}/train.py",
         description=f"{step}: train a small GPT-2 on tiny shakespeare.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=40, help="optimiser steps")
@@ -85,7 +93,8 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no per-step console lines")
     run.add_argument("--nondeterministic", dest="deterministic", action="store_false",
                      help="torch's default kernels instead of deterministic ones (on a GPU some backward passes add "
-                          "atomically): two runs, a resumed run and the steps' parity no longer agree bit for bit")
+                          "atomically): two runs, a resumed run and the steps' parity no longer agree bit for bit. "
+                          "Without it, every kernel is deterministic")
     run.add_argument("--max-memory-mb", type=float, default=None, metavar="MB",
                      help="memory budget per rank: the OS refuses this process more than MB MiB of data memory "
                           "(tensors, heap) beyond what it holds at start-up (Python, torch, libraries), via "

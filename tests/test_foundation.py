@@ -161,6 +161,18 @@ def test_parity_fails_on_a_param_norm_drift(step1_ws2, tmp_path):
 
 # ---- bad input to the trainers: every case is in tests/test_bad_input.py (docs/bad_input.md) -------------
 
+
+@pytest.mark.quick
+def test_help_says_what_a_switch_does_without_a_misleading_default():
+    """ArgumentDefaultsHelpFormatter printed "--nondeterministic ... (default: True)": the value of the setting the
+    switch turns off, read as "nondeterministic by default". Switches say nothing of a default; the rest keep it."""
+    from config import build_parser
+    text = " ".join(build_parser("step0_single_gpu").format_help().split())
+    start = text.index("--nondeterministic torch's")
+    switch = text[start:text.index("--max-memory-mb MB", start)]
+    assert "(default:" not in switch and "Without it, every kernel is deterministic" in switch, switch
+    assert "--steps STEPS optimiser steps (default: 40)" in text
+
 @pytest.mark.quick
 def test_unsupported_amp_is_refused_with_one_line(monkeypatch):
     """fp16 where the build cannot run it (simulated: the CPU scaler refuses) is a UserError, not a traceback."""
