@@ -47,9 +47,13 @@ def test_the_tour_runs_every_step_and_its_parity_checks(tour):
         line = next(line for line in output.splitlines() if line.startswith(row))
         assert "PASS (bitwise identical)" in line and (runs / folder / STEPS["step9"] / "metrics.json").exists()
     assert "same global batches, other summation order" in output  # step 0, measured, not judged
-    if "step8" in STEPS:  # tensor parallelism: measured against step 1, not judged; its first step to float32's rounding
-        line = next(line for line in output.splitlines() if line.startswith(STEPS["step8"]))
+    # The steps that split the model sum in another order: judged by step 0's drift from step 1, measured in the
+    # same tour (compare/other_order.py), their first step to float32's rounding.
+    for step in ("step8", "step10", "step11"):
+        line = next(line for line in output.splitlines() if line.startswith(STEPS[step]))
         first_loss = re.search(r"other summation order: step 1 loss rel diff (\S+),", line)
         assert first_loss and float(first_loss.group(1)) < 1e-6, line
+        assert re.search(r"; \d+\.\dx step 0's drift: PASS$", line), line
+    assert re.search(r"^machine: .+, ATen kernels [A-Z0-9]+, torch \S+ \(", output, re.M), output[-3000:]
     assert (runs / "plots" / "tour.png").read_bytes().startswith(b"\x89PNG")
 
