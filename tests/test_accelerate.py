@@ -47,14 +47,15 @@ def test_accelerate_launch_trains_bitwise_like_step1_without_clipping(unclipped)
 
 def test_without_clipping_the_logged_norm_is_step1s_to_a_few_ulps(unclipped):
     """--grad-clip 0 logs the norm it does not clip by (torch.nn.utils.get_total_norm of the same bitwise
-    gradients): each record's grad_norm against step 1's, as strictly as with clipping below (1e-5 relative, and
-    different: per-tensor float32 norms, not step 1's float64 squares; measured: up to 8e-7). The other tests
-    compare the norms only with clipping on, so a norm logged wrong when nothing is clipped (0, say) passed."""
+    gradients): each record's grad_norm against step 1's, as strictly as with clipping below (1e-5 relative:
+    per-tensor float32 norms, not step 1's float64 squares; measured: up to 8e-7, and one of the four steps equal,
+    so that they differ at all is the CPU's, not asserted). The other tests compare the norms only with clipping
+    on, so a norm logged wrong when nothing is clipped (0, say) passed."""
     step1, ours, _ = unclipped
     ra, rb = metrics(step1)["records"], metrics(ours)["records"]
     assert len(ra) == len(rb) == 4 and metrics(ours)["config"]["grad_clip"] == 0
     relative = [abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in zip(ra, rb)]
-    assert max(relative) <= 1e-5 and any(relative), relative
+    assert max(relative) <= 1e-5, relative
 
 
 def test_with_clipping_only_the_norm_differs_and_by_a_few_ulps(step1_ws2, tmp_path, small_corpus):
