@@ -127,15 +127,19 @@ def drift_from(reference: str, run: str) -> tuple[other_order.Drift, dict, dict]
 
 
 def machine() -> str:
-    """The CPU and the kernels ATen chose for it: what the tour's losses, drifts and speeds depend on."""
+    """The CPU and the kernels ATen chose for it: what the tour's losses, drifts and speeds depend on (and its
+    16-bit matmul units, which decide how fast bf16 runs on a CPU)."""
     import torch
-    model = platform.processor() or platform.machine()
+    model, units = platform.processor() or platform.machine(), []
     try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
+        units = [unit for unit in ("avx512_bf16", "amx_bf16") if unit in flags]
     except (OSError, StopIteration):
         pass
-    return f"{model}, ATen kernels {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
+    return (f"{model}{' (' + ', '.join(units) + ')' if units else ''}, ATen kernels "
+            f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
 
 
 def run_step(step: str, args, extra: list[str], timeout: list[str], out: str, log: Path) -> None:
