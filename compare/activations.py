@@ -13,8 +13,9 @@ the parameters left out), on every rank of step 8's model at each TP degree, in 
 part every rank holds identically (the residual stream, the LayerNorms' inputs and outputs, the token ids:
 replicated, found by comparing the ranks' tensors), and the rest (q, k, v, the attention scores, the MLP's
 4h, the logits), which tensor parallelism splits 1/T. With ``--sequence-parallel`` each degree is measured again
-with tensor_parallel.py's rule 7: the replicated part is what it splits. With ``--cp`` the model is step 11's
-at each degree C (its ring at C = 1 too), beside model.py's own attention, which keeps an S x S matrix per head.
+with step 8's sequence_parallel.py: the replicated part is what it splits. With ``--cp`` the model
+is step 11's at each degree C (its ring at C = 1 too), beside model.py's own attention, which keeps
+an S x S matrix per head.
 """
 import argparse
 import os
@@ -52,9 +53,12 @@ def measure(rank: int, world_size: int, port: int, config: dict, sequence_parall
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     from model import build_model
+    from sequence_parallel import sequence_parallel_gpt2
     from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
     vocab = 2048
-    model = parallelize_gpt2(build_model(config, vocab, config["seed"]), sequence_parallel=sequence_parallel)
+    model = parallelize_gpt2(build_model(config, vocab, config["seed"]))
+    if sequence_parallel:
+        model = sequence_parallel_gpt2(model)
     b, s = config["micro_batch_size"], config["seq_len"]
     inputs = torch.randint(0, vocab, (b, s + 1), generator=torch.Generator().manual_seed(0))
     counter = SavedActivations(model.parameters())
@@ -113,7 +117,8 @@ def run_cp(degrees: list[int], config: dict) -> list[tuple]:
 def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="tensor-parallel degrees to measure")
-    parser.add_argument("--sequence-parallel", action="store_true", help="each degree with rule 7 too")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="each degree with sequence parallelism too")
     parser.add_argument("--cp", type=int, nargs="+", help="context-parallel degrees to measure instead (step 11)")
     args, extra = parser.parse_known_args()
     config = parse_config(build_parser("activations"), extra)

@@ -18,9 +18,11 @@ import torch.distributed as dist
 from comm_accounting import take_comm_bytes
 from config import UserError
 from mesh import check_mesh
-from pipeline import GPT2Stage, add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
+from pipeline import GPT2Stage
+from pipeline_setup import add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
+from sequence_parallel import check_sequence_parallel, sequence_parallel_gpt2
+from sequence_parallel import finish_gradient_synchronization as finish_sequence_parallel
 from tensor_parallel import check_tensor_parallel, parallelize_gpt2, vocab_parallel_cross_entropy
-from tensor_parallel import finish_gradient_synchronization as finish_tensor_parallel_synchronization
 from tensor_parallel_state import checkpoint_shards, gather_full_parameters, is_sharded, load_checkpoint_shards
 
 
@@ -31,7 +33,8 @@ def add_mesh_flags(parser) -> None:
                        help="tensor-parallel degree: must divide --n-head and the vocabulary")
     flags.add_argument("--pp", type=int, default=1, help="pipeline stages: at most --n-layer")
     flags.add_argument("--sequence-parallel", action="store_true",
-                       help="split the activations between the layers along the sequence over tp (step 8's rule 7)")
+                       help="split the activations between the layers along the sequence over tp "
+                            "(step 8's sequence_parallel.py)")
     add_pipeline_flags(parser)  # step 9's --schedule, --virtual-stages and --micro-batches
 
 
@@ -44,6 +47,7 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
     if config["sequence_parallel"] and tp == 1:
         raise UserError("--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more")
     check_tensor_parallel(config, vocab_size, tp, flag="--tp")
+    check_sequence_parallel(config, tp, flag="--tp")
     return dp, check_pipeline(config, pp, flag="--pp")
 
 
@@ -69,8 +73,9 @@ def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
     shapes = {name: p.shape for name, p in model.named_parameters()}
     if mesh.tp > 1:
         reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
-        model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype,
-                                 sequence_parallel=config["sequence_parallel"])
+        model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
+        if config["sequence_parallel"]:
+            model = sequence_parallel_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
     model = model.to(device)
     chunks = mesh.pp * virtual_stages(config)  # the model's stages: V per pp rank with --schedule interleaved-1f1b
     stages = [tensor_parallel_stage(model, s, chunks) for s in range(chunks)]
@@ -86,7 +91,7 @@ def finish_gradient_synchronization(pipe) -> None:
     from the first stage, every send waited), then step 8's (--sequence-parallel: the LayerNorms' partial
     gradients, added over tp)."""
     pipe.finish_gradient_synchronization()
-    finish_tensor_parallel_synchronization(pipe.module)
+    finish_sequence_parallel(pipe.module)
 
 
 class BytesByAxis:

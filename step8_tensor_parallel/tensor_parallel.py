@@ -36,17 +36,8 @@ work *inside* each layer. Here:
 6. **Replicated parameters stay identical without a gradient sync.** LayerNorms, the position
    embedding and row-parallel biases see the same inputs on every rank and, thanks to *f*'s
    all-reduce, the same output gradients: their gradients come out bit-identical everywhere.
-
-7. **Sequence parallelism** (Korthikanti et al. 2022; ``parallelize_gpt2(..., sequence_parallel=True)``). Rule
-   6's replicated work (LayerNorms, dropout, residuals) is done T times on the same tokens and its activations
-   are kept T times. Split along the sequence instead: between the blocks each rank holds S/T tokens. *f* and
-   *g* become an all-gather of the sequence before the column-parallel layers (once per module: q, k and v
-   share it; backward, the reduce-scatter of their summed gradients) and a reduce-scatter after the
-   row-parallel ones (backward, an all-gather): the same bytes as the all-reduces they replace. The position
-   embedding gives each rank its positions; dropout draws the whole mask one process draws and keeps this
-   rank's block (the masks one process uses, no two ranks alike). A LayerNorm now sees only its rank's
-   tokens: its gradient is a partial sum, added over the group once per step, after the micro-batches, as
-   PyTorch's ``SequenceParallel`` and Megatron do (``finish_gradient_synchronization``).
+   (That replicated work, done T times on the same tokens, is what sequence parallelism splits:
+   sequence_parallel.py, which swaps the layers' communication, below, for its own.)
 
 What changes the numbers: a row-parallel layer sums ``h/T`` products per rank and then the ranks'
 partial sums; one process sums ``h`` products in one go. Floating-point addition is not associative,
@@ -59,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from config import UserError
-from comm_accounting import all_gather_single, count_collective, reduce_scatter_single
+from comm_accounting import all_gather_single, count_collective
 
 
 # ---- the communication: Megatron's f and g, and the gather/scatter pair ---------------------------------
@@ -138,52 +129,6 @@ class _ScatterAlong(torch.autograd.Function):
         return _all_gather_along(grad, ctx.dim, ctx.group), None, None
 
 
-def _reduce_scatter_along(x: torch.Tensor, dim: int, group, reduce_dtype=None) -> torch.Tensor:
-    """This rank's block along ``dim`` of the sum of every rank's ``x``: the blocks stacked along dim 0 as
-    PyTorch's functional ``reduce_scatter_tensor(scatter_dim=dim)`` stacks them, so the sums are its sums."""
-    world_size = dist.get_world_size(group)
-    stacked = torch.cat(x.chunk(world_size, dim=dim), dim=0).contiguous()
-    wide = stacked if reduce_dtype in (None, x.dtype) else stacked.to(reduce_dtype)
-    out = torch.empty((wide.shape[0] // world_size, *wide.shape[1:]), dtype=wide.dtype, device=wide.device)
-    count_collective("reduce_scatter", wide)
-    reduce_scatter_single(out, wide, group=group)
-    return out.to(x.dtype)
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Rule 7's *f*: the whole sequence (dim 1) gathered forward; backward, the gradients reduce-scattered."""
-
-    @staticmethod
-    def forward(ctx, x, group, reduce_dtype):
-        ctx.group, ctx.reduce_dtype = group, reduce_dtype
-        return _all_gather_along(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_along(grad, 1, ctx.group, ctx.reduce_dtype), None, None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Rule 7's *g*: the partial sums added and this rank's block of the sequence kept; backward, all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x, group, reduce_dtype):
-        ctx.group = group
-        return _reduce_scatter_along(x, 1, group, reduce_dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_along(grad, 1, ctx.group), None, None
-
-
-def gather_from_sequence_parallel_region(x, group=None, reduce_dtype=None):
-    return _GatherFromSequenceParallelRegion.apply(x, group, reduce_dtype)
-
-
-def reduce_scatter_to_sequence_parallel_region(x, group=None, reduce_dtype=None):
-    return _ReduceScatterToSequenceParallelRegion.apply(x, group, reduce_dtype)
-
-
 class _BiasShare(torch.autograd.Function):
     """``bias / T`` forward (rule 4); backward, the gradient of the whole bias: the T shares add up to it."""
 
@@ -238,7 +183,7 @@ class ColumnParallelLinear(nn.Module):
                  group=None, reduce_dtype=None):
         super().__init__()
         self.group, self.gather_output, self.reduce_dtype = group, gather_output, reduce_dtype
-        self.sequence_parallel = False  # set by parallelize_gpt2 (rule 7)
+        self.copy_input = copy_to_tensor_parallel_region  # f (sequence_parallel.py: its own)
         self.in_features, self.out_features = in_features, out_features
         local = _split(out_features, group, "out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features))
@@ -257,9 +202,7 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x):
-        if not self.sequence_parallel:  # rule 7: the module's gather already made x whole, and reduces its gradient
-            x = copy_to_tensor_parallel_region(x, self.group, self.reduce_dtype)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(self.copy_input(x, self.group, self.reduce_dtype), self.weight, self.bias)
         return _GatherAlong.apply(y, -1, self.group) if self.gather_output else y
 
 
@@ -277,7 +220,7 @@ class RowParallelLinear(nn.Module):
                  group=None, reduce_dtype=None):
         super().__init__()
         self.group, self.input_is_parallel, self.reduce_dtype = group, input_is_parallel, reduce_dtype
-        self.sequence_parallel = False  # rule 7: the output reduce-scattered along the sequence, not all-reduced
+        self.reduce_output = reduce_from_tensor_parallel_region  # g (sequence_parallel.py: its own)
         self.in_features, self.out_features = in_features, out_features
         local = _split(in_features, group, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local))
@@ -299,9 +242,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = _ScatterAlong.apply(x, -1, self.group)
         share = None if self.bias is None else _BiasShare.apply(self.bias, dist.get_world_size(self.group))
-        reduce = reduce_scatter_to_sequence_parallel_region if self.sequence_parallel \
-            else reduce_from_tensor_parallel_region
-        return reduce(F.linear(x, self.weight, share), self.group, self.reduce_dtype)
+        return self.reduce_output(F.linear(x, self.weight, share), self.group, self.reduce_dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -314,7 +255,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None, reduce_dtype=None):
         super().__init__()
         self.group, self.reduce_dtype = group, reduce_dtype
-        self.sequence_parallel = False  # rule 7: the output reduce-scattered along the sequence, not all-reduced
+        self.reduce_output = reduce_from_tensor_parallel_region  # g (sequence_parallel.py: its own)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         local = _split(num_embeddings, group, "the vocabulary (num_embeddings)")
         self.vocab_start = dist.get_rank(group) * local
@@ -334,27 +275,7 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = (ids - self.vocab_start).masked_fill(elsewhere, 0)
         rows = F.embedding(local_ids, self.weight)
         rows = rows.masked_fill(elsewhere.unsqueeze(-1), 0.0)
-        reduce = reduce_scatter_to_sequence_parallel_region if self.sequence_parallel \
-            else reduce_from_tensor_parallel_region
-        return reduce(rows, self.group, self.reduce_dtype)
-
-
-class SequenceParallelDropout(nn.Module):
-    """``nn.Dropout(p)`` on this rank's block of the sequence (dim 1) of a tensor split over ``group`` (rule 7): it
-    draws the whole tensor's mask, as ``F.dropout`` does on a CPU (a Bernoulli draw, divided by 1 - p), and keeps
-    this rank's block, so the masks are one process's and the random stream moves on as one process's does."""
-
-    def __init__(self, p: float, group=None):
-        super().__init__()
-        self.p, self.group = p, group
-
-    def forward(self, x):
-        if not self.training or self.p == 0:
-            return x
-        world_size = dist.get_world_size(self.group)
-        whole = (x.shape[0], x.shape[1] * world_size, *x.shape[2:])
-        noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p).div_(1 - self.p)
-        return x * noise.chunk(world_size, dim=1)[dist.get_rank(self.group)]
+        return self.reduce_output(rows, self.group, self.reduce_dtype)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -410,24 +331,21 @@ def tensor_parallel_plan(n_layer: int) -> dict:
                              for name, style in BLOCK_PLAN.items()}}
 
 
-def add_tensor_parallel_flags(parser) -> None:
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="split the activations between the layers along the sequence too (rule 7)")
-
-
 def check_tensor_parallel(config: dict, vocab_size: int, world_size: int, flag: str | None = None) -> None:
-    """``check_divisible`` for a run's flags: --n-head, the vocabulary and, with --sequence-parallel, --seq-len."""
-    check_divisible(config["n_head"], vocab_size, world_size, flag,
-                    seq_len=config["seq_len"] if config["sequence_parallel"] else None)
+    """``check_divisible`` for a run's flags: --n-head and the vocabulary."""
+    check_divisible(config["n_head"], vocab_size, world_size, flag)
 
 
-def check_divisible(n_head: int, vocab_size: int, world_size: int, flag: str | None = None,
-                    seq_len: int | None = None) -> None:
-    """Refuse, with one line, a tensor-parallel degree that cannot split the heads or the vocabulary (or, given
-    ``seq_len``, the sequence: rule 7). ``flag``: the option that sets the degree, named in the line (step 10's
-    ``--tp``); none: the number of ranks sets it."""
+def degree_and_fix(world_size: int, flag: str | None) -> tuple[str, str]:
+    """How a refusal names the degree and its fix: ``flag`` (step 10's ``--tp``), or the ranks."""
     degree = f"{flag} {world_size}" if flag else f"tensor parallelism over {world_size} ranks"
-    fix = f"use a {flag} that divides" if flag else "run on a number of ranks that divides"
+    return degree, f"use a {flag} that divides" if flag else "run on a number of ranks that divides"
+
+
+def check_divisible(n_head: int, vocab_size: int, world_size: int, flag: str | None = None) -> None:
+    """Refuse, with one line, a tensor-parallel degree that cannot split the heads or the
+    vocabulary. ``flag``: the option that sets the degree, named in the line; none: the ranks."""
+    degree, fix = degree_and_fix(world_size, flag)
     if n_head % world_size:
         why = "more ranks than heads" if world_size > n_head else "each rank holds whole heads"
         raise UserError(f"{degree} needs --n-head divisible by {world_size}, got {n_head} ({why}): {fix} {n_head}, "
@@ -435,62 +353,21 @@ def check_divisible(n_head: int, vocab_size: int, world_size: int, flag: str | N
     if vocab_size % world_size:
         raise UserError(f"{degree} needs a vocabulary divisible by {world_size}, the tokenizer has {vocab_size} "
                         f"tokens: {fix} {vocab_size}, or pad the vocabulary (Megatron does)")
-    if seq_len is not None and seq_len % world_size:
-        raise UserError(f"{degree} with --sequence-parallel needs --seq-len divisible by {world_size}, got {seq_len}: "
-                        f"{fix} {seq_len}, or change --seq-len")
 
 
-def sequence_parallel_gpt2(model, group=None, reduce_dtype=None):
-    """Rule 7 on a model ``parallelize_gpt2`` made tensor-parallel, in place: the embedding and both c_proj
-    reduce-scatter along the sequence; ``attn``, ``mlp`` and ``lm_head`` gather it first (one all-gather each);
-    the position embedding gives this rank's positions; dropout between the blocks keeps this rank's block of
-    one process's mask; the LayerNorms' parameters are marked ``sequence_parallel`` (their gradients are partial
-    sums: ``finish_gradient_synchronization`` adds them over the group)."""
-    def gather(module, args):
-        return (gather_from_sequence_parallel_region(args[0], group, reduce_dtype),)
+def parallelize_gpt2(model, group=None, reduce_dtype=None):
+    """Turn our GPT-2 (common/model.py; every rank holding the same full weights) into its
+    tensor-parallel form over ``group``, in place, and return it.
 
-    model.transformer.wte.sequence_parallel = True
-    model.transformer.wpe.register_forward_hook(lambda module, args, out: _ScatterAlong.apply(out, 0, group))
-    model.transformer.drop = SequenceParallelDropout(model.config.dropout, group)
-    norms = [model.transformer.ln_f]
-    for block in model.transformer.h:
-        for module in (block.attn, block.mlp):
-            module.register_forward_pre_hook(gather)
-        for layer in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.attn.c_proj, block.mlp.c_fc,
-                      block.mlp.c_proj):
-            layer.sequence_parallel = True
-        block.attn.resid_dropout = SequenceParallelDropout(model.config.dropout, group)
-        block.mlp.dropout = SequenceParallelDropout(model.config.dropout, group)
-        norms += [block.ln_1, block.ln_2]
-    model.lm_head.register_forward_pre_hook(gather)
-    model.lm_head.sequence_parallel = True
-    for p in (p for norm in norms for p in norm.parameters()):
-        p.sequence_parallel = {"group": group, "reduce_dtype": reduce_dtype}  # where its partial sums are added
-
-
-def finish_gradient_synchronization(model) -> None:
-    """The single sync point before the optimiser step (rule 7): the gradients of ``model``'s parameters marked
-    ``sequence_parallel``, each rank's sum over its own tokens and every micro-batch, added over their group.
-    Nothing to do without sequence parallelism: every replicated parameter then saw every token (rule 6)."""
-    for p in model.parameters():
-        marked = getattr(p, "sequence_parallel", None)
-        if marked and p.grad is not None:
-            _all_reduce(p.grad, marked["group"], reduce_dtype=marked["reduce_dtype"])
-
-
-def parallelize_gpt2(model, group=None, reduce_dtype=None, sequence_parallel: bool = False):
-    """Turn our GPT-2 (common/model.py; every rank holding the same full weights) into its tensor-parallel form
-    over ``group``, in place, and return it.
-
-    ``tensor_parallel_plan``: each block's ``attn.c_q``, ``attn.c_k``, ``attn.c_v`` and ``mlp.c_fc`` become
-    ``ColumnParallelLinear`` (rank r: heads ``r H/T .. (r+1) H/T - 1`` of q, k and v), ``attn.c_proj`` and
-    ``mlp.c_proj`` ``RowParallelLinear``; ``transformer.wte`` a ``VocabParallelEmbedding`` and ``lm_head`` a
-    ``ColumnParallelLinear`` over the vocabulary whose weight is that embedding's Parameter (the tie kept). The
-    attention reads its number of heads off the width, so it runs on the local heads unchanged. Parameter names
-    do not change. The model's forward then returns this rank's vocabulary slice of the logits: take the loss
-    with ``vocab_parallel_cross_entropy``. Every sharded parameter carries ``tp_blocks``: where it sits in the whole
-    one (tensor_parallel_state.py). ``sequence_parallel``: rule 7 too (``sequence_parallel_gpt2``); call
-    ``finish_gradient_synchronization(model)`` after the micro-batches' backwards, before the optimiser step."""
+    ``tensor_parallel_plan``: each block's ``attn.c_q``, ``attn.c_k``, ``attn.c_v`` and ``mlp.c_fc``
+    become ``ColumnParallelLinear`` (rank r: heads ``r H/T .. (r+1) H/T - 1`` of q, k and v),
+    ``attn.c_proj`` and ``mlp.c_proj`` ``RowParallelLinear``; ``transformer.wte`` a
+    ``VocabParallelEmbedding`` and ``lm_head`` a ``ColumnParallelLinear`` over the vocabulary whose
+    weight is that embedding's Parameter (the tie kept). The attention reads its number of heads off
+    the width, so it runs on the local heads unchanged. Parameter names do not change. The model's
+    forward then returns this rank's vocabulary slice of the logits: take the loss with
+    ``vocab_parallel_cross_entropy``. Every sharded parameter carries ``tp_blocks``: where it sits
+    in the whole one (tensor_parallel_state.py). Sequence parallelism: sequence_parallel.py."""
     cfg = model.config
     check_divisible(cfg.n_head, cfg.vocab_size, dist.get_world_size(group))
     for name, style in tensor_parallel_plan(len(model.transformer.h)).items():
@@ -498,6 +375,4 @@ def parallelize_gpt2(model, group=None, reduce_dtype=None, sequence_parallel: bo
         module = model.get_submodule(parent)
         setattr(module, leaf, style.from_full(getattr(module, leaf), group, reduce_dtype))
     model.lm_head.weight = model.transformer.wte.weight  # one Parameter: its gradient sums both uses, as in GPT-2
-    if sequence_parallel:
-        sequence_parallel_gpt2(model, group, reduce_dtype)
     return model

@@ -1,4 +1,5 @@
-"""Step 8: tensor parallelism, written by hand (tensor_parallel.py). Grown from step 3's train.py.
+"""Step 8: tensor parallelism, written by hand (tensor_parallel.py; sequence_parallel.py on top).
+Grown from step 3's train.py.
 
 Steps 1-7 gave every rank its own samples. Here the T ranks read the same micro-batches and split every layer:
 whole heads, 1/T of the MLP, of the vocabulary, of every weight matrix; activations are all-reduced, not gradients.
@@ -25,8 +26,9 @@ from model import build_model, language_model_loss
 from resharding import find_checkpoint, open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
-from tensor_parallel import (add_tensor_parallel_flags, check_tensor_parallel, finish_gradient_synchronization,
-                             parallelize_gpt2, vocab_parallel_cross_entropy)
+from sequence_parallel import (add_sequence_parallel_flags, check_sequence_parallel,
+                               finish_gradient_synchronization, sequence_parallel_gpt2)
+from tensor_parallel import check_tensor_parallel, parallelize_gpt2, vocab_parallel_cross_entropy
 from tensor_parallel_state import TensorParallelShards, counted_once, gather_full_parameters, replicated_in_sync
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
                       param_norm)
@@ -64,14 +66,15 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
-    add_tensor_parallel_flags(parser)  # --sequence-parallel
+    add_sequence_parallel_flags(parser)  # --sequence-parallel
     config = parse_config(parser)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
-    check_tensor_parallel(config, corpus.vocab_size, world.world_size)  # whole heads, vocabulary (sequence) slices
+    check_tensor_parallel(config, corpus.vocab_size, world.world_size)  # whole heads, vocab slices
+    check_sequence_parallel(config, world.world_size)  # and whole slices of the sequence
     check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, 1, world.is_main) if resume_from else None
@@ -86,7 +89,10 @@ def main():
     reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
     model = build_model(config, corpus.vocab_size, config["seed"])
     full_shapes = {name: p.shape for name, p in model.named_parameters()}  # what checkpoints describe
-    model = parallelize_gpt2(model, reduce_dtype=reduce_dtype, sequence_parallel=config["sequence_parallel"]).to(device)
+    model = parallelize_gpt2(model, reduce_dtype=reduce_dtype)
+    if config["sequence_parallel"]:
+        model = sequence_parallel_gpt2(model, reduce_dtype=reduce_dtype)
+    model = model.to(device)
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)  # fp16: every rank skips, or steps, together

@@ -95,7 +95,7 @@ def test_sequence_parallel_dropout_under_bf16_is_step8s_masks(mesh_runs):
 
 
 def test_sequence_parallel_communication_per_step_is_the_formula(tp_runs):
-    """Bytes handed to collectives per optimiser step with --sequence-parallel (tensor_parallel.py rule 7): per
+    """Collective bytes per optimiser step with --sequence-parallel (sequence_parallel.py): per
     micro-batch, the all-reduces of the activations become all-gathers of the sequence (before attention,
     MLP and the output layer; backward, after each reduce-scatter; the position embedding's gradient) and
     reduce-scatters of the whole (b, s, h) partial sums (after the embedding and both c_proj; backward, before each
@@ -259,15 +259,16 @@ def use_it_in_your_own_script():
 def use_sequence_parallelism_in_your_own_script():
     import torch.nn.functional as F
     from model import GPT2, GPTConfig
-    from tensor_parallel import (SequenceParallelDropout, finish_gradient_synchronization, parallelize_gpt2,
-                                 vocab_parallel_cross_entropy)
+    from sequence_parallel import (SequenceParallelDropout, finish_gradient_synchronization,
+                                   sequence_parallel_gpt2)
+    from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
 
     rank, T = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
     plain, split = GPT2(cfg), GPT2(cfg)
     split.load_state_dict(plain.state_dict())
-    plain, split = parallelize_gpt2(plain), parallelize_gpt2(split, sequence_parallel=True)
+    plain, split = parallelize_gpt2(plain), sequence_parallel_gpt2(parallelize_gpt2(split))
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     losses, partial = {}, None
     for name, model in (("plain", plain), ("split", split)):
@@ -301,13 +302,14 @@ def against_pytorchs_sequence_parallel_plan(GPT2, cfg, ids) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-    from tensor_parallel import finish_gradient_synchronization, parallelize_gpt2, vocab_parallel_cross_entropy
+    from sequence_parallel import finish_gradient_synchronization, sequence_parallel_gpt2
+    from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
     sys.path.insert(0, str(REPO / "compare"))
     import tp_reference
 
     ours, theirs = GPT2(cfg), GPT2(cfg)
     theirs.load_state_dict(ours.state_dict())
-    ours = parallelize_gpt2(ours, sequence_parallel=True)
+    ours = sequence_parallel_gpt2(parallelize_gpt2(ours))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     parallelize_module(theirs, mesh, tp_reference.sequence_parallel_plan(cfg.n_layer))
     theirs.lm_head.weight = theirs.transformer.wte.weight
@@ -371,7 +373,7 @@ def sp_dropout_worker(rank, world_size, port, queue):
     try:
         sys.path.insert(0, str(REPO / STEPS["step8"]))
         import torch.nn.functional as F
-        from tensor_parallel import SequenceParallelDropout
+        from sequence_parallel import SequenceParallelDropout
         x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         torch.manual_seed(3)
         whole = F.dropout(x, 0.1, training=True)
