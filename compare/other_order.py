@@ -46,6 +46,11 @@ def drift(metrics_a: dict, weights_a: dict, metrics_b: dict, weights_b: dict) ->
                  weights=max((weights_a[n].double() - weights_b[n].double()).abs().max().item() for n in weights_b))
 
 
+def largest(*drifts: Drift) -> Drift:
+    """Each quantity's largest drift over several reference pairs (one process regrouped two ways, say)."""
+    return Drift(*(max(getattr(d, f.name) for d in drifts) for f in fields(Drift)))
+
+
 def bound(reference: Drift, metrics: dict, weights: dict) -> Drift:
     """What a run may drift: ``FACTOR`` times the reference's, each at least one float32 ulp of its quantity
     (the reference could, by chance, round alike), and the first loss to float32's rounding."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import other_order  # compare/, on the path through conftest
 from conftest import (EXACT, PIPELINE, REPO, STEPS, TINY, assert_bitwise_same_run, launch, metrics,
                       other_order_drift, parity, train, weights)
 
@@ -113,7 +114,7 @@ def test_step0_drifts_from_step1_no_further_than_one_process_regrouped(tour, ste
     regrouped = [train("step0", tmp_path / f"a{k}m{b}", small_corpus, "--grad-accum", str(k), "--micro-batch-size",
                        str(b)) for k, b in ((8, 1), (2, 4))]  # TINY's own accumulation and micro-batch overridden
     drifts = [other_order_drift(order_reference, single, run)[0] for run in regrouped]
-    reference = max(drifts, key=lambda d: d.weights)
+    reference = other_order.largest(*drifts)
     drift, beyond = other_order_drift(reference, step1_ws2, single)
     assert drift == order_reference  # the same pair the other tests' bound comes from
     contract = parity(single, step1_ws2)

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, run_ranks, train, weights
+import other_order  # compare/, on the path through conftest
+from conftest import (REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, other_order_drift, run_ranks,
+                      train, weights)
 
 BF16 = ("--param-dtype", "bf16")
 SHARDED = ("step5", "step6", "step7")
@@ -179,11 +181,18 @@ def test_fp16_with_skipped_steps_is_bitwise_across_zero_stages(tmp_path, small_c
 
 
 def test_step0_bf16_stays_within_bf16_rounding_of_the_sharded_steps(bf16_runs, tmp_path, small_corpus):
-    """One process summing the 4 micro-batches in another order: not bitwise, but the same training."""
+    """One process summing the 4 micro-batches in another order: not bitwise, but the same training. How far bf16
+    parameters drift in another order is the CPU's, so the bound is measured here: step 0 regrouping the same 8
+    samples a step (8 micro-batches of 1, 2 of 4) drifts from itself, and step 5 stays within
+    compare/other_order.py's factor of that (measured 1.0-2.9x on three kernel paths), its first loss to 1e-6."""
     run = train("step0", tmp_path / "step0", small_corpus, *BF16, "--grad-accum", "4")
-    ours, theirs = metrics(run)["records"], metrics(bf16_runs["step5"])["records"]
-    assert abs(ours[0]["loss"] - theirs[0]["loss"]) < 1e-5 * theirs[0]["loss"]
-    assert all(abs(a["loss"] - b["loss"]) < 1e-3 for a, b in zip(ours, theirs))
+    regrouped = [train("step0", tmp_path / f"a{k}m{b}", small_corpus, *BF16, "--grad-accum", str(k),
+                       "--micro-batch-size", str(b)) for k, b in ((8, 1), (2, 4))]
+    reference = other_order.largest(*(other_order.drift(metrics(r), weights(r), metrics(run), weights(run))
+                                      for r in regrouped))
+    step5 = bf16_runs["step5"]
+    drift, beyond = other_order_drift(reference, run, step5)
+    assert not beyond, f"{beyond}; {drift}; step 0 regrouped: {reference}"
 
 
 # The drop-in cases (ShardedOptimizer and ShardedGradientDDP with param_dtype, against FSDP2 bf16, torch.equal every
