@@ -24,7 +24,8 @@ for the trainers' model with math attention), or, with --preset, --params, --att
 --selective-recompute, by Korthikanti et al.'s formula (``activation_formula.py``: as on a GPU); tensor
 parallelism splits the ones inside its split layers (q, k, v, the attention scores, the MLP's 4h, the logits) and
 leaves the (b, s, h) ones whole. Checkpointing keeps each block's input
-and recomputes one block at a time. Sequence parallelism (step 8's rule 7, at tp > 1) splits the LayerNorms'
+and recomputes one block at a time. Sequence parallelism (step 8's sequence_parallel.py, at tp > 1)
+splits the LayerNorms'
 activations too; context parallelism (step 11: cp ranks share each sequence, each a replica of the model state,
 ZeRO over dp x cp) gives each rank 1/cp of every activation, by the formula with the ring's attention. Both are
 kept only where the same layout with less of them does not fit (CP too where the global batch is too small for
@@ -216,7 +217,8 @@ class Activations:
             # attention's output, the row-parallel c_proj's input, which holds only the rank's heads.
             if in_block:
                 kept -= hidden * element
-            # Sequence parallelism (step 8's rule 7) splits the LayerNorms' inputs (two per block, the final one in
+            # Sequence parallelism (step 8's sequence_parallel.py) splits the LayerNorms' inputs
+            # (two per block, the final one in
             # the rest) and their per-token statistics; their outputs, gathered whole for the column-parallel layers
             # and kept for their weights' gradients, stay whole (as in PyTorch's plan).
             statistics = sum(n for k, n in storages.items() if len(shapes[k]) > 0 and shapes[k][-1] == 1)
@@ -231,7 +233,7 @@ class Activations:
                         sequence_parallel: bool = False) -> int:
         """Bytes one micro-batch leaves for backward on a rank of a stage with ``blocks`` blocks (with
         checkpointing, the blocks' inputs: the block recomputed in backward is ``recomputed``; with
-        ``sequence_parallel``, 1/tp of them, and of what rule 7 splits)."""
+        ``sequence_parallel``, 1/tp of them, and of what sequence parallelism splits)."""
         # the rest (embedding lookup, final norm, logits, loss): on the last stage, where nearly all of it is
         rest = self.split(self.rest, tp, sequence_parallel) if last else 0
         kept = -(-self.kept_per_block // tp) if sequence_parallel else self.kept_per_block
@@ -316,7 +318,8 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
     reduce-scatters into the shard instead. ``offload`` (ZeRO-3 only,
     step 7's --offload-optimizer): the optimiser state leaves the device for the host (``host``), with a float32
     copy of the shard where the shard is the master; the gradient shard goes out and the float32 shard comes
-    back every step (``offloaded``, bytes each way). ``sequence_parallel`` (at tp > 1, step 8's rule 7): what the
+    back every step (``offloaded``, bytes each way). ``sequence_parallel`` (at tp > 1, step 8's
+    sequence_parallel.py): what the
     LayerNorms save split 1/tp too; each activation all-reduce a reduce-scatter and an all-gather. ``cp`` (step 11):
     each sequence split over cp ranks, each a replica of the state, so ZeRO shards over dp x cp; ``activations``
     must then be the ring's (``FormulaActivations(..., cp=cp)``); the ring passes K/V blocks to its neighbour."""
@@ -703,8 +706,8 @@ def main() -> int:
                        help="ZeRO-2/3 reduce-scatter every micro-batch into the shard (step 6's flag), not one "
                             "whole gradient accumulated under no_sync() per step (the trainers' default)")
     flags.add_argument("--sequence-parallel", action="store_true",
-                       help="step 8's --sequence-parallel (rule 7) at every tp > 1 (default: where activations "
-                            "need it)")
+                       help="step 8's --sequence-parallel at every tp > 1 (default: where "
+                            "activations need it)")
     flags.add_argument("--top", type=int, default=12, help="configurations printed")
     flags.add_argument("--measured", type=Path, nargs="+", default=None,
                        help="run folders (or step names): print their measured model state beside the estimate")
