@@ -38,7 +38,7 @@ def _reduce_scatter_along(x: torch.Tensor, dim: int, group, reduce_dtype=None) -
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """*f*: the whole sequence (dim 1) gathered forward; backward, the gradients reduce-scattered."""
+    """*f*: the whole sequence (dim 1) gathered forward; backward, its gradient reduce-scattered."""
 
     @staticmethod
     def forward(ctx, x, group, reduce_dtype):
