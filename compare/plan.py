@@ -56,6 +56,7 @@ so it errs slow), then by simplicity. The first row is the one to try; each row 
 import argparse
 import dataclasses
 import functools
+import importlib
 import itertools
 import json
 import math
@@ -266,13 +267,13 @@ def in_flight(schedule: str, pp: int, stage: int, micro_batches: int, chunks: in
     return micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
 
 
-def step9_pipeline():
-    """Step 9's pipeline.py: the schedules the planner counts with (their action lists, their bubble)."""
+def step9_pipeline(module: str = "pipeline"):
+    """Step 9's pipeline.py: the schedules the planner counts with (their action lists, their bubble); or
+    another of step 9's modules, ``module`` (pipeline_setup.py: its flags' rules)."""
     step9 = str(Path(__file__).resolve().parent.parent / "step9_pipeline_parallel")
     if step9 not in sys.path:
         sys.path.append(step9)  # after common/: the copies step 9 shares are common's own
-    import pipeline
-    return pipeline
+    return importlib.import_module(module)
 
 
 def interleaved_activations(activations, shape: Shape, tp: int, pp: int, stage: int, micro_batches: int,
@@ -628,7 +629,7 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
     rows = []
     for rank, memory in enumerate(metrics["records"][-1]["memory"]):
         stage = mesh["coords"][rank][2]
-        chunks = step9_pipeline().virtual_stages({"schedule": "1f1b", **config})  # step 9's own rule: V, or 1
+        chunks = step9_pipeline("pipeline_setup").virtual_stages({"schedule": "1f1b", **config})  # step 9's rule
         held = rank_params(shape, mesh["tp"], mesh["pp"], stage, chunks if mesh["pp"] > 1 else 1)
         estimated = estimate.state_bytes(mesh["zero"], held["blocks"] + held["rest"], mesh["dp"], param_dtype,
                                          reduce_dtype)

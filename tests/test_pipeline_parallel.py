@@ -81,10 +81,15 @@ def test_equal_to_torch_distributed_pipelining_on_the_same_stages():
 
 
 def step9_module(name: str):
-    """Step 9's ``name``.py, imported under a name of its own (other steps have modules of the same names)."""
+    """Step 9's ``name``.py, imported under a name of its own (other steps have modules of the same names); the
+    modules it imports that only step 9 has (pipeline.py's dropout_replay.py, ...) are found in step 9's folder."""
     spec = importlib.util.spec_from_file_location(f"step9_{name}", REPO / STEPS["step9"] / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.append(str(REPO / STEPS["step9"]))  # after common/: the copies step 9 shares are common's own
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / STEPS["step9"]))
     return module
 
 
@@ -118,7 +123,7 @@ def test_stages_in_turn_compute_the_models_forward_bitwise(n_layer, num_stages):
 # ---- gloo moves CPU tensors only: a GPU's messages go through host memory ----------------------------------------
 
 def test_only_gloo_off_the_cpu_stages_through_host_memory():
-    host_staged = step9_module("pipeline").host_staged
+    host_staged = step9_module("host_staging").host_staged
     assert host_staged("gloo", torch.device("cuda", 0)) and host_staged("gloo", "cuda")
     assert not host_staged("gloo", torch.device("cpu")) and not host_staged("gloo", "cpu")
     assert not host_staged("nccl", torch.device("cuda", 1))
