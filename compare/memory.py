@@ -115,7 +115,7 @@ def report(run_name: str) -> tuple[str, bool]:
 def bar_chart(run_names: list[str], out: Path) -> Path:
     runs = [measure(name) for name in run_names]
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(runs), 4.5), dpi=110)
-    for x, (run, name, psi, world_size, memory) in enumerate(runs):
+    for x, (*_, memory) in enumerate(runs):
         bottom = 0.0
         worst = max(memory, key=lambda m: sum(m[k] for k in KINDS))  # the rank that holds the most
         for kind, color in zip(KINDS, ("tab:blue", "tab:orange", "tab:purple", "tab:green")):

@@ -101,7 +101,7 @@ def worker(rank: int, world_size: int, port: int, args) -> list:
         ours, our_tied, our_named, our_optimizer = fresh_stage(schedule)
         halves = []  # the tied embedding's half of each micro-batch's gradient, in order
         if their_tied is not None:
-            their_tied.register_hook(lambda grad: halves.append(grad.clone()) or grad)
+            their_tied.register_hook(lambda grad, halves=halves: halves.append(grad.clone()) or grad)
         their_schedule = their_schedule_of(schedule, theirs, loss_fn=lambda out, y: loss_of(out, y) / M,
                                            scale_grads=False)
         pipe = Pipeline(ours, rank, P, (B, args.seq_len, args.n_embd), loss_fn=loss_of, tied_parameter=our_tied,

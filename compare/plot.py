@@ -51,11 +51,11 @@ def plot_runs(names: list[str], out: Path) -> Path:
     fig, axes = plt.subplots(len(SERIES), 2, figsize=(12, 8.5), dpi=110, sharex=True)
     for row, (key, title) in enumerate(SERIES):
         curves, diffs = axes[row]
-        for (path, metrics), color in zip(runs, colors):
+        for (_, metrics), color in zip(runs, colors):
             steps = [r["step"] for r in metrics["records"]]
             curves.plot(steps, [r[key] for r in metrics["records"]], color=color, linewidth=1.2)
         curves.set_ylabel(title)
-        for i, ((path, metrics), color) in enumerate(list(zip(runs, colors))[1:], start=1):
+        for i, ((_, metrics), color) in enumerate(list(zip(runs, colors))[1:], start=1):
             common = [r for r in metrics["records"] if r["step"] in base]
             delta = [r[key] - base[r["step"]][key] for r in common]
             worst[i][key] = max(map(abs, delta), default=0.0)

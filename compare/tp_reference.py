@@ -126,7 +126,7 @@ def main():
         clock = StepClock()
         lr = scheduler.get_last_lr()[0]
         loss_sum = torch.zeros((), device=device)
-        for micro_step in range(accum):
+        for _ in range(accum):
             inputs, targets = batches.next()
             with loss_parallel():  # cross-entropy on logits sharded by vocabulary, and its backward
                 with autocast(config["amp"], device):

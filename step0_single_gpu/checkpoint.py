@@ -105,7 +105,7 @@ class CheckpointWriter:
         try:
             self._write(step, *self._states(step))
         except Exception as error:  # a full disk, a folder removed under the run: one line, exit 2
-            raise not_written(error, self.rank, step, self.config["out"])
+            raise not_written(error, self.rank, step, self.config["out"]) from error
         self._report(step, started, "written")
 
     def _states(self, step: int) -> tuple[dict, dict]:

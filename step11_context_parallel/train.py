@@ -41,7 +41,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
-    for micro_step, (inputs, targets) in enumerate(micro_batches):
+    for inputs, targets in micro_batches:
         with record_function("forward"), autocast(config["amp"], device):
             # The model computes this rank's positions (rule 1): the loss is over this rank's tokens.
             loss = language_model_loss(model, inputs.to(device), model.sequence_shard(targets.to(device)))

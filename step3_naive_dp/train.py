@@ -37,7 +37,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
-    for micro_step, (inputs, targets) in enumerate(micro_batches):
+    for inputs, targets in micro_batches:
         with record_function("forward"), autocast(config["amp"], device):
             loss = language_model_loss(model, inputs.to(device), targets.to(device))
         with record_function("backward"):

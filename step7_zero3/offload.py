@@ -16,11 +16,13 @@ need (``--offload-optimizer``; DeepSpeed's ZeRO-Offload, FSDP2's ``CPUOffloadPol
 """
 import torch
 
+HOST = torch.device("cpu")  # where the masters, the moments and the step live
+
 
 class OffloadedOptimizer(torch.optim.Optimizer):
     """``make(named_host_params)`` builds the optimiser that steps on the host (step 7: AdamW, by ``make_optimizer``)."""
 
-    def __init__(self, named_params, make, host: torch.device = torch.device("cpu")):
+    def __init__(self, named_params, make, host: torch.device = HOST):
         named_params = list(named_params)
         pinned = torch.cuda.is_available() and any(p.is_cuda for _, p in named_params)
         self.host_copies = []  # rule 1: the float32 masters AdamW updates, trainable where the parameters are

@@ -43,7 +43,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     gradient norm before clipping, this rank's memory; the phases named for torch.profiler (compare/peak_memory.py)."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
-    for micro_step, (inputs, targets) in enumerate(micro_batches):
+    for inputs, targets in micro_batches:
         with record_function("forward"), autocast(config["amp"], device):
             loss = language_model_loss(model, inputs.to(device), targets.to(device), vocab_parallel_cross_entropy)
         with record_function("backward"):

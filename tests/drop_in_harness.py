@@ -276,9 +276,9 @@ def case_zero3(rank, problems) -> int:
     # (tied ends, param_dtype): FSDP2 in float32; DDP with a unit called twice; FSDP2's mixed precision,
     # bf16 parameters and computation over float32 master shards, gradients reduced in float32.
     for tied, param_dtype in ((False, None), (True, None), (False, torch.bfloat16)):
-        ours_model = build(lambda: Stack(tied), 100)
+        ours_model = build(lambda tied=tied: Stack(tied), 100)
         ours = FullyShardedDP(ours_model, ours_model.units, param_dtype=param_dtype)
-        theirs = build(lambda: Stack(tied), 100)
+        theirs = build(lambda tied=tied: Stack(tied), 100)
         if tied:
             theirs = DDP(theirs, find_unused_parameters=True)
         else:

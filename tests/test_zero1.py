@@ -224,7 +224,7 @@ def scaler_skips_together(results, rank, world_size):
         before = our_p.detach().clone()
         our_scaler.unscale_(ours)
         found.append(sum(v.item() for v in our_scaler._per_optimizer_states[id(ours)]["found_inf_per_device"].values()))
-        for p, optimizer, scaler in ((ref_p, ref, ref_scaler), (our_p, ours, our_scaler)):
+        for optimizer, scaler in ((ref, ref_scaler), (ours, our_scaler)):
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()

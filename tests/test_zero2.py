@@ -210,17 +210,17 @@ def test_gradient_shards_are_bitwise_slices_of_ddp_gradients(world, case):
 @pytest.mark.parametrize("case", BITWISE_CASES + ["reduce every micro-batch"])
 def test_after_the_sync_point_only_the_shards_hold_gradient_memory(world, case):
     world_size, _ = world
-    for rank, r in each_rank(world, case):
+    for _, r in each_rank(world, case):
         assert r["grads alive"] == [] and r["buffers alive"] == []
         assert r["shard bytes"] == r["expected shard bytes"]  # 4 * sum(Lp) / N: float32, a 1/N share
 
 
 def test_each_full_gradient_is_freed_as_soon_as_it_is_in_its_bucket(world):
-    for rank, r in each_rank(world, "two buckets"):
+    for _, r in each_rank(world, "two buckets"):
         # default no_sync: full gradients accumulate locally until the synchronised backward frees them
         assert r["full grads after each backward"] == [len(TRAINABLE)] * (ACCUM - 1) + [0]
         assert r["grad None after our hook"] == [False] * len(TRAINABLE) * (ACCUM - 1) + [True] * len(TRAINABLE)
-    for rank, r in each_rank(world, "reduce every micro-batch"):
+    for _, r in each_rank(world, "reduce every micro-batch"):
         assert r["full grads after each backward"] == [0] * ACCUM  # never a full gradient between micro-batches
         assert all(r["grad None after our hook"])
 
@@ -228,7 +228,7 @@ def test_each_full_gradient_is_freed_as_soon_as_it_is_in_its_bucket(world):
 def test_each_gradient_byte_is_reduce_scattered_once_per_optimiser_step(world):
     """4 * sum(Lp) bytes in float32 (8 * sum(Lp) in the float64 mode), whatever the accumulation."""
     world_size, _ = world
-    for rank, r in each_rank(world, "two buckets"):
+    for _, r in each_rank(world, "two buckets"):
         assert r["comm"] == {"reduce_scatter": r["padded bytes"]}
         assert r["padded bytes"] == r["expected shard bytes"] * world_size * WORLDS[world_size].itemsize // 4
 
@@ -244,19 +244,19 @@ def test_reducing_every_micro_batch_moves_the_gradient_accum_times_and_agrees_wi
             assert r["error"] is None
             assert r["comm"] == {"reduce_scatter": ACCUM * r["padded bytes"]}
             assert r["max abs diff"] <= 1e-6, f"{case}, rank {rank}: {r['max abs diff']}"
-    for rank, r in each_rank(world, "two buckets"):
+    for _, r in each_rank(world, "two buckets"):
         assert r["max abs diff"] == 0  # the tolerance above is not hiding a broken default mode
 
 
 def test_the_first_bucket_is_launched_before_backward_ends(world):
-    for rank, r in each_rank(world, "one parameter per bucket"):
+    for _, r in each_rank(world, "one parameter per bucket"):
         assert r["first launch before backward ends"] and r["timeline complete"]
 
 
 def test_a_parameter_no_rank_used_is_a_clear_error_without_a_hang(world):
-    for rank, r in each_rank(world, "never used"):
+    for _, r in each_rank(world, "never used"):
         assert "extra.weight" in r["error"] and "extra.bias" in r["error"] and "find_unused_parameters" in r["error"]
-    for rank, r in each_rank(world, "never used, find_unused"):
+    for _, r in each_rank(world, "never used, find_unused"):
         assert r["error"] is None and r["unused names"] == ["extra.bias", "extra.weight"]
         assert r["bitwise mismatches"] == []  # their slices are zero, everything else is DDP's average
 
