@@ -47,6 +47,7 @@ from model import GPT2
 from tied_embedding import TiedGradient
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+CPU = torch.device("cpu")
 
 
 def stage_blocks(n_blocks: int, num_stages: int) -> list[range]:
@@ -177,7 +178,7 @@ class Pipeline:
     def __init__(self, module, stage: int, num_stages: int, activation_shape,
                  activation_dtype=torch.float32, loss_fn=None, tied_parameter=None, ranks=None,
                  schedule: str = "1f1b", context=contextlib.nullcontext, random_ops=None,
-                 device=torch.device("cpu")):
+                 device=CPU):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.chunks = list(module) if isinstance(module, (list, tuple)) else [module]
