@@ -1,7 +1,8 @@
 """The pieces of one optimiser step that every step shares: optimiser, LR schedule, AMP, clipping, norms.
 
 They live here, not in each train.py, so that the numbers they produce are computed the same way
-in every step; parity between steps depends on it.
+in every step; parity between steps depends on it. Why the norms need sums that no split across
+ranks can change, and how the exact one works: exact_sums.py.
 """
 import contextlib
 import math
@@ -9,6 +10,7 @@ import os
 
 import torch
 
+from exact_sums import norm_from_parts, pieces, square_sum_parts
 from failures import UserError
 
 
@@ -161,14 +163,14 @@ def sum_of_squares(tensors) -> torch.Tensor:
     rank that sums the squares of its slices and then all-reduces the sums gets, after the square
     root is rounded to float32, the clipping norm a DDP rank gets (unless the norm sits right on a
     float32 rounding boundary). On a GPU the elements are taken in pieces of 4M across tensors
-    (``_pieces``): a GPT-2 small's 148 gradients in 21 pieces, three kernels each, not three per tensor
-    (profiled on an H200, step 0 spent its step launching kernels more than running them). On the CPU,
-    tensor by tensor: each one's float64 squares stay in cache (6x faster than pieces, measured here).
+    (``exact_sums.pieces``): a GPT-2 small's 148 gradients in 21 pieces, three kernels each, not
+    three per tensor, since launching kernels is what a step can spend its time on (docs/gpu.md).
+    On the CPU, tensor by tensor: each one's float64 squares stay in cache (faster: docs/design.md).
     """
     tensors = list(tensors)
-    pieces = _pieces(tensors) if tensors and tensors[0].is_cuda else (t.detach() for t in tensors)
+    pieces_ = pieces(tensors) if tensors and tensors[0].is_cuda else (t.detach() for t in tensors)
     total = None  # summed on the first tensor's device, in order: float64 additions in the same order give the
-    for x in pieces:  # same bits on either device
+    for x in pieces_:  # same bits on either device
         square = x.double().pow(2).sum()
         total = square if total is None else total + square.to(total.device)
     return torch.zeros((), dtype=torch.float64) if total is None else total
@@ -191,7 +193,8 @@ def clip_grad_norm(params, max_norm: float, groups=(), counted=None, device=None
     The squares are added in float64 (``sum_of_squares``) and the norm rounded to float32: cut into slices or
     stages and added in another grouping, the float64 sum moves by ~1e-16 relative, far below float32's
     rounding, so every layout gets the float32 norm one process gets (unless it sits within ~1e-16 of a
-    float32 rounding boundary). Not exact, unlike ``param_norm``: exactness would cost ~25x the time here.
+    float32 rounding boundary). Not exact, unlike ``param_norm``: exactness would cost many times
+    the float64 sum's time (docs/design.md, "Norms").
     """
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
@@ -218,9 +221,9 @@ def param_norm(tensors, groups=(), device=None) -> float:
     """The whole model's parameter norm, in float64, from this rank's ``tensors`` (every element counted once
     across the ranks of ``groups``, as for ``clip_grad_norm``). In float64: a float32 norm of ~30 would round
     to steps of 4e-6, coarser than the 1e-6 parity limit. Exact rather than summed in float64
-    (``square_sum_parts``): records are compared bitwise, and a float64 sum rounds differently when the same
-    numbers are grouped differently (by tensor here, by slice in ZeRO-3, by stage in step 9), in the last bit;
-    integers do not."""
+    (``exact_sums.square_sum_parts``): records are compared bitwise, and a float64 sum rounds
+    differently when the same numbers are grouped differently (by tensor here, by slice in ZeRO-3,
+    by stage in step 9), in the last bit; integers do not."""
     tensors = list(tensors)
     parts = square_sum_parts(tensors)
     return norm_from_parts(_summed_over(parts, groups, device or (tensors[0].device if tensors else None)))
@@ -238,116 +241,3 @@ def _summed_over(tensor: torch.Tensor, groups, device) -> torch.Tensor:
         count_collective("all_reduce", tensor)
         dist.all_reduce(tensor, group=group)
     return tensor.cpu()
-
-
-# Exponents frexp gives a float32 (subnormals included): x = mantissa * 2**e, -148 <= e <= 128.
-MIN_EXPONENT, EXPONENTS = -148, 277
-
-
-def square_sum_parts(tensors) -> torch.Tensor:
-    """The sum of the squares of every element of ``tensors`` (float32 or narrower), *exactly*, as integers.
-
-    Each float32 is m * 2**(e - 24) with an integer |m| < 2**24, so its square is the integer m**2 (< 2**48)
-    times 2**(2e - 48). Row 0 and 1 of the result hold, per exponent e, the sums of the high and low 24 bits
-    of those integers (each sum is exact: integers below 2**24 added in float64, exact up to 2**29 of them
-    per address); row 2 counts NaNs and infinities. Integers add exactly in any order, so the parts of a
-    tensor's slices, summed (or all-reduced) in any grouping, are the parts of the tensor: a ZeRO-3 rank that
-    holds only slices gets the very bits a rank holding everything gets (``param_norm``). About fifteen
-    kernels a piece (``_pieces``) and one copy to the CPU at the end: a GPU is not waited on piece by piece.
-    """
-    sums, nans, infs = None, [], []  # per exponent (high, low), on the pieces' device; NaNs and infinities per piece
-    for x in _pieces(tensors):
-        nans.append(torch.isnan(x).sum())
-        infs.append(torch.isinf(x).sum())
-        mantissa, exponent = torch.frexp(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
-        values = torch.empty(2, x.numel(), dtype=torch.float64, device=x.device)
-        square = torch.mul(mantissa, 2.0**24, out=values[1]).square_()  # the integer m**2, exact in float64
-        torch.div(square, 2.0**24, rounding_mode="floor", out=values[0])  # its high 24 bits
-        square.sub_(values[0], alpha=2.0**24)  # and its low 24 bits (exact: integers), in place
-        sums = _add_by_bin(sums, exponent, values)
-    parts = torch.zeros(3, EXPONENTS, dtype=torch.int64)
-    if sums is not None:
-        parts[:2] = sums.cpu()
-        parts[2, :2] = torch.stack([torch.stack(nans).sum(), torch.stack(infs).sum()]).cpu()
-    return parts
-
-
-def _pieces(tensors):
-    """The elements of ``tensors`` in float32, flattened and regrouped into pieces of one device each, 4M
-    elements on a GPU, 1M on the CPU (the last one shorter). Integer sums do not care how the elements are
-    grouped, so the grouping is chosen for speed and memory: on a GPU, a GPT-2's 148 tensors make 21 pieces,
-    not 148 rounds of a dozen small kernels; a piece's float64 intermediates take ~44 bytes an element."""
-    pending, count, size = [], 0, None
-    for t in tensors:
-        rest = t.detach().reshape(-1)
-        if pending and rest.device != pending[0].device:  # a piece lies on one device
-            yield torch.cat(pending)
-            pending, count = [], 0
-        size = 1 << (22 if rest.is_cuda else 20)
-        while rest.numel():
-            take = min(size - count, rest.numel())
-            pending.append(rest[:take].float())
-            rest, count = rest[take:], count + take
-            if count == size:
-                yield torch.cat(pending) if len(pending) > 1 else pending[0]
-                pending, count = [], 0
-    if pending:
-        yield torch.cat(pending) if len(pending) > 1 else pending[0]
-
-
-LANES = 4096  # addresses per bin for the GPU's atomic adds
-
-
-def _add_by_bin(sums, exponent: torch.Tensor, values: torch.Tensor):
-    """``sums`` (None at first) plus the sums of ``values`` (2 x n integers below 2**24 in float64) by
-    ``exponent`` (``frexp``'s, int32; used up). On the CPU ``bincount``, into int64 sums. On a GPU atomic adds
-    (``_LaneSums``)."""
-    if values.device.type != "cpu":
-        sums = _LaneSums(values.device) if sums is None else sums
-        sums.add(exponent, values)
-        return sums
-    sums = torch.zeros(2, EXPONENTS, dtype=torch.int64) if sums is None else sums
-    bins = exponent.sub_(MIN_EXPONENT)
-    for row in range(2):
-        sums[row] += torch.bincount(bins, weights=values[row], minlength=EXPONENTS).long()
-    return sums
-
-
-class _LaneSums:
-    """A GPU's sums by exponent, by atomic adds into EXPONENTS x LANES float64 addresses: each bin's adds are
-    spread over ``LANES`` addresses by element position (a GPT-2's values fall in a few dozen bins, and atomic
-    adds to one address wait for each other). Their order varies from run to run, but every partial sum is an
-    integer below 2**53, exact in float64, so the result cannot; ``cpu()`` adds the lanes in int64. Deterministic
-    mode, which refuses atomic adds, is lifted for the adds alone: its sorted replacement adds each bin's values
-    one after the other (6 s a step for GPT-2 small's 87M parameters, measured on an H100)."""
-
-    offsets = {}  # per device: each position's lane, less MIN_EXPONENT's bins (int32, one piece long)
-
-    def __init__(self, device):
-        self.spread = torch.zeros(2, EXPONENTS * LANES, dtype=torch.float64, device=device)
-        if device not in self.offsets:
-            lanes = torch.arange(1 << 22, dtype=torch.int32, device=device).remainder_(LANES)
-            self.offsets[device] = lanes.sub_(MIN_EXPONENT * LANES)
-
-    def add(self, exponent: torch.Tensor, values: torch.Tensor) -> None:
-        index = exponent.mul_(LANES).add_(self.offsets[values.device][:exponent.numel()])  # int32: < 2**21
-        deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
-            torch.is_deterministic_algorithms_warn_only_enabled()
-        torch.use_deterministic_algorithms(False)
-        try:
-            self.spread.index_add_(1, index, values)
-        finally:
-            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-
-    def cpu(self) -> torch.Tensor:
-        return self.spread.view(2, EXPONENTS, LANES).long().sum(2).cpu()
-
-
-def norm_from_parts(parts: torch.Tensor) -> float:
-    """sqrt of the sum ``square_sum_parts`` describes: the exact sum, rounded once to float64 (Python's int
-    division is correctly rounded), then a correctly rounded square root."""
-    nans, infs = parts[2].tolist()[:2]
-    if nans or infs:
-        return math.nan if nans else math.inf
-    total = sum(((high << 24) + low) << (2 * i) for i, (high, low) in enumerate(zip(*parts[:2].tolist())))
-    return math.sqrt(total / (1 << (48 - 2 * MIN_EXPONENT)))  # bin i is worth 2**(2 * (i + MIN_EXPONENT) - 48)

@@ -28,13 +28,13 @@ sys.path[:0] = [str(REPO / "common"), str(REPO / "step2_sharded_data")]  # the s
 import distributed  # noqa: E402
 from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
 from data import MicroBatches, load_corpus  # noqa: E402
+from exact_sums import norm_from_parts, square_sum_parts  # noqa: E402
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights  # noqa: E402
 from model import build_model, language_model_loss  # noqa: E402
 from sampler import ShardedSampler  # noqa: E402
 from seeding import seed_everything  # noqa: E402
 from training import (add_param_dtype_flag, check_param_dtype, make_optimizer,  # noqa: E402
-                      make_scheduler, norm_from_parts, param_dtype, scale_gradients, square_sum_parts,
-                      sum_of_squares)
+                      make_scheduler, param_dtype, scale_gradients, sum_of_squares)
 
 
 def main():

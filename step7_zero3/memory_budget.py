@@ -78,7 +78,7 @@ def limit_memory(max_memory_mb: float | None, step: str, device=None) -> None:
     Called once the corpus is tokenized, before the model or the process group: the budget is what
     training adds, as a GPU's memory would be, and it does not depend on how much the libraries and the
     data take on this machine. (Set before tokenizing, a small budget made the Rust tokenizer abort the
-    process, or hang, instead of failing an allocation we can report: measured at 1, 16 and 32 MiB.) The OS
+    process, or hang, instead of failing an allocation we can report: docs/design.md.) The OS
     enforces it: ``RLIMIT_DATA`` caps the data segment and every private writable mapping, which is
     where torch's CPU tensors live (``brk`` and ``mmap`` both honour it since Linux 4.7). An allocation
     beyond it fails like any out-of-memory: torch raises, and ``exit_on_user_error`` (failures.py) turns that
@@ -115,9 +115,9 @@ def release_freed_blocks(threshold: int = 2**20) -> None:
 
     By default glibc serves a block from its heaps (and keeps it there when freed) unless it is larger
     than its mmap threshold, which rises, as large blocks are freed, up to 32 MiB. A data limit then
-    counts the allocator's cache as if it were tensors: measured on step 7 (24 blocks of 27 MiB, 4 ranks),
-    a peak of 3.2-4.0 GiB of data memory per rank instead of 1.7 GiB. ``mallopt(M_MMAP_THRESHOLD)`` fixes
-    the threshold, so a freed tensor's memory leaves the process at once. Other C libraries: no-op."""
+    counts the allocator's cache as if it were tensors (step 7's peak per rank about doubled:
+    docs/design.md, "glibc's mmap threshold"). ``mallopt(M_MMAP_THRESHOLD)`` fixes the threshold,
+    so a freed tensor's memory leaves the process at once. Other C libraries: no-op."""
     if platform.libc_ver()[0] != "glibc":
         return
     m_mmap_threshold = -3  # from <malloc.h>

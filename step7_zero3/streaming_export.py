@@ -44,8 +44,8 @@ def save_final_weights_streaming(out_dir: Path, shapes: dict, named_tensors, is_
     """``save_final_weights`` for tensors that arrive one by one (``named_tensors``: an iterator of
     ``(name, tensor)``, every name of ``shapes`` once). Every rank must consume the iterator (its gathers
     are collectives); only the writer writes, and gets the ``final`` section back (its exact ``param_norm`` from
-    each tensor's parts as it passes, training.py)."""
-    from training import norm_from_parts, square_sum_parts
+    each tensor's parts as it passes, exact_sums.py)."""
+    from exact_sums import norm_from_parts, square_sum_parts
     path = Path(out_dir) / "model.safetensors"
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     fingerprints, f, parts = {}, None, square_sum_parts([])  # zeros: no tensor yet

@@ -221,7 +221,7 @@ def test_param_norm_is_the_exact_norm_whatever_the_grouping(monkeypatch):
     slices in two ways, with values across many exponents, over the 4M-element chunk boundary; the GPU's atomic
     adds give the same parts; subnormals, NaNs and infinities."""
     import fractions
-    from training import square_sum_parts, norm_from_parts
+    from exact_sums import square_sum_parts, norm_from_parts
     g = torch.Generator().manual_seed(0)
     whole = torch.randn(4_200_000, generator=g) * torch.exp2(torch.randint(-30, 30, (4_200_000,), generator=g).float())
     exact = sum(fractions.Fraction(float(x)) ** 2 for x in whole[:20_000].tolist())
@@ -230,13 +230,13 @@ def test_param_norm_is_the_exact_norm_whatever_the_grouping(monkeypatch):
     assert torch.equal(parts, square_sum_parts(whole.split(1_000_003)))
     assert torch.equal(parts, square_sum_parts([whole[:7], whole[7:]]))
     assert param_norm([whole]) == norm_from_parts(parts)
-    import training  # the GPU's way of adding by bin (atomic adds into lanes), run on the CPU: the same parts
+    import exact_sums  # the GPU's way of adding by bin (atomic adds into lanes), run on the CPU: the same parts
 
     def gpu_way(sums, exponent, values):
-        sums = training._LaneSums(values.device) if sums is None else sums
+        sums = exact_sums._LaneSums(values.device) if sums is None else sums
         sums.add(exponent, values)
         return sums
-    monkeypatch.setattr(training, "_add_by_bin", gpu_way)
+    monkeypatch.setattr(exact_sums, "_add_by_bin", gpu_way)
     assert torch.equal(parts, square_sum_parts(whole.split(1_000_003)))
     tiny = torch.tensor([1e-40, -3e-45, 2.5, 0.0])  # subnormals
     assert norm_from_parts(square_sum_parts([tiny])) == math.sqrt(sum(fractions.Fraction(float(x)) ** 2 for x in tiny))
@@ -266,7 +266,7 @@ def test_the_final_weights_record_their_exact_norm_whole_or_streamed(tmp_path, m
 @pytest.mark.quick
 def test_the_gpu_bin_sums_equal_bincount_and_leave_deterministic_mode_as_it_was():
     """The GPU path of square_sum_parts (atomic adds, deterministic mode lifted for one call), run on the CPU."""
-    from training import EXPONENTS, MIN_EXPONENT, _LaneSums
+    from exact_sums import EXPONENTS, MIN_EXPONENT, _LaneSums
     g = torch.Generator().manual_seed(1)
     bins = torch.randint(0, EXPONENTS, (100_000,), generator=g)
     values = torch.randint(0, 2**24, (2, 100_000), generator=g).double()
