@@ -7,7 +7,7 @@
                                                                     # FullyShardedDP(param_dtype=torch.bfloat16)
 
 For each world size N, N processes (gloo on loopback, one CPU thread each, started by
-torch.multiprocessing) build step 7's model as its train.py does (``zero3.shard_gpt2``): GPT-2 on the meta
+torch.multiprocessing) build step 7's model as its train.py does (``shard_gpt2``): GPT-2 on the meta
 device (with --activation-checkpointing, each block recomputed in backward), ``FullyShardedDP`` over
 the blocks, a plain AdamW over the pieces. Each step is train.py's own ``train_step`` (--grad-accum
 micro-batches of --micro-batch-size x --seq-len, the last one synchronised, then
@@ -221,7 +221,7 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
     from sharded_gradients import ShardedGradScaler
     from train import train_step  # step 7's train.py: importing it runs nothing
     from training import make_grad_scaler, make_optimizer, param_dtype
-    from zero3 import shard_gpt2
+    from zero3_setup import shard_gpt2
     seed_everything(config["seed"], config["deterministic"])  # one CPU thread per process, as in every trainer
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     distributed.join(distributed.World(rank, world_size, rank, torch.device("cpu"), "gloo"), config["timeout_s"])

@@ -30,18 +30,18 @@ Step 6 still kept every parameter on every rank; here:
 6. **Built from nothing.** The model may be built on the meta device (no memory at all); ``init_fn(name,
    shape)`` gives each parameter's values, one full parameter at a time, and the rank keeps its slice.
    No broadcast: the values are a pure function of the name, so every rank agrees without talking.
-7. **Mixed precision, as FSDP2's ``MixedPrecisionPolicy``.** With ``param_dtype`` (bf16 or fp16) the fp32
-   shards stay the master copy the optimiser steps; each gather sends the shard cast to 16 bits (half the
-   bytes) and forward and backward compute in 16 bits, floating inputs of every unit cast too. Gradients
-   are reduced in ``reduce_dtype`` (float32: never rounded to 16 bits on the way to the master weights);
-   under ``no_sync()`` each micro-batch's 16-bit gradient is added to a ``reduce_dtype`` sum, as FSDP2 does.
+7. **Mixed precision** (``param_dtype``, as FSDP2's ``MixedPrecisionPolicy``): the float32 shards
+   stay the masters, gathers and compute are 16-bit, gradients are reduced in float32
+   (zero3_mixed_precision.py).
 8. **no_sync() and one sync point**, as in steps 4-6. Inside ``no_sync()`` full gradients accumulate in
    ``flat.grad`` (as DDP's do in ``param.grad``: bitwise parity needs the same sums); the next synchronised
    backward reduce-scatters them. ``finish_gradient_synchronization()`` waits for the last reduce-scatter
    and points each piece's ``.grad`` at its slice of the unit's gradient shard.
 
 Collectives are matched by the order they are issued in. Every rank runs the same graph, so the hooks
-fire, and launch their collectives, in the same order everywhere.
+fire, and launch their collectives, in the same order everywhere. Saving, loading, the full
+parameters by name and what the trainer measures: zero3_state.py. GPT-2 from step 7's flags:
+zero3_setup.py.
 """
 import contextlib
 import functools
@@ -51,6 +51,8 @@ import torch
 import torch.distributed as dist
 
 from comm_accounting import all_gather_single, reduce_scatter_single, count_collective
+from zero3_mixed_precision import accumulate, cast_forward_inputs
+from zero3_state import FullyShardedState
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
 
@@ -102,7 +104,7 @@ class Unit:
                 module._parameters[attribute] = tensor
 
 
-class FullyShardedDP(torch.nn.Module):
+class FullyShardedDP(FullyShardedState, torch.nn.Module):
     """Wrap ``module`` for fully sharded data parallelism over the default process group.
 
     ``units``: submodules, each sharded and gathered as one unit; a root unit holds every other parameter.
@@ -130,8 +132,7 @@ class FullyShardedDP(torch.nn.Module):
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
         if param_dtype is not None:  # as FSDP2's cast_forward_inputs: every unit computes in param_dtype
-            for m in {module, *(unit.module for unit in self.units)}:
-                m.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+            cast_forward_inputs({module, *(unit.module for unit in self.units)}, param_dtype)
         # Units as their forwards begin, a unit called twice listed twice: recorded in the first forward (every
         # forward runs the same graph), it says what to prefetch at each call. forward_calls: calls so far.
         self.forward_order, self.forward_calls, self.recorded = [], 0, False
@@ -258,10 +259,6 @@ class FullyShardedDP(torch.nn.Module):
         if not torch.is_grad_enabled():
             self._free(self.root)  # no backward will come
 
-    def _cast_inputs(self, module, args, kwargs):
-        cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
-        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-
     def _pre_forward(self, unit: Unit, module, args) -> None:
         position, self.forward_calls = self.forward_calls, self.forward_calls + 1
         if not self.recorded:
@@ -297,14 +294,8 @@ class FullyShardedDP(torch.nn.Module):
         self._free(unit)
         if self.require_sync:
             self._reduce_scatter(unit)
-        elif self.param_dtype is not None:  # no_sync: add this micro-batch's 16-bit gradient to a reduce_dtype sum
-            unit.accumulated = self._upcast_and_add(unit)
-
-    def _upcast_and_add(self, unit: Unit):
-        grad, unit.flat.grad = unit.flat.grad, None
-        if unit.accumulated is None:
-            return None if grad is None else grad.to(self.reduce_dtype)
-        return unit.accumulated if grad is None else unit.accumulated.add_(grad)
+        elif self.param_dtype is not None:  # no_sync: this 16-bit gradient into a reduce_dtype sum
+            unit.accumulated = accumulate(unit, self.reduce_dtype)
 
     # ---- Gradients -----------------------------------------------------------------------------------
     def _reduce_scatter(self, unit: Unit) -> None:
@@ -312,7 +303,7 @@ class FullyShardedDP(torch.nn.Module):
             self._finish_reduce_scatter(self.reducing)  # at most one in flight: bounds full-gradient memory
         full = getattr(unit.flat, "grad", None)  # None: no gradient reached the unit: zeros, so no peer waits
         if unit.accumulated is not None:  # param_dtype with no_sync: the earlier micro-batches' sum
-            full, unit.accumulated = self._upcast_and_add(unit), None
+            full, unit.accumulated = accumulate(unit, self.reduce_dtype), None
         full = (torch.zeros(unit.padded, device=self.device) if full is None else full).to(self.reduce_dtype)
         if unit.flat is not None:
             unit.flat.grad = None  # the collective's handle keeps what it still reads
@@ -350,61 +341,6 @@ class FullyShardedDP(torch.nn.Module):
             raise RuntimeError(f"unit(s) {', '.join(u.name for u in missing)} received no gradient in this step; "
                                "make every parameter take part in the loss")
 
-    # ---- Full parameters, unit by unit (export, tests), and what the trainer measures ------------------
-    @torch.no_grad()
-    def gathered_parameters(self):
-        """Collective: yields ``(name, full tensor)`` for every parameter, one unit gathered at a time, into
-        a buffer of its own (not ``flat``, whose storage must stay resizable: ``.numpy()`` would pin it)."""
-        for unit in self.units:
-            full = torch.empty(unit.padded, device=self.device)
-            count_collective("all_gather", full)
-            all_gather_single(full, unit.shard)
-            yield from zip(unit.names, unit.full_views(full))
-            del full  # gone once the caller lets go of this unit's tensors
-
-    def piece_ranges(self) -> dict:
-        """``{name: (start, end)}``: the elements of each (flattened) parameter this rank's piece holds."""
-        return {name: r for unit in self.units for name, r in zip(unit.names, unit.ranges)}
-
-    # ---- Checkpoints (the interface of checkpoint.py: what this rank saves, and loading it back) ----
-    def checkpoint_state(self, optimizer=None) -> dict:
-        """What this rank saves: its pieces as flat slices (``model``; ``model_slices``, which elements of each
-        flattened parameter they are) and, given the ``optimizer`` that steps the pieces, its state dict and the
-        slice each of its parameters is (``optimizer``, ``optimizer_slices``). Nothing full-size, no collective."""
-        state = {"model": self.module.state_dict(), "model_slices": self.piece_ranges()}
-        if optimizer is not None:
-            state.update(optimizer=optimizer.state_dict(), optimizer_slices=self._optimizer_slices(optimizer))
-        return state
-
-    def load_checkpoint(self, checkpoint, optimizer=None) -> None:
-        """Copy this rank's pieces out of ``checkpoint`` (a ``resharding.Checkpoint``, written at any world
-        size by any step: only these elements are read) and, given the ``optimizer``, its state for them."""
-        ranges = self.piece_ranges()
-        with torch.no_grad():
-            for name, piece in self.module.named_parameters():
-                piece.copy_(checkpoint.parameter(name, *ranges[name]))
-        if optimizer is not None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            optimizer.load_state_dict(checkpoint.optimizer_state_dict(self._optimizer_slices(optimizer), params))
-
-    def _optimizer_slices(self, optimizer) -> list:
-        """``(name, start, end)`` of each of ``optimizer``'s parameters (pieces), numbered as its state dict is."""
-        ranges, name_of = self.piece_ranges(), {piece: name for name, piece in self.module.named_parameters()}
-        return [(name_of[p], *ranges[name_of[p]]) for group in optimizer.param_groups for p in group["params"]]
-
-    @property
-    def parameter_shards(self) -> list:
-        return [unit.shard for unit in self.units]
-
-    @property
-    def gradient_shards(self) -> list:
-        return [unit.grad_shard for unit in self.units if unit.grad_shard is not None]
-
-    def take_peak_gathered_bytes(self) -> int:
-        """The most bytes of gathered parameters held at once since the last call (tracked, not sampled)."""
-        peak, self.peak_gathered_bytes = self.peak_gathered_bytes, self.gathered_bytes
-        return peak
-
 
 def _tensors_in(output) -> list:
     """The tensors in a module's output: a tensor, or tuples, lists and dicts of them (ModelOutput is a dict)."""
@@ -413,44 +349,3 @@ def _tensors_in(output) -> list:
     if isinstance(output, (tuple, list)):
         return [t for item in output for t in _tensors_in(item)]
     return [output] if torch.is_tensor(output) else []
-
-
-# ---- GPT-2, fully sharded: what step 7's train.py builds ------------------------------------------------------
-
-def add_zero3_flags(parser) -> None:
-    flags = parser.add_argument_group("ZeRO-3")
-    flags.add_argument("--no-prefetch", action="store_true", help="gather each unit only when it is needed")
-    flags.add_argument("--activation-checkpointing", action="store_true",
-                       help="recompute each block's activations in backward instead of keeping them")
-    flags.add_argument("--offload-optimizer", action="store_true",
-                       help="AdamW's state and step in host memory (ZeRO-Offload, offload.py): the device keeps "
-                            "parameters and gradients")
-    flags.add_argument("--trace", action="store_true", help="write trace.json and timeline.png of the last step")
-
-
-def checkpoint_activations(blocks) -> None:
-    """Keep only each block's input in forward and recompute the rest in backward (preserve_rng_state:
-    dropout draws the same masks twice). The block's hooks (rule 3) run around it, once: the recomputation
-    calls the inner forward, with the weights the pre-backward hook gathered."""
-    for block in blocks:
-        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False,
-                                          preserve_rng_state=True)
-
-
-def shard_gpt2(config: dict, vocab_size: int, device, param_dtype=None) -> tuple:
-    """This project's GPT-2 (model.py), fully sharded with its blocks as units: built on the meta device (only
-    shapes: no rank ever holds all of it), each rank filling its own slices from ``initial_value``, a pure function
-    of (seed, name), so no broadcast is needed (rule 6); --activation-checkpointing, --no-prefetch, --reduce-dtype
-    and ``param_dtype`` (--param-dtype's 16-bit dtype, rule 7) as ``config`` says. Returns ``(wrapper, shapes)``:
-    the full parameters' shapes by name, which no rank holds any more."""
-    from model import GPT2, gpt2_config, initial_value  # here: FullyShardedDP itself needs no particular model
-    with torch.device("meta"):
-        model = GPT2(gpt2_config(config, vocab_size))
-    shapes = {name: p.shape for name, p in model.named_parameters()}
-    if config["activation_checkpointing"]:
-        checkpoint_activations(model.transformer.h)
-    wrapper = FullyShardedDP(model, model.transformer.h, device=device, prefetch=not config["no_prefetch"],
-                             init_fn=lambda name, shape: initial_value(name, shape, config["seed"], config["n_layer"]),
-                             reduce_dtype=getattr(torch, config["reduce_dtype"]), param_dtype=param_dtype)
-    return wrapper, shapes
-

@@ -1,5 +1,5 @@
 """Every trainer's loop body is one top-level ``train_step()`` that main() calls, so that compare/peak_memory.py
-runs the step the trainer runs (on the model ``zero3.shard_gpt2`` builds, as step 7's main() does). Here: importing
+runs the step the trainer runs (on ``shard_gpt2``'s model, as step 7's main() does). Here: importing
 a train.py runs nothing and gives that function, with one shape across steps; and a train_step is the textbook
 PyTorch loop (forward, loss / accumulation, backward, AdamW, zero_grad), bit for bit, checked against that loop
 written out in plain PyTorch: step 0's in one process, step 7's on ``shard_gpt2``'s model in a one-rank gloo group,
@@ -79,7 +79,7 @@ else:  # step 7, one rank: every piece is the whole parameter
                             timeout=datetime.timedelta(seconds=30))
     from sharded_gradients import ShardedGradScaler
     from training import param_dtype
-    from zero3 import shard_gpt2
+    from zero3_setup import shard_gpt2
     model, _ = shard_gpt2(config, vocab, device, param_dtype(config))  # as step 7's train.py builds it
     optimizer = make_optimizer(model.named_parameters(), config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)

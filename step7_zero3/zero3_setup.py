@@ -1,0 +1,61 @@
+"""GPT-2 fully sharded from step 7's flags: what step 7's train.py calls by name. The idea is
+zero3.py's, which needs no particular model: this file imports it, never the other way round.
+
+``add_zero3_flags``: ``--no-prefetch``, ``--activation-checkpointing``, ``--offload-optimizer``,
+``--trace``. ``checkpoint_activations``: activation checkpointing, a second idea (memory against
+time) that asks of FullyShardedDP one line of its pre-backward hook, which installs the gathered
+views again for the forward recomputed in backward. ``shard_gpt2``: this project's GPT-2 built on
+the meta device and wrapped in ``FullyShardedDP`` with its blocks as units (zero3.py's rule 6).
+"""
+import functools
+
+import torch
+
+from model import GPT2, gpt2_config, initial_value
+from zero3 import FullyShardedDP
+
+
+def add_zero3_flags(parser) -> None:
+    flags = parser.add_argument_group("ZeRO-3")
+    flags.add_argument("--no-prefetch", action="store_true",
+                       help="gather each unit only when it is needed")
+    flags.add_argument("--activation-checkpointing", action="store_true",
+                       help="recompute each block's activations in backward instead of keeping "
+                            "them")
+    flags.add_argument("--offload-optimizer", action="store_true",
+                       help="AdamW's state and step in host memory (ZeRO-Offload, offload.py): the "
+                            "device keeps parameters and gradients")
+    flags.add_argument("--trace", action="store_true",
+                       help="write trace.json and timeline.png of the last step")
+
+
+def checkpoint_activations(blocks) -> None:
+    """Keep only each block's input in forward and recompute the rest in backward
+    (preserve_rng_state: dropout draws the same masks twice). The block's hooks (zero3.py's rule 3)
+    run around it, once: the recomputation calls the inner forward, with the weights the
+    pre-backward hook gathered."""
+    for block in blocks:
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
+                                          use_reentrant=False, preserve_rng_state=True)
+
+
+def shard_gpt2(config: dict, vocab_size: int, device, param_dtype=None) -> tuple:
+    """This project's GPT-2 (model.py), fully sharded with its blocks as units: built on the meta
+    device (only shapes: no rank ever holds all of it), each rank filling its own slices from
+    ``initial_value``, a pure function of (seed, name), so no broadcast is needed (zero3.py's rule
+    6); --activation-checkpointing, --no-prefetch, --reduce-dtype and ``param_dtype``
+    (--param-dtype's 16-bit dtype, rule 7) as ``config`` says. Returns ``(wrapper, shapes)``: the
+    full parameters' shapes by name, which no rank holds any more."""
+    with torch.device("meta"):
+        model = GPT2(gpt2_config(config, vocab_size))
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    if config["activation_checkpointing"]:
+        checkpoint_activations(model.transformer.h)
+
+    def init_fn(name, shape):
+        return initial_value(name, shape, config["seed"], config["n_layer"])
+
+    wrapper = FullyShardedDP(model, model.transformer.h, device=device, init_fn=init_fn,
+                             prefetch=not config["no_prefetch"], param_dtype=param_dtype,
+                             reduce_dtype=getattr(torch, config["reduce_dtype"]))
+    return wrapper, shapes
