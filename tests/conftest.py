@@ -2,12 +2,14 @@
 forked from a server that has imported torch: ``run_ranks``) on a tiny workload, and read what they wrote.
 Every trainer sets one CPU thread per process itself (seeding.seed_everything); the process-group timeout is
 short so a broken collective fails fast."""
+import getpass
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,11 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
+# torch.compile's on-disk cache does not key its CPU kernels by ATEN_CPU_CAPABILITY: kernels compiled in a suite
+# run under avx2 were loaded by a later run under avx512 and corrupted the heap (step 1 --compile, both ranks
+# aborted in malloc; with an empty cache it passes). One cache per kernel path, for the tests and their ranks.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / (
+    f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}")))
 sys.path[:0] = [str(REPO / "compare"), str(REPO / "common")]  # launch.py imports config from common/
 from launch import trainer_command  # noqa: E402,F401  (the tests import it from here)
 import distributed  # noqa: E402  (common/distributed.py: workers join and leave the way the trainers do)
@@ -119,6 +126,15 @@ def other_order_drift(reference, a: Path, b: Path) -> tuple[other_order.Drift, l
     ma, mb = metrics(a), metrics(b)
     drift = other_order.drift(mb, weights(b), ma, weights(a))
     return drift, other_order.beyond(drift, other_order.bound(reference, mb, weights(b)))
+
+
+def regrouped_drift(run: Path, corpus: Path, out: Path, *flags: str, groupings=((8, 1), (2, 4))) -> other_order.Drift:
+    """How far step 0 drifts from ``run`` (step 0 on TINY with ``flags``) when it regroups the same samples a step
+    into other micro-batches, (accumulation, micro-batch size) each: another order of the same sums, in one process.
+    Each quantity's largest over the groupings."""
+    runs = [train("step0", out / f"step0_{k}x{b}", corpus, *flags, "--grad-accum", str(k), "--micro-batch-size",
+                  str(b)) for k, b in groupings]
+    return other_order.largest(*(other_order.drift(metrics(r), weights(r), metrics(run), weights(run)) for r in runs))
 
 
 @pytest.fixture(scope="session")
