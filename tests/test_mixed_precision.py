@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import other_order  # compare/, on the path through conftest
-from conftest import (REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, other_order_drift, run_ranks,
-                      train, weights)
+from conftest import (REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, other_order_drift,
+                      regrouped_drift, run_ranks, train, weights)
 
 BF16 = ("--param-dtype", "bf16")
 SHARDED = ("step5", "step6", "step7")
@@ -186,10 +185,7 @@ def test_step0_bf16_stays_within_bf16_rounding_of_the_sharded_steps(bf16_runs, t
     samples a step (8 micro-batches of 1, 2 of 4) drifts from itself, and step 5 stays within
     compare/other_order.py's factor of that (measured 1.0-2.9x on three kernel paths), its first loss to 1e-6."""
     run = train("step0", tmp_path / "step0", small_corpus, *BF16, "--grad-accum", "4")
-    regrouped = [train("step0", tmp_path / f"a{k}m{b}", small_corpus, *BF16, "--grad-accum", str(k),
-                       "--micro-batch-size", str(b)) for k, b in ((8, 1), (2, 4))]
-    reference = other_order.largest(*(other_order.drift(metrics(r), weights(r), metrics(run), weights(run))
-                                      for r in regrouped))
+    reference = regrouped_drift(run, small_corpus, tmp_path, *BF16)
     step5 = bf16_runs["step5"]
     drift, beyond = other_order_drift(reference, run, step5)
     assert not beyond, f"{beyond}; {drift}; step 0 regrouped: {reference}"
