@@ -54,11 +54,11 @@ def largest(*drifts: Drift) -> Drift:
 def bound(reference: Drift, metrics: dict, weights: dict) -> Drift:
     """What a run may drift: ``FACTOR`` times the reference's, each at least one float32 ulp of its quantity
     (the reference could, by chance, round alike), and the first loss to float32's rounding."""
-    largest = max(w.abs().max().item() for w in weights.values())
+    biggest = max(w.abs().max().item() for w in weights.values())
     norm = metrics["records"][-1]["param_norm"]
     return Drift(first_loss=FIRST_LOSS, loss=FACTOR * max(reference.loss, EPS),
                  param_norm=FACTOR * max(reference.param_norm, EPS * norm),
-                 weights=FACTOR * max(reference.weights, EPS * largest))
+                 weights=FACTOR * max(reference.weights, EPS * biggest))
 
 
 def beyond(candidate: Drift, limit: Drift) -> list[str]:

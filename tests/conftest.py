@@ -123,9 +123,9 @@ def parity(a, b) -> subprocess.CompletedProcess:
 def other_order_drift(reference, a: Path, b: Path) -> tuple[other_order.Drift, list[str]]:
     """Run ``b`` against ``a`` where ``b`` sums in another order (compare/other_order.py): its drift, and what of
     it exceeds ``reference`` (a Drift measured on this machine) times the stated factor. Empty: within."""
-    ma, mb = metrics(a), metrics(b)
-    drift = other_order.drift(mb, weights(b), ma, weights(a))
-    return drift, other_order.beyond(drift, other_order.bound(reference, mb, weights(b)))
+    mb, wb = metrics(b), weights(b)
+    drift = other_order.drift(mb, wb, metrics(a), weights(a))
+    return drift, other_order.beyond(drift, other_order.bound(reference, mb, wb))
 
 
 def regrouped_drift(run: Path, corpus: Path, out: Path, *flags: str, groupings=((8, 1), (2, 4))) -> other_order.Drift:
