@@ -317,6 +317,9 @@ class Zero1Bf16(Zero1):
     key, name, counterpart = "zero1-bf16", "ZeRO-1 bf16 (step 5)", "ZeRO-1 (step 5)"
     module_needed = ("masters", "step5_zero1", ("ShardedOptimizerWithMasters",))
 
+    def wrap(self, model):  # step 5's BucketedDDP for 16-bit parameters: their gradients summed in float32
+        return importlib.import_module("main_grad").MainGradDDP(model, bucket_cap_mb=self.config["bucket_cap_mb"])
+
     def make_optimizer(self):
         masters = importlib.import_module("masters")
         return masters.ShardedOptimizerWithMasters(adamw_param_groups(self.model.named_parameters(), self.config),

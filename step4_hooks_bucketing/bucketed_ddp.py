@@ -68,27 +68,6 @@ def assign_buckets(params: list, bucket_cap_bytes: float, first_bucket_cap_bytes
     return groups + ([current] if current else [])
 
 
-def is_16_bit(param: torch.Tensor) -> bool:
-    return param.dtype in (torch.bfloat16, torch.float16)
-
-
-def accumulate(param: torch.Tensor, dtype: torch.dtype) -> None:
-    """A 16-bit parameter's gradient, added to a sum in ``dtype`` (the reduce dtype) kept in ``param.main_grad``,
-    and freed: micro-batches are summed in the reduce dtype, never in 16 bits (as FSDP2 sums them under
-    ``set_requires_gradient_sync(False)``)."""
-    grad, param.grad = param.grad, None
-    param.main_grad = grad.to(dtype) if getattr(param, "main_grad", None) is None else param.main_grad.add_(grad)
-
-
-def local_gradient(param: torch.Tensor, dtype: torch.dtype):
-    """What this rank reduces for ``param``: its ``.grad``; for a 16-bit parameter the sum, in ``dtype``, of
-    the step's micro-batches (taken, and freed, from ``main_grad`` and ``.grad``): nothing rounded to 16 bits."""
-    if not is_16_bit(param):
-        return param.grad
-    if param.grad is not None:
-        accumulate(param, dtype)
-    grad, param.main_grad = getattr(param, "main_grad", None), None
-    return grad
 
 class BucketedDDP(torch.nn.Module):
     """Wrap ``module`` for data parallelism over the default process group.
@@ -97,12 +76,10 @@ class BucketedDDP(torch.nn.Module):
     last backward of an optimiser step (the one outside ``no_sync()``) call
     ``finish_gradient_synchronization()`` once; then every rank holds the same averaged gradients.
     ``reduce_dtype=torch.float64`` reduces in float64 (exact, order-free) and rounds back once.
-    16-bit parameters (bf16, fp16: step 5's ``ShardedOptimizerWithMasters`` makes them): their
-    micro-batches are summed in ``reduce_dtype`` and the averaged gradient is left in float32 in ``param.main_grad``
-    (``param.grad`` None), never rounded to 16 bits on its way to the float32 master weights.
 
     What a bucket's collective is lives in four methods, ``_make_bucket``, ``_fill``, ``_launch`` and
-    ``_finish``: step 6 (ZeRO-2) overrides them to reduce-scatter each bucket instead.
+    ``_finish``: step 6 (ZeRO-2) overrides them to reduce-scatter each bucket instead. What a parameter
+    puts in and takes out lives in two, ``_local_gradient`` and ``_write_back``.
     """
 
     def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
@@ -152,15 +129,17 @@ class BucketedDDP(torch.nn.Module):
     def _on_gradient_ready(self, param: torch.Tensor) -> None:
         """Runs inside backward, right after ``param.grad`` received this backward's contribution."""
         if not self.require_sync:
-            if is_16_bit(param):
-                accumulate(param, self.reduce_dtype)
             return
         bucket, i = self.location[param]
         if bucket.ready[i]:
             raise RuntimeError(f"gradient of {self.names[param]} became ready twice in one backward; "
                                "call finish_gradient_synchronization() after each synchronised backward")
-        self._fill(bucket, i, local_gradient(param, self.reduce_dtype))
+        self._fill(bucket, i, self._local_gradient(param))
         self._launch_ready_buckets()
+
+    def _local_gradient(self, param: torch.Tensor):
+        """What this rank reduces for ``param``: the gradient backward accumulated in ``param.grad``."""
+        return param.grad
 
     def _fill(self, bucket: Bucket, i: int, grad) -> None:
         """Put this rank's gradient of ``bucket.params[i]`` into its slot (zeros for None)."""
@@ -206,12 +185,14 @@ class BucketedDDP(torch.nn.Module):
         bucket.work = None
         bucket.buffer.div_(self.world_size)
         for p, slot in zip(bucket.params, bucket.slots):
-            if is_16_bit(p):  # float32 (a view of the bucket, or float64 rounded once): no 16-bit rounding
-                p.main_grad = slot.to(torch.float32) if p in receiving else None
-            elif p.grad is not None:
-                p.grad.copy_(slot)  # float64 -> float32 rounds here, once
-            elif p in receiving:  # used by another rank only
-                p.grad = slot.to(p.dtype, copy=True)
+            self._write_back(p, slot, receiving)
+
+    def _write_back(self, p: torch.Tensor, slot: torch.Tensor, receiving: set) -> None:
+        """The averaged gradient ``slot`` into ``p.grad``."""
+        if p.grad is not None:
+            p.grad.copy_(slot)  # float64 -> float32 rounds here, once
+        elif p in receiving:  # used by another rank only
+            p.grad = slot.to(p.dtype, copy=True)
 
     # ---- Parameters without a gradient in this backward ------------------------------------------
     # Their hooks never fired, so their buckets are still open when backward ends. A parameter that
@@ -230,7 +211,7 @@ class BucketedDDP(torch.nn.Module):
             for i, p in enumerate(bucket.params):
                 if bucket.ready[i]:
                     continue
-                grad = local_gradient(p, self.reduce_dtype)  # not None: a gradient from an earlier micro-batch
+                grad = self._local_gradient(p)  # not None: a gradient from an earlier micro-batch
                 if grad is None:
                     unused.append(p)
                 self._fill(bucket, i, grad)

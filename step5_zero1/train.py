@@ -16,7 +16,7 @@ from torch.profiler import record_function
 import distributed
 from background_writer import BackgroundWriter
 from comm_accounting import take_comm_bytes
-from bucketed_ddp import BucketedDDP
+from main_grad import MainGradDDP
 from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
@@ -85,7 +85,8 @@ def main():
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)  # rank 0's is broadcast
     if config["compile"]:  # block by block, as in step 0: the communication stays outside the blocks
         compile_blocks(model)
-    ddp_model = BucketedDDP(model, config["bucket_cap_mb"], reduce_dtype=getattr(torch, config["reduce_dtype"]))
+    # Step 4's buckets; a 16-bit parameter's gradient summed and left in float32 (main_grad.py).
+    ddp_model = MainGradDDP(model, config["bucket_cap_mb"], reduce_dtype=getattr(torch, config["reduce_dtype"]))
     optimizer = sharded_optimizer(adamw_param_groups(model.named_parameters(), config), torch.optim.AdamW,
                                   param_dtype(config), **adamw_options(config))  # ZeRO-1: state for 1/N only
     scheduler = make_scheduler(optimizer, config)

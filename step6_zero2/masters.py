@@ -6,8 +6,8 @@ FSDP2 train in mixed precision.
    local optimiser steps is a float32 *copy* of this rank's slices, the master weights, beside their moments:
    12 bytes per owned element, 2Ψ + 2Ψ + 12Ψ/N in all.
 2. **The gradient never rounded on its way to the master.** It is read in float32: from ``param.main_grad``
-   where the gradient sync left one (step 4's ``BucketedDDP`` does for 16-bit parameters, as Megatron-LM's
-   does), else ``param.grad`` upcast, or from the ZeRO-2 shards.
+   where the gradient sync left one (``main_grad.py``'s ``MainGradDDP`` does for 16-bit parameters, as
+   Megatron-LM's does), else ``param.grad`` upcast, or from the ZeRO-2 shards.
 3. **Rounded once, then all-gathered.** After the step each master is rounded to 16 bits into this rank's
    slice of its parameter, and the slices are all-gathered as in ZeRO-1.
 4. **The masters' groups are what tools read.** ``param_groups`` are the local optimiser's groups: in ZeRO-1

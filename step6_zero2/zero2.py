@@ -2,7 +2,7 @@
 
 Step 4 all-reduced every bucket, so every rank ended with the whole averaged gradient. Here, a subclass of
 step 4's ``BucketedDDP`` (its hooks, buckets, ``no_sync()`` and unused parameters, unchanged; ``bucketed_ddp.py``
-is step 4's, copied) that changes what happens to a bucket once it is full:
+is step 4's, copied, through step 5's ``MainGradDDP`` for 16-bit parameters) that changes what happens to a bucket once it is full:
 
 1. **Reduce-scatter instead of all-reduce.** Each bucket's flat buffer is padded with zeros to a
    multiple of the world size N and cut into N equal slices; rank r receives only slice r of the sum.
@@ -35,7 +35,8 @@ import time
 
 import torch
 
-from bucketed_ddp import Bucket, BucketedDDP
+from bucketed_ddp import Bucket
+from main_grad import MainGradDDP
 from comm_accounting import reduce_scatter_single, count_collective
 
 
@@ -52,7 +53,7 @@ class ShardedBucket(Bucket):
         self.had_gradient = set()  # its parameters that got a gradient in this optimiser step, on this rank
 
 
-class ShardedGradientDDP(BucketedDDP):
+class ShardedGradientDDP(MainGradDDP):
     """Wrap ``module`` for data parallelism with sharded gradients over the default process group.
 
     Contract: call ``forward`` and ``backward`` on every rank the same number of times; after the
