@@ -259,6 +259,10 @@ CASES = {
                                             s.root / "runs" / "plain"),
     "consolidate-into-itself": lambda s: tool("consolidate.py", step4(s.run()), s.root / "runs" / "step1_torch_ddp"),
     "consolidate-into-a-file": lambda s: tool("consolidate.py", step4(s.run()), s.notes()),
+    "export-not-a-run": lambda s: tool("export_hf.py", s.notes().parent),
+    "export-no-weights": lambda s: tool("export_hf.py", s.run(damage=lambda run: (run / "model.safetensors").unlink())),
+    "export-moe": lambda s: tool("export_hf.py", s.run(metrics_edit=lambda m: m["config"].update(moe_experts=8))),
+    "export-out-not-empty": lambda s: tool("export_hf.py", s.run(), s.notes().parent),
     # ---- the other compare/ tools' own flags
     "tour-out": lambda s: tool("tour.py", "--out", s.root / "runs" / "x"),
     "tour-nproc-data": lambda s: tool("tour.py", "--nproc", "5000", "--data", s.data("small.txt", CORPUS)),
