@@ -64,9 +64,17 @@ def ranks_per_node(env: dict) -> int:
     return int(given)
 
 
+def check_job(step: str, env: dict) -> None:
+    """What needs no ``scontrol``: the step, the job's variables, the ranks per node."""
+    step_folder(step)
+    variable(env, "SLURM_JOB_ID"), variable(env, "SLURM_NNODES")
+    ranks_per_node(env)
+
+
 def torchrun_command(step: str, args: list[str], env: dict, hostnames: list[str]) -> list[str]:
     """The line every node runs (rules 1-4), from Slurm's variables ``env`` and the job's ``hostnames``."""
-    nnodes, job = int(variable(env, "SLURM_NNODES")), variable(env, "SLURM_JOB_ID")
+    check_job(step, env)
+    nnodes, job = int(env["SLURM_NNODES"]), env["SLURM_JOB_ID"]
     if len(hostnames) != nnodes:
         raise UserError(f"SLURM_JOB_NODELIST names {len(hostnames)} nodes, SLURM_NNODES says {nnodes}")
     port = env.get("RDZV_PORT") or str(29400 + int(re.sub(r"\D", "", job) or 0) % 1000)
@@ -97,6 +105,7 @@ def main() -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    check_job(argv[0], os.environ)  # before scontrol: a mistake is named as itself, on any machine
     command = torchrun_command(argv[0], argv[1:], dict(os.environ), job_hostnames(os.environ))
     print(shlex.join(command) if show else "\n".join(command))
     return 0
