@@ -41,6 +41,7 @@ esac
 """
 
 
+@pytest.mark.quick
 def test_the_line_is_torchrun_rendezvousing_at_the_first_node_with_resume_and_grace():
     line = slurm_command.torchrun_command("step3", ["--steps", "100"], JOB, ["gpu07", "gpu08"])
     assert line == [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=4",
@@ -49,6 +50,7 @@ def test_the_line_is_torchrun_rendezvousing_at_the_first_node_with_resume_and_gr
                     "--preempt-grace-s", "20"]
 
 
+@pytest.mark.quick
 def test_what_the_user_gives_wins_over_the_defaults():
     env = {**JOB, "NPROC_PER_NODE": "2", "RDZV_PORT": "31000", "SLURM_NNODES": "1"}
     line = slurm_command.torchrun_command("step7_zero3", ["--resume", "runs/x/checkpoints/step_4",
@@ -59,6 +61,7 @@ def test_what_the_user_gives_wins_over_the_defaults():
                         "--preempt-grace-s=5"]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("change, message", [
     ({"SLURM_JOB_ID": ""}, "SLURM_JOB_ID is not set: run this inside a Slurm job"),
     ({"SLURM_NTASKS_PER_NODE": "4"}, "the job runs 4 tasks per node"),
