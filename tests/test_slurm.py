@@ -99,16 +99,26 @@ def test_the_rendered_line_reads_the_nodes_from_scontrol(cluster):
     assert shown.stdout.strip() == shlex.join(expected)
 
 
-def sbatch(env: dict, args: list[str], **kwargs) -> subprocess.Popen:
+def sbatch(env: dict, args: list[str]) -> subprocess.Popen:
+    """The script as Slurm's batch step runs it, in a session of its own (``finish`` can end all it started)."""
     return subprocess.Popen(["bash", str(SBATCH), "step3", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kwargs)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(job: subprocess.Popen, timeout: float) -> str:
+    """Its output once it has ended; past ``timeout``, it and everything it started are killed (no stray ranks)."""
+    try:
+        return job.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise
 
 
 def test_the_job_trains_bitwise_like_step3_launched_plainly(cluster, small_corpus):
     env, tmp = cluster
     args = [*TINY, *TIMEOUT, "--data", str(small_corpus)]
     job = sbatch(env, [*args, "--out", str(tmp / "job")])
-    output, _ = job.communicate(timeout=300)
+    output = finish(job, 300)
     assert job.returncode == 0, output[-3000:]
     assert "on 2 nodes: " in output and "--rdzv-backend=c10d" in output and "done: 4 steps on 2 ranks" in output
     plain = launch("step3", [*TINY, "--data", str(small_corpus), "--out", str(tmp / "plain")], nproc=2)
@@ -130,7 +140,7 @@ def test_the_time_limit_signal_saves_requeues_and_the_next_start_resumes_bitwise
     while not (out / "checkpoints" / "step_2").is_dir() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     job.send_signal(signal.SIGUSR1)
-    output, _ = job.communicate(timeout=240)
+    output = finish(job, 240)
     assert job.returncode != 0, output[-3000:]
     assert "SIGUSR1: the time limit is near" in output and "requeued" in output, output[-3000:]
     stopped = [line for line in output.splitlines() if line.startswith("preempted: SIGTERM; stopped after step")]
@@ -140,7 +150,7 @@ def test_the_time_limit_signal_saves_requeues_and_the_next_start_resumes_bitwise
     assert (tmp / "slurm.log").read_text() == "requeue 4242\n"
 
     again = sbatch({**env, "SLURM_RESTART_COUNT": "1"}, args)
-    output, _ = again.communicate(timeout=300)
+    output = finish(again, 300)
     assert again.returncode == 0, output[-3000:]
     assert f"resumed from {out}/checkpoints/step_{step} at step {step}" in output, output[-3000:]
     plain = launch("step3", [*TINY, "--data", str(small_corpus), "--steps", "40", "--out", str(tmp / "plain")],
