@@ -80,6 +80,11 @@ def tool(name: str, *args) -> Case:
     return Case([sys.executable, str(REPO / "compare" / name), *map(str, args)])
 
 
+def slurm(*args, **env) -> Case:
+    """``python launch/slurm_command.py ARGS`` with these Slurm variables ("" = not set)."""
+    return Case([sys.executable, str(REPO / "launch" / "slurm_command.py"), *args], env)
+
+
 # ---- what a case's command reads: a folder laid out like the repository ---------------------------------
 
 class Scratch:
@@ -259,6 +264,15 @@ CASES = {
                                             s.root / "runs" / "plain"),
     "consolidate-into-itself": lambda s: tool("consolidate.py", step4(s.run()), s.root / "runs" / "step1_torch_ddp"),
     "consolidate-into-a-file": lambda s: tool("consolidate.py", step4(s.run()), s.notes()),
+    "export-not-a-run": lambda s: tool("export_hf.py", s.notes().parent),
+    "export-no-weights": lambda s: tool("export_hf.py", s.run(damage=lambda run: (run / "model.safetensors").unlink())),
+    "export-moe": lambda s: tool("export_hf.py", s.run(metrics_edit=lambda m: m["config"].update(moe_experts=8))),
+    "export-out-not-empty": lambda s: tool("export_hf.py", s.run(), s.notes().parent),
+    # ---- launch/slurm_command.py (launch/slurm.sbatch's line), outside a job or in one it cannot launch
+    "slurm-not-in-a-job": lambda s: slurm("step3", SLURM_JOB_ID="", SLURM_NNODES=""),
+    "slurm-tasks-per-node": lambda s: slurm("step3", SLURM_JOB_ID="7", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="4"),
+    "slurm-no-ranks": lambda s: slurm("step3", SLURM_JOB_ID="7", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="1",
+                                      SLURM_GPUS_ON_NODE="", NPROC_PER_NODE=""),
     # ---- the other compare/ tools' own flags
     "tour-out": lambda s: tool("tour.py", "--out", s.root / "runs" / "x"),
     "tour-nproc-data": lambda s: tool("tour.py", "--nproc", "5000", "--data", s.data("small.txt", CORPUS)),
@@ -455,6 +469,14 @@ def mesh_check(dp: int, tp: int, pp: int, world_size: int):
     return run
 
 
+def slurm_without_scontrol(monkeypatch):
+    """launch/slurm_command.py on a machine that is not a Slurm node: no scontrol to expand the node list."""
+    monkeypatch.syspath_prepend(str(REPO / "launch"))
+    monkeypatch.setenv("PATH", str(REPO / "no such folder"))
+    import slurm_command
+    slurm_command.job_hostnames({"SLURM_JOB_NODELIST": "gpu[07-08]"})
+
+
 LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or of nothing; or several such)
     "--n-embd 100 must be divisible by --n-head 3": flags("--n-embd", "100", "--n-head", "3"),
     "--beta1 must be in [0, 1), got 1": flags("--beta1", "1"),
@@ -492,13 +514,14 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
         context_parallel_check({"seq_len": 36, "dropout": 0.0, "cp": 3}, 4),
     "--seq-len 36 is cut into 2 x 4 chunks for 4 ranks: use a multiple of 8":
         tool_main("cp_reference", "--device", "cpu", "--cp", "4", "--seq-len", "36"),
+    "scontrol is not on PATH: run this on a node of the Slurm job": slurm_without_scontrol,
     "--device cuda asked for, but torch sees no CUDA GPU; use --device cpu": (no_gpu(tool_main("cp_reference")),
                                                                            no_gpu(tool_main("gpu_check"))),
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
           "--sequence-parallel splits", "--cp 3",
-          "--param-dtype bf16", "--max-memory-mb 100000")
+          "--param-dtype bf16", "--max-memory-mb 100000", "scontrol is not")
 
 
 @pytest.mark.parametrize("message", LIKEWISE)

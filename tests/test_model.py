@@ -1,10 +1,11 @@
 """common/model.py against computations nobody here wrote.
 
 Parity between steps cannot see a bug that every step shares, and every step trains this model. So the
-oracle is Hugging Face ``transformers``' GPT-2 (a test-only dependency, imported by this file alone): the
-same weights copied into it (its ``Conv1D`` holds ``(in, out)``, the transpose of ``nn.Linear``, and one
-fused ``c_attn`` laid out ``[q | k | v]``), then logits and every gradient compared in float64, where two
-correct implementations of the same formula agree to ~1e-15 whatever order they add in.
+oracle is Hugging Face ``transformers``' GPT-2 (a test-only dependency, imported by this file and
+tests/test_export_hf.py alone): the same weights copied into it by compare/export_hf.py's mapping (its ``Conv1D``
+holds ``(in, out)``, the transpose of ``nn.Linear``, and one fused ``c_attn`` laid out ``[q | k | v]``), then
+logits and every gradient compared in float64, where two correct implementations of the same formula agree to
+~1e-15 whatever order they add in.
 """
 import ast
 import sys
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "common"))
+sys.path[:0] = [str(REPO / "compare"), str(REPO / "common")]
+import export_hf  # noqa: E402  (compare/export_hf.py: our GPT-2 onto transformers', the one mapping)
 from model import GPT2, build_model, gpt2_config, initial_value, language_model_loss  # noqa: E402
 
 CONFIG = {"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 16, "dropout": 0.0}
@@ -22,24 +24,17 @@ VOCAB = 64
 
 
 def hugging_face_copy(model):
-    """transformers' GPT2LMHeadModel holding ``model``'s weights (eager attention, float64)."""
+    """transformers' GPT2LMHeadModel holding ``model``'s weights (eager attention, float64), mapped by the exporter
+    (compare/export_hf.py: the one place that knows how our names and layouts become theirs)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = model.config
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.n_embd,
-                                    n_layer=cfg.n_layer, n_head=cfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                                    attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=None,
-                                    eos_token_id=None, attn_implementation="eager")).double()
-    ours = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if ".attn.c_attn." in name:  # [q | k | v] along the output features, transposed
-                prefix, kind = name.split(".c_attn.")
-                parts = [ours[f"{prefix}.c_{x}.{kind}"] for x in "qkv"]
-                param.copy_(torch.cat([p.t() if kind == "weight" else p for p in parts], dim=-1))
-            elif name.endswith("weight") and any(k in name for k in (".c_proj.", ".c_fc.")):
-                param.copy_(ours[name].t())
-            else:
-                param.copy_(ours[name])
+    config = export_hf.hugging_face_config({"seq_len": cfg.seq_len, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+                                            "n_head": cfg.n_head, "dropout": cfg.dropout}, cfg.vocab_size, None)
+    hf = GPT2LMHeadModel(GPT2Config(**config, attn_implementation="eager")).double()
+    missing, unexpected = hf.load_state_dict(export_hf.hugging_face_weights(dict(model.named_parameters())),
+                                             strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])  # tied: it is transformer.wte.weight
+    assert hf.lm_head.weight is hf.transformer.wte.weight
     return hf
 
 
@@ -59,22 +54,12 @@ def test_logits_and_gradients_equal_transformers_gpt2(attention):
     torch.nn.functional.cross_entropy(ours.flatten(0, 1), targets.flatten()).backward()
     torch.nn.functional.cross_entropy(theirs.flatten(0, 1), targets.flatten()).backward()
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    ours_as_theirs = export_hf.hugging_face_weights({n: p.grad for n, p in model.named_parameters()})  # linear
     checked = 0
-    for name, param in model.named_parameters():
-        kind = name.rsplit(".", 1)[1]
-        if ".attn.c_" in name and ".c_proj." not in name:
-            prefix, which = name.split(".attn.c_")
-            index = "qkv".index(which[0])
-            grad = hf_grads[f"{prefix}.attn.c_attn.{kind}"]
-            h = CONFIG["n_embd"]
-            grad = grad[:, index * h:(index + 1) * h].t() if kind == "weight" else grad[index * h:(index + 1) * h]
-        elif kind == "weight" and (".c_proj." in name or ".c_fc." in name):
-            grad = hf_grads[name].t()
-        else:
-            grad = hf_grads[name]
-        torch.testing.assert_close(param.grad, grad, rtol=1e-10, atol=1e-12, msg=name)
+    for name, grad in ours_as_theirs.items():
+        torch.testing.assert_close(grad, hf_grads[name], rtol=1e-10, atol=1e-12, msg=name)
         checked += 1
-    assert checked == len(list(model.parameters())) == 2 + 2 + CONFIG["n_layer"] * 16
+    assert checked == len(hf_grads) == 2 + 2 + CONFIG["n_layer"] * 12  # q, k, v fused into one c_attn
 
 
 @pytest.mark.quick
@@ -143,9 +128,11 @@ def test_building_the_model_draws_nothing_from_the_global_generator():
 
 
 @pytest.mark.quick
-def test_no_step_tool_or_test_but_this_one_imports_transformers():
-    """The repository's own files: not a virtual environment made inside the clone (``python -m venv venv``, as a
-    learner may: its site-packages hold files this Python cannot even parse)."""
+def test_no_step_or_tool_imports_transformers():
+    """Only the tests that use it as an oracle: this file, and tests/test_export_hf.py (which loads what
+    compare/export_hf.py writes; the exporter itself writes plain JSON and safetensors). The repository's own
+    files: not a virtual environment made inside the clone (``python -m venv venv``, as a learner may: its
+    site-packages hold files this Python cannot even parse)."""
     importers = []
     environments = {p.parent.name for p in REPO.glob("*/pyvenv.cfg")}
     for path in REPO.rglob("*.py"):
@@ -158,4 +145,4 @@ def test_no_step_tool_or_test_but_this_one_imports_transformers():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(n == "transformers" or n.startswith("transformers.") for n in names):
                 importers.append(str(path.relative_to(REPO)))
-    assert sorted(set(importers)) == ["tests/test_model.py"]
+    assert sorted(set(importers)) == ["tests/test_export_hf.py", "tests/test_model.py"]
