@@ -206,6 +206,7 @@ CASES = {
     "pipeline-schedule": lambda s: trainer("step9", "--schedule", "zb", ranks=2),
     "pipeline-fp16": lambda s: trainer("step9", "--amp", "fp16", ranks=2),
     "compile-not-here": lambda s: trainer("step7", "--compile", ranks=2),
+    "replicate-not-dividing": lambda s: trainer("step7", "--replicate", "3", ranks=4),
     "param-dtype-with-amp": lambda s: trainer("step0", "--param-dtype", "bf16", "--amp", "bf16"),
     "param-dtype-not-here": lambda s: trainer("step1", "--param-dtype", "bf16", ranks=2),
     "fsdp2-reference-flags": lambda s: tool("fsdp2_reference.py", "--param-dtype", "fp16"),
