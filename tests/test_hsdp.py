@@ -158,6 +158,14 @@ def test_trainer_is_bitwise_fsdp2_on_the_replicate_shard_mesh(fsdp2_pair):
     assert metrics(step7)["config"]["replicate"] == metrics(fsdp2)["config"]["replicate"] == R
 
 
+def test_trainer_with_offload_is_bitwise_fsdp2_cpu_offload_on_the_mesh(tmp_path, small_corpus):
+    """--offload-optimizer with --replicate: AdamW on host copies of the row's shards, as FSDP2's CPUOffloadPolicy."""
+    flags = (*HSDP, "--offload-optimizer", "--steps", "3")
+    step7 = train("step7", tmp_path / "step7", small_corpus, *flags, nproc=N)
+    result = parity(fsdp2_reference(tmp_path / "fsdp2", small_corpus, *flags), step7)
+    assert "verdict: PASS (bitwise identical)" in result.stdout, result.stdout
+
+
 def test_trainer_exact_mode_is_bitwise_ddp_at_4_ranks(exact_pair):
     step1, step7 = exact_pair
     result = parity(step1, step7)
