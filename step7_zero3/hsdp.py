@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from comm_accounting import count_collective
-from config import UserError
 
 
 class HybridMesh(NamedTuple):
@@ -46,20 +45,22 @@ class HybridMesh(NamedTuple):
     replicate_group: object  # the column (None when R = 1)
 
 
-def check_replicate(replicate: int, world_size: int) -> None:
-    """Refuse, in one line, an R that does not cut the world into equal rows."""
+def replicate_problem(replicate: int, world_size: int) -> str | None:
+    """What is wrong with R for N ranks, in one sentence that says what to do; None: nothing."""
     if replicate < 1:
-        raise UserError(f"--replicate {replicate}: the number of replicas must be at least 1")
+        return f"--replicate {replicate}: the number of replicas must be at least 1"
     if world_size % replicate:
-        raise UserError(f"--replicate {replicate} does not divide the {world_size} ranks: choose R with N / R whole "
-                        f"(the ranks of one node, typically), or launch a multiple of {replicate} ranks")
+        return (f"--replicate {replicate} does not divide the {world_size} ranks: choose R with N / R whole "
+                f"(the ranks of one node, typically), or launch a multiple of {replicate} ranks")
+    return None
 
 
 def hybrid_mesh(replicate: int = 1, timeout_s: float | None = None) -> HybridMesh:
     """The groups of rule 1 for this rank (every rank calls it, with the same R). R = 1: the world is the one
     shard group and no group is created (ZeRO-3 as zero3.py does it alone)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    check_replicate(replicate, world)
+    if problem := replicate_problem(replicate, world):
+        raise ValueError(problem)
     shard = world // replicate
     if replicate == 1:
         return HybridMesh(1, world, 0, rank, dist.group.WORLD, None)

@@ -28,8 +28,7 @@ from resharding import PerRank, find_checkpoint, open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from streaming_export import save_final_weights_streaming
 from sharded_gradients import ShardedGradScaler
-from zero3_setup import add_zero3_flags, shard_gpt2
-from hsdp import check_replicate
+from zero3_setup import add_zero3_flags, check_replicate, shard_gpt2
 from seeding import seed_everything
 from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_grad_norm, make_grad_scaler,
                       make_optimizer, make_scheduler, param_dtype, param_norm)
