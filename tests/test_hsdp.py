@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import (EXACT, REPO, TIMEOUT, TINY, assert_bitwise_same_run, init_gloo, metrics, parity, run_ranks,
                       spawn, train, weights)
 import exact_sums  # common/, on the path through conftest
-from test_zero3 import ACCUM, CONFIG, STEPS, Toy, batch, full_state_dict, init_fn, loss_of, units_of
+from test_zero3 import ACCUM, CONFIG, STEPS, Toy, batch, full_state_dict, init_fn, loss_of, memory_tool, units_of
 
 STEP7 = REPO / "step7_zero3"
 R, N = 2, 4
@@ -197,6 +197,14 @@ def test_trainer_bytes_per_rank_are_the_formula_with_n_over_r(fsdp2_pair, exact_
             assert measured["params"] == 4 * held, (rank, measured["params"], 4 * held)
             assert measured["grads"] == 4 * held, (rank, measured["grads"], 4 * held)
             assert abs(measured["optimizer_state"] / (8 * psi / S) - 1) < 0.02, (rank, measured["optimizer_state"])
+
+
+def test_memory_tool_checks_an_hsdp_run_against_n_over_r(exact_pair):
+    """compare/memory.py --check reads --replicate: the formula's N is the row's 2 ranks, not the job's 4."""
+    result = memory_tool(exact_pair[1], "--check")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ZeRO-3, N = 2 (HSDP: 4 ranks, 2 replicas of 2)" in result.stdout, result.stdout
+    assert "every rank within 2% of the formula: yes" in result.stdout
 
 
 def test_trainer_communication_is_the_closed_form(fsdp2_pair, exact_pair):
