@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (EXACT, REPO, TIMEOUT, TINY, assert_bitwise_same_run, init_gloo, metrics, parity, run_ranks,
-                      spawn, train, weights)
+from conftest import (EXACT, REPO, TIMEOUT, TINY, assert_bitwise_same_run, init_gloo, metrics, parity, run_forked,
+                      run_ranks, spawn, train, weights)
 import exact_sums  # common/, on the path through conftest
 from test_zero3 import ACCUM, CONFIG, STEPS, Toy, batch, full_state_dict, init_fn, loss_of, memory_tool, units_of
 
@@ -205,6 +205,15 @@ def test_memory_tool_checks_an_hsdp_run_against_n_over_r(exact_pair):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ZeRO-3, N = 2 (HSDP: 4 ranks, 2 replicas of 2)" in result.stdout, result.stdout
     assert "every rank within 2% of the formula: yes" in result.stdout
+
+
+def test_planner_reads_an_hsdp_run_as_zero3_over_a_row(exact_pair):
+    """compare/plan.py --measured: the run's model state against ZeRO-3 over dp / R, every rank within 5%."""
+    result = run_forked([sys.executable, str(REPO / "compare" / "plan.py"), "--measured", str(exact_pair[1])],
+                        timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("4 x 1 x 1, ZeRO-3 (HSDP 2 x 2)") == N, result.stdout
+    assert result.stdout.rstrip().endswith("within 5% of the estimate: yes"), result.stdout
 
 
 def test_trainer_communication_is_the_closed_form(fsdp2_pair, exact_pair):
