@@ -456,6 +456,15 @@ def mesh_check(dp: int, tp: int, pp: int, world_size: int):
     return run
 
 
+def replicate_check(replicate: int, world_size: int):
+    """What step 7 checks before joining: --replicate R dividing the ranks into equal shard groups."""
+    def run(monkeypatch):
+        monkeypatch.syspath_prepend(str(REPO / STEPS["step7"]))
+        import zero3_setup
+        zero3_setup.check_replicate(replicate, world_size)
+    return run
+
+
 LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or of nothing; or several such)
     "--n-embd 100 must be divisible by --n-head 3": flags("--n-embd", "100", "--n-head", "3"),
     "--beta1 must be in [0, 1), got 1": flags("--beta1", "1"),
@@ -493,6 +502,9 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
         context_parallel_check({"seq_len": 36, "dropout": 0.0, "cp": 3}, 4),
     "--seq-len 36 is cut into 2 x 4 chunks for 4 ranks: use a multiple of 8":
         tool_main("cp_reference", "--device", "cpu", "--cp", "4", "--seq-len", "36"),
+    "--replicate 0: the number of replicas must be at least 1": replicate_check(0, 4),
+    "--replicate 3 does not divide the 1 ranks: choose R with N / R whole (the ranks of one node, typically), or "
+    "launch a multiple of 3 ranks": tool_main("fsdp2_reference", "--replicate", "3"),
     "--device cuda asked for, but torch sees no CUDA GPU; use --device cpu": (no_gpu(tool_main("cp_reference")),
                                                                            no_gpu(tool_main("gpu_check"))),
 }

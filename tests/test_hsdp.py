@@ -233,10 +233,11 @@ def test_trainer_communication_is_the_closed_form(fsdp2_pair, exact_pair):
                                  "all_reduce": grad_bytes * sum(units) // S + small}, r["comm"]
 
 
-@pytest.mark.parametrize("replicate", [R, 1], ids=["same layout", "R=1"])
+@pytest.mark.parametrize("replicate", [R, 1, N], ids=["same layout", "R=1", "R=4"])
 def test_trainer_resumes_bitwise_at_the_same_and_another_layout(exact_pair, replicate, tmp_path, small_corpus):
-    """Every rank writes its pieces (replicas the same ones, bit for bit); resumed at R = 2, or at R = 1 (sharded
-    over all 4: the reader cuts each rank's elements out of the saved ones), the exact mode gives the same bits."""
+    """Every rank writes its pieces (replicas the same ones, bit for bit); resumed at R = 2, at R = 1 (sharded over
+    all 4: the reader cuts each rank's elements out of the saved ones) or at R = 4 (rows of one rank: every rank
+    whole, as DDP), the exact mode gives the same bits."""
     _, step7 = exact_pair
     checkpoint = step7 / "checkpoints" / "step_2"
     own = [torch.load(checkpoint / f"rank{rank}.pt", weights_only=True) for rank in range(N)]
