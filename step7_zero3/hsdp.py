@@ -18,8 +18,9 @@ hierarchical partitioning do:
 3. **The gradient: reduce-scatter in the row, then all-reduce across the column** (``average``). In float32
    (and bf16), as FSDP2's ``foreach_reduce`` with ``ReduceOp.AVG`` in both: the row's sum divided by S, then the
    column's sum of those divided by R. In float64 (the exact mode), both sums first, divided by N once and
-   rounded to float32 once, as DDP's exact mode (FSDP2 divides by 2 before and N / 2 after: the same bits,
-   powers of two). Every replica then holds the same gradient shard, bit for bit, and steps it the same way.
+   rounded to float32 once, as DDP's exact mode (FSDP2 divides by about sqrt(N) before and the rest after: at
+   N = 4, 2 and 2, powers of two, so the same bits). Every replica then holds the same gradient shard, bit for
+   bit, and steps it the same way.
 4. **Whoever reads shards reads the row.** The full parameters (export) are gathered in the shard group; the
    norms (clipping, the parameter norm) sum squares over the shard group only: the other rows hold the same
    elements, counted R times over the world. Checkpoints: every rank writes its own pieces, as without
