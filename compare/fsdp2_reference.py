@@ -14,6 +14,8 @@ the norm of the whole gradient (its squares summed in float64, as the steps do),
 weights are the float32 master, gathered, so parity.py compares them with the steps' final weights.
 fp16 parameters need a loss scaler that FSDP2 does not give a DTensor optimiser here: refused.
 ``--offload-optimizer``: ``CPUOffloadPolicy``, the counterpart of step 7's (step7_zero3/offload.py).
+``--replicate R``: HSDP, ``fully_shard`` on the 2-D mesh ``(R, N // R)`` named ("replicate", "shard"), the
+counterpart of step 7's (step7_zero3/hsdp.py); the norms then sum over the "shard" group only.
 """
 import sys
 from pathlib import Path
@@ -43,17 +45,30 @@ def main():
     add_param_dtype_flag(parser)
     parser.add_argument("--offload-optimizer", action="store_true",
                         help="CPUOffloadPolicy: the sharded parameters, gradients and AdamW on the host (step 7's flag)")
+    parser.add_argument("--replicate", type=int, default=1, metavar="R",
+                        help="HSDP: a (replicate, shard) mesh of R x N/R ranks (step 7's flag)")
     config = parse_config(parser)
     if config["reduce_dtype"] != "float32" or config["amp"] != "none" or config["param_dtype"] == "fp16":
         raise UserError("the FSDP2 reference runs --param-dtype float32 or bf16, gradients reduced in float32, "
                         "no --amp: drop --reduce-dtype, --amp and --param-dtype fp16")
     world = distributed.plan_world(config)
     check_param_dtype(config, world.device)
+    if config["replicate"] < 1 or world.world_size % config["replicate"]:
+        raise UserError(f"--replicate {config['replicate']} does not divide the {world.world_size} ranks: choose R "
+                        f"with N / R whole (the ranks of one node, typically), or launch a multiple of "
+                        f"{config['replicate']} ranks")  # step 7's words (step7_zero3/hsdp.py)
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     distributed.join(world, config["timeout_s"])
     device = world.device
-    mesh = init_device_mesh(device.type, (world.world_size,))
+    if config["replicate"] == 1:
+        mesh = init_device_mesh(device.type, (world.world_size,))
+        norm_group = dist.group.WORLD
+    else:  # HSDP: FSDP2 reduce-scatters over "shard", then all-reduces over "replicate"
+        replicate = config["replicate"]
+        mesh = init_device_mesh(device.type, (replicate, world.world_size // replicate),
+                                mesh_dim_names=("replicate", "shard"))
+        norm_group = mesh["shard"].get_group()  # the other rows hold the same elements: count them once
 
     sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
                              shuffle=True, seed=config["seed"])
@@ -84,7 +99,7 @@ def main():
             loss_sum += loss.detach()
         grads = shards(p.grad for p in model.parameters())
         total = sum_of_squares(grads).to(device)  # float64: the norm the steps compute from their slices
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=norm_group)
         grad_norm = total.cpu().sqrt().float()
         scale_gradients(grads, grad_norm, config["grad_clip"])
         optimizer.step()
@@ -94,7 +109,7 @@ def main():
         loss_mean = loss_sum.double()
         dist.all_reduce(loss_mean)
         parts = square_sum_parts(shards(model.parameters())).to(device)  # exact: any sharding, the same bits
-        dist.all_reduce(parts)
+        dist.all_reduce(parts, group=norm_group)
         step_time = clock.stop()
         log.log({"step": step + 1, "loss": loss_mean.item() / (accum * world.world_size),
                  "grad_norm": grad_norm.item(), "param_norm": norm_from_parts(parts.cpu()), "lr": lr,

@@ -24,6 +24,8 @@ elements, gradients reduced and kept in float32; docs/mixed_precision.md):
     ZeRO-2 (step 6)     2Ψ          4Ψ/N (shards)    4Ψ/N             8Ψ/N     = 2Ψ + 16Ψ/N
     ZeRO-3 (step 7)     4Ψ/N (its float32 shards are the masters)  4Ψ/N  8Ψ/N   = 16Ψ/N
 
+HSDP (step 7's ``--replicate R``): N above is the N/R ranks each unit is sharded over.
+
 Measured: each record's ``memory`` entry of every rank (taken after the optimiser step, before the
 gradients are freed), last step. Ψ is counted from the final weights (a tied tensor once).
 """
@@ -80,15 +82,19 @@ def measure(run_name: str) -> tuple[Path, str, int, int, list[dict]]:
     name = strategy(metrics["config"]["step"])
     if metrics["config"].get("param_dtype", "float32") != "float32" and f"{name} 16-bit" in FORMULAS:
         name = f"{name} 16-bit"
+    # HSDP (step 7's --replicate R): the shards are over the N/R ranks of a row, so the formula's N is N/R
+    shards = metrics["env"]["world_size"] // metrics["config"].get("replicate", 1)
     # per rank: each kind's bytes, and ``host`` (the bytes --offload-optimizer keeps on the host; None without it)
-    return run, name, psi, metrics["env"]["world_size"], [{**{kind: m.get(kind, 0) for kind in KINDS},
+    return run, name, psi, shards, [{**{kind: m.get(kind, 0) for kind in KINDS},
                                                           "host": m.get("host")} for m in memory]
 
 
 def report(run_name: str) -> tuple[str, bool]:
     run, name, psi, world_size, memory = measure(run_name)
     formula = expected(name, psi, world_size)
-    lines = [f"{run}: {name}, N = {world_size}, Ψ = {psi:,} parameters"]
+    replicate = parity.load_run(run_name)[1]["config"].get("replicate", 1)
+    hsdp = f" (HSDP: {world_size * replicate} ranks, {replicate} replicas of {world_size})"
+    lines = [f"{run}: {name}, N = {world_size}{hsdp if replicate > 1 else ''}, Ψ = {psi:,} parameters"]
     lines.append(f"  {'rank':>4}  " + "  ".join(f"{kind + ' (measured / formula)':>40}" for kind in KINDS))
     ok = True
     for rank, m in enumerate(memory):

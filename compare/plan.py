@@ -40,6 +40,8 @@ also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
          step's one); ZeRO-3 reduce-scatter G·ψ + all-gathers M·(2ψ_blocks + ψ_rest)·P (each block forward and
          backward, the rest once per micro-batch): ψ the rank's TP/PP share, P and G the bytes of a parameter as
          computed (ZeRO-3 gathers 16-bit units from a float32 shard) and of a gradient
+         HSDP (--hsdp, step 7's --replicate R): ZeRO-3's, inside rows of S = dp·cp/R ranks, and an all-reduce of
+         G·ψ/S across the R rows
     TP   per micro-batch 6 all-reduces of b·s·h per block (2 forward; 4 backward: q, k, v and the MLP's input),
          one for the embedding, one for the output layer's input: (6 L_stage + 2) b·s·h activations
     PP   per micro-batch b·s·h activations forward and b·s·h gradients back (one message each way), and the
@@ -311,7 +313,8 @@ def activation_bytes(param_dtype: str) -> int:
 def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpointing: bool, micro_batch_size: int,
                   micro_batches: int, activations: Activations, param_dtype: str = "float32",
                   reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
-                  reduce_every_micro_batch: bool = False, sequence_parallel: bool = False, cp: int = 1) -> dict:
+                  reduce_every_micro_batch: bool = False, sequence_parallel: bool = False, cp: int = 1,
+                  replicate: int = 1) -> dict:
     """Every rank's bytes and every axis's traffic for one configuration (``micro_batches``: per rank and step,
     the pipeline's M). Stages differ; the rank holding most decides whether it fits. ZeRO-2 and -3 over M > 1
     micro-batches: as the trainers' ``no_sync()`` does, whole gradients accumulate until the step's one
@@ -323,18 +326,22 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
     sequence_parallel.py): what the
     LayerNorms save split 1/tp too; each activation all-reduce a reduce-scatter and an all-gather. ``cp`` (step 11):
     each sequence split over cp ranks, each a replica of the state, so ZeRO shards over dp x cp; ``activations``
-    must then be the ring's (``FormulaActivations(..., cp=cp)``); the ring passes K/V blocks to its neighbour."""
+    must then be the ring's (``FormulaActivations(..., cp=cp)``); the ring passes K/V blocks to its neighbour.
+    ``replicate`` (ZeRO-3 only, step 7's --replicate: HSDP): the dp x cp replicas are R rows of S = dp cp / R, the
+    state sharded over a row's S, the gathers and the reduce-scatter in the row, the 1/S gradient shard all-reduced
+    across the R rows (``comm["replicate"]``)."""
     sequence_parallel = sequence_parallel and tp > 1
     chunks = VIRTUAL_STAGES if schedule == "interleaved-1f1b" and pp > 1 else 1
     (p_bytes, g_bytes, _), _ = estimate.bytes_per_parameter(zero, param_dtype, reduce_dtype)
     act_bytes = activation_bytes(param_dtype)  # also what ZeRO-3 gathers: 16-bit units from a float32 shard
     bsh = micro_batch_size * shape.seq_len * shape.n_embd // cp  # a rank's tokens of a micro-batch, b s h wide
     replicas = dp * cp  # ranks holding the same model state: ZeRO's group
+    shard = replicas // replicate  # HSDP: the ranks each unit is cut over (a row); without it, all the replicas
     stages = []
     for stage in range(pp):
         held = rank_params(shape, tp, pp, stage, chunks)
         psi = held["blocks"] + held["rest"]
-        state = estimate.state_bytes(zero, psi, replicas, param_dtype, reduce_dtype)
+        state = estimate.state_bytes(zero, psi, shard, param_dtype, reduce_dtype)
         blocks = sum(chunk_blocks(shape.n_layer, pp, stage, chunks))
         if zero == 3:  # step 7's units in flight, whole: the rest (kept through backward) and two blocks
             state["gathered"] = act_bytes * (held["rest"] + held["blocks"] // max(blocks, 1) * min(blocks, 2))
@@ -347,7 +354,7 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
         host = offloaded = 0
         if offload:
             host = state["optimizer_state"] + (state["params"] if p_bytes == 4 else 0)
-            offloaded = state["grads"] + 4 * -(-psi // replicas)
+            offloaded = state["grads"] + 4 * -(-psi // shard)
             state["optimizer_state"] = 0
         flight = in_flight(schedule, pp, stage, micro_batches, chunks)
         if chunks > 1:
@@ -362,6 +369,8 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
             if zero == 3:
                 gathers = micro_batches * (2 * held["blocks"] + held["rest"]) * act_bytes
                 comm["dp"] = {"all_gather": gathers, "reduce_scatter": reduce_scatters * g_bytes * psi}
+                if replicate > 1:  # HSDP: this rank's gradient shard, across the rows
+                    comm["replicate"] = {"all_reduce": reduce_scatters * g_bytes * -(-psi // shard)}
             else:
                 comm["dp"] = {"all_reduce" if zero < 2 else "reduce_scatter": reduce_scatters * g_bytes * psi,
                               **({"all_gather": p_bytes * psi} if zero else {})}
@@ -381,7 +390,8 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
         stages.append({"stage": stage, "psi": psi, **state, "activations": act, "in_flight": flight,
                        "total": sum(state.values()) + act, "comm": comm, "host": host, "offloaded": offloaded})
     worst = max(stages, key=lambda s: s["total"])
-    return {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "zero": zero, "checkpointing": checkpointing, "schedule": schedule,
+    return {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "zero": zero, "replicate": replicate,
+            "checkpointing": checkpointing, "schedule": schedule,
             "selective": getattr(activations, "selective", False) and not checkpointing,
             "offload": offload, "sequence_parallel": sequence_parallel,
             "micro_batches": micro_batches, "stages": stages, "total": worst["total"], "worst_stage": worst["stage"],
@@ -406,7 +416,9 @@ def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: 
              / (dp * cp * tp * pp))
     compute = flops / (hardware.tflops * 1e12) / (1 - config["bubble"])  # (V M + P - 1) / V M
     inside = lambda span: span <= hardware.gpus_per_node  # noqa: E731 (ranks a group spans, tp innermost, then cp)
-    links = {"tp": inside(tp), "cp": inside(tp * cp), "dp": inside(tp * cp * dp), "pp": inside(tp * cp * dp * pp)}
+    shard = dp * cp // config.get("replicate", 1)  # HSDP: ZeRO's group is a row of S consecutive replicas
+    links = {"tp": inside(tp), "cp": inside(tp * cp), "dp": inside(tp * shard), "pp": inside(tp * cp * dp * pp),
+             "replicate": inside(tp * cp * dp)}
     sizes = group_sizes(config)
     comm = {}
     worst = max(config["stages"], key=lambda s: s["total"])
@@ -420,8 +432,9 @@ def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: 
 
 def group_sizes(config: dict) -> dict:
     """The ranks of each axis's group (ZeRO's and the gradients' over dp x cp: a ring's ranks are replicas); a
-    pipeline's and a ring's sends go to one neighbour at a time."""
-    return {"dp": config["dp"] * config["cp"], "tp": config["tp"], "pp": 2, "cp": 2}
+    pipeline's and a ring's sends go to one neighbour at a time. HSDP (``replicate``): its rows and columns."""
+    replicate = config.get("replicate", 1)  # HSDP: ZeRO's group is a row of dp cp / R, the gradient shard's a column
+    return {"dp": config["dp"] * config["cp"] // replicate, "tp": config["tp"], "pp": 2, "cp": 2, "replicate": replicate}
 
 
 def on_the_wire(kinds: dict, n: int) -> float:
@@ -440,7 +453,7 @@ def divisors(n: int) -> list[int]:
 def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: int, param_dtype: str = "float32",
          reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
          reduce_every_micro_batch: bool = False, sequence_parallel: bool = False,
-         activations=None, ring_activations=None) -> tuple[list[dict], list[dict]]:
+         activations=None, ring_activations=None, hsdp: bool = False) -> tuple[list[dict], list[dict]]:
     """(the configurations that fit, ranked; those that do not). Every dp x cp x tp x pp = --devices with tp dividing
     the heads (and the key/value heads), pp at most the layers, 2 cp dividing the sequence and global batch =
     dp x micro-batch x M. The interleaved schedule where it can run (M a multiple of pp, 2 chunks of a block or
@@ -448,7 +461,8 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
     parallelism are kept where they are needed: a layout with them fits only if the same layout without them (cp
     folded into dp) does not, or cannot run (the global batch too small for dp x cp replicas).
     ``activations``: by default counted on the meta device (the trainers' model); ``ring_activations(cp)``: by
-    default the formula's, with the ring's attention."""
+    default the formula's, with the ring's attention. ``hsdp``: ZeRO-3 also as HSDP, every R that leaves rows of 2
+    or more (step 7's --replicate R)."""
     activations = activations or Activations(shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype])
     ring_activations = ring_activations or (lambda cp: FormulaActivations(
         shape, micro_batch_size, activation_bytes(param_dtype), cp=cp))
@@ -464,14 +478,15 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
                 m = global_batch // (dp * micro_batch_size)
                 runs = schedule != "interleaved-1f1b" or (m % pp == 0 and pp * VIRTUAL_STAGES <= shape.n_layer)
                 held = activations if cp == 1 else ring_activations(cp)
-                for zero, offloaded, checkpointing, sp in itertools.product(
+                rows = [r for r in divisors(dp * cp) if r < dp * cp] if hsdp else [1]  # HSDP: rows of 2 or more
+                for zero, offloaded, checkpointing, sp, replicate in itertools.product(
                         range(4) if dp * cp > 1 else (0,), (False, True) if offload else (False,), (False, True),
-                        (True,) if sequence_parallel else (False, True) if tp > 1 else (False,)):
-                    if offloaded and zero != 3:
+                        (True,) if sequence_parallel else (False, True) if tp > 1 else (False,), rows):
+                    if (offloaded or replicate > 1) and zero != 3:
                         continue
                     c = configuration(shape, dp, tp, pp, zero, checkpointing, micro_batch_size, m, held, param_dtype,
                                       reduce_dtype, schedule if runs else "1f1b", offloaded, reduce_every_micro_batch,
-                                      sp, cp)
+                                      sp, cp, replicate)
                     c["time"] = step_time(c, shape, hardware, micro_batch_size)
                     c["fits"] = c["total"] <= hardware.memory
                     configs.append(c)
@@ -479,14 +494,15 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
     fit = [c for c in configs if c["fits"] and not plainer(c, sequence_parallel) & fitting]
     rejected = [c for c in configs if not c["fits"]]
     simplicity = lambda c: (c["tp"] * c["pp"], c["pp"], c["cp"], c["sequence_parallel"], c["zero"],  # noqa: E731
-                            c["offload"], c["checkpointing"])
+                            c["replicate"], c["offload"], c["checkpointing"])
     fit.sort(key=lambda c: (float(f"{c['time']['step_s']:.3g}"), simplicity(c)))  # ties (3 digits): the simpler
     rejected.sort(key=simplicity)
     return fit, rejected
 
 
 def layout_key(c: dict) -> tuple:
-    return c["dp"], c["cp"], c["tp"], c["pp"], c["zero"], c["offload"], c["checkpointing"], c["sequence_parallel"]
+    return (c["dp"], c["cp"], c["tp"], c["pp"], c["zero"], c["offload"], c["checkpointing"], c["sequence_parallel"],
+            c.get("replicate", 1))
 
 
 def plainer(c: dict, sequence_parallel: bool = False) -> set:
@@ -501,7 +517,8 @@ def plainer(c: dict, sequence_parallel: bool = False) -> set:
 
 def name(c: dict) -> str:
     cp = f"cp {c['cp']} x " if c["cp"] > 1 else ""
-    return (f"dp {c['dp']} x {cp}tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}"
+    hsdp = f" (HSDP {c['replicate']} x {c['dp'] * c['cp'] // c['replicate']})" if c.get("replicate", 1) > 1 else ""
+    return (f"dp {c['dp']} x {cp}tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}{hsdp}"
             f"{', offload' if c['offload'] else ''}{', checkpointing' if c['checkpointing'] else ''}"
             f"{', selective' if c.get('selective') else ''}"
             f"{', sequence-parallel' if c.get('sequence_parallel') else ''}")
@@ -524,6 +541,10 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
         less = f"{(ddp['total'] - c['total']) / unit[0]:,.1f} {unit[1]}" if ddp else ""
         saved = f"{less} less than DDP, which fits too" if ddp else "fits"
         reasons.append(f"{estimate.STAGES[c['zero']]}: {saved}")
+    if c.get("replicate", 1) > 1:
+        links, across = c["time"]["links"], c["stages"][c["worst_stage"]]["comm"]["replicate"]["all_reduce"]
+        reasons.append(f"HSDP: gathers {'inside a node' if links['dp'] else 'ACROSS nodes'}, "
+                       f"{across / 1e6:,.1f} MB of gradient shard {'inside a node' if links['replicate'] else 'across'}")
     if c["tp"] > 1:
         reasons.append(f"TP {c['tp']} {'inside a node' if c['time']['links']['tp'] else 'ACROSS nodes (slow)'}")
     if c["pp"] > 1:
@@ -580,8 +601,9 @@ def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dic
     for i, c in enumerate(fit[:top]):
         s = c["stages"][c["worst_stage"]]
         sizes = group_sizes(c)
-        comm = {axis: f"{sum(s['comm'].get(axis, {}).values()) / 1e6:,.1f}/"
-                      f"{on_the_wire(s['comm'].get(axis, {}), sizes[axis]) / 1e6:,.1f}"
+        also = {"dp": ("replicate",)}  # HSDP: the all-reduce across the rows in the DP column
+        comm = {axis: f"{sum(sum(s['comm'].get(a, {}).values()) for a in (axis, *also.get(axis, ()))) / 1e6:,.1f}/"
+                      f"{sum(on_the_wire(s['comm'].get(a, {}), sizes[a]) for a in (axis, *also.get(axis, ()))) / 1e6:,.1f}"
                 for axis in ("dp", "tp", "pp", "cp")}
         lines.append(f"{i + 1:>3} {name(c):<62}{gib(s['params']):>9}{gib(s['grads'] + s.get('accumulated', 0)):>9}"
                      f"{gib(s['optimizer_state']):>9}"
@@ -606,7 +628,7 @@ def layout_of(metrics: dict) -> dict:
     coordinates. Reads ``env``'s ``data_parallel_size``, ``tensor_parallel_size``, ``pipeline_stages`` (steps 8
     and 9 write them; a step 10 run writes all three, and ``mesh_coords`` [[dp, tp, pp] per rank] where its
     layout is not tp innermost, then dp, then pp); step 11's ``context_parallel_size``: a ring's ranks are
-    replicas of the model state, counted in dp."""
+    replicas of the model state, counted in dp; step 7's ``--replicate R`` (HSDP): sharded over dp / R."""
     env, step = metrics["env"], metrics["config"]["step"]
     number = int(step[4:].split("_")[0])
     world = env["world_size"]
@@ -616,7 +638,8 @@ def layout_of(metrics: dict) -> dict:
     if dp * tp * pp != world:
         raise UserError(f"{step}: a mesh of dp {dp} x tp {tp} x pp {pp} is not the world size {world}")
     coords = env.get("mesh_coords") or [[(r // tp) % dp, r % tp, r // (tp * dp)] for r in range(world)]
-    return {"dp": dp, "tp": tp, "pp": pp, "zero": ZERO_OF_STEP.get(number, 0), "coords": coords}
+    replicate = metrics["config"].get("replicate", 1)  # step 7's HSDP: ZeRO-3 over rows of dp / R
+    return {"dp": dp, "tp": tp, "pp": pp, "zero": ZERO_OF_STEP.get(number, 0), "coords": coords, "replicate": replicate}
 
 
 def measured_rows(metrics: dict, vocab: int) -> list[dict]:
@@ -631,10 +654,10 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
         stage = mesh["coords"][rank][2]
         chunks = step9_pipeline("pipeline_setup").virtual_stages({"schedule": "1f1b", **config})  # step 9's rule
         held = rank_params(shape, mesh["tp"], mesh["pp"], stage, chunks if mesh["pp"] > 1 else 1)
-        estimated = estimate.state_bytes(mesh["zero"], held["blocks"] + held["rest"], mesh["dp"], param_dtype,
-                                         reduce_dtype)
+        estimated = estimate.state_bytes(mesh["zero"], held["blocks"] + held["rest"], mesh["dp"] // mesh["replicate"],
+                                         param_dtype, reduce_dtype)
         rows.append({"step": config["step"], "rank": rank, "stage": stage,
-                     **{k: mesh[k] for k in ("dp", "tp", "pp", "zero")},
+                     **{k: mesh[k] for k in ("dp", "tp", "pp", "zero", "replicate")},
                      "measured": {k: memory[k] for k in estimate.KINDS}, "estimated": estimated,
                      "in_flight": memory.get("micro_batches_in_flight"),
                      "in_flight_estimated": in_flight(config.get("schedule", "1f1b"), mesh["pp"], stage,
@@ -644,7 +667,7 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
 
 def measured_report(runs: list[Path]) -> tuple[str, bool]:
     import parity
-    lines = [f"{'run':<26}{'rank':>5}{'mesh dp x tp x pp, ZeRO':>26}{'measured state':>16}{'estimated':>12}"
+    lines = [f"{'run':<26}{'rank':>5}{'mesh dp x tp x pp, ZeRO':>40}{'measured state':>16}{'estimated':>12}"
              f"{'ratio':>8}{'in flight (measured / est.)':>29}"]
     ok = True
     for run in runs:
@@ -654,8 +677,9 @@ def measured_report(runs: list[Path]) -> tuple[str, bool]:
             m, e = sum(row["measured"].values()), sum(row["estimated"].values())
             ok &= abs(m / e - 1) <= 0.05
             mesh = f"{row['dp']} x {row['tp']} x {row['pp']}, {estimate.STAGES[row['zero']] if row['dp'] > 1 else '-'}"
+            mesh += f" (HSDP {row['replicate']} x {row['dp'] // row['replicate']})" if row["replicate"] > 1 else ""
             held = f"{row['in_flight']} / {row['in_flight_estimated']}" if row["in_flight"] is not None else "-"
-            lines.append(f"{Path(folder).name:<26}{row['rank']:>5}{mesh:>26}{m:>16,}{e:>12,}{m / e:>8.3f}{held:>29}")
+            lines.append(f"{Path(folder).name:<26}{row['rank']:>5}{mesh:>40}{m:>16,}{e:>12,}{m / e:>8.3f}{held:>29}")
     lines.append(f"every rank's model state within 5% of the estimate: {'yes' if ok else 'NO'}")
     return "\n".join(lines), ok
 
@@ -703,6 +727,9 @@ def main() -> int:
     flags.add_argument("--offload-optimizer", action="store_true",
                        help="also try ZeRO-3 with AdamW's state on the host (step 7's --offload-optimizer)")
     flags.add_argument("--host-gbs", type=float, default=25.0, help="GB/s between a device and its host (offload)")
+    flags.add_argument("--hsdp", action="store_true",
+                       help="also try ZeRO-3 as HSDP: sharded over rows of dp/R, replicated over R (step 7's "
+                            "--replicate R)")
     flags.add_argument("--reduce-every-micro-batch", action="store_true",
                        help="ZeRO-2/3 reduce-scatter every micro-batch into the shard (step 6's flag), not one "
                             "whole gradient accumulated under no_sync() per step (the trainers' default)")
@@ -758,7 +785,7 @@ def main() -> int:
     accounting += "; with cp > 1 by formula, attention by the ring"
     fit, rejected = plan(shape, hardware, b, global_batch, config["param_dtype"], reduce_dtype, config["schedule"],
                          config["offload_optimizer"], config["reduce_every_micro_batch"], config["sequence_parallel"],
-                         activations, lambda cp: formula(cp=cp))  # step 11's ring: flash attention's terms, 1/cp
+                         activations, lambda cp: formula(cp=cp), config["hsdp"])  # step 11's ring: 1/cp terms
     print(report(shape, hardware, fit, rejected, b, global_batch, config["param_dtype"], config["top"], accounting))
     if config["json"]:
         config["json"].write_text(json.dumps({"shape": dataclasses.asdict(shape), "fit": fit, "rejected": rejected},

@@ -6,12 +6,12 @@ unit's gather already under way; a plain AdamW steps this rank's pieces: 4/N + 4
 
     torchrun --standalone --nproc_per_node=2 step7_zero3/train.py
     python compare/parity.py step1 step7                    # bitwise at 2 ranks (--trace: the prefetch timeline)
+    torchrun --standalone --nproc_per_node=4 step7_zero3/train.py --replicate 2   # HSDP: 2 rows of 2 (hsdp.py)
 """
 import contextlib
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
 import distributed
@@ -28,7 +28,7 @@ from resharding import PerRank, find_checkpoint, open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from streaming_export import save_final_weights_streaming
 from sharded_gradients import ShardedGradScaler
-from zero3_setup import add_zero3_flags, shard_gpt2
+from zero3_setup import add_zero3_flags, check_replicate, shard_gpt2
 from seeding import seed_everything
 from training import (add_param_dtype_flag, autocast, check_amp, check_param_dtype, clip_grad_norm, make_grad_scaler,
                       make_optimizer, make_scheduler, param_dtype, param_norm)
@@ -54,7 +54,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     with record_function("optimizer"):
         model.finish_gradient_synchronization()  # the single sync point: each piece's .grad is its slice
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"], [dist.group.WORLD])  # every rank's pieces
+        grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"], [model.mesh.shard_group])  # HSDP: a row
         scaler.step(optimizer)  # updates this rank's pieces in place; skipped on overflow
         scaler.update()
         memory = memory_stats(model.parameter_shards, optimizer, device, grads=model.gradient_shards,
@@ -73,6 +73,7 @@ def main():
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     check_param_dtype(config, world.device)
+    check_replicate(config["replicate"], world.world_size)  # HSDP: R must divide N
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
@@ -119,7 +120,7 @@ def main():
             "step": step + 1,
             "loss": distributed.mean_over_ranks(loss_sum, accum),  # over every rank and micro-batch
             "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(ddp_model.parameters(), [dist.group.WORLD], device),
+            "param_norm": param_norm(ddp_model.parameters(), [ddp_model.mesh.shard_group], device),  # HSDP: a row
             "lr": lr,
             "tokens_per_s": tokens_per_step / step_time["wall_s"],
             "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,

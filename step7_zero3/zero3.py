@@ -41,7 +41,8 @@ Step 6 still kept every parameter on every rank; here:
 Collectives are matched by the order they are issued in. Every rank runs the same graph, so the hooks
 fire, and launch their collectives, in the same order everywhere. Saving, loading, the full
 parameters by name and what the trainer measures: zero3_state.py. GPT-2 from step 7's flags:
-zero3_setup.py.
+zero3_setup.py. HSDP (``mesh``: N read as the N/R ranks of a row, the gradient all-reduced across the rows):
+hsdp.py.
 """
 import contextlib
 import functools
@@ -52,6 +53,7 @@ import torch.distributed as dist
 
 from comm_accounting import all_gather_single, reduce_scatter_single, count_collective
 from zero3_mixed_precision import accumulate, cast_forward_inputs
+from hsdp import average, hybrid_mesh
 from zero3_state import FullyShardedState
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
@@ -65,6 +67,7 @@ class Unit:
     """
 
     def __init__(self, name: str, module, entries: list, value, world_size: int, rank: int, device):
+        # world_size, rank: of the shard group (the whole world, but for HSDP: hsdp.py's rule 2)
         self.name, self.module = name, module
         self.names, self.registrations = [e[0] for e in entries], [e[2] for e in entries]
         self.shapes = [param.shape for _, param, _ in entries]
@@ -110,17 +113,19 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
     ``units``: submodules, each sharded and gathered as one unit; a root unit holds every other parameter.
     ``init_fn(name, shape)``: the values of a parameter (or buffer) that is on the meta device.
     ``param_dtype``: the dtype parameters are gathered and computed in (None: their own, float32).
+    ``mesh``: an ``hsdp.HybridMesh``, to shard over its rows and replicate over its columns (None: the world).
     Contract as in steps 4-6: the same forwards and backwards on every rank; after the last backward of an
     optimiser step (the one outside ``no_sync()``) call ``finish_gradient_synchronization()`` once.
     """
 
     def __init__(self, module: torch.nn.Module, units, init_fn=None, reshard_after_forward: bool = True,
                  reduce_dtype: torch.dtype = torch.float32, prefetch: bool = True, device=None,
-                 param_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, mesh=None):
         super().__init__()
         self.module = module
         self.param_dtype = param_dtype
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.mesh = mesh or hybrid_mesh()  # the shard group (all ranks, or a row: HSDP) the units are cut over
         self.reshard_after_forward, self.reduce_dtype, self.prefetch = reshard_after_forward, reduce_dtype, prefetch
         self.device = torch.device(device or "cpu")
         self.require_sync = True
@@ -169,7 +174,7 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
                 raise ValueError(f"{name} is on the meta device: pass init_fn to give it values")
             return (init_fn(name, tensor.shape) if tensor.is_meta else tensor.detach()).to(self.device, tensor.dtype)
 
-        units = [Unit(name, m, e, value, self.world_size, self.rank, self.device)
+        units = [Unit(name, m, e, value, self.mesh.shard_size, self.mesh.shard_rank, self.device)
                  for name, m, e in zip(["root"] + unit_names, [model] + unit_modules, entries) if e]
         for unit in units:
             unit.install(unit.pieces)
@@ -215,7 +220,7 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         # Into .data: a write autograd does not count, so what backward saved from the last gather stays valid.
         # With param_dtype the shard goes out cast to 16 bits, a copy freed after the wait (see _gathered).
         unit.sending = unit.shard.to(unit.flat.dtype)
-        unit.handle = all_gather_single(unit.flat.data, unit.sending, async_op=True)
+        unit.handle = all_gather_single(unit.flat.data, unit.sending, group=self.mesh.shard_group, async_op=True)
         unit.state = GATHERING
 
     def _gathered(self, unit: Unit) -> None:  # launching the gather if nobody did
@@ -312,14 +317,15 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         unit.output = unit.grad_shard if self.reduce_dtype == torch.float32 else full.new_empty(len(unit.shard))
         count_collective("reduce_scatter", full)
         unit.input = full  # its storage is freed after the wait, in this thread, as an all-gather's copy is
-        unit.work = reduce_scatter_single(unit.output, full, async_op=True)
+        unit.work = reduce_scatter_single(unit.output, full, group=self.mesh.shard_group, async_op=True)
         self.reducing = unit
         self.reduced.add(unit)
 
     def _finish_reduce_scatter(self, unit: Unit) -> None:
         unit.work.wait()  # gloo writes the output only here (and its handle has no future to call back)
         unit.input.untyped_storage().resize_(0)
-        unit.grad_shard.copy_(unit.output.div_(self.world_size))  # float64 -> float32 rounds here, once
+        # Divided by N (HSDP: all-reduced across the replicas too, hsdp.py); float64 -> float32 rounds here, once
+        unit.grad_shard.copy_(average(unit.output, self.mesh, self.reduce_dtype))
         unit.work = unit.output = unit.input = self.reducing = None
 
     def finish_gradient_synchronization(self) -> None:

@@ -2,7 +2,7 @@
 zero3.py's, which needs no particular model: this file imports it, never the other way round.
 
 ``add_zero3_flags``: ``--no-prefetch``, ``--activation-checkpointing``, ``--offload-optimizer``,
-``--trace``. ``checkpoint_activations``: activation checkpointing, a second idea (memory against
+``--trace``, ``--replicate`` (HSDP, hsdp.py; ``check_replicate`` refuses an R that does not divide N). ``checkpoint_activations``: activation checkpointing, a second idea (memory against
 time) that asks of FullyShardedDP one line of its pre-backward hook, which installs the gathered
 views again for the forward recomputed in backward. ``shard_gpt2``: this project's GPT-2 built on
 the meta device and wrapped in ``FullyShardedDP`` with its blocks as units (zero3.py's rule 6).
@@ -12,6 +12,8 @@ import functools
 import torch
 
 from model import GPT2, gpt2_config, initial_value
+from config import UserError
+from hsdp import hybrid_mesh, replicate_problem
 from zero3 import FullyShardedDP
 
 
@@ -27,6 +29,15 @@ def add_zero3_flags(parser) -> None:
                             "device keeps parameters and gradients")
     flags.add_argument("--trace", action="store_true",
                        help="write trace.json and timeline.png of the last step")
+    flags.add_argument("--replicate", type=int, default=1, metavar="R",
+                       help="HSDP (hsdp.py): shard over N/R consecutive ranks (a node), replicate over R "
+                            "such groups; 1: shard over all N")
+
+
+def check_replicate(replicate: int, world_size: int) -> None:
+    """--replicate R must cut the N ranks into equal shard groups: else one line, exit 2, before any group."""
+    if problem := replicate_problem(replicate, world_size):
+        raise UserError(problem)
 
 
 def checkpoint_activations(blocks) -> None:
@@ -57,5 +68,6 @@ def shard_gpt2(config: dict, vocab_size: int, device, param_dtype=None) -> tuple
 
     wrapper = FullyShardedDP(model, model.transformer.h, device=device, init_fn=init_fn,
                              prefetch=not config["no_prefetch"], param_dtype=param_dtype,
-                             reduce_dtype=getattr(torch, config["reduce_dtype"]))
+                             reduce_dtype=getattr(torch, config["reduce_dtype"]),
+                             mesh=hybrid_mesh(config["replicate"], config["timeout_s"]))
     return wrapper, shapes

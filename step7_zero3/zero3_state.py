@@ -68,7 +68,7 @@ class FullyShardedState:
         for unit in self.units:
             full = torch.empty(unit.padded, device=self.device)
             count_collective("all_gather", full)
-            all_gather_single(full, unit.shard)
+            all_gather_single(full, unit.shard, group=self.mesh.shard_group)  # HSDP: within the row
             yield from zip(unit.names, unit.full_views(full))
             del full  # gone once the caller lets go of this unit's tensors
 

@@ -211,6 +211,7 @@ CASES = {
     "pipeline-schedule": lambda s: trainer("step9", "--schedule", "zb", ranks=2),
     "pipeline-fp16": lambda s: trainer("step9", "--amp", "fp16", ranks=2),
     "compile-not-here": lambda s: trainer("step7", "--compile", ranks=2),
+    "replicate-not-dividing": lambda s: trainer("step7", "--replicate", "3", ranks=4),
     "param-dtype-with-amp": lambda s: trainer("step0", "--param-dtype", "bf16", "--amp", "bf16"),
     "param-dtype-not-here": lambda s: trainer("step1", "--param-dtype", "bf16", ranks=2),
     "fsdp2-reference-flags": lambda s: tool("fsdp2_reference.py", "--param-dtype", "fp16"),
@@ -477,6 +478,15 @@ def slurm_without_scontrol(monkeypatch):
     slurm_command.job_hostnames({"SLURM_JOB_NODELIST": "gpu[07-08]"})
 
 
+def replicate_check(replicate: int, world_size: int):
+    """What step 7 checks before joining: --replicate R dividing the ranks into equal shard groups."""
+    def run(monkeypatch):
+        monkeypatch.syspath_prepend(str(REPO / STEPS["step7"]))
+        import zero3_setup
+        zero3_setup.check_replicate(replicate, world_size)
+    return run
+
+
 LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or of nothing; or several such)
     "--n-embd 100 must be divisible by --n-head 3": flags("--n-embd", "100", "--n-head", "3"),
     "--beta1 must be in [0, 1), got 1": flags("--beta1", "1"),
@@ -515,6 +525,9 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--seq-len 36 is cut into 2 x 4 chunks for 4 ranks: use a multiple of 8":
         tool_main("cp_reference", "--device", "cpu", "--cp", "4", "--seq-len", "36"),
     "scontrol is not on PATH: run this on a node of the Slurm job": slurm_without_scontrol,
+    "--replicate 0: the number of replicas must be at least 1": replicate_check(0, 4),
+    "--replicate 3 does not divide the 1 ranks: choose R with N / R whole (the ranks of one node, typically), or "
+    "launch a multiple of 3 ranks": tool_main("fsdp2_reference", "--replicate", "3"),
     "--device cuda asked for, but torch sees no CUDA GPU; use --device cpu": (no_gpu(tool_main("cp_reference")),
                                                                            no_gpu(tool_main("gpu_check"))),
 }

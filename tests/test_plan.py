@@ -299,6 +299,31 @@ def test_communication_is_the_steps_formulas():
 
 
 @pytest.mark.quick
+def test_hsdp_rows_shard_over_a_row_and_all_reduce_the_shard_across():
+    """Step 7's --replicate R at dp 16, 8 devices per node: the state of ZeRO-3 over 16 / R ranks, the gathers and
+    the reduce-scatter ZeRO-3's (in the row), the all-reduce 4 ceil(Ψ/S) across the rows; with R = 2 the rows are
+    the nodes, so only that all-reduce crosses, where plain ZeRO-3's gathers cross nodes. Without --hsdp, no row."""
+    psi, activations = DEFAULT.psi, plan.Activations(DEFAULT, 8)
+    plain = plan.configuration(DEFAULT, 16, 1, 1, 3, False, 8, 2, activations)
+    for replicate in (2, 4, 8):
+        hsdp = plan.configuration(DEFAULT, 16, 1, 1, 3, False, 8, 2, activations, replicate=replicate)
+        stage, shard = hsdp["stages"][0], 16 // replicate
+        assert {k: stage[k] for k in estimate.KINDS} == estimate.state_bytes(3, psi, shard)
+        assert stage["comm"]["dp"] == plain["stages"][0]["comm"]["dp"]
+        assert stage["comm"]["replicate"] == {"all_reduce": 4 * -(-psi // shard)}
+        assert plan.group_sizes(hsdp) == {"dp": shard, "tp": 1, "pp": 2, "cp": 2, "replicate": replicate}
+    hardware = plan.Hardware(devices=16, memory=2**30, gpus_per_node=8)
+    fit, _ = plan.plan(DEFAULT, hardware, 8, 256, hsdp=True)
+    rows = {(c["dp"], c["tp"], c["pp"], c["zero"], c["replicate"]): c for c in fit if not c["checkpointing"]}
+    two = rows[16, 1, 1, 3, 2]
+    assert two["time"]["links"]["dp"] is True and two["time"]["links"]["replicate"] is False
+    assert rows[16, 1, 1, 3, 1]["time"]["links"]["dp"] is False
+    assert two["time"]["step_s"] < rows[16, 1, 1, 3, 1]["time"]["step_s"]
+    assert "(HSDP 2 x 8)" in plan.name(two) and "gathers inside a node" in plan.justify(two, fit, [], (2**20, "MiB"))
+    assert {c["replicate"] for c in plan.plan(DEFAULT, hardware, 8, 256)[0]} == {1}
+
+
+@pytest.mark.quick
 def test_the_ranking_follows_the_rules():
     """DDP first when it fits; ZeRO-2 before ZeRO-3; ZeRO-3 only when ZeRO-2 does not fit; tensor parallelism
     inside a node before across; a pipeline's bubble (P - 1)/(M + P - 1) costs time."""
