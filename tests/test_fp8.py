@@ -62,6 +62,39 @@ def test_one_layer_bitwise_to_torchao(recipe, amp):
     assert not torch.equal(ours[0].float(), plain[0].float()), "the output should carry FP8's rounding"
 
 
+class OutsidersNet(torch.nn.Module):
+    """Someone else's model: no GPT-2, a linear without bias, one not a multiple of 16 left out by their filter."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(48, 64, bias=False), torch.nn.Linear(64, 48)
+        self.norm, self.head = torch.nn.LayerNorm(48), torch.nn.Linear(48, 10)
+
+    def forward(self, x):
+        return self.head(self.norm(x + self.down(torch.relu(self.up(x)))))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_any_module_in_an_outsiders_loop_trains_like_torchao(recipe):
+    """An outsider's loop (SGD with momentum, their own module and filter): bitwise to torchao after every step."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = OutsidersNet()
+    keep = lambda layer, name: name != "head"  # noqa: E731  (their choice, as torchao's module_filter_fn)
+    ours, theirs = convert_to_fp8(copy.deepcopy(net), recipe, keep), torchao_convert(copy.deepcopy(net), recipe, keep)
+    assert type(ours.head) is torch.nn.Linear and isinstance(ours.up, Float8Linear)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x, y = torch.randn(32, 48, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        for model, opt in zip((ours, theirs), opts):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+            assert torch.equal(a, b), f"{recipe}: {name}"
+
+
 def test_zero_input_gives_zero_output_not_nan():
     """The amax epsilon (1e-12): an all-zero tensor scales to a finite number, so the layer returns zeros."""
     layer = convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False)), "tensorwise")

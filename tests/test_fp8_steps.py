@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from conftest import TINY, assert_bitwise_same_run, launch, metrics, parity, train, weights
+from conftest import EXACT, TINY, assert_bitwise_same_run, launch, metrics, parity, train, weights
 from data import MicroBatches, load_corpus  # common/, on the path through conftest
 from model import build_model, language_model_loss
 from training import adamw_options, adamw_param_groups, clip_grad_norm, lr_at
@@ -40,6 +40,21 @@ def test_step_with_fp8_is_bitwise_step1_at_world_size_2(fp8_runs, step, recipe):
     result = parity(fp8_runs["step1", recipe], fp8_runs[step, recipe])
     assert "verdict: PASS (bitwise identical)" in result.stdout, result.stdout
     assert metrics(fp8_runs[step, recipe])["config"]["fp8"] == recipe
+
+
+EXACT_FP8 = (*EXACT, "--fp8", "rowwise")
+
+
+@pytest.fixture(scope="module")
+def exact_step1(tmp_path_factory, small_corpus):
+    return train("step1", tmp_path_factory.mktemp("fp8_exact") / "step1", small_corpus, *EXACT_FP8, nproc=3)
+
+
+@pytest.mark.parametrize("step", ["step3", "step5", "step7"])
+def test_exact_mode_with_fp8_is_bitwise_step1_at_3_ranks(exact_step1, step, tmp_path, small_corpus):
+    """The contract's strictest setting (float64 reduction, bf16 autocast, dropout, clipping) with --fp8 rowwise:
+    3 ranks, where only exact mode makes the sums order-free; FP8 adds nothing a rank sums differently."""
+    assert_bitwise_same_run(exact_step1, train(step, tmp_path / step, small_corpus, *EXACT_FP8, nproc=3))
 
 
 def test_parity_refuses_fp8_against_high_precision_and_the_state_bytes_are_the_same(fp8_runs, tmp_path, small_corpus):
