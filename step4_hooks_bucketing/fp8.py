@@ -21,17 +21,18 @@ Rules, each one what torchao 0.18's ``convert_to_float8_training`` does (the par
    dimension*, so every scale factors out of the sum: x per token and W per output feature in the forward;
    gy per token and W per input feature for grad_x; gy per output feature and x per input feature (both over
    the tokens) for grad_W. Each operand is cast again for each matmul it enters, on the axis that one needs.
-   Rowwise scales are rounded down to a power of two (``round_scales_to_power_of_2``): multiplying by one
-   is exact, so the scaling itself adds no rounding.
+   Rowwise scales are rounded down to a power of two (``round_scales_to_power_of_2``): multiplying by a power
+   of two is exact, so the scaling itself adds no rounding.
 4. ``_scaled_mm`` wants its first operand row-major and its second column-major (what the tensor cores
-   read); both layouts are made here as torchao makes them, because a CPU kernel's sums follow the layout.
+   read); both layouts are made here where torchao makes them, so every kernel, the CPU's too, gets the same call.
 5. The forward gemm uses fast accumulation, the two gradient gemms do not (torchao's defaults). Rowwise without
    fast accumulation multiplies with unit scales and applies the two scale vectors afterwards (torchao's choice:
    the rowwise kernel is slow without it), and rowwise output in float32 or fp16 is produced in bf16 then
    converted (``_scaled_mm`` has no rowwise float32 output).
 6. The output comes out in the compute dtype: the input's, or bf16 under ``--amp bf16`` autocast. The
    backward saves the high-precision input and weight, not their FP8 copies, and casts again (so FP8 saves
-   matmul time, not activation memory); the bias is added after the matmul in the output's dtype.
+   matmul time, not activation memory); the bias is added after the matmul in the output's dtype. Autocast is
+   off around the matmuls: inside it, the CPU's ``_scaled_mm`` returns other bits, and torchao's runs below it.
 7. Which layers: every ``nn.Linear`` inside the transformer blocks. The embeddings are lookups, not matmuls,
    and the output layer (tied to the token embedding here) stays in high precision, as torchao's users and
    torchtitan leave it: the logits feed a softmax over the whole vocabulary, where FP8's three mantissa bits
