@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from conftest import EXACT, TINY, assert_bitwise_same_run, launch, metrics, parity, train, weights
+from conftest import (EXACT, REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, parity, run_ranks,
+                      train, weights)
 from data import MicroBatches, load_corpus  # common/, on the path through conftest
 from model import build_model, language_model_loss
 from training import adamw_options, adamw_param_groups, clip_grad_norm, lr_at
@@ -55,6 +56,18 @@ def test_exact_mode_with_fp8_is_bitwise_step1_at_3_ranks(exact_step1, step, tmp_
     """The contract's strictest setting (float64 reduction, bf16 autocast, dropout, clipping) with --fp8 rowwise:
     3 ranks, where only exact mode makes the sums order-free; FP8 adds nothing a rank sums differently."""
     assert_bitwise_same_run(exact_step1, train(step, tmp_path / step, small_corpus, *EXACT_FP8, nproc=3))
+
+
+@pytest.mark.parametrize("flags", [("--fp8", "tensorwise"), ("--fp8", "rowwise", "--param-dtype", "bf16")],
+                         ids=["tensorwise-float32", "rowwise-bf16-parameters"])
+def test_step7_with_fp8_is_bitwise_fsdp2_with_torchao(flags, tmp_path, small_corpus):
+    """ZeRO-3 against PyTorch's: FSDP2 over the blocks, torchao's conversion before sharding (compare/fsdp2_reference.py
+    --fp8). Both gather the unit's weight (float32, or bf16 with --param-dtype), then cast it to FP8."""
+    out = tmp_path / "fsdp2"
+    result = run_ranks(REPO / "compare" / "fsdp2_reference.py",
+                       [*TINY, "--data", str(small_corpus), "--out", str(out), *flags, *TIMEOUT], nproc=2, timeout=300)
+    assert result.returncode == 0, f"fsdp2_reference failed:\n{result.stderr[-3000:]}"
+    assert_bitwise_same_run(train("step7", tmp_path / "step7", small_corpus, *flags), out)
 
 
 def test_parity_refuses_fp8_against_high_precision_and_the_state_bytes_are_the_same(fp8_runs, tmp_path, small_corpus):
