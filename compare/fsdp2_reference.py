@@ -16,6 +16,8 @@ fp16 parameters need a loss scaler that FSDP2 does not give a DTensor optimiser 
 ``--offload-optimizer``: ``CPUOffloadPolicy``, the counterpart of step 7's (step7_zero3/offload.py).
 ``--replicate R``: HSDP, ``fully_shard`` on the 2-D mesh ``(R, N // R)`` named ("replicate", "shard"), the
 counterpart of step 7's (step7_zero3/hsdp.py); the norms then sum over the "shard" group only.
+``--fp8 tensorwise|rowwise``: torchao's ``convert_to_float8_training`` on the blocks' linears before sharding,
+the counterpart of step 7's ``--fp8`` (FSDP2 gathers the float32 or bf16 weight, torchao casts it: no FP8 all-gather).
 """
 import sys
 from pathlib import Path
@@ -47,6 +49,8 @@ def main():
                         help="CPUOffloadPolicy: the sharded parameters, gradients and AdamW on the host (step 7's flag)")
     parser.add_argument("--replicate", type=int, default=1, metavar="R",
                         help="HSDP: a (replicate, shard) mesh of R x N/R ranks (step 7's flag)")
+    parser.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None,
+                        help="torchao's float8 training on the blocks' linears (step 7's --fp8 counterpart)")
     config = parse_config(parser)
     if config["reduce_dtype"] != "float32" or config["amp"] != "none" or config["param_dtype"] == "fp16":
         raise UserError("the FSDP2 reference runs --param-dtype float32 or bf16, gradients reduced in float32, "
@@ -74,6 +78,10 @@ def main():
                              shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
+    if config["fp8"]:  # torchao, the oracle: the blocks' nn.Linears, as step 7's fp8.py converts them
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(config["fp8"]),
+                                   module_filter_fn=lambda layer, name: name.startswith("transformer.h."))
     dtype = param_dtype(config)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if config["offload_optimizer"] else OffloadPolicy()

@@ -16,6 +16,7 @@ from background_writer import BackgroundWriter
 from checkpoint import CheckpointWriter, RunState, WholeModel
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
+from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
 from resharding import find_checkpoint, open_checkpoint
@@ -67,10 +68,12 @@ def main():
     # ---- everything that can be wrong is checked before anything is written ------------------
     parser = build_parser(STEP)
     add_param_dtype_flag(parser)
+    add_fp8_flag(parser)  # --fp8 tensorwise|rowwise (fp8.py)
     config = parse_config(parser)
     check_one_process(STEP)  # not several copies under torchrun, each training alone
     device = pick_device(config["device"])
     check_amp(config["amp"], device)
+    check_fp8(config, device)  # --fp8: no --amp fp16, sizes multiples of 16, a device with _scaled_mm
     check_param_dtype(config, device)
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
@@ -86,6 +89,8 @@ def main():
     sampler = DistributedSampler(range(len(corpus.blocks)), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
+    if config["fp8"]:  # the blocks' nn.Linears multiply in FP8; embeddings, output layer stay (fp8.py)
+        convert_to_fp8(model.transformer.h, config["fp8"])
     if config["compile"]:  # block by block: the parameters keep their names, the loop does not change
         compile_blocks(model)
     # --param-dtype bf16|fp16: AdamW steps a float32 master of every parameter; the model computes in a

@@ -20,6 +20,7 @@ from bucketed_ddp import BucketedDDP
 from checkpoint import CheckpointWriter, RunState, WholeModel
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
+from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
 from resharding import find_checkpoint, open_checkpoint
@@ -65,9 +66,11 @@ def main():
     distributed.add_flags(parser)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB")
     parser.add_argument("--trace", action="store_true", help="write trace.json and timeline.png of the last step")
+    add_fp8_flag(parser)  # --fp8 tensorwise|rowwise (fp8.py)
     config = parse_config(parser)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
+    check_fp8(config, world.device)  # --fp8: no --amp fp16, sizes multiples of 16, a device with _scaled_mm
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
@@ -82,6 +85,8 @@ def main():
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # Different seeds on purpose, as in step 3: BucketedDDP broadcasts rank 0's parameters.
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
+    if config["fp8"]:  # the blocks' nn.Linears multiply in FP8; embeddings, output layer stay (fp8.py)
+        convert_to_fp8(model.transformer.h, config["fp8"])
     if config["compile"]:  # block by block, as in step 0: the communication stays outside the blocks
         compile_blocks(model)
     ddp_model = BucketedDDP(model, config["bucket_cap_mb"], reduce_dtype=getattr(torch, config["reduce_dtype"]))

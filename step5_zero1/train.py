@@ -20,6 +20,7 @@ from main_grad import MainGradDDP
 from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
+from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
 from masters import sharded_optimizer
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
@@ -66,9 +67,11 @@ def main():
     distributed.add_flags(parser)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB")
     add_param_dtype_flag(parser)
+    add_fp8_flag(parser)  # --fp8 tensorwise|rowwise (fp8.py)
     config = parse_config(parser)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
+    check_fp8(config, world.device)  # --fp8: no --amp fp16, sizes multiples of 16, a device with _scaled_mm
     check_param_dtype(config, world.device)
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
@@ -83,6 +86,8 @@ def main():
     sampler = ShardedSampler(len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)  # rank 0's is broadcast
+    if config["fp8"]:  # the blocks' nn.Linears multiply in FP8; embeddings, output layer stay (fp8.py)
+        convert_to_fp8(model.transformer.h, config["fp8"])
     if config["compile"]:  # block by block, as in step 0: the communication stays outside the blocks
         compile_blocks(model)
     # Step 4's buckets; a 16-bit parameter's gradient summed and left in float32 (main_grad.py).

@@ -20,6 +20,7 @@ from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
+from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
 from metrics import RunLog, StepClock, environment, memory_stats
 from model import language_model_loss
 from offload import OffloadedOptimizer
@@ -69,9 +70,11 @@ def main():
     distributed.add_flags(parser)
     add_zero3_flags(parser)  # --no-prefetch, --activation-checkpointing, --offload-optimizer, --trace
     add_param_dtype_flag(parser)
+    add_fp8_flag(parser)  # --fp8 tensorwise|rowwise (fp8.py)
     config = parse_config(parser)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
+    check_fp8(config, world.device)  # --fp8: no --amp fp16, sizes multiples of 16, a device with _scaled_mm
     check_param_dtype(config, world.device)
     check_replicate(config["replicate"], world.world_size)  # HSDP: R must divide N
     seed_everything(config["seed"], config["deterministic"])
@@ -87,6 +90,8 @@ def main():
     sampler = ShardedSampler(len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     ddp_model, shapes = shard_gpt2(config, corpus.vocab_size, device, param_dtype(config))  # only this rank's pieces
+    if config["fp8"]:  # the blocks' nn.Linears multiply in FP8; embeddings, output layer stay (fp8.py)
+        convert_to_fp8(ddp_model.module.transformer.h, config["fp8"])
     optimizer = make_optimizer(ddp_model.named_parameters(), config)  # a plain AdamW over this rank's pieces, or
     if config["offload_optimizer"]:  # the same AdamW on host copies of them (ZeRO-Offload, offload.py)
         optimizer = OffloadedOptimizer(ddp_model.named_parameters(), lambda named: make_optimizer(named, config))

@@ -64,6 +64,10 @@ SIMULATED = {
         "import torch\n"
         "def refuse(*args, **kwargs): raise RuntimeError('GradScaler is not supported on this device')\n"
         "torch.amp.GradScaler = refuse\n"),
+    "a device without FP8 matmuls": (
+        "import torch\n"
+        "def refuse(*args, **kwargs): raise RuntimeError('torch._scaled_mm is only supported on CUDA SM 8.9 or later')\n"
+        "torch._scaled_mm = refuse\n"),
 }
 
 
@@ -214,6 +218,9 @@ CASES = {
     "replicate-not-dividing": lambda s: trainer("step7", "--replicate", "3", ranks=4),
     "param-dtype-with-amp": lambda s: trainer("step0", "--param-dtype", "bf16", "--amp", "bf16"),
     "param-dtype-not-here": lambda s: trainer("step1", "--param-dtype", "bf16", ranks=2),
+    "fp8-with-fp16": lambda s: trainer("step0", "--fp8", "tensorwise", "--amp", "fp16"),
+    "fp8-sizes": lambda s: trainer("step5", "--fp8", "rowwise", "--n-embd", "24", "--n-head", "2", ranks=2),
+    "fp8-cannot-run": lambda s: simulated("a device without FP8 matmuls", "step0", "--fp8", "rowwise"),
     "fsdp2-reference-flags": lambda s: tool("fsdp2_reference.py", "--param-dtype", "fp16"),
     "accelerate-reference-flags": lambda s: tool("accelerate_reference.py", "--amp", "bf16"),
     "world-larger-than-data": lambda s: trainer("step1", *s.tiny[-2:], ranks=5000),
@@ -395,6 +402,15 @@ def flags(*argv):
     return lambda: check_config(vars(build_parser("step0_single_gpu").parse_args(list(argv))))
 
 
+def fp8_check(config: dict):
+    """What fp8.check_fp8 refuses (the trainers of steps 0-7 call it after check_amp)."""
+    def run(monkeypatch):
+        monkeypatch.syspath_prepend(str(REPO / "common"))
+        from fp8 import check_fp8
+        check_fp8(config, torch.device("cpu"))
+    return run
+
+
 def tool_main(module: str, *argv):
     def run(monkeypatch):
         import importlib
@@ -528,13 +544,15 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--replicate 0: the number of replicas must be at least 1": replicate_check(0, 4),
     "--replicate 3 does not divide the 1 ranks: choose R with N / R whole (the ranks of one node, typically), or "
     "launch a multiple of 3 ranks": tool_main("fsdp2_reference", "--replicate", "3"),
+    "--fp8 with --compile is not tried yet; drop one of them": fp8_check({"fp8": "rowwise", "amp": "none",
+                                                                          "compile": True}),
     "--device cuda asked for, but torch sees no CUDA GPU; use --device cpu": (no_gpu(tool_main("cp_reference")),
                                                                            no_gpu(tool_main("gpu_check"))),
 }
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
           "--sequence-parallel splits", "--cp 3",
-          "--param-dtype bf16", "--max-memory-mb 100000", "scontrol is not")
+          "--param-dtype bf16", "--max-memory-mb 100000", "scontrol is not", "--fp8 with --compile")
 
 
 @pytest.mark.parametrize("message", LIKEWISE)
