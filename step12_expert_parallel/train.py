@@ -139,7 +139,8 @@ def main():
         step_time = clock.stop()  # before the logging's own work and collectives
         log.log({
             "step": step + 1,
-            "loss": distributed.mean_over_ranks(loss_sum, accum),  # over every rank and micro-batch
+            # over every rank and micro-batch, rounded to float32 as step 0 rounds its mean: at 2 ranks the same bits
+            "loss": torch.tensor(distributed.mean_over_ranks(loss_sum, accum)).float().item(),
             "grad_norm": grad_norm.item(),
             "param_norm": param_norm(counted_once(model, groups), groups=(dist.group.WORLD,)),
             "lr": lr,
