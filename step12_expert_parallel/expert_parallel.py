@@ -124,15 +124,18 @@ def shard_experts(model, moe_layers, groups: Groups) -> list:
 
 
 def is_expert(name: str) -> bool:
-    return ".experts." in name
+    """An expert's parameter, by name: ``...experts.<e>....`` (moe.py's names, or a layer of one's own)."""
+    return name.startswith("experts.") or ".experts." in name
 
 
 def reduce_gradients(model, groups: Groups, reduce_dtype: torch.dtype = torch.float32) -> None:
     """Rule 7: dense gradients summed over all ranks, expert gradients over their copies; both divided by W."""
+    alone = dist.get_world_size(groups.replicas) == 1  # --ep = world size: each expert on one rank only
     for name, param in model.named_parameters():
         grad = param.grad if reduce_dtype == param.grad.dtype else param.grad.to(reduce_dtype)
-        count_collective("all_reduce", grad)
-        dist.all_reduce(grad, group=groups.replicas if is_expert(name) else None)
+        if not (alone and is_expert(name)):  # nothing to add up for an expert without copies
+            count_collective("all_reduce", grad)
+            dist.all_reduce(grad, group=groups.replicas if is_expert(name) else None)
         grad.div_(groups.world_size)
         if grad is not param.grad:
             param.grad.copy_(grad)

@@ -1,4 +1,4 @@
-"""Step 12: expert parallelism (expert_parallel.py), grown from step 3's naive data parallelism.
+"""Step 12: expert parallelism (expert_parallel.py). Grown from step 3's train.py (naive data parallelism).
 
 An MoE model (moe.py, --moe-experts E) whose experts are split over --ep D ranks: every rank routes its own
 micro-batches, sends each token to the rank that owns its expert and gets the output back (two all-to-alls a

@@ -107,3 +107,19 @@ def test_step12_at_four_ranks_drifts_from_step0_as_another_order_does(ep_runs, l
     assert not other_order.beyond(drift, other_order.bound(reference, metrics(run), weights(run))), (drift, reference)
     first, ref_first = metrics(run)["records"][0], metrics(ep_runs["step0_x4"])["records"][0]
     assert first["moe"]["tokens_per_expert"] == ref_first["moe"]["tokens_per_expert"]  # the same routing
+
+
+def test_the_dispatcher_in_an_outsiders_moe_layer_and_spawn_loop_equals_the_layer_whole(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    out = tmp_path / "result.json"
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "ep_drop_in_harness.py"), str(out)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    assert ranks["0"]["experts"] == ["0", "1"] and ranks["1"]["experts"] == ["2", "3"]
+    for rank in ranks.values():
+        assert rank["equal_every_step"] == [True] * 3 and rank["received"] > 0
