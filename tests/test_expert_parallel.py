@@ -123,3 +123,13 @@ def test_the_dispatcher_in_an_outsiders_moe_layer_and_spawn_loop_equals_the_laye
     assert ranks["0"]["experts"] == ["0", "1"] and ranks["1"]["experts"] == ["2", "3"]
     for rank in ranks.values():
         assert rank["equal_every_step"] == [True] * 3 and rank["received"] > 0
+
+
+def test_step12_resumes_at_another_ep_degree_bit_for_bit(ep_runs):
+    """ep 2's checkpoint (each rank's file holds its experts) read by name at ep 1 (every expert on both ranks):
+    both layouts compute step 0's bits, so the resumed run is the uninterrupted one."""
+    out = ep_runs["top"] / "resumed_ep1"
+    resumed = launch("step12", [*TINY, *MOE, "--grad-accum", "1", "--ep", "1", "--data", str(ep_runs["corpus"]),
+                                "--out", str(out), "--resume", str(ep_runs["ep2"] / "checkpoints" / "step_2")], nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bitwise_same_run(ep_runs["ep2"], out)
