@@ -251,7 +251,15 @@ def main() -> int:
         schedules["  interleaved, V = 2"] = run_schedule(  # a model of 2 chunks per rank at least
             "interleaved", ["--schedule", "interleaved-1f1b", "--virtual-stages", "2"], single, pipeline, args, extra,
             timeout, ["--n-layer", str(max(config["n_layer"], 2 * args.nproc))])
-    moe = run_experts(single, experts, args, extra, timeout) if single and experts else None
+    moe = None
+    if single and experts:
+        try:
+            moe = run_experts(single, experts, args, extra, timeout)
+        except UserError as error:
+            if not args.keep_going:
+                raise
+            failed[experts] = str(error)
+            print(f"FAILED: {error}")
     # The reference first: the difference panel then shows every step against PyTorch DDP.
     plot = plot_runs([runs[reference]] + [runs[s] for s in steps if s != reference], args.runs_dir / "plots" / "tour.png")
 
