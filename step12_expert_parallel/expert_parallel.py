@@ -22,9 +22,15 @@ between, the experts' compute, is replaced. In the order a token travels, for on
    live on W/D ranks (one per expert-parallel group); its gradient already holds the slots of D ranks' micro-
    batches, so it is summed over its W/D copies and divided by W too: the mean over the global batch.
 
+8. **A frozen peer**: gloo's uneven all-to-all (its alltoallv) waits for a frozen peer's rows with no timeout of its
+   own (measured 2026-12-02, torch 2.13: the other rank waited forever), so each all-to-all here is waited on with
+   the group's timeout, and fails in the words of gloo's other timeouts (collective_failures.py explains them).
+
 Groups: ranks [g*D, (g+1)*D) form expert-parallel group g; ranks with the same ``rank % D`` hold the same experts.
 Every all-to-all's bytes are counted (``comm_accounting``) and noted per layer and micro-batch in ``traffic``.
 """
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -72,8 +78,22 @@ def _all_to_all(x, output_splits, input_splits, group, note):
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     count_collective("all_to_all", x)
     note["bytes"] += x.numel() * x.element_size()
-    dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+    _wait(dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=True), group)
     return out
+
+
+def _wait(work, group) -> None:
+    """Rule 8: on gloo, wait at most the process group's timeout."""
+    if dist.get_backend(group) != "gloo":
+        return work.wait()
+    default = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    timeout = getattr(getattr(default, "options", None), "_timeout", timedelta(minutes=30))
+    try:
+        work.wait(timeout)
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        raise RuntimeError(f"Timed out waiting {timeout.total_seconds() * 1000:.0f}ms for an all-to-all") from None
 
 
 class ExpertParallel:
@@ -93,7 +113,7 @@ class ExpertParallel:
         received = torch.empty_like(counts)
         count_collective("all_to_all", counts)
         note["bytes"] += counts.numel() * counts.element_size()
-        dist.all_to_all_single(received, counts, group=group)
+        _wait(dist.all_to_all_single(received, counts, group=group, async_op=True), group)
         send_splits = counts.view(d, len(local)).sum(1).tolist()
         from_source = received.view(d, len(local))  # [source, local expert]: slots it sends
         receive_splits = from_source.sum(1).tolist()
