@@ -500,9 +500,16 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
         tool_main("cp_reference", "--device", "cpu", "--cp", "4", "--seq-len", "36"),
     "--device cuda asked for, but torch sees no CUDA GPU; use --device cpu": (no_gpu(tool_main("cp_reference")),
                                                                            no_gpu(tool_main("gpu_check"))),
+    "--moe-every must be at least 1, got 0": lambda: moe_check(moe_experts=4, moe_every=0),
+    "--moe-experts cannot be negative, got -2": lambda: moe_check(moe_experts=-2),
 }
+def moe_check(**flags):
+    import moe  # common/moe.py: the MoE flags' checks (steps 0 and 12)
+    moe.check_moe({key: None for key in moe.MOE_DEFAULTS} | flags)
+
+
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
-QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
+QUOTED = ("--moe-every must", "--moe-experts cannot", "--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
           "--sequence-parallel splits", "--cp 3",
           "--param-dtype bf16", "--max-memory-mb 100000")
 
