@@ -145,16 +145,17 @@ def add_moe_flags(parser) -> None:
     """The MoE flags, in the steps that train an MoE (0 and 12). Defaults None: given with --moe-experts 0 they are
     refused (a dense model would silently ignore them); ``check_moe`` fills in ``MOE_DEFAULTS``."""
     moe = parser.add_argument_group("mixture of experts (common/moe.py)")
+    # "%(default).0s" prints nothing: the help says the real default, and argparse adds no "(default: None)".
     moe.add_argument("--moe-experts", type=int, default=0, metavar="E", help="experts per MoE layer; 0: dense MLPs")
     moe.add_argument("--moe-top-k", type=int, default=None, metavar="K",
-                     help=f"experts per token (default {MOE_DEFAULTS['moe_top_k']}; 1 as Switch, 2 as Mixtral)")
+                     help=f"experts per token (default {MOE_DEFAULTS['moe_top_k']}; 1 as Switch, 2 as Mixtral%(default).0s)")
     moe.add_argument("--moe-every", type=int, default=None, metavar="N",
-                     help=f"blocks 0, N, 2N, ... are MoE layers (default {MOE_DEFAULTS['moe_every']})")
+                     help=f"blocks 0, N, 2N, ... are MoE layers (default {MOE_DEFAULTS['moe_every']}%(default).0s)")
     moe.add_argument("--moe-capacity-factor", type=float, default=None, metavar="C",
                      help="each expert takes at most ceil(k*T*C/E) of a micro-batch's T tokens' slots, the rest pass "
-                          f"on the residual; 0: dropless (default {MOE_DEFAULTS['moe_capacity_factor']:g})")
+                          f"on the residual; 0: dropless (default {MOE_DEFAULTS['moe_capacity_factor']:g}%(default).0s)")
     moe.add_argument("--moe-aux-loss-coef", type=float, default=None, metavar="A",
-                     help=f"weight of the load-balancing loss (default {MOE_DEFAULTS['moe_aux_loss_coef']:g})")
+                     help=f"weight of the load-balancing loss (default {MOE_DEFAULTS['moe_aux_loss_coef']:g}%(default).0s)")
 
 
 def check_moe(config: dict) -> None:
