@@ -36,8 +36,9 @@ RTOL, ATOL, PARAM_NORM_TOL = 1e-5, 1e-6, 1e-6
 TRAINING_KEYS = (
     "steps", "seed", "amp", "loss_scale_init", "n_layer", "n_head", "n_embd", "seq_len", "dropout",
     "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "param_dtype", "fp8",
+    "moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_loss_coef",
 )
-KEY_DEFAULTS = {"param_dtype": "float32", "fp8": None}  # what a run of a step without the flag trained with
+KEY_DEFAULTS = {"param_dtype": "float32", "fp8": None, "moe_experts": 0}  # what a run of a step without the flag trained with
 
 
 STEP_FOLDER = re.compile(r"step(\d+)_\w+")  # step0_single_gpu ... step10_3d_parallel

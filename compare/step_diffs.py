@@ -27,11 +27,13 @@ START, END = "<!-- step-diffs:start -->", "<!-- step-diffs:end -->"
 # say what the step does. That is train.py; the idea files, i.e. every Python file that is not a copy of a
 # common/ module (new in this step, or copied from the step that introduced it), less the trace modules
 # (*_trace.py: a timeline for a figure); and, of common/'s copies, LESSON_COPIES: the model, the data, the
-# process group (what steps 1 and up are about) and the checkpoint basics. Every other copy is skipped on a
+# process group (what steps 1 and up are about) and the checkpoint basics (and LESSON_COPIES_IN's). Every other copy is skipped on a
 # first read, and each step README says so in a paragraph that starts with SKIP_LINE: plumbing train.py calls
 # by name (flags, seeds, optimiser helpers, records, bytes per collective) and operations code (failures.py,
 # memory_budget.py, collective_failures.py). Lines are counted as they are, blank ones and comments included.
 LESSON_COPIES = {"model.py", "data.py", "distributed.py", "checkpoint.py"}
+# And where a shared module is the step's lesson: the MoE layer in step 12 (in step 0 it is a flag's plumbing).
+LESSON_COPIES_IN = {"step12_expert_parallel": {"moe.py"}}
 SKIP_LINE = "**Skip on a first read:**"
 
 
@@ -66,7 +68,7 @@ def learner_facing(folder: Path) -> set[str]:
     """The Python files of ``folder`` a learner reads on a first pass (the rule above LESSON_COPIES)."""
     copies = common_copies(folder)
     return {f for f in files_of(folder) if f.endswith(".py") and (
-        f in LESSON_COPIES or (f not in copies and not f.endswith("_trace.py")))}
+        f in LESSON_COPIES | LESSON_COPIES_IN.get(folder.name, set()) or (f not in copies and not f.endswith("_trace.py")))}
 
 
 def skipped_on_first_read(folder: Path) -> set[str]:

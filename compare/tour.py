@@ -18,7 +18,9 @@ more), in runs/interleaved. Step 8 (tensor parallelism) sums inside each layer i
 difference is printed the same way (the first step's loss and gradient norm relative to step 1's, and the drift),
 and, without --amp, judged against step 0's own drift from step 1 on this machine (compare/other_order.py: within 10
 times it, the first loss to 1e-6), so the verdict does not change with the CPU; it is skipped when ``--nproc`` does not divide
-its heads. Step 10 runs its ``--nproc`` ranks as a dp x tp
+its heads. Step 12 (expert parallelism) trains a mixture of experts, not the tour's model: it runs beside step 0
+training the same one (runs/moe; one sample a micro-batch, 2 x nproc experts), bitwise equal to it at 2 ranks.
+Step 10 runs its ``--nproc`` ranks as a dp x tp
 mesh, tp = 2 and dp = nproc / 2, each replica accumulating as many micro-batches as make step 1's global batch (at
 2 ranks: one replica of tp 2, step 8's run); its difference to step 1 is step 8's kind, printed the same way (skipped for an odd ``--nproc``). Step 11 splits every sequence
 over the ``--nproc`` ranks (skipped when 2 x nproc chunks do not cut ``--seq-len``); printed as step 8 is. It
@@ -77,6 +79,7 @@ def check_the_data_feeds(nproc: int, extra: list[str]) -> tuple[dict, int]:
 SPLITS_HEADS = {8}  # tensor parallelism: --nproc must divide the heads and the vocabulary
 MESH = 10  # step 10: a dp x tp mesh, tp = 2
 CONTEXT = 11  # step 11: the sequence cut into 2 x nproc chunks
+EXPERTS = 12  # step 12: an MoE model (--moe-experts), compared with step 0 training the same one
 
 
 def mesh_flags(nproc: int) -> list[str]:
@@ -101,6 +104,24 @@ def run_schedule(folder: str, flags: list[str], single: str, pipeline: str, args
              args.runs_dir / "tour" / f"{folder}.log")
     print(f"{time.perf_counter() - started:.0f} s")
     run_a, run_b, result = parity.check(str(runs[single]), str(runs[pipeline]))
+    print(parity.report(run_a, run_b, result, brief=True))
+    return result, time.perf_counter() - started
+
+
+def run_experts(single: str, experts: str, args, extra: list[str], timeout: list[str]) -> tuple:
+    """Step 12 with 2 x nproc experts split over the nproc ranks, beside step 0 training the same MoE model, in
+    runs/moe: one sample a micro-batch, each rank one, step 0 accumulating nproc, so both hold the same micro-batches
+    in the same order. Returns (parity, seconds)."""
+    runs = {step: args.runs_dir / "moe" / step for step in (single, experts)}
+    moe = ["--moe-experts", str(2 * args.nproc), "--moe-capacity-factor", "1.25", "--micro-batch-size", "1"]
+    print(f"running {experts} and {single} on an MoE model ...", end=" ", flush=True)
+    started = time.perf_counter()
+    run_trainer(single, 0, ["--quiet", "--out", str(runs[single]), *extra, *moe, "--grad-accum", str(args.nproc)],
+                args.runs_dir / "tour" / "moe_step0.log")
+    run_trainer(experts, args.nproc, ["--quiet", "--out", str(runs[experts]), *timeout, *extra, *moe,
+                                      "--grad-accum", "1", "--ep", str(args.nproc)], args.runs_dir / "tour" / "moe.log")
+    print(f"{time.perf_counter() - started:.0f} s")
+    run_a, run_b, result = parity.check(str(runs[single]), str(runs[experts]))
     print(parity.report(run_a, run_b, result, brief=True))
     return result, time.perf_counter() - started
 
@@ -177,13 +198,15 @@ def main() -> int:
         raise UserError(f"--timeout-s must be positive, got {args.timeout_s:g}")
     check_writable_folder(args.runs_dir, f"--runs-dir {args.runs_dir}")
     config, vocab_size = check_the_data_feeds(args.nproc, extra)
-    steps, skipped = [], []
+    steps, skipped, experts = [], [], None
     for step in parity.step_folders():
         if number(step) in SPLITS_HEADS and (config["n_head"] % args.nproc or vocab_size % args.nproc):
             skipped.append(f"{step} (splits {config['n_head']} heads and {vocab_size} tokens: "
                            "--nproc must divide both)")
         elif number(step) == MESH and (args.nproc % 2 or config["n_head"] % 2 or vocab_size % 2):
             skipped.append(f"{step} (a dp x tp mesh with tp = 2: --nproc and the heads must be even)")
+        elif number(step) == EXPERTS:
+            experts = step  # not the tour's dense model: run beside step 0 training the same MoE (run_experts)
         elif number(step) == CONTEXT and config["seq_len"] % (2 * args.nproc):
             skipped.append(f"{step} (cuts --seq-len {config['seq_len']} into 2 x {args.nproc} chunks: "
                            f"use a multiple of {2 * args.nproc})")
@@ -228,6 +251,15 @@ def main() -> int:
         schedules["  interleaved, V = 2"] = run_schedule(  # a model of 2 chunks per rank at least
             "interleaved", ["--schedule", "interleaved-1f1b", "--virtual-stages", "2"], single, pipeline, args, extra,
             timeout, ["--n-layer", str(max(config["n_layer"], 2 * args.nproc))])
+    moe = None
+    if single and experts:
+        try:
+            moe = run_experts(single, experts, args, extra, timeout)
+        except UserError as error:
+            if not args.keep_going:
+                raise
+            failed[experts] = str(error)
+            print(f"FAILED: {error}")
     # The reference first: the difference panel then shows every step against PyTorch DDP.
     plot = plot_runs([runs[reference]] + [runs[s] for s in steps if s != reference], args.runs_dir / "plots" / "tour.png")
 
@@ -277,6 +309,13 @@ def main() -> int:
         print(f"{name:<24} {args.nproc:>5} {seconds:>5.0f}s {'':>10} {'':>8}  vs {single}"
               f"{' on the same model' if 'interleaved' in name else ''}: {parity.verdict(result)}"
               f"{'' if bitwise else '  <-- expected bitwise identical'}")
+    if moe:  # step 12 beside step 0 on the same MoE model: bitwise at 2 ranks (its README), close otherwise
+        (result, seconds), (_, moe_metrics) = moe, parity.load_run(args.runs_dir / "moe" / experts)
+        expected = result.passed and (result.bitwise or args.nproc != 2)
+        all_passed &= expected
+        print(f"{experts:<24} {args.nproc:>5} {seconds:>5.0f}s {moe_metrics['records'][-1]['loss']:>10.4f} "
+              f"{statistics.median(r['tokens_per_s'] for r in moe_metrics['records']):>8,.0f}  vs {single} on the "
+              f"same MoE model: {parity.verdict(result)}{'' if expected else '  <-- expected bitwise identical'}")
     # Informational, never a failure: the per-rank CPU time of every step (compare/stragglers.py).
     flagged, too_short = [], 0
     for step in steps:

@@ -38,7 +38,7 @@ OWN_CHECKPOINT_FOLDER = re.compile(r"(\.tmp_|\.old_)?step_\d+")  # what a save w
 # long to wait, not what to compute. Every other flag must be the checkpoint's.
 RESUMABLE_KEYS = ("out", "save_every", "preempt_grace_s", "resume", "quiet", "timeout_s", "trace", "max_memory_mb",
                   "async_save", "offload_optimizer", "backend", "device", "schedule", "micro_batches", "virtual_stages",
-                  "dp", "tp", "pp", "replicate", "fp8")
+                  "dp", "tp", "pp", "replicate", "fp8", "ep")
 BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")  # may change with the world size, the product kept
 
 # Optimiser options that say how the update runs, not what it computes: the resuming run's own, not the saved ones.

@@ -19,6 +19,7 @@ from data import MicroBatches, check_enough_data, load_corpus
 from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
+from moe import add_moe_flags, check_moe, moe_model, take_moe_record, with_aux_loss  # MoE
 from resharding import find_checkpoint, open_checkpoint
 from seeding import seed_everything
 from training import (add_param_dtype_flag, autocast, check_amp, check_one_process, check_param_dtype, clip_grad_norm,
@@ -41,7 +42,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
             loss = language_model_loss(model, inputs.to(device), targets.to(device))
         with record_function("backward"):
             # Summing loss/accum over the micro-batches makes the gradient the mean over the global batch.
-            scaler.scale(loss / accum).backward()
+            scaler.scale(with_aux_loss(model, loss, config) / accum).backward()  # MoE: + a * load-balancing loss
         loss_sum += loss.detach()
         if masters:  # the micro-batches' 16-bit gradients summed in float32, as the sharded steps sum them
             for (_, master), p in zip(masters, model.parameters()):
@@ -69,7 +70,9 @@ def main():
     parser = build_parser(STEP)
     add_param_dtype_flag(parser)
     add_fp8_flag(parser)  # --fp8 tensorwise|rowwise (fp8.py)
+    add_moe_flags(parser)  # MoE
     config = parse_config(parser)
+    check_moe(config)  # MoE
     check_one_process(STEP)  # not several copies under torchrun, each training alone
     device = pick_device(config["device"])
     check_amp(config["amp"], device)
@@ -88,7 +91,7 @@ def main():
     # ranks accumulating A micro-batches see.
     sampler = DistributedSampler(range(len(corpus.blocks)), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
+    model = moe_model(build_model(config, corpus.vocab_size, config["seed"]), config).to(device)  # MoE: moe_model
     if config["fp8"]:  # the blocks' nn.Linears multiply in FP8; embeddings, output layer stay (fp8.py)
         convert_to_fp8(model.transformer.h, config["fp8"])
     if config["compile"]:  # block by block: the parameters keep their names, the loop does not change
@@ -135,6 +138,7 @@ def main():
             "epoch": batches.epoch,
             "memory": [memory],  # one entry per rank
             "step_time": [step_time],
+            **take_moe_record(model),  # MoE: aux loss, tokens per expert, dropped fraction
         })
         preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):

@@ -233,6 +233,12 @@ CASES = {
     "tp-sequence": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), "--sequence-parallel",
                                      "--seq-len", "30", ranks=4),
     "cp-sequence": lambda s: trainer("step11", "--data", s.data("small.txt", CORPUS), "--seq-len", "30", ranks=4),
+    "moe-flags-dense": lambda s: trainer("step0", "--moe-top-k", "2"),
+    "moe-top-k": lambda s: trainer("step0", "--moe-experts", "4", "--moe-top-k", "5"),
+    "moe-capacity-negative": lambda s: trainer("step0", "--moe-experts", "4", "--moe-capacity-factor", "-1"),
+    "ep-dense": lambda s: trainer("step12", ranks=2),
+    "ep-experts": lambda s: trainer("step12", "--moe-experts", "3", ranks=2),
+    "ep-world": lambda s: trainer("step12", "--moe-experts", "4", "--ep", "3", ranks=2),
     "mesh-product": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--dp", "2", "--tp", "2",
                                       "--pp", "2", ranks=4),
     "mesh-tp-heads": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--dp", "2", "--tp", "2",
@@ -548,9 +554,16 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
                                                                           "compile": True}),
     "--device cuda asked for, but torch sees no CUDA GPU; use --device cpu": (no_gpu(tool_main("cp_reference")),
                                                                            no_gpu(tool_main("gpu_check"))),
+    "--moe-every must be at least 1, got 0": lambda: moe_check(moe_experts=4, moe_every=0),
+    "--moe-experts cannot be negative, got -2": lambda: moe_check(moe_experts=-2),
 }
+def moe_check(**flags):
+    import moe  # common/moe.py: the MoE flags' checks (steps 0 and 12)
+    moe.check_moe({key: None for key in moe.MOE_DEFAULTS} | flags)
+
+
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
-QUOTED = ("--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
+QUOTED = ("--moe-every must", "--moe-experts cannot", "--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
           "--sequence-parallel splits", "--cp 3",
           "--param-dtype bf16", "--max-memory-mb 100000", "scontrol is not", "--fp8 with --compile")
 

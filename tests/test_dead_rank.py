@@ -89,18 +89,22 @@ def stop_job(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@pytest.mark.parametrize("step, frozen", [("step1", 1), ("step7", 0), ("step11", 0)])
+# What a step needs beyond TINY to train at all: step 12 trains a mixture of experts.
+EXTRA = {"step12": ["--moe-experts", "4"]}
+
+
+@pytest.mark.parametrize("step, frozen", [("step1", 1), ("step7", 0), ("step11", 0), ("step12", 0)])
 def test_a_frozen_rank_ends_the_job_with_one_line_within_the_timeout(step, frozen, tmp_path, small_corpus):
     """SIGSTOP one rank of two in the middle of training: its peer waits --timeout-s in a collective, takes
     a roll call (ROLL_CALL_S) that the frozen rank cannot answer, prints one line naming it and exits 3;
     torchrun then stops the frozen rank. A stopped process only acts on torchrun's SIGTERM once continued,
     so torchrun would SIGKILL it 30 s later (the next test); this test continues it after the SIGTERM,
     which is what a rank that hangs without being stopped does at once. Step 1 (PyTorch DDP) and step 7
-    (our ZeRO-3), freezing rank 1 and rank 0 (the store is torchrun's, so rank 0 may freeze too), and step 11,
-    whose peer waits in the ring's point-to-point receive."""
+    (our ZeRO-3), freezing rank 1 and rank 0 (the store is torchrun's, so rank 0 may freeze too), step 11,
+    whose peer waits in the ring's point-to-point receive, and step 12, whose peer waits in an all-to-all."""
     survivor = 1 - frozen
     args = [*TINY, "--steps", "10000", "--data", str(small_corpus), "--out", str(tmp_path / "run"),
-            "--timeout-s", str(FREEZE_TIMEOUT_S)]
+            "--timeout-s", str(FREEZE_TIMEOUT_S), *EXTRA.get(step, [])]
     args.remove("--quiet")  # rank 0's per-step lines say when training is under way
     proc = subprocess.Popen(trainer_command(STEPS[step], 2, args), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

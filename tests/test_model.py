@@ -146,3 +146,112 @@ def test_no_step_or_tool_imports_transformers():
             if any(n == "transformers" or n.startswith("transformers.") for n in names):
                 importers.append(str(path.relative_to(REPO)))
     assert sorted(set(importers)) == ["tests/test_export_hf.py", "tests/test_model.py"]
+
+
+# ---- common/moe.py's MoE layer against transformers' Mixtral sparse block --------------------------------------
+# Mixtral's experts are gated (act(gate) * up) and have no biases; a GPT-2 MLP fits inside one with one more input
+# feature held at 1 (it carries c_fc's bias in the gate rows and makes every up unit 1) and one more hidden unit
+# whose gate is 10 (gelu_tanh(10) is 10.0 exactly in float32 and float64), which carries c_proj's bias / 10. The
+# block's routing (softmax in float32, top-k, renormalised), dispatch and weighted sum are Mixtral's own code.
+# In float64 the two agree to ~1e-15 but for the router probabilities both take in float32 (HF's router and
+# ours softmax float32 logits), whose rounding moves outputs and gradients by up to ~1e-7 relative: 1e-6 is the
+# tolerance.
+MOE_TOLERANCE = {"rtol": 1e-6, "atol": 1e-9}
+
+
+def mixtral_copy(moe):
+    """transformers' MixtralSparseMoeBlock holding ``moe``'s router and experts (float64, eager experts)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    n_experts, h = moe.router.weight.shape
+    inner = moe.experts["0"].c_fc.weight.shape[0]
+    config = MixtralConfig(hidden_size=h + 1, intermediate_size=inner + 1, num_local_experts=n_experts,
+                           num_experts_per_tok=moe.top_k, hidden_act="gelu_pytorch_tanh", router_jitter_noise=0.0)
+    config._experts_implementation = "eager"
+    block = MixtralSparseMoeBlock(config).double()
+    with torch.no_grad():
+        block.gate.weight.zero_()[:, :h] = moe.router.weight
+        block.experts.gate_up_proj.zero_()
+        block.experts.down_proj.zero_()
+        for e in range(n_experts):
+            expert = moe.experts[str(e)]
+            gate_up, down = block.experts.gate_up_proj[e], block.experts.down_proj[e]
+            gate_up[:inner, :h], gate_up[:inner, h] = expert.c_fc.weight, expert.c_fc.bias
+            gate_up[inner, h] = 10.0
+            gate_up[inner + 1:, h] = 1.0  # every up unit: 1
+            down[:h, :inner], down[:h, inner] = expert.c_proj.weight, expert.c_proj.bias / 10.0
+    return block
+
+
+def moe_layer(n_experts=4, top_k=2, h=16, seed=3):
+    import moe as moe_module
+    from model import GPTConfig
+    layer = moe_module.MoE(GPTConfig(vocab_size=8, seq_len=8, n_layer=2, n_head=2, n_embd=h), n_experts, top_k)
+    with torch.no_grad():
+        for i, param in enumerate(layer.parameters()):  # biases too: initial_value would leave them 0
+            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed + i)) * 0.3)
+    return layer.double()
+
+
+@pytest.mark.parametrize("n_experts,top_k", [(4, 2), (8, 3)])
+def test_moe_layer_output_and_gradients_equal_transformers_mixtral_block(n_experts, top_k):
+    ours = moe_layer(n_experts, top_k)
+    theirs = mixtral_copy(ours)
+    x = torch.randn(3, 10, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    upstream = torch.randn(3, 10, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x_ours, x_theirs = x.clone().requires_grad_(), torch.cat([x, torch.ones(3, 10, 1, dtype=torch.float64)], -1)
+    x_theirs.requires_grad_()
+    y_ours, y_theirs = ours(x_ours), theirs(x_theirs)
+    assert y_ours.dtype == torch.float64
+    torch.testing.assert_close(y_ours, y_theirs[..., :16], **MOE_TOLERANCE)
+    assert torch.count_nonzero(y_theirs[..., 16]) == 0
+    (y_ours * upstream).sum().backward()
+    (y_theirs[..., :16] * upstream).sum().backward()
+    inner = ours.experts["0"].c_fc.weight.shape[0]
+    pairs = [(x_ours.grad, x_theirs.grad[..., :16]), (ours.router.weight.grad, theirs.gate.weight.grad[:, :16])]
+    for e in range(n_experts):
+        expert, gate_up, down = ours.experts[str(e)], theirs.experts.gate_up_proj.grad[e], theirs.experts.down_proj.grad[e]
+        pairs += [(expert.c_fc.weight.grad, gate_up[:inner, :16]), (expert.c_fc.bias.grad, gate_up[:inner, 16]),
+                  (expert.c_proj.weight.grad, down[:16, :inner]), (expert.c_proj.bias.grad, down[:16, inner] / 10.0)]
+    for a, b in pairs:
+        torch.testing.assert_close(a, b, **MOE_TOLERANCE)
+    assert ours.router.weight.grad.abs().max() > 1e-3  # the weights are renormalised probabilities: a gradient
+
+
+@pytest.mark.parametrize("n_experts,top_k", [(4, 1), (4, 2), (8, 3)])
+def test_load_balancing_loss_is_transformers_divided_by_k(n_experts, top_k):
+    """Ours divides the slot counts by k*T (1 at perfect balance, DeepSeek's form), HF's by T: k times ours."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    import moe as moe_module
+    logits = torch.randn(40, n_experts, generator=torch.Generator().manual_seed(n_experts + top_k), requires_grad=True)
+    ours = moe_module.route(logits, top_k).aux_loss
+    theirs = load_balancing_loss_func((logits,), n_experts, top_k)
+    torch.testing.assert_close(top_k * ours, theirs, rtol=1e-6, atol=0)
+    (g_ours,) = torch.autograd.grad(top_k * ours, logits)
+    (g_theirs,) = torch.autograd.grad(theirs, logits)
+    torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-8)
+
+
+def test_a_deliberate_moe_bug_is_caught_by_the_oracle():
+    """Weights not renormalised for k = 2 (Switch's rule where Mixtral's holds): the oracle must see it."""
+    import moe as moe_module
+    ours = moe_layer(4, 2)
+    theirs = mixtral_copy(ours)
+    x = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    original = moe_module.route
+
+    def unnormalised(logits, top_k, capacity_factor=0.0):
+        routing = original(logits, 1, capacity_factor)
+        probs = routing.probs
+        routing.weights, routing.experts = probs.topk(top_k, dim=-1)
+        routing.kept = torch.ones_like(routing.experts, dtype=torch.bool)
+        return routing
+
+    moe_module.route = unnormalised
+    try:
+        y = ours(x)
+    finally:
+        moe_module.route = original
+    theirs_y = theirs(torch.cat([x, torch.ones(2, 6, 1, dtype=torch.float64)], -1))[..., :16]
+    assert not torch.allclose(y, theirs_y, **MOE_TOLERANCE)

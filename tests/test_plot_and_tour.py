@@ -41,11 +41,13 @@ def test_the_tour_runs_every_step_and_its_parity_checks(tour):
     bitwise_steps = [step for step in STEPS if 2 <= int(step[4:]) < 8 or step == "step9"]
     assert len(bitwise_steps) >= 5  # steps 2-6 at least
     # A report and a table row each, and the same for step 9's zero-bubble schedule beside step 0, and its
-    # interleaved one beside step 0 on 4 blocks.
-    assert output.count("PASS (bitwise identical)") == 2 * len(bitwise_steps) + 4
+    # interleaved one beside step 0 on 4 blocks, and for step 12 beside step 0 on an MoE model.
+    assert output.count("PASS (bitwise identical)") == 2 * len(bitwise_steps) + 4 + 2
     for row, folder in (("  zero bubble", "zero_bubble"), ("  interleaved, V = 2", "interleaved")):
         line = next(line for line in output.splitlines() if line.startswith(row))
         assert "PASS (bitwise identical)" in line and (runs / folder / STEPS["step9"] / "metrics.json").exists()
+    line = next(line for line in output.splitlines() if line.startswith(STEPS["step12"]))
+    assert "on the same MoE model: PASS (bitwise identical)" in line and (runs / "moe" / STEPS["step12"]).is_dir()
     assert "same global batches, other summation order" in output  # step 0, measured, not judged
     # The steps that split the model sum in another order: judged by step 0's drift from step 1, measured in the
     # same tour (compare/other_order.py), their first step to float32's rounding.

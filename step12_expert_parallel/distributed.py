@@ -1,0 +1,152 @@
+"""Process-group set-up and tear-down for the distributed steps.
+
+torchrun starts one process per rank and tells each its place through environment variables
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+Started as a plain ``python train.py``, a step runs as a world of one.
+"""
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+# Imported now, before any process group exists, on purpose: this module binds ``group.WORLD`` as a
+# default argument of its functions when it is first imported. PyTorch imports it lazily (the
+# optimiser's first step does, through torch._dynamo); imported while a group exists, it would hold
+# that group for good, and shutdown() could not free it. See shutdown().
+import torch.distributed.nn.functional  # noqa: F401
+
+import collective_failures  # noqa: F401  (a failed collective ends the run in one line: skip it on a first read)
+from config import UserError
+from training import pick_device
+
+
+def add_flags(parser) -> None:
+    """The flags every distributed step has (steps 1 and up)."""
+    dist_flags = parser.add_argument_group("distributed")
+    dist_flags.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                            help="auto: nccl when every rank has its own GPU, else gloo")
+    dist_flags.add_argument("--reduce-dtype", choices=["float32", "float64"], default="float32",
+                            help="float64: exact, order-free gradient reduction (the parity contract)")
+    dist_flags.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout in seconds")
+
+
+@dataclass
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) as torchrun set them; a world of one otherwise."""
+    env = os.environ
+    world_size = int(env.get("WORLD_SIZE", 1))
+    return int(env.get("RANK", 0)), world_size, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def choose_backend(requested: str, device: torch.device, local_world_size: int) -> str:
+    """nccl needs a GPU of its own per rank on a node; gloo runs anywhere (CPU, or ranks sharing a GPU)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "nccl":
+        if gpus < local_world_size or device.type != "cuda":
+            raise UserError(f"--backend nccl needs one GPU per rank: {local_world_size} ranks on this node, "
+                            f"{gpus} GPU(s) visible; use --backend gloo")
+        return "nccl"
+    if requested == "gloo":
+        return "gloo"
+    return "nccl" if device.type == "cuda" and gpus >= local_world_size else "gloo"
+
+
+def plan_world(config: dict) -> World:
+    """This rank's place, device and backend, checked but not yet connected.
+
+    Everything a user can get wrong is checked before ``join``, so a mistake ends every rank with one
+    line and exit 2, never with a rank waiting in a collective for peers that already left.
+    """
+    if not config["timeout_s"] > 0:  # torch would time out connecting to the store, with a traceback
+        raise UserError(f"--timeout-s must be positive, got {config['timeout_s']:g}: it is how long a rank waits "
+                        "for its peers (default 300)")
+    rank, world_size, local_rank, local_world_size = world_from_env()
+    device = pick_device(config["device"], local_rank)
+    backend = choose_backend(config["backend"], device, local_world_size)
+    return World(rank, world_size, local_rank, device, backend)
+
+
+def join(world: World, timeout_s: float) -> torch.device:
+    """Join the process group; a peer that does not answer within ``timeout_s`` is an error, not a hang. Returns
+    the device this rank computes on (a GPU: made the current one, as nccl expects).
+
+    Under torchrun the ranks meet in the store that torchrun's agent keeps for the whole job. When torchrun
+    restarts a failed group (``--max-restarts``), the new ranks would find the keys the dead ranks left in it
+    (gloo's addresses among them) and connect to processes that no longer exist. So each attempt gets keys
+    of its own: the store seen through a prefix named after ``TORCHELASTIC_RESTART_COUNT``."""
+    if world.device.type == "cuda":
+        torch.cuda.set_device(world.device)
+    timeout = timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:  # a world of one started without torchrun, or spawned test workers
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(world.backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
+        return world.device
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
+                          is_master=not agent_store and world.rank == 0, timeout=timeout)
+    dist.init_process_group(world.backend, store=dist.PrefixStore(f"attempt_{attempt}/", store), rank=world.rank,
+                            world_size=world.world_size, timeout=timeout)
+    return world.device
+
+
+def shutdown() -> None:
+    """Leave together, and leave no thread of the group behind.
+
+    The barrier: nobody tears down the group while a peer still has a collective in flight.
+
+    ``destroy_process_group`` then frees the group, whose destructor stops gloo's worker threads. A
+    worker thread lets go of a collective (and of the Python tensors it was given) only *after* the
+    caller's wait has returned, and letting go of a tensor Python already dropped needs the GIL. The
+    destructor waits for that with the GIL released, so it is safe. Two ways to break it, both seen here:
+
+    - Something else still holds the group, so ``destroy_process_group`` frees nothing and the worker
+      threads live on into interpreter exit. A thread that asks for the GIL once exit has begun is
+      killed in the middle of a C++ destructor: "terminate called without an active exception",
+      SIGABRT (1 test run in 6 on a loaded machine). PyTorch's own ``torch.distributed.nn.functional``
+      holds the group if it is first imported while the group exists: this module imports it first.
+    - The last reference is dropped by C++ code that holds the GIL while gloo's threads stop, and a
+      thread still releasing a tensor waits for the GIL forever (~1 run in 30 hung at exit). DDP's C++
+      reducer holds the group: free every ``DistributedDataParallel`` before calling this.
+    """
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":  # nccl's barrier needs to be told its GPU (else a warning, or a guess)
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def gather_from_every_rank(value) -> list:
+    """``[rank 0's value, rank 1's, ...]`` on every rank: what rank 0 logs about all of them."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def gather_per_rank(**values) -> dict:
+    """``{name: [rank 0's value, rank 1's, ...]}`` for every keyword, in one gather: a record's per-rank fields."""
+    everyone = gather_from_every_rank(values)
+    return {name: [value[name] for value in everyone] for name in values}
+
+
+def mean_over_ranks(total: torch.Tensor, count: int, group=None) -> float:
+    """The mean over every rank of ``group`` of ``count`` values each rank summed into ``total`` (the loop's
+    loss: micro-batches' losses on every rank). Collective. Summed in float64: the same bits whatever the order."""
+    total = total.detach().double()
+    dist.all_reduce(total, group=group)
+    return total.item() / (count * dist.get_world_size(group))
