@@ -69,5 +69,5 @@ def shard_gpt2(config: dict, vocab_size: int, device, param_dtype=None) -> tuple
     wrapper = FullyShardedDP(model, model.transformer.h, device=device, init_fn=init_fn,
                              prefetch=not config["no_prefetch"], param_dtype=param_dtype,
                              reduce_dtype=getattr(torch, config["reduce_dtype"]),
-                             mesh=hybrid_mesh(config["replicate"], config["timeout_s"]))
+                             mesh=hybrid_mesh(config.get("replicate", 1), config.get("timeout_s")))  # no keys: no HSDP
     return wrapper, shapes

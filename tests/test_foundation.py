@@ -25,12 +25,15 @@ def test_resume_from_a_checkpoint_is_bitwise_with_dropout(step, exact_run, pipel
     on. A step that forgot to restore the data position would train on other batches; one that forgot
     the RNG state would draw other dropout masks. The 2-rank exact-mode runs (dropout, bf16, checkpoints)
     are the originals where they exist; step 9's is its tests' 2-stage 1F1B run (dropout, bf16, checkpoints);
-    step 0 (one process) and step 2 train their own."""
+    step 0 (one process), step 2 and step 12 (with two experts) train their own."""
     if step in ("step0", "step2"):
         extra = ["--dropout", "0.1", "--save-every", "2"]
         original = train(step, tmp_path / "original", small_corpus, *extra)
     elif step == "step9":
         extra, original = [*PIPELINE, "--schedule", "1f1b"], pipeline_runs(step, 2, "--schedule", "1f1b")
+    elif step == "step12":  # step 12 trains only a mixture of experts: 2 experts, one on each rank
+        extra = [*EXACT, "--moe-experts", "2", "--ep", "2"]
+        original = train(step, tmp_path / "original", small_corpus, *extra)
     else:
         extra, original = list(EXACT), exact_run(step, 2)
     copy = tmp_path / "copy"
