@@ -153,3 +153,17 @@ def test_step7_with_bf16_parameters_holds_16_psi_over_n(tmp_path):
         assert abs(max(row["state_measured"]) / closed - 1) <= 0.02, (row["state_measured"], closed, row["state_parts"],
                                                                       row["collective_copies"])
         assert row["gathered_peak"] == row["gathered"]
+
+
+def test_the_fp8_rows_beside_the_playbooks_table_are_the_planners_bytes():
+    """docs/planner.md sets our --fp8 rows beside the Ultra-Scale Playbook's FP8 table: each total there is
+    what estimate.bytes_per_parameter gives the planner (FP8 adds no state: the rows are those without it)."""
+    text = (REPO / "docs" / "planner.md").read_text()
+    rows = {"float32 parameters": (0, "float32", None), "steps 5, 6: `main_grad`": (1, "bf16", "float32"),
+            "step 7: the fp32 shard is the master": (3, "bf16", "float32")}
+    for label, (stage, param_dtype, reduce_dtype) in rows.items():
+        line = next(line for line in text.splitlines() if line.startswith("| ours:") and label in line)
+        total = sum(estimate.bytes_per_parameter(stage, param_dtype, reduce_dtype)[0])
+        assert line.rstrip(" |").endswith(f"| {total}"), (line, total)
+    assert [sum(estimate.bytes_per_parameter(3, "bf16", "float32")[0]),
+            sum(estimate.bytes_per_parameter(1, "bf16", "float32")[0])] == [16, 18]
