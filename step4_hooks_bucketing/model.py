@@ -52,17 +52,22 @@ class CausalSelfAttention(nn.Module):
         # (B, T, heads * head_dim) -> (B, heads, T, head_dim). The number of heads is read off the width,
         # so a tensor-parallel rank holding a block of whole heads runs this code unchanged.
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.c_q, self.c_k, self.c_v))
-        if self.attention == "sdpa":  # flash / memory-efficient attention where the device has it
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
-        else:  # softmax(q k^T / sqrt(d), causal) v, every intermediate a tensor you can print
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            scores = scores.masked_fill(~causal, float("-inf"))
-            weights = F.softmax(scores, dim=-1)  # under autocast: in float32 (autocast's rule for softmax)
-            y = self.attn_dropout(weights).to(v.dtype) @ v
-        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # the heads side by side again
+        y = self.core(q, k, v).transpose(1, 2).contiguous().view(B, T, -1)  # the heads side by side again
         return self.resid_dropout(self.c_proj(y))
+
+    def core(self, q, k, v):
+        """Attention's core, (B, heads, T, head_dim) in and out: no weights, every s x s tensor (what step 7's
+        --activation-checkpointing selective recomputes in backward)."""
+        if self.attention == "sdpa":  # flash / memory-efficient attention where the device has it
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  dropout_p=self.dropout if self.training else 0.0)
+        # softmax(q k^T / sqrt(d), causal) v, every intermediate a tensor you can print
+        T = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        weights = F.softmax(scores, dim=-1)  # under autocast: in float32 (autocast's rule for softmax)
+        return self.attn_dropout(weights).to(v.dtype) @ v
 
 
 class MLP(nn.Module):

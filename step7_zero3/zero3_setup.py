@@ -1,7 +1,7 @@
 """GPT-2 fully sharded from step 7's flags: what step 7's train.py calls by name. The idea is
 zero3.py's, which needs no particular model: this file imports it, never the other way round.
 
-``add_zero3_flags``: ``--no-prefetch``, ``--activation-checkpointing``, ``--offload-optimizer``,
+``add_zero3_flags``: ``--no-prefetch``, ``--activation-checkpointing [full|selective|none]``, ``--offload-optimizer``,
 ``--trace``, ``--replicate`` (HSDP, hsdp.py; ``check_replicate`` refuses an R that does not divide N). ``checkpoint_activations``: activation checkpointing, a second idea (memory against
 time) that asks of FullyShardedDP one line of its pre-backward hook, which installs the gathered
 views again for the forward recomputed in backward. ``shard_gpt2``: this project's GPT-2 built on
@@ -14,6 +14,7 @@ import torch
 from model import GPT2, gpt2_config, initial_value
 from config import UserError
 from hsdp import hybrid_mesh, replicate_problem
+from selective_recompute import MODES, mode_of, recompute_attention_core
 from zero3 import FullyShardedDP
 
 
@@ -21,9 +22,9 @@ def add_zero3_flags(parser) -> None:
     flags = parser.add_argument_group("ZeRO-3")
     flags.add_argument("--no-prefetch", action="store_true",
                        help="gather each unit only when it is needed")
-    flags.add_argument("--activation-checkpointing", action="store_true",
-                       help="recompute each block's activations in backward instead of keeping "
-                            "them")
+    flags.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=MODES,
+                       help="recompute activations in backward instead of keeping them: full (the bare flag), "
+                            "each block's; selective (selective_recompute.py), only attention's s x s core")
     flags.add_argument("--offload-optimizer", action="store_true",
                        help="AdamW's state and step in host memory (ZeRO-Offload, offload.py): the "
                             "device keeps parameters and gradients")
@@ -60,8 +61,11 @@ def shard_gpt2(config: dict, vocab_size: int, device, param_dtype=None) -> tuple
     with torch.device("meta"):
         model = GPT2(gpt2_config(config, vocab_size))
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    if config["activation_checkpointing"]:
+    mode = mode_of(config["activation_checkpointing"])
+    if mode == "full":
         checkpoint_activations(model.transformer.h)
+    elif mode == "selective":
+        recompute_attention_core(model.transformer.h)
 
     def init_fn(name, shape):
         return initial_value(name, shape, config["seed"], config["n_layer"])
