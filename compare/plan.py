@@ -165,6 +165,49 @@ PRESETS = {
 }
 
 
+
+# Mixture of experts (common/moe.py, step 12's expert parallelism): every ``every``-th block (0, N, 2N, ...) has E
+# copies of its MLP behind a router (E x h, no bias); each token's k slots go to their experts' ranks.
+@dataclasses.dataclass(frozen=True)
+class MoE:
+    experts: int
+    top_k: int = 1
+    every: int = 1
+
+
+# Mixtral 8x7B (Jiang et al. 2024): 46.7B parameters, 12.9B active per token (top-2 of 8)
+MOE_PRESETS = {"mixtral-8x7b": (Shape(32, 4096, 32, 32000, 32768, n_kv_head=8, ffn=14336, mlp="swiglu",
+                                      norm="rmsnorm", bias=False, positions=False, tied=False), MoE(8, 2, 1))}
+
+
+def moe_psi(shape: Shape, moe: MoE) -> dict:
+    """Ψ of an MoE model: ``dense`` (everything but the experts, the routers included), ``experts`` (all E of
+    every MoE layer), ``active`` (what one token computes with: dense and k experts a layer)."""
+    h, f = shape.n_embd, shape.ffn_width
+    expert = (3 if shape.mlp == "swiglu" else 2) * h * f + ((2 if shape.mlp == "swiglu" else 1) * f + h
+                                                             if shape.bias else 0)
+    layers = -(-shape.n_layer // moe.every)
+    dense = shape.psi - layers * expert + layers * moe.experts * h
+    return {"dense": dense, "experts": layers * moe.experts * expert, "active": dense + layers * moe.top_k * expert,
+            "moe_layers": layers}
+
+
+def moe_rank_params(shape: Shape, moe: MoE, ep: int) -> int:
+    """Elements a rank of step 12 holds: the dense part whole (data-parallel over every rank), E/ep experts of each
+    MoE layer. Its gradients and AdamW state follow its parameters (``estimate.state_bytes`` at ZeRO-0)."""
+    psi = moe_psi(shape, moe)
+    return psi["dense"] + psi["experts"] // ep
+
+
+def all_to_all_bytes(moe: MoE, tokens: int, h: int, ep: int, activation_bytes: int = 4, kept: float = 1.0) -> dict:
+    """Bytes per MoE layer and micro-batch of ``tokens`` a rank hands to all-to-alls in step 12 (expert_parallel.py),
+    on average over the ranks: the E counts (int64), then the kept slots' rows sent and as many received (over
+    a group, what is sent is what arrives), forward (dispatch, combine) and backward (their gradients):
+    8E + 4 x k·T·kept x h x bytes. ``on_the_wire``: the token rows that leave the rank, (ep - 1)/ep of them when
+    the router balances."""
+    rows = moe.top_k * tokens * kept * h * activation_bytes
+    return {"handed": 8 * moe.experts + 4 * rows, "on_the_wire": (8 * moe.experts + 4 * rows) * (ep - 1) / ep}
+
 def stage_blocks(n_layer: int, pp: int, stage: int) -> int:
     """Blocks on ``stage`` of ``pp``: step 9's split, as even as can be, the first stages taking one more."""
     base, extra = divmod(n_layer, pp)

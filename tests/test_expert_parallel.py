@@ -133,3 +133,23 @@ def test_step12_resumes_at_another_ep_degree_bit_for_bit(ep_runs):
                                 "--out", str(out), "--resume", str(ep_runs["ep2"] / "checkpoints" / "step_2")], nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bitwise_same_run(ep_runs["ep2"], out)
+
+
+def test_the_planners_moe_formulas_equal_what_runs_hold_and_send(ep_runs):
+    """compare/plan.py's EP axis against real runs: a rank's parameters (dense whole, E/ep experts) as its record
+    counts them, and the all-to-all bytes per layer, averaged over the ranks, with the kept fraction the run logged."""
+    import plan
+    whole = weights(ep_runs["ep2"])
+    shape = plan.Shape(2, H, 2, whole["transformer.wte.weight"].shape[0], 32)
+    moe = plan.MoE(E, 2, 1)
+    assert plan.moe_psi(shape, moe)["dense"] + plan.moe_psi(shape, moe)["experts"] == sum(t.numel()
+                                                                                          for t in whole.values())
+    for name, ep in (("ep2", 2), ("ep1", 1)):
+        assert metrics(ep_runs[name])["records"][0]["memory"][0]["params"] == 4 * plan.moe_rank_params(shape, moe, ep)
+    for name, ep in (("ep2", 2), ("ep4", 4), ("dp2_ep2", 2)):
+        for record in metrics(ep_runs[name])["records"]:
+            notes = record["all_to_all"]
+            for layer, dropped in enumerate(record["moe"]["dropped_fraction"]):
+                mean = sum(n[layer]["bytes"] for n in notes) / len(notes)
+                planned = plan.all_to_all_bytes(moe, 32, H, ep, kept=1 - dropped)["handed"]
+                assert mean == pytest.approx(planned, rel=1e-9), (name, layer)

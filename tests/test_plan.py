@@ -579,3 +579,13 @@ def test_interleaved_stages_hold_what_their_real_chunks_hold():
             sends, plain_sends = (c["stages"][s]["comm"]["pp"]["send"] for c in (estimate_, plain))
             tied = (plain_sends - micro_batches * b * seq * h * 4 * ((s < pp - 1) + (s > 0)))
             assert sends - tied == micro_batches * b * seq * h * 4 * (4 - (s == pp - 1) - (s == 0)), (pp, s)
+
+
+def test_the_moe_preset_has_mixtrals_published_parameter_counts():
+    """Mixtral 8x7B: 46.7B parameters, 12.9B active per token (Jiang et al. 2024)."""
+    shape, moe = plan.MOE_PRESETS["mixtral-8x7b"]
+    psi = plan.moe_psi(shape, moe)
+    assert abs(psi["dense"] + psi["experts"] - 46.7e9) < 0.05e9 and abs(psi["active"] - 12.9e9) < 0.05e9
+    assert plan.moe_rank_params(shape, moe, 8) == psi["dense"] + psi["experts"] // 8
+    traffic = plan.all_to_all_bytes(moe, 4096, shape.n_embd, 8, activation_bytes=2)
+    assert traffic["handed"] == 8 * 8 + 4 * 2 * 4096 * 4096 * 2 and traffic["on_the_wire"] == traffic["handed"] * 7 / 8
