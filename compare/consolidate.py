@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # checkpoint.py, config.py
-from resharding import Checkpoint, checkpoint_dir, checkpoint_meta, not_a_checkpoint  # noqa: E402
+from checkpoint_files import checkpoint_dir, not_a_checkpoint  # noqa: E402
+from resharding import Checkpoint, checkpoint_meta  # noqa: E402
 from config import OneLineParser, UserError, check_writable_folder, exit_on_user_error  # noqa: E402
 
 

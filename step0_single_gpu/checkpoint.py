@@ -1,46 +1,35 @@
-"""Checkpoints that are whole or absent, and resumed in one call. ``<out>/checkpoints/step_<k>/`` holds ``meta.json``
-(format, step, world size, config, parameter shapes), ``state.pt`` (written by rank 0: what every rank holds alike)
-and ``rank<r>.pt`` (the rank's RNG and, from step 5 on, its slices).
+"""Step 0's checkpoint: one process's whole state in one file, written whole or not at all, resumed in one call.
 
-1. **Whole or absent**: written into ``.tmp_step_<k>``, renamed ``step_<k>`` once every rank's file is in it.
-2. **One call each way**, as torchtitan's ``Stateful``: the writer is given the run's *parts* once, each with
-   ``checkpoint_state()`` and ``load_checkpoint(checkpoint)``; the loop calls ``start(checkpoint)`` and ``save(step)``.
-3. **Read back by parameter name** (``resharding.py``, which also finds them): by any step, at any world size.
+``<out>/checkpoints/step_<k>/`` holds ``state.pt`` (``torch.save`` of one dict: the weights, AdamW's moments, the
+schedule, the loss scale, the data position, the log and every random generator) and ``meta.json`` (the step and
+the flags). ``checkpoint_files.py`` makes it whole or absent and finds it for ``--resume``.
+
+1. **One call each way**, as torchtitan's ``Stateful``: the writer is given the run's *parts* once, each with
+   ``checkpoint_state()`` and ``load_checkpoint(state)``; the loop calls ``start(checkpoint)`` and ``save(step)``.
+2. **The same run, or refused** (``open_checkpoint``): every flag must be the checkpoint's, except those that say
+   where to write, what to print and where to run (``RESUMABLE_KEYS``).
+3. **Bitwise**: the random generators are put back last (nothing may draw after them), so the resumed run takes
+   the very steps the uninterrupted one took.
 """
-import os
-import shutil
+import json
 import time
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from config import not_written
-from resharding import checkpoint_dir, checkpoint_meta, clear_checkpoints, optimizer_slices
+from checkpoint_files import clear_checkpoints, publish, start_writing
+from config import UserError, not_written
 from seeding import rng_state, set_rng_state
-from training import params_in_order
 
+FORMAT = "single-process"  # meta.json's "format": what the later steps' reader refuses in one line
 
-def optimizer_state(optimizer, named_params) -> dict:
-    """What is saved for a plain optimiser over whole parameters: its state dict, and whose state each entry is."""
-    return {"optimizer": optimizer.state_dict(), "optimizer_slices": optimizer_slices(optimizer, named_params)}
-
-
-def load_optimizer(optimizer, checkpoint, named_params) -> None:
-    """The reverse of ``optimizer_state``: give ``optimizer`` its state from ``checkpoint``, whatever wrote it."""
-    slices = optimizer_slices(optimizer, named_params)
-    optimizer.load_state_dict(checkpoint.optimizer_state_dict(slices, params_in_order(optimizer)))
-
-
-def load_parameters(named_params, checkpoint) -> None:
-    """Copy every full parameter from ``checkpoint`` into ``named_params``: a model every rank holds whole."""
-    with torch.no_grad():
-        for name, param in named_params:
-            param.copy_(checkpoint.parameter(name))
+# Flags that may change when resuming: they say where to write, what to print and where to run, not what to
+# compute (--fp8 keeps no state of its own: a bf16 run may go on in FP8). Every other flag must be the checkpoint's.
+RESUMABLE_KEYS = ("out", "save_every", "preempt_grace_s", "resume", "quiet", "max_memory_mb", "device", "fp8")
 
 
 class RunState:
-    """A part (rule 2) every rank holds alike: the schedule, the loss scale, the data position and the log."""
-    per_rank = False  # rank 0 saves it for everyone
+    """A part (rule 1): the schedule, the loss scale, the data position and the log."""
 
     def __init__(self, scheduler, scaler, batches, log):
         self.scheduler, self.scaler, self.batches, self.log = scheduler, scaler, batches, log
@@ -49,100 +38,102 @@ class RunState:
         return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": self.batches.state_dict(), "records": self.log.records}
 
-    def load_checkpoint(self, checkpoint) -> None:
-        self.scheduler.load_state_dict(checkpoint.shared["scheduler"])
-        self.scaler.load_state_dict(checkpoint.shared["scaler"])
-        ranks = self.batches.sampler.num_replicas  # the ranks drawing samples now: the same position, maybe cut anew
-        self.batches.load_state_dict(checkpoint.data_state(self.batches.micro_batch_size, ranks))
-        self.log.records = list(checkpoint.shared["records"])
+    def load_checkpoint(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.batches.load_state_dict(state["data"])
+        self.log.records = list(state["records"])
 
 
 class WholeModel:
-    """A part: a model every rank holds whole and a plain ``optimizer`` (if any) over its parameters, or, given
-    ``masters`` (step 0's --param-dtype), over their float32 masters, saved and loaded in place of 16-bit copies."""
-    per_rank = False
+    """A part: the model and AdamW, or, given ``masters`` (--param-dtype), AdamW over the float32 masters, which
+    are saved in place of the 16-bit copies (the copies are rounded from them on load)."""
 
-    def __init__(self, model, optimizer=None, masters=None):
+    def __init__(self, model, optimizer, masters=None):
         self.model, self.optimizer, self.masters = model, optimizer, masters or []
-        self.trained = self.masters or list(model.named_parameters())  # what the optimiser steps, by name
 
     def checkpoint_state(self) -> dict:
         master_of = {p.data_ptr(): m for (_, m), p in zip(self.masters, self.model.parameters())}
-        state = {"model": {name: master_of.get(t.data_ptr(), t) for name, t in self.model.state_dict().items()}}
-        return {**state, **optimizer_state(self.optimizer, self.trained)} if self.optimizer else state
+        return {"model": {name: master_of.get(t.data_ptr(), t) for name, t in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict()}
 
-    def load_checkpoint(self, checkpoint) -> None:
-        load_parameters([*self.model.named_parameters(), *self.masters], checkpoint)  # 16-bit copies rounded
-        if self.optimizer:
-            load_optimizer(self.optimizer, checkpoint, self.trained)
+    def load_checkpoint(self, state: dict) -> None:
+        with torch.no_grad():
+            for name, param in [*self.model.named_parameters(), *self.masters]:
+                param.copy_(state["model"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def open_checkpoint(path: Path, config: dict) -> dict:
+    """Rule 2: the state saved in ``path``, read before anything is written, or a one-line refusal."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        saved, step = dict(meta["config"]), int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise corrupted(path, f"meta.json unreadable: {type(error).__name__}") from error
+    if meta.get("format") != FORMAT:
+        who = saved.get("step", "another step")
+        raise UserError(f"checkpoint {path} was written by {who} (format {meta.get('format')}), not by this step 0: "
+                        "step 0 resumes only its own; resume it with the step that wrote it (at any world size, "
+                        "1 included), or start afresh without --resume")
+    differing = sorted(k for k in set(saved) & set(config) - set(RESUMABLE_KEYS) if saved[k] != config[k])
+    if differing:
+        details = ", ".join(f"{k}: {saved[k]!r} -> {config[k]!r}" for k in differing)
+        raise UserError(f"cannot resume {path}: the config differs from the checkpoint's ({details}); "
+                        "resume with the original flags")
+    try:
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 (missing, cut short, garbage: all "corrupted")
+        raise corrupted(path, "state.pt unreadable or missing") from error
+    if state.get("step") != step:
+        raise corrupted(path, f"state.pt is for step {state.get('step')}, meta.json says {step}")
+    return {**state, "path": path}  # where it came from, for the line that says so
+
+
+def corrupted(path: Path, what: str) -> UserError:
+    return UserError(f"checkpoint {path} is corrupted ({what}); resume from an earlier one with --resume PATH, "
+                     "or start afresh without --resume")
 
 
 class CheckpointWriter:
-    """Every rank calls ``start`` once, ``save`` at the same steps, ``wait`` before exit. ``shapes``: every full
-    parameter's, by name (what joins slices back); ``parts``: rule 2; ``--async-save``: ``background_writer.py``."""
+    """``start`` once, ``save`` at every checkpoint step; ``parts``: rule 1."""
 
-    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, parts: list, data_parallel_size=None):
-        self.config, self.rank, self.world_size, self.shapes = config, rank, world_size, shapes
-        self.parts, self.data_parallel_size, self.group = parts, data_parallel_size, None  # the barriers' group: default
+    rank = 0  # the one process, as the distributed steps' writers name theirs in a failure's line
 
-    def start(self, checkpoint) -> int:
-        """Resume from ``checkpoint``: every part, then this rank's RNG (nothing may draw after it); given None,
-        clear the checkpoints an earlier run left in --out. Returns the step to go on from."""
-        if checkpoint is None:
-            if self.rank == 0:
-                clear_checkpoints(self.config["out"])
+    def __init__(self, config: dict, parts: list):
+        self.config, self.parts = config, parts
+
+    def start(self, state: dict | None) -> int:
+        """Resume from ``state`` (``open_checkpoint``'s): every part, then the RNG (rule 3); given None, clear the
+        checkpoints an earlier run left in --out. Returns the step to go on from."""
+        if state is None:
+            clear_checkpoints(self.config["out"])
             return 0
         for part in self.parts:
-            part.load_checkpoint(checkpoint)
-        set_rng_state(checkpoint.rank_state(self.rank if self.world_size > 1 else 0)["rng"])  # 1: one stream
-        if self.rank == 0:
-            print(f"resumed from {checkpoint.path} at step {checkpoint.step}")
-        return checkpoint.step
+            part.load_checkpoint(state)
+        set_rng_state(state["rng"])
+        print(f"resumed from {state['path']} at step {state['step']}")
+        return state["step"]
 
     def save(self, step: int) -> None:
-        """Write checkpoint ``step``: every part, asked on every rank (a part may gather: a collective)."""
         started = time.perf_counter()
+        state = {"step": step, "rng": rng_state()}
+        for part in self.parts:
+            state.update(part.checkpoint_state())
         try:
-            self._write(step, *self._states(step))
+            self._write(step, state)
         except Exception as error:  # a full disk, a folder removed under the run: one line, exit 2
             raise not_written(error, self.rank, step, self.config["out"]) from error
-        self._report(step, started, "written")
-
-    def _states(self, step: int) -> tuple[dict, dict]:
-        shared, own = {"step": step}, {"rng": rng_state()}
-        for part in self.parts:
-            (own if part.per_rank else shared).update(part.checkpoint_state())
-        return shared, own
-
-    def wait(self) -> None:  # nothing to wait for: save returns once the checkpoint is whole
-        pass
-
-    def _report(self, step: int, started: float, how: str) -> None:
-        if self.rank == 0 and not self.config["quiet"]:
-            print(f"checkpoint step_{step} {how}: training paused {(time.perf_counter() - started) * 1e3:.0f} ms",
+        if not self.config["quiet"]:
+            print(f"checkpoint step_{step} written: training paused {(time.perf_counter() - started) * 1e3:.0f} ms",
                   flush=True)
 
-    def _barrier(self) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier(group=self.group)
+    def wait(self) -> None:
+        """Nothing to wait for: ``save`` returns once the checkpoint is whole (``Preemption`` calls it)."""
 
-    def _write(self, step: int, shared_state: dict, rank_state: dict) -> None:
-        final = checkpoint_dir(self.config["out"], step)
-        out, tmp = final.parent, final.with_name(f".tmp_step_{step}")
-        if self.rank == 0:
-            for leftover in [*out.glob(".tmp_step_*"), *out.glob(".old_step_*")]:  # from a save that was killed
-                shutil.rmtree(leftover, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        torch.save(rank_state, tmp / f"rank{self.rank}.pt")
-        if self.rank == 0:
-            torch.save(shared_state, tmp / "state.pt")
-            (tmp / "meta.json").write_text(checkpoint_meta(step, self.world_size, self.config, self.shapes,
-                                                           self.data_parallel_size))
-        self._barrier()  # every rank's file is in tmp before it becomes the checkpoint
-        if self.rank == 0:
-            if final.exists():  # written by an earlier run from this folder: move it aside, then replace it
-                os.replace(final, out / f".old_step_{step}")
-            os.replace(tmp, final)
-            shutil.rmtree(out / f".old_step_{step}", ignore_errors=True)
-        self._barrier()
+    def _write(self, step: int, state: dict) -> None:
+        tmp = start_writing(self.config["out"], step)
+        torch.save(state, tmp / "state.pt")
+        meta = {"format": FORMAT, "step": step, "config": self.config}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        publish(tmp)

@@ -12,15 +12,14 @@ import torch
 from torch.profiler import record_function
 from torch.utils.data import DistributedSampler
 
-from background_writer import BackgroundWriter
-from checkpoint import CheckpointWriter, RunState, WholeModel
+from checkpoint import CheckpointWriter, RunState, WholeModel, open_checkpoint
+from checkpoint_files import find_checkpoint
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
 from moe import add_moe_flags, check_moe, moe_model, take_moe_record, with_aux_loss  # MoE
-from resharding import find_checkpoint, open_checkpoint
 from seeding import seed_everything
 from training import (add_param_dtype_flag, autocast, check_amp, check_one_process, check_param_dtype, clip_grad_norm,
                       float32_masters, make_grad_scaler, make_optimizer, make_scheduler, param_dtype, param_norm,
@@ -83,7 +82,7 @@ def main():
     limit_memory(config["max_memory_mb"], STEP, device)  # the budget: what training adds to libraries and data
     check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
-    resumed = open_checkpoint(resume_from, config, 1, is_main=True) if resume_from else None
+    resumed = open_checkpoint(resume_from, config) if resume_from else None  # the whole state, or refused
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # One replica makes this sampler a seeded shuffle, new each epoch. Step 1 uses the same sampler
@@ -106,11 +105,8 @@ def main():
 
     env = environment(device, 1, None, config["amp"], corpus)
     log = RunLog(config, env, is_writer=True)
-    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
-    # state is copied to memory and a thread writes it (background_writer.py).
-    writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, 0, 1, {name: p.shape for name, p in model.named_parameters()},
-        [RunState(scheduler, scaler, batches, log), WholeModel(model, optimizer, masters)])
+    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py).
+    writer = CheckpointWriter(config, [RunState(scheduler, scaler, batches, log), WholeModel(model, optimizer, masters)])
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
@@ -144,9 +140,8 @@ def main():
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             writer.save(step + 1)
         if preempted:
-            preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
+            preemption.leave(writer, step + 1, config["out"])  # says where it saved, exits 4
 
-    writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     final = save_final_weights(Path(config["out"]), dict(trained))
     log.finish(final)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import distributed
-from background_writer import BackgroundWriter
+from background_writer import BackgroundWriter, add_async_save_flag
 from composition import (BytesByAxis, MeshShards, add_mesh_flags, check_degrees, counted_once,
                          finish_gradient_synchronization, gather_full_model, parallelize_on_mesh)
 from checkpoint import CheckpointWriter, RunState
@@ -21,7 +21,8 @@ from mesh import build_mesh
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from naive_dp import allreduce_gradients
-from resharding import find_checkpoint, open_checkpoint
+from checkpoint_files import find_checkpoint
+from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
 from training import (adamw_options, adamw_param_groups, check_amp, clip_grad_norm, make_grad_scaler, make_scheduler,
@@ -66,6 +67,7 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
+    add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_mesh_flags(parser)
     config = parse_config(parser)
     world = distributed.plan_world(config)

@@ -14,14 +14,15 @@ import torch
 from torch.profiler import record_function
 
 import distributed
-from background_writer import BackgroundWriter
+from background_writer import BackgroundWriter, add_async_save_flag
 from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState, WholeModel
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
-from resharding import find_checkpoint, open_checkpoint
+from checkpoint_files import find_checkpoint
+from resharding import open_checkpoint
 from context_parallel import (add_context_parallel_flags, check_context_parallel, context_parallel_gpt2,
                               context_parallel_groups)
 from naive_dp import allreduce_gradients, replicas_in_sync
@@ -65,6 +66,7 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
+    add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_context_parallel_flags(parser)  # --cp, --cp-layout
     config = parse_config(parser)
     world = distributed.plan_world(config)

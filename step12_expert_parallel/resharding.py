@@ -14,25 +14,24 @@ by parameter name and element range, so a checkpoint written by any step at N ra
 3. **The same run, or refused** (``check_resumable``): the config must be the checkpoint's, except the flags
    that say where and how to run (``RESUMABLE_KEYS``) and how the global batch is split: micro-batch x
    accumulation x ranks may change if their product does not. The data stream continues at the same sample.
-4. **Found by ``--resume``** (``find_checkpoint``: ``auto`` and ``latest`` take the newest *whole* one) and opened
-   (``open_checkpoint``) before anything is connected or written; a fresh run clears the checkpoints an earlier run
-   left in its ``--out`` (``clear_checkpoints``). ``meta.json`` (``checkpoint_meta``) says what wrote the rest.
+4. **Opened before anything is connected or written** (``open_checkpoint``, once ``checkpoint_files.py`` has
+   found it); ``meta.json`` (``checkpoint_meta``) says what wrote the rest. Step 0's checkpoints are its own
+   (one process, one file): refused here in one line.
 5. **Each rank's own part** (``PerRank``): an idea file's sharded state, saved by every rank for itself beside
    checkpoint.py's shared parts, read back here at any world size.
 """
 import json
-import re
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+from checkpoint_files import complete_checkpoints
 from config import UserError
 from training import params_in_order
 
 FORMAT_VERSION = 2
-OWN_CHECKPOINT_FOLDER = re.compile(r"(\.tmp_|\.old_)?step_\d+")  # what a save writes, all a fresh run removes
+STEP0_FORMAT = "single-process"  # step0_single_gpu/checkpoint.py's meta.json
 
 # Flags that may change when resuming: they say where to write, what to print, where to run and how
 # long to wait, not what to compute. Every other flag must be the checkpoint's.
@@ -43,45 +42,6 @@ BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")  # may change with the wor
 
 # Optimiser options that say how the update runs, not what it computes: the resuming run's own, not the saved ones.
 UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
-
-
-def checkpoint_dir(out_dir, step: int) -> Path:
-    return Path(out_dir) / "checkpoints" / f"step_{step}"
-
-
-def complete_checkpoints(out_dir) -> list[Path]:
-    """The whole checkpoints in ``out_dir``, oldest first (by step number, not by name)."""
-    folders = [p for p in (Path(out_dir) / "checkpoints").glob("step_*")
-               if p.name[5:].isdigit() and (p / "meta.json").is_file()]
-    return sorted(folders, key=lambda p: int(p.name[5:]))
-
-
-def find_checkpoint(resume: str | None, out_dir) -> Path | None:
-    """``--resume``: ``auto``, the newest whole checkpoint in ``out_dir`` or None (a fresh start) when there
-    is none; ``latest``, the same but none is an error; otherwise the given folder; None: a fresh start."""
-    if resume is None:
-        return None
-    if resume in ("auto", "latest"):
-        found = complete_checkpoints(out_dir)
-        if not found and resume == "latest":
-            raise UserError(f"--resume: no checkpoint in {out_dir}/checkpoints; train with --save-every N first, "
-                            "pass --resume PATH, or --resume auto to start afresh when there is none")
-        return found[-1] if found else None
-    if not (Path(resume) / "meta.json").is_file():
-        raise not_a_checkpoint(resume, "--resume ")
-    return Path(resume)
-
-
-def clear_checkpoints(out_dir) -> None:
-    """A fresh run replaces the run in ``out_dir``: its checkpoints would otherwise be taken for this run's.
-    Only the folders a save writes go; anything else in <out>/checkpoints was put there by someone else."""
-    folder = Path(out_dir) / "checkpoints"
-    if folder.is_dir():
-        for entry in folder.iterdir():
-            if entry.is_dir() and OWN_CHECKPOINT_FOLDER.fullmatch(entry.name):
-                shutil.rmtree(entry, ignore_errors=True)
-        if not any(folder.iterdir()):
-            folder.rmdir()
 
 
 def checkpoint_meta(step: int, world_size: int, config: dict, shapes: dict, data_parallel_size=None) -> str:
@@ -98,19 +58,6 @@ def optimizer_slices(optimizer, named_params) -> list:
     parameters, numbered as its state dict numbers them."""
     name_of = {param: name for name, param in named_params}
     return [(name_of[p], 0, p.numel()) for p in params_in_order(optimizer)]
-
-
-def not_a_checkpoint(path, flag: str = "") -> UserError:
-    """The error for ``path``, not a checkpoint, naming the one probably meant: the checkpoint a file of it is in,
-    or the newest whole checkpoint of a run folder (or of its checkpoints/ folder)."""
-    path = Path(path)
-    if path.is_file() and (path.parent / "meta.json").is_file():
-        meant = path.parent
-    else:
-        found = complete_checkpoints(path.parent if path.name == "checkpoints" else path)
-        meant = found[-1] if found else None
-    return UserError(f"{flag}{path} is not a checkpoint (a checkpoints/step_<k> folder with meta.json)"
-                     + (f"; did you mean {flag}{meant}?" if meant else ""))
 
 
 class Checkpoint:
@@ -134,6 +81,10 @@ class Checkpoint:
             meta = json.loads((self.path / "meta.json").read_text())
         except (OSError, ValueError) as error:
             self._corrupted(f"meta.json unreadable: {type(error).__name__}")
+        if isinstance(meta, dict) and meta.get("format") == STEP0_FORMAT:
+            raise UserError(f"checkpoint {self.path} was written by step 0, whose checkpoint is one process's whole "
+                            "state in one file, not pieces to reshard: resume it with step0_single_gpu/train.py, or "
+                            "start afresh without --resume")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
             found = meta.get("format") if isinstance(meta, dict) else None
             raise UserError(f"checkpoint {self.path} has format {found}, this code reads {FORMAT_VERSION} (it was "

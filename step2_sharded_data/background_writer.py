@@ -20,6 +20,11 @@ from checkpoint import CheckpointWriter
 from config import not_written
 
 
+def add_async_save_flag(parser) -> None:
+    parser.add_argument("--async-save", action="store_true",
+                        help="copy the state to memory at each checkpoint and write it in the background")
+
+
 def snapshot(state):
     """A copy of ``state`` that training can no longer change: tensors copied to the CPU, the rest deep-copied."""
     if torch.is_tensor(state):

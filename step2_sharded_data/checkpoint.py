@@ -5,17 +5,17 @@ and ``rank<r>.pt`` (the rank's RNG and, from step 5 on, its slices).
 1. **Whole or absent**: written into ``.tmp_step_<k>``, renamed ``step_<k>`` once every rank's file is in it.
 2. **One call each way**, as torchtitan's ``Stateful``: the writer is given the run's *parts* once, each with
    ``checkpoint_state()`` and ``load_checkpoint(checkpoint)``; the loop calls ``start(checkpoint)`` and ``save(step)``.
-3. **Read back by parameter name** (``resharding.py``, which also finds them): by any step, at any world size.
+3. **Read back by parameter name** (``resharding.py``): by any step from 1 on, at any world size; found and made
+   whole or absent by ``checkpoint_files.py``.
 """
-import os
-import shutil
 import time
 
 import torch
 import torch.distributed as dist
 
+from checkpoint_files import checkpoint_dir, clear_checkpoints, publish, start_writing
 from config import not_written
-from resharding import checkpoint_dir, checkpoint_meta, clear_checkpoints, optimizer_slices
+from resharding import checkpoint_meta, optimizer_slices
 from seeding import rng_state, set_rng_state
 from training import params_in_order
 
@@ -127,12 +127,9 @@ class CheckpointWriter:
             dist.barrier(group=self.group)
 
     def _write(self, step: int, shared_state: dict, rank_state: dict) -> None:
-        final = checkpoint_dir(self.config["out"], step)
-        out, tmp = final.parent, final.with_name(f".tmp_step_{step}")
+        tmp = checkpoint_dir(self.config["out"], step).with_name(f".tmp_step_{step}")
         if self.rank == 0:
-            for leftover in [*out.glob(".tmp_step_*"), *out.glob(".old_step_*")]:  # from a save that was killed
-                shutil.rmtree(leftover, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            start_writing(self.config["out"], step)  # what a killed save left, removed
         self._barrier()
         torch.save(rank_state, tmp / f"rank{self.rank}.pt")
         if self.rank == 0:
@@ -141,8 +138,5 @@ class CheckpointWriter:
                                                            self.data_parallel_size))
         self._barrier()  # every rank's file is in tmp before it becomes the checkpoint
         if self.rank == 0:
-            if final.exists():  # written by an earlier run from this folder: move it aside, then replace it
-                os.replace(final, out / f".old_step_{step}")
-            os.replace(tmp, final)
-            shutil.rmtree(out / f".old_step_{step}", ignore_errors=True)
+            publish(tmp)  # .tmp_step_<k> becomes step_<k>
         self._barrier()

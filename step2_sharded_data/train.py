@@ -14,7 +14,7 @@ from torch.profiler import record_function
 from torch.nn.parallel import DistributedDataParallel
 
 import distributed
-from background_writer import BackgroundWriter
+from background_writer import BackgroundWriter, add_async_save_flag
 from comm_accounting import comm_bytes, take_comm_bytes
 from checkpoint import CheckpointWriter, RunState, WholeModel
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
@@ -23,7 +23,8 @@ from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
 from exact_reduction import float64_allreduce_hook
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights, tensor_bytes
 from model import build_model, compile_blocks, language_model_loss
-from resharding import find_checkpoint, open_checkpoint
+from checkpoint_files import find_checkpoint
+from resharding import open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from seeding import seed_everything
 from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
@@ -62,6 +63,7 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
+    add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_fp8_flag(parser)  # --fp8 tensorwise|rowwise (fp8.py)
     config = parse_config(parser)
     world = distributed.plan_world(config)

@@ -85,8 +85,6 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     run.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                      help="continue from the newest checkpoint in --out (an error if there is none), from PATH, or, "
                           "with 'auto', from the newest one or afresh when there is none (for torchrun --max-restarts)")
-    run.add_argument("--async-save", action="store_true",
-                     help="copy the state to memory at each checkpoint and write it in the background")
     run.add_argument("--preempt-grace-s", type=float, default=0.0, metavar="S",
                      help="on SIGTERM (a spot machine's notice, torchrun stopping), finish the step, save it and exit "
                           "with code 4 within S seconds; 0: SIGTERM ends the run at once")

@@ -14,7 +14,7 @@ import torch
 from torch.profiler import record_function
 
 import distributed
-from background_writer import BackgroundWriter
+from background_writer import BackgroundWriter, add_async_save_flag
 from comm_accounting import take_comm_bytes
 from main_grad import MainGradDDP
 from checkpoint import CheckpointWriter, RunState
@@ -24,7 +24,8 @@ from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
 from masters import sharded_optimizer
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
-from resharding import PerRank, find_checkpoint, open_checkpoint
+from checkpoint_files import find_checkpoint
+from resharding import PerRank, open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from sharded_gradients import ShardedGradScaler
 from seeding import seed_everything
@@ -65,6 +66,7 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
+    add_async_save_flag(parser)  # --async-save (background_writer.py)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB")
     add_param_dtype_flag(parser)
     add_fp8_flag(parser)  # --fp8 tensorwise|rowwise (fp8.py)

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import record_function
 
 import distributed
-from background_writer import BackgroundWriter
+from background_writer import BackgroundWriter, add_async_save_flag
 from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
@@ -25,7 +25,8 @@ from metrics import RunLog, StepClock, environment, memory_stats
 from model import language_model_loss
 from offload import OffloadedOptimizer
 from prefetch_trace import PrefetchTrace
-from resharding import PerRank, find_checkpoint, open_checkpoint
+from checkpoint_files import find_checkpoint
+from resharding import PerRank, open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from streaming_export import save_final_weights_streaming
 from sharded_gradients import ShardedGradScaler
@@ -68,6 +69,7 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
+    add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_zero3_flags(parser)  # --no-prefetch, --activation-checkpointing, --offload-optimizer, --trace
     add_param_dtype_flag(parser)
     add_fp8_flag(parser)  # --fp8 tensorwise|rowwise (fp8.py)

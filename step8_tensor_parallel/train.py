@@ -16,14 +16,15 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 import distributed
-from background_writer import BackgroundWriter
+from background_writer import BackgroundWriter, add_async_save_flag
 from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
-from resharding import find_checkpoint, open_checkpoint
+from checkpoint_files import find_checkpoint
+from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
 from sequence_parallel import (add_sequence_parallel_flags, check_sequence_parallel,
@@ -66,6 +67,7 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
+    add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_sequence_parallel_flags(parser)  # --sequence-parallel
     config = parse_config(parser)
     world = distributed.plan_world(config)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
-from background_writer import BackgroundWriter
+from background_writer import BackgroundWriter, add_async_save_flag
 from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
@@ -23,7 +23,8 @@ from model import build_model
 from pipeline import GPT2Stage
 from pipeline_setup import add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
 from pipeline_state import PipelineState, gather_full_state, owned
-from resharding import find_checkpoint, open_checkpoint
+from checkpoint_files import find_checkpoint
+from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
 from training import check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler, param_norm
@@ -61,6 +62,7 @@ def main():
     # ---- everything that can be wrong is checked before anything is written or connected -----
     parser = build_parser(STEP)
     distributed.add_flags(parser)
+    add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_pipeline_flags(parser)  # --schedule, --virtual-stages, --micro-batches
     parser.add_argument("--trace", action="store_true", help="write the stages' timelines of the last step")
     config = parse_config(parser)

@@ -13,14 +13,14 @@ from conftest import REPO, STEPS, TIMEOUT, TINY, run_ranks
 HOOK = REPO / "tests" / "writer_hook.py"
 
 
-def hooked(step: str, mode: str, out: Path, corpus: Path, *extra: str) -> subprocess.CompletedProcess:
+def hooked(step: str, mode: str, out: Path, corpus: Path, nproc: int = 2) -> subprocess.CompletedProcess:
     """``step``'s trainer on the tiny workload with ``--async-save``, a checkpoint at steps 2 and 4, its writer
-    patched by the hook (``slow:SECONDS`` or ``fail:STEP``); step 0 as one process, the others on 2 ranks."""
+    patched by the hook (``slow:SECONDS`` or ``fail:STEP``), on ``nproc`` ranks (step 0 has no --async-save)."""
     script = str(REPO / STEPS[step] / "train.py")
-    args = [*TINY, "--data", str(corpus), "--out", str(out), "--save-every", "2", "--async-save", *extra]
-    if step == "step0":
-        return run_ranks(HOOK, [mode, script, *args], nproc=0, timeout=300)
-    return run_ranks(HOOK, [mode, script, *args, *TIMEOUT], nproc=2, timeout=300)
+    args = [*TINY, "--data", str(corpus), "--out", str(out), "--save-every", "2", "--async-save"]
+    if nproc == 1:  # one rank: the global batch of TINY's 2 ranks, accumulated by one
+        args[args.index("--grad-accum") + 1] = str(2 * int(args[args.index("--grad-accum") + 1]))
+    return run_ranks(HOOK, [mode, script, *args, *TIMEOUT], nproc=nproc, timeout=300)
 
 
 def whole_checkpoints(out: Path) -> list[str]:
@@ -28,13 +28,13 @@ def whole_checkpoints(out: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if (p / "meta.json").is_file()) if folder.is_dir() else []
 
 
-@pytest.mark.parametrize("step", ["step0", "step7"])
-def test_the_run_waits_for_its_last_background_write(step, tmp_path, small_corpus):
+@pytest.mark.parametrize("step, nproc", [("step1", 1), ("step7", 2)])
+def test_the_run_waits_for_its_last_background_write(step, nproc, tmp_path, small_corpus):
     """Every write starts 1.5 s late, longer than what is left of training after the last save: the trainer
     must still say it is done only once checkpoint 4 is whole on disk. (A trainer that exits without waiting:
     with several ranks the writer's barrier finds the process group gone and step_4 is never renamed into place;
-    as one process, "done" comes before the write.)"""
-    result = hooked(step, "slow:1.5", tmp_path / "run", small_corpus)
+    on one rank, "done" comes before the write.)"""
+    result = hooked(step, "slow:1.5", tmp_path / "run", small_corpus, nproc)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     written = [i for i, line in enumerate(lines) if line.startswith("writer hook: step_4 written (rank 0)")]

@@ -200,9 +200,16 @@ CASES = {
                                         "--resume", step4(s.run()), ranks=2),
     "global-batch-not-kept": lambda s: trainer("step1", *s.tiny, "--out", s.root / "runs" / "fresh",
                                                "--resume", step4(s.run()), ranks=1),
-    "stream-cannot-continue": lambda s: trainer("step0", *s.tiny, "--micro-batch-size", "8", "--grad-accum", "1",
+    "stream-cannot-continue": lambda s: trainer("step1", *s.tiny, "--micro-batch-size", "8", "--grad-accum", "1",
                                                 "--out", s.root / "runs" / "fresh",
-                                                "--resume", step4(s.run(checkpoint_damage=set_data_position(3)))),
+                                                "--resume", step4(s.run(checkpoint_damage=set_data_position(3))),
+                                                ranks=1),
+    "step0-resumes-another-step": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
+                                                    "--resume", step4(s.run())),
+    "another-step-resumes-step0": lambda s: trainer("step1", *s.tiny, "--out", s.root / "runs" / "fresh", "--resume",
+                                                    step4(s.run("step0_single_gpu", checkpoint_damage=lambda c: edit_json(
+                                                        c / "meta.json", lambda meta: meta.update(
+                                                            format="single-process")))), ranks=2),
     # ---- the machine and the world
     "nccl-without-gpus": lambda s: trainer("step1", "--backend", "nccl", ranks=2, env=NO_GPU),
     "cuda-without-gpu": lambda s: trainer("step0", "--device", "cuda", env=NO_GPU),
@@ -247,7 +254,7 @@ CASES = {
                                                  "--max-memory-mb", "1"),
     "checkpoint-not-written": lambda s: Case([sys.executable, str(REPO / "tests" / "writer_hook.py"), "fail:2",
                                               str(REPO / STEPS["step0"] / "train.py"), *s.tiny, "--steps", "2",
-                                              "--warmup-steps", "1", "--save-every", "2", "--async-save",
+                                              "--warmup-steps", "1", "--save-every", "2",
                                               "--out", str(s.root / "runs" / "fresh")]),
     # ---- runs given to the compare/ tools
     "unknown-step": lambda s: tool("parity.py", s.run(), "step99"),

@@ -62,20 +62,24 @@ def test_resume_at_another_world_size(step, tour, tmp_path, small_corpus):
     assert_close_run(original, tmp_path / "back", same_until=2)
 
 
-def test_step0_and_step1_resume_each_other(tour, tmp_path, small_corpus):
-    """1 <-> 2 ranks between the single-process loop and DDP: one process accumulating 4 micro-batches
-    draws the global batches that 2 ranks accumulating 2 draw."""
+def test_step1_resumes_at_one_rank_and_steps_0_and_1_refuse_each_others_checkpoints(tour, tmp_path, small_corpus):
+    """2 -> 1 ranks: DDP on one rank, accumulating 4 micro-batches, goes on like the single-process loop (the
+    global batches that 2 ranks accumulating 2 draw). Step 0's checkpoint is its own (one process, one file): step 1
+    refuses it in one line, and step 0 refuses step 1's, each naming the step that resumes it."""
     step0, step1 = tour[0] / STEPS["step0"], tour[0] / STEPS["step1"]
     data = ["--data", str(small_corpus), "--save-every", "2"]
-    to_one = launch("step0", [*split(2, 4), *data, "--out", str(tmp_path / "one"),
-                              "--resume", str(step1 / "checkpoints" / "step_2")])
+    to_one = launch("step1", [*split(2, 4), *data, "--out", str(tmp_path / "one"),
+                              "--resume", str(step1 / "checkpoints" / "step_2")], nproc=1)
     assert to_one.returncode == 0, to_one.stderr[-2000:]
     assert "world size 2 -> 1" in to_one.stderr
     assert_close_run(step0, tmp_path / "one", same_until=2, source=step1)
-    to_two = launch("step1", [*TINY, *data, "--out", str(tmp_path / "two"),
-                              "--resume", str(step0 / "checkpoints" / "step_2")], nproc=2)
-    assert to_two.returncode == 0, to_two.stderr[-2000:]
-    assert_close_run(step1, tmp_path / "two", same_until=2, source=step0)
+    into_one = launch("step0", [*split(2, 4), *data, "--out", str(tmp_path / "zero"),
+                                "--resume", str(step1 / "checkpoints" / "step_2")])
+    assert into_one.returncode == 2 and "was written by step1_torch_ddp" in into_one.stderr, into_one.stderr[-2000:]
+    into_two = launch("step1", [*TINY, *data, "--out", str(tmp_path / "two"),
+                                "--resume", str(step0 / "checkpoints" / "step_2")], nproc=2)
+    assert into_two.returncode == 2 and "was written by step 0" in into_two.stderr, into_two.stderr[-2000:]
+    assert not (tmp_path / "zero" / "metrics.json").exists() and not (tmp_path / "two" / "metrics.json").exists()
 
 
 def test_consolidated_zero3_checkpoint_resumes_step1_bitwise(tour, tmp_path, small_corpus):

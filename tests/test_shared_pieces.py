@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from conftest import metrics
-from resharding import clear_checkpoints, find_checkpoint
+from checkpoint_files import clear_checkpoints, find_checkpoint
 from config import UserError
 from training import clip_grad_norm, lr_at, param_norm
 
 pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 
 
-# ---- resharding.find_checkpoint ----------------------------------------------------------------------
+# ---- checkpoint_files.find_checkpoint ----------------------------------------------------------------------
 
 def fake_checkpoint(out, name, meta=True):
     folder = out / "checkpoints" / name
