@@ -257,7 +257,7 @@ def test_a_frozen_rank_ends_the_job_within_the_timeout(mesh, nproc, frozen, wait
 
     from conftest import trainer_command
     from collective_failures import COLLECTIVE_FAILED, ROLL_CALL_S
-    from test_dead_rank import FREEZE_TIMEOUT_S, SLACK_S, Lines, workers_by_rank
+    from test_dead_rank import FREEZE_TIMEOUT_S, SLACK_S, Lines, continue_once_sigterm_is_pending, workers_by_rank
 
     args = [*TINY, "--steps", "10000", *mesh, "--data", str(small_corpus), "--out", str(tmp_path / "run"),
             "--timeout-s", str(FREEZE_TIMEOUT_S)]
@@ -272,7 +272,7 @@ def test_a_frozen_rank_ends_the_job_within_the_timeout(mesh, nproc, frozen, wait
         frozen_at = time.monotonic()
         error_at, error = output.wait_for(r"^error:", timeout=FREEZE_TIMEOUT_S + ROLL_CALL_S + 30)
         output.wait_for(rf"Sending process {ranks[frozen]} closing signal SIGTERM", timeout=10)
-        os.kill(ranks[frozen], signal.SIGCONT)
+        continue_once_sigterm_is_pending(ranks[frozen])
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
