@@ -576,9 +576,10 @@ PARAM_DTYPE_STEPS = ("step5_zero1", "step6_zero2", "step7_zero3")  # the trainer
 def trainer(c: dict, param_dtype: str = "float32", reduce_every_micro_batch: bool = False) -> tuple[str, list] | str:
     """(the step folder that trains layout ``c``, its layout flags), or one line saying why no trainer does.
     cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings); tp or pp: step 8 (tp alone), step 9
-    (pp alone), step 10 (dp x tp x pp, ZeRO-1 over dp); pure dp: step 1, 5, 6, 7 for ZeRO-0 to 3, step 7 with
-    --replicate (HSDP), --offload-optimizer and --activation-checkpointing full|selective. 16-bit parameters:
-    steps 5-7 only."""
+    (pp alone), step 10 (dp x tp x pp, ZeRO-1 over dp; tp or pp alone too where recomputation is asked: steps 8
+    and 9 have none); pure dp: step 1, 5, 6, 7 for ZeRO-0 to 3, step 7 with --replicate (HSDP), --offload-optimizer
+    and --activation-checkpointing full|selective, which step 10 also takes (ZeRO-1 with recomputation: step 10 at
+    tp = pp = 1). 16-bit parameters: steps 5-7 only."""
     dp, cp, tp, pp, zero, m = c["dp"], c["cp"], c["tp"], c["pp"], c["zero"], c["micro_batches"]
     recompute = "full" if c["checkpointing"] else "selective" if c.get("selective") else None
     if cp > 1:
@@ -596,10 +597,13 @@ def trainer(c: dict, param_dtype: str = "float32", reduce_every_micro_batch: boo
                                                    if c["schedule"] == "interleaved-1f1b" else []),
                     "--micro-batches", m] if pp > 1 else []
         sp = ["--sequence-parallel"] if c["sequence_parallel"] else []
-        if dp > 1 or (tp > 1 and pp > 1):
-            step, flags = "step10_3d_parallel", ["--dp", dp, "--tp", tp, "--pp", pp, *sp, *pipeline]
+        if dp > 1 or (tp > 1 and pp > 1) or recompute:
+            step, flags = "step10_3d_parallel", ["--dp", dp, "--tp", tp, "--pp", pp, *sp, *pipeline,
+                                                 *(["--activation-checkpointing", recompute] if recompute else [])]
         else:
             step, flags = ("step8_tensor_parallel", sp) if tp > 1 else ("step9_pipeline_parallel", pipeline)
+    elif recompute and zero == 1:  # step 10 at tp = pp = 1: ZeRO-1 over dp, with recomputation (step 5 has none)
+        step, flags = "step10_3d_parallel", ["--dp", dp, "--tp", 1, "--pp", 1, "--activation-checkpointing", recompute]
     else:
         step, flags = ZERO_STEPS[zero], []
         if zero == 2 and reduce_every_micro_batch:
@@ -611,9 +615,9 @@ def trainer(c: dict, param_dtype: str = "float32", reduce_every_micro_batch: boo
                       *(["--offload-optimizer"] if c["offload"] else []),
                       *(["--activation-checkpointing", recompute] if recompute else [])]
     layout = estimate.STAGES[zero] if step in ZERO_STEPS else " x ".join(a for a in ("dp", "cp", "tp", "pp") if c[a] > 1)
-    if recompute and step != "step7_zero3":
+    if recompute and step not in ("step7_zero3", "step10_3d_parallel"):
         return f"no trainer runs {'checkpointing' if c['checkpointing'] else 'selective recomputation'} " \
-               f"with {layout}: step 7 (ZeRO-3) alone has --activation-checkpointing"
+               f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO-1) alone have --activation-checkpointing"
     if param_dtype != "float32" and step not in PARAM_DTYPE_STEPS:
         return f"no trainer runs {param_dtype} parameters with {layout}: steps 5-7 alone have --param-dtype"
     return step, flags

@@ -20,6 +20,7 @@ from config import UserError
 from mesh import check_mesh
 from pipeline import GPT2Stage
 from pipeline_setup import add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
+from recomputation import add_recomputation_flag, recompute
 from sequence_parallel import check_sequence_parallel, sequence_parallel_gpt2
 from sequence_parallel import finish_gradient_synchronization as finish_sequence_parallel
 from tensor_parallel import check_tensor_parallel, parallelize_gpt2, vocab_parallel_cross_entropy
@@ -35,6 +36,7 @@ def add_mesh_flags(parser) -> None:
     flags.add_argument("--sequence-parallel", action="store_true",
                        help="split the activations between the layers along the sequence over tp "
                             "(step 8's sequence_parallel.py)")
+    add_recomputation_flag(flags)  # step 7's --activation-checkpointing: full or selective
     add_pipeline_flags(parser)  # step 9's --schedule, --virtual-stages and --micro-batches
 
 
@@ -69,13 +71,15 @@ def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
     shapes: what checkpoints and the final weights describe): ``model``, whole on every rank, made tensor-parallel
     over the tp group (step 8; at tp = 1 it stays plain GPT-2, as in steps 5 and 9), cut into stages (rule 2), this
     rank's run by a Pipeline over the pp group, the last stage's loss step 8's over the vocabulary slices (or step
-    9's at tp = 1). Pass ``model`` and keep no reference to it: the rank keeps its stage only."""
+    9's at tp = 1), its blocks recomputed in backward as --activation-checkpointing says. Pass ``model`` and keep
+    no reference to it: the rank keeps its stage only."""
     shapes = {name: p.shape for name, p in model.named_parameters()}
     if mesh.tp > 1:
         reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
         model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
         if config["sequence_parallel"]:
             model = sequence_parallel_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
+    recompute(model.transformer.h, config["activation_checkpointing"])  # each rank's own heads (recomputation.py)
     model = model.to(device)
     chunks = mesh.pp * virtual_stages(config)  # the model's stages: V per pp rank with --schedule interleaved-1f1b
     stages = [tensor_parallel_stage(model, s, chunks) for s in range(chunks)]

@@ -37,7 +37,7 @@ STEP0_FORMAT = "single-process"  # step0_single_gpu/checkpoint.py's meta.json
 # long to wait, not what to compute. Every other flag must be the checkpoint's.
 RESUMABLE_KEYS = ("out", "save_every", "preempt_grace_s", "resume", "quiet", "timeout_s", "trace", "max_memory_mb",
                   "async_save", "offload_optimizer", "backend", "device", "schedule", "micro_batches", "virtual_stages",
-                  "dp", "tp", "pp", "replicate", "fp8", "ep")
+                  "dp", "tp", "pp", "replicate", "fp8", "ep", "activation_checkpointing")
 BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")  # may change with the world size, the product kept
 
 # Optimiser options that say how the update runs, not what it computes: the resuming run's own, not the saved ones.

@@ -1,20 +1,18 @@
 """GPT-2 fully sharded from step 7's flags: what step 7's train.py calls by name. The idea is
 zero3.py's, which needs no particular model: this file imports it, never the other way round.
 
-``add_zero3_flags``: ``--no-prefetch``, ``--activation-checkpointing [full|selective|none]``, ``--offload-optimizer``,
-``--trace``, ``--replicate`` (HSDP, hsdp.py; ``check_replicate`` refuses an R that does not divide N). ``checkpoint_activations``: activation checkpointing, a second idea (memory against
-time) that asks of FullyShardedDP one line of its pre-backward hook, which installs the gathered
-views again for the forward recomputed in backward. ``shard_gpt2``: this project's GPT-2 built on
+``add_zero3_flags``: ``--no-prefetch``, ``--activation-checkpointing [full|selective|none]`` (recomputation.py, a
+second idea, memory against time, that asks of FullyShardedDP one line of its pre-backward hook, which installs the
+gathered views again for the forward recomputed in backward), ``--offload-optimizer``, ``--trace``, ``--replicate``
+(HSDP, hsdp.py; ``check_replicate`` refuses an R that does not divide N). ``shard_gpt2``: this project's GPT-2 built on
 the meta device and wrapped in ``FullyShardedDP`` with its blocks as units (zero3.py's rule 6).
 """
-import functools
-
 import torch
 
 from model import GPT2, gpt2_config, initial_value
 from config import UserError
 from hsdp import hybrid_mesh, replicate_problem
-from selective_recompute import MODES, mode_of, recompute_attention_core
+from recomputation import add_recomputation_flag, recompute
 from zero3 import FullyShardedDP
 
 
@@ -22,9 +20,7 @@ def add_zero3_flags(parser) -> None:
     flags = parser.add_argument_group("ZeRO-3")
     flags.add_argument("--no-prefetch", action="store_true",
                        help="gather each unit only when it is needed")
-    flags.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=MODES,
-                       help="recompute activations in backward instead of keeping them: full (the bare flag), "
-                            "each block's; selective (selective_recompute.py), only attention's s x s core")
+    add_recomputation_flag(flags)
     flags.add_argument("--offload-optimizer", action="store_true",
                        help="AdamW's state and step in host memory (ZeRO-Offload, offload.py): the "
                             "device keeps parameters and gradients")
@@ -41,16 +37,6 @@ def check_replicate(replicate: int, world_size: int) -> None:
         raise UserError(problem)
 
 
-def checkpoint_activations(blocks) -> None:
-    """Keep only each block's input in forward and recompute the rest in backward
-    (preserve_rng_state: dropout draws the same masks twice). The block's hooks (zero3.py's rule 3)
-    run around it, once: the recomputation calls the inner forward, with the weights the
-    pre-backward hook gathered."""
-    for block in blocks:
-        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
-                                          use_reentrant=False, preserve_rng_state=True)
-
-
 def shard_gpt2(config: dict, vocab_size: int, device, param_dtype=None) -> tuple:
     """This project's GPT-2 (model.py), fully sharded with its blocks as units: built on the meta
     device (only shapes: no rank ever holds all of it), each rank filling its own slices from
@@ -61,11 +47,7 @@ def shard_gpt2(config: dict, vocab_size: int, device, param_dtype=None) -> tuple
     with torch.device("meta"):
         model = GPT2(gpt2_config(config, vocab_size))
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    mode = mode_of(config["activation_checkpointing"])
-    if mode == "full":
-        checkpoint_activations(model.transformer.h)
-    elif mode == "selective":
-        recompute_attention_core(model.transformer.h)
+    recompute(model.transformer.h, config["activation_checkpointing"])  # zero3.py's hooks stay around each block
 
     def init_fn(name, shape):
         return initial_value(name, shape, config["seed"], config["n_layer"])

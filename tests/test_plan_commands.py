@@ -164,12 +164,13 @@ def test_a_model_no_trainer_builds_gets_one_line_and_no_commands(tmp_path):
 
 def test_the_top_runnable_layouts_train_and_hold_what_the_plan_says(small_corpus, tmp_path):
     """The trainers' default model at 4 ranks, 20 MiB each: the first 3 layouts that have a command (today ZeRO-1,
-    dp 2 x pp 2 on step 10, ZeRO-3 with checkpointing), each trained 2 steps as its command says. Each run's
+    dp 2 x pp 2 on step 10, ZeRO-1 with checkpointing on step 10), each trained 2 steps as its command says. Each run's
     mesh and ZeRO stage are its row's; ``compare/plan.py --measured`` passes them; and every rank's recorded
     params + grads + AdamW state is within the same tolerance of its stage's row in the plan."""
     fit, _ = planned(["--devices", "4", "--memory-gb", "0.02"], tmp_path / "plan.json")
     runnable = [c for c in fit if c["command"]][:3]
-    assert len({(c["dp"], c["tp"], c["pp"], c["zero"]) for c in runnable}) == 3, [c["command"] for c in runnable]
+    assert len({(c["dp"], c["tp"], c["pp"], c["zero"], c["checkpointing"]) for c in runnable}) == 3, \
+        [c["command"] for c in runnable]
     runs = []
     for i, c in enumerate(runnable):
         nproc, step, flags = split(c["command"])

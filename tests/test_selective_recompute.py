@@ -1,4 +1,4 @@
-"""Step 7's --activation-checkpointing selective (selective_recompute.py): a real 2-rank gloo run bitwise to the
+"""Step 7's --activation-checkpointing selective (recomputation.py): a real 2-rank gloo run bitwise to the
 same run without recomputation (dropout on: the recomputation replays its masks), and the bytes each block leaves
 for backward, counted with saved_tensors_hooks on real tensors for none / selective / full, equal to the closed
 forms of the file's rule 3 and to the planner's formula (compare/activation_formula.py)."""
@@ -10,7 +10,7 @@ import torch
 
 import plan
 from activation_formula import FormulaActivations
-from conftest import EXACT, REPO, assert_bitwise_same_run, launch, metrics, train
+from conftest import EXACT, MESH_RUNS, REPO, TINY, assert_bitwise_same_run, launch, metrics, spawn, train
 from model import GPT2, GPTConfig
 
 STEP7 = REPO / "step7_zero3"
@@ -29,15 +29,15 @@ def step7_module(name: str):
         sys.path.remove(str(STEP7))
 
 
-def saved_per_block(mode: str, dropout: float) -> list[int]:
-    """Bytes autograd keeps for backward inside each block (a storage once, weights left out), step 7's own
-    wrappers applied as ``shard_gpt2`` applies them."""
+def saved_per_block(mode: str, dropout: float, prepare=None) -> list[int]:
+    """Bytes autograd keeps for backward inside each block (a storage once, weights left out), recomputed as
+    ``recomputation.recompute`` does it in steps 7 and 10; ``prepare(model)`` first returns the model to count
+    (step 10's tensor-parallel one)."""
     torch.manual_seed(0)
     model = GPT2(GPTConfig(vocab_size=64, seq_len=S, n_layer=2, n_head=HEADS, n_embd=H, dropout=dropout)).train()
-    if mode == "full":
-        step7_module("zero3_setup").checkpoint_activations(model.transformer.h)
-    elif mode == "selective":
-        step7_module("selective_recompute").recompute_attention_core(model.transformer.h)
+    if prepare is not None:
+        model = prepare(model)
+    step7_module("recomputation").recompute(model.transformer.h, mode)
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     running, seen, saved = [], set(), [0, 0]
     for index, block in enumerate(model.transformer.h):
@@ -79,7 +79,7 @@ def test_bytes_per_block_are_the_closed_forms_and_the_planners(dropout):
 
 @pytest.mark.quick
 def test_recomputed_flops_are_the_matmuls():
-    recomputed = step7_module("selective_recompute").recomputed_flops
+    recomputed = step7_module("recomputation").recomputed_flops
     assert recomputed("none", B, S, H, 2) == 0
     assert recomputed("selective", B, S, H, 2) == 2 * 4 * B * S * S * H
     assert recomputed("full", B, S, H, 2) == 2 * (24 * B * S * H * H + 4 * B * S * S * H)
@@ -103,3 +103,81 @@ def test_a_mode_that_does_not_exist_is_one_line_exit_2(tmp_path, small_corpus):
     assert result.returncode != 0 and "ranks' exit codes: [2]" in result.stderr, result.stderr
     assert ("error: argument --activation-checkpointing: invalid choice: 'attention' (choose from 'none', 'full', "
             "'selective') (see --help)") in result.stderr, result.stderr
+
+
+# ---- step 10: recomputation on a tensor-parallel rank's heads, through the pipeline's schedules -------------------
+
+def _tensor_parallel_saved_bytes(rank, world_size, port, queue):
+    """Each block's saved bytes on this rank of a tp group of two, step 10's own wrappers (step 8's files), with and
+    without sequence parallelism, for each mode."""
+    from conftest import init_gloo, shutdown
+    init_gloo(rank, world_size, port)
+    sys.path.insert(0, str(REPO / "step10_3d_parallel"))
+    from sequence_parallel import sequence_parallel_gpt2
+    from tensor_parallel import parallelize_gpt2
+    result = {}
+    for sequence_parallel in (False, True):
+        def prepare(model, sequence_parallel=sequence_parallel):
+            model = parallelize_gpt2(model)
+            return sequence_parallel_gpt2(model) if sequence_parallel else model
+        for mode in ("none", "selective", "full"):
+            result[sequence_parallel, mode] = saved_per_block(mode, 0.0, prepare)
+    queue.put((rank, result))
+    shutdown()
+
+
+def test_step10_bytes_per_block_at_tp2_are_the_closed_forms_and_the_planners():
+    """A rank of a tp pair holds a/t heads: its s² terms and everything between a column- and a row-parallel linear
+    are 1/t. Float32, no dropout: none 16 sbh + 16 sb + 48 sbh/t + 4 (a/t) b s² + s², selective the same less the
+    s² terms, full the block's input, 4 sbh. With sequence parallelism the LayerNorms' inputs and statistics are
+    1/t too, but each all-gathered LayerNorm output is kept whole by the linear it feeds: 8 sbh + (56 sbh + 16 sb)/t
+    (+ the s² terms), full 4 sbh/t. The planner counts Megatron-LM's sequence parallelism, which keeps those inputs
+    sharded and gathers them again in backward: 8 sbh (1 - 1/t) less, the only difference."""
+    t, sbh, sb, s2 = 2, S * B * H, S * B, S * S
+    scores = 4 * (HEADS // t) * B * s2 + s2
+    selective = {False: 16 * sbh + 16 * sb + 48 * sbh // t, True: 8 * sbh + (56 * sbh + 16 * sb) // t}
+    closed = {(sp, mode): n for sp in (False, True) for mode, n in
+              (("none", selective[sp] + scores), ("selective", selective[sp]), ("full", 4 * sbh // (t if sp else 1)))}
+    results = spawn(_tensor_parallel_saved_bytes, t, timeout=180)
+    for rank, measured in results.items():
+        assert measured == {key: [n, n] for key, n in closed.items()}, (rank, measured, closed)
+    for sp in (False, True):
+        gathered = 8 * sbh * (t - 1) // t if sp else 0  # the gathered LayerNorm outputs ours keeps whole
+        formula = {recompute: FormulaActivations(plan.Shape(1, H, HEADS, 64, S), B, element=4, attention="math",
+                                                 selective=recompute, mask=4) for recompute in (False, True)}
+        assert formula[False].block_bytes(t, sp) + s2 + gathered == closed[sp, "none"]
+        assert formula[True].block_bytes(t, sp) + gathered == closed[sp, "selective"]
+        assert formula[False].kept_per_block(t, sp) == closed[sp, "full"]
+
+
+@pytest.mark.parametrize("mode, schedule", [("selective", "1f1b"), ("full", "zero-bubble")])
+def test_step10_recomputation_is_bitwise_to_none_at_tp2_pp2_with_sequence_parallelism(mode, schedule, mesh_runs,
+                                                                                        tmp_path, small_corpus):
+    """tp 2 x pp 2, sequence parallelism, dropout 0.1, bf16 autocast (the shared run ``tp2pp2sp``, which keeps
+    everything): recomputing attention's core, or whole blocks under zero bubble's split backward (B recomputes,
+    W reads what it needs again), changes no bit of losses, norms or weights."""
+    none = mesh_runs("tp2pp2sp")
+    step, nproc, flags = MESH_RUNS["tp2pp2sp"]
+    at = TINY.index("--grad-accum")
+    out = tmp_path / mode
+    result = launch(step, [*TINY[:at], *TINY[at + 2:], *flags, "--activation-checkpointing", mode, "--schedule",
+                           schedule, "--data", str(small_corpus), "--out", str(out)], nproc=nproc)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert metrics(out)["config"]["activation_checkpointing"] == mode
+    assert metrics(none)["config"]["activation_checkpointing"] == "none"
+    assert_bitwise_same_run(none, out)
+
+
+def test_step10_resumes_with_another_mode_bitwise(mesh_runs, tmp_path, small_corpus):
+    """The mode changes what is kept, not what is computed, so a run may resume with another one
+    (resharding.py's RESUMABLE_KEYS): tp 2 x pp 2 saved at step 2 without recomputation, resumed with selective,
+    ends bitwise where the uninterrupted run ended."""
+    saved = mesh_runs("tp2pp2")
+    step, nproc, flags = MESH_RUNS["tp2pp2"]
+    at = TINY.index("--grad-accum")
+    out = tmp_path / "resumed"
+    result = launch(step, [*TINY[:at], *TINY[at + 2:], *flags, "--activation-checkpointing", "selective",
+                           "--resume", str(saved / "checkpoints" / "step_2"), "--data", str(small_corpus),
+                           "--out", str(out)], nproc=nproc)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_bitwise_same_run(saved, out)
