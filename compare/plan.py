@@ -575,20 +575,25 @@ PARAM_DTYPE_STEPS = ("step5_zero1", "step6_zero2", "step7_zero3")  # the trainer
 
 def trainer(c: dict, param_dtype: str = "float32", reduce_every_micro_batch: bool = False) -> tuple[str, list] | str:
     """(the step folder that trains layout ``c``, its layout flags), or one line saying why no trainer does.
-    cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings); tp or pp: step 8 (tp alone), step 9
+    cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings), or step 10 (ZeRO-1 over dp x cp, with tp
+    and pp too; not with SP or selective recomputation); tp or pp: step 8 (tp alone), step 9
     (pp alone), step 10 (dp x tp x pp, ZeRO-1 over dp; tp or pp alone too where recomputation is asked: steps 8
     and 9 have none); pure dp: step 1, 5, 6, 7 for ZeRO-0 to 3, step 7 with --replicate (HSDP), --offload-optimizer
     and --activation-checkpointing full|selective, which step 10 also takes (ZeRO-1 with recomputation: step 10 at
     tp = pp = 1). 16-bit parameters: steps 5-7 only."""
     dp, cp, tp, pp, zero, m = c["dp"], c["cp"], c["tp"], c["pp"], c["zero"], c["micro_batches"]
     recompute = "full" if c["checkpointing"] else "selective" if c.get("selective") else None
-    if cp > 1:
-        if tp > 1 or pp > 1:
-            return f"no trainer runs cp x {'tp' if tp > 1 else 'pp'} yet (issue 49)"
-        if zero:
-            return f"no trainer runs cp with {estimate.STAGES[zero]}: step 11 keeps the whole state on every rank"
+    if cp > 1 and zero == 0 and tp == pp == 1:
+        if recompute:
+            return "no trainer runs cp with recomputation and DDP: step 11 has no --activation-checkpointing"
         step, flags = "step11_context_parallel", ["--cp", cp]
-    elif tp > 1 or pp > 1:
+    elif cp > 1 and zero != 1:
+        return (f"no trainer runs cp with {estimate.STAGES[zero]}" + (" and tp or pp" if zero == 0 else "") +
+                ": step 11 is DDP over its rings, step 10 ZeRO-1 over dp x cp")
+    elif cp > 1 and (c["sequence_parallel"] or c.get("selective")):
+        return (f"no trainer runs cp with {'sequence parallelism' if c['sequence_parallel'] else 'selective recomputation'}"
+                ": step 10 refuses it (composition.py's rule 5)")
+    elif tp > 1 or pp > 1 or cp > 1:
         if zero > 1:
             return f"no trainer runs {estimate.STAGES[zero]} with tp or pp: step 10 is ZeRO-1 over dp"
         if dp > 1 and zero == 0:
@@ -597,8 +602,9 @@ def trainer(c: dict, param_dtype: str = "float32", reduce_every_micro_batch: boo
                                                    if c["schedule"] == "interleaved-1f1b" else []),
                     "--micro-batches", m] if pp > 1 else []
         sp = ["--sequence-parallel"] if c["sequence_parallel"] else []
-        if dp > 1 or (tp > 1 and pp > 1) or recompute:
-            step, flags = "step10_3d_parallel", ["--dp", dp, "--tp", tp, "--pp", pp, *sp, *pipeline,
+        if dp > 1 or cp > 1 or (tp > 1 and pp > 1) or recompute:
+            step, flags = "step10_3d_parallel", ["--dp", dp, *(["--cp", cp] if cp > 1 else []), "--tp", tp, "--pp", pp,
+                                                 *sp, *pipeline,
                                                  *(["--activation-checkpointing", recompute] if recompute else [])]
         else:
             step, flags = ("step8_tensor_parallel", sp) if tp > 1 else ("step9_pipeline_parallel", pipeline)
@@ -615,6 +621,8 @@ def trainer(c: dict, param_dtype: str = "float32", reduce_every_micro_batch: boo
                       *(["--offload-optimizer"] if c["offload"] else []),
                       *(["--activation-checkpointing", recompute] if recompute else [])]
     layout = estimate.STAGES[zero] if step in ZERO_STEPS else " x ".join(a for a in ("dp", "cp", "tp", "pp") if c[a] > 1)
+    if recompute == "full" and pp > 1 and c["schedule"] == "zero-bubble":
+        return "no trainer runs checkpointing with zero bubble: step 10 refuses it (W would recompute every block again)"
     if recompute and step not in ("step7_zero3", "step10_3d_parallel"):
         return f"no trainer runs {'checkpointing' if c['checkpointing'] else 'selective recomputation'} " \
                f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO-1) alone have --activation-checkpointing"

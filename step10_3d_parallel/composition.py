@@ -1,4 +1,4 @@
-"""Steps 8 and 9 composed on step 10's mesh (mesh.py): what neither step had to decide alone.
+"""Steps 8, 9 and 11 composed on step 10's mesh (mesh.py): what no step had to decide alone.
 
 1. **The flags and their checks**: the mesh's own (mesh.py), step 8's for the tp degree, step 9's for the pp
    degree, every one before anything connects.
@@ -9,6 +9,11 @@
 4. **One checkpoint whatever the mesh**: each rank writes its TP/PP shard as step 8 does, its ZeRO-1 slices first
    gathered over dp, so the checkpoint never depends on dp; loading cuts this rank's part back out of any step's
    checkpoint at any mesh.
+5. **Context parallelism inside the stages** (step 11, ``--cp``): the model made tensor-parallel is then made
+   context-parallel over the cp group (its attention the ring, on this rank's heads; its embeddings, dropouts and
+   targets this rank's positions), so the stages send each other S/C tokens of every micro-batch. Gradients and
+   ZeRO-1 go over dp x cp (mesh.py's rule 5). Not with --sequence-parallel (both split the sequence; not composed
+   here) nor selective recomputation (the ring keeps no s x s tensor to recompute).
 """
 import functools
 
@@ -17,6 +22,7 @@ import torch.distributed as dist
 
 from comm_accounting import take_comm_bytes
 from config import UserError
+from context_parallel import LAYOUTS, check_context_parallel, context_parallel_gpt2, sequence_shard
 from mesh import check_mesh
 from pipeline import GPT2Stage
 from pipeline_setup import add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
@@ -33,6 +39,10 @@ def add_mesh_flags(parser) -> None:
     flags.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel degree: must divide --n-head and the vocabulary")
     flags.add_argument("--pp", type=int, default=1, help="pipeline stages: at most --n-layer")
+    flags.add_argument("--cp", type=int, default=1,
+                       help="context-parallel degree: ranks that split each sequence (step 11's ring attention)")
+    flags.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag",
+                       help="which chunks of the sequence each cp rank keeps (step 11's context_parallel.py)")
     flags.add_argument("--sequence-parallel", action="store_true",
                        help="split the activations between the layers along the sequence over tp "
                             "(step 8's sequence_parallel.py)")
@@ -42,14 +52,26 @@ def add_mesh_flags(parser) -> None:
 
 def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, int]:
     """Every mistake in the mesh flags, with one line, before anything connects; returns (dp, M): the mesh's
-    own (mesh.py), step 8's for the tp degree and step 9's for the pp degree."""
-    tp, pp = config["tp"], config["pp"]
-    dp = config["dp"] if config["dp"] is not None else max(1, world_size // max(1, tp * pp))
-    check_mesh(dp, tp, pp, world_size)
+    own (mesh.py), step 8's for the tp degree, step 11's for the cp degree and step 9's for the pp degree."""
+    tp, pp, cp = config["tp"], config["pp"], config["cp"]
+    dp = config["dp"] if config["dp"] is not None else max(1, world_size // max(1, tp * pp * cp))
+    check_mesh(dp, tp, pp, world_size, cp)
     if config["sequence_parallel"] and tp == 1:
         raise UserError("--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more")
     check_tensor_parallel(config, vocab_size, tp, flag="--tp")
     check_sequence_parallel(config, tp, flag="--tp")
+    if config["activation_checkpointing"] == "full" and pp > 1 and config["schedule"] == "zero-bubble":
+        raise UserError("--activation-checkpointing full with --schedule zero-bubble: W's backward of each layer "
+                        "would recompute its block again (torch.utils.checkpoint recomputes once per backward call); "
+                        "use selective, or another --schedule")
+    if cp > 1:  # rule 5
+        check_context_parallel(config, cp)  # --seq-len cut into 2 x cp chunks
+        if config["sequence_parallel"]:
+            raise UserError("--sequence-parallel with --cp: both split the sequence, and step 10 does not compose "
+                            "them; use one of the two")
+        if config["activation_checkpointing"] == "selective":
+            raise UserError("--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to "
+                            "recompute; use full, or none")
     return dp, check_pipeline(config, pp, flag="--pp")
 
 
@@ -71,7 +93,7 @@ def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
     shapes: what checkpoints and the final weights describe): ``model``, whole on every rank, made tensor-parallel
     over the tp group (step 8; at tp = 1 it stays plain GPT-2, as in steps 5 and 9), cut into stages (rule 2), this
     rank's run by a Pipeline over the pp group, the last stage's loss step 8's over the vocabulary slices (or step
-    9's at tp = 1), its blocks recomputed in backward as --activation-checkpointing says. Pass ``model`` and keep
+    9's at tp = 1); with --cp, context-parallel over the cp group (rule 5); its blocks recomputed in backward as --activation-checkpointing says. Pass ``model`` and keep
     no reference to it: the rank keeps its stage only."""
     shapes = {name: p.shape for name, p in model.named_parameters()}
     if mesh.tp > 1:
@@ -79,15 +101,26 @@ def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
         model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
         if config["sequence_parallel"]:
             model = sequence_parallel_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
+    loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group) if mesh.tp > 1 \
+        else torch.nn.functional.cross_entropy
+    if mesh.cp > 1:  # rule 5: the ring over each tp rank's heads, this rank's positions of every tensor
+        model = context_parallel_gpt2(model, mesh.cp_group, config["cp_layout"])
+        loss_fn = functools.partial(_loss_on_positions, loss_fn, mesh.cp_group, config["cp_layout"],
+                                    config["micro_batch_size"])
     recompute(model.transformer.h, config["activation_checkpointing"])  # each rank's own heads (recomputation.py)
     model = model.to(device)
     chunks = mesh.pp * virtual_stages(config)  # the model's stages: V per pp rank with --schedule interleaved-1f1b
     stages = [tensor_parallel_stage(model, s, chunks) for s in range(chunks)]
-    loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group) if mesh.tp > 1 \
-        else torch.nn.functional.cross_entropy
+    split = mesh.tp if config["sequence_parallel"] else mesh.cp  # S/T or S/C tokens a message
     stage, named, pipe = pipeline_gpt2(stages, mesh.pp_rank, config, device, loss_fn, ranks=mesh.pp_ranks,
-                                       sequence_split=mesh.tp if config["sequence_parallel"] else 1)  # S/T tokens
+                                       sequence_split=split)
     return stage, named, pipe, shapes
+
+
+def _loss_on_positions(loss_fn, group, layout: str, micro_batch_size: int, logits, targets):
+    """``loss_fn`` on this cp rank's positions: the logits are theirs already, the (flattened) targets are the
+    whole micro-batch's (rule 5)."""
+    return loss_fn(logits, sequence_shard(targets.view(micro_batch_size, -1), group, layout).flatten())
 
 
 def finish_gradient_synchronization(pipe) -> None:
@@ -100,19 +133,19 @@ def finish_gradient_synchronization(pipe) -> None:
 
 class BytesByAxis:
     """The bytes this rank hands to collectives in one step (comm_accounting.py), by what they are for: ``tp``
-    (activations inside a stage), ``pp`` (point-to-point between stages), ``dp`` (the gradients' all-reduce,
-    ZeRO-1's all-gather) and ``norms`` (sums of squares, over tp then pp). Starts with what was counted so far,
-    added to ``axis``."""
+    (activations inside a stage), ``cp`` (the ring's key/value blocks and their gradients), ``pp`` (point-to-point
+    between stages), ``dp`` (the gradients' all-reduce, ZeRO-1's all-gather, over dp x cp) and ``norms`` (sums of
+    squares, over tp then pp). Starts with what was counted so far, added to ``axis``."""
 
     def __init__(self, axis: str):
-        self.counts = {"tp": {}, "pp": {}, "dp": {}, "norms": {}}
+        self.counts = {"tp": {}, "cp": {}, "pp": {}, "dp": {}, "norms": {}}
         self.take(axis)
 
     def take(self, axis: str) -> dict:
-        """What was counted since the last take, added to ``axis`` (point-to-point to ``pp``, whatever ``axis``);
-        returns the counts so far, by axis (plain dicts: what a record keeps)."""
+        """What was counted since the last take, added to ``axis`` (the pipeline's point-to-point to ``pp``, the
+        ring's sends to ``cp``, whatever ``axis``); returns the counts so far, by axis (plain dicts: a record's)."""
         for kind, count in take_comm_bytes().items():
-            counts = self.counts["pp" if kind.startswith("p2p") else axis]
+            counts = self.counts["pp" if kind.startswith("p2p") else "cp" if kind == "send" else axis]
             counts[kind] = counts.get(kind, 0) + count
         return self.counts
 
@@ -147,7 +180,7 @@ class MeshShards:
 
     def checkpoint_state(self) -> dict:
         state = self.optimizer.consolidated_state_dict()  # a collective over dp: every dp rank takes part
-        return checkpoint_shards(self.named, self.optimizer.params, state) if self.mesh.dp_rank == 0 else {}
+        return checkpoint_shards(self.named, self.optimizer.params, state) if self.mesh.dp_cp_rank == 0 else {}
 
     def load_checkpoint(self, checkpoint) -> None:
         """This rank's TP shard of every parameter (step 8's blocks), then its ZeRO-1 slices of that shard's AdamW

@@ -1,10 +1,12 @@
 """Step 10: data, tensor and pipeline parallelism at once, on one device mesh (mesh.py). Grown from step 9's train.py.
 
 A pp x dp x tp mesh: each pipeline stage (step 9) tensor-parallel over its tp group (step 8); the dp replicas of a
-stage read their own samples (step 2), average gradients (step 3), shard AdamW's state (step 5). Bitwise: README.
+stage read their own samples (step 2), average gradients (step 3), shard AdamW's state (step 5). With --cp, a
+fourth axis: each sequence split over a ring of cp ranks (step 11), replicas to the gradients. Bitwise: README.
 
     torchrun --standalone --nproc_per_node=4 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 1
     torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 2 --steps 2
+    torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --cp 2 --tp 2 --pp 2 --steps 2
 """
 from pathlib import Path
 
@@ -35,7 +37,7 @@ STEP = Path(__file__).resolve().parent.name
 def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh) -> tuple:
     """One optimiser step on this replica's ``micro_batches``, through the pipeline ``--micro-batches`` at a time;
     this shard's gradients averaged over dp, unscaled, clipped with the whole gradient's norm, applied (ZeRO-1 over
-    dp). Returns the losses' sum (the last stage's), the gradient norm, this rank's memory, the bytes sent by axis."""
+    dp x cp). Returns the losses' sum (the last stage's), the gradient norm, this rank's memory, the bytes by axis."""
     accum = len(micro_batches)
     in_flight = config["micro_batches"] or accum
     loss_sum = torch.zeros((), device=device)
@@ -47,15 +49,15 @@ def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, devic
             loss_sum += loss
     finish_gradient_synchronization(pipe)  # step 9's (the tie, every send waited), then step 8's (sequence-parallel)
     comm = BytesByAxis("tp")  # the bytes sent so far: over tp inside the stages, point-to-point over pp
-    if mesh.dp > 1:  # the dp replicas of this shard average their gradients (sum, then divide by dp: step 3)
-        allreduce_gradients(pipe.module, reduce_dtype=getattr(torch, config["reduce_dtype"]), group=mesh.dp_group)
+    if mesh.dp * mesh.cp > 1:  # the replicas of this shard average their gradients (sum, then divide: step 3)
+        allreduce_gradients(pipe.module, reduce_dtype=getattr(torch, config["reduce_dtype"]), group=mesh.dp_cp_group)
     comm.take("dp")
 
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm([p for _, p in named], config["grad_clip"], [mesh.tp_group, mesh.pp_group],
                                counted=counted_once(named, mesh), device=device)  # the whole gradient's
     comm.take("norms")  # its sums of squares, over tp then pp (the parameter norm's: main())
-    scaler.step(optimizer)  # this rank's 1/dp of its shard's elements, then all-gathered over dp
+    scaler.step(optimizer)  # this rank's 1/(dp cp) of its shard's elements, then all-gathered over dp x cp
     scaler.update()
     comm.take("dp")  # ZeRO-1's all-gather
     memory = memory_stats((p for _, p in named), optimizer, device, micro_batches_in_flight=pipe.take_peak_in_flight())
@@ -80,17 +82,17 @@ def main():
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
     device = distributed.join(world, config["timeout_s"])  # this rank's device
-    mesh = build_mesh(dp, config["tp"], config["pp"], timeout_s=config["timeout_s"])
+    mesh = build_mesh(dp, config["tp"], config["pp"], timeout_s=config["timeout_s"], cp=config["cp"])
 
     # ---- data, model, optimiser ----------------------------------------------------------------
-    # The dp replicas read disjoint shards (step 2); the tp and pp ranks of one replica read the same samples.
+    # The dp replicas read disjoint shards (step 2); the cp, tp and pp ranks of one replica read the same samples.
     sampler = ShardedSampler(len(corpus.blocks), num_replicas=dp, rank=mesh.dp_rank, shuffle=True, seed=config["seed"])
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # The same whole model on every rank (the seed's), tensor-parallel over tp, cut into stages over pp: rank keeps one.
     stage, named, pipe, shapes = parallelize_on_mesh(build_model(config, corpus.vocab_size, config["seed"]), mesh,
                                                      config, device)
-    optimizer = ShardedOptimizer(adamw_param_groups(named, config), torch.optim.AdamW, process_group=mesh.dp_group,
-                                 **adamw_options(config))  # ZeRO-1 over dp: AdamW's state for 1/dp of this shard
+    optimizer = ShardedOptimizer(adamw_param_groups(named, config), torch.optim.AdamW, process_group=mesh.dp_cp_group,
+                                 **adamw_options(config))  # ZeRO-1 over dp x cp: AdamW's state for a slice
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)  # disabled (no fp16 here): kept for the checkpoint's format
 
@@ -120,8 +122,10 @@ def main():
         step_time = clock.stop()  # before the logging's own work and collectives
         log.log({
             "step": step + 1,
-            # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp.
-            "loss": distributed.mean_over_ranks(pipe.from_last_stage(loss_sum, mesh.pp_group), accum, mesh.dp_group),
+            # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp x cp
+            # (a cp rank's loss is the mean over its positions, as many on every rank).
+            "loss": distributed.mean_over_ranks(pipe.from_last_stage(loss_sum, mesh.pp_group), accum,
+                                                mesh.dp_cp_group),
             "grad_norm": grad_norm.item(),
             "param_norm": param_norm(counted_once(named, mesh), [mesh.tp_group, mesh.pp_group], device),
             "lr": lr,
@@ -140,7 +144,8 @@ def main():
     full = gather_full_model(stage, named, mesh)  # every rank takes part; rank 0 writes the plain model
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
-        log.finish(final, f" on a {mesh.pp} x {dp} x {mesh.tp} (pp x dp x tp) mesh ({world.backend})")
+        log.finish(final, f" on a {mesh.pp} x {dp} x {mesh.cp} x {mesh.tp} (pp x dp x cp x tp) mesh ({world.backend})"
+                   if mesh.cp > 1 else f" on a {mesh.pp} x {dp} x {mesh.tp} (pp x dp x tp) mesh ({world.backend})")
     distributed.shutdown()
 
 

@@ -12,8 +12,8 @@ Rules:
    ops in the same order as without recomputation (the same dropout draws from the same generator); the
    recomputation in backward restores the RNG state the forward found, so dropout draws the same masks twice, and
    forks it, so nothing after it sees a draw more. Losses, gradients and weights are bitwise those of no
-   recomputation (tests/test_selective_recompute.py), in step 10 with every schedule, zero bubble's split backward
-   and the interleaved one's out-of-order forwards included.
+   recomputation (tests/test_selective_recompute.py), in step 10 under its schedules too. Not full under zero
+   bubble: its W runs a backward call per layer, and checkpoint recomputes the block for each call (refused there).
 3. Kept per block instead of the s x s tensors: q, k and v, which the math path keeps anyway (the two matmuls'
    inputs). Bytes a block leaves for backward, float32, micro-batch b x s, width h, a heads, CPU (a dropout mask
    is a float32 tensor here), counted with saved_tensors_hooks on real tensors (the test):

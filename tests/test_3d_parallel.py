@@ -64,17 +64,18 @@ def test_the_mesh_has_init_device_mesh_groups():
 
 
 def test_axis_groups_are_the_lines_of_the_rank_array():
-    """Without processes: ``axis_groups`` is how ``DeviceMesh`` cuts ``arange(world).reshape(pp, dp, tp)``."""
+    """Without processes: ``axis_groups`` is how ``DeviceMesh`` cuts ``arange(world).reshape(pp, dp, tp)`` (cp 1:
+    tests/test_context_on_mesh.py has the fourth axis)."""
     sys.path.insert(0, str(STEP10))
     from mesh import AXES, axis_groups, coordinates
     for pp, dp, tp in [(1, 1, 1), (2, 2, 2), (3, 2, 4), (1, 4, 2), (4, 1, 3)]:
-        array = torch.arange(pp * dp * tp).reshape(pp, dp, tp)
+        array = torch.arange(pp * dp * tp).reshape(pp, dp, 1, tp)  # AXES: pp, dp, cp, tp
         for d, axis in enumerate(AXES):
             lines = array.movedim(d, -1).reshape(-1, array.shape[d]).tolist()
             assert axis_groups(axis, dp, tp, pp) == lines, (axis, pp, dp, tp)
         for rank in range(pp * dp * tp):
             at = coordinates(rank, dp, tp, pp)
-            assert array[at["pp"], at["dp"], at["tp"]] == rank
+            assert at["cp"] == 0 and array[at["pp"], at["dp"], 0, at["tp"]] == rank
 
 
 # ---- one axis: bitwise the step that has it -------------------------------------------------------------------
@@ -241,15 +242,17 @@ def test_all_three_axes_on_8_ranks(tmp_path, small_corpus, runs):
                                                                                               "param_norm")}
 
 
-@pytest.mark.parametrize("mesh, nproc, frozen, waiting", [(("--tp", "2"), 2, 1, "0"), (("--dp", "2", "--pp", "2"), 4, 3, "[012]")],
-                         ids=["tp", "dp-x-pp"])
+@pytest.mark.parametrize("mesh, nproc, frozen, waiting", [(("--tp", "2"), 2, 1, "0"), (("--dp", "2", "--pp", "2"), 4, 3, "[012]"),
+                                                           (("--cp", "2", "--pp", "2"), 4, 3, "[012]")],
+                         ids=["tp", "dp-x-pp", "cp-x-pp"])
 def test_a_frozen_rank_ends_the_job_within_the_timeout(mesh, nproc, frozen, waiting, tmp_path, small_corpus):
     """SIGSTOP one rank after two steps: its peers wait --timeout-s (groups build_mesh made, with the run's timeout,
     not torch's default 30 minutes), one prints one line and the job exits 3, within the bound
     tests/test_dead_rank.py allows step 1 and step 7. tp: rank 1 of a tp pair, rank 0 waits in a tensor-parallel
     all-reduce. dp x pp: rank 3 (stage 1 of replica 1); rank 2 waits in its data-parallel all-reduce, rank 1 in a
     point-to-point receive from it, any rank in the mesh-wide norm: whichever waits first speaks (rank 0 did in 1
-    of 8 runs where the line was recorded)."""
+    of 8 runs where the line was recorded). cp x pp: rank 3 (stage 1, ring position 1); rank 2 waits in the ring's
+    point-to-point exchange, rank 1 for the pipeline's."""
     import os
     import signal
     import subprocess

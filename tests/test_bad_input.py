@@ -250,6 +250,11 @@ CASES = {
                                       "--pp", "2", ranks=4),
     "mesh-tp-heads": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--dp", "2", "--tp", "2",
                                        "--n-head", "3", "--n-embd", "96", ranks=4),
+    "mesh-cp-sequence-parallel": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--cp", "2",
+                                                   "--tp", "2", "--sequence-parallel", ranks=4),
+    "mesh-full-recompute-zero-bubble": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--pp", "2",
+                                                         "--schedule", "zero-bubble", "--activation-checkpointing",
+                                                         "full", ranks=2),
     "memory-budget-too-small": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
                                                  "--max-memory-mb", "1"),
     "checkpoint-not-written": lambda s: Case([sys.executable, str(REPO / "tests" / "writer_hook.py"), "fail:2",
@@ -545,8 +550,15 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "tensor parallelism over 8 ranks needs --n-head divisible by 8, got 4 (more ranks than heads): run on a number of "
     "ranks that divides 4, or change --n-head (and --n-embd)": tensor_parallel_check(4, 2048, 8),
     "--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more": degrees_check(
-        {"dp": None, "tp": 1, "pp": 1, "sequence_parallel": True, "n_head": 2, "seq_len": 32, "micro_batches": None,
-         "grad_accum": 2, "n_layer": 2}),
+        {"dp": None, "tp": 1, "pp": 1, "cp": 1, "sequence_parallel": True, "n_head": 2, "seq_len": 32,
+         "micro_batches": None, "grad_accum": 2, "n_layer": 2}),
+    "--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to recompute; use full, or none":
+        degrees_check({"dp": None, "tp": 1, "pp": 1, "cp": 2, "sequence_parallel": False, "n_head": 2, "seq_len": 32,
+                       "micro_batches": None, "grad_accum": 2, "n_layer": 2, "activation_checkpointing": "selective"}),
+    "--dp 1 x --cp 3 x --tp 1 x --pp 1 = 3 ranks, but the job has 2: launch 3 processes (torchrun --nproc_per_node), "
+    "or choose degrees whose product is 2":
+        degrees_check({"dp": None, "tp": 1, "pp": 1, "cp": 3, "sequence_parallel": False, "n_head": 2, "seq_len": 36,
+                       "micro_batches": None, "grad_accum": 2, "n_layer": 2, "activation_checkpointing": "none"}),
     "--cp 3: step 11 cuts --seq-len 64 into 2 x 3 chunks; use degrees whose 2 x C divides it":
         tool_main("activations", "--cp", "1", "3"),
     "--cp 3 does not divide the 4 ranks into rings: launch a multiple of 3 processes, or change --cp":
@@ -573,7 +585,7 @@ def moe_check(**flags):
 
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--moe-every must", "--moe-experts cannot", "--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
-          "--sequence-parallel splits", "--cp 3",
+          "--sequence-parallel splits", "--cp 3", "--activation-checkpointing selective with --cp",
           "--param-dtype bf16", "--max-memory-mb 100000", "scontrol is not", "--fp8 with --compile",
           "--fp8 with --moe")
 

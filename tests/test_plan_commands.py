@@ -105,13 +105,13 @@ def layout_of_flags(step: str, nproc: int, config: dict) -> dict:
     elif number == 9:
         dp, pp = 1, nproc
     elif number == 10:
-        dp, tp, pp = config["dp"], config["tp"], config["pp"]
-        assert dp * tp * pp == nproc
+        dp, cp, tp, pp = config["dp"], config["cp"], config["tp"], config["pp"]
+        assert dp * cp * tp * pp == nproc
     elif number == 11:
         cp = config["cp"]
         dp = nproc // cp
     recompute = config.get("activation_checkpointing", "none")
-    return {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "zero": plan.ZERO_OF_STEP.get(number, 0) if dp > 1 else 0,
+    return {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "zero": plan.ZERO_OF_STEP.get(number, 0) if dp * cp > 1 else 0,
             "replicate": config.get("replicate") or 1, "offload": config.get("offload_optimizer", False),
             "checkpointing": recompute == "full", "selective": recompute == "selective",
             "sequence_parallel": config.get("sequence_parallel", False),
@@ -123,7 +123,7 @@ def test_every_listed_layout_has_a_command_its_trainer_parses_or_says_why_not(tm
     """For a few budgets and flags, every layout that fits: a command whose flags the step's own parser accepts
     and that gives back the layout (mesh, ZeRO stage, HSDP, offload, recomputation, SP, M, schedule, the model,
     the global batch), or one line saying why no trainer runs it; both in the table under the layout's row.
-    Across them, every trainer of a layout (steps 1, 5-11) is chosen somewhere."""
+    Across them, every trainer of a layout (steps 1, 5-11) is chosen somewhere, step 10 with cp too."""
     chosen, parsed = set(), {}
     for i, argv in enumerate(PLANS):
         fit, table = planned(argv, tmp_path / f"plan{i}.json")
@@ -150,6 +150,10 @@ def test_every_listed_layout_has_a_command_its_trainer_parses_or_says_why_not(tm
             assert config.get("param_dtype", "float32") == dict(zip(argv, argv[1:])).get("--param-dtype", "float32")
             assert config["micro_batch_size"] * config["grad_accum"] * c["dp"] == global_batch, c["command"]
             chosen.add(step)
+            if step == "step10_3d_parallel" and c["cp"] > 1:
+                chosen.add("step10 with cp and " + ("tp" if c["tp"] > 1 else "pp" if c["pp"] > 1 else "dp"))
+    assert {s for s in chosen if s.startswith("step10 with cp")}, chosen  # the fourth axis on the mesh
+    chosen = {s for s in chosen if not s.startswith("step10 with cp")}
     assert chosen == {"step1_torch_ddp", "step5_zero1", "step6_zero2", "step7_zero3", "step8_tensor_parallel",
                       "step9_pipeline_parallel", "step10_3d_parallel", "step11_context_parallel"}, chosen
 
