@@ -18,7 +18,8 @@ import torch.nn as nn
 
 from config import UserError
 from comm_accounting import count_collective, reduce_scatter_single
-from tensor_parallel import _ScatterAlong, _all_gather_along, _all_reduce, degree_and_fix
+from tensor_parallel import degree_and_fix
+from tensor_parallel_mappings import all_gather_along, all_reduce, scatter_along
 
 
 # ---- the communication: f and g along the sequence ---------------------------------------
@@ -43,7 +44,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, reduce_dtype):
         ctx.group, ctx.reduce_dtype = group, reduce_dtype
-        return _all_gather_along(x, 1, group)
+        return all_gather_along(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -61,7 +62,7 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_along(grad, 1, ctx.group), None, None
+        return all_gather_along(grad, 1, ctx.group), None, None
 
 
 def gather_from_sequence_parallel_region(x, group=None, reduce_dtype=None):
@@ -130,7 +131,7 @@ def sequence_parallel_gpt2(model, group=None, reduce_dtype=None):
 
     model.transformer.wte.reduce_output = reduce_scatter_to_sequence_parallel_region
     model.transformer.wpe.register_forward_hook(
-        lambda module, args, out: _ScatterAlong.apply(out, 0, group))
+        lambda module, args, out: scatter_along(out, 0, group))
     model.transformer.drop = SequenceParallelDropout(model.config.dropout, group)
     norms = [model.transformer.ln_f]
     for block in model.transformer.h:
@@ -158,4 +159,4 @@ def finish_gradient_synchronization(model) -> None:
     for p in model.parameters():
         marked = getattr(p, "sequence_parallel", None)
         if marked and p.grad is not None:
-            _all_reduce(p.grad, marked["group"], reduce_dtype=marked["reduce_dtype"])
+            all_reduce(p.grad, marked["group"], reduce_dtype=marked["reduce_dtype"])

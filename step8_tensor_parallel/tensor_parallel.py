@@ -14,11 +14,12 @@ work *inside* each layer. Here:
    c_proj; MLP: c_fc, then c_proj). The plan (``BLOCK_PLAN``) names each layer and its kind, as
    torchtitan's does. (Megatron fuses q, k and v into one matrix, one backward all-reduce instead of
    three; PyTorch's ``ColwiseParallel`` on each, which we equal bit for bit, does not.)
-2. **Two conjugate functions carry all the communication.** ``copy_to_tensor_parallel_region``
-   (Megatron's *f*): identity forward, all-reduce of the gradient backward, in front of a
-   column-parallel layer, because each rank's ``x`` feeds only its slice of ``y``. And
-   ``reduce_from_tensor_parallel_region`` (*g*): all-reduce forward, identity backward, after a
-   row-parallel layer. Nothing else in the model knows it is distributed.
+2. **Two conjugate functions carry all the communication** (tensor_parallel_mappings.py, apart from the
+   layers, as Megatron-LM's ``mappings.py``). ``copy_to_tensor_parallel_region`` (Megatron's *f*):
+   identity forward, all-reduce of the gradient backward, in front of a column-parallel layer,
+   because each rank's ``x`` feeds only its slice of ``y``. And ``reduce_from_tensor_parallel_region``
+   (*g*): all-reduce forward, identity backward, after a row-parallel layer. Nothing else in the model
+   knows it is distributed.
 3. **Whole heads.** q, k and v are three ``nn.Linear`` whose rows are the heads side by side, so rank r's
    contiguous block of rows of each is heads ``r H/T .. (r+1) H/T - 1``: attention runs on its local heads
    with no communication, and reads their number off the width (no attribute to patch). Hence T must
@@ -50,84 +51,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from config import UserError
-from comm_accounting import all_gather_single, count_collective
+from tensor_parallel_mappings import (all_reduce, copy_to_tensor_parallel_region, gather_along,
+                                      reduce_from_tensor_parallel_region, scatter_along)
 
 
-# ---- the communication: Megatron's f and g, and the gather/scatter pair ---------------------------------
-
-def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, reduce_dtype=None) -> torch.Tensor:
-    """Sum (or max) ``tensor`` over ``group`` in place and return it. ``reduce_dtype=torch.float64``
-    sums in float64 and rounds once, so the result does not depend on the order the ranks are added in."""
-    wide = tensor if reduce_dtype in (None, tensor.dtype) else tensor.to(reduce_dtype)
-    count_collective("all_reduce", wide)
-    dist.all_reduce(wide, op=op, group=group)
-    return tensor.copy_(wide) if wide is not tensor else tensor
-
-
-class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """f: identity forward; backward, the gradients of every rank's slice of the output are summed."""
-
-    @staticmethod
-    def forward(ctx, x, group, reduce_dtype):
-        ctx.group, ctx.reduce_dtype = group, reduce_dtype
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.contiguous().clone(), ctx.group, reduce_dtype=ctx.reduce_dtype), None, None
-
-
-class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    """g: the ranks' partial sums added up forward; backward, every rank gets the whole gradient as is."""
-
-    @staticmethod
-    def forward(ctx, x, group, reduce_dtype):
-        return _all_reduce(x.contiguous().clone(), group, reduce_dtype=reduce_dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-def _all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The ranks' blocks of ``x`` along ``dim``, concatenated in rank order (exact: nothing is added)."""
-    world_size = dist.get_world_size(group)
-    x = x.contiguous()
-    stacked = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    count_collective("all_gather", stacked)  # the whole buffer, as every all-gather here is counted
-    all_gather_single(stacked, x, group=group)
-    return torch.cat(stacked.chunk(world_size, dim=0), dim=dim)
-
-
-def _my_block(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
-
-
-class _GatherAlong(torch.autograd.Function):
-    """Forward: the ranks' blocks of ``dim``, concatenated; backward: this rank's block of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _my_block(grad, ctx.dim, ctx.group), None, None
-
-
-class _ScatterAlong(torch.autograd.Function):
-    """Forward: this rank's block of ``dim``, no communication; backward: the blocks' gradients all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _my_block(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_along(grad, ctx.dim, ctx.group), None, None
-
+# ---- a rank's block of a weight; its share of a row-parallel bias ---------------------------------------------
 
 class _BiasShare(torch.autograd.Function):
     """``bias / T`` forward (rule 4); backward, the gradient of the whole bias: the T shares add up to it."""
@@ -139,14 +67,6 @@ class _BiasShare(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-def copy_to_tensor_parallel_region(x, group=None, reduce_dtype=None):
-    return _CopyToTensorParallelRegion.apply(x, group, reduce_dtype)
-
-
-def reduce_from_tensor_parallel_region(x, group=None, reduce_dtype=None):
-    return _ReduceFromTensorParallelRegion.apply(x, group, reduce_dtype)
 
 
 def _split(size: int, group, what: str) -> int:
@@ -203,7 +123,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         y = F.linear(self.copy_input(x, self.group, self.reduce_dtype), self.weight, self.bias)
-        return _GatherAlong.apply(y, -1, self.group) if self.gather_output else y
+        return gather_along(y, -1, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -240,7 +160,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         if not self.input_is_parallel:
-            x = _ScatterAlong.apply(x, -1, self.group)
+            x = scatter_along(x, -1, self.group)
         share = None if self.bias is None else _BiasShare.apply(self.bias, dist.get_world_size(self.group))
         return self.reduce_output(F.linear(x, self.weight, share), self.group, self.reduce_dtype)
 
@@ -285,14 +205,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, group):
         rows = logits.shape[-1]
         start = dist.get_rank(group) * rows
-        top = _all_reduce(torch.amax(logits, dim=-1, keepdim=True), group, op=dist.ReduceOp.MAX)
+        top = all_reduce(torch.amax(logits, dim=-1, keepdim=True), group, op=dist.ReduceOp.MAX)
         shifted = logits - top
-        sum_exp = _all_reduce(torch.sum(torch.exp(shifted), dim=-1, keepdim=True), group)
+        sum_exp = all_reduce(torch.sum(torch.exp(shifted), dim=-1, keepdim=True), group)
         log_probs = shifted - torch.log(sum_exp)
         elsewhere = (targets < start) | (targets >= start + rows)
         local = (targets - start).masked_fill(elsewhere, 0)
         picked = torch.gather(log_probs, -1, local.unsqueeze(-1)).masked_fill(elsewhere.unsqueeze(-1), 0.0)
-        picked = _all_reduce(picked, group)  # the target's log-probability, from the rank that owns it
+        picked = all_reduce(picked, group)  # the target's log-probability, from the rank that owns it
         count = torch.tensor(float(targets.numel()), dtype=logits.dtype, device=logits.device)
         ctx.save_for_backward(log_probs, local, elsewhere, count)
         return (-picked.squeeze(-1)).sum() / count
