@@ -13,7 +13,8 @@
    context-parallel over the cp group (its attention the ring, on this rank's heads; its embeddings, dropouts and
    targets this rank's positions), so the stages send each other S/C tokens of every micro-batch. Gradients and
    ZeRO-1 go over dp x cp (mesh.py's rule 5). Not with --sequence-parallel (both split the sequence; not composed
-   here) nor selective recomputation (the ring keeps no s x s tensor to recompute).
+   here), selective recomputation (the ring keeps no s x s tensor to recompute), nor dropout at tp > 1 (the ring
+   draws attention's masks per rank's heads: the same on every tp rank).
 """
 import functools
 
@@ -72,6 +73,10 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
         if config["activation_checkpointing"] == "selective":
             raise UserError("--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to "
                             "recompute; use full, or none")
+        if tp > 1 and config["dropout"] > 0:
+            raise UserError("--dropout with --cp and --tp: the ring would draw attention's masks for this rank's heads "
+                            "alone, the same on every tp rank (tensor_parallel.py's rule 7); use --dropout 0, or drop "
+                            "--cp or --tp")
     return dp, check_pipeline(config, pp, flag="--pp")
 
 

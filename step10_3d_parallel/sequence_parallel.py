@@ -14,11 +14,10 @@ group once per step, after the micro-batches, as PyTorch's ``SequenceParallel`` 
 """
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from config import UserError
 from comm_accounting import count_collective, reduce_scatter_single
-from tensor_parallel import degree_and_fix
+from tensor_parallel import ShardDropout, degree_and_fix
 from tensor_parallel_mappings import all_gather_along, all_reduce, scatter_along
 
 
@@ -79,28 +78,6 @@ def _gathered_already(x, group=None, reduce_dtype=None):
     return x
 
 
-# ---- the dropout ---------------------------------------------------------------------------
-
-class SequenceParallelDropout(nn.Module):
-    """``nn.Dropout(p)`` on this rank's block of the sequence (dim 1) of a tensor split over
-    ``group``: it draws the whole tensor's mask, as ``F.dropout`` does on a CPU (a Bernoulli draw,
-    divided by 1 - p), and keeps this rank's block, so the masks are one process's and the random
-    stream moves on as one process's does."""
-
-    def __init__(self, p: float, group=None):
-        super().__init__()
-        self.p, self.group = p, group
-
-    def forward(self, x):
-        if not self.training or self.p == 0:
-            return x
-        world_size = dist.get_world_size(self.group)
-        whole = (x.shape[0], x.shape[1] * world_size, *x.shape[2:])
-        noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)
-        noise = noise.div_(1 - self.p)
-        return x * noise.chunk(world_size, dim=1)[dist.get_rank(self.group)]
-
-
 # ---- the switch: GPT-2, made sequence-parallel ---------------------------------------------
 
 def add_sequence_parallel_flags(parser) -> None:
@@ -132,7 +109,7 @@ def sequence_parallel_gpt2(model, group=None, reduce_dtype=None):
     model.transformer.wte.reduce_output = reduce_scatter_to_sequence_parallel_region
     model.transformer.wpe.register_forward_hook(
         lambda module, args, out: scatter_along(out, 0, group))
-    model.transformer.drop = SequenceParallelDropout(model.config.dropout, group)
+    model.transformer.drop = ShardDropout(model.config.dropout, group)
     norms = [model.transformer.ln_f]
     for block in model.transformer.h:
         for module in (block.attn, block.mlp):
@@ -141,8 +118,8 @@ def sequence_parallel_gpt2(model, group=None, reduce_dtype=None):
             layer.copy_input = _gathered_already
         for layer in (block.attn.c_proj, block.mlp.c_proj):
             layer.reduce_output = reduce_scatter_to_sequence_parallel_region
-        block.attn.resid_dropout = SequenceParallelDropout(model.config.dropout, group)
-        block.mlp.dropout = SequenceParallelDropout(model.config.dropout, group)
+        block.attn.resid_dropout = ShardDropout(model.config.dropout, group)
+        block.mlp.dropout = ShardDropout(model.config.dropout, group)
         norms += [block.ln_1, block.ln_2]
     model.lm_head.register_forward_pre_hook(gather)
     model.lm_head.copy_input = _gathered_already

@@ -39,6 +39,12 @@ work *inside* each layer. Here:
    all-reduce, the same output gradients: their gradients come out bit-identical everywhere.
    (That replicated work, done T times on the same tokens, is what sequence parallelism splits:
    sequence_parallel.py, which swaps the layers' communication, below, for its own.)
+7. **One process's dropout masks.** Every rank's random stream is the same (one seed), so a rank that
+   drew attention dropout's mask for its own heads would draw every other rank's mask too: heads h and
+   h + H/T dropped alike. ``ShardDropout`` draws the mask of all heads, as one process draws it, and
+   keeps this rank's block: the masks are one process's (tests: within float32's rounding of step 0),
+   and the stream moves on as one process's. The fused sdpa kernel draws inside itself, so with
+   dropout it is refused (``check_tensor_parallel``).
 
 What changes the numbers: a row-parallel layer sums ``h/T`` products per rank and then the ranks'
 partial sums; one process sums ``h`` products in one go. Floating-point addition is not associative,
@@ -55,7 +61,7 @@ from tensor_parallel_mappings import (all_reduce, copy_to_tensor_parallel_region
                                       reduce_from_tensor_parallel_region, scatter_along)
 
 
-# ---- a rank's block of a weight; its share of a row-parallel bias ---------------------------------------------
+# ---- a rank's block of a weight; its share of a row-parallel bias; its block of a dropout mask ---------------------------------------------
 
 class _BiasShare(torch.autograd.Function):
     """``bias / T`` forward (rule 4); backward, the gradient of the whole bias: the T shares add up to it."""
@@ -67,6 +73,28 @@ class _BiasShare(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class ShardDropout(nn.Module):
+    """``nn.Dropout(p)`` on this rank's block (dim 1) of a tensor split over ``group``: the heads of attention's
+    (B, heads, S, S) weights (rule 7), the sequence of (B, S, h) activations under sequence parallelism. It draws
+    the whole tensor's mask, as ``F.dropout`` does on a CPU (a Bernoulli draw in the input's dtype, divided by
+    1 - p), and keeps this rank's block, so the masks are one process's and the random stream moves on as one
+    process's does."""
+
+    def __init__(self, p: float, group=None):
+        super().__init__()
+        self.p, self.group = p, group
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        world_size = dist.get_world_size(self.group)
+        whole = (x.shape[0], x.shape[1] * world_size, *x.shape[2:])
+        noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)
+        noise = noise.div_(1 - self.p)
+        # A copy of this rank's block: a view would keep the whole mask alive until backward.
+        return x * noise.chunk(world_size, dim=1)[dist.get_rank(self.group)].clone(memory_format=torch.contiguous_format)
 
 
 def _split(size: int, group, what: str) -> int:
@@ -252,8 +280,13 @@ def tensor_parallel_plan(n_layer: int) -> dict:
 
 
 def check_tensor_parallel(config: dict, vocab_size: int, world_size: int, flag: str | None = None) -> None:
-    """``check_divisible`` for a run's flags: --n-head and the vocabulary."""
+    """``check_divisible`` for a run's flags: --n-head and the vocabulary; and no fused attention with dropout
+    (rule 7)."""
     check_divisible(config["n_head"], vocab_size, world_size, flag)
+    if world_size > 1 and config.get("dropout", 0) > 0 and config.get("attention") == "sdpa":
+        raise UserError("--attention sdpa (a GPU's default) with --dropout under tensor parallelism: the fused kernel "
+                        "would draw attention's masks for this rank's heads alone, the same on every rank; use "
+                        "--attention math")
 
 
 def degree_and_fix(world_size: int, flag: str | None) -> tuple[str, str]:
@@ -287,12 +320,15 @@ def parallelize_gpt2(model, group=None, reduce_dtype=None):
     the width, so it runs on the local heads unchanged. Parameter names do not change. The model's
     forward then returns this rank's vocabulary slice of the logits: take the loss with
     ``vocab_parallel_cross_entropy``. Every sharded parameter carries ``tp_blocks``: where it sits
-    in the whole one (tensor_parallel_state.py). Sequence parallelism: sequence_parallel.py."""
+    in the whole one (tensor_parallel_state.py). Attention dropout keeps this rank's heads of one process's mask
+    (rule 7). Sequence parallelism: sequence_parallel.py."""
     cfg = model.config
     check_divisible(cfg.n_head, cfg.vocab_size, dist.get_world_size(group))
     for name, style in tensor_parallel_plan(len(model.transformer.h)).items():
         parent, _, leaf = name.rpartition(".")
         module = model.get_submodule(parent)
         setattr(module, leaf, style.from_full(getattr(module, leaf), group, reduce_dtype))
+    for block in model.transformer.h:  # rule 7: this rank's heads of one process's mask
+        block.attn.attn_dropout = ShardDropout(cfg.dropout, group)
     model.lm_head.weight = model.transformer.wte.weight  # one Parameter: its gradient sums both uses, as in GPT-2
     return model

@@ -3,9 +3,9 @@
 Where the other degrees leave every sum alone the run is bitwise step 11's: cp alone, cp x pp (a pipeline changes no
 sum) under zero bubble, dp x cp (two rings' gradients, an order-free sum) with full recomputation, the interleaved
 schedule; with bf16, dropout 0.1 and the float64 reduction on. cp x tp sums each layer as step 8 does: step 11's in
-another summation order, bounded by step 0's drift from step 1 on this machine, at dropout 0 (with dropout each tp
-rank draws attention's masks for its own heads, as step 8 does: no run elsewhere draws the same). All four at 8
-ranks is cp x tp's run, bitwise. A checkpoint resumes across steps 10 and 11 at another mesh, bitwise.
+another summation order, bounded by step 0's drift from step 1 on this machine, at dropout 0 (with dropout it is
+refused: the ring would draw attention's masks per rank's heads, the same on every tp rank). All four at 8 ranks
+is cp x tp's run, bitwise. A checkpoint resumes across steps 10 and 11 at another mesh, bitwise.
 """
 import sys
 
