@@ -1,7 +1,7 @@
 """Steps 8, 9 and 11 composed on step 10's mesh (mesh.py): what no step had to decide alone.
 
-1. **The flags and their checks**: the mesh's own (mesh.py), step 8's for the tp degree, step 9's for the pp
-   degree, every one before anything connects.
+1. **The flags and their checks**: the mesh's own (mesh.py), step 8's for the tp degree, step 11's for the cp
+   degree, step 9's for the pp degree, every one before anything connects.
 2. **A stage of a tensor-parallel model**: step 9 cuts the model step 8 made tensor-parallel; the last stage keeps
    the tensor-parallel output layer, with its copy of the tie (``parallelize_on_mesh``: the whole wrapping order).
 3. **Counted once across the mesh**: a norm adds TP shards on every tp rank, replicated tensors on tp rank 0, and
@@ -65,19 +65,24 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
         raise UserError("--activation-checkpointing full with --schedule zero-bubble: W's backward of each layer "
                         "would recompute its block again (torch.utils.checkpoint recomputes once per backward call); "
                         "use selective, or another --schedule")
-    if cp > 1:  # rule 5
-        check_context_parallel(config, cp)  # --seq-len cut into 2 x cp chunks
-        if config["sequence_parallel"]:
-            raise UserError("--sequence-parallel with --cp: both split the sequence, and step 10 does not compose "
-                            "them; use one of the two")
-        if config["activation_checkpointing"] == "selective":
-            raise UserError("--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to "
-                            "recompute; use full, or none")
-        if tp > 1 and config["dropout"] > 0:
-            raise UserError("--dropout with --cp and --tp: the ring would draw attention's masks for this rank's heads "
-                            "alone, the same on every tp rank (tensor_parallel.py's rule 7); use --dropout 0, or drop "
-                            "--cp or --tp")
+    if cp > 1:
+        check_context_on_mesh(config, cp, tp)
     return dp, check_pipeline(config, pp, flag="--pp")
+
+
+def check_context_on_mesh(config: dict, cp: int, tp: int) -> None:
+    """Rule 5's refusals, one line each: step 11's check of the sequence, then what step 10 does not compose."""
+    check_context_parallel(config, cp)  # --seq-len cut into 2 x cp chunks
+    if config["sequence_parallel"]:
+        raise UserError("--sequence-parallel with --cp: both split the sequence, and step 10 does not compose "
+                        "them; use one of the two")
+    if config["activation_checkpointing"] == "selective":
+        raise UserError("--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to "
+                        "recompute; use full, or none")
+    if tp > 1 and config["dropout"] > 0:
+        raise UserError("--dropout with --cp and --tp: the ring would draw attention's masks for this rank's heads "
+                        "alone, the same on every tp rank (tensor_parallel.py's rule 7); use --dropout 0, or drop "
+                        "--cp or --tp")
 
 
 def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage:
@@ -98,8 +103,8 @@ def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
     shapes: what checkpoints and the final weights describe): ``model``, whole on every rank, made tensor-parallel
     over the tp group (step 8; at tp = 1 it stays plain GPT-2, as in steps 5 and 9), cut into stages (rule 2), this
     rank's run by a Pipeline over the pp group, the last stage's loss step 8's over the vocabulary slices (or step
-    9's at tp = 1); with --cp, context-parallel over the cp group (rule 5); its blocks recomputed in backward as --activation-checkpointing says. Pass ``model`` and keep
-    no reference to it: the rank keeps its stage only."""
+    9's at tp = 1); with --cp, context-parallel over the cp group (rule 5); its blocks recomputed in backward as
+    --activation-checkpointing says. Pass ``model`` and keep no reference to it: the rank keeps its stage only."""
     shapes = {name: p.shape for name, p in model.named_parameters()}
     if mesh.tp > 1:
         reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None

@@ -34,8 +34,8 @@ sequences, and the ranks that hold the same shard of the same stage in the other
    group, and no other group is created.
 
 ``torch.distributed.device_mesh.init_device_mesh("cpu", (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp",
-"tp"))`` builds the same groups (``mesh["dp", "cp"]._flatten()`` the dp x cp plane) (``tests/test_3d_parallel.py`` checks it rank by rank); it is what to use in
-your own code. This file shows what it does.
+"tp"))`` builds the same groups, and ``mesh["dp", "cp"]._flatten()`` the dp x cp plane (the tests check them
+rank by rank); it is what to use in your own code. This file shows what it does.
 """
 import itertools
 from datetime import timedelta

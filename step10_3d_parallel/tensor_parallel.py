@@ -61,7 +61,7 @@ from tensor_parallel_mappings import (all_reduce, copy_to_tensor_parallel_region
                                       reduce_from_tensor_parallel_region, scatter_along)
 
 
-# ---- a rank's block of a weight; its share of a row-parallel bias; its block of a dropout mask ---------------------------------------------
+# ---- a rank's block of a weight, of a row-parallel bias, of a dropout mask ------------------------------------
 
 class _BiasShare(torch.autograd.Function):
     """``bias / T`` forward (rule 4); backward, the gradient of the whole bias: the T shares add up to it."""

@@ -144,8 +144,10 @@ def main():
     full = gather_full_model(stage, named, mesh)  # every rank takes part; rank 0 writes the plain model
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
-        log.finish(final, f" on a {mesh.pp} x {dp} x {mesh.cp} x {mesh.tp} (pp x dp x cp x tp) mesh ({world.backend})"
-                   if mesh.cp > 1 else f" on a {mesh.pp} x {dp} x {mesh.tp} (pp x dp x tp) mesh ({world.backend})")
+        shape, axes = (mesh.pp, dp, mesh.cp, mesh.tp), "pp x dp x cp x tp"
+        if mesh.cp == 1:  # three axes, as before --cp
+            shape, axes = (mesh.pp, dp, mesh.tp), "pp x dp x tp"
+        log.finish(final, f" on a {' x '.join(map(str, shape))} ({axes}) mesh ({world.backend})")
     distributed.shutdown()
 
 
