@@ -13,8 +13,8 @@
    context-parallel over the cp group (its attention the ring, on this rank's heads; its embeddings, dropouts and
    targets this rank's positions), so the stages send each other S/C tokens of every micro-batch. Gradients and
    ZeRO-1 go over dp x cp (mesh.py's rule 5). Not with --sequence-parallel (both split the sequence; not composed
-   here), selective recomputation (the ring keeps no s x s tensor to recompute), nor dropout at tp > 1 (the ring
-   draws attention's masks per rank's heads: the same on every tp rank).
+   here) nor selective recomputation (the ring keeps no s x s tensor to recompute). With dropout, each tp rank's
+   ring draws every head's mask and keeps its heads' (step 11's rule 7), as step 8 does (its rule 7).
 """
 import functools
 
@@ -66,11 +66,11 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
                         "would recompute its block again (torch.utils.checkpoint recomputes once per backward call); "
                         "use selective, or another --schedule")
     if cp > 1:
-        check_context_on_mesh(config, cp, tp)
+        check_context_on_mesh(config, cp)
     return dp, check_pipeline(config, pp, flag="--pp")
 
 
-def check_context_on_mesh(config: dict, cp: int, tp: int) -> None:
+def check_context_on_mesh(config: dict, cp: int) -> None:
     """Rule 5's refusals, one line each: step 11's check of the sequence, then what step 10 does not compose."""
     check_context_parallel(config, cp)  # --seq-len cut into 2 x cp chunks
     if config["sequence_parallel"]:
@@ -79,10 +79,6 @@ def check_context_on_mesh(config: dict, cp: int, tp: int) -> None:
     if config["activation_checkpointing"] == "selective":
         raise UserError("--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to "
                         "recompute; use full, or none")
-    if tp > 1 and config["dropout"] > 0:
-        raise UserError("--dropout with --cp and --tp: the ring would draw attention's masks for this rank's heads "
-                        "alone, the same on every tp rank (tensor_parallel.py's rule 7); use --dropout 0, or drop "
-                        "--cp or --tp")
 
 
 def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage:
@@ -114,7 +110,7 @@ def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
     loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group) if mesh.tp > 1 \
         else torch.nn.functional.cross_entropy
     if mesh.cp > 1:  # rule 5: the ring over each tp rank's heads, this rank's positions of every tensor
-        model = context_parallel_gpt2(model, mesh.cp_group, config["cp_layout"])
+        model = context_parallel_gpt2(model, mesh.cp_group, config["cp_layout"], heads=(mesh.tp_rank, mesh.tp))
         loss_fn = functools.partial(_loss_on_positions, loss_fn, mesh.cp_group, config["cp_layout"],
                                     config["micro_batch_size"])
     recompute(model.transformer.h, config["activation_checkpointing"])  # each rank's own heads (recomputation.py)

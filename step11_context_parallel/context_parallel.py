@@ -35,7 +35,9 @@ on a rank's tokens unchanged. Here:
 7. **Dropout.** Between the layers (``SequenceShardDropout``) a rank draws the mask one process draws for
    the whole sequence and keeps its positions: drawing only its own would give every rank the same mask, as
    they share the random stream. Attention's dropout is drawn pair by pair in the ring; backward draws the
-   same masks again from a generator set to the state forward started from, so no mask is kept.
+   same masks again from a generator set to the state forward started from, so no mask is kept. A rank that
+   holds some of the heads only (step 10, tensor-parallel too) draws every head's mask and keeps its own,
+   so tp ranks do not all drop alike and the masks are this ring's whole-model ones.
 """
 import functools
 import math
@@ -138,9 +140,13 @@ def _rng_state(device) -> torch.Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
-def _dropout_mask(like: torch.Tensor, p: float, generator=None) -> torch.Tensor:
-    """What ``F.dropout`` multiplies by on the CPU: kept with probability 1 - p, scaled by 1 / (1 - p)."""
-    return torch.empty_like(like).bernoulli_(1 - p, generator=generator).div_(1 - p)
+def _dropout_mask(like: torch.Tensor, p: float, generator=None, heads=(0, 1)) -> torch.Tensor:
+    """What ``F.dropout`` multiplies by on the CPU: kept with probability 1 - p, scaled by 1 / (1 - p). ``heads``:
+    (i, n) where ``like`` holds block i of n of the heads (step 10's tensor parallelism): the mask of all heads is
+    drawn, as one rank of the ring draws it, and block i kept (rule 7)."""
+    index, blocks = heads
+    whole = torch.empty((like.shape[0], like.shape[1] * blocks, *like.shape[2:]), dtype=like.dtype, device=like.device)
+    return whole.bernoulli_(1 - p, generator=generator).div_(1 - p).chunk(blocks, dim=1)[index]
 
 
 class RingAttention(torch.autograd.Function):
@@ -148,7 +154,7 @@ class RingAttention(torch.autograd.Function):
     ``dropout`` on the attention weights (rule 7)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, dropout=0.0):
+    def forward(ctx, q, k, v, group, layout, dropout=0.0, heads=(0, 1)):
         ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
         ctx.rng_state = _rng_state(q.device) if dropout else None  # where backward redraws the masks from
         scale, mine = 1.0 / math.sqrt(q.shape[-1]), chunks_of(rank, cp, layout)
@@ -166,7 +172,7 @@ class RingAttention(torch.autograd.Function):
                     block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
                     weights = torch.exp(s - block_lse)
                     if dropout:
-                        weights = weights * _dropout_mask(weights, dropout)
+                        weights = weights * _dropout_mask(weights, dropout, heads=heads)
                     block_out = (weights.to(v_c.dtype) @ v_c).float()
                     if out[i] is None:
                         out[i], lse[i] = block_out, block_lse
@@ -180,7 +186,7 @@ class RingAttention(torch.autograd.Function):
         out = torch.cat(out, dim=2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         lse = torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.dropout = group, layout, dropout
+        ctx.group, ctx.layout, ctx.dropout, ctx.heads = group, layout, dropout, heads
         return out
 
     @staticmethod
@@ -207,7 +213,7 @@ class RingAttention(torch.autograd.Function):
                         continue
                     k_c, v_c = kv[0].chunk(2, dim=2)[j], kv[1].chunk(2, dim=2)[j]
                     p = torch.exp(_scores(qs[i], k_c, key == query, scale) - lses[i])  # the final probabilities
-                    mask = _dropout_mask(p, dropout, generator) if dropout else None
+                    mask = _dropout_mask(p, dropout, generator, ctx.heads) if dropout else None
                     kept = p * mask if dropout else p
                     dp = (dos[i] @ v_c.transpose(-2, -1)).float()
                     ds = (p * ((dp * mask if dropout else dp) - deltas[i]) * scale).to(q.dtype)
@@ -224,7 +230,7 @@ class RingAttention(torch.autograd.Function):
                 kv = pending()
         if arriving:
             dkv = arriving()
-        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 class SequenceShardDropout(nn.Module):
@@ -247,16 +253,17 @@ class RingSelfAttention(nn.Module):
     """GPT-2's attention (model.py) with the ring in place of scores, mask and softmax. It keeps the original's
     projections, so the parameters keep their names."""
 
-    def __init__(self, attn: nn.Module, group=None, layout: str = "zigzag"):
+    def __init__(self, attn: nn.Module, group=None, layout: str = "zigzag", heads=(0, 1)):
         super().__init__()
         self.c_q, self.c_k, self.c_v, self.c_proj = attn.c_q, attn.c_k, attn.c_v, attn.c_proj
         self.head_dim, self.group, self.layout, self.dropout = attn.head_dim, group, layout, attn.dropout
+        self.heads = heads  # (i, n): this module computes block i of n of the heads (step 10's tp rank)
         self.resid_dropout = SequenceShardDropout(attn.dropout, group, layout)
 
     def forward(self, x):
         B, T, _ = x.shape
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.c_q, self.c_k, self.c_v))
-        y = RingAttention.apply(q, k, v, self.group, self.layout, self.dropout if self.training else 0.0)
+        y = RingAttention.apply(q, k, v, self.group, self.layout, self.dropout if self.training else 0.0, self.heads)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1)))
 
 
@@ -270,15 +277,16 @@ def context_parallel_groups(cp: int):
     return rings[rank // cp], rank // cp
 
 
-def context_parallel_gpt2(model: nn.Module, group=None, layout: str = "zigzag") -> nn.Module:
+def context_parallel_gpt2(model: nn.Module, group=None, layout: str = "zigzag", heads=(0, 1)) -> nn.Module:
     """Our GPT-2 (model.py), in place, for its rank of ``group``: it takes the whole micro-batch and returns
-    the logits of this rank's positions (rule 1); ``model.sequence_shard(targets)`` gives the targets of those."""
+    the logits of this rank's positions (rule 1); ``model.sequence_shard(targets)`` gives the targets of those.
+    ``heads``: (i, n) where the model is tensor-parallel and this rank holds block i of n of the heads (step 10)."""
     model.sequence_shard = functools.partial(sequence_shard, group=group, layout=layout)
     model.transformer.wte.register_forward_pre_hook(lambda module, args: (sequence_shard(args[0], group, layout),))
     model.transformer.wpe.register_forward_pre_hook(  # the global positions of this rank's tokens
         lambda module, args: (sequence_shard(args[0], group, layout, dim=0),))
     model.transformer.drop = SequenceShardDropout(model.config.dropout, group, layout)
     for block in model.transformer.h:
-        block.attn = RingSelfAttention(block.attn, group, layout)
+        block.attn = RingSelfAttention(block.attn, group, layout, heads)
         block.mlp.dropout = SequenceShardDropout(model.config.dropout, group, layout)
     return model

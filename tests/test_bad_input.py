@@ -555,11 +555,6 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to recompute; use full, or none":
         degrees_check({"dp": None, "tp": 1, "pp": 1, "cp": 2, "sequence_parallel": False, "n_head": 2, "seq_len": 32,
                        "micro_batches": None, "grad_accum": 2, "n_layer": 2, "activation_checkpointing": "selective"}),
-    "--dropout with --cp and --tp: the ring would draw attention's masks for this rank's heads alone, the same on "
-    "every tp rank (tensor_parallel.py's rule 7); use --dropout 0, or drop --cp or --tp":
-        degrees_check({"dp": None, "tp": 2, "pp": 1, "cp": 2, "sequence_parallel": False, "n_head": 2, "seq_len": 32,
-                       "micro_batches": None, "grad_accum": 2, "n_layer": 2, "activation_checkpointing": "none",
-                       "dropout": 0.1}, world_size=4),
     "--attention sdpa (a GPU's default) with --dropout under tensor parallelism: the fused kernel would draw "
     "attention's masks for this rank's heads alone, the same on every rank; use --attention math":
         degrees_check({"dp": None, "tp": 2, "pp": 1, "cp": 1, "sequence_parallel": False, "n_head": 2, "seq_len": 32,
@@ -595,7 +590,7 @@ def moe_check(**flags):
 
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
 QUOTED = ("--moe-every must", "--moe-experts cannot", "--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
-          "--sequence-parallel splits", "--cp 3", "--activation-checkpointing selective with --cp", "--dropout with --cp",
+          "--sequence-parallel splits", "--cp 3", "--activation-checkpointing selective with --cp",
           "--attention sdpa (a GPU",
           "--param-dtype bf16", "--max-memory-mb 100000", "scontrol is not", "--fp8 with --compile",
           "--fp8 with --moe")
