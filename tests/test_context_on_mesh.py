@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from conftest import EXACT, REPO, TINY, assert_bitwise_same_run, launch, metrics, other_order_drift, spawn, train
+from conftest import (EXACT, REPO, TINY, assert_bitwise_same_run, launch, metrics, other_order_drift, run_forked,
+                      spawn, train)
 
 STEP10 = REPO / "step10_3d_parallel"
 L4 = ("--n-layer", "4")  # the interleaved schedule: two chunks a stage
@@ -79,6 +80,17 @@ def test_all_four_axes_at_8_ranks_are_cp_x_tps_run(cp_runs):
     run = cp_runs("cp2tp2pp2")
     assert metrics(run)["env"]["mesh"] == {"pp": 2, "dp": 1, "cp": 2, "tp": 2, "order": "pp, dp, cp, tp (tp innermost)"}
     assert_bitwise_same_run(cp_runs("cp2tp2"), run)
+
+
+def test_the_planner_holds_every_ranks_model_state_at_four_axes(cp_runs):
+    """``compare/plan.py --measured`` on the 8-rank cp x tp x pp run: every rank's parameters, gradients and AdamW
+    state (ZeRO-1 over the cp pair) within the planner's tolerance of its estimate, a ring's ranks counted as
+    replicas (dp x cp)."""
+    result = run_forked([sys.executable, str(REPO / "compare" / "plan.py"), "--measured", str(cp_runs("cp2tp2pp2"))],
+                        timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.rstrip().endswith("within 5% of the estimate: yes"), result.stdout
+    assert result.stdout.count(" 2 x 2 x 2, ZeRO-1 ") == 8, result.stdout
 
 
 def test_checkpoints_resume_between_steps_10_and_11_at_another_mesh_bitwise(cp_runs, tmp_path, small_corpus):
