@@ -181,3 +181,56 @@ def test_step10_resumes_with_another_mode_bitwise(mesh_runs, tmp_path, small_cor
                            "--out", str(out)], nproc=nproc)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_bitwise_same_run(saved, out)
+
+
+def _attention_cores_run(rank, world_size, port, queue, runs):
+    """Two pipeline stages (step 10's files, pp = 2, one block each), 4 micro-batches: how many times each
+    stage's attention core runs, forwards and recomputations together, for each (mode, schedule) of ``runs``."""
+    from conftest import init_gloo, shutdown
+    init_gloo(rank, world_size, port)
+    sys.path.insert(0, str(REPO / "step10_3d_parallel"))
+    from pipeline import GPT2Stage
+    from pipeline_setup import pipeline_gpt2
+    from recomputation import recompute
+    micro_batches, b, s = 4, 2, 16
+    result = {}
+    for mode, schedule in runs:
+        torch.manual_seed(0)
+        model = GPT2(GPTConfig(vocab_size=64, seq_len=s, n_layer=2, n_head=HEADS, n_embd=H)).train()
+        calls = [0]
+        for block in model.transformer.h:
+            core = block.attn.core
+
+            def counted(*args, core=core, calls=calls):
+                calls[0] += 1
+                return core(*args)
+            block.attn.core = counted
+        recompute(model.transformer.h, mode)
+        config = {"micro_batch_size": b, "seq_len": s, "n_embd": H, "schedule": schedule, "dropout": 0.0,
+                  "amp": "none", "virtual_stages": None}
+        stages = [GPT2Stage(model, i, 2) for i in range(2)]
+        _, _, pipe = pipeline_gpt2(stages, rank, config, torch.device("cpu"), torch.nn.functional.cross_entropy)
+        batch = torch.randint(0, 64, (micro_batches, b, s + 1), generator=torch.Generator().manual_seed(1))
+        pipe.run(micro_batches, list(batch[:, :, :-1]), list(batch[:, :, 1:]), loss_scale=micro_batches)
+        pipe.finish_gradient_synchronization()
+        result[mode, schedule] = calls[0]
+    queue.put((rank, result))
+    shutdown()
+
+
+def test_step10_recomputes_each_core_once_a_micro_batch_and_full_under_zero_bubble_would_not():
+    """Counted on both stages of a real 2-rank pipeline (one block each, 4 micro-batches): without recomputation
+    a core runs once a micro-batch; selective and full recomputation run it once more in backward, under 1F1B
+    and, for selective, under zero bubble (B recomputes it, W needs nothing inside it). Full under zero bubble
+    recomputes the block once per backward call that reaches it, B's and each layer's W (measured: 10 runs a
+    micro-batch instead of 2, 2026-12-03): why step 10 refuses it."""
+    runs = [("none", "1f1b"), ("selective", "1f1b"), ("full", "1f1b"), ("selective", "zero-bubble"),
+            ("full", "zero-bubble")]
+    results = spawn(_attention_cores_run, 2, runs, timeout=180)
+    for rank, calls in results.items():
+        once = calls["none", "1f1b"]
+        assert once == 4, (rank, calls)  # one block a stage, 4 micro-batches
+        assert calls["selective", "1f1b"] == calls["full", "1f1b"] == calls["selective", "zero-bubble"] == 2 * once, \
+            (rank, calls)
+        assert calls["full", "zero-bubble"] > 2 * once, (rank, calls)
+    print({rank: calls["full", "zero-bubble"] / 4 for rank, calls in results.items()}, "core runs a micro-batch")
