@@ -23,7 +23,8 @@ Rules:
    16 sb: the two LayerNorms' float32 mean and 1/std; s²: the bool causal mask; 4 a b s²: softmax's output, with
    dropout also its float32 mask and output. Korthikanti et al.'s sbh (34 + 5as/h) and 34 sbh are the same terms
    with 2-byte activations and 1-byte masks, less the statistics and the causal mask. A tp rank holds a/t heads,
-   so its s² terms are 1/t of these; with sequence parallelism its LayerNorms' and dropouts' terms are too.
+   so its a b s² terms are 1/t of these (the causal mask stays whole); with sequence parallelism its LayerNorms'
+   and dropouts' terms are too (docs/zero3.md has a tp rank's closed forms).
 4. Recomputed FLOPs per block and micro-batch: the two matmuls, 4 b s² h (2 b s² h each; softmax, mask and
    dropout are O(a b s²) element-wise), against full recomputation's whole block forward, 24 b s h² + 4 b s² h.
 5. One mode a run (none, full, selective): full recomputes the core already, within its block. With sdpa the core
@@ -51,10 +52,11 @@ def add_recomputation_flag(flags) -> None:
 def recompute(blocks, mode) -> None:
     """``blocks`` recomputed in backward as ``mode`` says (rules 1-2): their forwards, or their attention cores."""
     checkpointed = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, preserve_rng_state=True)
+    mode = mode_of(mode)
     for block in blocks:
-        if mode_of(mode) == "full":  # a module's hooks run around it once; the recomputation calls the inner forward
+        if mode == "full":  # a module's hooks run around it once; the recomputation calls the inner forward
             block.forward = functools.partial(checkpointed, block.forward)
-        elif mode_of(mode) == "selective":
+        elif mode == "selective":
             block.attn.core = functools.partial(checkpointed, block.attn.core)
 
 
