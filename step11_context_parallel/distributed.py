@@ -118,7 +118,9 @@ def shutdown() -> None:
       threads live on into interpreter exit. A thread that asks for the GIL once exit has begun is
       killed in the middle of a C++ destructor: "terminate called without an active exception",
       SIGABRT (1 test run in 6 on a loaded machine). PyTorch's own ``torch.distributed.nn.functional``
-      holds the group if it is first imported while the group exists: this module imports it first.
+      holds the group if it is first imported while the group exists: this module imports it first. A
+      tensor hook that holds the wrapper holding the group does too (the garbage collector cannot see into
+      autograd's graph): steps 4 and 7 hook weakly.
     - The last reference is dropped by C++ code that holds the GIL while gloo's threads stop, and a
       thread still releasing a tensor waits for the GIL forever (~1 run in 30 hung at exit). DDP's C++
       reducer holds the group: free every ``DistributedDataParallel`` before calling this.

@@ -13,6 +13,7 @@ If the first bucket's bar starts before backward's bar ends, communication overl
 """
 import json
 import time
+import weakref
 from pathlib import Path
 
 
@@ -23,9 +24,10 @@ class OverlapTrace:
             bucket.timeline = []
         self.backward = {}
         ddp_model.module.register_forward_hook(self._on_forward)
+        me = weakref.ref(self)  # weakly, as bucketed_ddp.py's hooks: else the buckets (and this) live for good
         for p in ddp_model.module.parameters():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+                p.register_post_accumulate_grad_hook(lambda param: me() and me()._on_gradient_ready(param))
 
     def _on_forward(self, module, inputs, output):
         if output.requires_grad:  # the logits: the first tensor backward reaches

@@ -24,6 +24,7 @@ Parameters that got no gradient in a step are handled in the last section of thi
 """
 import contextlib
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -111,8 +112,12 @@ class BucketedDDP(torch.nn.Module):
         return bucket
 
     def _register_hooks(self, params: list) -> None:
+        # Weakly: a parameter's hooks live in autograd's C++ graph, where Python's garbage collector does not look,
+        # so a hook holding this wrapper (which holds the parameter) would keep both alive for good, and the
+        # process group with them (tests/test_data_parallel.py). A parameter that outlives the wrapper trains alone.
+        me = weakref.ref(self)
         for p in params:  # fires after backward has added this pass's gradient into p.grad
-            p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+            p.register_post_accumulate_grad_hook(lambda param: me() and me()._on_gradient_ready(param))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -47,6 +47,7 @@ hsdp.py.
 import contextlib
 import functools
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -211,7 +212,10 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
             unit.flat = torch.empty(unit.padded, dtype=self.param_dtype or unit.shard.dtype, device=self.device,
                                     requires_grad=any(unit.trainable))
             if any(unit.trainable):  # a unit of frozen parameters has no backward of its own to end
-                unit.flat.register_post_accumulate_grad_hook(functools.partial(self._post_backward, unit))
+                # Weakly, as step 4's hooks: a tensor's hooks live where Python's garbage collector does not look,
+                # and a hook holding the unit (which holds this tensor) would keep it, and the wrapper, for good.
+                me, unit_ref = weakref.ref(self), weakref.ref(unit)
+                unit.flat.register_post_accumulate_grad_hook(lambda flat: me() and me()._post_backward(unit_ref(), flat))
         else:
             unit.flat.untyped_storage().resize_(unit.padded * unit.flat.element_size())
         self.gathered_bytes += unit.padded * unit.flat.element_size()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import (EXACT, REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, init_gloo, metrics, parity, shutdown,
-                      spawn, train)
+                      run_ranks, spawn, train)
 from launch import run_nodes_here
 
 
@@ -196,6 +196,73 @@ def test_shutdown_leaves_no_gloo_thread_behind():
         workers = [name for name in at_once if name != "gloo_tcp_loop"]
         assert workers == [], f"rank {rank}: threads of the destroyed group still running: {workers}"
         assert later == [], f"rank {rank}: threads of the destroyed group still running after 10 s: {later}"
+
+
+# Every step that holds groups in objects of its own, as a learner runs it; step 7 twice: R = 1 holds the world.
+EXIT_RUNS = {"step4": [], "step5": [], "step6": [], "step7": [], "step7-hsdp": ["--replicate", "2"],
+             "step8": [], "step9": [], "step10": ["--tp", "2"], "step11": ["--cp", "2"],
+             "step12": ["--moe-experts", "2", "--ep", "2"]}
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from /proc (Linux)")
+@pytest.mark.parametrize("run", EXIT_RUNS)
+def test_a_trainer_leaves_no_gloo_thread_behind(run, tmp_path, small_corpus):
+    """The test above with a whole trainer (tests/exit_threads_hook.py): after main() no thread of any group is
+    left, on any rank. Found this way: step 7 kept every rank's world group alive (its model held
+    ``dist.group.WORLD`` and outlived main), the cause of a rare "terminate called without an active
+    exception" at the exit of a test that trained it."""
+    step = run.split("-")[0]
+    args = [str(REPO / STEPS[step] / "train.py"), *TINY, "--steps", "1", *TIMEOUT, "--data", str(small_corpus),
+            "--out", str(tmp_path / "run"), *EXIT_RUNS[run]]
+    result = run_ranks(REPO / "tests" / "exit_threads_hook.py", args, 2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("threads after main: ")]
+    assert len(lines) == 2, result.stdout[-3000:]
+    for line in lines:
+        left = [name for name in line.split(": ")[1].split(",") if "gloo" in name or "tcpstore" in name]
+        assert left == [], f"{run}: a group outlived main(): {line}"
+
+
+def dropped_wrapper_worker(rank, world_size, port, queue, folder, wrap):
+    """An outsider's loop: wrap a model, train a step, drop the wrapper; is it gone once garbage is collected?"""
+    import gc
+    import weakref
+    torch.set_num_threads(1)
+    init_gloo(rank, world_size, port)
+    sys.path.insert(0, str(REPO / folder))
+    wrapped = WRAPS[wrap](torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    wrapped(torch.randn(3, 4)).sum().backward()
+    wrapped.finish_gradient_synchronization()
+    gone = weakref.ref(wrapped), weakref.ref(wrapped.module)
+    del wrapped
+    gc.collect()
+    queue.put((rank, [ref() is None for ref in gone]))
+    shutdown()
+
+
+def wrap_bucketed(model):
+    from bucketed_ddp import BucketedDDP
+    return BucketedDDP(model, bucket_cap_mb=1e-4)  # a bucket a parameter
+
+
+def wrap_fully_sharded(model, replicate=1):
+    from hsdp import hybrid_mesh
+    from zero3 import FullyShardedDP
+    return FullyShardedDP(model, [model[0]], mesh=hybrid_mesh(replicate))
+
+
+WRAPS = {"bucketed": wrap_bucketed, "fully-sharded": wrap_fully_sharded,
+         "hsdp": lambda model: wrap_fully_sharded(model, replicate=2)}
+
+
+@pytest.mark.parametrize("folder, wrap", [("step4_hooks_bucketing", "bucketed"), ("step7_zero3", "fully-sharded"),
+                                          ("step7_zero3", "hsdp")])
+def test_a_dropped_wrapper_is_freed(folder, wrap):
+    """A parameter's hooks live in autograd's C++ graph, where Python's garbage collector does not look: a hook
+    that held the wrapper kept it, its model and its groups (HSDP's, or the world) alive for good. So an outsider
+    who wrapped a second model leaked the first, and step 7 kept gloo's threads into interpreter exit. Both
+    wrappers now hook weakly; the planted bug (a bound method as the hook) keeps both alive."""
+    assert spawn(dropped_wrapper_worker, 2, folder, wrap) == {0: [True, True], 1: [True, True]}
 
 
 # ---- exact_reduction.py as an outsider uses it: PyTorch's DDP, their own harness ------------------------
