@@ -48,6 +48,9 @@ also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
          tied embedding's gradient (Vh/tp) from the last stage to the first
     CP   per micro-batch and block, to the next rank of the ring: cp - 1 K/V blocks forward (again with
          checkpointing) and backward, and cp float32 dK/dV buffers (step 11's records)
+Mixture of experts (``--moe-experts E`` or ``--moe-preset``): step 12's layouts instead, one per ep dividing E and
+the devices: a rank holds the dense part whole and E/ep experts of each MoE layer (ZeRO-0), and hands
+8E + 4·k·T·h·bytes to all-to-alls per MoE layer and micro-batch of T tokens (docs/planner.md).
 Ranking: by an estimated step time (compute 6Ψ + 12 L s h per token, 8Ψ + 16 L s h for the blocks with
 checkpointing, over --tflops,
 stretched by the bubble (M + P - 1)/M; each axis's bytes over the link it crosses: --intra-gbs inside a node,
@@ -346,6 +349,58 @@ class Hardware:
     intra_gbs: float = 450.0  # GB/s a rank moves inside a node (NVLink)
     inter_gbs: float = 50.0  # across nodes (400 Gb/s InfiniBand per GPU)
     host_gbs: float = 25.0  # between a device and its host (PCIe 4 x16), each way: ZeRO-Offload's moves
+
+
+def moe_layouts(shape: Shape, moe: MoE, hardware: Hardware, micro_batch_size: int, micro_batches: int,
+                param_dtype: str = "float32") -> list[dict]:
+    """Step 12's layouts on ``hardware.devices`` ranks: every ep that divides both E and the ranks. The dense part
+    is data-parallel over every rank, each expert over the devices/ep ranks that hold it; ZeRO-0 (step 12 is built
+    on naive DP). Per rank: parameters, model state, and the all-to-all bytes of an optimiser step, dropless
+    (``kept`` = 1: a capacity factor only sends less). An ep group is ep consecutive ranks (expert_parallel.py):
+    inside a node when ep divides the GPUs per node. Activations are not counted."""
+    rows = []
+    for ep in divisors(math.gcd(moe.experts, hardware.devices)):
+        held = moe_rank_params(shape, moe, ep)
+        state = estimate.state_bytes(0, held, 1, param_dtype)
+        layer = all_to_all_bytes(moe, micro_batch_size * shape.seq_len, shape.n_embd, ep,
+                                 activation_bytes(param_dtype))
+        per_step = moe_psi(shape, moe)["moe_layers"] * micro_batches
+        rows.append({"ep": ep, "expert_replicas": hardware.devices // ep, "params": held, "state": state,
+                     "total": sum(state.values()), "fits": sum(state.values()) <= hardware.memory,
+                     "all_to_all_handed": layer["handed"] * per_step,
+                     "all_to_all_on_the_wire": layer["on_the_wire"] * per_step,
+                     "inside_a_node": hardware.gpus_per_node % ep == 0, "micro_batches": micro_batches})
+    return rows
+
+
+def moe_report(shape: Shape, moe: MoE, hardware: Hardware, rows: list[dict], micro_batch_size: int,
+               global_batch: int, param_dtype: str, commands: list[str] | str) -> str:
+    """The EP table: one line per ep degree, and the step 12 command for each (or why there is none)."""
+    unit = (GIB, "GiB") if max(row["total"] for row in rows) >= 2 * GIB else (2**20, "MiB")
+    psi = moe_psi(shape, moe)
+    lines = [f"mixture of experts: E {moe.experts}, top-{moe.top_k}, every {moe.every} block(s) "
+             f"({psi['moe_layers']} MoE layers); Ψ = {psi['dense'] + psi['experts']:,} ({psi['dense']:,} dense, "
+             f"{psi['experts']:,} experts), {psi['active']:,} active per token; {param_dtype}, AdamW",
+             f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} ({hardware.gpus_per_node} per "
+             f"node); micro-batch {micro_batch_size}, global batch {global_batch} sequences, "
+             f"{rows[0]['micro_batches']} micro-batches a rank",
+             "step 12: dp over every rank, ep splitting the experts; ZeRO-0; model state only (activations not "
+             "counted); all-to-all per rank and optimiser step, dropless",
+             f"{'ep':>4}{'copies of an expert':>21}{'params a rank':>16}{f'state ({unit[1]})':>14}{'fits':>6}"
+             f"{f'all-to-all handed ({unit[1]})':>25}{f'on the wire ({unit[1]})':>19}{'ep group':>16}"]
+    for row in rows:
+        lines.append(f"{row['ep']:>4}{row['expert_replicas']:>21}{row['params']:>16,}"
+                     f"{row['total'] / unit[0]:>14,.1f}{'yes' if row['fits'] else 'no':>6}"
+                     f"{row['all_to_all_handed'] / unit[0]:>25,.1f}{row['all_to_all_on_the_wire'] / unit[0]:>19,.1f}"
+                     f"{'inside a node' if row['inside_a_node'] else 'across nodes':>16}")
+    if isinstance(commands, str):
+        lines.append(f"no command: {commands}")
+    else:
+        lines += [f"  ep {row['ep']}: {c}" for row, c in zip(rows, commands) if row["fits"]]
+    if not any(row["fits"] for row in rows):
+        lines.append("no ep fits: step 12 keeps the dense part whole on every rank (ZeRO-0); "
+                     "sharding it (ZeRO with ep) is not built yet")
+    return "\n".join(lines)
 
 
 def activation_bytes(param_dtype: str) -> int:
@@ -832,6 +887,38 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """The docstring as written, the flags with their defaults."""
 
 
+def moe_plan(config: dict, parser, shape: Shape, vocab: int, hardware: Hardware, global_batch: int) -> str:
+    """``main`` for an MoE: step 12's layouts (``moe_layouts``) and their commands."""
+    if config["moe_preset"]:
+        shape, moe = MOE_PRESETS[config["moe_preset"]]
+        given = {"vocab": config["vocab_size"]} if config["vocab_size"] else {}
+        if config["seq_len"] != parser.get_default("seq_len"):
+            given["seq_len"] = config["seq_len"]  # the preset's own unless --seq-len says otherwise, as --preset
+        shape = dataclasses.replace(shape, **given)
+    else:
+        moe = MoE(config["moe_experts"], config["moe_top_k"], config["moe_every"])
+    b = config["micro_batch_size"]
+    if global_batch % (hardware.devices * b):
+        raise UserError(f"--global-batch {global_batch} is not a multiple of --devices x --micro-batch-size "
+                        f"({hardware.devices * b})")
+    rows = moe_layouts(shape, moe, hardware, b, global_batch // (hardware.devices * b), config["param_dtype"])
+    why_not = ("a published model's shape: no step trainer builds it" if config["moe_preset"]
+               else trainers_model(config, parser, shape, vocab))
+    if not why_not and config["param_dtype"] != "float32":
+        why_not = "step 12 trains float32 parameters (it has no --param-dtype)"
+    commands = why_not or [
+        f"torchrun --nproc-per-node {hardware.devices} step12_expert_parallel/train.py "
+        f"{' '.join(model_flags(config, parser))} --grad-accum {row['micro_batches']} --moe-experts {moe.experts} "
+        f"--moe-top-k {moe.top_k} --moe-every {moe.every} --moe-capacity-factor 0 --ep {row['ep']}"
+        for row in rows]
+    for i, row in enumerate(rows):
+        row["command"], row["no_command"] = (None, why_not) if why_not else (commands[i], None)
+    if config["json"]:
+        config["json"].write_text(json.dumps({"shape": dataclasses.asdict(shape), "moe": dataclasses.asdict(moe),
+                                              "layouts": rows}, indent=1) + "\n")
+    return moe_report(shape, moe, hardware, rows, b, global_batch, config["param_dtype"], commands)
+
+
 def main() -> int:
     parser = build_parser("plan")
     parser.prog, parser.description, parser.formatter_class = "compare/plan.py", __doc__, HelpFormatter
@@ -881,6 +968,11 @@ def main() -> int:
                        help="step 8's --sequence-parallel at every tp > 1 (default: where "
                             "activations need it)")
     flags.add_argument("--top", type=int, default=12, help="configurations printed")
+    moe_flags = parser.add_argument_group("mixture of experts: step 12's ep axis instead of the dense search")
+    moe_flags.add_argument("--moe-preset", choices=tuple(MOE_PRESETS), default=None, help="a published MoE's shape")
+    moe_flags.add_argument("--moe-experts", type=int, default=0, metavar="E", help="experts per MoE layer (0: dense)")
+    moe_flags.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts per token")
+    moe_flags.add_argument("--moe-every", type=int, default=1, metavar="N", help="blocks 0, N, 2N, ... are MoE")
     flags.add_argument("--measured", type=Path, nargs="+", default=None,
                        help="run folders (or step names): print their measured model state beside the estimate")
     flags.add_argument("--json", type=Path, help="also write every configuration here")
@@ -890,12 +982,17 @@ def main() -> int:
         print(text)
         return 0 if ok else 1
     for flag in ("devices", "memory_gb", "micro_batch_size", "gpus_per_node", "top", "params", "host_gbs", "n_kv_head",
-                 "ffn"):
+                 "ffn", "moe_every"):
         if config[flag] is not None and config[flag] <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {config[flag]:g}")
     vocab = config["vocab_size"] or estimate.vocabulary_size(config["tokenizer"])
     if config["preset"] and config["params"]:
         raise UserError("--preset and --params both describe the model: give one")
+    if config["moe_preset"] and (config["preset"] or config["params"] or config["moe_experts"]):
+        raise UserError("--moe-preset describes the whole model: drop --preset, --params and --moe-experts")
+    if config["moe_experts"] < 0 or (config["moe_experts"] and not 1 <= config["moe_top_k"] <= config["moe_experts"]):
+        raise UserError(f"--moe-top-k must be between 1 and the {config['moe_experts']} experts (--moe-experts "
+                        f"at least 1), got {config['moe_top_k']}")
     if config["preset"]:
         given = {"vocab": vocab} if config["vocab_size"] else {}
         if config["seq_len"] != parser.get_default("seq_len"):
@@ -915,6 +1012,9 @@ def main() -> int:
     global_batch = config["global_batch"] or config["devices"] * b * config["grad_accum"]
     hardware = Hardware(config["devices"], config["memory_gb"] * GIB, config["gpus_per_node"], config["tflops"],
                         config["intra_gbs"], config["inter_gbs"], config["host_gbs"])
+    if config["moe_preset"] or config["moe_experts"]:
+        print(moe_plan(config, parser, shape, vocab, hardware, global_batch))
+        return 0
     reduce_dtype = "float32" if config["reduce_dtype_fp32"] and config["param_dtype"] != "float32" else None
     formula = functools.partial(FormulaActivations, shape, b, activation_bytes(config["param_dtype"]),
                                 config["attention"], config["dropout"], config["selective_recompute"])

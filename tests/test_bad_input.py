@@ -310,6 +310,7 @@ CASES = {
     "plan-devices": lambda s: tool("plan.py", "--devices", "0"),
     "plan-preset-and-params": lambda s: tool("plan.py", "--preset", "gpt2", "--params", "1e9"),
     "plan-kv-heads": lambda s: tool("plan.py", "--n-kv-head", "3"),
+    "plan-moe-top-k": lambda s: tool("plan.py", "--moe-experts", "4", "--moe-top-k", "5"),
     "peak-profiled-steps": lambda s: tool("peak_memory.py", "--profiled-steps", "0"),
     "bench-strategies": lambda s: tool("bench.py", "--strategies", "zero4"),
     "bubble-stages": lambda s: tool("bubble.py", "--stages", "0"),
@@ -547,6 +548,11 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--memory-gb must be positive, got 0": tool_main("plan", "--memory-gb", "0"),
     "--params must be positive, got -1": tool_main("plan", "--params", "-1"),
     "--host-gbs must be positive, got 0": tool_main("plan", "--host-gbs", "0"),
+    "--moe-every must be positive, got 0": tool_main("plan", "--moe-experts", "4", "--moe-every", "0"),
+    "--moe-preset describes the whole model: drop --preset, --params and --moe-experts":
+        tool_main("plan", "--moe-preset", "mixtral-8x7b", "--preset", "gpt2"),
+    "--global-batch 7 is not a multiple of --devices x --micro-batch-size (4)":
+        tool_main("plan", "--moe-experts", "4", "--devices", "4", "--micro-batch-size", "1", "--global-batch", "7"),
     "tensor parallelism over 8 ranks needs --n-head divisible by 8, got 4 (more ranks than heads): run on a number of "
     "ranks that divides 4, or change --n-head (and --n-embd)": tensor_parallel_check(4, 2048, 8),
     "--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more": degrees_check(

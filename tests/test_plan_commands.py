@@ -195,3 +195,34 @@ def test_the_top_runnable_layouts_train_and_hold_what_the_plan_says(small_corpus
     result = run_forked([sys.executable, str(REPO / "compare" / "plan.py"), "--measured", *runs], timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.rstrip().endswith("within 5% of the estimate: yes"), result.stdout
+
+
+def test_the_ep_layouts_train_and_hold_and_send_what_the_plan_says(small_corpus, tmp_path):
+    """``plan.py --moe-experts E``: step 12's layouts (every ep dividing E and the ranks), each with the command
+    that trains it. Each ep's command, trained one step at 2 ranks: every rank's parameters and gradients are the
+    row's to the byte, its model state within the tolerance (AdamW's step counts), and the all-to-all bytes of the
+    step, averaged over the ranks (over a group what is sent arrives), the row's dropless figure exactly."""
+    argv = ["--moe-experts", "4", "--devices", "2", "--memory-gb", "1", "--n-layer", "2", "--n-embd", "32",
+            "--n-head", "2", "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2",
+            "--json", str(tmp_path / "plan.json")]
+    result = run_forked([sys.executable, str(REPO / "compare" / "plan.py"), *argv], timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    layouts = json.loads((tmp_path / "plan.json").read_text())["layouts"]
+    assert [row["ep"] for row in layouts] == [1, 2] and all(row["fits"] and row["command"] for row in layouts)
+    assert layouts[1]["params"] < layouts[0]["params"]  # half the experts a rank
+    for row in layouts:
+        assert f"  ep {row['ep']}: {row['command']}" in result.stdout
+        nproc, step, flags = split(row["command"])
+        assert (nproc, step) == (2, "step12_expert_parallel")
+        out = tmp_path / f"ep{row['ep']}"
+        trained = run_ranks(REPO / step / "train.py", [*flags, "--steps", "1", "--save-every", "0", "--quiet",
+                                                      "--data", str(small_corpus), "--out", str(out), *TIMEOUT], nproc)
+        assert trained.returncode == 0, f"{row['command']} failed:\n{trained.stderr[-3000:]}"
+        record = metrics(out)["records"][-1]
+        assert record["moe"]["dropped_fraction"] == [0.0, 0.0]  # dropless, as the plan assumes
+        for memory in record["memory"]:
+            assert (memory["params"], memory["grads"]) == (row["state"]["params"], row["state"]["grads"])
+            measured = sum(memory[kind] for kind in estimate.KINDS)
+            assert abs(measured / row["total"] - 1) <= plan.MEASURED_TOLERANCE, (row["ep"], memory)
+        sent = [sum(note["bytes"] for note in notes) for notes in record["all_to_all"]]
+        assert sum(sent) / len(sent) == pytest.approx(row["all_to_all_handed"], rel=1e-12), (row["ep"], sent)
