@@ -7,6 +7,8 @@ Left column: the curves. Right column: run minus the first run (the reference), 
 symmetric log scale that shows both 0 (bitwise identical) and 1e-7 (a rounding difference). One legend
 below the panels names every run with its verdict (identical, or its largest difference). Runs are
 named like in parity.py: short step names, step folders or run folders.
+
+    python compare/plot.py --expert-load runs/moe/step12_expert_parallel   # an MoE run: each expert's share
 """
 import argparse
 import sys
@@ -95,11 +97,62 @@ def plot_runs(names: list[str], out: Path) -> Path:
     return out
 
 
+def expert_load(metrics: dict) -> dict:
+    """An MoE run's load, per step: for each MoE layer, each expert's share of the token slots the experts computed
+    (the record's ``tokens_per_expert``, common/moe.py: the step's micro-batches; 1/E each when the router
+    balances), and the fraction of slots dropped by capacity."""
+    records = [r for r in metrics["records"] if r.get("moe")]
+    if not records:
+        raise UserError("--expert-load: this run trained no mixture of experts (no \"moe\" in its records); "
+                        "give a run of --moe-experts E")
+    layers = len(records[0]["moe"]["tokens_per_expert"])
+    return {"steps": [r["step"] for r in records],
+            "share": [[[n / sum(r["moe"]["tokens_per_expert"][layer]) for n in r["moe"]["tokens_per_expert"][layer]]
+                       for r in records] for layer in range(layers)],
+            "dropped": [[r["moe"]["dropped_fraction"][layer] for r in records] for layer in range(layers)]}
+
+
+def plot_expert_load(name: str, out: Path) -> Path:
+    """``expert_load`` drawn: a panel per MoE layer (the first 4), a line per expert, the balanced 1/E dashed, and
+    the dropped fraction below them."""
+    check_figure_path(out, "--out")
+    path, metrics = parity.load_run(name)
+    load = expert_load(metrics)
+    shown = load["share"][:4]
+    experts = len(shown[0][0])
+    fig, axes = plt.subplots(2, len(shown), figsize=(4 * len(shown) + 2, 6), dpi=110, sharex=True, squeeze=False)
+    for layer, (share, ax, low) in enumerate(zip(shown, axes[0], axes[1])):
+        for expert in range(experts):
+            ax.plot(load["steps"], [step[expert] for step in share], linewidth=1.2, marker="o", markersize=3, label=f"expert {expert}")
+        ax.axhline(1 / experts, color="gray", linestyle="--", linewidth=0.8)
+        ax.set_title(f"MoE layer {layer}: each expert's share of the slots computed", fontsize=9)
+        low.plot(load["steps"], load["dropped"][layer], color="black", linewidth=1.2, marker="o", markersize=3)
+        low.set_ylim(bottom=0)
+        low.set_title("dropped by capacity", fontsize=9)
+        low.set_xlabel("optimiser step")
+        low.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0][0].legend(fontsize=8, ncol=2 if experts > 4 else 1)
+    fig.suptitle(f"{path.name}: expert load ({experts} experts, dashed: balanced, 1/{experts})", fontsize=11)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="step names, step folders or run folders")
     parser.add_argument("--out", type=Path, help="PNG path (default: runs/plots/<a>_vs_<b>.png)")
+    parser.add_argument("--expert-load", action="store_true",
+                        help="one MoE run's expert load instead (default: runs/plots/<run>_expert_load.png)")
     args = parser.parse_args()
+    if args.expert_load:
+        if len(args.runs) != 1:
+            raise UserError(f"--expert-load draws one run, got {len(args.runs)}: give one run")
+        default = parity.REPO_ROOT / "runs" / "plots" / f"{Path(args.runs[0]).name}_expert_load.png"
+        print(f"wrote {plot_expert_load(args.runs[0], args.out or default)}")
+        return 0
     default = parity.REPO_ROOT / "runs" / "plots" / ("_vs_".join(Path(r).name for r in args.runs) + ".png")
     print(f"wrote {plot_runs(args.runs, args.out or default)}")
     return 0

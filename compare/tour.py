@@ -42,7 +42,7 @@ from config import (OneLineParser, UserError, build_parser, check_config, check_
                     exit_on_user_error)
 from data import check_enough_data, load_corpus  # noqa: E402
 from launch import run_trainer  # noqa: E402
-from plot import plot_runs  # noqa: E402
+from plot import plot_expert_load, plot_runs  # noqa: E402
 import stragglers  # noqa: E402
 
 REPO_ROOT = parity.REPO_ROOT
@@ -123,6 +123,7 @@ def run_experts(single: str, experts: str, args, extra: list[str], timeout: list
     print(f"{time.perf_counter() - started:.0f} s")
     run_a, run_b, result = parity.check(str(runs[single]), str(runs[experts]))
     print(parity.report(run_a, run_b, result, brief=True))
+    plot_expert_load(str(runs[experts]), args.runs_dir / "plots" / "expert_load.png")
     return result, time.perf_counter() - started
 
 
@@ -331,7 +332,8 @@ def main() -> int:
     for step, error in failed.items():
         print(f"{step:<24} FAILED: {error}")
         all_passed = False
-    print(f"plot: {shown(plot)}\nlogs: {shown(log_dir)}")
+    load = f", expert load: {shown(args.runs_dir / 'plots' / 'expert_load.png')}" if moe else ""
+    print(f"plot: {shown(plot)}{load}\nlogs: {shown(log_dir)}")
     print("tour: all parity checks passed" if all_passed else "tour: PARITY FAILED (see above)")
     return 0 if all_passed else 1
 

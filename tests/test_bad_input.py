@@ -285,6 +285,8 @@ CASES = {
     "scaling-two-models": lambda s: tool("memory.py", s.run(), s.run("other", metrics_edit=lambda m: m["final"][
         "fingerprints"].update(extra={"shape": [10]})), "--scaling-png", s.root / "runs" / "scaling.png"),
     "figure-format": lambda s: tool("plot.py", s.run(), "--out", s.root / "runs" / "plot.txt"),
+    "expert-load-of-a-dense-run": lambda s: tool("plot.py", "--expert-load", s.run(), "--out",
+                                                 s.root / "runs" / "load.png"),
     "consolidate-a-run-folder": lambda s: tool("consolidate.py", s.run(), s.root / "runs" / "plain"),
     "consolidate-corrupted": lambda s: tool("consolidate.py", step4(s.run(checkpoint_damage=write("state.pt", bytes(100)))),
                                             s.root / "runs" / "plain"),
@@ -549,6 +551,7 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--params must be positive, got -1": tool_main("plan", "--params", "-1"),
     "--host-gbs must be positive, got 0": tool_main("plan", "--host-gbs", "0"),
     "--moe-every must be positive, got 0": tool_main("plan", "--moe-experts", "4", "--moe-every", "0"),
+    "--expert-load draws one run, got 2: give one run": tool_main("plot", "--expert-load", "step0", "step1"),
     "--moe-preset describes the whole model: drop --preset, --params and --moe-experts":
         tool_main("plan", "--moe-preset", "mixtral-8x7b", "--preset", "gpt2"),
     "--global-batch 7 is not a multiple of --devices x --micro-batch-size (4)":

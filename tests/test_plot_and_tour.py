@@ -59,3 +59,23 @@ def test_the_tour_runs_every_step_and_its_parity_checks(tour):
     assert re.search(r"^machine: .+, ATen kernels [A-Z0-9]+, torch \S+ \(", output, re.M), output[-3000:]
     assert (runs / "plots" / "tour.png").read_bytes().startswith(b"\x89PNG")
 
+
+def test_the_tour_plots_step_12s_expert_load(tour):
+    """runs/plots/expert_load.png, drawn from step 12's records (compare/plot.py's ``expert_load``): per step and
+    MoE layer the experts' shares sum to 1, and the slots computed plus those dropped are every token's k, over
+    every rank's micro-batches of the step (an independent count: the run's batch arithmetic)."""
+    import plot
+    runs, _ = tour
+    assert (runs / "plots" / "expert_load.png").read_bytes().startswith(b"\x89PNG")
+    run = json.loads((runs / "moe" / STEPS["step12"] / "metrics.json").read_text())
+    config, load = run["config"], plot.expert_load(run)
+    slots = (config["moe_top_k"] * config["micro_batch_size"] * config["seq_len"] * config["grad_accum"]
+             * run["env"]["world_size"])
+    layers = -(-config["n_layer"] // config["moe_every"])
+    assert load["steps"] == [r["step"] for r in run["records"]] and len(load["share"]) == layers
+    for layer, (shares, dropped) in enumerate(zip(load["share"], load["dropped"])):
+        for record, share, lost in zip(run["records"], shares, dropped):
+            assert len(share) == config["moe_experts"] and sum(share) == pytest.approx(1, abs=1e-12)
+            computed = sum(record["moe"]["tokens_per_expert"][layer])
+            assert computed + round(lost * slots) == slots, (layer, record["step"], computed, lost)
+
