@@ -358,15 +358,15 @@ def moe_layouts(shape: Shape, moe: MoE, hardware: Hardware, micro_batch_size: in
     on naive DP). Per rank: parameters, model state, and the all-to-all bytes of an optimiser step, dropless
     (``kept`` = 1: a capacity factor only sends less). An ep group is ep consecutive ranks (expert_parallel.py):
     inside a node when ep divides the GPUs per node. Activations are not counted."""
-    rows = []
+    rows, per_step = [], moe_psi(shape, moe)["moe_layers"] * micro_batches
     for ep in divisors(math.gcd(moe.experts, hardware.devices)):
         held = moe_rank_params(shape, moe, ep)
         state = estimate.state_bytes(0, held, 1, param_dtype)
+        total = sum(state.values())
         layer = all_to_all_bytes(moe, micro_batch_size * shape.seq_len, shape.n_embd, ep,
                                  activation_bytes(param_dtype))
-        per_step = moe_psi(shape, moe)["moe_layers"] * micro_batches
         rows.append({"ep": ep, "expert_replicas": hardware.devices // ep, "params": held, "state": state,
-                     "total": sum(state.values()), "fits": sum(state.values()) <= hardware.memory,
+                     "total": total, "fits": total <= hardware.memory,
                      "all_to_all_handed": layer["handed"] * per_step,
                      "all_to_all_on_the_wire": layer["on_the_wire"] * per_step,
                      "inside_a_node": hardware.gpus_per_node % ep == 0, "micro_batches": micro_batches})

@@ -123,7 +123,8 @@ def plot_expert_load(name: str, out: Path) -> Path:
     fig, axes = plt.subplots(2, len(shown), figsize=(4 * len(shown) + 2, 6), dpi=110, sharex=True, squeeze=False)
     for layer, (share, ax, low) in enumerate(zip(shown, axes[0], axes[1])):
         for expert in range(experts):
-            ax.plot(load["steps"], [step[expert] for step in share], linewidth=1.2, marker="o", markersize=3, label=f"expert {expert}")
+            ax.plot(load["steps"], [step[expert] for step in share], linewidth=1.2, marker="o", markersize=3,
+                    label=f"expert {expert}")
         ax.axhline(1 / experts, color="gray", linestyle="--", linewidth=0.8)
         ax.set_title(f"MoE layer {layer}: each expert's share of the slots computed", fontsize=9)
         low.plot(load["steps"], load["dropped"][layer], color="black", linewidth=1.2, marker="o", markersize=3)

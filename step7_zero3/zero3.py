@@ -215,7 +215,8 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
                 # Weakly, as step 4's hooks: a tensor's hooks live where Python's garbage collector does not look,
                 # and a hook holding the unit (which holds this tensor) would keep it, and the wrapper, for good.
                 me, unit_ref = weakref.ref(self), weakref.ref(unit)
-                unit.flat.register_post_accumulate_grad_hook(lambda flat: me() and me()._post_backward(unit_ref(), flat))
+                unit.flat.register_post_accumulate_grad_hook(
+                    lambda flat: me() and me()._post_backward(unit_ref(), flat))
         else:
             unit.flat.untyped_storage().resize_(unit.padded * unit.flat.element_size())
         self.gathered_bytes += unit.padded * unit.flat.element_size()
