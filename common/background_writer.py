@@ -9,6 +9,7 @@ training goes on, as torch.distributed.checkpoint's ``async_save`` does.
    done) raises what the write failed with, as the foreground writer would have.
 The cost is one copy of what is saved, in memory (docs/benchmarks.md measures the pause either way).
 """
+
 import copy
 import threading
 import time
@@ -21,8 +22,11 @@ from config import not_written
 
 
 def add_async_save_flag(parser) -> None:
-    parser.add_argument("--async-save", action="store_true",
-                        help="copy the state to memory at each checkpoint and write it in the background")
+    parser.add_argument(
+        "--async-save",
+        action="store_true",
+        help="copy the state to memory at each checkpoint and write it in the background",
+    )
 
 
 def snapshot(state):
@@ -39,17 +43,28 @@ def snapshot(state):
 class BackgroundWriter(CheckpointWriter):
     """A ``CheckpointWriter`` whose ``save`` returns once the state is copied to memory; a thread writes it."""
 
-    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, parts: list, data_parallel_size=None):
+    def __init__(
+        self,
+        config: dict,
+        rank: int,
+        world_size: int,
+        shapes: dict,
+        parts: list,
+        data_parallel_size=None,
+    ):
         super().__init__(config, rank, world_size, shapes, parts, data_parallel_size)
         self.thread, self.error = None, None
         if dist.is_available() and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo")  # rule 2: every rank creates it, in the same order
+            # rule 2: every rank creates it, in the same order
+            self.group = dist.new_group(backend="gloo")
 
     def save(self, step: int) -> None:
         started = time.perf_counter()
         self.wait()  # rule 3: the previous write is finished before this one starts
         states = snapshot(self._states(step))
-        self.thread = threading.Thread(target=self._write_catching, args=(step, *states), name="checkpoint-writer")
+        self.thread = threading.Thread(
+            target=self._write_catching, args=(step, *states), name="checkpoint-writer"
+        )
         self.thread.start()
         self._report(step, started, "copied to memory, written in the background")
 

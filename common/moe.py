@@ -28,6 +28,7 @@ bias}`` and ``.c_proj.{weight,bias}`` for e in 0..E-1; every one set by model.py
 name): the router and c_fc N(0, 0.02), c_proj N(0, 0.02 / sqrt(2 n_layer)), biases 0. ``experts`` is an
 ``nn.ModuleDict`` keyed by the expert's number, so a rank that holds some experts keeps their names.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -38,13 +39,19 @@ import torch.nn.functional as F
 from failures import UserError
 from model import MLP, initial_value
 
-MOE_DEFAULTS = {"moe_top_k": 2, "moe_every": 1, "moe_capacity_factor": 0.0, "moe_aux_loss_coef": 0.01}
+MOE_DEFAULTS = {
+    "moe_top_k": 2,
+    "moe_every": 1,
+    "moe_capacity_factor": 0.0,
+    "moe_aux_loss_coef": 0.01,
+}
 
 
 @dataclass
 class Routing:
     """Where one micro-batch's N tokens go: ``probs`` (N, E) float32, ``weights`` (N, k) and ``experts`` (N, k)
     for each token's choices, ``kept`` (N, k) bool (False: dropped by capacity), ``aux_loss`` (unscaled)."""
+
     probs: torch.Tensor
     weights: torch.Tensor
     experts: torch.Tensor
@@ -54,7 +61,9 @@ class Routing:
 
 def capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int | None:
     """Slots an expert takes from one micro-batch: ceil(k * T * c / E), None when dropless (c = 0)."""
-    return math.ceil(top_k * n_tokens * capacity_factor / n_experts) if capacity_factor > 0 else None
+    return (
+        math.ceil(top_k * n_tokens * capacity_factor / n_experts) if capacity_factor > 0 else None
+    )
 
 
 def route(logits: torch.Tensor, top_k: int, capacity_factor: float = 0.0) -> Routing:
@@ -69,7 +78,8 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float = 0.0) -> Rou
         limit = capacity(n_tokens, n_experts, top_k, capacity_factor)
         if limit is None:
             kept = torch.ones_like(experts, dtype=torch.bool)
-        else:  # a slot's place in its expert's queue: how many slots before it chose the same expert
+        # a slot's place in its expert's queue: how many slots before it chose the same expert
+        else:
             place = ((chosen.cumsum(0) - 1) * chosen).sum(-1)
             kept = (place < limit).view_as(experts)
         fraction = chosen.sum(0).float() / (n_tokens * top_k)  # f_i, before dropping
@@ -80,19 +90,24 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float = 0.0) -> Rou
 def permute(routing: Routing, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept slots (indices into the N*k flattened choices) sorted by expert, in order of position within an
     expert, and each expert's count (E,): expert e's slots are the e-th chunk."""
-    experts = routing.experts.flatten().masked_fill(~routing.kept.flatten(), n_experts)  # dropped: past the last
+    # dropped: past the last
+    experts = routing.experts.flatten().masked_fill(~routing.kept.flatten(), n_experts)
     order = torch.sort(experts, stable=True).indices
     counts = torch.bincount(experts, minlength=n_experts + 1)[:n_experts]
     return order[: int(counts.sum())], counts
 
 
-def local_experts(tokens: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict) -> torch.Tensor:
+def local_experts(
+    tokens: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict
+) -> torch.Tensor:
     """Rule 5 in one process: expert e's MLP on the e-th chunk of ``tokens`` (sorted by expert), one product each."""
     chunks = tokens.split(counts.tolist())
     return torch.cat([experts[str(e)](chunk) for e, chunk in enumerate(chunks)])
 
 
-def combine(outputs: torch.Tensor, order: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
+def combine(
+    outputs: torch.Tensor, order: torch.Tensor, routing: Routing, dtype: torch.dtype
+) -> torch.Tensor:
     """Unpermute the experts' ``outputs`` into the N*k slots (0 where dropped), then each token's
     sum over its choices, in choice order, of weight * output."""
     n_tokens, top_k = routing.experts.shape
@@ -118,8 +133,13 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.dispatch = local_experts
         self.aux_loss = None
-        self.totals = {"tokens_per_expert": torch.zeros(n_experts, dtype=torch.long, device="cpu"), "dropped": 0, "slots": 0,
-                       "aux_loss": 0.0, "micro_batches": 0}
+        self.totals = {
+            "tokens_per_expert": torch.zeros(n_experts, dtype=torch.long, device="cpu"),
+            "dropped": 0,
+            "slots": 0,
+            "aux_loss": 0.0,
+            "micro_batches": 0,
+        }
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
@@ -141,21 +161,48 @@ class MoE(nn.Module):
 
 # ---- the model and the training loop's three hooks -------------------------------------------------------------
 
+
 def add_moe_flags(parser) -> None:
     """The MoE flags, in the steps that train an MoE (0 and 12). Defaults None: given with --moe-experts 0 they are
     refused (a dense model would silently ignore them); ``check_moe`` fills in ``MOE_DEFAULTS``."""
     moe = parser.add_argument_group("mixture of experts (common/moe.py)")
     # "%(default).0s" prints nothing: the help says the real default, and argparse adds no "(default: None)".
-    moe.add_argument("--moe-experts", type=int, default=0, metavar="E", help="experts per MoE layer; 0: dense MLPs")
-    moe.add_argument("--moe-top-k", type=int, default=None, metavar="K",
-                     help=f"experts per token (default {MOE_DEFAULTS['moe_top_k']}; 1 as Switch, 2 as Mixtral%(default).0s)")
-    moe.add_argument("--moe-every", type=int, default=None, metavar="N",
-                     help=f"blocks 0, N, 2N, ... are MoE layers (default {MOE_DEFAULTS['moe_every']}%(default).0s)")
-    moe.add_argument("--moe-capacity-factor", type=float, default=None, metavar="C",
-                     help="each expert takes at most ceil(k*T*C/E) of a micro-batch's T tokens' slots, the rest pass "
-                          f"on the residual; 0: dropless (default {MOE_DEFAULTS['moe_capacity_factor']:g}%(default).0s)")
-    moe.add_argument("--moe-aux-loss-coef", type=float, default=None, metavar="A",
-                     help=f"weight of the load-balancing loss (default {MOE_DEFAULTS['moe_aux_loss_coef']:g}%(default).0s)")
+    moe.add_argument(
+        "--moe-experts",
+        type=int,
+        default=0,
+        metavar="E",
+        help="experts per MoE layer; 0: dense MLPs",
+    )
+    moe.add_argument(
+        "--moe-top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"experts per token (default {MOE_DEFAULTS['moe_top_k']}; 1 as Switch, 2 as Mixtral%(default).0s)",
+    )
+    moe.add_argument(
+        "--moe-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"blocks 0, N, 2N, ... are MoE layers (default {MOE_DEFAULTS['moe_every']}%(default).0s)",
+    )
+    moe.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        default=None,
+        metavar="C",
+        help="each expert takes at most ceil(k*T*C/E) of a micro-batch's T tokens' slots, the rest pass "
+        f"on the residual; 0: dropless (default {MOE_DEFAULTS['moe_capacity_factor']:g}%(default).0s)",
+    )
+    moe.add_argument(
+        "--moe-aux-loss-coef",
+        type=float,
+        default=None,
+        metavar="A",
+        help=f"weight of the load-balancing loss (default {MOE_DEFAULTS['moe_aux_loss_coef']:g}%(default).0s)",
+    )
 
 
 def check_moe(config: dict) -> None:
@@ -166,8 +213,10 @@ def check_moe(config: dict) -> None:
         raise UserError(f"--moe-experts cannot be negative, got {experts}")
     if experts == 0:
         if given:
-            raise UserError(f"{' '.join(given)} given with --moe-experts 0 (a dense model): set --moe-experts E to "
-                            "train a mixture of experts, or drop them")
+            raise UserError(
+                f"{' '.join(given)} given with --moe-experts 0 (a dense model): set --moe-experts E to "
+                "train a mixture of experts, or drop them"
+            )
         return
     for key, value in MOE_DEFAULTS.items():
         if config.get(key) is None:
@@ -185,7 +234,9 @@ def check_moe(config: dict) -> None:
 def moe_blocks(config: dict) -> list[int]:
     """The blocks whose MLP is an MoE layer."""
     every = config.get("moe_every") or 1
-    return [i for i in range(config["n_layer"]) if i % every == 0] if config.get("moe_experts") else []
+    return (
+        [i for i in range(config["n_layer"]) if i % every == 0] if config.get("moe_experts") else []
+    )
 
 
 def moe_model(model, config: dict):
@@ -194,12 +245,23 @@ def moe_model(model, config: dict):
     ``build_model`` builds, so that no random draw moves the global generator."""
     for i in moe_blocks(config):
         with torch.device("meta"):
-            moe = MoE(model.config, config["moe_experts"], config["moe_top_k"], config["moe_capacity_factor"])
+            moe = MoE(
+                model.config,
+                config["moe_experts"],
+                config["moe_top_k"],
+                config["moe_capacity_factor"],
+            )
         moe.to_empty(device="cpu")
         with torch.no_grad():
             for name, param in moe.named_parameters():
-                param.copy_(initial_value(f"transformer.h.{i}.mlp.{name}", param.shape, config["seed"],
-                                          config["n_layer"]))
+                param.copy_(
+                    initial_value(
+                        f"transformer.h.{i}.mlp.{name}",
+                        param.shape,
+                        config["seed"],
+                        config["n_layer"],
+                    )
+                )
         model.transformer.h[i].mlp = moe
     return model
 
@@ -227,10 +289,17 @@ def take_moe_record(model) -> dict:
     layers = moe_layers(model)
     if not layers:
         return {}
-    record = {"aux_loss": sum(m.totals["aux_loss"] / max(1, m.totals["micro_batches"]) for m in layers),
-              "tokens_per_expert": [m.totals["tokens_per_expert"].tolist() for m in layers],
-              "dropped_fraction": [m.totals["dropped"] / max(1, m.totals["slots"]) for m in layers]}
+    record = {
+        "aux_loss": sum(m.totals["aux_loss"] / max(1, m.totals["micro_batches"]) for m in layers),
+        "tokens_per_expert": [m.totals["tokens_per_expert"].tolist() for m in layers],
+        "dropped_fraction": [m.totals["dropped"] / max(1, m.totals["slots"]) for m in layers],
+    }
     for m in layers:
-        m.totals.update(tokens_per_expert=torch.zeros_like(m.totals["tokens_per_expert"]), dropped=0, slots=0,
-                        aux_loss=0.0, micro_batches=0)
+        m.totals.update(
+            tokens_per_expert=torch.zeros_like(m.totals["tokens_per_expert"]),
+            dropped=0,
+            slots=0,
+            aux_loss=0.0,
+            micro_batches=0,
+        )
     return {"moe": record}

@@ -7,6 +7,7 @@ every copy. Fix a bug in the origin, then run this.
     python common/sync_copies.py           # copy every origin over its copies
     python common/sync_copies.py --check   # exit 1 and name the files that differ
 """
+
 import argparse
 import json
 import shutil
@@ -20,22 +21,35 @@ MANIFEST = REPO_ROOT / "common" / "copies.json"
 def copy_pairs() -> list[tuple[Path, Path]]:
     """(origin, copy) for every copy in the manifest."""
     manifest = json.loads(MANIFEST.read_text())
-    return [(REPO_ROOT / origin, REPO_ROOT / folder / Path(origin).name)
-            for folder, origins in manifest.items() if not folder.startswith("_") for origin in origins]
+    return [
+        (REPO_ROOT / origin, REPO_ROOT / folder / Path(origin).name)
+        for folder, origins in manifest.items()
+        if not folder.startswith("_")
+        for origin in origins
+    ]
 
 
 def stale_copies() -> list[Path]:
-    return [copy for origin, copy in copy_pairs()
-            if not copy.exists() or copy.read_bytes() != origin.read_bytes()]
+    return [
+        copy
+        for origin, copy in copy_pairs()
+        if not copy.exists() or copy.read_bytes() != origin.read_bytes()
+    ]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only report copies that differ from their origin")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="only report copies that differ from their origin"
+    )
     args = parser.parse_args()
     missing = [origin for origin, _ in copy_pairs() if not origin.is_file()]
     if missing:
-        print(f"origin missing (fix common/copies.json): {', '.join(str(m.relative_to(REPO_ROOT)) for m in missing)}")
+        print(
+            f"origin missing (fix common/copies.json): {', '.join(str(m.relative_to(REPO_ROOT)) for m in missing)}"
+        )
         return 1
     stale = stale_copies()
     if args.check:

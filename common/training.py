@@ -4,6 +4,7 @@ They live here, not in each train.py, so that the numbers they produce are compu
 in every step; parity between steps depends on it. Why the norms need sums that no split across
 ranks can change, and how the exact one works: exact_sums.py.
 """
+
 import contextlib
 import math
 import os
@@ -22,9 +23,11 @@ def params_in_order(optimizer) -> list:
 def check_one_process(step: str) -> None:
     """Step 0 is one process: under torchrun each copy would train the whole model alone into the same --out."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise UserError(f"{step} is one process, but torchrun started {os.environ['WORLD_SIZE']}: each would train "
-                        "the whole model alone and write the same --out; run it with python, or run "
-                        "step1_torch_ddp under torchrun")
+        raise UserError(
+            f"{step} is one process, but torchrun started {os.environ['WORLD_SIZE']}: each would train "
+            "the whole model alone and write the same --out; run it with python, or run "
+            "step1_torch_ddp under torchrun"
+        )
 
 
 def pick_device(choice: str, local_rank: int = 0) -> torch.device:
@@ -39,16 +42,20 @@ def pick_device(choice: str, local_rank: int = 0) -> torch.device:
 def check_amp(amp: str, device: torch.device) -> None:
     """Refuse an autocast mode this device cannot run, before any work is done."""
     if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UserError(f"--amp bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} "
-                        "has none: use --amp fp16 or --amp none")
+        raise UserError(
+            f"--amp bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} "
+            "has none: use --amp fp16 or --amp none"
+        )
     if amp == "fp16":
         try:  # the CPU path exists in recent PyTorch builds, not in all: ask it, do not guess
             with torch.autocast(device.type, dtype=torch.float16):
                 torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
             torch.amp.GradScaler(device.type)
         except (RuntimeError, ValueError) as error:
-            raise UserError(f"--amp fp16 cannot run on {device.type} with this torch build "
-                            f"({str(error).splitlines()[0]}); use --amp bf16 or --amp none") from None
+            raise UserError(
+                f"--amp fp16 cannot run on {device.type} with this torch build "
+                f"({str(error).splitlines()[0]}); use --amp bf16 or --amp none"
+            ) from None
 
 
 def autocast(amp: str, device: torch.device):
@@ -63,9 +70,13 @@ PARAM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.
 
 def add_param_dtype_flag(parser) -> None:
     """``--param-dtype``: the steps that keep float32 master weights beside 16-bit parameters (0, 5, 6, 7)."""
-    parser.add_argument("--param-dtype", choices=list(PARAM_DTYPES), default="float32",
-                        help="dtype of the parameters forward and backward compute in (and of the all-gathers); "
-                             "16 bits keeps a float32 master copy of the owned elements beside AdamW's moments")
+    parser.add_argument(
+        "--param-dtype",
+        choices=list(PARAM_DTYPES),
+        default="float32",
+        help="dtype of the parameters forward and backward compute in (and of the all-gathers); "
+        "16 bits keeps a float32 master copy of the owned elements beside AdamW's moments",
+    )
 
 
 def param_dtype(config: dict) -> torch.dtype | None:
@@ -80,7 +91,10 @@ def float32_masters(model, dtype) -> list | None:
     the model as it is, for float32."""
     if dtype is None:
         return None
-    masters = [(name, p.detach().clone().requires_grad_(p.requires_grad)) for name, p in model.named_parameters()]
+    masters = [
+        (name, p.detach().clone().requires_grad_(p.requires_grad))
+        for name, p in model.named_parameters()
+    ]
     model.to(dtype)
     return masters
 
@@ -91,11 +105,15 @@ def check_param_dtype(config: dict, device: torch.device) -> None:
     if dtype is None:
         return
     if config["amp"] != "none":
-        raise UserError(f"--param-dtype {config['param_dtype']} already computes in 16 bits; --amp {config['amp']} "
-                        "would autocast on top of it: drop --amp (it is autocast over float32 weights)")
+        raise UserError(
+            f"--param-dtype {config['param_dtype']} already computes in 16 bits; --amp {config['amp']} "
+            "would autocast on top of it: drop --amp (it is autocast over float32 weights)"
+        )
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UserError(f"--param-dtype bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} "
-                        "has none: use --param-dtype fp16")
+        raise UserError(
+            f"--param-dtype bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} "
+            "has none: use --param-dtype fp16"
+        )
 
 
 def needs_loss_scaling(config: dict) -> bool:
@@ -103,11 +121,15 @@ def needs_loss_scaling(config: dict) -> bool:
     return config["amp"] == "fp16" or config.get("param_dtype") == "fp16"
 
 
-def make_grad_scaler(config: dict, device: torch.device, scaler_cls=torch.amp.GradScaler) -> torch.amp.GradScaler:
+def make_grad_scaler(
+    config: dict, device: torch.device, scaler_cls=torch.amp.GradScaler
+) -> torch.amp.GradScaler:
     """fp16 gradients underflow without loss scaling; bf16 has float32's range and needs none.
     Disabled, the scaler is a no-op with the same calls, so the loop has one shape for every mode.
     The sharded steps pass their own ``scaler_cls``, which agrees on overflow across ranks."""
-    return scaler_cls(device.type, init_scale=config["loss_scale_init"], enabled=needs_loss_scaling(config))
+    return scaler_cls(
+        device.type, init_scale=config["loss_scale_init"], enabled=needs_loss_scaling(config)
+    )
 
 
 def decays(name: str) -> bool:
@@ -119,7 +141,10 @@ def decays(name: str) -> bool:
 def adamw_param_groups(named_params, config: dict) -> list[dict]:
     named_params = [(n, p) for n, p in named_params if p.requires_grad]
     return [
-        {"params": [p for n, p in named_params if decays(n)], "weight_decay": config["weight_decay"]},
+        {
+            "params": [p for n, p in named_params if decays(n)],
+            "weight_decay": config["weight_decay"],
+        },
         {"params": [p for n, p in named_params if not decays(n)], "weight_decay": 0.0},
     ]
 
@@ -131,6 +156,7 @@ def adamw_options(config: dict) -> dict:
     GPU, where the single-tensor update launches a dozen small kernels per parameter. A config without a
     device (a script of one's own) gets ``foreach=None``: torch's default for the parameters' device, the same."""
     from config import on_cuda
+
     foreach = on_cuda(config) if "device" in config else None
     return {"lr": config["lr"], "betas": (config["beta1"], config["beta2"]), "foreach": foreach}
 
@@ -142,7 +168,12 @@ def make_optimizer(named_params, config: dict) -> torch.optim.AdamW:
 def lr_at(step: int, config: dict) -> float:
     """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at the last step.
     ``step`` counts optimiser steps from 0. A pure function of the step: resume needs no scheduler state."""
-    lr, min_lr, warmup, total = config["lr"], config["min_lr"], config["warmup_steps"], config["steps"]
+    lr, min_lr, warmup, total = (
+        config["lr"],
+        config["min_lr"],
+        config["warmup_steps"],
+        config["steps"],
+    )
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - 1 - warmup)
@@ -151,7 +182,9 @@ def lr_at(step: int, config: dict) -> float:
 
 def make_scheduler(optimizer, config: dict) -> torch.optim.lr_scheduler.LambdaLR:
     """``lr_at`` as a PyTorch scheduler (its state_dict is checkpointed like every other state)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, config) / config["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_at(step, config) / config["lr"]
+    )
 
 
 def sum_of_squares(tensors) -> torch.Tensor:
@@ -169,7 +202,8 @@ def sum_of_squares(tensors) -> torch.Tensor:
     """
     tensors = list(tensors)
     pieces_ = pieces(tensors) if tensors and tensors[0].is_cuda else (t.detach() for t in tensors)
-    total = None  # summed on the first tensor's device, in order: float64 additions in the same order give the
+    # summed on the first tensor's device, in order: float64 additions in the same order give the
+    total = None
     for x in pieces_:  # same bits on either device
         square = x.double().pow(2).sum()
         total = square if total is None else total + square.to(total.device)
@@ -198,8 +232,12 @@ def clip_grad_norm(params, max_norm: float, groups=(), counted=None, device=None
     """
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    squares = sum_of_squares(grads if counted is None else [p.grad for p in counted if p.grad is not None])
-    squares = _summed_over(squares, groups, device or (params[0].device if params else torch.device("cpu")))
+    squares = sum_of_squares(
+        grads if counted is None else [p.grad for p in counted if p.grad is not None]
+    )
+    squares = _summed_over(
+        squares, groups, device or (params[0].device if params else torch.device("cpu"))
+    )
     norm = squares.sqrt().float()
     scale_gradients(grads, norm, max_norm)
     return norm
@@ -213,7 +251,8 @@ def scale_gradients(grads, norm: torch.Tensor, max_norm: float) -> None:
         by_device = {}
         for g in grads:
             by_device.setdefault(g.device, []).append(g)
-        for device, same_device in by_device.items():  # one multi-tensor multiply per device, as torch's does
+        # one multi-tensor multiply per device, as torch's does
+        for device, same_device in by_device.items():
             torch._foreach_mul_(same_device, coefficient.to(device))
 
 
@@ -226,7 +265,9 @@ def param_norm(tensors, groups=(), device=None) -> float:
     by stage in step 9), in the last bit; integers do not."""
     tensors = list(tensors)
     parts = square_sum_parts(tensors)
-    return norm_from_parts(_summed_over(parts, groups, device or (tensors[0].device if tensors else None)))
+    return norm_from_parts(
+        _summed_over(parts, groups, device or (tensors[0].device if tensors else None))
+    )
 
 
 def _summed_over(tensor: torch.Tensor, groups, device) -> torch.Tensor:
@@ -235,7 +276,9 @@ def _summed_over(tensor: torch.Tensor, groups, device) -> torch.Tensor:
     if not groups:
         return tensor
     import torch.distributed as dist
+
     from comm_accounting import count_collective  # steps 1 on (step 0 has no groups)
+
     tensor = tensor.to(device or "cpu")
     for group in groups:
         count_collective("all_reduce", tensor)

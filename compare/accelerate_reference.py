@@ -19,6 +19,7 @@ step1_torch_ddp/README.md sets the two loops side by side, with the measured res
 ``--grad-clip 0``; with clipping, torch's ``clip_grad_norm_`` takes the norm from per-tensor float32 norms where
 step 1 adds squares in float64, so the norms differ by about 1e-6 relative and the weights drift by ~1e-7.
 """
+
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -45,26 +46,48 @@ def main():
     distributed.add_flags(parser)
     config = parse_config(parser)
     if config["reduce_dtype"] != "float32" or config["amp"] != "none":
-        raise UserError("the Accelerate reference is step 1 in float32: drop --reduce-dtype and --amp")
-    world = distributed.plan_world(config)  # the device the steps would pick; Accelerate joins the group itself
+        raise UserError(
+            "the Accelerate reference is step 1 in float32: drop --reduce-dtype and --amp"
+        )
+    # the device the steps would pick; Accelerate joins the group itself
+    world = distributed.plan_world(config)
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     accum = config["grad_accum"]
     # Accelerate joins the process group itself (gloo on CPUs, nccl on GPUs), with our timeout.
-    accelerator = Accelerator(gradient_accumulation_steps=accum, cpu=world.device.type == "cpu",
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config["timeout_s"]))])
-    device, rank, world_size = accelerator.device, accelerator.process_index, accelerator.num_processes
+    accelerator = Accelerator(
+        gradient_accumulation_steps=accum,
+        cpu=world.device.type == "cpu",
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config["timeout_s"]))],
+    )
+    device, rank, world_size = (
+        accelerator.device,
+        accelerator.process_index,
+        accelerator.num_processes,
+    )
 
-    sampler = DistributedSampler(range(len(corpus.blocks)), num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=config["seed"])
+    sampler = DistributedSampler(
+        range(len(corpus.blocks)),
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=True,
+        seed=config["seed"],
+    )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     model = build_model(config, corpus.vocab_size, config["seed"])
     optimizer = make_optimizer(model.named_parameters(), config)
-    scheduler = make_scheduler(optimizer, config)  # not prepared: stepped once per optimiser step, as in step 1
-    model, optimizer = accelerator.prepare(model, optimizer)  # DistributedDataParallel, AcceleratedOptimizer
+    # not prepared: stepped once per optimiser step, as in step 1
+    scheduler = make_scheduler(optimizer, config)
+    # DistributedDataParallel, AcceleratedOptimizer
+    model, optimizer = accelerator.prepare(model, optimizer)
 
-    env = environment(device, world_size, dist.get_backend() if dist.is_initialized() else "none", config["amp"],
-                      corpus)
+    env = environment(
+        device,
+        world_size,
+        dist.get_backend() if dist.is_initialized() else "none",
+        config["amp"],
+        corpus,
+    )
     log = RunLog(config, env, is_writer=accelerator.is_main_process)
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world_size
     for step in range(config["steps"]):
@@ -76,10 +99,14 @@ def main():
             with accelerator.accumulate(model):  # no_sync() but on the last micro-batch
                 loss = language_model_loss(model, inputs.to(device), targets.to(device))
                 accelerator.backward(loss)  # (loss / accum).backward()
-                if accelerator.sync_gradients:  # the last micro-batch: gradients averaged over the ranks
-                    grad_norm = (accelerator.clip_grad_norm_(model.parameters(), config["grad_clip"])
-                                 if config["grad_clip"] > 0 else  # max_norm 0 would zero every gradient
-                                 torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+                # the last micro-batch: gradients averaged over the ranks
+                if accelerator.sync_gradients:
+                    grad_norm = (
+                        accelerator.clip_grad_norm_(model.parameters(), config["grad_clip"])
+                        # max_norm 0 would zero every gradient
+                        if config["grad_clip"] > 0
+                        else torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+                    )
                     memory = memory_stats(model.parameters(), optimizer.optimizer, device)
                 optimizer.step()  # only when the gradients are synchronised
                 optimizer.zero_grad(set_to_none=True)
@@ -88,19 +115,30 @@ def main():
         loss_mean = loss_sum.double()
         dist.all_reduce(loss_mean)
         step_time = clock.stop()
-        log.log({"step": step + 1, "loss": loss_mean.item() / (accum * world_size), "grad_norm": grad_norm.item(),
-                 "param_norm": param_norm(model.parameters()), "lr": lr,
-                 "tokens_per_s": tokens_per_step / step_time["wall_s"],
-                 "effective_batch_size": config["micro_batch_size"] * accum * world_size, "epoch": batches.epoch,
-                 **distributed.gather_per_rank(memory=memory, step_time=step_time)})
+        log.log(
+            {
+                "step": step + 1,
+                "loss": loss_mean.item() / (accum * world_size),
+                "grad_norm": grad_norm.item(),
+                "param_norm": param_norm(model.parameters()),
+                "lr": lr,
+                "tokens_per_s": tokens_per_step / step_time["wall_s"],
+                "effective_batch_size": config["micro_batch_size"] * accum * world_size,
+                "epoch": batches.epoch,
+                **distributed.gather_per_rank(memory=memory, step_time=step_time),
+            }
+        )
 
     weights = dict(accelerator.unwrap_model(model).named_parameters())
     if accelerator.is_main_process:
         final = save_final_weights(Path(config["out"]), weights)
         log.write(final)
-        print(f"done: {config['steps']} steps, Accelerate over {world_size} ranks, final loss "
-              f"{log.records[-1]['loss']:.4f}, weights in {config['out']}")
-    accelerator.free_memory()  # Accelerate's references to the DDP model: its reducer must go before the group
+        print(
+            f"done: {config['steps']} steps, Accelerate over {world_size} ranks, final loss "
+            f"{log.records[-1]['loss']:.4f}, weights in {config['out']}"
+        )
+    # Accelerate's references to the DDP model: its reducer must go before the group
+    accelerator.free_memory()
     del model, optimizer, weights
     distributed.shutdown()
 

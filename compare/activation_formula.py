@@ -55,19 +55,31 @@ class FormulaActivations:
     recomputed in backward (nothing to recompute with flash attention, which keeps none). ``cp``: a rank's share of
     every sequence under context parallelism, attention by the ring."""
 
-    def __init__(self, shape, micro_batch_size: int, element: int = 2, attention: str = "math", dropout: float = 0.0,
-                 selective: bool = False, mask: int = 1, cp: int = 1):
+    def __init__(
+        self,
+        shape,
+        micro_batch_size: int,
+        element: int = 2,
+        attention: str = "math",
+        dropout: float = 0.0,
+        selective: bool = False,
+        mask: int = 1,
+        cp: int = 1,
+    ):
         self.shape, self.b, self.e, self.m = shape, micro_batch_size, element, mask
-        self.attention = attention if cp == 1 else "ring"  # the ring keeps what flash attention keeps
+        # the ring keeps what flash attention keeps
+        self.attention = attention if cp == 1 else "ring"
         self.dropout, self.selective = dropout > 0, selective
         self.tokens = shape.seq_len * micro_batch_size // cp  # T on this rank
-        self.statistics = (8 if shape.norm == "layernorm" else 4) * self.tokens  # per norm: mean, 1/std; or 1/rms
+        # per norm: mean, 1/std; or 1/rms
+        self.statistics = (8 if shape.norm == "layernorm" else 4) * self.tokens
 
     def terms(self, tp: int = 1, sequence_parallel: bool = False) -> dict:
         """One layer's saved bytes on a rank, by name."""
         shape, e, m, tokens = self.shape, self.e, self.m, self.tokens
         h, a, s = shape.n_embd, shape.n_head, shape.seq_len
-        whole = tp if sequence_parallel else 1  # what sequence parallelism splits over the group, else kept whole
+        # what sequence parallelism splits over the group, else kept whole
+        whole = tp if sequence_parallel else 1
         terms = {
             "norm inputs": split(2 * tokens * h * e, whole),
             "norm statistics": split(2 * self.statistics, whole),
@@ -97,16 +109,30 @@ class FormulaActivations:
         hidden, whole = self.tokens * self.shape.n_embd, tp if sequence_parallel else 1
         total = split(hidden * self.m, whole) if first and self.dropout else 0
         if last:
-            total += split(2 * hidden * self.e + self.statistics, whole) + split(4 * self.tokens * self.shape.vocab, tp)
+            total += split(2 * hidden * self.e + self.statistics, whole) + split(
+                4 * self.tokens * self.shape.vocab, tp
+            )
         return total
 
-    def per_micro_batch(self, blocks: int, tp: int, first: bool, last: bool, checkpointing: bool,
-                        sequence_parallel: bool = False) -> int:
+    def per_micro_batch(
+        self,
+        blocks: int,
+        tp: int,
+        first: bool,
+        last: bool,
+        checkpointing: bool,
+        sequence_parallel: bool = False,
+    ) -> int:
         sequence_parallel = sequence_parallel and tp > 1
-        per_block = (self.kept_per_block(tp, sequence_parallel) if checkpointing
-                     else self.block_bytes(tp, sequence_parallel))
+        per_block = (
+            self.kept_per_block(tp, sequence_parallel)
+            if checkpointing
+            else self.block_bytes(tp, sequence_parallel)
+        )
         return blocks * per_block + self.rest(tp, first, last, sequence_parallel)
 
-    def recomputed(self, blocks: int, tp: int, checkpointing: bool, sequence_parallel: bool = False) -> int:
+    def recomputed(
+        self, blocks: int, tp: int, checkpointing: bool, sequence_parallel: bool = False
+    ) -> int:
         """With full recomputation, one layer's activations while its backward runs (once per stage)."""
         return self.block_bytes(tp, sequence_parallel and tp > 1) if checkpointing and blocks else 0

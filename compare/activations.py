@@ -17,6 +17,7 @@ with step 8's sequence_parallel.py: the replicated part is what it splits. With 
 is step 11's at each degree C (its ring at C = 1 too), beside model.py's own attention, which keeps
 an S x S matrix per head.
 """
+
 import argparse
 import os
 import sys
@@ -48,13 +49,18 @@ class SavedActivations:
         return tensor
 
 
-def measure(rank: int, world_size: int, port: int, config: dict, sequence_parallel: bool = False) -> tuple:
+def measure(
+    rank: int, world_size: int, port: int, config: dict, sequence_parallel: bool = False
+) -> tuple:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
     from model import build_model
     from sequence_parallel import sequence_parallel_gpt2
     from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
+
     vocab = 2048
     model = parallelize_gpt2(build_model(config, vocab, config["seed"]))
     if sequence_parallel:
@@ -67,7 +73,8 @@ def measure(rank: int, world_size: int, port: int, config: dict, sequence_parall
         loss = vocab_parallel_cross_entropy(logits.float().flatten(0, 1), inputs[:, 1:].flatten())
     loss.backward()
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, counter.saved)  # every rank runs the same graph: the same order
+    # every rank runs the same graph: the same order
+    dist.all_gather_object(everyone, counter.saved)
     same = [len({theirs[i][1] for theirs in everyone}) == 1 for i in range(len(counter.saved))]
     replicated = sum(nbytes for (nbytes, _), alike in zip(counter.saved, same) if alike)
     dist.barrier()
@@ -83,10 +90,14 @@ def measure_cp(rank: int, world_size: int, port: int, config: dict, ring: bool) 
     """The bytes one rank of step 11's model saves for one micro-batch (``ring=False``: model.py's attention)."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
     import torch.nn.functional as F
+
     from context_parallel import context_parallel_gpt2, sequence_shard
     from model import build_model
+
     vocab = 2048
     model = build_model(config, vocab, config["seed"])
     model = context_parallel_gpt2(model) if ring else model
@@ -107,7 +118,9 @@ def run_cp(degrees: list[int], config: dict) -> list[tuple]:
     """(label, C, bytes saved per rank) for model.py's attention and for step 11 at each degree."""
     rows = []
     for label, c, ring in [("model.py", 1, False)] + [("ring", c, True) for c in degrees]:
-        per_rank = {saved for _, saved in spawn_ranks(measure_cp, c, config, ring, timeout=600).values()}
+        per_rank = {
+            saved for _, saved in spawn_ranks(measure_cp, c, config, ring, timeout=600).values()
+        }
         if len(per_rank) != 1:
             raise RuntimeError(f"the ranks saved different amounts at CP = {c}: {sorted(per_rank)}")
         rows.append((label, c, per_rank.pop()))
@@ -115,20 +128,31 @@ def run_cp(degrees: list[int], config: dict) -> list[tuple]:
 
 
 def main() -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="tensor-parallel degrees to measure")
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="each degree with sequence parallelism too")
-    parser.add_argument("--cp", type=int, nargs="+", help="context-parallel degrees to measure instead (step 11)")
+    parser = OneLineParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--tp", type=int, nargs="+", default=[1, 2, 4], help="tensor-parallel degrees to measure"
+    )
+    parser.add_argument(
+        "--sequence-parallel", action="store_true", help="each degree with sequence parallelism too"
+    )
+    parser.add_argument(
+        "--cp", type=int, nargs="+", help="context-parallel degrees to measure instead (step 11)"
+    )
     args, extra = parser.parse_known_args()
     config = parse_config(build_parser("activations"), extra)
     if args.cp:
         for c in args.cp:
             if c < 1 or config["seq_len"] % (2 * c):
-                raise UserError(f"--cp {c}: step 11 cuts --seq-len {config['seq_len']} into 2 x {c} chunks; "
-                                "use degrees whose 2 x C divides it")
-        print(f"saved for backward, one micro-batch of {config['micro_batch_size']} x {config['seq_len']} tokens "
-              f"(n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head {config['n_head']}), per rank:")
+                raise UserError(
+                    f"--cp {c}: step 11 cuts --seq-len {config['seq_len']} into 2 x {c} chunks; "
+                    "use degrees whose 2 x C divides it"
+                )
+        print(
+            f"saved for backward, one micro-batch of {config['micro_batch_size']} x {config['seq_len']} tokens "
+            f"(n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head {config['n_head']}), per rank:"
+        )
         print(f"{'attention':>10} {'CP':>3} {'saved per rank':>15} {'x CP':>15}")
         for label, c, saved in run_cp(args.cp, config):
             print(f"{label:>10} {c:>3} {saved:>15,} {saved * c:>15,}")
@@ -136,20 +160,28 @@ def main() -> int:
     for t in args.tp:
         if t < 1 or config["n_head"] % t:
             raise UserError(f"--tp {t}: each degree must divide the {config['n_head']} heads")
-    print(f"saved for backward, one micro-batch of {config['micro_batch_size']} x {config['seq_len']} tokens "
-          f"(n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head {config['n_head']}), per rank:")
-    print(f"{'TP':>3} {'SP':>3} {'saved per rank':>15} {'replicated':>12} {'split':>12} {'split x TP':>12}")
+    print(
+        f"saved for backward, one micro-batch of {config['micro_batch_size']} x {config['seq_len']} tokens "
+        f"(n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head {config['n_head']}), per rank:"
+    )
+    print(
+        f"{'TP':>3} {'SP':>3} {'saved per rank':>15} {'replicated':>12} {'split':>12} {'split x TP':>12}"
+    )
     for t in args.tp:
-        for sequence_parallel in ([False, True] if args.sequence_parallel and t > 1 else [False]):
+        for sequence_parallel in [False, True] if args.sequence_parallel and t > 1 else [False]:
             if sequence_parallel and config["seq_len"] % t:
-                raise UserError(f"--tp {t} with --sequence-parallel: each degree must divide --seq-len "
-                                f"{config['seq_len']}")
+                raise UserError(
+                    f"--tp {t} with --sequence-parallel: each degree must divide --seq-len "
+                    f"{config['seq_len']}"
+                )
             results = run(t, config, sequence_parallel)
             if len({r[1:] for r in results}) != 1:
                 raise RuntimeError(f"the ranks saved different amounts at TP = {t}: {results}")
             total, replicated = results[0][1:]
-            print(f"{t:>3} {'yes' if sequence_parallel else 'no':>3} {total:>15,} {replicated:>12,} "
-                  f"{total - replicated:>12,} {(total - replicated) * t:>12,}")
+            print(
+                f"{t:>3} {'yes' if sequence_parallel else 'no':>3} {total:>15,} {replicated:>12,} "
+                f"{total - replicated:>12,} {(total - replicated) * t:>12,}"
+            )
     return 0
 
 

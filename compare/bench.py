@@ -95,6 +95,7 @@ warm-up and is not timed. Reported, on rank 0:
 Output: the tables on rank 0, a PNG (``--png``) with the time ratios and the per-rank memory, and
 the same numbers as JSON beside it. CPU and gloo only; one thread per rank.
 """
+
 import argparse
 import contextlib
 import gc
@@ -117,24 +118,43 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # step's own module from its folder. Where a name exists in two folders the first listed wins:
 # bucketed_ddp.py is step 4's (steps 5 and 6 hold copies), zero1.py step 5's (step 6 holds a copy).
 # One `comm_accounting` module is loaded, so every step module adds to the same comm_bytes counter.
-FOLDERS = ("common", "step4_hooks_bucketing", "step3_naive_dp", "step5_zero1", "step6_zero2", "step7_zero3",
-           "step8_tensor_parallel", "step9_pipeline_parallel")
+FOLDERS = (
+    "common",
+    "step4_hooks_bucketing",
+    "step3_naive_dp",
+    "step5_zero1",
+    "step6_zero2",
+    "step7_zero3",
+    "step8_tensor_parallel",
+    "step9_pipeline_parallel",
+)
 sys.path[:0] = [str(REPO_ROOT / folder) for folder in FOLDERS]
 import comm_accounting  # noqa: E402
 import distributed  # noqa: E402
+import training  # noqa: E402
 from bucketed_ddp import BucketedDDP  # noqa: E402
 from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
 from model import GPT2, build_model, gpt2_config, initial_value, language_model_loss  # noqa: E402
 from naive_dp import allreduce_gradients, broadcast_parameters  # noqa: E402
 from seeding import seed_everything  # noqa: E402
-import training  # noqa: E402
 from training import adamw_options, adamw_param_groups  # noqa: E402
 
 VOCAB_SIZE = 2048  # the tokenizer's; the tokens are random, so the corpus is not read
 MEMORY_KINDS = ("params", "grads", "optimizer_state")
 # Trainer flags of the shared parser that a benchmark does not use (no corpus, checkpoint, schedule, clipping)
-UNUSED_FLAGS = {"steps", "out", "save_every", "preempt_grace_s", "resume", "quiet", "data", "tokenizer", "min_lr",
-                "warmup_steps", "grad_clip"}
+UNUSED_FLAGS = {
+    "steps",
+    "out",
+    "save_every",
+    "preempt_grace_s",
+    "resume",
+    "quiet",
+    "data",
+    "tokenizer",
+    "min_lr",
+    "warmup_steps",
+    "grad_clip",
+}
 
 
 def optional_module(name: str, folder: str, needs: tuple[str, ...]):
@@ -146,7 +166,10 @@ def optional_module(name: str, folder: str, needs: tuple[str, ...]):
     try:
         module = importlib.import_module(name)
     except Exception as error:  # noqa: BLE001 (any failure of an unfinished file leaves the row out)
-        return None, f"{folder}/{name}.py does not import: {type(error).__name__}: {str(error).splitlines()[0]}"
+        return (
+            None,
+            f"{folder}/{name}.py does not import: {type(error).__name__}: {str(error).splitlines()[0]}",
+        )
     if Path(module.__file__).resolve() != path.resolve():
         return None, f"'import {name}' found {module.__file__}, not {folder}/{name}.py"
     missing = [n for n in needs if not hasattr(module, n)]
@@ -168,10 +191,13 @@ def local_bytes(tensors) -> int:
 
 
 def state_bytes(state) -> int:
-    return local_bytes(v for per_param in state.values() for v in per_param.values() if torch.is_tensor(v))
+    return local_bytes(
+        v for per_param in state.values() for v in per_param.values() if torch.is_tensor(v)
+    )
 
 
 # ---- the strategies --------------------------------------------------------------------------------
+
 
 class Strategy:
     """One row: a model, its data-parallel wrapper and optimiser, and how one optimiser step runs.
@@ -204,8 +230,10 @@ class Strategy:
         return model
 
     def make_optimizer(self):
-        return torch.optim.AdamW(adamw_param_groups(self.model.named_parameters(), self.config),
-                                 **adamw_options(self.config))
+        return torch.optim.AdamW(
+            adamw_param_groups(self.model.named_parameters(), self.config),
+            **adamw_options(self.config),
+        )
 
     def loss(self, inputs, targets):
         return language_model_loss(self.wrapped, inputs, targets)
@@ -257,7 +285,9 @@ class TorchDDP(Strategy):
     key, name, pytorch = "ddp", "pytorch DDP", True
 
     def wrap(self, model):
-        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=self.config["bucket_cap_mb"])
+        return torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=self.config["bucket_cap_mb"]
+        )
 
     def analytic_comm(self):
         return {"all_reduce": self.total_bytes}
@@ -289,11 +319,16 @@ class TorchZero1(TorchDDP):
 
     def make_optimizer(self):
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ZeroRedundancyOptimizer(adamw_param_groups(self.model.named_parameters(), self.config),
-                                       optimizer_class=torch.optim.AdamW, **adamw_options(self.config))
+
+        return ZeroRedundancyOptimizer(
+            adamw_param_groups(self.model.named_parameters(), self.config),
+            optimizer_class=torch.optim.AdamW,
+            **adamw_options(self.config),
+        )
 
     def optimizer_state(self):
-        return state_bytes(self.optimizer.optim.state)  # the local AdamW's; the wrapper's own .state stays empty
+        # the local AdamW's; the wrapper's own .state stays empty
+        return state_bytes(self.optimizer.optim.state)
 
     def analytic_comm(self):
         # After its slice's update, every rank broadcasts the parameters it owns: every rank takes
@@ -307,34 +342,49 @@ class Zero1(Bucketed):
 
     def make_optimizer(self):
         zero1 = importlib.import_module("zero1")
-        return zero1.ShardedOptimizer(adamw_param_groups(self.model.named_parameters(), self.config),
-                                      torch.optim.AdamW, **adamw_options(self.config))
+        return zero1.ShardedOptimizer(
+            adamw_param_groups(self.model.named_parameters(), self.config),
+            torch.optim.AdamW,
+            **adamw_options(self.config),
+        )
 
 
 class Zero1Bf16(Zero1):
     """Step 5 with --param-dtype bf16: bf16 parameters, forward and backward, and all-gathers; float32 masters of
     this rank's slices; the gradient reduced in float32 into ``main_grad``. Measured against its float32 self."""
+
     key, name, counterpart = "zero1-bf16", "ZeRO-1 bf16 (step 5)", "ZeRO-1 (step 5)"
     module_needed = ("masters", "step5_zero1", ("ShardedOptimizerWithMasters",))
 
-    def wrap(self, model):  # step 5's BucketedDDP for 16-bit parameters: their gradients summed in float32
-        return importlib.import_module("main_grad").MainGradDDP(model, bucket_cap_mb=self.config["bucket_cap_mb"])
+    # step 5's BucketedDDP for 16-bit parameters: their gradients summed in float32
+    def wrap(self, model):
+        return importlib.import_module("main_grad").MainGradDDP(
+            model, bucket_cap_mb=self.config["bucket_cap_mb"]
+        )
 
     def make_optimizer(self):
         masters = importlib.import_module("masters")
-        return masters.ShardedOptimizerWithMasters(adamw_param_groups(self.model.named_parameters(), self.config),
-                                                   torch.optim.AdamW, torch.bfloat16, **adamw_options(self.config))
+        return masters.ShardedOptimizerWithMasters(
+            adamw_param_groups(self.model.named_parameters(), self.config),
+            torch.optim.AdamW,
+            torch.bfloat16,
+            **adamw_options(self.config),
+        )
 
     def gradients(self):
         return [p.main_grad for p in self.model.parameters()]  # the float32 reduced gradient, whole
 
     def optimizer_state(self):
-        return state_bytes(self.optimizer.state) + local_bytes(self.optimizer.views)  # the moments and the masters
+        # the moments and the masters
+        return state_bytes(self.optimizer.state) + local_bytes(self.optimizer.views)
 
 
 def padded_bytes(params, world_size: int) -> int:
     """What FSDP2 moves for ``params``: every parameter's dim 0 padded to a multiple of the world size."""
-    return sum(-(-p.shape[0] // world_size) * world_size * math.prod(p.shape[1:]) * p.element_size() for p in params)
+    return sum(
+        -(-p.shape[0] // world_size) * world_size * math.prod(p.shape[1:]) * p.element_size()
+        for p in params
+    )
 
 
 class TorchFSDP2(Strategy):
@@ -351,9 +401,12 @@ class TorchFSDP2(Strategy):
 
     def wrap(self, model):
         from torch.distributed.fsdp import fully_shard
+
         world_size = dist.get_world_size()
         self.padded_bytes = padded_bytes(model.parameters(), world_size)  # what goes over the wire
-        self.padded_block_bytes = sum(padded_bytes(block.parameters(), world_size) for block in model.transformer.h)
+        self.padded_block_bytes = sum(
+            padded_bytes(block.parameters(), world_size) for block in model.transformer.h
+        )
         for block in model.transformer.h:
             fully_shard(block, reshard_after_forward=self.reshard_after_forward)
         fully_shard(model, reshard_after_forward=self.root_reshard_after_forward)
@@ -373,8 +426,10 @@ class Zero2(Strategy):
 
     @classmethod
     def unavailable(cls):
-        reasons = [optional_module("zero2", "step6_zero2", ("ShardedGradientDDP",))[1],
-                   optional_module("zero1", "step5_zero1", ("ShardedOptimizer",))[1]]
+        reasons = [
+            optional_module("zero2", "step6_zero2", ("ShardedGradientDDP",))[1],
+            optional_module("zero1", "step5_zero1", ("ShardedOptimizer",))[1],
+        ]
         return "; ".join(r for r in reasons if r) or None
 
     def wrap(self, model):
@@ -383,9 +438,13 @@ class Zero2(Strategy):
 
     def make_optimizer(self):
         zero1 = importlib.import_module("zero1")
-        return zero1.ShardedOptimizer(adamw_param_groups(self.model.named_parameters(), self.config),
-                                      torch.optim.AdamW, chunks=self.wrapped.bucket_params,
-                                      gradient_shards=self.wrapped.gradient_shards, **adamw_options(self.config))
+        return zero1.ShardedOptimizer(
+            adamw_param_groups(self.model.named_parameters(), self.config),
+            torch.optim.AdamW,
+            chunks=self.wrapped.bucket_params,
+            gradient_shards=self.wrapped.gradient_shards,
+            **adamw_options(self.config),
+        )
 
     def synchronize(self):
         self.wrapped.finish_gradient_synchronization()
@@ -397,13 +456,17 @@ class Zero2(Strategy):
 class TorchFSDP2Zero3(TorchFSDP2):
     key, name = "torch-fsdp2-zero3", "pytorch FSDP2 ZeRO-3"
     reshard_after_forward = True  # the blocks
-    root_reshard_after_forward = None  # FSDP2's default for the root: kept gathered from forward to backward
+    # FSDP2's default for the root: kept gathered from forward to backward
+    root_reshard_after_forward = None
 
     def analytic_comm(self):
         # Per micro-batch: every parameter gathered for forward, the blocks again for backward (the
         # root stays gathered); one reduce-scatter per optimiser step (no_sync accumulates unsharded).
         accum = self.config["grad_accum"]
-        return {"all_gather": accum * (self.padded_bytes + self.padded_block_bytes), "reduce_scatter": self.padded_bytes}
+        return {
+            "all_gather": accum * (self.padded_bytes + self.padded_block_bytes),
+            "reduce_scatter": self.padded_bytes,
+        }
 
 
 class Zero3(Strategy):
@@ -420,8 +483,13 @@ class Zero3(Strategy):
     def wrap(self, model):
         zero3 = importlib.import_module("zero3")
         seed, n_layer = self.config["seed"], self.config["n_layer"]
-        return zero3.FullyShardedDP(model, model.transformer.h, init_fn=lambda name, shape: initial_value(
-            name, shape, seed, n_layer), device="cpu", prefetch=self.prefetch)
+        return zero3.FullyShardedDP(
+            model,
+            model.transformer.h,
+            init_fn=lambda name, shape: initial_value(name, shape, seed, n_layer),
+            device="cpu",
+            prefetch=self.prefetch,
+        )
 
     # make_optimizer: the default, a plain AdamW over model.named_parameters(): this rank's pieces
 
@@ -443,35 +511,50 @@ class Zero3NoPrefetch(Zero3):
 class Zero3Offload(Zero3):
     """step7_zero3/offload.py: AdamW on host copies of the pieces. On a CPU the host is the device: the row measures
     what the moves cost (gradients out, parameters back), not what they save."""
+
     key, name, counterpart = "zero3-offload", "ZeRO-3 offload (step 7)", "ZeRO-3 (step 7)"
     module_needed = ("offload", "step7_zero3", ("OffloadedOptimizer",))
 
     def make_optimizer(self):  # the AdamW every row steps, built on the host copies
         offload = importlib.import_module("offload")
-        return offload.OffloadedOptimizer(self.model.named_parameters(),
-                                          lambda named: training.make_optimizer(named, self.config))
+        return offload.OffloadedOptimizer(
+            self.model.named_parameters(), lambda named: training.make_optimizer(named, self.config)
+        )
 
 
 class TorchTensorParallel(Strategy):
     key, name, pytorch = "torch-tp", "pytorch TP", True
 
     def build(self):
-        import tp_reference
         from torch.distributed.device_mesh import init_device_mesh
+
+        import tp_reference
+
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        return tp_reference.parallelize(build_model(self.config, VOCAB_SIZE, self.config["seed"]), mesh)
+        return tp_reference.parallelize(
+            build_model(self.config, VOCAB_SIZE, self.config["seed"]), mesh
+        )
 
     def own_batches(self, batches):
         """accumulation x world size micro-batches, the same on every rank: the data-parallel rows' tokens."""
         generator = torch.Generator().manual_seed(0)
         n = len(batches) * dist.get_world_size()
-        blocks = [torch.randint(0, VOCAB_SIZE, (batches[0][0].shape[0], batches[0][0].shape[1] + 1),
-                                generator=generator) for _ in range(n)]
+        blocks = [
+            torch.randint(
+                0,
+                VOCAB_SIZE,
+                (batches[0][0].shape[0], batches[0][0].shape[1] + 1),
+                generator=generator,
+            )
+            for _ in range(n)
+        ]
         return [(block[:, :-1], block[:, 1:]) for block in blocks]
 
     def micro_batch(self, syncing):
         from torch.distributed.tensor.parallel import loss_parallel
-        return loss_parallel()  # cross-entropy on the vocabulary-sharded logits, forward and backward
+
+        # cross-entropy on the vocabulary-sharded logits, forward and backward
+        return loss_parallel()
 
     def loss(self, inputs, targets):
         logits = self.wrapped(inputs)
@@ -488,11 +571,17 @@ class TorchTensorParallel(Strategy):
 
 class TensorParallel(TorchTensorParallel):
     key, name, pytorch, counterpart = "tp", "tensor parallel (step 8)", False, "pytorch TP"
-    module_needed = ("tensor_parallel", "step8_tensor_parallel", ("parallelize_gpt2", "vocab_parallel_cross_entropy"))
+    module_needed = (
+        "tensor_parallel",
+        "step8_tensor_parallel",
+        ("parallelize_gpt2", "vocab_parallel_cross_entropy"),
+    )
 
     def build(self):
         tensor_parallel = importlib.import_module("tensor_parallel")
-        return tensor_parallel.parallelize_gpt2(build_model(self.config, VOCAB_SIZE, self.config["seed"]))
+        return tensor_parallel.parallelize_gpt2(
+            build_model(self.config, VOCAB_SIZE, self.config["seed"])
+        )
 
     def micro_batch(self, syncing):
         return contextlib.nullcontext()
@@ -500,11 +589,14 @@ class TensorParallel(TorchTensorParallel):
     def loss(self, inputs, targets):
         tensor_parallel = importlib.import_module("tensor_parallel")
         logits = self.wrapped(inputs)  # this rank's vocabulary slice
-        return tensor_parallel.vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return tensor_parallel.vocab_parallel_cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten()
+        )
 
 
 class TorchPipelineGPipe(TorchTensorParallel):
     """PyTorch's ``PipelineStage`` and schedule on step 9's ``GPT2Stage`` of this rank."""
+
     key, name, pytorch = "torch-pp-gpipe", "pytorch pipelining GPipe", True
     schedule = "gpipe"
     module_needed = ("pipeline", "step9_pipeline_parallel", ("Pipeline", "GPT2Stage"))
@@ -521,32 +613,49 @@ class TorchPipelineGPipe(TorchTensorParallel):
         pipeline = importlib.import_module("pipeline")
         rank, stages = dist.get_rank(), dist.get_world_size()
         if stages > self.config["n_layer"]:
-            raise ValueError(f"{stages} stages but {self.config['n_layer']} blocks: run with --n-layer {stages}")
-        stage = pipeline.GPT2Stage(build_model(self.config, VOCAB_SIZE, self.config["seed"]), rank, stages)
+            raise ValueError(
+                f"{stages} stages but {self.config['n_layer']} blocks: run with --n-layer {stages}"
+            )
+        stage = pipeline.GPT2Stage(
+            build_model(self.config, VOCAB_SIZE, self.config["seed"]), rank, stages
+        )
         self.first, self.last, self.tied = stage.is_first, stage.is_last, stage.tied_parameter
         return stage
 
     def wrap(self, model):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         self.micro_batches = self.config["grad_accum"] * dist.get_world_size()
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule]
         stage = PipelineStage(model, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
         m = self.micro_batches
-        return schedule(stage, m, loss_fn=lambda out, y: self.cross_entropy(out, y) / m, scale_grads=False)
+        return schedule(
+            stage, m, loss_fn=lambda out, y: self.cross_entropy(out, y) / m, scale_grads=False
+        )
 
     @staticmethod
     def cross_entropy(logits, targets):
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def make_optimizer(self):
-        named = [("transformer.wte.weight" if p is self.tied else n, p) for n, p in self.model.named_parameters()]
-        return torch.optim.AdamW(adamw_param_groups(named, self.config), **adamw_options(self.config))
+        named = [
+            ("transformer.wte.weight" if p is self.tied else n, p)
+            for n, p in self.model.named_parameters()
+        ]
+        return torch.optim.AdamW(
+            adamw_param_groups(named, self.config), **adamw_options(self.config)
+        )
 
     def forward_backward(self, batches):
         inputs, targets = (torch.cat(part) for part in zip(*batches))
-        self.wrapped.step(*([inputs] if self.first else []), **({"target": targets} if self.last else {}))
+        self.wrapped.step(
+            *([inputs] if self.first else []), **({"target": targets} if self.last else {})
+        )
         if self.tied is not None:  # first <-> last: each adds the other's accumulated half
-            other, peer = torch.empty_like(self.tied.grad), dist.get_world_size() - 1 if self.first else 0
+            other, peer = (
+                torch.empty_like(self.tied.grad),
+                dist.get_world_size() - 1 if self.first else 0,
+            )
             for work in (dist.isend(self.tied.grad, peer), dist.irecv(other, peer)):
                 work.wait()
             self.tied.grad = self.tied.grad + other if self.first else other + self.tied.grad
@@ -556,23 +665,36 @@ class TorchPipelineGPipe(TorchTensorParallel):
         embedding's accumulated half once per step, each way between the first and the last stage."""
         c = self.config
         activation = c["micro_batch_size"] * c["seq_len"] * c["n_embd"] * 4 * self.micro_batches
-        comm = {"p2p activations": 0 if self.last else activation,
-                "p2p activation gradients": 0 if self.first else activation}
+        comm = {
+            "p2p activations": 0 if self.last else activation,
+            "p2p activation gradients": 0 if self.first else activation,
+        }
         if self.tied is not None:
             comm["p2p tied-parameter gradient"] = local_bytes(self.tied)
         return comm
 
 
 class PipelineGPipe(TorchPipelineGPipe):
-    key, name, pytorch, counterpart = "pp-gpipe", "pipeline GPipe (step 9)", False, "pytorch pipelining GPipe"
+    key, name, pytorch, counterpart = (
+        "pp-gpipe",
+        "pipeline GPipe (step 9)",
+        False,
+        "pytorch pipelining GPipe",
+    )
 
     def wrap(self, model):
         pipeline = importlib.import_module("pipeline")
         self.micro_batches = self.config["grad_accum"] * dist.get_world_size()
         c = self.config
-        return pipeline.Pipeline(model, dist.get_rank(), dist.get_world_size(),
-                                 (c["micro_batch_size"], c["seq_len"], c["n_embd"]), loss_fn=self.cross_entropy,
-                                 tied_parameter=self.tied, schedule=self.schedule)
+        return pipeline.Pipeline(
+            model,
+            dist.get_rank(),
+            dist.get_world_size(),
+            (c["micro_batch_size"], c["seq_len"], c["n_embd"]),
+            loss_fn=self.cross_entropy,
+            tied_parameter=self.tied,
+            schedule=self.schedule,
+        )
 
     def forward_backward(self, batches):
         inputs, targets = zip(*batches)
@@ -585,12 +707,34 @@ class TorchPipeline1F1B(TorchPipelineGPipe):
 
 
 class Pipeline1F1B(PipelineGPipe):
-    key, name, schedule, counterpart = "pp-1f1b", "pipeline 1F1B (step 9)", "1f1b", "pytorch pipelining 1F1B"
+    key, name, schedule, counterpart = (
+        "pp-1f1b",
+        "pipeline 1F1B (step 9)",
+        "1f1b",
+        "pytorch pipelining 1F1B",
+    )
 
 
-STRATEGIES = (TorchDDP, Bucketed, Naive, TorchZero1, Zero1, Zero1Bf16, TorchFSDP2, Zero2, TorchFSDP2Zero3, Zero3,
-              Zero3NoPrefetch, Zero3Offload, TorchTensorParallel, TensorParallel, TorchPipelineGPipe, PipelineGPipe,
-              TorchPipeline1F1B, Pipeline1F1B)
+STRATEGIES = (
+    TorchDDP,
+    Bucketed,
+    Naive,
+    TorchZero1,
+    Zero1,
+    Zero1Bf16,
+    TorchFSDP2,
+    Zero2,
+    TorchFSDP2Zero3,
+    Zero3,
+    Zero3NoPrefetch,
+    Zero3Offload,
+    TorchTensorParallel,
+    TensorParallel,
+    TorchPipelineGPipe,
+    PipelineGPipe,
+    TorchPipeline1F1B,
+    Pipeline1F1B,
+)
 BY_NAME = {s.name: s for s in STRATEGIES}
 
 
@@ -603,11 +747,14 @@ def choose(requested: str | None) -> tuple[list, list[str]]:
         wanted = []
         for item in filter(None, (i.strip() for i in requested.split(","))):
             if item.lower() not in lookup:
-                raise UserError(f"--strategies: unknown '{item}'; choose from "
-                                f"{', '.join(s.key for s in STRATEGIES)} (or their names)")
+                raise UserError(
+                    f"--strategies: unknown '{item}'; choose from "
+                    f"{', '.join(s.key for s in STRATEGIES)} (or their names)"
+                )
             wanted.append(lookup[item.lower()])
     notes, chosen, queue = [], set(), list(wanted)
-    while queue:  # a reference added brings its own (no prefetch -> ZeRO-3 (step 7) -> FSDP2 ZeRO-3)
+    # a reference added brings its own (no prefetch -> ZeRO-3 (step 7) -> FSDP2 ZeRO-3)
+    while queue:
         strategy = queue.pop(0)
         why = strategy.unavailable()
         if why:
@@ -615,13 +762,20 @@ def choose(requested: str | None) -> tuple[list, list[str]]:
             continue
         chosen.add(strategy)
         for reference in (BY_NAME.get(strategy.counterpart), TorchDDP):
-            if reference and reference not in chosen and reference not in queue and reference not in wanted \
-                    and not reference.unavailable():
+            if (
+                reference
+                and reference not in chosen
+                and reference not in queue
+                and reference not in wanted
+                and not reference.unavailable()
+            ):
                 queue.append(reference)
                 notes.append(f"{reference.name}: added as the reference of {strategy.name}")
     if step6_copy_differs():
-        notes.append("step6_zero2/zero1.py differs from step5_zero1/zero1.py (run common/sync_copies.py): "
-                     "ZeRO-2 (step 6) runs step 5's")
+        notes.append(
+            "step6_zero2/zero1.py differs from step5_zero1/zero1.py (run common/sync_copies.py): "
+            "ZeRO-2 (step 6) runs step 5's"
+        )
     return [s for s in STRATEGIES if s in chosen], notes
 
 
@@ -632,12 +786,18 @@ def step6_copy_differs() -> bool:
 
 # ---- measuring -------------------------------------------------------------------------------------
 
-def measure(strategies: list, config: dict, rounds: int, steps_per_round: int, rank: int) -> tuple[dict, dict]:
+
+def measure(
+    strategies: list, config: dict, rounds: int, steps_per_round: int, rank: int
+) -> tuple[dict, dict]:
     """Seconds per optimiser step of each row (one entry per timed round), and this rank's probe of
     each row (bytes held, bytes per collective) from the last warm-up step."""
     accum, micro, seq_len = config["grad_accum"], config["micro_batch_size"], config["seq_len"]
     generator = torch.Generator().manual_seed(rank)
-    tokens = [torch.randint(0, VOCAB_SIZE, (micro, seq_len + 1), generator=generator) for _ in range(accum)]
+    tokens = [
+        torch.randint(0, VOCAB_SIZE, (micro, seq_len + 1), generator=generator)
+        for _ in range(accum)
+    ]
     batches = [(block[:, :-1], block[:, 1:]) for block in tokens]
     times = {s.name: [] for s in strategies}
     probes = {s.name: {} for s in strategies}
@@ -647,8 +807,10 @@ def measure(strategies: list, config: dict, rounds: int, steps_per_round: int, r
             dist.barrier()
             started = time.perf_counter()
             for i in range(steps_per_round):
-                if round_ == 0 and i == steps_per_round - 1:  # the last warm-up step: steady state, not timed
-                    comm_accounting.take_comm_bytes()  # drop what construction and earlier steps sent
+                # the last warm-up step: steady state, not timed
+                if round_ == 0 and i == steps_per_round - 1:
+                    # drop what construction and earlier steps sent
+                    comm_accounting.take_comm_bytes()
                     strategy.step(batches, probes[strategy.name])
                     probes[strategy.name]["comm"] = comm_accounting.take_comm_bytes()
                 else:
@@ -669,7 +831,10 @@ def build(classes: list, config: dict) -> tuple[list, list[str]]:
         try:
             strategy, error = cls(config), None
         except Exception as exc:  # noqa: BLE001 (an unfinished module may fail in any way)
-            strategy, error = None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            strategy, error = (
+                None,
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            )
         errors = distributed.gather_from_every_rank(error)
         if any(errors):
             first = next((r, e) for r, e in enumerate(errors) if e)
@@ -682,11 +847,16 @@ def build(classes: list, config: dict) -> tuple[list, list[str]]:
 
 # ---- reporting -------------------------------------------------------------------------------------
 
+
 def ratio(reference: list, mine: list) -> dict:
     """Reference time / mine: of the medians, and round by round (median, min, max)."""
     paired = [r / m for r, m in zip(reference, mine)]
-    return {"median_ratio": statistics.median(reference) / statistics.median(mine),
-            "paired_median": statistics.median(paired), "paired_min": min(paired), "paired_max": max(paired)}
+    return {
+        "median_ratio": statistics.median(reference) / statistics.median(mine),
+        "paired_median": statistics.median(paired),
+        "paired_min": min(paired),
+        "paired_max": max(paired),
+    }
 
 
 def summarise(strategies: list, times: dict, everyone: list, config: dict, world_size: int) -> dict:
@@ -694,11 +864,17 @@ def summarise(strategies: list, times: dict, everyone: list, config: dict, world
     rows = {}
     for s in strategies:
         t = times[s.name]
-        row = {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t), "times_s": t,
-               "tokens_per_s": tokens / statistics.median(t), "counterpart": s.counterpart,
-               "comm_source": "analytic" if s.pytorch else "counted",
-               "memory": {k: [probe[s.name][k] for probe in everyone] for k in MEMORY_KINDS},
-               "comm": [probe[s.name]["comm"] for probe in everyone]}
+        row = {
+            "median_s": statistics.median(t),
+            "min_s": min(t),
+            "max_s": max(t),
+            "times_s": t,
+            "tokens_per_s": tokens / statistics.median(t),
+            "counterpart": s.counterpart,
+            "comm_source": "analytic" if s.pytorch else "counted",
+            "memory": {k: [probe[s.name][k] for probe in everyone] for k in MEMORY_KINDS},
+            "comm": [probe[s.name]["comm"] for probe in everyone],
+        }
         if s.counterpart in times:
             row["vs_counterpart"] = ratio(times[s.counterpart], t)
         if "pytorch DDP" in times:
@@ -722,54 +898,85 @@ def print_report(summary: dict, notes: list, header: str) -> None:
     def ratio_text(r):
         if r is None:
             return "-"
-        return (f"{r['median_ratio']:.3f}  {r['paired_median']:.3f} "
-                f"[{r['paired_min']:.3f}, {r['paired_max']:.3f}]")
+        return (
+            f"{r['median_ratio']:.3f}  {r['paired_median']:.3f} "
+            f"[{r['paired_min']:.3f}, {r['paired_max']:.3f}]"
+        )
 
     print(header)
-    print("\nStep time (ratios: reference time / row time, above 1.0 = the row is faster; "
-          "of the medians, then round by round: median [min, max])")
-    print(f"{'strategy':<{name_w}}{'median step':>12} {'min':>8} {'max':>8} {'tokens/s':>9}  "
-          f"{'vs counterpart':<31} {'vs pytorch DDP':<31}")
+    print(
+        "\nStep time (ratios: reference time / row time, above 1.0 = the row is faster; "
+        "of the medians, then round by round: median [min, max])"
+    )
+    print(
+        f"{'strategy':<{name_w}}{'median step':>12} {'min':>8} {'max':>8} {'tokens/s':>9}  "
+        f"{'vs counterpart':<31} {'vs pytorch DDP':<31}"
+    )
     for name, row in rows.items():
         counterpart = ratio_text(row.get("vs_counterpart")) if row["counterpart"] else "(reference)"
-        print(f"{name:<{name_w}}{row['median_s'] * 1e3:>10.1f}ms {row['min_s'] * 1e3:>6.1f}ms "
-              f"{row['max_s'] * 1e3:>6.1f}ms {row['tokens_per_s']:>9,.0f}  {counterpart:<31} "
-              f"{ratio_text(row.get('vs_ddp')):<31}")
+        print(
+            f"{name:<{name_w}}{row['median_s'] * 1e3:>10.1f}ms {row['min_s'] * 1e3:>6.1f}ms "
+            f"{row['max_s'] * 1e3:>6.1f}ms {row['tokens_per_s']:>9,.0f}  {counterpart:<31} "
+            f"{ratio_text(row.get('vs_ddp')):<31}"
+        )
     counterparts = {n: r["counterpart"] for n, r in rows.items() if r["counterpart"]}
     if counterparts:
         print("counterparts: " + "; ".join(f"{n} vs {c}" for n, c in counterparts.items()))
 
-    print(f"\nBytes per rank (rank 0 / rank 1 / ..., or '(each)' when every rank holds the same; the whole "
-          f"model: {summary['model_bytes']:,} B of float32 parameters): parameters, gradients at the sync point, "
-          "optimiser state")
-    widths = {k: max(len(k), *(len(per_rank(r["memory"][k])) for r in rows.values())) + 2 for k in MEMORY_KINDS}
+    print(
+        f"\nBytes per rank (rank 0 / rank 1 / ..., or '(each)' when every rank holds the same; the whole "
+        f"model: {summary['model_bytes']:,} B of float32 parameters): parameters, gradients at the sync point, "
+        "optimiser state"
+    )
+    widths = {
+        k: max(len(k), *(len(per_rank(r["memory"][k])) for r in rows.values())) + 2
+        for k in MEMORY_KINDS
+    }
     print(f"{'strategy':<{name_w}}" + "".join(f"{k:>{widths[k]}}" for k in MEMORY_KINDS))
     for name, row in rows.items():
-        print(f"{name:<{name_w}}" + "".join(f"{per_rank(row['memory'][k]):>{widths[k]}}" for k in MEMORY_KINDS))
+        print(
+            f"{name:<{name_w}}"
+            + "".join(f"{per_rank(row['memory'][k]):>{widths[k]}}" for k in MEMORY_KINDS)
+        )
 
     kinds = sorted({k for r in rows.values() for c in r["comm"] for k in c})
-    print("\nBytes per optimiser step handed to each collective, per rank (counted: our modules' "
-          "count_collective; analytic: PyTorch's rows, see --help)")
-    cells = {n: {k: per_rank([c.get(k, 0) for c in r["comm"]]) if any(c.get(k) for c in r["comm"]) else "-"
-                 for k in kinds} for n, r in rows.items()}
+    print(
+        "\nBytes per optimiser step handed to each collective, per rank (counted: our modules' "
+        "count_collective; analytic: PyTorch's rows, see --help)"
+    )
+    cells = {
+        n: {
+            k: per_rank([c.get(k, 0) for c in r["comm"]])
+            if any(c.get(k) for c in r["comm"])
+            else "-"
+            for k in kinds
+        }
+        for n, r in rows.items()
+    }
     widths = {k: max(len(k), *(len(cells[n][k]) for n in rows)) + 2 for k in kinds}
     print(f"{'strategy':<{name_w}}{'source':<10}" + "".join(f"{k:>{widths[k]}}" for k in kinds))
     for name, row in rows.items():
-        print(f"{name:<{name_w}}{row['comm_source']:<10}" + "".join(f"{cells[name][k]:>{widths[k]}}" for k in kinds))
+        print(
+            f"{name:<{name_w}}{row['comm_source']:<10}"
+            + "".join(f"{cells[name][k]:>{widths[k]}}" for k in kinds)
+        )
     for note in notes:
         print(f"note: {note}")
 
 
 def plot(summary: dict, path: Path, title: str, notes: list[str]) -> None:
     import matplotlib
+
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
     rows = summary["rows"]
     names = list(rows)
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.6 * len(names) + 3.5), dpi=110)
-    for offset, key, label, color in ((-0.2, "vs_counterpart", "vs counterpart", "C0"),
-                                      (0.2, "vs_ddp", "vs PyTorch DDP", "C1")):
+    for offset, key, label, color in (
+        (-0.2, "vs_counterpart", "vs counterpart", "C0"),
+        (0.2, "vs_ddp", "vs PyTorch DDP", "C1"),
+    ):
         ys, values, low, high = [], [], [], []
         for i, name in enumerate(names):
             r = rows[name].get(key)
@@ -797,8 +1004,16 @@ def plot(summary: dict, path: Path, title: str, notes: list[str]) -> None:
         bottom = [0.0] * len(names)
         for kind in MEMORY_KINDS:
             values = [rows[n]["memory"][kind][rank] / 2**20 for n in names]
-            right.bar(x, values, width=width * 0.9, bottom=bottom, color=colors[kind],
-                      label=kind if rank == 0 else None, edgecolor="white", linewidth=0.5)
+            right.bar(
+                x,
+                values,
+                width=width * 0.9,
+                bottom=bottom,
+                color=colors[kind],
+                label=kind if rank == 0 else None,
+                edgecolor="white",
+                linewidth=0.5,
+            )
             bottom = [b + v for b, v in zip(bottom, values)]
         for xi, b in zip(x, bottom):
             right.text(xi, b, f"r{rank}", ha="center", va="bottom", fontsize=6)
@@ -817,6 +1032,7 @@ def plot(summary: dict, path: Path, title: str, notes: list[str]) -> None:
 
 # ---- main --------------------------------------------------------------------------------------------
 
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The docstring as written, the flags with their defaults."""
 
@@ -830,23 +1046,41 @@ def parse_flags() -> dict:
         if action.dest in UNUSED_FLAGS:
             action.help = argparse.SUPPRESS
     bench = parser.add_argument_group("benchmark")
-    bench.add_argument("--strategies", default=None,
-                       help="comma-separated keys or names (default: every available row): "
-                            + ", ".join(f"{s.key} ({s.name})" for s in STRATEGIES))
-    bench.add_argument("--rounds", type=int, default=21, help="timed rounds (plus one warm-up round)")
-    bench.add_argument("--steps-per-round", type=int, default=5, help="optimiser steps per row per round")
-    bench.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of every bucketing row")
-    bench.add_argument("--png", default=str(REPO_ROOT / "runs" / "bench" / "bench.png"),
-                       help="the plot; the numbers go beside it as .json")
-    bench.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout in seconds")
+    bench.add_argument(
+        "--strategies",
+        default=None,
+        help="comma-separated keys or names (default: every available row): "
+        + ", ".join(f"{s.key} ({s.name})" for s in STRATEGIES),
+    )
+    bench.add_argument(
+        "--rounds", type=int, default=21, help="timed rounds (plus one warm-up round)"
+    )
+    bench.add_argument(
+        "--steps-per-round", type=int, default=5, help="optimiser steps per row per round"
+    )
+    bench.add_argument(
+        "--bucket-cap-mb", type=float, default=25.0, help="bucket cap of every bucketing row"
+    )
+    bench.add_argument(
+        "--png",
+        default=str(REPO_ROOT / "runs" / "bench" / "bench.png"),
+        help="the plot; the numbers go beside it as .json",
+    )
+    bench.add_argument(
+        "--timeout-s", type=float, default=300.0, help="process-group timeout in seconds"
+    )
     config = parse_config(parser)
     if config["rounds"] < 1 or config["steps_per_round"] < 1:
         raise UserError("--rounds and --steps-per-round must be at least 1")
     if not config["timeout_s"] > 0:
         raise UserError(f"--timeout-s must be positive, got {config['timeout_s']:g}")
     if config["device"] == "cuda" or config["amp"] != "none":
-        raise UserError("compare/bench.py runs on the CPU with gloo, in float32: drop --device cuda / --amp")
-    from plot import check_figure_path  # compare/plot.py (matplotlib): a --png it cannot write fails now, not at the end
+        raise UserError(
+            "compare/bench.py runs on the CPU with gloo, in float32: drop --device cuda / --amp"
+        )
+    # compare/plot.py (matplotlib): a --png it cannot write fails now, not at the end
+    from plot import check_figure_path
+
     check_figure_path(Path(config["png"]), "--png")
     return config
 
@@ -860,7 +1094,9 @@ def main():
     rank, world_size, _, _ = distributed.world_from_env()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a world of one started without torchrun
     os.environ.setdefault("MASTER_PORT", "29500")
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=config["timeout_s"]))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=config["timeout_s"])
+    )
     strategies, build_notes = build(classes, config)
     if not strategies:
         raise UserError("no row could be built: " + "; ".join(build_notes))
@@ -877,18 +1113,33 @@ def main():
     alive = [name for name, ref in held if ref() is not None]
 
     if rank == 0:
-        header = (f"{world_size} ranks, gloo, {torch.get_num_threads()} thread(s) each, torch {torch.__version__}; "
-                  f"{config['rounds']} rounds x {config['steps_per_round']} steps (+1 warm-up round); global batch "
-                  f"{summary['tokens_per_step']:,} tokens ({config['micro_batch_size']} x {config['seq_len']} x "
-                  f"{config['grad_accum']} accum x {world_size} ranks); model {config['n_layer']}x{config['n_embd']}, "
-                  f"bucket cap {config['bucket_cap_mb']} MiB")
-        all_notes = notes + build_notes + ([f"still alive at shutdown: {', '.join(alive)}"] if alive else [])
+        header = (
+            f"{world_size} ranks, gloo, {torch.get_num_threads()} thread(s) each, torch {torch.__version__}; "
+            f"{config['rounds']} rounds x {config['steps_per_round']} steps (+1 warm-up round); global batch "
+            f"{summary['tokens_per_step']:,} tokens ({config['micro_batch_size']} x {config['seq_len']} x "
+            f"{config['grad_accum']} accum x {world_size} ranks); model {config['n_layer']}x{config['n_embd']}, "
+            f"bucket cap {config['bucket_cap_mb']} MiB"
+        )
+        all_notes = (
+            notes
+            + build_notes
+            + ([f"still alive at shutdown: {', '.join(alive)}"] if alive else [])
+        )
         print_report(summary, all_notes, header)
         png = Path(config["png"]).resolve()
         plot(summary, png, header, all_notes)
-        png.with_suffix(".json").write_text(json.dumps(
-            {"config": config, "world_size": world_size, "torch": torch.__version__, "notes": all_notes, **summary},
-            indent=1))
+        png.with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "config": config,
+                    "world_size": world_size,
+                    "torch": torch.__version__,
+                    "notes": all_notes,
+                    **summary,
+                },
+                indent=1,
+            )
+        )
         print(f"\nplot: {png}\nnumbers: {png.with_suffix('.json')}")
     distributed.shutdown()
 

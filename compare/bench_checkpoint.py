@@ -8,6 +8,7 @@ and reads the pause each save reports ("checkpoint step_k ...: training paused N
 of each run is left out (its folder and file creation are slower). Prints medians with the spread, and
 the resident memory the in-memory copy costs (the trainer's own rss column).
 """
+
 import re
 import statistics
 import subprocess
@@ -15,17 +16,37 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from launch import trainer_command  # noqa: E402  (puts common/ on the path)
 from parity import step_folders  # noqa: E402
-from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
-MODEL = ["--n-layer", "8", "--n-embd", "512", "--n-head", "8", "--micro-batch-size", "2", "--grad-accum", "1",
-         "--seq-len", "64", "--steps", "8", "--save-every", "2", "--timeout-s", "120"]
+MODEL = [
+    "--n-layer",
+    "8",
+    "--n-embd",
+    "512",
+    "--n-head",
+    "8",
+    "--micro-batch-size",
+    "2",
+    "--grad-accum",
+    "1",
+    "--seq-len",
+    "64",
+    "--steps",
+    "8",
+    "--save-every",
+    "2",
+    "--timeout-s",
+    "120",
+]
 
 
 def one_run(step: str, nproc: int, out: Path, async_save: bool) -> tuple[list[float], float]:
     args = [*MODEL, "--out", str(out), *(["--async-save"] if async_save else [])]
-    result = subprocess.run(trainer_command(step, nproc, args), capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(
+        trainer_command(step, nproc, args), capture_output=True, text=True, timeout=1800
+    )
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     if errors:  # the trainer refused its flags: its own line says why
         raise UserError(f"{step} failed (exit {result.returncode}): {errors[0]}")
@@ -52,13 +73,17 @@ def main():
     pauses, peaks = {False: [], True: []}, {False: [], True: []}
     for _ in range(args.rounds):
         for async_save in (False, True):
-            p, rss = one_run(step, args.nproc, args.out / ("async" if async_save else "sync"), async_save)
+            p, rss = one_run(
+                step, args.nproc, args.out / ("async" if async_save else "sync"), async_save
+            )
             pauses[async_save] += p
             peaks[async_save].append(rss)
     for async_save, name in ((False, "written in the foreground"), (True, "--async-save")):
         p = sorted(pauses[async_save])
-        print(f"{name:26s} pause median {statistics.median(p):7.0f} ms (min {p[0]:.0f}, max {p[-1]:.0f}, "
-              f"{len(p)} saves), peak rss {statistics.median(peaks[async_save]):.0f} MiB")
+        print(
+            f"{name:26s} pause median {statistics.median(p):7.0f} ms (min {p[0]:.0f}, max {p[-1]:.0f}, "
+            f"{len(p)} saves), peak rss {statistics.median(peaks[async_save]):.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ A bandwidth-optimal reduce-scatter (the first half of a ring all-reduce) moves (
 buffer per rank and should take about half an all-reduce's time; an all-gather the other half.
 The medians say how close gloo's implementations come to that on this machine.
 """
+
 import argparse
 import os
 import statistics
@@ -17,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+# config.py, as every step has it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 
@@ -33,14 +35,21 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def main():
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mib", type=float, default=8.0, help="buffer size per rank (MiB, float32)")
+    parser = OneLineParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--mib", type=float, default=8.0, help="buffer size per rank (MiB, float32)"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     if not args.mib > 0 or args.repeats < 1:
         raise UserError("--mib must be positive and --repeats at least 1")
-    if "RANK" not in os.environ:  # torchrun tells each rank its place; without it there is no group to join
-        raise UserError("start it under torchrun: torchrun --standalone --nproc_per_node=2 compare/bench_collectives.py")
+    # torchrun tells each rank its place; without it there is no group to join
+    if "RANK" not in os.environ:
+        raise UserError(
+            "start it under torchrun: torchrun --standalone --nproc_per_node=2 compare/bench_collectives.py"
+        )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     n = dist.get_world_size()
@@ -56,11 +65,15 @@ def main():
     }
     if dist.get_rank() == 0:
         ar = statistics.median(results["all_reduce"])
-        print(f"gloo, {n} ranks, {numel * 4 / 2**20:.1f} MiB float32 per rank, {args.repeats} repeats")
+        print(
+            f"gloo, {n} ranks, {numel * 4 / 2**20:.1f} MiB float32 per rank, {args.repeats} repeats"
+        )
         print(f"{'collective':<24} {'median':>9} {'min':>9} {'max':>9} {'/ all_reduce':>13}")
         for name, t in results.items():
             m = statistics.median(t)
-            print(f"{name:<24} {m * 1e3:>7.2f}ms {min(t) * 1e3:>7.2f}ms {max(t) * 1e3:>7.2f}ms {m / ar:>13.2f}")
+            print(
+                f"{name:<24} {m * 1e3:>7.2f}ms {min(t) * 1e3:>7.2f}ms {max(t) * 1e3:>7.2f}ms {m / ar:>13.2f}"
+            )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -8,6 +8,7 @@ On a CPU, ``torch._scaled_mm`` is an emulation (the 8-bit operands widened, then
 slower there, not faster: the CPU's ratio says what the casts and the emulation cost, nothing about a GPU.
 Prints a table and one JSON line (milliseconds per forward + backward).
 """
+
 import copy
 import json
 import statistics
@@ -22,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from fp8 import RECIPES, convert_to_fp8  # noqa: E402
 
-GPT2_SMALL = "768x768,768x3072,3072x768"  # a block's linears: attention projections, MLP up, MLP down
+# a block's linears: attention projections, MLP up, MLP down
+GPT2_SMALL = "768x768,768x3072,3072x768"
 
 
 def layers(in_f: int, out_f: int, device) -> dict:
@@ -33,10 +35,17 @@ def layers(in_f: int, out_f: int, device) -> dict:
     base = torch.nn.Linear(in_f, out_f, device=device)
     rows = {"nn.Linear float32": (base, None), "nn.Linear bf16 autocast": (base, torch.bfloat16)}
     for recipe in RECIPES:
-        rows[f"ours {recipe}"] = (convert_to_fp8(torch.nn.Sequential(copy.deepcopy(base)), recipe), torch.bfloat16)
-        rows[f"torchao {recipe}"] = (convert_to_float8_training(
-            torch.nn.Sequential(copy.deepcopy(base)), config=Float8LinearConfig.from_recipe_name(recipe)),
-            torch.bfloat16)
+        rows[f"ours {recipe}"] = (
+            convert_to_fp8(torch.nn.Sequential(copy.deepcopy(base)), recipe),
+            torch.bfloat16,
+        )
+        rows[f"torchao {recipe}"] = (
+            convert_to_float8_training(
+                torch.nn.Sequential(copy.deepcopy(base)),
+                config=Float8LinearConfig.from_recipe_name(recipe),
+            ),
+            torch.bfloat16,
+        )
     return rows
 
 
@@ -56,17 +65,25 @@ def time_once(module, dtype, x, device) -> float:
 def main():
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=GPT2_SMALL, help="in x out of each layer, comma-separated")
-    p.add_argument("--tokens", type=int, default=1024, help="rows of the input (micro-batch x sequence)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
+    p.add_argument(
+        "--tokens", type=int, default=1024, help="rows of the input (micro-batch x sequence)"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds; the median is reported"
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
     try:
         shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
         assert all(len(s) == 2 for s in shapes)
     except (ValueError, AssertionError):
-        raise UserError(f"--shapes {args.shapes}: give IN x OUT pairs like 768x3072,3072x768") from None
+        raise UserError(
+            f"--shapes {args.shapes}: give IN x OUT pairs like 768x3072,3072x768"
+        ) from None
     if args.tokens % 16 or any(n % 16 for s in shapes for n in s) or args.rounds < 1:
-        raise UserError("--tokens and every size in --shapes must be multiples of 16 (FP8 GEMMs), --rounds at least 1")
+        raise UserError(
+            "--tokens and every size in --shapes must be multiples of 16 (FP8 GEMMs), --rounds at least 1"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
     device = torch.device(args.device)
@@ -83,13 +100,19 @@ def main():
                 times[name].append(time_once(module, dtype, x, device))
         results[f"{in_f}x{out_f}"] = {name: statistics.median(t) for name, t in times.items()}
     kind = "emulated on the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"forward + backward of one linear, {args.tokens} tokens, ms (median of {args.rounds}; FP8 {kind})")
+    print(
+        f"forward + backward of one linear, {args.tokens} tokens, ms (median of {args.rounds}; FP8 {kind})"
+    )
     names = list(next(iter(results.values())))
     print("| shape | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for shape, row in results.items():
         base = row["nn.Linear bf16 autocast"]
-        print(f"| {shape} | " + " | ".join(f"{row[n]:.1f} ({row[n] / base:.2f}x)" for n in names) + " |")
+        print(
+            f"| {shape} | "
+            + " | ".join(f"{row[n]:.1f} ({row[n] / base:.2f}x)" for n in names)
+            + " |"
+        )
     print(json.dumps({"device": kind, "tokens": args.tokens, "ms": results}))
 
 

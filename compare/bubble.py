@@ -18,6 +18,7 @@ so each stage has a "device" of its own however few the cores: one layer whose f
 output (B) F and of its weight (W) F (a whole backward B + W; the interleaved schedule's chunks F / 2 each). The
 idle fractions of the second step then measure the schedule against its formula.
 """
+
 import argparse
 import json
 import os
@@ -26,7 +27,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+# config.py, as every step has it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from launch import run_trainer, spawn_ranks  # noqa: E402
 
@@ -75,6 +77,7 @@ def simulated(rank: int, world_size: int, port: int, args) -> list:
     sys.path.insert(0, str(REPO_ROOT / STEP))
     import torch
     import torch.distributed as dist
+
     from pipeline import Pipeline, ideal_bubble
     from pipeline_trace import idle_fractions
 
@@ -84,46 +87,99 @@ def simulated(rank: int, world_size: int, port: int, args) -> list:
     P, rows = world_size, []
     for schedule in args.schedules:
         for m in args.micro_batches:
-            if schedule == "interleaved-1f1b" and (m % P or P < 2) or schedule == "zero-bubble" and P < 2:
+            if (
+                schedule == "interleaved-1f1b"
+                and (m % P or P < 2)
+                or schedule == "zero-bubble"
+                and P < 2
+            ):
                 continue
             chunks = 2 if schedule == "interleaved-1f1b" else 1
             stages = [sleepy_stage(args.simulate_ms / 1e3 / chunks) for _ in range(chunks)]
-            pipe = Pipeline(stages if chunks > 1 else stages[0], rank, P, (1, WIDTH),
-                            loss_fn=torch.nn.functional.mse_loss, schedule=schedule)
+            pipe = Pipeline(
+                stages if chunks > 1 else stages[0],
+                rank,
+                P,
+                (1, WIDTH),
+                loss_fn=torch.nn.functional.mse_loss,
+                schedule=schedule,
+            )
             data = [torch.randn(1, WIDTH) for _ in range(m)]
             for step in range(2):
                 pipe.timeline = [] if step == 1 else None
                 dist.barrier()
-                pipe.run(m, inputs=data if rank == 0 else None, targets=data if rank == P - 1 else None)
+                pipe.run(
+                    m, inputs=data if rank == 0 else None, targets=data if rank == P - 1 else None
+                )
                 pipe.finish_gradient_synchronization()
             everyone = [None] * P
-            dist.all_gather_object(everyone, (pipe.timeline, pipe.take_peak_in_flight(), pipe.peak_deferred))
-            rows.append({"schedule": schedule, "stages": P, "micro_batches": m, "held": [e[1] for e in everyone],
-                         "waiting": [e[2] for e in everyone], "idle": idle_fractions([e[0] for e in everyone]),
-                         "ideal": ideal_bubble(schedule, P, m, chunks)})
+            dist.all_gather_object(
+                everyone, (pipe.timeline, pipe.take_peak_in_flight(), pipe.peak_deferred)
+            )
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "stages": P,
+                    "micro_batches": m,
+                    "held": [e[1] for e in everyone],
+                    "waiting": [e[2] for e in everyone],
+                    "idle": idle_fractions([e[0] for e in everyone]),
+                    "ideal": ideal_bubble(schedule, P, m, chunks),
+                }
+            )
     dist.destroy_process_group()
     return rows
 
 
-ACTIVATION = 4 * 64 * 128 * 4  # MODEL's micro-batch x sequence x width, float32: one message's bytes
-MODEL = ["--n-layer", "8", "--n-embd", "128", "--n-head", "4", "--seq-len", "64", "--micro-batch-size", "4",
-         "--steps", "3", "--save-every", "0", "--quiet", "--trace"]
+# MODEL's micro-batch x sequence x width, float32: one message's bytes
+ACTIVATION = 4 * 64 * 128 * 4
+MODEL = [
+    "--n-layer",
+    "8",
+    "--n-embd",
+    "128",
+    "--n-head",
+    "4",
+    "--seq-len",
+    "64",
+    "--micro-batch-size",
+    "4",
+    "--steps",
+    "3",
+    "--save-every",
+    "0",
+    "--quiet",
+    "--trace",
+]
 
 
 def main() -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs" / "bubble")
     parser.add_argument("--png", type=Path, default=REPO_ROOT / "runs" / "plots" / "bubble.png")
-    parser.add_argument("--simulate-ms", type=float, default=None, metavar="F",
-                        help="stages that sleep F ms a forward, B and W (the schedules alone; see above)")
+    parser.add_argument(
+        "--simulate-ms",
+        type=float,
+        default=None,
+        metavar="F",
+        help="stages that sleep F ms a forward, B and W (the schedules alone; see above)",
+    )
     args, extra = parser.parse_known_args()
-    if (any(not 1 <= p <= 4 for p in args.stages) or any(m < 1 for m in args.micro_batches)
-            or args.simulate_ms is not None and not args.simulate_ms > 0):
-        raise UserError("--stages must be 1 to 4 (the runs share this machine's cores), --micro-batches at least 1 "
-                        "and --simulate-ms positive")
+    if (
+        any(not 1 <= p <= 4 for p in args.stages)
+        or any(m < 1 for m in args.micro_batches)
+        or args.simulate_ms is not None
+        and not args.simulate_ms > 0
+    ):
+        raise UserError(
+            "--stages must be 1 to 4 (the runs share this machine's cores), --micro-batches at least 1 "
+            "and --simulate-ms positive"
+        )
     if args.png.suffix != ".png":
         raise UserError(f"--png {args.png}: name a .png file")
     results = []
@@ -135,57 +191,113 @@ def main() -> int:
             for m in args.micro_batches:
                 interleaved = schedule == "interleaved-1f1b"
                 if interleaved and (m % stages or stages < 2):
-                    print(f"skipping {schedule} P={stages} M={m}: it runs whole rounds of P >= 2 micro-batches")
+                    print(
+                        f"skipping {schedule} P={stages} M={m}: it runs whole rounds of P >= 2 micro-batches"
+                    )
                     continue
                 out = args.runs_dir / f"{schedule}_p{stages}_m{m}"
                 print(f"running {schedule} P={stages} M={m} ...", flush=True)
                 chunks = ["--virtual-stages", str(VIRTUAL)] if interleaved else []
-                run_trainer(STEP, stages, [*MODEL, "--grad-accum", str(m), "--schedule", schedule, *chunks,
-                                           "--out", str(out), *extra], out / "train.log")
+                run_trainer(
+                    STEP,
+                    stages,
+                    [
+                        *MODEL,
+                        "--grad-accum",
+                        str(m),
+                        "--schedule",
+                        schedule,
+                        *chunks,
+                        "--out",
+                        str(out),
+                        *extra,
+                    ],
+                    out / "train.log",
+                )
                 bubble = json.loads((out / "bubble.json").read_text())
                 last = json.loads((out / "metrics.json").read_text())["records"][-1]
                 held = [memory["micro_batches_in_flight"] for memory in last["memory"]]
-                sent = [c.get("p2p activations", 0) + c.get("p2p activation gradients", 0) for c in last["comm"]]
+                sent = [
+                    c.get("p2p activations", 0) + c.get("p2p activation gradients", 0)
+                    for c in last["comm"]
+                ]
                 results.append({"schedule": schedule, **bubble, "held": held, "sent": sent})
 
     cores = os.cpu_count()
-    compute = f"compute simulated, {args.simulate_ms:g} ms" if args.simulate_ms else f"{cores} CPU cores"
-    print(f"\nidle fraction of the last step per stage vs its schedule's (ideal); micro-batches (interleaved: "
-          f"chunk micro-batches) held at once ({compute})")
-    print(f"{'schedule':<16} {'P':>2} {'M':>2} {'ideal':>6}  {'idle per stage':<28} {'held per stage':<14} formula")
+    compute = (
+        f"compute simulated, {args.simulate_ms:g} ms" if args.simulate_ms else f"{cores} CPU cores"
+    )
+    print(
+        f"\nidle fraction of the last step per stage vs its schedule's (ideal); micro-batches (interleaved: "
+        f"chunk micro-batches) held at once ({compute})"
+    )
+    print(
+        f"{'schedule':<16} {'P':>2} {'M':>2} {'ideal':>6}  {'idle per stage':<28} {'held per stage':<14} formula"
+    )
     for r in results:
         p, m = r["stages"], r["micro_batches"]
-        formula = {"gpipe": [m] * p, "1f1b": [min(p - s, m) for s in range(p)],
-                   "interleaved-1f1b": [min((VIRTUAL - 1) * p + 2 * (p - s - 1) + 1, m * VIRTUAL) for s in range(p)],
-                   "zero-bubble": [min(p, m)] * p}
+        formula = {
+            "gpipe": [m] * p,
+            "1f1b": [min(p - s, m) for s in range(p)],
+            "interleaved-1f1b": [
+                min((VIRTUAL - 1) * p + 2 * (p - s - 1) + 1, m * VIRTUAL) for s in range(p)
+            ],
+            "zero-bubble": [min(p, m)] * p,
+        }
         formula = formula[r["schedule"]]
         idle = " ".join(f"{f:.2f}" for f in r["idle"])
         waiting = ""
-        if "sent" in r:  # activations out and gradients back, B S h x 4 bytes each, V times interleaved
+        # activations out and gradients back, B S h x 4 bytes each, V times interleaved
+        if "sent" in r:
             chunks = VIRTUAL if r["schedule"] == "interleaved-1f1b" else 1
             sent = [m * ACTIVATION * (2 * chunks - (s == p - 1) - (s == 0)) for s in range(p)]
-            waiting = "; p2p bytes = formula" if r["sent"] == sent else f"; p2p bytes {r['sent']} differ from {sent}"
-        if r["schedule"] == "zero-bubble" and "waiting" in r:  # W's deferred at once: min(s + 1, M) on stage s
+            waiting = (
+                "; p2p bytes = formula"
+                if r["sent"] == sent
+                else f"; p2p bytes {r['sent']} differ from {sent}"
+            )
+        # W's deferred at once: min(s + 1, M) on stage s
+        if r["schedule"] == "zero-bubble" and "waiting" in r:
             waiting = [min(s + 1, m) for s in range(p)]
             waiting = f"; W's waiting {r['waiting']}, formula {waiting}{'' if r['waiting'] == waiting else ' differs'}"
-        print(f"{r['schedule']:<16} {p:>2} {m:>2} {r['ideal']:>6.2f}  {idle:<28} {str(r['held']):<14} {formula}"
-              f"{'' if r['held'] == formula else '  <-- differs'}{waiting}")
+        print(
+            f"{r['schedule']:<16} {p:>2} {m:>2} {r['ideal']:>6.2f}  {idle:<28} {str(r['held']):<14} {formula}"
+            f"{'' if r['held'] == formula else '  <-- differs'}{waiting}"
+        )
 
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(args.stages), figsize=(5 * len(args.stages), 3.6), dpi=110, squeeze=False)
+
+    fig, axes = plt.subplots(
+        1, len(args.stages), figsize=(5 * len(args.stages), 3.6), dpi=110, squeeze=False
+    )
     for ax, p in zip(axes[0], args.stages):
         ms = sorted(args.micro_batches)
         ax.plot(ms, [(p - 1) / (m + p - 1) for m in ms], "k--", label="(P-1)/(M+P-1)")
-        ax.plot(ms, [(p - 1) / (VIRTUAL * m + p - 1) for m in ms], "k:", label=f"(P-1)/({VIRTUAL}M+P-1)")
+        ax.plot(
+            ms, [(p - 1) / (VIRTUAL * m + p - 1) for m in ms], "k:", label=f"(P-1)/({VIRTUAL}M+P-1)"
+        )
         ax.plot(ms, [(p - 1) / (3 * m + p - 1) for m in ms], "k-.", label="(P-1)/(3M+P-1)")
-        for schedule, marker in (("gpipe", "o"), ("1f1b", "s"), ("interleaved-1f1b", "^"), ("zero-bubble", "D")):
-            rows = sorted((r for r in results if r["schedule"] == schedule and r["stages"] == p),
-                          key=lambda r: r["micro_batches"])
+        for schedule, marker in (
+            ("gpipe", "o"),
+            ("1f1b", "s"),
+            ("interleaved-1f1b", "^"),
+            ("zero-bubble", "D"),
+        ):
+            rows = sorted(
+                (r for r in results if r["schedule"] == schedule and r["stages"] == p),
+                key=lambda r: r["micro_batches"],
+            )
             if rows:
                 mean = [sum(r["idle"]) / p for r in rows]
-                ax.plot([r["micro_batches"] for r in rows], mean, marker=marker, label=f"{schedule}: mean over stages")
+                ax.plot(
+                    [r["micro_batches"] for r in rows],
+                    mean,
+                    marker=marker,
+                    label=f"{schedule}: mean over stages",
+                )
         ax.set_xscale("log", base=2)
         ax.set_xticks(ms, [str(m) for m in ms])
         ax.set_xlabel("micro-batches M")

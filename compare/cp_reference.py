@@ -12,6 +12,7 @@ CPU only the ring runs. The comparison is with attention computed whole, not bit
 partial softmaxes in different orders and kernels (step 11's bitwise proof is against its blockwise reference in
 ``tests/test_context_parallel.py``). With one GPU the ranks share it over gloo; with more, nccl, one GPU a rank.
 """
+
 import argparse
 import os
 import statistics
@@ -34,8 +35,10 @@ NAMES = ("output", "dq", "dk", "dv")
 
 def relative_errors(got: list, exact: list) -> dict:
     """max |got - exact| / max |exact| of each tensor: a bf16 result is about 2^-8 off, float32's about 2^-23."""
-    return {name: ((g.float() - e.float()).abs().max() / e.float().abs().max()).item()
-            for name, g, e in zip(NAMES, got, exact)}
+    return {
+        name: ((g.float() - e.float()).abs().max() / e.float().abs().max()).item()
+        for name, g, e in zip(NAMES, got, exact)
+    }
 
 
 def forward_backward(attention, q, k, v, dout) -> list:
@@ -70,37 +73,52 @@ def timed(fn, repeats: int, device: torch.device) -> tuple[float, int]:
 
 def compare(rank: int, world_size: int, port: int, config: dict) -> dict:
     torch.set_num_threads(1)
-    device = torch.device(config["device"], rank % max(torch.cuda.device_count(), 1)) if config["device"] == "cuda" \
+    device = (
+        torch.device(config["device"], rank % max(torch.cuda.device_count(), 1))
+        if config["device"] == "cuda"
         else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() >= world_size else "gloo"
+    backend = (
+        "nccl" if device.type == "cuda" and torch.cuda.device_count() >= world_size else "gloo"
+    )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
     from context_parallel import RingAttention, shard_positions
+
     b, h, s, d = config["batch"], config["heads"], config["seq_len"], config["head_dim"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator().manual_seed(0)  # every rank: the same whole tensors
     q, k, v, dout = (torch.randn(b, h, s, d, generator=g).to(device, dtype) for _ in range(4))
 
     positions = shard_positions(s, rank, world_size, "zigzag").to(device)
-    whole = forward_backward(causal_sdpa, *(t.float() for t in (q, k, v, dout)))  # the whole sequence, float32
+    # the whole sequence, float32
+    whole = forward_backward(causal_sdpa, *(t.float() for t in (q, k, v, dout)))
     exact = [t.index_select(2, positions) for t in whole]
     del whole
-    local = [t.index_select(2, positions) for t in (q, k, v, dout)]  # this rank's positions, as step 11 keeps them
+    # this rank's positions, as step 11 keeps them
+    local = [t.index_select(2, positions) for t in (q, k, v, dout)]
 
     def ours():
         return forward_backward(lambda *qkv: RingAttention.apply(*qkv, None, "zigzag"), *local)
+
     result = {"backend": backend, "ours": relative_errors(ours(), exact)}
     result["ours_ms"], result["ours_peak"] = timed(ours, config["repeats"], device)
 
     if device.type != "cuda":
-        result["theirs"] = "not run: PyTorch's context_parallel needs flash or efficient SDPA, CUDA's kernels"
+        result["theirs"] = (
+            "not run: PyTorch's context_parallel needs flash or efficient SDPA, CUDA's kernels"
+        )
     else:
         try:
             result.update(theirs(q, k, v, dout, exact, world_size, config["repeats"], device))
         except Exception as error:  # noqa: BLE001 (the report says why it could not run)
-            result["theirs"] = f"could not run: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            result["theirs"] = (
+                f"could not run: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            )
     dist.barrier()
     dist.destroy_process_group()
     return result
@@ -110,13 +128,17 @@ def theirs(q, k, v, dout, exact, world_size: int, repeats: int, device) -> dict:
     """PyTorch's context_parallel on the same tensors: SDPA inside the context on the buffers it shards."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.experimental import context_parallel
+
     mesh = DeviceMesh(device.type, list(range(world_size)))
     buffers = [t.clone() for t in (q, k, v, dout)]
-    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(buffers)):
+    with context_parallel(
+        mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(buffers)
+    ):
         cq, ck, cv, cdout = buffers  # now this rank's chunks, laid out as step 11's zig-zag
 
         def run():
             return forward_backward(causal_sdpa, cq, ck, cv, cdout)  # SDPA here is PyTorch's ring
+
         errors = relative_errors(run(), exact)
         ms, peak = timed(run, repeats, device)
     return {"theirs": errors, "theirs_ms": ms, "theirs_peak": peak}
@@ -126,13 +148,18 @@ def report(results: dict, config: dict) -> tuple[str, bool]:
     """A markdown table, and whether the ring is as close to whole attention as the bound allows on every rank, and,
     where PyTorch's ring ran, within twice its error (or bf16's 2^-8 where PyTorch's is smaller still)."""
     first = results[0]
-    bound = 2**-5 if config["device"] == "cuda" else 1e-5  # bf16 inputs on a GPU; float32 on the CPU
-    lines = [f"C = {len(results)} ranks ({first['backend']}), batch {config['batch']}, {config['heads']} heads of "
-             f"{config['head_dim']}, {config['seq_len']:,} tokens, causal, "
-             f"{'bf16' if config['device'] == 'cuda' else 'float32'}; max |error| / max |whole attention's| over "
-             "the ranks, forward and backward; ms and CUDA peak per rank, medians of "
-             f"{config['repeats']} forward + backward", "",
-             "| | output | dq | dk | dv | ms | peak MB |", "|---|---|---|---|---|---|---|"]
+    # bf16 inputs on a GPU; float32 on the CPU
+    bound = 2**-5 if config["device"] == "cuda" else 1e-5
+    lines = [
+        f"C = {len(results)} ranks ({first['backend']}), batch {config['batch']}, {config['heads']} heads of "
+        f"{config['head_dim']}, {config['seq_len']:,} tokens, causal, "
+        f"{'bf16' if config['device'] == 'cuda' else 'float32'}; max |error| / max |whole attention's| over "
+        "the ranks, forward and backward; ms and CUDA peak per rank, medians of "
+        f"{config['repeats']} forward + backward",
+        "",
+        "| | output | dq | dk | dv | ms | peak MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     ok = True
     for who, label in (("ours", "step 11's ring"), ("theirs", "PyTorch's context_parallel")):
         if isinstance(first[who], str):
@@ -141,21 +168,36 @@ def report(results: dict, config: dict) -> tuple[str, bool]:
         worst = {name: max(r[who][name] for r in results.values()) for name in NAMES}
         ms = max(r[f"{who}_ms"] for r in results.values())
         peak = max(r[f"{who}_peak"] for r in results.values()) / 2**20
-        lines.append(f"| {label} | " + " | ".join(f"{worst[n]:.2e}" for n in NAMES) + f" | {ms:.2f} | {peak:,.1f} |")
+        lines.append(
+            f"| {label} | "
+            + " | ".join(f"{worst[n]:.2e}" for n in NAMES)
+            + f" | {ms:.2f} | {peak:,.1f} |"
+        )
         if who == "ours":
             ok &= all(e < bound for e in worst.values())
         elif not isinstance(first["theirs"], str):
-            ok &= all(results[r]["ours"][n] <= max(2 * results[r]["theirs"][n], 2**-8) for r in results
-                      for n in NAMES)
+            ok &= all(
+                results[r]["ours"][n] <= max(2 * results[r]["theirs"][n], 2**-8)
+                for r in results
+                for n in NAMES
+            )
     lines.append("")
-    lines.append(f"Ours within {bound:.0e} of whole attention on every rank"
-                 + (", and within twice PyTorch's ring's error" if not isinstance(first["theirs"], str) else "")
-                 + f": {'yes' if ok else 'NO'}")
+    lines.append(
+        f"Ours within {bound:.0e} of whole attention on every rank"
+        + (
+            ", and within twice PyTorch's ring's error"
+            if not isinstance(first["theirs"], str)
+            else ""
+        )
+        + f": {'yes' if ok else 'NO'}"
+    )
     return "\n".join(lines), ok
 
 
 def main() -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--cp", type=int, default=2, help="ranks of the ring")
     parser.add_argument("--batch", type=int, default=1)
@@ -167,7 +209,9 @@ def main() -> int:
     if config["device"] == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
     from context_parallel import check_context_parallel
-    check_context_parallel(config, config["cp"])  # step 11's own check: 2 x cp chunks of the sequence
+
+    # step 11's own check: 2 x cp chunks of the sequence
+    check_context_parallel(config, config["cp"])
     text, ok = report(spawn_ranks(compare, config["cp"], config, timeout=600), config)
     print(text)
     return 0 if ok else 1

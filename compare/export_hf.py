@@ -31,6 +31,7 @@ The mapping, rule by rule (our names: common/model.py; theirs: ``transformers``'
 A mixture-of-experts run (``--moe-experts``) is refused until step 12's export exists; an ``OUT`` that holds
 files is refused (nothing saved is overwritten). The logits' agreement, measured: README.md and docs/interop.md.
 """
+
 import argparse
 import json
 import os
@@ -43,35 +44,67 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+# config.py, as every step has it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 import parity  # noqa: E402
 import sample  # noqa: E402
 from config import OneLineParser, UserError, check_writable_folder, exit_on_user_error  # noqa: E402
 
 EOS = "<|endoftext|>"  # data/train_tokenizer.py's one special token
 # Ours -> theirs inside block i, for the tensors rules 1 and 2 cover (rule 3: c_q, c_k, c_v -> c_attn).
-SAME = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias", "mlp.c_fc.bias",
-        "mlp.c_proj.bias")
+SAME = (
+    "ln_1.weight",
+    "ln_1.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "attn.c_proj.bias",
+    "mlp.c_fc.bias",
+    "mlp.c_proj.bias",
+)
 TRANSPOSED = ("attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-TOP = ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias")
+TOP = (
+    "transformer.wte.weight",
+    "transformer.wpe.weight",
+    "transformer.ln_f.weight",
+    "transformer.ln_f.bias",
+)
 
 
 def hugging_face_config(config: dict, vocab_size: int, eos_id: int | None) -> dict:
     """``config.json`` of ``transformers``' GPT-2 for a run's ``config`` (rule 5); ``GPT2Config(**it)`` takes it."""
     dropout = config.get("dropout", 0.0)
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
-            "n_positions": config["seq_len"], "n_embd": config["n_embd"], "n_layer": config["n_layer"],
-            "n_head": config["n_head"], "n_inner": None, "activation_function": "gelu_new",
-            "layer_norm_epsilon": 1e-5, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False, "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout,
-            "initializer_range": 0.02, "tie_word_embeddings": True, "bos_token_id": eos_id, "eos_token_id": eos_id,
-            "pad_token_id": eos_id, "dtype": "float32"}
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size,
+        "n_positions": config["seq_len"],
+        "n_embd": config["n_embd"],
+        "n_layer": config["n_layer"],
+        "n_head": config["n_head"],
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "resid_pdrop": dropout,
+        "embd_pdrop": dropout,
+        "attn_pdrop": dropout,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": eos_id,
+        "dtype": "float32",
+    }
 
 
 def hugging_face_weights(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our GPT-2's tensors (``named_parameters()``' names, the tied weight once; or their gradients: the mapping is
     linear) under ``GPT2LMHeadModel``'s names and layouts (rules 1-4). Refuses tensors GPT-2 does not have."""
-    layers = sorted({int(m.group(1)) for n in ours if (m := re.match(r"transformer\.h\.(\d+)\.", n))})
+    layers = sorted(
+        {int(m.group(1)) for n in ours if (m := re.match(r"transformer\.h\.(\d+)\.", n))}
+    )
     theirs, used = {}, set()
 
     def take(name):
@@ -88,12 +121,18 @@ def hugging_face_weights(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             theirs[f"{block}.{name}"] = take(f"{block}.{name}")
         for name in TRANSPOSED:
             theirs[f"{block}.{name}"] = take(f"{block}.{name}").t().contiguous()
-        theirs[f"{block}.attn.c_attn.weight"] = torch.cat([take(f"{block}.attn.c_{x}.weight").t() for x in "qkv"], 1)
-        theirs[f"{block}.attn.c_attn.bias"] = torch.cat([take(f"{block}.attn.c_{x}.bias") for x in "qkv"])
+        theirs[f"{block}.attn.c_attn.weight"] = torch.cat(
+            [take(f"{block}.attn.c_{x}.weight").t() for x in "qkv"], 1
+        )
+        theirs[f"{block}.attn.c_attn.bias"] = torch.cat(
+            [take(f"{block}.attn.c_{x}.bias") for x in "qkv"]
+        )
     extra = sorted(set(ours) - used)
     if extra or layers != list(range(len(layers))):
-        raise UserError(f"the weights hold {', '.join(extra[:3]) or 'blocks out of order'}, which GPT-2 does not "
-                        "have: they are not common/model.py's dense GPT-2")
+        raise UserError(
+            f"the weights hold {', '.join(extra[:3]) or 'blocks out of order'}, which GPT-2 does not "
+            "have: they are not common/model.py's dense GPT-2"
+        )
     return theirs
 
 
@@ -101,29 +140,41 @@ def tokenizer_config(seq_len: int, has_eos: bool) -> dict:
     """``tokenizer_config.json``: the fast tokenizer built from ``tokenizer.json`` as it is (rule 6); no clean-up
     of spaces when decoding, so the text is what ``tokenizers`` decodes."""
     specials = {"bos_token": EOS, "eos_token": EOS, "pad_token": EOS} if has_eos else {}
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len, "add_prefix_space": False,
-            "clean_up_tokenization_spaces": False, **specials}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": seq_len,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        **specials,
+    }
 
 
 def check_exportable(name: str) -> tuple[Path, dict]:
     """The run folder and its metrics, or a ``UserError`` saying why it cannot be exported."""
-    run, metrics = parity.load_run(name)  # not a run, cut short, another schema, unfinished: its own lines
+    # not a run, cut short, another schema, unfinished: its own lines
+    run, metrics = parity.load_run(name)
     experts = metrics["config"].get("moe_experts") or 0
     if experts > 0:
-        raise UserError(f"{run} is a mixture-of-experts run (--moe-experts {experts}); export_hf.py writes dense "
-                        "GPT-2 only, until step 12's export exists: export a run trained without --moe-experts")
+        raise UserError(
+            f"{run} is a mixture-of-experts run (--moe-experts {experts}); export_hf.py writes dense "
+            "GPT-2 only, until step 12's export exists: export a run trained without --moe-experts"
+        )
     weights = metrics["final"].get("weights")
     if not weights or not (run / weights).is_file():
-        raise UserError(f"{run} has no final weights ({run / (weights or 'model.safetensors')} not found); run it "
-                        "to the end (or --resume it), then export")
+        raise UserError(
+            f"{run} has no final weights ({run / (weights or 'model.safetensors')} not found); run it "
+            "to the end (or --resume it), then export"
+        )
     return run, metrics
 
 
 def check_out(out: Path) -> None:
     """An ``OUT`` that does not exist or is an empty folder: nothing saved is ever overwritten."""
     if out.is_dir() and any(out.iterdir()):
-        raise UserError(f"{out} exists and is not empty; export into a new or empty folder (nothing saved is "
-                        "overwritten)")
+        raise UserError(
+            f"{out} exists and is not empty; export into a new or empty folder (nothing saved is "
+            "overwritten)"
+        )
     check_writable_folder(out, f"exporting into {out}")
 
 
@@ -132,7 +183,8 @@ def export(name: str, out: Path | None = None) -> Path:
     run, metrics = check_exportable(name)
     out = Path(out) if out is not None else run / "hf"
     check_out(out)
-    model, tokenizer, config = sample.load_trained_model(str(run))  # the tokenizer checked against the run
+    # the tokenizer checked against the run
+    model, tokenizer, config = sample.load_trained_model(str(run))
     eos = tokenizer.token_to_id(EOS)
     weights = hugging_face_weights({n: p.detach() for n, p in model.named_parameters()})
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -140,11 +192,22 @@ def export(name: str, out: Path | None = None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        files = {"config.json": {**hugging_face_config(config, tokenizer.get_vocab_size(), eos),
-                                 "exported_from": {"run": str(run), "weights_sha256": metrics["final"].get("sha256")}},
-                 "generation_config.json": {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos,
-                                            "max_length": config["seq_len"]},
-                 "tokenizer_config.json": tokenizer_config(config["seq_len"], eos is not None)}
+        files = {
+            "config.json": {
+                **hugging_face_config(config, tokenizer.get_vocab_size(), eos),
+                "exported_from": {
+                    "run": str(run),
+                    "weights_sha256": metrics["final"].get("sha256"),
+                },
+            },
+            "generation_config.json": {
+                "bos_token_id": eos,
+                "eos_token_id": eos,
+                "pad_token_id": eos,
+                "max_length": config["seq_len"],
+            },
+            "tokenizer_config.json": tokenizer_config(config["seq_len"], eos is not None),
+        }
         for file, content in files.items():
             (staging / file).write_text(json.dumps(content, indent=2) + "\n")
         shutil.copyfile(config["tokenizer"], staging / "tokenizer.json")
@@ -157,13 +220,19 @@ def export(name: str, out: Path | None = None) -> Path:
 
 
 def main() -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run", help="step name (step1), step folder or run folder")
-    parser.add_argument("out", nargs="?", default=None, help="the folder to write (default: <run>/hf); new or empty")
+    parser.add_argument(
+        "out", nargs="?", default=None, help="the folder to write (default: <run>/hf); new or empty"
+    )
     args = parser.parse_args()
     out = export(args.run, args.out)
-    print(f"exported {parity.resolve_run(args.run)} as a Hugging Face GPT-2 in {out}: "
-          "GPT2LMHeadModel.from_pretrained or pipeline('text-generation', model=...) load it")
+    print(
+        f"exported {parity.resolve_run(args.run)} as a Hugging Face GPT-2 in {out}: "
+        "GPT2LMHeadModel.from_pretrained or pipeline('text-generation', model=...) load it"
+    )
     return 0
 
 

@@ -19,16 +19,23 @@ counterpart of step 7's (step7_zero3/hsdp.py); the norms then sum over the "shar
 ``--fp8 tensorwise|rowwise``: torchao's ``convert_to_float8_training`` on the blocks' linears before sharding,
 the counterpart of step 7's ``--fp8`` (FSDP2 gathers the float32 or bf16 weight, torchao casts it: no FP8 all-gather).
 """
+
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "common"), str(REPO / "step2_sharded_data")]  # the shared pieces; the sampler
+# the shared pieces; the sampler
+sys.path[:0] = [str(REPO / "common"), str(REPO / "step2_sharded_data")]
 import distributed  # noqa: E402
 from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
 from data import MicroBatches, load_corpus  # noqa: E402
@@ -37,30 +44,57 @@ from metrics import RunLog, StepClock, environment, memory_stats, save_final_wei
 from model import build_model, language_model_loss  # noqa: E402
 from sampler import ShardedSampler  # noqa: E402
 from seeding import seed_everything  # noqa: E402
-from training import (add_param_dtype_flag, check_param_dtype, make_optimizer,  # noqa: E402
-                      make_scheduler, param_dtype, scale_gradients, sum_of_squares)
+from training import (  # noqa: E402
+    add_param_dtype_flag,
+    check_param_dtype,
+    make_optimizer,
+    make_scheduler,
+    param_dtype,
+    scale_gradients,
+    sum_of_squares,
+)
 
 
 def main():
     parser = build_parser("fsdp2_reference")
     distributed.add_flags(parser)
     add_param_dtype_flag(parser)
-    parser.add_argument("--offload-optimizer", action="store_true",
-                        help="CPUOffloadPolicy: the sharded parameters, gradients and AdamW on the host (step 7's flag)")
-    parser.add_argument("--replicate", type=int, default=1, metavar="R",
-                        help="HSDP: a (replicate, shard) mesh of R x N/R ranks (step 7's flag)")
-    parser.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None,
-                        help="torchao's float8 training on the blocks' linears (step 7's --fp8 counterpart)")
+    parser.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="CPUOffloadPolicy: the sharded parameters, gradients and AdamW on the host (step 7's flag)",
+    )
+    parser.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        metavar="R",
+        help="HSDP: a (replicate, shard) mesh of R x N/R ranks (step 7's flag)",
+    )
+    parser.add_argument(
+        "--fp8",
+        choices=["tensorwise", "rowwise"],
+        default=None,
+        help="torchao's float8 training on the blocks' linears (step 7's --fp8 counterpart)",
+    )
     config = parse_config(parser)
-    if config["reduce_dtype"] != "float32" or config["amp"] != "none" or config["param_dtype"] == "fp16":
-        raise UserError("the FSDP2 reference runs --param-dtype float32 or bf16, gradients reduced in float32, "
-                        "no --amp: drop --reduce-dtype, --amp and --param-dtype fp16")
+    if (
+        config["reduce_dtype"] != "float32"
+        or config["amp"] != "none"
+        or config["param_dtype"] == "fp16"
+    ):
+        raise UserError(
+            "the FSDP2 reference runs --param-dtype float32 or bf16, gradients reduced in float32, "
+            "no --amp: drop --reduce-dtype, --amp and --param-dtype fp16"
+        )
     world = distributed.plan_world(config)
     check_param_dtype(config, world.device)
     if config["replicate"] < 1 or world.world_size % config["replicate"]:
-        raise UserError(f"--replicate {config['replicate']} does not divide the {world.world_size} ranks: choose R "
-                        f"with N / R whole (the ranks of one node, typically), or launch a multiple of "
-                        f"{config['replicate']} ranks")  # step 7's words (step7_zero3/hsdp.py)
+        raise UserError(
+            f"--replicate {config['replicate']} does not divide the {world.world_size} ranks: choose R "
+            f"with N / R whole (the ranks of one node, typically), or launch a multiple of "
+            f"{config['replicate']} ranks"
+        )  # step 7's words (step7_zero3/hsdp.py)
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     distributed.join(world, config["timeout_s"])
@@ -70,22 +104,41 @@ def main():
         norm_group = dist.group.WORLD
     else:  # HSDP: FSDP2 reduce-scatters over "shard", then all-reduces over "replicate"
         replicate = config["replicate"]
-        mesh = init_device_mesh(device.type, (replicate, world.world_size // replicate),
-                                mesh_dim_names=("replicate", "shard"))
-        norm_group = mesh["shard"].get_group()  # the other rows hold the same elements: count them once
+        mesh = init_device_mesh(
+            device.type,
+            (replicate, world.world_size // replicate),
+            mesh_dim_names=("replicate", "shard"),
+        )
+        # the other rows hold the same elements: count them once
+        norm_group = mesh["shard"].get_group()
 
-    sampler = ShardedSampler(len(corpus.blocks), num_replicas=world.world_size, rank=world.rank,
-                             shuffle=True, seed=config["seed"])
+    sampler = ShardedSampler(
+        len(corpus.blocks),
+        num_replicas=world.world_size,
+        rank=world.rank,
+        shuffle=True,
+        seed=config["seed"],
+    )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
-    if config["fp8"]:  # torchao, the oracle: the blocks' nn.Linears, as step 7's fp8.py converts them
+    # torchao, the oracle: the blocks' nn.Linears, as step 7's fp8.py converts them
+    if config["fp8"]:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(config["fp8"]),
-                                   module_filter_fn=lambda layer, name: name.startswith("transformer.h."))
+
+        convert_to_float8_training(
+            model,
+            config=Float8LinearConfig.from_recipe_name(config["fp8"]),
+            module_filter_fn=lambda layer, name: name.startswith("transformer.h."),
+        )
     dtype = param_dtype(config)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if config["offload_optimizer"] else OffloadPolicy()
-    for block in model.transformer.h:  # the units step 7 gathers; the root keeps embeddings and the last norm
+    offload = (
+        CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        if config["offload_optimizer"]
+        else OffloadPolicy()
+    )
+    # the units step 7 gathers; the root keeps embeddings and the last norm
+    for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
     optimizer = make_optimizer(model.named_parameters(), config)  # steps the float32 shards
@@ -106,7 +159,8 @@ def main():
             (loss / accum).backward()
             loss_sum += loss.detach()
         grads = shards(p.grad for p in model.parameters())
-        total = sum_of_squares(grads).to(device)  # float64: the norm the steps compute from their slices
+        # float64: the norm the steps compute from their slices
+        total = sum_of_squares(grads).to(device)
         dist.all_reduce(total, group=norm_group)
         grad_norm = total.cpu().sqrt().float()
         scale_gradients(grads, grad_norm, config["grad_clip"])
@@ -116,22 +170,37 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         loss_mean = loss_sum.double()
         dist.all_reduce(loss_mean)
-        parts = square_sum_parts(shards(model.parameters())).to(device)  # exact: any sharding, the same bits
+        # exact: any sharding, the same bits
+        parts = square_sum_parts(shards(model.parameters())).to(device)
         dist.all_reduce(parts, group=norm_group)
         step_time = clock.stop()
-        log.log({"step": step + 1, "loss": loss_mean.item() / (accum * world.world_size),
-                 "grad_norm": grad_norm.item(), "param_norm": norm_from_parts(parts.cpu()), "lr": lr,
-                 "tokens_per_s": config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
-                 / step_time["wall_s"],
-                 "effective_batch_size": config["micro_batch_size"] * accum * world.world_size, "epoch": batches.epoch,
-                 **distributed.gather_per_rank(memory=memory, step_time=step_time)})
+        log.log(
+            {
+                "step": step + 1,
+                "loss": loss_mean.item() / (accum * world.world_size),
+                "grad_norm": grad_norm.item(),
+                "param_norm": norm_from_parts(parts.cpu()),
+                "lr": lr,
+                "tokens_per_s": config["micro_batch_size"]
+                * accum
+                * config["seq_len"]
+                * world.world_size
+                / step_time["wall_s"],
+                "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
+                "epoch": batches.epoch,
+                **distributed.gather_per_rank(memory=memory, step_time=step_time),
+            }
+        )
 
-    weights = {name: p.full_tensor().detach() for name, p in model.named_parameters()}  # the float32 master
+    # the float32 master
+    weights = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
     if world.is_main:
         final = save_final_weights(Path(config["out"]), weights)
         log.write(final)
-        print(f"done: {config['steps']} steps, FSDP2 over {world.world_size} ranks (param_dtype "
-              f"{config['param_dtype']}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}")
+        print(
+            f"done: {config['steps']} steps, FSDP2 over {world.world_size} ranks (param_dtype "
+            f"{config['param_dtype']}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}"
+        )
     del model, optimizer, weights  # DTensors hold the mesh's group: free them before the group goes
     distributed.shutdown()
 

@@ -16,6 +16,7 @@ So such a run is judged against a reference pair measured on the same machine, i
 A real bug (a wrong mask, a lost gradient, a shard cut from the wrong rows) moves the weights by about the
 learning rate in one step, a thousand times the reference's drift on the tests' workload.
 """
+
 from dataclasses import dataclass, fields
 
 import torch
@@ -28,22 +29,29 @@ EPS = torch.finfo(torch.float32).eps
 @dataclass
 class Drift:
     """How far run ``a`` is from run ``b``: relative for losses, absolute for the param norm and the weights."""
+
     first_loss: float
     loss: float  # the largest relative loss difference over the logged steps
     param_norm: float  # the largest |param norm difference| over the logged steps
     weights: float  # the largest |difference| of any final weight
 
     def __str__(self) -> str:
-        return (f"first loss {self.first_loss:.1e}, loss {self.loss:.1e}, param norm {self.param_norm:.1e}, "
-                f"weights {self.weights:.1e}")
+        return (
+            f"first loss {self.first_loss:.1e}, loss {self.loss:.1e}, param norm {self.param_norm:.1e}, "
+            f"weights {self.weights:.1e}"
+        )
 
 
 def drift(metrics_a: dict, weights_a: dict, metrics_b: dict, weights_b: dict) -> Drift:
     ra, rb = metrics_a["records"], metrics_b["records"]
-    return Drift(first_loss=abs(ra[0]["loss"] - rb[0]["loss"]) / abs(rb[0]["loss"]),
-                 loss=max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(ra, rb)),
-                 param_norm=max(abs(x["param_norm"] - y["param_norm"]) for x, y in zip(ra, rb)),
-                 weights=max((weights_a[n].double() - weights_b[n].double()).abs().max().item() for n in weights_b))
+    return Drift(
+        first_loss=abs(ra[0]["loss"] - rb[0]["loss"]) / abs(rb[0]["loss"]),
+        loss=max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(ra, rb)),
+        param_norm=max(abs(x["param_norm"] - y["param_norm"]) for x, y in zip(ra, rb)),
+        weights=max(
+            (weights_a[n].double() - weights_b[n].double()).abs().max().item() for n in weights_b
+        ),
+    )
 
 
 def largest(*drifts: Drift) -> Drift:
@@ -56,12 +64,18 @@ def bound(reference: Drift, metrics: dict, weights: dict) -> Drift:
     (the reference could, by chance, round alike), and the first loss to float32's rounding."""
     biggest = max(w.abs().max().item() for w in weights.values())
     norm = metrics["records"][-1]["param_norm"]
-    return Drift(first_loss=FIRST_LOSS, loss=FACTOR * max(reference.loss, EPS),
-                 param_norm=FACTOR * max(reference.param_norm, EPS * norm),
-                 weights=FACTOR * max(reference.weights, EPS * biggest))
+    return Drift(
+        first_loss=FIRST_LOSS,
+        loss=FACTOR * max(reference.loss, EPS),
+        param_norm=FACTOR * max(reference.param_norm, EPS * norm),
+        weights=FACTOR * max(reference.weights, EPS * biggest),
+    )
 
 
 def beyond(candidate: Drift, limit: Drift) -> list[str]:
     """The quantities of ``candidate`` over ``limit``: empty when the run is within the bound."""
-    return [f"{f.name} {getattr(candidate, f.name):.1e} > {getattr(limit, f.name):.1e}" for f in fields(Drift)
-            if not getattr(candidate, f.name) <= getattr(limit, f.name)]
+    return [
+        f"{f.name} {getattr(candidate, f.name):.1e} > {getattr(limit, f.name):.1e}"
+        for f in fields(Drift)
+        if not getattr(candidate, f.name) <= getattr(limit, f.name)
+    ]

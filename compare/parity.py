@@ -12,6 +12,7 @@ It refuses runs that are not comparable (naming the differing keys), then assert
 and prints a per-tensor table (max abs / max rel difference), the first step at which loss or
 param norm differ at all, and the verdict. Exit 0 pass, 1 fail, 2 bad input.
 """
+
 import argparse
 import json
 import math
@@ -34,15 +35,37 @@ RTOL, ATOL, PARAM_NORM_TOL = 1e-5, 1e-6, 1e-6
 # process the same global batch per optimiser step; the rest (world size, accumulation split,
 # reduce dtype, bucket cap, where to write, ...) may differ.
 TRAINING_KEYS = (
-    "steps", "seed", "amp", "loss_scale_init", "n_layer", "n_head", "n_embd", "seq_len", "dropout",
-    "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "param_dtype", "fp8",
-    "moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_loss_coef",
+    "steps",
+    "seed",
+    "amp",
+    "loss_scale_init",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "seq_len",
+    "dropout",
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "grad_clip",
+    "param_dtype",
+    "fp8",
+    "moe_experts",
+    "moe_top_k",
+    "moe_every",
+    "moe_capacity_factor",
+    "moe_aux_loss_coef",
 )
-KEY_DEFAULTS = {"param_dtype": "float32", "fp8": None, "moe_experts": 0}  # what a run of a step without the flag trained with
+# what a run of a step without the flag trained with
+KEY_DEFAULTS = {"param_dtype": "float32", "fp8": None, "moe_experts": 0}
 
 
 STEP_FOLDER = re.compile(r"step(\d+)_\w+")  # step0_single_gpu ... step10_3d_parallel
-MODEL_PARALLEL_FROM = 8  # steps 8 and up split the model or the sequence, not the batch: their sums are not step 1's
+# steps 8 and up split the model or the sequence, not the batch: their sums are not step 1's
+MODEL_PARALLEL_FROM = 8
 
 
 def step_number(folder: str) -> int:
@@ -51,8 +74,14 @@ def step_number(folder: str) -> int:
 
 def step_folders() -> list[str]:
     """Every step folder with a train.py, in step order (step10 after step9)."""
-    return sorted((p.name for p in REPO_ROOT.glob("step*_*") if STEP_FOLDER.fullmatch(p.name)
-                   and (p / "train.py").is_file()), key=step_number)
+    return sorted(
+        (
+            p.name
+            for p in REPO_ROOT.glob("step*_*")
+            if STEP_FOLDER.fullmatch(p.name) and (p / "train.py").is_file()
+        ),
+        key=step_number,
+    )
 
 
 def resolve_run(name: str) -> Path:
@@ -73,8 +102,10 @@ def load_run(name: str) -> tuple[Path, dict]:
     run = resolve_run(name)
     path = run / "metrics.json"
     if not path.is_file() and run == Path(name):  # a folder named (not a step), but not a run's
-        raise UserError(f"{run} is not a run folder (no metrics.json in it); name the --out folder of a finished "
-                        "run, or a step (step1)")
+        raise UserError(
+            f"{run} is not a run folder (no metrics.json in it); name the --out folder of a finished "
+            "run, or a step (step1)"
+        )
     if not path.is_file():
         raise UserError(f"{path} not found: run the step first (see README), or name a run folder")
     try:
@@ -83,13 +114,19 @@ def load_run(name: str) -> tuple[Path, dict]:
     except (ValueError, UnicodeDecodeError) as error:
         raise UserError(f"{path} is corrupted (not JSON: {error}); run the step again") from None
     if missing or not isinstance(metrics["records"], list):
-        raise UserError(f"{path} is corrupted or not a metrics file (missing {', '.join(missing) or 'records'}); "
-                        "run the step again")
+        raise UserError(
+            f"{path} is corrupted or not a metrics file (missing {', '.join(missing) or 'records'}); "
+            "run the step again"
+        )
     if metrics.get("schema_version") != SCHEMA_VERSION:
-        raise UserError(f"{path} has schema {metrics.get('schema_version')}, this tool reads {SCHEMA_VERSION} (it was "
-                        "written by another version of the trainers); run the step again")
+        raise UserError(
+            f"{path} has schema {metrics.get('schema_version')}, this tool reads {SCHEMA_VERSION} (it was "
+            "written by another version of the trainers); run the step again"
+        )
     if not metrics["final"]:
-        raise UserError(f"{path} is from a run that did not finish; run it to the end (or --resume it)")
+        raise UserError(
+            f"{path} is from a run that did not finish; run it to the end (or --resume it)"
+        )
     return run, metrics
 
 
@@ -98,27 +135,37 @@ def load_weights(run: Path, metrics: dict) -> dict:
     try:
         return load_file(str(path))
     except Exception as error:  # missing file, truncated header, garbage: all unusable the same way
-        raise UserError(f"{path} cannot be read ({str(error).splitlines()[0]}); run the step again") from None
+        raise UserError(
+            f"{path} cannot be read ({str(error).splitlines()[0]}); run the step again"
+        ) from None
 
 
 def global_batch(metrics: dict) -> int:
     """Samples per optimiser step: micro-batch x accumulation x the ranks that draw their own samples (all of
     them in data parallelism; one group of tensor-parallel ranks shares its samples)."""
     c, env = metrics["config"], metrics["env"]
-    return c["micro_batch_size"] * c["grad_accum"] * env.get("data_parallel_size", env["world_size"])
+    return (
+        c["micro_batch_size"] * c["grad_accum"] * env.get("data_parallel_size", env["world_size"])
+    )
 
 
 def comparability_problems(a: dict, b: dict) -> list[str]:
     """Keys that make two runs compute different things. World size, the accumulation split, the
     reduce dtype and the bucket cap may differ: they change how, not what."""
     value = lambda run, k: run["config"].get(k, KEY_DEFAULTS.get(k))  # noqa: E731
-    problems = [f"{k} ({value(a, k)!r} vs {value(b, k)!r})" for k in TRAINING_KEYS if value(a, k) != value(b, k)]
+    problems = [
+        f"{k} ({value(a, k)!r} vs {value(b, k)!r})"
+        for k in TRAINING_KEYS
+        if value(a, k) != value(b, k)
+    ]
     for key in ("data_sha256", "tokenizer_sha256"):
         if a["env"].get(key) != b["env"].get(key):
             problems.append(f"{key.replace('_sha256', '')} file (different contents)")
     if global_batch(a) != global_batch(b):
-        problems.append(f"global batch (micro-batch x accumulation x data-parallel ranks: {global_batch(a)} vs "
-                        f"{global_batch(b)})")
+        problems.append(
+            f"global batch (micro-batch x accumulation x data-parallel ranks: {global_batch(a)} vs "
+            f"{global_batch(b)})"
+        )
     if len(a["records"]) != len(b["records"]):
         problems.append(f"logged steps ({len(a['records'])} vs {len(b['records'])})")
     return problems
@@ -144,7 +191,9 @@ class Parity:
 
     @property
     def passed(self) -> bool:
-        return all(t.allclose for t in self.tensors) and self.first_param_norm_violation_step is None
+        return (
+            all(t.allclose for t in self.tensors) and self.first_param_norm_violation_step is None
+        )
 
     @property
     def bitwise(self) -> bool:
@@ -167,12 +216,20 @@ def compare(a: dict, wa: dict, b: dict, wb: dict) -> Parity:
     for name in sorted(wa):
         x, y = wa[name].double(), wb[name].double()
         if x.shape != y.shape:
-            raise UserError(f"tensor {name} has shape {tuple(x.shape)} in one run and {tuple(y.shape)} in the other")
+            raise UserError(
+                f"tensor {name} has shape {tuple(x.shape)} in one run and {tuple(y.shape)} in the other"
+            )
         diff = (x - y).abs()
         rel = diff / y.abs().clamp_min(torch.finfo(torch.float32).tiny)
-        result.tensors.append(TensorDiff(
-            name, diff.max().item(), rel.max().item(),
-            torch.allclose(wa[name], wb[name], rtol=RTOL, atol=ATOL), torch.equal(wa[name], wb[name])))
+        result.tensors.append(
+            TensorDiff(
+                name,
+                diff.max().item(),
+                rel.max().item(),
+                torch.allclose(wa[name], wb[name], rtol=RTOL, atol=ATOL),
+                torch.equal(wa[name], wb[name]),
+            )
+        )
     for ra, rb in zip(a["records"], b["records"]):
         step = ra["step"]
         norm_diff = abs(ra["param_norm"] - rb["param_norm"])
@@ -194,37 +251,53 @@ def check(name_a: str, name_b: str) -> tuple[Path, Path, Parity]:
     run_b, b = load_run(name_b)
     problems = comparability_problems(a, b)
     if problems:
-        raise UserError(f"{run_a} and {run_b} are not comparable: they differ in {'; '.join(problems)}")
+        raise UserError(
+            f"{run_a} and {run_b} are not comparable: they differ in {'; '.join(problems)}"
+        )
     return run_a, run_b, compare(a, load_weights(run_a, a), b, load_weights(run_b, b))
 
 
 def verdict(parity: Parity) -> str:
     if not parity.passed:
         return "FAIL"
-    return "PASS (bitwise identical)" if parity.bitwise else f"PASS (max abs diff {parity.max_abs:.2e})"
+    return (
+        "PASS (bitwise identical)"
+        if parity.bitwise
+        else f"PASS (max abs diff {parity.max_abs:.2e})"
+    )
 
 
 def report(run_a: Path, run_b: Path, parity: Parity, brief: bool = False) -> str:
     lines = [f"parity: {run_a} vs {run_b}"]
     if not brief:
-        lines.append(f"  {'tensor':<40} {'max abs diff':>13} {'max rel diff':>13}  allclose  bitwise")
+        lines.append(
+            f"  {'tensor':<40} {'max abs diff':>13} {'max rel diff':>13}  allclose  bitwise"
+        )
         for t in parity.tensors:
-            lines.append(f"  {t.name:<40} {t.max_abs:>13.3e} {t.max_rel:>13.3e}  "
-                         f"{'yes' if t.allclose else 'NO':<8}  {'yes' if t.bitwise else 'no'}")
+            lines.append(
+                f"  {t.name:<40} {t.max_abs:>13.3e} {t.max_rel:>13.3e}  "
+                f"{'yes' if t.allclose else 'NO':<8}  {'yes' if t.bitwise else 'no'}"
+            )
     fmt = lambda step: "never" if step is None else f"step {step}"  # noqa: E731
-    lines.append(f"  weights: {sum(t.allclose for t in parity.tensors)}/{len(parity.tensors)} tensors allclose "
-                 f"(rtol={RTOL}, atol={ATOL}), {sum(t.bitwise for t in parity.tensors)} bitwise equal, "
-                 f"max abs diff {parity.max_abs:.3e}")
-    lines.append(f"  param norm: max |diff| {parity.max_param_norm_diff:.3e} (limit {PARAM_NORM_TOL}); "
-                 f"first differs at {fmt(parity.first_param_norm_diff_step)}, "
-                 f"first over the limit at {fmt(parity.first_param_norm_violation_step)}")
+    lines.append(
+        f"  weights: {sum(t.allclose for t in parity.tensors)}/{len(parity.tensors)} tensors allclose "
+        f"(rtol={RTOL}, atol={ATOL}), {sum(t.bitwise for t in parity.tensors)} bitwise equal, "
+        f"max abs diff {parity.max_abs:.3e}"
+    )
+    lines.append(
+        f"  param norm: max |diff| {parity.max_param_norm_diff:.3e} (limit {PARAM_NORM_TOL}); "
+        f"first differs at {fmt(parity.first_param_norm_diff_step)}, "
+        f"first over the limit at {fmt(parity.first_param_norm_violation_step)}"
+    )
     lines.append(f"  loss first differs at {fmt(parity.first_loss_diff_step)}")
     lines.append(f"verdict: {verdict(parity)}")
     return "\n".join(lines)
 
 
 def main() -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_a", help="step name (step1), step folder or run folder")
     parser.add_argument("run_b")
     parser.add_argument("--brief", action="store_true", help="no per-tensor table")

@@ -46,6 +46,7 @@ of the slowest rank's time (the ranks start each timed step together); cpu time:
 rank's CPU time (``time.process_time``, gloo's threads included), which other work on the machine
 disturbs far less than the wall clock.
 """
+
 import argparse
 import json
 import os
@@ -67,31 +68,50 @@ from launch import spawn_ranks  # noqa: E402
 
 # The flags that change what is measured; the trainer's others are accepted (a train.py command line can
 # be pasted) and hidden.
-USED_FLAGS = estimate.USED_FLAGS | {"grad_accum", "amp", "seed", "grad_clip", "reduce_dtype", "timeout_s"}
+USED_FLAGS = estimate.USED_FLAGS | {
+    "grad_accum",
+    "amp",
+    "seed",
+    "grad_clip",
+    "reduce_dtype",
+    "timeout_s",
+}
 PHASES = ("forward", "backward", "optimizer")
 NODE = "autograd::engine::evaluate_function: "
 
 
 # ---- Prediction ---------------------------------------------------------------------------------------
 
+
 def predict(config: dict, vocab_size: int, world_size: int, checkpointing: bool) -> list[dict]:
     """Per rank: ``state`` (16Ψ/N as laid out), ``gathered`` and ``activations``, in bytes; and Ψ."""
-    dtype = estimate.PARAM_DTYPES[config.get("param_dtype") or "float32"]  # 16 bits: gathered and computed in it
+    # 16 bits: gathered and computed in it
+    dtype = estimate.PARAM_DTYPES[config.get("param_dtype") or "float32"]
     model = estimate.Model(config, vocab_size, dtype)
     activations = model.activation_bytes(config["micro_batch_size"], checkpointing)
-    ranks = estimate.predict(model, estimate.STEPS[3], world_size, prefetch=not config["no_prefetch"])
-    gathered_bytes = 2 if dtype is not None else estimate.BYTES  # the fp32 shards stay the state either way
-    return [{"state": r["params"] + r["grads"] + r["optimizer_state"],
-             "gathered": r["gathered"] // estimate.BYTES * gathered_bytes,
-             "activations": activations, "psi": model.psi} for r in ranks]
+    ranks = estimate.predict(
+        model, estimate.STEPS[3], world_size, prefetch=not config["no_prefetch"]
+    )
+    # the fp32 shards stay the state either way
+    gathered_bytes = 2 if dtype is not None else estimate.BYTES
+    return [
+        {
+            "state": r["params"] + r["grads"] + r["optimizer_state"],
+            "gathered": r["gathered"] // estimate.BYTES * gathered_bytes,
+            "activations": activations,
+            "psi": model.psi,
+        }
+        for r in ranks
+    ]
 
 
 # ---- Replaying the profiler's memory records ------------------------------------------------------------
 
+
 def label(ranges: tuple) -> str:
     """What made an allocation, from the ranges around it (innermost first): the autograd node in backward,
     the outermost op otherwise; none at all is a storage resized from Python: a unit being gathered."""
-    node = next((r[len(NODE):] for r in ranges if r.startswith(NODE)), None)
+    node = next((r[len(NODE) :] for r in ranges if r.startswith(NODE)), None)
     ops = [r for r in ranges if r.startswith(("aten::", "c10d::"))]
     if not ops:
         return "gathered unit (storage resize)"
@@ -117,6 +137,7 @@ def allocations(prof) -> list[tuple]:
     """Every allocation and free recorded, in time order: (ns, address, bytes (negative: a free), ranges
     around it, innermost first: ops, autograd nodes, ``record_function`` labels)."""
     from torch._C._profiler import _EventType
+
     found = []
 
     def walk(node, ranges):
@@ -180,17 +201,28 @@ def step_peaks(events: list[tuple], steps: int) -> tuple[list[dict], int]:
             before_start[i]["live at start"] = dict(live)
         if i in at_peak:
             r = at_peak[i]
-            r["phase"], r["made_by"], r["live at peak"] = phase_of(events[i][3]), label(events[i][3]), dict(live)
+            r["phase"], r["made_by"], r["live at peak"] = (
+                phase_of(events[i][3]),
+                label(events[i][3]),
+                dict(live),
+            )
         if i in at_end:
             r = at_end[i]
             start = r.pop("live at start", {})
-            state = {address: block for address, block in start.items() if live.get(address) == block}
+            state = {
+                address: block for address, block in start.items() if live.get(address) == block
+            }
             copies = {address for address, (_, j) in state.items() if collective_copy(events[j][3])}
-            r["collective_copies"] = sum(state[address][0] for address in copies)  # see collective_copy
+            # see collective_copy
+            r["collective_copies"] = sum(state[address][0] for address in copies)
             state = {address: block for address, block in state.items() if address not in copies}
             r["state"] = sum(nbytes for nbytes, _ in state.values())
             r["state_parts"] = parts_by_label(state.values(), events)
-            beyond = [(nbytes, j) for address, (nbytes, j) in r.pop("live at peak").items() if address not in state]
+            beyond = [
+                (nbytes, j)
+                for address, (nbytes, j) in r.pop("live at peak").items()
+                if address not in state
+            ]
             r["beyond_state"] = parts_by_label(beyond, events, before=r["first"])
             del r["first"], r["last"], r["at"]
     return results, unseen
@@ -201,15 +233,20 @@ def parts_by_label(blocks, events: list[tuple], before: int = 0) -> dict:
     largest first; a block allocated before event ``before`` counts as "before the step"."""
     parts = {}
     for nbytes, j in blocks:
-        key = f"{phase_of(events[j][3])}: {label(events[j][3])}" if j >= before else "before the step"
+        key = (
+            f"{phase_of(events[j][3])}: {label(events[j][3])}" if j >= before else "before the step"
+        )
         parts[key] = parts.get(key, 0) + nbytes
     return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
 
 
 # ---- Each rank's process ----------------------------------------------------------------------------------
 
+
 def checkpointing_modes(config: dict) -> list[bool]:
-    return [False, True] if config["compare_checkpointing"] else [config["activation_checkpointing"]]
+    return (
+        [False, True] if config["compare_checkpointing"] else [config["activation_checkpointing"]]
+    )
 
 
 def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size: int) -> dict:
@@ -222,9 +259,13 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
     from train import train_step  # step 7's train.py: importing it runs nothing
     from training import make_grad_scaler, make_optimizer, param_dtype
     from zero3_setup import shard_gpt2
-    seed_everything(config["seed"], config["deterministic"])  # one CPU thread per process, as in every trainer
+
+    # one CPU thread per process, as in every trainer
+    seed_everything(config["seed"], config["deterministic"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    distributed.join(distributed.World(rank, world_size, rank, torch.device("cpu"), "gloo"), config["timeout_s"])
+    distributed.join(
+        distributed.World(rank, world_size, rank, torch.device("cpu"), "gloo"), config["timeout_s"]
+    )
     generator = torch.Generator().manual_seed(config["seed"] + rank)
     shape = (config["grad_accum"], config["micro_batch_size"], config["seq_len"])
     inputs, targets = (torch.randint(0, vocab_size, shape, generator=generator) for _ in range(2))
@@ -233,22 +274,38 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
 
     trainers, results = {}, {}
     for checkpointing in checkpointing_modes(config):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            ddp_model, _ = shard_gpt2({**config, "activation_checkpointing": checkpointing}, vocab_size, device,
-                                      param_dtype(config))  # as step 7's train.py builds them
-            trainer = (ddp_model, make_optimizer(ddp_model.named_parameters(), config),
-                       make_grad_scaler(config, device, ShardedGradScaler))
-            train_step(*trainer, micro_batches, config, device)  # warm-up: AdamW's state, the gradient shards
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as prof:
+            ddp_model, _ = shard_gpt2(
+                {**config, "activation_checkpointing": checkpointing},
+                vocab_size,
+                device,
+                param_dtype(config),
+            )  # as step 7's train.py builds them
+            trainer = (
+                ddp_model,
+                make_optimizer(ddp_model.named_parameters(), config),
+                make_grad_scaler(config, device, ShardedGradScaler),
+            )
+            # warm-up: AdamW's state, the gradient shards
+            train_step(*trainer, micro_batches, config, device)
             gathered_peak = 0
             for i in range(config["profiled_steps"]):
                 with torch.profiler.record_function(f"step {i}"):
-                    memory = train_step(*trainer, micro_batches, config, device)[2]  # the tensors freed at once
+                    # the tensors freed at once
+                    memory = train_step(*trainer, micro_batches, config, device)[2]
                 gathered_peak = max(gathered_peak, memory["gathered_peak"])
         steps, unseen = step_peaks(allocations(prof), config["profiled_steps"])
         del prof
         trainers[checkpointing] = trainer
-        results[checkpointing] = {"steps": steps, "unseen": unseen, "gathered_peak": gathered_peak,
-                                  "step_times": [], "step_cpu_times": []}
+        results[checkpointing] = {
+            "steps": steps,
+            "unseen": unseen,
+            "gathered_peak": gathered_peak,
+            "step_times": [],
+            "step_cpu_times": [],
+        }
     for _ in range(config["timed_steps"]):
         for checkpointing, trainer in trainers.items():
             torch.distributed.barrier()  # together: the slowest rank's time is the step's
@@ -262,6 +319,7 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
 
 # ---- Report ------------------------------------------------------------------------------------------------
 
+
 def run(config: dict, world_sizes: list[int]) -> dict:
     """Measure and predict at each world size (and checkpointing mode); one row per rank, in bytes (step
     times in seconds)."""
@@ -270,23 +328,42 @@ def run(config: dict, world_sizes: list[int]) -> dict:
     for world_size in world_sizes:
         measured = spawn_ranks(measure_rank, world_size, config, vocab_size)
         for checkpointing in checkpointing_modes(config):
-            times, cpu_times = ([max(measured[r][checkpointing][kind][i] for r in measured)
-                                 for i in range(config["timed_steps"])] for kind in ("step_times", "step_cpu_times"))
-            for rank, predicted in enumerate(predict(config, vocab_size, world_size, checkpointing)):
+            times, cpu_times = (
+                [
+                    max(measured[r][checkpointing][kind][i] for r in measured)
+                    for i in range(config["timed_steps"])
+                ]
+                for kind in ("step_times", "step_cpu_times")
+            )
+            for rank, predicted in enumerate(
+                predict(config, vocab_size, world_size, checkpointing)
+            ):
                 m = measured[rank][checkpointing]
                 top = max(m["steps"], key=lambda s: s["peak"])
-                rows.append({"world_size": world_size, "activation_checkpointing": checkpointing, "rank": rank,
-                             **predicted,
-                             "predicted": predicted["state"] + predicted["gathered"] + predicted["activations"],
-                             "state_measured": [s["state"] for s in m["steps"]],
-                             "state_parts": max(m["steps"], key=lambda s: s["state"])["state_parts"],
-                             "collective_copies": [s["collective_copies"] for s in m["steps"]],
-                             "peaks": [s["peak"] for s in m["steps"]],
-                             "peak": top["peak"], "peak_phase": top["phase"], "peak_made_by": top["made_by"],
-                             "beyond_state": top["beyond_state"], "unseen_frees": m["unseen"],
-                             "gathered_peak": m["gathered_peak"],
-                             "step_time_s": statistics.median(times) if times else None, "step_times_s": times,
-                             "step_cpu_s": statistics.median(cpu_times) if cpu_times else None})
+                rows.append(
+                    {
+                        "world_size": world_size,
+                        "activation_checkpointing": checkpointing,
+                        "rank": rank,
+                        **predicted,
+                        "predicted": predicted["state"]
+                        + predicted["gathered"]
+                        + predicted["activations"],
+                        "state_measured": [s["state"] for s in m["steps"]],
+                        "state_parts": max(m["steps"], key=lambda s: s["state"])["state_parts"],
+                        "collective_copies": [s["collective_copies"] for s in m["steps"]],
+                        "peaks": [s["peak"] for s in m["steps"]],
+                        "peak": top["peak"],
+                        "peak_phase": top["phase"],
+                        "peak_made_by": top["made_by"],
+                        "beyond_state": top["beyond_state"],
+                        "unseen_frees": m["unseen"],
+                        "gathered_peak": m["gathered_peak"],
+                        "step_time_s": statistics.median(times) if times else None,
+                        "step_times_s": times,
+                        "step_cpu_s": statistics.median(cpu_times) if cpu_times else None,
+                    }
+                )
     return {"config": config, "vocab_size": vocab_size, "rows": rows}
 
 
@@ -296,28 +373,34 @@ def mib(n: float) -> str:
 
 def report(result: dict, top: int = 6) -> str:
     config, rows = result["config"], result["rows"]
-    lines = [f"step 7, GPT-2 n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocabulary "
-             f"{result['vocab_size']:,}: Ψ = {rows[0]['psi']:,}; micro-batch {config['micro_batch_size']} x "
-             f"{config['seq_len']} tokens, accumulation {config['grad_accum']}; "
-             f"prefetch {'off' if config['no_prefetch'] else 'on'}",
-             "MiB per rank. predicted = state (16Ψ/N) + gathered units + activations. Measured from the profiler's "
-             "memory records: state (live through a whole step), peak (the most live during a step)",
-             f"{'N':>2}{'ckpt':>5}{'rank':>5}{'state':>9}{'measured':>10}{'gathered':>10}{'activ.':>9}{'predicted':>11}"
-             f"{'peak':>9}{'peak/pred':>11}  {'peak in':<10}{'step time':>11}{'cpu time':>11}"]
+    lines = [
+        f"step 7, GPT-2 n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocabulary "
+        f"{result['vocab_size']:,}: Ψ = {rows[0]['psi']:,}; micro-batch {config['micro_batch_size']} x "
+        f"{config['seq_len']} tokens, accumulation {config['grad_accum']}; "
+        f"prefetch {'off' if config['no_prefetch'] else 'on'}",
+        "MiB per rank. predicted = state (16Ψ/N) + gathered units + activations. Measured from the profiler's "
+        "memory records: state (live through a whole step), peak (the most live during a step)",
+        f"{'N':>2}{'ckpt':>5}{'rank':>5}{'state':>9}{'measured':>10}{'gathered':>10}{'activ.':>9}{'predicted':>11}"
+        f"{'peak':>9}{'peak/pred':>11}  {'peak in':<10}{'step time':>11}{'cpu time':>11}",
+    ]
     for r in rows:
         ms = lambda seconds: f"{seconds * 1e3:,.0f} ms" if seconds is not None else "-"  # noqa: E731
-        lines.append(f"{r['world_size']:>2}{'on' if r['activation_checkpointing'] else 'off':>5}{r['rank']:>5}"
-                     f"{mib(r['state']):>9}{mib(max(r['state_measured'])):>10}{mib(r['gathered']):>10}"
-                     f"{mib(r['activations']):>9}{mib(r['predicted']):>11}{mib(r['peak']):>9}"
-                     f"{r['peak'] / r['predicted']:>11.3f}  {r['peak_phase']:<10}{ms(r['step_time_s']):>11}"
-                     f"{ms(r['step_cpu_s']):>11}")
+        lines.append(
+            f"{r['world_size']:>2}{'on' if r['activation_checkpointing'] else 'off':>5}{r['rank']:>5}"
+            f"{mib(r['state']):>9}{mib(max(r['state_measured'])):>10}{mib(r['gathered']):>10}"
+            f"{mib(r['activations']):>9}{mib(r['predicted']):>11}{mib(r['peak']):>9}"
+            f"{r['peak'] / r['predicted']:>11.3f}  {r['peak_phase']:<10}{ms(r['step_time_s']):>11}"
+            f"{ms(r['step_cpu_s']):>11}"
+        )
     for r in (r for r in rows if r["rank"] == 0):
         parts = list(r["beyond_state"].items())
         shown = ", ".join(f"{name} {mib(n)}" for name, n in parts[:top])
         rest = sum(n for _, n in parts[top:])
-        lines.append(f"N = {r['world_size']}, checkpointing {'on' if r['activation_checkpointing'] else 'off'}, "
-                     f"rank 0, at its peak ({r['peak_phase']}, {r['peak_made_by']}), live besides the state: {shown}"
-                     f"{f', the rest {mib(rest)}' if rest else ''}")
+        lines.append(
+            f"N = {r['world_size']}, checkpointing {'on' if r['activation_checkpointing'] else 'off'}, "
+            f"rank 0, at its peak ({r['peak_phase']}, {r['peak_made_by']}), live besides the state: {shown}"
+            f"{f', the rest {mib(rest)}' if rest else ''}"
+        )
     return "\n".join(lines)
 
 
@@ -328,32 +411,52 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def main() -> int:
     parser = build_parser("step7_zero3")
     distributed.add_flags(parser)
-    parser.prog, parser.description, parser.formatter_class = "compare/peak_memory.py", __doc__, HelpFormatter
+    parser.prog, parser.description, parser.formatter_class = (
+        "compare/peak_memory.py",
+        __doc__,
+        HelpFormatter,
+    )
     parser.set_defaults(timeout_s=120.0)
     for action in parser._actions:
         if action.dest not in USED_FLAGS and action.option_strings and action.dest != "help":
-            action.help = argparse.SUPPRESS  # a trainer flag with no bearing here: accepted, not advertised
+            # a trainer flag with no bearing here: accepted, not advertised
+            action.help = argparse.SUPPRESS
     flags = parser.add_argument_group("peak memory")
     flags.add_argument("--world-sizes", default="1,2,4", help="comma-separated world sizes")
     flags.add_argument("--activation-checkpointing", action="store_true", help="as step 7's flag")
     flags.add_argument("--no-prefetch", action="store_true", help="as step 7's flag")
-    if not any(action.dest == "param_dtype" for action in parser._actions):  # the trainers' flag, where they lack it
-        flags.add_argument("--param-dtype", choices=tuple(estimate.PARAM_DTYPES), default="float32",
-                           help="FullyShardedDP's param_dtype: gather and compute in 16 bits, fp32 master shards")
-    flags.add_argument("--compare-checkpointing", action="store_true",
-                       help="measure with and without activation checkpointing, in the same processes, timed steps "
-                            "alternating")
-    flags.add_argument("--profiled-steps", type=int, default=2, help="steps replayed from the profiler's records")
-    flags.add_argument("--timed-steps", type=int, default=5, help="steps timed after those, without the profiler")
+    # the trainers' flag, where they lack it
+    if not any(action.dest == "param_dtype" for action in parser._actions):
+        flags.add_argument(
+            "--param-dtype",
+            choices=tuple(estimate.PARAM_DTYPES),
+            default="float32",
+            help="FullyShardedDP's param_dtype: gather and compute in 16 bits, fp32 master shards",
+        )
+    flags.add_argument(
+        "--compare-checkpointing",
+        action="store_true",
+        help="measure with and without activation checkpointing, in the same processes, timed steps "
+        "alternating",
+    )
+    flags.add_argument(
+        "--profiled-steps", type=int, default=2, help="steps replayed from the profiler's records"
+    )
+    flags.add_argument(
+        "--timed-steps", type=int, default=5, help="steps timed after those, without the profiler"
+    )
     flags.add_argument("--json", type=Path, help="also write every rank's numbers here")
     config = parse_config(parser)
     world_sizes = estimate.parse_world_sizes(config["world_sizes"])
     if config["profiled_steps"] < 1 or config["timed_steps"] < 0:
-        raise UserError(f"--profiled-steps must be at least 1 and --timed-steps at least 0, got "
-                        f"{config['profiled_steps']} and {config['timed_steps']}")
+        raise UserError(
+            f"--profiled-steps must be at least 1 and --timed-steps at least 0, got "
+            f"{config['profiled_steps']} and {config['timed_steps']}"
+        )
     if config["timeout_s"] <= 0:
         raise UserError(f"--timeout-s must be positive, got {config['timeout_s']:g}")
-    if config["json"]:  # written at the end, after minutes of measuring: refused now if it cannot be
+    # written at the end, after minutes of measuring: refused now if it cannot be
+    if config["json"]:
         check_writable_file(config["json"], f"--json {config['json']}")
     result = run(config, world_sizes)
     print(report(result))

@@ -16,6 +16,7 @@ Each P runs in P spawned gloo processes, step 9's own modules: every rank builds
 (schedule, M) on random tokens (memory depends on shapes, not on the text). The default model is
 compare/bubble.py's: 4 blocks of width 128, micro-batches of 4 x 64 tokens.
 """
+
 import argparse
 import os
 import sys
@@ -31,7 +32,18 @@ sys.path.insert(0, str(REPO / "common"))  # config.py, as every step has it
 from config import OneLineParser, UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
 from launch import spawn_ranks  # noqa: E402
 
-MODEL = ["--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--seq-len", "64", "--micro-batch-size", "4"]
+MODEL = [
+    "--n-layer",
+    "4",
+    "--n-embd",
+    "128",
+    "--n-head",
+    "4",
+    "--seq-len",
+    "64",
+    "--micro-batch-size",
+    "4",
+]
 VOCAB = 2048  # data/tokenizer.json's
 
 
@@ -80,6 +92,7 @@ class SavedBytesInFlight:
 
 class _Held:
     """What autograd keeps in place of a saved tensor: the tensor, and a note to the counter when dropped."""
+
     __slots__ = ("tensor", "counter", "address")
 
     def __init__(self, tensor, counter, address):
@@ -97,28 +110,52 @@ def held_formula(schedule: str, stage: int, num_stages: int, micro_batches: int)
 def measure(rank: int, world_size: int, port: int, config: dict, cases: list) -> list:
     """One stage: for each (schedule, M), a fresh stage of the same model runs one step; its counts to rank 0."""
     torch.set_num_threads(1)
-    sys.path.insert(0, str(STEP9))  # the step's own modules (its copies of common's, verbatim, and pipeline.py)
+    # the step's own modules (its copies of common's, verbatim, and pipeline.py)
+    sys.path.insert(0, str(STEP9))
     from model import build_model
     from pipeline import GPT2Stage, Pipeline
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300)
+    )
     b, s = config["micro_batch_size"], config["seq_len"]
     results = []
     for schedule, m in cases:
         stage = GPT2Stage(build_model(config, VOCAB, config["seed"]), rank, world_size)
-        pipe = Pipeline(stage, rank, world_size, (b, s, config["n_embd"]), schedule=schedule,
-                        loss_fn=lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()),
-                        tied_parameter=stage.tied_parameter)
+        pipe = Pipeline(
+            stage,
+            rank,
+            world_size,
+            (b, s, config["n_embd"]),
+            schedule=schedule,
+            loss_fn=lambda logits, y: torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), y.flatten()
+            ),
+            tied_parameter=stage.tied_parameter,
+        )
         tokens = torch.randint(0, VOCAB, (m, b, s + 1), generator=torch.Generator().manual_seed(0))
         counter = SavedBytesInFlight(stage.parameters())
         with torch.autograd.graph.saved_tensors_hooks(*counter.hooks):
             # Each micro-batch's ids in a storage of its own, as a data loader hands them out: views of one
             # tensor would be counted as one storage, held until the last micro-batch's backward.
-            pipe.run(m, inputs=[t[:, :-1].clone() for t in tokens], targets=[t[:, 1:].clone() for t in tokens],
-                     loss_scale=m)
+            pipe.run(
+                m,
+                inputs=[t[:, :-1].clone() for t in tokens],
+                targets=[t[:, 1:].clone() for t in tokens],
+                loss_scale=m,
+            )
         pipe.finish_gradient_synchronization()
-        results.append({"schedule": schedule, "M": m, "peak": counter.peak, "per_micro_batch": counter.saved // m,
-                        "held": pipe.take_peak_in_flight(), "left": counter.live})
+        results.append(
+            {
+                "schedule": schedule,
+                "M": m,
+                "peak": counter.peak,
+                "per_micro_batch": counter.saved // m,
+                "held": pipe.take_peak_in_flight(),
+                "left": counter.live,
+            }
+        )
     everyone = [None] * world_size
     dist.all_gather_object(everyone, results)
     dist.barrier()
@@ -132,21 +169,33 @@ def run(world_size: int, config: dict, cases: list) -> list[list[dict]]:
 
 
 def main() -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=["gpipe", "1f1b"])
+    parser.add_argument(
+        "--schedules", nargs="+", choices=["gpipe", "1f1b"], default=["gpipe", "1f1b"]
+    )
     args, extra = parser.parse_known_args()
     config = parse_config(build_parser("pipeline_memory"), [*MODEL, *extra])
-    if any(not 2 <= p <= config["n_layer"] for p in args.stages) or any(m < 1 for m in args.micro_batches):
-        raise UserError(f"--stages must be 2 to {config['n_layer']} (the model's blocks) and --micro-batches at "
-                        "least 1")
+    if any(not 2 <= p <= config["n_layer"] for p in args.stages) or any(
+        m < 1 for m in args.micro_batches
+    ):
+        raise UserError(
+            f"--stages must be 2 to {config['n_layer']} (the model's blocks) and --micro-batches at "
+            "least 1"
+        )
     cases = [(schedule, m) for schedule in args.schedules for m in args.micro_batches]
-    print(f"activations held for backward per stage, bytes (float32; {config['n_layer']} blocks, n_embd "
-          f"{config['n_embd']}, micro-batches of {config['micro_batch_size']} x {config['seq_len']} tokens, "
-          f"vocabulary {VOCAB})")
-    print(f"{'schedule':<8} {'P':>2} {'M':>2} {'stage':>5} {'one micro-batch':>16} {'held':>4} {'peak measured':>14} "
-          f"{'held x one':>14}")
+    print(
+        f"activations held for backward per stage, bytes (float32; {config['n_layer']} blocks, n_embd "
+        f"{config['n_embd']}, micro-batches of {config['micro_batch_size']} x {config['seq_len']} tokens, "
+        f"vocabulary {VOCAB})"
+    )
+    print(
+        f"{'schedule':<8} {'P':>2} {'M':>2} {'stage':>5} {'one micro-batch':>16} {'held':>4} {'peak measured':>14} "
+        f"{'held x one':>14}"
+    )
     differ = 0
     for p in args.stages:
         per_stage = run(p, config, cases)
@@ -154,11 +203,21 @@ def main() -> int:
             for s in range(p):
                 r = per_stage[s][i]
                 expected = held_formula(schedule, s, p, m) * r["per_micro_batch"]
-                ok = r["peak"] == expected and r["held"] == held_formula(schedule, s, p, m) and r["left"] == 0
+                ok = (
+                    r["peak"] == expected
+                    and r["held"] == held_formula(schedule, s, p, m)
+                    and r["left"] == 0
+                )
                 differ += not ok
-                print(f"{schedule:<8} {p:>2} {m:>2} {s:>5} {r['per_micro_batch']:>16,} {r['held']:>4} "
-                      f"{r['peak']:>14,} {expected:>14,}{'' if ok else '  <-- differs'}")
-    print("every peak = (micro-batches held) x (one micro-batch's bytes)" if not differ else f"{differ} rows differ")
+                print(
+                    f"{schedule:<8} {p:>2} {m:>2} {s:>5} {r['per_micro_batch']:>16,} {r['held']:>4} "
+                    f"{r['peak']:>14,} {expected:>14,}{'' if ok else '  <-- differs'}"
+                )
+    print(
+        "every peak = (micro-batches held) x (one micro-batch's bytes)"
+        if not differ
+        else f"{differ} rows differ"
+    )
     return 1 if differ else 0
 
 

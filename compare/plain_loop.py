@@ -10,6 +10,7 @@ defaults (AdamW's multi-tensor kernel on a GPU), bf16 autocast on CUDA, ``clip_g
 It takes step 0's flags (the ones it does not use are ignored) and prints one JSON line: tokens/s over the
 steps after --warmup, and the peak CUDA bytes.
 """
+
 import json
 import sys
 import time
@@ -27,7 +28,9 @@ from training import adamw_param_groups, autocast, pick_device  # noqa: E402
 
 def main():
     parser = build_parser("plain_loop")
-    parser.add_argument("--warmup", type=int, default=5, help="steps before the clock starts (compilation, caches)")
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="steps before the clock starts (compilation, caches)"
+    )
     config = parse_config(parser)
     device = pick_device(config["device"])
     if config["deterministic"]:
@@ -35,14 +38,19 @@ def main():
         torch.utils.deterministic.fill_uninitialized_memory = False
     torch.manual_seed(config["seed"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
-    sampler = DistributedSampler(range(len(corpus.blocks)), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
+    sampler = DistributedSampler(
+        range(len(corpus.blocks)), num_replicas=1, rank=0, shuffle=True, seed=config["seed"]
+    )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
     if config["compile"]:
         for block in model.transformer.h:
             block.compile()
-    optimizer = torch.optim.AdamW(adamw_param_groups(model.named_parameters(), config), lr=config["lr"],
-                                  betas=(config["beta1"], config["beta2"]))
+    optimizer = torch.optim.AdamW(
+        adamw_param_groups(model.named_parameters(), config),
+        lr=config["lr"],
+        betas=(config["beta1"], config["beta2"]),
+    )
     accum = config["grad_accum"]
     started = None
     for step in range(config["steps"]):
@@ -63,8 +71,16 @@ def main():
         torch.cuda.synchronize()
     timed = config["steps"] - config["warmup"]
     tokens = timed * accum * config["micro_batch_size"] * config["seq_len"]
-    print(json.dumps({"tokens_per_s": tokens / (time.perf_counter() - started) if timed > 0 else None,
-                      "cuda_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}))
+    print(
+        json.dumps(
+            {
+                "tokens_per_s": tokens / (time.perf_counter() - started) if timed > 0 else None,
+                "cuda_peak": torch.cuda.max_memory_allocated(device)
+                if device.type == "cuda"
+                else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ stretched by the bubble (M + P - 1)/M; each axis's bytes over the link it crosse
 AdamW's state on the host, its gradient shard out and float32 shard back over --host-gbs; nothing overlapped,
 so it errs slow), then by simplicity. The first row is the one to try; each row says why it is there.
 """
+
 import argparse
 import dataclasses
 import functools
@@ -70,17 +71,29 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+# config.py, as every step has it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 import estimate  # noqa: E402
 from activation_formula import FormulaActivations  # noqa: E402
 from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
 
 GIB = 2**30
-USED_FLAGS = {"n_layer", "n_embd", "n_head", "seq_len", "tokenizer", "micro_batch_size", "grad_accum", "param_dtype",
-              "attention", "dropout"}
+USED_FLAGS = {
+    "n_layer",
+    "n_embd",
+    "n_head",
+    "seq_len",
+    "tokenizer",
+    "micro_batch_size",
+    "grad_accum",
+    "param_dtype",
+    "attention",
+    "dropout",
+}
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")
 VIRTUAL_STAGES = 2  # the interleaved schedule's chunks per stage, as step 9's default
-HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 6144, 8192, 12288, 16384)  # GPT-3's table, and one more
+# GPT-3's table, and one more
+HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 6144, 8192, 12288, 16384)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +102,7 @@ class Shape:
     of 4h, LayerNorms, biases, learned positions, the output layer tied to the token embedding); Llama's kind with
     ``n_kv_head`` < ``n_head`` (grouped-query attention), ``mlp="swiglu"``, ``ffn``, ``norm="rmsnorm"``,
     ``bias=False``, ``positions=False`` (rotary: no table) and ``tied=False``."""
+
     n_layer: int
     n_embd: int
     n_head: int
@@ -113,8 +127,15 @@ class Shape:
     @property
     def is_trainers(self) -> bool:
         """The trainers' GPT-2, which ``Activations`` can count on the meta device."""
-        return (self.kv_dim, self.ffn_width, self.mlp, self.norm, self.bias, self.positions, self.tied) == \
-            (self.n_embd, 4 * self.n_embd, "gelu", "layernorm", True, True, True)
+        return (
+            self.kv_dim,
+            self.ffn_width,
+            self.mlp,
+            self.norm,
+            self.bias,
+            self.positions,
+            self.tied,
+        ) == (self.n_embd, 4 * self.n_embd, "gelu", "layernorm", True, True, True)
 
     @property
     def kv_heads(self) -> int:
@@ -134,39 +155,68 @@ class Shape:
         and the column-parallel layers' biases."""
         h, f = self.n_embd, self.ffn_width
         matrices = 2 * h * h + 2 * h * self.kv_dim + (3 if self.mlp == "swiglu" else 2) * h * f
-        return matrices + (h + 2 * self.kv_dim + (2 if self.mlp == "swiglu" else 1) * f if self.bias else 0)
+        return matrices + (
+            h + 2 * self.kv_dim + (2 if self.mlp == "swiglu" else 1) * f if self.bias else 0
+        )
 
     @property
     def norm_params(self) -> int:
         return (2 if self.norm == "layernorm" else 1) * self.n_embd
 
     @property
-    def block(self) -> int:  # GPT-2: 12h² + 7h split, 6h whole (the LayerNorms, the row-parallel biases)
+    # GPT-2: 12h² + 7h split, 6h whole (the LayerNorms, the row-parallel biases)
+    def block(self) -> int:
         return self.block_split + 2 * self.norm_params + (2 * self.n_embd if self.bias else 0)
 
     @property
     def psi(self) -> int:
-        embeddings = (1 if self.tied else 2) * self.vocab * self.n_embd + self.positions * self.seq_len * self.n_embd
+        embeddings = (
+            1 if self.tied else 2
+        ) * self.vocab * self.n_embd + self.positions * self.seq_len * self.n_embd
         return embeddings + self.n_layer * self.block + self.norm_params
 
 
 # Published shapes: GPT-2 (Radford et al. 2019, Hugging Face's counts), GPT-3 (Brown et al. 2020, Table 2.1; 13B's
 # h as released, 5120), Korthikanti et al. 2022's Table 3 (vocabulary 51,200), Llama 3 (Dubey et al. 2024, Table 3)
 PRESETS = {
-    "gpt2": Shape(12, 768, 12, 50257, 1024), "gpt2-medium": Shape(24, 1024, 16, 50257, 1024),
-    "gpt2-large": Shape(36, 1280, 20, 50257, 1024), "gpt2-xl": Shape(48, 1600, 25, 50257, 1024),
-    "gpt3-125m": Shape(12, 768, 12, 50257, 2048), "gpt3-350m": Shape(24, 1024, 16, 50257, 2048),
-    "gpt3-760m": Shape(24, 1536, 16, 50257, 2048), "gpt3-1.3b": Shape(24, 2048, 24, 50257, 2048),
-    "gpt3-2.7b": Shape(32, 2560, 32, 50257, 2048), "gpt3-6.7b": Shape(32, 4096, 32, 50257, 2048),
-    "gpt3-13b": Shape(40, 5120, 40, 50257, 2048), "gpt3-175b": Shape(96, 12288, 96, 50257, 2048),
-    "megatron-22b": Shape(48, 6144, 64, 51200, 2048), "megatron-175b": Shape(96, 12288, 96, 51200, 2048),
-    "megatron-530b": Shape(105, 20480, 128, 51200, 2048), "megatron-1t": Shape(128, 25600, 160, 51200, 2048),
-    **{f"llama3-{name}": Shape(layers, h, heads, 128256, 8192, n_kv_head=8, ffn=ffn, mlp="swiglu", norm="rmsnorm",
-                               bias=False, positions=False, tied=False)
-       for name, layers, h, heads, ffn in (("8b", 32, 4096, 32, 14336), ("70b", 80, 8192, 64, 28672),
-                                           ("405b", 126, 16384, 128, 53248))},
+    "gpt2": Shape(12, 768, 12, 50257, 1024),
+    "gpt2-medium": Shape(24, 1024, 16, 50257, 1024),
+    "gpt2-large": Shape(36, 1280, 20, 50257, 1024),
+    "gpt2-xl": Shape(48, 1600, 25, 50257, 1024),
+    "gpt3-125m": Shape(12, 768, 12, 50257, 2048),
+    "gpt3-350m": Shape(24, 1024, 16, 50257, 2048),
+    "gpt3-760m": Shape(24, 1536, 16, 50257, 2048),
+    "gpt3-1.3b": Shape(24, 2048, 24, 50257, 2048),
+    "gpt3-2.7b": Shape(32, 2560, 32, 50257, 2048),
+    "gpt3-6.7b": Shape(32, 4096, 32, 50257, 2048),
+    "gpt3-13b": Shape(40, 5120, 40, 50257, 2048),
+    "gpt3-175b": Shape(96, 12288, 96, 50257, 2048),
+    "megatron-22b": Shape(48, 6144, 64, 51200, 2048),
+    "megatron-175b": Shape(96, 12288, 96, 51200, 2048),
+    "megatron-530b": Shape(105, 20480, 128, 51200, 2048),
+    "megatron-1t": Shape(128, 25600, 160, 51200, 2048),
+    **{
+        f"llama3-{name}": Shape(
+            layers,
+            h,
+            heads,
+            128256,
+            8192,
+            n_kv_head=8,
+            ffn=ffn,
+            mlp="swiglu",
+            norm="rmsnorm",
+            bias=False,
+            positions=False,
+            tied=False,
+        )
+        for name, layers, h, heads, ffn in (
+            ("8b", 32, 4096, 32, 14336),
+            ("70b", 80, 8192, 64, 28672),
+            ("405b", 126, 16384, 128, 53248),
+        )
+    },
 }
-
 
 
 # Mixture of experts (common/moe.py, step 12's expert parallelism): every ``every``-th block (0, N, 2N, ...) has E
@@ -179,20 +229,42 @@ class MoE:
 
 
 # Mixtral 8x7B (Jiang et al. 2024): 46.7B parameters, 12.9B active per token (top-2 of 8)
-MOE_PRESETS = {"mixtral-8x7b": (Shape(32, 4096, 32, 32000, 32768, n_kv_head=8, ffn=14336, mlp="swiglu",
-                                      norm="rmsnorm", bias=False, positions=False, tied=False), MoE(8, 2, 1))}
+MOE_PRESETS = {
+    "mixtral-8x7b": (
+        Shape(
+            32,
+            4096,
+            32,
+            32000,
+            32768,
+            n_kv_head=8,
+            ffn=14336,
+            mlp="swiglu",
+            norm="rmsnorm",
+            bias=False,
+            positions=False,
+            tied=False,
+        ),
+        MoE(8, 2, 1),
+    )
+}
 
 
 def moe_psi(shape: Shape, moe: MoE) -> dict:
     """Ψ of an MoE model: ``dense`` (everything but the experts, the routers included), ``experts`` (all E of
     every MoE layer), ``active`` (what one token computes with: dense and k experts a layer)."""
     h, f = shape.n_embd, shape.ffn_width
-    expert = (3 if shape.mlp == "swiglu" else 2) * h * f + ((2 if shape.mlp == "swiglu" else 1) * f + h
-                                                             if shape.bias else 0)
+    expert = (3 if shape.mlp == "swiglu" else 2) * h * f + (
+        (2 if shape.mlp == "swiglu" else 1) * f + h if shape.bias else 0
+    )
     layers = -(-shape.n_layer // moe.every)
     dense = shape.psi - layers * expert + layers * moe.experts * h
-    return {"dense": dense, "experts": layers * moe.experts * expert, "active": dense + layers * moe.top_k * expert,
-            "moe_layers": layers}
+    return {
+        "dense": dense,
+        "experts": layers * moe.experts * expert,
+        "active": dense + layers * moe.top_k * expert,
+        "moe_layers": layers,
+    }
 
 
 def moe_rank_params(shape: Shape, moe: MoE, ep: int) -> int:
@@ -202,14 +274,20 @@ def moe_rank_params(shape: Shape, moe: MoE, ep: int) -> int:
     return psi["dense"] + psi["experts"] // ep
 
 
-def all_to_all_bytes(moe: MoE, tokens: int, h: int, ep: int, activation_bytes: int = 4, kept: float = 1.0) -> dict:
+def all_to_all_bytes(
+    moe: MoE, tokens: int, h: int, ep: int, activation_bytes: int = 4, kept: float = 1.0
+) -> dict:
     """Bytes per MoE layer and micro-batch of ``tokens`` a rank hands to all-to-alls in step 12 (expert_parallel.py),
     on average over the ranks: the E counts (int64), then the kept slots' rows sent and as many received (over
     a group, what is sent is what arrives), forward (dispatch, combine) and backward (their gradients):
     8E + 4 x k·T·kept x h x bytes. ``on_the_wire``: the token rows that leave the rank, (ep - 1)/ep of them when
     the router balances."""
     rows = moe.top_k * tokens * kept * h * activation_bytes
-    return {"handed": 8 * moe.experts + 4 * rows, "on_the_wire": (8 * moe.experts + 4 * rows) * (ep - 1) / ep}
+    return {
+        "handed": 8 * moe.experts + 4 * rows,
+        "on_the_wire": (8 * moe.experts + 4 * rows) * (ep - 1) / ep,
+    }
+
 
 def stage_blocks(n_layer: int, pp: int, stage: int) -> int:
     """Blocks on ``stage`` of ``pp``: step 9's split, as even as can be, the first stages taking one more."""
@@ -230,10 +308,12 @@ def rank_params(shape: Shape, tp: int, pp: int, stage: int, chunks: int = 1) -> 
     row-parallel biases); the vocabulary is split.
     ``chunks``: the interleaved schedule's per stage."""
     h = shape.n_embd
-    blocks = sum(chunk_blocks(shape.n_layer, pp, stage, chunks)) * (-(-shape.block_split // tp) + shape.block
-                                                                    - shape.block_split)
+    blocks = sum(chunk_blocks(shape.n_layer, pp, stage, chunks)) * (
+        -(-shape.block_split // tp) + shape.block - shape.block_split
+    )
     vocab = -(-(shape.vocab * h) // tp)
-    first = vocab + shape.positions * shape.seq_len * h if stage == 0 else 0  # token (split), positions (whole)
+    # token (split), positions (whole)
+    first = vocab + shape.positions * shape.seq_len * h if stage == 0 else 0
     # the final norm; the output layer: its own matrix, or the tied copy on a last stage of its own
     last = shape.norm_params + (vocab if pp > 1 or not shape.tied else 0) if stage == pp - 1 else 0
     rest = first + last
@@ -246,19 +326,30 @@ class Activations:
     what a block keeps (its input)."""
 
     def __init__(self, shape: Shape, micro_batch_size: int, dtype=None, dropout: float = 0.0):
-        config = {"n_layer": 1, "n_embd": shape.n_embd, "n_head": shape.n_head, "seq_len": shape.seq_len,
-                  "dropout": dropout, "weight_decay": 0.1}
+        config = {
+            "n_layer": 1,
+            "n_embd": shape.n_embd,
+            "n_head": shape.n_head,
+            "seq_len": shape.seq_len,
+            "dropout": dropout,
+            "weight_decay": 0.1,
+        }
         model = estimate.Model(config, shape.vocab, dtype)
         shapes = {}
         saved, arguments = model.saved_tensors(micro_batch_size, shapes=shapes)
         h = shape.n_embd
 
         hidden = micro_batch_size * shape.seq_len * h
-        element = (dtype or torch.float32).itemsize  # the activations' (the LayerNorms' statistics stay float32)
+        # the activations' (the LayerNorms' statistics stay float32)
+        element = (dtype or torch.float32).itemsize
 
-        def whole(dims) -> bool:  # (b, s, h) wide, a LayerNorm's per-token statistics, or the (s, s) causal mask
-            return len(dims) > 0 and ((dims[-1] == h and math.prod(dims) == hidden) or dims[-1] == 1
-                                      or tuple(dims) == (shape.seq_len, shape.seq_len))
+        # (b, s, h) wide, a LayerNorm's per-token statistics, or the (s, s) causal mask
+        def whole(dims) -> bool:
+            return len(dims) > 0 and (
+                (dims[-1] == h and math.prod(dims) == hidden)
+                or dims[-1] == 1
+                or tuple(dims) == (shape.seq_len, shape.seq_len)
+            )
 
         def parts(storages: dict, in_block: bool) -> tuple[int, int, int]:
             kept = sum(n for k, n in storages.items() if whole(shapes[k]))
@@ -270,16 +361,26 @@ class Activations:
             # (two per block, the final one in
             # the rest) and their per-token statistics; their outputs, gathered whole for the column-parallel layers
             # and kept for their weights' gradients, stay whole (as in PyTorch's plan).
-            statistics = sum(n for k, n in storages.items() if len(shapes[k]) > 0 and shapes[k][-1] == 1)
+            statistics = sum(
+                n for k, n in storages.items() if len(shapes[k]) > 0 and shapes[k][-1] == 1
+            )
             kept_sp = kept - statistics - (2 if in_block else 1) * hidden * element
             return kept, sum(storages.values()) - kept, kept_sp
 
         self.block, self.rest = parts(saved.get(0, {}), True), parts(saved.get(None, {}), False)
-        block_input = max(arguments.values())  # the hidden states (b, s, h); the mask is shared by every block
+        # the hidden states (b, s, h); the mask is shared by every block
+        block_input = max(arguments.values())
         self.kept_per_block = block_input
 
-    def per_micro_batch(self, blocks: int, tp: int, first: bool, last: bool, checkpointing: bool,
-                        sequence_parallel: bool = False) -> int:
+    def per_micro_batch(
+        self,
+        blocks: int,
+        tp: int,
+        first: bool,
+        last: bool,
+        checkpointing: bool,
+        sequence_parallel: bool = False,
+    ) -> int:
         """Bytes one micro-batch leaves for backward on a rank of a stage with ``blocks`` blocks (with
         checkpointing, the blocks' inputs: the block recomputed in backward is ``recomputed``; with
         ``sequence_parallel``, 1/tp of them, and of what sequence parallelism splits)."""
@@ -296,13 +397,17 @@ class Activations:
     def block_bytes(self, tp: int, sequence_parallel: bool = False) -> int:
         return self.split(self.block, tp, sequence_parallel)
 
-    def recomputed(self, blocks: int, tp: int, checkpointing: bool, sequence_parallel: bool = False) -> int:
+    def recomputed(
+        self, blocks: int, tp: int, checkpointing: bool, sequence_parallel: bool = False
+    ) -> int:
         """With checkpointing, what one block's recomputation holds while its backward runs: once per stage,
         whatever the micro-batches in flight (one backward, so one recomputation, runs at a time)."""
         return self.block_bytes(tp, sequence_parallel) if checkpointing and blocks else 0
 
 
-def in_flight(schedule: str, pp: int, stage: int, micro_batches: int, chunks: int = VIRTUAL_STAGES) -> int:
+def in_flight(
+    schedule: str, pp: int, stage: int, micro_batches: int, chunks: int = VIRTUAL_STAGES
+) -> int:
     """Micro-batches whose activations a stage holds at once: GPipe M, 1F1B at most P - s; interleaved, chunk
     micro-batches, its warm-up plus one, (V - 1) P + 2 (P - s - 1) + 1, at most M V; zero bubble min(P, M) (each
     held until its deferred W); no pipeline: 1."""
@@ -324,15 +429,26 @@ def step9_pipeline(module: str = "pipeline"):
     return importlib.import_module(module)
 
 
-def interleaved_activations(activations, shape: Shape, tp: int, pp: int, stage: int, micro_batches: int,
-                            checkpointing: bool, sequence_parallel: bool, chunks: int = VIRTUAL_STAGES) -> int:
+def interleaved_activations(
+    activations,
+    shape: Shape,
+    tp: int,
+    pp: int,
+    stage: int,
+    micro_batches: int,
+    checkpointing: bool,
+    sequence_parallel: bool,
+    chunks: int = VIRTUAL_STAGES,
+) -> int:
     """The most bytes a rank of the interleaved schedule holds for backward: its chunks' activations per micro-batch
     (the last chunk with the logits) added and taken away along step 9's own action list, at their peak."""
     schedule_actions = step9_pipeline().schedule_actions
     blocks = chunk_blocks(shape.n_layer, pp, stage, chunks)
     last = [v * pp + stage == pp * chunks - 1 for v in range(chunks)]
-    per = [activations.per_micro_batch(b, tp, False, is_last, checkpointing, sequence_parallel)
-           for b, is_last in zip(blocks, last)]
+    per = [
+        activations.per_micro_batch(b, tp, False, is_last, checkpointing, sequence_parallel)
+        for b, is_last in zip(blocks, last)
+    ]
     held = peak = 0
     for kind, _, v in schedule_actions("interleaved-1f1b", stage, pp, micro_batches, chunks):
         held += per[v] if kind == "F" else -per[v]
@@ -348,11 +464,18 @@ class Hardware:
     tflops: float = 300.0  # achieved, per device
     intra_gbs: float = 450.0  # GB/s a rank moves inside a node (NVLink)
     inter_gbs: float = 50.0  # across nodes (400 Gb/s InfiniBand per GPU)
-    host_gbs: float = 25.0  # between a device and its host (PCIe 4 x16), each way: ZeRO-Offload's moves
+    # between a device and its host (PCIe 4 x16), each way: ZeRO-Offload's moves
+    host_gbs: float = 25.0
 
 
-def moe_layouts(shape: Shape, moe: MoE, hardware: Hardware, micro_batch_size: int, micro_batches: int,
-                param_dtype: str = "float32") -> list[dict]:
+def moe_layouts(
+    shape: Shape,
+    moe: MoE,
+    hardware: Hardware,
+    micro_batch_size: int,
+    micro_batches: int,
+    param_dtype: str = "float32",
+) -> list[dict]:
     """Step 12's layouts on ``hardware.devices`` ranks: every ep that divides both E and the ranks. The dense part
     is data-parallel over every rank, each expert over the devices/ep ranks that hold it; ZeRO-0 (step 12 is built
     on naive DP). Per rank: parameters, model state, and the all-to-all bytes of an optimiser step, dropless
@@ -363,43 +486,67 @@ def moe_layouts(shape: Shape, moe: MoE, hardware: Hardware, micro_batch_size: in
         held = moe_rank_params(shape, moe, ep)
         state = estimate.state_bytes(0, held, 1, param_dtype)
         total = sum(state.values())
-        layer = all_to_all_bytes(moe, micro_batch_size * shape.seq_len, shape.n_embd, ep,
-                                 activation_bytes(param_dtype))
-        rows.append({"ep": ep, "expert_replicas": hardware.devices // ep, "params": held, "state": state,
-                     "total": total, "fits": total <= hardware.memory,
-                     "all_to_all_handed": layer["handed"] * per_step,
-                     "all_to_all_on_the_wire": layer["on_the_wire"] * per_step,
-                     "inside_a_node": hardware.gpus_per_node % ep == 0, "micro_batches": micro_batches})
+        layer = all_to_all_bytes(
+            moe, micro_batch_size * shape.seq_len, shape.n_embd, ep, activation_bytes(param_dtype)
+        )
+        rows.append(
+            {
+                "ep": ep,
+                "expert_replicas": hardware.devices // ep,
+                "params": held,
+                "state": state,
+                "total": total,
+                "fits": total <= hardware.memory,
+                "all_to_all_handed": layer["handed"] * per_step,
+                "all_to_all_on_the_wire": layer["on_the_wire"] * per_step,
+                "inside_a_node": hardware.gpus_per_node % ep == 0,
+                "micro_batches": micro_batches,
+            }
+        )
     return rows
 
 
-def moe_report(shape: Shape, moe: MoE, hardware: Hardware, rows: list[dict], micro_batch_size: int,
-               global_batch: int, param_dtype: str, commands: list[str] | str) -> str:
+def moe_report(
+    shape: Shape,
+    moe: MoE,
+    hardware: Hardware,
+    rows: list[dict],
+    micro_batch_size: int,
+    global_batch: int,
+    param_dtype: str,
+    commands: list[str] | str,
+) -> str:
     """The EP table: one line per ep degree, and the step 12 command for each (or why there is none)."""
     unit = (GIB, "GiB") if max(row["total"] for row in rows) >= 2 * GIB else (2**20, "MiB")
     psi = moe_psi(shape, moe)
-    lines = [f"mixture of experts: E {moe.experts}, top-{moe.top_k}, every {moe.every} block(s) "
-             f"({psi['moe_layers']} MoE layers); Ψ = {psi['dense'] + psi['experts']:,} ({psi['dense']:,} dense, "
-             f"{psi['experts']:,} experts), {psi['active']:,} active per token; {param_dtype}, AdamW",
-             f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} ({hardware.gpus_per_node} per "
-             f"node); micro-batch {micro_batch_size}, global batch {global_batch} sequences, "
-             f"{rows[0]['micro_batches']} micro-batches a rank",
-             "step 12: dp over every rank, ep splitting the experts; ZeRO-0; model state only (activations not "
-             "counted); all-to-all per rank and optimiser step, dropless",
-             f"{'ep':>4}{'copies of an expert':>21}{'params a rank':>16}{f'state ({unit[1]})':>14}{'fits':>6}"
-             f"{f'all-to-all handed ({unit[1]})':>25}{f'on the wire ({unit[1]})':>19}{'ep group':>16}"]
+    lines = [
+        f"mixture of experts: E {moe.experts}, top-{moe.top_k}, every {moe.every} block(s) "
+        f"({psi['moe_layers']} MoE layers); Ψ = {psi['dense'] + psi['experts']:,} ({psi['dense']:,} dense, "
+        f"{psi['experts']:,} experts), {psi['active']:,} active per token; {param_dtype}, AdamW",
+        f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} ({hardware.gpus_per_node} per "
+        f"node); micro-batch {micro_batch_size}, global batch {global_batch} sequences, "
+        f"{rows[0]['micro_batches']} micro-batches a rank",
+        "step 12: dp over every rank, ep splitting the experts; ZeRO-0; model state only (activations not "
+        "counted); all-to-all per rank and optimiser step, dropless",
+        f"{'ep':>4}{'copies of an expert':>21}{'params a rank':>16}{f'state ({unit[1]})':>14}{'fits':>6}"
+        f"{f'all-to-all handed ({unit[1]})':>25}{f'on the wire ({unit[1]})':>19}{'ep group':>16}",
+    ]
     for row in rows:
-        lines.append(f"{row['ep']:>4}{row['expert_replicas']:>21}{row['params']:>16,}"
-                     f"{row['total'] / unit[0]:>14,.1f}{'yes' if row['fits'] else 'no':>6}"
-                     f"{row['all_to_all_handed'] / unit[0]:>25,.1f}{row['all_to_all_on_the_wire'] / unit[0]:>19,.1f}"
-                     f"{'inside a node' if row['inside_a_node'] else 'across nodes':>16}")
+        lines.append(
+            f"{row['ep']:>4}{row['expert_replicas']:>21}{row['params']:>16,}"
+            f"{row['total'] / unit[0]:>14,.1f}{'yes' if row['fits'] else 'no':>6}"
+            f"{row['all_to_all_handed'] / unit[0]:>25,.1f}{row['all_to_all_on_the_wire'] / unit[0]:>19,.1f}"
+            f"{'inside a node' if row['inside_a_node'] else 'across nodes':>16}"
+        )
     if isinstance(commands, str):
         lines.append(f"no command: {commands}")
     else:
         lines += [f"  ep {row['ep']}: {c}" for row, c in zip(rows, commands) if row["fits"]]
     if not any(row["fits"] for row in rows):
-        lines.append("no ep fits: step 12 keeps the dense part whole on every rank (ZeRO-0); "
-                     "sharding it (ZeRO with ep) is not built yet")
+        lines.append(
+            "no ep fits: step 12 keeps the dense part whole on every rank (ZeRO-0); "
+            "sharding it (ZeRO with ep) is not built yet"
+        )
     return "\n".join(lines)
 
 
@@ -408,11 +555,25 @@ def activation_bytes(param_dtype: str) -> int:
     return (estimate.PARAM_DTYPES[param_dtype] or torch.float32).itemsize
 
 
-def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpointing: bool, micro_batch_size: int,
-                  micro_batches: int, activations: Activations, param_dtype: str = "float32",
-                  reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
-                  reduce_every_micro_batch: bool = False, sequence_parallel: bool = False, cp: int = 1,
-                  replicate: int = 1) -> dict:
+def configuration(
+    shape: Shape,
+    dp: int,
+    tp: int,
+    pp: int,
+    zero: int,
+    checkpointing: bool,
+    micro_batch_size: int,
+    micro_batches: int,
+    activations: Activations,
+    param_dtype: str = "float32",
+    reduce_dtype: str | None = None,
+    schedule: str = "1f1b",
+    offload: bool = False,
+    reduce_every_micro_batch: bool = False,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    replicate: int = 1,
+) -> dict:
     """Every rank's bytes and every axis's traffic for one configuration (``micro_batches``: per rank and step,
     the pipeline's M). Stages differ; the rank holding most decides whether it fits. ZeRO-2 and -3 over M > 1
     micro-batches: as the trainers' ``no_sync()`` does, whole gradients accumulate until the step's one
@@ -431,18 +592,24 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
     sequence_parallel = sequence_parallel and tp > 1
     chunks = VIRTUAL_STAGES if schedule == "interleaved-1f1b" and pp > 1 else 1
     (p_bytes, g_bytes, _), _ = estimate.bytes_per_parameter(zero, param_dtype, reduce_dtype)
-    act_bytes = activation_bytes(param_dtype)  # also what ZeRO-3 gathers: 16-bit units from a float32 shard
-    bsh = micro_batch_size * shape.seq_len * shape.n_embd // cp  # a rank's tokens of a micro-batch, b s h wide
+    # also what ZeRO-3 gathers: 16-bit units from a float32 shard
+    act_bytes = activation_bytes(param_dtype)
+    # a rank's tokens of a micro-batch, b s h wide
+    bsh = micro_batch_size * shape.seq_len * shape.n_embd // cp
     replicas = dp * cp  # ranks holding the same model state: ZeRO's group
-    shard = replicas // replicate  # HSDP: the ranks each unit is cut over (a row); without it, all the replicas
+    # HSDP: the ranks each unit is cut over (a row); without it, all the replicas
+    shard = replicas // replicate
     stages = []
     for stage in range(pp):
         held = rank_params(shape, tp, pp, stage, chunks)
         psi = held["blocks"] + held["rest"]
         state = estimate.state_bytes(zero, psi, shard, param_dtype, reduce_dtype)
         blocks = sum(chunk_blocks(shape.n_layer, pp, stage, chunks))
-        if zero == 3:  # step 7's units in flight, whole: the rest (kept through backward) and two blocks
-            state["gathered"] = act_bytes * (held["rest"] + held["blocks"] // max(blocks, 1) * min(blocks, 2))
+        # step 7's units in flight, whole: the rest (kept through backward) and two blocks
+        if zero == 3:
+            state["gathered"] = act_bytes * (
+                held["rest"] + held["blocks"] // max(blocks, 1) * min(blocks, 2)
+            )
         reduce_scatters = 1
         if zero >= 2 and micro_batches > 1:
             if reduce_every_micro_batch:
@@ -456,44 +623,89 @@ def configuration(shape: Shape, dp: int, tp: int, pp: int, zero: int, checkpoint
             state["optimizer_state"] = 0
         flight = in_flight(schedule, pp, stage, micro_batches, chunks)
         if chunks > 1:
-            act = interleaved_activations(activations, shape, tp, pp, stage, micro_batches, checkpointing,
-                                          sequence_parallel, chunks)
+            act = interleaved_activations(
+                activations,
+                shape,
+                tp,
+                pp,
+                stage,
+                micro_batches,
+                checkpointing,
+                sequence_parallel,
+                chunks,
+            )
         else:
-            act = flight * activations.per_micro_batch(blocks, tp, stage == 0, stage == pp - 1, checkpointing,
-                                                       sequence_parallel)
+            act = flight * activations.per_micro_batch(
+                blocks, tp, stage == 0, stage == pp - 1, checkpointing, sequence_parallel
+            )
         act += activations.recomputed(blocks, tp, checkpointing, sequence_parallel)
         comm = {}
         if replicas > 1:
             if zero == 3:
                 gathers = micro_batches * (2 * held["blocks"] + held["rest"]) * act_bytes
-                comm["dp"] = {"all_gather": gathers, "reduce_scatter": reduce_scatters * g_bytes * psi}
+                comm["dp"] = {
+                    "all_gather": gathers,
+                    "reduce_scatter": reduce_scatters * g_bytes * psi,
+                }
                 if replicate > 1:  # HSDP: this rank's gradient shard, across the rows
                     comm["replicate"] = {"all_reduce": reduce_scatters * g_bytes * -(-psi // shard)}
             else:
-                comm["dp"] = {"all_reduce" if zero < 2 else "reduce_scatter": reduce_scatters * g_bytes * psi,
-                              **({"all_gather": p_bytes * psi} if zero else {})}
+                comm["dp"] = {
+                    "all_reduce" if zero < 2 else "reduce_scatter": reduce_scatters * g_bytes * psi,
+                    **({"all_gather": p_bytes * psi} if zero else {}),
+                }
         if tp > 1:
             reduced = micro_batches * (6 * blocks + 2) * bsh * act_bytes
-            comm["tp"] = ({"all_gather": reduced, "reduce_scatter": reduced} if sequence_parallel
-                          else {"all_reduce": reduced})
+            comm["tp"] = (
+                {"all_gather": reduced, "reduce_scatter": reduced}
+                if sequence_parallel
+                else {"all_reduce": reduced}
+            )
         if pp > 1:
             tied = -(-(shape.vocab * shape.n_embd) // tp) * 4 if shape.tied else 0
-            hops = 2 * chunks - (stage == pp - 1) - (stage == 0)  # activations out, gradients back, per chunk
-            comm["pp"] = {"send": micro_batches * bsh * act_bytes * hops
-                          + (micro_batches * tied if stage == pp - 1 else tied if stage == 0 else 0)}
-        if cp > 1:  # per block: C - 1 K/V blocks forward (again with checkpointing) and backward, C float32 dK/dV
+            # activations out, gradients back, per chunk
+            hops = 2 * chunks - (stage == pp - 1) - (stage == 0)
+            comm["pp"] = {
+                "send": micro_batches * bsh * act_bytes * hops
+                + (micro_batches * tied if stage == pp - 1 else tied if stage == 0 else 0)
+            }
+        # per block: C - 1 K/V blocks forward (again with checkpointing) and backward, C float32 dK/dV
+        if cp > 1:
             kv = 2 * micro_batch_size * shape.seq_len // cp * -(-shape.kv_dim // tp)
             passes = (cp - 1) * (3 if checkpointing else 2) * act_bytes + cp * 4
             comm["cp"] = {"send": micro_batches * blocks * kv * passes}
-        stages.append({"stage": stage, "psi": psi, **state, "activations": act, "in_flight": flight,
-                       "total": sum(state.values()) + act, "comm": comm, "host": host, "offloaded": offloaded})
+        stages.append(
+            {
+                "stage": stage,
+                "psi": psi,
+                **state,
+                "activations": act,
+                "in_flight": flight,
+                "total": sum(state.values()) + act,
+                "comm": comm,
+                "host": host,
+                "offloaded": offloaded,
+            }
+        )
     worst = max(stages, key=lambda s: s["total"])
-    return {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "zero": zero, "replicate": replicate,
-            "checkpointing": checkpointing, "schedule": schedule,
-            "selective": getattr(activations, "selective", False) and not checkpointing,
-            "offload": offload, "sequence_parallel": sequence_parallel,
-            "micro_batches": micro_batches, "stages": stages, "total": worst["total"], "worst_stage": worst["stage"],
-            "bubble": step9_pipeline().ideal_bubble(schedule, pp, micro_batches, chunks)}
+    return {
+        "dp": dp,
+        "cp": cp,
+        "tp": tp,
+        "pp": pp,
+        "zero": zero,
+        "replicate": replicate,
+        "checkpointing": checkpointing,
+        "schedule": schedule,
+        "selective": getattr(activations, "selective", False) and not checkpointing,
+        "offload": offload,
+        "sequence_parallel": sequence_parallel,
+        "micro_batches": micro_batches,
+        "stages": stages,
+        "total": worst["total"],
+        "worst_stage": worst["stage"],
+        "bubble": step9_pipeline().ideal_bubble(schedule, pp, micro_batches, chunks),
+    }
 
 
 def flops_per_token(shape: Shape, checkpointing: bool, selective: bool = False) -> float:
@@ -501,38 +713,73 @@ def flops_per_token(shape: Shape, checkpointing: bool, selective: bool = False) 
     6Ψ + 12 L s h, Narayanan et al. 2021's 72 L h² (1 + s / 6h + V / 12 L h). Checkpointing runs the blocks'
     forward once more (their 96 L h² (1 + s / 6h + V / 16 L h)): 2Ψ_blocks + 4 L s h; selective recomputation
     only attention's QKᵀ and AV: 4 L s h."""
-    blocks, attention = shape.n_layer * shape.block, 4 * shape.n_layer * shape.seq_len * shape.n_embd
-    return 6 * shape.psi + 3 * attention + (2 * blocks + attention if checkpointing else attention if selective else 0)
+    blocks, attention = (
+        shape.n_layer * shape.block,
+        4 * shape.n_layer * shape.seq_len * shape.n_embd,
+    )
+    return (
+        6 * shape.psi
+        + 3 * attention
+        + (2 * blocks + attention if checkpointing else attention if selective else 0)
+    )
 
 
 def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: int) -> dict:
     """Seconds per optimiser step, a rough model: compute over the devices, stretched by the bubble, plus each
     axis's bytes over the link it crosses (a ring moves 2(n-1)/n of an all-reduce's bytes), none overlapped."""
-    dp, cp, tp, pp, m = config["dp"], config["cp"], config["tp"], config["pp"], config["micro_batches"]
+    dp, cp, tp, pp, m = (
+        config["dp"],
+        config["cp"],
+        config["tp"],
+        config["pp"],
+        config["micro_batches"],
+    )
     tokens = dp * m * micro_batch_size * shape.seq_len  # a ring's cp ranks share each sequence
-    flops = (flops_per_token(shape, config["checkpointing"], config.get("selective", False)) * tokens
-             / (dp * cp * tp * pp))
+    flops = (
+        flops_per_token(shape, config["checkpointing"], config.get("selective", False))
+        * tokens
+        / (dp * cp * tp * pp)
+    )
     compute = flops / (hardware.tflops * 1e12) / (1 - config["bubble"])  # (V M + P - 1) / V M
     inside = lambda span: span <= hardware.gpus_per_node  # noqa: E731 (ranks a group spans, tp innermost, then cp)
-    shard = dp * cp // config.get("replicate", 1)  # HSDP: ZeRO's group is a row of S consecutive replicas
-    links = {"tp": inside(tp), "cp": inside(tp * cp), "dp": inside(tp * shard), "pp": inside(tp * cp * dp * pp),
-             "replicate": inside(tp * cp * dp)}
+    # HSDP: ZeRO's group is a row of S consecutive replicas
+    shard = dp * cp // config.get("replicate", 1)
+    links = {
+        "tp": inside(tp),
+        "cp": inside(tp * cp),
+        "dp": inside(tp * shard),
+        "pp": inside(tp * cp * dp * pp),
+        "replicate": inside(tp * cp * dp),
+    }
     sizes = group_sizes(config)
     comm = {}
     worst = max(config["stages"], key=lambda s: s["total"])
-    if worst["offloaded"]:  # ZeRO-Offload: the gradient shard out, the float32 shard back, over the host link
+    # ZeRO-Offload: the gradient shard out, the float32 shard back, over the host link
+    if worst["offloaded"]:
         comm["host"] = worst["offloaded"] / (hardware.host_gbs * 1e9)
     for axis, kinds in worst["comm"].items():
         link_gbs = hardware.intra_gbs if links[axis] else hardware.inter_gbs
         comm[axis] = on_the_wire(kinds, sizes[axis]) / (link_gbs * 1e9)
-    return {"compute_s": compute, "comm_s": comm, "step_s": compute + sum(comm.values()), "links": links}
+    return {
+        "compute_s": compute,
+        "comm_s": comm,
+        "step_s": compute + sum(comm.values()),
+        "links": links,
+    }
 
 
 def group_sizes(config: dict) -> dict:
     """The ranks of each axis's group (ZeRO's and the gradients' over dp x cp: a ring's ranks are replicas); a
     pipeline's and a ring's sends go to one neighbour at a time. HSDP (``replicate``): its rows and columns."""
-    replicate = config.get("replicate", 1)  # HSDP: ZeRO's group is a row of dp cp / R, the gradient shard's a column
-    return {"dp": config["dp"] * config["cp"] // replicate, "tp": config["tp"], "pp": 2, "cp": 2, "replicate": replicate}
+    # HSDP: ZeRO's group is a row of dp cp / R, the gradient shard's a column
+    replicate = config.get("replicate", 1)
+    return {
+        "dp": config["dp"] * config["cp"] // replicate,
+        "tp": config["tp"],
+        "pp": 2,
+        "cp": 2,
+        "replicate": replicate,
+    }
 
 
 def on_the_wire(kinds: dict, n: int) -> float:
@@ -540,18 +787,31 @@ def on_the_wire(kinds: dict, n: int) -> float:
     group of ``n`` ranks with ring algorithms: an all-reduce 2(n - 1)/n of its buffer (a reduce-scatter, then an
     all-gather), a reduce-scatter or an all-gather (n - 1)/n of the whole buffer, a point-to-point send all of it.
     So ZeRO-2's reduce-scatter + all-gather hands collectives twice DDP's all-reduce bytes, and sends the same."""
-    return sum(b * (2 * (n - 1) / n if kind == "all_reduce" else 1 if kind == "send" else (n - 1) / n)
-               for kind, b in kinds.items())
+    return sum(
+        b * (2 * (n - 1) / n if kind == "all_reduce" else 1 if kind == "send" else (n - 1) / n)
+        for kind, b in kinds.items()
+    )
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: int, param_dtype: str = "float32",
-         reduce_dtype: str | None = None, schedule: str = "1f1b", offload: bool = False,
-         reduce_every_micro_batch: bool = False, sequence_parallel: bool = False,
-         activations=None, ring_activations=None, hsdp: bool = False) -> tuple[list[dict], list[dict]]:
+def plan(
+    shape: Shape,
+    hardware: Hardware,
+    micro_batch_size: int,
+    global_batch: int,
+    param_dtype: str = "float32",
+    reduce_dtype: str | None = None,
+    schedule: str = "1f1b",
+    offload: bool = False,
+    reduce_every_micro_batch: bool = False,
+    sequence_parallel: bool = False,
+    activations=None,
+    ring_activations=None,
+    hsdp: bool = False,
+) -> tuple[list[dict], list[dict]]:
     """(the configurations that fit, ranked; those that do not). Every dp x cp x tp x pp = --devices with tp dividing
     the heads (and the key/value heads), pp at most the layers, 2 cp dividing the sequence and global batch =
     dp x micro-batch x M. The interleaved schedule where it can run (M a multiple of pp, 2 chunks of a block or
@@ -561,9 +821,12 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
     ``activations``: by default counted on the meta device (the trainers' model); ``ring_activations(cp)``: by
     default the formula's, with the ring's attention. ``hsdp``: ZeRO-3 also as HSDP, every R that leaves rows of 2
     or more (step 7's --replicate R)."""
-    activations = activations or Activations(shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype])
-    ring_activations = ring_activations or (lambda cp: FormulaActivations(
-        shape, micro_batch_size, activation_bytes(param_dtype), cp=cp))
+    activations = activations or Activations(
+        shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype]
+    )
+    ring_activations = ring_activations or (
+        lambda cp: FormulaActivations(shape, micro_batch_size, activation_bytes(param_dtype), cp=cp)
+    )
     configs = []
     for tp in divisors(hardware.devices):
         if shape.n_head % tp or shape.kv_heads % tp:
@@ -571,36 +834,81 @@ def plan(shape: Shape, hardware: Hardware, micro_batch_size: int, global_batch: 
         for pp in divisors(hardware.devices // tp):
             for cp in divisors(hardware.devices // (tp * pp)):
                 dp = hardware.devices // (tp * pp * cp)
-                if pp > shape.n_layer or global_batch % (dp * micro_batch_size) or shape.seq_len % (2 * cp):
+                if (
+                    pp > shape.n_layer
+                    or global_batch % (dp * micro_batch_size)
+                    or shape.seq_len % (2 * cp)
+                ):
                     continue
                 m = global_batch // (dp * micro_batch_size)
-                runs = schedule != "interleaved-1f1b" or (m % pp == 0 and pp * VIRTUAL_STAGES <= shape.n_layer)
+                runs = schedule != "interleaved-1f1b" or (
+                    m % pp == 0 and pp * VIRTUAL_STAGES <= shape.n_layer
+                )
                 held = activations if cp == 1 else ring_activations(cp)
-                rows = [r for r in divisors(dp * cp) if r < dp * cp] if hsdp else [1]  # HSDP: rows of 2 or more
+                # HSDP: rows of 2 or more
+                rows = [r for r in divisors(dp * cp) if r < dp * cp] if hsdp else [1]
                 for zero, offloaded, checkpointing, sp, replicate in itertools.product(
-                        range(4) if dp * cp > 1 else (0,), (False, True) if offload else (False,), (False, True),
-                        (True,) if sequence_parallel else (False, True) if tp > 1 else (False,), rows):
+                    range(4) if dp * cp > 1 else (0,),
+                    (False, True) if offload else (False,),
+                    (False, True),
+                    (True,) if sequence_parallel else (False, True) if tp > 1 else (False,),
+                    rows,
+                ):
                     if (offloaded or replicate > 1) and zero != 3:
                         continue
-                    c = configuration(shape, dp, tp, pp, zero, checkpointing, micro_batch_size, m, held, param_dtype,
-                                      reduce_dtype, schedule if runs else "1f1b", offloaded, reduce_every_micro_batch,
-                                      sp, cp, replicate)
+                    c = configuration(
+                        shape,
+                        dp,
+                        tp,
+                        pp,
+                        zero,
+                        checkpointing,
+                        micro_batch_size,
+                        m,
+                        held,
+                        param_dtype,
+                        reduce_dtype,
+                        schedule if runs else "1f1b",
+                        offloaded,
+                        reduce_every_micro_batch,
+                        sp,
+                        cp,
+                        replicate,
+                    )
                     c["time"] = step_time(c, shape, hardware, micro_batch_size)
                     c["fits"] = c["total"] <= hardware.memory
                     configs.append(c)
     fitting = {layout_key(c) for c in configs if c["fits"]}
     fit = [c for c in configs if c["fits"] and not plainer(c, sequence_parallel) & fitting]
     rejected = [c for c in configs if not c["fits"]]
-    simplicity = lambda c: (c["tp"] * c["pp"], c["pp"], c["cp"], c["sequence_parallel"], c["zero"],  # noqa: E731
-                            c["replicate"], c["offload"], c["checkpointing"])
-    fit.sort(key=lambda c: (float(f"{c['time']['step_s']:.3g}"), simplicity(c)))  # ties (3 digits): the simpler
+    simplicity = lambda c: (
+        c["tp"] * c["pp"],
+        c["pp"],
+        c["cp"],
+        c["sequence_parallel"],
+        c["zero"],  # noqa: E731
+        c["replicate"],
+        c["offload"],
+        c["checkpointing"],
+    )
+    # ties (3 digits): the simpler
+    fit.sort(key=lambda c: (float(f"{c['time']['step_s']:.3g}"), simplicity(c)))
     rejected.sort(key=simplicity)
     return fit, rejected
 
 
 def layout_key(c: dict) -> tuple:
-    return (c["dp"], c["cp"], c["tp"], c["pp"], c["zero"], c["offload"], c["checkpointing"], c["sequence_parallel"],
-            c.get("replicate", 1))
+    return (
+        c["dp"],
+        c["cp"],
+        c["tp"],
+        c["pp"],
+        c["zero"],
+        c["offload"],
+        c["checkpointing"],
+        c["sequence_parallel"],
+        c.get("replicate", 1),
+    )
 
 
 def plainer(c: dict, sequence_parallel: bool = False) -> set:
@@ -615,20 +923,29 @@ def plainer(c: dict, sequence_parallel: bool = False) -> set:
 
 def name(c: dict) -> str:
     cp = f"cp {c['cp']} x " if c["cp"] > 1 else ""
-    hsdp = f" (HSDP {c['replicate']} x {c['dp'] * c['cp'] // c['replicate']})" if c.get("replicate", 1) > 1 else ""
-    return (f"dp {c['dp']} x {cp}tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}{hsdp}"
-            f"{', offload' if c['offload'] else ''}{', checkpointing' if c['checkpointing'] else ''}"
-            f"{', selective' if c.get('selective') else ''}"
-            f"{', sequence-parallel' if c.get('sequence_parallel') else ''}")
+    hsdp = (
+        f" (HSDP {c['replicate']} x {c['dp'] * c['cp'] // c['replicate']})"
+        if c.get("replicate", 1) > 1
+        else ""
+    )
+    return (
+        f"dp {c['dp']} x {cp}tp {c['tp']} x pp {c['pp']}, {estimate.STAGES[c['zero']]}{hsdp}"
+        f"{', offload' if c['offload'] else ''}{', checkpointing' if c['checkpointing'] else ''}"
+        f"{', selective' if c.get('selective') else ''}"
+        f"{', sequence-parallel' if c.get('sequence_parallel') else ''}"
+    )
 
 
 # ---- The command that trains a layout ----------------------------------------------------------------------------
 
-ZERO_STEPS = ("step1_torch_ddp", "step5_zero1", "step6_zero2", "step7_zero3")  # pure dp, by ZeRO stage
+# pure dp, by ZeRO stage
+ZERO_STEPS = ("step1_torch_ddp", "step5_zero1", "step6_zero2", "step7_zero3")
 PARAM_DTYPE_STEPS = ("step5_zero1", "step6_zero2", "step7_zero3")  # the trainers with --param-dtype
 
 
-def trainer(c: dict, param_dtype: str = "float32", reduce_every_micro_batch: bool = False) -> tuple[str, list] | str:
+def trainer(
+    c: dict, param_dtype: str = "float32", reduce_every_micro_batch: bool = False
+) -> tuple[str, list] | str:
     """(the step folder that trains layout ``c``, its layout flags), or one line saying why no trainer does.
     cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings), or step 10 (ZeRO-1 over dp x cp, with tp
     and pp too; not with SP or selective recomputation); tp or pp: step 8 (tp alone), step 9
@@ -643,28 +960,65 @@ def trainer(c: dict, param_dtype: str = "float32", reduce_every_micro_batch: boo
             return "no trainer runs cp with recomputation and DDP: step 11 has no --activation-checkpointing"
         step, flags = "step11_context_parallel", ["--cp", cp]
     elif cp > 1 and zero != 1:
-        return (f"no trainer runs cp with {estimate.STAGES[zero]}" + (" and tp or pp" if zero == 0 else "") +
-                ": step 11 is DDP over its rings, step 10 ZeRO-1 over dp x cp")
+        return (
+            f"no trainer runs cp with {estimate.STAGES[zero]}"
+            + (" and tp or pp" if zero == 0 else "")
+            + ": step 11 is DDP over its rings, step 10 ZeRO-1 over dp x cp"
+        )
     elif cp > 1 and (c["sequence_parallel"] or c.get("selective")):
-        return (f"no trainer runs cp with {'sequence parallelism' if c['sequence_parallel'] else 'selective recomputation'}"
-                ": step 10 refuses it (composition.py's rule 5)")
+        return (
+            f"no trainer runs cp with {'sequence parallelism' if c['sequence_parallel'] else 'selective recomputation'}"
+            ": step 10 refuses it (composition.py's rule 5)"
+        )
     elif tp > 1 or pp > 1 or cp > 1:
         if zero > 1:
-            return f"no trainer runs {estimate.STAGES[zero]} with tp or pp: step 10 is ZeRO-1 over dp"
+            return (
+                f"no trainer runs {estimate.STAGES[zero]} with tp or pp: step 10 is ZeRO-1 over dp"
+            )
         if dp > 1 and zero == 0:
             return "no trainer runs DDP with tp or pp: step 10 is ZeRO-1 over dp"
-        pipeline = ["--schedule", c["schedule"], *(["--virtual-stages", VIRTUAL_STAGES]
-                                                   if c["schedule"] == "interleaved-1f1b" else []),
-                    "--micro-batches", m] if pp > 1 else []
+        pipeline = (
+            [
+                "--schedule",
+                c["schedule"],
+                *(
+                    ["--virtual-stages", VIRTUAL_STAGES]
+                    if c["schedule"] == "interleaved-1f1b"
+                    else []
+                ),
+                "--micro-batches",
+                m,
+            ]
+            if pp > 1
+            else []
+        )
         sp = ["--sequence-parallel"] if c["sequence_parallel"] else []
         if dp > 1 or cp > 1 or (tp > 1 and pp > 1) or recompute:
-            step, flags = "step10_3d_parallel", ["--dp", dp, *(["--cp", cp] if cp > 1 else []), "--tp", tp, "--pp", pp,
-                                                 *sp, *pipeline,
-                                                 *(["--activation-checkpointing", recompute] if recompute else [])]
+            step, flags = (
+                "step10_3d_parallel",
+                [
+                    "--dp",
+                    dp,
+                    *(["--cp", cp] if cp > 1 else []),
+                    "--tp",
+                    tp,
+                    "--pp",
+                    pp,
+                    *sp,
+                    *pipeline,
+                    *(["--activation-checkpointing", recompute] if recompute else []),
+                ],
+            )
         else:
-            step, flags = ("step8_tensor_parallel", sp) if tp > 1 else ("step9_pipeline_parallel", pipeline)
-    elif recompute and zero == 1:  # step 10 at tp = pp = 1: ZeRO-1 over dp, with recomputation (step 5 has none)
-        step, flags = "step10_3d_parallel", ["--dp", dp, "--tp", 1, "--pp", 1, "--activation-checkpointing", recompute]
+            step, flags = (
+                ("step8_tensor_parallel", sp) if tp > 1 else ("step9_pipeline_parallel", pipeline)
+            )
+    # step 10 at tp = pp = 1: ZeRO-1 over dp, with recomputation (step 5 has none)
+    elif recompute and zero == 1:
+        step, flags = (
+            "step10_3d_parallel",
+            ["--dp", dp, "--tp", 1, "--pp", 1, "--activation-checkpointing", recompute],
+        )
     else:
         step, flags = ZERO_STEPS[zero], []
         if zero == 2 and reduce_every_micro_batch:
@@ -672,22 +1026,35 @@ def trainer(c: dict, param_dtype: str = "float32", reduce_every_micro_batch: boo
         if zero == 3:
             if reduce_every_micro_batch and m > 1:
                 return "no trainer runs ZeRO-3 reducing every micro-batch: step 7 has no --reduce-every-micro-batch"
-            flags += [*(["--replicate", c["replicate"]] if c.get("replicate", 1) > 1 else []),
-                      *(["--offload-optimizer"] if c["offload"] else []),
-                      *(["--activation-checkpointing", recompute] if recompute else [])]
-    layout = estimate.STAGES[zero] if step in ZERO_STEPS else " x ".join(a for a in ("dp", "cp", "tp", "pp") if c[a] > 1)
+            flags += [
+                *(["--replicate", c["replicate"]] if c.get("replicate", 1) > 1 else []),
+                *(["--offload-optimizer"] if c["offload"] else []),
+                *(["--activation-checkpointing", recompute] if recompute else []),
+            ]
+    layout = (
+        estimate.STAGES[zero]
+        if step in ZERO_STEPS
+        else " x ".join(a for a in ("dp", "cp", "tp", "pp") if c[a] > 1)
+    )
     if recompute == "full" and pp > 1 and c["schedule"] == "zero-bubble":
         return "no trainer runs checkpointing with zero bubble: step 10 refuses it (W would recompute every block again)"
     if recompute and step not in ("step7_zero3", "step10_3d_parallel"):
-        return f"no trainer runs {'checkpointing' if c['checkpointing'] else 'selective recomputation'} " \
-               f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO-1) alone have --activation-checkpointing"
+        return (
+            f"no trainer runs {'checkpointing' if c['checkpointing'] else 'selective recomputation'} "
+            f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO-1) alone have --activation-checkpointing"
+        )
     if param_dtype != "float32" and step not in PARAM_DTYPE_STEPS:
         return f"no trainer runs {param_dtype} parameters with {layout}: steps 5-7 alone have --param-dtype"
     return step, flags
 
 
-def command(c: dict, devices: int, model_flags: list, param_dtype: str = "float32",
-            reduce_every_micro_batch: bool = False) -> tuple[str | None, str | None]:
+def command(
+    c: dict,
+    devices: int,
+    model_flags: list,
+    param_dtype: str = "float32",
+    reduce_every_micro_batch: bool = False,
+) -> tuple[str | None, str | None]:
     """(``torchrun --nproc-per-node N stepX/train.py FLAGS``, None) for layout ``c``, or (None, why not):
     ``trainer``'s step and layout flags after ``model_flags`` (the model's, the micro-batch's), the plan's M as
     --grad-accum (the global batch), --param-dtype where the step has it."""
@@ -705,33 +1072,55 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
     nodes, paying the bubble; checkpointing only when activations do not fit."""
     reasons = []
     same = lambda r: all(r[k] == c[k] for k in ("dp", "cp", "tp", "pp", "sequence_parallel"))  # noqa: E731
-    simpler = [r for r in rejected if same(r) and r["checkpointing"] is False and r["zero"] < c["zero"]]
+    simpler = [
+        r for r in rejected if same(r) and r["checkpointing"] is False and r["zero"] < c["zero"]
+    ]
     if c["zero"] == 0:
         reasons.append("DDP: the whole state fits, the fewest bytes moved")
     elif simpler:
         worst = max(simpler, key=lambda r: r["zero"])
-        reasons.append(f"{estimate.STAGES[c['zero']]}: {estimate.STAGES[worst['zero']]} needs "
-                       f"{worst['total'] / unit[0]:,.1f} {unit[1]}")
+        reasons.append(
+            f"{estimate.STAGES[c['zero']]}: {estimate.STAGES[worst['zero']]} needs "
+            f"{worst['total'] / unit[0]:,.1f} {unit[1]}"
+        )
     else:
-        ddp = next((f for f in fit if same(f) and (f["zero"], f["checkpointing"]) == (0, c["checkpointing"])), None)
+        ddp = next(
+            (
+                f
+                for f in fit
+                if same(f) and (f["zero"], f["checkpointing"]) == (0, c["checkpointing"])
+            ),
+            None,
+        )
         less = f"{(ddp['total'] - c['total']) / unit[0]:,.1f} {unit[1]}" if ddp else ""
         saved = f"{less} less than DDP, which fits too" if ddp else "fits"
         reasons.append(f"{estimate.STAGES[c['zero']]}: {saved}")
     if c.get("replicate", 1) > 1:
-        links, across = c["time"]["links"], c["stages"][c["worst_stage"]]["comm"]["replicate"]["all_reduce"]
-        reasons.append(f"HSDP: gathers {'inside a node' if links['dp'] else 'ACROSS nodes'}, "
-                       f"{across / 1e6:,.1f} MB of gradient shard {'inside a node' if links['replicate'] else 'across'}")
+        links, across = (
+            c["time"]["links"],
+            c["stages"][c["worst_stage"]]["comm"]["replicate"]["all_reduce"],
+        )
+        reasons.append(
+            f"HSDP: gathers {'inside a node' if links['dp'] else 'ACROSS nodes'}, "
+            f"{across / 1e6:,.1f} MB of gradient shard {'inside a node' if links['replicate'] else 'across'}"
+        )
     if c["tp"] > 1:
-        reasons.append(f"TP {c['tp']} {'inside a node' if c['time']['links']['tp'] else 'ACROSS nodes (slow)'}")
+        reasons.append(
+            f"TP {c['tp']} {'inside a node' if c['time']['links']['tp'] else 'ACROSS nodes (slow)'}"
+        )
     if c["pp"] > 1:
-        reasons.append(f"PP {c['pp']}: bubble {c['bubble']:.0%} at M = {c['micro_batches']}"
-                       f"{', stages across nodes' if not c['time']['links']['pp'] else ''}")
+        reasons.append(
+            f"PP {c['pp']}: bubble {c['bubble']:.0%} at M = {c['micro_batches']}"
+            f"{', stages across nodes' if not c['time']['links']['pp'] else ''}"
+        )
     if c["sequence_parallel"] or c["cp"] > 1:
         reasons.append(activations_reason(c, rejected, unit))
     if c["offload"]:
         s = c["stages"][c["worst_stage"]]
-        reasons.append(f"offload: {s['host'] / unit[0]:,.1f} {unit[1]} on the host, "
-                       f"+{step_ms(c['time']['comm_s']['host'] * 1e3)} ms over its link")
+        reasons.append(
+            f"offload: {s['host'] / unit[0]:,.1f} {unit[1]} on the host, "
+            f"+{step_ms(c['time']['comm_s']['host'] * 1e3)} ms over its link"
+        )
     if c["checkpointing"]:
         reasons.append("checkpointing: +1 forward")
     return "; ".join(reasons)
@@ -739,11 +1128,16 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
 
 def activations_reason(c: dict, rejected: list[dict], unit: tuple) -> str:
     """Why context or sequence parallelism: the same layout with less of them does not fit, or cannot run."""
-    keys = plainer(c) | plainer(c, sequence_parallel=True)  # less CP or SP, with SP or without: the least it needs
+    # less CP or SP, with SP or without: the least it needs
+    keys = plainer(c) | plainer(c, sequence_parallel=True)
     without = [r for r in rejected if layout_key(r) in keys]
-    needed_sp = c["sequence_parallel"] and layout_key({**c, "sequence_parallel": False}) in map(layout_key, without)
-    what = " and ".join(([f"CP {c['cp']}: each sequence split {c['cp']} ways"] if c["cp"] > 1 else [])
-                        + (["SP: the LayerNorms' activations split"] if needed_sp else []))
+    needed_sp = c["sequence_parallel"] and layout_key({**c, "sequence_parallel": False}) in map(
+        layout_key, without
+    )
+    what = " and ".join(
+        ([f"CP {c['cp']}: each sequence split {c['cp']} ways"] if c["cp"] > 1 else [])
+        + (["SP: the LayerNorms' activations split"] if needed_sp else [])
+    )
     if without:
         return f"{what} (without: {in_unit(min(r['total'] for r in without), unit)} {unit[1]})"
     return f"{what} (without: the global batch is too small for dp {c['dp'] * c['cp']})"
@@ -757,44 +1151,65 @@ def in_unit(n: float, unit: tuple) -> str:
     return f"{n / unit[0]:,.3f}" if n < 10 * unit[0] else f"{n / unit[0]:,.1f}"
 
 
-def report(shape: Shape, hardware: Hardware, fit: list[dict], rejected: list[dict], micro_batch_size: int,
-           global_batch: int, param_dtype: str, top: int, accounting: str = "counted on the meta device",
-           no_commands: str | None = None) -> str:
+def report(
+    shape: Shape,
+    hardware: Hardware,
+    fit: list[dict],
+    rejected: list[dict],
+    micro_batch_size: int,
+    global_batch: int,
+    param_dtype: str,
+    top: int,
+    accounting: str = "counted on the meta device",
+    no_commands: str | None = None,
+) -> str:
     unit = (GIB, "GiB") if hardware.memory >= 2 * GIB else (2**20, "MiB")
     gib = lambda n: in_unit(n, unit)  # noqa: E731
     kind = "GPT-2" if shape.is_trainers else f"{shape.mlp}, {shape.norm}, {shape.kv_heads} kv heads"
-    lines = [f"{kind} n_layer {shape.n_layer}, n_embd {shape.n_embd}, n_head {shape.n_head}, vocabulary "
-             f"{shape.vocab:,}, seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} parameters, AdamW; "
-             f"activations {accounting}",
-             f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} "
-             f"({hardware.gpus_per_node} per node); "
-             f"micro-batch {micro_batch_size}, global batch {global_batch} sequences",
-             f"{len(fit)} configurations fit, {len(rejected)} do not. {unit[1]} per rank (the stage holding most); "
-             "grads: with ZeRO-2/3, the shard and the whole gradient no_sync() accumulates (M > 1); "
-             "gather: ZeRO-3's units in flight; held: micro-batches of activations held (interleaved: chunks'); "
-             "MB: bytes per step and rank each axis hands to collectives / sends on the wire (ring algorithms); "
-             + (f"no commands: {no_commands}" if no_commands else "under each, the command that trains it, or why none"),
-             f"{'#':>3} {'configuration':<62}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
-             f"{'total':>9}{'DP MB':>20}{'TP MB':>20}{'PP MB':>20}{'CP MB':>20}{'step ms':>9}  why"]
+    lines = [
+        f"{kind} n_layer {shape.n_layer}, n_embd {shape.n_embd}, n_head {shape.n_head}, vocabulary "
+        f"{shape.vocab:,}, seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} parameters, AdamW; "
+        f"activations {accounting}",
+        f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} "
+        f"({hardware.gpus_per_node} per node); "
+        f"micro-batch {micro_batch_size}, global batch {global_batch} sequences",
+        f"{len(fit)} configurations fit, {len(rejected)} do not. {unit[1]} per rank (the stage holding most); "
+        "grads: with ZeRO-2/3, the shard and the whole gradient no_sync() accumulates (M > 1); "
+        "gather: ZeRO-3's units in flight; held: micro-batches of activations held (interleaved: chunks'); "
+        "MB: bytes per step and rank each axis hands to collectives / sends on the wire (ring algorithms); "
+        + (
+            f"no commands: {no_commands}"
+            if no_commands
+            else "under each, the command that trains it, or why none"
+        ),
+        f"{'#':>3} {'configuration':<62}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
+        f"{'total':>9}{'DP MB':>20}{'TP MB':>20}{'PP MB':>20}{'CP MB':>20}{'step ms':>9}  why",
+    ]
     for i, c in enumerate(fit[:top]):
         s = c["stages"][c["worst_stage"]]
         sizes = group_sizes(c)
         also = {"dp": ("replicate",)}  # HSDP: the all-reduce across the rows in the DP column
-        comm = {axis: f"{sum(sum(s['comm'].get(a, {}).values()) for a in (axis, *also.get(axis, ()))) / 1e6:,.1f}/"
-                      f"{sum(on_the_wire(s['comm'].get(a, {}), sizes[a]) for a in (axis, *also.get(axis, ()))) / 1e6:,.1f}"
-                for axis in ("dp", "tp", "pp", "cp")}
-        lines.append(f"{i + 1:>3} {name(c):<62}{gib(s['params']):>9}{gib(s['grads'] + s.get('accumulated', 0)):>9}"
-                     f"{gib(s['optimizer_state']):>9}"
-                     f"{gib(s['gathered']) if 'gathered' in s else '-':>9}{gib(s['activations']):>9}"
-                     f"{s['in_flight']:>5}{gib(c['total']):>9}"
-                     + "".join(f"{comm[axis]:>20}" for axis in ("dp", "tp", "pp", "cp"))
-                     + f"{step_ms(c['time']['step_s'] * 1e3):>9}  {justify(c, fit, rejected, unit)}")
+        comm = {
+            axis: f"{sum(sum(s['comm'].get(a, {}).values()) for a in (axis, *also.get(axis, ()))) / 1e6:,.1f}/"
+            f"{sum(on_the_wire(s['comm'].get(a, {}), sizes[a]) for a in (axis, *also.get(axis, ()))) / 1e6:,.1f}"
+            for axis in ("dp", "tp", "pp", "cp")
+        }
+        lines.append(
+            f"{i + 1:>3} {name(c):<62}{gib(s['params']):>9}{gib(s['grads'] + s.get('accumulated', 0)):>9}"
+            f"{gib(s['optimizer_state']):>9}"
+            f"{gib(s['gathered']) if 'gathered' in s else '-':>9}{gib(s['activations']):>9}"
+            f"{s['in_flight']:>5}{gib(c['total']):>9}"
+            + "".join(f"{comm[axis]:>20}" for axis in ("dp", "tp", "pp", "cp"))
+            + f"{step_ms(c['time']['step_s'] * 1e3):>9}  {justify(c, fit, rejected, unit)}"
+        )
         if "command" in c and not no_commands:  # the command that trains it, or why none does
             lines.append(f"{'':>4}{c['command'] or 'no command: ' + c['no_command']}")
     if not fit:
         best = min(rejected, key=lambda c: c["total"])
-        lines.append(f"nothing fits: the smallest is {name(best)} with {gib(best['total'])} {unit[1]} per rank; add "
-                     "devices or memory, or shorten the micro-batch")
+        lines.append(
+            f"nothing fits: the smallest is {name(best)} with {gib(best['total'])} {unit[1]} per rank; add "
+            "devices or memory, or shorten the micro-batch"
+        )
     return "\n".join(lines)
 
 
@@ -813,14 +1228,33 @@ def layout_of(metrics: dict) -> dict:
     env, step = metrics["env"], metrics["config"]["step"]
     number = int(step[4:].split("_")[0])
     world = env["world_size"]
-    tp, pp = env.get("tensor_parallel_size", 1), env.get("pipeline_stages", env.get("pipeline_parallel_size", 1))
-    dp = env.get("data_parallel_size", world) if (tp, pp) == (1, 1) else env.get("data_parallel_size", 1)
-    dp *= env.get("context_parallel_size", 1)  # step 11: every rank of a ring holds the whole state, a replica
+    tp, pp = (
+        env.get("tensor_parallel_size", 1),
+        env.get("pipeline_stages", env.get("pipeline_parallel_size", 1)),
+    )
+    dp = (
+        env.get("data_parallel_size", world)
+        if (tp, pp) == (1, 1)
+        else env.get("data_parallel_size", 1)
+    )
+    # step 11: every rank of a ring holds the whole state, a replica
+    dp *= env.get("context_parallel_size", 1)
     if dp * tp * pp != world:
-        raise UserError(f"{step}: a mesh of dp {dp} x tp {tp} x pp {pp} is not the world size {world}")
-    coords = env.get("mesh_coords") or [[(r // tp) % dp, r % tp, r // (tp * dp)] for r in range(world)]
+        raise UserError(
+            f"{step}: a mesh of dp {dp} x tp {tp} x pp {pp} is not the world size {world}"
+        )
+    coords = env.get("mesh_coords") or [
+        [(r // tp) % dp, r % tp, r // (tp * dp)] for r in range(world)
+    ]
     replicate = metrics["config"].get("replicate", 1)  # step 7's HSDP: ZeRO-3 over rows of dp / R
-    return {"dp": dp, "tp": tp, "pp": pp, "zero": ZERO_OF_STEP.get(number, 0), "coords": coords, "replicate": replicate}
+    return {
+        "dp": dp,
+        "tp": tp,
+        "pp": pp,
+        "zero": ZERO_OF_STEP.get(number, 0),
+        "coords": coords,
+        "replicate": replicate,
+    }
 
 
 def measured_rows(metrics: dict, vocab: int) -> list[dict]:
@@ -833,23 +1267,44 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
     rows = []
     for rank, memory in enumerate(metrics["records"][-1]["memory"]):
         stage = mesh["coords"][rank][2]
-        chunks = step9_pipeline("pipeline_setup").virtual_stages({"schedule": "1f1b", **config})  # step 9's rule
+        # step 9's rule
+        chunks = step9_pipeline("pipeline_setup").virtual_stages({"schedule": "1f1b", **config})
         held = rank_params(shape, mesh["tp"], mesh["pp"], stage, chunks if mesh["pp"] > 1 else 1)
-        estimated = estimate.state_bytes(mesh["zero"], held["blocks"] + held["rest"], mesh["dp"] // mesh["replicate"],
-                                         param_dtype, reduce_dtype)
-        rows.append({"step": config["step"], "rank": rank, "stage": stage,
-                     **{k: mesh[k] for k in ("dp", "tp", "pp", "zero", "replicate")},
-                     "measured": {k: memory[k] for k in estimate.KINDS}, "estimated": estimated,
-                     "in_flight": memory.get("micro_batches_in_flight"),
-                     "in_flight_estimated": in_flight(config.get("schedule", "1f1b"), mesh["pp"], stage,
-                                                      config.get("micro_batches") or config["grad_accum"], chunks)})
+        estimated = estimate.state_bytes(
+            mesh["zero"],
+            held["blocks"] + held["rest"],
+            mesh["dp"] // mesh["replicate"],
+            param_dtype,
+            reduce_dtype,
+        )
+        rows.append(
+            {
+                "step": config["step"],
+                "rank": rank,
+                "stage": stage,
+                **{k: mesh[k] for k in ("dp", "tp", "pp", "zero", "replicate")},
+                "measured": {k: memory[k] for k in estimate.KINDS},
+                "estimated": estimated,
+                "in_flight": memory.get("micro_batches_in_flight"),
+                "in_flight_estimated": in_flight(
+                    config.get("schedule", "1f1b"),
+                    mesh["pp"],
+                    stage,
+                    config.get("micro_batches") or config["grad_accum"],
+                    chunks,
+                ),
+            }
+        )
     return rows
 
 
 def measured_report(runs: list[Path]) -> tuple[str, bool]:
     import parity
-    lines = [f"{'run':<26}{'rank':>5}{'mesh dp x tp x pp, ZeRO':>40}{'measured state':>16}{'estimated':>12}"
-             f"{'ratio':>8}{'in flight (measured / est.)':>29}"]
+
+    lines = [
+        f"{'run':<26}{'rank':>5}{'mesh dp x tp x pp, ZeRO':>40}{'measured state':>16}{'estimated':>12}"
+        f"{'ratio':>8}{'in flight (measured / est.)':>29}"
+    ]
     ok = True
     for run in runs:
         folder, metrics = parity.load_run(str(run))
@@ -858,10 +1313,22 @@ def measured_report(runs: list[Path]) -> tuple[str, bool]:
             m, e = sum(row["measured"].values()), sum(row["estimated"].values())
             ok &= abs(m / e - 1) <= MEASURED_TOLERANCE
             mesh = f"{row['dp']} x {row['tp']} x {row['pp']}, {estimate.STAGES[row['zero']] if row['dp'] > 1 else '-'}"
-            mesh += f" (HSDP {row['replicate']} x {row['dp'] // row['replicate']})" if row["replicate"] > 1 else ""
-            held = f"{row['in_flight']} / {row['in_flight_estimated']}" if row["in_flight"] is not None else "-"
-            lines.append(f"{Path(folder).name:<26}{row['rank']:>5}{mesh:>40}{m:>16,}{e:>12,}{m / e:>8.3f}{held:>29}")
-    lines.append(f"every rank's model state within {MEASURED_TOLERANCE:.0%} of the estimate: {'yes' if ok else 'NO'}")
+            mesh += (
+                f" (HSDP {row['replicate']} x {row['dp'] // row['replicate']})"
+                if row["replicate"] > 1
+                else ""
+            )
+            held = (
+                f"{row['in_flight']} / {row['in_flight_estimated']}"
+                if row["in_flight"] is not None
+                else "-"
+            )
+            lines.append(
+                f"{Path(folder).name:<26}{row['rank']:>5}{mesh:>40}{m:>16,}{e:>12,}{m / e:>8.3f}{held:>29}"
+            )
+    lines.append(
+        f"every rank's model state within {MEASURED_TOLERANCE:.0%} of the estimate: {'yes' if ok else 'NO'}"
+    )
     return "\n".join(lines), ok
 
 
@@ -877,9 +1344,15 @@ def trainers_model(config: dict, parser, shape: Shape, vocab: int) -> str | None
 def model_flags(config: dict, parser) -> list:
     """The trainer flags that give the planned model and micro-batch: the shape's always, the rest where the plan
     did not take the trainers' default."""
-    words = [f"--{flag.replace('_', '-')} {config[flag]}" for flag in ("n_layer", "n_embd", "n_head", "seq_len",
-                                                                     "micro_batch_size")]
-    words += [f"--{flag} {config[flag]}" for flag in ("tokenizer", "dropout") if config[flag] != parser.get_default(flag)]
+    words = [
+        f"--{flag.replace('_', '-')} {config[flag]}"
+        for flag in ("n_layer", "n_embd", "n_head", "seq_len", "micro_batch_size")
+    ]
+    words += [
+        f"--{flag} {config[flag]}"
+        for flag in ("tokenizer", "dropout")
+        if config[flag] != parser.get_default(flag)
+    ]
     return words + (["--attention sdpa"] if config["attention"] == "sdpa" else [])
 
 
@@ -887,112 +1360,215 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """The docstring as written, the flags with their defaults."""
 
 
-def moe_plan(config: dict, parser, shape: Shape, vocab: int, hardware: Hardware, global_batch: int) -> str:
+def moe_plan(
+    config: dict, parser, shape: Shape, vocab: int, hardware: Hardware, global_batch: int
+) -> str:
     """``main`` for an MoE: step 12's layouts (``moe_layouts``) and their commands."""
     if config["moe_preset"]:
         shape, moe = MOE_PRESETS[config["moe_preset"]]
         given = {"vocab": config["vocab_size"]} if config["vocab_size"] else {}
         if config["seq_len"] != parser.get_default("seq_len"):
-            given["seq_len"] = config["seq_len"]  # the preset's own unless --seq-len says otherwise, as --preset
+            # the preset's own unless --seq-len says otherwise, as --preset
+            given["seq_len"] = config["seq_len"]
         shape = dataclasses.replace(shape, **given)
     else:
         moe = MoE(config["moe_experts"], config["moe_top_k"], config["moe_every"])
     b = config["micro_batch_size"]
     if global_batch % (hardware.devices * b):
-        raise UserError(f"--global-batch {global_batch} is not a multiple of --devices x --micro-batch-size "
-                        f"({hardware.devices * b})")
-    rows = moe_layouts(shape, moe, hardware, b, global_batch // (hardware.devices * b), config["param_dtype"])
-    why_not = ("a published model's shape: no step trainer builds it" if config["moe_preset"]
-               else trainers_model(config, parser, shape, vocab))
+        raise UserError(
+            f"--global-batch {global_batch} is not a multiple of --devices x --micro-batch-size "
+            f"({hardware.devices * b})"
+        )
+    rows = moe_layouts(
+        shape, moe, hardware, b, global_batch // (hardware.devices * b), config["param_dtype"]
+    )
+    why_not = (
+        "a published model's shape: no step trainer builds it"
+        if config["moe_preset"]
+        else trainers_model(config, parser, shape, vocab)
+    )
     if not why_not and config["param_dtype"] != "float32":
         why_not = "step 12 trains float32 parameters (it has no --param-dtype)"
     commands = why_not or [
         f"torchrun --nproc-per-node {hardware.devices} step12_expert_parallel/train.py "
         f"{' '.join(model_flags(config, parser))} --grad-accum {row['micro_batches']} --moe-experts {moe.experts} "
         f"--moe-top-k {moe.top_k} --moe-every {moe.every} --moe-capacity-factor 0 --ep {row['ep']}"
-        for row in rows]
+        for row in rows
+    ]
     for i, row in enumerate(rows):
         row["command"], row["no_command"] = (None, why_not) if why_not else (commands[i], None)
     if config["json"]:
-        config["json"].write_text(json.dumps({"shape": dataclasses.asdict(shape), "moe": dataclasses.asdict(moe),
-                                              "layouts": rows}, indent=1) + "\n")
+        config["json"].write_text(
+            json.dumps(
+                {
+                    "shape": dataclasses.asdict(shape),
+                    "moe": dataclasses.asdict(moe),
+                    "layouts": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return moe_report(shape, moe, hardware, rows, b, global_batch, config["param_dtype"], commands)
 
 
 def main() -> int:
     parser = build_parser("plan")
-    parser.prog, parser.description, parser.formatter_class = "compare/plan.py", __doc__, HelpFormatter
+    parser.prog, parser.description, parser.formatter_class = (
+        "compare/plan.py",
+        __doc__,
+        HelpFormatter,
+    )
     for action in parser._actions:
         if action.dest not in USED_FLAGS and action.option_strings and action.dest != "help":
-            action.help = argparse.SUPPRESS  # a trainer flag with no bearing on the plan: accepted, not advertised
+            # a trainer flag with no bearing on the plan: accepted, not advertised
+            action.help = argparse.SUPPRESS
     flags = parser.add_argument_group("plan")
     flags.add_argument("--devices", type=int, default=4, help="devices (ranks) in all")
     flags.add_argument("--memory-gb", type=float, default=80.0, help="memory per device, GiB")
     flags.add_argument("--gpus-per-node", type=int, default=8)
-    flags.add_argument("--params", type=float, default=None, help="a parameter count instead of --n-layer/--n-embd")
-    flags.add_argument("--preset", choices=tuple(PRESETS), default=None,
-                       help="a published model's shape (GPT-2, GPT-3, Korthikanti et al.'s, Llama 3) instead")
-    shape_flags = parser.add_argument_group("the model's shape beyond GPT-2's (on the flags' model or a preset)")
-    shape_flags.add_argument("--n-kv-head", type=int, default=None, help="key/value heads (grouped-query attention)")
+    flags.add_argument(
+        "--params", type=float, default=None, help="a parameter count instead of --n-layer/--n-embd"
+    )
+    flags.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        default=None,
+        help="a published model's shape (GPT-2, GPT-3, Korthikanti et al.'s, Llama 3) instead",
+    )
+    shape_flags = parser.add_argument_group(
+        "the model's shape beyond GPT-2's (on the flags' model or a preset)"
+    )
+    shape_flags.add_argument(
+        "--n-kv-head", type=int, default=None, help="key/value heads (grouped-query attention)"
+    )
     shape_flags.add_argument("--ffn", type=int, default=None, help="the MLP's width (default 4h)")
     shape_flags.add_argument("--mlp", choices=("gelu", "swiglu"), default=None)
     shape_flags.add_argument("--norm", choices=("layernorm", "rmsnorm"), default=None)
     shape_flags.add_argument("--untied", action="store_true", help="an output layer of its own")
     shape_flags.add_argument("--no-bias", action="store_true", help="linear layers without biases")
-    shape_flags.add_argument("--rotary", action="store_true", help="no position table (rotary embeddings)")
-    flags.add_argument("--selective-recompute", action="store_true",
-                       help="recompute attention's s x s part in backward (Korthikanti et al.) where not checkpointing")
-    flags.add_argument("--vocab-size", type=int, default=None, help="default: the vocabulary of --tokenizer")
-    flags.add_argument("--global-batch", type=int, default=None,
-                       help="sequences per optimiser step (default: --devices x --micro-batch-size x --grad-accum)")
+    shape_flags.add_argument(
+        "--rotary", action="store_true", help="no position table (rotary embeddings)"
+    )
+    flags.add_argument(
+        "--selective-recompute",
+        action="store_true",
+        help="recompute attention's s x s part in backward (Korthikanti et al.) where not checkpointing",
+    )
+    flags.add_argument(
+        "--vocab-size", type=int, default=None, help="default: the vocabulary of --tokenizer"
+    )
+    flags.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimiser step (default: --devices x --micro-batch-size x --grad-accum)",
+    )
     if not any(action.dest == "param_dtype" for action in parser._actions):
         flags.add_argument("--param-dtype", choices=tuple(estimate.PARAM_DTYPES), default="float32")
-    flags.add_argument("--reduce-dtype-fp32", action="store_true",
-                       help="16-bit parameters with gradients kept in float32, as FSDP2 (default: the paper's 16-bit)")
-    flags.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                       help="the pipeline's (interleaved: 2 chunks a stage where M and the blocks allow, else 1f1b; "
-                            "zero-bubble: B = W = F assumed in its bubble)")
-    flags.add_argument("--tflops", type=float, default=300.0, help="achieved TFLOP/s per device (ranking only)")
-    flags.add_argument("--intra-gbs", type=float, default=450.0, help="GB/s per rank inside a node (ranking only)")
-    flags.add_argument("--inter-gbs", type=float, default=50.0, help="GB/s per rank across nodes (ranking only)")
-    flags.add_argument("--offload-optimizer", action="store_true",
-                       help="also try ZeRO-3 with AdamW's state on the host (step 7's --offload-optimizer)")
-    flags.add_argument("--host-gbs", type=float, default=25.0, help="GB/s between a device and its host (offload)")
-    flags.add_argument("--hsdp", action="store_true",
-                       help="also try ZeRO-3 as HSDP: sharded over rows of dp/R, replicated over R (step 7's "
-                            "--replicate R)")
-    flags.add_argument("--reduce-every-micro-batch", action="store_true",
-                       help="ZeRO-2/3 reduce-scatter every micro-batch into the shard (step 6's flag), not one "
-                            "whole gradient accumulated under no_sync() per step (the trainers' default)")
-    flags.add_argument("--sequence-parallel", action="store_true",
-                       help="step 8's --sequence-parallel at every tp > 1 (default: where "
-                            "activations need it)")
+    flags.add_argument(
+        "--reduce-dtype-fp32",
+        action="store_true",
+        help="16-bit parameters with gradients kept in float32, as FSDP2 (default: the paper's 16-bit)",
+    )
+    flags.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="1f1b",
+        help="the pipeline's (interleaved: 2 chunks a stage where M and the blocks allow, else 1f1b; "
+        "zero-bubble: B = W = F assumed in its bubble)",
+    )
+    flags.add_argument(
+        "--tflops", type=float, default=300.0, help="achieved TFLOP/s per device (ranking only)"
+    )
+    flags.add_argument(
+        "--intra-gbs", type=float, default=450.0, help="GB/s per rank inside a node (ranking only)"
+    )
+    flags.add_argument(
+        "--inter-gbs", type=float, default=50.0, help="GB/s per rank across nodes (ranking only)"
+    )
+    flags.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="also try ZeRO-3 with AdamW's state on the host (step 7's --offload-optimizer)",
+    )
+    flags.add_argument(
+        "--host-gbs", type=float, default=25.0, help="GB/s between a device and its host (offload)"
+    )
+    flags.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="also try ZeRO-3 as HSDP: sharded over rows of dp/R, replicated over R (step 7's "
+        "--replicate R)",
+    )
+    flags.add_argument(
+        "--reduce-every-micro-batch",
+        action="store_true",
+        help="ZeRO-2/3 reduce-scatter every micro-batch into the shard (step 6's flag), not one "
+        "whole gradient accumulated under no_sync() per step (the trainers' default)",
+    )
+    flags.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="step 8's --sequence-parallel at every tp > 1 (default: where activations need it)",
+    )
     flags.add_argument("--top", type=int, default=12, help="configurations printed")
-    moe_flags = parser.add_argument_group("mixture of experts: step 12's ep axis instead of the dense search")
-    moe_flags.add_argument("--moe-preset", choices=tuple(MOE_PRESETS), default=None, help="a published MoE's shape")
-    moe_flags.add_argument("--moe-experts", type=int, default=0, metavar="E", help="experts per MoE layer (0: dense)")
-    moe_flags.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts per token")
-    moe_flags.add_argument("--moe-every", type=int, default=1, metavar="N", help="blocks 0, N, 2N, ... are MoE")
-    flags.add_argument("--measured", type=Path, nargs="+", default=None,
-                       help="run folders (or step names): print their measured model state beside the estimate")
+    moe_flags = parser.add_argument_group(
+        "mixture of experts: step 12's ep axis instead of the dense search"
+    )
+    moe_flags.add_argument(
+        "--moe-preset", choices=tuple(MOE_PRESETS), default=None, help="a published MoE's shape"
+    )
+    moe_flags.add_argument(
+        "--moe-experts", type=int, default=0, metavar="E", help="experts per MoE layer (0: dense)"
+    )
+    moe_flags.add_argument(
+        "--moe-top-k", type=int, default=2, metavar="K", help="experts per token"
+    )
+    moe_flags.add_argument(
+        "--moe-every", type=int, default=1, metavar="N", help="blocks 0, N, 2N, ... are MoE"
+    )
+    flags.add_argument(
+        "--measured",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="run folders (or step names): print their measured model state beside the estimate",
+    )
     flags.add_argument("--json", type=Path, help="also write every configuration here")
     config = parse_config(parser)
     if config["measured"]:
         text, ok = measured_report(config["measured"])
         print(text)
         return 0 if ok else 1
-    for flag in ("devices", "memory_gb", "micro_batch_size", "gpus_per_node", "top", "params", "host_gbs", "n_kv_head",
-                 "ffn", "moe_every"):
+    for flag in (
+        "devices",
+        "memory_gb",
+        "micro_batch_size",
+        "gpus_per_node",
+        "top",
+        "params",
+        "host_gbs",
+        "n_kv_head",
+        "ffn",
+        "moe_every",
+    ):
         if config[flag] is not None and config[flag] <= 0:
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {config[flag]:g}")
     vocab = config["vocab_size"] or estimate.vocabulary_size(config["tokenizer"])
     if config["preset"] and config["params"]:
         raise UserError("--preset and --params both describe the model: give one")
     if config["moe_preset"] and (config["preset"] or config["params"] or config["moe_experts"]):
-        raise UserError("--moe-preset describes the whole model: drop --preset, --params and --moe-experts")
-    if config["moe_experts"] < 0 or (config["moe_experts"] and not 1 <= config["moe_top_k"] <= config["moe_experts"]):
-        raise UserError(f"--moe-top-k must be between 1 and the {config['moe_experts']} experts (--moe-experts "
-                        f"at least 1), got {config['moe_top_k']}")
+        raise UserError(
+            "--moe-preset describes the whole model: drop --preset, --params and --moe-experts"
+        )
+    if config["moe_experts"] < 0 or (
+        config["moe_experts"] and not 1 <= config["moe_top_k"] <= config["moe_experts"]
+    ):
+        raise UserError(
+            f"--moe-top-k must be between 1 and the {config['moe_experts']} experts (--moe-experts "
+            f"at least 1), got {config['moe_top_k']}"
+        )
     if config["preset"]:
         given = {"vocab": vocab} if config["vocab_size"] else {}
         if config["seq_len"] != parser.get_default("seq_len"):
@@ -1001,45 +1577,125 @@ def main() -> int:
     elif config["params"]:
         shape = Shape.from_params(config["params"], vocab, config["seq_len"])
     else:
-        shape = Shape(config["n_layer"], config["n_embd"], config["n_head"], vocab, config["seq_len"])
-    shape = dataclasses.replace(shape, **{field: value for field, value in (
-        ("n_kv_head", config["n_kv_head"]), ("ffn", config["ffn"]), ("mlp", config["mlp"]), ("norm", config["norm"]),
-        ("tied", False if config["untied"] else None), ("bias", False if config["no_bias"] else None),
-        ("positions", False if config["rotary"] else None)) if value is not None})
+        shape = Shape(
+            config["n_layer"], config["n_embd"], config["n_head"], vocab, config["seq_len"]
+        )
+    shape = dataclasses.replace(
+        shape,
+        **{
+            field: value
+            for field, value in (
+                ("n_kv_head", config["n_kv_head"]),
+                ("ffn", config["ffn"]),
+                ("mlp", config["mlp"]),
+                ("norm", config["norm"]),
+                ("tied", False if config["untied"] else None),
+                ("bias", False if config["no_bias"] else None),
+                ("positions", False if config["rotary"] else None),
+            )
+            if value is not None
+        },
+    )
     if shape.n_head % shape.kv_heads:
         raise UserError(f"--n-kv-head must divide the {shape.n_head} heads, got {shape.n_kv_head}")
     b = config["micro_batch_size"]
     global_batch = config["global_batch"] or config["devices"] * b * config["grad_accum"]
-    hardware = Hardware(config["devices"], config["memory_gb"] * GIB, config["gpus_per_node"], config["tflops"],
-                        config["intra_gbs"], config["inter_gbs"], config["host_gbs"])
+    hardware = Hardware(
+        config["devices"],
+        config["memory_gb"] * GIB,
+        config["gpus_per_node"],
+        config["tflops"],
+        config["intra_gbs"],
+        config["inter_gbs"],
+        config["host_gbs"],
+    )
     if config["moe_preset"] or config["moe_experts"]:
         print(moe_plan(config, parser, shape, vocab, hardware, global_batch))
         return 0
-    reduce_dtype = "float32" if config["reduce_dtype_fp32"] and config["param_dtype"] != "float32" else None
-    formula = functools.partial(FormulaActivations, shape, b, activation_bytes(config["param_dtype"]),
-                                config["attention"], config["dropout"], config["selective_recompute"])
-    if (config["preset"] or config["params"] or not shape.is_trainers or config["attention"] == "sdpa"
-            or config["selective_recompute"]):
+    reduce_dtype = (
+        "float32" if config["reduce_dtype_fp32"] and config["param_dtype"] != "float32" else None
+    )
+    formula = functools.partial(
+        FormulaActivations,
+        shape,
+        b,
+        activation_bytes(config["param_dtype"]),
+        config["attention"],
+        config["dropout"],
+        config["selective_recompute"],
+    )
+    if (
+        config["preset"]
+        or config["params"]
+        or not shape.is_trainers
+        or config["attention"] == "sdpa"
+        or config["selective_recompute"]
+    ):
         activations = formula()
-        accounting = (f"by formula (compare/activation_formula.py: {config['attention']} attention, dropout "
-                      f"{config['dropout']:g}{', selective recomputation' if config['selective_recompute'] else ''})")
+        accounting = (
+            f"by formula (compare/activation_formula.py: {config['attention']} attention, dropout "
+            f"{config['dropout']:g}{', selective recomputation' if config['selective_recompute'] else ''})"
+        )
     else:
-        activations = Activations(shape, b, estimate.PARAM_DTYPES[config["param_dtype"]], config["dropout"])
-        accounting = f"counted on the meta device (the trainers' model, dropout {config['dropout']:g})"
+        activations = Activations(
+            shape, b, estimate.PARAM_DTYPES[config["param_dtype"]], config["dropout"]
+        )
+        accounting = (
+            f"counted on the meta device (the trainers' model, dropout {config['dropout']:g})"
+        )
     accounting += "; with cp > 1 by formula, attention by the ring"
-    fit, rejected = plan(shape, hardware, b, global_batch, config["param_dtype"], reduce_dtype, config["schedule"],
-                         config["offload_optimizer"], config["reduce_every_micro_batch"], config["sequence_parallel"],
-                         activations, lambda cp: formula(cp=cp), config["hsdp"])  # step 11's ring: 1/cp terms
+    fit, rejected = plan(
+        shape,
+        hardware,
+        b,
+        global_batch,
+        config["param_dtype"],
+        reduce_dtype,
+        config["schedule"],
+        config["offload_optimizer"],
+        config["reduce_every_micro_batch"],
+        config["sequence_parallel"],
+        # step 11's ring: 1/cp terms
+        activations,
+        lambda cp: formula(cp=cp),
+        config["hsdp"],
+    )
     no_commands = trainers_model(config, parser, shape, vocab)
     for c in fit:
-        c["command"], c["no_command"] = (None, no_commands) if no_commands else command(
-            c, hardware.devices, model_flags(config, parser), config["param_dtype"],
-            config["reduce_every_micro_batch"])
-    print(report(shape, hardware, fit, rejected, b, global_batch, config["param_dtype"], config["top"], accounting,
-                 no_commands))
+        c["command"], c["no_command"] = (
+            (None, no_commands)
+            if no_commands
+            else command(
+                c,
+                hardware.devices,
+                model_flags(config, parser),
+                config["param_dtype"],
+                config["reduce_every_micro_batch"],
+            )
+        )
+    print(
+        report(
+            shape,
+            hardware,
+            fit,
+            rejected,
+            b,
+            global_batch,
+            config["param_dtype"],
+            config["top"],
+            accounting,
+            no_commands,
+        )
+    )
     if config["json"]:
-        config["json"].write_text(json.dumps({"shape": dataclasses.asdict(shape), "fit": fit, "rejected": rejected},
-                                             indent=1, default=str) + "\n")
+        config["json"].write_text(
+            json.dumps(
+                {"shape": dataclasses.asdict(shape), "fit": fit, "rejected": rejected},
+                indent=1,
+                default=str,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ The table lives in README.md between the markers <!-- step-diffs:start --> and <
 Changed lines are the '+' and '-' lines of a unified diff (difflib), headers not counted; a train.py
 that one folder lacks counts as empty. Lines of a file are its lines of text, blank ones and comments included.
 """
+
 import argparse
 import difflib
 import json
@@ -17,7 +18,8 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+# config.py, as every step has it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -39,36 +41,60 @@ SKIP_LINE = "**Skip on a first read:**"
 
 def step_folders() -> list[Path]:
     """Every step folder that holds at least one file, in step order (step10 after step9)."""
-    return sorted((p for p in REPO_ROOT.glob("step*_*") if re.fullmatch(r"step\d+_\w+", p.name) and p.is_dir()
-                   and files_of(p)), key=lambda p: int(p.name[4:].split("_")[0]))
+    return sorted(
+        (
+            p
+            for p in REPO_ROOT.glob("step*_*")
+            if re.fullmatch(r"step\d+_\w+", p.name) and p.is_dir() and files_of(p)
+        ),
+        key=lambda p: int(p.name[4:].split("_")[0]),
+    )
 
 
 def base_of(folder: Path, folders: list[Path]) -> Path:
     """The folder ``folder`` grew from: the one its train.py names ("Grown from step 3's train.py"), else the
     step before it."""
     train = folder / "train.py"
-    named = re.search(r"[Gg]rown from step (\d+)'s train\.py", train.read_text()) if train.is_file() else None
+    named = (
+        re.search(r"[Gg]rown from step (\d+)'s train\.py", train.read_text())
+        if train.is_file()
+        else None
+    )
     if named:
         return next(f for f in folders if f.name.startswith(f"step{named.group(1)}_"))
     return folders[folders.index(folder) - 1]
 
 
 def files_of(folder: Path) -> set[str]:
-    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")}
+    return {
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")
+    }
 
 
 def common_copies(folder: Path) -> set[str]:
     """The files ``folder`` holds as copies of a common/ module (common/copies.json)."""
     manifest = json.loads((REPO_ROOT / "common" / "copies.json").read_text())
-    return {Path(origin).name for origin in manifest.get(folder.name, []) if origin.startswith("common/")}
+    return {
+        Path(origin).name
+        for origin in manifest.get(folder.name, [])
+        if origin.startswith("common/")
+    }
 
 
 def learner_facing(folder: Path) -> set[str]:
     """The Python files of ``folder`` a learner reads on a first pass (the rule above LESSON_COPIES)."""
     copies = common_copies(folder)
-    return {f for f in files_of(folder) if f.endswith(".py") and (
-        f in LESSON_COPIES | LESSON_COPIES_IN.get(folder.name, set()) or (f not in copies and not f.endswith("_trace.py")))}
+    return {
+        f
+        for f in files_of(folder)
+        if f.endswith(".py")
+        and (
+            f in LESSON_COPIES | LESSON_COPIES_IN.get(folder.name, set())
+            or (f not in copies and not f.endswith("_trace.py"))
+        )
+    }
 
 
 def skipped_on_first_read(folder: Path) -> set[str]:
@@ -97,37 +123,51 @@ def table() -> str:
         python = [f for f in files_of(folder) if f.endswith(".py")]
         return f"{line_count(folder, learner_facing(folder)):,} ({line_count(folder, python):,})"
 
-    def beyond(folder):  # learner-facing lines beyond step 0's and this step's idea files (distributed.py one)
+    # learner-facing lines beyond step 0's and this step's idea files (distributed.py one)
+    def beyond(folder):
         ideas = learner_facing(folder) - {"train.py"} - (LESSON_COPIES - {"distributed.py"})
-        extra = line_count(folder, learner_facing(folder)) - line_count(folders[0], learner_facing(folders[0])) \
+        extra = (
+            line_count(folder, learner_facing(folder))
+            - line_count(folders[0], learner_facing(folders[0]))
             - line_count(folder, ideas)
+        )
         return f"{extra:+d}"
 
-    rows = ["| from -> to | files added | files removed | `train.py` lines changed (+ / -) "
-            "| learner-facing lines of *to* (all Python lines) | beyond step 0's + *to*'s idea files |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| from -> to | files added | files removed | `train.py` lines changed (+ / -) "
+        "| learner-facing lines of *to* (all Python lines) | beyond step 0's + *to*'s idea files |",
+        "|---|---|---|---|---|---|",
+    ]
     folders = step_folders()
-    rows.append(f"| - -> `{folders[0].name}` | (the starting point) | - | - | {lines(folders[0])} | - |")
+    rows.append(
+        f"| - -> `{folders[0].name}` | (the starting point) | - | - | {lines(folders[0])} | - |"
+    )
     for b in folders[1:]:
         a = base_of(b, folders)
         fa, fb = files_of(a), files_of(b)
         added, removed = changed_lines(a / "train.py", b / "train.py")
-        rows.append(f"| `{a.name}` -> `{b.name}` | {names(fb - fa)} | {names(fa - fb)} | "
-                    f"{added + removed} (+{added} / -{removed}) | {lines(b)} | {beyond(b)} |")
+        rows.append(
+            f"| `{a.name}` -> `{b.name}` | {names(fb - fa)} | {names(fa - fb)} | "
+            f"{added + removed} (+{added} / -{removed}) | {lines(b)} | {beyond(b)} |"
+        )
     return "\n".join(rows)
 
 
 def split_readme(text: str, readme: Path) -> tuple[str, str, str]:
     """(before the start marker, the table between the markers, from the end marker on)."""
     if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
-        raise UserError(f"{readme} needs one {START} line and, after it, one {END} line around the table")
+        raise UserError(
+            f"{readme} needs one {START} line and, after it, one {END} line around the table"
+        )
     before, rest = text.split(START)
     between, after = rest.split(END)
     return before + START, between.strip("\n"), END + after
 
 
 def main() -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--write", action="store_true", help="rewrite the table in the README")
     parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md")
     args = parser.parse_args()
@@ -142,7 +182,9 @@ def main() -> int:
         return 0
     print(fresh)
     if current != fresh:
-        print(f"{args.readme}: the step-diffs table is stale; run python compare/step_diffs.py --write")
+        print(
+            f"{args.readme}: the step-diffs table is stale; run python compare/step_diffs.py --write"
+        )
         return 1
     print(f"{args.readme}: the step-diffs table is up to date")
     return 0

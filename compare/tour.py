@@ -28,6 +28,7 @@ also says whether a run had a rank consistently slower than the others (compare/
 information, not a failure.
 Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see --runs-dir).
 """
+
 import argparse
 import platform
 import statistics
@@ -35,15 +36,22 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))  # config.py, as every step has it
+# config.py, as every step has it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 import other_order  # noqa: E402
 import parity  # noqa: E402
-from config import (OneLineParser, UserError, build_parser, check_config, check_writable_folder,  # noqa: E402
-                    exit_on_user_error)
+import stragglers  # noqa: E402
+from config import (  # noqa: E402
+    OneLineParser,
+    UserError,
+    build_parser,
+    check_config,
+    check_writable_folder,
+    exit_on_user_error,
+)
 from data import check_enough_data, load_corpus  # noqa: E402
 from launch import run_trainer  # noqa: E402
 from plot import plot_expert_load, plot_runs  # noqa: E402
-import stragglers  # noqa: E402
 
 REPO_ROOT = parity.REPO_ROOT
 DEFAULT_GRAD_ACCUM = 2
@@ -66,10 +74,14 @@ def check_the_data_feeds(nproc: int, extra: list[str]) -> tuple[dict, int]:
     The trainers would refuse them too, but step 0 first and in its own terms: it runs as one process
     accumulating 2 x nproc micro-batches, so too many ranks would read as a --grad-accum it cannot feed."""
     try:
-        config = vars(build_parser("tour").parse_args(["--grad-accum", str(DEFAULT_GRAD_ACCUM), *extra]))
+        config = vars(
+            build_parser("tour").parse_args(["--grad-accum", str(DEFAULT_GRAD_ACCUM), *extra])
+        )
     except UserError as error:  # the trainer's --help lists the flags, the tour's does not
-        raise UserError(f"the tour passes the flags it does not know to every step, step 0 included: {str(error).removesuffix(' (see --help)')}; "
-                        "python step0_single_gpu/train.py --help lists them") from None
+        raise UserError(
+            f"the tour passes the flags it does not know to every step, step 0 included: {str(error).removesuffix(' (see --help)')}; "
+            "python step0_single_gpu/train.py --help lists them"
+        ) from None
     check_config(config)
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     check_enough_data(len(corpus.blocks), nproc, config["micro_batch_size"], config["grad_accum"])
@@ -89,19 +101,44 @@ def mesh_flags(nproc: int) -> list[str]:
     return ["--tp", "2", "--dp", str(dp), "--grad-accum", str(DEFAULT_GRAD_ACCUM * nproc // dp)]
 
 
-def run_schedule(folder: str, flags: list[str], single: str, pipeline: str, args, extra: list[str],
-                 timeout: list[str], layers: list[str] = ()) -> tuple:
+def run_schedule(
+    folder: str,
+    flags: list[str],
+    single: str,
+    pipeline: str,
+    args,
+    extra: list[str],
+    timeout: list[str],
+    layers: list[str] = (),
+) -> tuple:
     """Step 9 with ``flags`` (another schedule) in runs/<folder>; its parity with the tour's step 0, or, given
     ``layers`` (a deeper model), with step 0 run beside it on that model. Returns (parity, seconds)."""
     runs = {step: args.runs_dir / folder / step for step in (single, pipeline)}
     if not layers:
         runs[single] = args.runs_dir / single
-    print(f"running step 9 {' '.join(flags)}{' and step 0' if layers else ''} ...", end=" ", flush=True)
+    print(
+        f"running step 9 {' '.join(flags)}{' and step 0' if layers else ''} ...",
+        end=" ",
+        flush=True,
+    )
     started = time.perf_counter()
     if layers:
-        run_step(single, args, [*extra, *layers], timeout, str(runs[single]), args.runs_dir / "tour" / f"{folder}0.log")
-    run_step(pipeline, args, [*extra, *layers, *flags], timeout, str(runs[pipeline]),
-             args.runs_dir / "tour" / f"{folder}.log")
+        run_step(
+            single,
+            args,
+            [*extra, *layers],
+            timeout,
+            str(runs[single]),
+            args.runs_dir / "tour" / f"{folder}0.log",
+        )
+    run_step(
+        pipeline,
+        args,
+        [*extra, *layers, *flags],
+        timeout,
+        str(runs[pipeline]),
+        args.runs_dir / "tour" / f"{folder}.log",
+    )
     print(f"{time.perf_counter() - started:.0f} s")
     run_a, run_b, result = parity.check(str(runs[single]), str(runs[pipeline]))
     print(parity.report(run_a, run_b, result, brief=True))
@@ -113,13 +150,39 @@ def run_experts(single: str, experts: str, args, extra: list[str], timeout: list
     runs/moe: one sample a micro-batch, each rank one, step 0 accumulating nproc, so both hold the same micro-batches
     in the same order. Returns (parity, seconds)."""
     runs = {step: args.runs_dir / "moe" / step for step in (single, experts)}
-    moe = ["--moe-experts", str(2 * args.nproc), "--moe-capacity-factor", "1.25", "--micro-batch-size", "1"]
+    moe = [
+        "--moe-experts",
+        str(2 * args.nproc),
+        "--moe-capacity-factor",
+        "1.25",
+        "--micro-batch-size",
+        "1",
+    ]
     print(f"running {experts} and {single} on an MoE model ...", end=" ", flush=True)
     started = time.perf_counter()
-    run_trainer(single, 0, ["--quiet", "--out", str(runs[single]), *extra, *moe, "--grad-accum", str(args.nproc)],
-                args.runs_dir / "tour" / "moe_step0.log")
-    run_trainer(experts, args.nproc, ["--quiet", "--out", str(runs[experts]), *timeout, *extra, *moe,
-                                      "--grad-accum", "1", "--ep", str(args.nproc)], args.runs_dir / "tour" / "moe.log")
+    run_trainer(
+        single,
+        0,
+        ["--quiet", "--out", str(runs[single]), *extra, *moe, "--grad-accum", str(args.nproc)],
+        args.runs_dir / "tour" / "moe_step0.log",
+    )
+    run_trainer(
+        experts,
+        args.nproc,
+        [
+            "--quiet",
+            "--out",
+            str(runs[experts]),
+            *timeout,
+            *extra,
+            *moe,
+            "--grad-accum",
+            "1",
+            "--ep",
+            str(args.nproc),
+        ],
+        args.runs_dir / "tour" / "moe.log",
+    )
     print(f"{time.perf_counter() - started:.0f} s")
     run_a, run_b, result = parity.check(str(runs[single]), str(runs[experts]))
     print(parity.report(run_a, run_b, result, brief=True))
@@ -137,8 +200,10 @@ def other_order_row(result, run_a: dict, run_b: dict) -> str:
     (relative), and the drift of the weights and the param norm by the end."""
     first_a, first_b = run_a["records"][0], run_b["records"][0]
     rel = {k: abs(first_b[k] - first_a[k]) / abs(first_a[k]) for k in ("loss", "grad_norm")}
-    return (f"other summation order: step 1 loss rel diff {rel['loss']:.1e}, grad norm {rel['grad_norm']:.1e}; "
-            f"max abs diff {result.max_abs:.1e}, param norm diff {result.max_param_norm_diff:.1e}")
+    return (
+        f"other summation order: step 1 loss rel diff {rel['loss']:.1e}, grad norm {rel['grad_norm']:.1e}; "
+        f"max abs diff {result.max_abs:.1e}, param norm diff {result.max_param_norm_diff:.1e}"
+    )
 
 
 def drift_from(reference: str, run: str) -> tuple[other_order.Drift, dict, dict]:
@@ -152,65 +217,119 @@ def machine() -> str:
     """The CPU and the kernels ATen chose for it: what the tour's losses, drifts and speeds depend on (and its
     16-bit matmul units, which decide how fast bf16 runs on a CPU)."""
     import torch
+
     model, units = platform.processor() or platform.machine(), []
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        model = next(
+            line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")
+        )
         flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
         units = [unit for unit in ("avx512_bf16", "amx_bf16") if unit in flags]
     except (OSError, StopIteration):
         pass
-    return (f"{model}{' (' + ', '.join(units) + ')' if units else ''}, ATen kernels "
-            f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
+    return (
+        f"{model}{' (' + ', '.join(units) + ')' if units else ''}, ATen kernels "
+        f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
+    )
 
 
 def run_step(step: str, args, extra: list[str], timeout: list[str], out: str, log: Path) -> None:
     """Run one step with the tour's flags for it (see the module's docstring)."""
     if number(step) == 0:  # one process accumulating what nproc ranks accumulate together
-        run_trainer(step, 0, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
-                              "--out", out, *extra], log)
+        run_trainer(
+            step,
+            0,
+            ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet", "--out", out, *extra],
+            log,
+        )
     elif number(step) == MESH:  # dp replicas of a tp = 2 model, step 1's global batch
-        run_trainer(step, args.nproc, [*mesh_flags(args.nproc), "--quiet", "--out", out, *timeout, *extra],
-                    log)
-    elif splits_the_model(step):  # nproc ranks share one stream of micro-batches, as step 0's process
-        run_trainer(step, args.nproc, ["--grad-accum", str(DEFAULT_GRAD_ACCUM * args.nproc), "--quiet",
-                                       "--out", out, *timeout, *extra], log)
+        run_trainer(
+            step,
+            args.nproc,
+            [*mesh_flags(args.nproc), "--quiet", "--out", out, *timeout, *extra],
+            log,
+        )
+    # nproc ranks share one stream of micro-batches, as step 0's process
+    elif splits_the_model(step):
+        run_trainer(
+            step,
+            args.nproc,
+            [
+                "--grad-accum",
+                str(DEFAULT_GRAD_ACCUM * args.nproc),
+                "--quiet",
+                "--out",
+                out,
+                *timeout,
+                *extra,
+            ],
+            log,
+        )
     else:
-        run_trainer(step, args.nproc, ["--grad-accum", str(DEFAULT_GRAD_ACCUM), "--quiet",
-                                       "--out", out, *timeout, *extra], log)
+        run_trainer(
+            step,
+            args.nproc,
+            ["--grad-accum", str(DEFAULT_GRAD_ACCUM), "--quiet", "--out", out, *timeout, *extra],
+            log,
+        )
 
 
 def main() -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nproc", type=int, default=2, help="ranks for the distributed steps")
-    parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs",
-                        help="each step writes <runs-dir>/<step folder>; logs and plot go beside them")
-    parser.add_argument("--keep-going", action="store_true",
-                        help="a step that fails is reported in the table and the others still run (compare/gpu_check.py)")
-    parser.add_argument("--timeout-s", type=float,
-                        help="process-group timeout for the distributed steps (their default if unset)")
+    parser.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=REPO_ROOT / "runs",
+        help="each step writes <runs-dir>/<step folder>; logs and plot go beside them",
+    )
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="a step that fails is reported in the table and the others still run (compare/gpu_check.py)",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        help="process-group timeout for the distributed steps (their default if unset)",
+    )
     args, extra = parser.parse_known_args()
     timeout = ["--timeout-s", f"{args.timeout_s:g}"] if args.timeout_s is not None else []
     if any(flag == "--out" or flag.startswith("--out=") for flag in extra):
-        raise UserError("the tour gives every step its own run folder; use --runs-dir instead of --out")
+        raise UserError(
+            "the tour gives every step its own run folder; use --runs-dir instead of --out"
+        )
     if args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.timeout_s is not None and not args.timeout_s > 0:  # step 0 would run before step 1 refused it
+    # step 0 would run before step 1 refused it
+    if args.timeout_s is not None and not args.timeout_s > 0:
         raise UserError(f"--timeout-s must be positive, got {args.timeout_s:g}")
     check_writable_folder(args.runs_dir, f"--runs-dir {args.runs_dir}")
     config, vocab_size = check_the_data_feeds(args.nproc, extra)
     steps, skipped, experts = [], [], None
     for step in parity.step_folders():
-        if number(step) in SPLITS_HEADS and (config["n_head"] % args.nproc or vocab_size % args.nproc):
-            skipped.append(f"{step} (splits {config['n_head']} heads and {vocab_size} tokens: "
-                           "--nproc must divide both)")
+        if number(step) in SPLITS_HEADS and (
+            config["n_head"] % args.nproc or vocab_size % args.nproc
+        ):
+            skipped.append(
+                f"{step} (splits {config['n_head']} heads and {vocab_size} tokens: "
+                "--nproc must divide both)"
+            )
         elif number(step) == MESH and (args.nproc % 2 or config["n_head"] % 2 or vocab_size % 2):
-            skipped.append(f"{step} (a dp x tp mesh with tp = 2: --nproc and the heads must be even)")
+            skipped.append(
+                f"{step} (a dp x tp mesh with tp = 2: --nproc and the heads must be even)"
+            )
         elif number(step) == EXPERTS:
-            experts = step  # not the tour's dense model: run beside step 0 training the same MoE (run_experts)
+            # not the tour's dense model: run beside step 0 training the same MoE (run_experts)
+            experts = step
         elif number(step) == CONTEXT and config["seq_len"] % (2 * args.nproc):
-            skipped.append(f"{step} (cuts --seq-len {config['seq_len']} into 2 x {args.nproc} chunks: "
-                           f"use a multiple of {2 * args.nproc})")
+            skipped.append(
+                f"{step} (cuts --seq-len {config['seq_len']} into 2 x {args.nproc} chunks: "
+                f"use a multiple of {2 * args.nproc})"
+            )
         else:
             steps.append(step)
     runs = {step: str(args.runs_dir / step) for step in steps}
@@ -241,17 +360,26 @@ def main() -> int:
         if step != reference:
             run_a, run_b, results[step] = parity.check(runs[reference], runs[step])
             print(parity.report(run_a, run_b, results[step], brief=True))
-        if number(step) == 9 and single:  # the pipeline's contract: step 0's sums, in step 0's order
+        # the pipeline's contract: step 0's sums, in step 0's order
+        if number(step) == 9 and single:
             run_a, run_b, against_step0[step] = parity.check(runs[single], runs[step])
             print(parity.report(run_a, run_b, against_step0[step], brief=True))
     pipeline = next((s for s in steps if number(s) == 9), None)
     schedules = {}
     if single and pipeline and args.nproc >= 2:  # both schedules need 2 or more stages
-        schedules["  zero bubble"] = run_schedule("zero_bubble", ["--schedule", "zero-bubble"], single, pipeline,
-                                                  args, extra, timeout)
+        schedules["  zero bubble"] = run_schedule(
+            "zero_bubble", ["--schedule", "zero-bubble"], single, pipeline, args, extra, timeout
+        )
         schedules["  interleaved, V = 2"] = run_schedule(  # a model of 2 chunks per rank at least
-            "interleaved", ["--schedule", "interleaved-1f1b", "--virtual-stages", "2"], single, pipeline, args, extra,
-            timeout, ["--n-layer", str(max(config["n_layer"], 2 * args.nproc))])
+            "interleaved",
+            ["--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
+            single,
+            pipeline,
+            args,
+            extra,
+            timeout,
+            ["--n-layer", str(max(config["n_layer"], 2 * args.nproc))],
+        )
     moe = None
     if single and experts:
         try:
@@ -262,15 +390,24 @@ def main() -> int:
             failed[experts] = str(error)
             print(f"FAILED: {error}")
     # The reference first: the difference panel then shows every step against PyTorch DDP.
-    plot = plot_runs([runs[reference]] + [runs[s] for s in steps if s != reference], args.runs_dir / "plots" / "tour.png")
+    plot = plot_runs(
+        [runs[reference]] + [runs[s] for s in steps if s != reference],
+        args.runs_dir / "plots" / "tour.png",
+    )
 
     # Two correct implementations in other orders, on this machine: what a model-splitting step may drift. In
     # 32 bits: under 16-bit autocast a split matmul rounds its partial sums in 16 bits, and the first loss is no
     # longer float32's to round (step 8 at bf16: 2.2e-6 relative), so such a tour prints the drift alone.
-    order_reference = drift_from(runs[reference], runs[single])[0] if single and config["amp"] == "none" else None
-    print(f"\nmachine: {machine()} (final losses, differences and tok/s are this machine's; the verdicts hold "
-          "on any)")
-    print(f"{'step':<24} {'ranks':>5} {'time':>6} {'final loss':>10} {'tok/s':>8}  parity vs {reference}")
+    order_reference = (
+        drift_from(runs[reference], runs[single])[0] if single and config["amp"] == "none" else None
+    )
+    print(
+        f"\nmachine: {machine()} (final losses, differences and tok/s are this machine's; the verdicts hold "
+        "on any)"
+    )
+    print(
+        f"{'step':<24} {'ranks':>5} {'time':>6} {'final loss':>10} {'tok/s':>8}  parity vs {reference}"
+    )
     all_passed = True
     for step in steps:
         _, metrics = parity.load_run(runs[step])
@@ -279,54 +416,78 @@ def main() -> int:
             verdict = "(reference)"
         elif number(step) in (0, 9):
             # Not a parity check: one process sums its micro-batches in another order (see docs/parity.md).
-            verdict = (f"same global batches, other summation order: max abs diff {results[step].max_abs:.1e}, "
-                       f"param norm diff {results[step].max_param_norm_diff:.1e}")
+            verdict = (
+                f"same global batches, other summation order: max abs diff {results[step].max_abs:.1e}, "
+                f"param norm diff {results[step].max_param_norm_diff:.1e}"
+            )
             if step in against_step0:  # one pipeline sums as one process: bitwise equal to step 0
                 bitwise = against_step0[step].passed and against_step0[step].bitwise
                 all_passed &= bitwise  # at any --nproc, with any flags: no sum changes order
-                verdict = (f"vs {single}: {parity.verdict(against_step0[step])}"
-                           f"{'' if bitwise else '  <-- expected bitwise identical'}; {verdict}")
+                verdict = (
+                    f"vs {single}: {parity.verdict(against_step0[step])}"
+                    f"{'' if bitwise else '  <-- expected bitwise identical'}; {verdict}"
+                )
         elif splits_the_model(step):
             # Not a parity check against step 1 either: the layers sum their products in another order
             # (the step's README; its bitwise check is against PyTorch's own implementation).
             verdict = other_order_row(results[step], parity.load_run(runs[reference])[1], metrics)
-            if order_reference is not None:  # judged by step 0's own drift from step 1, measured here
+            # judged by step 0's own drift from step 1, measured here
+            if order_reference is not None:
                 drift, run_metrics, run_weights = drift_from(runs[reference], runs[step])
-                beyond = other_order.beyond(drift, other_order.bound(order_reference, run_metrics, run_weights))
+                beyond = other_order.beyond(
+                    drift, other_order.bound(order_reference, run_metrics, run_weights)
+                )
                 all_passed &= not beyond
-                verdict += (f"; {drift.weights / max(order_reference.weights, other_order.EPS):.1f}x step 0's "
-                            f"drift: {'FAIL (' + '; '.join(beyond) + ')' if beyond else 'PASS'}")
+                verdict += (
+                    f"; {drift.weights / max(order_reference.weights, other_order.EPS):.1f}x step 0's "
+                    f"drift: {'FAIL (' + '; '.join(beyond) + ')' if beyond else 'PASS'}"
+                )
         else:
             verdict = parity.verdict(results[step])
             must_be_bitwise = args.nproc == 2 and not extra
             if not results[step].passed or (must_be_bitwise and not results[step].bitwise):
                 all_passed = False
                 verdict += "  <-- expected bitwise identical" if results[step].passed else ""
-        print(f"{step:<24} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s {records[-1]['loss']:>10.4f} "
-              f"{statistics.median(r['tokens_per_s'] for r in records):>8,.0f}  {verdict}")
-    for name, (result, seconds) in schedules.items():  # one pipeline, other schedules: still one process's sums
+        print(
+            f"{step:<24} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s {records[-1]['loss']:>10.4f} "
+            f"{statistics.median(r['tokens_per_s'] for r in records):>8,.0f}  {verdict}"
+        )
+    # one pipeline, other schedules: still one process's sums
+    for name, (result, seconds) in schedules.items():
         bitwise = result.passed and result.bitwise
         all_passed &= bitwise
-        print(f"{name:<24} {args.nproc:>5} {seconds:>5.0f}s {'':>10} {'':>8}  vs {single}"
-              f"{' on the same model' if 'interleaved' in name else ''}: {parity.verdict(result)}"
-              f"{'' if bitwise else '  <-- expected bitwise identical'}")
-    if moe:  # step 12 beside step 0 on the same MoE model: bitwise at 2 ranks (its README), close otherwise
+        print(
+            f"{name:<24} {args.nproc:>5} {seconds:>5.0f}s {'':>10} {'':>8}  vs {single}"
+            f"{' on the same model' if 'interleaved' in name else ''}: {parity.verdict(result)}"
+            f"{'' if bitwise else '  <-- expected bitwise identical'}"
+        )
+    # step 12 beside step 0 on the same MoE model: bitwise at 2 ranks (its README), close otherwise
+    if moe:
         (result, seconds), (_, moe_metrics) = moe, parity.load_run(args.runs_dir / "moe" / experts)
         expected = result.passed and (result.bitwise or args.nproc != 2)
         all_passed &= expected
-        print(f"{experts:<24} {args.nproc:>5} {seconds:>5.0f}s {moe_metrics['records'][-1]['loss']:>10.4f} "
-              f"{statistics.median(r['tokens_per_s'] for r in moe_metrics['records']):>8,.0f}  vs {single} on the "
-              f"same MoE model: {parity.verdict(result)}{'' if expected else '  <-- expected bitwise identical'}")
+        print(
+            f"{experts:<24} {args.nproc:>5} {seconds:>5.0f}s {moe_metrics['records'][-1]['loss']:>10.4f} "
+            f"{statistics.median(r['tokens_per_s'] for r in moe_metrics['records']):>8,.0f}  vs {single} on the "
+            f"same MoE model: {parity.verdict(result)}{'' if expected else '  <-- expected bitwise identical'}"
+        )
     # Informational, never a failure: the per-rank CPU time of every step (compare/stragglers.py).
     flagged, too_short = [], 0
     for step in steps:
         _, _, result = stragglers.check(runs[step])
         if result.straggler is not None:
             flagged.append(f"{step}: {stragglers.verdict(result)}")
-        too_short = max(too_short, len(result.ranks) > 1 and len(result.steps) < stragglers.MIN_STEPS)
-    nobody = (f"too few steps to call (a verdict needs {stragglers.MIN_STEPS} after the first)" if too_short
-              else "no rank consistently slower in any step")
-    print(f"\nstragglers: {'; '.join(flagged) or nobody} (per-rank table: python compare/stragglers.py <step>)")
+        too_short = max(
+            too_short, len(result.ranks) > 1 and len(result.steps) < stragglers.MIN_STEPS
+        )
+    nobody = (
+        f"too few steps to call (a verdict needs {stragglers.MIN_STEPS} after the first)"
+        if too_short
+        else "no rank consistently slower in any step"
+    )
+    print(
+        f"\nstragglers: {'; '.join(flagged) or nobody} (per-rank table: python compare/stragglers.py <step>)"
+    )
     if skipped:
         print(f"skipped: {'; '.join(skipped)}")
     for step, error in failed.items():

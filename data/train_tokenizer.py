@@ -7,6 +7,7 @@ suite checks that, so the committed file can always be traced back to this scrip
     python data/train_tokenizer.py            # rewrites data/tokenizer.json
     python data/train_tokenizer.py --check    # exit 1 if the committed file differs
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -36,13 +37,21 @@ def train(corpus: Path = CORPUS) -> Tokenizer:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="compare with the committed file instead of writing it")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="compare with the committed file instead of writing it"
+    )
     args = parser.parse_args()
     text = train().to_str(pretty=True) + "\n"
     if args.check:
         same = OUTPUT.exists() and OUTPUT.read_text() == text
-        print("tokenizer.json is up to date" if same else "tokenizer.json differs from what train_tokenizer.py builds")
+        print(
+            "tokenizer.json is up to date"
+            if same
+            else "tokenizer.json differs from what train_tokenizer.py builds"
+        )
         return 0 if same else 1
     OUTPUT.write_text(text)
     print(f"wrote {OUTPUT} ({VOCAB_SIZE} tokens)")

@@ -11,6 +11,7 @@ the flags). ``checkpoint_files.py`` makes it whole or absent and finds it for ``
 3. **Bitwise**: the random generators are put back last (nothing may draw after them), so the resumed run takes
    the very steps the uninterrupted one took.
 """
+
 import json
 import time
 from pathlib import Path
@@ -25,7 +26,16 @@ FORMAT = "single-process"  # meta.json's "format": what the later steps' reader 
 
 # Flags that may change when resuming: they say where to write, what to print and where to run, not what to
 # compute (--fp8 keeps no state of its own: a bf16 run may go on in FP8). Every other flag must be the checkpoint's.
-RESUMABLE_KEYS = ("out", "save_every", "preempt_grace_s", "resume", "quiet", "max_memory_mb", "device", "fp8")
+RESUMABLE_KEYS = (
+    "out",
+    "save_every",
+    "preempt_grace_s",
+    "resume",
+    "quiet",
+    "max_memory_mb",
+    "device",
+    "fp8",
+)
 
 
 class RunState:
@@ -35,8 +45,12 @@ class RunState:
         self.scheduler, self.scaler, self.batches, self.log = scheduler, scaler, batches, log
 
     def checkpoint_state(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "data": self.batches.state_dict(), "records": self.log.records}
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "data": self.batches.state_dict(),
+            "records": self.log.records,
+        }
 
     def load_checkpoint(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
@@ -54,8 +68,12 @@ class WholeModel:
 
     def checkpoint_state(self) -> dict:
         master_of = {p.data_ptr(): m for (_, m), p in zip(self.masters, self.model.parameters())}
-        return {"model": {name: master_of.get(t.data_ptr(), t) for name, t in self.model.state_dict().items()},
-                "optimizer": self.optimizer.state_dict()}
+        return {
+            "model": {
+                name: master_of.get(t.data_ptr(), t) for name, t in self.model.state_dict().items()
+            },
+            "optimizer": self.optimizer.state_dict(),
+        }
 
     def load_checkpoint(self, state: dict) -> None:
         with torch.no_grad():
@@ -73,14 +91,20 @@ def open_checkpoint(path: Path, config: dict) -> dict:
         raise corrupted(path, f"meta.json unreadable: {type(error).__name__}") from error
     if meta.get("format") != FORMAT:
         who = saved.get("step", "another step")
-        raise UserError(f"checkpoint {path} was written by {who} (format {meta.get('format')}), not by this step 0: "
-                        "step 0 resumes only its own; resume it with the step that wrote it (at any world size, "
-                        "1 included), or start afresh without --resume")
-    differing = sorted(k for k in set(saved) & set(config) - set(RESUMABLE_KEYS) if saved[k] != config[k])
+        raise UserError(
+            f"checkpoint {path} was written by {who} (format {meta.get('format')}), not by this step 0: "
+            "step 0 resumes only its own; resume it with the step that wrote it (at any world size, "
+            "1 included), or start afresh without --resume"
+        )
+    differing = sorted(
+        k for k in set(saved) & set(config) - set(RESUMABLE_KEYS) if saved[k] != config[k]
+    )
     if differing:
         details = ", ".join(f"{k}: {saved[k]!r} -> {config[k]!r}" for k in differing)
-        raise UserError(f"cannot resume {path}: the config differs from the checkpoint's ({details}); "
-                        "resume with the original flags")
+        raise UserError(
+            f"cannot resume {path}: the config differs from the checkpoint's ({details}); "
+            "resume with the original flags"
+        )
     try:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 (missing, cut short, garbage: all "corrupted")
@@ -91,8 +115,10 @@ def open_checkpoint(path: Path, config: dict) -> dict:
 
 
 def corrupted(path: Path, what: str) -> UserError:
-    return UserError(f"checkpoint {path} is corrupted ({what}); resume from an earlier one with --resume PATH, "
-                     "or start afresh without --resume")
+    return UserError(
+        f"checkpoint {path} is corrupted ({what}); resume from an earlier one with --resume PATH, "
+        "or start afresh without --resume"
+    )
 
 
 class CheckpointWriter:
@@ -125,8 +151,10 @@ class CheckpointWriter:
         except Exception as error:  # a full disk, a folder removed under the run: one line, exit 2
             raise not_written(error, self.rank, step, self.config["out"]) from error
         if not self.config["quiet"]:
-            print(f"checkpoint step_{step} written: training paused {(time.perf_counter() - started) * 1e3:.0f} ms",
-                  flush=True)
+            print(
+                f"checkpoint step_{step} written: training paused {(time.perf_counter() - started) * 1e3:.0f} ms",
+                flush=True,
+            )
 
     def wait(self) -> None:
         """Nothing to wait for: ``save`` returns once the checkpoint is whole (``Preemption`` calls it)."""

@@ -7,6 +7,7 @@
 3. **Found by ``--resume``** (``find_checkpoint``: ``auto`` and ``latest`` take the newest *whole* one); a fresh
    run clears the checkpoints an earlier run left in its ``--out`` (``clear_checkpoints``).
 """
+
 import os
 import re
 import shutil
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from config import UserError
 
-OWN_CHECKPOINT_FOLDER = re.compile(r"(\.tmp_|\.old_)?step_\d+")  # what a save writes, all a fresh run removes
+# what a save writes, all a fresh run removes
+OWN_CHECKPOINT_FOLDER = re.compile(r"(\.tmp_|\.old_)?step_\d+")
 
 
 def checkpoint_dir(out_dir, step: int) -> Path:
@@ -23,8 +25,11 @@ def checkpoint_dir(out_dir, step: int) -> Path:
 
 def complete_checkpoints(out_dir) -> list[Path]:
     """The whole checkpoints in ``out_dir``, oldest first (by step number, not by name)."""
-    folders = [p for p in (Path(out_dir) / "checkpoints").glob("step_*")
-               if p.name[5:].isdigit() and (p / "meta.json").is_file()]
+    folders = [
+        p
+        for p in (Path(out_dir) / "checkpoints").glob("step_*")
+        if p.name[5:].isdigit() and (p / "meta.json").is_file()
+    ]
     return sorted(folders, key=lambda p: int(p.name[5:]))
 
 
@@ -36,8 +41,10 @@ def find_checkpoint(resume: str | None, out_dir) -> Path | None:
     if resume in ("auto", "latest"):
         found = complete_checkpoints(out_dir)
         if not found and resume == "latest":
-            raise UserError(f"--resume: no checkpoint in {out_dir}/checkpoints; train with --save-every N first, "
-                            "pass --resume PATH, or --resume auto to start afresh when there is none")
+            raise UserError(
+                f"--resume: no checkpoint in {out_dir}/checkpoints; train with --save-every N first, "
+                "pass --resume PATH, or --resume auto to start afresh when there is none"
+            )
         return found[-1] if found else None
     if not (Path(resume) / "meta.json").is_file():
         raise not_a_checkpoint(resume, "--resume ")
@@ -65,8 +72,10 @@ def not_a_checkpoint(path, flag: str = "") -> UserError:
     else:
         found = complete_checkpoints(path.parent if path.name == "checkpoints" else path)
         meant = found[-1] if found else None
-    return UserError(f"{flag}{path} is not a checkpoint (a checkpoints/step_<k> folder with meta.json)"
-                     + (f"; did you mean {flag}{meant}?" if meant else ""))
+    return UserError(
+        f"{flag}{path} is not a checkpoint (a checkpoints/step_<k> folder with meta.json)"
+        + (f"; did you mean {flag}{meant}?" if meant else "")
+    )
 
 
 def start_writing(out_dir, step: int) -> Path:
@@ -80,7 +89,7 @@ def start_writing(out_dir, step: int) -> Path:
 
 def publish(tmp: Path) -> None:
     """Rule 2, second half: ``tmp`` becomes ``step_<k>``, replacing one an earlier run from this folder wrote."""
-    final = tmp.with_name(tmp.name[len(".tmp_"):])
+    final = tmp.with_name(tmp.name[len(".tmp_") :])
     old = tmp.with_name(".old_" + final.name)
     if final.exists():
         os.replace(final, old)

@@ -16,6 +16,7 @@
    here) nor selective recomputation (the ring keeps no s x s tensor to recompute). With dropout, each tp rank's
    ring draws every head's mask and keeps its heads' (step 11's rule 7), as step 8 does (its rule 7).
 """
+
 import functools
 
 import torch
@@ -31,22 +32,47 @@ from recomputation import add_recomputation_flag, recompute
 from sequence_parallel import check_sequence_parallel, sequence_parallel_gpt2
 from sequence_parallel import finish_gradient_synchronization as finish_sequence_parallel
 from tensor_parallel import check_tensor_parallel, parallelize_gpt2, vocab_parallel_cross_entropy
-from tensor_parallel_state import checkpoint_shards, gather_full_parameters, is_sharded, load_checkpoint_shards
+from tensor_parallel_state import (
+    checkpoint_shards,
+    gather_full_parameters,
+    is_sharded,
+    load_checkpoint_shards,
+)
 
 
 def add_mesh_flags(parser) -> None:
     flags = parser.add_argument_group("3D parallelism (their product is the number of ranks)")
-    flags.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what --tp and --pp leave)")
-    flags.add_argument("--tp", type=int, default=1,
-                       help="tensor-parallel degree: must divide --n-head and the vocabulary")
+    flags.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="data-parallel degree (default: what --tp and --pp leave)",
+    )
+    flags.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: must divide --n-head and the vocabulary",
+    )
     flags.add_argument("--pp", type=int, default=1, help="pipeline stages: at most --n-layer")
-    flags.add_argument("--cp", type=int, default=1,
-                       help="context-parallel degree: ranks that split each sequence (step 11's ring attention)")
-    flags.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag",
-                       help="which chunks of the sequence each cp rank keeps (step 11's context_parallel.py)")
-    flags.add_argument("--sequence-parallel", action="store_true",
-                       help="split the activations between the layers along the sequence over tp "
-                            "(step 8's sequence_parallel.py)")
+    flags.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: ranks that split each sequence (step 11's ring attention)",
+    )
+    flags.add_argument(
+        "--cp-layout",
+        choices=LAYOUTS,
+        default="zigzag",
+        help="which chunks of the sequence each cp rank keeps (step 11's context_parallel.py)",
+    )
+    flags.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split the activations between the layers along the sequence over tp "
+        "(step 8's sequence_parallel.py)",
+    )
     add_recomputation_flag(flags)  # step 7's --activation-checkpointing: full or selective
     add_pipeline_flags(parser)  # step 9's --schedule, --virtual-stages and --micro-batches
 
@@ -58,13 +84,21 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
     dp = config["dp"] if config["dp"] is not None else max(1, world_size // max(1, tp * pp * cp))
     check_mesh(dp, tp, pp, world_size, cp)
     if config["sequence_parallel"] and tp == 1:
-        raise UserError("--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more")
+        raise UserError(
+            "--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more"
+        )
     check_tensor_parallel(config, vocab_size, tp, flag="--tp")
     check_sequence_parallel(config, tp, flag="--tp")
-    if config["activation_checkpointing"] == "full" and pp > 1 and config["schedule"] == "zero-bubble":
-        raise UserError("--activation-checkpointing full with --schedule zero-bubble: W's backward of each layer "
-                        "would recompute its block again (torch.utils.checkpoint recomputes once per backward call); "
-                        "use selective, or another --schedule")
+    if (
+        config["activation_checkpointing"] == "full"
+        and pp > 1
+        and config["schedule"] == "zero-bubble"
+    ):
+        raise UserError(
+            "--activation-checkpointing full with --schedule zero-bubble: W's backward of each layer "
+            "would recompute its block again (torch.utils.checkpoint recomputes once per backward call); "
+            "use selective, or another --schedule"
+        )
     if cp > 1:
         check_context_on_mesh(config, cp)
     return dp, check_pipeline(config, pp, flag="--pp")
@@ -74,11 +108,15 @@ def check_context_on_mesh(config: dict, cp: int) -> None:
     """Rule 5's refusals, one line each: step 11's check of the sequence, then what step 10 does not compose."""
     check_context_parallel(config, cp)  # --seq-len cut into 2 x cp chunks
     if config["sequence_parallel"]:
-        raise UserError("--sequence-parallel with --cp: both split the sequence, and step 10 does not compose "
-                        "them; use one of the two")
+        raise UserError(
+            "--sequence-parallel with --cp: both split the sequence, and step 10 does not compose "
+            "them; use one of the two"
+        )
     if config["activation_checkpointing"] == "selective":
-        raise UserError("--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to "
-                        "recompute; use full, or none")
+        raise UserError(
+            "--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to "
+            "recompute; use full, or none"
+        )
 
 
 def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage:
@@ -107,26 +145,42 @@ def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
         model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
         if config["sequence_parallel"]:
             model = sequence_parallel_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
-    loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group) if mesh.tp > 1 \
+    loss_fn = (
+        functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group)
+        if mesh.tp > 1
         else torch.nn.functional.cross_entropy
-    if mesh.cp > 1:  # rule 5: the ring over each tp rank's heads, this rank's positions of every tensor
-        model = context_parallel_gpt2(model, mesh.cp_group, config["cp_layout"], heads=(mesh.tp_rank, mesh.tp))
-        loss_fn = functools.partial(_loss_on_positions, loss_fn, mesh.cp_group, config["cp_layout"],
-                                    config["micro_batch_size"])
-    recompute(model.transformer.h, config["activation_checkpointing"])  # each rank's own heads (recomputation.py)
+    )
+    # rule 5: the ring over each tp rank's heads, this rank's positions of every tensor
+    if mesh.cp > 1:
+        model = context_parallel_gpt2(
+            model, mesh.cp_group, config["cp_layout"], heads=(mesh.tp_rank, mesh.tp)
+        )
+        loss_fn = functools.partial(
+            _loss_on_positions,
+            loss_fn,
+            mesh.cp_group,
+            config["cp_layout"],
+            config["micro_batch_size"],
+        )
+    # each rank's own heads (recomputation.py)
+    recompute(model.transformer.h, config["activation_checkpointing"])
     model = model.to(device)
-    chunks = mesh.pp * virtual_stages(config)  # the model's stages: V per pp rank with --schedule interleaved-1f1b
+    # the model's stages: V per pp rank with --schedule interleaved-1f1b
+    chunks = mesh.pp * virtual_stages(config)
     stages = [tensor_parallel_stage(model, s, chunks) for s in range(chunks)]
     split = mesh.tp if config["sequence_parallel"] else mesh.cp  # S/T or S/C tokens a message
-    stage, named, pipe = pipeline_gpt2(stages, mesh.pp_rank, config, device, loss_fn, ranks=mesh.pp_ranks,
-                                       sequence_split=split)
+    stage, named, pipe = pipeline_gpt2(
+        stages, mesh.pp_rank, config, device, loss_fn, ranks=mesh.pp_ranks, sequence_split=split
+    )
     return stage, named, pipe, shapes
 
 
 def _loss_on_positions(loss_fn, group, layout: str, micro_batch_size: int, logits, targets):
     """``loss_fn`` on this cp rank's positions: the logits are theirs already, the (flattened) targets are the
     whole micro-batch's (rule 5)."""
-    return loss_fn(logits, sequence_shard(targets.view(micro_batch_size, -1), group, layout).flatten())
+    return loss_fn(
+        logits, sequence_shard(targets.view(micro_batch_size, -1), group, layout).flatten()
+    )
 
 
 def finish_gradient_synchronization(pipe) -> None:
@@ -151,7 +205,9 @@ class BytesByAxis:
         """What was counted since the last take, added to ``axis`` (the pipeline's point-to-point to ``pp``, the
         ring's sends to ``cp``, whatever ``axis``); returns the counts so far, by axis (plain dicts: a record's)."""
         for kind, count in take_comm_bytes().items():
-            counts = self.counts["pp" if kind.startswith("p2p") else "cp" if kind == "send" else axis]
+            counts = self.counts[
+                "pp" if kind.startswith("p2p") else "cp" if kind == "send" else axis
+            ]
             counts[kind] = counts.get(kind, 0) + count
         return self.counts
 
@@ -159,8 +215,12 @@ class BytesByAxis:
 def counted_once(named: list, mesh) -> list:
     """The tensors whose squares add up to the whole model's (or gradient's) across the mesh: TP shards on every
     tp rank, replicated ones on tp rank 0 only, the tie's copy on the last stage not at all."""
-    return [p for n, p in named if (is_sharded(p) or mesh.tp_rank == 0)
-            and not (n == "transformer.wte.weight" and mesh.pp_rank > 0)]
+    return [
+        p
+        for n, p in named
+        if (is_sharded(p) or mesh.tp_rank == 0)
+        and not (n == "transformer.wte.weight" and mesh.pp_rank > 0)
+    ]
 
 
 def gather_full_model(stage, named: list, mesh) -> dict:
@@ -168,8 +228,11 @@ def gather_full_model(stage, named: list, mesh) -> dict:
     then gathered over the pp group (step 9)."""
     full = gather_full_parameters(stage, group=mesh.tp_group)  # by the stage module's names
     name_of = {n: name for (n, _), (name, _) in zip(stage.named_parameters(), named)}
-    mine = {name_of[n]: t for n, t in full.items()
-            if not (name_of[n] == "transformer.wte.weight" and mesh.pp_rank > 0)}
+    mine = {
+        name_of[n]: t
+        for n, t in full.items()
+        if not (name_of[n] == "transformer.wte.weight" and mesh.pp_rank > 0)
+    }
     stages = [None] * mesh.pp
     dist.all_gather_object(stages, mine, group=mesh.pp_group)
     return {n: t for part in stages for n, t in part.items()}
@@ -179,14 +242,20 @@ class MeshShards:
     """checkpoint.py's part for a rank of the mesh (rule 4): its TP/PP shard of the parameters and of AdamW's state,
     as step 8 writes it (blocks of the whole tensors, named), ZeRO-1's slices first gathered over the dp group
     (``consolidated_state_dict``) and written by dp rank 0. Any step reads it at any mesh or world size."""
+
     per_rank = True
 
     def __init__(self, named: list, optimizer, mesh):
         self.named, self.optimizer, self.mesh = named, optimizer, mesh
 
     def checkpoint_state(self) -> dict:
-        state = self.optimizer.consolidated_state_dict()  # a collective over dp: every dp rank takes part
-        return checkpoint_shards(self.named, self.optimizer.params, state) if self.mesh.dp_cp_rank == 0 else {}
+        # a collective over dp: every dp rank takes part
+        state = self.optimizer.consolidated_state_dict()
+        return (
+            checkpoint_shards(self.named, self.optimizer.params, state)
+            if self.mesh.dp_cp_rank == 0
+            else {}
+        )
 
     def load_checkpoint(self, checkpoint) -> None:
         """This rank's TP shard of every parameter (step 8's blocks), then its ZeRO-1 slices of that shard's AdamW
@@ -194,14 +263,31 @@ class MeshShards:
         optimizer = self.optimizer
         params = [p for _, p in self.named]
         index = {p: i for i, p in enumerate(params)}
-        shards = load_checkpoint_shards(self.named, params, checkpoint)  # this rank's TP shards, step 8's way
+        # this rank's TP shards, step 8's way
+        shards = load_checkpoint_shards(self.named, params, checkpoint)
         state = {}
-        for local, piece in enumerate(optimizer.pieces):  # the local optimiser's parameters: flat slices of the shards
+        # the local optimiser's parameters: flat slices of the shards
+        for local, piece in enumerate(optimizer.pieces):
             entry = shards["state"].get(index[piece.param])
             if entry:  # none: never stepped
-                state[local] = {k: v.reshape(-1)[piece.start:piece.end].clone() if torch.is_tensor(v) and v.dim() else v
-                                for k, v in entry.items()}
-        hyper = {i: {k: v for k, v in g.items() if k != "params"} for g in shards["param_groups"] for i in g["params"]}
-        groups = [{**local, **hyper[index[full["params"][0]]]}  # the checkpoint's lr, betas, ... for each group
-                  for local, full in zip(optimizer.local_optimizer.state_dict()["param_groups"], optimizer.full_groups)]
-        optimizer.load_state_dict({"state": state, "param_groups": groups, "slices": optimizer.slices()})
+                state[local] = {
+                    k: v.reshape(-1)[piece.start : piece.end].clone()
+                    if torch.is_tensor(v) and v.dim()
+                    else v
+                    for k, v in entry.items()
+                }
+        hyper = {
+            i: {k: v for k, v in g.items() if k != "params"}
+            for g in shards["param_groups"]
+            for i in g["params"]
+        }
+        # the checkpoint's lr, betas, ... for each group
+        groups = [
+            {**local, **hyper[index[full["params"][0]]]}
+            for local, full in zip(
+                optimizer.local_optimizer.state_dict()["param_groups"], optimizer.full_groups
+            )
+        ]
+        optimizer.load_state_dict(
+            {"state": state, "param_groups": groups, "slices": optimizer.slices()}
+        )

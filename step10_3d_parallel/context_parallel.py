@@ -39,6 +39,7 @@ on a rank's tokens unchanged. Here:
    holds some of the heads only (step 10, tensor-parallel too) draws every head's mask and keeps its own,
    so tp ranks do not all drop alike and the masks are this ring's whole-model ones.
 """
+
 import functools
 import math
 
@@ -65,24 +66,40 @@ def shard_positions(seq_len: int, rank: int, cp: int, layout: str = "zigzag") ->
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks_of(rank, cp, layout)])
 
 
-def sequence_shard(x: torch.Tensor, group=None, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+def sequence_shard(
+    x: torch.Tensor, group=None, layout: str = "zigzag", dim: int = 1
+) -> torch.Tensor:
     """This rank's positions of ``x`` along ``dim`` (the sequence)."""
-    positions = shard_positions(x.shape[dim], dist.get_rank(group), dist.get_world_size(group), layout)
+    positions = shard_positions(
+        x.shape[dim], dist.get_rank(group), dist.get_world_size(group), layout
+    )
     return x.index_select(dim, positions.to(x.device))
 
 
 def attention_pairs(rank: int, cp: int, layout: str = "zigzag") -> int:
     """(query chunk, key chunk) pairs rank ``rank`` computes: its work (rule 4)."""
-    return sum(key <= query for query in chunks_of(rank, cp, layout) for chunk_rank in range(cp)
-               for key in chunks_of(chunk_rank, cp, layout))
+    return sum(
+        key <= query
+        for query in chunks_of(rank, cp, layout)
+        for chunk_rank in range(cp)
+        for key in chunks_of(chunk_rank, cp, layout)
+    )
 
 
 def add_context_parallel_flags(parser) -> None:
     flags = parser.add_argument_group("context parallelism")
-    flags.add_argument("--cp", type=int, help="ranks that split each sequence (default: all of them); the "
-                       "world size / cp rings split the batch, as data parallelism does")
-    flags.add_argument("--cp-layout", choices=LAYOUTS, default="zigzag",
-                       help="which chunks of the sequence each rank keeps (rule 4: contiguous is unbalanced)")
+    flags.add_argument(
+        "--cp",
+        type=int,
+        help="ranks that split each sequence (default: all of them); the "
+        "world size / cp rings split the batch, as data parallelism does",
+    )
+    flags.add_argument(
+        "--cp-layout",
+        choices=LAYOUTS,
+        default="zigzag",
+        help="which chunks of the sequence each rank keeps (rule 4: contiguous is unbalanced)",
+    )
 
 
 def check_context_parallel(config: dict, world_size: int) -> tuple[int, int]:
@@ -90,11 +107,15 @@ def check_context_parallel(config: dict, world_size: int) -> tuple[int, int]:
     ``(cp, dp)``: the ranks of a ring (``--cp``, default all) and the rings, each a data-parallel replica."""
     cp = config["cp"] or world_size
     if cp < 1 or world_size % cp:
-        raise UserError(f"--cp {cp} does not divide the {world_size} ranks into rings: launch a multiple of {cp} "
-                        "processes, or change --cp")
+        raise UserError(
+            f"--cp {cp} does not divide the {world_size} ranks into rings: launch a multiple of {cp} "
+            "processes, or change --cp"
+        )
     if config["seq_len"] % (2 * cp):
-        raise UserError(f"--seq-len {config['seq_len']} is cut into 2 x {cp} chunks for {cp} ranks: "
-                        f"use a multiple of {2 * cp}")
+        raise UserError(
+            f"--seq-len {config['seq_len']} is cut into 2 x {cp} chunks for {cp} ranks: "
+            f"use a multiple of {2 * cp}"
+        )
     return cp, world_size // cp
 
 
@@ -105,8 +126,14 @@ class _Ring:
     def __init__(self, group):
         self.group = group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.next, self.prev = ((rank + 1) % size, (rank - 1) % size) if group is None else (
-            dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size))
+        self.next, self.prev = (
+            ((rank + 1) % size, (rank - 1) % size)
+            if group is None
+            else (
+                dist.get_global_rank(group, (rank + 1) % size),
+                dist.get_global_rank(group, (rank - 1) % size),
+            )
+        )
 
     def start(self, tensor: torch.Tensor, tag: int):
         """Send ``tensor`` to the next rank and receive the previous rank's into a new buffer; returns a
@@ -117,13 +144,18 @@ class _Ring:
         count_collective("send", out)
         # One batch: nccl posts both at once (a send and a receive issued one after the other on its stream would
         # wait for each other round the ring); gloo issues them in turn.
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, self.next, self.group, tag),
-                                        dist.P2POp(dist.irecv, into, self.prev, self.group, tag)])
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, out, self.next, self.group, tag),
+                dist.P2POp(dist.irecv, into, self.prev, self.group, tag),
+            ]
+        )
 
         def wait() -> torch.Tensor:
             for work in works:
                 work.wait()
             return into.to(tensor.device) if staged else into
+
         return wait
 
 
@@ -132,7 +164,9 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     s = (q @ k.transpose(-2, -1)).float() * scale
     if causal:
         n = s.shape[-1]
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        s = s.masked_fill(
+            ~torch.ones(n, n, dtype=torch.bool, device=s.device).tril(), float("-inf")
+        )
     return s
 
 
@@ -145,7 +179,11 @@ def _dropout_mask(like: torch.Tensor, p: float, generator=None, heads=(0, 1)) ->
     (i, n) where ``like`` holds block i of n of the heads (step 10's tensor parallelism): the mask of all heads is
     drawn, as one rank of the ring draws it, and block i kept (rule 7)."""
     index, blocks = heads
-    whole = torch.empty((like.shape[0], like.shape[1] * blocks, *like.shape[2:]), dtype=like.dtype, device=like.device)
+    whole = torch.empty(
+        (like.shape[0], like.shape[1] * blocks, *like.shape[2:]),
+        dtype=like.dtype,
+        device=like.device,
+    )
     return whole.bernoulli_(1 - p, generator=generator).div_(1 - p).chunk(blocks, dim=1)[index]
 
 
@@ -156,16 +194,20 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, dropout=0.0, heads=(0, 1)):
         ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
-        ctx.rng_state = _rng_state(q.device) if dropout else None  # where backward redraws the masks from
+        # where backward redraws the masks from
+        ctx.rng_state = _rng_state(q.device) if dropout else None
         scale, mine = 1.0 / math.sqrt(q.shape[-1]), chunks_of(rank, cp, layout)
         qs = q.chunk(2, dim=2)
         out, lse = [None, None], [None, None]
         kv = torch.stack([k, v])
         for step in range(cp):
             source = (rank - step) % cp  # whose block this is
-            pending = ring.start(kv, KV_TAG) if step < cp - 1 else None  # rule 2: the next block on its way
+            # rule 2: the next block on its way
+            pending = ring.start(kv, KV_TAG) if step < cp - 1 else None
             for i, query in enumerate(mine):
-                for key, k_c, v_c in zip(chunks_of(source, cp, layout), kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)):
+                for key, k_c, v_c in zip(
+                    chunks_of(source, cp, layout), kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+                ):
                     if key > query:
                         continue  # rule 4: every key after every query
                     s = _scores(qs[i], k_c, key == query, scale)
@@ -178,7 +220,9 @@ class RingAttention(torch.autograd.Function):
                         out[i], lse[i] = block_out, block_lse
                     else:  # rule 3
                         merged = torch.logaddexp(lse[i], block_lse)
-                        out[i] = out[i] * torch.exp(lse[i] - merged) + block_out * torch.exp(block_lse - merged)
+                        out[i] = out[i] * torch.exp(lse[i] - merged) + block_out * torch.exp(
+                            block_lse - merged
+                        )
                         lse[i] = merged
             if pending:
                 kv = pending()
@@ -199,20 +243,24 @@ class RingAttention(torch.autograd.Function):
         ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
         scale, mine = 1.0 / math.sqrt(q.shape[-1]), chunks_of(rank, cp, layout)
         qs, dos, lses = q.chunk(2, dim=2), dout.chunk(2, dim=2), lse.chunk(2, dim=2)
-        deltas = (dout.float() * out.float()).sum(-1, keepdim=True).chunk(2, dim=2)  # rowsum(dO * O)
+        # rowsum(dO * O)
+        deltas = (dout.float() * out.float()).sum(-1, keepdim=True).chunk(2, dim=2)
         dq = [torch.zeros_like(c, dtype=torch.float32) for c in qs]
         kv = torch.stack([k, v])
-        dkv, arriving = torch.zeros_like(kv, dtype=torch.float32), None  # the travelling buffer of the block held
+        # the travelling buffer of the block held
+        dkv, arriving = torch.zeros_like(kv, dtype=torch.float32), None
         for step in range(cp):
             source = (rank - step) % cp
             pending = ring.start(kv, KV_TAG) if step < cp - 1 else None
-            parts = []  # this rank's share of the held block's dK, dV, added once the block's buffer is here
+            # this rank's share of the held block's dK, dV, added once the block's buffer is here
+            parts = []
             for i, query in enumerate(mine):
                 for j, key in enumerate(chunks_of(source, cp, layout)):
                     if key > query:
                         continue
                     k_c, v_c = kv[0].chunk(2, dim=2)[j], kv[1].chunk(2, dim=2)[j]
-                    p = torch.exp(_scores(qs[i], k_c, key == query, scale) - lses[i])  # the final probabilities
+                    # the final probabilities
+                    p = torch.exp(_scores(qs[i], k_c, key == query, scale) - lses[i])
                     mask = _dropout_mask(p, dropout, generator, ctx.heads) if dropout else None
                     kept = p * mask if dropout else p
                     dp = (dos[i] @ v_c.transpose(-2, -1)).float()
@@ -225,12 +273,21 @@ class RingAttention(torch.autograd.Function):
             for j, dk_part, dv_part in parts:  # added in the order computed, as if added at once
                 dkv[0].chunk(2, dim=2)[j].add_(dk_part)
                 dkv[1].chunk(2, dim=2)[j].add_(dv_part)
-            arriving = ring.start(dkv, GRAD_TAG) if cp > 1 else None  # on to the next rank; after the last step, home
+            # on to the next rank; after the last step, home
+            arriving = ring.start(dkv, GRAD_TAG) if cp > 1 else None
             if pending:
                 kv = pending()
         if arriving:
             dkv = arriving()
-        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return (
+            torch.cat(dq, dim=2).to(q.dtype),
+            dkv[0].to(k.dtype),
+            dkv[1].to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class SequenceShardDropout(nn.Module):
@@ -256,14 +313,25 @@ class RingSelfAttention(nn.Module):
     def __init__(self, attn: nn.Module, group=None, layout: str = "zigzag", heads=(0, 1)):
         super().__init__()
         self.c_q, self.c_k, self.c_v, self.c_proj = attn.c_q, attn.c_k, attn.c_v, attn.c_proj
-        self.head_dim, self.group, self.layout, self.dropout = attn.head_dim, group, layout, attn.dropout
-        self.heads = heads  # (i, n): this module computes block i of n of the heads (step 10's tp rank)
+        self.head_dim, self.group, self.layout, self.dropout = (
+            attn.head_dim,
+            group,
+            layout,
+            attn.dropout,
+        )
+        # (i, n): this module computes block i of n of the heads (step 10's tp rank)
+        self.heads = heads
         self.resid_dropout = SequenceShardDropout(attn.dropout, group, layout)
 
     def forward(self, x):
         B, T, _ = x.shape
-        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.c_q, self.c_k, self.c_v))
-        y = RingAttention.apply(q, k, v, self.group, self.layout, self.dropout if self.training else 0.0, self.heads)
+        q, k, v = (
+            proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.c_q, self.c_k, self.c_v)
+        )
+        y = RingAttention.apply(
+            q, k, v, self.group, self.layout, self.dropout if self.training else 0.0, self.heads
+        )
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1)))
 
 
@@ -277,14 +345,19 @@ def context_parallel_groups(cp: int):
     return rings[rank // cp], rank // cp
 
 
-def context_parallel_gpt2(model: nn.Module, group=None, layout: str = "zigzag", heads=(0, 1)) -> nn.Module:
+def context_parallel_gpt2(
+    model: nn.Module, group=None, layout: str = "zigzag", heads=(0, 1)
+) -> nn.Module:
     """Our GPT-2 (model.py), in place, for its rank of ``group``: it takes the whole micro-batch and returns
     the logits of this rank's positions (rule 1); ``model.sequence_shard(targets)`` gives the targets of those.
     ``heads``: (i, n) where the model is tensor-parallel and this rank holds block i of n of the heads (step 10)."""
     model.sequence_shard = functools.partial(sequence_shard, group=group, layout=layout)
-    model.transformer.wte.register_forward_pre_hook(lambda module, args: (sequence_shard(args[0], group, layout),))
+    model.transformer.wte.register_forward_pre_hook(
+        lambda module, args: (sequence_shard(args[0], group, layout),)
+    )
     model.transformer.wpe.register_forward_pre_hook(  # the global positions of this rank's tokens
-        lambda module, args: (sequence_shard(args[0], group, layout, dim=0),))
+        lambda module, args: (sequence_shard(args[0], group, layout, dim=0),)
+    )
     model.transformer.drop = SequenceShardDropout(model.config.dropout, group, layout)
     for block in model.transformer.h:
         block.attn = RingSelfAttention(block.attn, group, layout, heads)

@@ -14,6 +14,7 @@ its forwards, and with several chunks each chunk's own copy of the generator's s
 
 Imported by pipeline.py (its rule 4, "one random stream").
 """
+
 import contextlib
 
 import torch
@@ -33,15 +34,19 @@ class RandomOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
+
             def describe(a):
                 return ("tensor", a.shape, a.dtype, a.device) if torch.is_tensor(a) else a
-            self.ops.append((func, [describe(a) for a in args],
-                             {k: describe(v) for k, v in kwargs.items()}))
+
+            self.ops.append(
+                (func, [describe(a) for a in args], {k: describe(v) for k, v in kwargs.items()})
+            )
         return func(*args, **kwargs)
 
 
-def record_random_ops(stages: list[nn.Module], example_input: torch.Tensor,
-                      context=contextlib.nullcontext) -> list:
+def record_random_ops(
+    stages: list[nn.Module], example_input: torch.Tensor, context=contextlib.nullcontext
+) -> list:
     """``ops[s]``: the random ops stage ``s`` runs on one micro-batch, in order (none without
     dropout).
 
@@ -51,8 +56,11 @@ def record_random_ops(stages: list[nn.Module], example_input: torch.Tensor,
     own stage."""
     ops = []
     device = example_input.device  # on a GPU dropout draws from the GPU's generator: fork that one
-    forked = torch.random.fork_rng(devices=[]) if device.type == "cpu" else \
-        torch.random.fork_rng(devices=[device], device_type=device.type)
+    forked = (
+        torch.random.fork_rng(devices=[])
+        if device.type == "cpu"
+        else torch.random.fork_rng(devices=[device], device_type=device.type)
+    )
     with torch.no_grad(), forked, context():
         x = example_input
         for stage in stages:
@@ -64,6 +72,7 @@ def record_random_ops(stages: list[nn.Module], example_input: torch.Tensor,
 
 def replay_random_ops(ops: list) -> None:
     """Draw what ``ops`` drew, into throw-away tensors: the generator moves on exactly as it did."""
+
     def make(a):
         is_tensor = isinstance(a, tuple) and a[:1] == ("tensor",)
         return torch.empty(a[1], dtype=a[2], device=a[3]) if is_tensor else a
@@ -92,7 +101,7 @@ class RandomStream:
     def __init__(self, random_ops: list | None, model_stages: list[int], device):
         random_ops = random_ops or [[] for _ in range(max(model_stages) + 1)]
         self.before = [[op for ops in random_ops[:k] for op in ops] for k in model_stages]
-        self.after = [[op for ops in random_ops[k + 1:] for op in ops] for k in model_stages]
+        self.after = [[op for ops in random_ops[k + 1 :] for op in ops] for k in model_stages]
         self.per_chunk = any(random_ops) and len(model_stages) > 1
         self.device, self.generator, self.states = device, None, None
 

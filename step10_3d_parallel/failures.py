@@ -7,6 +7,7 @@ checkpoint that could not be written (below), and, with exit code 3, a collectiv
 because a peer died, froze or disagreed (``collective_failures.py``). ``Preemption`` (at the end) turns a SIGTERM
 into a checkpoint and exit code 4.
 """
+
 import os
 import signal
 import sys
@@ -39,7 +40,9 @@ class CheckpointNotWritten(RuntimeError):
     the checkpoints saved before it stay whole."""
 
 
-failure_explainers.append(lambda error: (str(error), 2) if isinstance(error, CheckpointNotWritten) else None)
+failure_explainers.append(
+    lambda error: (str(error), 2) if isinstance(error, CheckpointNotWritten) else None
+)
 
 
 def not_written(error: BaseException, rank: int, step: int, out_dir) -> BaseException:
@@ -50,7 +53,8 @@ def not_written(error: BaseException, rank: int, step: int, out_dir) -> BaseExce
         return error
     failure = CheckpointNotWritten(
         f"rank {rank} could not write checkpoint step_{step} in {out_dir}/checkpoints ({type(error).__name__}: "
-        f"{error}); the checkpoints before it are whole: make room, then resume with --resume")
+        f"{error}); the checkpoints before it are whole: make room, then resume with --resume"
+    )
     failure.__cause__ = error
     return failure
 
@@ -72,7 +76,8 @@ def exit_on_user_error(main):
         explained = explain_failure(error)
         if explained is None:
             raise
-        error.__traceback__ = None  # let go of the frames (and the tensors they hold) before formatting
+        # let go of the frames (and the tensors they hold) before formatting
+        error.__traceback__ = None
         message, code = explained
         sys.stdout.flush()
         os.write(2, f"error: {message}\n".encode())
@@ -105,24 +110,33 @@ class Preemption:
         if grace_s:
             read, write = os.pipe()
             os.set_blocking(write, False)
-            signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the work is the watcher's (rule 1)
+            # the work is the watcher's (rule 1)
+            signal.signal(signal.SIGTERM, lambda signum, frame: None)
             signal.set_wakeup_fd(write)
-            threading.Thread(target=self._watch, args=(read,), name="preemption-watcher", daemon=True).start()
+            threading.Thread(
+                target=self._watch, args=(read,), name="preemption-watcher", daemon=True
+            ).start()
 
     def _watch(self, read: int) -> None:
         while True:
-            if signal.SIGTERM not in os.read(read, 64):  # the numbers of the signals that came (SIGINT too)
+            # the numbers of the signals that came (SIGINT too)
+            if signal.SIGTERM not in os.read(read, 64):
                 continue
             if self.signalled_at is not None:
                 self._give_up("a second SIGTERM came")
             self.signalled_at = time.monotonic()
-            timer = threading.Timer(self.grace_s, self._give_up, [f"--preempt-grace-s {self.grace_s:g} s passed"])
+            timer = threading.Timer(
+                self.grace_s, self._give_up, [f"--preempt-grace-s {self.grace_s:g} s passed"]
+            )
             timer.daemon = True
             timer.start()
 
     def _give_up(self, why: str) -> None:
-        os.write(2, f"error: rank {self.rank} was told to stop (SIGTERM) and {why} before it could save: it ends "
-                    f"without a checkpoint; the ones already saved are whole (resume with --resume auto)\n".encode())
+        os.write(
+            2,
+            f"error: rank {self.rank} was told to stop (SIGTERM) and {why} before it could save: it ends "
+            f"without a checkpoint; the ones already saved are whole (resume with --resume auto)\n".encode(),
+        )
         os._exit(PREEMPTED_UNSAVED)
 
     def agreed(self) -> bool:
@@ -131,11 +145,15 @@ class Preemption:
             return False
         import torch  # here, not at the top: --help and flag errors need no torch
         import torch.distributed as dist
+
         if not (dist.is_available() and dist.is_initialized()):
             return self.signalled_at is not None
         on_gpu = dist.get_backend() == "nccl"  # nccl reduces only what is on a GPU
-        flag = torch.tensor([self.signalled_at is not None], dtype=torch.int32,
-                            device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu")
+        flag = torch.tensor(
+            [self.signalled_at is not None],
+            dtype=torch.int32,
+            device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu",
+        )
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -143,7 +161,10 @@ class Preemption:
         """After the save of ``step``: wait for the write, say where it is, exit ``PREEMPTED`` (rule 2)."""
         writer.wait()
         if self.rank == 0:
-            print(f"preempted: SIGTERM; stopped after step {step}, saved in {out_dir}/checkpoints/step_{step}; "
-                  f"go on with --resume auto (exit code {PREEMPTED})", flush=True)
+            print(
+                f"preempted: SIGTERM; stopped after step {step}, saved in {out_dir}/checkpoints/step_{step}; "
+                f"go on with --resume auto (exit code {PREEMPTED})",
+                flush=True,
+            )
         sys.stdout.flush()
         os._exit(PREEMPTED)

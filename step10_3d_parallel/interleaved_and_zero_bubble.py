@@ -25,13 +25,15 @@ micro-batches) to the stage's action list, which pipeline.py's ``schedule_action
    ``.grad`` in micro-batch order, and the first stage runs the tied embedding's W's last, once the
    last stage's halves have all been sent (``BackwardSplit``).
 """
+
 import contextlib
 
 import torch
 
 
-def interleaved_actions(stage: int, num_stages: int, micro_batches: int,
-                        chunks: int) -> list[tuple[str, int, int]]:
+def interleaved_actions(
+    stage: int, num_stages: int, micro_batches: int, chunks: int
+) -> list[tuple[str, int, int]]:
     """Interleaved 1F1B (rule 1; as Megatron-LM and ``ScheduleInterleaved1F1B`` order it; M a
     multiple of P). The k-th forward of a rank: micro-batch ``(k // (P V)) P + k % P`` through chunk
     ``(k // P) % V`` (a round of P micro-batches through chunk 0, the same round through chunk 1,
@@ -44,7 +46,7 @@ def interleaved_actions(stage: int, num_stages: int, micro_batches: int,
     forward = [("F", (k // (P * V)) * P + k % P, (k // P) % V) for k in range(total)]
     backward = [("B", (k // (P * V)) * P + k % P, V - 1 - (k // P) % V) for k in range(total)]
     steady = [action for pair in zip(forward[warmup:], backward) for action in pair]
-    return forward[:warmup] + steady + backward[total - warmup:]
+    return forward[:warmup] + steady + backward[total - warmup :]
 
 
 def zero_bubble_actions(stage: int, num_stages: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -70,6 +72,7 @@ class BackwardSplit:
     """Zero bubble's backward of one stage's ``module`` in two (rule 2): ``backward_input`` (B) now,
     ``backward_weights`` (W) later. ``tied_parameter``: on the first stage, the tied embedding,
     whose W's wait for ``finish`` (the last stage's halves are added in its hook)."""
+
     def __init__(self, module, tied_parameter=None):
         self.tied_parameter, self.recording = tied_parameter, None
         self.deferred, self.peak_deferred, self.tied_weights = {}, 0, []
@@ -96,7 +99,7 @@ class BackwardSplit:
         with the graph."""
         wanted = ([x] if x is not None else []) + [out for _, out in layers]
         grads = torch.autograd.grad(output, wanted, grad, retain_graph=True, allow_unused=True)
-        self.deferred[key] = list(zip(layers, grads[len(wanted) - len(layers):]))
+        self.deferred[key] = list(zip(layers, grads[len(wanted) - len(layers) :]))
         self.peak_deferred = max(self.peak_deferred, len(self.deferred))
         return grads[0] if x is not None else None
 

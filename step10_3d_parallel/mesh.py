@@ -37,6 +37,7 @@ sequences, and the ranks that hold the same shard of the same stage in the other
 "tp"))`` builds the same groups, and ``mesh["dp", "cp"]._flatten()`` the dp x cp plane (the tests check them
 rank by rank); it is what to use in your own code. This file shows what it does.
 """
+
 import itertools
 from datetime import timedelta
 from typing import NamedTuple
@@ -52,12 +53,16 @@ def check_mesh(dp: int, tp: int, pp: int, world_size: int, cp: int = 1) -> None:
     """Refuse, with one line, degrees that are not positive or do not multiply to the world size."""
     named = {"dp": dp, **({"cp": cp} if cp != 1 else {}), "tp": tp, "pp": pp}
     if min(named.values()) < 1:
-        raise UserError(f"{' '.join(f'--{a} {n}' for a, n in named.items())}: every degree must be at least 1")
+        raise UserError(
+            f"{' '.join(f'--{a} {n}' for a, n in named.items())}: every degree must be at least 1"
+        )
     product = dp * cp * tp * pp
     if product != world_size:
-        raise UserError(f"{' x '.join(f'--{a} {n}' for a, n in named.items())} = {product} ranks, but the job has "
-                        f"{world_size}: launch {product} processes (torchrun --nproc_per_node), or choose degrees "
-                        f"whose product is {world_size}")
+        raise UserError(
+            f"{' x '.join(f'--{a} {n}' for a, n in named.items())} = {product} ranks, but the job has "
+            f"{world_size}: launch {product} processes (torchrun --nproc_per_node), or choose degrees "
+            f"whose product is {world_size}"
+        )
 
 
 def _sizes(dp: int, tp: int, pp: int, cp: int) -> dict:
@@ -86,14 +91,19 @@ def axis_groups(axis, dp: int, tp: int, pp: int, cp: int = 1) -> list[list[int]]
     coordinates outer to inner); within a group the coordinates of ``axis`` outer to inner."""
     sizes, along = _sizes(dp, tp, pp, cp), (axis,) if isinstance(axis, str) else tuple(axis)
     others = [a for a in AXES if a not in along]
-    return [[_rank_at({**dict(zip(others, fixed)), **dict(zip(along, moving))}, sizes)
-             for moving in itertools.product(*(range(sizes[a]) for a in along))]
-            for fixed in itertools.product(*(range(sizes[a]) for a in others))]
+    return [
+        [
+            _rank_at({**dict(zip(others, fixed)), **dict(zip(along, moving))}, sizes)
+            for moving in itertools.product(*(range(sizes[a]) for a in along))
+        ]
+        for fixed in itertools.product(*(range(sizes[a]) for a in others))
+    ]
 
 
 class DeviceMesh(NamedTuple):
     """This rank's place in the mesh: its coordinates, the ranks of each of its groups, and the groups. ``dp_cp``:
     the dp x cp ranks that hold the same shard of the same stage (rule 5), or the dp group where cp is 1."""
+
     dp: int
     tp: int
     pp: int
@@ -115,12 +125,24 @@ class DeviceMesh(NamedTuple):
 
     def record(self) -> dict:
         """The degrees, as a run's record keeps them (compare/parity.py reads the global batch from them)."""
-        return {"data_parallel_size": self.dp, "context_parallel_size": self.cp, "tensor_parallel_size": self.tp,
-                "pipeline_stages": self.pp, "mesh": {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp,
-                                                     "order": "pp, dp, cp, tp (tp innermost)"}}
+        return {
+            "data_parallel_size": self.dp,
+            "context_parallel_size": self.cp,
+            "tensor_parallel_size": self.tp,
+            "pipeline_stages": self.pp,
+            "mesh": {
+                "pp": self.pp,
+                "dp": self.dp,
+                "cp": self.cp,
+                "tp": self.tp,
+                "order": "pp, dp, cp, tp (tp innermost)",
+            },
+        }
 
 
-def build_mesh(dp: int, tp: int, pp: int, timeout_s: float | None = None, cp: int = 1) -> DeviceMesh:
+def build_mesh(
+    dp: int, tp: int, pp: int, timeout_s: float | None = None, cp: int = 1
+) -> DeviceMesh:
     """Create the axes' process groups (every rank calls this, with the same degrees) and return this rank's place
     in them. The default process group must exist; ``dp * cp * tp * pp`` must be its size. ``timeout_s``: how
     long a collective on these groups waits for a peer; pass the default group's, or a new group waits torch's
@@ -131,12 +153,31 @@ def build_mesh(dp: int, tp: int, pp: int, timeout_s: float | None = None, cp: in
     mine = {}
     for axis in axes:  # the same order on every rank: new_group is a collective
         for ranks in axis_groups(axis, dp, tp, pp, cp):
-            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+            group = dist.new_group(
+                ranks, timeout=timedelta(seconds=timeout_s) if timeout_s else None
+            )
             if rank in ranks:
                 mine[axis] = ranks, group
     at = coordinates(rank, dp, tp, pp, cp)
     ring = mine.get("cp", ([rank], None))
     dp_cp = mine.get(("dp", "cp"), mine["dp"])
-    return DeviceMesh(dp, tp, pp, at["dp"], at["tp"], at["pp"], mine["dp"][0], mine["tp"][0], mine["pp"][0],
-                      mine["dp"][1], mine["tp"][1], mine["pp"][1], cp=cp, cp_rank=at["cp"], cp_ranks=ring[0],
-                      cp_group=ring[1], dp_cp_rank=at["dp"] * cp + at["cp"], dp_cp_group=dp_cp[1])
+    return DeviceMesh(
+        dp,
+        tp,
+        pp,
+        at["dp"],
+        at["tp"],
+        at["pp"],
+        mine["dp"][0],
+        mine["tp"][0],
+        mine["pp"][0],
+        mine["dp"][1],
+        mine["tp"][1],
+        mine["pp"][1],
+        cp=cp,
+        cp_rank=at["cp"],
+        cp_ranks=ring[0],
+        cp_group=ring[1],
+        dp_cp_rank=at["dp"] * cp + at["cp"],
+        dp_cp_group=dp_cp[1],
+    )

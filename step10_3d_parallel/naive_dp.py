@@ -10,6 +10,7 @@
 One all-reduce per parameter, issued only after backward has finished: correct, and the baseline
 that step 4 makes fast (fewer, larger messages, overlapped with backward).
 """
+
 import hashlib
 
 import torch
@@ -25,7 +26,9 @@ def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
         dist.broadcast(tensor.data, src=src)
 
 
-def allreduce_gradients(module: torch.nn.Module, reduce_dtype: torch.dtype = torch.float32, group=None) -> None:
+def allreduce_gradients(
+    module: torch.nn.Module, reduce_dtype: torch.dtype = torch.float32, group=None
+) -> None:
     """Replace every gradient by its mean over the ranks: all-reduce (sum), then divide by world size.
 
     ``reduce_dtype=torch.float64`` is the exact mode: summing in float64 does not depend on the
@@ -42,8 +45,10 @@ def allreduce_gradients(module: torch.nn.Module, reduce_dtype: torch.dtype = tor
         if not param.requires_grad:
             continue  # frozen: no gradient anywhere, nothing to reduce
         if param.grad is None:
-            raise RuntimeError(f"parameter {name} has no gradient; naive data parallelism needs every "
-                               "trainable parameter to take part in the loss (step 4 handles unused ones)")
+            raise RuntimeError(
+                f"parameter {name} has no gradient; naive data parallelism needs every "
+                "trainable parameter to take part in the loss (step 4 handles unused ones)"
+            )
         grad = param.grad if reduce_dtype == param.grad.dtype else param.grad.to(reduce_dtype)
         count_collective("all_reduce", grad)
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
@@ -58,7 +63,9 @@ def replicas_in_sync(module: torch.nn.Module) -> bool:
     for param in module.parameters():
         digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     device = next(module.parameters()).device  # nccl gathers GPU tensors, gloo CPU ones
-    mine = torch.tensor([int.from_bytes(digest.digest()[:7], "little")], dtype=torch.int64, device=device)
+    mine = torch.tensor(
+        [int.from_bytes(digest.digest()[:7], "little")], dtype=torch.int64, device=device
+    )
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return all(torch.equal(everyone[0], d) for d in everyone)

@@ -32,6 +32,7 @@ flows through the ranks as micro-batches. Here:
    micro-batch's loss by the number of micro-batches accumulated per optimiser step, as one process
    does (``loss / accum``), and starts that micro-batch's backward.
 """
+
 import contextlib
 import time
 
@@ -84,8 +85,9 @@ class GPT2Stage(nn.Module):
         if self.is_last:
             self.transformer.ln_f = source.ln_f
             # On the meta device: a new Linear would draw its weight from dropout's generator.
-            self.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features,
-                                     bias=False, device="meta")
+            self.lm_head = nn.Linear(
+                model.lm_head.in_features, model.lm_head.out_features, bias=False, device="meta"
+            )
             if self.is_first:  # one stage: the model's own tie
                 self.lm_head.weight = source.wte.weight
             else:
@@ -113,8 +115,11 @@ class GPT2Stage(nn.Module):
     def owned_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters this stage answers for, by the model's names: the tied embedding counts
         once, on the first stage (the last stage's copy is not a parameter of the model)."""
-        return [(name, p) for name, p in self.named_parameters()
-                if not (p is self.tied_parameter and not self.is_first)]
+        return [
+            (name, p)
+            for name, p in self.named_parameters()
+            if not (p is self.tied_parameter and not self.is_first)
+        ]
 
 
 def message_tag(to_stage: int, gradient: bool) -> int:
@@ -125,8 +130,9 @@ def message_tag(to_stage: int, gradient: bool) -> int:
     return 2 + 2 * to_stage + int(gradient)
 
 
-def schedule_actions(schedule: str, stage: int, num_stages: int, micro_batches: int,
-                     chunks: int = 1) -> list[tuple]:
+def schedule_actions(
+    schedule: str, stage: int, num_stages: int, micro_batches: int, chunks: int = 1
+) -> list[tuple]:
     """What stage ``stage`` does, in order: ``("F", i)`` forward of micro-batch i, ``("B", i)`` its
     backward; interleaved ``("F", i, v)`` and ``("B", i, v)``, through this rank's chunk v of
     ``chunks``; zero bubble also ``("W", i)`` (interleaved_and_zero_bubble.py)."""
@@ -142,7 +148,7 @@ def schedule_actions(schedule: str, stage: int, num_stages: int, micro_batches: 
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     warmup = min(num_stages - stage - 1, micro_batches)  # in flight before the first backward comes
     steady = [action for pair in zip(forwards[warmup:], backwards) for action in pair]
-    return forwards[:warmup] + steady + backwards[micro_batches - warmup:]
+    return forwards[:warmup] + steady + backwards[micro_batches - warmup :]
 
 
 def ideal_bubble(schedule: str, num_stages: int, micro_batches: int, chunks: int = 1) -> float:
@@ -175,17 +181,30 @@ class Pipeline:
     point before the optimiser step.
     """
 
-    def __init__(self, module, stage: int, num_stages: int, activation_shape,
-                 activation_dtype=torch.float32, loss_fn=None, tied_parameter=None, ranks=None,
-                 schedule: str = "1f1b", context=contextlib.nullcontext, random_ops=None,
-                 device=CPU):
+    def __init__(
+        self,
+        module,
+        stage: int,
+        num_stages: int,
+        activation_shape,
+        activation_dtype=torch.float32,
+        loss_fn=None,
+        tied_parameter=None,
+        ranks=None,
+        schedule: str = "1f1b",
+        context=contextlib.nullcontext,
+        random_ops=None,
+        device=CPU,
+    ):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.chunks = list(module) if isinstance(module, (list, tuple)) else [module]
         if (len(self.chunks) > 1) != (schedule == "interleaved-1f1b"):
-            raise ValueError(f"schedule {schedule!r} with {len(self.chunks)} chunks on a rank: "
-                             "the interleaved schedule takes a list of 2 or more chunks, the "
-                             "others one module")
+            raise ValueError(
+                f"schedule {schedule!r} with {len(self.chunks)} chunks on a rank: "
+                "the interleaved schedule takes a list of 2 or more chunks, the "
+                "others one module"
+            )
         self.module = nn.ModuleList(self.chunks) if len(self.chunks) > 1 else module  # this rank's
         self.stage, self.num_stages, self.schedule = stage, num_stages, schedule
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -198,8 +217,13 @@ class Pipeline:
         self.random_stream = RandomStream(random_ops, self.model_stage, self.device)  # rule 4
         self.pending_sends = []  # (work, tensor): a send's tensor must live until it is waited
         self.tied_parameter = tied_parameter if num_stages > 1 else None
-        self.tie = None if self.tied_parameter is None else \
-            TiedGradient(self.tied_parameter, self.is_first, num_stages - 1, self._send, self._recv)
+        self.tie = (
+            None
+            if self.tied_parameter is None
+            else TiedGradient(
+                self.tied_parameter, self.is_first, num_stages - 1, self._send, self._recv
+            )
+        )
         self.split = None  # zero bubble: every weighted layer reports its output during a forward
         if schedule == "zero-bubble":
             self.split = BackwardSplit(self.module, self.tied_parameter if self.is_first else None)
@@ -243,8 +267,12 @@ class Pipeline:
         if first:
             x = inputs[i]
         else:
-            x = self._recv(self.activation_shape, self.activation_dtype, (k - 1) % self.num_stages,
-                           message_tag(k, gradient=False))
+            x = self._recv(
+                self.activation_shape,
+                self.activation_dtype,
+                (k - 1) % self.num_stages,
+                message_tag(k, gradient=False),
+            )
             x.requires_grad_(True)  # its gradient is what this stage sends back
         started = time.perf_counter()
         recording = self.split.recorded() if self.split else contextlib.nullcontext()
@@ -256,11 +284,17 @@ class Pipeline:
             losses.append(loss.detach())
         else:
             if output.shape != self.activation_shape or output.dtype != self.activation_dtype:
-                raise ValueError(f"stage {k} produced {tuple(output.shape)} {output.dtype}, the "
-                                 f"next stage expects {tuple(self.activation_shape)} "
-                                 f"{self.activation_dtype}")
-            self._send(output, (k + 1) % self.num_stages, "p2p activations",
-                       message_tag(k + 1, gradient=False))
+                raise ValueError(
+                    f"stage {k} produced {tuple(output.shape)} {output.dtype}, the "
+                    f"next stage expects {tuple(self.activation_shape)} "
+                    f"{self.activation_dtype}"
+                )
+            self._send(
+                output,
+                (k + 1) % self.num_stages,
+                "p2p activations",
+                message_tag(k + 1, gradient=False),
+            )
         held[i, v] = (x, loss if last else output, layers)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
@@ -273,8 +307,9 @@ class Pipeline:
             started = time.perf_counter()
             output, grad = output / loss_scale, None  # as one process: (loss / accum).backward()
         else:
-            grad = self._recv(output.shape, output.dtype, (k + 1) % self.num_stages,
-                              message_tag(k, gradient=True))
+            grad = self._recv(
+                output.shape, output.dtype, (k + 1) % self.num_stages, message_tag(k, gradient=True)
+            )
             started = time.perf_counter()
         if layers is None:
             torch.autograd.backward(output, grad)
@@ -285,8 +320,12 @@ class Pipeline:
         self._record("backward", i, started, v)
         self.in_flight -= layers is None  # zero bubble: its activations are held until W
         if k > 0:
-            self._send(input_grad, (k - 1) % self.num_stages, "p2p activation gradients",
-                       message_tag(k - 1, gradient=True))
+            self._send(
+                input_grad,
+                (k - 1) % self.num_stages,
+                "p2p activation gradients",
+                message_tag(k - 1, gradient=True),
+            )
 
     def _weights(self, i: int, v: int) -> None:
         """Zero bubble's W of micro-batch i: its weight gradients, into ``.grad``."""
@@ -295,17 +334,21 @@ class Pipeline:
         self._record("weights", i, started, v)
         self.in_flight -= 1
 
-    def run(self, micro_batches: int, inputs=None, targets=None,
-            loss_scale: float = 1.0) -> list[torch.Tensor]:
+    def run(
+        self, micro_batches: int, inputs=None, targets=None, loss_scale: float = 1.0
+    ) -> list[torch.Tensor]:
         """Forward and backward ``micro_batches`` micro-batches by the schedule; the last stage's
         losses."""
         if self.schedule == "interleaved-1f1b" and micro_batches % self.num_stages:
-            raise ValueError(f"the interleaved schedule runs micro-batches in rounds of "
-                             f"{self.num_stages} (the stages): {micro_batches} is not a multiple")
+            raise ValueError(
+                f"the interleaved schedule runs micro-batches in rounds of "
+                f"{self.num_stages} (the stages): {micro_batches} is not a multiple"
+            )
         held, losses = {}, []
         self.random_stream.start()
-        for kind, i, *chunk in schedule_actions(self.schedule, self.stage, self.num_stages,
-                                                micro_batches, len(self.chunks)):
+        for kind, i, *chunk in schedule_actions(
+            self.schedule, self.stage, self.num_stages, micro_batches, len(self.chunks)
+        ):
             v = chunk[0] if chunk else 0
             if kind == "F":
                 self._forward(i, v, inputs, targets, held, losses)
@@ -340,4 +383,3 @@ class Pipeline:
         """The most micro-batches whose activations this stage held at once since the last call."""
         peak, self.peak_in_flight = self.peak_in_flight, self.in_flight
         return peak
-

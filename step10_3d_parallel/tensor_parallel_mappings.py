@@ -13,13 +13,16 @@ parallelism (sequence_parallel.py) call these and nothing else of torch.distribu
    the result does not depend on the order the ranks are added in (the exact mode's reductions).
 4. **Counted.** Every collective's bytes go to comm_accounting, whole buffers, as the records report them.
 """
+
 import torch
 import torch.distributed as dist
 
 from comm_accounting import all_gather_single, count_collective
 
 
-def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, reduce_dtype=None) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, reduce_dtype=None
+) -> torch.Tensor:
     """Sum (or max) ``tensor`` over ``group`` in place and return it (rule 3: ``reduce_dtype``)."""
     wide = tensor if reduce_dtype in (None, tensor.dtype) else tensor.to(reduce_dtype)
     count_collective("all_reduce", wide)
@@ -37,7 +40,11 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous().clone(), ctx.group, reduce_dtype=ctx.reduce_dtype), None, None
+        return (
+            all_reduce(grad.contiguous().clone(), ctx.group, reduce_dtype=ctx.reduce_dtype),
+            None,
+            None,
+        )
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):

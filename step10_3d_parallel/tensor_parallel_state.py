@@ -9,6 +9,7 @@ and the replicated parameters checked bit-identical across the group.
 2. **Counted once.** A global norm over the group sums every rank's shards and the replicated parameters once
    (on the group's first rank): ``counted_once`` says which tensors a rank adds.
 """
+
 import hashlib
 
 import torch
@@ -34,7 +35,11 @@ def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 def checkpoint_blocks(name: str, param) -> list:
     """Where this rank's ``param`` sits in the whole one: ``(name, dim, start, end)`` blocks (resharding.py);
     a replicated parameter is one block, all of it."""
-    return [(name, *block) for block in param.tp_blocks] if is_sharded(param) else [(name, 0, 0, param.shape[0])]
+    return (
+        [(name, *block) for block in param.tp_blocks]
+        if is_sharded(param)
+        else [(name, 0, 0, param.shape[0])]
+    )
 
 
 def checkpoint_shards(named: list, params: list, optimizer_state: dict) -> dict:
@@ -42,9 +47,12 @@ def checkpoint_shards(named: list, params: list, optimizer_state: dict) -> dict:
     (``optimizer_state``: a state dict whose i-th parameter is ``params[i]``), and which block of which parameter
     each is: resharding.py joins them back at any degree. A shard is its own block, as it is laid out."""
     name_of = {p: n for n, p in named}
-    return {"model_blocks": [b for n, p in named for b in checkpoint_blocks(n, p)],
-            "model": [p.detach() for _, p in named],
-            "optimizer": optimizer_state, "optimizer_slices": [checkpoint_blocks(name_of[p], p) for p in params]}
+    return {
+        "model_blocks": [b for n, p in named for b in checkpoint_blocks(n, p)],
+        "model": [p.detach() for _, p in named],
+        "optimizer": optimizer_state,
+        "optimizer_slices": [checkpoint_blocks(name_of[p], p) for p in params],
+    }
 
 
 def load_checkpoint_shards(named: list, params: list, checkpoint) -> dict:
@@ -55,19 +63,24 @@ def load_checkpoint_shards(named: list, params: list, checkpoint) -> dict:
         for name, param in named:
             param.copy_(shard_of(param, checkpoint.parameter(name)))
     name_of = {p: n for n, p in named}
-    return checkpoint.optimizer_state_dict([checkpoint_blocks(name_of[p], p) for p in params], params)
+    return checkpoint.optimizer_state_dict(
+        [checkpoint_blocks(name_of[p], p) for p in params], params
+    )
 
 
 class TensorParallelShards:
     """checkpoint.py's part for a tensor-parallel model and its plain optimiser: each rank saves its shards as they
     are (``checkpoint_shards``) and loads back its shards of any step's checkpoint (``load_checkpoint_shards``)."""
+
     per_rank = True
 
     def __init__(self, model, optimizer):
         self.named, self.optimizer = list(model.named_parameters()), optimizer
 
     def checkpoint_state(self) -> dict:
-        return checkpoint_shards(self.named, params_in_order(self.optimizer), self.optimizer.state_dict())
+        return checkpoint_shards(
+            self.named, params_in_order(self.optimizer), self.optimizer.state_dict()
+        )
 
     def load_checkpoint(self, checkpoint) -> None:
         params = params_in_order(self.optimizer)

@@ -8,33 +8,51 @@ fourth axis: each sequence split over a ring of cp ranks (step 11), replicas to 
     torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 2 --steps 2
     torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --cp 2 --tp 2 --pp 2 --steps 2
 """
+
 from pathlib import Path
 
 import torch
 
 import distributed
 from background_writer import BackgroundWriter, add_async_save_flag
-from composition import (BytesByAxis, MeshShards, add_mesh_flags, check_degrees, counted_once,
-                         finish_gradient_synchronization, gather_full_model, parallelize_on_mesh)
 from checkpoint import CheckpointWriter, RunState
+from checkpoint_files import find_checkpoint
+from composition import (
+    BytesByAxis,
+    MeshShards,
+    add_mesh_flags,
+    check_degrees,
+    counted_once,
+    finish_gradient_synchronization,
+    gather_full_model,
+    parallelize_on_mesh,
+)
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from mesh import build_mesh
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from naive_dp import allreduce_gradients
-from checkpoint_files import find_checkpoint
 from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
-from training import (adamw_options, adamw_param_groups, check_amp, clip_grad_norm, make_grad_scaler, make_scheduler,
-                      param_norm)
+from training import (
+    adamw_options,
+    adamw_param_groups,
+    check_amp,
+    clip_grad_norm,
+    make_grad_scaler,
+    make_scheduler,
+    param_norm,
+)
 from zero1 import ShardedOptimizer
 
 STEP = Path(__file__).resolve().parent.name
 
 
-def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh) -> tuple:
+def train_step(
+    pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh
+) -> tuple:
     """One optimiser step on this replica's ``micro_batches``, through the pipeline ``--micro-batches`` at a time;
     this shard's gradients averaged over dp, unscaled, clipped with the whole gradient's norm, applied (ZeRO-1 over
     dp x cp). Returns the losses' sum (the last stage's), the gradient norm, this rank's memory, the bytes by axis."""
@@ -42,25 +60,43 @@ def train_step(pipe, optimizer, scaler, micro_batches: list, config: dict, devic
     in_flight = config["micro_batches"] or accum
     loss_sum = torch.zeros((), device=device)
     for first in range(0, accum, in_flight):  # one pipeline flush: in_flight micro-batches
-        inputs, targets = zip(*micro_batches[first:first + in_flight])
-        losses = pipe.run(in_flight, [x.to(device) for x in inputs], [y.to(device) for y in targets],
-                          loss_scale=accum)  # each loss / accum before its backward, as in step 0
+        inputs, targets = zip(*micro_batches[first : first + in_flight])
+        losses = pipe.run(
+            in_flight,
+            [x.to(device) for x in inputs],
+            [y.to(device) for y in targets],
+            loss_scale=accum,
+        )  # each loss / accum before its backward, as in step 0
         for loss in losses:  # the last stage's; in micro-batch order, as step 0 adds them
             loss_sum += loss
-    finish_gradient_synchronization(pipe)  # step 9's (the tie, every send waited), then step 8's (sequence-parallel)
-    comm = BytesByAxis("tp")  # the bytes sent so far: over tp inside the stages, point-to-point over pp
-    if mesh.dp * mesh.cp > 1:  # the replicas of this shard average their gradients (sum, then divide: step 3)
-        allreduce_gradients(pipe.module, reduce_dtype=getattr(torch, config["reduce_dtype"]), group=mesh.dp_cp_group)
+    # step 9's (the tie, every send waited), then step 8's (sequence-parallel)
+    finish_gradient_synchronization(pipe)
+    # the bytes sent so far: over tp inside the stages, point-to-point over pp
+    comm = BytesByAxis("tp")
+    # the replicas of this shard average their gradients (sum, then divide: step 3)
+    if mesh.dp * mesh.cp > 1:
+        allreduce_gradients(
+            pipe.module, reduce_dtype=getattr(torch, config["reduce_dtype"]), group=mesh.dp_cp_group
+        )
     comm.take("dp")
 
     scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm([p for _, p in named], config["grad_clip"], [mesh.tp_group, mesh.pp_group],
-                               counted=counted_once(named, mesh), device=device)  # the whole gradient's
+    grad_norm = clip_grad_norm(
+        [p for _, p in named],
+        config["grad_clip"],
+        [mesh.tp_group, mesh.pp_group],
+        # the whole gradient's
+        counted=counted_once(named, mesh),
+        device=device,
+    )
     comm.take("norms")  # its sums of squares, over tp then pp (the parameter norm's: main())
-    scaler.step(optimizer)  # this rank's 1/(dp cp) of its shard's elements, then all-gathered over dp x cp
+    # this rank's 1/(dp cp) of its shard's elements, then all-gathered over dp x cp
+    scaler.step(optimizer)
     scaler.update()
     comm.take("dp")  # ZeRO-1's all-gather
-    memory = memory_stats((p for _, p in named), optimizer, device, micro_batches_in_flight=pipe.take_peak_in_flight())
+    memory = memory_stats(
+        (p for _, p in named), optimizer, device, micro_batches_in_flight=pipe.take_peak_in_flight()
+    )
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory, comm
 
@@ -76,72 +112,102 @@ def main():
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
-    limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
+    # the budget: what training adds to libraries and data
+    limit_memory(config["max_memory_mb"], STEP, world.device)
     dp, _ = check_degrees(config, world.world_size, corpus.vocab_size)
     check_enough_data(len(corpus.blocks), dp, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
     device = distributed.join(world, config["timeout_s"])  # this rank's device
-    mesh = build_mesh(dp, config["tp"], config["pp"], timeout_s=config["timeout_s"], cp=config["cp"])
+    mesh = build_mesh(
+        dp, config["tp"], config["pp"], timeout_s=config["timeout_s"], cp=config["cp"]
+    )
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # The dp replicas read disjoint shards (step 2); the cp, tp and pp ranks of one replica read the same samples.
-    sampler = ShardedSampler(len(corpus.blocks), num_replicas=dp, rank=mesh.dp_rank, shuffle=True, seed=config["seed"])
+    sampler = ShardedSampler(
+        len(corpus.blocks), num_replicas=dp, rank=mesh.dp_rank, shuffle=True, seed=config["seed"]
+    )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # The same whole model on every rank (the seed's), tensor-parallel over tp, cut into stages over pp: rank keeps one.
-    stage, named, pipe, shapes = parallelize_on_mesh(build_model(config, corpus.vocab_size, config["seed"]), mesh,
-                                                     config, device)
-    optimizer = ShardedOptimizer(adamw_param_groups(named, config), torch.optim.AdamW, process_group=mesh.dp_cp_group,
-                                 **adamw_options(config))  # ZeRO-1 over dp x cp: AdamW's state for a slice
+    stage, named, pipe, shapes = parallelize_on_mesh(
+        build_model(config, corpus.vocab_size, config["seed"]), mesh, config, device
+    )
+    optimizer = ShardedOptimizer(
+        adamw_param_groups(named, config),
+        torch.optim.AdamW,
+        process_group=mesh.dp_cp_group,
+        # ZeRO-1 over dp x cp: AdamW's state for a slice
+        **adamw_options(config),
+    )
     scheduler = make_scheduler(optimizer, config)
-    scaler = make_grad_scaler(config, device)  # disabled (no fp16 here): kept for the checkpoint's format
+    # disabled (no fp16 here): kept for the checkpoint's format
+    scaler = make_grad_scaler(config, device)
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     env.update(mesh.record())  # the degrees (parity.py: the global batch)
     log = RunLog(config, env, is_writer=world.is_main)
     # Checkpoints: each rank its TP/PP shard, the same whatever dp, any step's read back at any mesh (rule 4).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, shapes,
-        [RunState(scheduler, scaler, batches, log), MeshShards(named, optimizer, mesh)], data_parallel_size=dp)
+        config,
+        world.rank,
+        world.world_size,
+        shapes,
+        [RunState(scheduler, scaler, batches, log), MeshShards(named, optimizer, mesh)],
+        data_parallel_size=dp,
+    )
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * dp
 
     # ---- the training loop ---------------------------------------------------------------------
-    preemption = Preemption(config["preempt_grace_s"], world.rank)  # --preempt-grace-s: SIGTERM saves, then exits
+    # --preempt-grace-s: SIGTERM saves, then exits
+    preemption = Preemption(config["preempt_grace_s"], world.rank)
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        micro_batches = [batches.next() for _ in range(accum)]  # the same on every tp and pp rank of a replica
-        loss_sum, grad_norm, memory, comm = train_step(pipe, optimizer, scaler, micro_batches, config, device, named,
-                                                       mesh)
+        # the same on every tp and pp rank of a replica
+        micro_batches = [batches.next() for _ in range(accum)]
+        loss_sum, grad_norm, memory, comm = train_step(
+            pipe, optimizer, scaler, micro_batches, config, device, named, mesh
+        )
         scheduler.step()
 
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
-        log.log({
-            "step": step + 1,
-            # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp x cp
-            # (a cp rank's loss is the mean over its positions, as many on every rank).
-            "loss": distributed.mean_over_ranks(pipe.from_last_stage(loss_sum, mesh.pp_group), accum,
-                                                mesh.dp_cp_group),
-            "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(counted_once(named, mesh), [mesh.tp_group, mesh.pp_group], device),
-            "lr": lr,
-            "tokens_per_s": tokens_per_step / step_time["wall_s"],
-            "effective_batch_size": config["micro_batch_size"] * accum * dp,
-            "epoch": batches.epoch,
-            **distributed.gather_per_rank(memory=memory, step_time=step_time, comm=comm.take("norms")),
-        })
-        preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
+        log.log(
+            {
+                "step": step + 1,
+                # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp x cp
+                # (a cp rank's loss is the mean over its positions, as many on every rank).
+                "loss": distributed.mean_over_ranks(
+                    pipe.from_last_stage(loss_sum, mesh.pp_group), accum, mesh.dp_cp_group
+                ),
+                "grad_norm": grad_norm.item(),
+                "param_norm": param_norm(
+                    counted_once(named, mesh), [mesh.tp_group, mesh.pp_group], device
+                ),
+                "lr": lr,
+                "tokens_per_s": tokens_per_step / step_time["wall_s"],
+                "effective_batch_size": config["micro_batch_size"] * accum * dp,
+                "epoch": batches.epoch,
+                **distributed.gather_per_rank(
+                    memory=memory, step_time=step_time, comm=comm.take("norms")
+                ),
+            }
+        )
+        # a SIGTERM reached a rank: every rank stops after this step
+        preempted = preemption.agreed()
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             writer.save(step + 1)
         if preempted:
-            preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
+            # waits for the write, says where, exits 4
+            preemption.leave(writer, step + 1, config["out"])
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
-    full = gather_full_model(stage, named, mesh)  # every rank takes part; rank 0 writes the plain model
+    # every rank takes part; rank 0 writes the plain model
+    full = gather_full_model(stage, named, mesh)
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
         shape, axes = (mesh.pp, dp, mesh.cp, mesh.tp), "pp x dp x cp x tp"

@@ -21,6 +21,7 @@ parameter, twice the weights) and ran the same full update as every other rank. 
 Adam, AdamW and SGD update each element from its own values, so a slice steps to the bits the whole tensor
 would; an optimiser that looks across a tensor (LAMB, Adafactor) would not survive being sliced.
 """
+
 import math
 from typing import NamedTuple
 
@@ -33,9 +34,10 @@ from zero1_state import ShardedOptimizerState, hyperparameters
 
 class Piece(NamedTuple):
     """The part of one parameter inside one rank's slice of one chunk."""
+
     param: torch.Tensor
-    start: int   # first element, within param.view(-1)
-    end: int     # one past the last
+    start: int  # first element, within param.view(-1)
+    end: int  # one past the last
     chunk: int
     offset: int  # where the piece begins inside the rank's shard of the chunk
 
@@ -80,25 +82,54 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
     ``state`` is the local optimiser's. ``Optimizer.__init__`` is not called: it would create full-size state.
     """
 
-    def __init__(self, params, optimizer_cls, chunks=None, gradient_shards=None, process_group=None, **defaults):
+    def __init__(
+        self,
+        params,
+        optimizer_cls,
+        chunks=None,
+        gradient_shards=None,
+        process_group=None,
+        **defaults,
+    ):
         groups = list(params)
         if not groups:
             raise ValueError("ShardedOptimizer got an empty parameter list")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
-        groups = [{**g, "params": [p for p in ([g["params"]] if torch.is_tensor(g["params"]) else g["params"])
-                                   if p.requires_grad]} for g in groups]
-        self.params = [p for g in groups for p in g["params"]]  # numbered as a plain optimiser numbers them
+        groups = [
+            {
+                **g,
+                "params": [
+                    p
+                    for p in ([g["params"]] if torch.is_tensor(g["params"]) else g["params"])
+                    if p.requires_grad
+                ],
+            }
+            for g in groups
+        ]
+        # numbered as a plain optimiser numbers them
+        self.params = [p for g in groups for p in g["params"]]
         self.group_sizes = [len(g["params"]) for g in groups]
         self.index = {p: i for i, p in enumerate(self.params)}
         self.chunks = [list(c) for c in chunks] if chunks is not None else [list(self.params)]
         listed = [p for c in self.chunks for p in c]
-        if len(self.index) != len(self.params) or len(listed) != len(self.params) or set(listed) != set(self.params):
-            raise ValueError("every trainable parameter must appear exactly once in the groups and in the chunks")
+        if (
+            len(self.index) != len(self.params)
+            or len(listed) != len(self.params)
+            or set(listed) != set(self.params)
+        ):
+            raise ValueError(
+                "every trainable parameter must appear exactly once in the groups and in the chunks"
+            )
         if any(len({(p.dtype, p.device) for p in c}) != 1 for c in self.chunks):
-            raise ValueError("a chunk is one flat buffer: its parameters need one dtype and one device")
+            raise ValueError(
+                "a chunk is one flat buffer: its parameters need one dtype and one device"
+            )
         self.group = process_group
-        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.world_size, self.rank = (
+            dist.get_world_size(process_group),
+            dist.get_rank(process_group),
+        )
         self.device = self.params[0].device if self.params else torch.device("cpu")
 
         # Every rank computes every rank's pieces: it must know where to put what the all-gather brings.
@@ -106,25 +137,45 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
         group_of = {p: gi for gi, g in enumerate(groups) for p in g["params"]}
         mine = self.pieces_of_rank[self.rank]
         # The local optimiser's parameter order: group by group, chunk order inside a group.
-        self.pieces = [piece for gi in range(len(groups)) for piece in mine if group_of[piece.param] == gi]
+        self.pieces = [
+            piece for gi in range(len(groups)) for piece in mine if group_of[piece.param] == gi
+        ]
         self.views = self._to_step([flat_view(piece, piece.param) for piece in self.pieces])
-        local_groups = [{**g, "params": [v for piece, v in zip(self.pieces, self.views) if group_of[piece.param] == gi]}
-                        for gi, g in enumerate(groups)]
+        local_groups = [
+            {
+                **g,
+                "params": [
+                    v for piece, v in zip(self.pieces, self.views) if group_of[piece.param] == gi
+                ],
+            }
+            for gi, g in enumerate(groups)
+        ]
         self.local_optimizer = optimizer_cls(local_groups, **defaults)
         # What GradScaler, clipping and LR schedulers see: the full parameters, with the local groups'
         # hyperparameters. Hyperparameters flow to the local groups before every step and state_dict,
         # and back from them whenever a state dict is loaded into the local optimiser (by anyone).
-        self.full_groups = [{**hyperparameters(local), "params": g["params"]}
-                            for g, local in zip(groups, self.local_optimizer.param_groups)]
+        self.full_groups = [
+            {**hyperparameters(local), "params": g["params"]}
+            for g, local in zip(groups, self.local_optimizer.param_groups)
+        ]
         self.local_optimizer.register_state_dict_pre_hook(lambda _: self._push_hyperparameters())
-        self.local_optimizer.register_load_state_dict_post_hook(lambda _: self._pull_hyperparameters())
+        self.local_optimizer.register_load_state_dict_post_hook(
+            lambda _: self._pull_hyperparameters()
+        )
 
         self.gradient_shards = gradient_shards
-        if gradient_shards is not None:  # ZeRO-2: each view's gradient is a fixed slice of its chunk's shard
-            if [s.numel() for s in gradient_shards] != [shard_numel(c, self.world_size) for c in self.chunks]:
-                raise ValueError("gradient_shards needs one flat buffer of ceil(L / world size) elements per chunk")
+        # ZeRO-2: each view's gradient is a fixed slice of its chunk's shard
+        if gradient_shards is not None:
+            if [s.numel() for s in gradient_shards] != [
+                shard_numel(c, self.world_size) for c in self.chunks
+            ]:
+                raise ValueError(
+                    "gradient_shards needs one flat buffer of ceil(L / world size) elements per chunk"
+                )
             for piece, view in zip(self.pieces, self.views):
-                view.grad = gradient_shards[piece.chunk][piece.offset : piece.offset + piece.end - piece.start]
+                view.grad = gradient_shards[piece.chunk][
+                    piece.offset : piece.offset + piece.end - piece.start
+                ]
 
     def _to_step(self, views: list) -> list:
         """What the local optimiser steps: the views themselves (rule 2). ``masters.py``: float32 copies."""
@@ -155,7 +206,8 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
         if closure is not None:  # it recomputes the gradients
             with torch.enable_grad():
                 loss = closure()
-        self._take_gradient_slices()  # whatever scaling or clipping did to param.grad, the views see it
+        # whatever scaling or clipping did to param.grad, the views see it
+        self._take_gradient_slices()
         self._push_hyperparameters()  # an LR scheduler set them on the full groups
         self.local_optimizer.step()
         self.all_gather_parameters()
@@ -181,7 +233,8 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
                     send[piece.offset : piece.offset + piece.end - piece.start] = values
             received = torch.empty(shard * self.world_size, dtype=send.dtype, device=send.device)
             count_collective("all_gather", received)
-            all_gather_single(received, send, group=self.group)  # comm_accounting: the name this torch has
+            # comm_accounting: the name this torch has
+            all_gather_single(received, send, group=self.group)
             for rank, pieces in enumerate(self.pieces_of_rank):
                 for piece in pieces:
                     if piece.chunk == c:

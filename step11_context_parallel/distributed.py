@@ -4,12 +4,14 @@ torchrun starts one process per rank and tells each its place through environmen
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
 Started as a plain ``python train.py``, a step runs as a world of one.
 """
+
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 # Imported now, before any process group exists, on purpose: this module binds ``group.WORLD`` as a
 # default argument of its functions when it is first imported. PyTorch imports it lazily (the
 # optimiser's first step does, through torch._dynamo); imported while a group exists, it would hold
@@ -24,11 +26,21 @@ from training import pick_device
 def add_flags(parser) -> None:
     """The flags every distributed step has (steps 1 and up)."""
     dist_flags = parser.add_argument_group("distributed")
-    dist_flags.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                            help="auto: nccl when every rank has its own GPU, else gloo")
-    dist_flags.add_argument("--reduce-dtype", choices=["float32", "float64"], default="float32",
-                            help="float64: exact, order-free gradient reduction (the parity contract)")
-    dist_flags.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout in seconds")
+    dist_flags.add_argument(
+        "--backend",
+        choices=["auto", "gloo", "nccl"],
+        default="auto",
+        help="auto: nccl when every rank has its own GPU, else gloo",
+    )
+    dist_flags.add_argument(
+        "--reduce-dtype",
+        choices=["float32", "float64"],
+        default="float32",
+        help="float64: exact, order-free gradient reduction (the parity contract)",
+    )
+    dist_flags.add_argument(
+        "--timeout-s", type=float, default=300.0, help="process-group timeout in seconds"
+    )
 
 
 @dataclass
@@ -48,7 +60,12 @@ def world_from_env() -> tuple[int, int, int, int]:
     """(rank, world size, local rank, local world size) as torchrun set them; a world of one otherwise."""
     env = os.environ
     world_size = int(env.get("WORLD_SIZE", 1))
-    return int(env.get("RANK", 0)), world_size, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world_size))
+    return (
+        int(env.get("RANK", 0)),
+        world_size,
+        int(env.get("LOCAL_RANK", 0)),
+        int(env.get("LOCAL_WORLD_SIZE", world_size)),
+    )
 
 
 def choose_backend(requested: str, device: torch.device, local_world_size: int) -> str:
@@ -56,8 +73,10 @@ def choose_backend(requested: str, device: torch.device, local_world_size: int) 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "nccl":
         if gpus < local_world_size or device.type != "cuda":
-            raise UserError(f"--backend nccl needs one GPU per rank: {local_world_size} ranks on this node, "
-                            f"{gpus} GPU(s) visible; use --backend gloo")
+            raise UserError(
+                f"--backend nccl needs one GPU per rank: {local_world_size} ranks on this node, "
+                f"{gpus} GPU(s) visible; use --backend gloo"
+            )
         return "nccl"
     if requested == "gloo":
         return "gloo"
@@ -70,9 +89,12 @@ def plan_world(config: dict) -> World:
     Everything a user can get wrong is checked before ``join``, so a mistake ends every rank with one
     line and exit 2, never with a rank waiting in a collective for peers that already left.
     """
-    if not config["timeout_s"] > 0:  # torch would time out connecting to the store, with a traceback
-        raise UserError(f"--timeout-s must be positive, got {config['timeout_s']:g}: it is how long a rank waits "
-                        "for its peers (default 300)")
+    # torch would time out connecting to the store, with a traceback
+    if not config["timeout_s"] > 0:
+        raise UserError(
+            f"--timeout-s must be positive, got {config['timeout_s']:g}: it is how long a rank waits "
+            "for its peers (default 300)"
+        )
     rank, world_size, local_rank, local_world_size = world_from_env()
     device = pick_device(config["device"], local_rank)
     backend = choose_backend(config["backend"], device, local_world_size)
@@ -94,13 +116,26 @@ def join(world: World, timeout_s: float) -> torch.device:
     if attempt is None:  # a world of one started without torchrun, or spawned test workers
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(world.backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
+        dist.init_process_group(
+            world.backend, rank=world.rank, world_size=world.world_size, timeout=timeout
+        )
         return world.device
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
-                          is_master=not agent_store and world.rank == 0, timeout=timeout)
-    dist.init_process_group(world.backend, store=dist.PrefixStore(f"attempt_{attempt}/", store), rank=world.rank,
-                            world_size=world.world_size, timeout=timeout)
+    # torchrun's agent serves it
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world.world_size,
+        is_master=not agent_store and world.rank == 0,
+        timeout=timeout,
+    )
+    dist.init_process_group(
+        world.backend,
+        store=dist.PrefixStore(f"attempt_{attempt}/", store),
+        rank=world.rank,
+        world_size=world.world_size,
+        timeout=timeout,
+    )
     return world.device
 
 
@@ -126,7 +161,8 @@ def shutdown() -> None:
       reducer holds the group: free every ``DistributedDataParallel`` before calling this.
     """
     if dist.is_initialized():
-        if dist.get_backend() == "nccl":  # nccl's barrier needs to be told its GPU (else a warning, or a guess)
+        # nccl's barrier needs to be told its GPU (else a warning, or a guess)
+        if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[torch.cuda.current_device()])
         else:
             dist.barrier()

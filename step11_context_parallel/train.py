@@ -8,6 +8,7 @@ bitwise to a blockwise reference, close to step 1 (README).
     torchrun --standalone --nproc_per_node=2 step11_context_parallel/train.py
     python compare/parity.py step1 step11                   # close: other summation order
 """
+
 from pathlib import Path
 
 import torch
@@ -15,21 +16,32 @@ from torch.profiler import record_function
 
 import distributed
 from background_writer import BackgroundWriter, add_async_save_flag
-from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState, WholeModel
+from checkpoint_files import find_checkpoint
+from comm_accounting import take_comm_bytes
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
+from context_parallel import (
+    add_context_parallel_flags,
+    check_context_parallel,
+    context_parallel_gpt2,
+    context_parallel_groups,
+)
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
-from checkpoint_files import find_checkpoint
-from resharding import open_checkpoint
-from context_parallel import (add_context_parallel_flags, check_context_parallel, context_parallel_gpt2,
-                              context_parallel_groups)
 from naive_dp import allreduce_gradients, replicas_in_sync
+from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
-from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
-                      param_norm)
+from training import (
+    autocast,
+    check_amp,
+    clip_grad_norm,
+    make_grad_scaler,
+    make_optimizer,
+    make_scheduler,
+    param_norm,
+)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -45,7 +57,9 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     for inputs, targets in micro_batches:
         with record_function("forward"), autocast(config["amp"], device):
             # The model computes this rank's positions (rule 1): the loss is over this rank's tokens.
-            loss = language_model_loss(model, inputs.to(device), model.sequence_shard(targets.to(device)))
+            loss = language_model_loss(
+                model, inputs.to(device), model.sequence_shard(targets.to(device))
+            )
         with record_function("backward"):
             scaler.scale(loss / accum).backward()  # the key/value gradients travel the ring in here
         loss_sum += loss.detach()
@@ -57,7 +71,8 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
         grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"])
         scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
         scaler.update()
-        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        # before zero_grad frees the grads
+        memory = memory_stats(model.parameters(), optimizer, device)
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
 
@@ -73,8 +88,10 @@ def main():
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
-    limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
-    cp, dp = check_context_parallel(config, world.world_size)  # dp rings of cp ranks, sequences cut in 2 x cp chunks
+    # the budget: what training adds to libraries and data
+    limit_memory(config["max_memory_mb"], STEP, world.device)
+    # dp rings of cp ranks, sequences cut in 2 x cp chunks
+    cp, dp = check_context_parallel(config, world.world_size)
     check_enough_data(len(corpus.blocks), dp, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
@@ -83,10 +100,14 @@ def main():
     # ---- data, model, optimiser ----------------------------------------------------------------
     # The ranks of a ring share each micro-batch and split its sequences; the rings split the batch (step 2).
     ring, dp_rank = context_parallel_groups(cp)
-    sampler = ShardedSampler(len(corpus.blocks), num_replicas=dp, rank=dp_rank, shuffle=True, seed=config["seed"])
+    sampler = ShardedSampler(
+        len(corpus.blocks), num_replicas=dp, rank=dp_rank, shuffle=True, seed=config["seed"]
+    )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    model = build_model(config, corpus.vocab_size, config["seed"]).to(device)  # the same on every rank (the seed's)
-    context_parallel_gpt2(model, ring, config["cp_layout"])  # in place: ring attention, this rank's positions
+    # the same on every rank (the seed's)
+    model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
+    # in place: ring attention, this rank's positions
+    context_parallel_gpt2(model, ring, config["cp_layout"])
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
     scaler = make_grad_scaler(config, device)
@@ -97,41 +118,57 @@ def main():
     # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
     # state is copied to memory and a thread writes it (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, {name: p.shape for name, p in model.named_parameters()},
-        [RunState(scheduler, scaler, batches, log), WholeModel(model, optimizer)], data_parallel_size=dp)
+        config,
+        world.rank,
+        world.world_size,
+        {name: p.shape for name, p in model.named_parameters()},
+        [RunState(scheduler, scaler, batches, log), WholeModel(model, optimizer)],
+        data_parallel_size=dp,
+    )
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * dp
 
     # ---- the training loop ---------------------------------------------------------------------
-    preemption = Preemption(config["preempt_grace_s"], world.rank)  # --preempt-grace-s: SIGTERM saves, then exits
+    # --preempt-grace-s: SIGTERM saves, then exits
+    preemption = Preemption(config["preempt_grace_s"], world.rank)
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        micro_batches = [batches.next() for _ in range(accum)]  # the same micro-batches on every rank of a ring
-        loss_sum, grad_norm, memory = train_step(model, optimizer, scaler, micro_batches, config, device)
+        # the same micro-batches on every rank of a ring
+        micro_batches = [batches.next() for _ in range(accum)]
+        loss_sum, grad_norm, memory = train_step(
+            model, optimizer, scaler, micro_batches, config, device
+        )
         scheduler.step()
 
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
-        log.log({
-            "step": step + 1,
-            "loss": distributed.mean_over_ranks(loss_sum, accum),  # every rank's tokens, every micro-batch
-            "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(model.parameters()),
-            "lr": lr,
-            "tokens_per_s": tokens_per_step / step_time["wall_s"],
-            "effective_batch_size": config["micro_batch_size"] * accum * dp,
-            "epoch": batches.epoch,
-            **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
-            "comm": take_comm_bytes(),
-        })
-        preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
+        log.log(
+            {
+                "step": step + 1,
+                # every rank's tokens, every micro-batch
+                "loss": distributed.mean_over_ranks(loss_sum, accum),
+                "grad_norm": grad_norm.item(),
+                "param_norm": param_norm(model.parameters()),
+                "lr": lr,
+                "tokens_per_s": tokens_per_step / step_time["wall_s"],
+                "effective_batch_size": config["micro_batch_size"] * accum * dp,
+                "epoch": batches.epoch,
+                **distributed.gather_per_rank(
+                    memory=memory, step_time=step_time
+                ),  # one entry per rank
+                "comm": take_comm_bytes(),
+            }
+        )
+        # a SIGTERM reached a rank: every rank stops after this step
+        preempted = preemption.agreed()
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             writer.save(step + 1)
         if preempted:
-            preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
+            # waits for the write, says where, exits 4
+            preemption.leave(writer, step + 1, config["out"])
 
     in_sync = replicas_in_sync(model)  # every rank must hold the same weights, bit for bit
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done

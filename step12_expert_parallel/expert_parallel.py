@@ -29,6 +29,7 @@ between, the experts' compute, is replaced. In the order a token travels, for on
 Groups: ranks [g*D, (g+1)*D) form expert-parallel group g; ranks with the same ``rank % D`` hold the same experts.
 Every all-to-all's bytes are counted (``comm_accounting``) and noted per layer and micro-batch in ``traffic``.
 """
+
 from datetime import timedelta
 
 import torch
@@ -71,14 +72,23 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
-        return _all_to_all(grad.contiguous(), input_splits, output_splits, ctx.group, ctx.note), None, None, None, None
+        return (
+            _all_to_all(grad.contiguous(), input_splits, output_splits, ctx.group, ctx.note),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _all_to_all(x, output_splits, input_splits, group, note):
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     count_collective("all_to_all", x)
     note["bytes"] += x.numel() * x.element_size()
-    _wait(dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=True), group)
+    _wait(
+        dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=True),
+        group,
+    )
     return out
 
 
@@ -93,7 +103,9 @@ def _wait(work, group) -> None:
     except RuntimeError as error:
         if "timed out" not in str(error).lower():
             raise
-        raise RuntimeError(f"Timed out waiting {timeout.total_seconds() * 1000:.0f}ms for an all-to-all") from None
+        raise RuntimeError(
+            f"Timed out waiting {timeout.total_seconds() * 1000:.0f}ms for an all-to-all"
+        ) from None
 
 
 class ExpertParallel:
@@ -122,7 +134,11 @@ class ExpertParallel:
         arrived = _AllToAll.apply(tokens, receive_splits, send_splits, group, note)
         # 4. compute: one product per (source, expert), the product one process computes for that micro-batch
         chunks = arrived.split(from_source.flatten().tolist())
-        outputs = [experts[str(e)](chunks[s * len(local) + j]) for s in range(d) for j, e in enumerate(local)]
+        outputs = [
+            experts[str(e)](chunks[s * len(local) + j])
+            for s in range(d)
+            for j, e in enumerate(local)
+        ]
         outputs = torch.cat(outputs)
         self.traffic.append(note)
         # 5. combine: the outputs back where their tokens came from, in the order they left
@@ -135,7 +151,9 @@ def shard_experts(model, moe_layers, groups: Groups) -> list:
     dispatchers = []
     for name, module in model.named_modules():
         if module in moe_layers:
-            keep = {str(e) for e in local_experts_of(module.n_experts, groups.ep_size, groups.ep_rank)}
+            keep = {
+                str(e) for e in local_experts_of(module.n_experts, groups.ep_size, groups.ep_rank)
+            }
             for e in [e for e in module.experts if e not in keep]:
                 del module.experts[e]
             module.dispatch = ExpertParallel(groups, module.n_experts, name)
@@ -150,7 +168,8 @@ def is_expert(name: str) -> bool:
 
 def reduce_gradients(model, groups: Groups, reduce_dtype: torch.dtype = torch.float32) -> None:
     """Rule 7: dense gradients summed over all ranks, expert gradients over their copies; both divided by W."""
-    alone = dist.get_world_size(groups.replicas) == 1  # --ep = world size: each expert on one rank only
+    # --ep = world size: each expert on one rank only
+    alone = dist.get_world_size(groups.replicas) == 1
     for name, param in model.named_parameters():
         grad = param.grad if reduce_dtype == param.grad.dtype else param.grad.to(reduce_dtype)
         if not (alone and is_expert(name)):  # nothing to add up for an expert without copies
@@ -165,4 +184,8 @@ def counted_once(model, groups: Groups) -> list:
     """The parameters whose squares this rank adds to a norm, so that across the world each element counts once:
     dense ones on rank 0, experts on the ranks of the first expert-parallel group."""
     rank = dist.get_rank()
-    return [p for name, p in model.named_parameters() if (rank < groups.ep_size if is_expert(name) else rank == 0)]
+    return [
+        p
+        for name, p in model.named_parameters()
+        if (rank < groups.ep_size if is_expert(name) else rank == 0)
+    ]

@@ -20,6 +20,7 @@ by parameter name and element range, so a checkpoint written by any step at N ra
 5. **Each rank's own part** (``PerRank``): an idea file's sharded state, saved by every rank for itself beside
    checkpoint.py's shared parts, read back here at any world size.
 """
+
 import json
 import sys
 from pathlib import Path
@@ -35,19 +36,48 @@ STEP0_FORMAT = "single-process"  # step0_single_gpu/checkpoint.py's meta.json
 
 # Flags that may change when resuming: they say where to write, what to print, where to run and how
 # long to wait, not what to compute. Every other flag must be the checkpoint's.
-RESUMABLE_KEYS = ("out", "save_every", "preempt_grace_s", "resume", "quiet", "timeout_s", "trace", "max_memory_mb",
-                  "async_save", "offload_optimizer", "backend", "device", "schedule", "micro_batches", "virtual_stages",
-                  "dp", "tp", "pp", "replicate", "fp8", "ep", "activation_checkpointing")
-BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")  # may change with the world size, the product kept
+RESUMABLE_KEYS = (
+    "out",
+    "save_every",
+    "preempt_grace_s",
+    "resume",
+    "quiet",
+    "timeout_s",
+    "trace",
+    "max_memory_mb",
+    "async_save",
+    "offload_optimizer",
+    "backend",
+    "device",
+    "schedule",
+    "micro_batches",
+    "virtual_stages",
+    "dp",
+    "tp",
+    "pp",
+    "replicate",
+    "fp8",
+    "ep",
+    "activation_checkpointing",
+)
+# may change with the world size, the product kept
+BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")
 
 # Optimiser options that say how the update runs, not what it computes: the resuming run's own, not the saved ones.
 UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
-def checkpoint_meta(step: int, world_size: int, config: dict, shapes: dict, data_parallel_size=None) -> str:
+def checkpoint_meta(
+    step: int, world_size: int, config: dict, shapes: dict, data_parallel_size=None
+) -> str:
     """meta.json. ``data_parallel_size``: the ranks that drew their own samples, when not all did (TP, PP)."""
-    meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config,
-            "shapes": {name: list(shape) for name, shape in shapes.items()}}
+    meta = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "config": config,
+        "shapes": {name: list(shape) for name, shape in shapes.items()},
+    }
     if data_parallel_size is not None and data_parallel_size != world_size:
         meta["data_parallel_size"] = data_parallel_size
     return json.dumps(meta, indent=1) + "\n"
@@ -69,10 +99,14 @@ class Checkpoint:
 
     # What to do instead of reading a corrupted checkpoint: with the one before it, or without any.
     INSTEAD = {
-        "resume": ("resume from the one before it: --resume {earlier}",
-                   "there is no earlier checkpoint to resume from: start afresh without --resume"),
-        "consolidate": ("consolidate the one before it: python compare/consolidate.py {earlier} OUT",
-                        "there is no earlier checkpoint to consolidate instead"),
+        "resume": (
+            "resume from the one before it: --resume {earlier}",
+            "there is no earlier checkpoint to resume from: start afresh without --resume",
+        ),
+        "consolidate": (
+            "consolidate the one before it: python compare/consolidate.py {earlier} OUT",
+            "there is no earlier checkpoint to consolidate instead",
+        ),
     }
 
     def __init__(self, path: Path, reader: str = "resume"):
@@ -82,15 +116,23 @@ class Checkpoint:
         except (OSError, ValueError) as error:
             self._corrupted(f"meta.json unreadable: {type(error).__name__}")
         if isinstance(meta, dict) and meta.get("format") == STEP0_FORMAT:
-            raise UserError(f"checkpoint {self.path} was written by step 0, whose checkpoint is one process's whole "
-                            "state in one file, not pieces to reshard: resume it with step0_single_gpu/train.py, or "
-                            "start afresh without --resume")
+            raise UserError(
+                f"checkpoint {self.path} was written by step 0, whose checkpoint is one process's whole "
+                "state in one file, not pieces to reshard: resume it with step0_single_gpu/train.py, or "
+                "start afresh without --resume"
+            )
         if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
             found = meta.get("format") if isinstance(meta, dict) else None
-            raise UserError(f"checkpoint {self.path} has format {found}, this code reads {FORMAT_VERSION} (it was "
-                            "written by another version of this repository); start afresh without --resume")
+            raise UserError(
+                f"checkpoint {self.path} has format {found}, this code reads {FORMAT_VERSION} (it was "
+                "written by another version of this repository); start afresh without --resume"
+            )
         try:
-            self.step, self.world_size, self.config = int(meta["step"]), int(meta["world_size"]), dict(meta["config"])
+            self.step, self.world_size, self.config = (
+                int(meta["step"]),
+                int(meta["world_size"]),
+                dict(meta["config"]),
+            )
             self.shapes = {name: torch.Size(shape) for name, shape in meta["shapes"].items()}
             self.data_parallel_size = int(meta.get("data_parallel_size", self.world_size))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
@@ -98,11 +140,16 @@ class Checkpoint:
         self.shared = self._load("state.pt")
         self.ranks = [self._load(f"rank{r}.pt") for r in range(self.world_size)]
         if self.shared.get("step") != self.step:
-            self._corrupted(f"state.pt is for step {self.shared.get('step')}, meta.json says {self.step}")
+            self._corrupted(
+                f"state.pt is for step {self.shared.get('step')}, meta.json says {self.step}"
+            )
         # Where each parameter's elements, and each parameter's optimiser state, are: (start, end, tensor or state).
         self.parameter_pieces, self.state_pieces, self.groups = {}, {}, []
         self.parameter_blocks, self.state_blocks = {}, {}  # N-D blocks, joined below
-        for file, holder in [("state.pt", self.shared), *((f"rank{r}.pt", h) for r, h in enumerate(self.ranks))]:
+        for file, holder in [
+            ("state.pt", self.shared),
+            *((f"rank{r}.pt", h) for r, h in enumerate(self.ranks)),
+        ]:
             try:
                 self._index(holder)
             except (KeyError, TypeError, ValueError, IndexError) as error:
@@ -114,14 +161,18 @@ class Checkpoint:
 
     def _index(self, holder: dict) -> None:
         """Note where the file ``holder`` says its tensors belong, in whichever form it wrote them (rule 2)."""
-        if "model_blocks" in holder:  # N-D blocks of rows or columns, a list of tensors beside their places
+        # N-D blocks of rows or columns, a list of tensors beside their places
+        if "model_blocks" in holder:
             for (name, dim, start, end), tensor in zip(holder["model_blocks"], holder["model"]):
                 self.parameter_blocks.setdefault(name, []).append((dim, start, end, tensor))
-        elif "model" in holder:  # flat slices of the flattened parameters; without model_slices, whole ones
+        # flat slices of the flattened parameters; without model_slices, whole ones
+        elif "model" in holder:
             whole = {name: (0, shape.numel()) for name, shape in self.shapes.items()}
             ranges = holder["model_slices"] if "model_slices" in holder else whole
             for name, (start, end) in ranges.items():
-                self.parameter_pieces.setdefault(name, []).append((start, end, holder["model"][name]))
+                self.parameter_pieces.setdefault(name, []).append(
+                    (start, end, holder["model"][name])
+                )
         if "optimizer" in holder:
             self._index_optimizer(holder["optimizer"], holder["optimizer_slices"])
 
@@ -132,13 +183,20 @@ class Checkpoint:
             # Our words, not torch's: its message about weights_only would advise loading untrusted pickles.
             if isinstance(error, FileNotFoundError):
                 self._corrupted(f"{name} is missing")
-            reason = "not a file torch.save wrote, or cut short" if "zip" in str(error).lower() or isinstance(
-                error, (EOFError, OSError)) else "it holds something other than tensors and plain values"
+            reason = (
+                "not a file torch.save wrote, or cut short"
+                if "zip" in str(error).lower() or isinstance(error, (EOFError, OSError))
+                else "it holds something other than tensors and plain values"
+            )
             self._corrupted(f"{name} unreadable: {reason}")
 
     def _corrupted(self, what: str):
         number = int(self.path.name[5:]) if self.path.name[5:].isdigit() else None  # step_<k>
-        earlier = [p for p in complete_checkpoints(self.path.parent.parent) if number and int(p.name[5:]) < number]
+        earlier = [
+            p
+            for p in complete_checkpoints(self.path.parent.parent)
+            if number and int(p.name[5:]) < number
+        ]
         with_earlier, without = self.INSTEAD[self.reader]
         advice = with_earlier.format(earlier=earlier[-1]) if earlier else without
         raise UserError(f"checkpoint {self.path} is corrupted ({what}); {advice}")
@@ -146,11 +204,16 @@ class Checkpoint:
     def _index_optimizer(self, state_dict: dict, slices: list) -> None:
         for i, piece in enumerate(slices):
             state = state_dict["state"].get(i, {})
-            if _is_blocks(piece):  # split the state into its blocks, to be joined with the other ranks'
+            # split the state into its blocks, to be joined with the other ranks'
+            if _is_blocks(piece):
                 offset = 0
                 for name, dim, start, end in piece:
-                    cut = {k: v.narrow(dim, offset, end - start) if torch.is_tensor(v) and v.dim() > 0 else v
-                           for k, v in state.items()}
+                    cut = {
+                        k: v.narrow(dim, offset, end - start)
+                        if torch.is_tensor(v) and v.dim() > 0
+                        else v
+                        for k, v in state.items()
+                    }
                     self.state_blocks.setdefault(name, []).append((dim, start, end, cut))
                     offset += end - start
             else:
@@ -159,8 +222,13 @@ class Checkpoint:
         if not self.groups:  # the same hyperparameters in every rank's groups
             # Which implementation runs the update (foreach on a GPU, single-tensor on the CPU) is the resuming
             # run's choice, not the saved run's: a checkpoint written on one device resumes on the other.
-            self.groups = [({k: v for k, v in g.items() if k not in ("params", *UPDATE_IMPLEMENTATION)},
-                            {_name(slices[i]) for i in g["params"]}) for g in state_dict["param_groups"]]
+            self.groups = [
+                (
+                    {k: v for k, v in g.items() if k not in ("params", *UPDATE_IMPLEMENTATION)},
+                    {_name(slices[i]) for i in g["params"]},
+                )
+                for g in state_dict["param_groups"]
+            ]
         else:
             for (_, names), group in zip(self.groups, state_dict["param_groups"]):
                 names.update(_name(slices[i]) for i in group["params"])
@@ -168,19 +236,26 @@ class Checkpoint:
     def _join_blocks(self) -> None:
         """The N-D blocks of a parameter (and of its state) joined into the whole, read as one piece."""
         for name, blocks in self.parameter_blocks.items():
-            whole = self._join(name, [(dim, start, end, tensor) for dim, start, end, tensor in blocks])
+            whole = self._join(
+                name, [(dim, start, end, tensor) for dim, start, end, tensor in blocks]
+            )
             self.parameter_pieces.setdefault(name, []).append((0, whole.numel(), whole))
         for name, blocks in self.state_blocks.items():
             first = blocks[0][3]
             if not first:
                 continue  # never stepped
-            state = {key: self._join(name, [(d, s, e, st[key]) for d, s, e, st in blocks])
-                     if torch.is_tensor(value) and value.dim() > 0 else value for key, value in first.items()}
+            state = {
+                key: self._join(name, [(d, s, e, st[key]) for d, s, e, st in blocks])
+                if torch.is_tensor(value) and value.dim() > 0
+                else value
+                for key, value in first.items()
+            }
             self.state_pieces.setdefault(name, []).append((0, self.shapes[name].numel(), state))
 
     def _join(self, name: str, blocks: list) -> torch.Tensor:
         dim, covered, parts = blocks[0][0], 0, []
-        for _, start, end, tensor in sorted({b[1]: b for b in blocks}.values(), key=lambda b: b[1]):  # replicas once
+        # replicas once
+        for _, start, end, tensor in sorted({b[1]: b for b in blocks}.values(), key=lambda b: b[1]):
             if start != covered:
                 break
             parts.append(tensor)
@@ -202,12 +277,19 @@ class Checkpoint:
         ``slices[i] = (name, start, end)``, in the checkpoint's parameter groups (which are chosen by name)."""
         state = {}
         for i, (piece, param) in enumerate(zip(slices, params)):
-            if _is_blocks(piece):  # N-D blocks (a tensor-parallel shard), in the checkpoint's layout
-                name, whole = piece[0][0], [p for p in self.state_pieces.get(piece[0][0], []) if p[2]]
+            # N-D blocks (a tensor-parallel shard), in the checkpoint's layout
+            if _is_blocks(piece):
+                name, whole = (
+                    piece[0][0],
+                    [p for p in self.state_pieces.get(piece[0][0], []) if p[2]],
+                )
                 if whole:
-                    state[i] = {key: self.block(name, piece, value.view(self.shapes[name]))
-                                if torch.is_tensor(value) and value.dim() > 0 else value
-                                for key, value in self._whole_state(name).items()}
+                    state[i] = {
+                        key: self.block(name, piece, value.view(self.shapes[name]))
+                        if torch.is_tensor(value) and value.dim() > 0
+                        else value
+                        for key, value in self._whole_state(name).items()
+                    }
                 continue
             name, start, end = piece
             pieces = [p for p in self.state_pieces.get(name, []) if p[2]]
@@ -215,29 +297,38 @@ class Checkpoint:
                 continue  # never stepped: no state, as in a fresh optimiser
             entry = {}
             for key, value in pieces[0][2].items():
-                if torch.is_tensor(value) and value.dim() > 0:  # one value per element: exp_avg, exp_avg_sq
+                # one value per element: exp_avg, exp_avg_sq
+                if torch.is_tensor(value) and value.dim() > 0:
                     part = [(s, e, st[key]) for s, e, st in pieces]
                     entry[key] = _cut(part, start, end, self, name).view(param.shape)
                 else:  # one value per parameter (AdamW's step): every slice holds it
                     entry[key] = value.clone() if torch.is_tensor(value) else value
             state[i] = entry
-        groups = [{**hyper, "params": [i for i, piece in enumerate(slices) if _name(piece) in names]}
-                  for hyper, names in self.groups]
+        groups = [
+            {**hyper, "params": [i for i, piece in enumerate(slices) if _name(piece) in names]}
+            for hyper, names in self.groups
+        ]
         return {"state": state, "param_groups": groups}
 
     def _whole_state(self, name: str) -> dict:
         """Parameter ``name``'s whole optimiser state (flat tensors), joined from whatever pieces hold it."""
         pieces = [p for p in self.state_pieces[name] if p[2]]
         numel = self.shapes[name].numel()
-        return {key: _cut([(s, e, st[key]) for s, e, st in pieces], 0, numel, self, name)
-                if torch.is_tensor(value) and value.dim() > 0 else (value.clone() if torch.is_tensor(value) else value)
-                for key, value in pieces[0][2].items()}
+        return {
+            key: _cut([(s, e, st[key]) for s, e, st in pieces], 0, numel, self, name)
+            if torch.is_tensor(value) and value.dim() > 0
+            else (value.clone() if torch.is_tensor(value) else value)
+            for key, value in pieces[0][2].items()
+        }
 
     def block(self, name: str, blocks: list, whole: torch.Tensor | None = None) -> torch.Tensor:
         """The ``(name, dim, start, end)`` blocks of parameter ``name`` (or of ``whole``, shaped like it),
         concatenated along their dim, in the checkpoint's layout: a tensor-parallel rank's shard."""
         whole = self.parameter(name) if whole is None else whole
-        return torch.cat([whole.narrow(dim, start, end - start) for _, dim, start, end in blocks], dim=blocks[0][1])
+        return torch.cat(
+            [whole.narrow(dim, start, end - start) for _, dim, start, end in blocks],
+            dim=blocks[0][1],
+        )
 
     def rank_state(self, rank: int) -> dict:
         """What rank ``rank`` saved (its RNG); at another world size, rank ``rank mod N``'s: a stream, not the one
@@ -252,13 +343,17 @@ class Checkpoint:
         per_draw = micro_batch_size * world_size
         consumed = state["index"] * saved_per_draw
         if consumed % per_draw:
-            raise UserError(f"cannot continue the data stream of {self.path} with {world_size} ranks x "
-                            f"{micro_batch_size}: it stopped {consumed} samples into epoch {state['epoch']}, not a "
-                            f"multiple of {per_draw}; resume with {self.data_parallel_size} ranks x "
-                            f"{self.config['micro_batch_size']}")
+            raise UserError(
+                f"cannot continue the data stream of {self.path} with {world_size} ranks x "
+                f"{micro_batch_size}: it stopped {consumed} samples into epoch {state['epoch']}, not a "
+                f"multiple of {per_draw}; resume with {self.data_parallel_size} ranks x "
+                f"{self.config['micro_batch_size']}"
+            )
         return {"epoch": state["epoch"], "index": consumed // per_draw}
 
-    def check_resumable(self, config: dict, world_size: int, say_changes: bool = False) -> list[str]:
+    def check_resumable(
+        self, config: dict, world_size: int, say_changes: bool = False
+    ) -> list[str]:
         """Refuse (``UserError``) a checkpoint of another run, or one whose data stream cannot continue at this world
         size; return what changes (step, world size, batch split), and with ``say_changes`` print it."""
         saved = self.config
@@ -266,28 +361,46 @@ class Checkpoint:
         differing = sorted(k for k in set(saved) & set(config) - ignored if saved[k] != config[k])
         if differing:
             details = ", ".join(f"{k}: {saved[k]!r} -> {config[k]!r}" for k in differing)
-            raise UserError(f"cannot resume {self.path}: the config differs from the checkpoint's ({details}); "
-                            "resume with the original flags")
+            raise UserError(
+                f"cannot resume {self.path}: the config differs from the checkpoint's ({details}); "
+                "resume with the original flags"
+            )
         saved_batch = saved["micro_batch_size"] * saved["grad_accum"] * self.data_parallel_size
         batch = config["micro_batch_size"] * config["grad_accum"] * world_size
         if batch != saved_batch:
-            raise UserError(f"cannot resume {self.path} at world size {world_size} with micro-batch "
-                            f"{config['micro_batch_size']} x accumulation {config['grad_accum']}: the global batch "
-                            f"would be {batch}, it was {saved_batch} (saved at world size "
-                            f"{self.data_parallel_size}); keep "
-                            "micro-batch x accumulation x ranks the same")
-        changes = [f"{what} {a} -> {b}" for what, a, b in (
-            ("step", saved["step"], config["step"]), ("world size", self.data_parallel_size, world_size),
-            ("micro-batch", saved["micro_batch_size"], config["micro_batch_size"]),
-            ("accumulation", saved["grad_accum"], config["grad_accum"])) if a != b]
-        self.data_state(config["micro_batch_size"], world_size)  # can the data stream continue here?
+            raise UserError(
+                f"cannot resume {self.path} at world size {world_size} with micro-batch "
+                f"{config['micro_batch_size']} x accumulation {config['grad_accum']}: the global batch "
+                f"would be {batch}, it was {saved_batch} (saved at world size "
+                f"{self.data_parallel_size}); keep "
+                "micro-batch x accumulation x ranks the same"
+            )
+        changes = [
+            f"{what} {a} -> {b}"
+            for what, a, b in (
+                ("step", saved["step"], config["step"]),
+                ("world size", self.data_parallel_size, world_size),
+                ("micro-batch", saved["micro_batch_size"], config["micro_batch_size"]),
+                ("accumulation", saved["grad_accum"], config["grad_accum"]),
+            )
+            if a != b
+        ]
+        # can the data stream continue here?
+        self.data_state(config["micro_batch_size"], world_size)
         if changes and say_changes:
             split_changed = any(not change.startswith("step ") for change in changes)
-            outcome = ("the micro-batches group the samples differently, so the steps from here are close to, not "
-                       "bitwise, those of an uninterrupted run" if split_changed else "the steps from here are bitwise "
-                       "those of an uninterrupted run wherever the two steps train alike")
-            print(f"resuming {self.path} with {', '.join(changes)}: the data stream continues at the same sample; "
-                  f"{outcome} (docs/fault_tolerance.md)", file=sys.stderr)
+            outcome = (
+                "the micro-batches group the samples differently, so the steps from here are close to, not "
+                "bitwise, those of an uninterrupted run"
+                if split_changed
+                else "the steps from here are bitwise "
+                "those of an uninterrupted run wherever the two steps train alike"
+            )
+            print(
+                f"resuming {self.path} with {', '.join(changes)}: the data stream continues at the same sample; "
+                f"{outcome} (docs/fault_tolerance.md)",
+                file=sys.stderr,
+            )
         return changes
 
 
@@ -325,6 +438,7 @@ def open_checkpoint(path: Path, config: dict, world_size: int, is_main: bool):
 class PerRank:
     """A part each rank saves for itself: ``holder.checkpoint_state(*args)``, ``holder.load_checkpoint(c, *args)``
     (an idea file's sharded state: ZeRO's slices, ``zero3.py``'s pieces)."""
+
     per_rank = True
 
     def __init__(self, holder, *args):

@@ -20,6 +20,7 @@ the same arguments (the tests compare them over a broad grid), so step 2 trains 
 step 1. An empty dataset gives every rank an empty shard, as ``DistributedSampler`` does.
 ``check_no_overlap`` proves, at run time and across real processes, that the shards are right.
 """
+
 import math
 
 import torch
@@ -37,14 +38,23 @@ def samples_per_rank(dataset_len: int, num_replicas: int, drop_last: bool) -> in
 class ShardedSampler:
     """The indices of one rank's shard of ``range(dataset_len)``, reshuffled every epoch."""
 
-    def __init__(self, dataset_len: int, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False):
+    def __init__(
+        self,
+        dataset_len: int,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ):
         if dataset_len < 0:
             raise ValueError(f"dataset_len must be >= 0, got {dataset_len}")
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is not in [0, {num_replicas - 1}] for num_replicas={num_replicas}")
+            raise ValueError(
+                f"rank {rank} is not in [0, {num_replicas - 1}] for num_replicas={num_replicas}"
+            )
         self.dataset_len, self.num_replicas, self.rank = dataset_len, num_replicas, rank
         self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
         self.num_samples = samples_per_rank(dataset_len, num_replicas, drop_last)
@@ -83,8 +93,9 @@ def _where(ranks: list[int]) -> str:
     return "is on ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
 
 
-def check_no_overlap(indices: list[int], dataset_len: int, world_size: int, drop_last: bool = False,
-                     group=None) -> dict:
+def check_no_overlap(
+    indices: list[int], dataset_len: int, world_size: int, drop_last: bool = False, group=None
+) -> dict:
     """Collective: every rank of ``group`` must call it. All-gathers every rank's index list and
     checks, on every rank, that
 
@@ -105,15 +116,21 @@ def check_no_overlap(indices: list[int], dataset_len: int, world_size: int, drop
     # From here on every rank looks at the same data, so all reach the same verdict and raise the
     # same error: no rank is left waiting in a later collective for a peer that stopped.
     if len(gathered) != world_size:
-        raise RuntimeError(f"gathered shards from {len(gathered)} ranks, but world_size is {world_size}")
+        raise RuntimeError(
+            f"gathered shards from {len(gathered)} ranks, but world_size is {world_size}"
+        )
     lengths = [len(shard) for shard in gathered]
     if len(set(lengths)) != 1:
-        raise RuntimeError("ranks hold different numbers of samples (a rank with fewer steps would leave the others "
-                           "hanging in all-reduce): " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths)))
+        raise RuntimeError(
+            "ranks hold different numbers of samples (a rank with fewer steps would leave the others "
+            "hanging in all-reduce): " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
+        )
     per_rank = samples_per_rank(dataset_len, world_size, drop_last)
     if lengths[0] != per_rank:
-        raise RuntimeError(f"every rank holds {lengths[0]} samples, expected {per_rank} for {dataset_len} samples "
-                           f"on {world_size} ranks (drop_last={drop_last})")
+        raise RuntimeError(
+            f"every rank holds {lengths[0]} samples, expected {per_rank} for {dataset_len} samples "
+            f"on {world_size} ranks (drop_last={drop_last})"
+        )
     total_size = per_rank * world_size
     padding = 0 if drop_last else total_size - dataset_len
 
@@ -122,25 +139,37 @@ def check_no_overlap(indices: list[int], dataset_len: int, world_size: int, drop
     for rank, shard in enumerate(gathered):
         for index in shard:
             if not 0 <= index < dataset_len:
-                raise RuntimeError(f"sample {index} on rank {rank} is outside the dataset [0, {dataset_len - 1}]")
+                raise RuntimeError(
+                    f"sample {index} on rank {rank} is outside the dataset [0, {dataset_len - 1}]"
+                )
             if index in holders:
                 repeats += 1
-                if repeats > padding and culprit is None:  # the first repeat beyond what padding explains
+                # the first repeat beyond what padding explains
+                if repeats > padding and culprit is None:
                     culprit = index
             holders.setdefault(index, []).append(rank)
     if culprit is not None:
         # Padding never puts one sample on one rank twice, so such a sample is the surest one to name.
         culprit = next((i for i, ranks in holders.items() if len(set(ranks)) < len(ranks)), culprit)
-        raise RuntimeError(f"sample {culprit} {_where(holders[culprit])}: {repeats} repeated samples, "
-                           f"but padding explains only {padding}")
+        raise RuntimeError(
+            f"sample {culprit} {_where(holders[culprit])}: {repeats} repeated samples, "
+            f"but padding explains only {padding}"
+        )
     # Property (a). Implied by the checks above (the right total, no more repeats than padding, all in
     # range), but stated on its own: it is the property training needs.
     expected = total_size if drop_last else dataset_len
     if len(holders) != expected:
         missing = sorted(set(range(dataset_len)) - holders.keys())[:5]
-        raise RuntimeError(f"the shards cover {len(holders)} distinct samples, expected {expected}; missing e.g. {missing}")
-    return {"ranks": world_size, "per_rank": per_rank, "distinct": len(holders), "padding": padding, "ok": True}
-
+        raise RuntimeError(
+            f"the shards cover {len(holders)} distinct samples, expected {expected}; missing e.g. {missing}"
+        )
+    return {
+        "ranks": world_size,
+        "per_rank": per_rank,
+        "distinct": len(holders),
+        "padding": padding,
+        "ok": True,
+    }
 
 
 def checked_micro_batches(batches, accum: int, verbose: bool = False) -> tuple[list, dict | None]:
@@ -152,11 +181,13 @@ def checked_micro_batches(batches, accum: int, verbose: bool = False) -> tuple[l
         micro_batches.append(batches.next())
         if batches.epoch_started is not None:
             sampler = batches.sampler
-            shard_check = check_no_overlap(list(sampler), sampler.dataset_len, sampler.num_replicas,
-                                           sampler.drop_last)
+            shard_check = check_no_overlap(
+                list(sampler), sampler.dataset_len, sampler.num_replicas, sampler.drop_last
+            )
             if verbose:
                 print(f"epoch {batches.epoch_started}: shards checked: {shard_check}")
     return micro_batches, shard_check
+
 
 if __name__ == "__main__":  # a tiny example for the README: 10 samples at world size 2 and 3
     for world_size in (2, 3):
@@ -166,4 +197,7 @@ if __name__ == "__main__":  # a tiny example for the README: 10 samples at world
                 sampler = ShardedSampler(10, world_size, rank, shuffle=True, seed=0)
                 sampler.set_epoch(epoch)
                 shards.append(list(sampler))
-            print(f"world size {world_size}, epoch {epoch}: " + "  ".join(f"rank {r}: {s}" for r, s in enumerate(shards)))
+            print(
+                f"world size {world_size}, epoch {epoch}: "
+                + "  ".join(f"rank {r}: {s}" for r, s in enumerate(shards))
+            )

@@ -8,6 +8,7 @@ the last micro-batch both are all-reduced over those ranks and divided by W (ste
     torchrun --standalone --nproc_per_node=2 step12_expert_parallel/train.py --ep 2 --micro-batch-size 1
     python step0_single_gpu/train.py --moe-experts 4 --micro-batch-size 1 --grad-accum 4    # the reference
 """
+
 from pathlib import Path
 
 import torch
@@ -16,25 +17,41 @@ from torch.profiler import record_function
 
 import distributed
 from background_writer import BackgroundWriter, add_async_save_flag
-from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState, WholeModel
-from config import Preemption, UserError, build_parser, exit_on_user_error, limit_memory, parse_config
+from checkpoint_files import find_checkpoint
+from comm_accounting import take_comm_bytes
+from config import (
+    Preemption,
+    UserError,
+    build_parser,
+    exit_on_user_error,
+    limit_memory,
+    parse_config,
+)
 from data import MicroBatches, check_enough_data, load_corpus
+from expert_parallel import Groups, counted_once, is_expert, reduce_gradients, shard_experts
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
-from checkpoint_files import find_checkpoint
-from resharding import open_checkpoint
-from expert_parallel import Groups, counted_once, is_expert, reduce_gradients, shard_experts
 from moe import add_moe_flags, check_moe, moe_layers, moe_model, take_moe_record, with_aux_loss
+from resharding import open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from seeding import seed_everything
-from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
-                      param_norm)
+from training import (
+    autocast,
+    check_amp,
+    clip_grad_norm,
+    make_grad_scaler,
+    make_optimizer,
+    make_scheduler,
+    param_norm,
+)
 
 STEP = Path(__file__).resolve().parent.name
 
 
-def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device, groups) -> tuple:
+def train_step(
+    model, optimizer, scaler, micro_batches: list, config: dict, device, groups
+) -> tuple:
     """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
     each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
     logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
@@ -54,31 +71,47 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
         reduce_gradients(model, groups, getattr(torch, config["reduce_dtype"]))
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
         # The whole model's norm: every element counted once over the world (dense on rank 0, experts once each)
-        grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"], groups=(dist.group.WORLD,),
-                                   counted=counted_once(model, groups))
+        grad_norm = clip_grad_norm(
+            model.parameters(),
+            config["grad_clip"],
+            groups=(dist.group.WORLD,),
+            counted=counted_once(model, groups),
+        )
         scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
         scaler.update()
-        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        # before zero_grad frees the grads
+        memory = memory_stats(model.parameters(), optimizer, device)
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
 
 
 def add_ep_flag(parser) -> None:
-    parser.add_argument("--ep", type=int, default=None, metavar="D",
-                        help="expert-parallel degree: each MoE layer's experts split over D ranks (E/D each); "
-                             "default: the world size")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        metavar="D",
+        help="expert-parallel degree: each MoE layer's experts split over D ranks (E/D each); "
+        "default: the world size",
+    )
 
 
 def check_ep(config: dict, world_size: int) -> int:
     """The expert-parallel degree, or a UserError saying what to change."""
     experts, ep = config["moe_experts"], config["ep"] or world_size
     if not experts:
-        raise UserError(f"{STEP} trains a mixture of experts: give --moe-experts E (a multiple of --ep)")
+        raise UserError(
+            f"{STEP} trains a mixture of experts: give --moe-experts E (a multiple of --ep)"
+        )
     if ep < 1 or world_size % ep:
-        raise UserError(f"--ep {ep} must divide the world size {world_size} (ranks = data-parallel copies x --ep)")
+        raise UserError(
+            f"--ep {ep} must divide the world size {world_size} (ranks = data-parallel copies x --ep)"
+        )
     if experts % ep:
-        raise UserError(f"--moe-experts {experts} is not divisible by --ep {ep}: each rank holds E/D experts; "
-                        f"choose E a multiple of {ep}")
+        raise UserError(
+            f"--moe-experts {experts} is not divisible by --ep {ep}: each rank holds E/D experts; "
+            f"choose E a multiple of {ep}"
+        )
     return ep
 
 
@@ -96,19 +129,29 @@ def main():
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
-    limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
-    check_enough_data(len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"])
+    # the budget: what training adds to libraries and data
+    limit_memory(config["max_memory_mb"], STEP, world.device)
+    check_enough_data(
+        len(corpus.blocks), world.world_size, config["micro_batch_size"], config["grad_accum"]
+    )
     resume_from = find_checkpoint(config["resume"], config["out"])
-    resumed = open_checkpoint(resume_from, config, world.world_size, world.is_main) if resume_from else None
+    resumed = (
+        open_checkpoint(resume_from, config, world.world_size, world.is_main)
+        if resume_from
+        else None
+    )
     device = distributed.join(world, config["timeout_s"])  # this rank's device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # Step 2's sampler: disjoint shards, as many samples on every rank, a new shuffle each epoch.
-    sampler = ShardedSampler(len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"])
+    sampler = ShardedSampler(
+        len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"]
+    )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # Every rank builds the same dense parameters and all the experts from (seed, name), then keeps its own E/D.
     model = moe_model(build_model(config, corpus.vocab_size, config["seed"]), config)
-    shapes = {name: p.shape for name, p in model.named_parameters()}  # the whole model's, for the checkpoints
+    # the whole model's, for the checkpoints
+    shapes = {name: p.shape for name, p in model.named_parameters()}
     groups = Groups(config["ep"])
     dispatchers = shard_experts(model, moe_layers(model), groups)
     model.to(device)
@@ -121,44 +164,60 @@ def main():
     # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
     # state is copied to memory and a thread writes it (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, shapes,
-        [RunState(scheduler, scaler, batches, log), ExpertParallelModel(model, optimizer)])
+        config,
+        world.rank,
+        world.world_size,
+        shapes,
+        [RunState(scheduler, scaler, batches, log), ExpertParallelModel(model, optimizer)],
+    )
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"] * world.world_size
 
     # ---- the training loop ---------------------------------------------------------------------
-    preemption = Preemption(config["preempt_grace_s"], world.rank)  # --preempt-grace-s: SIGTERM saves, then exits
+    # --preempt-grace-s: SIGTERM saves, then exits
+    preemption = Preemption(config["preempt_grace_s"], world.rank)
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        micro_batches, shard_check = checked_micro_batches(batches, accum, world.is_main and not config["quiet"])
-        loss_sum, grad_norm, memory = train_step(model, optimizer, scaler, micro_batches, config, device, groups)
+        micro_batches, shard_check = checked_micro_batches(
+            batches, accum, world.is_main and not config["quiet"]
+        )
+        loss_sum, grad_norm, memory = train_step(
+            model, optimizer, scaler, micro_batches, config, device, groups
+        )
         scheduler.step()
 
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
-        log.log({
-            "step": step + 1,
-            # over every rank and micro-batch, rounded to float32 as step 0 rounds its mean: at 2 ranks the same bits
-            "loss": torch.tensor(distributed.mean_over_ranks(loss_sum, accum)).float().item(),
-            "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(counted_once(model, groups), groups=(dist.group.WORLD,)),
-            "lr": lr,
-            "tokens_per_s": tokens_per_step / step_time["wall_s"],
-            "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
-            "epoch": batches.epoch,
-            **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
-            **moe_record_over_ranks(model, dispatchers),  # the experts' load and each rank's all-to-all bytes
-            "comm": take_comm_bytes(),
-            "shard_check": shard_check,
-        })
-        preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
+        log.log(
+            {
+                "step": step + 1,
+                # over every rank and micro-batch, rounded to float32 as step 0 rounds its mean: at 2 ranks the same bits
+                "loss": torch.tensor(distributed.mean_over_ranks(loss_sum, accum)).float().item(),
+                "grad_norm": grad_norm.item(),
+                "param_norm": param_norm(counted_once(model, groups), groups=(dist.group.WORLD,)),
+                "lr": lr,
+                "tokens_per_s": tokens_per_step / step_time["wall_s"],
+                "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
+                "epoch": batches.epoch,
+                **distributed.gather_per_rank(
+                    memory=memory, step_time=step_time
+                ),  # one entry per rank
+                # the experts' load and each rank's all-to-all bytes
+                **moe_record_over_ranks(model, dispatchers),
+                "comm": take_comm_bytes(),
+                "shard_check": shard_check,
+            }
+        )
+        # a SIGTERM reached a rank: every rank stops after this step
+        preempted = preemption.agreed()
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             writer.save(step + 1)
         if preempted:
-            preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
+            # waits for the write, says where, exits 4
+            preemption.leave(writer, step + 1, config["out"])
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     whole = gather_experts(model, groups)  # rank 0: the dense parameters and every expert
@@ -170,11 +229,15 @@ def main():
 class ExpertParallelModel(WholeModel):
     """This rank's parameters (the dense ones and its experts) and AdamW state, in its own file of the checkpoint,
     read back by name (resharding.py): whichever rank saved an expert, any layout can load it."""
+
     per_rank = True
 
     def checkpoint_state(self) -> dict:
         state = super().checkpoint_state()
-        return {**state, "model_slices": {name: (0, t.numel()) for name, t in state["model"].items()}}
+        return {
+            **state,
+            "model_slices": {name: (0, t.numel()) for name, t in state["model"].items()},
+        }
 
 
 def moe_record_over_ranks(model, dispatchers) -> dict:
@@ -187,17 +250,23 @@ def moe_record_over_ranks(model, dispatchers) -> dict:
     everyone = distributed.gather_per_rank(moe=mine, all_to_all=traffic)
     records = everyone["moe"]
     n = len(records)
-    merged = {"aux_loss": sum(r["aux_loss"] for r in records) / n,
-              "tokens_per_expert": [[sum(c) for c in zip(*layer)] for layer in
-                                    zip(*(r["tokens_per_expert"] for r in records))],
-              "dropped_fraction": [sum(f) / n for f in zip(*(r["dropped_fraction"] for r in records))]}
+    merged = {
+        "aux_loss": sum(r["aux_loss"] for r in records) / n,
+        "tokens_per_expert": [
+            [sum(c) for c in zip(*layer)]
+            for layer in zip(*(r["tokens_per_expert"] for r in records))
+        ],
+        "dropped_fraction": [sum(f) / n for f in zip(*(r["dropped_fraction"] for r in records))],
+    }
     return {"moe": merged, "all_to_all": everyone["all_to_all"]}
 
 
 def gather_experts(model, groups) -> dict:
     """Every parameter by name on rank 0: its own, and the experts of the first expert-parallel group's ranks."""
     own = {name: p.detach().cpu() for name, p in model.named_parameters()}
-    experts = {n: t for n, t in own.items() if is_expert(n)} if dist.get_rank() < groups.ep_size else {}
+    experts = (
+        {n: t for n, t in own.items() if is_expert(n)} if dist.get_rank() < groups.ep_size else {}
+    )
     for held in distributed.gather_from_every_rank(experts):
         own.update(held)
     return own

@@ -5,6 +5,7 @@ them in float64 is exact for the few ranks we run, so every implementation that 
 same bits, whatever order its all-reduce adds in (docs/parity.md). Steps 3 and up reduce in float64
 themselves; DDP's C++ reducer does not, so steps 1 and 2 give it this communication hook.
 """
+
 import torch
 import torch.distributed as dist
 

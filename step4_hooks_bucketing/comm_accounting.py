@@ -9,6 +9,7 @@ It also names the two one-tensor collectives ZeRO uses for every torch this proj
 calls them ``all_gather_single`` and ``reduce_scatter_single`` (and warns on the old names); torch 2.11,
 what GPU images ship, has only the old ones, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``.
 """
+
 import collections
 
 import torch

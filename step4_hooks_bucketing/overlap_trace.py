@@ -11,6 +11,7 @@ that into
 
 If the first bucket's bar starts before backward's bar ends, communication overlapped computation.
 """
+
 import json
 import time
 import weakref
@@ -24,10 +25,13 @@ class OverlapTrace:
             bucket.timeline = []
         self.backward = {}
         ddp_model.module.register_forward_hook(self._on_forward)
-        me = weakref.ref(self)  # weakly, as bucketed_ddp.py's hooks: else the buckets (and this) live for good
+        # weakly, as bucketed_ddp.py's hooks: else the buckets (and this) live for good
+        me = weakref.ref(self)
         for p in ddp_model.module.parameters():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda param: me() and me()._on_gradient_ready(param))
+                p.register_post_accumulate_grad_hook(
+                    lambda param: me() and me()._on_gradient_ready(param)
+                )
 
     def _on_forward(self, module, inputs, output):
         if output.requires_grad:  # the logits: the first tensor backward reaches
@@ -45,8 +49,15 @@ class OverlapTrace:
         events = [{"name": "backward", "cat": "compute", **self.backward}]
         for bucket in self.buckets:
             size = bucket.buffer.numel() * bucket.buffer.element_size()
-            events += [{"name": f"all-reduce bucket {bucket.index} ({size:,} B)", "cat": "comm",
-                        "start": e["launched"], "end": e["finished"]} for e in bucket.timeline]
+            events += [
+                {
+                    "name": f"all-reduce bucket {bucket.index} ({size:,} B)",
+                    "cat": "comm",
+                    "start": e["launched"],
+                    "end": e["finished"],
+                }
+                for e in bucket.timeline
+            ]
         return events
 
     def write(self, rank: int, out_dir: Path) -> tuple[Path, Path]:
@@ -56,23 +67,43 @@ class OverlapTrace:
 def write_trace(events: list[dict], rank: int, out_dir: Path) -> tuple[Path, Path]:
     origin = min(e["start"] for e in events)
     microseconds = lambda t: round((t - origin) * 1e6, 1)  # noqa: E731
-    chrome = [{"name": e["name"], "cat": e["cat"], "ph": "X", "pid": rank, "tid": 0 if e["cat"] == "compute" else 1,
-               "ts": microseconds(e["start"]), "dur": microseconds(e["end"]) - microseconds(e["start"])}
-              for e in events]
+    chrome = [
+        {
+            "name": e["name"],
+            "cat": e["cat"],
+            "ph": "X",
+            "pid": rank,
+            "tid": 0 if e["cat"] == "compute" else 1,
+            "ts": microseconds(e["start"]),
+            "dur": microseconds(e["end"]) - microseconds(e["start"]),
+        }
+        for e in events
+    ]
     trace_path = Path(out_dir) / "trace.json"
-    trace_path.write_text(json.dumps({"traceEvents": chrome, "displayTimeUnit": "ms"}, indent=1) + "\n")
+    trace_path.write_text(
+        json.dumps({"traceEvents": chrome, "displayTimeUnit": "ms"}, indent=1) + "\n"
+    )
 
     rows = sorted(events, key=lambda e: (e["cat"] != "compute", e["start"]))
     import matplotlib  # here, not at the top: a rank that draws nothing does not import it (~0.6 s)
+
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(rows)), dpi=110)
     for y, e in enumerate(rows):
         start, end = (e["start"] - origin) * 1e3, (e["end"] - origin) * 1e3
-        ax.barh(y, end - start, left=start, color="tab:blue" if e["cat"] == "compute" else "tab:orange")
+        ax.barh(
+            y, end - start, left=start, color="tab:blue" if e["cat"] == "compute" else "tab:orange"
+        )
     backward = next(e for e in rows if e["name"] == "backward")
-    ax.axvline((backward["end"] - origin) * 1e3, color="gray", linestyle="--", linewidth=1, label="backward ends")
+    ax.axvline(
+        (backward["end"] - origin) * 1e3,
+        color="gray",
+        linestyle="--",
+        linewidth=1,
+        label="backward ends",
+    )
     ax.set_yticks(range(len(rows)), [e["name"] for e in rows])
     ax.invert_yaxis()
     ax.set_xlabel("time since backward started (ms)")

@@ -5,6 +5,7 @@ micro-batch has the same number of target tokens and the mean of per-micro-batch
 the mean over the whole global batch. That is what lets one process with accumulation A*N and
 N processes with accumulation A compute the same thing.
 """
+
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,10 @@ def load_tokenizer(path) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(path))
     except Exception:  # noqa: BLE001 (not JSON, JSON of something else: the library's words would not help)
-        raise UserError(f"--tokenizer {path} is not a tokenizer file (the JSON that data/train_tokenizer.py "
-                        "writes); pass data/tokenizer.json") from None
+        raise UserError(
+            f"--tokenizer {path} is not a tokenizer file (the JSON that data/train_tokenizer.py "
+            "writes); pass data/tokenizer.json"
+        ) from None
 
 
 def check_text(path) -> None:
@@ -43,8 +46,10 @@ def check_text(path) -> None:
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
-        raise UserError(f"--data {path} is not UTF-8 text (byte {error.start} cannot be decoded); "
-                        "pass a plain text file") from None
+        raise UserError(
+            f"--data {path} is not UTF-8 text (byte {error.start} cannot be decoded); "
+            "pass a plain text file"
+        ) from None
     if not text.strip():
         raise UserError(f"--data {path} holds no text; pass a plain text file")
 
@@ -66,13 +71,19 @@ def load_corpus(text_path: str, tokenizer_path: str, seq_len: int) -> Corpus:
     block = seq_len + 1
     n_blocks = len(ids) // block
     if n_blocks == 0:
-        raise UserError(f"--data {text_path} holds {len(ids)} tokens, fewer than one block of --seq-len {seq_len} + 1; "
-                        "lower --seq-len or pass more text")
+        raise UserError(
+            f"--data {text_path} holds {len(ids)} tokens, fewer than one block of --seq-len {seq_len} + 1; "
+            "lower --seq-len or pass more text"
+        )
     blocks = torch.tensor(ids[: n_blocks * block], dtype=torch.long).view(n_blocks, block)
-    return Corpus(blocks, tokenizer.get_vocab_size(), file_sha256(text_path), file_sha256(tokenizer_path))
+    return Corpus(
+        blocks, tokenizer.get_vocab_size(), file_sha256(text_path), file_sha256(tokenizer_path)
+    )
 
 
-def check_enough_data(n_samples: int, world_size: int, micro_batch_size: int, grad_accum: int) -> None:
+def check_enough_data(
+    n_samples: int, world_size: int, micro_batch_size: int, grad_accum: int
+) -> None:
     """Refuse, before any collective, a world size the data cannot feed.
 
     A distributed sampler gives every rank ceil(n / world_size) samples (padding by repeating), so
@@ -80,13 +91,17 @@ def check_enough_data(n_samples: int, world_size: int, micro_batch_size: int, gr
     optimiser step of samples per epoch; otherwise it would have nothing to train on.
     """
     if world_size > n_samples:
-        raise UserError(f"world size {world_size} is larger than the {n_samples} samples in the data; "
-                        f"use at most {n_samples} ranks or more data")
+        raise UserError(
+            f"world size {world_size} is larger than the {n_samples} samples in the data; "
+            f"use at most {n_samples} ranks or more data"
+        )
     per_rank = -(-n_samples // world_size)
     needed = micro_batch_size * grad_accum
     if per_rank < needed:
-        raise UserError(f"world size {world_size} leaves {per_rank} samples per rank, fewer than one optimiser "
-                        f"step needs ({micro_batch_size} x {grad_accum} = {needed}); use fewer ranks or smaller batches")
+        raise UserError(
+            f"world size {world_size} leaves {per_rank} samples per rank, fewer than one optimiser "
+            f"step needs ({micro_batch_size} x {grad_accum} = {needed}); use fewer ranks or smaller batches"
+        )
 
 
 class MicroBatches:

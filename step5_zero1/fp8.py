@@ -39,6 +39,7 @@ Rules, each one what torchao 0.18's ``convert_to_float8_training`` does (the par
    cost the most. FP8 gemms need both dimensions of every weight to be multiples of 16, and so the tokens
    of a micro-batch (the inner dimension of grad_W); anything else is refused in one line.
 """
+
 import torch
 from torch import nn
 
@@ -46,7 +47,8 @@ from failures import UserError
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12  # rule 2: an all-zero tensor gets a large but finite scale
-RECIPES = {  # rule 1 and 3: (granularity, dtype of the output gradient, scales rounded to powers of two)
+# rule 1 and 3: (granularity, dtype of the output gradient, scales rounded to powers of two)
+RECIPES = {
     "tensorwise": ("tensor", E5M2, False),
     "rowwise": ("row", E4M3, True),
 }
@@ -55,7 +57,9 @@ RECIPES = {  # rule 1 and 3: (granularity, dtype of the output gradient, scales 
 def scale_of(t: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool) -> torch.Tensor:
     """Rule 2-3: ``fmax / amax`` of ``t`` (dim None: the whole tensor; else one per slice along ``dim``)."""
     amax = t.abs().max() if dim is None else t.abs().amax(dim=dim, keepdim=True)
-    scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
+    scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=EPS)).to(
+        torch.float32
+    )
     return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
@@ -73,10 +77,13 @@ def scaled_mm(a, a_scale, b, b_scale, out_dtype: torch.dtype, fast_accum: bool) 
     a_inv, b_inv = a_scale.reciprocal(), b_scale.reciprocal()
     rowwise = a_scale.dim() == 2
     after = None
-    if rowwise and not fast_accum:  # rule 5: unit scales in the kernel, the scale vectors applied after
+    # rule 5: unit scales in the kernel, the scale vectors applied after
+    if rowwise and not fast_accum:
         after, a_inv, b_inv = a_inv * b_inv, a_inv.new_ones(()), a_inv.new_ones(())
     mm_dtype = torch.bfloat16 if rowwise and out_dtype != torch.bfloat16 else out_dtype
-    out = torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=mm_dtype, use_fast_accum=fast_accum)
+    out = torch._scaled_mm(
+        a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=mm_dtype, use_fast_accum=fast_accum
+    )
     if after is not None:
         out *= after  # in place: computed in float32, kept in the kernel's dtype (as torchao does)
     return out.to(out_dtype)
@@ -118,10 +125,16 @@ class Float8Linear(nn.Linear):
     recipe = "tensorwise"
 
     def forward(self, x):
-        if torch.is_autocast_enabled("cuda"):  # CUDA autocast: torchao rounds the input to its dtype first
+        # CUDA autocast: torchao rounds the input to its dtype first
+        if torch.is_autocast_enabled("cuda"):
             x = x.to(torch.get_autocast_dtype("cuda"))
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        with torch.autocast(x.device.type, enabled=False):  # autocast would recast _scaled_mm's operands
+        dtype = (
+            torch.get_autocast_dtype(x.device.type)
+            if torch.is_autocast_enabled(x.device.type)
+            else x.dtype
+        )
+        # autocast would recast _scaled_mm's operands
+        with torch.autocast(x.device.type, enabled=False):
             out = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]), self.weight, self.recipe, dtype)
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias.to(out.dtype)  # rule 6
@@ -130,7 +143,9 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8={self.recipe}"
 
 
-def convert_to_fp8(module: nn.Module, recipe: str = "tensorwise", module_filter_fn=None) -> nn.Module:
+def convert_to_fp8(
+    module: nn.Module, recipe: str = "tensorwise", module_filter_fn=None
+) -> nn.Module:
     """Every ``nn.Linear`` in ``module`` (those ``module_filter_fn(layer, name)`` accepts) turned into a
     ``Float8Linear`` in place, keeping its parameters; torchao's ``convert_to_float8_training`` called alike.
     Our GPT-2: ``convert_to_fp8(model.transformer.h, recipe)``, the blocks only (rule 7)."""
@@ -139,8 +154,10 @@ def convert_to_fp8(module: nn.Module, recipe: str = "tensorwise", module_filter_
     for name, layer in list(module.named_modules()):
         if type(layer) is nn.Linear and (module_filter_fn is None or module_filter_fn(layer, name)):
             if layer.in_features % 16 or layer.out_features % 16:
-                raise UserError(f"--fp8 needs linear layers whose sizes are multiples of 16; {name or 'the layer'} "
-                                f"is {layer.in_features} x {layer.out_features}: change --n-embd")
+                raise UserError(
+                    f"--fp8 needs linear layers whose sizes are multiples of 16; {name or 'the layer'} "
+                    f"is {layer.in_features} x {layer.out_features}: change --n-embd"
+                )
             layer.__class__ = Float8Linear  # the same object and parameters, another forward
             layer.recipe = recipe
     return module
@@ -148,9 +165,13 @@ def convert_to_fp8(module: nn.Module, recipe: str = "tensorwise", module_filter_
 
 def add_fp8_flag(parser) -> None:
     """``--fp8``: the steps that offer FP8 (0-7)."""
-    parser.add_argument("--fp8", choices=list(RECIPES), default=None,
-                        help="the blocks' linear layers in FP8 with dynamic scaling, one scale per tensor or per row "
-                             "(torchao's recipe names; fp8.py)")
+    parser.add_argument(
+        "--fp8",
+        choices=list(RECIPES),
+        default=None,
+        help="the blocks' linear layers in FP8 with dynamic scaling, one scale per tensor or per row "
+        "(torchao's recipe names; fp8.py)",
+    )
 
 
 def check_fp8(config: dict, device: torch.device) -> None:
@@ -158,21 +179,30 @@ def check_fp8(config: dict, device: torch.device) -> None:
     if not config.get("fp8"):
         return
     if config["amp"] == "fp16":
-        raise UserError("--fp8 with --amp fp16 is not a recipe (fp16's range needs a loss scaler that FP8's own "
-                        "scales replace); use --amp bf16 or --amp none")
+        raise UserError(
+            "--fp8 with --amp fp16 is not a recipe (fp16's range needs a loss scaler that FP8's own "
+            "scales replace); use --amp bf16 or --amp none"
+        )
     if config.get("compile"):
         raise UserError("--fp8 with --compile is not tried yet; drop one of them")
     if config.get("moe_experts"):  # an expert's token count varies per step: not a multiple of 16
-        raise UserError("--fp8 with --moe-experts is not built yet (an expert's tokens are not a multiple of 16); "
-                        "drop one of them")
+        raise UserError(
+            "--fp8 with --moe-experts is not built yet (an expert's tokens are not a multiple of 16); "
+            "drop one of them"
+        )
     tokens = config["micro_batch_size"] * config["seq_len"]
     if config["n_embd"] % 16 or tokens % 16:
-        raise UserError(f"--fp8 needs --n-embd ({config['n_embd']}) and the tokens of a micro-batch "
-                        f"(--micro-batch-size x --seq-len = {tokens}) to be multiples of 16")
-    try:  # ask the device, do not guess: _scaled_mm needs a recent GPU (compute capability 8.9+) or torch's CPU path
+        raise UserError(
+            f"--fp8 needs --n-embd ({config['n_embd']}) and the tokens of a micro-batch "
+            f"(--micro-batch-size x --seq-len = {tokens}) to be multiples of 16"
+        )
+    # ask the device, do not guess: _scaled_mm needs a recent GPU (compute capability 8.9+) or torch's CPU path
+    try:
         a = torch.zeros(16, 16, device=device, dtype=E4M3)
         one = torch.ones((), device=device)
         torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
     except (RuntimeError, AttributeError) as error:
-        raise UserError(f"--fp8 cannot run on {device.type} with this torch build "
-                        f"({str(error).splitlines()[0]}); drop --fp8") from None
+        raise UserError(
+            f"--fp8 cannot run on {device.type} with this torch build "
+            f"({str(error).splitlines()[0]}); drop --fp8"
+        ) from None

@@ -22,6 +22,7 @@ Every rank launches the buckets in the same order (bucket 0, 1, 2, ...), whateve
 ready in: collectives are matched by order, so this is what makes them pair up correctly.
 Parameters that got no gradient in a step are handled in the last section of this file.
 """
+
 import contextlib
 import time
 import weakref
@@ -56,7 +57,9 @@ class Bucket:
         self.pending = len(self.params)
 
 
-def assign_buckets(params: list, bucket_cap_bytes: float, first_bucket_cap_bytes: float) -> list[list]:
+def assign_buckets(
+    params: list, bucket_cap_bytes: float, first_bucket_cap_bytes: float
+) -> list[list]:
     """Split ``params`` (in gradient-ready order) into consecutive groups of about the cap in bytes.
     A group closes once it reaches its cap; a parameter larger than the cap gets a group of its own."""
     groups, current, size = [], [], 0
@@ -67,7 +70,6 @@ def assign_buckets(params: list, bucket_cap_bytes: float, first_bucket_cap_bytes
             groups.append(current)
             current, size = [], 0
     return groups + ([current] if current else [])
-
 
 
 class BucketedDDP(torch.nn.Module):
@@ -83,8 +85,14 @@ class BucketedDDP(torch.nn.Module):
     puts in and takes out lives in two, ``_local_gradient`` and ``_write_back``.
     """
 
-    def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
-                 reduce_dtype: torch.dtype = torch.float32, find_unused_parameters: bool = False):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        reduce_dtype: torch.dtype = torch.float32,
+        find_unused_parameters: bool = False,
+    ):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
@@ -100,9 +108,13 @@ class BucketedDDP(torch.nn.Module):
         # parameters() lists a tied parameter once; frozen ones need no reduction.
         ready_order = [p for p in module.parameters() if p.requires_grad][::-1]
         self.names = {p: n for n, p in module.named_parameters()}
-        groups = assign_buckets(ready_order, bucket_cap_mb * 2**20, min(first_bucket_cap_mb, bucket_cap_mb) * 2**20)
+        groups = assign_buckets(
+            ready_order, bucket_cap_mb * 2**20, min(first_bucket_cap_mb, bucket_cap_mb) * 2**20
+        )
         self.buckets = [self._make_bucket(i, group) for i, group in enumerate(groups)]
-        self.location = {p: (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
+        self.location = {
+            p: (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)
+        }
         self.next_to_launch = 0
         self._register_hooks(ready_order)
 
@@ -117,7 +129,9 @@ class BucketedDDP(torch.nn.Module):
         # process group with them (tests/test_data_parallel.py). A parameter that outlives the wrapper trains alone.
         me = weakref.ref(self)
         for p in params:  # fires after backward has added this pass's gradient into p.grad
-            p.register_post_accumulate_grad_hook(lambda param: me() and me()._on_gradient_ready(param))
+            p.register_post_accumulate_grad_hook(
+                lambda param: me() and me()._on_gradient_ready(param)
+            )
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -137,8 +151,10 @@ class BucketedDDP(torch.nn.Module):
             return
         bucket, i = self.location[param]
         if bucket.ready[i]:
-            raise RuntimeError(f"gradient of {self.names[param]} became ready twice in one backward; "
-                               "call finish_gradient_synchronization() after each synchronised backward")
+            raise RuntimeError(
+                f"gradient of {self.names[param]} became ready twice in one backward; "
+                "call finish_gradient_synchronization() after each synchronised backward"
+            )
         self._fill(bucket, i, self._local_gradient(param))
         self._launch_ready_buckets()
 
@@ -156,7 +172,10 @@ class BucketedDDP(torch.nn.Module):
 
     def _launch_ready_buckets(self) -> None:
         # Launch in bucket order only: bucket k waits until buckets 0..k-1 have been launched.
-        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].pending == 0:
+        while (
+            self.next_to_launch < len(self.buckets)
+            and self.buckets[self.next_to_launch].pending == 0
+        ):
             self._launch(self.buckets[self.next_to_launch])
             self.next_to_launch += 1
 
@@ -168,7 +187,9 @@ class BucketedDDP(torch.nn.Module):
         if bucket.timeline is not None:  # overlap_trace.py wants to see when it ran
             event = {"launched": launched, "finished": None}
             bucket.timeline.append(event)
-            bucket.work.get_future().then(lambda _, event=event: event.update(finished=time.perf_counter()))
+            bucket.work.get_future().then(
+                lambda _, event=event: event.update(finished=time.perf_counter())
+            )
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket, average, and write the result into ``param.grad``. Once per optimiser step."""
@@ -176,13 +197,19 @@ class BucketedDDP(torch.nn.Module):
         used_anywhere = self._used_by_any_rank(unused) if self.find_unused_parameters else None
         unused_ids = {id(p) for p in unused}
         # A gradient for what this rank used, and (find_unused_parameters=True) for what any rank used.
-        receiving = {p for p in self.location if id(p) not in unused_ids or (used_anywhere and used_anywhere[p])}
+        receiving = {
+            p
+            for p in self.location
+            if id(p) not in unused_ids or (used_anywhere and used_anywhere[p])
+        }
         for bucket in self.buckets:  # every bucket's collective is in flight here
             self._finish(bucket, receiving)
         if unused and not self.find_unused_parameters:
             names = ", ".join(self.names[p] for p in unused)
-            raise RuntimeError(f"parameter(s) {names} received no gradient in this step; make every trainable "
-                               "parameter take part in the loss, or pass find_unused_parameters=True")
+            raise RuntimeError(
+                f"parameter(s) {names} received no gradient in this step; make every trainable "
+                "parameter take part in the loss, or pass find_unused_parameters=True"
+            )
 
     def _finish(self, bucket: Bucket, receiving: set) -> None:
         """Wait for the bucket's all-reduce, average, and write the gradients of ``receiving`` back."""
@@ -221,7 +248,8 @@ class BucketedDDP(torch.nn.Module):
                     unused.append(p)
                 self._fill(bucket, i, grad)
         self._launch_ready_buckets()
-        for bucket in self.buckets:  # their collectives are in flight; the next backward fills them anew
+        # their collectives are in flight; the next backward fills them anew
+        for bucket in self.buckets:
             bucket.reset()
         self.next_to_launch = 0
         return unused
@@ -229,7 +257,9 @@ class BucketedDDP(torch.nn.Module):
     def _used_by_any_rank(self, locally_unused: list) -> dict:
         """One small all-reduce: for each parameter, did any rank produce a gradient for it?"""
         params, unused_ids = list(self.location), {id(p) for p in locally_unused}
-        used = torch.tensor([id(p) not in unused_ids for p in params], dtype=torch.int32, device=params[0].device)
+        used = torch.tensor(
+            [id(p) not in unused_ids for p in params], dtype=torch.int32, device=params[0].device
+        )
         count_collective("all_reduce", used)
         dist.all_reduce(used)
         return {p: bool(u) for p, u in zip(params, used.tolist())}

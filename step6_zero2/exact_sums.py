@@ -23,6 +23,7 @@ give 100000008 in either order.
 Named exact_sums, not exact_norm: what is exact, and what ranks all-reduce and the streaming export
 adds tensor by tensor, is the sum (its parts); the norm is its square root, rounded once.
 """
+
 import math
 
 import torch
@@ -122,10 +123,12 @@ class _LaneSums:
             self.offsets[device] = lanes.sub_(MIN_EXPONENT * LANES)
 
     def add(self, exponent: torch.Tensor, values: torch.Tensor) -> None:
-        offsets = self.offsets[values.device][:exponent.numel()]
+        offsets = self.offsets[values.device][: exponent.numel()]
         index = exponent.mul_(LANES).add_(offsets)  # int32: < 2**21
-        deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
-            torch.is_deterministic_algorithms_warn_only_enabled()
+        deterministic, warn_only = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
         torch.use_deterministic_algorithms(False)
         try:
             self.spread.index_add_(1, index, values)
@@ -142,6 +145,7 @@ def norm_from_parts(parts: torch.Tensor) -> float:
     nans, infs = parts[2].tolist()[:2]
     if nans or infs:
         return math.nan if nans else math.inf
-    total = sum(((high << 24) + low) << (2 * i)
-                for i, (high, low) in enumerate(zip(*parts[:2].tolist())))
+    total = sum(
+        ((high << 24) + low) << (2 * i) for i, (high, low) in enumerate(zip(*parts[:2].tolist()))
+    )
     return math.sqrt(total / (1 << (48 - 2 * MIN_EXPONENT)))  # bin i: 2**(2(i + MIN_EXPONENT) - 48)

@@ -15,6 +15,7 @@ sum to 8 (bf16) or 11 (fp16) bits of mantissa. So, as Megatron-LM's ``main_grad`
 
 A float32 parameter goes through step 4's path unchanged, so a float32 model trains bit for bit as in step 4.
 """
+
 import torch
 
 from bucketed_ddp import BucketedDDP
@@ -27,7 +28,9 @@ def is_16_bit(param: torch.Tensor) -> bool:
 def accumulate(param: torch.Tensor, dtype: torch.dtype) -> None:
     """Rule 1: this backward's 16-bit gradient added to ``param.main_grad`` (in ``dtype``), and freed."""
     grad, param.grad = param.grad, None
-    param.main_grad = grad.to(dtype) if getattr(param, "main_grad", None) is None else param.main_grad.add_(grad)
+    param.main_grad = (
+        grad.to(dtype) if getattr(param, "main_grad", None) is None else param.main_grad.add_(grad)
+    )
 
 
 class MainGradDDP(BucketedDDP):

@@ -17,6 +17,7 @@ FSDP2 train in mixed precision.
 5. **Checkpoints hold the masters**, each rank its float32 slices beside its optimiser state (``zero1_state.py``:
    what ZeRO-1 saves are the tensors it steps), never the 16-bit copies: a resumed run steps on from them.
 """
+
 import torch
 
 from zero1 import ShardedOptimizer, flat_view
@@ -32,8 +33,13 @@ class ShardedOptimizerWithMasters(ShardedOptimizer):
 
     def _to_step(self, views: list) -> list:
         """Rule 1: float32 copies of this rank's slices; the parameters themselves become 16-bit."""
-        if self.param_dtype not in (torch.bfloat16, torch.float16) or self.params[0].dtype != torch.float32:
-            raise ValueError(f"param_dtype {self.param_dtype}: 16-bit parameters over float32 ones only")
+        if (
+            self.param_dtype not in (torch.bfloat16, torch.float16)
+            or self.params[0].dtype != torch.float32
+        ):
+            raise ValueError(
+                f"param_dtype {self.param_dtype}: 16-bit parameters over float32 ones only"
+            )
         masters = [view.clone() for view in views]
         for p in self.params:
             p.data = p.data.to(self.param_dtype)
@@ -45,7 +51,8 @@ class ShardedOptimizerWithMasters(ShardedOptimizer):
 
     @property
     def param_groups(self):
-        self._take_gradient_slices()  # rule 4: fresh views of main_grad, for a scaler to unscale in place
+        # rule 4: fresh views of main_grad, for a scaler to unscale in place
+        self._take_gradient_slices()
         return super().param_groups
 
     def _take_gradient_slices(self) -> None:
@@ -77,7 +84,9 @@ class ShardedOptimizerWithMasters(ShardedOptimizer):
         chunk by chunk. The whole model in float32: for the final weights and tests, not for every step."""
         full = {}
         for _, piece, values in self._all_gather_chunks(self.views, torch.float32):
-            target = full.setdefault(piece.param, torch.empty(piece.param.shape, device=self.device))
+            target = full.setdefault(
+                piece.param, torch.empty(piece.param.shape, device=self.device)
+            )
             target.view(-1)[piece.start : piece.end] = values
         return full
 

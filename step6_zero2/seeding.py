@@ -5,6 +5,7 @@ deterministic kernels, and one CPU thread per process (a multi-threaded reductio
 different order from run to run). Resume needs the *current* state of every generator, not the
 seed: after k steps the generators have moved on.
 """
+
 import random
 
 import numpy as np

@@ -11,6 +11,7 @@
 2. **A plain optimiser's state dict on request** (``consolidated_state_dict``): every rank's slices gathered and
    joined, as ``ZeroRedundancyOptimizer.consolidate_state_dict`` does; for export and inspection, never per step.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -52,7 +53,9 @@ class ShardedOptimizerState:
         return self.local_optimizer.defaults
 
     def add_param_group(self, param_group):
-        raise NotImplementedError("ShardedOptimizer fixes its layout at construction; build a new one")
+        raise NotImplementedError(
+            "ShardedOptimizer fixes its layout at construction; build a new one"
+        )
 
     @property
     def norm_groups(self) -> list:
@@ -69,7 +72,11 @@ class ShardedOptimizerState:
     def slices(self, named_params=None) -> list:
         """``(name, start, end)`` of each local parameter: the elements of which parameter its state is for.
         Without ``named_params``, the parameter's number (its place in the groups) stands for its name."""
-        name_of = {param: name for name, param in named_params} if named_params is not None else self.index
+        name_of = (
+            {param: name for name, param in named_params}
+            if named_params is not None
+            else self.index
+        )
         return [(name_of[piece.param], piece.start, piece.end) for piece in self.pieces]
 
     def master_weights(self, named_params) -> dict:
@@ -83,9 +90,14 @@ class ShardedOptimizerState:
         flattened parameter) and its slices of the optimiser state (``optimizer``, ``optimizer_slices``), named by
         ``named_params``. No gather, no full copy: each rank writes what it steps (with masters: float32)."""
         named_slices = self.slices(named_params)
-        return {"model": {name: view.detach().clone() for (name, _, _), view in zip(named_slices, self.views)},
-                "model_slices": {name: (start, end) for name, start, end in named_slices},
-                "optimizer": self.state_dict(), "optimizer_slices": named_slices}
+        return {
+            "model": {
+                name: view.detach().clone() for (name, _, _), view in zip(named_slices, self.views)
+            },
+            "model_slices": {name: (start, end) for name, start, end in named_slices},
+            "optimizer": self.state_dict(),
+            "optimizer_slices": named_slices,
+        }
 
     def load_checkpoint(self, checkpoint, named_params) -> None:
         """This rank's slices of the weights and of the optimiser state, cut out of ``checkpoint`` (a
@@ -95,20 +107,30 @@ class ShardedOptimizerState:
         with torch.no_grad():
             for (name, start, end), view in zip(named_slices, self.views):
                 view.copy_(checkpoint.parameter(name, start, end))
-        self.local_optimizer.load_state_dict(checkpoint.optimizer_state_dict(named_slices, self.views))
+        self.local_optimizer.load_state_dict(
+            checkpoint.optimizer_state_dict(named_slices, self.views)
+        )
         self.all_gather_parameters()
 
     def state_dict(self) -> dict:
         """This rank's shard: the local optimiser's state dict and the slices it covers."""
-        return {**self.local_optimizer.state_dict(), "slices": self.slices(), "world_size": self.world_size}
+        return {
+            **self.local_optimizer.state_dict(),
+            "slices": self.slices(),
+            "world_size": self.world_size,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         if [tuple(s) for s in state_dict.get("slices", ())] != self.slices():
-            raise ValueError(f"this optimiser shard covers other slices (saved at world size "
-                             f"{state_dict.get('world_size')}; here world size {self.world_size}, rank {self.rank}, "
-                             "or other chunks): cut this rank's slices from every rank's shards, as "
-                             "resharding.py does, or load a consolidated state dict into a plain optimiser")
-        self.local_optimizer.load_state_dict({k: v for k, v in state_dict.items() if k not in ("slices", "world_size")})
+            raise ValueError(
+                f"this optimiser shard covers other slices (saved at world size "
+                f"{state_dict.get('world_size')}; here world size {self.world_size}, rank {self.rank}, "
+                "or other chunks): cut this rank's slices from every rank's shards, as "
+                "resharding.py does, or load a consolidated state dict into a plain optimiser"
+            )
+        self.local_optimizer.load_state_dict(
+            {k: v for k, v in state_dict.items() if k not in ("slices", "world_size")}
+        )
 
     def consolidated_state_dict(self) -> dict:
         """Collective: the state dict a plain ``optimizer_cls`` over the full parameters would have, on every rank.
@@ -117,19 +139,25 @@ class ShardedOptimizerState:
         state back on every rank, the memory ZeRO-1 exists to save, and send it over the network.
         """
         mine = self.local_optimizer.state_dict()
-        mine["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
-                         for i, s in mine["state"].items()}
+        mine["state"] = {
+            i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in mine["state"].items()
+        }
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, (self.slices(), mine["state"]), group=self.group)
         state = {}
         for slices, shard_state in everyone:
             for local_index, (index, start, end) in enumerate(slices):
                 param = self.params[index]
-                for key, value in shard_state.get(local_index, {}).items():  # no state yet: no entry
+                # no state yet: no entry
+                for key, value in shard_state.get(local_index, {}).items():
                     full = state.setdefault(index, {})
-                    if torch.is_tensor(value) and value.shape == (end - start,):  # one value per element
+                    # one value per element
+                    if torch.is_tensor(value) and value.shape == (end - start,):
                         if key not in full:
-                            full[key] = torch.empty(param.shape, dtype=value.dtype, device=param.device)
+                            full[key] = torch.empty(
+                                param.shape, dtype=value.dtype, device=param.device
+                            )
                         full[key].view(-1)[start:end] = value
                     else:  # one value per parameter (AdamW's step): every piece holds it
                         full.setdefault(key, value)

@@ -30,14 +30,15 @@ is step 4's, copied, through step 5's ``MainGradDDP`` for 16-bit parameters) tha
 Every rank launches the buckets in the same order (step 4's rule), and a parameter no rank used gets
 zeros in its slices (with ``find_unused_parameters=True``, ``unused_parameters`` names it).
 """
+
 import contextlib
 import time
 
 import torch
 
 from bucketed_ddp import Bucket
+from comm_accounting import count_collective, reduce_scatter_single
 from main_grad import MainGradDDP
-from comm_accounting import reduce_scatter_single, count_collective
 
 
 class ShardedBucket(Bucket):
@@ -49,8 +50,10 @@ class ShardedBucket(Bucket):
         # Lp: every rank's slice has Lp / N elements. No buffer yet: _fill allocates it.
         super().__init__(index, params, dtype, numel=-(-numel // world_size) * world_size)
         self.output = None  # the slice the reduce-scatter in flight writes (at wait())
-        self.in_shard = False  # whether a reduce-scatter of this optimiser step has reached the shard yet
-        self.had_gradient = set()  # its parameters that got a gradient in this optimiser step, on this rank
+        # whether a reduce-scatter of this optimiser step has reached the shard yet
+        self.in_shard = False
+        # its parameters that got a gradient in this optimiser step, on this rank
+        self.had_gradient = set()
 
 
 class ShardedGradientDDP(MainGradDDP):
@@ -66,16 +69,29 @@ class ShardedGradientDDP(MainGradDDP):
     parameters' dtype, so the masters' update never sees a gradient rounded to 16 bits.
     """
 
-    def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
-                 reduce_dtype: torch.dtype = torch.float32, find_unused_parameters: bool = False,
-                 reduce_every_micro_batch: bool = False):
-        super().__init__(module, bucket_cap_mb, first_bucket_cap_mb, reduce_dtype, find_unused_parameters)
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        reduce_dtype: torch.dtype = torch.float32,
+        find_unused_parameters: bool = False,
+        reduce_every_micro_batch: bool = False,
+    ):
+        super().__init__(
+            module, bucket_cap_mb, first_bucket_cap_mb, reduce_dtype, find_unused_parameters
+        )
         self.reduce_every_micro_batch = reduce_every_micro_batch
         # The layout the sharded optimiser reads: bucket c's parameters, and this rank's slice of their gradient.
         self.bucket_params = [bucket.params for bucket in self.buckets]
-        self.gradient_shards = [torch.zeros(bucket.numel // self.world_size, dtype=torch.float32,
-                                            device=bucket.params[0].device) for bucket in self.buckets]
-        self.unused_parameters = []  # names nobody used in the last step (find_unused_parameters=True)
+        self.gradient_shards = [
+            torch.zeros(
+                bucket.numel // self.world_size, dtype=torch.float32, device=bucket.params[0].device
+            )
+            for bucket in self.buckets
+        ]
+        # names nobody used in the last step (find_unused_parameters=True)
+        self.unused_parameters = []
         self.micro_batch_open = False
 
     def _make_bucket(self, index: int, params: list) -> ShardedBucket:
@@ -83,7 +99,8 @@ class ShardedGradientDDP(MainGradDDP):
 
     def forward(self, *args, **kwargs):
         if self.reduce_every_micro_batch and torch.is_grad_enabled():
-            if self.micro_batch_open:  # the previous micro-batch's backward is over: reduce what it left open
+            # the previous micro-batch's backward is over: reduce what it left open
+            if self.micro_batch_open:
                 self._complete_the_buckets_backward_left_open()
             self.micro_batch_open = True
         return super().forward(*args, **kwargs)
@@ -96,20 +113,24 @@ class ShardedGradientDDP(MainGradDDP):
         if bucket.buffer is None:  # the first gradient of this backward for this bucket
             bucket.allocate()
         super()._fill(bucket, i, grad)
-        if grad is not None:  # the full gradient now lives only in the bucket, and soon only as this rank's slice
+        # the full gradient now lives only in the bucket, and soon only as this rank's slice
+        if grad is not None:
             bucket.params[i].grad = None
             bucket.had_gradient.add(bucket.params[i])
 
     def _launch(self, bucket: ShardedBucket) -> None:
         """Start the bucket's reduce-scatter: this rank receives the sum of its slice only."""
-        if bucket.work is not None:  # reduce_every_micro_batch: the previous micro-batch's, long done by now
+        # reduce_every_micro_batch: the previous micro-batch's, long done by now
+        if bucket.work is not None:
             self._retire(bucket)
         count_collective("reduce_scatter", bucket.buffer)
-        bucket.output = bucket.buffer.new_empty(bucket.numel // self.world_size)  # this rank's slice
+        # this rank's slice
+        bucket.output = bucket.buffer.new_empty(bucket.numel // self.world_size)
         launched = time.perf_counter()
         # PyTorch 2.13's name for reduce_scatter_tensor (which still works, with a deprecation warning)
         bucket.work = reduce_scatter_single(bucket.output, bucket.buffer, async_op=True)
-        bucket.buffer = bucket.slots = None  # the handle keeps what the collective still needs (rule 3)
+        # the handle keeps what the collective still needs (rule 3)
+        bucket.buffer = bucket.slots = None
         if bucket.timeline is not None:  # a tracer wants to see when it ran
             bucket.timeline.append({"launched": launched, "finished": None})
 
@@ -117,21 +138,25 @@ class ShardedGradientDDP(MainGradDDP):
         """Wait for the bucket's reduce-scatter, average this rank's slice, and round it into the bucket's
         gradient shard (added to it, for a later micro-batch with reduce_every_micro_batch)."""
         bucket.work.wait()  # gloo writes the output only here: never read it before
-        if bucket.timeline:  # when this rank saw it finish (gloo's reduce-scatter handle has no callback)
+        # when this rank saw it finish (gloo's reduce-scatter handle has no callback)
+        if bucket.timeline:
             bucket.timeline[-1]["finished"] = time.perf_counter()
         average, shard = bucket.output.div_(self.world_size), self.gradient_shards[bucket.index]
-        if bucket.in_shard:  # reduce_every_micro_batch: a later micro-batch adds to the earlier ones
+        # reduce_every_micro_batch: a later micro-batch adds to the earlier ones
+        if bucket.in_shard:
             shard.add_(average)
         else:
             shard.copy_(average)  # float64 -> float32 rounds here, once
         bucket.in_shard = True
-        bucket.output = bucket.work = None  # dropping the handle frees what it kept (gloo: its copy of the input)
+        # dropping the handle frees what it kept (gloo: its copy of the input)
+        bucket.output = bucket.work = None
 
     def _finish(self, bucket: ShardedBucket, receiving: set) -> None:
         """At the sync point: the bucket's last reduce-scatter of this optimiser step, into its shard. A parameter
         nobody used keeps zeros in its slice, so ``receiving`` changes nothing here."""
         self._retire(bucket)
-        bucket.in_shard, bucket.had_gradient = False, set()  # the next optimiser step starts from nothing
+        # the next optimiser step starts from nothing
+        bucket.in_shard, bucket.had_gradient = False, set()
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket, average, round this rank's slices into ``gradient_shards``. Once per optimiser
@@ -154,6 +179,14 @@ class ShardedGradientDDP(MainGradDDP):
 
 def add_zero2_flags(parser) -> None:
     flags = parser.add_argument_group("ZeRO-2")
-    flags.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size cap in MiB (step 4's)")
-    flags.add_argument("--reduce-every-micro-batch", action="store_true",
-                       help="reduce-scatter every micro-batch into the shard: less memory, more traffic, not bitwise")
+    flags.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        help="gradient bucket size cap in MiB (step 4's)",
+    )
+    flags.add_argument(
+        "--reduce-every-micro-batch",
+        action="store_true",
+        help="reduce-scatter every micro-batch into the shard: less memory, more traffic, not bitwise",
+    )

@@ -27,6 +27,7 @@ hierarchical partitioning do:
    replicas (it writes its own RNG anyway); the reader keeps one copy of each range, so a checkpoint resumes at
    any R and N the data stream allows.
 """
+
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -38,6 +39,7 @@ from comm_accounting import count_collective
 
 class HybridMesh(NamedTuple):
     """This rank's place in the (replicate, shard) array and its two groups (rule 1)."""
+
     replicate: int  # R: copies of the sharded model
     shard_size: int  # S = N / R: ranks each unit is cut over
     replicate_rank: int  # the row
@@ -51,8 +53,10 @@ def replicate_problem(replicate: int, world_size: int) -> str | None:
     if replicate < 1:
         return f"--replicate {replicate}: the number of replicas must be at least 1"
     if world_size % replicate:
-        return (f"--replicate {replicate} does not divide the {world_size} ranks: choose R with N / R whole "
-                f"(the ranks of one node, typically), or launch a multiple of {replicate} ranks")
+        return (
+            f"--replicate {replicate} does not divide the {world_size} ranks: choose R with N / R whole "
+            f"(the ranks of one node, typically), or launch a multiple of {replicate} ranks"
+        )
     return None
 
 
@@ -66,14 +70,18 @@ def hybrid_mesh(replicate: int = 1, timeout_s: float | None = None) -> HybridMes
     if replicate == 1:
         return HybridMesh(1, world, 0, rank, dist.group.WORLD, None)
     ranks = torch.arange(world).view(replicate, shard)
-    timeout = timedelta(seconds=timeout_s) if timeout_s else None  # else a dead peer is waited on for 30 minutes
+    # else a dead peer is waited on for 30 minutes
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
     mine = {}
-    for kind, lines in (("shard", ranks), ("replicate", ranks.T)):  # rows, then columns: the same order everywhere
+    # rows, then columns: the same order everywhere
+    for kind, lines in (("shard", ranks), ("replicate", ranks.T)):
         for line in lines.tolist():
             group = dist.new_group(line, timeout=timeout)
             if rank in line:
                 mine[kind] = group
-    return HybridMesh(replicate, shard, rank // shard, rank % shard, mine["shard"], mine["replicate"])
+    return HybridMesh(
+        replicate, shard, rank // shard, rank % shard, mine["shard"], mine["replicate"]
+    )
 
 
 def average(output: torch.Tensor, mesh: HybridMesh, reduce_dtype: torch.dtype) -> torch.Tensor:
@@ -81,11 +89,13 @@ def average(output: torch.Tensor, mesh: HybridMesh, reduce_dtype: torch.dtype) -
     the mean over all N ranks, in place. R = 1: divided by N, as zero3.py always did."""
     if mesh.replicate == 1:
         return output.div_(mesh.shard_size)
-    if reduce_dtype in (torch.float32, torch.bfloat16):  # FSDP2: AVG in the row, then AVG across the rows
+    # FSDP2: AVG in the row, then AVG across the rows
+    if reduce_dtype in (torch.float32, torch.bfloat16):
         output.div_(mesh.shard_size)
         count_collective("all_reduce", output)
         dist.all_reduce(output, group=mesh.replicate_group)
         return output.div_(mesh.replicate)
-    count_collective("all_reduce", output)  # float64: exact sums, one division, one rounding (by the caller)
+    # float64: exact sums, one division, one rounding (by the caller)
+    count_collective("all_reduce", output)
     dist.all_reduce(output, group=mesh.replicate_group)
     return output.div_(mesh.replicate * mesh.shard_size)

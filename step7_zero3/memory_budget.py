@@ -5,6 +5,7 @@ process more data memory than the budget, as a GPU's memory would; running out (
 ends the run with one line that says who ran out, within which budget, why this step needs that much,
 and what to do instead (``failures.exit_on_user_error`` prints it, exit code 2).
 """
+
 import ctypes
 import os
 import platform
@@ -19,7 +20,9 @@ budget = {"mb": None, "step": None, "start_mb": None, "gpu": None}
 # How an allocation that failed reads: Python's MemoryError; torch's CPU allocator ("DefaultCPUAllocator:
 # can't allocate memory: you tried to allocate N bytes. Error code 12 (Cannot allocate memory)"); a
 # C++ std::bad_alloc that torch passed on; CUDA's "CUDA out of memory".
-OUT_OF_MEMORY = re.compile(r"can't allocate memory|Cannot allocate memory|std::bad_alloc|out of memory", re.I)
+OUT_OF_MEMORY = re.compile(
+    r"can't allocate memory|Cannot allocate memory|std::bad_alloc|out of memory", re.I
+)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -31,21 +34,28 @@ def is_out_of_memory(error: BaseException) -> bool:
     # small for the libraries' threads (datasets reads the corpus with a pool) fails to start one: Python says
     # "can't start new thread". Without a budget it may be a limit on processes instead: not claimed as memory.
     return bool(OUT_OF_MEMORY.search(str(error))) or (
-        budget["mb"] is not None and "can't start new thread" in str(error))
+        budget["mb"] is not None and "can't start new thread" in str(error)
+    )
 
 
 def out_of_memory_message(error: BaseException) -> str:
     """One line: who ran out, within which budget, why this step needs that much, what to do instead."""
     asked = re.search(r"tried to allocate (\d+) bytes", str(error))
-    what = f"could not allocate {int(asked.group(1)) / 2**20:,.1f} MiB more" if asked else "could not get more memory"
+    what = (
+        f"could not allocate {int(asked.group(1)) / 2**20:,.1f} MiB more"
+        if asked
+        else "could not get more memory"
+    )
     rank = os.environ.get("RANK")
     who = f"rank {rank} of {os.environ.get('WORLD_SIZE')}" if rank is not None else "this process"
     if budget["gpu"] is not None:
         within = f"within --max-memory-mb {budget['mb']:g} of {budget['gpu']}'s memory"
         fix = ", or raise --max-memory-mb"
     elif budget["mb"] is not None:
-        within = (f"within --max-memory-mb {budget['mb']:g} (RLIMIT_DATA: {budget['start_mb']:,.0f} MiB "
-                  f"held at start-up + {budget['mb']:g} MiB)")
+        within = (
+            f"within --max-memory-mb {budget['mb']:g} (RLIMIT_DATA: {budget['start_mb']:,.0f} MiB "
+            f"held at start-up + {budget['mb']:g} MiB)"
+        )
         fix = ", or raise --max-memory-mb"
     else:
         within = "(the machine's memory, or a limit set outside this program)"
@@ -56,7 +66,8 @@ def out_of_memory_message(error: BaseException) -> str:
         why = f"{step} already shards everything: use more ranks or a smaller micro-batch"
     else:
         replicated = {5: "the weights and the gradients", 6: "the weights"}.get(
-            number, "the whole training state (weights, gradients, AdamW's moments)")
+            number, "the whole training state (weights, gradients, AdamW's moments)"
+        )
         why = f"{step} keeps {replicated} on every rank, however many ranks: train with step7_zero3 on more ranks"
     return f"out of memory: {who} {what} {within}; {why}{fix} (compare/estimate.py predicts the bytes per rank)"
 
@@ -85,26 +96,34 @@ def limit_memory(max_memory_mb: float | None, step: str, device=None) -> None:
     into one line. Why this limit and not ``RLIMIT_AS`` or an external ``prlimit``: docs/design.md."""
     if max_memory_mb is not None and max_memory_mb <= 0:
         raise UserError(f"--max-memory-mb must be positive, got {max_memory_mb:g}")
-    budget.update(mb=None, step=step, start_mb=None, gpu=None)  # the budget is named once it is in force
+    # the budget is named once it is in force
+    budget.update(mb=None, step=step, start_mb=None, gpu=None)
     if max_memory_mb is None:
         return
     if device is not None and device.type == "cuda":
         import torch
+
         total = torch.cuda.get_device_properties(device).total_memory
         if max_memory_mb * 2**20 > total:
-            raise UserError(f"--max-memory-mb {max_memory_mb:g} is more than {device}'s {total / 2**20:,.0f} MiB; "
-                            "lower it")
+            raise UserError(
+                f"--max-memory-mb {max_memory_mb:g} is more than {device}'s {total / 2**20:,.0f} MiB; "
+                "lower it"
+            )
         torch.cuda.set_per_process_memory_fraction(max_memory_mb * 2**20 / total, device)
         budget.update(mb=max_memory_mb, gpu=str(device))
         return
     held = data_memory_bytes()
     if held is None:
-        raise UserError("--max-memory-mb needs Linux (/proc/self/status and RLIMIT_DATA); run without it")
+        raise UserError(
+            "--max-memory-mb needs Linux (/proc/self/status and RLIMIT_DATA); run without it"
+        )
     limit = held + int(max_memory_mb * 2**20)
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if hard != resource.RLIM_INFINITY and limit > hard:
-        raise UserError(f"--max-memory-mb {max_memory_mb:g} goes past this process's hard data limit "
-                        f"({hard / 2**20:,.0f} MiB, {held / 2**20:,.0f} MiB of it already held); lower it")
+        raise UserError(
+            f"--max-memory-mb {max_memory_mb:g} goes past this process's hard data limit "
+            f"({hard / 2**20:,.0f} MiB, {held / 2**20:,.0f} MiB of it already held); lower it"
+        )
     release_freed_blocks()
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     budget.update(mb=max_memory_mb, start_mb=held / 2**20)

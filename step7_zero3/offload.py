@@ -14,6 +14,7 @@ need (``--offload-optimizer``; DeepSpeed's ZeRO-Offload, FSDP2's ``CPUOffloadPol
 4. **The same numbers.** AdamW does the same arithmetic on the copies: on a CPU the run is bitwise the run
    without offload; on a GPU the update runs on the CPU's kernels instead of the GPU's (other rounding).
 """
+
 import torch
 
 HOST = torch.device("cpu")  # where the masters, the moments and the step live
@@ -25,28 +26,45 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def __init__(self, named_params, make, host: torch.device = HOST):
         named_params = list(named_params)
         pinned = torch.cuda.is_available() and any(p.is_cuda for _, p in named_params)
-        self.host_copies = []  # rule 1: the float32 masters AdamW updates, trainable where the parameters are
+        # rule 1: the float32 masters AdamW updates, trainable where the parameters are
+        self.host_copies = []
         for _, param in named_params:
             copy = param.detach().to(host, copy=True)
-            self.host_copies.append((copy.pin_memory() if pinned else copy).requires_grad_(param.requires_grad))
+            self.host_copies.append(
+                (copy.pin_memory() if pinned else copy).requires_grad_(param.requires_grad)
+            )
         self.inner = make([(name, copy) for (name, _), copy in zip(named_params, self.host_copies)])
         device_of = {id(copy): param for (_, param), copy in zip(named_params, self.host_copies)}
-        groups = [{**group, "params": [device_of[id(copy)] for copy in group["params"]]} for group in self.inner.param_groups]
-        super().__init__(groups, self.inner.defaults)  # rule 3: the groups hold the device parameters
+        groups = [
+            {**group, "params": [device_of[id(copy)] for copy in group["params"]]}
+            for group in self.inner.param_groups
+        ]
+        # rule 3: the groups hold the device parameters
+        super().__init__(groups, self.inner.defaults)
         self.state = self.inner.state  # what memory_stats counts: the moments, on the host
-        self.pairs = list(zip([p for group in self.param_groups for p in group["params"]],
-                              [c for group in self.inner.param_groups for c in group["params"]]))
+        self.pairs = list(
+            zip(
+                [p for group in self.param_groups for p in group["params"]],
+                [c for group in self.inner.param_groups for c in group["params"]],
+            )
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
         """Rule 2: gradients to the host, AdamW on the host, parameters back."""
-        for ours, inner in zip(self.param_groups, self.inner.param_groups):  # the scheduler's learning rate
+        # the scheduler's learning rate
+        for ours, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({key: value for key, value in ours.items() if key != "params"})
         for param, copy in self.pairs:
             # copy=True: a host tensor of its own even where the host is the device (a CPU run), as on a GPU
-            copy.grad = None if param.grad is None else param.grad.to(copy.device, copy=True, non_blocking=True)
+            copy.grad = (
+                None
+                if param.grad is None
+                else param.grad.to(copy.device, copy=True, non_blocking=True)
+            )
         if any(param.is_cuda for param, _ in self.pairs):
-            torch.cuda.synchronize()  # the non-blocking copies have landed before the host reads them
+            # the non-blocking copies have landed before the host reads them
+            torch.cuda.synchronize()
         self.inner.step()
         for param, copy in self.pairs:
             param.copy_(copy, non_blocking=True)

@@ -15,6 +15,7 @@ optimiser step. ``write`` turns it into
 An all-gather bar that ends before its unit's compute bar begins, while the previous unit was
 computing, is a prefetch that hid the transfer behind compute.
 """
+
 import json
 import time
 from pathlib import Path
@@ -23,7 +24,12 @@ import torch.distributed as dist
 
 from zero3 import SHARDED
 
-COLORS = {"forward": "tab:blue", "backward": "tab:green", "all-gather": "tab:orange", "reduce-scatter": "tab:red"}
+COLORS = {
+    "forward": "tab:blue",
+    "backward": "tab:green",
+    "all-gather": "tab:orange",
+    "reduce-scatter": "tab:red",
+}
 
 
 class PrefetchTrace:
@@ -32,14 +38,22 @@ class PrefetchTrace:
         # prepend: empty the record before FullyShardedDP's own pre-hook launches this forward's gathers
         fsdp_model.module.register_forward_pre_hook(self._on_forward, prepend=True)
         for unit in fsdp_model.units:
-            if unit is not fsdp_model.root:  # after FullyShardedDP's pre-hook (gathered), before its post-hook
-                unit.module.register_forward_pre_hook(lambda m, a, unit=unit: self._start("forward", unit))
-                unit.module.register_forward_hook(lambda m, a, o, unit=unit: self._end("forward", unit), prepend=True)
+            # after FullyShardedDP's pre-hook (gathered), before its post-hook
+            if unit is not fsdp_model.root:
+                unit.module.register_forward_pre_hook(
+                    lambda m, a, unit=unit: self._start("forward", unit)
+                )
+                unit.module.register_forward_hook(
+                    lambda m, a, o, unit=unit: self._end("forward", unit), prepend=True
+                )
         # The rest from outside FullyShardedDP's methods, which its hooks look up at each call.
         self._around("_launch_gather", before=self._gather_launching, after=self._gather_launched)
         self._around("_pre_backward", after=lambda unit: self._start("backward", unit))
-        self._around("_free", before=lambda unit: self._end("backward", unit))  # the first thing a backward ends with
-        self._around("_reduce_scatter", after=lambda unit: self._start("reduce-scatter", unit, "comm"))
+        # the first thing a backward ends with
+        self._around("_free", before=lambda unit: self._end("backward", unit))
+        self._around(
+            "_reduce_scatter", after=lambda unit: self._start("reduce-scatter", unit, "comm")
+        )
         self._around("_finish_reduce_scatter", after=lambda unit: self._end("reduce-scatter", unit))
 
     def _on_forward(self, module, args) -> None:
@@ -56,11 +70,17 @@ class PrefetchTrace:
             if after:
                 after(unit)
             return result
+
         setattr(self.fsdp, method, wrapped)
 
     def _start(self, what: str, unit, category: str = "compute") -> None:
         if self.recording:
-            event = {"name": f"{what} {unit.name}", "cat": category, "start": time.perf_counter(), "end": None}
+            event = {
+                "name": f"{what} {unit.name}",
+                "cat": category,
+                "start": time.perf_counter(),
+                "end": None,
+            }
             self.timeline.append(event)
             self.open[what, unit.name] = event
 
@@ -97,28 +117,52 @@ class PrefetchTrace:
         rows = ["compute"] + list(dict.fromkeys(e["name"] for e in events if e["cat"] == "comm"))
         row = lambda e: 0 if e["cat"] == "compute" else rows.index(e["name"])  # noqa: E731
         us = lambda t: round((t - origin) * 1e6, 1)  # noqa: E731
-        chrome = [{"name": e["name"], "cat": e["cat"], "ph": "X", "pid": rank, "tid": row(e),
-                   "ts": us(e["start"]), "dur": us(e["end"]) - us(e["start"])} for e in events]
+        chrome = [
+            {
+                "name": e["name"],
+                "cat": e["cat"],
+                "ph": "X",
+                "pid": rank,
+                "tid": row(e),
+                "ts": us(e["start"]),
+                "dur": us(e["end"]) - us(e["start"]),
+            }
+            for e in events
+        ]
         trace_path = Path(out_dir) / "trace.json"
         trace_path.parent.mkdir(parents=True, exist_ok=True)
-        trace_path.write_text(json.dumps({"traceEvents": chrome, "displayTimeUnit": "ms"}, indent=1) + "\n")
+        trace_path.write_text(
+            json.dumps({"traceEvents": chrome, "displayTimeUnit": "ms"}, indent=1) + "\n"
+        )
 
-        import matplotlib  # here, not at the top: a rank that draws nothing does not import it (~0.6 s)
+        # here, not at the top: a rank that draws nothing does not import it (~0.6 s)
+        import matplotlib
+
         matplotlib.use("Agg")  # files only
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(11, 1.2 + 0.4 * len(rows)), dpi=110)
         for e in events:
             start, end = (e["start"] - origin) * 1e3, (e["end"] - origin) * 1e3
-            ax.barh(row(e), end - start, left=start, color=COLORS[e["name"].split(" ")[0]], edgecolor="white")
+            ax.barh(
+                row(e),
+                end - start,
+                left=start,
+                color=COLORS[e["name"].split(" ")[0]],
+                edgecolor="white",
+            )
             if e["cat"] == "compute":
                 label = ".".join(e["name"].split(" ")[1].split(".")[-2:])  # transformer.h.3 -> h.3
-                ax.text((start + end) / 2, 0, label, ha="center", va="center", fontsize=7, color="white")
+                ax.text(
+                    (start + end) / 2, 0, label, ha="center", va="center", fontsize=7, color="white"
+                )
         ax.set_yticks(range(len(rows)), rows)
         ax.invert_yaxis()
         ax.set_xlabel("time since the forward began (ms)")
-        ax.set_title(f"rank {rank}: forward (blue) and backward (green) per unit; "
-                     "all-gathers (orange), reduce-scatters (red)")
+        ax.set_title(
+            f"rank {rank}: forward (blue) and backward (green) per unit; "
+            "all-gathers (orange), reduce-scatters (red)"
+        )
         fig.tight_layout()
         png_path = Path(out_dir) / "timeline.png"
         fig.savefig(png_path)

@@ -31,6 +31,7 @@ Rules:
    is one fused kernel that keeps no s x s tensor, so selective saves little there (its log-sum-exp). The mode may
    change when a run resumes (resharding.py's RESUMABLE_KEYS): it changes what is kept, never what is computed.
 """
+
 import functools
 
 import torch.utils.checkpoint
@@ -44,24 +45,37 @@ def mode_of(value) -> str:
 
 
 def add_recomputation_flag(flags) -> None:
-    flags.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=MODES,
-                       help="recompute activations in backward instead of keeping them: full (the bare flag), "
-                            "each block's; selective (recomputation.py), only attention's s x s core")
+    flags.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="full",
+        default="none",
+        choices=MODES,
+        help="recompute activations in backward instead of keeping them: full (the bare flag), "
+        "each block's; selective (recomputation.py), only attention's s x s core",
+    )
 
 
 def recompute(blocks, mode) -> None:
     """``blocks`` recomputed in backward as ``mode`` says (rules 1-2): their forwards, or their attention cores."""
-    checkpointed = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, preserve_rng_state=True)
+    checkpointed = functools.partial(
+        torch.utils.checkpoint.checkpoint, use_reentrant=False, preserve_rng_state=True
+    )
     mode = mode_of(mode)
     for block in blocks:
-        if mode == "full":  # a module's hooks run around it once; the recomputation calls the inner forward
+        # a module's hooks run around it once; the recomputation calls the inner forward
+        if mode == "full":
             block.forward = functools.partial(checkpointed, block.forward)
         elif mode == "selective":
             block.attn.core = functools.partial(checkpointed, block.attn.core)
 
 
-def recomputed_flops(mode: str, micro_batch_size: int, seq_len: int, n_embd: int, n_layer: int) -> int:
+def recomputed_flops(
+    mode: str, micro_batch_size: int, seq_len: int, n_embd: int, n_layer: int
+) -> int:
     """FLOPs one micro-batch's backward spends recomputing forward (rule 4): the matmuls' 2 flops a multiply-add."""
     b, s, h = micro_batch_size, seq_len, n_embd
     attention = 4 * b * s * s * h
-    return n_layer * {"none": 0, "selective": attention, "full": 24 * b * s * h * h + attention}[mode]
+    return (
+        n_layer * {"none": 0, "selective": attention, "full": 24 * b * s * h * h + attention}[mode]
+    )

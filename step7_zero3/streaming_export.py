@@ -13,6 +13,7 @@ written first; then each tensor's bytes go to their offset as its unit is gather
 the units come. The file is byte for byte the one ``save_file`` writes for the same tensors (a test
 compares it with step 1's).
 """
+
 import hashlib
 import json
 import math
@@ -32,20 +33,29 @@ def header_and_offsets(shapes: dict, dtype: torch.dtype = torch.float32) -> tupl
     header, begin = {}, 0
     for name in sorted(shapes):
         end = begin + math.prod(shapes[name]) * dtype.itemsize
-        header[name] = {"dtype": DTYPES[dtype], "shape": list(shapes[name]), "data_offsets": [begin, end]}
+        header[name] = {
+            "dtype": DTYPES[dtype],
+            "shape": list(shapes[name]),
+            "data_offsets": [begin, end],
+        }
         begin = end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     start = 8 + len(text)
-    return struct.pack("<Q", len(text)) + text, {name: start + h["data_offsets"][0] for name, h in header.items()}
+    return struct.pack("<Q", len(text)) + text, {
+        name: start + h["data_offsets"][0] for name, h in header.items()
+    }
 
 
-def save_final_weights_streaming(out_dir: Path, shapes: dict, named_tensors, is_writer: bool) -> dict | None:
+def save_final_weights_streaming(
+    out_dir: Path, shapes: dict, named_tensors, is_writer: bool
+) -> dict | None:
     """``save_final_weights`` for tensors that arrive one by one (``named_tensors``: an iterator of
     ``(name, tensor)``, every name of ``shapes`` once). Every rank must consume the iterator (its gathers
     are collectives); only the writer writes, and gets the ``final`` section back (its exact ``param_norm`` from
     each tensor's parts as it passes, exact_sums.py)."""
     from exact_sums import norm_from_parts, square_sum_parts
+
     path = Path(out_dir) / "model.safetensors"
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     fingerprints, f, parts = {}, None, square_sum_parts([])  # zeros: no tensor yet
@@ -68,11 +78,17 @@ def save_final_weights_streaming(out_dir: Path, shapes: dict, named_tensors, is_
     if not is_writer:
         return None
     if sorted(fingerprints) != sorted(shapes):
-        raise RuntimeError(f"streaming export: tensors missing: {sorted(set(shapes) - set(fingerprints))}")
+        raise RuntimeError(
+            f"streaming export: tensors missing: {sorted(set(shapes) - set(fingerprints))}"
+        )
     os.replace(tmp, path)
     sha256 = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             sha256.update(block)
-    return {"weights": path.name, "sha256": sha256.hexdigest(),
-            "fingerprints": {name: fingerprints[name] for name in shapes}, "param_norm": norm_from_parts(parts)}
+    return {
+        "weights": path.name,
+        "sha256": sha256.hexdigest(),
+        "fingerprints": {name: fingerprints[name] for name in shapes},
+        "param_norm": norm_from_parts(parts),
+    }

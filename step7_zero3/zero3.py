@@ -44,6 +44,7 @@ parameters by name and what the trainer measures: zero3_state.py. GPT-2 from ste
 zero3_setup.py. HSDP (``mesh``: N read as the N/R ranks of a row, the gradient all-reduced across the rows):
 hsdp.py.
 """
+
 import contextlib
 import functools
 import math
@@ -52,9 +53,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from comm_accounting import all_gather_single, reduce_scatter_single, count_collective
-from zero3_mixed_precision import accumulate, cast_forward_inputs
+from comm_accounting import all_gather_single, count_collective, reduce_scatter_single
 from hsdp import average, hybrid_mesh
+from zero3_mixed_precision import accumulate, cast_forward_inputs
 from zero3_state import FullyShardedState
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
@@ -72,34 +73,50 @@ class Unit:
         self.name, self.module = name, module
         self.names, self.registrations = [e[0] for e in entries], [e[2] for e in entries]
         self.shapes = [param.shape for _, param, _ in entries]
-        self.trainable = [param.requires_grad for _, param, _ in entries]  # frozen ones get no gradient
+        # frozen ones get no gradient
+        self.trainable = [param.requires_grad for _, param, _ in entries]
         self.numels = [math.prod(shape) for shape in self.shapes]
         self.padded = -(-sum(self.numels) // world_size) * world_size  # Lp
         size = self.padded // world_size
         self.shard = torch.zeros(size, device=device)  # this rank's elements; the padding stays 0
-        self.grad_shard = None  # this rank's averaged gradient: allocated by the first reduce-scatter
+        # this rank's averaged gradient: allocated by the first reduce-scatter
+        self.grad_shard = None
         self.slices, self.pieces, self.ranges, begin = [], [], [], 0
         for (name, param, _), numel in zip(entries, self.numels):
-            lo = max(begin, rank * size)  # this rank's elements of the parameter, in the unit: [lo, hi)
-            hi = max(lo, min(begin + numel, (rank + 1) * size))  # hi == lo: the rank owns none of it
+            # this rank's elements of the parameter, in the unit: [lo, hi)
+            lo = max(begin, rank * size)
+            # hi == lo: the rank owns none of it
+            hi = max(lo, min(begin + numel, (rank + 1) * size))
             self.slices.append(slice(lo - rank * size, hi - rank * size))
             self.ranges.append((lo - begin, hi - begin))  # the same elements, within the parameter
             with torch.no_grad():  # the full value lives only until its slice is copied
-                self.shard[self.slices[-1]] = value(name, param).reshape(-1)[lo - begin : hi - begin]
-            self.pieces.append(torch.nn.Parameter(self.shard[self.slices[-1]], requires_grad=param.requires_grad))
+                self.shard[self.slices[-1]] = value(name, param).reshape(-1)[
+                    lo - begin : hi - begin
+                ]
+            self.pieces.append(
+                torch.nn.Parameter(self.shard[self.slices[-1]], requires_grad=param.requires_grad)
+            )
             begin += numel
-        self.flat = None  # the full-size leaf: created by the first gather, its storage freed between uses
-        self.accumulated = None  # param_dtype under no_sync: the micro-batches' gradients summed in reduce_dtype
+        # the full-size leaf: created by the first gather, its storage freed between uses
+        self.flat = None
+        # param_dtype under no_sync: the micro-batches' gradients summed in reduce_dtype
+        self.accumulated = None
         self.state, self.handle, self.views = SHARDED, None, None
         self.sending = None  # param_dtype: the shard cast to 16 bits, in flight in the all-gather
         self.work = self.output = None  # the reduce-scatter in flight and the buffer it writes
         self.input = None  # the full gradient it reads
 
-    def full_views(self, flat: torch.Tensor) -> list:  # shaped like the parameters; the padding left out
+    # shaped like the parameters; the padding left out
+    def full_views(self, flat: torch.Tensor) -> list:
         sizes = self.numels + [self.padded - sum(self.numels)]
-        chunks, detached = torch.split(flat, sizes), torch.split(flat.detach(), sizes)  # frozen: no gradient path
-        return [(chunk if trainable else frozen).view(shape)
-                for chunk, frozen, trainable, shape in zip(chunks, detached, self.trainable, self.shapes)]
+        # frozen: no gradient path
+        chunks, detached = torch.split(flat, sizes), torch.split(flat.detach(), sizes)
+        return [
+            (chunk if trainable else frozen).view(shape)
+            for chunk, frozen, trainable, shape in zip(
+                chunks, detached, self.trainable, self.shapes
+            )
+        ]
 
     def install(self, tensors: list) -> None:
         """Make ``tensors`` (pieces, or full views) the modules' parameters (``setattr`` would refuse a view)."""
@@ -119,32 +136,50 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
     optimiser step (the one outside ``no_sync()``) call ``finish_gradient_synchronization()`` once.
     """
 
-    def __init__(self, module: torch.nn.Module, units, init_fn=None, reshard_after_forward: bool = True,
-                 reduce_dtype: torch.dtype = torch.float32, prefetch: bool = True, device=None,
-                 param_dtype: torch.dtype | None = None, mesh=None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        units,
+        init_fn=None,
+        reshard_after_forward: bool = True,
+        reduce_dtype: torch.dtype = torch.float32,
+        prefetch: bool = True,
+        device=None,
+        param_dtype: torch.dtype | None = None,
+        mesh=None,
+    ):
         super().__init__()
         self.module = module
         self.param_dtype = param_dtype
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        self.mesh = mesh or hybrid_mesh()  # the shard group (all ranks, or a row: HSDP) the units are cut over
-        self.reshard_after_forward, self.reduce_dtype, self.prefetch = reshard_after_forward, reduce_dtype, prefetch
+        # the shard group (all ranks, or a row: HSDP) the units are cut over
+        self.mesh = mesh or hybrid_mesh()
+        self.reshard_after_forward, self.reduce_dtype, self.prefetch = (
+            reshard_after_forward,
+            reduce_dtype,
+            prefetch,
+        )
         self.device = torch.device(device or "cpu")
         self.require_sync = True
         self.units = self._build_units(module, list(units), init_fn)
-        self.root = self.units[0] if self.units[0].module is module else None  # None: no parameter of its own
+        # None: no parameter of its own
+        self.root = self.units[0] if self.units[0].module is module else None
         module.register_forward_pre_hook(self._root_pre_forward)
         module.register_forward_hook(self._root_post_forward)
         for unit in self.units[1:] if self.root else self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
-        if param_dtype is not None:  # as FSDP2's cast_forward_inputs: every unit computes in param_dtype
+        # as FSDP2's cast_forward_inputs: every unit computes in param_dtype
+        if param_dtype is not None:
             cast_forward_inputs({module, *(unit.module for unit in self.units)}, param_dtype)
         # Units as their forwards begin, a unit called twice listed twice: recorded in the first forward (every
         # forward runs the same graph), it says what to prefetch at each call. forward_calls: calls so far.
         self.forward_order, self.forward_calls, self.recorded = [], 0, False
-        self.post_forward_order = []  # units as their forwards ended, this forward; reversed: backward's order
+        # units as their forwards ended, this forward; reversed: backward's order
+        self.post_forward_order = []
         self.reducing = None  # the unit whose reduce-scatter is in flight
-        self.reduced = set()  # units reduce-scattered in this optimiser step (cleared by the sync point)
+        # units reduce-scattered in this optimiser step (cleared by the sync point)
+        self.reduced = set()
         self.gathered_bytes = self.peak_gathered_bytes = 0
 
     def _build_units(self, model, unit_modules: list, init_fn) -> list:
@@ -158,25 +193,34 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
                     where.setdefault(param, []).append((module, attribute))
 
         def owner(module) -> int:  # the innermost unit holding the module (0: the root)
-            inside = [i + 1 for i, u in enumerate(unit_names) if f"{names[module]}.".startswith(f"{u}.")]
+            inside = [
+                i + 1 for i, u in enumerate(unit_names) if f"{names[module]}.".startswith(f"{u}.")
+            ]
             return max(inside, key=lambda i: len(unit_names[i - 1]), default=0)
 
         entries = [[] for _ in range(len(unit_modules) + 1)]
         for param, registered in where.items():
             owners = {owner(module) for module, _ in registered}
             if len(owners) > 1:  # it would be gathered, and its gradient reduced, in two places
-                raise ValueError(f"{full_name(*registered[0])} is tied across units ("
-                                 f"{', '.join(sorted(['root', *unit_names][o] for o in owners))}): wrap one module "
-                                 "that holds every use of it, or leave them all to the root")
+                raise ValueError(
+                    f"{full_name(*registered[0])} is tied across units ("
+                    f"{', '.join(sorted(['root', *unit_names][o] for o in owners))}): wrap one module "
+                    "that holds every use of it, or leave them all to the root"
+                )
             entries[owners.pop()].append((full_name(*registered[0]), param, registered))
 
         def value(name, tensor):
             if tensor.is_meta and init_fn is None:
                 raise ValueError(f"{name} is on the meta device: pass init_fn to give it values")
-            return (init_fn(name, tensor.shape) if tensor.is_meta else tensor.detach()).to(self.device, tensor.dtype)
+            return (init_fn(name, tensor.shape) if tensor.is_meta else tensor.detach()).to(
+                self.device, tensor.dtype
+            )
 
-        units = [Unit(name, m, e, value, self.mesh.shard_size, self.mesh.shard_rank, self.device)
-                 for name, m, e in zip(["root"] + unit_names, [model] + unit_modules, entries) if e]
+        units = [
+            Unit(name, m, e, value, self.mesh.shard_size, self.mesh.shard_rank, self.device)
+            for name, m, e in zip(["root"] + unit_names, [model] + unit_modules, entries)
+            if e
+        ]
         for unit in units:
             unit.install(unit.pieces)
         for module in names:  # buffers are small: every rank keeps them whole
@@ -187,12 +231,15 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.reduced:  # a synchronised backward ran, and nobody finished it
-            raise RuntimeError("FullyShardedDP: call finish_gradient_synchronization() after the last backward of "
-                               "every optimiser step, before optimizer.step(): without it the pieces' .grad are "
-                               "not this step's averaged gradients (the last step used stale or no gradients)")
+            raise RuntimeError(
+                "FullyShardedDP: call finish_gradient_synchronization() after the last backward of "
+                "every optimiser step, before optimizer.step(): without it the pieces' .grad are "
+                "not this step's averaged gradients (the last step used stale or no gradients)"
+            )
         return self.module(*args, **kwargs)
 
-    def named_parameters(self, *args, **kwargs):  # the original names, as FSDP2 keeps them (no "module.")
+    # the original names, as FSDP2 keeps them (no "module.")
+    def named_parameters(self, *args, **kwargs):
         return self.module.named_parameters(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -209,14 +256,19 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         if unit.state != SHARDED:
             return
         if unit.flat is None:
-            unit.flat = torch.empty(unit.padded, dtype=self.param_dtype or unit.shard.dtype, device=self.device,
-                                    requires_grad=any(unit.trainable))
+            unit.flat = torch.empty(
+                unit.padded,
+                dtype=self.param_dtype or unit.shard.dtype,
+                device=self.device,
+                requires_grad=any(unit.trainable),
+            )
             if any(unit.trainable):  # a unit of frozen parameters has no backward of its own to end
                 # Weakly, as step 4's hooks: a tensor's hooks live where Python's garbage collector does not look,
                 # and a hook holding the unit (which holds this tensor) would keep it, and the wrapper, for good.
                 me, unit_ref = weakref.ref(self), weakref.ref(unit)
                 unit.flat.register_post_accumulate_grad_hook(
-                    lambda flat: me() and me()._post_backward(unit_ref(), flat))
+                    lambda flat: me() and me()._post_backward(unit_ref(), flat)
+                )
         else:
             unit.flat.untyped_storage().resize_(unit.padded * unit.flat.element_size())
         self.gathered_bytes += unit.padded * unit.flat.element_size()
@@ -225,21 +277,25 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         # Into .data: a write autograd does not count, so what backward saved from the last gather stays valid.
         # With param_dtype the shard goes out cast to 16 bits, a copy freed after the wait (see _gathered).
         unit.sending = unit.shard.to(unit.flat.dtype)
-        unit.handle = all_gather_single(unit.flat.data, unit.sending, group=self.mesh.shard_group, async_op=True)
+        unit.handle = all_gather_single(
+            unit.flat.data, unit.sending, group=self.mesh.shard_group, async_op=True
+        )
         unit.state = GATHERING
 
     def _gathered(self, unit: Unit) -> None:  # launching the gather if nobody did
         self._launch_gather(unit)
         if unit.state == GATHERING:
             unit.handle.wait()
-            if unit.sending is not unit.shard:  # the 16-bit copy: freed now, here (gloo's thread may hold it last)
+            # the 16-bit copy: freed now, here (gloo's thread may hold it last)
+            if unit.sending is not unit.shard:
                 unit.sending.untyped_storage().resize_(0)
             unit.state, unit.handle, unit.sending = GATHERED, None, None
 
     def _free(self, unit: Unit) -> None:
         if unit.state == SHARDED:
             return
-        self._gathered(unit)  # a prefetched gather still writes into the buffer: let it finish first
+        # a prefetched gather still writes into the buffer: let it finish first
+        self._gathered(unit)
         unit.flat.untyped_storage().resize_(0)  # the memory goes back to the allocator now
         self.gathered_bytes -= unit.padded * unit.flat.element_size()
         unit.state = SHARDED
@@ -265,7 +321,8 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         self.recorded = True
         if self.root is None:
             return
-        self.root.install(self.root.pieces)  # the graph keeps the views; the weights stay gathered for backward
+        # the graph keeps the views; the weights stay gathered for backward
+        self.root.install(self.root.pieces)
         if not torch.is_grad_enabled():
             self._free(self.root)  # no backward will come
 
@@ -285,7 +342,8 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         self.post_forward_order.append(unit)
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
-            if tensors:  # runs when the gradient of the unit's output is known: the unit's backward comes next
+            # runs when the gradient of the unit's output is known: the unit's backward comes next
+            if tensors:
                 hook = functools.partial(self._pre_backward, unit, position)
                 torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         if self.reshard_after_forward or not torch.is_grad_enabled():
@@ -296,7 +354,8 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         self._launch_gather(unit)
         self._prefetch(self.post_forward_order, position - 1)
         self._gathered(unit)
-        unit.install(unit.views)  # for activation checkpointing: the forward recomputed in backward reads them
+        # for activation checkpointing: the forward recomputed in backward reads them
+        unit.install(unit.views)
 
     def _post_backward(self, unit: Unit, flat: torch.Tensor) -> None:
         """Runs once per backward, after every gradient of the unit has been summed into ``flat.grad``."""
@@ -310,24 +369,36 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
     # ---- Gradients -----------------------------------------------------------------------------------
     def _reduce_scatter(self, unit: Unit) -> None:
         if self.reducing is not None:
-            self._finish_reduce_scatter(self.reducing)  # at most one in flight: bounds full-gradient memory
-        full = getattr(unit.flat, "grad", None)  # None: no gradient reached the unit: zeros, so no peer waits
+            # at most one in flight: bounds full-gradient memory
+            self._finish_reduce_scatter(self.reducing)
+        # None: no gradient reached the unit: zeros, so no peer waits
+        full = getattr(unit.flat, "grad", None)
         if unit.accumulated is not None:  # param_dtype with no_sync: the earlier micro-batches' sum
             full, unit.accumulated = accumulate(unit, self.reduce_dtype), None
-        full = (torch.zeros(unit.padded, device=self.device) if full is None else full).to(self.reduce_dtype)
+        full = (torch.zeros(unit.padded, device=self.device) if full is None else full).to(
+            self.reduce_dtype
+        )
         if unit.flat is not None:
             unit.flat.grad = None  # the collective's handle keeps what it still reads
         if unit.grad_shard is None:
             unit.grad_shard = torch.zeros(len(unit.shard), device=self.device)
-        unit.output = unit.grad_shard if self.reduce_dtype == torch.float32 else full.new_empty(len(unit.shard))
+        unit.output = (
+            unit.grad_shard
+            if self.reduce_dtype == torch.float32
+            else full.new_empty(len(unit.shard))
+        )
         count_collective("reduce_scatter", full)
-        unit.input = full  # its storage is freed after the wait, in this thread, as an all-gather's copy is
-        unit.work = reduce_scatter_single(unit.output, full, group=self.mesh.shard_group, async_op=True)
+        # its storage is freed after the wait, in this thread, as an all-gather's copy is
+        unit.input = full
+        unit.work = reduce_scatter_single(
+            unit.output, full, group=self.mesh.shard_group, async_op=True
+        )
         self.reducing = unit
         self.reduced.add(unit)
 
     def _finish_reduce_scatter(self, unit: Unit) -> None:
-        unit.work.wait()  # gloo writes the output only here (and its handle has no future to call back)
+        # gloo writes the output only here (and its handle has no future to call back)
+        unit.work.wait()
         unit.input.untyped_storage().resize_(0)
         # Divided by N (HSDP: all-reduced across the replicas too, hsdp.py); float64 -> float32 rounds here, once
         unit.grad_shard.copy_(average(unit.output, self.mesh, self.reduce_dtype))
@@ -335,8 +406,10 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the last reduce-scatter; then each piece's ``.grad`` is its slice of the averaged gradient."""
-        for unit in self.units:  # the optimiser is about to change the shards: no gathered copy may outlive them
-            self._free(unit)  # (a unit of frozen parameters, gathered for backward, has no hook that frees it)
+        # the optimiser is about to change the shards: no gathered copy may outlive them
+        for unit in self.units:
+            # (a unit of frozen parameters, gathered for backward, has no hook that frees it)
+            self._free(unit)
         missing = [unit for unit in self.units if any(unit.trainable) and unit not in self.reduced]
         for unit in missing:  # in unit order on every rank
             self._free(unit)
@@ -349,8 +422,10 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
                     piece.grad = unit.grad_shard[part]
         self.reduced = set()
         if missing:
-            raise RuntimeError(f"unit(s) {', '.join(u.name for u in missing)} received no gradient in this step; "
-                               "make every parameter take part in the loss")
+            raise RuntimeError(
+                f"unit(s) {', '.join(u.name for u in missing)} received no gradient in this step; "
+                "make every parameter take part in the loss"
+            )
 
 
 def _tensors_in(output) -> list:

@@ -13,15 +13,18 @@ masters), so a file of its own; zero3.py calls it in a line where float32 has no
    reduced in ``reduce_dtype`` (float32); under ``no_sync()`` each micro-batch's 16-bit gradient
    is added to a ``reduce_dtype`` sum, as FSDP2 does, not summed in 16 bits (``accumulate``).
 """
+
 import torch
 
 
 def cast_forward_inputs(modules, param_dtype: torch.dtype) -> None:
     """Rule 2: before each module's forward, its floating tensor arguments are cast to
     ``param_dtype``."""
+
     def cast_inputs(module, args, kwargs):
         def cast(t):
             return t.to(param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t
+
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
     for module in modules:

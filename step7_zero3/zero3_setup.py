@@ -7,28 +7,39 @@ gathered views again for the forward recomputed in backward), ``--offload-optimi
 (HSDP, hsdp.py; ``check_replicate`` refuses an R that does not divide N). ``shard_gpt2``: this project's GPT-2 built on
 the meta device and wrapped in ``FullyShardedDP`` with its blocks as units (zero3.py's rule 6).
 """
+
 import torch
 
-from model import GPT2, gpt2_config, initial_value
 from config import UserError
 from hsdp import hybrid_mesh, replicate_problem
+from model import GPT2, gpt2_config, initial_value
 from recomputation import add_recomputation_flag, recompute
 from zero3 import FullyShardedDP
 
 
 def add_zero3_flags(parser) -> None:
     flags = parser.add_argument_group("ZeRO-3")
-    flags.add_argument("--no-prefetch", action="store_true",
-                       help="gather each unit only when it is needed")
+    flags.add_argument(
+        "--no-prefetch", action="store_true", help="gather each unit only when it is needed"
+    )
     add_recomputation_flag(flags)
-    flags.add_argument("--offload-optimizer", action="store_true",
-                       help="AdamW's state and step in host memory (ZeRO-Offload, offload.py): the "
-                            "device keeps parameters and gradients")
-    flags.add_argument("--trace", action="store_true",
-                       help="write trace.json and timeline.png of the last step")
-    flags.add_argument("--replicate", type=int, default=1, metavar="R",
-                       help="HSDP (hsdp.py): shard over N/R consecutive ranks (a node), replicate over R "
-                            "such groups; 1: shard over all N")
+    flags.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="AdamW's state and step in host memory (ZeRO-Offload, offload.py): the "
+        "device keeps parameters and gradients",
+    )
+    flags.add_argument(
+        "--trace", action="store_true", help="write trace.json and timeline.png of the last step"
+    )
+    flags.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        metavar="R",
+        help="HSDP (hsdp.py): shard over N/R consecutive ranks (a node), replicate over R "
+        "such groups; 1: shard over all N",
+    )
 
 
 def check_replicate(replicate: int, world_size: int) -> None:
@@ -47,13 +58,21 @@ def shard_gpt2(config: dict, vocab_size: int, device, param_dtype=None) -> tuple
     with torch.device("meta"):
         model = GPT2(gpt2_config(config, vocab_size))
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    recompute(model.transformer.h, config["activation_checkpointing"])  # zero3.py's hooks stay around each block
+    # zero3.py's hooks stay around each block
+    recompute(model.transformer.h, config["activation_checkpointing"])
 
     def init_fn(name, shape):
         return initial_value(name, shape, config["seed"], config["n_layer"])
 
-    wrapper = FullyShardedDP(model, model.transformer.h, device=device, init_fn=init_fn,
-                             prefetch=not config["no_prefetch"], param_dtype=param_dtype,
-                             reduce_dtype=getattr(torch, config["reduce_dtype"]),
-                             mesh=hybrid_mesh(config.get("replicate", 1), config.get("timeout_s")))  # no keys: no HSDP
+    wrapper = FullyShardedDP(
+        model,
+        model.transformer.h,
+        device=device,
+        init_fn=init_fn,
+        prefetch=not config["no_prefetch"],
+        param_dtype=param_dtype,
+        reduce_dtype=getattr(torch, config["reduce_dtype"]),
+        # no keys: no HSDP
+        mesh=hybrid_mesh(config.get("replicate", 1), config.get("timeout_s")),
+    )
     return wrapper, shapes

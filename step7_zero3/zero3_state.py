@@ -12,6 +12,7 @@ saved and read back, not how a step trains), so a file of its own, as ZeRO-1's z
 3. **What the trainer measures**: the shards it counts (``parameter_shards``,
    ``gradient_shards``) and the most gathered bytes held at once (``take_peak_gathered_bytes``).
 """
+
 import torch
 
 from comm_accounting import all_gather_single, count_collective
@@ -29,8 +30,9 @@ class FullyShardedState:
         ``optimizer_slices``). Nothing full-size, no collective."""
         state = {"model": self.module.state_dict(), "model_slices": self.piece_ranges()}
         if optimizer is not None:
-            state.update(optimizer=optimizer.state_dict(),
-                         optimizer_slices=self._optimizer_slices(optimizer))
+            state.update(
+                optimizer=optimizer.state_dict(), optimizer_slices=self._optimizer_slices(optimizer)
+            )
         return state
 
     def load_checkpoint(self, checkpoint, optimizer=None) -> None:
@@ -56,8 +58,11 @@ class FullyShardedState:
         state dict is."""
         ranges = self.piece_ranges()
         name_of = {piece: name for name, piece in self.module.named_parameters()}
-        return [(name_of[p], *ranges[name_of[p]])
-                for group in optimizer.param_groups for p in group["params"]]
+        return [
+            (name_of[p], *ranges[name_of[p]])
+            for group in optimizer.param_groups
+            for p in group["params"]
+        ]
 
     # ---- Full parameters, unit by unit (rule 2) --------------------------------------------------
     @torch.no_grad()

@@ -8,6 +8,7 @@ and ``rank<r>.pt`` (the rank's RNG and, from step 5 on, its slices).
 3. **Read back by parameter name** (``resharding.py``): by any step from 1 on, at any world size; found and made
    whole or absent by ``checkpoint_files.py``.
 """
+
 import time
 
 import torch
@@ -22,7 +23,10 @@ from training import params_in_order
 
 def optimizer_state(optimizer, named_params) -> dict:
     """What is saved for a plain optimiser over whole parameters: its state dict, and whose state each entry is."""
-    return {"optimizer": optimizer.state_dict(), "optimizer_slices": optimizer_slices(optimizer, named_params)}
+    return {
+        "optimizer": optimizer.state_dict(),
+        "optimizer_slices": optimizer_slices(optimizer, named_params),
+    }
 
 
 def load_optimizer(optimizer, checkpoint, named_params) -> None:
@@ -40,19 +44,25 @@ def load_parameters(named_params, checkpoint) -> None:
 
 class RunState:
     """A part (rule 2) every rank holds alike: the schedule, the loss scale, the data position and the log."""
+
     per_rank = False  # rank 0 saves it for everyone
 
     def __init__(self, scheduler, scaler, batches, log):
         self.scheduler, self.scaler, self.batches, self.log = scheduler, scaler, batches, log
 
     def checkpoint_state(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "data": self.batches.state_dict(), "records": self.log.records}
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "data": self.batches.state_dict(),
+            "records": self.log.records,
+        }
 
     def load_checkpoint(self, checkpoint) -> None:
         self.scheduler.load_state_dict(checkpoint.shared["scheduler"])
         self.scaler.load_state_dict(checkpoint.shared["scaler"])
-        ranks = self.batches.sampler.num_replicas  # the ranks drawing samples now: the same position, maybe cut anew
+        # the ranks drawing samples now: the same position, maybe cut anew
+        ranks = self.batches.sampler.num_replicas
         self.batches.load_state_dict(checkpoint.data_state(self.batches.micro_batch_size, ranks))
         self.log.records = list(checkpoint.shared["records"])
 
@@ -60,19 +70,28 @@ class RunState:
 class WholeModel:
     """A part: a model every rank holds whole and a plain ``optimizer`` (if any) over its parameters, or, given
     ``masters`` (step 0's --param-dtype), over their float32 masters, saved and loaded in place of 16-bit copies."""
+
     per_rank = False
 
     def __init__(self, model, optimizer=None, masters=None):
         self.model, self.optimizer, self.masters = model, optimizer, masters or []
-        self.trained = self.masters or list(model.named_parameters())  # what the optimiser steps, by name
+        # what the optimiser steps, by name
+        self.trained = self.masters or list(model.named_parameters())
 
     def checkpoint_state(self) -> dict:
         master_of = {p.data_ptr(): m for (_, m), p in zip(self.masters, self.model.parameters())}
-        state = {"model": {name: master_of.get(t.data_ptr(), t) for name, t in self.model.state_dict().items()}}
-        return {**state, **optimizer_state(self.optimizer, self.trained)} if self.optimizer else state
+        state = {
+            "model": {
+                name: master_of.get(t.data_ptr(), t) for name, t in self.model.state_dict().items()
+            }
+        }
+        return (
+            {**state, **optimizer_state(self.optimizer, self.trained)} if self.optimizer else state
+        )
 
     def load_checkpoint(self, checkpoint) -> None:
-        load_parameters([*self.model.named_parameters(), *self.masters], checkpoint)  # 16-bit copies rounded
+        # 16-bit copies rounded
+        load_parameters([*self.model.named_parameters(), *self.masters], checkpoint)
         if self.optimizer:
             load_optimizer(self.optimizer, checkpoint, self.trained)
 
@@ -81,9 +100,18 @@ class CheckpointWriter:
     """Every rank calls ``start`` once, ``save`` at the same steps, ``wait`` before exit. ``shapes``: every full
     parameter's, by name (what joins slices back); ``parts``: rule 2; ``--async-save``: ``background_writer.py``."""
 
-    def __init__(self, config: dict, rank: int, world_size: int, shapes: dict, parts: list, data_parallel_size=None):
+    def __init__(
+        self,
+        config: dict,
+        rank: int,
+        world_size: int,
+        shapes: dict,
+        parts: list,
+        data_parallel_size=None,
+    ):
         self.config, self.rank, self.world_size, self.shapes = config, rank, world_size, shapes
-        self.parts, self.data_parallel_size, self.group = parts, data_parallel_size, None  # the barriers' group: default
+        # the barriers' group: default
+        self.parts, self.data_parallel_size, self.group = parts, data_parallel_size, None
 
     def start(self, checkpoint) -> int:
         """Resume from ``checkpoint``: every part, then this rank's RNG (nothing may draw after it); given None,
@@ -94,7 +122,8 @@ class CheckpointWriter:
             return 0
         for part in self.parts:
             part.load_checkpoint(checkpoint)
-        set_rng_state(checkpoint.rank_state(self.rank if self.world_size > 1 else 0)["rng"])  # 1: one stream
+        # 1: one stream
+        set_rng_state(checkpoint.rank_state(self.rank if self.world_size > 1 else 0)["rng"])
         if self.rank == 0:
             print(f"resumed from {checkpoint.path} at step {checkpoint.step}")
         return checkpoint.step
@@ -119,8 +148,10 @@ class CheckpointWriter:
 
     def _report(self, step: int, started: float, how: str) -> None:
         if self.rank == 0 and not self.config["quiet"]:
-            print(f"checkpoint step_{step} {how}: training paused {(time.perf_counter() - started) * 1e3:.0f} ms",
-                  flush=True)
+            print(
+                f"checkpoint step_{step} {how}: training paused {(time.perf_counter() - started) * 1e3:.0f} ms",
+                flush=True,
+            )
 
     def _barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -134,8 +165,11 @@ class CheckpointWriter:
         torch.save(rank_state, tmp / f"rank{self.rank}.pt")
         if self.rank == 0:
             torch.save(shared_state, tmp / "state.pt")
-            (tmp / "meta.json").write_text(checkpoint_meta(step, self.world_size, self.config, self.shapes,
-                                                           self.data_parallel_size))
+            (tmp / "meta.json").write_text(
+                checkpoint_meta(
+                    step, self.world_size, self.config, self.shapes, self.data_parallel_size
+                )
+            )
         self._barrier()  # every rank's file is in tmp before it becomes the checkpoint
         if self.rank == 0:
             publish(tmp)  # .tmp_step_<k> becomes step_<k>

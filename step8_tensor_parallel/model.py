@@ -18,6 +18,7 @@ the whole model draws from one generator: to know one parameter you must build t
 parameter has its own generator, seeded from the run's seed and its name (``initial_value``), so any
 rank can build any single parameter, or a slice of it, alone. ZeRO-3 needs exactly that.
 """
+
 import hashlib
 import math
 from dataclasses import dataclass
@@ -35,7 +36,8 @@ class GPTConfig:
     n_head: int
     n_embd: int
     dropout: float = 0.0
-    attention: str = "math"  # "math": scores, mask and softmax written out; "sdpa": one fused kernel
+    # "math": scores, mask and softmax written out; "sdpa": one fused kernel
+    attention: str = "math"
 
 
 class CausalSelfAttention(nn.Module):
@@ -51,29 +53,38 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         # (B, T, heads * head_dim) -> (B, heads, T, head_dim). The number of heads is read off the width,
         # so a tensor-parallel rank holding a block of whole heads runs this code unchanged.
-        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.c_q, self.c_k, self.c_v))
-        y = self.core(q, k, v).transpose(1, 2).contiguous().view(B, T, -1)  # the heads side by side again
+        q, k, v = (
+            proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.c_q, self.c_k, self.c_v)
+        )
+        # the heads side by side again
+        y = self.core(q, k, v).transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
     def core(self, q, k, v):
         """Attention's core, (B, heads, T, head_dim) in and out: no weights, every s x s tensor (what step 7's
         --activation-checkpointing selective recomputes in backward)."""
         if self.attention == "sdpa":  # flash / memory-efficient attention where the device has it
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                  dropout_p=self.dropout if self.training else 0.0)
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
         # softmax(q k^T / sqrt(d), causal) v, every intermediate a tensor you can print
         T = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
-        weights = F.softmax(scores, dim=-1)  # under autocast: in float32 (autocast's rule for softmax)
+        # under autocast: in float32 (autocast's rule for softmax)
+        weights = F.softmax(scores, dim=-1)
         return self.attn_dropout(weights).to(v.dtype) @ v
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc, self.c_proj = nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.c_fc, self.c_proj = (
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
+            nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+        )
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
@@ -95,15 +106,18 @@ class GPT2(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            wpe=nn.Embedding(cfg.seq_len, cfg.n_embd),
-            drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
-            ln_f=nn.LayerNorm(cfg.n_embd),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wpe=nn.Embedding(cfg.seq_len, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+                ln_f=nn.LayerNorm(cfg.n_embd),
+            )
+        )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied: one matrix reads tokens in and writes them out
+        # tied: one matrix reads tokens in and writes them out
+        self.lm_head.weight = self.transformer.wte.weight
 
     def embed(self, ids):
         positions = torch.arange(ids.shape[1], device=ids.device)
@@ -122,9 +136,15 @@ class GPT2(nn.Module):
 
 def gpt2_config(config: dict, vocab_size: int) -> GPTConfig:
     """The model's shape from the run's flags (``--n-layer``, ``--attention``, ...)."""
-    return GPTConfig(vocab_size=vocab_size, seq_len=config["seq_len"], n_layer=config["n_layer"],
-                     n_head=config["n_head"], n_embd=config["n_embd"], dropout=config["dropout"],
-                     attention=config.get("attention", "math"))
+    return GPTConfig(
+        vocab_size=vocab_size,
+        seq_len=config["seq_len"],
+        n_layer=config["n_layer"],
+        n_head=config["n_head"],
+        n_embd=config["n_embd"],
+        dropout=config["dropout"],
+        attention=config.get("attention", "math"),
+    )
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -166,12 +186,15 @@ def build_model(config: dict, vocab_size: int, seed: int) -> GPT2:
     model.to_empty(device="cpu")
     model.lm_head.weight = model.transformer.wte.weight
     with torch.no_grad():
-        for name, param in model.named_parameters():  # the tied weight is listed once, by its first name
+        # the tied weight is listed once, by its first name
+        for name, param in model.named_parameters():
             param.copy_(initial_value(name, param.shape, seed, config["n_layer"]))
     return model
 
 
-def language_model_loss(model, inputs: torch.Tensor, targets: torch.Tensor, cross_entropy=F.cross_entropy):
+def language_model_loss(
+    model, inputs: torch.Tensor, targets: torch.Tensor, cross_entropy=F.cross_entropy
+):
     """Mean next-token cross-entropy; the logits go to float32 first, so AMP changes the model, not the loss.
     ``cross_entropy(logits, targets)``: on (B*S, V) logits and (B*S,) targets (step 8's: over vocabulary slices)."""
     logits = model(inputs)

@@ -12,16 +12,17 @@ alike). A LayerNorm now sees only its rank's tokens: its gradient is a partial s
 group once per step, after the micro-batches, as PyTorch's ``SequenceParallel`` and Megatron do
 (``finish_gradient_synchronization``).
 """
+
 import torch
 import torch.distributed as dist
 
-from config import UserError
 from comm_accounting import count_collective, reduce_scatter_single
+from config import UserError
 from tensor_parallel import ShardDropout, degree_and_fix
 from tensor_parallel_mappings import all_gather_along, all_reduce, scatter_along
 
-
 # ---- the communication: f and g along the sequence ---------------------------------------
+
 
 def _reduce_scatter_along(x: torch.Tensor, dim: int, group, reduce_dtype=None) -> torch.Tensor:
     """This rank's block along ``dim`` of the sum of every rank's ``x``: the blocks stacked along
@@ -30,8 +31,9 @@ def _reduce_scatter_along(x: torch.Tensor, dim: int, group, reduce_dtype=None) -
     world_size = dist.get_world_size(group)
     stacked = torch.cat(x.chunk(world_size, dim=dim), dim=0).contiguous()
     wide = stacked if reduce_dtype in (None, x.dtype) else stacked.to(reduce_dtype)
-    out = torch.empty((wide.shape[0] // world_size, *wide.shape[1:]), dtype=wide.dtype,
-                      device=wide.device)
+    out = torch.empty(
+        (wide.shape[0] // world_size, *wide.shape[1:]), dtype=wide.dtype, device=wide.device
+    )
     count_collective("reduce_scatter", wide)
     reduce_scatter_single(out, wide, group=group)
     return out.to(x.dtype)
@@ -80,10 +82,14 @@ def _gathered_already(x, group=None, reduce_dtype=None):
 
 # ---- the switch: GPT-2, made sequence-parallel ---------------------------------------------
 
+
 def add_sequence_parallel_flags(parser) -> None:
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="split the activations between the layers along the sequence too "
-                             "(sequence_parallel.py)")
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split the activations between the layers along the sequence too "
+        "(sequence_parallel.py)",
+    )
 
 
 def check_sequence_parallel(config: dict, world_size: int, flag: str | None = None) -> None:
@@ -92,8 +98,10 @@ def check_sequence_parallel(config: dict, world_size: int, flag: str | None = No
     seq_len = config["seq_len"]
     if config["sequence_parallel"] and seq_len % world_size:
         degree, fix = degree_and_fix(world_size, flag)
-        raise UserError(f"{degree} with --sequence-parallel needs --seq-len divisible by "
-                        f"{world_size}, got {seq_len}: {fix} {seq_len}, or change --seq-len")
+        raise UserError(
+            f"{degree} with --sequence-parallel needs --seq-len divisible by "
+            f"{world_size}, got {seq_len}: {fix} {seq_len}, or change --seq-len"
+        )
 
 
 def sequence_parallel_gpt2(model, group=None, reduce_dtype=None):
@@ -103,12 +111,14 @@ def sequence_parallel_gpt2(model, group=None, reduce_dtype=None):
     positions; dropout between the blocks keeps this rank's block of one process's mask; the
     LayerNorms' parameters are marked ``sequence_parallel`` (their gradients are partial sums:
     ``finish_gradient_synchronization`` adds them over the group)."""
+
     def gather(module, args):
         return (gather_from_sequence_parallel_region(args[0], group, reduce_dtype),)
 
     model.transformer.wte.reduce_output = reduce_scatter_to_sequence_parallel_region
     model.transformer.wpe.register_forward_hook(
-        lambda module, args, out: scatter_along(out, 0, group))
+        lambda module, args, out: scatter_along(out, 0, group)
+    )
     model.transformer.drop = ShardDropout(model.config.dropout, group)
     norms = [model.transformer.ln_f]
     for block in model.transformer.h:

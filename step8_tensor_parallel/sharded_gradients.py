@@ -15,6 +15,7 @@ its float32 masters' gradients are slices of ``param.main_grad``), in ZeRO-2's r
 3. **One parameter norm for the log**, from slices too (the float32 masters, ZeRO-3's pieces): the exact
    parts of the sums of squares add up across ranks to the whole's (``training.param_norm``, the same group).
 """
+
 import torch
 import torch.distributed as dist
 

@@ -51,17 +51,23 @@ partial sums; one process sums ``h`` products in one go. Floating-point addition
 so tensor parallelism is bitwise equal to PyTorch's own tensor parallelism (which groups the same
 way), not to steps 0-7 (README: "what is and is not bitwise").
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from config import UserError
-from tensor_parallel_mappings import (all_reduce, copy_to_tensor_parallel_region, gather_along,
-                                      reduce_from_tensor_parallel_region, scatter_along)
-
+from tensor_parallel_mappings import (
+    all_reduce,
+    copy_to_tensor_parallel_region,
+    gather_along,
+    reduce_from_tensor_parallel_region,
+    scatter_along,
+)
 
 # ---- a rank's block of a weight, of a row-parallel bias, of a dropout mask ------------------------------------
+
 
 class _BiasShare(torch.autograd.Function):
     """``bias / T`` forward (rule 4); backward, the gradient of the whole bias: the T shares add up to it."""
@@ -94,14 +100,18 @@ class ShardDropout(nn.Module):
         noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)
         noise = noise.div_(1 - self.p)
         # A copy of this rank's block: a view would keep the whole mask alive until backward.
-        return x * noise.chunk(world_size, dim=1)[dist.get_rank(self.group)].clone(memory_format=torch.contiguous_format)
+        return x * noise.chunk(world_size, dim=1)[dist.get_rank(self.group)].clone(
+            memory_format=torch.contiguous_format
+        )
 
 
 def _split(size: int, group, what: str) -> int:
     world_size = dist.get_world_size(group)
     if size % world_size:
-        raise UserError(f"{what} ({size}) is not divisible by the tensor-parallel degree {world_size}; "
-                        f"use a degree that divides it")
+        raise UserError(
+            f"{what} ({size}) is not divisible by the tensor-parallel degree {world_size}; "
+            f"use a degree that divides it"
+        )
     return size // world_size
 
 
@@ -110,13 +120,16 @@ def _block_of(full: torch.Tensor, dim: int, group, what: str) -> nn.Parameter:
     ``[(dim, start, end)]`` (a list: the checkpoint format of resharding.py allows several)."""
     length = _split(full.shape[dim], group, what)
     start = dist.get_rank(group) * length
-    shard = nn.Parameter(full.detach().narrow(dim, start, length).clone(memory_format=torch.contiguous_format),
-                         requires_grad=full.requires_grad)
+    shard = nn.Parameter(
+        full.detach().narrow(dim, start, length).clone(memory_format=torch.contiguous_format),
+        requires_grad=full.requires_grad,
+    )
     shard.tp_blocks = [(dim, start, start + length)]
     return shard
 
 
 # ---- the layers --------------------------------------------------------------------------------------------
+
 
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear(in_features, out_features)`` with its output features split over ``group``.
@@ -127,8 +140,15 @@ class ColumnParallelLinear(nn.Module):
     ``gather_output=True``, the whole output (one all-gather). ``out_features`` must be divisible by T.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group=None, reduce_dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        group=None,
+        reduce_dtype=None,
+    ):
         super().__init__()
         self.group, self.gather_output, self.reduce_dtype = group, gather_output, reduce_dtype
         self.copy_input = copy_to_tensor_parallel_region  # f (sequence_parallel.py: its own)
@@ -141,9 +161,15 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_full(cls, linear: nn.Linear, group=None, reduce_dtype=None) -> "ColumnParallelLinear":
         """This rank's part of ``linear`` (the same full layer on every rank): its block of rows, of the bias too."""
-        with torch.device("meta"):  # no storage, no random draw: dropout's masks must not depend on this
-            layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
-                        reduce_dtype=reduce_dtype)
+        # no storage, no random draw: dropout's masks must not depend on this
+        with torch.device("meta"):
+            layer = cls(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                group=group,
+                reduce_dtype=reduce_dtype,
+            )
         layer.weight = _block_of(linear.weight, 0, group, "out_features")
         if linear.bias is not None:
             layer.bias = _block_of(linear.bias, 0, group, "out_features")
@@ -164,10 +190,21 @@ class RowParallelLinear(nn.Module):
     each with ``bias / T`` added (as PyTorch's ``RowwiseParallel`` does), all-reduced.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 group=None, reduce_dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        group=None,
+        reduce_dtype=None,
+    ):
         super().__init__()
-        self.group, self.input_is_parallel, self.reduce_dtype = group, input_is_parallel, reduce_dtype
+        self.group, self.input_is_parallel, self.reduce_dtype = (
+            group,
+            input_is_parallel,
+            reduce_dtype,
+        )
         self.reduce_output = reduce_from_tensor_parallel_region  # g (sequence_parallel.py: its own)
         self.in_features, self.out_features = in_features, out_features
         local = _split(in_features, group, "in_features")
@@ -179,8 +216,13 @@ class RowParallelLinear(nn.Module):
     def from_full(cls, linear: nn.Linear, group=None, reduce_dtype=None) -> "RowParallelLinear":
         """This rank's part of ``linear`` (the same full layer on every rank): its block of columns, the bias whole."""
         with torch.device("meta"):
-            layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
-                        reduce_dtype=reduce_dtype)
+            layer = cls(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                group=group,
+                reduce_dtype=reduce_dtype,
+            )
         layer.weight = _block_of(linear.weight, 1, group, "in_features")
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone())  # replicated
@@ -189,7 +231,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_along(x, -1, self.group)
-        share = None if self.bias is None else _BiasShare.apply(self.bias, dist.get_world_size(self.group))
+        share = (
+            None
+            if self.bias is None
+            else _BiasShare.apply(self.bias, dist.get_world_size(self.group))
+        )
         return self.reduce_output(F.linear(x, self.weight, share), self.group, self.reduce_dtype)
 
 
@@ -211,10 +257,17 @@ class VocabParallelEmbedding(nn.Module):
         nn.init.normal_(self.weight)
 
     @classmethod
-    def from_full(cls, embedding: nn.Embedding, group=None, reduce_dtype=None) -> "VocabParallelEmbedding":
+    def from_full(
+        cls, embedding: nn.Embedding, group=None, reduce_dtype=None
+    ) -> "VocabParallelEmbedding":
         """This rank's part of ``embedding`` (the same full table on every rank): its block of rows (tokens)."""
         with torch.device("meta"):
-            layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group, reduce_dtype=reduce_dtype)
+            layer = cls(
+                embedding.num_embeddings,
+                embedding.embedding_dim,
+                group=group,
+                reduce_dtype=reduce_dtype,
+            )
         layer.weight = _block_of(embedding.weight, 0, group, "the vocabulary (num_embeddings)")
         return layer
 
@@ -239,8 +292,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         log_probs = shifted - torch.log(sum_exp)
         elsewhere = (targets < start) | (targets >= start + rows)
         local = (targets - start).masked_fill(elsewhere, 0)
-        picked = torch.gather(log_probs, -1, local.unsqueeze(-1)).masked_fill(elsewhere.unsqueeze(-1), 0.0)
-        picked = all_reduce(picked, group)  # the target's log-probability, from the rank that owns it
+        picked = torch.gather(log_probs, -1, local.unsqueeze(-1)).masked_fill(
+            elsewhere.unsqueeze(-1), 0.0
+        )
+        # the target's log-probability, from the rank that owns it
+        picked = all_reduce(picked, group)
         count = torch.tensor(float(targets.numel()), dtype=logits.dtype, device=logits.device)
         ctx.save_for_backward(log_probs, local, elsewhere, count)
         return (-picked.squeeze(-1)).sum() / count
@@ -249,11 +305,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         log_probs, local, elsewhere, count = ctx.saved_tensors
         one_hot = torch.zeros_like(log_probs)
-        one_hot.scatter_(-1, local.unsqueeze(-1), (elsewhere.to(log_probs.dtype) - 1.0).unsqueeze(-1))
+        one_hot.scatter_(
+            -1, local.unsqueeze(-1), (elsewhere.to(log_probs.dtype) - 1.0).unsqueeze(-1)
+        )
         return (one_hot + torch.exp(log_probs)) * (grad / count), None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, group=None
+) -> torch.Tensor:
     """Mean cross-entropy of ``logits`` (``(N, V/T)``: this rank's vocabulary slice, as the tied output layer
     gives it) against ``targets`` (``(N,)``, ids in the whole vocabulary, the same on every rank): the value
     ``F.cross_entropy`` gives on the whole ``(N, V)`` logits, on every rank, without ever building them."""
@@ -266,27 +326,45 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 # model's own layout (nn.Linear's ``(out, in)``), so a shard is its own checkpoint block, nothing transposed.
 # The plan (torchtitan's style, our layers): each layer by its name, and the layer that replaces it. A
 # column-parallel layer's output stays split (by heads, or the MLP's hidden features) into the row-parallel one.
-BLOCK_PLAN = {"attn.c_q": ColumnParallelLinear, "attn.c_k": ColumnParallelLinear,  # whole heads: a block of rows
-              "attn.c_v": ColumnParallelLinear, "attn.c_proj": RowParallelLinear,
-              "mlp.c_fc": ColumnParallelLinear, "mlp.c_proj": RowParallelLinear}
-MODEL_PLAN = {"transformer.wte": VocabParallelEmbedding,
-              "lm_head": ColumnParallelLinear}  # over the vocabulary; tied to wte again after
+# whole heads: a block of rows
+BLOCK_PLAN = {
+    "attn.c_q": ColumnParallelLinear,
+    "attn.c_k": ColumnParallelLinear,
+    "attn.c_v": ColumnParallelLinear,
+    "attn.c_proj": RowParallelLinear,
+    "mlp.c_fc": ColumnParallelLinear,
+    "mlp.c_proj": RowParallelLinear,
+}
+MODEL_PLAN = {
+    "transformer.wte": VocabParallelEmbedding,
+    "lm_head": ColumnParallelLinear,
+}  # over the vocabulary; tied to wte again after
 
 
 def tensor_parallel_plan(n_layer: int) -> dict:
     """Every layer of GPT-2 that tensor parallelism splits, by its full name, and how."""
-    return {**MODEL_PLAN, **{f"transformer.h.{i}.{name}": style for i in range(n_layer)
-                             for name, style in BLOCK_PLAN.items()}}
+    return {
+        **MODEL_PLAN,
+        **{
+            f"transformer.h.{i}.{name}": style
+            for i in range(n_layer)
+            for name, style in BLOCK_PLAN.items()
+        },
+    }
 
 
-def check_tensor_parallel(config: dict, vocab_size: int, world_size: int, flag: str | None = None) -> None:
+def check_tensor_parallel(
+    config: dict, vocab_size: int, world_size: int, flag: str | None = None
+) -> None:
     """``check_divisible`` for a run's flags: --n-head and the vocabulary; and no fused attention with dropout
     (rule 7)."""
     check_divisible(config["n_head"], vocab_size, world_size, flag)
     if world_size > 1 and config.get("dropout", 0) > 0 and config.get("attention") == "sdpa":
-        raise UserError("--attention sdpa (a GPU's default) with --dropout under tensor parallelism: the fused kernel "
-                        "would draw attention's masks for this rank's heads alone, the same on every rank; use "
-                        "--attention math")
+        raise UserError(
+            "--attention sdpa (a GPU's default) with --dropout under tensor parallelism: the fused kernel "
+            "would draw attention's masks for this rank's heads alone, the same on every rank; use "
+            "--attention math"
+        )
 
 
 def degree_and_fix(world_size: int, flag: str | None) -> tuple[str, str]:
@@ -301,11 +379,15 @@ def check_divisible(n_head: int, vocab_size: int, world_size: int, flag: str | N
     degree, fix = degree_and_fix(world_size, flag)
     if n_head % world_size:
         why = "more ranks than heads" if world_size > n_head else "each rank holds whole heads"
-        raise UserError(f"{degree} needs --n-head divisible by {world_size}, got {n_head} ({why}): {fix} {n_head}, "
-                        "or change --n-head (and --n-embd)")
+        raise UserError(
+            f"{degree} needs --n-head divisible by {world_size}, got {n_head} ({why}): {fix} {n_head}, "
+            "or change --n-head (and --n-embd)"
+        )
     if vocab_size % world_size:
-        raise UserError(f"{degree} needs a vocabulary divisible by {world_size}, the tokenizer has {vocab_size} "
-                        f"tokens: {fix} {vocab_size}, or pad the vocabulary (Megatron does)")
+        raise UserError(
+            f"{degree} needs a vocabulary divisible by {world_size}, the tokenizer has {vocab_size} "
+            f"tokens: {fix} {vocab_size}, or pad the vocabulary (Megatron does)"
+        )
 
 
 def parallelize_gpt2(model, group=None, reduce_dtype=None):
@@ -330,5 +412,6 @@ def parallelize_gpt2(model, group=None, reduce_dtype=None):
         setattr(module, leaf, style.from_full(getattr(module, leaf), group, reduce_dtype))
     for block in model.transformer.h:  # rule 7: this rank's heads of one process's mask
         block.attn.attn_dropout = ShardDropout(cfg.dropout, group)
-    model.lm_head.weight = model.transformer.wte.weight  # one Parameter: its gradient sums both uses, as in GPT-2
+    # one Parameter: its gradient sums both uses, as in GPT-2
+    model.lm_head.weight = model.transformer.wte.weight
     return model

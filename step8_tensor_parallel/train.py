@@ -9,6 +9,7 @@ whole heads, 1/T of the MLP, of the vocabulary, of every weight matrix; activati
     python compare/parity.py step8 runs/tp_reference        # bitwise
     python compare/parity.py step1 step8                    # close: other summation order
 """
+
 from pathlib import Path
 
 import torch
@@ -17,23 +18,41 @@ from torch.profiler import record_function
 
 import distributed
 from background_writer import BackgroundWriter, add_async_save_flag
-from comm_accounting import take_comm_bytes
 from checkpoint import CheckpointWriter, RunState
+from checkpoint_files import find_checkpoint
+from comm_accounting import take_comm_bytes
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
-from checkpoint_files import find_checkpoint
 from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
-from sequence_parallel import (add_sequence_parallel_flags, check_sequence_parallel,
-                               finish_gradient_synchronization, sequence_parallel_gpt2)
+from sequence_parallel import (
+    add_sequence_parallel_flags,
+    check_sequence_parallel,
+    finish_gradient_synchronization,
+    sequence_parallel_gpt2,
+)
+
+# step 5's: the fp16 overflow flag agreed by every rank
+from sharded_gradients import ShardedGradScaler
 from tensor_parallel import check_tensor_parallel, parallelize_gpt2, vocab_parallel_cross_entropy
-from tensor_parallel_state import TensorParallelShards, counted_once, gather_full_parameters, replicated_in_sync
-from training import (autocast, check_amp, clip_grad_norm, make_grad_scaler, make_optimizer, make_scheduler,
-                      param_norm)
-from sharded_gradients import ShardedGradScaler  # step 5's: the fp16 overflow flag agreed by every rank
+from tensor_parallel_state import (
+    TensorParallelShards,
+    counted_once,
+    gather_full_parameters,
+    replicated_in_sync,
+)
+from training import (
+    autocast,
+    check_amp,
+    clip_grad_norm,
+    make_grad_scaler,
+    make_optimizer,
+    make_scheduler,
+    param_norm,
+)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -46,19 +65,29 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
     loss_sum = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
         with record_function("forward"), autocast(config["amp"], device):
-            loss = language_model_loss(model, inputs.to(device), targets.to(device), vocab_parallel_cross_entropy)
+            loss = language_model_loss(
+                model, inputs.to(device), targets.to(device), vocab_parallel_cross_entropy
+            )
         with record_function("backward"):
-            scaler.scale(loss / accum).backward()  # activations all-reduced in here; no gradient to synchronise
+            # activations all-reduced in here; no gradient to synchronise
+            scaler.scale(loss / accum).backward()
         loss_sum += loss.detach()
 
     with record_function("optimizer"):
-        finish_gradient_synchronization(model)  # --sequence-parallel: the LayerNorms' partial gradients added up
+        # --sequence-parallel: the LayerNorms' partial gradients added up
+        finish_gradient_synchronization(model)
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"], [dist.group.WORLD],  # the whole gradient's
-                                   counted=counted_once(model.parameters()))
+        # the whole gradient's
+        grad_norm = clip_grad_norm(
+            model.parameters(),
+            config["grad_clip"],
+            [dist.group.WORLD],
+            counted=counted_once(model.parameters()),
+        )
         scaler.step(optimizer)  # skipped by the scaler if fp16 gradients overflowed
         scaler.update()
-        memory = memory_stats(model.parameters(), optimizer, device)  # before zero_grad frees the grads
+        # before zero_grad frees the grads
+        memory = memory_stats(model.parameters(), optimizer, device)
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
 
@@ -74,7 +103,8 @@ def main():
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
-    limit_memory(config["max_memory_mb"], STEP, world.device)  # the budget: what training adds to libraries and data
+    # the budget: what training adds to libraries and data
+    limit_memory(config["max_memory_mb"], STEP, world.device)
     check_tensor_parallel(config, corpus.vocab_size, world.world_size)  # whole heads, vocab slices
     check_sequence_parallel(config, world.world_size)  # and whole slices of the sequence
     check_enough_data(len(corpus.blocks), 1, config["micro_batch_size"], config["grad_accum"])
@@ -84,63 +114,85 @@ def main():
 
     # ---- data, model, optimiser ----------------------------------------------------------------
     # Every rank reads every sample: the ranks share each micro-batch, they do not split the batch.
-    sampler = ShardedSampler(len(corpus.blocks), num_replicas=1, rank=0, shuffle=True, seed=config["seed"])
+    sampler = ShardedSampler(
+        len(corpus.blocks), num_replicas=1, rank=0, shuffle=True, seed=config["seed"]
+    )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # The same full model on every rank (the seed's), then each keeps its shards. Activations are all-reduced in
     # their own dtype (bf16 under --amp bf16), as PyTorch's TP; --reduce-dtype float64: order-free, not step 1's sums.
     reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
     model = build_model(config, corpus.vocab_size, config["seed"])
-    full_shapes = {name: p.shape for name, p in model.named_parameters()}  # what checkpoints describe
+    # what checkpoints describe
+    full_shapes = {name: p.shape for name, p in model.named_parameters()}
     model = parallelize_gpt2(model, reduce_dtype=reduce_dtype)
     if config["sequence_parallel"]:
         model = sequence_parallel_gpt2(model, reduce_dtype=reduce_dtype)
     model = model.to(device)
     optimizer = make_optimizer(model.named_parameters(), config)
     scheduler = make_scheduler(optimizer, config)
-    scaler = make_grad_scaler(config, device, ShardedGradScaler)  # fp16: every rank skips, or steps, together
+    # fp16: every rank skips, or steps, together
+    scaler = make_grad_scaler(config, device, ShardedGradScaler)
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
-    env.update(tensor_parallel_size=world.world_size, data_parallel_size=1)  # parity.py: the global batch
+    # parity.py: the global batch
+    env.update(tensor_parallel_size=world.world_size, data_parallel_size=1)
     log = RunLog(config, env, is_writer=world.is_main)
     # Checkpoints: each rank its shards, as blocks that steps 0-8 and 10 read back at any degree.
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
-        config, world.rank, world.world_size, full_shapes,
-        [RunState(scheduler, scaler, batches, log), TensorParallelShards(model, optimizer)], data_parallel_size=1)
+        config,
+        world.rank,
+        world.world_size,
+        full_shapes,
+        [RunState(scheduler, scaler, batches, log), TensorParallelShards(model, optimizer)],
+        data_parallel_size=1,
+    )
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
     tokens_per_step = config["micro_batch_size"] * accum * config["seq_len"]
 
     # ---- the training loop ---------------------------------------------------------------------
-    preemption = Preemption(config["preempt_grace_s"], world.rank)  # --preempt-grace-s: SIGTERM saves, then exits
+    # --preempt-grace-s: SIGTERM saves, then exits
+    preemption = Preemption(config["preempt_grace_s"], world.rank)
     for step in range(start_step, config["steps"]):
         clock = StepClock()  # this rank's wall and CPU time for the step
         lr = scheduler.get_last_lr()[0]
-        micro_batches = [batches.next() for _ in range(accum)]  # the same micro-batches on every rank
-        loss_sum, grad_norm, memory = train_step(model, optimizer, scaler, micro_batches, config, device)
+        # the same micro-batches on every rank
+        micro_batches = [batches.next() for _ in range(accum)]
+        loss_sum, grad_norm, memory = train_step(
+            model, optimizer, scaler, micro_batches, config, device
+        )
         scheduler.step()
 
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
-        log.log({
-            "step": step + 1,
-            "loss": loss_sum.double().item() / accum,  # every rank computed the same loss: nothing to average
-            "grad_norm": grad_norm.item(),
-            "param_norm": param_norm(counted_once(model.parameters()), [dist.group.WORLD]),
-            "lr": lr,
-            "tokens_per_s": tokens_per_step / step_time["wall_s"],
-            "effective_batch_size": config["micro_batch_size"] * accum,
-            "epoch": batches.epoch,
-            **distributed.gather_per_rank(memory=memory, step_time=step_time),  # one entry per rank
-            "comm": take_comm_bytes(),
-        })
-        preempted = preemption.agreed()  # a SIGTERM reached a rank: every rank stops after this step
+        log.log(
+            {
+                "step": step + 1,
+                # every rank computed the same loss: nothing to average
+                "loss": loss_sum.double().item() / accum,
+                "grad_norm": grad_norm.item(),
+                "param_norm": param_norm(counted_once(model.parameters()), [dist.group.WORLD]),
+                "lr": lr,
+                "tokens_per_s": tokens_per_step / step_time["wall_s"],
+                "effective_batch_size": config["micro_batch_size"] * accum,
+                "epoch": batches.epoch,
+                **distributed.gather_per_rank(
+                    memory=memory, step_time=step_time
+                ),  # one entry per rank
+                "comm": take_comm_bytes(),
+            }
+        )
+        # a SIGTERM reached a rank: every rank stops after this step
+        preempted = preemption.agreed()
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             writer.save(step + 1)
         if preempted:
-            preemption.leave(writer, step + 1, config["out"])  # waits for the write, says where, exits 4
+            # waits for the write, says where, exits 4
+            preemption.leave(writer, step + 1, config["out"])
 
-    in_sync = replicated_in_sync(model)  # the replicated parameters must be the same bits on every rank
+    # the replicated parameters must be the same bits on every rank
+    in_sync = replicated_in_sync(model)
     full = gather_full_parameters(model)  # every rank takes part; rank 0 writes the plain model
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     if world.is_main:

@@ -7,6 +7,7 @@ it into one line and this exit code, and leave with os._exit: a normal exit woul
 group, which can itself wait for the lost peer. distributed.py imports this module, which registers
 ``explain_collective_failure`` with ``failures.exit_on_user_error``.
 """
+
 import os
 import re
 import signal
@@ -24,7 +25,8 @@ SEE = "see docs/fault_tolerance.md"
 # They entered the collective together, so they fail within the compute between two collectives.
 ROLL_CALL_S = 2.0
 
-GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")  # a peer never sent (or never took) its part
+# a peer never sent (or never took) its part
+GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")
 # When one operation times out, gloo closes every pair of the group with this text: another operation
 # under way at the same time (step 7's prefetched gather beside a reduce-scatter) raises it instead of the
 # timeout, and may be the one this rank waits on first. It is the same failure: this rank waited a timeout.
@@ -34,10 +36,13 @@ PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
 # What TORCH_DISTRIBUTED_DEBUG=DETAIL checks before every collective: that every rank arrives, and that
 # they all issue the same collective (op, shapes, dtypes). Its errors name the ranks themselves.
 DETAIL_ABSENT = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier in (\d+) ms")
-DETAIL_MISMATCH = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
-                             r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+).*?"
-                             r"but Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
-                             r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+)", re.S)
+DETAIL_MISMATCH = re.compile(
+    r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+    r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+).*?"
+    r"but Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+    r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+)",
+    re.S,
+)
 
 
 def roll_call(grace_s: float = ROLL_CALL_S, missing: list | None = None) -> list[int] | None:
@@ -77,10 +82,18 @@ def who_is_missing(what: str) -> str:
     missing, started = [], time.monotonic()
 
     def stopped_by_launcher(signum, frame):
-        ranks = (f"rank(s) {', '.join(map(str, missing))} had not answered a roll call" if missing
-                 else "a roll call had not ended")
-        os.write(2, (f"error: {what}; {ranks} when the launcher stopped this rank {time.monotonic() - started:.1f} s "
-                     f"later (another rank failed first: torchrun's report says how); {SEE}\n").encode())
+        ranks = (
+            f"rank(s) {', '.join(map(str, missing))} had not answered a roll call"
+            if missing
+            else "a roll call had not ended"
+        )
+        os.write(
+            2,
+            (
+                f"error: {what}; {ranks} when the launcher stopped this rank {time.monotonic() - started:.1f} s "
+                f"later (another rank failed first: torchrun's report says how); {SEE}\n"
+            ).encode(),
+        )
         os._exit(COLLECTIVE_FAILED)
 
     try:
@@ -93,13 +106,19 @@ def who_is_missing(what: str) -> str:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if found:
-        return (f"{what}; rank(s) {', '.join(map(str, found))} did not answer a roll call within {ROLL_CALL_S:g} s "
-                f"either: dead, frozen, or slower than --timeout-s; {SEE}")
+        return (
+            f"{what}; rank(s) {', '.join(map(str, found))} did not answer a roll call within {ROLL_CALL_S:g} s "
+            f"either: dead, frozen, or slower than --timeout-s; {SEE}"
+        )
     if found == []:
-        return (f"{what}, yet every rank answered a roll call: all alive, they issued different collectives, or "
-                f"the same ones in a different order (TORCH_DISTRIBUTED_DEBUG=DETAIL names them); {SEE}")
-    return (f"{what}: a rank died, froze, is slower than --timeout-s, or the ranks issued different collectives "
-            f"(the store did not answer a roll call); {SEE}")
+        return (
+            f"{what}, yet every rank answered a roll call: all alive, they issued different collectives, or "
+            f"the same ones in a different order (TORCH_DISTRIBUTED_DEBUG=DETAIL names them); {SEE}"
+        )
+    return (
+        f"{what}: a rank died, froze, is slower than --timeout-s, or the ranks issued different collectives "
+        f"(the store did not answer a roll call); {SEE}"
+    )
 
 
 def group_timeout_s() -> float:
@@ -115,22 +134,31 @@ def explain_collective_failure(error: BaseException) -> tuple[str, int] | None:
     text, me = str(error), f"rank {dist.get_rank()}"
     if match := DETAIL_MISMATCH.search(text):
         a, seq_a, op_a, shape_a, dtype_a, b, seq_b, op_b, shape_b, dtype_b = match.groups()
-        return (f"{me}: the ranks issued different collectives: rank {a} runs collective #{seq_a} {op_a} "
-                f"[{shape_a}] {dtype_a}, rank {b} runs #{seq_b} {op_b} [{shape_b}] {dtype_b} "
-                f"(found by TORCH_DISTRIBUTED_DEBUG=DETAIL); {SEE}"), COLLECTIVE_FAILED
+        return (
+            f"{me}: the ranks issued different collectives: rank {a} runs collective #{seq_a} {op_a} "
+            f"[{shape_a}] {dtype_a}, rank {b} runs #{seq_b} {op_b} [{shape_b}] {dtype_b} "
+            f"(found by TORCH_DISTRIBUTED_DEBUG=DETAIL); {SEE}"
+        ), COLLECTIVE_FAILED
     if match := DETAIL_ABSENT.search(text):
         ranks, waited_ms = match.groups()
-        return (f"{me} waited {int(waited_ms) / 1000:g} s in a collective that rank(s) {ranks.strip()} never joined "
-                f"(TORCH_DISTRIBUTED_DEBUG=DETAIL's barrier): died, froze, or slower than --timeout-s; {SEE}"),\
-            COLLECTIVE_FAILED
+        return (
+            f"{me} waited {int(waited_ms) / 1000:g} s in a collective that rank(s) {ranks.strip()} never joined "
+            f"(TORCH_DISTRIBUTED_DEBUG=DETAIL's barrier): died, froze, or slower than --timeout-s; {SEE}"
+        ), COLLECTIVE_FAILED
     if match := GLOO_TIMEOUT.search(text):
-        return who_is_missing(f"{me} waited {int(match.group(1)) / 1000:g} s in a collective"), COLLECTIVE_FAILED
+        return who_is_missing(
+            f"{me} waited {int(match.group(1)) / 1000:g} s in a collective"
+        ), COLLECTIVE_FAILED
     if PAIR_CLOSED in text:
-        return who_is_missing(f"{me} waited {group_timeout_s():g} s in a collective"), COLLECTIVE_FAILED
+        return who_is_missing(
+            f"{me} waited {group_timeout_s():g} s in a collective"
+        ), COLLECTIVE_FAILED
     if match := PEER_GONE.search(text):
-        return who_is_missing(f"{me} lost its connection to a peer in a collective (gloo: {match.group(0)})"),\
-            COLLECTIVE_FAILED
+        return who_is_missing(
+            f"{me} lost its connection to a peer in a collective (gloo: {match.group(0)})"
+        ), COLLECTIVE_FAILED
     return None
 
 
-failure_explainers.append(explain_collective_failure)  # exit_on_user_error (failures.py) consults it
+# exit_on_user_error (failures.py) consults it
+failure_explainers.append(explain_collective_failure)

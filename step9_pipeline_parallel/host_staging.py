@@ -10,6 +10,7 @@ The bits do not change; on the CPU, and with nccl, nothing is staged.
 Imported by pipeline.py (its rule 1, point-to-point), which asks ``host_staged`` at every send and
 receive.
 """
+
 import torch
 
 

@@ -18,6 +18,7 @@ metrics.json (schema version ``SCHEMA_VERSION``) is read by `compare/parity.py` 
 - ``final``: ``weights`` (safetensors file, relative to the run folder), ``sha256`` of that file,
   ``param_norm``, and ``fingerprints`` (per tensor: shape, sha256 of its bytes, norm).
 """
+
 import hashlib
 import json
 import os
@@ -31,15 +32,21 @@ import torch
 from safetensors.torch import save_file
 
 SCHEMA_VERSION = 2  # 2: memory is a list, one entry per rank
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+    return tensor_bytes(
+        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+    )
 
 
-def memory_stats(params, optimizer, device: torch.device, grads=None, masters=None, **counts) -> dict:
+def memory_stats(
+    params, optimizer, device: torch.device, grads=None, masters=None, **counts
+) -> dict:
     """Bytes held by this process: what its parameters, gradients (``grads``, by default every
     ``param.grad``, or the float32 ``param.main_grad`` a gradient sync left beside a 16-bit parameter),
     float32 ``masters`` (given: ``master_params``) and optimiser state take, its peak resident set size (the
@@ -55,7 +62,8 @@ def memory_stats(params, optimizer, device: torch.device, grads=None, masters=No
         "optimizer_state": optimizer_state_bytes(optimizer),
         **({} if masters is None else {"master_params": tensor_bytes(masters)}),
         # ru_maxrss is in KiB on Linux and in bytes on macOS
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024),
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        * (1 if sys.platform == "darwin" else 1024),
     }
     if hasattr(optimizer, "host_copies"):
         stats["host"] = tensor_bytes(optimizer.host_copies) + stats["optimizer_state"]
@@ -94,7 +102,9 @@ class StepClock:
         return {"wall_s": time.perf_counter() - self.wall, "cpu_s": time.thread_time() - self.cpu}
 
 
-def environment(device: torch.device, world_size: int, backend: str | None, amp: str, corpus) -> dict:
+def environment(
+    device: torch.device, world_size: int, backend: str | None, amp: str, corpus
+) -> dict:
     """What a run's metrics.json records about where it ran and on what data (``corpus``: data.Corpus)."""
     return {
         "torch": torch.__version__,
@@ -115,8 +125,11 @@ def environment(device: torch.device, world_size: int, backend: str | None, amp:
 
 def fingerprint(tensor: torch.Tensor) -> dict:
     t = tensor.detach().cpu().contiguous()
-    return {"shape": list(t.shape), "sha256": hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest(),
-            "norm": t.double().norm().item()}
+    return {
+        "shape": list(t.shape),
+        "sha256": hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest(),
+        "norm": t.double().norm().item(),
+    }
 
 
 def write_json_atomically(path: Path, data) -> None:
@@ -130,15 +143,19 @@ def save_final_weights(out_dir: Path, named_tensors: dict) -> dict:
     """Write the full weights as safetensors and return the ``final`` section, with their ``param_norm``: exact
     (training.py), so the bits every step logs from its own slices, shards or stages."""
     from training import param_norm
+
     weights = {name: t.detach().cpu().contiguous() for name, t in named_tensors.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.safetensors"
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     save_file(weights, str(tmp))
     os.replace(tmp, path)
-    return {"weights": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-            "fingerprints": {name: fingerprint(t) for name, t in weights.items()},
-            "param_norm": param_norm(weights.values())}
+    return {
+        "weights": path.name,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "fingerprints": {name: fingerprint(t) for name, t in weights.items()},
+        "param_norm": param_norm(weights.values()),
+    }
 
 
 class RunLog:
@@ -166,10 +183,17 @@ class RunLog:
         if self.is_writer and not self.config["quiet"]:
             memory = record["memory"][0]
             rss = f"rss {memory['peak_rss'] / 2**20:.0f} MiB"
-            cuda = f" | cuda {memory['cuda_peak'] / 2**20:.0f} MiB peak" if "cuda_peak" in memory else ""
-            print(f"step {record['step']:4d}/{self.config['steps']} | loss {record['loss']:.4f} | "
-                  f"grad norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
-                  f"{record['tokens_per_s']:,.0f} tok/s | {rss}{cuda}", flush=True)
+            cuda = (
+                f" | cuda {memory['cuda_peak'] / 2**20:.0f} MiB peak"
+                if "cuda_peak" in memory
+                else ""
+            )
+            print(
+                f"step {record['step']:4d}/{self.config['steps']} | loss {record['loss']:.4f} | "
+                f"grad norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
+                f"{record['tokens_per_s']:,.0f} tok/s | {rss}{cuda}",
+                flush=True,
+            )
 
     def per_node(self, record: dict) -> list[dict]:
         """Each node's share of the step's samples (its ranks' share of the job), per second of its slowest rank's
@@ -178,16 +202,28 @@ class RunLog:
         time is the job's, since fast ranks wait in the collectives; a straggling node shows in the busy figure."""
         if "step_time" not in record:
             return []
-        times, per_node = record["step_time"], self.env.get("ranks_per_node") or len(record["step_time"])
-        samples = record["effective_batch_size"] * per_node / len(times)  # a full node's share of the step
+        times, per_node = (
+            record["step_time"],
+            self.env.get("ranks_per_node") or len(record["step_time"]),
+        )
+        # a full node's share of the step
+        samples = record["effective_batch_size"] * per_node / len(times)
         nodes = []
         for node in range(0, len(times), per_node):
-            ranks = times[node:node + per_node]
+            ranks = times[node : node + per_node]
             wall, busy = max(t["wall_s"] for t in ranks), max(t["cpu_s"] for t in ranks)
             share = samples * len(ranks) / per_node
-            nodes.append({"node": node // per_node, "ranks": len(ranks), "samples_per_s": share / wall,
-                          "tokens_per_s": share * self.config["seq_len"] / wall,
-                          "busy_tokens_per_s": share * self.config["seq_len"] / busy if busy > 0 else None})
+            nodes.append(
+                {
+                    "node": node // per_node,
+                    "ranks": len(ranks),
+                    "samples_per_s": share / wall,
+                    "tokens_per_s": share * self.config["seq_len"] / wall,
+                    "busy_tokens_per_s": share * self.config["seq_len"] / busy
+                    if busy > 0
+                    else None,
+                }
+            )
         return nodes
 
     def cost(self) -> dict:
@@ -202,12 +238,25 @@ class RunLog:
             for entry in record.get("per_node", []):
                 nodes.setdefault(entry["node"], []).append(entry)
         median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
-        return {"devices": self.env["world_size"], "device": self.env["device"], "steps_timed": len(timed),
-                "device_s": round(device_s, 4), "device_hours": device_s / 3600, "tokens": tokens,
-                "tokens_per_device_hour": tokens / (device_s / 3600) if device_s > 0 else None,
-                "per_node": [{"node": node, **{key: median([e[key] for e in entries if e[key] is not None] or [0.0])
-                                               for key in ("samples_per_s", "tokens_per_s", "busy_tokens_per_s")}}
-                             for node, entries in sorted(nodes.items())]}
+        return {
+            "devices": self.env["world_size"],
+            "device": self.env["device"],
+            "steps_timed": len(timed),
+            "device_s": round(device_s, 4),
+            "device_hours": device_s / 3600,
+            "tokens": tokens,
+            "tokens_per_device_hour": tokens / (device_s / 3600) if device_s > 0 else None,
+            "per_node": [
+                {
+                    "node": node,
+                    **{
+                        key: median([e[key] for e in entries if e[key] is not None] or [0.0])
+                        for key in ("samples_per_s", "tokens_per_s", "busy_tokens_per_s")
+                    },
+                }
+                for node, entries in sorted(nodes.items())
+            ],
+        }
 
     def finish(self, final: dict, layout: str | None = None) -> None:
         """Write metrics.json with ``final`` (the exported weights' record) and say the run is done: its steps, what
@@ -215,27 +264,39 @@ class RunLog:
         self.write(final)
         if self.is_writer:
             env = self.env
-            layout = layout or (f" on {env['world_size']} ranks ({env['backend']})" if env["backend"] else "")
-            print(f"done: {self.config['steps']} steps{layout}, final loss {self.records[-1]['loss']:.4f}, "
-                  f"weights in {self.config['out']}")
+            layout = layout or (
+                f" on {env['world_size']} ranks ({env['backend']})" if env["backend"] else ""
+            )
+            print(
+                f"done: {self.config['steps']} steps{layout}, final loss {self.records[-1]['loss']:.4f}, "
+                f"weights in {self.config['out']}"
+            )
 
     def write(self, final: dict | None = None) -> None:
         if not self.is_writer:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         cost = self.cost()
-        write_json_atomically(self.out_dir / "metrics.json", {
-            "schema_version": SCHEMA_VERSION,
-            "config": self.config,
-            "env": self.env,
-            "records": self.records,
-            "final": final,
-            "cost": cost,
-            "wall_time_s": round(time.perf_counter() - self.started, 3),
-        })
+        write_json_atomically(
+            self.out_dir / "metrics.json",
+            {
+                "schema_version": SCHEMA_VERSION,
+                "config": self.config,
+                "env": self.env,
+                "records": self.records,
+                "final": final,
+                "cost": cost,
+                "wall_time_s": round(time.perf_counter() - self.started, 3),
+            },
+        )
         if final is not None and not self.config["quiet"]:
-            nodes = ", ".join(f"node {n['node']} {n['samples_per_s']:,.1f} samples/s ({n['tokens_per_s']:,.0f} tokens/s, "
-                              f"{n['busy_tokens_per_s']:,.0f} busy)" for n in cost["per_node"])
-            print(f"cost: {cost['device_s']:,.1f} device-seconds ({cost['devices']} x {cost['device']}), "
-                  f"{cost['tokens']:,} tokens, {cost['tokens_per_device_hour'] or 0:,.0f} tokens per device-hour; "
-                  f"median per node: {nodes}")
+            nodes = ", ".join(
+                f"node {n['node']} {n['samples_per_s']:,.1f} samples/s ({n['tokens_per_s']:,.0f} tokens/s, "
+                f"{n['busy_tokens_per_s']:,.0f} busy)"
+                for n in cost["per_node"]
+            )
+            print(
+                f"cost: {cost['device_s']:,.1f} device-seconds ({cost['devices']} x {cost['device']}), "
+                f"{cost['tokens']:,} tokens, {cost['tokens_per_device_hour'] or 0:,.0f} tokens per device-hour; "
+                f"median per node: {nodes}"
+            )

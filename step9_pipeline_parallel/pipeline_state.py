@@ -7,6 +7,7 @@ to rank 0 as one process would hold them, which is what step 9's checkpoints and
 2. **The tie once.** The last stage's copy of the tied embedding is the first stage's, trained alike: its
    parameter and its AdamW state are taken once, from the first stage (``owned``).
 """
+
 import torch.distributed as dist
 
 import distributed
@@ -30,8 +31,10 @@ def gather_full_state(named: list, optimizer, is_main: bool) -> dict:
         return {}
     full = {"model": {n: t for stage in everyone for n, t in stage["model"].items()}}
     if optimizer is not None:
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
-                  for g in everyone[0]["optimizer"]["param_groups"]]
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": []}
+            for g in everyone[0]["optimizer"]["param_groups"]
+        ]
         state, slices = {}, []
         for stage in everyone:
             for group, stage_group in zip(groups, stage["optimizer"]["param_groups"]):
@@ -49,13 +52,15 @@ def gather_full_state(named: list, optimizer, is_main: bool) -> dict:
 class PipelineState:
     """checkpoint.py's part for a pipeline stage: every stage's state gathered to rank 0, which saves it as one
     process's (rule 1); each stage loads its own parameters back by name, wherever the stage boundaries now are."""
+
     per_rank = False
 
     def __init__(self, named: list, optimizer):
         self.named, self.optimizer = named, optimizer
 
     def checkpoint_state(self) -> dict:
-        return gather_full_state(self.named, self.optimizer, dist.get_rank() == 0)  # a collective, on every stage
+        # a collective, on every stage
+        return gather_full_state(self.named, self.optimizer, dist.get_rank() == 0)
 
     def load_checkpoint(self, checkpoint) -> None:
         load_parameters(self.named, checkpoint)

@@ -11,6 +11,7 @@ combined gradient back (``finish``), and both copies step alike.
 
 Imported by pipeline.py (its rule 3), whose point-to-point ``send`` and ``recv`` it is given.
 """
+
 import torch
 
 TIED_TAG = 1  # the tie's stream between the last and the first stage (pipeline.py's message_tag)

@@ -2,6 +2,7 @@
 forked from a server that has imported torch: ``run_ranks``) on a tiny workload, and read what they wrote.
 Every trainer sets one CPU thread per process itself (seeding.seed_everything); the process-group timeout is
 short so a broken collective fails fast."""
+
 import getpass
 import json
 import os
@@ -21,21 +22,50 @@ REPO = Path(__file__).resolve().parent.parent
 # torch.compile's on-disk cache does not key its CPU kernels by ATEN_CPU_CAPABILITY: kernels compiled in a suite
 # run under avx2 were loaded by a later run under avx512 and corrupted the heap (step 1 --compile, both ranks
 # aborted in malloc; with an empty cache it passes). One cache per kernel path, for the tests and their ranks.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / (
-    f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}")))
-sys.path[:0] = [str(REPO / "compare"), str(REPO / "common")]  # launch.py imports config from common/
-from launch import trainer_command  # noqa: E402,F401  (the tests import it from here)
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    str(
+        Path(tempfile.gettempdir())
+        / (f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}")
+    ),
+)
+# launch.py imports config from common/
+sys.path[:0] = [str(REPO / "compare"), str(REPO / "common")]
 import distributed  # noqa: E402  (common/distributed.py: workers join and leave the way the trainers do)
 import other_order  # noqa: E402  (compare/other_order.py: another summation order, bounded on this machine)
+from launch import trainer_command  # noqa: E402,F401  (the tests import it from here)
 
-STEPS = {p.name.split("_")[0]: p.name for p in REPO.glob("step*_*")
-         if re.fullmatch(r"step\d+_\w+", p.name) and (p / "train.py").is_file()}
+STEPS = {
+    p.name.split("_")[0]: p.name
+    for p in REPO.glob("step*_*")
+    if re.fullmatch(r"step\d+_\w+", p.name) and (p / "train.py").is_file()
+}
 
 # Small enough that a world-size-2 run takes a few seconds, big enough that clipping, accumulation
 # and several buckets all happen. --grad-clip 0.3 sits below the early gradient norms (~1-3).
-TINY = ["--steps", "4", "--micro-batch-size", "2", "--grad-accum", "2", "--seq-len", "32", "--n-layer", "2",
-        "--n-embd", "32", "--n-head", "2", "--grad-clip", "0.3", "--warmup-steps", "2", "--save-every", "0",
-        "--quiet"]
+TINY = [
+    "--steps",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--grad-accum",
+    "2",
+    "--seq-len",
+    "32",
+    "--n-layer",
+    "2",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--grad-clip",
+    "0.3",
+    "--warmup-steps",
+    "2",
+    "--save-every",
+    "0",
+    "--quiet",
+]
 TIMEOUT = ["--timeout-s", "60"]
 # The contract's strictest setting at once: exact mode (float64 reduction), accumulation (no_sync), clipping
 # that triggers, bf16 autocast, dropout (each rank's RNG must be where it should), checkpoints every 2 steps.
@@ -58,14 +88,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(step: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 240):
+def launch(
+    step: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 240
+):
     """Run a step's trainer: step 0 (or nproc=0) as one process, the others as ``nproc`` ranks with the short
     process-group timeout (``run_ranks``)."""
     nproc = 0 if step == "step0" else nproc
-    return run_ranks(REPO / STEPS[step] / "train.py", [*args, *TIMEOUT] if nproc else args, nproc, env, timeout)
+    return run_ranks(
+        REPO / STEPS[step] / "train.py", [*args, *TIMEOUT] if nproc else args, nproc, env, timeout
+    )
 
 
-def run_ranks(script: Path, args: list[str], nproc: int, env: dict | None = None, timeout: float = 240):
+def run_ranks(
+    script: Path, args: list[str], nproc: int, env: dict | None = None, timeout: float = 240
+):
     """``python SCRIPT ARGS`` as one process (nproc=0), or as ``nproc`` ranks. Each rank is a process of its own
     with the variables torchrun gives it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT...), forked from
     ``WORKERS``' server (``run_forked``): torchrun and its ranks would spend ~6 CPU seconds each importing
@@ -76,21 +112,35 @@ def run_ranks(script: Path, args: list[str], nproc: int, env: dict | None = None
     if not nproc:
         return run_forked([sys.executable, str(script), *args], env=env, timeout=timeout)
     port = free_port()
-    ranks = [{**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-             for rank in range(nproc)]
+    ranks = [
+        {
+            **(env or {}),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        for rank in range(nproc)
+    ]
     results = run_forked_together([[sys.executable, str(script), *args]] * nproc, ranks, timeout)
     codes = [result.returncode for result in results]
     stderr = "".join(result.stderr for result in results)
     if any(codes):
         stderr += f"ranks' exit codes: {codes}\n"
-    return subprocess.CompletedProcess(results[0].args, int(any(codes)), "".join(r.stdout for r in results), stderr)
+    return subprocess.CompletedProcess(
+        results[0].args, int(any(codes)), "".join(r.stdout for r in results), stderr
+    )
 
 
 def train(step: str, out: Path, corpus: Path, *extra: str, nproc: int = 2) -> Path:
     """Train on the tiny workload into ``out``; fail the test with the trainer's output if it fails."""
     result = launch(step, [*TINY, "--data", str(corpus), "--out", str(out), *extra], nproc=nproc)
-    assert result.returncode == 0, f"{step} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (
+        f"{step} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     return out
 
 
@@ -117,7 +167,9 @@ def assert_bitwise_same_run(a: Path, b: Path) -> None:
 
 
 def parity(a, b) -> subprocess.CompletedProcess:
-    return run_forked([sys.executable, str(REPO / "compare" / "parity.py"), str(a), str(b)], timeout=60)
+    return run_forked(
+        [sys.executable, str(REPO / "compare" / "parity.py"), str(a), str(b)], timeout=60
+    )
 
 
 def other_order_drift(reference, a: Path, b: Path) -> tuple[other_order.Drift, list[str]]:
@@ -128,13 +180,28 @@ def other_order_drift(reference, a: Path, b: Path) -> tuple[other_order.Drift, l
     return drift, other_order.beyond(drift, other_order.bound(reference, mb, wb))
 
 
-def regrouped_drift(run: Path, corpus: Path, out: Path, *flags: str, groupings=((8, 1), (2, 4))) -> other_order.Drift:
+def regrouped_drift(
+    run: Path, corpus: Path, out: Path, *flags: str, groupings=((8, 1), (2, 4))
+) -> other_order.Drift:
     """How far step 0 drifts from ``run`` (step 0 on TINY with ``flags``) when it regroups the same samples a step
     into other micro-batches, (accumulation, micro-batch size) each: another order of the same sums, in one process.
     Each quantity's largest over the groupings."""
-    runs = [train("step0", out / f"step0_{k}x{b}", corpus, *flags, "--grad-accum", str(k), "--micro-batch-size",
-                  str(b)) for k, b in groupings]
-    return other_order.largest(*(other_order.drift(metrics(r), weights(r), metrics(run), weights(run)) for r in runs))
+    runs = [
+        train(
+            "step0",
+            out / f"step0_{k}x{b}",
+            corpus,
+            *flags,
+            "--grad-accum",
+            str(k),
+            "--micro-batch-size",
+            str(b),
+        )
+        for k, b in groupings
+    ]
+    return other_order.largest(
+        *(other_order.drift(metrics(r), weights(r), metrics(run), weights(run)) for r in runs)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -152,10 +219,26 @@ def tour(tmp_path_factory, small_corpus) -> tuple[Path, str]:
     accumulating 2 x 2 micro-batches), checkpoints every 2 steps. Returns (runs folder, its output)."""
     runs = tmp_path_factory.mktemp("tour")
     at = TINY.index("--grad-accum")
-    tiny = TINY[:at] + TINY[at + 2:]  # the tour sets the accumulation itself
-    result = subprocess.run([sys.executable, str(REPO / "compare" / "tour.py"), "--runs-dir", str(runs), *tiny,
-                             "--save-every", "2", "--data", str(small_corpus), "--timeout-s", "60"],
-                            cwd=REPO, capture_output=True, text=True, timeout=900)
+    tiny = TINY[:at] + TINY[at + 2 :]  # the tour sets the accumulation itself
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "compare" / "tour.py"),
+            "--runs-dir",
+            str(runs),
+            *tiny,
+            "--save-every",
+            "2",
+            "--data",
+            str(small_corpus),
+            "--timeout-s",
+            "60",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return runs, result.stdout
 
@@ -178,13 +261,25 @@ def exact_run(tmp_path_factory, small_corpus):
             out = tmp_path_factory.mktemp(f"exact_{step}_ws{world_size}")
             runs[step, world_size] = train(step, out, small_corpus, *EXACT, nproc=world_size)
         return runs[step, world_size]
+
     return run
 
 
 # Step 9 (pipeline parallelism) on top of TINY: 4 blocks (up to 4 stages), 4 micro-batches per step, and what must
 # flow through the stages right: dropout (one random stream), bf16 autocast, clipping (TINY's), checkpoints at
 # steps 2 and 4.
-PIPELINE = ("--n-layer", "4", "--grad-accum", "4", "--dropout", "0.1", "--amp", "bf16", "--save-every", "2")
+PIPELINE = (
+    "--n-layer",
+    "4",
+    "--grad-accum",
+    "4",
+    "--dropout",
+    "0.1",
+    "--amp",
+    "bf16",
+    "--save-every",
+    "2",
+)
 
 
 @pytest.fixture(scope="session")
@@ -199,6 +294,7 @@ def pipeline_runs(tmp_path_factory, small_corpus):
             out = tmp_path_factory.mktemp(f"{step}_p{nproc}")
             runs[key] = train(step, out, small_corpus, *PIPELINE, *extra, nproc=nproc)
         return runs[key]
+
     return run
 
 
@@ -216,11 +312,30 @@ MESH_RUNS = {
     "dp2pp2": ("step10", 4, ["--dp", "2", "--pp", "2", "--grad-accum", "2", "--save-every", "2"]),
     "dp2tp2": ("step10", 4, ["--dp", "2", "--tp", "2", "--grad-accum", "2", "--save-every", "2"]),
     # sequence parallelism through a pipeline: the stages send S/T tokens; dropout and bf16 on
-    "step8sp": ("step8", 2, ["--grad-accum", "4", "--sequence-parallel", "--dropout", "0.1", "--amp", "bf16"]),
+    "step8sp": (
+        "step8",
+        2,
+        ["--grad-accum", "4", "--sequence-parallel", "--dropout", "0.1", "--amp", "bf16"],
+    ),
     # the same without sequence parallelism: the same masks, the same first loss (tests/test_tensor_parallel.py)
     "step8dropbf16": ("step8", 2, ["--grad-accum", "4", "--dropout", "0.1", "--amp", "bf16"]),
-    "tp2pp2sp": ("step10", 4, ["--tp", "2", "--pp", "2", "--grad-accum", "4", "--sequence-parallel", "--dropout", "0.1",
-                               "--amp", "bf16"]),
+    "tp2pp2sp": (
+        "step10",
+        4,
+        [
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--grad-accum",
+            "4",
+            "--sequence-parallel",
+            "--dropout",
+            "0.1",
+            "--amp",
+            "bf16",
+        ],
+    ),
 }
 
 
@@ -230,16 +345,21 @@ def mesh_runs(tmp_path_factory, small_corpus):
     (tests/test_3d_parallel.py) and the planner's measured rows (tests/test_plan.py) share them."""
     done = {}
     at = TINY.index("--grad-accum")
-    tiny = TINY[:at] + TINY[at + 2:]  # each run sets its own accumulation
+    tiny = TINY[:at] + TINY[at + 2 :]  # each run sets its own accumulation
 
     def run(name: str) -> Path:
         if name not in done:
             step, nproc, flags = MESH_RUNS[name]
             out = tmp_path_factory.mktemp(name)
-            result = launch(step, [*tiny, *flags, "--data", str(small_corpus), "--out", str(out)], nproc=nproc)
-            assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            result = launch(
+                step, [*tiny, *flags, "--data", str(small_corpus), "--out", str(out)], nproc=nproc
+            )
+            assert result.returncode == 0, (
+                f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            )
             done[name] = out
         return done[name]
+
     return run
 
 
@@ -248,7 +368,9 @@ def init_gloo(rank: int, world_size: int, port: int) -> None:
     short timeout. Leave with ``shutdown()``, as the trainers do."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    distributed.join(distributed.World(rank, world_size, rank, torch.device("cpu"), "gloo"), timeout_s=30)
+    distributed.join(
+        distributed.World(rank, world_size, rank, torch.device("cpu"), "gloo"), timeout_s=30
+    )
 
 
 shutdown = distributed.shutdown
@@ -264,9 +386,21 @@ WORKERS = mp.get_context("forkserver")
 # torch.use_deterministic_algorithms imports, and with it torch._dynamo and sympy), matplotlib (--trace), and
 # torch.distributed's FSDP, DTensor, pipelining and checkpoint (the references and the resharding). A name that
 # does not import is skipped by the server.
-WORKERS.set_forkserver_preload(["torch", "torch.distributed", "tokenizers", "safetensors.torch", "torch._inductor.config",
-                                "matplotlib.pyplot", "torch.distributed.fsdp", "torch.distributed.tensor",
-                                "torch.distributed.pipelining", "torch.distributed.checkpoint", "conftest"])
+WORKERS.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed",
+        "tokenizers",
+        "safetensors.torch",
+        "torch._inductor.config",
+        "matplotlib.pyplot",
+        "torch.distributed.fsdp",
+        "torch.distributed.tensor",
+        "torch.distributed.pipelining",
+        "torch.distributed.checkpoint",
+        "conftest",
+    ]
+)
 
 
 def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
@@ -275,7 +409,10 @@ def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
     ctx = WORKERS
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(rank, world_size, port, queue, *args)) for rank in range(world_size)]
+    procs = [
+        ctx.Process(target=target, args=(rank, world_size, port, queue, *args))
+        for rank in range(world_size)
+    ]
     for p in procs:
         p.start()
     try:
@@ -283,7 +420,9 @@ def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
         for p in procs:
             p.join(timeout=30)
         # A worker that answered but never exited hangs in its shutdown: that is a bug, not a slow machine.
-        assert [p.exitcode for p in procs] == [0] * world_size, f"worker exit codes: {[p.exitcode for p in procs]}"
+        assert [p.exitcode for p in procs] == [0] * world_size, (
+            f"worker exit codes: {[p.exitcode for p in procs]}"
+        )
     finally:
         for p in procs:
             if p.is_alive():
@@ -291,7 +430,9 @@ def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
     return results
 
 
-def run_forked(command: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_forked(
+    command: list[str], env: dict | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """``subprocess.run(command, cwd=REPO, capture_output=True, text=True)`` for ``python SCRIPT ARGS`` or
     ``python -c CODE ARGS``, in a process forked from ``WORKERS``' server instead of a new interpreter: the same
     script runs as ``__main__`` with the same argv, environment and working folder, and only the imports of
@@ -301,19 +442,26 @@ def run_forked(command: list[str], env: dict | None = None, timeout: float = 300
     return run_forked_together([command], [env or {}], timeout)[0]
 
 
-def run_forked_together(commands: list[list[str]], envs: list[dict], timeout: float = 300,
-                        grace_s: float = 30) -> list[subprocess.CompletedProcess]:
+def run_forked_together(
+    commands: list[list[str]], envs: list[dict], timeout: float = 300, grace_s: float = 30
+) -> list[subprocess.CompletedProcess]:
     """``run_forked`` for several commands at once (the ranks of one job); once one has failed, the others
     have ``grace_s`` to end before they are killed, as torchrun stops a job's other ranks."""
     import tempfile
     import time
+
     assert all(command[0] == sys.executable for command in commands), commands
     with tempfile.TemporaryDirectory() as folder:
         files = [(Path(folder, f"{i}.out"), Path(folder, f"{i}.err")) for i in range(len(commands))]
         processes = []
         for command, env, (out, err) in zip(commands, envs, files):
-            out.touch(), err.touch()  # read afterwards even if the process ended before it wrote a byte
-            processes.append(WORKERS.Process(target=_run_as_main, args=(command[1:], {**os.environ, **env}, out, err)))
+            # read afterwards even if the process ended before it wrote a byte
+            out.touch(), err.touch()
+            processes.append(
+                WORKERS.Process(
+                    target=_run_as_main, args=(command[1:], {**os.environ, **env}, out, err)
+                )
+            )
             processes[-1].start()
         # As torchrun does: once one process has failed, the others get grace_s to end, then are stopped.
         deadline, timed_out = time.monotonic() + timeout, False
@@ -328,27 +476,39 @@ def run_forked_together(commands: list[list[str]], envs: list[dict], timeout: fl
             time.sleep(0.05)
         for p in processes:
             p.join()
-        results = [subprocess.CompletedProcess(command, p.exitcode, out.read_text(), err.read_text())
-                   for command, p, (out, err) in zip(commands, processes, files)]
+        results = [
+            subprocess.CompletedProcess(command, p.exitcode, out.read_text(), err.read_text())
+            for command, p, (out, err) in zip(commands, processes, files)
+        ]
         if timed_out:
-            raise subprocess.TimeoutExpired(commands[0], timeout, "".join(r.stdout for r in results),
-                                            "".join(r.stderr for r in results))
+            raise subprocess.TimeoutExpired(
+                commands[0],
+                timeout,
+                "".join(r.stdout for r in results),
+                "".join(r.stderr for r in results),
+            )
         return results
 
 
 def _run_as_main(argv: list[str], env: dict, out: Path, err: Path) -> None:
     """In the forked process: become ``python *argv`` (see ``run_forked``); the exit code is the script's."""
     import runpy
+
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO)
 
-    def ours(path: str) -> bool:  # the repository or one of its folders; not a virtual environment inside it
-        return path.startswith(str(REPO)) and REPO in (Path(path).resolve(), Path(path).resolve().parent)
+    # the repository or one of its folders; not a virtual environment inside it
+    def ours(path: str) -> bool:
+        return path.startswith(str(REPO)) and REPO in (
+            Path(path).resolve(),
+            Path(path).resolve().parent,
+        )
 
-    for name, module in list(sys.modules.items()):  # conftest, common/'s and compare/'s modules: not the script's
+    # conftest, common/'s and compare/'s modules: not the script's
+    for name, module in list(sys.modules.items()):
         if ours(os.path.dirname(getattr(module, "__file__", None) or "")):
             del sys.modules[name]
     sys.path[:] = [entry for entry in sys.path if not ours(entry)]

@@ -18,6 +18,7 @@ with its own files back in place. OUT.json holds ``{"cases": {CASE: {"problems":
 "threads left": [...]}``. A worker that dies (an exception, or a signal such as the SIGABRT of a thread left
 alive into interpreter exit) makes ``mp.spawn`` raise, and this script exit non-zero.
 """
+
 import contextlib
 import importlib
 import json
@@ -34,13 +35,28 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPO = Path(__file__).resolve().parent.parent
-FOLDER = {"naive_dp": "step3_naive_dp", "bucketed_ddp": "step4_hooks_bucketing", "zero1": "step5_zero1",
-          "zero2": "step6_zero2", "zero3": "step7_zero3", "zero1_bf16": "step5_zero1", "zero2_bf16": "step6_zero2",
-          "zero1_fp16": "step5_zero1", "offload": "step7_zero3"}
-IDEA_MODULES = {"naive_dp": ["naive_dp"], "bucketed_ddp": ["bucketed_ddp"], "zero1": ["zero1"],
-                "zero2": ["zero2", "zero1", "sharded_gradients"], "zero3": ["zero3"], "zero1_bf16": ["zero1"],
-                "zero2_bf16": ["zero2", "zero1"], "zero1_fp16": ["zero1", "sharded_gradients"],
-                "offload": ["zero3", "offload"]}
+FOLDER = {
+    "naive_dp": "step3_naive_dp",
+    "bucketed_ddp": "step4_hooks_bucketing",
+    "zero1": "step5_zero1",
+    "zero2": "step6_zero2",
+    "zero3": "step7_zero3",
+    "zero1_bf16": "step5_zero1",
+    "zero2_bf16": "step6_zero2",
+    "zero1_fp16": "step5_zero1",
+    "offload": "step7_zero3",
+}
+IDEA_MODULES = {
+    "naive_dp": ["naive_dp"],
+    "bucketed_ddp": ["bucketed_ddp"],
+    "zero1": ["zero1"],
+    "zero2": ["zero2", "zero1", "sharded_gradients"],
+    "zero3": ["zero3"],
+    "zero1_bf16": ["zero1"],
+    "zero2_bf16": ["zero2", "zero1"],
+    "zero1_fp16": ["zero1", "sharded_gradients"],
+    "offload": ["zero3", "offload"],
+}
 WORLD_SIZE, STEPS, MICRO_BATCHES, VOCAB = 2, 3, 2, 11
 
 
@@ -115,7 +131,12 @@ class Stack(nn.Module):
 
 
 def batch(step: int, micro_step: int, rank: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(1000 * step + 10 * micro_step + rank))
+    return torch.randint(
+        0,
+        VOCAB,
+        (3, 5),
+        generator=torch.Generator().manual_seed(1000 * step + 10 * micro_step + rank),
+    )
 
 
 def loss_of(model, step, micro_step, rank) -> torch.Tensor:
@@ -132,14 +153,18 @@ def groups(model) -> list[dict]:
     """Weight decay for the matrices, chosen by name (a sharded piece may have lost its shape)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decayed = {n for n, _ in trainable if n.endswith("weight") and "norm" not in n}
-    return [{"params": [p for n, p in trainable if n in decayed], "weight_decay": 0.1},
-            {"params": [p for n, p in trainable if n not in decayed], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in trainable if n in decayed], "weight_decay": 0.1},
+        {"params": [p for n, p in trainable if n not in decayed], "weight_decay": 0.0},
+    ]
 
 
 def compare(problems: list, label: str, ours: dict, theirs: dict) -> int:
     for name, tensor in theirs.items():
         if not torch.equal(ours[name], tensor):
-            problems.append(f"{label}: {name} differs (max abs {(ours[name] - tensor).abs().max().item():.3g})")
+            problems.append(
+                f"{label}: {name} differs (max abs {(ours[name] - tensor).abs().max().item():.3g})"
+            )
     return len(theirs)
 
 
@@ -149,8 +174,10 @@ def params(model) -> dict:
 
 # ---- The cases: our loop and PyTorch's, step by step ---------------------------------------------------
 
+
 def case_naive_dp(rank, problems) -> int:
     from naive_dp import allreduce_gradients, broadcast_parameters
+
     ours = build(Toy, 100 + rank)  # a different start on every rank: the broadcast must fix it
     broadcast_parameters(ours)
     theirs = DDP(build(Toy, 100), find_unused_parameters=True)
@@ -173,14 +200,18 @@ def case_naive_dp(rank, problems) -> int:
 
 def case_bucketed_ddp(rank, problems) -> int:
     from bucketed_ddp import BucketedDDP
-    ours = BucketedDDP(build(Toy, 100 + rank), bucket_cap_mb=0.0002, find_unused_parameters=True)  # ~3 buckets
+
+    # ~3 buckets
+    ours = BucketedDDP(build(Toy, 100 + rank), bucket_cap_mb=0.0002, find_unused_parameters=True)
     theirs = DDP(build(Toy, 100), find_unused_parameters=True)
     opts = [torch.optim.AdamW(groups(m.module), lr=0.05) for m in (ours, theirs)]
     checked = 0
     for step in range(STEPS):
         for micro_step in range(MICRO_BATCHES):
             for model in (ours, theirs):
-                with model.no_sync() if micro_step < MICRO_BATCHES - 1 else contextlib.nullcontext():
+                with (
+                    model.no_sync() if micro_step < MICRO_BATCHES - 1 else contextlib.nullcontext()
+                ):
                     loss_of(model, step, micro_step, rank).backward()
         ours.finish_gradient_synchronization()
         for model, opt in ((ours, opts[0]), (theirs, opts[1])):
@@ -195,22 +226,35 @@ def case_bucketed_ddp(rank, problems) -> int:
 def case_zero1(rank, problems) -> int:
     """DDP syncs the gradients; the optimisers differ: ours, ZeroRedundancyOptimizer, and a plain one."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
+
     from zero1 import ShardedOptimizer
+
     checked = 0
-    for optimizer_cls, kwargs in ((torch.optim.AdamW, dict(lr=0.05)), (torch.optim.SGD, dict(lr=0.1, momentum=0.9))):
+    for optimizer_cls, kwargs in (
+        (torch.optim.AdamW, dict(lr=0.05)),
+        (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    ):
         models = [DDP(build(Toy, 100), find_unused_parameters=True) for _ in range(3)]
-        opts = [ShardedOptimizer(groups(models[0]), optimizer_cls, **kwargs),
-                ZeroRedundancyOptimizer(groups(models[1]), optimizer_class=optimizer_cls, **kwargs),
-                optimizer_cls(groups(models[2]), **kwargs)]
-        schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.7 ** s) for opt in opts]
+        opts = [
+            ShardedOptimizer(groups(models[0]), optimizer_cls, **kwargs),
+            ZeroRedundancyOptimizer(groups(models[1]), optimizer_class=optimizer_cls, **kwargs),
+            optimizer_cls(groups(models[2]), **kwargs),
+        ]
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.7**s) for opt in opts]
         scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in opts]
         for step in range(STEPS + 1):
             for model, opt, scaler, scheduler in zip(models, opts, scalers, schedulers):
                 for micro_step in range(MICRO_BATCHES):
-                    with model.no_sync() if micro_step < MICRO_BATCHES - 1 else contextlib.nullcontext():
-                        loss = loss_of(model, step, micro_step, rank)  # forward inside no_sync: DDP decides there
+                    with (
+                        model.no_sync()
+                        if micro_step < MICRO_BATCHES - 1
+                        else contextlib.nullcontext()
+                    ):
+                        # forward inside no_sync: DDP decides there
+                        loss = loss_of(model, step, micro_step, rank)
                         if step == 1:
-                            loss = loss * float("inf")  # an overflow: every scaler must skip this step
+                            # an overflow: every scaler must skip this step
+                            loss = loss * float("inf")
                         scaler.scale(loss).backward()
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -219,10 +263,25 @@ def case_zero1(rank, problems) -> int:
                 scheduler.step()
                 opt.zero_grad()
             label = f"{optimizer_cls.__name__} step {step}"
-            checked += compare(problems, f"{label} vs ZeroRedundancyOptimizer", params(models[0]), params(models[1]))
-            checked += compare(problems, f"{label} vs {optimizer_cls.__name__}", params(models[0]), params(models[2]))
-        if len({scaler.get_scale() for scaler in scalers}) != 1 or scalers[0].get_scale() == 2.0**10:
-            problems.append(f"scales {[s.get_scale() for s in scalers]}: the overflow step was not skipped alike")
+            checked += compare(
+                problems,
+                f"{label} vs ZeroRedundancyOptimizer",
+                params(models[0]),
+                params(models[1]),
+            )
+            checked += compare(
+                problems,
+                f"{label} vs {optimizer_cls.__name__}",
+                params(models[0]),
+                params(models[2]),
+            )
+        if (
+            len({scaler.get_scale() for scaler in scalers}) != 1
+            or scalers[0].get_scale() == 2.0**10
+        ):
+            problems.append(
+                f"scales {[s.get_scale() for s in scalers]}: the overflow step was not skipped alike"
+            )
         del models, opts
     return checked
 
@@ -233,21 +292,37 @@ def case_zero2(rank, problems) -> int:
     from training import clip_grad_norm
     from zero1 import ShardedOptimizer
     from zero2 import ShardedGradientDDP
-    ours = ShardedGradientDDP(build(Toy, 100 + rank), bucket_cap_mb=0.0002, find_unused_parameters=True)
-    our_opt = ShardedOptimizer(groups(ours.module), torch.optim.AdamW, chunks=ours.bucket_params,
-                               gradient_shards=ours.gradient_shards, lr=0.05)
+
+    ours = ShardedGradientDDP(
+        build(Toy, 100 + rank), bucket_cap_mb=0.0002, find_unused_parameters=True
+    )
+    our_opt = ShardedOptimizer(
+        groups(ours.module),
+        torch.optim.AdamW,
+        chunks=ours.bucket_params,
+        gradient_shards=ours.gradient_shards,
+        lr=0.05,
+    )
     theirs = DDP(build(Toy, 100), find_unused_parameters=True)
     their_opt = torch.optim.AdamW(groups(theirs.module), lr=0.05)
-    our_scaler, their_scaler = ShardedGradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    our_scaler, their_scaler = (
+        ShardedGradScaler("cpu", init_scale=2.0**10),
+        torch.amp.GradScaler("cpu", init_scale=2.0**10),
+    )
     checked = 0
     for step in range(STEPS):
         for micro_step in range(MICRO_BATCHES):
             for model, scaler in ((ours, our_scaler), (theirs, their_scaler)):
-                with model.no_sync() if micro_step < MICRO_BATCHES - 1 else contextlib.nullcontext():
+                with (
+                    model.no_sync() if micro_step < MICRO_BATCHES - 1 else contextlib.nullcontext()
+                ):
                     scaler.scale(loss_of(model, step, micro_step, rank)).backward()
         ours.finish_gradient_synchronization()
         our_scaler.unscale_(our_opt)
-        clip_grad_norm([p for g in our_opt.param_groups for p in g["params"]], 0.5, [dist.group.WORLD])  # slices
+        # slices
+        clip_grad_norm(
+            [p for g in our_opt.param_groups for p in g["params"]], 0.5, [dist.group.WORLD]
+        )
         our_scaler.step(our_opt)
         our_scaler.update()
         our_opt.zero_grad()
@@ -271,7 +346,9 @@ def case_zero3(rank, problems) -> int:
     own, which rounds differently from DDP; FullyShardedDP sums every use first, as DDP does)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     from zero3 import FullyShardedDP
+
     mesh, checked, float32_result = init_device_mesh("cpu", (WORLD_SIZE,)), 0, None
     # (tied ends, param_dtype): FSDP2 in float32; DDP with a unit called twice; FSDP2's mixed precision,
     # bf16 parameters and computation over float32 master shards, gradients reduced in float32.
@@ -282,10 +359,15 @@ def case_zero3(rank, problems) -> int:
         if tied:
             theirs = DDP(theirs, find_unused_parameters=True)
         else:
-            policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+            policy = MixedPrecisionPolicy(
+                param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None
+            )
             for module in (*theirs.units, theirs):
                 fully_shard(module, mesh=mesh, mp_policy=policy)
-        opts = [torch.optim.AdamW(groups(ours), lr=0.05), torch.optim.AdamW(groups(theirs), lr=0.05)]
+        opts = [
+            torch.optim.AdamW(groups(ours), lr=0.05),
+            torch.optim.AdamW(groups(theirs), lr=0.05),
+        ]
         for step in range(STEPS):
             for micro_step in range(MICRO_BATCHES):
                 last = micro_step == MICRO_BATCHES - 1
@@ -302,20 +384,29 @@ def case_zero3(rank, problems) -> int:
                 opt.step()
                 opt.zero_grad()
             mine = {name: tensor.clone() for name, tensor in ours.gathered_parameters()}
-            full = params(theirs.module) if tied else {name: p.full_tensor() for name, p in theirs.named_parameters()}
+            full = (
+                params(theirs.module)
+                if tied
+                else {name: p.full_tensor() for name, p in theirs.named_parameters()}
+            )
             label = f"{'tied, vs DDP' if tied else 'vs FSDP2'}{', bf16' if param_dtype else ''} step {step}"
             checked += compare(problems, label, mine, full)
         if (tied, param_dtype) == (False, None):
             float32_result = mine
         elif param_dtype is not None and all(torch.equal(mine[n], float32_result[n]) for n in mine):
-            problems.append("bf16 parameters trained exactly as float32 ones: param_dtype was not applied")
+            problems.append(
+                "bf16 parameters trained exactly as float32 ones: param_dtype was not applied"
+            )
         frozen = [n for n, p in ours.named_parameters() if not p.requires_grad]
         if frozen != ["blocks.1.fixed.weight", "blocks.1.fixed.bias"]:
             problems.append(f"frozen pieces: {frozen}")
-        loss_of(ours, STEPS, 0, rank).backward()  # a synchronised backward, its sync point forgotten
+        # a synchronised backward, its sync point forgotten
+        loss_of(ours, STEPS, 0, rank).backward()
         try:
             loss_of(ours, STEPS, 1, rank)
-            problems.append("a forward after a forgotten finish_gradient_synchronization() was accepted")
+            problems.append(
+                "a forward after a forgotten finish_gradient_synchronization() was accepted"
+            )
         except RuntimeError as error:
             if "finish_gradient_synchronization()" not in str(error):
                 problems.append(f"unclear error for a forgotten sync point: {error}")
@@ -329,17 +420,25 @@ def case_offload(rank, problems) -> int:
     schedule on both: bitwise at every step; the moments and the masters on the host, apart from the parameters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
     from offload import OffloadedOptimizer
     from zero3 import FullyShardedDP
+
     ours_model = build(lambda: Stack(False), 100)
     ours = FullyShardedDP(ours_model, ours_model.units)
     theirs = build(lambda: Stack(False), 100)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     for module in (*theirs.units, theirs):
         fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    opts = [OffloadedOptimizer(ours.named_parameters(), lambda named: torch.optim.AdamW(groups_of(named), lr=0.05)),
-            torch.optim.AdamW(groups(theirs), lr=0.05)]
-    schedules = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (step + 1)) for opt in opts]
+    opts = [
+        OffloadedOptimizer(
+            ours.named_parameters(), lambda named: torch.optim.AdamW(groups_of(named), lr=0.05)
+        ),
+        torch.optim.AdamW(groups(theirs), lr=0.05),
+    ]
+    schedules = [
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (step + 1)) for opt in opts
+    ]
     checked = 0
     for step in range(STEPS):
         for micro_step in range(MICRO_BATCHES):
@@ -354,11 +453,19 @@ def case_offload(rank, problems) -> int:
             opt.zero_grad()
             schedule.step()
         mine = {name: tensor.clone() for name, tensor in ours.gathered_parameters()}
-        checked += compare(problems, f"offloaded, vs FSDP2 CPUOffloadPolicy step {step}", mine,
-                           {name: p.full_tensor() for name, p in theirs.named_parameters()})
+        checked += compare(
+            problems,
+            f"offloaded, vs FSDP2 CPUOffloadPolicy step {step}",
+            mine,
+            {name: p.full_tensor() for name, p in theirs.named_parameters()},
+        )
     pieces = {p.untyped_storage().data_ptr() for p in ours.parameters()}
-    held = [t for state in opts[0].state.values() for t in state.values() if torch.is_tensor(t)] + opts[0].host_copies
-    if not held or any(t.device.type != "cpu" or t.untyped_storage().data_ptr() in pieces for t in held):
+    held = [
+        t for state in opts[0].state.values() for t in state.values() if torch.is_tensor(t)
+    ] + opts[0].host_copies
+    if not held or any(
+        t.device.type != "cpu" or t.untyped_storage().data_ptr() in pieces for t in held
+    ):
         problems.append("the optimiser's state or masters are not host tensors of their own")
     del theirs
     return checked
@@ -368,14 +475,17 @@ def groups_of(named) -> list[dict]:
     """``groups`` for (name, tensor) pairs, as OffloadedOptimizer hands its host copies to the optimiser it builds."""
     named = list(named)
     decayed = {n for n, _ in named if n.endswith("weight") and "norm" not in n}
-    return [{"params": [p for n, p in named if n in decayed], "weight_decay": 0.1},
-            {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in named if n in decayed], "weight_decay": 0.1},
+        {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0},
+    ]
 
 
 def fsdp2_bf16(model):
     """FSDP2 with bf16 parameters over float32 shards, gradients reduced in float32: every unit, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for module in (*model.units, model):
@@ -421,10 +531,12 @@ def case_zero1_bf16(rank, problems) -> int:
     """ShardedOptimizerWithMasters(param_dtype=bf16) with the outsider's own gradient sync (float32 sums into
     ``main_grad``, as the optimiser's docstring asks) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
     from masters import ShardedOptimizerWithMasters
+
     expected = trained_fsdp2_bf16(rank)
     model = build(lambda: Stack(False), 100)
     opt = ShardedOptimizerWithMasters(groups(model), torch.optim.AdamW, torch.bfloat16, lr=0.05)
-    model.to(torch.bfloat16)  # what the optimiser does not step (the frozen layer) computes in bf16 too
+    # what the optimiser does not step (the frozen layer) computes in bf16 too
+    model.to(torch.bfloat16)
     no_scaling = torch.amp.GradScaler("cpu", enabled=False)  # bf16 has float32's range
     checked = 0
     for step in range(STEPS):
@@ -434,7 +546,9 @@ def case_zero1_bf16(rank, problems) -> int:
         opt.zero_grad()
         names = {p: n for n, p in model.named_parameters()}
         ours = {names[p]: full for p, full in opt.gathered_masters().items()}
-        checked += compare(problems, f"ShardedOptimizer bf16 vs FSDP2 step {step}", ours, expected[step])
+        checked += compare(
+            problems, f"ShardedOptimizer bf16 vs FSDP2 step {step}", ours, expected[step]
+        )
         for name, p in model.named_parameters():  # the bf16 copy is the master rounded once
             if p.requires_grad and not torch.equal(p, ours[name].bfloat16()):
                 problems.append(f"step {step}: {name}'s bf16 copy is not its master rounded")
@@ -446,23 +560,32 @@ def case_zero1_fp16(rank, problems) -> int:
     gradient sync into ``main_grad``, against PyTorch's plain mixed precision: an fp16 copy of the model for forward
     and backward, AdamW over a float32 master of all of it, torch.amp.GradScaler, clip_grad_norm_'s rule. The first
     loss scale (2^30) overflows fp16 and backs off to 2^10: both must skip that step, and only it."""
+    from masters import ShardedOptimizerWithMasters
     from sharded_gradients import ShardedGradScaler
     from training import clip_grad_norm
-    from masters import ShardedOptimizerWithMasters
+
     scaling = {"init_scale": 2.0**30, "backoff_factor": 2.0**-20}
     model = build(lambda: Stack(False), 100)
     opt = ShardedOptimizerWithMasters(groups(model), torch.optim.AdamW, torch.float16, lr=0.05)
     model.to(torch.float16)
     scaler = ShardedGradScaler("cpu", **scaling)
-    master, half = build(lambda: Stack(False), 100), build(lambda: Stack(False), 100).to(torch.float16)
-    their_opt, their_scaler = torch.optim.AdamW(groups(master), lr=0.05), torch.amp.GradScaler("cpu", **scaling)
+    master, half = (
+        build(lambda: Stack(False), 100),
+        build(lambda: Stack(False), 100).to(torch.float16),
+    )
+    their_opt, their_scaler = (
+        torch.optim.AdamW(groups(master), lr=0.05),
+        torch.amp.GradScaler("cpu", **scaling),
+    )
     initial = {n: p.detach().clone() for n, p in master.named_parameters() if p.requires_grad}
     checked = 0
     for step in range(STEPS):
         for p, grad in summed_and_averaged(model, step, rank, scaler).items():
             p.main_grad = grad
-        scaler.unscale_(opt)  # this rank's slices of main_grad, in place; one verdict for both ranks
-        clip_grad_norm([p for g in opt.param_groups for p in g["params"]], 0.5, [dist.group.WORLD])  # masters' slices
+        # this rank's slices of main_grad, in place; one verdict for both ranks
+        scaler.unscale_(opt)
+        # masters' slices
+        clip_grad_norm([p for g in opt.param_groups for p in g["params"]], 0.5, [dist.group.WORLD])
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
@@ -470,7 +593,8 @@ def case_zero1_fp16(rank, problems) -> int:
         for p, hp in zip(master.parameters(), half.parameters()):
             p.grad = grads.get(hp)
         their_scaler.unscale_(their_opt)
-        norm = sum(g.double().pow(2).sum() for g in grads.values()).sqrt().float()  # as clip_grad_norm adds
+        # as clip_grad_norm adds
+        norm = sum(g.double().pow(2).sum() for g in grads.values()).sqrt().float()
         torch.nn.utils.clip_grads_with_norm_(master.parameters(), 0.5, norm)
         their_scaler.step(their_opt)
         their_scaler.update()
@@ -481,14 +605,21 @@ def case_zero1_fp16(rank, problems) -> int:
         names = {p: n for n, p in model.named_parameters()}
         ours = {names[p]: full for p, full in opt.gathered_masters().items()}
         theirs = {n: p.detach() for n, p in master.named_parameters() if p.requires_grad}
-        checked += compare(problems, f"ShardedOptimizer fp16 vs float32 master + GradScaler step {step}", ours, theirs)
+        checked += compare(
+            problems,
+            f"ShardedOptimizer fp16 vs float32 master + GradScaler step {step}",
+            ours,
+            theirs,
+        )
         if step == 0 and any(not torch.equal(ours[n], initial[n]) for n in initial):
             problems.append("the overflowing first step was not skipped")
         for name, p in model.named_parameters():
             if p.requires_grad and not torch.equal(p, ours[name].half()):
                 problems.append(f"step {step}: {name}'s fp16 copy is not its master rounded")
     if (scaler.get_scale(), their_scaler.get_scale()) != (2.0**10, 2.0**10):
-        problems.append(f"scales {scaler.get_scale()}, {their_scaler.get_scale()}: not backed off once, alike")
+        problems.append(
+            f"scales {scaler.get_scale()}, {their_scaler.get_scale()}: not backed off once, alike"
+        )
     if all(torch.equal(ours[n], initial[n]) for n in initial):
         problems.append("every step was skipped")
     return checked
@@ -498,11 +629,19 @@ def case_zero2_bf16(rank, problems) -> int:
     """ShardedGradientDDP + ShardedOptimizerWithMasters(bf16) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
     from masters import ShardedOptimizerWithMasters
     from zero2 import ShardedGradientDDP
+
     expected = trained_fsdp2_bf16(rank)
-    ours = ShardedGradientDDP(build(lambda: Stack(False), 100 + rank), bucket_cap_mb=0.0002,
-                              find_unused_parameters=True)
-    opt = ShardedOptimizerWithMasters(groups(ours.module), torch.optim.AdamW, torch.bfloat16, chunks=ours.bucket_params,
-                                      gradient_shards=ours.gradient_shards, lr=0.05)
+    ours = ShardedGradientDDP(
+        build(lambda: Stack(False), 100 + rank), bucket_cap_mb=0.0002, find_unused_parameters=True
+    )
+    opt = ShardedOptimizerWithMasters(
+        groups(ours.module),
+        torch.optim.AdamW,
+        torch.bfloat16,
+        chunks=ours.bucket_params,
+        gradient_shards=ours.gradient_shards,
+        lr=0.05,
+    )
     ours.module.to(torch.bfloat16)
     checked = 0
     for step in range(STEPS):
@@ -520,8 +659,11 @@ def case_zero2_bf16(rank, problems) -> int:
 
 def from_folder(folder: Path) -> dict:
     """The modules loaded from ``folder``'s files."""
-    return {name: module for name, module in sys.modules.items()
-            if Path(getattr(module, "__file__", None) or "/").parent == folder}
+    return {
+        name: module
+        for name, module in sys.modules.items()
+        if Path(getattr(module, "__file__", None) or "/").parent == folder
+    }
 
 
 def set_aside(folder: Path) -> dict:
@@ -547,8 +689,11 @@ def worker(rank: int, cases: list[str], port: int, out: str) -> None:
             importlib.import_module(module)
         # Importing an idea file must do nothing to the group: no set-up module of the trainers, nothing that
         # binds the default group (torch.distributed.nn.functional does, as a default argument, when first imported).
-        side_effects = {"distributed", "torch.distributed.nn", "torch.distributed.nn.functional"} & (set(sys.modules)
-                                                                                                     - before)
+        side_effects = {
+            "distributed",
+            "torch.distributed.nn",
+            "torch.distributed.nn.functional",
+        } & (set(sys.modules) - before)
         if side_effects:
             problems[case].append(f"importing {IDEA_MODULES[case]} imported {sorted(side_effects)}")
         modules[case] = set_aside(folder)
@@ -562,13 +707,19 @@ def worker(rank: int, cases: list[str], port: int, out: str) -> None:
     dist.destroy_process_group()
     # A group that something still holds is not freed: its threads would run on into interpreter exit.
     left = gloo_threads()
-    Path(f"{out}.rank{rank}").write_text(json.dumps({"problems": problems, "checked": checked, "threads left": left}))
+    Path(f"{out}.rank{rank}").write_text(
+        json.dumps({"problems": problems, "checked": checked, "threads left": left})
+    )
 
 
 def gloo_threads() -> list[str]:
     """The names of this process's gloo and store threads (Linux; elsewhere none are seen)."""
     tasks = Path("/proc/self/task")
-    names = [(tasks / t / "comm").read_text().strip() for t in os.listdir(tasks)] if tasks.is_dir() else []
+    names = (
+        [(tasks / t / "comm").read_text().strip() for t in os.listdir(tasks)]
+        if tasks.is_dir()
+        else []
+    )
     return [n for n in names if "gloo" in n or "tcpstore" in n]
 
 
@@ -576,16 +727,25 @@ def main() -> None:
     *cases, out = sys.argv[1:]
     unknown = sorted(set(cases) - set(FOLDER))
     if not cases or unknown:
-        sys.exit(f"usage: python tests/drop_in_harness.py CASE [CASE ...] OUT.json, CASE one of {sorted(FOLDER)}"
-                 + (f" (not {unknown})" if unknown else ""))
+        sys.exit(
+            f"usage: python tests/drop_in_harness.py CASE [CASE ...] OUT.json, CASE one of {sorted(FOLDER)}"
+            + (f" (not {unknown})" if unknown else "")
+        )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(worker, args=(cases, port, out), nprocs=WORLD_SIZE, join=True)
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(WORLD_SIZE)]
-    reports = {case: {"problems": [p for r in ranks for p in r["problems"][case]], "checked": ranks[0]["checked"][case]}
-               for case in cases}
-    Path(out).write_text(json.dumps({"cases": reports, "threads left": [r["threads left"] for r in ranks]}))
+    reports = {
+        case: {
+            "problems": [p for r in ranks for p in r["problems"][case]],
+            "checked": ranks[0]["checked"][case],
+        }
+        for case in cases
+    }
+    Path(out).write_text(
+        json.dumps({"cases": reports, "threads left": [r["threads left"] for r in ranks]})
+    )
 
 
 if __name__ == "__main__":

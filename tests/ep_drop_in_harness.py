@@ -9,6 +9,7 @@ batches one after the other and averaging the gradients. After every step each r
 
     python tests/ep_drop_in_harness.py OUT.json
 """
+
 import json
 import os
 import sys
@@ -28,19 +29,27 @@ class MyMoE(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.router = nn.Linear(WIDTH, EXPERTS, bias=False)
-        self.experts = nn.ModuleDict({str(e): nn.Sequential(nn.Linear(WIDTH, 16), nn.ReLU(), nn.Linear(16, WIDTH))
-                                      for e in range(EXPERTS)})
+        self.experts = nn.ModuleDict(
+            {
+                str(e): nn.Sequential(nn.Linear(WIDTH, 16), nn.ReLU(), nn.Linear(16, WIDTH))
+                for e in range(EXPERTS)
+            }
+        )
         self.run_experts = self.whole
 
     def whole(self, tokens, counts, experts):
-        return torch.cat([experts[str(e)](chunk) for e, chunk in enumerate(tokens.split(counts.tolist()))])
+        return torch.cat(
+            [experts[str(e)](chunk) for e, chunk in enumerate(tokens.split(counts.tolist()))]
+        )
 
     def forward(self, x):
         probs = self.router(x).softmax(-1)
         gate, expert = probs.max(-1)
         order = torch.argsort(expert, stable=True)
         counts = torch.bincount(expert, minlength=EXPERTS)
-        out = torch.empty_like(x).index_copy(0, order, self.run_experts(x[order], counts, self.experts))
+        out = torch.empty_like(x).index_copy(
+            0, order, self.run_experts(x[order], counts, self.experts)
+        )
         return gate[:, None] * out
 
 
@@ -62,20 +71,26 @@ def worker(rank, port, queue):
         del mine.experts[e]  # this rank keeps experts 2r, 2r + 1
     mine.run_experts = ExpertParallel(groups, EXPERTS, "mine")
     reference = MyMoE()  # every expert, in this one process
-    opt, ref_opt = torch.optim.SGD(mine.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt, ref_opt = (
+        torch.optim.SGD(mine.parameters(), lr=0.5),
+        torch.optim.SGD(reference.parameters(), lr=0.5),
+    )
     equal = []
     for step in range(STEPS):
         x, target = batch(rank, step)
         ((mine(x) - target) ** 2).sum().backward()
         reduce_gradients(mine, groups)
-        for source in range(WORLD):  # the reference: both ranks' batches in turn, gradients averaged
+        # the reference: both ranks' batches in turn, gradients averaged
+        for source in range(WORLD):
             xs, ts = batch(source, step)
             (((reference(xs) - ts) ** 2).sum() / WORLD).backward()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         ref = dict(reference.named_parameters())
         equal.append(all(torch.equal(p, ref[n]) for n, p in mine.named_parameters()))
     routed = int(sum(n["received"] for n in mine.run_experts.traffic))
-    queue.put((rank, {"equal_every_step": equal, "experts": sorted(mine.experts), "received": routed}))
+    queue.put(
+        (rank, {"equal_every_step": equal, "experts": sorted(mine.experts), "received": routed})
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -86,6 +101,7 @@ def main(rank, port, queue):
 
 if __name__ == "__main__":
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

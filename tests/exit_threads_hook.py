@@ -10,6 +10,7 @@ sure one. train.py runs as ``__main__`` (its folder first on sys.path, as when i
 garbage is collected, gloo's socket loop is given 5 s to end, and this prints one line from /proc:
 ``threads after main: NAME,NAME,...``.
 """
+
 import gc
 import os
 import runpy
@@ -20,7 +21,9 @@ from pathlib import Path
 
 def thread_names() -> list[str]:
     """The names of this process's threads, main included (Linux's /proc; gloo names its threads)."""
-    return sorted(Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir())
+    return sorted(
+        Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()
+    )
 
 
 def main() -> None:
@@ -33,7 +36,8 @@ def main() -> None:
         if ended.code:
             raise
     gc.collect()
-    deadline = time.monotonic() + 5  # gloo's socket loop may end a moment after its group (test_data_parallel.py)
+    # gloo's socket loop may end a moment after its group (test_data_parallel.py)
+    deadline = time.monotonic() + 5
     while any("gloo" in name for name in thread_names()) and time.monotonic() < deadline:
         time.sleep(0.01)
     print(f"threads after main: {','.join(thread_names())}", flush=True)

@@ -8,6 +8,7 @@ work, not a sleep: it stands in for a slower device or a heavier input pipeline,
 patch goes on the step's own ``data`` module (the trainer's folder first on sys.path, as when it runs by itself),
 then train.py runs as ``__main__``. A malformed RANK:SECONDS is one line and exit code 2, before any import.
 """
+
 import os
 import runpy
 import sys
@@ -38,8 +39,11 @@ def main() -> None:
     try:
         slow_rank, seconds = parse(spec)
     except ValueError:
-        print(f"error: slow_rank_hook.py {spec!r}: expected RANK:SECONDS, e.g. 1:0.05 (rank >= 0, 0 <= seconds < 60)",
-              file=sys.stderr, flush=True)
+        print(
+            f"error: slow_rank_hook.py {spec!r}: expected RANK:SECONDS, e.g. 1:0.05 (rank >= 0, 0 <= seconds < 60)",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(2)
     sys.path.insert(0, str(Path(script).resolve().parent))
     sys.argv = [script, *args]

@@ -2,6 +2,7 @@
 without clipping; with it, only the gradient norm differs (torch's clip_grad_norm_ adds per-tensor float32 norms,
 step 1 adds squares in float64), measured to the ulp and checked to stay there. Launched by Accelerate's own
 launcher and as our ranks."""
+
 import subprocess
 import sys
 
@@ -27,9 +28,30 @@ def unclipped(tmp_path_factory, small_corpus):
     args = [*no_clipping(TINY), *TIMEOUT, "--data", str(small_corpus)]
     step1 = train("step1", folder / "step1", small_corpus, "--grad-clip", "0")
     ours = folder / "accelerate"
-    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),
-                             *args, "--out", str(ours)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(SCRIPT),
+            *args,
+            "--out",
+            str(ours),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return step1, ours, result.stdout
 
@@ -42,7 +64,9 @@ def test_accelerate_launch_trains_bitwise_like_step1_without_clipping(unclipped)
     assert metrics(ours)["config"]["grad_clip"] == metrics(step1)["config"]["grad_clip"] == 0
     wa, wb = weights(step1), weights(ours)
     assert [name for name in wa if not torch.equal(wa[name], wb[name])] == []
-    assert [r["loss"] for r in metrics(step1)["records"]] == [r["loss"] for r in metrics(ours)["records"]]
+    assert [r["loss"] for r in metrics(step1)["records"]] == [
+        r["loss"] for r in metrics(ours)["records"]
+    ]
 
 
 def test_without_clipping_the_logged_norm_is_step1s_to_a_few_ulps(unclipped):

@@ -3,6 +3,7 @@ accounting term by term (their Table 2 for their four models, every mode), what 
 machine for the trainers' model (each difference named), the presets' parameter counts as published, and the
 175B layout of their Table 3 not fitting in 80 GB without recomputation; and the model-state tables (the ZeRO
 paper's Table 1, the Ultra-Scale Playbook's bytes per parameter)."""
+
 import pytest
 import torch
 
@@ -10,8 +11,12 @@ import plan
 from activation_formula import TABLE2, FormulaActivations
 from model import GPT2, GPTConfig
 
-KORTHIKANTI = {"megatron-22b": (4, 8, 1), "megatron-175b": (1, 8, 8), "megatron-530b": (1, 8, 35),
-               "megatron-1t": (1, 8, 64)}  # their Table 3: micro-batch, t, p
+KORTHIKANTI = {
+    "megatron-22b": (4, 8, 1),
+    "megatron-175b": (1, 8, 8),
+    "megatron-530b": (1, 8, 35),
+    "megatron-1t": (1, 8, 64),
+}  # their Table 3: micro-batch, t, p
 # Table 2 prints full recomputation once, 2 (the layer's input in 16 bits); with sequence parallelism that input is
 # split over t, as Megatron-LM keeps it: 2/t. A row the table leaves out, asserted with its rows.
 ROWS = {**TABLE2, ("full", True): lambda a, s, h, t: 2 / t}
@@ -28,15 +33,25 @@ def test_every_mode_of_table_2_per_layer(name):
     sbh = shape.seq_len * b * shape.n_embd
     for (recompute, sequence_parallel), closed_form in ROWS.items():
         formula = FormulaActivations(shape, b, 2, "math", 0.1, selective=recompute == "selective")
-        got = (formula.kept_per_block(t, sequence_parallel) if recompute == "full"
-               else formula.block_bytes(t, sequence_parallel))
+        got = (
+            formula.kept_per_block(t, sequence_parallel)
+            if recompute == "full"
+            else formula.block_bytes(t, sequence_parallel)
+        )
         expected = closed_form(shape.n_head, shape.seq_len, shape.n_embd, t) * sbh
-        assert 0 <= got - expected < 3e-4 * expected, (recompute, sequence_parallel, got / sbh, expected / sbh)
+        assert 0 <= got - expected < 3e-4 * expected, (
+            recompute,
+            sequence_parallel,
+            got / sbh,
+            expected / sbh,
+        )
     # and at t = 1, the paper's equation (1): sbh (34 + 5as/h), of which the statistics are the only addition
     formula = FormulaActivations(shape, b, 2, "math", 0.1)
     terms = formula.terms()
-    assert sum(terms.values()) - terms["norm statistics"] == \
-        sbh * 34 + 5 * shape.n_head * shape.seq_len ** 2 * b
+    assert (
+        sum(terms.values()) - terms["norm statistics"]
+        == sbh * 34 + 5 * shape.n_head * shape.seq_len**2 * b
+    )
 
 
 @pytest.mark.quick
@@ -45,10 +60,14 @@ def test_flash_attention_keeps_no_s_squared_and_swiglu_three_ffn_wide_tensors():
     flash = FormulaActivations(llama, 1, 2, "sdpa").terms()
     tokens, h = llama.seq_len, llama.n_embd
     assert "scores" not in flash and flash["log-sum-exp"] == llama.n_head * tokens * 4
-    assert flash["q, k, v"] == tokens * (h + 2 * 8 * 128) * 2 and flash["MLP"] == 3 * tokens * 14336 * 2
+    assert (
+        flash["q, k, v"] == tokens * (h + 2 * 8 * 128) * 2
+        and flash["MLP"] == 3 * tokens * 14336 * 2
+    )
     assert flash["norm statistics"] == 2 * 4 * tokens  # RMSNorm: one float32 per token
     eager = FormulaActivations(llama, 1, 2, "math").terms()
-    assert eager["scores"] == llama.n_head * tokens * tokens * 2  # 2 GiB a layer at s = 8192: why flash
+    # 2 GiB a layer at s = 8192: why flash
+    assert eager["scores"] == llama.n_head * tokens * tokens * 2
 
 
 def saved_by_one_block(config: GPTConfig, micro_batch_size: int) -> dict:
@@ -66,6 +85,7 @@ def saved_by_one_block(config: GPTConfig, micro_batch_size: int) -> dict:
         if inside and storage._cdata not in weights:
             saved[storage._cdata] = storage.nbytes()
         return tensor
+
     tokens = torch.randint(0, config.vocab_size, (micro_batch_size, config.seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(tokens)
@@ -81,11 +101,20 @@ def test_the_formula_is_what_autograd_saves_for_the_trainers_model(attention, dr
     the same storage: kept once, as the formula counts it."""
     torch.set_num_threads(1)
     b, s, h, heads = 2, 32, 64, 4
-    config = GPTConfig(vocab_size=128, seq_len=s, n_layer=1, n_head=heads, n_embd=h, dropout=dropout,
-                       attention=attention)
+    config = GPTConfig(
+        vocab_size=128,
+        seq_len=s,
+        n_layer=1,
+        n_head=heads,
+        n_embd=h,
+        dropout=dropout,
+        attention=attention,
+    )
     measured = sum(saved_by_one_block(config, b).values())
     shape = plan.Shape(1, h, heads, 128, s)
-    formula = FormulaActivations(shape, b, element=4, attention=attention, dropout=dropout, mask=4).block_bytes(1)
+    formula = FormulaActivations(
+        shape, b, element=4, attention=attention, dropout=dropout, mask=4
+    ).block_bytes(1)
     differences = s * s if attention == "math" else 0
     assert measured == formula + differences, (measured, formula, differences)
 
@@ -94,12 +123,30 @@ def test_the_formula_is_what_autograd_saves_for_the_trainers_model(attention, dr
 def test_presets_have_their_published_parameter_counts():
     """Exact where the count is published to the parameter (Hugging Face's GPT-2s; Llama 3's), else within the
     paper's rounding."""
-    exact = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200,
-             "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800}
+    exact = {
+        "gpt2": 124_439_808,
+        "gpt2-medium": 354_823_168,
+        "gpt2-large": 774_030_080,
+        "gpt2-xl": 1_557_611_200,
+        "llama3-8b": 8_030_261_248,
+        "llama3-70b": 70_553_706_496,
+        "llama3-405b": 405_853_388_800,
+    }
     assert {name: plan.PRESETS[name].psi for name in exact} == exact
-    rounded = {"gpt3-125m": 125e6, "gpt3-350m": 350e6, "gpt3-760m": 760e6, "gpt3-1.3b": 1.3e9, "gpt3-2.7b": 2.7e9,
-               "gpt3-6.7b": 6.7e9, "gpt3-13b": 13e9, "gpt3-175b": 175e9, "megatron-22b": 22e9,
-               "megatron-175b": 175e9, "megatron-530b": 530e9, "megatron-1t": 1e12}
+    rounded = {
+        "gpt3-125m": 125e6,
+        "gpt3-350m": 350e6,
+        "gpt3-760m": 760e6,
+        "gpt3-1.3b": 1.3e9,
+        "gpt3-2.7b": 2.7e9,
+        "gpt3-6.7b": 6.7e9,
+        "gpt3-13b": 13e9,
+        "gpt3-175b": 175e9,
+        "megatron-22b": 22e9,
+        "megatron-175b": 175e9,
+        "megatron-530b": 530e9,
+        "megatron-1t": 1e12,
+    }
     for name, count in rounded.items():
         assert abs(plan.PRESETS[name].psi / count - 1) < 0.02, name
 
@@ -111,7 +158,10 @@ def test_llama_tensor_parallel_shares_split_gqa_and_swiglu():
     llama = plan.PRESETS["llama3-8b"]
     h, kv, f, vocab = 4096, 1024, 14336, 128256
     block = (2 * h * h + 2 * h * kv + 3 * h * f) // 8 + 2 * h
-    assert plan.rank_params(llama, 8, 1, 0) == {"blocks": 32 * block, "rest": 2 * vocab * h // 8 + h}
+    assert plan.rank_params(llama, 8, 1, 0) == {
+        "blocks": 32 * block,
+        "rest": 2 * vocab * h // 8 + h,
+    }
     assert sum(plan.rank_params(llama, 1, 1, 0).values()) == llama.psi
 
 
@@ -124,23 +174,30 @@ def test_the_175b_layout_of_table_3_does_not_fit_without_recomputation():
     hardware = plan.Hardware(64, 80 * plan.GIB)
     formula = FormulaActivations(shape, 1, 2, "math", 0.1)
     fit, rejected = plan.plan(shape, hardware, 1, 64, "bf16", activations=formula)
-    layout = next(c for c in rejected if (c["dp"], c["tp"], c["pp"], c["zero"], c["checkpointing"]) ==
-                  (1, 8, 8, 0, False))
+    layout = next(
+        c
+        for c in rejected
+        if (c["dp"], c["tp"], c["pp"], c["zero"], c["checkpointing"]) == (1, 8, 8, 0, False)
+    )
     first = layout["stages"][0]
     sbh = shape.seq_len * shape.n_embd
     layers = 96 * 23 * sbh + 8 * sbh  # and the embedding dropout's mask per micro-batch held
     assert first["in_flight"] == 8 and 0 <= first["activations"] - layers < 1e-4 * layers
     assert 95e9 < layout["total"] < 105e9 and layout["worst_stage"] == 0
     selective = FormulaActivations(shape, 1, 2, "math", 0.1, selective=True)
-    c = plan.configuration(shape, 1, 8, 8, 0, False, 1, 64, selective, "bf16", sequence_parallel=True)
+    c = plan.configuration(
+        shape, 1, 8, 8, 0, False, 1, 64, selective, "bf16", sequence_parallel=True
+    )
     assert c["total"] < 80 * plan.GIB
 
 
 # the ZeRO paper's Table 1 (GB per device, K = 12): rows N = 1, 4, 16, 64; per model ZeRO-1, ZeRO-2, ZeRO-3
-ZERO_TABLE_1 = {1: ((120, 120, 120), (2048, 2048, 2048), (16000, 16000, 16000)),
-                4: ((52.5, 41.3, 30), (896, 704, 512), (7000, 5500, 4000)),
-                16: ((35.6, 21.6, 7.5), (608, 368, 128), (4750, 2875, 1000)),
-                64: ((31.4, 16.6, 1.88), (536, 284, 32), (4187, 2218, 250))}
+ZERO_TABLE_1 = {
+    1: ((120, 120, 120), (2048, 2048, 2048), (16000, 16000, 16000)),
+    4: ((52.5, 41.3, 30), (896, 704, 512), (7000, 5500, 4000)),
+    16: ((35.6, 21.6, 7.5), (608, 368, 128), (4750, 2875, 1000)),
+    64: ((31.4, 16.6, 1.88), (536, 284, 32), (4187, 2218, 250)),
+}
 
 
 def last_digit(printed: float) -> float:
@@ -152,6 +209,7 @@ def last_digit(printed: float) -> float:
 @pytest.mark.quick
 def test_the_zero_papers_table_1_within_its_printed_digits():
     import estimate
+
     for n, models in ZERO_TABLE_1.items():
         for psi, printed in zip((7.5e9, 128e9, 1e12), models):
             for stage, value in zip((1, 2, 3), printed):
@@ -165,6 +223,7 @@ def test_the_ultra_scale_playbooks_bytes_per_parameter():
     master) + 8 = 16; with float32 gradients as well, 20. The trainers' float32 gradients (FSDP2's reduce_dtype)
     replace the 16-bit ones instead of adding to them: 18, and 16 under ZeRO-3, whose shard is the master."""
     import estimate
+
     assert sum(estimate.bytes_per_parameter(0, "float32")[0]) == 16
     assert sum(estimate.bytes_per_parameter(0, "bf16")[0]) == 16
     assert sum(estimate.bytes_per_parameter(0, "bf16", "float32")[0]) == 20 - 2
@@ -176,18 +235,54 @@ def test_the_command_line_describes_a_model_by_its_shape_or_a_preset(tmp_path):
     not the trainers' model is sized by the formula."""
     import json
     import sys
+
     from conftest import REPO, run_forked
 
     def shape(*flags) -> tuple[dict, str]:
         out = tmp_path / "plan.json"
-        result = run_forked([sys.executable, str(REPO / "compare" / "plan.py"), "--devices", "8", "--top", "1",
-                             "--micro-batch-size", "1", "--json", str(out), *flags], timeout=120)
+        result = run_forked(
+            [
+                sys.executable,
+                str(REPO / "compare" / "plan.py"),
+                "--devices",
+                "8",
+                "--top",
+                "1",
+                "--micro-batch-size",
+                "1",
+                "--json",
+                str(out),
+                *flags,
+            ],
+            timeout=120,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         text = result.stdout
         return json.loads(out.read_text())["shape"], text
-    by_flags, text = shape("--n-layer", "32", "--n-embd", "4096", "--n-head", "32", "--n-kv-head", "8", "--ffn",
-                           "14336", "--mlp", "swiglu", "--norm", "rmsnorm", "--untied", "--no-bias", "--rotary",
-                           "--vocab-size", "128256", "--seq-len", "8192")
+
+    by_flags, text = shape(
+        "--n-layer",
+        "32",
+        "--n-embd",
+        "4096",
+        "--n-head",
+        "32",
+        "--n-kv-head",
+        "8",
+        "--ffn",
+        "14336",
+        "--mlp",
+        "swiglu",
+        "--norm",
+        "rmsnorm",
+        "--untied",
+        "--no-bias",
+        "--rotary",
+        "--vocab-size",
+        "128256",
+        "--seq-len",
+        "8192",
+    )
     assert plan.Shape(**by_flags) == plan.PRESETS["llama3-8b"] and "activations by formula" in text
     preset, text = shape("--preset", "gpt3-175b", "--seq-len", "4096", "--vocab-size", "51200")
     assert (preset["seq_len"], preset["vocab"], preset["n_layer"]) == (4096, 51200, 96)

@@ -14,6 +14,7 @@ a few at a time. Each works in a folder of its own laid out like the repository 
 is the mistake. Afterwards every file in those folders must have the bytes it had before, and none may
 have been added.
 """
+
 import json
 import re
 import shutil
@@ -26,15 +27,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, STEPS, TINY, free_port, run_forked, trainer_command
 import distributed  # common/, on the path through conftest
 from config import UserError, build_parser, check_config
+from conftest import REPO, STEPS, TINY, free_port, run_forked, trainer_command
 
 TABLE = REPO / "docs" / "bad_input.md"
-PARALLEL = 4  # processes at a time: each mostly imports torch, and more would only queue for 2 cores
+# processes at a time: each mostly imports torch, and more would only queue for 2 cores
+PARALLEL = 4
 
 
 # ---- how a case runs its command ------------------------------------------------------------------------
+
 
 @dataclass
 class Case:
@@ -44,15 +47,25 @@ class Case:
     @property
     def script(self) -> str:
         """``step1_torch_ddp/train.py`` or ``compare/parity.py``: what the doc's example command must run."""
-        return next(Path(part) for part in self.command if part.endswith(".py")).relative_to(REPO).as_posix()
+        return (
+            next(Path(part) for part in self.command if part.endswith(".py"))
+            .relative_to(REPO)
+            .as_posix()
+        )
 
 
 def trainer(step: str, *args, ranks: int | None = None, env: dict | None = None) -> Case:
     """``python stepK/train.py ARGS``; with ``ranks``, as rank 0 of that many, as torchrun would start it. Were a
     check missing, the rank would go on to wait for its peers: a port of its own and a short timeout end that."""
     if ranks:
-        env = {"WORLD_SIZE": str(ranks), "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port()), **(env or {})}
+        env = {
+            "WORLD_SIZE": str(ranks),
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            **(env or {}),
+        }
         args = (*args, "--timeout-s", "20")
     return Case(trainer_command(STEPS[step], 0, list(map(str, args))), env or {})
 
@@ -63,20 +76,24 @@ SIMULATED = {
     "a build without fp16 on the CPU": (
         "import torch\n"
         "def refuse(*args, **kwargs): raise RuntimeError('GradScaler is not supported on this device')\n"
-        "torch.amp.GradScaler = refuse\n"),
+        "torch.amp.GradScaler = refuse\n"
+    ),
     "a device without FP8 matmuls": (
         "import torch\n"
         "def refuse(*args, **kwargs): raise RuntimeError('torch._scaled_mm is only supported on CUDA SM 8.9 or later')\n"
-        "torch._scaled_mm = refuse\n"),
+        "torch._scaled_mm = refuse\n"
+    ),
 }
 
 
 def simulated(what: str, step: str, *args) -> Case:
     script = REPO / STEPS[step] / "train.py"
-    code = (SIMULATED[what] + "import runpy, sys\n"
-            f"sys.path.insert(0, {str(script.parent)!r})\n"
-            "sys.argv = sys.argv[1:]  # python -c CODE SCRIPT ARGS: as if SCRIPT ran with ARGS\n"
-            f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    code = (
+        SIMULATED[what] + "import runpy, sys\n"
+        f"sys.path.insert(0, {str(script.parent)!r})\n"
+        "sys.argv = sys.argv[1:]  # python -c CODE SCRIPT ARGS: as if SCRIPT ran with ARGS\n"
+        f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+    )
     return Case([sys.executable, "-c", code, str(script), *args])
 
 
@@ -91,15 +108,19 @@ def slurm(*args, **env) -> Case:
 
 # ---- what a case's command reads: a folder laid out like the repository ---------------------------------
 
+
 class Scratch:
     """A case's own folder, ``<root>/runs``, ``<root>/data``: what its command reads, and nothing else."""
 
     def __init__(self, root: Path, step1_run: Path, small_corpus: Path):
         self.root, self.step1_run = root, step1_run
-        self.tiny = [*TINY, "--data", str(small_corpus)]  # the corpus the run trained on: a resume names that file
+        # the corpus the run trained on: a resume names that file
+        self.tiny = [*TINY, "--data", str(small_corpus)]
         root.mkdir(parents=True)
 
-    def run(self, name: str = "step1_torch_ddp", damage=None, checkpoint_damage=None, metrics_edit=None) -> Path:
+    def run(
+        self, name: str = "step1_torch_ddp", damage=None, checkpoint_damage=None, metrics_edit=None
+    ) -> Path:
         """runs/<name>: a copy of the tour's step-1 run (2 ranks, checkpoints step_2 and step_4), with
         ``damage(run folder)``, ``checkpoint_damage(step_4 folder)`` and ``metrics_edit(metrics dict)`` done to it."""
         run = Path(shutil.copytree(self.step1_run, self.root / "runs" / name))
@@ -143,10 +164,12 @@ def cut_short(name: str, size: int):
 
 def set_data_position(index: int):
     """Where an epoch ended inside an optimiser step, the position saved is not a whole number of steps."""
+
     def damage(checkpoint: Path) -> None:
         state = torch.load(checkpoint / "state.pt", weights_only=True)
         state["data"]["index"] = index
         torch.save(state, checkpoint / "state.pt")
+
     return damage
 
 
@@ -163,7 +186,8 @@ def step4(run: Path) -> Path:
 
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
-CORPUS = (REPO / "data" / "tinyshakespeare.txt").read_bytes()[:150_000]  # what conftest's small_corpus holds
+# what conftest's small_corpus holds
+CORPUS = (REPO / "data" / "tinyshakespeare.txt").read_bytes()[:150_000]
 
 # Every case, by the name docs/bad_input.md gives it: a function of the case's Scratch folder that puts
 # there what the command reads and returns the command.
@@ -173,51 +197,127 @@ CASES = {
     "count-below-one": lambda s: trainer("step0", "--steps", "0"),
     "negative": lambda s: trainer("step0", "--save-every", "-1"),
     "memory-budget-zero": lambda s: trainer("step0", "--max-memory-mb", "0"),
-    "preempt-grace-too-long": lambda s: trainer("step1", "--preempt-grace-s", "30", ranks=2,
-                                                env={"TORCHELASTIC_RESTART_COUNT": "0"}),  # as torchrun starts it
+    "preempt-grace-too-long": lambda s: trainer(
+        "step1",
+        "--preempt-grace-s",
+        "30",
+        ranks=2,
+        # as torchrun starts it
+        env={"TORCHELASTIC_RESTART_COUNT": "0"},
+    ),
     # ---- files
     "data-missing": lambda s: trainer("step0", "--data", s.root / "data" / "shakespeare.txt"),
-    "data-not-text": lambda s: trainer("step0", "--data", s.data("corpus.bin", bytes(range(128, 256)))),
+    "data-not-text": lambda s: trainer(
+        "step0", "--data", s.data("corpus.bin", bytes(range(128, 256)))
+    ),
     "data-empty": lambda s: trainer("step0", "--data", s.data("empty.txt", b"")),
-    "data-too-short": lambda s: trainer("step0", "--data", s.data("small.txt", CORPUS), "--seq-len", "100000"),
+    "data-too-short": lambda s: trainer(
+        "step0", "--data", s.data("small.txt", CORPUS), "--seq-len", "100000"
+    ),
     "tokenizer-not-one": lambda s: trainer("step0", "--tokenizer", s.notes()),
     "out-is-a-file": lambda s: trainer("step1", *s.tiny, "--out", s.notes(), ranks=2),
     # ---- checkpoints
-    "nothing-to-resume": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh", "--resume"),
-    "resume-a-run-folder": lambda s: trainer("step1", *s.tiny, "--out", s.root / "runs" / "fresh",
-                                             "--resume", s.run(), ranks=2),
-    "corrupted-file": lambda s: trainer("step1", *s.tiny, "--out", s.run(checkpoint_damage=write("state.pt", bytes(100))),
-                                        "--resume", ranks=2),
-    "missing-rank-file": lambda s: trainer("step1", *s.tiny, "--out", s.run(
-        checkpoint_damage=lambda c: (c / "rank1.pt").unlink()),
-                                           "--resume", ranks=2),
-    "meta-not-json": lambda s: trainer("step1", *s.tiny, "--out", s.run(
-        checkpoint_damage=cut_short("meta.json", 20)),
-                                       "--resume", ranks=2),
-    "another-format": lambda s: trainer("step1", *s.tiny, "--out", s.run(
-        checkpoint_damage=lambda c: edit_json(c / "meta.json", lambda meta: meta.update(format=1))), "--resume", ranks=2),
-    "another-config": lambda s: trainer("step1", *s.tiny, "--lr", "0.1", "--out", s.root / "runs" / "fresh",
-                                        "--resume", step4(s.run()), ranks=2),
-    "global-batch-not-kept": lambda s: trainer("step1", *s.tiny, "--out", s.root / "runs" / "fresh",
-                                               "--resume", step4(s.run()), ranks=1),
-    "stream-cannot-continue": lambda s: trainer("step1", *s.tiny, "--micro-batch-size", "8", "--grad-accum", "1",
-                                                "--out", s.root / "runs" / "fresh",
-                                                "--resume", step4(s.run(checkpoint_damage=set_data_position(3))),
-                                                ranks=1),
-    "step0-resumes-another-step": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
-                                                    "--resume", step4(s.run())),
-    "another-step-resumes-step0": lambda s: trainer("step1", *s.tiny, "--out", s.root / "runs" / "fresh", "--resume",
-                                                    step4(s.run("step0_single_gpu", checkpoint_damage=lambda c: edit_json(
-                                                        c / "meta.json", lambda meta: meta.update(
-                                                            format="single-process")))), ranks=2),
+    "nothing-to-resume": lambda s: trainer(
+        "step0", *s.tiny, "--out", s.root / "runs" / "fresh", "--resume"
+    ),
+    "resume-a-run-folder": lambda s: trainer(
+        "step1", *s.tiny, "--out", s.root / "runs" / "fresh", "--resume", s.run(), ranks=2
+    ),
+    "corrupted-file": lambda s: trainer(
+        "step1",
+        *s.tiny,
+        "--out",
+        s.run(checkpoint_damage=write("state.pt", bytes(100))),
+        "--resume",
+        ranks=2,
+    ),
+    "missing-rank-file": lambda s: trainer(
+        "step1",
+        *s.tiny,
+        "--out",
+        s.run(checkpoint_damage=lambda c: (c / "rank1.pt").unlink()),
+        "--resume",
+        ranks=2,
+    ),
+    "meta-not-json": lambda s: trainer(
+        "step1",
+        *s.tiny,
+        "--out",
+        s.run(checkpoint_damage=cut_short("meta.json", 20)),
+        "--resume",
+        ranks=2,
+    ),
+    "another-format": lambda s: trainer(
+        "step1",
+        *s.tiny,
+        "--out",
+        s.run(
+            checkpoint_damage=lambda c: edit_json(
+                c / "meta.json", lambda meta: meta.update(format=1)
+            )
+        ),
+        "--resume",
+        ranks=2,
+    ),
+    "another-config": lambda s: trainer(
+        "step1",
+        *s.tiny,
+        "--lr",
+        "0.1",
+        "--out",
+        s.root / "runs" / "fresh",
+        "--resume",
+        step4(s.run()),
+        ranks=2,
+    ),
+    "global-batch-not-kept": lambda s: trainer(
+        "step1", *s.tiny, "--out", s.root / "runs" / "fresh", "--resume", step4(s.run()), ranks=1
+    ),
+    "stream-cannot-continue": lambda s: trainer(
+        "step1",
+        *s.tiny,
+        "--micro-batch-size",
+        "8",
+        "--grad-accum",
+        "1",
+        "--out",
+        s.root / "runs" / "fresh",
+        "--resume",
+        step4(s.run(checkpoint_damage=set_data_position(3))),
+        ranks=1,
+    ),
+    "step0-resumes-another-step": lambda s: trainer(
+        "step0", *s.tiny, "--out", s.root / "runs" / "fresh", "--resume", step4(s.run())
+    ),
+    "another-step-resumes-step0": lambda s: trainer(
+        "step1",
+        *s.tiny,
+        "--out",
+        s.root / "runs" / "fresh",
+        "--resume",
+        step4(
+            s.run(
+                "step0_single_gpu",
+                checkpoint_damage=lambda c: edit_json(
+                    c / "meta.json", lambda meta: meta.update(format="single-process")
+                ),
+            )
+        ),
+        ranks=2,
+    ),
     # ---- the machine and the world
     "nccl-without-gpus": lambda s: trainer("step1", "--backend", "nccl", ranks=2, env=NO_GPU),
     "cuda-without-gpu": lambda s: trainer("step0", "--device", "cuda", env=NO_GPU),
-    "fp16-cannot-run": lambda s: simulated("a build without fp16 on the CPU", "step0", "--amp", "fp16"),
+    "fp16-cannot-run": lambda s: simulated(
+        "a build without fp16 on the CPU", "step0", "--amp", "fp16"
+    ),
     "pipeline-more-stages-than-blocks": lambda s: trainer("step9", "--n-layer", "2", ranks=4),
-    "pipeline-micro-batches": lambda s: trainer("step9", "--grad-accum", "4", "--micro-batches", "3", ranks=2),
-    "pipeline-interleaved-rounds": lambda s: trainer("step9", "--schedule", "interleaved-1f1b", "--n-layer", "4",
-                                                     "--grad-accum", "3", ranks=2),
+    "pipeline-micro-batches": lambda s: trainer(
+        "step9", "--grad-accum", "4", "--micro-batches", "3", ranks=2
+    ),
+    "pipeline-interleaved-rounds": lambda s: trainer(
+        "step9", "--schedule", "interleaved-1f1b", "--n-layer", "4", "--grad-accum", "3", ranks=2
+    ),
     "pipeline-virtual-stages": lambda s: trainer("step9", "--virtual-stages", "2", ranks=2),
     "pipeline-schedule": lambda s: trainer("step9", "--schedule", "zb", ranks=2),
     "pipeline-fp16": lambda s: trainer("step9", "--amp", "fp16", ranks=2),
@@ -226,84 +326,203 @@ CASES = {
     "param-dtype-with-amp": lambda s: trainer("step0", "--param-dtype", "bf16", "--amp", "bf16"),
     "param-dtype-not-here": lambda s: trainer("step1", "--param-dtype", "bf16", ranks=2),
     "fp8-with-fp16": lambda s: trainer("step0", "--fp8", "tensorwise", "--amp", "fp16"),
-    "fp8-sizes": lambda s: trainer("step5", "--fp8", "rowwise", "--n-embd", "24", "--n-head", "2", ranks=2),
-    "fp8-cannot-run": lambda s: simulated("a device without FP8 matmuls", "step0", "--fp8", "rowwise"),
+    "fp8-sizes": lambda s: trainer(
+        "step5", "--fp8", "rowwise", "--n-embd", "24", "--n-head", "2", ranks=2
+    ),
+    "fp8-cannot-run": lambda s: simulated(
+        "a device without FP8 matmuls", "step0", "--fp8", "rowwise"
+    ),
     "fsdp2-reference-flags": lambda s: tool("fsdp2_reference.py", "--param-dtype", "fp16"),
     "accelerate-reference-flags": lambda s: tool("accelerate_reference.py", "--amp", "bf16"),
     "world-larger-than-data": lambda s: trainer("step1", *s.tiny[-2:], ranks=5000),
-    "ranks-without-a-step": lambda s: trainer("step1", *s.tiny[-2:], "--micro-batch-size", "64", ranks=64),
-    "step0-under-torchrun": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
-                                              env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}),
+    "ranks-without-a-step": lambda s: trainer(
+        "step1", *s.tiny[-2:], "--micro-batch-size", "64", ranks=64
+    ),
+    "step0-under-torchrun": lambda s: trainer(
+        "step0",
+        *s.tiny,
+        "--out",
+        s.root / "runs" / "fresh",
+        env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
+    ),
     "tp-heads": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), ranks=3),
-    "tp-vocabulary": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), "--n-head", "3", "--n-embd", "96",
-                                       ranks=3),
-    "tp-sequence": lambda s: trainer("step8", "--data", s.data("small.txt", CORPUS), "--sequence-parallel",
-                                     "--seq-len", "30", ranks=4),
-    "cp-sequence": lambda s: trainer("step11", "--data", s.data("small.txt", CORPUS), "--seq-len", "30", ranks=4),
+    "tp-vocabulary": lambda s: trainer(
+        "step8", "--data", s.data("small.txt", CORPUS), "--n-head", "3", "--n-embd", "96", ranks=3
+    ),
+    "tp-sequence": lambda s: trainer(
+        "step8",
+        "--data",
+        s.data("small.txt", CORPUS),
+        "--sequence-parallel",
+        "--seq-len",
+        "30",
+        ranks=4,
+    ),
+    "cp-sequence": lambda s: trainer(
+        "step11", "--data", s.data("small.txt", CORPUS), "--seq-len", "30", ranks=4
+    ),
     "moe-flags-dense": lambda s: trainer("step0", "--moe-top-k", "2"),
     "moe-top-k": lambda s: trainer("step0", "--moe-experts", "4", "--moe-top-k", "5"),
-    "moe-capacity-negative": lambda s: trainer("step0", "--moe-experts", "4", "--moe-capacity-factor", "-1"),
+    "moe-capacity-negative": lambda s: trainer(
+        "step0", "--moe-experts", "4", "--moe-capacity-factor", "-1"
+    ),
     "ep-dense": lambda s: trainer("step12", ranks=2),
     "ep-experts": lambda s: trainer("step12", "--moe-experts", "3", ranks=2),
     "ep-world": lambda s: trainer("step12", "--moe-experts", "4", "--ep", "3", ranks=2),
-    "mesh-product": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--dp", "2", "--tp", "2",
-                                      "--pp", "2", ranks=4),
-    "mesh-tp-heads": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--dp", "2", "--tp", "2",
-                                       "--n-head", "3", "--n-embd", "96", ranks=4),
-    "mesh-cp-sequence-parallel": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--cp", "2",
-                                                   "--tp", "2", "--sequence-parallel", ranks=4),
-    "mesh-full-recompute-zero-bubble": lambda s: trainer("step10", "--data", s.data("small.txt", CORPUS), "--pp", "2",
-                                                         "--schedule", "zero-bubble", "--activation-checkpointing",
-                                                         "full", ranks=2),
-    "memory-budget-too-small": lambda s: trainer("step0", *s.tiny, "--out", s.root / "runs" / "fresh",
-                                                 "--max-memory-mb", "1"),
-    "checkpoint-not-written": lambda s: Case([sys.executable, str(REPO / "tests" / "writer_hook.py"), "fail:2",
-                                              str(REPO / STEPS["step0"] / "train.py"), *s.tiny, "--steps", "2",
-                                              "--warmup-steps", "1", "--save-every", "2",
-                                              "--out", str(s.root / "runs" / "fresh")]),
+    "mesh-product": lambda s: trainer(
+        "step10",
+        "--data",
+        s.data("small.txt", CORPUS),
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        ranks=4,
+    ),
+    "mesh-tp-heads": lambda s: trainer(
+        "step10",
+        "--data",
+        s.data("small.txt", CORPUS),
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--n-head",
+        "3",
+        "--n-embd",
+        "96",
+        ranks=4,
+    ),
+    "mesh-cp-sequence-parallel": lambda s: trainer(
+        "step10",
+        "--data",
+        s.data("small.txt", CORPUS),
+        "--cp",
+        "2",
+        "--tp",
+        "2",
+        "--sequence-parallel",
+        ranks=4,
+    ),
+    "mesh-full-recompute-zero-bubble": lambda s: trainer(
+        "step10",
+        "--data",
+        s.data("small.txt", CORPUS),
+        "--pp",
+        "2",
+        "--schedule",
+        "zero-bubble",
+        "--activation-checkpointing",
+        "full",
+        ranks=2,
+    ),
+    "memory-budget-too-small": lambda s: trainer(
+        "step0", *s.tiny, "--out", s.root / "runs" / "fresh", "--max-memory-mb", "1"
+    ),
+    "checkpoint-not-written": lambda s: Case(
+        [
+            sys.executable,
+            str(REPO / "tests" / "writer_hook.py"),
+            "fail:2",
+            str(REPO / STEPS["step0"] / "train.py"),
+            *s.tiny,
+            "--steps",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--save-every",
+            "2",
+            "--out",
+            str(s.root / "runs" / "fresh"),
+        ]
+    ),
     # ---- runs given to the compare/ tools
     "unknown-step": lambda s: tool("parity.py", s.run(), "step99"),
     "not-a-run": lambda s: tool("parity.py", s.run(), s.notes().parent),
-    "metrics-cut-short": lambda s: tool("parity.py", s.run(), s.run("other", damage=cut_short("metrics.json", 500))),
-    "metrics-not-metrics": lambda s: tool("parity.py", s.run(), s.run("other", damage=write("metrics.json", b"[1, 2]"))),
-    "older-schema": lambda s: tool("parity.py", s.run(), s.run("other", metrics_edit=lambda m: m.update(
-        schema_version=1))),
-    "run-not-finished": lambda s: tool("parity.py", s.run(), s.run("other", metrics_edit=lambda m: m.update(
-        final=None))),
-    "weights-unreadable": lambda s: tool("parity.py", s.run(), s.run("other", damage=write("model.safetensors",
-                                                                                           b"garbage"))),
-    "not-comparable": lambda s: tool("parity.py", s.run(), s.run("other", metrics_edit=lambda m: m["config"].update(
-        seed=7))),
-    "other-global-batch": lambda s: tool("parity.py", s.run(), s.run("other", metrics_edit=lambda m: m["config"].update(
-        micro_batch_size=4))),
-    "no-step-times": lambda s: tool("stragglers.py", s.run(
-        metrics_edit=lambda m: [record.pop("step_time") for record in m["records"]])),
+    "metrics-cut-short": lambda s: tool(
+        "parity.py", s.run(), s.run("other", damage=cut_short("metrics.json", 500))
+    ),
+    "metrics-not-metrics": lambda s: tool(
+        "parity.py", s.run(), s.run("other", damage=write("metrics.json", b"[1, 2]"))
+    ),
+    "older-schema": lambda s: tool(
+        "parity.py", s.run(), s.run("other", metrics_edit=lambda m: m.update(schema_version=1))
+    ),
+    "run-not-finished": lambda s: tool(
+        "parity.py", s.run(), s.run("other", metrics_edit=lambda m: m.update(final=None))
+    ),
+    "weights-unreadable": lambda s: tool(
+        "parity.py", s.run(), s.run("other", damage=write("model.safetensors", b"garbage"))
+    ),
+    "not-comparable": lambda s: tool(
+        "parity.py", s.run(), s.run("other", metrics_edit=lambda m: m["config"].update(seed=7))
+    ),
+    "other-global-batch": lambda s: tool(
+        "parity.py",
+        s.run(),
+        s.run("other", metrics_edit=lambda m: m["config"].update(micro_batch_size=4)),
+    ),
+    "no-step-times": lambda s: tool(
+        "stragglers.py",
+        s.run(metrics_edit=lambda m: [record.pop("step_time") for record in m["records"]]),
+    ),
     "stragglers-threshold": lambda s: tool("stragglers.py", s.run(), "--ratio", "0.5"),
     "no-cost": lambda s: tool("cost.py", s.run(metrics_edit=lambda m: m.pop("cost"))),
     "tokenizer-changed": lambda s: tool("sample.py", changed_tokenizer(s)),
     "sample-no-tokens": lambda s: tool("sample.py", s.run(), "--tokens", "0"),
-    "scaling-two-models": lambda s: tool("memory.py", s.run(), s.run("other", metrics_edit=lambda m: m["final"][
-        "fingerprints"].update(extra={"shape": [10]})), "--scaling-png", s.root / "runs" / "scaling.png"),
+    "scaling-two-models": lambda s: tool(
+        "memory.py",
+        s.run(),
+        s.run(
+            "other", metrics_edit=lambda m: m["final"]["fingerprints"].update(extra={"shape": [10]})
+        ),
+        "--scaling-png",
+        s.root / "runs" / "scaling.png",
+    ),
     "figure-format": lambda s: tool("plot.py", s.run(), "--out", s.root / "runs" / "plot.txt"),
-    "expert-load-of-a-dense-run": lambda s: tool("plot.py", "--expert-load", s.run(), "--out",
-                                                 s.root / "runs" / "load.png"),
-    "consolidate-a-run-folder": lambda s: tool("consolidate.py", s.run(), s.root / "runs" / "plain"),
-    "consolidate-corrupted": lambda s: tool("consolidate.py", step4(s.run(checkpoint_damage=write("state.pt", bytes(100)))),
-                                            s.root / "runs" / "plain"),
-    "consolidate-into-itself": lambda s: tool("consolidate.py", step4(s.run()), s.root / "runs" / "step1_torch_ddp"),
+    "expert-load-of-a-dense-run": lambda s: tool(
+        "plot.py", "--expert-load", s.run(), "--out", s.root / "runs" / "load.png"
+    ),
+    "consolidate-a-run-folder": lambda s: tool(
+        "consolidate.py", s.run(), s.root / "runs" / "plain"
+    ),
+    "consolidate-corrupted": lambda s: tool(
+        "consolidate.py",
+        step4(s.run(checkpoint_damage=write("state.pt", bytes(100)))),
+        s.root / "runs" / "plain",
+    ),
+    "consolidate-into-itself": lambda s: tool(
+        "consolidate.py", step4(s.run()), s.root / "runs" / "step1_torch_ddp"
+    ),
     "consolidate-into-a-file": lambda s: tool("consolidate.py", step4(s.run()), s.notes()),
     "export-not-a-run": lambda s: tool("export_hf.py", s.notes().parent),
-    "export-no-weights": lambda s: tool("export_hf.py", s.run(damage=lambda run: (run / "model.safetensors").unlink())),
-    "export-moe": lambda s: tool("export_hf.py", s.run(metrics_edit=lambda m: m["config"].update(moe_experts=8))),
+    "export-no-weights": lambda s: tool(
+        "export_hf.py", s.run(damage=lambda run: (run / "model.safetensors").unlink())
+    ),
+    "export-moe": lambda s: tool(
+        "export_hf.py", s.run(metrics_edit=lambda m: m["config"].update(moe_experts=8))
+    ),
     "export-out-not-empty": lambda s: tool("export_hf.py", s.run(), s.notes().parent),
     # ---- launch/slurm_command.py (launch/slurm.sbatch's line), outside a job or in one it cannot launch
     "slurm-not-in-a-job": lambda s: slurm("step3", SLURM_JOB_ID="", SLURM_NNODES=""),
-    "slurm-tasks-per-node": lambda s: slurm("step3", SLURM_JOB_ID="7", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="4"),
-    "slurm-no-ranks": lambda s: slurm("step3", SLURM_JOB_ID="7", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="1",
-                                      SLURM_GPUS_ON_NODE="", NPROC_PER_NODE=""),
+    "slurm-tasks-per-node": lambda s: slurm(
+        "step3", SLURM_JOB_ID="7", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="4"
+    ),
+    "slurm-no-ranks": lambda s: slurm(
+        "step3",
+        SLURM_JOB_ID="7",
+        SLURM_NNODES="2",
+        SLURM_NTASKS_PER_NODE="1",
+        SLURM_GPUS_ON_NODE="",
+        NPROC_PER_NODE="",
+    ),
     # ---- the other compare/ tools' own flags
     "tour-out": lambda s: tool("tour.py", "--out", s.root / "runs" / "x"),
-    "tour-nproc-data": lambda s: tool("tour.py", "--nproc", "5000", "--data", s.data("small.txt", CORPUS)),
+    "tour-nproc-data": lambda s: tool(
+        "tour.py", "--nproc", "5000", "--data", s.data("small.txt", CORPUS)
+    ),
     "tour-runs-dir-file": lambda s: tool("tour.py", "--runs-dir", s.notes()),
     "tour-flag-not-shared": lambda s: tool("tour.py", "--backend", "gloo"),
     "matrix-world-sizes": lambda s: tool("exact_matrix.py", "--world-sizes", "two"),
@@ -326,6 +545,7 @@ CASES = {
 
 # ---- the table -----------------------------------------------------------------------------------------
 
+
 @dataclass
 class Row:
     mistake: str
@@ -344,7 +564,11 @@ def table_rows() -> list[Row]:
             continue
         mistake, example, message, exit_code, case = cells
         named = re.fullmatch(r"`([a-z0-9-]+)`", case)
-        rows.append(Row(mistake, example.strip("`"), message.strip("`"), exit_code, named and named.group(1)))
+        rows.append(
+            Row(
+                mistake, example.strip("`"), message.strip("`"), exit_code, named and named.group(1)
+            )
+        )
     return rows
 
 
@@ -358,7 +582,11 @@ def matches(message: str, pattern: str) -> bool:
 
 
 def files_under(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def shorten(text: str, root: Path) -> str:
@@ -380,16 +608,25 @@ def tried(step1_ws2, small_corpus, tmp_path_factory):
     before = files_under(top)
     with ThreadPoolExecutor(PARALLEL) as pool:
         results = dict(zip(cases, pool.map(run_case, cases.values())))
-    return cases, {name: (folders[name].root, result) for name, result in results.items()}, before, files_under(top)
+    return (
+        cases,
+        {name: (folders[name].root, result) for name, result in results.items()},
+        before,
+        files_under(top),
+    )
 
 
 def test_the_table_lists_every_case_once_and_only_those():
     named = [row.case for row in TRIED]
     assert len(named) == len(set(named)), "a case named in two rows"
-    assert set(named) == set(CASES), (f"cases without a row: {sorted(set(CASES) - set(named))}; "
-                                      f"rows naming no case: {sorted(set(named) - set(CASES))}")
+    assert set(named) == set(CASES), (
+        f"cases without a row: {sorted(set(CASES) - set(named))}; "
+        f"rows naming no case: {sorted(set(named) - set(CASES))}"
+    )
     untried = [row.mistake for row in ROWS if not row.case]
-    assert all("dead or frozen rank" in mistake for mistake in untried), f"rows no case tries: {untried}"
+    assert all("dead or frozen rank" in mistake for mistake in untried), (
+        f"rows no case tries: {untried}"
+    )
 
 
 @pytest.mark.parametrize("row", TRIED, ids=[row.case for row in TRIED])
@@ -397,9 +634,13 @@ def test_bad_input_is_one_line_and_exit_2(row, tried):
     cases, results, _, _ = tried
     if row.case not in results:
         pytest.fail(f"docs/bad_input.md names the case {row.case!r}, which this file does not have")
-    assert cases[row.case].script in row.example, f"the example command does not run {cases[row.case].script}"
+    assert cases[row.case].script in row.example, (
+        f"the example command does not run {cases[row.case].script}"
+    )
     folder, result = results[row.case]
-    assert str(result.returncode) == row.exit_code == "2", f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert str(result.returncode) == row.exit_code == "2", (
+        f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    )
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "Traceback" not in result.stderr and "weights_only" not in result.stderr
@@ -409,14 +650,16 @@ def test_bad_input_is_one_line_and_exit_2(row, tried):
 
 def test_bad_input_changes_and_adds_no_file(tried):
     _, _, before, after = tried
-    assert sorted(after) == sorted(before), (f"added {sorted(set(after) - set(before))}, "
-                                             f"removed {sorted(set(before) - set(after))}")
+    assert sorted(after) == sorted(before), (
+        f"added {sorted(set(after) - set(before))}, removed {sorted(set(before) - set(after))}"
+    )
     assert [name for name in before if after[name] != before[name]] == [], "files changed"
 
 
 # ---- the checks a row lists as "likewise": the same check, or its twin, on another flag -------------------
 # A process for each would double this file's time (each mostly imports torch), so these run in this one,
 # through the very functions the trainers and tools call; the rows' own cases show the line and exit code.
+
 
 def flags(*argv):
     """What the trainers' shared flags check (config.check_config), for ``argv``."""
@@ -425,31 +668,39 @@ def flags(*argv):
 
 def fp8_check(config: dict):
     """What fp8.check_fp8 refuses (the trainers of steps 0-7 call it after check_amp)."""
+
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / "common"))
         from fp8 import check_fp8
+
         check_fp8(config, torch.device("cpu"))
+
     return run
 
 
 def tool_main(module: str, *argv):
     def run(monkeypatch):
         import importlib
+
         monkeypatch.setattr(sys, "argv", [f"{module}.py", *argv])
         importlib.import_module(module).main()
+
     return run
 
 
 def no_gpu(run):
     """``run`` where torch sees no GPU, whatever this machine has."""
+
     def without(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         run(monkeypatch)
+
     return without
 
 
 def gpu_without_bfloat16(monkeypatch):
     import training
+
     monkeypatch.setattr(training.torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
     monkeypatch.setattr(training.torch.cuda, "get_device_name", lambda *args, **kwargs: "Tesla T4")
     training.check_amp("bf16", torch.device("cuda", 0))
@@ -457,6 +708,7 @@ def gpu_without_bfloat16(monkeypatch):
 
 def gpu_without_bfloat16_parameters(monkeypatch):
     import training
+
     monkeypatch.setattr(training.torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
     monkeypatch.setattr(training.torch.cuda, "get_device_name", lambda *args, **kwargs: "Tesla T4")
     training.check_param_dtype({"param_dtype": "bf16", "amp": "none"}, torch.device("cuda", 0))
@@ -465,7 +717,9 @@ def gpu_without_bfloat16_parameters(monkeypatch):
 def gpu_budget_over_its_memory(monkeypatch):
     """What --max-memory-mb checks on a GPU (an H100's 81,559 MiB), before any work."""
     import types
+
     import memory_budget
+
     total = types.SimpleNamespace(total_memory=81559 * 2**20)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *args, **kwargs: total)
     memory_budget.limit_memory(100000, "step0_single_gpu", torch.device("cuda", 0))
@@ -473,37 +727,49 @@ def gpu_budget_over_its_memory(monkeypatch):
 
 def degrees_check(config: dict, world_size: int = 2):
     """What step 10 checks before joining (composition.check_degrees), on 2 ranks and a 2048-token vocabulary."""
+
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step10"]))
         import composition
+
         composition.check_degrees(config, world_size, 2048)
+
     return run
 
 
 def context_parallel_check(config: dict, ranks: int):
     """What step 11 checks before joining: rings of --cp ranks, 2 x cp chunks of the sequence."""
+
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step11"]))
         import context_parallel
+
         context_parallel.check_context_parallel(config, ranks)
+
     return run
 
 
 def tensor_parallel_check(n_head: int, vocab_size: int, ranks: int):
     """What step 8 checks before joining: whole heads and whole vocabulary slices per rank."""
+
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step8"]))
         import tensor_parallel
+
         tensor_parallel.check_divisible(n_head, vocab_size, ranks)
+
     return run
 
 
 def mesh_check(dp: int, tp: int, pp: int, world_size: int):
     """What step 10 checks before joining: degrees of at least 1 whose product is the world size."""
+
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step10"]))
         import mesh
+
         mesh.check_mesh(dp, tp, pp, world_size)
+
     return run
 
 
@@ -512,19 +778,24 @@ def slurm_without_scontrol(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "launch"))
     monkeypatch.setenv("PATH", str(REPO / "no such folder"))
     import slurm_command
+
     slurm_command.job_hostnames({"SLURM_JOB_NODELIST": "gpu[07-08]"})
 
 
 def replicate_check(replicate: int, world_size: int):
     """What step 7 checks before joining: --replicate R dividing the ranks into equal shard groups."""
+
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step7"]))
         import zero3_setup
+
         zero3_setup.check_replicate(replicate, world_size)
+
     return run
 
 
-LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or of nothing; or several such)
+# message: what raises it (a function of pytest's monkeypatch, or of nothing; or several such)
+LIKEWISE = {
     "--n-embd 100 must be divisible by --n-head 3": flags("--n-embd", "100", "--n-head", "3"),
     "--beta1 must be in [0, 1), got 1": flags("--beta1", "1"),
     "--beta2 must be in [0, 1), got -0.1": flags("--beta2", "-0.1"),
@@ -537,12 +808,14 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--warmup-steps cannot be negative, got -1": flags("--warmup-steps", "-1"),
     "--grad-clip cannot be negative, got -1": flags("--grad-clip", "-1"),
     "--preempt-grace-s cannot be negative, got -1": flags("--preempt-grace-s", "-1"),
-    "--data data is a folder, not a file; pass the file itself": flags("--data", str(REPO / "data")),
-    "--timeout-s must be positive, got 0: it is how long a rank waits for its peers (default 300)":
-        lambda: distributed.plan_world({"timeout_s": 0.0}),
+    "--data data is a folder, not a file; pass the file itself": flags(
+        "--data", str(REPO / "data")
+    ),
+    "--timeout-s must be positive, got 0: it is how long a rank waits for its peers (default 300)": lambda: (
+        distributed.plan_world({"timeout_s": 0.0})
+    ),
     "--amp bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use --amp fp16 or --amp none": gpu_without_bfloat16,
-    "--param-dtype bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use --param-dtype fp16":
-        gpu_without_bfloat16_parameters,
+    "--param-dtype bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use --param-dtype fp16": gpu_without_bfloat16_parameters,
     "--max-memory-mb 100000 is more than cuda:0's 81,559 MiB; lower it": gpu_budget_over_its_memory,
     "--nproc must be at least 1, got 0": tool_main("tour", "--nproc", "0"),
     "--timeout-s must be positive, got 0": tool_main("tour", "--timeout-s", "0"),
@@ -550,66 +823,156 @@ LIKEWISE = {  # message: what raises it (a function of pytest's monkeypatch, or 
     "--memory-gb must be positive, got 0": tool_main("plan", "--memory-gb", "0"),
     "--params must be positive, got -1": tool_main("plan", "--params", "-1"),
     "--host-gbs must be positive, got 0": tool_main("plan", "--host-gbs", "0"),
-    "--moe-every must be positive, got 0": tool_main("plan", "--moe-experts", "4", "--moe-every", "0"),
-    "--expert-load draws one run, got 2: give one run": tool_main("plot", "--expert-load", "step0", "step1"),
-    "--moe-preset describes the whole model: drop --preset, --params and --moe-experts":
-        tool_main("plan", "--moe-preset", "mixtral-8x7b", "--preset", "gpt2"),
-    "--global-batch 7 is not a multiple of --devices x --micro-batch-size (4)":
-        tool_main("plan", "--moe-experts", "4", "--devices", "4", "--micro-batch-size", "1", "--global-batch", "7"),
+    "--moe-every must be positive, got 0": tool_main(
+        "plan", "--moe-experts", "4", "--moe-every", "0"
+    ),
+    "--expert-load draws one run, got 2: give one run": tool_main(
+        "plot", "--expert-load", "step0", "step1"
+    ),
+    "--moe-preset describes the whole model: drop --preset, --params and --moe-experts": tool_main(
+        "plan", "--moe-preset", "mixtral-8x7b", "--preset", "gpt2"
+    ),
+    "--global-batch 7 is not a multiple of --devices x --micro-batch-size (4)": tool_main(
+        "plan",
+        "--moe-experts",
+        "4",
+        "--devices",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--global-batch",
+        "7",
+    ),
     "tensor parallelism over 8 ranks needs --n-head divisible by 8, got 4 (more ranks than heads): run on a number of "
     "ranks that divides 4, or change --n-head (and --n-embd)": tensor_parallel_check(4, 2048, 8),
     "--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more": degrees_check(
-        {"dp": None, "tp": 1, "pp": 1, "cp": 1, "sequence_parallel": True, "n_head": 2, "seq_len": 32,
-         "micro_batches": None, "grad_accum": 2, "n_layer": 2}),
-    "--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to recompute; use full, or none":
-        degrees_check({"dp": None, "tp": 1, "pp": 1, "cp": 2, "sequence_parallel": False, "n_head": 2, "seq_len": 32,
-                       "micro_batches": None, "grad_accum": 2, "n_layer": 2, "activation_checkpointing": "selective"}),
+        {
+            "dp": None,
+            "tp": 1,
+            "pp": 1,
+            "cp": 1,
+            "sequence_parallel": True,
+            "n_head": 2,
+            "seq_len": 32,
+            "micro_batches": None,
+            "grad_accum": 2,
+            "n_layer": 2,
+        }
+    ),
+    "--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to recompute; use full, or none": degrees_check(
+        {
+            "dp": None,
+            "tp": 1,
+            "pp": 1,
+            "cp": 2,
+            "sequence_parallel": False,
+            "n_head": 2,
+            "seq_len": 32,
+            "micro_batches": None,
+            "grad_accum": 2,
+            "n_layer": 2,
+            "activation_checkpointing": "selective",
+        }
+    ),
     "--attention sdpa (a GPU's default) with --dropout under tensor parallelism: the fused kernel would draw "
-    "attention's masks for this rank's heads alone, the same on every rank; use --attention math":
-        degrees_check({"dp": None, "tp": 2, "pp": 1, "cp": 1, "sequence_parallel": False, "n_head": 2, "seq_len": 32,
-                       "micro_batches": None, "grad_accum": 2, "n_layer": 2, "activation_checkpointing": "none",
-                       "dropout": 0.1, "attention": "sdpa"}),
+    "attention's masks for this rank's heads alone, the same on every rank; use --attention math": degrees_check(
+        {
+            "dp": None,
+            "tp": 2,
+            "pp": 1,
+            "cp": 1,
+            "sequence_parallel": False,
+            "n_head": 2,
+            "seq_len": 32,
+            "micro_batches": None,
+            "grad_accum": 2,
+            "n_layer": 2,
+            "activation_checkpointing": "none",
+            "dropout": 0.1,
+            "attention": "sdpa",
+        }
+    ),
     "--dp 1 x --cp 3 x --tp 1 x --pp 1 = 3 ranks, but the job has 2: launch 3 processes (torchrun --nproc_per_node), "
-    "or choose degrees whose product is 2":
-        degrees_check({"dp": None, "tp": 1, "pp": 1, "cp": 3, "sequence_parallel": False, "n_head": 2, "seq_len": 36,
-                       "micro_batches": None, "grad_accum": 2, "n_layer": 2, "activation_checkpointing": "none"}),
-    "--cp 3: step 11 cuts --seq-len 64 into 2 x 3 chunks; use degrees whose 2 x C divides it":
-        tool_main("activations", "--cp", "1", "3"),
-    "--cp 3 does not divide the 4 ranks into rings: launch a multiple of 3 processes, or change --cp":
-        context_parallel_check({"seq_len": 36, "dropout": 0.0, "cp": 3}, 4),
-    "--seq-len 36 is cut into 2 x 4 chunks for 4 ranks: use a multiple of 8":
-        tool_main("cp_reference", "--device", "cpu", "--cp", "4", "--seq-len", "36"),
+    "or choose degrees whose product is 2": degrees_check(
+        {
+            "dp": None,
+            "tp": 1,
+            "pp": 1,
+            "cp": 3,
+            "sequence_parallel": False,
+            "n_head": 2,
+            "seq_len": 36,
+            "micro_batches": None,
+            "grad_accum": 2,
+            "n_layer": 2,
+            "activation_checkpointing": "none",
+        }
+    ),
+    "--cp 3: step 11 cuts --seq-len 64 into 2 x 3 chunks; use degrees whose 2 x C divides it": tool_main(
+        "activations", "--cp", "1", "3"
+    ),
+    "--cp 3 does not divide the 4 ranks into rings: launch a multiple of 3 processes, or change --cp": context_parallel_check(
+        {"seq_len": 36, "dropout": 0.0, "cp": 3}, 4
+    ),
+    "--seq-len 36 is cut into 2 x 4 chunks for 4 ranks: use a multiple of 8": tool_main(
+        "cp_reference", "--device", "cpu", "--cp", "4", "--seq-len", "36"
+    ),
     "scontrol is not on PATH: run this on a node of the Slurm job": slurm_without_scontrol,
     "--replicate 0: the number of replicas must be at least 1": replicate_check(0, 4),
     "--replicate 3 does not divide the 1 ranks: choose R with N / R whole (the ranks of one node, typically), or "
     "launch a multiple of 3 ranks": tool_main("fsdp2_reference", "--replicate", "3"),
-    "--fp8 with --moe-experts is not built yet (an expert's tokens are not a multiple of 16); drop one of them":
-        fp8_check({"fp8": "rowwise", "amp": "none", "moe_experts": 4}),
-    "--fp8 with --compile is not tried yet; drop one of them": fp8_check({"fp8": "rowwise", "amp": "none",
-                                                                          "compile": True}),
-    "--device cuda asked for, but torch sees no CUDA GPU; use --device cpu": (no_gpu(tool_main("cp_reference")),
-                                                                           no_gpu(tool_main("gpu_check"))),
+    "--fp8 with --moe-experts is not built yet (an expert's tokens are not a multiple of 16); drop one of them": fp8_check(
+        {"fp8": "rowwise", "amp": "none", "moe_experts": 4}
+    ),
+    "--fp8 with --compile is not tried yet; drop one of them": fp8_check(
+        {"fp8": "rowwise", "amp": "none", "compile": True}
+    ),
+    "--device cuda asked for, but torch sees no CUDA GPU; use --device cpu": (
+        no_gpu(tool_main("cp_reference")),
+        no_gpu(tool_main("gpu_check")),
+    ),
     "--moe-every must be at least 1, got 0": lambda: moe_check(moe_experts=4, moe_every=0),
     "--moe-experts cannot be negative, got -2": lambda: moe_check(moe_experts=-2),
 }
+
+
 def moe_check(**flags):
     import moe  # common/moe.py: the MoE flags' checks (steps 0 and 12)
+
     moe.check_moe({key: None for key in moe.MOE_DEFAULTS} | flags)
 
 
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
-QUOTED = ("--moe-every must", "--moe-experts cannot", "--n-embd 100 must", "--beta1 must", "--data data is", "--amp bf16", "--nproc must", "--dp 0 --tp 2",
-          "--sequence-parallel splits", "--cp 3", "--activation-checkpointing selective with --cp",
-          "--attention sdpa (a GPU",
-          "--param-dtype bf16", "--max-memory-mb 100000", "scontrol is not", "--fp8 with --compile",
-          "--fp8 with --moe")
+QUOTED = (
+    "--moe-every must",
+    "--moe-experts cannot",
+    "--n-embd 100 must",
+    "--beta1 must",
+    "--data data is",
+    "--amp bf16",
+    "--nproc must",
+    "--dp 0 --tp 2",
+    "--sequence-parallel splits",
+    "--cp 3",
+    "--activation-checkpointing selective with --cp",
+    "--attention sdpa (a GPU",
+    "--param-dtype bf16",
+    "--max-memory-mb 100000",
+    "scontrol is not",
+    "--fp8 with --compile",
+    "--fp8 with --moe",
+)
 
 
 @pytest.mark.parametrize("message", LIKEWISE)
 def test_a_likewise_check_refuses_in_its_own_words(message, monkeypatch):
-    for raises in LIKEWISE[message] if isinstance(LIKEWISE[message], tuple) else (LIKEWISE[message],):
+    for raises in (
+        LIKEWISE[message] if isinstance(LIKEWISE[message], tuple) else (LIKEWISE[message],)
+    ):
         with pytest.raises(UserError) as refused:
             raises(monkeypatch) if raises.__code__.co_argcount else raises()
         assert shorten(str(refused.value), REPO) == message
     if message.startswith(QUOTED):
-        assert message.replace("Tesla T4", "<GPU>") in TABLE.read_text(), f"docs/bad_input.md does not quote {message!r}"
+        assert message.replace("Tesla T4", "<GPU>") in TABLE.read_text(), (
+            f"docs/bad_input.md does not quote {message!r}"
+        )

@@ -4,6 +4,7 @@ Each case trains two copies of one model with the same data on 2 ranks, one wrap
 DDP and one in BucketedDDP, with gradient accumulation (no_sync on the first micro-batch), and
 requires the averaged gradients to be bitwise equal (at world size 2 both sum in an order-free way).
 """
+
 import sys
 import traceback
 
@@ -104,7 +105,9 @@ def accumulate(wrapped, model_name: str, rank: int, *, finish) -> None:
 
 def fresh(model_name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return {"Tied": Tied, "FrozenBias": FrozenBias, "Unused": Unused, "UsedEarly": UsedEarly}[model_name]()
+    return {"Tied": Tied, "FrozenBias": FrozenBias, "Unused": Unused, "UsedEarly": UsedEarly}[
+        model_name
+    ]()
 
 
 class EarlyHookDDP(BucketedDDP):
@@ -112,27 +115,37 @@ class EarlyHookDDP(BucketedDDP):
 
     def _register_hooks(self, params):
         for p in params:
-            p.register_hook(lambda grad, p=p: self._on_gradient_ready(p) if p.grad is not None else None)
+            p.register_hook(
+                lambda grad, p=p: self._on_gradient_ready(p) if p.grad is not None else None
+            )
 
 
 def compare_with_ddp(rank, model_name, cap_mb, expect_buckets, wrapper=BucketedDDP):
     find_unused = model_name == "Unused"
-    reference = torch.nn.parallel.DistributedDataParallel(fresh(model_name), find_unused_parameters=find_unused)
+    reference = torch.nn.parallel.DistributedDataParallel(
+        fresh(model_name), find_unused_parameters=find_unused
+    )
     accumulate(reference, model_name, rank, finish=lambda: None)
-    ours = wrapper(fresh(model_name), bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb,
-                   find_unused_parameters=find_unused)
+    ours = wrapper(
+        fresh(model_name),
+        bucket_cap_mb=cap_mb,
+        first_bucket_cap_mb=cap_mb,
+        find_unused_parameters=find_unused,
+    )
     n_buckets = len(ours.buckets)
     assert expect_buckets(n_buckets), f"{model_name} cap {cap_mb} MiB: {n_buckets} buckets"
     accumulate(ours, model_name, rank, finish=ours.finish_gradient_synchronization)
     mismatched = []
     for (name, a), b in zip(reference.module.named_parameters(), ours.module.parameters()):
-        if (a.grad is None) != (b.grad is None) or (a.grad is not None and not torch.equal(a.grad, b.grad)):
+        if (a.grad is None) != (b.grad is None) or (
+            a.grad is not None and not torch.equal(a.grad, b.grad)
+        ):
             mismatched.append(name)
     return mismatched
 
 
 CAPS = {  # cap in MiB -> how many buckets it must make (the models are a few KiB)
-    1e-9: lambda n: n >= 3,   # every parameter closes its own bucket
+    1e-9: lambda n: n >= 3,  # every parameter closes its own bucket
     "half": lambda n: n == 2,
     100.0: lambda n: n == 1,
 }
@@ -158,7 +171,9 @@ def used_early_matches_ddp(rank, cap_mb) -> list:
             wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
             finish = lambda: None  # noqa: E731
         else:
-            wrapped = BucketedDDP(model, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb, find_unused_parameters=True)
+            wrapped = BucketedDDP(
+                model, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb, find_unused_parameters=True
+            )
             finish = wrapped.finish_gradient_synchronization
         with wrapped.no_sync():
             wrapped(inputs("UsedEarly", rank, 0), use_early=True).pow(2).mean().backward()
@@ -166,7 +181,8 @@ def used_early_matches_ddp(rank, cap_mb) -> list:
         wrapped(inputs("UsedEarly", rank, 1), use_early=False).pow(2).mean().backward()
         finish()
         grads[name] = {n: p.grad for n, p in model.named_parameters()}
-        dist.all_reduce(local)  # the definition: sum over ranks, divided by 2 (exact at world size 2)
+        # the definition: sum over ranks, divided by 2 (exact at world size 2)
+        dist.all_reduce(local)
         grads[f"{name} mean"] = local / WORLD_SIZE
     mismatched = [n for n in grads["ddp"] if not torch.equal(grads["ddp"][n], grads["ours"][n])]
     for name in ("ddp", "ours"):
@@ -211,7 +227,9 @@ def worker(rank, world_size, port, queue):
             results[f"used early/{cap}"] = used_early_matches_ddp(rank, cap)
         results["broadcast"] = broadcast_at_wrapping(rank)
         # The bug the post-accumulate hook avoids: with accumulation, an early hook reduces the wrong sum.
-        results["early hook"] = compare_with_ddp(rank, "FrozenBias", 100.0, lambda n: True, wrapper=EarlyHookDDP)
+        results["early hook"] = compare_with_ddp(
+            rank, "FrozenBias", 100.0, lambda n: True, wrapper=EarlyHookDDP
+        )
         # Default (find_unused_parameters=False): a clear error naming the parameter, on every rank,
         # after all buckets were reduced, so the group is still usable (shutdown's barrier would hang otherwise).
         strict = BucketedDDP(fresh("Unused"))
@@ -259,17 +277,27 @@ def test_gradient_accumulated_in_no_sync_but_unused_at_the_sync_is_averaged_like
 
 def test_wrapping_broadcasts_rank_0s_parameters_and_buffers(results):
     for rank in range(WORLD_SIZE):
-        assert results[rank]["broadcast"] == {"differed before": True, "parameters are rank 0's": True,
-                                               "buffers are rank 0's": True}, f"rank {rank}"
+        assert results[rank]["broadcast"] == {
+            "differed before": True,
+            "parameters are rank 0's": True,
+            "buffers are rank 0's": True,
+        }, f"rank {rank}"
 
 
 def test_unused_parameter_is_a_clear_error_without_a_hang(results):
     for rank in range(WORLD_SIZE):
         message = results[rank]["strict error"]
-        assert "never.weight" in message and "never.bias" in message and "find_unused_parameters" in message
+        assert (
+            "never.weight" in message
+            and "never.bias" in message
+            and "find_unused_parameters" in message
+        )
 
 
 def test_buckets_follow_gradient_ready_order_with_a_small_first_bucket():
-    sizes = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 20, 300_000, 40, 50)]  # 1.2 MB in the middle
-    groups = assign_buckets(sizes[::-1], bucket_cap_bytes=25 * 2**20, first_bucket_cap_bytes=1 * 2**20)
+    # 1.2 MB in the middle
+    sizes = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 20, 300_000, 40, 50)]
+    groups = assign_buckets(
+        sizes[::-1], bucket_cap_bytes=25 * 2**20, first_bucket_cap_bytes=1 * 2**20
+    )
     assert [[p.numel() for p in g] for g in groups] == [[50, 40, 300_000], [20, 10]]

@@ -5,6 +5,7 @@ independent answer is a plain model and a plain AdamW in the same process, given
 rank saved, joined by ``Checkpoint``, must be that model's parameters and AdamW's state, bit for bit; and a
 checkpoint written at one world size, loaded at another, must step on to the plain model's next bits.
 """
+
 import io
 import sys
 import zlib
@@ -45,6 +46,7 @@ def save(folder, rank: int, world_size: int, named_shapes: dict, holder, *args) 
     rank's part (``resharding.PerRank``)."""
     from checkpoint import CheckpointWriter
     from resharding import PerRank
+
     config = {"out": str(folder), "async_save": False, "quiet": True}
     CheckpointWriter(config, rank, world_size, named_shapes, [PerRank(holder, *args)]).save(1)
 
@@ -66,8 +68,9 @@ def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before
     itself) and take one more step."""
     init_gloo(rank, world_size, port)
     sys.path.insert(0, str(REPO / "step5_zero1"))
-    from resharding import Checkpoint
     from masters import ShardedOptimizerWithMasters
+    from resharding import Checkpoint
+
     model = toy()
     named = list(model.named_parameters())
     path = folder / "checkpoints" / "step_1"
@@ -76,11 +79,14 @@ def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before
         with torch.no_grad():
             for _, param in named:
                 param.fill_(0.5)
-    optimizer = ShardedOptimizerWithMasters(model.parameters(), torch.optim.AdamW, torch.bfloat16, **LR)
+    optimizer = ShardedOptimizerWithMasters(
+        model.parameters(), torch.optim.AdamW, torch.bfloat16, **LR
+    )
     loaded = {}
     if loading:
         optimizer.load_checkpoint(Checkpoint(path), named)
-        loaded = {"loaded_parameters": as_bytes(dict(named))}  # the 16-bit copies the next forward would use
+        # the 16-bit copies the next forward would use
+        loaded = {"loaded_parameters": as_bytes(dict(named))}
     for step in range(steps_before, steps_before + 1) if loading else range(steps_before):
         for name, param in named:
             param.main_grad = gradient(name, param, step)  # float32, as the gradient sync leaves it
@@ -88,7 +94,9 @@ def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before
     if not loading:
         save(folder, rank, world_size, {n: p.shape for n, p in named}, optimizer, named)
     weights = optimizer.master_weights(named)  # collective
-    queue.put((rank, {"weights": as_bytes(weights), "dtypes": {str(p.dtype) for _, p in named}, **loaded}))
+    queue.put(
+        (rank, {"weights": as_bytes(weights), "dtypes": {str(p.dtype) for _, p in named}, **loaded})
+    )
     shutdown()
 
 
@@ -98,6 +106,7 @@ def fsdp_worker(rank, world_size, port, queue, folder, steps_before):
     sys.path.insert(0, str(REPO / "step7_zero3"))
     from resharding import Checkpoint
     from zero3 import FullyShardedDP
+
     model = toy()
     shapes = {n: p.shape for n, p in model.named_parameters()}
     path = folder / "checkpoints" / "step_1"
@@ -113,7 +122,11 @@ def fsdp_worker(rank, world_size, port, queue, folder, steps_before):
     ranges = fsdp.piece_ranges()
     for step in range(steps_before, steps_before + 1) if loading else range(steps_before):
         for name, piece in fsdp.named_parameters():  # this rank's slice of the averaged gradient
-            piece.grad = gradient(name, torch.empty(shapes[name]), step).view(-1)[slice(*ranges[name])].clone()
+            piece.grad = (
+                gradient(name, torch.empty(shapes[name]), step)
+                .view(-1)[slice(*ranges[name])]
+                .clone()
+            )
         optimizer.step()
     if not loading:
         save(folder, rank, world_size, shapes, fsdp, optimizer)
@@ -122,9 +135,12 @@ def fsdp_worker(rank, world_size, port, queue, folder, steps_before):
     shutdown()
 
 
-@pytest.mark.parametrize("worker", [sharded_optimizer_worker, fsdp_worker], ids=["ShardedOptimizer", "FullyShardedDP"])
+@pytest.mark.parametrize(
+    "worker", [sharded_optimizer_worker, fsdp_worker], ids=["ShardedOptimizer", "FullyShardedDP"]
+)
 def test_saved_pieces_join_into_the_plain_model_and_load_at_another_world_size(worker, tmp_path):
     from resharding import Checkpoint
+
     steps = 2
     saved = spawn(worker, 2, tmp_path, steps)
     plain, plain_optimizer = reference(steps)
@@ -133,7 +149,8 @@ def test_saved_pieces_join_into_the_plain_model_and_load_at_another_world_size(w
     for name, param in named:  # every rank's slices, joined: the plain model's parameters
         assert torch.equal(checkpoint.parameter(name), param), name
     slices = [(name, 0, param.numel()) for name, param in named]
-    joined = checkpoint.optimizer_state_dict(slices, [p for _, p in named])  # and AdamW's whole state
+    # and AdamW's whole state
+    joined = checkpoint.optimizer_state_dict(slices, [p for _, p in named])
     for i, (name, _) in enumerate(named):
         want = plain_optimizer.state_dict()["state"][i]
         assert set(joined["state"][i]) == set(want), name
@@ -141,7 +158,9 @@ def test_saved_pieces_join_into_the_plain_model_and_load_at_another_world_size(w
     assert joined["param_groups"][0]["lr"] == LR["lr"]
     for rank, result in saved.items():
         weights = from_bytes(result["weights"])
-        assert all(torch.equal(weights[n], p) for n, p in named), f"rank {rank}: weights before saving"
+        assert all(torch.equal(weights[n], p) for n, p in named), (
+            f"rank {rank}: weights before saving"
+        )
 
     # Loaded at world size 3 (other slices), one more step: the plain model's next bits.
     resumed = spawn(worker, 3, tmp_path, steps)
@@ -151,11 +170,16 @@ def test_saved_pieces_join_into_the_plain_model_and_load_at_another_world_size(w
         different = [n for n, p in plain.named_parameters() if not torch.equal(weights[n], p)]
         assert not different, f"rank {rank}: {different}"
     if worker is sharded_optimizer_worker:
-        assert resumed[0]["dtypes"] == {"torch.bfloat16"}  # the model computes in 16 bits; the masters are float32
-        saved_plain, _ = reference(steps)  # what was saved, rounded once: every rank's 16-bit parameters
+        # the model computes in 16 bits; the masters are float32
+        assert resumed[0]["dtypes"] == {"torch.bfloat16"}
+        # what was saved, rounded once: every rank's 16-bit parameters
+        saved_plain, _ = reference(steps)
         for rank, result in resumed.items():
             loaded = from_bytes(result["loaded_parameters"])
-            assert all(torch.equal(loaded[n], p.to(torch.bfloat16)) for n, p in saved_plain.named_parameters()), rank
+            assert all(
+                torch.equal(loaded[n], p.to(torch.bfloat16))
+                for n, p in saved_plain.named_parameters()
+            ), rank
 
 
 FIXTURE = REPO / "tests" / "fixtures" / "format2_step5_two_ranks"
@@ -168,10 +192,14 @@ def test_a_checkpoint_written_before_the_reader_was_split_out_reads_back_its_own
     gives back exactly the tensors the files hold: every parameter, and every rank's slice of exp_avg and
     exp_avg_sq, bit for bit. (Nothing here depends on the CPU: the bits are read, not computed.)"""
     from resharding import Checkpoint
+
     checkpoint = Checkpoint(FIXTURE / "step_2")
     raw = torch.load(FIXTURE / "step_2" / "state.pt", weights_only=True)
-    assert set(checkpoint.shapes) == set(raw["model"]) - {"lm_head.weight"}  # the output layer is tied to wte
-    assert [n for n in checkpoint.shapes if not torch.equal(checkpoint.parameter(n), raw["model"][n])] == []
+    # the output layer is tied to wte
+    assert set(checkpoint.shapes) == set(raw["model"]) - {"lm_head.weight"}
+    assert [
+        n for n in checkpoint.shapes if not torch.equal(checkpoint.parameter(n), raw["model"][n])
+    ] == []
     for rank in range(2):
         held = torch.load(FIXTURE / "step_2" / f"rank{rank}.pt", weights_only=True)
         slices = [tuple(piece) for piece in held["optimizer_slices"]]
@@ -179,12 +207,18 @@ def test_a_checkpoint_written_before_the_reader_was_split_out_reads_back_its_own
         state = checkpoint.optimizer_state_dict(slices, params)["state"]
         for i, saved in held["optimizer"]["state"].items():
             for key in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(state[i][key].view(-1), saved[key].view(-1)), (rank, slices[i], key)
+                assert torch.equal(state[i][key].view(-1), saved[key].view(-1)), (
+                    rank,
+                    slices[i],
+                    key,
+                )
     assert raw["records"][:2] == checkpoint.shared["records"][:2]
 
 
 @pytest.mark.parametrize("step", ["step5", "step1"])
-def test_a_checkpoint_written_before_the_reader_was_split_out_resumes_as_todays_does(step, small_corpus, tmp_path):
+def test_a_checkpoint_written_before_the_reader_was_split_out_resumes_as_todays_does(
+    step, small_corpus, tmp_path
+):
     """The same fixture resumed today in step 5 and in step 1 (DDP: the slices joined into whole tensors) ends on
     the bits of the same state in today's format, on this machine: (a) the fixture rewritten by today's
     consolidate.py (the plain format steps 0-4 write), (b) the step-3 checkpoint today's trainer writes when it
@@ -194,32 +228,66 @@ def test_a_checkpoint_written_before_the_reader_was_split_out_resumes_as_todays_
     import json
     import shutil
 
-    from consolidate import consolidate
     from conftest import assert_bitwise_same_run, launch, metrics
+    from consolidate import consolidate
+
     expected = json.loads((FIXTURE / "expected.json").read_text())
     tokenizer = str(REPO / "data" / "tokenizer.json")
 
     def resume(out, checkpoint, *extra):
-        if checkpoint.parent.parent != out:  # a copy in the run's own folder, its machine-specific paths ours
+        # a copy in the run's own folder, its machine-specific paths ours
+        if checkpoint.parent.parent != out:
             shutil.copytree(checkpoint, out / "checkpoints" / checkpoint.name)
         meta_path = out / "checkpoints" / checkpoint.name / "meta.json"
         meta = json.loads(meta_path.read_text())
         meta["config"].update(data=str(small_corpus), tokenizer=tokenizer)
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
-        args = ["--steps", "4", "--micro-batch-size", "2", "--grad-accum", "2", "--seq-len", "32", "--n-layer",
-                "1", "--n-embd", "8", "--n-head", "2", "--grad-clip", "0.3", "--warmup-steps", "2", "--dropout",
-                "0.1", "--quiet", "--data", str(small_corpus), "--tokenizer", tokenizer, "--out", str(out),
-                "--resume", str(out / "checkpoints" / checkpoint.name), *extra]
+        args = [
+            "--steps",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--grad-accum",
+            "2",
+            "--seq-len",
+            "32",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "8",
+            "--n-head",
+            "2",
+            "--grad-clip",
+            "0.3",
+            "--warmup-steps",
+            "2",
+            "--dropout",
+            "0.1",
+            "--quiet",
+            "--data",
+            str(small_corpus),
+            "--tokenizer",
+            tokenizer,
+            "--out",
+            str(out),
+            "--resume",
+            str(out / "checkpoints" / checkpoint.name),
+            *extra,
+        ]
         result = launch(step, args, nproc=2)
         assert result.returncode == 0, result.stderr[-3000:]
         return out
 
     old = resume(tmp_path / "old", FIXTURE / "step_2", "--save-every", "1")
     consolidated = consolidate(FIXTURE / "step_2", tmp_path / "consolidated")
-    assert_bitwise_same_run(old, resume(tmp_path / "consolidated", consolidated, "--save-every", "0"))
+    assert_bitwise_same_run(
+        old, resume(tmp_path / "consolidated", consolidated, "--save-every", "0")
+    )
     written = tmp_path / "written"
     shutil.copytree(old / "checkpoints" / "step_3", written / "checkpoints" / "step_3")
-    assert_bitwise_same_run(old, resume(written, written / "checkpoints" / "step_3", "--save-every", "0"))
+    assert_bitwise_same_run(
+        old, resume(written, written / "checkpoints" / "step_3", "--save-every", "0")
+    )
     records = metrics(old)["records"]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     keep = expected["records"][0].keys()

@@ -2,6 +2,7 @@
 datasets, whose import (with pyarrow) cost every rank about 1.5 CPU seconds. Checked against the reader it
 replaces, datasets' ``Dataset.from_text(keep_linebreaks=True)``, on the shipped corpus and on text whose line
 ends are awkward, line for line and block for block."""
+
 import subprocess
 import sys
 
@@ -9,17 +10,21 @@ import datasets
 import pytest
 import torch
 
-from conftest import REPO
 import data  # common/, on the path through conftest
+from conftest import REPO
 
 TOKENIZER = REPO / "data" / "tokenizer.json"
-AWKWARD = ("First line\nWindows\r\nold Mac\rform\x0cfeed and\u2028separator\n\n\nno newline at the end: "
-           "\u00e9\u00e8 \u4e2d\u6587").encode("utf-8")
+AWKWARD = (
+    "First line\nWindows\r\nold Mac\rform\x0cfeed and\u2028separator\n\n\nno newline at the end: "
+    "\u00e9\u00e8 \u4e2d\u6587"
+).encode("utf-8")
 
 
 def from_text(path) -> list[str]:
     datasets.disable_progress_bars()
-    return datasets.Dataset.from_text(str(path), keep_linebreaks=True, keep_in_memory=True)[:]["text"]
+    return datasets.Dataset.from_text(str(path), keep_linebreaks=True, keep_in_memory=True)[:][
+        "text"
+    ]
 
 
 @pytest.mark.quick
@@ -42,7 +47,11 @@ def test_the_corpus_is_read_as_datasets_reads_it(text, tmp_path):
 
 @pytest.mark.quick
 def test_the_trainers_do_not_import_datasets():
-    code = ("import sys; sys.path.insert(0, 'common'); import data, model, training; "
-            "print(sorted(m for m in ('datasets', 'pyarrow') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; sys.path.insert(0, 'common'); import data, model, training; "
+        "print(sorted(m for m in ('datasets', 'pyarrow') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr

@@ -7,6 +7,7 @@ aborts at interpreter exit (the "terminate called without an active exception" a
 importing ``distributed.py``) makes the program fail, so the run is also an abort check. The cases share
 that one spawn (the harness imports every idea file before any loop runs, so each import is checked alone).
 """
+
 import json
 import subprocess
 import sys
@@ -24,7 +25,7 @@ CASES = {
     "zero1_bf16": "ShardedOptimizerWithMasters(bf16) with the outsider's own float32 gradient sync vs FSDP2 bf16",
     "zero2_bf16": "ShardedGradientDDP + ShardedOptimizerWithMasters(bf16) vs FSDP2 MixedPrecisionPolicy(bf16, float32)",
     "zero1_fp16": "ShardedOptimizerWithMasters(fp16) + ShardedGradScaler + clip_grad_norm, an overflowing step "
-                  "skipped, vs a float32 master copy with torch.amp.GradScaler",
+    "skipped, vs a float32 master copy with torch.amp.GradScaler",
     "offload": "FullyShardedDP + OffloadedOptimizer (AdamW on the host) vs FSDP2 with CPUOffloadPolicy",
 }
 
@@ -34,15 +35,22 @@ def harness(tmp_path_factory):
     """The harness run once for every case (one spawn: starting the processes is most of a case's time)."""
     folder = tmp_path_factory.mktemp("drop_in")
     out = folder / "result.json"
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "drop_in_harness.py"), *CASES, str(out)],
-                            cwd=folder, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "drop_in_harness.py"), *CASES, str(out)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return result, json.loads(out.read_text()) if out.is_file() else None
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_idea_file_in_an_outside_harness_equals_its_pytorch_counterpart(case, harness):
     result, report = harness
-    assert result.returncode == 0, f"the harness failed\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, (
+        f"the harness failed\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    )
     assert "terminate called" not in result.stderr
     report = report["cases"][case]
     assert report["problems"] == [], f"{CASES[case]}: {report['problems'][:10]}"

@@ -3,6 +3,7 @@
 an empty cache, ``GPT2LMHeadModel.from_pretrained`` and ``pipeline("text-generation")`` as their documentation
 shows them. Its logits against ours, its greedy generation against our model's choices, its tokenizer against
 ``tokenizers``; in float64 the mapping itself, where only the order of additions may differ."""
+
 import json
 import os
 import subprocess
@@ -12,17 +13,28 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, run_forked, train
 import export_hf  # compare/, on the path through conftest
 import sample
+from conftest import REPO, run_forked, train
 
-FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+FILES = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
 # float32: each model rounds its own way (their fused c_attn GEMM, Conv1D's addmm on an (in, out) matrix, SDPA
 # or their eager softmax with an additive mask); measured on the tiny run: max |difference| 1.8e-7 of logits up
 # to 0.74 (docs/interop.md). 1e-5 is float32's rounding a few dozen times over, far below a wrong mapping's ~1e-1.
 FLOAT32 = {"rtol": 1e-5, "atol": 1e-5}
-TEXTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n", "  two  spaces,\ttabs\n\n\nand lines",
-         "caf\u00e9, na\u00efve \u2603 \u201cquoted\u201d \u2014 \U0001f600", "<|endoftext|>JULIET:<|endoftext|>", ""]
+TEXTS = [
+    "ROMEO:\nBut soft, what light through yonder window breaks?\n",
+    "  two  spaces,\ttabs\n\n\nand lines",
+    "caf\u00e9, na\u00efve \u2603 \u201cquoted\u201d \u2014 \U0001f600",
+    "<|endoftext|>JULIET:<|endoftext|>",
+    "",
+]
 PROMPT, NEW_TOKENS = "ROMEO:", 12
 
 # What a learner runs after exporting: a new interpreter, HF_HUB_OFFLINE=1, nothing in the cache.
@@ -60,9 +72,13 @@ def exported(tmp_path_factory, small_corpus):
     run = train("step0", top / "run", small_corpus)
     out = top / "hf"
     out.mkdir()
-    result = run_forked([sys.executable, str(REPO / "compare" / "export_hf.py"), str(run), str(out)])
+    result = run_forked(
+        [sys.executable, str(REPO / "compare" / "export_hf.py"), str(run), str(out)]
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith(f"exported {run} as a Hugging Face GPT-2 in {out}"), result.stdout
+    assert result.stdout.startswith(f"exported {run} as a Hugging Face GPT-2 in {out}"), (
+        result.stdout
+    )
     return run, out
 
 
@@ -75,12 +91,29 @@ def offline(exported, tmp_path_factory):
     save_file({"ids": ids}, str(io / "ids.safetensors"))
     (io / "texts.json").write_text(json.dumps(TEXTS))
     empty = io / "hf_home"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(empty), "HF_HUB_DISABLE_TELEMETRY": "1"}
-    result = subprocess.run([sys.executable, "-c", OFFLINE, str(out), str(io), PROMPT, str(NEW_TOKENS)], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(empty),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", OFFLINE, str(out), str(io), PROMPT, str(NEW_TOKENS)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert not (empty / "hub").exists() or not any((empty / "hub").iterdir()), "something was downloaded"
-    return json.loads(result.stdout.splitlines()[-1]), load_file(str(io / "logits.safetensors")), ids
+    assert not (empty / "hub").exists() or not any((empty / "hub").iterdir()), (
+        "something was downloaded"
+    )
+    return (
+        json.loads(result.stdout.splitlines()[-1]),
+        load_file(str(io / "logits.safetensors")),
+        ids,
+    )
 
 
 def test_the_folder_holds_what_transformers_reads_and_the_runs_tokenizer(exported):
@@ -91,9 +124,16 @@ def test_the_folder_holds_what_transformers_reads_and_the_runs_tokenizer(exporte
     assert (out / "tokenizer.json").read_bytes() == open(config["tokenizer"], "rb").read()
     hf = json.loads((out / "config.json").read_text())
     assert (hf["model_type"], hf["n_positions"], hf["n_layer"], hf["n_embd"], hf["n_head"]) == (
-        "gpt2", config["seq_len"], config["n_layer"], config["n_embd"], config["n_head"])
+        "gpt2",
+        config["seq_len"],
+        config["n_layer"],
+        config["n_embd"],
+        config["n_head"],
+    )
     theirs = load_file(str(out / "model.safetensors"))
-    assert "lm_head.weight" not in theirs and theirs["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
+    assert "lm_head.weight" not in theirs and theirs[
+        "transformer.h.0.attn.c_attn.weight"
+    ].shape == (32, 96)
 
 
 def test_transformers_loads_it_offline_and_its_logits_equal_ours_in_float32(exported, offline):
@@ -116,7 +156,7 @@ def test_the_pipeline_generates_what_our_model_would_choose(exported, offline):
     model, tokenizer, _ = sample.load_trained_model(str(run))
     prompt = tokenizer.encode(PROMPT).ids
     generated = report["generated"]
-    assert generated[:len(prompt)] == prompt and len(generated) == len(prompt) + NEW_TOKENS
+    assert generated[: len(prompt)] == prompt and len(generated) == len(prompt) + NEW_TOKENS
     with torch.no_grad():
         logits = model(torch.tensor([generated[:-1]]))[0]
     for position in range(len(prompt), len(generated)):
@@ -130,20 +170,25 @@ def test_its_tokenizer_tokenizes_and_decodes_as_ours(exported, offline):
     report = offline[0]
     _, tokenizer, _ = sample.load_trained_model(str(run))
     assert report["ids"] == [tokenizer.encode(text).ids for text in TEXTS]
-    assert report["decoded"] == [tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False)
-                                 for text in TEXTS]
-    assert report["ids"][3][0] == tokenizer.token_to_id("<|endoftext|>") == 0  # the special token, one id
+    assert report["decoded"] == [
+        tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) for text in TEXTS
+    ]
+    # the special token, one id
+    assert report["ids"][3][0] == tokenizer.token_to_id("<|endoftext|>") == 0
 
 
 def test_in_float64_the_mapping_is_exact(exported):
     """The weights, loaded in float64 on both sides: the same formula, the order of additions aside (~1e-15)."""
     from transformers import GPT2LMHeadModel
+
     run, out = exported
     model, _, _ = sample.load_trained_model(str(run))
     hf = GPT2LMHeadModel.from_pretrained(str(out), attn_implementation="eager", dtype=torch.float64)
     ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(hf(input_ids=ids).logits, model.double()(ids), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            hf(input_ids=ids).logits, model.double()(ids), rtol=1e-12, atol=1e-12
+        )
 
 
 def test_a_wrong_mapping_is_caught(exported, tmp_path, monkeypatch):
@@ -151,11 +196,15 @@ def test_a_wrong_mapping_is_caught(exported, tmp_path, monkeypatch):
     tolerance (measured: by 0.40; q and k exchanged, the scores transposed, by 8.8e-4 on this barely trained
     model)."""
     from transformers import GPT2LMHeadModel
+
     run, _ = exported
     right = export_hf.hugging_face_weights
 
     def swapped(ours):
-        exchange = {n: n.replace(".c_k.", ".c_v.") if ".c_k." in n else n.replace(".c_v.", ".c_k.") for n in ours}
+        exchange = {
+            n: n.replace(".c_k.", ".c_v.") if ".c_k." in n else n.replace(".c_v.", ".c_k.")
+            for n in ours
+        }
         return right({exchange[n]: t for n, t in ours.items()})
 
     monkeypatch.setattr(export_hf, "hugging_face_weights", swapped)
@@ -163,5 +212,9 @@ def test_a_wrong_mapping_is_caught(exported, tmp_path, monkeypatch):
     model, _, _ = sample.load_trained_model(str(run))
     ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        difference = (GPT2LMHeadModel.from_pretrained(str(out))(input_ids=ids).logits - model(ids)).abs().max()
+        difference = (
+            (GPT2LMHeadModel.from_pretrained(str(out))(input_ids=ids).logits - model(ids))
+            .abs()
+            .max()
+        )
     assert difference > 100 * FLOAT32["atol"], difference

@@ -5,6 +5,7 @@ gradient and weight gradient, then our GPT-2 for a few AdamW steps, bit for bit 
 float32 and under bf16 autocast. Both run in this process, on this CPU's kernels: nothing is compared with
 bits recorded elsewhere. The trainers' ``--fp8`` is tested in test_fp8_steps.py.
 """
+
 import copy
 import sys
 import warnings
@@ -21,7 +22,14 @@ from model import build_model, language_model_loss  # noqa: E402
 from training import autocast, clip_grad_norm  # noqa: E402
 
 RECIPES = ["tensorwise", "rowwise"]
-CONFIG = {"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 16, "dropout": 0.0, "attention": "math"}
+CONFIG = {
+    "n_layer": 2,
+    "n_head": 4,
+    "n_embd": 32,
+    "seq_len": 16,
+    "dropout": 0.0,
+    "attention": "math",
+}
 VOCAB = 64
 
 
@@ -29,8 +37,11 @@ def torchao_convert(module, recipe, module_filter_fn=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    return convert_to_float8_training(module, module_filter_fn=module_filter_fn,
-                                      config=Float8LinearConfig.from_recipe_name(recipe))
+    return convert_to_float8_training(
+        module,
+        module_filter_fn=module_filter_fn,
+        config=Float8LinearConfig.from_recipe_name(recipe),
+    )
 
 
 def layer_run(layer, x, amp: bool):
@@ -55,11 +66,15 @@ def test_one_layer_bitwise_to_torchao(recipe, amp):
     ours = layer_run(convert_to_fp8(copy.deepcopy(base), recipe), x, amp)
     theirs = layer_run(torchao_convert(copy.deepcopy(base), recipe), x, amp)
     plain = layer_run(base, x, amp)
-    for name, a, b, p in zip(["output", "grad_input", "grad_weight", "grad_bias"], ours, theirs, plain):
+    for name, a, b, p in zip(
+        ["output", "grad_input", "grad_weight", "grad_bias"], ours, theirs, plain
+    ):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{recipe}: {name} differs from torchao's"
         error = ((a.float() - p.float()).norm() / p.float().norm()).item()
         assert error < 0.2, f"{recipe}: {name} is {error:.3f} away from nn.Linear's"
-    assert not torch.equal(ours[0].float(), plain[0].float()), "the output should carry FP8's rounding"
+    assert not torch.equal(ours[0].float(), plain[0].float()), (
+        "the output should carry FP8's rounding"
+    )
 
 
 class OutsidersNet(torch.nn.Module):
@@ -81,7 +96,10 @@ def test_any_module_in_an_outsiders_loop_trains_like_torchao(recipe):
     torch.manual_seed(0)
     net = OutsidersNet()
     keep = lambda layer, name: name != "head"  # noqa: E731  (their choice, as torchao's module_filter_fn)
-    ours, theirs = convert_to_fp8(copy.deepcopy(net), recipe, keep), torchao_convert(copy.deepcopy(net), recipe, keep)
+    ours, theirs = (
+        convert_to_fp8(copy.deepcopy(net), recipe, keep),
+        torchao_convert(copy.deepcopy(net), recipe, keep),
+    )
     assert type(ours.head) is torch.nn.Linear and isinstance(ours.up, Float8Linear)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
     gen = torch.Generator().manual_seed(2)
@@ -126,8 +144,11 @@ def train_gpt2(model, steps: int, amp: str) -> tuple[list, dict]:
 def test_gpt2_adamw_steps_bitwise_to_torchao(recipe, amp):
     ours = build_model(CONFIG, VOCAB, seed=3)
     convert_to_fp8(ours.transformer.h, recipe)
-    theirs = torchao_convert(build_model(CONFIG, VOCAB, seed=3), recipe,
-                             module_filter_fn=lambda m, fqn: fqn.startswith("transformer.h."))
+    theirs = torchao_convert(
+        build_model(CONFIG, VOCAB, seed=3),
+        recipe,
+        module_filter_fn=lambda m, fqn: fqn.startswith("transformer.h."),
+    )
     converted = [n for n, m in ours.named_modules() if isinstance(m, Float8Linear)]
     assert converted == [n for n, m in theirs.named_modules() if type(m).__name__ == "Float8Linear"]
     assert len(converted) == 6 * CONFIG["n_layer"] and type(ours.lm_head) is torch.nn.Linear
@@ -136,9 +157,13 @@ def test_gpt2_adamw_steps_bitwise_to_torchao(recipe, amp):
     assert loss_ours == loss_theirs
     assert w_ours.keys() == w_theirs.keys()
     for name in w_ours:
-        assert torch.equal(w_ours[name], w_theirs[name]), f"{recipe} {amp}: {name} differs after 4 steps"
+        assert torch.equal(w_ours[name], w_theirs[name]), (
+            f"{recipe} {amp}: {name} differs after 4 steps"
+        )
     plain_loss, _ = train_gpt2(build_model(CONFIG, VOCAB, seed=3), 4, amp)
-    assert loss_ours[0] != plain_loss[0] and abs(loss_ours[0] - plain_loss[0]) < 0.05 * plain_loss[0]
+    assert (
+        loss_ours[0] != plain_loss[0] and abs(loss_ours[0] - plain_loss[0]) < 0.05 * plain_loss[0]
+    )
 
 
 def test_sizes_not_multiples_of_16_are_refused():
@@ -146,7 +171,13 @@ def test_sizes_not_multiples_of_16_are_refused():
         convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(24, 32)), "rowwise")
     with pytest.raises(UserError, match="not one of tensorwise, rowwise"):
         convert_to_fp8(torch.nn.Linear(16, 16), "blockwise")
-    config = {"fp8": "tensorwise", "amp": "none", "n_embd": 24, "micro_batch_size": 8, "seq_len": 64}
+    config = {
+        "fp8": "tensorwise",
+        "amp": "none",
+        "n_embd": 24,
+        "micro_batch_size": 8,
+        "seq_len": 64,
+    }
     with pytest.raises(UserError, match=r"--n-embd \(24\)"):
         check_fp8(config, torch.device("cpu"))
     with pytest.raises(UserError, match="--amp fp16"):
@@ -165,21 +196,35 @@ def test_rowwise_scales_keep_ordinary_tokens_that_one_tensorwise_scale_flushes()
     ordinary = torch.ones(512, dtype=torch.bool)
     ordinary[::64] = False
     exact = base(x).detach()[ordinary]
-    error = {r: ((convert_to_fp8(copy.deepcopy(base), r)(x).detach()[ordinary] - exact).norm() / exact.norm()).item()
-             for r in RECIPES}
+    error = {
+        r: (
+            (convert_to_fp8(copy.deepcopy(base), r)(x).detach()[ordinary] - exact).norm()
+            / exact.norm()
+        ).item()
+        for r in RECIPES
+    }
     assert error["rowwise"] < 0.06 < 0.3 < error["tensorwise"], error
 
 
 def test_bench_fp8_times_every_row_and_refuses_bad_shapes():
     import json
     import subprocess
+
     bench = [sys.executable, str(REPO / "compare" / "bench_fp8.py")]
-    done = subprocess.run([*bench, "--tokens", "32", "--shapes", "32x64", "--rounds", "1"], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [*bench, "--tokens", "32", "--shapes", "32x64", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     row = json.loads(done.stdout.strip().splitlines()[-1])["ms"]["32x64"]
-    assert sorted(row) == sorted(["nn.Linear float32", "nn.Linear bf16 autocast"] +
-                                 [f"{who} {r}" for who in ("ours", "torchao") for r in RECIPES])
+    assert sorted(row) == sorted(
+        ["nn.Linear float32", "nn.Linear bf16 autocast"]
+        + [f"{who} {r}" for who in ("ours", "torchao") for r in RECIPES]
+    )
     assert all(ms > 0 for ms in row.values())
     bad = subprocess.run([*bench, "--shapes", "24x64"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: --tokens and every size"), bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --tokens and every size"), (
+        bad.stderr
+    )

@@ -1,6 +1,7 @@
 """compare/gpu_check.py in its CPU mode (tiny sizes), so the GPU check cannot rot where no GPU is: every section
 but the tour runs as a user would start it, and the memory section reads the session's tour runs (the tour
 itself is tests/test_plot_and_tour.py's)."""
+
 import sys
 
 import gpu_check  # compare/, on the path through conftest
@@ -9,21 +10,51 @@ from conftest import REPO, STEPS, run_forked
 
 def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
     report = tmp_path / "report.md"
-    result = run_forked([sys.executable, str(REPO / "compare" / "gpu_check.py"), "--device", "cpu", "--out",
-                         str(tmp_path / "runs"), "--report", str(report), "--only", "resume", "speed", "fits",
-                         "offload", "context"],
-                        timeout=600)
+    result = run_forked(
+        [
+            sys.executable,
+            str(REPO / "compare" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "runs"),
+            "--report",
+            str(report),
+            "--only",
+            "resume",
+            "speed",
+            "fits",
+            "offload",
+            "context",
+        ],
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     text = report.read_text()
-    assert text.startswith("# GPU check (cpu)") and text.rstrip().splitlines()[-1].startswith("every section passed")
-    for title in ("Resume and repeat (step 0): PASS", "Speed: step 0 beside a plain PyTorch loop: PASS",
-                  "A model that does not fit one rank's budget: PASS", "ZeRO-Offload (step 7): PASS",
-                  "Context parallelism: step 11's ring beside PyTorch's context_parallel: PASS"):
+    assert text.startswith("# GPU check (cpu)") and text.rstrip().splitlines()[-1].startswith(
+        "every section passed"
+    )
+    for title in (
+        "Resume and repeat (step 0): PASS",
+        "Speed: step 0 beside a plain PyTorch loop: PASS",
+        "A model that does not fit one rank's budget: PASS",
+        "ZeRO-Offload (step 7): PASS",
+        "Context parallelism: step 11's ring beside PyTorch's context_parallel: PASS",
+    ):
         assert f"## {title}" in text, text
-    assert text.count("(bitwise identical)") == 3  # the second run, the resumed one, the offloaded one
-    assert "step 1 (DDP): exit 1: `error: out of memory" in text and "step 7 (ZeRO-3): trained 2 steps" in text
-    for run in ("plain loop, SDPA |", "plain loop, SDPA, deterministic |", "step 0, SDPA |",
-                "step 0, SDPA, --nondeterministic |", "step 0, SDPA: train_step alone (records' step_time) |"):
+    # the second run, the resumed one, the offloaded one
+    assert text.count("(bitwise identical)") == 3
+    assert (
+        "step 1 (DDP): exit 1: `error: out of memory" in text
+        and "step 7 (ZeRO-3): trained 2 steps" in text
+    )
+    for run in (
+        "plain loop, SDPA |",
+        "plain loop, SDPA, deterministic |",
+        "step 0, SDPA |",
+        "step 0, SDPA, --nondeterministic |",
+        "step 0, SDPA: train_step alone (records' step_time) |",
+    ):
         assert f"| {run}" in text, text
 
 
@@ -31,15 +62,26 @@ def test_the_context_section_fails_a_ring_off_whole_attention_or_off_pytorchs():
     """compare/cp_reference.py's verdict: the ring within its bound of whole attention on every rank (float32 on the
     CPU: 1e-5), and on a GPU within twice PyTorch's ring's error where that ran."""
     import cp_reference
+
     errors = lambda e: dict.fromkeys(cp_reference.NAMES, e)  # noqa: E731
-    rank = {"backend": "gloo", "ours": errors(3e-7), "ours_ms": 1.0, "ours_peak": 0, "theirs": "not run: CUDA only"}
+    rank = {
+        "backend": "gloo",
+        "ours": errors(3e-7),
+        "ours_ms": 1.0,
+        "ours_peak": 0,
+        "theirs": "not run: CUDA only",
+    }
     config = {"device": "cpu", "batch": 1, "heads": 2, "head_dim": 16, "seq_len": 256, "repeats": 2}
     assert cp_reference.report({0: rank, 1: rank}, config)[1]
-    assert not cp_reference.report({0: rank, 1: {**rank, "ours": {**errors(3e-7), "dk": 2e-5}}}, config)[1]
+    assert not cp_reference.report(
+        {0: rank, 1: {**rank, "ours": {**errors(3e-7), "dk": 2e-5}}}, config
+    )[1]
     gpu = {**config, "device": "cuda"}
     ran = {**rank, "ours": errors(4e-3), "theirs": errors(3e-3), "theirs_ms": 1.0, "theirs_peak": 0}
     assert cp_reference.report({0: ran, 1: ran}, gpu)[1]
-    text, ok = cp_reference.report({0: ran, 1: {**ran, "ours": errors(6e-3), "theirs": errors(1e-3)}}, gpu)
+    text, ok = cp_reference.report(
+        {0: ran, 1: {**ran, "ours": errors(6e-3), "theirs": errors(1e-3)}}, gpu
+    )
     assert not ok and "within twice PyTorch's ring's error: NO" in text
 
 

@@ -6,16 +6,41 @@ form with N / R = 2 in place of N; a checkpoint resumes bitwise at R = 2 and at 
 
 Runs are shared between the tests (module fixtures); the exact-mode step 1 run is conftest's ``exact_run``.
 """
+
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (EXACT, REPO, TIMEOUT, TINY, assert_bitwise_same_run, init_gloo, metrics, parity, run_forked,
-                      run_ranks, spawn, train, weights)
 import exact_sums  # common/, on the path through conftest
-from test_zero3 import ACCUM, CONFIG, STEPS, Toy, batch, full_state_dict, init_fn, loss_of, memory_tool, units_of
+from conftest import (
+    EXACT,
+    REPO,
+    TIMEOUT,
+    TINY,
+    assert_bitwise_same_run,
+    init_gloo,
+    metrics,
+    parity,
+    run_forked,
+    run_ranks,
+    spawn,
+    train,
+    weights,
+)
+from test_zero3 import (
+    ACCUM,
+    CONFIG,
+    STEPS,
+    Toy,
+    batch,
+    full_state_dict,
+    init_fn,
+    loss_of,
+    memory_tool,
+    units_of,
+)
 
 STEP7 = REPO / "step7_zero3"
 R, N = 2, 4
@@ -25,10 +50,12 @@ HSDP = ("--replicate", str(R))
 
 # ---- The idea file the way an outsider uses it: a toy, our groups and FSDP2's ------------------------------
 
+
 def _toy_worker(rank, world_size, port, queue):
     sys.path.insert(0, str(STEP7))
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     from hsdp import hybrid_mesh
     from training import adamw_options, adamw_param_groups
     from zero3 import FullyShardedDP
@@ -37,18 +64,30 @@ def _toy_worker(rank, world_size, port, queue):
     results = {}
     mesh = hybrid_mesh(R)
     theirs = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
-    results["groups"] = [(dist.get_process_group_ranks(mesh.shard_group),
-                          dist.get_process_group_ranks(theirs.get_group("shard"))),
-                         (dist.get_process_group_ranks(mesh.replicate_group),
-                          dist.get_process_group_ranks(theirs.get_group("replicate")))]
-    results["coordinates"] = ((mesh.replicate_rank, mesh.shard_rank),
-                              (theirs.get_local_rank("replicate"), theirs.get_local_rank("shard")))
+    results["groups"] = [
+        (
+            dist.get_process_group_ranks(mesh.shard_group),
+            dist.get_process_group_ranks(theirs.get_group("shard")),
+        ),
+        (
+            dist.get_process_group_ranks(mesh.replicate_group),
+            dist.get_process_group_ranks(theirs.get_group("replicate")),
+        ),
+    ]
+    results["coordinates"] = (
+        (mesh.replicate_rank, mesh.shard_rank),
+        (theirs.get_local_rank("replicate"), theirs.get_local_rank("shard")),
+    )
 
     def trained(reduce_dtype) -> dict:
         with torch.device("meta"):
             model = Toy()
-        ours = FullyShardedDP(model, units_of(model), init_fn=init_fn, reduce_dtype=reduce_dtype, mesh=mesh)
-        optimizer = torch.optim.AdamW(adamw_param_groups(model.named_parameters(), CONFIG), **adamw_options(CONFIG))
+        ours = FullyShardedDP(
+            model, units_of(model), init_fn=init_fn, reduce_dtype=reduce_dtype, mesh=mesh
+        )
+        optimizer = torch.optim.AdamW(
+            adamw_param_groups(model.named_parameters(), CONFIG), **adamw_options(CONFIG)
+        )
         for step in range(STEPS):
             for micro in range(ACCUM):
                 with ours.no_sync() if micro < ACCUM - 1 else torch.enable_grad():
@@ -66,10 +105,13 @@ def _toy_worker(rank, world_size, port, queue):
         for name, p in fsdp2.named_parameters():
             p.copy_(init_fn(name, p.shape))
         fsdp2.temperature.fill_(2.0)
-    for unit in reversed(units_of(fsdp2)):  # inner before its block: FSDP2 wants the nested one first
+    # inner before its block: FSDP2 wants the nested one first
+    for unit in reversed(units_of(fsdp2)):
         fully_shard(unit, mesh=theirs)
     fully_shard(fsdp2, mesh=theirs)
-    optimizer = torch.optim.AdamW(adamw_param_groups(fsdp2.named_parameters(), CONFIG), **adamw_options(CONFIG))
+    optimizer = torch.optim.AdamW(
+        adamw_param_groups(fsdp2.named_parameters(), CONFIG), **adamw_options(CONFIG)
+    )
     for step in range(STEPS):
         for micro in range(ACCUM):
             fsdp2.set_requires_gradient_sync(micro == ACCUM - 1)
@@ -78,7 +120,9 @@ def _toy_worker(rank, world_size, port, queue):
         optimizer.zero_grad(set_to_none=True)
     theirs_full = {name: p.full_tensor() for name, p in fsdp2.named_parameters()}
     ours_full = trained(torch.float32)
-    results["unlike fsdp2"] = [n for n in theirs_full if not torch.equal(theirs_full[n], ours_full[n])]
+    results["unlike fsdp2"] = [
+        n for n in theirs_full if not torch.equal(theirs_full[n], ours_full[n])
+    ]
 
     # One process, every rank's gradient averaged in float64 and rounded once: the exact mode
     ref = Toy()
@@ -86,7 +130,9 @@ def _toy_worker(rank, world_size, port, queue):
         for name, p in ref.named_parameters():
             p.copy_(init_fn(name, p.shape))
         ref.temperature.fill_(2.0)
-    ref_optimizer = torch.optim.AdamW(adamw_param_groups(ref.named_parameters(), CONFIG), **adamw_options(CONFIG))
+    ref_optimizer = torch.optim.AdamW(
+        adamw_param_groups(ref.named_parameters(), CONFIG), **adamw_options(CONFIG)
+    )
     for step in range(STEPS):
         grads = []
         for r in range(world_size):
@@ -98,7 +144,9 @@ def _toy_worker(rank, world_size, port, queue):
             p.grad = (sum(g[i].double() for g in grads) / world_size).float()
         ref_optimizer.step()
     exact = trained(torch.float64)
-    results["unlike one process"] = [n for n, p in ref.named_parameters() if not torch.equal(exact[n], p)]
+    results["unlike one process"] = [
+        n for n, p in ref.named_parameters() if not torch.equal(exact[n], p)
+    ]
     queue.put((rank, results))
     del fsdp2, optimizer, theirs_full
     dist.destroy_process_group()
@@ -124,31 +172,50 @@ def test_toy_trains_bitwise_like_fsdp2_on_a_2d_mesh_and_like_one_process(toy):
         assert result["unlike one process"] == [], (rank, result["unlike one process"])
         # each unit cut in S shards (padded to a multiple of S), not N
         for sizes, padded in zip(result["shard sizes"], result["padded"]):
-            assert [p % S for p in padded] == [0] * len(padded) and sizes == [p // S for p in padded]
-            assert any(p % N for p in padded), "the toy's sizes should show the padding is to S, not N"
+            assert [p % S for p in padded] == [0] * len(padded) and sizes == [
+                p // S for p in padded
+            ]
+            assert any(p % N for p in padded), (
+                "the toy's sizes should show the padding is to S, not N"
+            )
 
 
 # ---- The trainer -----------------------------------------------------------------------------------
 
+
 def fsdp2_reference(out, corpus, *extra):
-    result = run_ranks(REPO / "compare" / "fsdp2_reference.py", [*TINY, "--data", str(corpus), "--out", str(out),
-                                                                  *extra, *TIMEOUT], nproc=N, timeout=300)
-    assert result.returncode == 0, f"fsdp2_reference failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    result = run_ranks(
+        REPO / "compare" / "fsdp2_reference.py",
+        [*TINY, "--data", str(corpus), "--out", str(out), *extra, *TIMEOUT],
+        nproc=N,
+        timeout=300,
+    )
+    assert result.returncode == 0, (
+        f"fsdp2_reference failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     return out
 
 
 @pytest.fixture(scope="module", params=[(), ("--param-dtype", "bf16")], ids=["float32", "bf16"])
 def fsdp2_pair(request, tmp_path_factory, small_corpus):
     top = tmp_path_factory.mktemp("hsdp_fsdp2")
-    return (train("step7", top / "step7", small_corpus, *HSDP, *request.param, nproc=N),
-            fsdp2_reference(top / "fsdp2", small_corpus, *HSDP, *request.param))
+    return (
+        train("step7", top / "step7", small_corpus, *HSDP, *request.param, nproc=N),
+        fsdp2_reference(top / "fsdp2", small_corpus, *HSDP, *request.param),
+    )
 
 
 @pytest.fixture(scope="module")
 def exact_pair(exact_run, tmp_path_factory, small_corpus):
     """Exact mode (float64 sums, bf16 autocast, dropout, clipping, checkpoints every 2 steps) at 4 ranks."""
-    return exact_run("step1", N), train("step7", tmp_path_factory.mktemp("hsdp_exact") / "step7", small_corpus,
-                                        *EXACT, *HSDP, nproc=N)
+    return exact_run("step1", N), train(
+        "step7",
+        tmp_path_factory.mktemp("hsdp_exact") / "step7",
+        small_corpus,
+        *EXACT,
+        *HSDP,
+        nproc=N,
+    )
 
 
 def test_trainer_is_bitwise_fsdp2_on_the_replicate_shard_mesh(fsdp2_pair):
@@ -179,8 +246,10 @@ def unit_sizes(run) -> list[int]:
     final = weights(run)
     blocks = metrics(run)["config"]["n_layer"]
     root = sum(t.numel() for n, t in final.items() if not n.startswith("transformer.h."))
-    return [root] + [sum(t.numel() for n, t in final.items() if n.startswith(f"transformer.h.{i}.")) for i in
-                     range(blocks)]
+    return [root] + [
+        sum(t.numel() for n, t in final.items() if n.startswith(f"transformer.h.{i}."))
+        for i in range(blocks)
+    ]
 
 
 def padded(numel: int) -> int:
@@ -196,7 +265,10 @@ def test_trainer_bytes_per_rank_are_the_formula_with_n_over_r(fsdp2_pair, exact_
         for rank, measured in enumerate(metrics(run)["records"][-1]["memory"]):
             assert measured["params"] == 4 * held, (rank, measured["params"], 4 * held)
             assert measured["grads"] == 4 * held, (rank, measured["grads"], 4 * held)
-            assert abs(measured["optimizer_state"] / (8 * psi / S) - 1) < 0.02, (rank, measured["optimizer_state"])
+            assert abs(measured["optimizer_state"] / (8 * psi / S) - 1) < 0.02, (
+                rank,
+                measured["optimizer_state"],
+            )
 
 
 def test_memory_tool_checks_an_hsdp_run_against_n_over_r(exact_pair):
@@ -209,8 +281,10 @@ def test_memory_tool_checks_an_hsdp_run_against_n_over_r(exact_pair):
 
 def test_planner_reads_an_hsdp_run_as_zero3_over_a_row(exact_pair):
     """compare/plan.py --measured: the run's model state against ZeRO-3 over dp / R, every rank within 5%."""
-    result = run_forked([sys.executable, str(REPO / "compare" / "plan.py"), "--measured", str(exact_pair[1])],
-                        timeout=120)
+    result = run_forked(
+        [sys.executable, str(REPO / "compare" / "plan.py"), "--measured", str(exact_pair[1])],
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("4 x 1 x 1, ZeRO-3 (HSDP 2 x 2)") == N, result.stdout
     assert result.stdout.rstrip().endswith("within 5% of the estimate: yes"), result.stdout
@@ -228,13 +302,17 @@ def test_trainer_communication_is_the_closed_form(fsdp2_pair, exact_pair):
         param_bytes = 2 if config["param_dtype"] == "bf16" else 4
         grad_bytes = 8 if config["reduce_dtype"] == "float64" else 4
         for r in metrics(run)["records"]:
-            assert r["comm"] == {"all_gather": param_bytes * config["grad_accum"] * (2 * sum(units) - units[0]),
-                                 "reduce_scatter": grad_bytes * sum(units),
-                                 "all_reduce": grad_bytes * sum(units) // S + small}, r["comm"]
+            assert r["comm"] == {
+                "all_gather": param_bytes * config["grad_accum"] * (2 * sum(units) - units[0]),
+                "reduce_scatter": grad_bytes * sum(units),
+                "all_reduce": grad_bytes * sum(units) // S + small,
+            }, r["comm"]
 
 
 @pytest.mark.parametrize("replicate", [R, 1, N], ids=["same layout", "R=1", "R=4"])
-def test_trainer_resumes_bitwise_at_the_same_and_another_layout(exact_pair, replicate, tmp_path, small_corpus):
+def test_trainer_resumes_bitwise_at_the_same_and_another_layout(
+    exact_pair, replicate, tmp_path, small_corpus
+):
     """Every rank writes its pieces (replicas the same ones, bit for bit); resumed at R = 2, at R = 1 (sharded over
     all 4: the reader cuts each rank's elements out of the saved ones) or at R = 4 (rows of one rank: every rank
     whole, as DDP), the exact mode gives the same bits."""
@@ -244,9 +322,19 @@ def test_trainer_resumes_bitwise_at_the_same_and_another_layout(exact_pair, repl
     for rank in range(N):
         replica = own[(rank + S) % N]  # the same place in the other row
         assert own[rank]["model_slices"] == replica["model_slices"]
-        assert all(torch.equal(own[rank]["model"][n], replica["model"][n]) for n in own[rank]["model"])
+        assert all(
+            torch.equal(own[rank]["model"][n], replica["model"][n]) for n in own[rank]["model"]
+        )
     assert own[0]["model_slices"] != own[1]["model_slices"]
-    resumed = train("step7", tmp_path / "resumed", small_corpus, *EXACT, "--replicate", str(replicate),
-                    "--resume", str(checkpoint), nproc=N)
+    resumed = train(
+        "step7",
+        tmp_path / "resumed",
+        small_corpus,
+        *EXACT,
+        "--replicate",
+        str(replicate),
+        "--resume",
+        str(checkpoint),
+        nproc=N,
+    )
     assert_bitwise_same_run(step7, resumed)
-

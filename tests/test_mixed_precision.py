@@ -6,23 +6,41 @@ the exact mode (float64 reduction) they must equal each other at 3 and 4 ranks; 
 skipped steps included, at world size 2. Each gather moves 2 bytes per
 element; gradients move in the reduce dtype. Checkpoints hold the float32 masters and resume bitwise.
 """
+
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (REPO, TIMEOUT, TINY, assert_bitwise_same_run, launch, metrics, other_order_drift,
-                      regrouped_drift, run_ranks, train, weights)
+from conftest import (
+    REPO,
+    TIMEOUT,
+    TINY,
+    assert_bitwise_same_run,
+    launch,
+    metrics,
+    other_order_drift,
+    regrouped_drift,
+    run_ranks,
+    train,
+    weights,
+)
 
 BF16 = ("--param-dtype", "bf16")
 SHARDED = ("step5", "step6", "step7")
 
 
 def fsdp2_reference(out, corpus, *extra):
-    result = run_ranks(REPO / "compare" / "fsdp2_reference.py", [*TINY, "--data", str(corpus), "--out", str(out),
-                                                                  *extra, *TIMEOUT], nproc=2, timeout=300)
-    assert result.returncode == 0, f"fsdp2_reference failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    result = run_ranks(
+        REPO / "compare" / "fsdp2_reference.py",
+        [*TINY, "--data", str(corpus), "--out", str(out), *extra, *TIMEOUT],
+        nproc=2,
+        timeout=300,
+    )
+    assert result.returncode == 0, (
+        f"fsdp2_reference failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     return out
 
 
@@ -30,7 +48,9 @@ def fsdp2_reference(out, corpus, *extra):
 def bf16_runs(tmp_path_factory, small_corpus) -> dict:
     """Steps 5, 6, 7 with bf16 parameters at world size 2 (checkpoints at steps 2 and 4), and FSDP2's run."""
     top = tmp_path_factory.mktemp("bf16")
-    runs = {step: train(step, top / step, small_corpus, *BF16, "--save-every", "2") for step in SHARDED}
+    runs = {
+        step: train(step, top / step, small_corpus, *BF16, "--save-every", "2") for step in SHARDED
+    }
     runs["fsdp2"] = fsdp2_reference(top / "fsdp2", small_corpus, *BF16)
     return runs
 
@@ -51,8 +71,10 @@ def test_final_weights_are_the_float32_masters(bf16_runs):
 def split_model(run) -> tuple[int, int]:
     """(Ψ, the root unit's elements: every parameter outside the blocks)."""
     final = weights(run)
-    return (sum(t.numel() for t in final.values()),
-            sum(t.numel() for name, t in final.items() if not name.startswith("transformer.h.")))
+    return (
+        sum(t.numel() for t in final.values()),
+        sum(t.numel() for name, t in final.items() if not name.startswith("transformer.h.")),
+    )
 
 
 def test_gathers_move_two_bytes_per_element_and_gradients_the_reduce_dtype(bf16_runs):
@@ -66,11 +88,18 @@ def test_gathers_move_two_bytes_per_element_and_gradients_the_reduce_dtype(bf16_
     assert psi % 2 == 0
     parts, norm = 3 * 277 * 8, 8
     for i, r in enumerate(metrics(bf16_runs["step5"])["records"]):
-        assert r["comm"] == {"all_gather": 2 * psi, "all_reduce": 4 * psi + parts + norm,
-                             **({"broadcast": 4 * psi} if i == 0 else {})}
+        assert r["comm"] == {
+            "all_gather": 2 * psi,
+            "all_reduce": 4 * psi + parts + norm,
+            **({"broadcast": 4 * psi} if i == 0 else {}),
+        }
     for i, r in enumerate(metrics(bf16_runs["step6"])["records"]):
-        assert r["comm"] == {"all_gather": 2 * psi, "reduce_scatter": 4 * psi, "all_reduce": parts + norm,
-                             **({"broadcast": 4 * psi} if i == 0 else {})}
+        assert r["comm"] == {
+            "all_gather": 2 * psi,
+            "reduce_scatter": 4 * psi,
+            "all_reduce": parts + norm,
+            **({"broadcast": 4 * psi} if i == 0 else {}),
+        }
     config = metrics(bf16_runs["step7"])["config"]
     units, accum = config["n_layer"] + 1, config["grad_accum"]
     for r in metrics(bf16_runs["step7"])["records"]:
@@ -83,18 +112,48 @@ def test_gathers_move_two_bytes_per_element_and_gradients_the_reduce_dtype(bf16_
 @pytest.mark.parametrize("step", ("step6", "step7"))
 def test_bf16_resumes_bitwise_from_its_float32_masters(step, bf16_runs, tmp_path, small_corpus):
     original = bf16_runs[step]
-    result = launch(step, [*TINY, *BF16, "--data", str(small_corpus), "--save-every", "2", "--out",
-                           str(tmp_path / "resumed"), "--resume", str(original / "checkpoints" / "step_2")], nproc=2)
+    result = launch(
+        step,
+        [
+            *TINY,
+            *BF16,
+            "--data",
+            str(small_corpus),
+            "--save-every",
+            "2",
+            "--out",
+            str(tmp_path / "resumed"),
+            "--resume",
+            str(original / "checkpoints" / "step_2"),
+        ],
+        nproc=2,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert_bitwise_same_run(original, tmp_path / "resumed")
 
 
-def test_step1_resumes_a_bf16_checkpoint_with_the_float32_masters(bf16_runs, tmp_path, small_corpus):
+def test_step1_resumes_a_bf16_checkpoint_with_the_float32_masters(
+    bf16_runs, tmp_path, small_corpus
+):
     """Step 1 knows nothing of --param-dtype: it reads the masters as plain float32 weights, and its first step
     continues from them (its own float32 training from there on)."""
-    result = launch("step1", [*TINY, "--data", str(small_corpus), "--out", str(tmp_path / "step1"), "--steps", "4",
-                              "--resume", str(bf16_runs["step5"] / "checkpoints" / "step_4"), "--save-every", "0"],
-                    nproc=2)
+    result = launch(
+        "step1",
+        [
+            *TINY,
+            "--data",
+            str(small_corpus),
+            "--out",
+            str(tmp_path / "step1"),
+            "--steps",
+            "4",
+            "--resume",
+            str(bf16_runs["step5"] / "checkpoints" / "step_4"),
+            "--save-every",
+            "0",
+        ],
+        nproc=2,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert_bitwise_same_weights(weights(tmp_path / "step1"), weights(bf16_runs["step5"]))
 
@@ -112,9 +171,19 @@ def exact_bf16_run(tmp_path_factory, small_corpus):
 
     def run(step: str, world_size: int) -> Path:
         if (step, world_size) not in made:
-            made[step, world_size] = train(step, top / f"{step}_n{world_size}", small_corpus, *BF16,
-                                           "--reduce-dtype", "float64", "--steps", "2", nproc=world_size)
+            made[step, world_size] = train(
+                step,
+                top / f"{step}_n{world_size}",
+                small_corpus,
+                *BF16,
+                "--reduce-dtype",
+                "float64",
+                "--steps",
+                "2",
+                nproc=world_size,
+            )
         return made[step, world_size]
+
     return run
 
 
@@ -129,21 +198,38 @@ def test_exact_mode_bf16_is_bitwise_across_zero_stages(world_size, exact_bf16_ru
 # Bytes per parameter, whole (1) or divided by N: 16-bit parameters, float32 gradients (step 5: the reduced
 # gradient, whole, in main_grad; step 6: the reduce-scatter's shards, float32 whatever the reduce dtype), float32
 # masters of the owned elements, AdamW's two moments. Step 5: 2Ψ + 4Ψ + 12Ψ/N; step 6: 2Ψ + 16Ψ/N.
-MIXED_MEMORY = {"step5": {"params": (2, 1), "grads": (4, 1), "master_params": (4, "N"), "optimizer_state": (8, "N")},
-                "step6": {"params": (2, 1), "grads": (4, "N"), "master_params": (4, "N"), "optimizer_state": (8, "N")}}
+MIXED_MEMORY = {
+    "step5": {
+        "params": (2, 1),
+        "grads": (4, 1),
+        "master_params": (4, "N"),
+        "optimizer_state": (8, "N"),
+    },
+    "step6": {
+        "params": (2, 1),
+        "grads": (4, "N"),
+        "master_params": (4, "N"),
+        "optimizer_state": (8, "N"),
+    },
+}
 
 
 STAGE = {"step5": "ZeRO-1", "step6": "ZeRO-2"}
 
 
-def test_memory_per_rank_meets_the_mixed_precision_formulas(bf16_runs, exact_bf16_run, tmp_path, small_corpus):
+def test_memory_per_rank_meets_the_mixed_precision_formulas(
+    bf16_runs, exact_bf16_run, tmp_path, small_corpus
+):
     """Every rank of steps 5 and 6 with bf16 parameters at N = 1, 2, 3, 4, each kind within 2% of its formula
     (padding and AdamW's step counters included in the measurement). N = 2 and N = 3, 4 are the runs of the
     tests above (the exact mode changes the reduction, not what is kept); N = 1 runs one step here."""
     runs = {(step, 2): bf16_runs[step] for step in MIXED_MEMORY}
     runs |= {(step, n): exact_bf16_run(step, n) for step in MIXED_MEMORY for n in (3, 4)}
-    runs |= {(step, 1): train(step, tmp_path / step, small_corpus, *BF16, "--steps", "1", nproc=0)  # no torchrun
-             for step in MIXED_MEMORY}
+    # no torchrun
+    runs |= {
+        (step, 1): train(step, tmp_path / step, small_corpus, *BF16, "--steps", "1", nproc=0)
+        for step in MIXED_MEMORY
+    }
     psi, _ = split_model(bf16_runs["step5"])
     for (step, world_size), run in sorted(runs.items()):
         memory = metrics(run)["records"][-1]["memory"]
@@ -151,11 +237,13 @@ def test_memory_per_rank_meets_the_mixed_precision_formulas(bf16_runs, exact_bf1
         for rank, measured in enumerate(memory):
             for kind, (per_param, divisor) in MIXED_MEMORY[step].items():
                 expected = per_param * psi / (world_size if divisor == "N" else 1)
-                assert abs(measured[kind] / expected - 1) < 0.02, \
+                assert abs(measured[kind] / expected - 1) < 0.02, (
                     f"{step} N={world_size} rank {rank} {kind}: {measured[kind]} vs {expected}"
+                )
     # compare/memory.py knows the same formulas: every run passes its check
     sys.path.insert(0, str(REPO / "compare"))
     import memory
+
     for (step, world_size), run in runs.items():
         text, ok = memory.report(str(run))
         assert ok and f"{STAGE[step]} 16-bit, N = {world_size}," in text, text
@@ -170,7 +258,8 @@ def test_fp16_with_skipped_steps_is_bitwise_across_zero_stages(tmp_path, small_c
     assert_bitwise_same_run(runs[0], runs[1])
     assert_bitwise_same_run(runs[0], runs[2])
     norms = [r["grad_norm"] for r in metrics(runs[0])["records"]]
-    skipped = [n != n or n == float("inf") for n in norms]  # an overflowed step logs a non-finite norm
+    # an overflowed step logs a non-finite norm
+    skipped = [n != n or n == float("inf") for n in norms]
     assert any(skipped) and not all(skipped), norms
     psi, _ = split_model(runs[0])
     parts, norm, found_inf = 3 * 277 * 8, 8, 4
@@ -179,7 +268,9 @@ def test_fp16_with_skipped_steps_is_bitwise_across_zero_stages(tmp_path, small_c
         assert r["comm"].get("all_gather", 0) == (0 if was_skipped else 2 * psi)
 
 
-def test_step0_bf16_stays_within_bf16_rounding_of_the_sharded_steps(bf16_runs, tmp_path, small_corpus):
+def test_step0_bf16_stays_within_bf16_rounding_of_the_sharded_steps(
+    bf16_runs, tmp_path, small_corpus
+):
     """One process summing the 4 micro-batches in another order: not bitwise, but the same training. How far bf16
     parameters drift in another order is the CPU's, so the bound is measured here: step 0 regrouping the same 8
     samples a step (8 micro-batches of 1, 2 of 4) drifts from itself, and step 5 stays within

@@ -7,6 +7,7 @@ holds ``(in, out)``, the transpose of ``nn.Linear``, and one fused ``c_attn`` la
 logits and every gradient compared in float64, where two correct implementations of the same formula agree to
 ~1e-15 whatever order they add in.
 """
+
 import ast
 import sys
 from pathlib import Path
@@ -27,12 +28,23 @@ def hugging_face_copy(model):
     """transformers' GPT2LMHeadModel holding ``model``'s weights (eager attention, float64), mapped by the exporter
     (compare/export_hf.py: the one place that knows how our names and layouts become theirs)."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     cfg = model.config
-    config = export_hf.hugging_face_config({"seq_len": cfg.seq_len, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-                                            "n_head": cfg.n_head, "dropout": cfg.dropout}, cfg.vocab_size, None)
+    config = export_hf.hugging_face_config(
+        {
+            "seq_len": cfg.seq_len,
+            "n_embd": cfg.n_embd,
+            "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head,
+            "dropout": cfg.dropout,
+        },
+        cfg.vocab_size,
+        None,
+    )
     hf = GPT2LMHeadModel(GPT2Config(**config, attn_implementation="eager")).double()
-    missing, unexpected = hf.load_state_dict(export_hf.hugging_face_weights(dict(model.named_parameters())),
-                                             strict=False)
+    missing, unexpected = hf.load_state_dict(
+        export_hf.hugging_face_weights(dict(model.named_parameters())), strict=False
+    )
     assert (missing, unexpected) == (["lm_head.weight"], [])  # tied: it is transformer.wte.weight
     assert hf.lm_head.weight is hf.transformer.wte.weight
     return hf
@@ -43,7 +55,9 @@ def hugging_face_copy(model):
 def test_logits_and_gradients_equal_transformers_gpt2(attention):
     model = build_model({**CONFIG, "attention": attention}, VOCAB, seed=3).double()
     hf = hugging_face_copy(model)
-    ids = torch.randint(0, VOCAB, (3, CONFIG["seq_len"]), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, VOCAB, (3, CONFIG["seq_len"]), generator=torch.Generator().manual_seed(0)
+    )
     targets = torch.roll(ids, -1, dims=1)
 
     ours = model(ids)
@@ -54,12 +68,16 @@ def test_logits_and_gradients_equal_transformers_gpt2(attention):
     torch.nn.functional.cross_entropy(ours.flatten(0, 1), targets.flatten()).backward()
     torch.nn.functional.cross_entropy(theirs.flatten(0, 1), targets.flatten()).backward()
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
-    ours_as_theirs = export_hf.hugging_face_weights({n: p.grad for n, p in model.named_parameters()})  # linear
+    # linear
+    ours_as_theirs = export_hf.hugging_face_weights(
+        {n: p.grad for n, p in model.named_parameters()}
+    )
     checked = 0
     for name, grad in ours_as_theirs.items():
         torch.testing.assert_close(grad, hf_grads[name], rtol=1e-10, atol=1e-12, msg=name)
         checked += 1
-    assert checked == len(hf_grads) == 2 + 2 + CONFIG["n_layer"] * 12  # q, k, v fused into one c_attn
+    # q, k, v fused into one c_attn
+    assert checked == len(hf_grads) == 2 + 2 + CONFIG["n_layer"] * 12
 
 
 @pytest.mark.quick
@@ -67,7 +85,9 @@ def test_a_deliberate_bug_is_caught_by_the_oracle():
     """The oracle can fail: a model whose attention forgets the causal mask differs from transformers'."""
     model = build_model({**CONFIG, "attention": "math"}, VOCAB, seed=3).double()
     hf = hugging_face_copy(model)
-    ids = torch.randint(0, VOCAB, (2, CONFIG["seq_len"]), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, VOCAB, (2, CONFIG["seq_len"]), generator=torch.Generator().manual_seed(1)
+    )
     original = torch.Tensor.masked_fill
     try:
         torch.Tensor.masked_fill = lambda self, mask, value: self  # no causal mask
@@ -79,7 +99,9 @@ def test_a_deliberate_bug_is_caught_by_the_oracle():
 
 @pytest.mark.quick
 def test_math_and_sdpa_attention_agree_in_float32():
-    ids = torch.randint(0, VOCAB, (4, CONFIG["seq_len"]), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        0, VOCAB, (4, CONFIG["seq_len"]), generator=torch.Generator().manual_seed(2)
+    )
     grads = {}
     for attention in ("math", "sdpa"):
         model = build_model({**CONFIG, "attention": attention}, VOCAB, seed=5)
@@ -97,23 +119,43 @@ def test_parameter_names_shapes_and_initial_values():
     build one parameter alone; the output layer is the token embedding."""
     model = build_model(CONFIG, VOCAB, seed=7)
     h = CONFIG["n_embd"]
-    block = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_q.weight": (h, h), "attn.c_q.bias": (h,),
-             "attn.c_k.weight": (h, h), "attn.c_k.bias": (h,), "attn.c_v.weight": (h, h), "attn.c_v.bias": (h,),
-             "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
-             "mlp.c_fc.weight": (4 * h, h), "mlp.c_fc.bias": (4 * h,), "mlp.c_proj.weight": (h, 4 * h),
-             "mlp.c_proj.bias": (h,)}
-    expected = {"transformer.wte.weight": (VOCAB, h), "transformer.wpe.weight": (CONFIG["seq_len"], h),
-                **{f"transformer.h.{i}.{k}": v for i in range(CONFIG["n_layer"]) for k, v in block.items()},
-                "transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)}
+    block = {
+        "ln_1.weight": (h,),
+        "ln_1.bias": (h,),
+        "attn.c_q.weight": (h, h),
+        "attn.c_q.bias": (h,),
+        "attn.c_k.weight": (h, h),
+        "attn.c_k.bias": (h,),
+        "attn.c_v.weight": (h, h),
+        "attn.c_v.bias": (h,),
+        "attn.c_proj.weight": (h, h),
+        "attn.c_proj.bias": (h,),
+        "ln_2.weight": (h,),
+        "ln_2.bias": (h,),
+        "mlp.c_fc.weight": (4 * h, h),
+        "mlp.c_fc.bias": (4 * h,),
+        "mlp.c_proj.weight": (h, 4 * h),
+        "mlp.c_proj.bias": (h,),
+    }
+    expected = {
+        "transformer.wte.weight": (VOCAB, h),
+        "transformer.wpe.weight": (CONFIG["seq_len"], h),
+        **{f"transformer.h.{i}.{k}": v for i in range(CONFIG["n_layer"]) for k, v in block.items()},
+        "transformer.ln_f.weight": (h,),
+        "transformer.ln_f.bias": (h,),
+    }
     named = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert named == expected
     assert model.lm_head.weight is model.transformer.wte.weight
     for name, param in model.named_parameters():
         assert torch.equal(param, initial_value(name, param.shape, 7, CONFIG["n_layer"])), name
     std = model.transformer.h[0].mlp.c_proj.weight.std().item()
-    assert abs(std - 0.02 / (2 * CONFIG["n_layer"]) ** 0.5) < 0.002  # GPT-2's scaled residual projections
+    # GPT-2's scaled residual projections
+    assert abs(std - 0.02 / (2 * CONFIG["n_layer"]) ** 0.5) < 0.002
     assert abs(model.transformer.h[0].mlp.c_fc.weight.std().item() - 0.02) < 0.002
-    assert not torch.equal(build_model(CONFIG, VOCAB, seed=8).transformer.wte.weight, model.transformer.wte.weight)
+    assert not torch.equal(
+        build_model(CONFIG, VOCAB, seed=8).transformer.wte.weight, model.transformer.wte.weight
+    )
 
 
 @pytest.mark.quick
@@ -137,12 +179,17 @@ def test_no_step_or_tool_imports_transformers():
     environments = {p.parent.name for p in REPO.glob("*/pyvenv.cfg")}
     for path in REPO.rglob("*.py"):
         parts = path.relative_to(REPO).parts
-        if parts[0] in environments or any(part.startswith(".") or part in ("runs", "__pycache__", "site-packages")
-                                           for part in parts):
+        if parts[0] in environments or any(
+            part.startswith(".") or part in ("runs", "__pycache__", "site-packages")
+            for part in parts
+        ):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             if any(n == "transformers" or n.startswith("transformers.") for n in names):
                 importers.append(str(path.relative_to(REPO)))
     assert sorted(set(importers)) == ["tests/test_export_hf.py", "tests/test_model.py"]
@@ -163,10 +210,17 @@ def mixtral_copy(moe):
     """transformers' MixtralSparseMoeBlock holding ``moe``'s router and experts (float64, eager experts)."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
     n_experts, h = moe.router.weight.shape
     inner = moe.experts["0"].c_fc.weight.shape[0]
-    config = MixtralConfig(hidden_size=h + 1, intermediate_size=inner + 1, num_local_experts=n_experts,
-                           num_experts_per_tok=moe.top_k, hidden_act="gelu_pytorch_tanh", router_jitter_noise=0.0)
+    config = MixtralConfig(
+        hidden_size=h + 1,
+        intermediate_size=inner + 1,
+        num_local_experts=n_experts,
+        num_experts_per_tok=moe.top_k,
+        hidden_act="gelu_pytorch_tanh",
+        router_jitter_noise=0.0,
+    )
     config._experts_implementation = "eager"
     block = MixtralSparseMoeBlock(config).double()
     with torch.no_grad():
@@ -178,7 +232,7 @@ def mixtral_copy(moe):
             gate_up, down = block.experts.gate_up_proj[e], block.experts.down_proj[e]
             gate_up[:inner, :h], gate_up[:inner, h] = expert.c_fc.weight, expert.c_fc.bias
             gate_up[inner, h] = 10.0
-            gate_up[inner + 1:, h] = 1.0  # every up unit: 1
+            gate_up[inner + 1 :, h] = 1.0  # every up unit: 1
             down[:h, :inner], down[:h, inner] = expert.c_proj.weight, expert.c_proj.bias / 10.0
     return block
 
@@ -186,10 +240,16 @@ def mixtral_copy(moe):
 def moe_layer(n_experts=4, top_k=2, h=16, seed=3):
     import moe as moe_module
     from model import GPTConfig
-    layer = moe_module.MoE(GPTConfig(vocab_size=8, seq_len=8, n_layer=2, n_head=2, n_embd=h), n_experts, top_k)
+
+    layer = moe_module.MoE(
+        GPTConfig(vocab_size=8, seq_len=8, n_layer=2, n_head=2, n_embd=h), n_experts, top_k
+    )
     with torch.no_grad():
-        for i, param in enumerate(layer.parameters()):  # biases too: initial_value would leave them 0
-            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed + i)) * 0.3)
+        # biases too: initial_value would leave them 0
+        for i, param in enumerate(layer.parameters()):
+            param.copy_(
+                torch.randn(param.shape, generator=torch.Generator().manual_seed(seed + i)) * 0.3
+            )
     return layer.double()
 
 
@@ -198,8 +258,13 @@ def test_moe_layer_output_and_gradients_equal_transformers_mixtral_block(n_exper
     ours = moe_layer(n_experts, top_k)
     theirs = mixtral_copy(ours)
     x = torch.randn(3, 10, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    upstream = torch.randn(3, 10, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    x_ours, x_theirs = x.clone().requires_grad_(), torch.cat([x, torch.ones(3, 10, 1, dtype=torch.float64)], -1)
+    upstream = torch.randn(
+        3, 10, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+    x_ours, x_theirs = (
+        x.clone().requires_grad_(),
+        torch.cat([x, torch.ones(3, 10, 1, dtype=torch.float64)], -1),
+    )
     x_theirs.requires_grad_()
     y_ours, y_theirs = ours(x_ours), theirs(x_theirs)
     assert y_ours.dtype == torch.float64
@@ -208,14 +273,26 @@ def test_moe_layer_output_and_gradients_equal_transformers_mixtral_block(n_exper
     (y_ours * upstream).sum().backward()
     (y_theirs[..., :16] * upstream).sum().backward()
     inner = ours.experts["0"].c_fc.weight.shape[0]
-    pairs = [(x_ours.grad, x_theirs.grad[..., :16]), (ours.router.weight.grad, theirs.gate.weight.grad[:, :16])]
+    pairs = [
+        (x_ours.grad, x_theirs.grad[..., :16]),
+        (ours.router.weight.grad, theirs.gate.weight.grad[:, :16]),
+    ]
     for e in range(n_experts):
-        expert, gate_up, down = ours.experts[str(e)], theirs.experts.gate_up_proj.grad[e], theirs.experts.down_proj.grad[e]
-        pairs += [(expert.c_fc.weight.grad, gate_up[:inner, :16]), (expert.c_fc.bias.grad, gate_up[:inner, 16]),
-                  (expert.c_proj.weight.grad, down[:16, :inner]), (expert.c_proj.bias.grad, down[:16, inner] / 10.0)]
+        expert, gate_up, down = (
+            ours.experts[str(e)],
+            theirs.experts.gate_up_proj.grad[e],
+            theirs.experts.down_proj.grad[e],
+        )
+        pairs += [
+            (expert.c_fc.weight.grad, gate_up[:inner, :16]),
+            (expert.c_fc.bias.grad, gate_up[:inner, 16]),
+            (expert.c_proj.weight.grad, down[:16, :inner]),
+            (expert.c_proj.bias.grad, down[:16, inner] / 10.0),
+        ]
     for a, b in pairs:
         torch.testing.assert_close(a, b, **MOE_TOLERANCE)
-    assert ours.router.weight.grad.abs().max() > 1e-3  # the weights are renormalised probabilities: a gradient
+    # the weights are renormalised probabilities: a gradient
+    assert ours.router.weight.grad.abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("n_experts,top_k", [(4, 1), (4, 2), (8, 3)])
@@ -224,7 +301,13 @@ def test_load_balancing_loss_is_transformers_divided_by_k(n_experts, top_k):
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     import moe as moe_module
-    logits = torch.randn(40, n_experts, generator=torch.Generator().manual_seed(n_experts + top_k), requires_grad=True)
+
+    logits = torch.randn(
+        40,
+        n_experts,
+        generator=torch.Generator().manual_seed(n_experts + top_k),
+        requires_grad=True,
+    )
     ours = moe_module.route(logits, top_k).aux_loss
     theirs = load_balancing_loss_func((logits,), n_experts, top_k)
     torch.testing.assert_close(top_k * ours, theirs, rtol=1e-6, atol=0)
@@ -236,6 +319,7 @@ def test_load_balancing_loss_is_transformers_divided_by_k(n_experts, top_k):
 def test_a_deliberate_moe_bug_is_caught_by_the_oracle():
     """Weights not renormalised for k = 2 (Switch's rule where Mixtral's holds): the oracle must see it."""
     import moe as moe_module
+
     ours = moe_layer(4, 2)
     theirs = mixtral_copy(ours)
     x = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

@@ -5,6 +5,7 @@ transformers). Here: routing, capacity, permutation and the load-balancing loss 
 tokens (as torchtitan's tests/unit_tests/test_expert_parallel.py does for its permutation), the layer against a
 token-by-token loop, the parameter names and initial values, the flags' checks, and step 0's records.
 """
+
 import math
 
 import pytest
@@ -15,7 +16,16 @@ from conftest import assert_bitwise_same_run, metrics, train, weights
 from failures import UserError
 from model import GPTConfig, build_model, initial_value
 
-MOE = ("--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0", "--moe-aux-loss-coef", "0.01")
+MOE = (
+    "--moe-experts",
+    "4",
+    "--moe-top-k",
+    "2",
+    "--moe-capacity-factor",
+    "1.0",
+    "--moe-aux-loss-coef",
+    "0.01",
+)
 
 
 def logits_choosing(choices: list[list[int]], n_experts: int) -> torch.Tensor:
@@ -39,8 +49,10 @@ def test_top1_routing_by_hand_switch_weights_and_drops_by_position():
     routing = moe.route(logits, top_k=1, capacity_factor=1.0)  # C = ceil(1 * 4 * 1 / 3) = 2
     probs = torch.softmax(logits, -1)
     assert routing.experts.flatten().tolist() == [0, 0, 0, 1]
-    assert torch.equal(routing.weights.flatten(), probs.max(-1).values)  # k = 1: the probability, not 1
-    assert routing.kept.flatten().tolist() == [True, True, False, True]  # expert 0's third slot is past C
+    # k = 1: the probability, not 1
+    assert torch.equal(routing.weights.flatten(), probs.max(-1).values)
+    # expert 0's third slot is past C
+    assert routing.kept.flatten().tolist() == [True, True, False, True]
     f = torch.tensor([3 / 4, 1 / 4, 0.0])
     torch.testing.assert_close(routing.aux_loss, 3 * (f * probs.mean(0)).sum(), rtol=1e-6, atol=0)
     order, counts = moe.permute(routing, 3)
@@ -53,11 +65,14 @@ def test_top2_routing_by_hand_renormalised_and_dropped_choice_by_choice():
     routing = moe.route(logits, top_k=2, capacity_factor=0.5)
     assert routing.experts.tolist() == [[0, 1], [1, 0], [0, 1]]
     torch.testing.assert_close(routing.weights.sum(-1), torch.ones(3))  # renormalised (Mixtral)
-    assert routing.kept.tolist() == [[True, True], [True, True], [False, False]]  # token 2: both past C
+    # token 2: both past C
+    assert routing.kept.tolist() == [[True, True], [True, True], [False, False]]
     order, counts = moe.permute(routing, 2)
     assert counts.tolist() == [2, 2]
-    assert order.tolist() == [0, 3, 1, 2]  # expert 0: t0c0 (slot 0), t1c1 (slot 3); expert 1: t0c1, t1c0
-    assert torch.allclose(routing.aux_loss, torch.tensor(1.0))  # perfect balance: f = P = 1/2, E * sum = 1
+    # expert 0: t0c0 (slot 0), t1c1 (slot 3); expert 1: t0c1, t1c0
+    assert order.tolist() == [0, 3, 1, 2]
+    # perfect balance: f = P = 1/2, E * sum = 1
+    assert torch.allclose(routing.aux_loss, torch.tensor(1.0))
 
 
 def test_permutation_and_counts_when_dropless():
@@ -74,7 +89,12 @@ def test_permutation_and_counts_when_dropless():
 
 
 def layer(n_experts=4, top_k=2, capacity_factor=0.0, h=8):
-    m = moe.MoE(GPTConfig(vocab_size=8, seq_len=8, n_layer=2, n_head=2, n_embd=h), n_experts, top_k, capacity_factor)
+    m = moe.MoE(
+        GPTConfig(vocab_size=8, seq_len=8, n_layer=2, n_head=2, n_embd=h),
+        n_experts,
+        top_k,
+        capacity_factor,
+    )
     with torch.no_grad():
         for i, p in enumerate(m.parameters()):
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.5)
@@ -92,18 +112,32 @@ def test_layer_equals_a_token_by_token_loop(top_k, capacity_factor):
         expected = torch.zeros(8, dtype=torch.float64)
         for j in range(top_k):
             if routing.kept[t, j]:
-                expected += routing.weights[t, j] * m.experts[str(int(routing.experts[t, j]))](tokens[t])
+                expected += routing.weights[t, j] * m.experts[str(int(routing.experts[t, j]))](
+                    tokens[t]
+                )
         torch.testing.assert_close(y[t], expected, rtol=1e-12, atol=1e-14)
         if not routing.kept[t].any():
-            assert torch.count_nonzero(y[t]) == 0  # dropped everywhere: the residual alone carries it
+            # dropped everywhere: the residual alone carries it
+            assert torch.count_nonzero(y[t]) == 0
     assert m.totals["dropped"] == int((~routing.kept).sum()) and m.totals["slots"] == 10 * top_k
     if capacity_factor:
         assert m.totals["dropped"] > 0  # the case drops something
         assert max(m.totals["tokens_per_expert"]) <= moe.capacity(10, 4, top_k, capacity_factor)
 
 
-CONFIG = {"n_layer": 3, "n_head": 2, "n_embd": 16, "seq_len": 8, "dropout": 0.0, "seed": 5, "moe_experts": 4,
-          "moe_top_k": 2, "moe_every": 2, "moe_capacity_factor": 0.0, "moe_aux_loss_coef": 0.01}
+CONFIG = {
+    "n_layer": 3,
+    "n_head": 2,
+    "n_embd": 16,
+    "seq_len": 8,
+    "dropout": 0.0,
+    "seed": 5,
+    "moe_experts": 4,
+    "moe_top_k": 2,
+    "moe_every": 2,
+    "moe_capacity_factor": 0.0,
+    "moe_aux_loss_coef": 0.01,
+}
 
 
 def test_parameter_names_and_initial_values_are_a_function_of_seed_and_name():
@@ -115,15 +149,27 @@ def test_parameter_names_and_initial_values_are_a_function_of_seed_and_name():
     for i in (0, 2):
         assert names[f"transformer.h.{i}.mlp.router.weight"].shape == (4, 16)
         for e in range(4):
-            for part, shape in (("c_fc.weight", (64, 16)), ("c_fc.bias", (64,)), ("c_proj.weight", (16, 64)),
-                                ("c_proj.bias", (16,))):
+            for part, shape in (
+                ("c_fc.weight", (64, 16)),
+                ("c_fc.bias", (64,)),
+                ("c_proj.weight", (16, 64)),
+                ("c_proj.bias", (16,)),
+            ):
                 assert names[f"transformer.h.{i}.mlp.experts.{e}.{part}"].shape == shape
-    assert "transformer.h.1.mlp.c_fc.weight" in names and "transformer.h.0.mlp.c_fc.weight" not in names
+    assert (
+        "transformer.h.1.mlp.c_fc.weight" in names
+        and "transformer.h.0.mlp.c_fc.weight" not in names
+    )
     for name, p in names.items():
         assert torch.equal(p, initial_value(name, p.shape, CONFIG["seed"], CONFIG["n_layer"])), name
     # GPT-2's stds: c_proj scaled by 1/sqrt(2 n_layer); the router and c_fc 0.02; experts differ from each other
-    fc, proj = names["transformer.h.0.mlp.experts.1.c_fc.weight"], names["transformer.h.0.mlp.experts.1.c_proj.weight"]
-    assert abs(fc.std().item() - 0.02) < 0.002 and abs(proj.std().item() - 0.02 / math.sqrt(6)) < 0.001
+    fc, proj = (
+        names["transformer.h.0.mlp.experts.1.c_fc.weight"],
+        names["transformer.h.0.mlp.experts.1.c_proj.weight"],
+    )
+    assert (
+        abs(fc.std().item() - 0.02) < 0.002 and abs(proj.std().item() - 0.02 / math.sqrt(6)) < 0.001
+    )
     assert abs(names["transformer.h.2.mlp.router.weight"].std().item() - 0.02) < 0.006
     assert not torch.equal(fc, names["transformer.h.0.mlp.experts.0.c_fc.weight"])
 
@@ -139,15 +185,24 @@ def test_a_dense_model_is_left_alone():
     assert moe.with_aux_loss(model, loss, dense) is loss and moe.take_moe_record(model) == {}
 
 
-@pytest.mark.parametrize("flags,message", [
-    ({"moe_experts": 0, "moe_top_k": 2}, "--moe-top-k given with --moe-experts 0"),
-    ({"moe_experts": 4, "moe_top_k": 5}, "--moe-top-k 5 must be between 1 and --moe-experts 4"),
-    ({"moe_experts": 4, "moe_top_k": 0}, "--moe-top-k 0 must be between 1 and --moe-experts 4"),
-    ({"moe_experts": 4, "moe_capacity_factor": -1.0}, "--moe-capacity-factor cannot be negative, got -1"),
-    ({"moe_experts": 4, "moe_aux_loss_coef": float("nan")}, "--moe-aux-loss-coef cannot be negative, got nan"),
-    ({"moe_experts": 4, "moe_every": 0}, "--moe-every must be at least 1, got 0"),
-    ({"moe_experts": -2}, "--moe-experts cannot be negative, got -2"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ({"moe_experts": 0, "moe_top_k": 2}, "--moe-top-k given with --moe-experts 0"),
+        ({"moe_experts": 4, "moe_top_k": 5}, "--moe-top-k 5 must be between 1 and --moe-experts 4"),
+        ({"moe_experts": 4, "moe_top_k": 0}, "--moe-top-k 0 must be between 1 and --moe-experts 4"),
+        (
+            {"moe_experts": 4, "moe_capacity_factor": -1.0},
+            "--moe-capacity-factor cannot be negative, got -1",
+        ),
+        (
+            {"moe_experts": 4, "moe_aux_loss_coef": float("nan")},
+            "--moe-aux-loss-coef cannot be negative, got nan",
+        ),
+        ({"moe_experts": 4, "moe_every": 0}, "--moe-every must be at least 1, got 0"),
+        ({"moe_experts": -2}, "--moe-experts cannot be negative, got -2"),
+    ],
+)
 def test_moe_flags_that_mean_nothing_clear_are_refused(flags, message):
     config = {key: None for key in moe.MOE_DEFAULTS} | flags
     with pytest.raises(UserError, match="^" + message.replace("(", r"\(")):
@@ -157,8 +212,11 @@ def test_moe_flags_that_mean_nothing_clear_are_refused(flags, message):
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory, small_corpus):
     top = tmp_path_factory.mktemp("moe")
-    return {"step0": train("step0", top / "step0", small_corpus, *MOE, "--save-every", "2"), "top": top,
-            "corpus": small_corpus}
+    return {
+        "step0": train("step0", top / "step0", small_corpus, *MOE, "--save-every", "2"),
+        "top": top,
+        "corpus": small_corpus,
+    }
 
 
 def test_step0_records_the_experts_load_and_what_was_dropped(moe_runs):
@@ -172,19 +230,30 @@ def test_step0_records_the_experts_load_and_what_was_dropped(moe_runs):
         for counts, dropped in zip(record["tokens_per_expert"], record["dropped_fraction"]):
             assert len(counts) == 4 and max(counts) <= 2 * limit
             assert sum(counts) == round(slots * (1 - dropped))
-        assert 1.0 <= record["aux_loss"] / 2 < 4.0  # per layer: 1 at perfect balance, E at the worst
-    assert any(d > 0 for r in records for d in r["moe"]["dropped_fraction"])  # capacity 1.0 drops some
+        # per layer: 1 at perfect balance, E at the worst
+        assert 1.0 <= record["aux_loss"] / 2 < 4.0
+    # capacity 1.0 drops some
+    assert any(d > 0 for r in records for d in r["moe"]["dropped_fraction"])
     assert "transformer.h.1.mlp.experts.3.c_proj.weight" in weights(moe_runs["step0"])
 
 
 def test_step0_the_load_balancing_loss_reaches_the_weights(moe_runs):
     other = train("step0", moe_runs["top"] / "no_aux", moe_runs["corpus"], *MOE[:-1], "0")
     a, b = weights(moe_runs["step0"]), weights(other)
-    assert not torch.equal(a["transformer.h.0.mlp.router.weight"], b["transformer.h.0.mlp.router.weight"])
-    assert metrics(other)["records"][0]["loss"] == metrics(moe_runs["step0"])["records"][0]["loss"]  # logged: CE
+    assert not torch.equal(
+        a["transformer.h.0.mlp.router.weight"], b["transformer.h.0.mlp.router.weight"]
+    )
+    # logged: CE
+    assert metrics(other)["records"][0]["loss"] == metrics(moe_runs["step0"])["records"][0]["loss"]
 
 
 def test_step0_moe_resumes_bit_for_bit(moe_runs):
-    resumed = train("step0", moe_runs["top"] / "resumed", moe_runs["corpus"], *MOE, "--resume",
-                    str(moe_runs["step0"] / "checkpoints" / "step_2"))
+    resumed = train(
+        "step0",
+        moe_runs["top"] / "resumed",
+        moe_runs["corpus"],
+        *MOE,
+        "--resume",
+        str(moe_runs["step0"] / "checkpoints" / "step_2"),
+    )
     assert_bitwise_same_run(moe_runs["step0"], resumed)

@@ -1,6 +1,7 @@
 """Step 9's activation memory in flight, in bytes: compare/pipeline_memory.py's count of what autograd holds for
 backward, on a toy two-stage pipeline whose saved tensors have a closed form, for both schedules and several M:
 the peak is (micro-batches held) x (one micro-batch's bytes), GPipe holding M and 1F1B min(P - s, M)."""
+
 import sys
 
 import torch
@@ -27,13 +28,25 @@ def toy_worker(rank, world_size, port, queue):
     for schedule, m in CASES:
         torch.manual_seed(rank)
         stage = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh())
-        pipe = Pipeline(stage, rank, 2, (B, H), loss_fn=torch.nn.functional.mse_loss, schedule=schedule)
+        pipe = Pipeline(
+            stage, rank, 2, (B, H), loss_fn=torch.nn.functional.mse_loss, schedule=schedule
+        )
         data = [torch.randn(B, H) for _ in range(m)]
         counter = SavedBytesInFlight(stage.parameters())
         with torch.autograd.graph.saved_tensors_hooks(*counter.hooks):
-            pipe.run(m, inputs=data if rank == 0 else None, targets=data if rank == 1 else None, loss_scale=m)
+            pipe.run(
+                m,
+                inputs=data if rank == 0 else None,
+                targets=data if rank == 1 else None,
+                loss_scale=m,
+            )
         pipe.finish_gradient_synchronization()
-        results[schedule, m] = (counter.peak, counter.saved, counter.live, pipe.take_peak_in_flight())
+        results[schedule, m] = (
+            counter.peak,
+            counter.saved,
+            counter.live,
+            pipe.take_peak_in_flight(),
+        )
     queue.put((rank, results))
     shutdown()
 
@@ -47,13 +60,15 @@ def test_activation_bytes_in_flight_are_the_closed_form():
             assert saved == m * ONE_MICRO_BATCH[stage], (stage, schedule, m, saved)
             assert peak == held * ONE_MICRO_BATCH[stage], (stage, schedule, m, peak)
             assert live == 0  # every saved tensor let go after its backward
-    assert results[0]["gpipe", 4][0] == 2 * results[0]["1f1b", 4][0]  # stage 0 of 2, M = 4: 4 held against 2
+    # stage 0 of 2, M = 4: 4 held against 2
+    assert results[0]["gpipe", 4][0] == 2 * results[0]["1f1b", 4][0]
 
 
 def test_the_counter_follows_one_process_saving_and_freeing():
     """Outside any pipeline: a storage saved twice counts once, parameters not at all, and the bytes leave when
     backward is done with them."""
     from pipeline_memory import SavedBytesInFlight
+
     layer = torch.nn.Linear(H, H)
     counter = SavedBytesInFlight(layer.parameters())
     x = torch.randn(B, H)

@@ -1,16 +1,17 @@
 """compare/plan.py: the planner's bytes per rank are the layouts steps 5-9 hold, its traffic the steps' formulas,
 its ranking the rules it states; and a run's metrics (step 10's too, when it writes its mesh) read beside it."""
+
 import math
 
 import pytest
 import torch
 
-from conftest import REPO, metrics, run_forked, train
-
 import estimate  # compare/, on the path through conftest
 import plan
+from conftest import REPO, metrics, run_forked, train
 
-DEFAULT = plan.Shape(n_layer=2, n_embd=128, n_head=4, vocab=2048, seq_len=64)  # the trainers' default model
+# the trainers' default model
+DEFAULT = plan.Shape(n_layer=2, n_embd=128, n_head=4, vocab=2048, seq_len=64)
 
 
 @pytest.mark.quick
@@ -18,8 +19,17 @@ def test_psi_is_the_models():
     """12h² + 13h per block, Vh + sh + 2h around them: the parameters GPT-2 of that shape has (the README's Ψ)."""
     assert DEFAULT.psi == 667_136
     small = plan.Shape(3, 24, 2, 101, 7)
-    model = estimate.Model({"n_layer": 3, "n_embd": 24, "n_head": 2, "seq_len": 7, "dropout": 0.0,
-                            "weight_decay": 0.1}, 101)
+    model = estimate.Model(
+        {
+            "n_layer": 3,
+            "n_embd": 24,
+            "n_head": 2,
+            "seq_len": 7,
+            "dropout": 0.0,
+            "weight_decay": 0.1,
+        },
+        101,
+    )
     assert small.psi == model.psi
 
 
@@ -43,8 +53,10 @@ def test_tensor_and_pipeline_shares_are_steps_8_and_9s():
     for tp in (1, 2, 4):
         assert sum(plan.rank_params(shape, tp, 1, 0).values()) == sharded // tp + replicated
     block = shape.block
-    assert [sum(plan.rank_params(shape, 1, 2, stage).values()) for stage in range(2)] == \
-        [vocab * h + s * h + block, block + 2 * h + vocab * h]
+    assert [sum(plan.rank_params(shape, 1, 2, stage).values()) for stage in range(2)] == [
+        vocab * h + s * h + block,
+        block + 2 * h + vocab * h,
+    ]
     assert [plan.stage_blocks(7, 3, stage) for stage in range(3)] == [3, 2, 2]
 
 
@@ -65,23 +77,47 @@ def test_in_flight_and_bubble():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("param_dtype, reduce_dtype, copy", [("float32", None, 4), ("bf16", None, 0),
-                                                             ("bf16", "float32", 4)])
+@pytest.mark.parametrize(
+    "param_dtype, reduce_dtype, copy",
+    [("float32", None, 4), ("bf16", None, 0), ("bf16", "float32", 4)],
+)
 def test_offload_moves_adamws_state_to_the_host_in_closed_form(param_dtype, reduce_dtype, copy):
     """ZeRO-3 at dp 4, offloaded: the device loses exactly the optimiser state; the host holds it and, where the
     parameter shard is the float32 master (float32, or FSDP2's fp32 gradients), a float32 copy of the shard; each
     step moves the gradient shard out and the float32 shard back, over --host-gbs, added to the step time."""
     activations = plan.Activations(DEFAULT, 8, estimate.PARAM_DTYPES[param_dtype])
-    on, off = (plan.configuration(DEFAULT, 4, 1, 1, 3, False, 8, 2, activations, param_dtype, reduce_dtype,
-                                  offload=offload) for offload in (False, True))
+    on, off = (
+        plan.configuration(
+            DEFAULT,
+            4,
+            1,
+            1,
+            3,
+            False,
+            8,
+            2,
+            activations,
+            param_dtype,
+            reduce_dtype,
+            offload=offload,
+        )
+        for offload in (False, True)
+    )
     shard = -(-DEFAULT.psi // 4)
     (p_bytes, g_bytes, k_bytes), _ = estimate.bytes_per_parameter(3, param_dtype, reduce_dtype)
     kept, moved = on["stages"][0], off["stages"][0]
     assert kept["total"] - moved["total"] == k_bytes * shard == kept["optimizer_state"]
-    assert moved["optimizer_state"] == 0 and moved["host"] == (k_bytes + copy) * shard and kept["host"] == 0
+    assert (
+        moved["optimizer_state"] == 0
+        and moved["host"] == (k_bytes + copy) * shard
+        and kept["host"] == 0
+    )
     assert moved["offloaded"] == (g_bytes + 4) * shard
     hardware = plan.Hardware(4, 80 * plan.GIB, host_gbs=20.0)
-    slower = plan.step_time(off, DEFAULT, hardware, 8)["step_s"] - plan.step_time(on, DEFAULT, hardware, 8)["step_s"]
+    slower = (
+        plan.step_time(off, DEFAULT, hardware, 8)["step_s"]
+        - plan.step_time(on, DEFAULT, hardware, 8)["step_s"]
+    )
     assert slower == pytest.approx((g_bytes + 4) * shard / 20e9)
     # offered only when asked and only at ZeRO-3: between the two totals, dp 4's ZeRO-3 fits offloaded alone
     small = plan.Hardware(4, (moved["total"] + kept["total"]) / 2)
@@ -89,7 +125,9 @@ def test_offload_moves_adamws_state_to_the_host_in_closed_form(param_dtype, redu
     fit, rejected = plan.plan(DEFAULT, small, 8, 64, param_dtype, reduce_dtype, offload=True)
     assert (4, 3, True, False) in map(layout, fit) and (4, 3, False, False) in map(layout, rejected)
     assert all(c["zero"] == 3 for c in fit + rejected if c["offload"])
-    assert not any(c["offload"] for c in sum(plan.plan(DEFAULT, small, 8, 64, param_dtype, reduce_dtype), []))
+    assert not any(
+        c["offload"] for c in sum(plan.plan(DEFAULT, small, 8, 64, param_dtype, reduce_dtype), [])
+    )
 
 
 @pytest.mark.quick
@@ -103,8 +141,9 @@ def test_activations_split_by_tensor_parallelism_as_measured():
         estimated = activations.per_micro_batch(2, tp, True, True, False)
         assert abs(estimated / measured[tp] - 1) <= tolerance, (tp, estimated, measured[tp])
     # checkpointing keeps a block's input per block and recomputes one block
-    assert (activations.per_micro_batch(2, 1, True, True, True) + activations.recomputed(2, 1, True)
-            < activations.per_micro_batch(2, 1, True, True, False))
+    assert activations.per_micro_batch(2, 1, True, True, True) + activations.recomputed(
+        2, 1, True
+    ) < activations.per_micro_batch(2, 1, True, True, False)
 
 
 @pytest.mark.quick
@@ -117,14 +156,17 @@ def test_sequence_parallel_activations_as_measured_and_its_traffic_on_the_wire()
         estimated = activations.per_micro_batch(2, tp, True, True, False, sequence_parallel=True)
         assert abs(estimated / measured - 1) <= tolerance, (tp, estimated, measured)
         assert estimated < activations.per_micro_batch(2, tp, True, True, False)
-    plain, split = (plan.configuration(DEFAULT, 1, 4, 1, 0, False, 8, 2, activations, sequence_parallel=sp)
-                    for sp in (False, True))
+    plain, split = (
+        plan.configuration(DEFAULT, 1, 4, 1, 0, False, 8, 2, activations, sequence_parallel=sp)
+        for sp in (False, True)
+    )
     tp_plain, tp_split = plain["stages"][0]["comm"]["tp"], split["stages"][0]["comm"]["tp"]
     assert sum(tp_split.values()) == 2 * sum(tp_plain.values())
     assert plan.on_the_wire(tp_split, 4) == plan.on_the_wire(tp_plain, 4)
     assert split["sequence_parallel"] and split["total"] < plain["total"]
-    assert not plan.configuration(DEFAULT, 4, 1, 1, 0, False, 8, 2, activations, sequence_parallel=True)[
-        "sequence_parallel"]  # nothing to split at tp 1
+    assert not plan.configuration(
+        DEFAULT, 4, 1, 1, 0, False, 8, 2, activations, sequence_parallel=True
+    )["sequence_parallel"]  # nothing to split at tp 1
 
 
 @pytest.mark.quick
@@ -134,11 +176,21 @@ def test_dropout_masks_are_counted_as_measured():
     The planner given --dropout 0.1 within 0.1% / 0.2% (-0.03%, -0.07%, -0.07%, -0.12%, -0.13%); before, it
     counted no mask whatever --dropout said (19% low at TP = 1)."""
     activations = plan.Activations(DEFAULT, 8, dropout=0.1)
-    measured = {(1, False): 17_602_052, (2, False): 10_786_308, (2, True): 10_120_708, (4, False): 7_378_436,
-                (4, True): 6_380_036}
+    measured = {
+        (1, False): 17_602_052,
+        (2, False): 10_786_308,
+        (2, True): 10_120_708,
+        (4, False): 7_378_436,
+        (4, True): 6_380_036,
+    }
     for (tp, sp), bytes_saved in measured.items():
         estimated = activations.per_micro_batch(2, tp, True, True, False, sequence_parallel=sp)
-        assert abs(estimated / bytes_saved - 1) <= (0.001 if tp < 4 else 0.002), (tp, sp, estimated, bytes_saved)
+        assert abs(estimated / bytes_saved - 1) <= (0.001 if tp < 4 else 0.002), (
+            tp,
+            sp,
+            estimated,
+            bytes_saved,
+        )
 
 
 @pytest.mark.quick
@@ -151,7 +203,8 @@ def test_16_bit_activations_split_by_tensor_parallelism_are_half_the_float32_one
     float32, bf16 = plan.Activations(shape, 1), plan.Activations(shape, 1, torch.bfloat16)
     assert bf16.block[1] * 2 == float32.block[1]
     # kept whole: the LayerNorms' float32 statistics and the boolean causal mask stay; the rest halves
-    fixed = 2 * 2 * 1024 * 4 + 1024 * 1024  # ln_1 and ln_2's mean and rstd per token; the (s, s) mask
+    # ln_1 and ln_2's mean and rstd per token; the (s, s) mask
+    fixed = 2 * 2 * 1024 * 4 + 1024 * 1024
     assert bf16.block[0] - fixed == (float32.block[0] - fixed) // 2
 
 
@@ -163,11 +216,16 @@ def test_zero3_gathers_16_bit_units_whatever_the_gradients_are_reduced_in():
     the gathered units doubled both, and fails this.)"""
     shape = plan.Shape(4, 256, 4, 2048, 64)
     activations = plan.Activations(shape, 2, torch.bfloat16)
-    by_reduce = {r: plan.configuration(shape, 4, 1, 1, 3, False, 2, 4, activations, "bf16", r)["stages"][0]
-                 for r in (None, "float32")}
+    by_reduce = {
+        r: plan.configuration(shape, 4, 1, 1, 3, False, 2, 4, activations, "bf16", r)["stages"][0]
+        for r in (None, "float32")
+    }
     units = sum(plan.rank_params(shape, 1, 1, 0).values())  # one stage: every parameter
     assert by_reduce["float32"]["gathered"] == by_reduce[None]["gathered"] <= 2 * units
-    assert by_reduce["float32"]["comm"]["dp"]["all_gather"] == by_reduce[None]["comm"]["dp"]["all_gather"]
+    assert (
+        by_reduce["float32"]["comm"]["dp"]["all_gather"]
+        == by_reduce[None]["comm"]["dp"]["all_gather"]
+    )
     rs = {r: c["comm"]["dp"]["reduce_scatter"] for r, c in by_reduce.items()}
     assert rs["float32"] == 2 * rs[None]
 
@@ -180,8 +238,22 @@ def test_compute_counts_attention_as_narayanan_et_al_do():
     (32 layers of 4096) does 1.64x what 6Ψ alone says."""
     L, h, s, V = 32, 4096, 16384, 50257
     shape = plan.Shape(L, h, 32, V, s)
-    assert abs(plan.flops_per_token(shape, False) / (72 * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))) - 1) < 0.01
-    assert abs(plan.flops_per_token(shape, True) / (96 * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))) - 1) < 0.01
+    assert (
+        abs(
+            plan.flops_per_token(shape, False)
+            / (72 * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h)))
+            - 1
+        )
+        < 0.01
+    )
+    assert (
+        abs(
+            plan.flops_per_token(shape, True)
+            / (96 * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h)))
+            - 1
+        )
+        < 0.01
+    )
     assert 1.63 < plan.flops_per_token(shape, False) / (6 * shape.psi) < 1.65
 
 
@@ -208,10 +280,14 @@ def test_zero2_and_3_accumulate_as_the_trainers_do_or_reduce_every_micro_batch(z
     psi, n = shape.psi, 4
 
     def rank(m, every=False):
-        return plan.configuration(shape, n, 1, 1, zero, False, 2, m, activations,
-                                  reduce_every_micro_batch=every)["stages"][0]
+        return plan.configuration(
+            shape, n, 1, 1, zero, False, 2, m, activations, reduce_every_micro_batch=every
+        )["stages"][0]
+
     local, every, one = rank(4), rank(4, True), rank(1)
-    assert local["accumulated"] == 4 * psi and "accumulated" not in every and "accumulated" not in one
+    assert (
+        local["accumulated"] == 4 * psi and "accumulated" not in every and "accumulated" not in one
+    )
     assert local["grads"] == every["grads"] == one["grads"] == 4 * -(-psi // n)
     assert local["total"] - every["total"] == 4 * psi
     assert local["comm"]["dp"]["reduce_scatter"] == one["comm"]["dp"]["reduce_scatter"] == 4 * psi
@@ -227,7 +303,10 @@ def test_a_pipeline_with_checkpointing_recomputes_one_block_at_a_time():
     overstated the first stage and fails this)."""
     b, shape = 2, plan.Shape(8, 64, 4, 2048, 32)
     activations = plan.Activations(shape, b)
-    held = {m: plan.configuration(shape, 1, 1, 4, 0, True, b, m, activations)["stages"][0] for m in (1, 8)}
+    held = {
+        m: plan.configuration(shape, 1, 1, 4, 0, True, b, m, activations)["stages"][0]
+        for m in (1, 8)
+    }
     assert (held[1]["in_flight"], held[8]["in_flight"]) == (1, 4)
     blocks, block_input = 2, b * shape.seq_len * shape.n_embd * 4
     assert held[8]["activations"] - held[1]["activations"] == 3 * blocks * block_input
@@ -243,18 +322,31 @@ def test_full_recomputation_with_sequence_parallelism_keeps_1_over_t_of_each_lay
     in flight holds its blocks' inputs (b s h float32) split over t. The formula keeping the input whole under
     sequence parallelism (t times too much, the rest of the row unchanged) passed every other test."""
     from activation_formula import FormulaActivations
+
     shape, t = plan.PRESETS["megatron-175b"], 8
     a, s, h = shape.n_head, shape.seq_len, shape.n_embd
     formula = FormulaActivations(shape, 1, 2, "math", 0.1)
-    first = plan.configuration(shape, 1, t, 8, 0, True, 1, 64, formula, "bf16", sequence_parallel=True)["stages"][0]
+    first = plan.configuration(
+        shape, 1, t, 8, 0, True, 1, 64, formula, "bf16", sequence_parallel=True
+    )["stages"][0]
     sbh = s * h
     assert first["in_flight"] == 8
-    assert first["activations"] == 8 * (12 * 2 + 1) * sbh // t + (34 * sbh + 5 * a * s * s) // t + 2 * 8 * s // t
+    assert (
+        first["activations"]
+        == 8 * (12 * 2 + 1) * sbh // t + (34 * sbh + 5 * a * s * s) // t + 2 * 8 * s // t
+    )
     b, small = 2, plan.Shape(8, 64, 4, 2048, 32)
     activations = plan.Activations(small, b)
-    held = {m: plan.configuration(small, 1, 2, 4, 0, True, b, m, activations, sequence_parallel=True)["stages"][0]
-            for m in (1, 8)}
-    assert held[8]["activations"] - held[1]["activations"] == 3 * 2 * b * small.seq_len * small.n_embd * 4 // 2
+    held = {
+        m: plan.configuration(small, 1, 2, 4, 0, True, b, m, activations, sequence_parallel=True)[
+            "stages"
+        ][0]
+        for m in (1, 8)
+    }
+    assert (
+        held[8]["activations"] - held[1]["activations"]
+        == 3 * 2 * b * small.seq_len * small.n_embd * 4 // 2
+    )
 
 
 @pytest.mark.quick
@@ -265,13 +357,26 @@ def test_the_ring_sends_grouped_query_attentions_key_value_width():
     GPT-2's key/value width is its hidden size, so sizing the blocks by h instead of n_kv_head x head_dim (4 times too
     much here) passed every test of the ring's traffic."""
     from activation_formula import FormulaActivations
+
     shape, cp, tp, b, m = plan.PRESETS["llama3-8b"], 4, 2, 1, 4
     assert shape.kv_dim == 8 * 128 < shape.n_embd
     tokens, width, layers = b * shape.seq_len // cp, shape.kv_dim // tp, shape.n_layer
-    kv, grads = 2 * tokens * width * 2, 2 * tokens * width * 4  # k and v (bf16); their float32 gradients
+    # k and v (bf16); their float32 gradients
+    kv, grads = 2 * tokens * width * 2, 2 * tokens * width * 4
     for checkpointing, forward in ((False, 1), (True, 2)):
-        layout = plan.configuration(shape, 1, tp, 1, 0, checkpointing, b, m, FormulaActivations(shape, b, 2, cp=cp),
-                                    "bf16", cp=cp)
+        layout = plan.configuration(
+            shape,
+            1,
+            tp,
+            1,
+            0,
+            checkpointing,
+            b,
+            m,
+            FormulaActivations(shape, b, 2, cp=cp),
+            "bf16",
+            cp=cp,
+        )
         sends = m * layers * ((cp - 1) * kv * (forward + 1) + cp * grads)
         assert layout["stages"][0]["comm"]["cp"] == {"send": sends}, checkpointing
 
@@ -283,16 +388,23 @@ def test_communication_is_the_steps_formulas():
     PP: b s h each way per micro-batch and the tied gradient (step 9's test)."""
     psi = DEFAULT.psi
     activations = plan.Activations(DEFAULT, 8)
-    dp = {zero: plan.configuration(DEFAULT, 2, 1, 1, zero, False, 8, 2, activations)["stages"][0]["comm"]["dp"]
-          for zero in range(4)}
+    dp = {
+        zero: plan.configuration(DEFAULT, 2, 1, 1, zero, False, 8, 2, activations)["stages"][0][
+            "comm"
+        ]["dp"]
+        for zero in range(4)
+    }
     assert dp[0] == {"all_reduce": 4 * psi}
     assert dp[1] == {"all_reduce": 4 * psi, "all_gather": 4 * psi}
     assert dp[2] == {"reduce_scatter": 4 * psi, "all_gather": 4 * psi}
     assert round(dp[3]["all_gather"] / (4 * psi), 2) == 3.19 and dp[3]["reduce_scatter"] == 4 * psi
     bsh = 8 * 64 * 128
-    tp = plan.configuration(DEFAULT, 1, 2, 1, 0, False, 8, 4, activations)["stages"][0]["comm"]["tp"]
+    tp = plan.configuration(DEFAULT, 1, 2, 1, 0, False, 8, 4, activations)["stages"][0]["comm"][
+        "tp"
+    ]
     assert tp == {"all_reduce": 4 * (6 * 2 + 2) * bsh * 4}
-    assert abs(tp["all_reduce"] / 14_717_936 - 1) < 0.005  # step 8's measured bytes per step (its README)
+    # step 8's measured bytes per step (its README)
+    assert abs(tp["all_reduce"] / 14_717_936 - 1) < 0.005
     pp = plan.configuration(DEFAULT, 1, 1, 2, 0, False, 8, 4, activations)["stages"]
     tied = 2048 * 128 * 4
     assert [s["comm"]["pp"]["send"] for s in pp] == [4 * bsh * 4 + tied, 4 * bsh * 4 + 4 * tied]
@@ -306,20 +418,34 @@ def test_hsdp_rows_shard_over_a_row_and_all_reduce_the_shard_across():
     psi, activations = DEFAULT.psi, plan.Activations(DEFAULT, 8)
     plain = plan.configuration(DEFAULT, 16, 1, 1, 3, False, 8, 2, activations)
     for replicate in (2, 4, 8):
-        hsdp = plan.configuration(DEFAULT, 16, 1, 1, 3, False, 8, 2, activations, replicate=replicate)
+        hsdp = plan.configuration(
+            DEFAULT, 16, 1, 1, 3, False, 8, 2, activations, replicate=replicate
+        )
         stage, shard = hsdp["stages"][0], 16 // replicate
         assert {k: stage[k] for k in estimate.KINDS} == estimate.state_bytes(3, psi, shard)
         assert stage["comm"]["dp"] == plain["stages"][0]["comm"]["dp"]
         assert stage["comm"]["replicate"] == {"all_reduce": 4 * -(-psi // shard)}
-        assert plan.group_sizes(hsdp) == {"dp": shard, "tp": 1, "pp": 2, "cp": 2, "replicate": replicate}
+        assert plan.group_sizes(hsdp) == {
+            "dp": shard,
+            "tp": 1,
+            "pp": 2,
+            "cp": 2,
+            "replicate": replicate,
+        }
     hardware = plan.Hardware(devices=16, memory=2**30, gpus_per_node=8)
     fit, _ = plan.plan(DEFAULT, hardware, 8, 256, hsdp=True)
-    rows = {(c["dp"], c["tp"], c["pp"], c["zero"], c["replicate"]): c for c in fit if not c["checkpointing"]}
+    rows = {
+        (c["dp"], c["tp"], c["pp"], c["zero"], c["replicate"]): c
+        for c in fit
+        if not c["checkpointing"]
+    }
     two = rows[16, 1, 1, 3, 2]
     assert two["time"]["links"]["dp"] is True and two["time"]["links"]["replicate"] is False
     assert rows[16, 1, 1, 3, 1]["time"]["links"]["dp"] is False
     assert two["time"]["step_s"] < rows[16, 1, 1, 3, 1]["time"]["step_s"]
-    assert "(HSDP 2 x 8)" in plan.name(two) and "gathers inside a node" in plan.justify(two, fit, [], (2**20, "MiB"))
+    assert "(HSDP 2 x 8)" in plan.name(two) and "gathers inside a node" in plan.justify(
+        two, fit, [], (2**20, "MiB")
+    )
     assert {c["replicate"] for c in plan.plan(DEFAULT, hardware, 8, 256)[0]} == {1}
 
 
@@ -339,12 +465,19 @@ def test_the_ranking_follows_the_rules():
     totals = {c["zero"]: c["total"] for c in fit if (c["dp"], c["checkpointing"]) == (4, False)}
     assert totals[3] > totals[2] < totals[1] < totals[0]
     deep = plan.Shape(8, 128, 4, 2048, 64)
-    totals = {c["zero"]: c["total"] for c in plan.plan(deep, plan.Hardware(4, 2**30), 8, 32)[0]
-              if (c["dp"], c["checkpointing"]) == (4, False)}
+    totals = {
+        c["zero"]: c["total"]
+        for c in plan.plan(deep, plan.Hardware(4, 2**30), 8, 32)[0]
+        if (c["dp"], c["checkpointing"]) == (4, False)
+    }
     assert totals[3] < totals[2] < totals[1] < totals[0]
     tight = plan.Hardware(devices=4, memory=(totals[2] + totals[3]) / 2)
     fit, _ = plan.plan(deep, tight, 8, 32)
-    assert {c["zero"] for c in fit if (c["cp"], c["tp"], c["pp"], c["checkpointing"]) == (1, 1, 1, False)} == {3}
+    assert {
+        c["zero"]
+        for c in fit
+        if (c["cp"], c["tp"], c["pp"], c["checkpointing"]) == (1, 1, 1, False)
+    } == {3}
     # 16 devices, 8 per node: TP 8 stays inside a node, TP 16 would cross; the same shape otherwise
     big = plan.Shape(24, 2048, 16, 50257, 2048)
     sixteen = plan.Hardware(devices=16, memory=80 * 2**30)
@@ -361,22 +494,40 @@ def test_context_and_sequence_parallelism_only_where_activations_do_not_fit():
     passes K/V blocks to a neighbour. The planner keeps a layout with CP or SP only where the same layout with less
     of them does not fit, or cannot run (a global batch smaller than the replicas)."""
     from activation_formula import FormulaActivations
-    long = plan.Shape(2, 128, 4, 2048, 1024)  # the default model at 1,024 tokens, one sequence a micro-batch
-    flash = FormulaActivations(long, 1, 4, "sdpa")  # attention without an s x s matrix, as the ring's
+
+    # the default model at 1,024 tokens, one sequence a micro-batch
+    long = plan.Shape(2, 128, 4, 2048, 1024)
+    # attention without an s x s matrix, as the ring's
+    flash = FormulaActivations(long, 1, 4, "sdpa")
 
     def ring(cp):
         return FormulaActivations(long, 1, 4, cp=cp)
+
     whole = plan.configuration(long, 4, 1, 1, 1, False, 1, 1, flash)["stages"][0]
     for cp in (2, 4):
-        split = plan.configuration(long, 4 // cp, 1, 1, 1, False, 1, 1, ring(cp), cp=cp)["stages"][0]
-        assert split["activations"] * cp == whole["activations"] == flash.per_micro_batch(2, 1, True, True, False)
-        assert all(split[k] == whole[k] for k in ("params", "grads", "optimizer_state"))  # ZeRO-1 over 4 replicas
+        split = plan.configuration(long, 4 // cp, 1, 1, 1, False, 1, 1, ring(cp), cp=cp)["stages"][
+            0
+        ]
+        assert (
+            split["activations"] * cp
+            == whole["activations"]
+            == flash.per_micro_batch(2, 1, True, True, False)
+        )
+        # ZeRO-1 over 4 replicas
+        assert all(split[k] == whole[k] for k in ("params", "grads", "optimizer_state"))
         assert split["comm"]["dp"] == whole["comm"]["dp"]
-    configs = lambda memory, batch=4, sp=False: plan.plan(long, plan.Hardware(4, memory), 1, batch,  # noqa: E731
-                                                          sequence_parallel=sp, activations=flash,
-                                                          ring_activations=ring)
+    configs = lambda memory, batch=4, sp=False: plan.plan(
+        long,
+        plan.Hardware(4, memory),
+        1,
+        batch,  # noqa: E731
+        sequence_parallel=sp,
+        activations=flash,
+        ring_activations=ring,
+    )
     fit, _ = configs(2**30)
-    assert not [c for c in fit if c["cp"] > 1 or c["sequence_parallel"]]  # everything fits without them
+    # everything fits without them
+    assert not [c for c in fit if c["cp"] > 1 or c["sequence_parallel"]]
     fit, rejected = configs(30 * 2**20)  # DDP at dp 4 needs 37.1 MiB, at dp 2 x cp 2 24.6 MiB
     split = [c for c in fit if c["cp"] > 1]
     assert any((c["dp"], c["cp"], c["zero"]) == (2, 2, 0) for c in split)
@@ -384,18 +535,27 @@ def test_context_and_sequence_parallelism_only_where_activations_do_not_fit():
         twin = next(r for r in rejected if plan.layout_key(r) in plan.plainer(c))
         assert (twin["dp"], twin["cp"]) == (4, 1) and twin["total"] > 30 * 2**20
         assert f"(without: {plan.in_unit(twin['total'], (2**20, 'MiB'))} MiB)" in plan.justify(
-            c, fit, rejected, (2**20, "MiB"))
-    fit, _ = configs(2**30, batch=1)  # one sequence a step: only a layout without data parallelism runs
-    assert {(c["dp"], c["cp"], c["tp"], c["pp"]) for c in fit if (c["zero"], c["checkpointing"]) == (0, False)} \
-        >= {(1, 4, 1, 1), (1, 2, 2, 1)}
+            c, fit, rejected, (2**20, "MiB")
+        )
+    # one sequence a step: only a layout without data parallelism runs
+    fit, _ = configs(2**30, batch=1)
+    assert {
+        (c["dp"], c["cp"], c["tp"], c["pp"])
+        for c in fit
+        if (c["zero"], c["checkpointing"]) == (0, False)
+    } >= {(1, 4, 1, 1), (1, 2, 2, 1)}
     ring4 = next(c for c in fit if c["cp"] == 4)
     assert "too small for dp 4" in plan.justify(ring4, fit, [], (2**20, "MiB"))
     # tp 2 at dp 2: 22.1 MiB without SP, 19.6 MiB with it: SP kept between the two, left out above
     fit, rejected = configs(21 * 2**20)
-    rows = {(c["zero"], c["sequence_parallel"]) for c in fit
-            if (c["dp"], c["cp"], c["tp"], c["pp"], c["checkpointing"]) == (2, 1, 2, 1, False)}
+    rows = {
+        (c["zero"], c["sequence_parallel"])
+        for c in fit
+        if (c["dp"], c["cp"], c["tp"], c["pp"], c["checkpointing"]) == (2, 1, 2, 1, False)
+    }
     assert (0, True) in rows and (0, False) not in rows
-    assert not [zero for zero, sp in rows if sp and (zero, False) in rows]  # SP only where it is needed
+    # SP only where it is needed
+    assert not [zero for zero, sp in rows if sp and (zero, False) in rows]
     assert [c for c in configs(2**30)[0] if c["tp"] == 2 and not c["sequence_parallel"]]
 
 
@@ -403,17 +563,30 @@ def test_context_and_sequence_parallelism_only_where_activations_do_not_fit():
 def test_a_step10_run_is_read_by_its_mesh():
     """What a step 10 run will write (env: the three sizes; memory per rank): each rank compared with its
     stage's estimate. Built here from the estimate itself: a run that held exactly that reads as 1.000."""
-    config = {"step": "step10_3d_parallel", "n_layer": 2, "n_embd": 128, "n_head": 4, "seq_len": 64,
-              "tokenizer": "data/tokenizer.json", "grad_accum": 2}
-    env = {"world_size": 8, "data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_stages": 2}
+    config = {
+        "step": "step10_3d_parallel",
+        "n_layer": 2,
+        "n_embd": 128,
+        "n_head": 4,
+        "seq_len": 64,
+        "tokenizer": "data/tokenizer.json",
+        "grad_accum": 2,
+    }
+    env = {
+        "world_size": 8,
+        "data_parallel_size": 2,
+        "tensor_parallel_size": 2,
+        "pipeline_stages": 2,
+    }
     memory = []
     for rank in range(8):
         stage = rank // 4  # tp innermost, then dp, then pp
         held = sum(plan.rank_params(DEFAULT, 2, 2, stage).values())
         memory.append(estimate.state_bytes(1, held, 2))
     rows = plan.measured_rows({"config": config, "env": env, "records": [{"memory": memory}]}, 2048)
-    assert [(r["stage"], r["dp"], r["tp"], r["pp"], r["zero"]) for r in rows] == \
-        [(rank // 4, 2, 2, 2, 1) for rank in range(8)]
+    assert [(r["stage"], r["dp"], r["tp"], r["pp"], r["zero"]) for r in rows] == [
+        (rank // 4, 2, 2, 2, 1) for rank in range(8)
+    ]
     assert all(r["measured"] == r["estimated"] for r in rows)
     with pytest.raises(plan.UserError, match="not the world size"):
         plan.layout_of({"config": config, "env": {**env, "world_size": 4}})
@@ -427,8 +600,13 @@ def test_a_pipeline_run_holds_what_the_planner_says(small_corpus, tmp_path):
     assert [r["stage"] for r in rows] == [0, 1]
     for row in rows:
         for kind in estimate.KINDS:
-            assert math.isclose(row["measured"][kind], row["estimated"][kind], rel_tol=0.05), (row, kind)
-        assert row["in_flight"] == plan.in_flight("gpipe", 2, row["stage"], run["config"]["grad_accum"])
+            assert math.isclose(row["measured"][kind], row["estimated"][kind], rel_tol=0.05), (
+                row,
+                kind,
+            )
+        assert row["in_flight"] == plan.in_flight(
+            "gpipe", 2, row["stage"], run["config"]["grad_accum"]
+        )
 
 
 def test_step10_runs_hold_what_the_planner_says(mesh_runs):
@@ -437,6 +615,7 @@ def test_step10_runs_hold_what_the_planner_says(mesh_runs):
     its stage's estimate (measured: within 0.02%, the step counters ZeRO-1 keeps per piece), the micro-batches its
     stage held; and ``compare/plan.py --measured`` prints them and exits 0."""
     import sys
+
     for name, (dp, tp, pp) in {"dp2tp2": (2, 2, 1), "dp2pp2": (2, 1, 2)}.items():
         run = metrics(mesh_runs(name))
         rows = plan.measured_rows(run, estimate.vocabulary_size(run["config"]["tokenizer"]))
@@ -446,12 +625,26 @@ def test_step10_runs_hold_what_the_planner_says(mesh_runs):
             measured, estimated = sum(row["measured"].values()), sum(row["estimated"].values())
             assert abs(measured / estimated - 1) <= 0.05, (name, row)
             for kind in estimate.KINDS:
-                assert math.isclose(row["measured"][kind], row["estimated"][kind], rel_tol=0.05), (name, row, kind)
+                assert math.isclose(row["measured"][kind], row["estimated"][kind], rel_tol=0.05), (
+                    name,
+                    row,
+                    kind,
+                )
             assert row["in_flight"] == row["in_flight_estimated"], (name, row)
-    result = run_forked([sys.executable, str(REPO / "compare" / "plan.py"), "--measured", str(mesh_runs("dp2tp2")),
-                         str(mesh_runs("dp2pp2"))], timeout=120)
+    result = run_forked(
+        [
+            sys.executable,
+            str(REPO / "compare" / "plan.py"),
+            "--measured",
+            str(mesh_runs("dp2tp2")),
+            str(mesh_runs("dp2pp2")),
+        ],
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 x 2 x 1, ZeRO-1" in result.stdout and "2 x 1 x 2, ZeRO-1" in result.stdout, result.stdout
+    assert "2 x 2 x 1, ZeRO-1" in result.stdout and "2 x 1 x 2, ZeRO-1" in result.stdout, (
+        result.stdout
+    )
     assert result.stdout.rstrip().endswith("within 5% of the estimate: yes"), result.stdout
 
 
@@ -459,12 +652,18 @@ def test_step11_ranks_hold_the_whole_model_state(tour):
     """Context parallelism splits activations, not the model: each rank of a ring holds what a data-parallel
     replica holds (the tour's step 11 run, 2 ranks), read as replicas by ``layout_of``."""
     from conftest import STEPS
+
     run = metrics(tour[0] / STEPS["step11"])
     rows = plan.measured_rows(run, estimate.vocabulary_size(run["config"]["tokenizer"]))
-    assert [(r["dp"], r["tp"], r["pp"], r["zero"], r["stage"]) for r in rows] == [(2, 1, 1, 0, 0)] * 2
+    assert [(r["dp"], r["tp"], r["pp"], r["zero"], r["stage"]) for r in rows] == [
+        (2, 1, 1, 0, 0)
+    ] * 2
     for row in rows:
         for kind in estimate.KINDS:
-            assert math.isclose(row["measured"][kind], row["estimated"][kind], rel_tol=0.05), (row, kind)
+            assert math.isclose(row["measured"][kind], row["estimated"][kind], rel_tol=0.05), (
+                row,
+                kind,
+            )
 
 
 def saved_bytes(module, inputs, targets=None) -> int:
@@ -507,15 +706,28 @@ def test_pipeline_stages_hold_what_the_real_stages_hold_at_every_tp_and_pp(sched
     them (measured here: 0.17-0.26% low on the first stage, b s + s int64 a micro-batch; 0.03% high on the last).
     A tied copy counted whole on the last stage, or one micro-batch too many in flight, fails it (checked)."""
     import sys
+
     sys.path.insert(0, str(REPO / "step9_pipeline_parallel"))
     sys.path.insert(0, str(REPO / "step8_tensor_parallel"))
     from model import build_model
     from pipeline import GPT2Stage, schedule_actions
-    from tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, tensor_parallel_plan
+    from tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        tensor_parallel_plan,
+    )
 
     n_layer, h, heads, vocab, seq, b, micro_batches = 5, 32, 4, 2048, 16, 2, 3
     shape = plan.Shape(n_layer, h, heads, vocab, seq)
-    config = {"n_layer": n_layer, "n_embd": h, "n_head": heads, "seq_len": seq, "dropout": 0.0, "attention": "math"}
+    config = {
+        "n_layer": n_layer,
+        "n_embd": h,
+        "n_head": heads,
+        "seq_len": seq,
+        "dropout": 0.0,
+        "attention": "math",
+    }
     model = build_model(config, vocab, 0)
     styles = tensor_parallel_plan(n_layer)
     activations = plan.Activations(shape, b)
@@ -526,8 +738,9 @@ def test_pipeline_stages_hold_what_the_real_stages_hold_at_every_tp_and_pp(sched
         for name, param in stage.named_parameters():
             layer, _, kind = name.rpartition(".")
             style = styles.get(layer)
-            split = (style in (ColumnParallelLinear, VocabParallelEmbedding)
-                     or (style is RowParallelLinear and kind == "weight"))
+            split = style in (ColumnParallelLinear, VocabParallelEmbedding) or (
+                style is RowParallelLinear and kind == "weight"
+            )
             total += param.numel() // tp if split else param.numel()
         return total
 
@@ -536,12 +749,19 @@ def test_pipeline_stages_hold_what_the_real_stages_hold_at_every_tp_and_pp(sched
         for tp in (1, 2, 4):
             planned = [sum(plan.rank_params(shape, tp, pp, s).values()) for s in range(pp)]
             assert planned == [elements_per_tp_rank(stage, tp) for stage in stages], (pp, tp)
-        estimate_ = plan.configuration(shape, 1, 1, pp, 0, False, b, micro_batches, activations, schedule=schedule)
+        estimate_ = plan.configuration(
+            shape, 1, 1, pp, 0, False, b, micro_batches, activations, schedule=schedule
+        )
         hidden = torch.randn(b, seq, h, requires_grad=True)  # what a stage after the first receives
         for s, stage in enumerate(stages):
             saved = saved_bytes(stage, ids if s == 0 else hidden, ids if s == pp - 1 else None)
             held = peak_in_flight(schedule_actions(schedule, s, pp, micro_batches)) * saved
-            assert abs(estimate_["stages"][s]["activations"] / held - 1) < 0.005, (pp, s, held, estimate_["stages"][s])
+            assert abs(estimate_["stages"][s]["activations"] / held - 1) < 0.005, (
+                pp,
+                s,
+                held,
+                estimate_["stages"][s],
+            )
 
 
 @pytest.mark.quick
@@ -552,22 +772,33 @@ def test_interleaved_stages_hold_what_their_real_chunks_hold():
     M = 6. Also its bubble, (P - 1) / (V M + P - 1), and its point-to-point bytes, V times 1F1B's in each direction
     (one hop fewer at either end). Counting held chunk micro-batches as whole stages' fails it (checked)."""
     import sys
+
     sys.path.insert(0, str(REPO / "step9_pipeline_parallel"))
     from model import build_model
     from pipeline import GPT2Stage, schedule_actions
 
     n_layer, h, heads, vocab, seq, b, micro_batches = 6, 32, 4, 2048, 16, 2, 6
     shape = plan.Shape(n_layer, h, heads, vocab, seq)
-    config = {"n_layer": n_layer, "n_embd": h, "n_head": heads, "seq_len": seq, "dropout": 0.0, "attention": "math"}
+    config = {
+        "n_layer": n_layer,
+        "n_embd": h,
+        "n_head": heads,
+        "seq_len": seq,
+        "dropout": 0.0,
+        "attention": "math",
+    }
     model = build_model(config, vocab, 0)
     activations = plan.Activations(shape, b)
     ids, hidden = torch.randint(0, vocab, (b, seq)), torch.randn(b, seq, h, requires_grad=True)
     for pp in (2, 3):
         chunks = [GPT2Stage(model, k, 2 * pp) for k in range(2 * pp)]
-        saved = [saved_bytes(chunk, ids if k == 0 else hidden, ids if k == 2 * pp - 1 else None)
-                 for k, chunk in enumerate(chunks)]
-        estimate_ = plan.configuration(shape, 1, 1, pp, 0, False, b, micro_batches, activations,
-                                       schedule="interleaved-1f1b")
+        saved = [
+            saved_bytes(chunk, ids if k == 0 else hidden, ids if k == 2 * pp - 1 else None)
+            for k, chunk in enumerate(chunks)
+        ]
+        estimate_ = plan.configuration(
+            shape, 1, 1, pp, 0, False, b, micro_batches, activations, schedule="interleaved-1f1b"
+        )
         assert estimate_["bubble"] == (pp - 1) / (2 * micro_batches + pp - 1)
         plain = plan.configuration(shape, 1, 1, pp, 0, False, b, micro_batches, activations)
         for s in range(pp):
@@ -575,17 +806,30 @@ def test_interleaved_stages_hold_what_their_real_chunks_hold():
             for kind, _, v in schedule_actions("interleaved-1f1b", s, pp, micro_batches, 2):
                 held += saved[v * pp + s] if kind == "F" else -saved[v * pp + s]
                 peak = max(peak, held)
-            assert abs(estimate_["stages"][s]["activations"] / peak - 1) < 0.005, (pp, s, peak, estimate_["stages"][s])
+            assert abs(estimate_["stages"][s]["activations"] / peak - 1) < 0.005, (
+                pp,
+                s,
+                peak,
+                estimate_["stages"][s],
+            )
             sends, plain_sends = (c["stages"][s]["comm"]["pp"]["send"] for c in (estimate_, plain))
-            tied = (plain_sends - micro_batches * b * seq * h * 4 * ((s < pp - 1) + (s > 0)))
-            assert sends - tied == micro_batches * b * seq * h * 4 * (4 - (s == pp - 1) - (s == 0)), (pp, s)
+            tied = plain_sends - micro_batches * b * seq * h * 4 * ((s < pp - 1) + (s > 0))
+            assert sends - tied == micro_batches * b * seq * h * 4 * (
+                4 - (s == pp - 1) - (s == 0)
+            ), (pp, s)
 
 
 def test_the_moe_preset_has_mixtrals_published_parameter_counts():
     """Mixtral 8x7B: 46.7B parameters, 12.9B active per token (Jiang et al. 2024)."""
     shape, moe = plan.MOE_PRESETS["mixtral-8x7b"]
     psi = plan.moe_psi(shape, moe)
-    assert abs(psi["dense"] + psi["experts"] - 46.7e9) < 0.05e9 and abs(psi["active"] - 12.9e9) < 0.05e9
+    assert (
+        abs(psi["dense"] + psi["experts"] - 46.7e9) < 0.05e9
+        and abs(psi["active"] - 12.9e9) < 0.05e9
+    )
     assert plan.moe_rank_params(shape, moe, 8) == psi["dense"] + psi["experts"] // 8
     traffic = plan.all_to_all_bytes(moe, 4096, shape.n_embd, 8, activation_bytes=2)
-    assert traffic["handed"] == 8 * 8 + 4 * 2 * 4096 * 4096 * 2 and traffic["on_the_wire"] == traffic["handed"] * 7 / 8
+    assert (
+        traffic["handed"] == 8 * 8 + 4 * 2 * 4096 * 4096 * 2
+        and traffic["on_the_wire"] == traffic["handed"] * 7 / 8
+    )

@@ -1,6 +1,7 @@
 """compare/plan.py's commands (issue 49): every layout it lists for the trainers' model comes with the torchrun
 command that trains it, which the step's own parser accepts and which gives back the layout, or with one line
 saying why no trainer runs it; and the top runnable layouts, trained, hold the bytes the plan gave their rows."""
+
 import contextlib
 import functools
 import importlib.util
@@ -13,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TIMEOUT, metrics, run_forked, run_ranks
-
 import estimate  # compare/, on the path through conftest
 import plan
+from conftest import REPO, TIMEOUT, metrics, run_forked, run_ranks
 
 # At 4 ranks of the trainers' default model: budgets that list DDP, ZeRO-1/2/3, checkpointing, dp x pp and tp;
 # 4 blocks for pp 4 (every layout fits in 1 GiB) and the interleaved schedule; 16-bit parameters; HSDP and offload at 8; a global batch too
@@ -26,10 +26,37 @@ PLANS = [
     ["--devices", "4", "--memory-gb", "1", "--n-layer", "4"],
     ["--devices", "4", "--memory-gb", "0.02"],
     ["--devices", "4", "--memory-gb", "0.012", "--n-layer", "4", "--global-batch", "128"],
-    ["--devices", "4", "--memory-gb", "0.02", "--n-layer", "4", "--schedule", "interleaved-1f1b",
-     "--global-batch", "128", "--sequence-parallel"],
-    ["--devices", "4", "--memory-gb", "0.02", "--param-dtype", "bf16", "--reduce-every-micro-batch"],
-    ["--devices", "8", "--memory-gb", "0.02", "--hsdp", "--offload-optimizer", "--selective-recompute"],
+    [
+        "--devices",
+        "4",
+        "--memory-gb",
+        "0.02",
+        "--n-layer",
+        "4",
+        "--schedule",
+        "interleaved-1f1b",
+        "--global-batch",
+        "128",
+        "--sequence-parallel",
+    ],
+    [
+        "--devices",
+        "4",
+        "--memory-gb",
+        "0.02",
+        "--param-dtype",
+        "bf16",
+        "--reduce-every-micro-batch",
+    ],
+    [
+        "--devices",
+        "8",
+        "--memory-gb",
+        "0.02",
+        "--hsdp",
+        "--offload-optimizer",
+        "--selective-recompute",
+    ],
     ["--devices", "4", "--memory-gb", "0.03", "--global-batch", "8", "--schedule", "zero-bubble"],
 ]
 
@@ -55,6 +82,7 @@ def trainer_parser(step: str):
     """(the parser ``python STEP/train.py`` builds, its ``parse_config``), in this process: the step's main() run up
     to its ``parse_config`` (its flags added as it adds them), from its own folder's modules, imported afresh and
     forgotten after."""
+
     def ours(module) -> bool:
         return Path(getattr(module, "__file__", None) or "/").resolve().parent.parent == REPO
 
@@ -111,11 +139,19 @@ def layout_of_flags(step: str, nproc: int, config: dict) -> dict:
         cp = config["cp"]
         dp = nproc // cp
     recompute = config.get("activation_checkpointing", "none")
-    return {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "zero": plan.ZERO_OF_STEP.get(number, 0) if dp * cp > 1 else 0,
-            "replicate": config.get("replicate") or 1, "offload": config.get("offload_optimizer", False),
-            "checkpointing": recompute == "full", "selective": recompute == "selective",
-            "sequence_parallel": config.get("sequence_parallel", False),
-            "micro_batches": config.get("micro_batches") or config["grad_accum"]}
+    return {
+        "dp": dp,
+        "cp": cp,
+        "tp": tp,
+        "pp": pp,
+        "zero": plan.ZERO_OF_STEP.get(number, 0) if dp * cp > 1 else 0,
+        "replicate": config.get("replicate") or 1,
+        "offload": config.get("offload_optimizer", False),
+        "checkpointing": recompute == "full",
+        "selective": recompute == "selective",
+        "sequence_parallel": config.get("sequence_parallel", False),
+        "micro_batches": config.get("micro_batches") or config["grad_accum"],
+    }
 
 
 @pytest.mark.quick
@@ -133,34 +169,71 @@ def test_every_listed_layout_has_a_command_its_trainer_parses_or_says_why_not(tm
             assert (c["command"] is None) != (c["no_command"] is None), c
             assert f"\n    {c['command'] or 'no command: ' + c['no_command']}\n" in table + "\n", c
             if c["no_command"]:
-                assert "\n" not in c["no_command"] and c["no_command"].startswith("no trainer runs"), c
+                assert "\n" not in c["no_command"] and c["no_command"].startswith(
+                    "no trainer runs"
+                ), c
                 continue
             nproc, step, flags = split(c["command"])
             assert nproc == int(argv[1]), c["command"]
             if (step, *flags) not in parsed:
                 parsed[step, *flags] = parse_as_trainer(step, flags)
             config = parsed[step, *flags]
-            wanted = {k: c[k] for k in ("dp", "cp", "tp", "pp", "zero", "replicate", "offload", "checkpointing",
-                                        "selective", "sequence_parallel", "micro_batches")}
+            wanted = {
+                k: c[k]
+                for k in (
+                    "dp",
+                    "cp",
+                    "tp",
+                    "pp",
+                    "zero",
+                    "replicate",
+                    "offload",
+                    "checkpointing",
+                    "selective",
+                    "sequence_parallel",
+                    "micro_batches",
+                )
+            }
             assert layout_of_flags(step, nproc, config) == wanted, c["command"]
             if c["pp"] > 1:
                 assert config["schedule"] == c["schedule"], c["command"]
-            assert (config["n_layer"], config["n_embd"], config["n_head"], config["seq_len"]) == \
-                (int(dict(zip(argv, argv[1:])).get("--n-layer", 2)), 128, 4, 64), c["command"]
-            assert config.get("param_dtype", "float32") == dict(zip(argv, argv[1:])).get("--param-dtype", "float32")
-            assert config["micro_batch_size"] * config["grad_accum"] * c["dp"] == global_batch, c["command"]
+            assert (config["n_layer"], config["n_embd"], config["n_head"], config["seq_len"]) == (
+                int(dict(zip(argv, argv[1:])).get("--n-layer", 2)),
+                128,
+                4,
+                64,
+            ), c["command"]
+            assert config.get("param_dtype", "float32") == dict(zip(argv, argv[1:])).get(
+                "--param-dtype", "float32"
+            )
+            assert config["micro_batch_size"] * config["grad_accum"] * c["dp"] == global_batch, c[
+                "command"
+            ]
             chosen.add(step)
             if step == "step10_3d_parallel" and c["cp"] > 1:
-                chosen.add("step10 with cp and " + ("tp" if c["tp"] > 1 else "pp" if c["pp"] > 1 else "dp"))
-    assert {s for s in chosen if s.startswith("step10 with cp")}, chosen  # the fourth axis on the mesh
+                chosen.add(
+                    "step10 with cp and " + ("tp" if c["tp"] > 1 else "pp" if c["pp"] > 1 else "dp")
+                )
+    # the fourth axis on the mesh
+    assert {s for s in chosen if s.startswith("step10 with cp")}, chosen
     chosen = {s for s in chosen if not s.startswith("step10 with cp")}
-    assert chosen == {"step1_torch_ddp", "step5_zero1", "step6_zero2", "step7_zero3", "step8_tensor_parallel",
-                      "step9_pipeline_parallel", "step10_3d_parallel", "step11_context_parallel"}, chosen
+    assert chosen == {
+        "step1_torch_ddp",
+        "step5_zero1",
+        "step6_zero2",
+        "step7_zero3",
+        "step8_tensor_parallel",
+        "step9_pipeline_parallel",
+        "step10_3d_parallel",
+        "step11_context_parallel",
+    }, chosen
 
 
 @pytest.mark.quick
 def test_a_model_no_trainer_builds_gets_one_line_and_no_commands(tmp_path):
-    fit, table = planned(["--devices", "8", "--memory-gb", "80", "--preset", "gpt2"], tmp_path / "plan.json")
+    fit, table = planned(
+        ["--devices", "8", "--memory-gb", "80", "--preset", "gpt2"], tmp_path / "plan.json"
+    )
     assert all(c["command"] is None and "not the trainers' GPT-2" in c["no_command"] for c in fit)
     assert "no commands: not the trainers' GPT-2" in table and "\n    no command" not in table
     assert "torchrun" not in table
@@ -173,26 +246,58 @@ def test_the_top_runnable_layouts_train_and_hold_what_the_plan_says(small_corpus
     params + grads + AdamW state is within the same tolerance of its stage's row in the plan."""
     fit, _ = planned(["--devices", "4", "--memory-gb", "0.02"], tmp_path / "plan.json")
     runnable = [c for c in fit if c["command"]][:3]
-    assert len({(c["dp"], c["tp"], c["pp"], c["zero"], c["checkpointing"]) for c in runnable}) == 3, \
-        [c["command"] for c in runnable]
+    assert (
+        len({(c["dp"], c["tp"], c["pp"], c["zero"], c["checkpointing"]) for c in runnable}) == 3
+    ), [c["command"] for c in runnable]
     runs = []
     for i, c in enumerate(runnable):
         nproc, step, flags = split(c["command"])
         out = tmp_path / f"run{i}_{step}"
-        result = run_ranks(REPO / step / "train.py", [*flags, "--steps", "2", "--save-every", "0", "--quiet",
-                                                     "--data", str(small_corpus), "--out", str(out), *TIMEOUT], nproc)
-        assert result.returncode == 0, f"{c['command']} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        result = run_ranks(
+            REPO / step / "train.py",
+            [
+                *flags,
+                "--steps",
+                "2",
+                "--save-every",
+                "0",
+                "--quiet",
+                "--data",
+                str(small_corpus),
+                "--out",
+                str(out),
+                *TIMEOUT,
+            ],
+            nproc,
+        )
+        assert result.returncode == 0, (
+            f"{c['command']} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
         run = metrics(out)
         mesh = plan.layout_of(run)
-        assert (mesh["dp"], mesh["tp"], mesh["pp"], mesh["zero"]) == (c["dp"] * c["cp"], c["tp"], c["pp"], c["zero"])
+        assert (mesh["dp"], mesh["tp"], mesh["pp"], mesh["zero"]) == (
+            c["dp"] * c["cp"],
+            c["tp"],
+            c["pp"],
+            c["zero"],
+        )
         for row in plan.measured_rows(run, estimate.vocabulary_size(run["config"]["tokenizer"])):
             stage = c["stages"][row["stage"]]
             planned_state = sum(stage[kind] for kind in estimate.KINDS)
             measured = sum(row["measured"].values())
-            assert abs(measured / planned_state - 1) <= plan.MEASURED_TOLERANCE, (c["command"], row, stage)
-            assert math.isclose(sum(row["estimated"].values()), planned_state, rel_tol=1e-9), (c["command"], row)
+            assert abs(measured / planned_state - 1) <= plan.MEASURED_TOLERANCE, (
+                c["command"],
+                row,
+                stage,
+            )
+            assert math.isclose(sum(row["estimated"].values()), planned_state, rel_tol=1e-9), (
+                c["command"],
+                row,
+            )
         runs.append(str(out))
-    result = run_forked([sys.executable, str(REPO / "compare" / "plan.py"), "--measured", *runs], timeout=120)
+    result = run_forked(
+        [sys.executable, str(REPO / "compare" / "plan.py"), "--measured", *runs], timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.rstrip().endswith("within 5% of the estimate: yes"), result.stdout
 
@@ -202,27 +307,69 @@ def test_the_ep_layouts_train_and_hold_and_send_what_the_plan_says(small_corpus,
     that trains it. Each ep's command, trained one step at 2 ranks: every rank's parameters and gradients are the
     row's to the byte, its model state within the tolerance (AdamW's step counts), and the all-to-all bytes of the
     step, averaged over the ranks (over a group what is sent arrives), the row's dropless figure exactly."""
-    argv = ["--moe-experts", "4", "--devices", "2", "--memory-gb", "1", "--n-layer", "2", "--n-embd", "32",
-            "--n-head", "2", "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2",
-            "--json", str(tmp_path / "plan.json")]
+    argv = [
+        "--moe-experts",
+        "4",
+        "--devices",
+        "2",
+        "--memory-gb",
+        "1",
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--grad-accum",
+        "2",
+        "--json",
+        str(tmp_path / "plan.json"),
+    ]
     result = run_forked([sys.executable, str(REPO / "compare" / "plan.py"), *argv], timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     layouts = json.loads((tmp_path / "plan.json").read_text())["layouts"]
-    assert [row["ep"] for row in layouts] == [1, 2] and all(row["fits"] and row["command"] for row in layouts)
+    assert [row["ep"] for row in layouts] == [1, 2] and all(
+        row["fits"] and row["command"] for row in layouts
+    )
     assert layouts[1]["params"] < layouts[0]["params"]  # half the experts a rank
     for row in layouts:
         assert f"  ep {row['ep']}: {row['command']}" in result.stdout
         nproc, step, flags = split(row["command"])
         assert (nproc, step) == (2, "step12_expert_parallel")
         out = tmp_path / f"ep{row['ep']}"
-        trained = run_ranks(REPO / step / "train.py", [*flags, "--steps", "1", "--save-every", "0", "--quiet",
-                                                      "--data", str(small_corpus), "--out", str(out), *TIMEOUT], nproc)
+        trained = run_ranks(
+            REPO / step / "train.py",
+            [
+                *flags,
+                "--steps",
+                "1",
+                "--save-every",
+                "0",
+                "--quiet",
+                "--data",
+                str(small_corpus),
+                "--out",
+                str(out),
+                *TIMEOUT,
+            ],
+            nproc,
+        )
         assert trained.returncode == 0, f"{row['command']} failed:\n{trained.stderr[-3000:]}"
         record = metrics(out)["records"][-1]
         assert record["moe"]["dropped_fraction"] == [0.0, 0.0]  # dropless, as the plan assumes
         for memory in record["memory"]:
-            assert (memory["params"], memory["grads"]) == (row["state"]["params"], row["state"]["grads"])
+            assert (memory["params"], memory["grads"]) == (
+                row["state"]["params"],
+                row["state"]["grads"],
+            )
             measured = sum(memory[kind] for kind in estimate.KINDS)
             assert abs(measured / row["total"] - 1) <= plan.MEASURED_TOLERANCE, (row["ep"], memory)
         sent = [sum(note["bytes"] for note in notes) for notes in record["all_to_all"]]
-        assert sum(sent) / len(sent) == pytest.approx(row["all_to_all_handed"], rel=1e-12), (row["ep"], sent)
+        assert sum(sent) / len(sent) == pytest.approx(row["all_to_all_handed"], rel=1e-12), (
+            row["ep"],
+            sent,
+        )

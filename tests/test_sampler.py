@@ -1,6 +1,7 @@
 """ShardedSampler against torch's DistributedSampler over a broad grid, check_no_overlap on every
 correct sharding and on planted bugs, and the check in real gloo processes, where a planted
 overlap or a short shard must be caught on every rank."""
+
 import itertools
 import sys
 
@@ -25,14 +26,20 @@ def shards(n, world_size, **kwargs):
 
 # ---- the sampler: exactly DistributedSampler ---------------------------------------------------
 
+
 @pytest.mark.quick
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_yields_exactly_what_distributed_sampler_yields(world_size):
-    for n, shuffle, drop_last, seed, epoch in itertools.product(LENGTHS, (True, False), (False, True),
-                                                                (0, 1, 1234), (0, 1, 5)):
+    for n, shuffle, drop_last, seed, epoch in itertools.product(
+        LENGTHS, (True, False), (False, True), (0, 1, 1234), (0, 1, 5)
+    ):
         for rank in range(world_size):
-            ours = ShardedSampler(n, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-            theirs = DistributedSampler(range(n), world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+            ours = ShardedSampler(
+                n, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+            )
+            theirs = DistributedSampler(
+                range(n), world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+            )
             ours.set_epoch(epoch)
             theirs.set_epoch(epoch)
             case = f"n={n} ws={world_size} rank={rank} shuffle={shuffle} drop_last={drop_last} seed={seed} epoch={epoch}"
@@ -84,32 +91,47 @@ def test_negative_dataset_length_is_refused():
 
 # ---- the check, in one process ---------------------------------------------------------------
 
+
 def fake_world(monkeypatch, gathered):
     """Make check_no_overlap see an initialised group whose all-gather returns ``gathered``."""
     monkeypatch.setattr(sampler_module.dist, "is_available", lambda: True)
     monkeypatch.setattr(sampler_module.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(sampler_module.dist, "get_world_size", lambda group=None: len(gathered))
-    monkeypatch.setattr(sampler_module.dist, "all_gather_object",
-                        lambda out, obj, group=None: out.__setitem__(slice(None), [list(s) for s in gathered]))
+    monkeypatch.setattr(
+        sampler_module.dist,
+        "all_gather_object",
+        lambda out, obj, group=None: out.__setitem__(slice(None), [list(s) for s in gathered]),
+    )
 
 
 @pytest.mark.quick
 def test_check_passes_on_every_correct_sharding(monkeypatch):
-    for n, world_size, drop_last in itertools.product(list(range(0, 41)) + [97], WORLD_SIZES, (False, True)):
+    for n, world_size, drop_last in itertools.product(
+        list(range(0, 41)) + [97], WORLD_SIZES, (False, True)
+    ):
         gathered = shards(n, world_size, seed=5, drop_last=drop_last)
         fake_world(monkeypatch, gathered)
         summary = check_no_overlap(gathered[0], n, world_size, drop_last)
         per_rank = n // world_size if drop_last else -(-n // world_size)
-        assert summary == {"ranks": world_size, "per_rank": per_rank, "padding": 0 if drop_last else
-                           per_rank * world_size - n, "distinct": per_rank * world_size if drop_last else n,
-                           "ok": True}, (n, world_size, drop_last)
+        assert summary == {
+            "ranks": world_size,
+            "per_rank": per_rank,
+            "padding": 0 if drop_last else per_rank * world_size - n,
+            "distinct": per_rank * world_size if drop_last else n,
+            "ok": True,
+        }, (n, world_size, drop_last)
 
 
 @pytest.mark.quick
 def test_check_in_a_world_of_one_without_a_process_group():
     assert not dist.is_initialized()
-    assert check_no_overlap([3, 1, 0, 4, 2], 5, 1) == {"ranks": 1, "per_rank": 5, "distinct": 5, "padding": 0,
-                                                       "ok": True}
+    assert check_no_overlap([3, 1, 0, 4, 2], 5, 1) == {
+        "ranks": 1,
+        "per_rank": 5,
+        "distinct": 5,
+        "padding": 0,
+        "ok": True,
+    }
     with pytest.raises(RuntimeError, match="sample 3 is on rank 0 2 times"):
         check_no_overlap([0, 1, 2, 3, 3], 5, 1)
     with pytest.raises(RuntimeError, match="holds 3 samples, expected 5"):
@@ -120,15 +142,19 @@ def test_check_in_a_world_of_one_without_a_process_group():
         check_no_overlap([0, 1, 2, 3, 4], 5, 2)
 
 
-@pytest.mark.parametrize("plant, message", [
-    ("copy", "sample 6 is on ranks 0 and 1: 4 repeated samples, but padding explains only 2"),
-    ("twice", "sample 8 is on rank 2 2 times: 3 repeated samples, but padding explains only 2"),
-    ("short", "different numbers of samples .*rank 0: 4, rank 1: 4, rank 2: 3"),
-    ("long", "every rank holds 5 samples, expected 4"),
-])
+@pytest.mark.parametrize(
+    "plant, message",
+    [
+        ("copy", "sample 6 is on ranks 0 and 1: 4 repeated samples, but padding explains only 2"),
+        ("twice", "sample 8 is on rank 2 2 times: 3 repeated samples, but padding explains only 2"),
+        ("short", "different numbers of samples .*rank 0: 4, rank 1: 4, rank 2: 3"),
+        ("long", "every rank holds 5 samples, expected 4"),
+    ],
+)
 @pytest.mark.quick
 def test_check_names_the_planted_bug(monkeypatch, plant, message):
-    gathered = [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]  # 10 samples on 3 ranks: 0 and 1 are the padding
+    # 10 samples on 3 ranks: 0 and 1 are the padding
+    gathered = [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]
     assert gathered == shards(10, 3, shuffle=False)
     if plant == "copy":
         gathered[1] = list(gathered[0])  # rank 1 computed rank 0's shard
@@ -147,8 +173,13 @@ def test_check_names_the_planted_bug(monkeypatch, plant, message):
 def test_check_with_drop_last_allows_no_repeats(monkeypatch):
     gathered = shards(10, 3, seed=1, drop_last=True)  # 9 of the 10 samples, each once
     fake_world(monkeypatch, gathered)
-    assert check_no_overlap(gathered[0], 10, 3, drop_last=True) == {"ranks": 3, "per_rank": 3, "distinct": 9,
-                                                                    "padding": 0, "ok": True}
+    assert check_no_overlap(gathered[0], 10, 3, drop_last=True) == {
+        "ranks": 3,
+        "per_rank": 3,
+        "distinct": 9,
+        "padding": 0,
+        "ok": True,
+    }
     gathered[2][0] = gathered[0][0]
     fake_world(monkeypatch, gathered)
     with pytest.raises(RuntimeError, match=f"sample {gathered[0][0]} is on ranks 0 and 2"):
@@ -156,6 +187,7 @@ def test_check_with_drop_last_allows_no_repeats(monkeypatch):
 
 
 # ---- the check across real processes over gloo ---------------------------------------------
+
 
 def shard_worker(rank, world_size, port, queue, dataset_len, drop_last, plant):
     """One rank: build the shard, maybe plant a bug, run the collective check, report what happened."""
@@ -183,7 +215,13 @@ def test_real_processes_pass_the_check_on_real_shards(world_size, drop_last):
     per_rank = 10 // world_size if drop_last else -(-10 // world_size)
     padding = 0 if drop_last else per_rank * world_size - 10
     distinct = per_rank * world_size if drop_last else 10
-    expected = {"ranks": world_size, "per_rank": per_rank, "distinct": distinct, "padding": padding, "ok": True}
+    expected = {
+        "ranks": world_size,
+        "per_rank": per_rank,
+        "distinct": distinct,
+        "padding": padding,
+        "ok": True,
+    }
     assert run_world(world_size, drop_last=drop_last) == [{"summary": expected}] * world_size
 
 
@@ -204,6 +242,7 @@ def loop_worker(rank, world_size, port, queue):
     epoch is 5 micro-batches per rank, so steps 1 and 3 start one), and the loss mean of distributed.py."""
     import distributed
     from data import MicroBatches
+
     init_gloo(rank, world_size, port)
     blocks = torch.arange(40).view(10, 4)
     batches = MicroBatches(blocks, ShardedSampler(10, world_size, rank, seed=3), 1)
@@ -212,8 +251,16 @@ def loop_worker(rank, world_size, port, queue):
     for _ in range(3):
         micro_batches, shard_check = checked_micro_batches(batches, 2)
         expected = [twin.next() for _ in range(2)]
-        steps.append((all(torch.equal(a, b) for got, want in zip(micro_batches, expected) for a, b in zip(got, want)),
-                      shard_check))
+        steps.append(
+            (
+                all(
+                    torch.equal(a, b)
+                    for got, want in zip(micro_batches, expected)
+                    for a, b in zip(got, want)
+                ),
+                shard_check,
+            )
+        )
     # rank r summed 3 losses to r + 1: the mean over every rank's losses is (1 + 2) / 6, exactly
     mean = distributed.mean_over_ranks(torch.tensor(float(rank + 1)), 3)
     shutdown()
@@ -224,5 +271,7 @@ def test_the_loops_micro_batches_are_checked_at_each_epoch_start_and_the_loss_av
     results = spawn(loop_worker, 2)
     summary = {"ranks": 2, "per_rank": 5, "distinct": 10, "padding": 0, "ok": True}
     for rank in (0, 1):
-        assert results[rank] == {"steps": [(True, summary), (True, None), (True, summary)], "mean": 0.5}
-
+        assert results[rank] == {
+            "steps": [(True, summary), (True, None), (True, summary)],
+            "mean": 0.5,
+        }

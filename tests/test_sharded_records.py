@@ -2,6 +2,7 @@
 clipping is off (nothing is scaled, so the weights are right even if the logged norm is one rank's slice),
 and the bytes each step hands to its collectives in the default float32 mode (a reduction in float64 gives
 the same bits at 2 ranks, at twice the traffic)."""
+
 import math
 
 import pytest
@@ -13,15 +14,22 @@ SHARDED = ("step5", "step6", "step7")
 
 def psi(run, root_only: bool = False) -> int:
     """Parameters in all (Ψ), or only those outside the transformer blocks (step 7's root unit)."""
-    return sum(math.prod(f["shape"]) for name, f in metrics(run)["final"]["fingerprints"].items()
-               if not (root_only and ".h." in name))
+    return sum(
+        math.prod(f["shape"])
+        for name, f in metrics(run)["final"]["fingerprints"].items()
+        if not (root_only and ".h." in name)
+    )
 
 
 @pytest.fixture(scope="module")
 def unclipped(tmp_path_factory, small_corpus):
     """Steps 1 and 5-7 on 2 ranks with ``--grad-clip 0`` (no clipping), default float32 mode."""
-    return {step: train(step, tmp_path_factory.mktemp(f"unclipped_{step}"), small_corpus, "--grad-clip", "0")
-            for step in ("step1", *SHARDED)}
+    return {
+        step: train(
+            step, tmp_path_factory.mktemp(f"unclipped_{step}"), small_corpus, "--grad-clip", "0"
+        )
+        for step in ("step1", *SHARDED)
+    }
 
 
 @pytest.mark.parametrize("step", SHARDED)
@@ -56,15 +64,21 @@ def test_the_default_mode_moves_each_gradient_once_in_float32(step, tour):
     for r in metrics(run)["records"]:
         comm = r["comm"]
         gradients = comm["reduce_scatter" if step in ("step6", "step7") else "all_reduce"]
-        assert 4 * n <= gradients <= 4 * (n + pad) + 8, f"{step} step {r['step']}: {comm} for Ψ = {n}"
+        assert 4 * n <= gradients <= 4 * (n + pad) + 8, (
+            f"{step} step {r['step']}: {comm} for Ψ = {n}"
+        )
         if step in ("step5", "step6"):
             assert 4 * n <= comm["all_gather"] <= 4 * (n + pad), f"{step} step {r['step']}: {comm}"
         if step in ("step6", "step7"):
             assert comm["all_reduce"] <= 8192, f"{step} step {r['step']}: {comm}"
-        if step == "step7":  # root: everything outside the blocks; a unit pads to at most N - 1 more elements
+        # root: everything outside the blocks; a unit pads to at most N - 1 more elements
+        if step == "step7":
             root, units = psi(run, root_only=True), config["n_layer"] + 1
             gathered = comm["all_gather"] / 4
-            assert accum * (2 * n - root) <= gathered < accum * (2 * n - root + 2 * units * world_size), comm
+            assert (
+                accum * (2 * n - root) <= gathered < accum * (2 * n - root + 2 * units * world_size)
+            ), comm
         if step in ("step1", "step2", "step3", "step4"):
-            assert gradients == 4 * n and set(comm) <= {"all_reduce", "broadcast"}, f"{step}: {comm}"
-
+            assert gradients == 4 * n and set(comm) <= {"all_reduce", "broadcast"}, (
+                f"{step}: {comm}"
+            )

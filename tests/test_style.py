@@ -1,5 +1,5 @@
-"""Every Python file in the repository passes ruff's check as pyproject.toml configures it (pyflakes and bugbear's
-likely bugs), so CI enforces it. (The formatter is not on yet: pyproject.toml says why.)"""
+"""Every Python file in the repository passes ruff's check as pyproject.toml configures it (pyflakes, bugbear's
+likely bugs, import order) and is as ruff's formatter writes it, so CI enforces both."""
 
 import subprocess
 import sys
@@ -21,4 +21,12 @@ def test_ruff_check_passes():
     result = ruff("check", ".")
     assert result.returncode == 0, (
         f"{result.stdout[-3000:]}{result.stderr[-1000:]}\nfix: ruff check --fix ."
+    )
+
+
+@pytest.mark.quick
+def test_ruff_format_leaves_every_file_as_it_is():
+    result = ruff("format", "--check", ".")
+    assert result.returncode == 0, (
+        f"{result.stdout[-3000:]}{result.stderr[-1000:]}\nfix: ruff format ."
     )

@@ -4,6 +4,7 @@ two groups of 2 ({0, 1} and {2, 3}, as dp groups inside a tp 2 mesh), our files 
 a plain loop naming none of our helpers; against PyTorch's DDP(process_group=) with a plain AdamW and with
 ZeroRedundancyOptimizer(process_group=), torch.equal after every step. The two groups train on different data,
 so a collective that leaked out of its group would show."""
+
 import contextlib
 import json
 import os
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
 # PyTorch's references, imported at the top as a script does: torch.distributed.optim imported once a group exists
 # imports torch.distributed.nn.functional, which then holds the default group, so destroy_process_group cannot
 # free it and gloo's threads run into interpreter exit ("terminate called without an active exception", SIGABRT;
@@ -33,8 +35,12 @@ def toy(seed: int) -> nn.Module:
 
 
 def loss_of(model, step: int, micro_step: int, rank: int) -> torch.Tensor:
-    x = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(100 * step + 10 * micro_step + rank))
-    return nn.functional.cross_entropy(model(x).flatten(0, 1), x.roll(1, 1).flatten()) / MICRO_BATCHES
+    x = torch.randint(
+        0, 50, (4, 6), generator=torch.Generator().manual_seed(100 * step + 10 * micro_step + rank)
+    )
+    return (
+        nn.functional.cross_entropy(model(x).flatten(0, 1), x.roll(1, 1).flatten()) / MICRO_BATCHES
+    )
 
 
 def params(model) -> list:
@@ -45,19 +51,25 @@ def worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in one order
+    # every rank creates every group, in one order
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = groups[rank // 2]
     sys.path.insert(0, str(REPO / "step3_naive_dp"))
     from naive_dp import allreduce_gradients
+
     sys.path[0] = str(REPO / "step5_zero1")
     from zero1 import ShardedOptimizer
 
     seed = 7 + rank // 2  # the two groups start apart too: each group is a replica set of its own
     ours = toy(seed)
     references = [DDP(toy(seed), process_group=mine) for _ in range(2)]
-    optimizers = [ShardedOptimizer(ours.parameters(), torch.optim.AdamW, process_group=mine, lr=0.05),
-                  torch.optim.AdamW(references[0].parameters(), lr=0.05),
-                  ZeroRedundancyOptimizer(references[1].parameters(), torch.optim.AdamW, process_group=mine, lr=0.05)]
+    optimizers = [
+        ShardedOptimizer(ours.parameters(), torch.optim.AdamW, process_group=mine, lr=0.05),
+        torch.optim.AdamW(references[0].parameters(), lr=0.05),
+        ZeroRedundancyOptimizer(
+            references[1].parameters(), torch.optim.AdamW, process_group=mine, lr=0.05
+        ),
+    ]
     problems = []
     for step in range(STEPS):
         for micro_step in range(MICRO_BATCHES):
@@ -76,7 +88,9 @@ def worker(rank: int, port: int, out: str) -> None:
     dist.all_gather_object(theirs, params(ours)[0].sum().item())
     del references, optimizers
     dist.destroy_process_group()
-    Path(f"{out}.rank{rank}").write_text(json.dumps({"problems": problems, "first_weight_sums": theirs}))
+    Path(f"{out}.rank{rank}").write_text(
+        json.dumps({"problems": problems, "first_weight_sums": theirs})
+    )
 
 
 def test_an_outsider_shards_adamw_over_a_subgroup(tmp_path):

@@ -9,6 +9,7 @@ tests/test_foundation.py's resume test, as every step's.)
 The runs are shared (session fixtures): step 8 and the reference at TP = 2 and 4, on TINY with 4 heads, with and
 without --sequence-parallel.
 """
+
 import sys
 import traceback
 
@@ -16,16 +17,46 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (REPO, STEPS, TIMEOUT, TINY, assert_bitwise_same_run, init_gloo, metrics, other_order_drift,
-                      parity, regrouped_drift, run_forked, run_ranks, shutdown, spawn, train, weights)
+from conftest import (
+    REPO,
+    STEPS,
+    TIMEOUT,
+    TINY,
+    assert_bitwise_same_run,
+    init_gloo,
+    metrics,
+    other_order_drift,
+    parity,
+    regrouped_drift,
+    run_forked,
+    run_ranks,
+    shutdown,
+    spawn,
+    train,
+    weights,
+)
 
 # Four heads so that 2 and 4 ranks both hold whole heads; bf16 autocast; checkpoints at steps 2 and 4.
 TP_FLAGS = ("--n-head", "4", "--amp", "bf16", "--save-every", "2")
 
 
 def reference(out, corpus, nproc, *flags):
-    result = run_ranks(REPO / "compare" / "tp_reference.py", [*TINY, *TP_FLAGS, "--save-every", "0", *flags,
-                                                             "--data", str(corpus), "--out", str(out), *TIMEOUT], nproc)
+    result = run_ranks(
+        REPO / "compare" / "tp_reference.py",
+        [
+            *TINY,
+            *TP_FLAGS,
+            "--save-every",
+            "0",
+            *flags,
+            "--data",
+            str(corpus),
+            "--out",
+            str(out),
+            *TIMEOUT,
+        ],
+        nproc,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -40,9 +71,13 @@ def tp_runs(tmp_path_factory, small_corpus):
         if (kind, nproc) not in runs:
             out = tmp_path_factory.mktemp(f"tp_{kind}_{nproc}")
             flags = ["--sequence-parallel"] if kind.endswith("_sp") else []
-            runs[kind, nproc] = (train("step8", out, small_corpus, *TP_FLAGS, *flags, nproc=nproc)
-                                 if kind.startswith("ours") else reference(out, small_corpus, nproc, *flags))
+            runs[kind, nproc] = (
+                train("step8", out, small_corpus, *TP_FLAGS, *flags, nproc=nproc)
+                if kind.startswith("ours")
+                else reference(out, small_corpus, nproc, *flags)
+            )
         return runs[kind, nproc]
+
     return run
 
 
@@ -52,7 +87,9 @@ def test_step8_is_bitwise_pytorch_tensor_parallelism(tp_runs, nproc):
     ours, torch_tp = tp_runs("ours", nproc), tp_runs("torch", nproc)
     assert_bitwise_same_run(ours, torch_tp)
     records = metrics(ours)["records"]
-    assert all(r["grad_norm"] > 0.3 for r in records), "clipping must trigger for the test to mean something"
+    assert all(r["grad_norm"] > 0.3 for r in records), (
+        "clipping must trigger for the test to mean something"
+    )
     assert metrics(ours)["final"]["replicas_identical"]
     result = parity(ours, torch_tp)
     assert result.returncode == 0 and "PASS (bitwise identical)" in result.stdout, result.stdout
@@ -73,7 +110,8 @@ def test_sequence_parallelism_is_bitwise_pytorchs_sequence_parallel_plan(tp_runs
     if nproc == 2:
         plain = tp_runs("ours", 2)
         assert metrics(ours)["records"][0]["loss"] == metrics(plain)["records"][0]["loss"]
-        result = parity(plain, ours)  # the parity contract; measured: 32 of 36 tensors bitwise, 9.3e-10 apart
+        # the parity contract; measured: 32 of 36 tensors bitwise, 9.3e-10 apart
+        result = parity(plain, ours)
         assert result.returncode == 0 and "verdict: PASS" in result.stdout, result.stdout
 
 
@@ -102,18 +140,25 @@ def test_sequence_parallel_communication_per_step_is_the_formula(tp_runs):
     gather), in the dtype they carry under bf16 autocast: the row-parallel outputs bf16, the rest float32. Per step,
     the LayerNorms' gradients all-reduced once, beside the loss's and the norms' numbers."""
     config = metrics(tp_runs("ours_sp", 2))["config"]
-    b, s, h, layers, accum = (config[k] for k in ("micro_batch_size", "seq_len", "n_embd", "n_layer", "grad_accum"))
+    b, s, h, layers, accum = (
+        config[k] for k in ("micro_batch_size", "seq_len", "n_embd", "n_layer", "grad_accum")
+    )
     bsh = b * s * h
     norm_parts = 8 + 3 * 277 * 8  # as without sequence parallelism: the parameters are the same
     layer_norms = (2 * layers + 1) * 2 * h * 4
     # each collective counted by its whole buffer, so a gather and a reduce-scatter hand twice an all-reduce's bytes
     # and send the same on a ring (compare/plan.py's on_the_wire)
-    gathers = (2 * layers + 1) * bsh * 4 + 2 * layers * bsh * 2 + bsh * 4 + s * h * 4  # forward; backward (c_proj
-    scatters = 2 * layers * bsh * 2 + bsh * 4 + (2 * layers + 1) * bsh * 4  # in bf16, embedding, wpe); the same
+    # forward; backward (c_proj
+    gathers = (2 * layers + 1) * bsh * 4 + 2 * layers * bsh * 2 + bsh * 4 + s * h * 4
+    # in bf16, embedding, wpe); the same
+    scatters = 2 * layers * bsh * 2 + bsh * 4 + (2 * layers + 1) * bsh * 4
     for nproc in (2, 4):
         for record in metrics(tp_runs("ours_sp", nproc))["records"]:
-            assert record["comm"] == {"all_gather": accum * gathers, "reduce_scatter": accum * scatters,
-                                      "all_reduce": accum * 3 * b * s * 4 + layer_norms + norm_parts}, record["comm"]
+            assert record["comm"] == {
+                "all_gather": accum * gathers,
+                "reduce_scatter": accum * scatters,
+                "all_reduce": accum * 3 * b * s * 4 + layer_norms + norm_parts,
+            }, record["comm"]
 
 
 def test_a_checkpoint_is_read_at_another_degree_and_by_step1(tp_runs, tmp_path, small_corpus):
@@ -125,15 +170,28 @@ def test_a_checkpoint_is_read_at_another_degree_and_by_step1(tp_runs, tmp_path, 
     full = tp_runs("ours", 2)
     step2 = str(full / "checkpoints" / "step_2")
     at_four = train("step8", tmp_path / "tp4", small_corpus, *TP_FLAGS, "--resume", step2, nproc=4)
-    by_ddp = train("step1", tmp_path / "ddp", small_corpus, *TP_FLAGS, "--micro-batch-size", "1", "--resume", step2,
-                   nproc=2)
-    one = train("step0", tmp_path / "step0", small_corpus, *TP_FLAGS, "--save-every", "0")  # TINY's 2 x 2
-    reference = regrouped_drift(one, small_corpus, tmp_path, *TP_FLAGS, "--save-every", "0", groupings=((4, 1),))
+    by_ddp = train(
+        "step1",
+        tmp_path / "ddp",
+        small_corpus,
+        *TP_FLAGS,
+        "--micro-batch-size",
+        "1",
+        "--resume",
+        step2,
+        nproc=2,
+    )
+    # TINY's 2 x 2
+    one = train("step0", tmp_path / "step0", small_corpus, *TP_FLAGS, "--save-every", "0")
+    reference = regrouped_drift(
+        one, small_corpus, tmp_path, *TP_FLAGS, "--save-every", "0", groupings=((4, 1),)
+    )
     want = metrics(full)["records"]
     for run in (at_four, by_ddp):
         records = metrics(run)["records"]
         assert [r["step"] for r in records] == [1, 2, 3, 4]
-        assert [r["loss"] for r in records[:2]] == [r["loss"] for r in want[:2]]  # the checkpoint's own records
+        # the checkpoint's own records
+        assert [r["loss"] for r in records[:2]] == [r["loss"] for r in want[:2]]
         drift, beyond = other_order_drift(reference, full, run)
         assert not beyond, f"{run.name}: {beyond}; {drift}; step 0 regrouped: {reference}"
 
@@ -145,11 +203,14 @@ def test_communication_per_step_is_the_formula(tp_runs):
     layer's input gradient) in bf16 for the blocks' row-parallel outputs under autocast, plus the loss's
     3 x b x s floats, plus the gradient's float64 sum of squares and the parameters' exact norm parts."""
     config = metrics(tp_runs("ours", 2))["config"]
-    b, s, h, layers, accum = (config[k] for k in ("micro_batch_size", "seq_len", "n_embd", "n_layer", "grad_accum"))
+    b, s, h, layers, accum = (
+        config[k] for k in ("micro_batch_size", "seq_len", "n_embd", "n_layer", "grad_accum")
+    )
     bsh = b * s * h
     # Under bf16 autocast: the row-parallel outputs (2 per block, forward) are bf16; every other all-reduce fp32.
     per_micro_batch = 2 * layers * bsh * 2 + (4 * layers + 2) * bsh * 4 + 3 * b * s * 4
-    norm_parts = 8 + 3 * 277 * 8  # the gradient's sum of squares (float64); the parameters' square_sum_parts (int64)
+    # the gradient's sum of squares (float64); the parameters' square_sum_parts (int64)
+    norm_parts = 8 + 3 * 277 * 8
     for nproc in (2, 4):
         for record in metrics(tp_runs("ours", nproc))["records"]:
             assert record["comm"] == {"all_reduce": accum * per_micro_batch + norm_parts}
@@ -166,7 +227,9 @@ def test_memory_per_rank_is_the_formula(tp_runs):
         for memory in metrics(tp_runs("ours", nproc))["records"][-1]["memory"]:
             params = 4 * (sharded // nproc + replicated)
             assert memory["params"] == params and memory["grads"] == params
-            assert memory["optimizer_state"] == 2 * params + 4 * len(list(weights(tp_runs("ours", 2))))
+            assert memory["optimizer_state"] == 2 * params + 4 * len(
+                list(weights(tp_runs("ours", 2)))
+            )
 
 
 # ---- the layers, the way an outsider uses them -------------------------------------------------------------
@@ -174,14 +237,27 @@ def test_memory_per_rank_is_the_formula(tp_runs):
 # process group first, our module imported after, a plain loop, compared with nn.Linear / nn.Embedding /
 # F.cross_entropy, and our GPT-2 with sequence parallelism compared with it without.
 
+
 def outsider(rank, world_size, port, queue):
     try:
         import os
+
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         sys.path.insert(0, str(REPO / STEPS["step8"]))
-        queue.put((rank, ({**use_it_in_your_own_script(), **use_sequence_parallelism_in_your_own_script()}, None)))
+        queue.put(
+            (
+                rank,
+                (
+                    {
+                        **use_it_in_your_own_script(),
+                        **use_sequence_parallelism_in_your_own_script(),
+                    },
+                    None,
+                ),
+            )
+        )
     except Exception:  # noqa: BLE001
         queue.put((rank, (None, traceback.format_exc())))
     finally:
@@ -196,8 +272,13 @@ def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
 def use_it_in_your_own_script():
     import torch.nn as nn
     import torch.nn.functional as F
-    from tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                 vocab_parallel_cross_entropy)
+
+    from tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        vocab_parallel_cross_entropy,
+    )
 
     rank, T = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same full layers and data on every rank
@@ -207,9 +288,11 @@ def use_it_in_your_own_script():
 
     # The tensor-parallel layers: each rank copies in its block of the full weights.
     tp_embed = VocabParallelEmbedding(64, 16)
-    tp_up = ColumnParallelLinear(16, 32)                  # output features split: rows of the weight
-    tp_down = RowParallelLinear(32, 16)                   # input features split: columns of the weight
-    tp_head = ColumnParallelLinear(16, 64, bias=False)    # vocabulary split: the logits stay split
+    # output features split: rows of the weight
+    tp_up = ColumnParallelLinear(16, 32)
+    # input features split: columns of the weight
+    tp_down = RowParallelLinear(32, 16)
+    tp_head = ColumnParallelLinear(16, 64, bias=False)  # vocabulary split: the logits stay split
     with torch.no_grad():
         tp_embed.weight.copy_(embed.weight.chunk(T, 0)[rank])
         tp_up.weight.copy_(up.weight.chunk(T, 0)[rank])
@@ -222,7 +305,8 @@ def use_it_in_your_own_script():
         return head(down(F.gelu(up(embed(x))))).flatten(0, 1)
 
     def tp_model(x):
-        return tp_head(tp_down(F.gelu(tp_up(tp_embed(x))))).flatten(0, 1)   # (tokens, 64 / T) logits
+        # (tokens, 64 / T) logits
+        return tp_head(tp_down(F.gelu(tp_up(tp_embed(x))))).flatten(0, 1)
 
     loss = F.cross_entropy(full_model(ids), targets)
     tp_loss = vocab_parallel_cross_entropy(tp_model(ids), targets)
@@ -231,12 +315,14 @@ def use_it_in_your_own_script():
 
     x = embed(ids)
     h = up(x)
-    gathered = ColumnParallelLinear(16, 32, gather_output=True)  # the whole output on every rank (all-gather)
+    # the whole output on every rank (all-gather)
+    gathered = ColumnParallelLinear(16, 32, gather_output=True)
     gathered.load_state_dict(tp_up.state_dict())
     # ... and its backward: each rank's slice of the output gradient, the input gradient all-reduced
     reference = nn.Linear(16, 32)
     reference.load_state_dict(up.state_dict())
-    weights = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))  # the same on every rank
+    # the same on every rank
+    weights = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
     x_ours, x_full = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
     (gathered(x_ours) * weights).sum().backward()
     (reference(x_full) * weights).sum().backward()
@@ -244,16 +330,32 @@ def use_it_in_your_own_script():
         "embedding": torch.equal(tp_embed(ids), x),
         "column-parallel output": torch.equal(tp_up(x), h.chunk(T, -1)[rank]),
         "column-parallel gathered": torch.equal(gathered(x), h),
-        "row-parallel, same order": torch.equal(tp_down(h.chunk(T, -1)[rank]), sum(
-            F.linear(h.chunk(T, -1)[r], down.weight.chunk(T, 1)[r], down.bias / T) for r in range(T))),
+        "row-parallel, same order": torch.equal(
+            tp_down(h.chunk(T, -1)[rank]),
+            sum(
+                F.linear(h.chunk(T, -1)[r], down.weight.chunk(T, 1)[r], down.bias / T)
+                for r in range(T)
+            ),
+        ),
         "row-parallel vs nn.Linear": (tp_down(h.chunk(T, -1)[rank]) - down(h)).abs().max().item(),
         "loss vs F.cross_entropy": abs(tp_loss.item() - loss.item()),
         "up.weight grad": (tp_up.weight.grad - up.weight.grad.chunk(T, 0)[rank]).abs().max().item(),
-        "down.weight grad": (tp_down.weight.grad - down.weight.grad.chunk(T, 1)[rank]).abs().max().item(),
-        "head.weight grad": (tp_head.weight.grad - head.weight.grad.chunk(T, 0)[rank]).abs().max().item(),
-        "embedding grad": (tp_embed.weight.grad - embed.weight.grad.chunk(T, 0)[rank]).abs().max().item(),
+        "down.weight grad": (tp_down.weight.grad - down.weight.grad.chunk(T, 1)[rank])
+        .abs()
+        .max()
+        .item(),
+        "head.weight grad": (tp_head.weight.grad - head.weight.grad.chunk(T, 0)[rank])
+        .abs()
+        .max()
+        .item(),
+        "embedding grad": (tp_embed.weight.grad - embed.weight.grad.chunk(T, 0)[rank])
+        .abs()
+        .max()
+        .item(),
         # relative to the largest value: these gradients are O(1), the loss's above are O(1e-2)
-        "gathered weight grad": relative(gathered.weight.grad, reference.weight.grad.chunk(T, 0)[rank]),
+        "gathered weight grad": relative(
+            gathered.weight.grad, reference.weight.grad.chunk(T, 0)[rank]
+        ),
         "gathered bias grad": relative(gathered.bias.grad, reference.bias.grad.chunk(T, 0)[rank]),
         "gathered input grad": relative(x_ours.grad, x_full.grad),
     }
@@ -261,6 +363,7 @@ def use_it_in_your_own_script():
 
 def use_sequence_parallelism_in_your_own_script():
     import torch.nn.functional as F
+
     from model import GPT2, GPTConfig
     from sequence_parallel import finish_gradient_synchronization, sequence_parallel_gpt2
     from tensor_parallel import ShardDropout, parallelize_gpt2, vocab_parallel_cross_entropy
@@ -276,7 +379,9 @@ def use_sequence_parallelism_in_your_own_script():
     for name, model in (("plain", plain), ("split", split)):
         torch.manual_seed(2)  # the same dropout masks for both
         logits = model(ids[:, :-1])
-        losses[name] = vocab_parallel_cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        losses[name] = vocab_parallel_cross_entropy(
+            logits.float().flatten(0, 1), ids[:, 1:].flatten()
+        )
         losses[name].backward()
         if name == "split":
             partial = split.transformer.ln_f.weight.grad.clone()  # this rank's tokens only
@@ -288,8 +393,9 @@ def use_sequence_parallelism_in_your_own_script():
     mine = ShardDropout(0.5)(x.chunk(T, dim=1)[rank])
     grads = {n: p.grad for n, p in split.named_parameters()}
     return {
-        **against_pytorchs_sequence_parallel_plan(GPT2, GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2,
-                                                                  n_embd=16), ids),
+        **against_pytorchs_sequence_parallel_plan(
+            GPT2, GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, n_embd=16), ids
+        ),
         "sp loss": torch.equal(losses["split"], losses["plain"]),
         "sp grads": max(relative(grads[n], p.grad) for n, p in plain.named_parameters()),
         "sp partial layer norm": relative(partial, plain.transformer.ln_f.weight.grad),
@@ -304,8 +410,10 @@ def against_pytorchs_sequence_parallel_plan(GPT2, cfg, ids) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
     from sequence_parallel import finish_gradient_synchronization, sequence_parallel_gpt2
     from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
+
     sys.path.insert(0, str(REPO / "compare"))
     import tp_reference
 
@@ -315,20 +423,33 @@ def against_pytorchs_sequence_parallel_plan(GPT2, cfg, ids) -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     parallelize_module(theirs, mesh, tp_reference.sequence_parallel_plan(cfg.n_layer))
     theirs.lm_head.weight = theirs.transformer.wte.weight
-    loss = vocab_parallel_cross_entropy(ours(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].flatten())
+    loss = vocab_parallel_cross_entropy(
+        ours(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].flatten()
+    )
     loss.backward()
     finish_gradient_synchronization(ours)
     with loss_parallel():
-        their_loss = F.cross_entropy(theirs(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].flatten())
+        their_loss = F.cross_entropy(
+            theirs(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].flatten()
+        )
         their_loss.backward()
-    def local(grad):  # this rank's block; a partial sum (the LayerNorms') added over the ranks first
+
+    # this rank's block; a partial sum (the LayerNorms') added over the ranks first
+    def local(grad):
         if not isinstance(grad, DTensor):
             return grad
-        return (grad.redistribute(placements=[Replicate()]) if grad.placements[0].is_partial() else grad).to_local()
+        return (
+            grad.redistribute(placements=[Replicate()]) if grad.placements[0].is_partial() else grad
+        ).to_local()
+
     grads = {n: local(p.grad) for n, p in theirs.named_parameters()}
     their_loss = their_loss.to_local() if isinstance(their_loss, DTensor) else their_loss
-    return {"sp vs pytorch loss": torch.equal(loss, their_loss),
-            "sp vs pytorch grads": [n for n, p in ours.named_parameters() if not torch.equal(p.grad, grads[n])]}
+    return {
+        "sp vs pytorch loss": torch.equal(loss, their_loss),
+        "sp vs pytorch grads": [
+            n for n, p in ours.named_parameters() if not torch.equal(p.grad, grads[n])
+        ],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -351,8 +472,15 @@ def test_the_layers_in_an_outsiders_loop(outside):
         assert result["row-parallel, same order"], (rank, result)
         assert result["row-parallel vs nn.Linear"] < 1e-6, (rank, result)
         assert result["loss vs F.cross_entropy"] < 1e-6, (rank, result)
-        for key in ("up.weight grad", "down.weight grad", "head.weight grad", "embedding grad", "gathered weight grad",
-                    "gathered bias grad", "gathered input grad"):
+        for key in (
+            "up.weight grad",
+            "down.weight grad",
+            "head.weight grad",
+            "embedding grad",
+            "gathered weight grad",
+            "gathered bias grad",
+            "gathered input grad",
+        ):
             assert result[key] < 1e-6, (rank, key, result)
 
 
@@ -365,7 +493,8 @@ def test_sequence_parallelism_in_an_outsiders_loop(outside):
     for rank, result in outside.items():
         assert result["sp loss"] and result["sp dropout"], (rank, result)
         assert result["sp vs pytorch loss"], (rank, result)
-        assert result["sp vs pytorch grads"] == [], (rank, result["sp vs pytorch grads"])  # names that differ
+        # names that differ
+        assert result["sp vs pytorch grads"] == [], (rank, result["sp vs pytorch grads"])
         assert result["sp grads"] < 1e-5, (rank, result)
         assert result["sp partial layer norm"] > 0.1, (rank, result)
 
@@ -375,7 +504,9 @@ def sp_dropout_worker(rank, world_size, port, queue):
     try:
         sys.path.insert(0, str(REPO / STEPS["step8"]))
         import torch.nn.functional as F
+
         from tensor_parallel import ShardDropout
+
         x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         torch.manual_seed(3)
         whole = F.dropout(x, 0.1, training=True)
@@ -383,8 +514,19 @@ def sp_dropout_worker(rank, world_size, port, queue):
         torch.manual_seed(3)
         mine = ShardDropout(0.1)(x.chunk(world_size, dim=1)[rank].clone())
         expected = whole.chunk(world_size, dim=1)[rank]
-        queue.put((rank, ({"dtype": str(mine.dtype), "bitwise": mine.dtype == expected.dtype and
-                           torch.equal(mine, expected), "stream": torch.equal(torch.rand(1), after)}, None)))
+        queue.put(
+            (
+                rank,
+                (
+                    {
+                        "dtype": str(mine.dtype),
+                        "bitwise": mine.dtype == expected.dtype and torch.equal(mine, expected),
+                        "stream": torch.equal(torch.rand(1), after),
+                    },
+                    None,
+                ),
+            )
+        )
     except Exception:  # noqa: BLE001
         queue.put((rank, (None, traceback.format_exc())))
     shutdown()
@@ -398,18 +540,41 @@ def test_sequence_parallel_dropout_on_bf16_is_f_dropout_in_bf16():
     got = spawn(sp_dropout_worker, 2)
     for rank, (result, error) in got.items():
         assert error is None, f"rank {rank} failed:\n{error}"
-        assert result == {"dtype": "torch.bfloat16", "bitwise": True, "stream": True}, (rank, result)
+        assert result == {"dtype": "torch.bfloat16", "bitwise": True, "stream": True}, (
+            rank,
+            result,
+        )
 
 
 def test_activations_tool_splits_what_tensor_parallelism_splits():
     """compare/activations.py: at TP = 2 each rank saves less than the whole model's forward, more than half of
     it (the replicated (b, s, h) tensors stay whole), and the split part is about the whole model's."""
-    result = run_forked([sys.executable, str(REPO / "compare" / "activations.py"), "--tp", "1", "2", "--n-layer", "1",
-                         "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--micro-batch-size", "2",
-                         "--sequence-parallel"])
+    result = run_forked(
+        [
+            sys.executable,
+            str(REPO / "compare" / "activations.py"),
+            "--tp",
+            "1",
+            "2",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "32",
+            "--n-head",
+            "2",
+            "--seq-len",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--sequence-parallel",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = {(int(line.split()[0]), line.split()[1]): [int(x.replace(",", "")) for x in line.split()[2:]]
-            for line in result.stdout.splitlines() if line.strip()[:1].isdigit()}
+    rows = {
+        (int(line.split()[0]), line.split()[1]): [int(x.replace(",", "")) for x in line.split()[2:]]
+        for line in result.stdout.splitlines()
+        if line.strip()[:1].isdigit()
+    }
     (whole, _, _, _), (saved, replicated, split, split_times_tp) = rows[1, "no"], rows[2, "no"]
     assert whole / 2 < saved < whole, rows
     assert replicated > 0 and split == saved - replicated, rows
@@ -419,7 +584,9 @@ def test_activations_tool_splits_what_tensor_parallelism_splits():
     # floats before attention, the MLP and the output layer), and a few numbers per token (ids, the loss's)
     b, s, h = 2, 16, 32
     sp_saved, sp_replicated, _, _ = rows[2, "yes"]
-    assert sp_saved < saved and 3 * b * s * h * 4 <= sp_replicated < 3 * b * s * h * 4 + b * s * 16, rows
+    assert (
+        sp_saved < saved and 3 * b * s * h * 4 <= sp_replicated < 3 * b * s * h * 4 + b * s * 16
+    ), rows
 
 
 def test_attention_dropout_is_one_processs_masks_at_tp2(tmp_path, small_corpus, order_reference):

@@ -4,6 +4,7 @@ a train.py runs nothing and gives that function, with one shape across steps; an
 PyTorch loop (forward, loss / accumulation, backward, AdamW, zero_grad), bit for bit, checked against that loop
 written out in plain PyTorch: step 0's in one process, step 7's on ``shard_gpt2``'s model in a one-rank gloo group,
 where its sharding is the identity."""
+
 import json
 import os
 import subprocess
@@ -99,8 +100,14 @@ print(json.dumps(result))
 
 
 def python(code: str, folder, *args, cwd=None) -> dict:
-    result = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd or folder, capture_output=True,
-                            text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(folder)})
+    result = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        cwd=cwd or folder,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(folder)},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -110,21 +117,30 @@ def test_every_trainer_has_one_train_step_of_one_shape_and_importing_it_runs_not
     found = python(IMPORT_ALL, REPO, *folders, cwd=tmp_path)
     for folder, got in found.items():
         assert got["printed"] == "" and got["new_files"] == [], (folder, got)
-        assert not got["matplotlib"], f"{folder}: a rank that draws no trace imports matplotlib (~0.6 s a rank)"
+        assert not got["matplotlib"], (
+            f"{folder}: a rank that draws no trace imports matplotlib (~0.6 s a rank)"
+        )
         assert got["train_step"] is not None, f"{folder}/train.py has no train_step"
     data_parallel = {f: g["train_step"] for f, g in found.items() if int(f[4:].split("_")[0]) <= 8}
-    for folder, parameters in data_parallel.items():  # steps 0-8: (model or ddp_model, optimizer, ...)
+    # steps 0-8: (model or ddp_model, optimizer, ...)
+    for folder, parameters in data_parallel.items():
         assert parameters[0] == "model" and parameters[1:6] == [
-            "optimizer", "scaler", "micro_batches", "config", "device"], (folder, parameters)
+            "optimizer",
+            "scaler",
+            "micro_batches",
+            "config",
+            "device",
+        ], (folder, parameters)
 
 
 @pytest.mark.parametrize("step", ["step0", "step7"])
 def test_train_step_is_the_textbook_loop_bit_for_bit(step, tmp_path):
     folder = REPO / STEPS[step]
     result = python(AGAINST_TEXTBOOK, folder, STEPS[step], cwd=tmp_path)
-    assert result["different"] == [], result["different"]  # the weights after two steps, torch.equal
+    # the weights after two steps, torch.equal
+    assert result["different"] == [], result["different"]
     for expected, got in zip(result["expected"], result["got"]):
         assert got["loss_sum"] == expected["loss_sum"]  # the micro-batches' losses, summed in order
-        assert abs(got["norm"] - expected["norm"]) <= 2 ** -23 * expected["norm"], (got, expected)
+        assert abs(got["norm"] - expected["norm"]) <= 2**-23 * expected["norm"], (got, expected)
         assert got["grad_bytes"] == expected["grad_bytes"]  # counted before zero_grad freed them
         assert got["grads_after"] == 0  # and freed: set_to_none

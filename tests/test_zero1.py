@@ -5,6 +5,7 @@ exact answer: the sharded one must give the same bits at every step. One spawn p
 every check; the world-size-2 run saves optimiser shards that the world-size-3 run must refuse. The quick tier
 (``-m quick``) runs world size 2.
 """
+
 import io
 import math
 import sys
@@ -38,7 +39,7 @@ class Toy(torch.nn.Module):
 # Trainable parameters in group order: embed, mix.w, back.w | scale, mix.b (a module lists its own
 # parameters before its children's, so scale comes first).
 NUMELS = [35, 65, 65, 1, 13]
-CHUNKS = [[3, 0, 4], [2, 1]]    # two chunks, not in group order (the ZeRO-2 case)
+CHUNKS = [[3, 0, 4], [2, 1]]  # two chunks, not in group order (the ZeRO-2 case)
 OPTIMIZERS = {
     "AdamW": (torch.optim.AdamW, dict(lr=0.05, foreach=False)),
     "Adam": (torch.optim.Adam, dict(lr=0.05, foreach=False)),
@@ -58,8 +59,10 @@ def trainable(model) -> list:
 
 def groups_of(model) -> list[dict]:
     params = trainable(model)
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def in_group_order(model) -> list:
@@ -84,8 +87,11 @@ def copy_gradients(source, target) -> None:
 
 
 def differences(ref_model, our_model, label) -> list[str]:
-    return [f"{label}: {name}" for (name, a), b in zip(ref_model.named_parameters(), our_model.parameters())
-            if not torch.equal(a, b)]
+    return [
+        f"{label}: {name}"
+        for (name, a), b in zip(ref_model.named_parameters(), our_model.parameters())
+        if not torch.equal(a, b)
+    ]
 
 
 def state_problems(ours: dict, ref: dict) -> list[str]:
@@ -99,7 +105,9 @@ def state_problems(ours: dict, ref: dict) -> list[str]:
         for key, value in s.items():
             mine = ours["state"][i].get(key)
             tensors = torch.is_tensor(value) and torch.is_tensor(mine)
-            same = torch.equal(mine, value) if tensors else not torch.is_tensor(mine) and mine == value
+            same = (
+                torch.equal(mine, value) if tensors else not torch.is_tensor(mine) and mine == value
+            )
             if not same:
                 problems.append(f"param {i}: {key} differs")
     return problems
@@ -112,20 +120,26 @@ def pieces_of(optimizer) -> list:
 
 def element_state_bytes(optimizer) -> int:
     """Bytes of the per-element state tensors (moments, momentum), not the 0-dim step counters."""
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if torch.is_tensor(v) and v.dim() > 0)
+    return sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
 
 
 # ---- The checks, run by every rank ---------------------------------------------------------------------
 
+
 def against_plain_optimizer(name, results, tmp, rank, world_size):
-    from zero1 import ShardedOptimizer
     import comm_accounting
+    from zero1 import ShardedOptimizer
+
     cls, kwargs = OPTIMIZERS[name]
     ref_model, our_model = make_model(), make_model()
     ref = cls(groups_of(ref_model), **kwargs)
     ours = ShardedOptimizer(groups_of(our_model), cls, **kwargs)
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 ** s) for o in (ref, ours)]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5**s) for o in (ref, ours)]
     initial, problems = [p.clone() for p in ref_model.parameters()], []
     comm_accounting.take_comm_bytes()
     for step in range(STEPS):
@@ -143,9 +157,13 @@ def against_plain_optimizer(name, results, tmp, rank, world_size):
         if [g["lr"] for g in ours.param_groups] != [g["lr"] for g in ref.param_groups]:
             problems.append(f"step {step}: lr {[g['lr'] for g in ours.param_groups]}")
     results[f"{name} vs plain"] = problems
-    results[f"{name} moved"] = [n for (n, p), p0 in zip(ref_model.named_parameters(), initial) if not torch.equal(p, p0)]
+    results[f"{name} moved"] = [
+        n for (n, p), p0 in zip(ref_model.named_parameters(), initial) if not torch.equal(p, p0)
+    ]
     results[f"{name} groups"] = [(g["weight_decay"], g["lr"]) for g in ours.param_groups]
-    results[f"{name} consolidated"] = state_problems(ours.consolidated_state_dict(), ref.state_dict())
+    results[f"{name} consolidated"] = state_problems(
+        ours.consolidated_state_dict(), ref.state_dict()
+    )
     results[f"{name} state bytes"] = (element_state_bytes(ours), element_state_bytes(ref))
     results[f"{name} layout"] = pieces_of(ours)
     if name == "AdamW":
@@ -154,6 +172,7 @@ def against_plain_optimizer(name, results, tmp, rank, world_size):
 
 def checkpoint_round_trip(ours, our_model, cls, kwargs, results, tmp, rank, world_size):
     from zero1 import ShardedOptimizer
+
     buffer = io.BytesIO()
     torch.save(ours.state_dict(), buffer)
     torch.save(ours.state_dict(), tmp / f"ws{world_size}_rank{rank}.pt")
@@ -172,14 +191,20 @@ def checkpoint_round_trip(ours, our_model, cls, kwargs, results, tmp, rank, worl
 
     refusals = {}
     chunked = make_model()
-    attempts = {"other chunking": (ShardedOptimizer(groups_of(chunked), cls, chunks=chunks_of(chunked), **kwargs),
-                                   buffer)}
+    attempts = {
+        "other chunking": (
+            ShardedOptimizer(groups_of(chunked), cls, chunks=chunks_of(chunked), **kwargs),
+            buffer,
+        )
+    }
     dist.barrier()  # every rank's shard is on disk
     other = tmp / f"ws{world_size}_rank{(rank + 1) % world_size}.pt"
     attempts["other rank"] = (ShardedOptimizer(groups_of(make_model()), cls, **kwargs), other)
     if world_size == 3:  # the world-size-2 run saved its shards first
-        attempts["other world size"] = (ShardedOptimizer(groups_of(make_model()), cls, **kwargs),
-                                        tmp / f"ws2_rank{rank % 2}.pt")
+        attempts["other world size"] = (
+            ShardedOptimizer(groups_of(make_model()), cls, **kwargs),
+            tmp / f"ws2_rank{rank % 2}.pt",
+        )
     for label, (optimizer, source) in attempts.items():
         if isinstance(source, io.BytesIO):
             source = io.BytesIO(source.getvalue())
@@ -195,35 +220,50 @@ def sharded_like_zero2(params, world_size):
     """A ShardedOptimizer over one chunk whose gradient this rank holds only a slice of (ZeRO-2), and a function
     that plays the reduce-scatter: it copies this rank's slice of the given full gradients into the shard."""
     from zero1 import ShardedOptimizer
+
     rank, n = dist.get_rank(), math.ceil(sum(p.numel() for p in params) / world_size)
     shard = torch.zeros(n)
-    optimizer = ShardedOptimizer(params, torch.optim.AdamW, gradient_shards=[shard], lr=0.1, foreach=False)
+    optimizer = ShardedOptimizer(
+        params, torch.optim.AdamW, gradient_shards=[shard], lr=0.1, foreach=False
+    )
 
     def fill(grads):
         flat = torch.cat([g.reshape(-1) for g in grads] + [torch.zeros(n * world_size)])
         shard.copy_(flat[rank * n : (rank + 1) * n])
+
     return optimizer, fill
 
 
 def scaler_skips_together(results, rank, world_size):
     """4 elements at world size 2 or 3: shards of 2, rank 1 owns elements 2 and 3, rank 2 owns none."""
-    from sharded_gradients import ShardedGradScaler
     import comm_accounting
+    from sharded_gradients import ShardedGradScaler
+
     ref_p, our_p = (torch.nn.Parameter(torch.arange(1.0, 5.0)) for _ in range(2))
     ref = torch.optim.AdamW([ref_p], lr=0.1, foreach=False)
     ours, fill = sharded_like_zero2([our_p], world_size)
-    ref_scaler, our_scaler = torch.amp.GradScaler("cpu", init_scale=256.0), ShardedGradScaler("cpu", init_scale=256.0)
+    ref_scaler, our_scaler = (
+        torch.amp.GradScaler("cpu", init_scale=256.0),
+        ShardedGradScaler("cpu", init_scale=256.0),
+    )
     found, unchanged, problems = [], [], []
     for step, poison in enumerate((True, False, False)):
         for p, scaler in ((ref_p, ref_scaler), (our_p, our_scaler)):
-            scaler.scale((p * torch.tensor([1.0, -2.0, 3.0, 0.5]) * (step + 1)).pow(2).sum()).backward()
+            scaler.scale(
+                (p * torch.tensor([1.0, -2.0, 3.0, 0.5]) * (step + 1)).pow(2).sum()
+            ).backward()
             if poison:
                 p.grad[3] = float("inf")  # only rank 1 owns element 3
         fill([our_p.grad])
         our_p.grad = None  # as ShardedGradientDDP leaves it: only the shard holds the gradient
         before = our_p.detach().clone()
         our_scaler.unscale_(ours)
-        found.append(sum(v.item() for v in our_scaler._per_optimizer_states[id(ours)]["found_inf_per_device"].values()))
+        found.append(
+            sum(
+                v.item()
+                for v in our_scaler._per_optimizer_states[id(ours)]["found_inf_per_device"].values()
+            )
+        )
         for optimizer, scaler in ((ref, ref_scaler), (ours, our_scaler)):
             scaler.step(optimizer)
             scaler.update()
@@ -231,8 +271,12 @@ def scaler_skips_together(results, rank, world_size):
         unchanged.append(torch.equal(before, our_p))
         if not torch.equal(ref_p, our_p):
             problems.append(f"step {step}")
-    results["scaler"] = {"found inf": found, "unchanged": unchanged, "vs plain": problems,
-                         "scale": (our_scaler.get_scale(), ref_scaler.get_scale())}
+    results["scaler"] = {
+        "found inf": found,
+        "unchanged": unchanged,
+        "vs plain": problems,
+        "scale": (our_scaler.get_scale(), ref_scaler.get_scale()),
+    }
     comm_accounting.take_comm_bytes()
     ShardedGradScaler("cpu", enabled=False).unscale_(ours)
     results["disabled scaler comm"] = comm_accounting.take_comm_bytes()
@@ -240,36 +284,55 @@ def scaler_skips_together(results, rank, world_size):
 
 def clipping_matches(results, world_size):
     import torch.distributed as dist
+
     from training import clip_grad_norm
+
     ref_model, our_model = make_model(), make_model()
     ours, fill = sharded_like_zero2(in_group_order(our_model), world_size)
     full_gradients(ref_model, 0, scale=1e4)
     fill([p.grad for p in in_group_order(ref_model)])
     ref_norm = clip_grad_norm(trainable(ref_model), max_norm=0.5)
-    mine = [p for g in ours.param_groups for p in g["params"]]  # this rank's slices: each element on one rank
+    # this rank's slices: each element on one rank
+    mine = [p for g in ours.param_groups for p in g["params"]]
     our_norm = clip_grad_norm(mine, max_norm=0.5, groups=[dist.group.WORLD])
     clipped = [a.grad.view(-1) for a in in_group_order(ref_model)]
-    slices_equal = all(torch.equal(view.grad, clipped[index][start:end])
-                       for view, (index, start, end) in zip(mine, ours.slices()))
-    results["clip"] = {"norms": (our_norm.item(), ref_norm.item()), "same bits": torch.equal(our_norm, ref_norm),
-                       "slices equal": slices_equal, "dtype": str(our_norm.dtype)}
+    slices_equal = all(
+        torch.equal(view.grad, clipped[index][start:end])
+        for view, (index, start, end) in zip(mine, ours.slices())
+    )
+    results["clip"] = {
+        "norms": (our_norm.item(), ref_norm.item()),
+        "same bits": torch.equal(our_norm, ref_norm),
+        "slices equal": slices_equal,
+        "dtype": str(our_norm.dtype),
+    }
 
 
 def gradient_shards_mode(results, rank, world_size):
     """ZeRO-2's contract: the views' gradients are slices of flat per-chunk buffers that someone else fills."""
     from zero1 import ShardedOptimizer
+
     ref_model, our_model = make_model(), make_model()
     ref = torch.optim.AdamW(groups_of(ref_model), lr=0.05, foreach=False)
     chunks = chunks_of(our_model)
     shard_sizes = [math.ceil(sum(p.numel() for p in c) / world_size) for c in chunks]
     buffers = [torch.zeros(n) for n in shard_sizes]
-    ours = ShardedOptimizer(groups_of(our_model), torch.optim.AdamW, chunks=chunks, gradient_shards=buffers,
-                            lr=0.05, foreach=False)
+    ours = ShardedOptimizer(
+        groups_of(our_model),
+        torch.optim.AdamW,
+        chunks=chunks,
+        gradient_shards=buffers,
+        lr=0.05,
+        foreach=False,
+    )
     problems = []
     for step in range(STEPS):
         full_gradients(ref_model, step)
         for chunk, buffer, n in zip(CHUNKS, buffers, shard_sizes):  # a reduce-scatter would do this
-            flat = torch.cat([in_group_order(ref_model)[i].grad.view(-1) for i in chunk] + [torch.zeros(n * world_size)])
+            flat = torch.cat(
+                [in_group_order(ref_model)[i].grad.view(-1) for i in chunk]
+                + [torch.zeros(n * world_size)]
+            )
             buffer.copy_(flat[rank * n : (rank + 1) * n])
         ref.step()
         ours.step()
@@ -281,7 +344,8 @@ def gradient_shards_mode(results, rank, world_size):
 
 
 def worker(rank, world_size, port, queue, tmp):
-    sys.path[:0] = [str(REPO / "step5_zero1"), str(REPO / "step6_zero2")]  # zero1.py; sharded_gradients.py
+    # zero1.py; sharded_gradients.py
+    sys.path[:0] = [str(REPO / "step5_zero1"), str(REPO / "step6_zero2")]
     init_gloo(rank, world_size, port)
     results = {}
     try:
@@ -298,6 +362,7 @@ def worker(rank, world_size, port, queue, tmp):
 
 
 # ---- The assertions, in the parent ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def shard_dir(tmp_path_factory):
@@ -332,9 +397,13 @@ def test_sharded_steps_are_bitwise_the_plain_optimizers(world, name):
     world_size, results = world
     for rank, r in results.items():
         assert r[f"{name} vs plain"] == [], f"rank {rank}"
-        assert len(r[f"{name} moved"]) == len(NUMELS), "some parameter never moved: the comparison proves little"
-        lr = OPTIMIZERS[name][1]["lr"] * 0.5 ** STEPS  # the scheduler reached this rank's groups
-        assert r[f"{name} groups"] == [(0.1, lr), (0.0, lr)], "the two groups' hyperparameters were lost"
+        assert len(r[f"{name} moved"]) == len(NUMELS), (
+            "some parameter never moved: the comparison proves little"
+        )
+        lr = OPTIMIZERS[name][1]["lr"] * 0.5**STEPS  # the scheduler reached this rank's groups
+        assert r[f"{name} groups"] == [(0.1, lr), (0.0, lr)], (
+            "the two groups' hyperparameters were lost"
+        )
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -352,7 +421,9 @@ def test_each_rank_holds_its_share_of_the_state(world, name):
     shard = math.ceil(sum(NUMELS) / world_size)
     mine = [results[rank][f"{name} state bytes"][0] for rank in range(world_size)]
     assert sum(mine) == plain, "state for some elements is missing or held twice"
-    assert all(m <= shard * per_element * 4 for m in mine), f"{mine}: more than a 1/{world_size} shard"
+    assert all(m <= shard * per_element * 4 for m in mine), (
+        f"{mine}: more than a 1/{world_size} shard"
+    )
 
 
 def test_layout_is_element_balanced(world):
@@ -365,7 +436,11 @@ def test_layout_is_element_balanced(world):
                 chunk = chunks[c]
                 begin = sum(NUMELS[i] for i in chunk[: chunk.index(index)])
                 shard = math.ceil(sum(NUMELS[i] for i in chunk) / world_size)
-                assert rank * shard <= begin + start < begin + end <= (rank + 1) * shard, (key, rank, index)
+                assert rank * shard <= begin + start < begin + end <= (rank + 1) * shard, (
+                    key,
+                    rank,
+                    index,
+                )
                 covered[index].append((start, end))
         for index, ranges in covered.items():
             ranges.sort()
@@ -387,7 +462,9 @@ def test_resumed_shard_continues_bitwise(world):
 
 def test_a_shard_of_another_layout_is_refused(world):
     world_size, results = world
-    expected = {"other chunking", "other rank"} | ({"other world size"} if world_size == 3 else set())
+    expected = {"other chunking", "other rank"} | (
+        {"other world size"} if world_size == 3 else set()
+    )
     for rank, r in results.items():
         assert set(r["refusals"]) == expected
         for label, message in r["refusals"].items():
@@ -409,7 +486,9 @@ def test_clipping_matches_clip_grad_norm_of_the_full_gradients(world):
     for rank, r in world[1].items():
         clip = r["clip"]
         assert clip["norms"][0] > 0.5, "clipping never triggered"
-        assert clip["same bits"] and clip["slices equal"] and clip["dtype"] == "torch.float32", f"rank {rank}: {clip}"
+        assert clip["same bits"] and clip["slices equal"] and clip["dtype"] == "torch.float32", (
+            f"rank {rank}: {clip}"
+        )
 
 
 def test_gradient_shards_mode_is_bitwise_the_plain_optimizer(world):

@@ -1,6 +1,7 @@
 """Step 7 (ZeRO-3, FullyShardedDP): a toy model in spawned gloo processes against the same model trained
 in one process, and the trainer against step 1 (PyTorch DDP): bitwise, with memory, communication,
 prefetch, checkpoints and the streamed export checked on the same runs."""
+
 import math
 import sys
 
@@ -8,15 +9,25 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import EXACT, REPO, assert_bitwise_same_run, init_gloo, metrics, parity, run_forked, spawn, train
-from conftest import STEPS as STEP_FOLDERS  # STEPS below is the toy's number of steps
-
 import estimate  # compare/, on the path through conftest
+from conftest import (
+    EXACT,
+    REPO,
+    assert_bitwise_same_run,
+    init_gloo,
+    metrics,
+    parity,
+    run_forked,
+    spawn,
+    train,
+)
+from conftest import STEPS as STEP_FOLDERS  # STEPS below is the toy's number of steps
 
 STEP7 = REPO / "step7_zero3"
 
 
 # ---- A toy model: tied weights, sizes no world size divides, a unit nested in another unit's module ----
+
 
 class Inner(torch.nn.Module):
     def __init__(self, width, out):
@@ -31,7 +42,8 @@ class Inner(torch.nn.Module):
 class Block(torch.nn.Module):
     def __init__(self, dim, width):
         super().__init__()
-        self.ln_1 = torch.nn.LayerNorm(dim)  # named like GPT-2's, so no weight decay (decided by name)
+        # named like GPT-2's, so no weight decay (decided by name)
+        self.ln_1 = torch.nn.LayerNorm(dim)
         self.up = torch.nn.Linear(dim, width)
         self.inner = Inner(width, dim)
 
@@ -56,19 +68,24 @@ class Toy(torch.nn.Module):
 
 
 def units_of(model):
-    return [model.blocks[0], model.blocks[0].inner, *model.blocks[1:]]  # blocks[0].inner: nested in a unit
+    # blocks[0].inner: nested in a unit
+    return [model.blocks[0], model.blocks[0].inner, *model.blocks[1:]]
 
 
 def init_fn(name, shape):
     """A pure function of the name, like common/model.py's initial_value (one tensor per call)."""
     if name == "temperature":
         return torch.full(shape, 2.0)
-    generator = torch.Generator().manual_seed(sum(ord(c) * 31**i for i, c in enumerate(name)) % 2**31)
+    generator = torch.Generator().manual_seed(
+        sum(ord(c) * 31**i for i, c in enumerate(name)) % 2**31
+    )
     return torch.randn(shape, generator=generator).mul_(0.3)
 
 
 def batch(step, micro, rank):
-    return torch.randint(0, 11, (3, 4), generator=torch.Generator().manual_seed(1000 * step + 10 * micro + rank))
+    return torch.randint(
+        0, 11, (3, 4), generator=torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    )
 
 
 def loss_of(model, x):
@@ -98,8 +115,8 @@ def full_state_dict(fsdp) -> dict:
 def toy_worker(rank, world_size, port, queue, prefetch):
     sys.path.insert(0, str(STEP7))
     import comm_accounting
-    from training import adamw_options, adamw_param_groups
     from prefetch_trace import PrefetchTrace
+    from training import adamw_options, adamw_param_groups
     from zero3 import FullyShardedDP
 
     init_gloo(rank, world_size, port)
@@ -107,27 +124,49 @@ def toy_worker(rank, world_size, port, queue, prefetch):
     with torch.device("meta"):
         model = Toy()
     full_bytes = sum(p.numel() * 4 for p in model.parameters())
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fsdp = FullyShardedDP(model, units_of(model), init_fn=init_fn, reduce_dtype=torch.float64, prefetch=prefetch)
-    results["construction"] = (peak_live_bytes(prof), full_bytes, sum(s.numel() * 4 for s in fsdp.parameter_shards))
-    results["pieces"] = [(n, p.dim(), p.numel(), type(p).__name__) for n, p in fsdp.named_parameters()]
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        fsdp = FullyShardedDP(
+            model, units_of(model), init_fn=init_fn, reduce_dtype=torch.float64, prefetch=prefetch
+        )
+    results["construction"] = (
+        peak_live_bytes(prof),
+        full_bytes,
+        sum(s.numel() * 4 for s in fsdp.parameter_shards),
+    )
+    results["pieces"] = [
+        (n, p.dim(), p.numel(), type(p).__name__) for n, p in fsdp.named_parameters()
+    ]
     results["temperature"] = model.temperature.item()
 
     # Watch the gathered buffers from outside: after each unit's forward (a hook behind FullyShardedDP's).
     freed_after_forward = []
     for unit in fsdp.units[1:]:
         unit.module.register_forward_hook(
-            lambda m, a, o, unit=unit: freed_after_forward.append(unit.flat.untyped_storage().nbytes() == 0))
+            lambda m, a, o, unit=unit: freed_after_forward.append(
+                unit.flat.untyped_storage().nbytes() == 0
+            )
+        )
 
-    optimizer = torch.optim.AdamW(adamw_param_groups(model.named_parameters(), CONFIG), **adamw_options(CONFIG))
+    optimizer = torch.optim.AdamW(
+        adamw_param_groups(model.named_parameters(), CONFIG), **adamw_options(CONFIG)
+    )
     ref = Toy()  # the same model, whole, in this one process
     with torch.no_grad():
         for name, p in ref.named_parameters():
             p.copy_(init_fn(name, p.shape))
         ref.temperature.fill_(2.0)
-    ref_optimizer = torch.optim.AdamW(adamw_param_groups(ref.named_parameters(), CONFIG), **adamw_options(CONFIG))
-    results["decay groups"] = [[[{id(p): n for n, p in m.named_parameters()}[id(p)] for p in g["params"]]
-                                for g in o.param_groups] for m, o in ((model, optimizer), (ref, ref_optimizer))]
+    ref_optimizer = torch.optim.AdamW(
+        adamw_param_groups(ref.named_parameters(), CONFIG), **adamw_options(CONFIG)
+    )
+    results["decay groups"] = [
+        [
+            [{id(p): n for n, p in m.named_parameters()}[id(p)] for p in g["params"]]
+            for g in o.param_groups
+        ]
+        for m, o in ((model, optimizer), (ref, ref_optimizer))
+    ]
     comm_accounting.take_comm_bytes()
     results["differences"], results["comm"], results["root freed"] = [], [], []
     for step in range(STEPS):
@@ -136,9 +175,11 @@ def toy_worker(rank, world_size, port, queue, prefetch):
         for micro in range(ACCUM):
             with fsdp.no_sync() if micro < ACCUM - 1 else torch.enable_grad():
                 loss = loss_of(fsdp, batch(step, micro, rank))
-                results["root freed"].append(fsdp.root.flat.untyped_storage().nbytes() == 0)  # kept for backward
+                # kept for backward
+                results["root freed"].append(fsdp.root.flat.untyped_storage().nbytes() == 0)
                 loss.backward()
-                results["root freed"].append(fsdp.root.flat.untyped_storage().nbytes() == 0)  # freed after it
+                # freed after it
+                results["root freed"].append(fsdp.root.flat.untyped_storage().nbytes() == 0)
         fsdp.finish_gradient_synchronization()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -155,8 +196,9 @@ def toy_worker(rank, world_size, port, queue, prefetch):
         ref_optimizer.step()
         full = full_state_dict(fsdp)
         comm_accounting.take_comm_bytes()
-        results["differences"] += [f"step {step}: {n}" for n, p in ref.named_parameters()
-                                   if not torch.equal(full[n], p)]
+        results["differences"] += [
+            f"step {step}: {n}" for n, p in ref.named_parameters() if not torch.equal(full[n], p)
+        ]
     results["names"] = (list(full), [n for n, _ in ref.named_parameters()])
     results["freed after forward"] = freed_after_forward
     results["padded"] = [(unit.padded, sum(unit.numels)) for unit in fsdp.units]
@@ -171,21 +213,29 @@ def measure_release(rank, reshard_after_forward):
     where weights dominate. With resharding the peak is a few units' worth (on gloo about 7: two gathered, the
     gradient being assembled, the reduce-scatter in flight, gloo's staging copies), whatever the depth."""
     from zero3 import FullyShardedDP
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(24)], torch.nn.Linear(64, 1))
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(64, 64) for _ in range(24)], torch.nn.Linear(64, 1)
+    )
     fsdp = FullyShardedDP(model, list(model)[:24], reshard_after_forward=reshard_after_forward)
     full_bytes = sum(sum(unit.numels) * 4 for unit in fsdp.units)
     x = torch.randn(1, 64)
     fsdp(x).sum().backward()  # a first step allocates the flat leaves and the gradient shards
     fsdp.finish_gradient_synchronization()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
         fsdp(x).sum().backward()
         fsdp.finish_gradient_synchronization()
     return peak_live_bytes(prof), full_bytes
 
 
-@pytest.fixture(scope="module", params=[pytest.param((2, True), marks=pytest.mark.quick), (3, False)],
-                ids=["ws2-prefetch", "ws3-no-prefetch"])
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param((2, True), marks=pytest.mark.quick), (3, False)],
+    ids=["ws2-prefetch", "ws3-no-prefetch"],
+)
 def toy(request):
     world_size, prefetch = request.param
     return world_size, prefetch, spawn(toy_worker, world_size, prefetch, timeout=180)
@@ -198,7 +248,8 @@ def test_toy_trains_bitwise_like_one_process(toy):
         names, ref_names = r["names"]
         assert names == ref_names  # gathered_parameters(): the original names, the tied weight once
     ours, reference = results[0]["decay groups"]
-    assert ours == reference and all(ours), ours  # weight decay, decided by name, survives the 1-D pieces
+    # weight decay, decided by name, survives the 1-D pieces
+    assert ours == reference and all(ours), ours
 
 
 def test_toy_pieces_keep_the_original_names_and_partition_every_parameter(toy):
@@ -211,8 +262,11 @@ def test_toy_pieces_keep_the_original_names_and_partition_every_parameter(toy):
     numels = [sum(r["pieces"][i][2] for r in results.values()) for i in range(len(names))]
     with torch.device("meta"):
         assert numels == [p.numel() for p in Toy().parameters()]
-    assert any(p[2] == 0 for r in results.values() for p in r["pieces"]), "some rank should own none of a parameter"
-    assert all(r["temperature"] == 2.0 for r in results.values())  # a meta buffer, initialised through init_fn
+    assert any(p[2] == 0 for r in results.values() for p in r["pieces"]), (
+        "some rank should own none of a parameter"
+    )
+    # a meta buffer, initialised through init_fn
+    assert all(r["temperature"] == 2.0 for r in results.values())
 
 
 def test_toy_construction_never_holds_the_whole_model(toy):
@@ -220,14 +274,17 @@ def test_toy_construction_never_holds_the_whole_model(toy):
     for rank, r in results.items():
         peak, full_bytes, shard_bytes = r["construction"]
         assert shard_bytes >= full_bytes / world_size
-        assert peak < full_bytes, f"rank {rank}: construction peaked at {peak} bytes, the model is {full_bytes}"
+        assert peak < full_bytes, (
+            f"rank {rank}: construction peaked at {peak} bytes, the model is {full_bytes}"
+        )
 
 
 def test_toy_frees_gathered_parameters(toy):
     world_size, _, results = toy
     for r in results.values():
         assert r["freed after forward"] and all(r["freed after forward"])
-        assert r["root freed"] == [False, True] * (STEPS * ACCUM)  # the root is kept from forward to backward's end
+        # the root is kept from forward to backward's end
+        assert r["root freed"] == [False, True] * (STEPS * ACCUM)
         # Resharding never holds the whole model at once; without it the peak is the whole model and more.
         # How far below the whole model the peak stays depends on when gloo's worker threads let go of
         # their staging copies of finished collectives: measured 106 kB of 400 kB on a quiet machine,
@@ -243,7 +300,10 @@ def test_toy_communicates_three_times_the_parameters(toy):
     padded = [lp for lp, _ in results[0]["padded"]]
     assert all(lp - numel < world_size for lp, numel in results[0]["padded"])
     for comm in results[0]["comm"]:
-        assert comm == {"all_gather": 4 * ACCUM * (sum(padded) + sum(padded[1:])), "reduce_scatter": 8 * sum(padded)}
+        assert comm == {
+            "all_gather": 4 * ACCUM * (sum(padded) + sum(padded[1:])),
+            "reduce_scatter": 8 * sum(padded),
+        }
 
 
 def test_toy_prefetches_the_next_unit_while_one_computes(toy):
@@ -255,11 +315,17 @@ def test_toy_prefetches_the_next_unit_while_one_computes(toy):
     next_gather = next(e for e in timeline if e[0] == "all-gather blocks.2")
     assert (next_gather[1] < first_forward[2]) == prefetch, timeline
     # The tracer, attached from outside in the last step, saw every kind of event of its last micro-batch.
-    assert {name.split(" ")[0] for name, _, _ in timeline} == {"forward", "backward", "all-gather", "reduce-scatter"}
+    assert {name.split(" ")[0] for name, _, _ in timeline} == {
+        "forward",
+        "backward",
+        "all-gather",
+        "reduce-scatter",
+    }
     assert all(start <= end for _, start, end in timeline), timeline
 
 
 # ---- The trainer against step 1 ----------------------------------------------------------------------
+
 
 def psi_and_root(run) -> tuple[int, int]:
     """Parameters in all, and in the root unit (everything outside the blocks)."""
@@ -271,15 +337,24 @@ def psi_and_root(run) -> tuple[int, int]:
 def ws2(tmp_path_factory, small_corpus):
     out = tmp_path_factory.mktemp("zero3_ws2")
     three = ("--n-layer", "3")  # the root and two blocks are then less than the whole model
-    return (train("step1", out / "step1", small_corpus, *three),
-            train("step7", out / "step7", small_corpus, *three, "--trace"))
+    return (
+        train("step1", out / "step1", small_corpus, *three),
+        train("step7", out / "step7", small_corpus, *three, "--trace"),
+    )
 
 
 @pytest.fixture(scope="module")
 def ws1(tmp_path_factory, small_corpus):
     """A world of one (torchrun, one rank) accumulating 4 micro-batches: the global batches of the tour's
     step 0, one process accumulating 2 x 2. Every unit is "sharded" one way: padding 0, N = 1."""
-    return train("step7", tmp_path_factory.mktemp("zero3_ws1") / "step7", small_corpus, "--grad-accum", "4", nproc=1)
+    return train(
+        "step7",
+        tmp_path_factory.mktemp("zero3_ws1") / "step7",
+        small_corpus,
+        "--grad-accum",
+        "4",
+        nproc=1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -287,8 +362,10 @@ def exact3(exact_run, tmp_path_factory, small_corpus):
     """Exact mode at 3 ranks, with bf16 and dropout (its masks must survive recomputation): step 1 as the
     exact-mode matrix ran it, step 7 with activation checkpointing; checkpoints every 2 steps."""
     out = tmp_path_factory.mktemp("zero3_ws3")
-    return (exact_run("step1", 3),
-            train("step7", out / "step7", small_corpus, *EXACT, "--activation-checkpointing", nproc=3))
+    return (
+        exact_run("step1", 3),
+        train("step7", out / "step7", small_corpus, *EXACT, "--activation-checkpointing", nproc=3),
+    )
 
 
 def test_trainer_is_bitwise_identical_to_ddp_at_world_size_2(ws2):
@@ -309,16 +386,28 @@ def test_trainer_resumes_bitwise_from_its_own_shards(exact3, tmp_path, small_cor
     _, step7 = exact3
     checkpoint = step7 / "checkpoints" / "step_2"
     shared = torch.load(checkpoint / "state.pt", weights_only=True)
-    assert "model" not in shared and "optimizer" not in shared  # nothing full-size in the shared file
+    # nothing full-size in the shared file
+    assert "model" not in shared and "optimizer" not in shared
     psi, _ = psi_and_root(step7)
     units = metrics(step7)["config"]["n_layer"] + 1
     for rank in range(3):
         own = torch.load(checkpoint / f"rank{rank}.pt", weights_only=True)
-        pieces = {(t.data_ptr(), t.numel()): t for t in own["model"].values()}  # the tied weight: one piece, two names
+        # the tied weight: one piece, two names
+        pieces = {(t.data_ptr(), t.numel()): t for t in own["model"].values()}
         assert all(t.dim() == 1 for t in own["model"].values())
-        assert abs(sum(t.numel() for t in pieces.values()) - psi / 3) <= 2 * units, "a rank holds 1/3 of the model"
-    resumed = train("step7", tmp_path / "resumed", small_corpus, *EXACT, "--activation-checkpointing",
-                    "--resume", str(checkpoint), nproc=3)
+        assert abs(sum(t.numel() for t in pieces.values()) - psi / 3) <= 2 * units, (
+            "a rank holds 1/3 of the model"
+        )
+    resumed = train(
+        "step7",
+        tmp_path / "resumed",
+        small_corpus,
+        *EXACT,
+        "--activation-checkpointing",
+        "--resume",
+        str(checkpoint),
+        nproc=3,
+    )
     assert_bitwise_same_run(step7, resumed)
 
 
@@ -342,14 +431,20 @@ def test_trainer_memory_per_rank_is_the_zero3_formula(ws1, ws2, exact3):
         for rank, measured in enumerate(metrics(run)["records"][-1]["memory"]):
             for kind, per_param in (("params", 4), ("grads", 4), ("optimizer_state", 8)):
                 expected = per_param * psi / world_size
-                assert abs(measured[kind] / expected - 1) < 0.02, f"rank {rank} {kind}: {measured[kind]} vs {expected}"
+                assert abs(measured[kind] / expected - 1) < 0.02, (
+                    f"rank {rank} {kind}: {measured[kind]} vs {expected}"
+                )
             # gathered at once: the root and at most two blocks (one computing, one prefetched)
             block = (psi - root) / metrics(run)["config"]["n_layer"]
-            assert 4 * root < measured["gathered_peak"] <= 4 * (root + 2 * block) + 4 * 3 * world_size
+            assert (
+                4 * root < measured["gathered_peak"] <= 4 * (root + 2 * block) + 4 * 3 * world_size
+            )
 
 
 def memory_tool(*args):
-    return run_forked([sys.executable, str(REPO / "compare" / "memory.py"), *map(str, args)], timeout=120)
+    return run_forked(
+        [sys.executable, str(REPO / "compare" / "memory.py"), *map(str, args)], timeout=120
+    )
 
 
 def test_memory_tool_checks_one_rank_and_plots_bytes_against_world_size(ws1, ws2, exact3, tmp_path):
@@ -374,14 +469,21 @@ def test_trainer_communication_per_optimiser_step(ws2, exact3):
         units, accum = metrics(run)["config"]["n_layer"] + 1, metrics(run)["config"]["grad_accum"]
         for r in metrics(run)["records"]:
             gathered = r["comm"]["all_gather"] / 4
-            assert accum * (2 * psi - root) <= gathered < accum * (2 * psi - root + 2 * units * world_size)
+            assert (
+                accum * (2 * psi - root)
+                <= gathered
+                < accum * (2 * psi - root + 2 * units * world_size)
+            )
             assert psi <= r["comm"]["reduce_scatter"] / grad_bytes < psi + units * world_size
 
 
 def test_trainer_trace_shows_a_prefetched_gather_during_compute(ws2):
     import json
+
     events = json.loads((ws2[1] / "trace.json").read_text())["traceEvents"]
     forward = next(e for e in events if e["name"] == "forward transformer.h.0")
     gather = next(e for e in events if e["name"] == "all-gather transformer.h.1")
-    assert gather["ts"] < forward["ts"] + forward["dur"], "the next block's gather should start before this one ends"
+    assert gather["ts"] < forward["ts"] + forward["dur"], (
+        "the next block's gather should start before this one ends"
+    )
     assert (ws2[1] / "timeline.png").read_bytes().startswith(b"\x89PNG")

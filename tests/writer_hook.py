@@ -18,6 +18,7 @@ on the step's own ``checkpoint`` module (the trainer's folder first on sys.path,
 then train.py runs as ``__main__``. A slow write prints ``writer hook: step_<k> written`` once it is whole on
 disk, so a test can see whether the trainer waited for it. A paused rank prints its pid, to be killed there.
 """
+
 import os
 import runpy
 import signal
@@ -39,7 +40,9 @@ write = checkpoint.CheckpointWriter._write
 
 def slow_or_failing_write(self, step, *state, kind, value):
     if kind == "fail" and step == int(value):
-        raise OSError(28, f"No space left on device (writer_hook.py, rank {self.rank}, step_{step})")
+        raise OSError(
+            28, f"No space left on device (writer_hook.py, rank {self.rank}, step_{step})"
+        )
     if kind == "slow":
         time.sleep(float(value))
     write(self, step, *state)
@@ -47,7 +50,8 @@ def slow_or_failing_write(self, step, *state, kind, value):
         print(f"writer hook: step_{step} written (rank {self.rank})", flush=True)
 
 
-barrier = getattr(checkpoint.CheckpointWriter, "_barrier", None)  # step 0's one process has no barrier to pause in
+# step 0's one process has no barrier to pause in
+barrier = getattr(checkpoint.CheckpointWriter, "_barrier", None)
 paused = False
 
 
@@ -62,10 +66,16 @@ def pausing_barrier(self, kind, value):
     if self.rank == rank and first_attempt and not paused and (tmp / f"rank{rank}.pt").is_file():
         paused = True
         if kind == "pause":
-            print(f"paused in the save of step {step}: rank {self.rank}, pid {os.getpid()}", flush=True)
+            print(
+                f"paused in the save of step {step}: rank {self.rank}, pid {os.getpid()}",
+                flush=True,
+            )
             time.sleep(3600)
-        os.kill(os.getppid(), signal.SIGTERM)  # sigterm-in-save: torchrun passes it on while the save goes on
-        print(f"SIGTERM sent to torchrun in the save of step {step} by rank {self.rank}", flush=True)
+        # sigterm-in-save: torchrun passes it on while the save goes on
+        os.kill(os.getppid(), signal.SIGTERM)
+        print(
+            f"SIGTERM sent to torchrun in the save of step {step} by rank {self.rank}", flush=True
+        )
     barrier(self)
 
 
@@ -81,7 +91,8 @@ def signalled_agreement(self, value):
     if self.rank == 0 and agreements == int(step) and first_attempt:
         os.kill(os.getppid() if to == "launcher" else os.getpid(), signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while self.signalled_at is None and time.monotonic() < deadline:  # noticed by the trainer's own watcher
+        # noticed by the trainer's own watcher
+        while self.signalled_at is None and time.monotonic() < deadline:
             time.sleep(0.01)
         if to == "self-twice":
             os.kill(os.getpid(), signal.SIGTERM)
@@ -92,9 +103,13 @@ def signalled_agreement(self, value):
 for mode in modes.split(","):
     kind, value = mode.split(":", 1)
     if kind in ("pause", "sigterm-in-save"):
-        checkpoint.CheckpointWriter._barrier = partialmethod(pausing_barrier, kind=kind, value=value)
+        checkpoint.CheckpointWriter._barrier = partialmethod(
+            pausing_barrier, kind=kind, value=value
+        )
     elif kind == "sigterm":
         failures.Preemption.agreed = partialmethod(signalled_agreement, value=value)
     else:
-        checkpoint.CheckpointWriter._write = partialmethod(slow_or_failing_write, kind=kind, value=value)
+        checkpoint.CheckpointWriter._write = partialmethod(
+            slow_or_failing_write, kind=kind, value=value
+        )
 runpy.run_path(script, run_name="__main__")
