@@ -50,6 +50,14 @@ and so are the counterpart's own (``zero3-no-prefetch`` brings ``zero3``, which 
     torch-pp-1f1b      pytorch pipelining 1F1B      the same with Schedule1F1B                  -
     pp-1f1b            pipeline 1F1B (step 9)       Pipeline(schedule="1f1b")                   pytorch pipelining
                                                                                                 1F1B
+    torch-moe-ddp      pytorch DDP (MoE)            the MoE model (--moe-experts, default 4      -
+                                                    here; common/moe.py), every expert on every
+                                                    rank, under DDP + AdamW
+    moe-ep1            MoE ep 1 (step 12)           the same model, step 12's                   pytorch DDP (MoE)
+                                                    reduce_gradients at --ep 1 (no all-to-all)
+    ep                 expert parallel (step 12)    step12_expert_parallel/expert_parallel.py   MoE ep 1 (step 12)
+                                                    at --ep = world size: E/W experts a rank,
+                                                    all-to-all dispatch and combine
 
 The tensor-parallel rows split the model, not the batch: their ranks share every micro-batch, so an
 optimiser step runs accumulation x world size micro-batches (the same on every rank), the tokens per
@@ -62,6 +70,11 @@ embedding: their first and last stage add each other's accumulated half once per
 Megatron-LM does; not bitwise), where ours adds each micro-batch's halves in one process's order (one message
 per micro-batch, and the sum sent back once). The default model has 2 blocks: 2 ranks at most (--n-layer
 for more).
+
+The MoE rows train the MoE model (``--moe-*`` as in steps 0 and 12; dropless top-2 of 4 by default): their
+``vs pytorch DDP`` is what the experts cost against the dense model, and the ``ep`` row's counterpart is the same
+model and code at ep 1, so its ratio is expert parallelism's effect alone: the all-to-alls in, the experts' all-reduce
+out (an expert's gradient is whole on its one rank).
 
 The no-prefetch row's counterpart is our own prefetching row, so its ``vs counterpart`` ratio is
 the prefetch's effect alone (above 1.0: gathering on demand was faster).
@@ -127,6 +140,7 @@ FOLDERS = (
     "step7_zero3",
     "step8_tensor_parallel",
     "step9_pipeline_parallel",
+    "step12_expert_parallel",
 )
 sys.path[:0] = [str(REPO_ROOT / folder) for folder in FOLDERS]
 import comm_accounting  # noqa: E402
@@ -135,6 +149,7 @@ import training  # noqa: E402
 from bucketed_ddp import BucketedDDP  # noqa: E402
 from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
 from model import GPT2, build_model, gpt2_config, initial_value, language_model_loss  # noqa: E402
+from moe import add_moe_flags, check_moe, moe_layers, moe_model, with_aux_loss  # noqa: E402
 from naive_dp import allreduce_gradients, broadcast_parameters  # noqa: E402
 from seeding import seed_everything  # noqa: E402
 from training import adamw_options, adamw_param_groups  # noqa: E402
@@ -715,6 +730,68 @@ class Pipeline1F1B(PipelineGPipe):
     )
 
 
+# ---- the mixture of experts: the same MoE model with its experts replicated, then split -------------
+
+
+class MoEModel(Strategy):
+    """The MoE model (``--moe-experts``, 4 by default here) and its loss, + a * the load-balancing loss."""
+
+    def build(self):
+        if not self.config["moe_experts"]:
+            raise ValueError("--moe-experts 0 builds no experts: give E > 0 for the MoE rows")
+        return moe_model(super().build(), self.config)
+
+    def loss(self, inputs, targets):
+        return with_aux_loss(self.model, super().loss(inputs, targets), self.config)
+
+
+class TorchDDPMoE(MoEModel, TorchDDP):
+    """Every expert on every rank, under DDP."""
+
+    key, name = "torch-moe-ddp", "pytorch DDP (MoE)"
+
+
+class MoEReplicated(MoEModel):
+    """Step 12 at ``--ep 1``: the MoE model whole on every rank, each gradient all-reduced over the world
+    (expert_parallel.reduce_gradients): the same model and code as the next row, without expert parallelism."""
+
+    key, name, counterpart = "moe-ep1", "MoE ep 1 (step 12)", "pytorch DDP (MoE)"
+    module_needed = (
+        "expert_parallel",
+        "step12_expert_parallel",
+        ("Groups", "shard_experts", "reduce_gradients"),
+    )
+    ep = 1
+
+    def wrap(self, model):
+        import expert_parallel
+
+        ep, experts = self.ep or dist.get_world_size(), self.config["moe_experts"]
+        if experts % ep:
+            raise ValueError(
+                f"--moe-experts {experts} is not divisible by {ep} ranks: give a multiple"
+            )
+        self.reduce = expert_parallel.reduce_gradients
+        self.groups = expert_parallel.Groups(ep)
+        self.dispatchers = []
+        if self.groups.ep_size > 1:
+            self.dispatchers = expert_parallel.shard_experts(model, moe_layers(model), self.groups)
+        return model
+
+    def synchronize(self):
+        self.reduce(self.model, self.groups)
+        for dispatcher in self.dispatchers:  # the per-micro-batch notes the trainer logs
+            dispatcher.traffic.clear()
+
+
+class ExpertParallelRow(MoEReplicated):
+    """Step 12 at ``--ep`` = the world size: each rank keeps E/W experts; two all-to-alls per MoE layer
+    and micro-batch each way; an expert's gradient is already whole on its one rank."""
+
+    key, name, counterpart = "ep", "expert parallel (step 12)", "MoE ep 1 (step 12)"
+    ep = None  # the world size
+
+
 STRATEGIES = (
     TorchDDP,
     Bucketed,
@@ -734,6 +811,9 @@ STRATEGIES = (
     PipelineGPipe,
     TorchPipeline1F1B,
     Pipeline1F1B,
+    TorchDDPMoE,
+    MoEReplicated,
+    ExpertParallelRow,
 )
 BY_NAME = {s.name: s for s in STRATEGIES}
 
@@ -1069,7 +1149,10 @@ def parse_flags() -> dict:
     bench.add_argument(
         "--timeout-s", type=float, default=300.0, help="process-group timeout in seconds"
     )
+    add_moe_flags(parser)  # the MoE rows' model; the dense rows ignore it
+    parser.set_defaults(moe_experts=4)
     config = parse_config(parser)
+    check_moe(config)
     if config["rounds"] < 1 or config["steps_per_round"] < 1:
         raise UserError("--rounds and --steps-per-round must be at least 1")
     if not config["timeout_s"] > 0:

@@ -157,6 +157,33 @@ def test_memory_per_rank_matches_each_strategy(every_row):
             assert sum(ours["params"]) >= whole  # every element is on some rank
 
 
+def test_the_moe_rows_hold_and_send_what_expert_parallelism_says(every_row):
+    """The MoE rows (4 experts, top-2, dropless, on the one block) against closed forms: ep 1 holds and
+    all-reduces everything; at ep = 2 a rank keeps 2 of the 4 experts and all-reduces only the dense part; and
+    the ranks' all-to-all bytes add up to 4 token transfers (dispatch and combine, each way) of every slot,
+    plus the counts, per micro-batch."""
+    _, numbers, _ = every_row
+    rows, config = numbers["rows"], numbers["config"]
+    dense, h = numbers["model_bytes"], config["n_embd"]
+    expert = (
+        2 * h * 4 * h + 4 * h + h
+    ) * 4  # one GPT-2 MLP: c_fc and c_proj, weights and biases, float32
+    experts, router = 4 * expert, h * 4 * 4
+    moe = dense - expert + experts + router  # the block's MLP replaced by 4 of them and a router
+    for name in ("pytorch DDP (MoE)", "MoE ep 1 (step 12)"):
+        assert rows[name]["memory"]["params"] == rows[name]["memory"]["grads"] == [moe] * 2
+        assert rows[name]["comm"] == [{"all_reduce": moe}] * 2
+    ep = rows["expert parallel (step 12)"]
+    assert ep["counterpart"] == "MoE ep 1 (step 12)" and "vs_counterpart" in ep
+    assert ep["memory"]["params"] == ep["memory"]["grads"] == [moe - experts // 2] * 2
+    assert [c["all_reduce"] for c in ep["comm"]] == [moe - experts] * 2
+    slots = 2 * config["micro_batch_size"] * config["seq_len"]  # top-2 of every token, none dropped
+    per_micro_batch = 2 * (
+        4 * slots * h * 4 + 4 * 8
+    )  # two ranks: 4 transfers of float32 rows, int64 counts
+    assert sum(c["all_to_all"] for c in ep["comm"]) == config["grad_accum"] * per_micro_batch
+
+
 def test_zero3_rows_count_what_fsdp2_is_said_to_move(every_row):
     """Our ZeRO-3 counts its collectives; PyTorch's row states them analytically: the same bytes (same
     units: the blocks, and a root kept gathered through backward)."""
