@@ -90,11 +90,12 @@ def main():
     world = distributed.plan_world(config)
     check_param_dtype(config, world.device)
     if config["replicate"] < 1 or world.world_size % config["replicate"]:
+        # step 7's words (step7_zero3/hsdp.py)
         raise UserError(
             f"--replicate {config['replicate']} does not divide the {world.world_size} ranks: choose R "
             f"with N / R whole (the ranks of one node, typically), or launch a multiple of "
             f"{config['replicate']} ranks"
-        )  # step 7's words (step7_zero3/hsdp.py)
+        )
     seed_everything(config["seed"], config["deterministic"])
     corpus = load_corpus(config["data"], config["tokenizer"], config["seq_len"])
     distributed.join(world, config["timeout_s"])

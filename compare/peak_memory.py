@@ -277,12 +277,13 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         ) as prof:
+            # as step 7's train.py builds them
             ddp_model, _ = shard_gpt2(
                 {**config, "activation_checkpointing": checkpointing},
                 vocab_size,
                 device,
                 param_dtype(config),
-            )  # as step 7's train.py builds them
+            )
             trainer = (
                 ddp_model,
                 make_optimizer(ddp_model.named_parameters(), config),

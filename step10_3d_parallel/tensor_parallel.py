@@ -335,10 +335,11 @@ BLOCK_PLAN = {
     "mlp.c_fc": ColumnParallelLinear,
     "mlp.c_proj": RowParallelLinear,
 }
+# over the vocabulary; tied to wte again after
 MODEL_PLAN = {
     "transformer.wte": VocabParallelEmbedding,
     "lm_head": ColumnParallelLinear,
-}  # over the vocabulary; tied to wte again after
+}
 
 
 def tensor_parallel_plan(n_layer: int) -> dict:

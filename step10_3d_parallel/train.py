@@ -61,12 +61,13 @@ def train_step(
     loss_sum = torch.zeros((), device=device)
     for first in range(0, accum, in_flight):  # one pipeline flush: in_flight micro-batches
         inputs, targets = zip(*micro_batches[first : first + in_flight])
+        # each loss / accum before its backward, as in step 0
         losses = pipe.run(
             in_flight,
             [x.to(device) for x in inputs],
             [y.to(device) for y in targets],
             loss_scale=accum,
-        )  # each loss / accum before its backward, as in step 0
+        )
         for loss in losses:  # the last stage's; in micro-batch order, as step 0 adds them
             loss_sum += loss
     # step 9's (the tie, every send waited), then step 8's (sequence-parallel)

@@ -202,9 +202,8 @@ def main():
                 "tokens_per_s": tokens_per_step / step_time["wall_s"],
                 "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
                 "epoch": batches.epoch,
-                **distributed.gather_per_rank(
-                    memory=memory, step_time=step_time
-                ),  # one entry per rank
+                # one entry per rank
+                **distributed.gather_per_rank(memory=memory, step_time=step_time),
                 # the experts' load and each rank's all-to-all bytes
                 **moe_record_over_ranks(model, dispatchers),
                 "comm": take_comm_bytes(),

@@ -162,18 +162,16 @@ def main():
         log.log(
             {
                 "step": step + 1,
-                "loss": distributed.mean_over_ranks(
-                    loss_sum, accum
-                ),  # over every rank and micro-batch
+                # over every rank and micro-batch
+                "loss": distributed.mean_over_ranks(loss_sum, accum),
                 "grad_norm": grad_norm.item(),
                 "param_norm": param_norm(model.parameters()),
                 "lr": lr,
                 "tokens_per_s": tokens_per_step / step_time["wall_s"],
                 "effective_batch_size": config["micro_batch_size"] * accum * world.world_size,
                 "epoch": batches.epoch,
-                **distributed.gather_per_rank(
-                    memory=memory, step_time=step_time
-                ),  # one entry per rank
+                # one entry per rank
+                **distributed.gather_per_rank(memory=memory, step_time=step_time),
                 "comm": take_comm_bytes(),
             }
         )

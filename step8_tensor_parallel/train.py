@@ -177,9 +177,8 @@ def main():
                 "tokens_per_s": tokens_per_step / step_time["wall_s"],
                 "effective_batch_size": config["micro_batch_size"] * accum,
                 "epoch": batches.epoch,
-                **distributed.gather_per_rank(
-                    memory=memory, step_time=step_time
-                ),  # one entry per rank
+                # one entry per rank
+                **distributed.gather_per_rank(memory=memory, step_time=step_time),
                 "comm": take_comm_bytes(),
             }
         )

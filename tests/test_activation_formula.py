@@ -11,12 +11,13 @@ import plan
 from activation_formula import TABLE2, FormulaActivations
 from model import GPT2, GPTConfig
 
+# their Table 3: micro-batch, t, p
 KORTHIKANTI = {
     "megatron-22b": (4, 8, 1),
     "megatron-175b": (1, 8, 8),
     "megatron-530b": (1, 8, 35),
     "megatron-1t": (1, 8, 64),
-}  # their Table 3: micro-batch, t, p
+}
 # Table 2 prints full recomputation once, 2 (the layer's input in 16 bits); with sequence parallelism that input is
 # split over t, as Megatron-LM keeps it: 2/t. A row the table leaves out, asserted with its rows.
 ROWS = {**TABLE2, ("full", True): lambda a, s, h, t: 2 / t}

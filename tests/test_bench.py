@@ -165,9 +165,8 @@ def test_the_moe_rows_hold_and_send_what_expert_parallelism_says(every_row):
     _, numbers, _ = every_row
     rows, config = numbers["rows"], numbers["config"]
     dense, h = numbers["model_bytes"], config["n_embd"]
-    expert = (
-        2 * h * 4 * h + 4 * h + h
-    ) * 4  # one GPT-2 MLP: c_fc and c_proj, weights and biases, float32
+    # one GPT-2 MLP: c_fc and c_proj, weights and biases, float32
+    expert = (2 * h * 4 * h + 4 * h + h) * 4
     experts, router = 4 * expert, h * 4 * 4
     moe = dense - expert + experts + router  # the block's MLP replaced by 4 of them and a router
     for name in ("pytorch DDP (MoE)", "MoE ep 1 (step 12)"):
@@ -178,9 +177,8 @@ def test_the_moe_rows_hold_and_send_what_expert_parallelism_says(every_row):
     assert ep["memory"]["params"] == ep["memory"]["grads"] == [moe - experts // 2] * 2
     assert [c["all_reduce"] for c in ep["comm"]] == [moe - experts] * 2
     slots = 2 * config["micro_batch_size"] * config["seq_len"]  # top-2 of every token, none dropped
-    per_micro_batch = 2 * (
-        4 * slots * h * 4 + 4 * 8
-    )  # two ranks: 4 transfers of float32 rows, int64 counts
+    # two ranks: 4 transfers of float32 rows, int64 counts
+    per_micro_batch = 2 * (4 * slots * h * 4 + 4 * 8)
     assert sum(c["all_to_all"] for c in ep["comm"]) == config["grad_accum"] * per_micro_batch
 
 

@@ -165,8 +165,18 @@ def test_sequence_parallel_activations_as_measured_and_its_traffic_on_the_wire()
     assert plan.on_the_wire(tp_split, 4) == plan.on_the_wire(tp_plain, 4)
     assert split["sequence_parallel"] and split["total"] < plain["total"]
     assert not plan.configuration(
-        DEFAULT, 4, 1, 1, 0, False, 8, 2, activations, sequence_parallel=True
-    )["sequence_parallel"]  # nothing to split at tp 1
+        DEFAULT,
+        4,
+        1,
+        1,
+        0,
+        False,
+        8,
+        2,
+        activations,
+        sequence_parallel=True,
+        # nothing to split at tp 1
+    )["sequence_parallel"]
 
 
 @pytest.mark.quick
