@@ -16,8 +16,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from launch import trainer_command  # noqa: E402  (puts common/ on the path)
+
+# isort: split
+from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from parity import step_folders  # noqa: E402
 
 MODEL = [
