@@ -59,7 +59,8 @@ def measure(
     )
     from model import build_model
     from sequence_parallel import sequence_parallel_gpt2
-    from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
+    from tensor_parallel import parallelize_gpt2
+    from vocab_parallel import vocab_parallel_cross_entropy
 
     vocab = 2048
     model = parallelize_gpt2(build_model(config, vocab, config["seed"]))

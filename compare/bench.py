@@ -589,7 +589,7 @@ class TensorParallel(TorchTensorParallel):
     module_needed = (
         "tensor_parallel",
         "step8_tensor_parallel",
-        ("parallelize_gpt2", "vocab_parallel_cross_entropy"),
+        ("parallelize_gpt2",),
     )
 
     def build(self):
@@ -602,9 +602,9 @@ class TensorParallel(TorchTensorParallel):
         return contextlib.nullcontext()
 
     def loss(self, inputs, targets):
-        tensor_parallel = importlib.import_module("tensor_parallel")
+        vocab_parallel = importlib.import_module("vocab_parallel")
         logits = self.wrapped(inputs)  # this rank's vocabulary slice
-        return tensor_parallel.vocab_parallel_cross_entropy(
+        return vocab_parallel.vocab_parallel_cross_entropy(
             logits.float().flatten(0, 1), targets.flatten()
         )
 

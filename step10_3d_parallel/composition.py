@@ -31,13 +31,14 @@ from pipeline_setup import add_pipeline_flags, check_pipeline, pipeline_gpt2, vi
 from recomputation import add_recomputation_flag, recompute
 from sequence_parallel import check_sequence_parallel, sequence_parallel_gpt2
 from sequence_parallel import finish_gradient_synchronization as finish_sequence_parallel
-from tensor_parallel import check_tensor_parallel, parallelize_gpt2, vocab_parallel_cross_entropy
+from tensor_parallel import check_tensor_parallel, parallelize_gpt2
 from tensor_parallel_state import (
     checkpoint_shards,
     gather_full_parameters,
     is_sharded,
     load_checkpoint_shards,
 )
+from vocab_parallel import vocab_parallel_cross_entropy
 
 
 def add_mesh_flags(parser) -> None:

@@ -14,9 +14,35 @@ import hashlib
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from comm_accounting import count_collective
+from config import UserError
 from training import params_in_order
+
+
+def block_length(size: int, group, what: str) -> int:
+    """``size / T``, or a UserError naming ``what`` when T does not divide it."""
+    world_size = dist.get_world_size(group)
+    if size % world_size:
+        raise UserError(
+            f"{what} ({size}) is not divisible by the tensor-parallel degree {world_size}; "
+            f"use a degree that divides it"
+        )
+    return size // world_size
+
+
+def block_of(full: torch.Tensor, dim: int, group, what: str) -> nn.Parameter:
+    """Rank r's block r of T of ``full`` along ``dim``, as a new Parameter that records where it sits (rule 1):
+    ``tp_blocks``, ``[(dim, start, end)]`` (a list: the checkpoint format of resharding.py allows several)."""
+    length = block_length(full.shape[dim], group, what)
+    start = dist.get_rank(group) * length
+    shard = nn.Parameter(
+        full.detach().narrow(dim, start, length).clone(memory_format=torch.contiguous_format),
+        requires_grad=full.requires_grad,
+    )
+    shard.tp_blocks = [(dim, start, start + length)]
+    return shard
 
 
 def is_sharded(param: torch.Tensor) -> bool:

@@ -28,12 +28,8 @@ work *inside* each layer. Here:
    before the all-reduce (DTensor's Replicate -> Partial, ``_partition_value``), so the result is
    bitwise PyTorch's ``RowwiseParallel``. The bias gradient is the true one (``_BiasShare``):
    every rank already holds the whole output gradient.
-5. **The vocabulary split, the tie kept, the logits never whole.** Rank r holds rows
-   ``[r V/T, (r+1) V/T)`` of the token embedding, and the output layer *is* that same Parameter
-   (GPT-2 ties them). The embedding looks up the ids it owns, zeroes the others, and all-reduces.
-   The logits stay split by vocabulary; ``vocab_parallel_cross_entropy`` all-reduces three numbers
-   per token (the max, the sum of exponentials, the target's logit): no rank ever holds a
-   ``(tokens, V)`` tensor.
+5. **The vocabulary split, the tie kept** (vocab_parallel.py): the token embedding and the tied output layer
+   hold rows ``[r V/T, (r+1) V/T)`` of one Parameter, and the loss is taken on logits split by vocabulary.
 6. **Replicated parameters stay identical without a gradient sync.** LayerNorms, the position
    embedding and row-parallel biases see the same inputs on every rank and, thanks to *f*'s
    all-reduce, the same output gradients: their gradients come out bit-identical everywhere.
@@ -59,14 +55,15 @@ import torch.nn.functional as F
 
 from config import UserError
 from tensor_parallel_mappings import (
-    all_reduce,
     copy_to_tensor_parallel_region,
     gather_along,
     reduce_from_tensor_parallel_region,
     scatter_along,
 )
+from tensor_parallel_state import block_length, block_of
+from vocab_parallel import VocabParallelEmbedding
 
-# ---- a rank's block of a weight, of a row-parallel bias, of a dropout mask ------------------------------------
+# ---- a rank's share of a row-parallel bias, its block of a dropout mask ------------------------------------
 
 
 class _BiasShare(torch.autograd.Function):
@@ -105,29 +102,6 @@ class ShardDropout(nn.Module):
         )
 
 
-def _split(size: int, group, what: str) -> int:
-    world_size = dist.get_world_size(group)
-    if size % world_size:
-        raise UserError(
-            f"{what} ({size}) is not divisible by the tensor-parallel degree {world_size}; "
-            f"use a degree that divides it"
-        )
-    return size // world_size
-
-
-def _block_of(full: torch.Tensor, dim: int, group, what: str) -> nn.Parameter:
-    """Rank r's block r of T of ``full`` along ``dim``, as a new Parameter that records where it sits: ``tp_blocks``,
-    ``[(dim, start, end)]`` (a list: the checkpoint format of resharding.py allows several)."""
-    length = _split(full.shape[dim], group, what)
-    start = dist.get_rank(group) * length
-    shard = nn.Parameter(
-        full.detach().narrow(dim, start, length).clone(memory_format=torch.contiguous_format),
-        requires_grad=full.requires_grad,
-    )
-    shard.tp_blocks = [(dim, start, start + length)]
-    return shard
-
-
 # ---- the layers --------------------------------------------------------------------------------------------
 
 
@@ -153,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output, self.reduce_dtype = group, gather_output, reduce_dtype
         self.copy_input = copy_to_tensor_parallel_region  # f (sequence_parallel.py: its own)
         self.in_features, self.out_features = in_features, out_features
-        local = _split(out_features, group, "out_features")
+        local = block_length(out_features, group, "out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
@@ -170,9 +144,9 @@ class ColumnParallelLinear(nn.Module):
                 group=group,
                 reduce_dtype=reduce_dtype,
             )
-        layer.weight = _block_of(linear.weight, 0, group, "out_features")
+        layer.weight = block_of(linear.weight, 0, group, "out_features")
         if linear.bias is not None:
-            layer.bias = _block_of(linear.bias, 0, group, "out_features")
+            layer.bias = block_of(linear.bias, 0, group, "out_features")
         return layer
 
     def forward(self, x):
@@ -207,7 +181,7 @@ class RowParallelLinear(nn.Module):
         )
         self.reduce_output = reduce_from_tensor_parallel_region  # g (sequence_parallel.py: its own)
         self.in_features, self.out_features = in_features, out_features
-        local = _split(in_features, group, "in_features")
+        local = block_length(in_features, group, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
@@ -223,7 +197,7 @@ class RowParallelLinear(nn.Module):
                 group=group,
                 reduce_dtype=reduce_dtype,
             )
-        layer.weight = _block_of(linear.weight, 1, group, "in_features")
+        layer.weight = block_of(linear.weight, 1, group, "in_features")
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone())  # replicated
         return layer
@@ -237,87 +211,6 @@ class RowParallelLinear(nn.Module):
             else _BiasShare.apply(self.bias, dist.get_world_size(self.group))
         )
         return self.reduce_output(F.linear(x, self.weight, share), self.group, self.reduce_dtype)
-
-
-class VocabParallelEmbedding(nn.Module):
-    """``nn.Embedding(num_embeddings, embedding_dim)`` with its rows (the vocabulary) split over ``group``.
-
-    ``.weight`` is rows ``[r V/T, (r+1) V/T)``. Every rank gets the whole input ids and returns the whole
-    output: it looks up the ids it owns, zeroes the rows of the others, and the ranks all-reduce.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, reduce_dtype=None):
-        super().__init__()
-        self.group, self.reduce_dtype = group, reduce_dtype
-        self.reduce_output = reduce_from_tensor_parallel_region  # g (sequence_parallel.py: its own)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        local = _split(num_embeddings, group, "the vocabulary (num_embeddings)")
-        self.vocab_start = dist.get_rank(group) * local
-        self.weight = nn.Parameter(torch.empty(local, embedding_dim))
-        nn.init.normal_(self.weight)
-
-    @classmethod
-    def from_full(
-        cls, embedding: nn.Embedding, group=None, reduce_dtype=None
-    ) -> "VocabParallelEmbedding":
-        """This rank's part of ``embedding`` (the same full table on every rank): its block of rows (tokens)."""
-        with torch.device("meta"):
-            layer = cls(
-                embedding.num_embeddings,
-                embedding.embedding_dim,
-                group=group,
-                reduce_dtype=reduce_dtype,
-            )
-        layer.weight = _block_of(embedding.weight, 0, group, "the vocabulary (num_embeddings)")
-        return layer
-
-    def forward(self, ids):
-        elsewhere = (ids < self.vocab_start) | (ids >= self.vocab_start + self.weight.shape[0])
-        local_ids = (ids - self.vocab_start).masked_fill(elsewhere, 0)
-        rows = F.embedding(local_ids, self.weight)
-        rows = rows.masked_fill(elsewhere.unsqueeze(-1), 0.0)
-        return self.reduce_output(rows, self.group, self.reduce_dtype)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """The arithmetic of PyTorch's ``loss_parallel`` (``torch/distributed/tensor/parallel/loss.py``), op for op."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, group):
-        rows = logits.shape[-1]
-        start = dist.get_rank(group) * rows
-        top = all_reduce(torch.amax(logits, dim=-1, keepdim=True), group, op=dist.ReduceOp.MAX)
-        shifted = logits - top
-        sum_exp = all_reduce(torch.sum(torch.exp(shifted), dim=-1, keepdim=True), group)
-        log_probs = shifted - torch.log(sum_exp)
-        elsewhere = (targets < start) | (targets >= start + rows)
-        local = (targets - start).masked_fill(elsewhere, 0)
-        picked = torch.gather(log_probs, -1, local.unsqueeze(-1)).masked_fill(
-            elsewhere.unsqueeze(-1), 0.0
-        )
-        # the target's log-probability, from the rank that owns it
-        picked = all_reduce(picked, group)
-        count = torch.tensor(float(targets.numel()), dtype=logits.dtype, device=logits.device)
-        ctx.save_for_backward(log_probs, local, elsewhere, count)
-        return (-picked.squeeze(-1)).sum() / count
-
-    @staticmethod
-    def backward(ctx, grad):
-        log_probs, local, elsewhere, count = ctx.saved_tensors
-        one_hot = torch.zeros_like(log_probs)
-        one_hot.scatter_(
-            -1, local.unsqueeze(-1), (elsewhere.to(log_probs.dtype) - 1.0).unsqueeze(-1)
-        )
-        return (one_hot + torch.exp(log_probs)) * (grad / count), None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, group=None
-) -> torch.Tensor:
-    """Mean cross-entropy of ``logits`` (``(N, V/T)``: this rank's vocabulary slice, as the tied output layer
-    gives it) against ``targets`` (``(N,)``, ids in the whole vocabulary, the same on every rank): the value
-    ``F.cross_entropy`` gives on the whole ``(N, V)`` logits, on every rank, without ever building them."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, group)
 
 
 # ---- GPT-2, made tensor-parallel ----------------------------------------------------------------------------

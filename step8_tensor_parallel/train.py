@@ -37,7 +37,7 @@ from sequence_parallel import (
 
 # step 5's: the fp16 overflow flag agreed by every rank
 from sharded_gradients import ShardedGradScaler
-from tensor_parallel import check_tensor_parallel, parallelize_gpt2, vocab_parallel_cross_entropy
+from tensor_parallel import check_tensor_parallel, parallelize_gpt2
 from tensor_parallel_state import (
     TensorParallelShards,
     counted_once,
@@ -53,6 +53,7 @@ from training import (
     make_scheduler,
     param_norm,
 )
+from vocab_parallel import vocab_parallel_cross_entropy
 
 STEP = Path(__file__).resolve().parent.name
 

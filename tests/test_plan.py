@@ -721,12 +721,8 @@ def test_pipeline_stages_hold_what_the_real_stages_hold_at_every_tp_and_pp(sched
     sys.path.insert(0, str(REPO / "step8_tensor_parallel"))
     from model import build_model
     from pipeline import GPT2Stage, schedule_actions
-    from tensor_parallel import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        tensor_parallel_plan,
-    )
+    from tensor_parallel import ColumnParallelLinear, RowParallelLinear, tensor_parallel_plan
+    from vocab_parallel import VocabParallelEmbedding
 
     n_layer, h, heads, vocab, seq, b, micro_batches = 5, 32, 4, 2048, 16, 2, 3
     shape = plan.Shape(n_layer, h, heads, vocab, seq)

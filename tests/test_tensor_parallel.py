@@ -273,12 +273,8 @@ def use_it_in_your_own_script():
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from tensor_parallel import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        vocab_parallel_cross_entropy,
-    )
+    from tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
     rank, T = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same full layers and data on every rank
@@ -366,7 +362,8 @@ def use_sequence_parallelism_in_your_own_script():
 
     from model import GPT2, GPTConfig
     from sequence_parallel import finish_gradient_synchronization, sequence_parallel_gpt2
-    from tensor_parallel import ShardDropout, parallelize_gpt2, vocab_parallel_cross_entropy
+    from tensor_parallel import ShardDropout, parallelize_gpt2
+    from vocab_parallel import vocab_parallel_cross_entropy
 
     rank, T = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -412,7 +409,8 @@ def against_pytorchs_sequence_parallel_plan(GPT2, cfg, ids) -> dict:
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     from sequence_parallel import finish_gradient_synchronization, sequence_parallel_gpt2
-    from tensor_parallel import parallelize_gpt2, vocab_parallel_cross_entropy
+    from tensor_parallel import parallelize_gpt2
+    from vocab_parallel import vocab_parallel_cross_entropy
 
     sys.path.insert(0, str(REPO / "compare"))
     import tp_reference
