@@ -514,9 +514,8 @@ def moe_report(
     micro_batch_size: int,
     global_batch: int,
     param_dtype: str,
-    commands: list[str] | str,
 ) -> str:
-    """The EP table: one line per ep degree, and the step 12 command for each (or why there is none)."""
+    """The EP table: one line per ep degree, and each row's step 12 command (or why there is none)."""
     unit = (GIB, "GiB") if max(row["total"] for row in rows) >= 2 * GIB else (2**20, "MiB")
     psi = moe_psi(shape, moe)
     lines = [
@@ -538,10 +537,10 @@ def moe_report(
             f"{row['all_to_all_handed'] / unit[0]:>25,.1f}{row['all_to_all_on_the_wire'] / unit[0]:>19,.1f}"
             f"{'inside a node' if row['inside_a_node'] else 'across nodes':>16}"
         )
-    if isinstance(commands, str):
-        lines.append(f"no command: {commands}")
+    if rows[0]["no_command"]:
+        lines.append(f"no command: {rows[0]['no_command']}")
     else:
-        lines += [f"  ep {row['ep']}: {c}" for row, c in zip(rows, commands) if row["fits"]]
+        lines += [f"  ep {row['ep']}: {row['command']}" for row in rows if row["fits"]]
     if not any(row["fits"] for row in rows):
         lines.append(
             "no ep fits: step 12 keeps the dense part whole on every rank (ZeRO-0); "
@@ -1389,14 +1388,15 @@ def moe_plan(
     )
     if not why_not and config["param_dtype"] != "float32":
         why_not = "step 12 trains float32 parameters (it has no --param-dtype)"
-    commands = why_not or [
-        f"torchrun --nproc-per-node {hardware.devices} step12_expert_parallel/train.py "
-        f"{' '.join(model_flags(config, parser))} --grad-accum {row['micro_batches']} --moe-experts {moe.experts} "
-        f"--moe-top-k {moe.top_k} --moe-every {moe.every} --moe-capacity-factor 0 --ep {row['ep']}"
-        for row in rows
-    ]
-    for i, row in enumerate(rows):
-        row["command"], row["no_command"] = (None, why_not) if why_not else (commands[i], None)
+    for row in rows:
+        row["command"], row["no_command"] = None, why_not
+        if not why_not:
+            row["command"] = (
+                f"torchrun --nproc-per-node {hardware.devices} step12_expert_parallel/train.py "
+                f"{' '.join(model_flags(config, parser))} --grad-accum {row['micro_batches']} "
+                f"--moe-experts {moe.experts} --moe-top-k {moe.top_k} --moe-every {moe.every} "
+                f"--moe-capacity-factor 0 --ep {row['ep']}"
+            )
     if config["json"]:
         config["json"].write_text(
             json.dumps(
@@ -1409,7 +1409,7 @@ def moe_plan(
             )
             + "\n"
         )
-    return moe_report(shape, moe, hardware, rows, b, global_batch, config["param_dtype"], commands)
+    return moe_report(shape, moe, hardware, rows, b, global_batch, config["param_dtype"])
 
 
 def main() -> int:
