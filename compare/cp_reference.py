@@ -87,7 +87,8 @@ def compare(rank: int, world_size: int, port: int, config: dict) -> dict:
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
     )
-    from context_parallel import RingAttention, shard_positions
+    from context_parallel import shard_positions
+    from ring_attention import RingAttention
 
     b, h, s, d = config["batch"], config["heads"], config["seq_len"], config["head_dim"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

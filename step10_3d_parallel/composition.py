@@ -14,7 +14,7 @@
    targets this rank's positions), so the stages send each other S/C tokens of every micro-batch. Gradients and
    ZeRO-1 go over dp x cp (mesh.py's rule 5). Not with --sequence-parallel (both split the sequence; not composed
    here) nor selective recomputation (the ring keeps no s x s tensor to recompute). With dropout, each tp rank's
-   ring draws every head's mask and keeps its heads' (step 11's rule 7), as step 8 does (its rule 7).
+   ring draws every head's mask and keeps its heads' (ring_attention.py's rule 6), as step 8 does (its rule 7).
 """
 
 import functools

@@ -28,7 +28,7 @@ sequences, and the ranks that hold the same shard of the same stage in the other
    TP rank holds the whole residual-stream activation of its positions, so no gather is needed between
    stages).
 5. **The gradients' group is dp x cp.** The ranks of a ring read the same samples, each its positions:
-   to the weights they are replicas (step 11's rule 6). Averaging gradients and sharding AdamW's state
+   to the weights they are replicas (step 11's context_parallel.py, rule 4). Averaging gradients and sharding AdamW's state
    (ZeRO-1) run over the plane of ranks that differ in dp or cp (``dp_cp_group``, Megatron-LM's "data
    parallel group with context parallel"), the sampler over dp alone. At cp = 1 that plane is the dp
    group, and no other group is created.

@@ -1,4 +1,4 @@
-"""Step 11: context parallelism (context_parallel.py), ring attention over a sequence split in 2C chunks.
+"""Step 11: context parallelism (context_parallel.py), ring attention (ring_attention.py) over a sequence split in 2C chunks.
 
 The ring merges partial softmaxes in another order than one process does, so its proof is against a
 single-process blockwise reference written here, independently of the ring (no communication, its own
@@ -145,9 +145,9 @@ def saved_bytes(fn, *tensors) -> int:
 
 def ring_events(q, k, v, dout) -> list:
     """The order in which one forward and backward start messages, wait for them and compute chunk pairs."""
-    import context_parallel
+    import ring_attention
 
-    events, start, scores = [], context_parallel._Ring.start, context_parallel._scores
+    events, start, scores = [], ring_attention._Ring.start, ring_attention._scores
 
     def logged_start(ring, tensor, tag):
         events.append(("send", tag))
@@ -158,11 +158,11 @@ def ring_events(q, k, v, dout) -> list:
         events.append(("compute", None))
         return scores(*args)
 
-    context_parallel._Ring.start, context_parallel._scores = logged_start, logged_scores
+    ring_attention._Ring.start, ring_attention._scores = logged_start, logged_scores
     try:
-        context_parallel.RingAttention.apply(q, k, v, None, "zigzag").backward(dout)
+        ring_attention.RingAttention.apply(q, k, v, None, "zigzag").backward(dout)
     finally:
-        context_parallel._Ring.start, context_parallel._scores = start, scores
+        ring_attention._Ring.start, ring_attention._scores = start, scores
     return events
 
 
@@ -172,7 +172,8 @@ def ring_worker(rank, cp, port, out_dir):
     # group first
     dist.init_process_group("gloo", rank=rank, world_size=cp, timeout=timedelta(seconds=60))
     sys.path.insert(0, str(FOLDER))
-    from context_parallel import RingAttention, sequence_shard
+    from context_parallel import sequence_shard
+    from ring_attention import RingAttention
 
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -312,7 +313,7 @@ def test_every_message_travels_while_a_block_is_computed(ring_results, cp):
     pair is computed and waited for after it, so the compute hides the transfer; only the last pass, which
     brings the dK/dV buffers home after every block is done, has nothing left to hide behind."""
     sys.path.insert(0, str(FOLDER))
-    from context_parallel import GRAD_TAG, KV_TAG
+    from ring_attention import GRAD_TAG, KV_TAG
 
     for rank in range(cp):
         events = ring_results[cp][rank]["events"]
