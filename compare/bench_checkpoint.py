@@ -15,11 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import trainer_command  # noqa: E402  (puts common/ on the path)
-
-# isort: split
+# compare/ and common/ (config.py, as every step has it), as gpu_check.py puts them
+sys.path[:0] = [
+    str(Path(__file__).resolve().parent),
+    str(Path(__file__).resolve().parent.parent / "common"),
+]
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
+from launch import trainer_command  # noqa: E402
 from parity import step_folders  # noqa: E402
 
 MODEL = [
