@@ -752,8 +752,8 @@ class TorchDDPMoE(MoEModel, TorchDDP):
 
 
 class MoEReplicated(MoEModel):
-    """Step 12 at ``--ep 1``: the MoE model whole on every rank, each gradient all-reduced over the world
-    (expert_parallel.reduce_gradients): the same model and code as the next row, without expert parallelism."""
+    """Step 12 at ``--ep 1``: the MoE model whole on every rank, its gradients all-reduced over the world
+    in one flat buffer after backward (expert_parallel.reduce_gradients): the same model and code as the next row, without expert parallelism."""
 
     key, name, counterpart = "moe-ep1", "MoE ep 1 (step 12)", "pytorch DDP (MoE)"
     module_needed = (

@@ -167,17 +167,25 @@ def is_expert(name: str) -> bool:
 
 
 def reduce_gradients(model, groups: Groups, reduce_dtype: torch.dtype = torch.float32) -> None:
-    """Rule 7: dense gradients summed over all ranks, expert gradients over their copies; both divided by W."""
-    # --ep = world size: each expert on one rank only
+    """Rule 7: dense gradients summed over all ranks, expert gradients over their copies; both divided by W.
+
+    Each group's gradients go in one flat buffer and one all-reduce (step 4's bucket, without its hooks): a
+    collective per tensor would pay gloo's fixed cost per call once per parameter, dozens of times a step."""
+    named = list(model.named_parameters())
+    dense = [p for name, p in named if not is_expert(name)]
+    experts = [p for name, p in named if is_expert(name)]
+    # --ep = world size: each expert on one rank only, nothing to add up
     alone = dist.get_world_size(groups.replicas) == 1
-    for name, param in model.named_parameters():
-        grad = param.grad if reduce_dtype == param.grad.dtype else param.grad.to(reduce_dtype)
-        if not (alone and is_expert(name)):  # nothing to add up for an expert without copies
-            count_collective("all_reduce", grad)
-            dist.all_reduce(grad, group=groups.replicas if is_expert(name) else None)
-        grad.div_(groups.world_size)
-        if grad is not param.grad:
-            param.grad.copy_(grad)
+    for params, group in ((dense, None), (experts, groups.replicas)):
+        if not params:
+            continue
+        flat = torch.cat([p.grad.flatten().to(reduce_dtype) for p in params])
+        if not (alone and group is groups.replicas):
+            count_collective("all_reduce", flat)
+            dist.all_reduce(flat, group=group)
+        flat.div_(groups.world_size)
+        for p, grad in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(grad.view_as(p.grad))
 
 
 def counted_once(model, groups: Groups) -> list:
