@@ -29,6 +29,19 @@ and the log-sum-exp are what the paper leaves out: below 0.1% of a layer at its 
 Outside the layers (its section 4.3): the first stage keeps the embedding dropout's mask, T h m; the last stage
 the final norm's input and output, 2 T h e, and the logits in float32 for the loss, 4 T V / t.
 
+A mixture of experts' layer (common/moe.py; step 12 with ``expert_parallel.py``) in place of the MLP and its
+dropout mask, E experts, top-k, on a rank holding T tokens that sends S kept slots (k T when dropless) and whose
+experts compute R (in one process R = S; under expert parallelism k T on average, when the router balances):
+
+    router                              4 T E + 4 E      the float32 probabilities; f_i, the aux loss's
+    choices                             8 T k + 4 T k    the k experts (int64) and the weights (float32);
+                                                         k > 1: the weights before renormalising, and their
+                                                         sums, 4 T k + 4 T
+    dispatch                            8 S + 8 T k      the gathered slots' token indices; the sort's order
+    experts' inputs                     R h e            the slots that reach this rank's experts
+    experts                             2 R f e          GELU's (3 R f e SwiGLU), and the dropout mask R h m
+    combine                             S h e + T k h e  the outputs back home, then placed in the k T slots
+
 Context parallelism over C ranks (step 11's ring) gives each rank T/C of the tokens and every term above falls
 to 1/C: attention by the ring keeps what flash attention keeps (the log-sum-exp, the output as c_proj's input),
 never a score matrix, whatever --attention says.
@@ -98,6 +111,33 @@ class FormulaActivations:
 
     def block_bytes(self, tp: int, sequence_parallel: bool = False) -> int:
         return sum(self.terms(tp, sequence_parallel).values())
+
+    def moe_terms(self, experts: int, top_k: int, sent=None, received=None) -> dict:
+        """One MoE block's saved bytes on a rank (no tensor parallelism), by name: the dense terms with the MLP's
+        replaced by the MoE layer's. ``sent``: the kept slots of this rank's tokens; ``received``: the slots its
+        experts compute; both k T by default (dropless, balanced)."""
+        shape, e, m, tokens = self.shape, self.e, self.m, self.tokens
+        h, f = shape.n_embd, shape.ffn_width
+        slots = top_k * tokens
+        sent = slots if sent is None else sent
+        received = sent if received is None else received
+        terms = self.terms()
+        del terms["MLP"]
+        if self.dropout:  # attention's mask stays; the MLP's is the experts' now
+            terms["dropout masks"] = tokens * h * m + received * h * m
+        renormalised = 4 * slots + 4 * tokens if top_k > 1 else 0
+        terms |= {
+            "router": 4 * tokens * experts + 4 * experts,
+            "choices": 8 * slots + 4 * slots + renormalised,
+            "dispatch": 8 * sent + 8 * slots,
+            "experts' inputs": received * h * e,
+            "experts": (3 if shape.mlp == "swiglu" else 2) * received * f * e,
+            "combine": sent * h * e + slots * h * e,
+        }
+        return terms
+
+    def moe_block_bytes(self, experts: int, top_k: int, sent=None, received=None) -> int:
+        return sum(self.moe_terms(experts, top_k, sent, received).values())
 
     def kept_per_block(self, tp: int, sequence_parallel: bool) -> int:
         """A checkpointed layer keeps its input, the hidden states."""

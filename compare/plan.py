@@ -49,8 +49,9 @@ also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
     CP   per micro-batch and block, to the next rank of the ring: cp - 1 K/V blocks forward (again with
          checkpointing) and backward, and cp float32 dK/dV buffers (step 11's records)
 Mixture of experts (``--moe-experts E`` or ``--moe-preset``): step 12's layouts instead, one per ep dividing E and
-the devices: a rank holds the dense part whole and E/ep experts of each MoE layer (ZeRO-0), and hands
-8E + 4·k·T·h·bytes to all-to-alls per MoE layer and micro-batch of T tokens (docs/planner.md).
+the devices: a rank holds the dense part whole and E/ep experts of each MoE layer (ZeRO-0) and one micro-batch's
+activations (activation_formula.py's MoE terms), and hands 8E + 4·k·T·h·bytes to all-to-alls per MoE layer and
+micro-batch of T tokens (docs/planner.md).
 Ranking: by an estimated step time (compute 6Ψ + 12 L s h per token, 8Ψ + 16 L s h for the blocks with
 checkpointing, over --tflops,
 stretched by the bubble (M + P - 1)/M; each axis's bytes over the link it crosses: --intra-gbs inside a node,
@@ -475,17 +476,29 @@ def moe_layouts(
     micro_batch_size: int,
     micro_batches: int,
     param_dtype: str = "float32",
+    activations: FormulaActivations | None = None,
 ) -> list[dict]:
     """Step 12's layouts on ``hardware.devices`` ranks: every ep that divides both E and the ranks. The dense part
     is data-parallel over every rank, each expert over the devices/ep ranks that hold it; ZeRO-0 (step 12 is built
-    on naive DP). Per rank: parameters, model state, and the all-to-all bytes of an optimiser step, dropless
-    (``kept`` = 1: a capacity factor only sends less). An ep group is ep consecutive ranks (expert_parallel.py):
-    inside a node when ep divides the GPUs per node. Activations are not counted."""
-    rows, per_step = [], moe_psi(shape, moe)["moe_layers"] * micro_batches
+    on naive DP). Per rank: parameters, model state, one micro-batch's activations (step 12 runs each micro-batch's
+    backward before the next forward; ``activations``: by formula, math attention by default) and the all-to-all
+    bytes of an optimiser step, dropless (``kept`` = 1: a capacity factor only sends less) and balanced (each rank's
+    experts compute k x T slots, whatever ep). An ep group is ep consecutive ranks (expert_parallel.py): inside a
+    node when ep divides the GPUs per node."""
+    rows, layers = [], moe_psi(shape, moe)["moe_layers"]
+    per_step = layers * micro_batches
+    activations = activations or FormulaActivations(
+        shape, micro_batch_size, activation_bytes(param_dtype)
+    )
+    held_activations = (
+        (shape.n_layer - layers) * activations.block_bytes(1)
+        + layers * activations.moe_block_bytes(moe.experts, moe.top_k)
+        + activations.rest(1, first=True, last=True, sequence_parallel=False)
+    )
     for ep in divisors(math.gcd(moe.experts, hardware.devices)):
         held = moe_rank_params(shape, moe, ep)
         state = estimate.state_bytes(0, held, 1, param_dtype)
-        total = sum(state.values())
+        total = sum(state.values()) + held_activations
         layer = all_to_all_bytes(
             moe, micro_batch_size * shape.seq_len, shape.n_embd, ep, activation_bytes(param_dtype)
         )
@@ -495,6 +508,7 @@ def moe_layouts(
                 "expert_replicas": hardware.devices // ep,
                 "params": held,
                 "state": state,
+                "activations": held_activations,
                 "total": total,
                 "fits": total <= hardware.memory,
                 "all_to_all_handed": layer["handed"] * per_step,
@@ -514,6 +528,7 @@ def moe_report(
     micro_batch_size: int,
     global_batch: int,
     param_dtype: str,
+    accounting: str = "by formula (compare/activation_formula.py: math attention, dropout 0)",
 ) -> str:
     """The EP table: one line per ep degree, and each row's step 12 command (or why there is none)."""
     unit = (GIB, "GiB") if max(row["total"] for row in rows) >= 2 * GIB else (2**20, "MiB")
@@ -525,15 +540,17 @@ def moe_report(
         f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} ({hardware.gpus_per_node} per "
         f"node); micro-batch {micro_batch_size}, global batch {global_batch} sequences, "
         f"{rows[0]['micro_batches']} micro-batches a rank",
-        "step 12: dp over every rank, ep splitting the experts; ZeRO-0; model state only (activations not "
-        "counted); all-to-all per rank and optimiser step, dropless",
-        f"{'ep':>4}{'copies of an expert':>21}{'params a rank':>16}{f'state ({unit[1]})':>14}{'fits':>6}"
+        "step 12: dp over every rank, ep splitting the experts; ZeRO-0; model state and one micro-batch's "
+        f"activations {accounting}; all-to-all per rank and optimiser step; dropless, balanced",
+        f"{'ep':>4}{'copies of an expert':>21}{'params a rank':>16}{f'state ({unit[1]})':>14}"
+        f"{f'activations ({unit[1]})':>20}{'fits':>6}"
         f"{f'all-to-all handed ({unit[1]})':>25}{f'on the wire ({unit[1]})':>19}{'ep group':>16}",
     ]
     for row in rows:
         lines.append(
             f"{row['ep']:>4}{row['expert_replicas']:>21}{row['params']:>16,}"
-            f"{row['total'] / unit[0]:>14,.1f}{'yes' if row['fits'] else 'no':>6}"
+            f"{sum(row['state'].values()) / unit[0]:>14,.1f}{row['activations'] / unit[0]:>20,.1f}"
+            f"{'yes' if row['fits'] else 'no':>6}"
             f"{row['all_to_all_handed'] / unit[0]:>25,.1f}{row['all_to_all_on_the_wire'] / unit[0]:>19,.1f}"
             f"{'inside a node' if row['inside_a_node'] else 'across nodes':>16}"
         )
@@ -1378,8 +1395,21 @@ def moe_plan(
             f"--global-batch {global_batch} is not a multiple of --devices x --micro-batch-size "
             f"({hardware.devices * b})"
         )
+    formula = FormulaActivations(
+        shape, b, activation_bytes(config["param_dtype"]), config["attention"], config["dropout"]
+    )
+    accounting = (
+        f"by formula (compare/activation_formula.py: {config['attention']} attention, dropout "
+        f"{config['dropout']:g})"
+    )
     rows = moe_layouts(
-        shape, moe, hardware, b, global_batch // (hardware.devices * b), config["param_dtype"]
+        shape,
+        moe,
+        hardware,
+        b,
+        global_batch // (hardware.devices * b),
+        config["param_dtype"],
+        formula,
     )
     why_not = (
         "a published model's shape: no step trainer builds it"
@@ -1409,7 +1439,9 @@ def moe_plan(
             )
             + "\n"
         )
-    return moe_report(shape, moe, hardware, rows, b, global_batch, config["param_dtype"])
+    return moe_report(
+        shape, moe, hardware, rows, b, global_batch, config["param_dtype"], accounting
+    )
 
 
 def main() -> int:

@@ -71,10 +71,11 @@ def test_flash_attention_keeps_no_s_squared_and_swiglu_three_ffn_wide_tensors():
     assert eager["scores"] == llama.n_head * tokens * tokens * 2
 
 
-def saved_by_one_block(config: GPTConfig, micro_batch_size: int) -> dict:
-    """Bytes autograd saves inside block 0 of the real model on this CPU, each storage once, weights left out."""
+def saved_by_one_block(config: GPTConfig, micro_batch_size: int, model=None) -> dict:
+    """Bytes autograd saves inside block 0 of the real model on this CPU (or of ``model``), each storage once,
+    weights left out."""
     torch.manual_seed(0)
-    model = GPT2(config).train()
+    model = model or GPT2(config).train()
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     saved, inside = {}, []
     block = model.transformer.h[0]
@@ -118,6 +119,105 @@ def test_the_formula_is_what_autograd_saves_for_the_trainers_model(attention, dr
     ).block_bytes(1)
     differences = s * s if attention == "math" else 0
     assert measured == formula + differences, (measured, formula, differences)
+
+
+def MOE(config: GPTConfig, flags: dict):
+    from moe import moe_model
+
+    return moe_model(GPT2(config), {"seed": 0, "n_layer": config.n_layer, **flags}).train()
+
+
+MOE_CONFIG = dict(vocab_size=128, seq_len=32, n_layer=1, n_head=4, n_embd=64, attention="math")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "top_k, capacity_factor, dropout", [(1, 0.0, 0.0), (2, 0.0, 0.0), (2, 1.0, 0.1)]
+)
+def test_the_moe_formula_is_what_autograd_saves_in_one_process(top_k, capacity_factor, dropout):
+    """An MoE block of common/moe.py (step 0's), float32: the formula's terms with S = R = the kept slots the
+    layer counted (k T dropless; fewer with a capacity factor of 1, where some slots drop), Switch's k = 1 (no
+    renormalising) and k = 2; the one difference the dense test names (math attention's s x s causal mask)."""
+    torch.set_num_threads(1)
+    b, experts = 2, 4
+    config = GPTConfig(**MOE_CONFIG, dropout=dropout)
+    flags = dict(
+        moe_experts=experts, moe_top_k=top_k, moe_every=1, moe_capacity_factor=capacity_factor
+    )
+    model = MOE(config, flags)
+    saved = saved_by_one_block(config, b, model)
+    layer, tokens = model.transformer.h[0].mlp, b * config.seq_len
+    kept = layer.totals["slots"] - layer.totals["dropped"]
+    assert (kept < top_k * tokens) == (capacity_factor > 0)
+    shape = plan.Shape(1, 64, 4, 128, 32)
+    formula = FormulaActivations(shape, b, element=4, attention="math", dropout=dropout, mask=4)
+    assert sum(saved.values()) == formula.moe_block_bytes(experts, top_k, kept, kept) + 32 * 32
+
+
+def moe_activations_worker(rank, world_size, port, queue):
+    """Step 12's dispatcher at ep = world size: each rank its own tokens, what its MoE block saves and the slots it
+    sent and its experts received."""
+    import os
+    import sys
+    import traceback
+
+    import torch.distributed as dist
+
+    from conftest import REPO
+
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        sys.path.insert(0, str(REPO / "step12_expert_parallel"))
+        from expert_parallel import Groups, shard_experts
+
+        config = GPTConfig(**MOE_CONFIG, dropout=0.1)
+        flags = dict(moe_experts=4, moe_top_k=2, moe_every=1, moe_capacity_factor=0.0)
+        torch.manual_seed(0)
+        model = MOE(config, flags)
+        layer = model.transformer.h[0].mlp
+        (dispatcher,) = shard_experts(model, [layer], Groups(world_size))
+        weights = {p.untyped_storage()._cdata for p in model.parameters()}
+        saved, inside = {}, []
+        model.transformer.h[0].register_forward_pre_hook(lambda *_: inside.append(True))
+        model.transformer.h[0].register_forward_hook(lambda *_: inside.clear())
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if inside and storage._cdata not in weights:
+                saved[storage._cdata] = storage.nbytes()
+            return tensor
+
+        torch.manual_seed(1 + rank)  # each rank its own micro-batch: uneven slots arrive
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(torch.randint(0, config.vocab_size, (2, config.seq_len)))
+        note = dispatcher.traffic[-1]
+        queue.put((rank, (sum(saved.values()), sum(note["sent_per_expert"]), note["received"])))
+    except Exception:  # noqa: BLE001
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_the_moe_formula_is_what_each_rank_saves_under_expert_parallelism():
+    """Step 12 at ep 2, dropless, dropout on: on each rank the formula with the slots its tokens sent (S = k T)
+    and the slots its experts computed (R, uneven: the router does not balance this micro-batch), to the byte;
+    and their mean is the planner's balanced default (R = k T: what one rank receives, all ranks send)."""
+    from conftest import spawn
+
+    got = spawn(moe_activations_worker, 2)
+    assert all(isinstance(r, tuple) for r in got.values()), got
+    formula = FormulaActivations(
+        plan.Shape(1, 64, 4, 128, 32), 2, element=4, attention="math", dropout=0.1, mask=4
+    )
+    for measured, sent, received in got.values():
+        assert sent == 2 * 64
+        assert measured == formula.moe_block_bytes(4, 2, sent, received) + 32 * 32
+    assert got[0][2] != got[1][2] and got[0][2] + got[1][2] == 2 * 2 * 64
+    mean = sum(measured for measured, _, _ in got.values()) / 2
+    assert mean == formula.moe_block_bytes(4, 2) + 32 * 32
 
 
 @pytest.mark.quick

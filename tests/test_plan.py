@@ -839,3 +839,34 @@ def test_the_moe_preset_has_mixtrals_published_parameter_counts():
         traffic["handed"] == 8 * 8 + 4 * 2 * 4096 * 4096 * 2
         and traffic["on_the_wire"] == traffic["handed"] * 7 / 8
     )
+
+
+def test_the_moe_layouts_hold_one_micro_batchs_activations_by_formula():
+    """Step 12's rows: a rank's activations are one micro-batch's (its backward runs before the next forward),
+    the dense blocks' and the MoE blocks' terms of activation_formula.py (tests/test_activation_formula.py checks
+    those against what autograd saves, on one rank and under ep) and the rest outside the blocks, the same at every
+    ep (the router balances: k T slots a rank); a row fits only with them, not with its model state alone."""
+    shape, moe = plan.MOE_PRESETS["mixtral-8x7b"]
+    formula = plan.FormulaActivations(shape, 1, 2, "sdpa")
+    blocks = shape.n_layer * formula.moe_block_bytes(moe.experts, moe.top_k)  # every block is MoE
+    expected = blocks + formula.rest(1, first=True, last=True, sequence_parallel=False)
+    # what an MoE block adds over its dense twin: routing and slots, and k experts' MLPs in place of one MLP
+    tokens, h, f = shape.seq_len, shape.n_embd, shape.ffn_width
+    extra = formula.moe_block_bytes(moe.experts, moe.top_k) - formula.block_bytes(1)
+    assert extra == (
+        (4 * tokens * 8 + 4 * 8)  # router
+        + (8 + 4 + 4) * 2 * tokens
+        + 4 * tokens  # choices
+        + 8 * 2 * tokens * 2  # dispatch
+        + 2 * tokens * h * 2 * 3  # experts' inputs, the outputs home, the slots
+        + (2 - 1) * 3 * tokens * f * 2  # SwiGLU on 2 slots a token, not 1
+    )
+    rows = plan.moe_layouts(shape, moe, plan.Hardware(8, 10**15), 1, 4, "bf16", formula)
+    for row in rows:
+        state = sum(row["state"].values())
+        assert row["activations"] == expected and row["total"] == state + expected
+    ep8 = rows[-1]
+    between = plan.Hardware(8, (sum(ep8["state"].values()) + ep8["total"]) / 2)
+    assert not plan.moe_layouts(shape, moe, between, 1, 4, "bf16", formula)[-1]["fits"]
+    above = plan.Hardware(8, ep8["total"])
+    assert plan.moe_layouts(shape, moe, above, 1, 4, "bf16", formula)[-1]["fits"]
