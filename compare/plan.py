@@ -51,7 +51,7 @@ also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
 Mixture of experts (``--moe-experts E`` or ``--moe-preset``): step 12's layouts instead, one per ep dividing E and
 the devices: a rank holds the dense part whole and E/ep experts of each MoE layer (ZeRO-0) and one micro-batch's
 activations (activation_formula.py's MoE terms), and hands 8E + 4·k·T·h·bytes to all-to-alls per MoE layer and
-micro-batch of T tokens (docs/planner.md).
+micro-batch of T tokens; each row's step time is estimated (moe_step_time), not ranked (docs/planner.md).
 Ranking: by an estimated step time (compute 6Ψ + 12 L s h per token, 8Ψ + 16 L s h for the blocks with
 checkpointing, over --tflops,
 stretched by the bubble (M + P - 1)/M; each axis's bytes over the link it crosses: --intra-gbs inside a node,
@@ -485,7 +485,8 @@ def moe_layouts(
     bytes of an optimiser step, dropless (``kept`` = 1: a capacity factor only sends less) and balanced (each rank's
     experts compute k x T slots, whatever ep). An ep group is ep consecutive ranks (expert_parallel.py): inside a
     node when ep divides the GPUs per node."""
-    rows, layers = [], moe_psi(shape, moe)["moe_layers"]
+    psi = moe_psi(shape, moe)
+    rows, layers = [], psi["moe_layers"]
     per_step = layers * micro_batches
     activations = activations or FormulaActivations(
         shape, micro_batch_size, activation_bytes(param_dtype)
@@ -517,7 +518,34 @@ def moe_layouts(
                 "micro_batches": micro_batches,
             }
         )
+        rows[-1]["time"] = moe_step_time(
+            shape, moe, hardware, micro_batch_size, rows[-1], state["grads"] / held
+        )
     return rows
+
+
+def moe_step_time(
+    shape: Shape, moe: MoE, hardware: Hardware, micro_batch_size: int, row: dict, grad_bytes: float
+) -> dict:
+    """Seconds per optimiser step of a step-12 row, ``step_time``'s rough model: compute (6 x the active Ψ + 12 L s h
+    a token) on this rank's tokens; the all-to-alls' bytes on the wire over the ep group's link; the dense
+    gradients' all-reduce over every rank and each expert's over its copies (rings: 2(n - 1)/n), none
+    overlapped. A group spans nodes when it has more ranks than a node (the copies of an expert are strided, ep
+    apart, so they span nodes whenever the devices do)."""
+    psi, tokens = moe_psi(shape, moe), row["micro_batches"] * micro_batch_size * shape.seq_len
+    attention = 4 * shape.n_layer * shape.seq_len * shape.n_embd
+    compute = (6 * psi["active"] + 3 * attention) * tokens / (hardware.tflops * 1e12)
+    spans = hardware.devices > hardware.gpus_per_node  # the world, and an expert's copies
+    gbs = lambda inside: (hardware.intra_gbs if inside else hardware.inter_gbs) * 1e9  # noqa: E731
+    dense = psi["dense"] * grad_bytes
+    experts = (row["params"] - psi["dense"]) * grad_bytes
+    comm = {
+        "all_to_all": row["all_to_all_on_the_wire"] / gbs(row["inside_a_node"]),
+        "dense all-reduce": on_the_wire({"all_reduce": dense}, hardware.devices) / gbs(not spans),
+        "experts' all-reduce": on_the_wire({"all_reduce": experts}, row["expert_replicas"])
+        / gbs(not spans),
+    }
+    return {"compute_s": compute, "comm_s": comm, "step_s": compute + sum(comm.values())}
 
 
 def moe_report(
@@ -544,7 +572,8 @@ def moe_report(
         f"activations {accounting}; all-to-all per rank and optimiser step; dropless, balanced",
         f"{'ep':>4}{'copies of an expert':>21}{'params a rank':>16}{f'state ({unit[1]})':>14}"
         f"{f'activations ({unit[1]})':>20}{'fits':>6}"
-        f"{f'all-to-all handed ({unit[1]})':>25}{f'on the wire ({unit[1]})':>19}{'ep group':>16}",
+        f"{f'all-to-all handed ({unit[1]})':>25}{f'on the wire ({unit[1]})':>19}{'ep group':>16}"
+        f"{'step (est.)':>13}",
     ]
     for row in rows:
         lines.append(
@@ -553,6 +582,7 @@ def moe_report(
             f"{'yes' if row['fits'] else 'no':>6}"
             f"{row['all_to_all_handed'] / unit[0]:>25,.1f}{row['all_to_all_on_the_wire'] / unit[0]:>19,.1f}"
             f"{'inside a node' if row['inside_a_node'] else 'across nodes':>16}"
+            f"{step_ms(row['time']['step_s'] * 1e3):>13}"
         )
     if rows[0]["no_command"]:
         lines.append(f"no command: {rows[0]['no_command']}")

@@ -1,6 +1,7 @@
 """compare/plan.py: the planner's bytes per rank are the layouts steps 5-9 hold, its traffic the steps' formulas,
 its ranking the rules it states; and a run's metrics (step 10's too, when it writes its mesh) read beside it."""
 
+import dataclasses
 import math
 
 import pytest
@@ -870,3 +871,36 @@ def test_the_moe_layouts_hold_one_micro_batchs_activations_by_formula():
     assert not plan.moe_layouts(shape, moe, between, 1, 4, "bf16", formula)[-1]["fits"]
     above = plan.Hardware(8, ep8["total"])
     assert plan.moe_layouts(shape, moe, above, 1, 4, "bf16", formula)[-1]["fits"]
+
+
+def test_a_moe_rows_step_time_is_its_compute_and_its_three_collectives_by_hand():
+    """Step 12's estimated step: 6 x the active Ψ + 12 L s h flops a token on the rank's tokens; the all-to-alls'
+    bytes on the wire over the ep group's link (NVLink: ep divides a node); the dense gradients' ring all-reduce
+    over all 64 ranks and each expert's over its 64/ep copies, across nodes; nothing overlapped."""
+    shape, moe = plan.MOE_PRESETS["mixtral-8x7b"]
+    shape = dataclasses.replace(shape, seq_len=4096)
+    hardware = plan.Hardware(64, 80 * 2**30)  # 300 TFLOP/s, 450 GB/s in a node, 50 across
+    rows = plan.moe_layouts(shape, moe, hardware, 1, 8, "bf16")
+    psi, L, s, h = plan.moe_psi(shape, moe), shape.n_layer, shape.seq_len, shape.n_embd
+    compute = (6 * psi["active"] + 12 * L * s * h) * 8 * s / 300e12
+    for row in rows:
+        ep = row["ep"]
+        copies = 64 // ep
+        a2a = L * 8 * (8 * 8 + 4 * 2 * s * h * 2) * (ep - 1) / ep  # bf16 rows, 2 slots a token
+        expected = {
+            "all_to_all": a2a / 450e9,
+            "dense all-reduce": 2 * 63 / 64 * psi["dense"] * 2 / 50e9,  # bf16 gradients
+            "experts' all-reduce": 2 * (copies - 1) / copies * psi["experts"] / ep * 2 / 50e9,
+        }
+        time = row["time"]
+        assert math.isclose(time["compute_s"], compute, rel_tol=1e-12), (ep, time)
+        for kind, seconds in expected.items():
+            assert math.isclose(time["comm_s"][kind], seconds, rel_tol=1e-12), (ep, kind, time)
+        assert math.isclose(time["step_s"], compute + sum(expected.values()), rel_tol=1e-12)
+    # fewer copies of each expert: less to all-reduce than the all-to-all adds, here
+    assert [r["time"]["step_s"] for r in rows] == sorted(
+        (r["time"]["step_s"] for r in rows), reverse=True
+    )
+    # one node: the dense all-reduce rides NVLink too
+    node = plan.moe_layouts(shape, moe, plan.Hardware(8, 80 * 2**30), 1, 8, "bf16")[0]["time"]
+    assert math.isclose(node["comm_s"]["dense all-reduce"], 2 * 7 / 8 * psi["dense"] * 2 / 450e9)
