@@ -196,13 +196,30 @@ def check_fp8(config: dict, device: torch.device) -> None:
             f"--fp8 needs --n-embd ({config['n_embd']}) and the tokens of a micro-batch "
             f"(--micro-batch-size x --seq-len = {tokens}) to be multiples of 16"
         )
-    # ask the device, do not guess: _scaled_mm needs a recent GPU (compute capability 8.9+) or torch's CPU path
+    recipe, why = config["fp8"], fp8_cannot_run(config["fp8"], device)
+    if why and recipe != "tensorwise" and not fp8_cannot_run("tensorwise", device):
+        raise UserError(
+            f"--fp8 {recipe} cannot run on {device.type} with this torch build (its _scaled_mm takes one "
+            "scale per tensor only); use --fp8 tensorwise or drop --fp8"
+        )
+    if why:
+        raise UserError(
+            f"--fp8 cannot run on {device.type} with this torch build ({why}); drop --fp8"
+        )
+
+
+def fp8_cannot_run(recipe: str, device: torch.device) -> str | None:
+    """Why ``recipe``'s matmuls cannot run on ``device`` with this torch build (the first line of
+    ``_scaled_mm``'s error), or None. Ask the device, do not guess: a GPU needs compute capability 8.9+, and
+    torch 2.11's CPU ``_scaled_mm`` takes one scale per tensor only (rowwise needs one per row)."""
+    row = RECIPES[recipe][0] == "row"
     try:
         a = torch.zeros(16, 16, device=device, dtype=E4M3)
-        one = torch.ones((), device=device)
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        scale = torch.ones((16, 1) if row else (), device=device)
+        out = torch.bfloat16 if row else torch.float32  # rule 5: rowwise gives bf16
+        torch._scaled_mm(
+            a, a.t(), scale_a=scale, scale_b=scale.t(), out_dtype=out, use_fast_accum=row
+        )
     except (RuntimeError, AttributeError) as error:
-        raise UserError(
-            f"--fp8 cannot run on {device.type} with this torch build "
-            f"({str(error).splitlines()[0]}); drop --fp8"
-        ) from None
+        return str(error).splitlines()[0]
+    return None

@@ -83,6 +83,14 @@ SIMULATED = {
         "def refuse(*args, **kwargs): raise RuntimeError('torch._scaled_mm is only supported on CUDA SM 8.9 or later')\n"
         "torch._scaled_mm = refuse\n"
     ),
+    "an FP8 matmul with one scale per tensor only (torch 2.11's CPU)": (
+        "import torch\n"
+        "mm = torch._scaled_mm\n"
+        "def per_tensor(a, b, scale_a, scale_b, **kwargs):\n"
+        "    if scale_a.numel() != 1: raise RuntimeError('_scaled_mm only supports per-tensor scaling for CPU')\n"
+        "    return mm(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)\n"
+        "torch._scaled_mm = per_tensor\n"
+    ),
 }
 
 
@@ -331,6 +339,12 @@ CASES = {
     ),
     "fp8-cannot-run": lambda s: simulated(
         "a device without FP8 matmuls", "step0", "--fp8", "rowwise"
+    ),
+    "fp8-rowwise-cannot-run": lambda s: simulated(
+        "an FP8 matmul with one scale per tensor only (torch 2.11's CPU)",
+        "step0",
+        "--fp8",
+        "rowwise",
     ),
     "fsdp2-reference-flags": lambda s: tool("fsdp2_reference.py", "--param-dtype", "fp16"),
     "accelerate-reference-flags": lambda s: tool("accelerate_reference.py", "--amp", "bf16"),

@@ -16,6 +16,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "common"))
+from conftest import FP8_RECIPES, ROWWISE_RUNS_HERE  # noqa: E402
 from failures import UserError  # noqa: E402
 from fp8 import Float8Linear, check_fp8, convert_to_fp8  # noqa: E402
 from model import build_model, language_model_loss  # noqa: E402
@@ -56,7 +57,7 @@ def layer_run(layer, x, amp: bool):
 
 @pytest.mark.quick
 @pytest.mark.parametrize("amp", [False, True], ids=["float32", "bf16-autocast"])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_one_layer_bitwise_to_torchao(recipe, amp):
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -89,7 +90,7 @@ class OutsidersNet(torch.nn.Module):
         return self.head(self.norm(x + self.down(torch.relu(self.up(x)))))
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_any_module_in_an_outsiders_loop_trains_like_torchao(recipe):
     """An outsider's loop (SGD with momentum, their own module and filter): bitwise to torchao after every step."""
     torch.set_num_threads(1)
@@ -140,7 +141,7 @@ def train_gpt2(model, steps: int, amp: str) -> tuple[list, dict]:
 
 @pytest.mark.quick
 @pytest.mark.parametrize("amp", ["none", "bf16"])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_gpt2_adamw_steps_bitwise_to_torchao(recipe, amp):
     ours = build_model(CONFIG, VOCAB, seed=3)
     convert_to_fp8(ours.transformer.h, recipe)
@@ -185,6 +186,7 @@ def test_sizes_not_multiples_of_16_are_refused():
     check_fp8({**config, "n_embd": 32}, torch.device("cpu"))  # accepted
 
 
+@ROWWISE_RUNS_HERE
 def test_rowwise_scales_keep_ordinary_tokens_that_one_tensorwise_scale_flushes():
     """One token in 64 at 1e5 times the others (massive activations): one scale per tensor maps the outliers onto
     e4m3's 448 and pushes the ordinary tokens below its smallest normal (2^-6), where few bits are left; one
@@ -206,6 +208,7 @@ def test_rowwise_scales_keep_ordinary_tokens_that_one_tensorwise_scale_flushes()
     assert error["rowwise"] < 0.06 < 0.3 < error["tensorwise"], error
 
 
+@ROWWISE_RUNS_HERE
 def test_bench_fp8_times_every_row_and_refuses_bad_shapes():
     import json
     import subprocess
