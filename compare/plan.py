@@ -519,22 +519,22 @@ def moe_layouts(
             }
         )
         rows[-1]["time"] = moe_step_time(
-            shape, moe, hardware, micro_batch_size, rows[-1], state["grads"] / held
+            shape, psi, hardware, micro_batch_size, rows[-1], state["grads"] / held
         )
     return rows
 
 
 def moe_step_time(
-    shape: Shape, moe: MoE, hardware: Hardware, micro_batch_size: int, row: dict, grad_bytes: float
+    shape: Shape, psi: dict, hardware: Hardware, micro_batch_size: int, row: dict, grad_bytes: float
 ) -> dict:
     """Seconds per optimiser step of a step-12 row, ``step_time``'s rough model: compute (6 x the active Ψ + 12 L s h
     a token) on this rank's tokens; the all-to-alls' bytes on the wire over the ep group's link; the dense
     gradients' all-reduce over every rank and each expert's over its copies (rings: 2(n - 1)/n), none
     overlapped. A group spans nodes when it has more ranks than a node (the copies of an expert are strided, ep
-    apart, so they span nodes whenever the devices do)."""
-    psi, tokens = moe_psi(shape, moe), row["micro_batches"] * micro_batch_size * shape.seq_len
-    attention = 4 * shape.n_layer * shape.seq_len * shape.n_embd
-    compute = (6 * psi["active"] + 3 * attention) * tokens / (hardware.tflops * 1e12)
+    apart, so they span nodes whenever the devices do). ``psi``: ``moe_psi``'s."""
+    tokens = row["micro_batches"] * micro_batch_size * shape.seq_len
+    flops = flops_per_token(shape, False, active=psi["active"]) * tokens
+    compute = flops / (hardware.tflops * 1e12)
     spans = hardware.devices > hardware.gpus_per_node  # the world, and an expert's copies
     gbs = lambda inside: (hardware.intra_gbs if inside else hardware.inter_gbs) * 1e9  # noqa: E731
     dense = psi["dense"] * grad_bytes
@@ -754,17 +754,19 @@ def configuration(
     }
 
 
-def flops_per_token(shape: Shape, checkpointing: bool, selective: bool = False) -> float:
+def flops_per_token(
+    shape: Shape, checkpointing: bool, selective: bool = False, active: int | None = None
+) -> float:
     """Forward and backward, 3 passes of 2 flops per weight and 4 s h a layer for attention's QKᵀ and AV:
     6Ψ + 12 L s h, Narayanan et al. 2021's 72 L h² (1 + s / 6h + V / 12 L h). Checkpointing runs the blocks'
     forward once more (their 96 L h² (1 + s / 6h + V / 16 L h)): 2Ψ_blocks + 4 L s h; selective recomputation
-    only attention's QKᵀ and AV: 4 L s h."""
+    only attention's QKᵀ and AV: 4 L s h. ``active``: the Ψ a token computes with, if not the model's (an MoE's)."""
     blocks, attention = (
         shape.n_layer * shape.block,
         4 * shape.n_layer * shape.seq_len * shape.n_embd,
     )
     return (
-        6 * shape.psi
+        6 * (shape.psi if active is None else active)
         + 3 * attention
         + (2 * blocks + attention if checkpointing else attention if selective else 0)
     )
