@@ -28,8 +28,14 @@ The mapping, rule by rule (our names: common/model.py; theirs: ``transformers``'
    ``AutoTokenizer`` tokenizes exactly as ``tokenizers`` does here; ``<|endoftext|>`` is bos, eos and pad.
    ``generation_config.json``'s ``max_length`` is ``--seq-len``: generation stops where the position embedding ends.
 
-A mixture-of-experts run (``--moe-experts``) is refused until step 12's export exists; an ``OUT`` that holds
-files is refused (nothing saved is overwritten). The logits' agreement, measured: README.md and docs/interop.md.
+7. A mixture-of-experts run (``--moe-experts``, step 0 or 12): ``transformers`` has no GPT-2 with experts, so the
+   folder also holds ``modeling_gpt2_moe.py`` (this folder's copy of it), ``GPT2LMHeadModel`` with an MoE in
+   place of the MLPs our run replaced, named in ``config.json``'s ``auto_map``: ``AutoModelForCausalLM`` and
+   ``pipeline`` load it with ``trust_remote_code=True``. The router keeps its name and layout (an ``nn.Linear``
+   in both); each expert is a GPT-2 MLP, mapped as rule 2 maps the dense one.
+
+An ``OUT`` that holds files is refused (nothing saved is overwritten). The logits' agreement, measured: README.md
+and docs/interop.md.
 """
 
 import argparse
@@ -51,23 +57,23 @@ import sample  # noqa: E402
 from config import OneLineParser, UserError, check_writable_folder, exit_on_user_error  # noqa: E402
 
 EOS = "<|endoftext|>"  # data/train_tokenizer.py's one special token
-# Ours -> theirs inside block i, for the tensors rules 1 and 2 cover (rule 3: c_q, c_k, c_v -> c_attn).
-SAME = (
-    "ln_1.weight",
-    "ln_1.bias",
-    "ln_2.weight",
-    "ln_2.bias",
-    "attn.c_proj.bias",
-    "mlp.c_fc.bias",
-    "mlp.c_proj.bias",
-)
-TRANSPOSED = ("attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Ours -> theirs inside block i, for the tensors rules 1 and 2 cover (rule 3: c_q, c_k, c_v -> c_attn); an MLP's
+# names follow its prefix: "mlp." in a dense block, "mlp.experts.e." for each expert e of an MoE block (rule 7).
+SAME = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias")
+TRANSPOSED = ("attn.c_proj.weight",)
+MLP_SAME, MLP_TRANSPOSED = ("c_fc.bias", "c_proj.bias"), ("c_fc.weight", "c_proj.weight")
 TOP = (
     "transformer.wte.weight",
     "transformer.wpe.weight",
     "transformer.ln_f.weight",
     "transformer.ln_f.bias",
 )
+# Rule 7: the modeling file an MoE folder carries, and the names its config.json gives transformers' Auto classes.
+MOE_MODELING = Path(__file__).resolve().parent / "modeling_gpt2_moe.py"
+MOE_AUTO_MAP = {
+    "AutoConfig": "modeling_gpt2_moe.GPT2MoEConfig",
+    "AutoModelForCausalLM": "modeling_gpt2_moe.GPT2MoELMHeadModel",
+}
 
 
 def hugging_face_config(config: dict, vocab_size: int, eos_id: int | None) -> dict:
@@ -96,12 +102,29 @@ def hugging_face_config(config: dict, vocab_size: int, eos_id: int | None) -> di
         "eos_token_id": eos_id,
         "pad_token_id": eos_id,
         "dtype": "float32",
+        **moe_config(config),
+    }
+
+
+def moe_config(config: dict) -> dict:
+    """Rule 7's part of ``config.json``: the architecture in this folder's modeling file, and the run's MoE flags;
+    nothing for a dense run."""
+    if not config.get("moe_experts"):
+        return {}
+    return {
+        "architectures": ["GPT2MoELMHeadModel"],
+        "model_type": "gpt2_moe",
+        "auto_map": MOE_AUTO_MAP,
+        **{
+            key: config[key]
+            for key in ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor")
+        },
     }
 
 
 def hugging_face_weights(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our GPT-2's tensors (``named_parameters()``' names, the tied weight once; or their gradients: the mapping is
-    linear) under ``GPT2LMHeadModel``'s names and layouts (rules 1-4). Refuses tensors GPT-2 does not have."""
+    linear) under ``GPT2LMHeadModel``'s names and layouts (rules 1-4, 7). Refuses tensors GPT-2 does not have."""
     layers = sorted(
         {int(m.group(1)) for n in ours if (m := re.match(r"transformer\.h\.(\d+)\.", n))}
     )
@@ -117,10 +140,20 @@ def hugging_face_weights(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         theirs[name] = take(name)
     for i in layers:
         block = f"transformer.h.{i}"
-        for name in SAME:
-            theirs[f"{block}.{name}"] = take(f"{block}.{name}")
-        for name in TRANSPOSED:
-            theirs[f"{block}.{name}"] = take(f"{block}.{name}").t().contiguous()
+        mlps = [f"{block}.mlp."]
+        if f"{block}.mlp.router.weight" in ours:  # rule 7: the router as it is, then each expert
+            theirs[f"{block}.mlp.router.weight"] = take(f"{block}.mlp.router.weight")
+            pattern = rf"{block}\.mlp\.experts\.(\d+)\."
+            experts = sorted({int(m.group(1)) for n in ours if (m := re.match(pattern, n))})
+            mlps = [f"{block}.mlp.experts.{e}." for e in experts]
+        same = [f"{block}.{n}" for n in SAME] + [m + n for m in mlps for n in MLP_SAME]
+        transposed = [f"{block}.{n}" for n in TRANSPOSED] + [
+            m + n for m in mlps for n in MLP_TRANSPOSED
+        ]
+        for name in same:
+            theirs[name] = take(name)
+        for name in transposed:
+            theirs[name] = take(name).t().contiguous()
         theirs[f"{block}.attn.c_attn.weight"] = torch.cat(
             [take(f"{block}.attn.c_{x}.weight").t() for x in "qkv"], 1
         )
@@ -131,7 +164,7 @@ def hugging_face_weights(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     if extra or layers != list(range(len(layers))):
         raise UserError(
             f"the weights hold {', '.join(extra[:3]) or 'blocks out of order'}, which GPT-2 does not "
-            "have: they are not common/model.py's dense GPT-2"
+            "have: they are not common/model.py's GPT-2"
         )
     return theirs
 
@@ -153,12 +186,6 @@ def check_exportable(name: str) -> tuple[Path, dict]:
     """The run folder and its metrics, or a ``UserError`` saying why it cannot be exported."""
     # not a run, cut short, another schema, unfinished: its own lines
     run, metrics = parity.load_run(name)
-    experts = metrics["config"].get("moe_experts") or 0
-    if experts > 0:
-        raise UserError(
-            f"{run} is a mixture-of-experts run (--moe-experts {experts}); export_hf.py writes dense "
-            "GPT-2 only, until step 12's export exists: export a run trained without --moe-experts"
-        )
     weights = metrics["final"].get("weights")
     if not weights or not (run / weights).is_file():
         raise UserError(
@@ -211,6 +238,8 @@ def export(name: str, out: Path | None = None) -> Path:
         for file, content in files.items():
             (staging / file).write_text(json.dumps(content, indent=2) + "\n")
         shutil.copyfile(config["tokenizer"], staging / "tokenizer.json")
+        if config.get("moe_experts"):
+            shutil.copyfile(MOE_MODELING, staging / MOE_MODELING.name)
         if out.is_dir():
             out.rmdir()  # empty (check_out): rename needs the name free
         os.rename(staging, out)
@@ -229,6 +258,13 @@ def main() -> int:
     )
     args = parser.parse_args()
     out = export(args.run, args.out)
+    if json.loads((out / "config.json").read_text())["model_type"] == "gpt2_moe":
+        print(
+            f"exported {parity.resolve_run(args.run)} as a Hugging Face GPT-2 with experts in {out}: "
+            "AutoModelForCausalLM.from_pretrained or pipeline('text-generation', model=...) load it "
+            "with trust_remote_code=True"
+        )
+        return 0
     print(
         f"exported {parity.resolve_run(args.run)} as a Hugging Face GPT-2 in {out}: "
         "GPT2LMHeadModel.from_pretrained or pipeline('text-generation', model=...) load it"

@@ -23,6 +23,7 @@ import parity  # noqa: E402
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from data import load_tokenizer  # noqa: E402
 from model import build_model  # noqa: E402
+from moe import moe_model  # noqa: E402
 
 
 def load_trained_model(name: str):
@@ -44,13 +45,16 @@ def load_trained_model(name: str):
         )
     tokenizer = load_tokenizer(tokenizer_path)
     weights = parity.load_weights(run, metrics)
-    # the architecture; the weights follow
-    model = build_model(config, tokenizer.get_vocab_size(), seed=config["seed"])
+    # the architecture (a mixture of experts where the run trained one); the weights follow
+    model = moe_model(build_model(config, tokenizer.get_vocab_size(), seed=config["seed"]), config)
     params = dict(model.named_parameters())  # a tied weight once, as the trainers saved it
     if sorted(params) != sorted(weights) or any(
         params[n].shape != weights[n].shape for n in params
     ):
-        raise UserError(f"{run}: the weights do not fit the model its config describes")
+        raise UserError(
+            f"{run}: its weights do not fit the model its metrics.json describes (a tensor missing, extra "
+            "or of another shape); run the step again"
+        )
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(weights[name])

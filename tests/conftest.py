@@ -80,6 +80,18 @@ TIMEOUT = ["--timeout-s", "60"]
 # that triggers, bf16 autocast, dropout (each rank's RNG must be where it should), checkpoints every 2 steps.
 # bf16 here covers bf16 at world size 2 too: there the float64 and float32 reductions give the same bits.
 EXACT = ("--reduce-dtype", "float64", "--amp", "bf16", "--dropout", "0.1", "--save-every", "2")
+# The tests' mixture of experts (common/moe.py): 4 experts, top-2, capacity factor 1 (so choices are dropped on
+# TINY's micro-batches), the Switch load-balancing loss at its usual weight.
+MOE = (
+    "--moe-experts",
+    "4",
+    "--moe-top-k",
+    "2",
+    "--moe-capacity-factor",
+    "1.0",
+    "--moe-aux-loss-coef",
+    "0.01",
+)
 
 
 @pytest.fixture(scope="session")

@@ -515,8 +515,13 @@ CASES = {
     "export-no-weights": lambda s: tool(
         "export_hf.py", s.run(damage=lambda run: (run / "model.safetensors").unlink())
     ),
-    "export-moe": lambda s: tool(
-        "export_hf.py", s.run(metrics_edit=lambda m: m["config"].update(moe_experts=8))
+    "export-weights-do-not-fit": lambda s: tool(
+        "export_hf.py",
+        s.run(
+            metrics_edit=lambda m: m["config"].update(
+                moe_experts=8, moe_top_k=2, moe_every=1, moe_capacity_factor=0.0
+            )
+        ),
     ),
     "export-out-not-empty": lambda s: tool("export_hf.py", s.run(), s.notes().parent),
     # ---- launch/slurm_command.py (launch/slurm.sbatch's line), outside a job or in one it cannot launch

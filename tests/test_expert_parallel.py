@@ -13,20 +13,10 @@ import pytest
 import torch
 
 import other_order
+from conftest import MOE as TESTS_MOE
 from conftest import TINY, assert_bitwise_same_run, launch, metrics, parity, train, weights
 
-MOE = (
-    "--moe-experts",
-    "4",
-    "--moe-top-k",
-    "2",
-    "--moe-capacity-factor",
-    "1.0",
-    "--moe-aux-loss-coef",
-    "0.01",
-    "--micro-batch-size",
-    "1",
-)
+MOE = (*TESTS_MOE, "--micro-batch-size", "1")  # one sequence a micro-batch: ranks see unequal loads
 H, E = 32, 4  # TINY's --n-embd, the experts
 
 

@@ -12,20 +12,9 @@ import pytest
 import torch
 
 import moe  # common/, on the path through conftest
-from conftest import assert_bitwise_same_run, metrics, train, weights
+from conftest import MOE, assert_bitwise_same_run, metrics, train, weights
 from failures import UserError
 from model import GPTConfig, build_model, initial_value
-
-MOE = (
-    "--moe-experts",
-    "4",
-    "--moe-top-k",
-    "2",
-    "--moe-capacity-factor",
-    "1.0",
-    "--moe-aux-loss-coef",
-    "0.01",
-)
 
 
 def logits_choosing(choices: list[list[int]], n_experts: int) -> torch.Tensor:
