@@ -16,7 +16,7 @@ import pytest
 
 import estimate  # compare/, on the path through conftest
 import plan
-from conftest import REPO, TIMEOUT, metrics, run_forked, run_ranks
+from conftest import REPO, TIMEOUT, assert_all_to_all_closed_form, metrics, run_forked, run_ranks
 
 # At 4 ranks of the trainers' default model: budgets that list DDP, ZeRO-1/2/3, checkpointing, dp x pp and tp;
 # 4 blocks for pp 4 (every layout fits in 1 GiB) and the interleaved schedule; 16-bit parameters; HSDP and offload at 8; a global batch too
@@ -306,7 +306,8 @@ def test_the_ep_layouts_train_and_hold_and_send_what_the_plan_says(small_corpus,
     """``plan.py --moe-experts E``: step 12's layouts (every ep dividing E and the ranks), each with the command
     that trains it. Each ep's command, trained one step at 2 ranks: every rank's parameters and gradients are the
     row's to the byte, its model state within the tolerance (AdamW's step counts), and the all-to-all bytes of the
-    step, averaged over the ranks (over a group what is sent arrives), the row's dropless figure exactly."""
+    step, averaged over the ranks (over a group what is sent arrives), the row's dropless figure exactly, and each
+    rank's the closed form (conftest.assert_all_to_all_closed_form: the tests' other step-12 runs drop slots)."""
     argv = [
         "--moe-experts",
         "4",
@@ -374,3 +375,5 @@ def test_the_ep_layouts_train_and_hold_and_send_what_the_plan_says(small_corpus,
             row["ep"],
             sent,
         )
+        # and on every rank, layer and micro-batch, the closed form of a dropless run
+        assert assert_all_to_all_closed_form(out) == 2 * 2 * 2  # ranks x layers x micro-batches
