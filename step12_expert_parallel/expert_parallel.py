@@ -12,15 +12,18 @@ between, the experts' compute, is replaced. In the order a token travels, for on
 3. **Dispatch**: ``all_to_all_single`` of the tokens themselves, with those uneven splits. What arrives is laid out
    by source, and within a source by expert.
 4. **Expert compute**: each local expert's MLP on each source's slots, **one product per (source, expert)**: the
-   product one process would compute for that micro-batch, so the bits are the same (a GEMM over two sources'
-   rows concatenated would sum differently: DESIGN.md's measurement).
+   product one process would compute for that micro-batch, so the bits are the same. A GEMM over two sources'
+   rows concatenated would sum the weight gradient over the rows otherwise (tests/test_expert_parallel.py
+   measures it on your CPU; docs/parity.md has the numbers).
 5. **Combine**: a second ``all_to_all_single``, splits swapped, brings the outputs home, in the order they left;
    moe.py unpermutes them and sums each token's k outputs with its router weights.
 6. **Backward**: each all-to-all's gradient is the all-to-all the other way (``_AllToAll``, Megatron's
    mappings.py style); counts need none.
 7. **Gradients**: dense parameters are data-parallel over all W ranks: all-reduce, divide by W. An expert's copies
    live on W/D ranks (one per expert-parallel group); its gradient already holds the slots of D ranks' micro-
-   batches, so it is summed over its W/D copies and divided by W too: the mean over the global batch.
+   batches, so it is summed over its W/D copies and divided by W too: the mean over the global batch. (Autograd
+   adds an expert's D products the last source's first; with 3 or more terms that is another order than one
+   process's: docs/parity.md, "Where 4 ranks sum otherwise than step 0".)
 
 8. **A frozen peer**: gloo's uneven all-to-all (its alltoallv) waits for a frozen peer's rows with no timeout of its
    own (measured 2026-12-02, torch 2.13: the other rank waited forever), so each all-to-all here is waited on with

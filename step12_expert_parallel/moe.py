@@ -9,14 +9,18 @@
 2. **Weights**: k > 1: the k chosen probabilities renormalised to sum to 1 (Mixtral; HF's
    ``MixtralTopKRouter``). k = 1: the probability itself, not renormalised (Switch Transformer, eq. 2):
    renormalised it would be 1 and the router would get no gradient from the language-model loss.
-3. **Capacity** (``--moe-capacity-factor c``; GShard's per-group capacity): 0 is dropless; else each expert
-   takes at most ``C = ceil(k * T * c / E)`` of a micro-batch's T tokens' k*T slots. Slots are served in
-   order of position, token by token and, within a token, choice by choice (Megatron-LM's
-   ``--moe-token-drop-policy position``); an expert's slots past C are dropped: that choice adds nothing,
-   and a token all of whose choices were dropped passes through the block on the residual alone.
+3. **Capacity** (``--moe-capacity-factor c``): 0 is dropless; else each expert takes at most
+   ``C = ceil(k * T * c / E)`` of a micro-batch's T tokens' k*T slots: the Switch Transformer's expert capacity
+   (Fedus et al. 2021, arXiv:2101.03961, eq. 3: tokens per batch / experts * capacity factor) counted in slots
+   for k > 1, per micro-batch as GShard's per-group capacity (Lepikhin et al. 2020, arXiv:2006.16668, sec. 2.2:
+   2N/E for top-2 over a group's N tokens; c = 1, k = 2 gives it). Slots are served in order of position,
+   token by token and, within a token, choice by choice (Megatron-LM's ``--moe-token-drop-policy position``);
+   an expert's slots past C are dropped: that choice adds nothing, and a token all of whose choices were
+   dropped passes through the block on the residual alone.
 4. **Load-balancing loss** (``--moe-aux-loss-coef a``), per MoE layer and per micro-batch, added to the loss:
    ``a * E * sum_i f_i * P_i``, f_i the fraction of the k*T routed slots that chose expert i (before dropping),
-   P_i the mean router probability of expert i over the T tokens. Switch Transformer eq. 4-6 for k = 1;
+   P_i the mean router probability of expert i over the T tokens: Switch Transformer (Fedus et al. 2021) eq. 4
+   (the loss, a * N * sum_i f_i * P_i), eq. 5 (f_i) and eq. 6 (P_i), for k = 1;
    DeepSeek-V2's expert-level balance loss for k > 1 (1 at perfect balance for every k). HF's
    ``load_balancing_loss_func`` divides the counts by T, not k*T: its value is k times this one (tested).
 5. **Experts** are the GPT-2 MLP (model.py's ``MLP``). Each computes its slots of one micro-batch as one
