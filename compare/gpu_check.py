@@ -23,6 +23,9 @@ What it checks, each section a verdict:
    AdamW's state no longer takes.
 8. **Context parallelism**: step 11's ring attention beside PyTorch's ``context_parallel`` (CUDA only) on the same
    tensors, each against attention on the whole sequence, with ms and CUDA peak per rank (compare/cp_reference.py).
+9. **Expert parallelism**: step 12 at ``--ep 2`` on 2 ranks (sharing the GPU over gloo, or over nccl with a GPU
+   each) against step 0 accumulating 2 micro-batches of the same MoE model: bitwise, and every rank's all-to-all
+   bytes the closed form, per MoE layer and micro-batch.
 
 Exit 0 when every section passes, 1 otherwise; the report goes to --report (and stdout).
 """
@@ -601,6 +604,101 @@ def check_context(check: Check, place: int) -> None:
     )
 
 
+def all_to_all_off_formula(run: Path) -> tuple[int, list[str]]:
+    """Step 12's all-to-all notes in ``run``, on every rank, per MoE layer and micro-batch, against the closed form
+    (float32 rows of h): 8 E + 4 h * 2 * (sent + received) bytes, what a rank receives being what the ranks of its
+    expert-parallel group sent to its experts. Returns (notes checked, those off the formula)."""
+    metrics = json.loads((run / "metrics.json").read_text())
+    config = metrics["config"]
+    experts, h, ep = config["moe_experts"], config["n_embd"], config["ep"]
+    checked, off = 0, []
+    for record in metrics["records"]:
+        notes = record["all_to_all"]  # [rank][layer x micro-batch]
+        for rank, mine in enumerate(notes):
+            group = range(rank // ep * ep, rank // ep * ep + ep)
+            local = range(rank % ep * experts // ep, (rank % ep + 1) * experts // ep)
+            for i, note in enumerate(mine):
+                received = sum(notes[s][i]["sent_per_expert"][e] for s in group for e in local)
+                formula = 8 * experts + 4 * h * 2 * (sum(note["sent_per_expert"]) + received)
+                checked += 1
+                if (note["received"], note["bytes"]) != (received, formula):
+                    off.append(
+                        f"step {record['step']} rank {rank} note {i}: {note['bytes']:,} B received "
+                        f"{note['received']} (formula {formula:,} B, {received})"
+                    )
+    return checked, off
+
+
+def check_experts(check: Check, place: int) -> None:
+    """Step 12 at --ep 2 against step 0 on the same MoE model and micro-batches (one sample each: step 0's two
+    micro-batches are the two ranks'), float32, capacity factor 1 (slots dropped): every sum step 12 changes has two
+    terms, so the runs are bitwise (docs/parity.md); and the all-to-all bytes the formula on every rank."""
+    out, title = check.out / "experts", "Expert parallelism: step 12 at --ep 2 against step 0"
+    model = (
+        ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--seq-len", "256", "--steps", "6"]
+        if check.gpu
+        else [
+            "--n-layer",
+            "2",
+            "--n-embd",
+            "32",
+            "--n-head",
+            "2",
+            "--seq-len",
+            "32",
+            "--steps",
+            "3",
+        ]
+    )
+    flags = [
+        *check.common,
+        *model,
+        "--moe-experts",
+        "4",
+        "--moe-top-k",
+        "2",
+        "--moe-capacity-factor",
+        "1.0",
+        "--micro-batch-size",
+        "1",
+        "--save-every",
+        "0",
+        "--quiet",
+    ]
+    for name, step, nproc, extra in (
+        ("step0", "step0_single_gpu", 0, ["--grad-accum", "2"]),
+        (
+            "step12",
+            "step12_expert_parallel",
+            2,
+            ["--grad-accum", "1", "--ep", "2", "--timeout-s", "120"],
+        ),
+    ):
+        code, output = run(
+            trainer_command(step, nproc, [*flags, *extra, "--out", str(out / name)]),
+            out / f"{name}.log",
+        )
+        if code:
+            check.section(place, title, False, f"{name}: exit {code}: `{error_line(output)}`")
+            return
+    _, _, result = parity.check(str(out / "step0"), str(out / "step12"))
+    checked, off = all_to_all_off_formula(out / "step12")
+    metrics = json.loads((out / "step12" / "metrics.json").read_text())
+    first = metrics["records"][0]
+    dropped = ", ".join(f"{d:.1%}" for d in first["moe"]["dropped_fraction"])
+    ok = result.bitwise and checked > 0 and not off
+    lines = [
+        f"`{' '.join(flags)}`; step 0 `--grad-accum 2`, step 12 `--ep 2` on 2 ranks "
+        f"({metrics['env']['backend']}, {metrics['env']['device']})",
+        f"- step 12 vs step 0: {parity.verdict(result)}",
+        f"- all-to-all bytes, {checked} notes (ranks x MoE layers x micro-batches x steps): "
+        + ("every one the formula" if checked and not off else f"{len(off)} OFF: {off[:3]}"),
+        f"- step 1: rank 0 sent {first['comm']['all_to_all']:,} B of all-to-alls; tokens per expert "
+        f"{first['moe']['tokens_per_expert']}; dropped (per layer) {dropped}",
+    ]
+    check.section(place, title, ok, "\n".join(lines))
+
+
 def main() -> int:
     parser = OneLineParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -625,6 +723,7 @@ def main() -> int:
             "fits",
             "offload",
             "context",
+            "experts",
         ],
         help="run only these sections (memory needs tour; compile: speed's compiled pair)",
     )
@@ -633,7 +732,18 @@ def main() -> int:
         raise UserError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
     sections = set(
         args.only
-        or ["tour", "nccl", "resume", "memory", "speed", "compile", "fits", "offload", "context"]
+        or [
+            "tour",
+            "nccl",
+            "resume",
+            "memory",
+            "speed",
+            "compile",
+            "fits",
+            "offload",
+            "context",
+            "experts",
+        ]
     )
     header = f"# GPU check ({args.device})\n\n{environment(args.device)}\n"
     print(header, flush=True)
@@ -665,6 +775,8 @@ def main() -> int:
         check_offload(check, 7)
     if "context" in sections:
         check_context(check, 8)
+    if "experts" in sections:
+        check_experts(check, 9)
     if tour:
         tour.join()
     if "nccl" in sections and check.gpu:

@@ -26,6 +26,7 @@ def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
             "fits",
             "offload",
             "context",
+            "experts",
         ],
         timeout=600,
     )
@@ -40,10 +41,20 @@ def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
         "A model that does not fit one rank's budget: PASS",
         "ZeRO-Offload (step 7): PASS",
         "Context parallelism: step 11's ring beside PyTorch's context_parallel: PASS",
+        "Expert parallelism: step 12 at --ep 2 against step 0: PASS",
     ):
         assert f"## {title}" in text, text
-    # the second run, the resumed one, the offloaded one
-    assert text.count("(bitwise identical)") == 3
+    # the second run, the resumed one, the offloaded one, step 12
+    assert text.count("(bitwise identical)") == 4
+    # 2 ranks x 2 MoE layers x 1 micro-batch x 3 steps; a rank's bytes off the formula would be named
+    assert (
+        "all-to-all bytes, 12 notes (ranks x MoE layers x micro-batches x steps): every one the formula"
+        in text
+    )
+    step12 = tmp_path / "runs" / "experts" / "step12" / "metrics.json"
+    step12.write_text(step12.read_text().replace('"bytes": ', '"bytes": 1', 1))
+    checked, off = gpu_check.all_to_all_off_formula(step12.parent)
+    assert checked == 12 and len(off) == 1 and off[0].startswith("step 1 rank 0 note 0: 1"), off
     assert (
         "step 1 (DDP): exit 1: `error: out of memory" in text
         and "step 7 (ZeRO-3): trained 2 steps" in text
