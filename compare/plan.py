@@ -421,9 +421,9 @@ def in_flight(
     return micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
 
 
-def step9_pipeline(module: str = "pipeline"):
-    """Step 9's pipeline.py: the schedules the planner counts with (their action lists, their bubble); or
-    another of step 9's modules, ``module`` (pipeline_setup.py: its flags' rules)."""
+def step9_pipeline(module: str = "pipeline_schedules"):
+    """Step 9's pipeline_schedules.py: the schedules the planner counts with (their action lists, their
+    bubble); or another of step 9's modules, ``module`` (pipeline_setup.py: its flags' rules)."""
     step9 = str(Path(__file__).resolve().parent.parent / "step9_pipeline_parallel")
     if step9 not in sys.path:
         sys.path.append(step9)  # after common/: the copies step 9 shares are common's own

@@ -26,8 +26,8 @@ from comm_accounting import take_comm_bytes
 from config import UserError
 from context_parallel import LAYOUTS, check_context_parallel, context_parallel_gpt2, sequence_shard
 from mesh import check_mesh
-from pipeline import GPT2Stage
 from pipeline_setup import add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
+from pipeline_stages import GPT2Stage
 from recomputation import add_recomputation_flag, recompute
 from sequence_parallel import check_sequence_parallel, sequence_parallel_gpt2
 from sequence_parallel import finish_gradient_synchronization as finish_sequence_parallel
