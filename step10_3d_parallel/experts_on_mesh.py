@@ -37,7 +37,7 @@ import distributed
 from comm_accounting import count_collective
 from config import UserError
 from expert_parallel import ExpertParallel, is_expert, shard_experts
-from moe import moe_layers, take_moe_record
+from moe import MoE, moe_layers, take_moe_record
 from zero1 import ShardedOptimizer
 from zero1_state import hyperparameters
 
@@ -204,33 +204,34 @@ def gather_experts(mine: dict, mesh) -> dict:
 
 
 def moe_record_on_mesh(stage, mesh) -> dict:
-    """Step 12's MoE record over the mesh, on every rank (collective): per layer, in model order, the slots each
-    expert computed summed over the dp x cp ranks of its stage, the dropped fraction averaged over them; the
-    layers' load-balancing loss averaged over them, summed over stages; each rank's all-to-all notes (step 12's
+    """Step 12's MoE record over the mesh, on every rank (collective): per MoE layer, in model order, the slots each
+    expert computed summed over the dp x cp ranks that hold it, the dropped fraction averaged over them; the
+    layers' load-balancing loss averaged over them and summed over layers; each rank's all-to-all notes (step 12's
     ``traffic``). Counted on tp rank 0: the tp ranks route alike."""
-    layers = moe_layers(stage)
-    traffic = [
-        note
-        for m in layers
-        if isinstance(m.dispatch, ExpertParallel)
-        for note in m.dispatch.traffic
-    ]
-    for m in layers:
+    layers = [(n, m) for n, m in stage.named_modules() if isinstance(m, MoE)]
+    traffic = []
+    for _, m in layers:
         if isinstance(m.dispatch, ExpertParallel):
+            traffic += m.dispatch.traffic
             m.dispatch.traffic = []
-    mine = (mesh.pp_rank, mesh.tp_rank, take_moe_record(stage).get("moe"))
+    blocks = [
+        int(n.split("transformer.h.")[1].split(".")[0]) for n, _ in layers
+    ]  # a stage's, or chunks'
+    mine = (mesh.tp_rank, blocks, take_moe_record(stage).get("moe"))
     everyone = distributed.gather_per_rank(moe=mine, all_to_all=traffic)
-    merged = {"aux_loss": 0.0, "tokens_per_expert": [], "dropped_fraction": []}
-    for s in range(mesh.pp):
-        records = [r for pp, tp, r in everyone["moe"] if pp == s and tp == 0 and r]
-        if not records:  # a stage without MoE layers
-            continue
-        merged["aux_loss"] += sum(r["aux_loss"] for r in records) / len(records)
-        merged["tokens_per_expert"] += [
-            [sum(c) for c in zip(*layer)]
-            for layer in zip(*(r["tokens_per_expert"] for r in records))
-        ]
-        merged["dropped_fraction"] += [
-            sum(f) / len(records) for f in zip(*(r["dropped_fraction"] for r in records))
-        ]
-    return {"moe": merged, "all_to_all": everyone["all_to_all"]}
+    by_block, aux = {}, 0.0
+    for tp, blocks, record in everyone["moe"]:
+        if tp == 0 and record:
+            aux += record["aux_loss"] / (mesh.dp * mesh.cp)  # each layer on dp x cp of these ranks
+            for i, block in enumerate(blocks):
+                tokens, dropped = record["tokens_per_expert"][i], record["dropped_fraction"][i]
+                by_block.setdefault(block, []).append((tokens, dropped))
+    held = [by_block[block] for block in sorted(by_block)]
+    return {
+        "moe": {
+            "aux_loss": aux,
+            "tokens_per_expert": [[sum(c) for c in zip(*(t for t, _ in h))] for h in held],
+            "dropped_fraction": [sum(d for _, d in h) / len(h) for h in held],
+        },
+        "all_to_all": everyone["all_to_all"],
+    }

@@ -38,6 +38,7 @@ ONE = (
 DROPLESS = (*ONE, "--moe-capacity-factor", "0")  # for cp: capacity is refused there
 ACCUM = ("--grad-accum", "1")
 TWO = ("--grad-accum", "2")  # two micro-batches a step: the pipeline's schedule has something to do
+SPARSE = ("--n-layer", "4", "--moe-every", "2")
 
 # name: (step, ranks, flags); each run's global batch is 2 sequences a step (4 at 4 data-parallel ranks)
 RUNS = {
@@ -51,6 +52,25 @@ RUNS = {
         [*ONE, *ACCUM, "--dp", "2", "--pp", "2", "--ep", "2", "--save-every", "2"],
     ),
     "step0_x2": ("step0", 1, [*ONE, *TWO]),
+    # 4 blocks, MoE in blocks 0 and 2: interleaved, pp rank 0 holds both MoE layers, pp rank 1 none
+    "step12_sparse": ("step12", 2, [*ONE, *TWO, *SPARSE, "--ep", "2"]),
+    "interleaved": (
+        "step10",
+        4,
+        [
+            *ONE,
+            *TWO,
+            *SPARSE,
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--ep",
+            "2",
+            "--schedule",
+            "interleaved-1f1b",
+        ],
+    ),
     "pp2zb": ("step10", 2, [*ONE, *TWO, "--pp", "2", "--schedule", "zero-bubble"]),
     "dp2tp2ep2": ("step10", 4, [*ONE, *ACCUM, "--dp", "2", "--tp", "2", "--ep", "2"]),
     "step0_dropless": ("step0", 1, [*DROPLESS, *TWO]),
@@ -207,11 +227,15 @@ def test_ep_alone_is_step12_bitwise(ep_runs, ours, theirs):
     assert_step12s_run(run, ep_runs(theirs))
 
 
-def test_ep_with_pp_is_step12_bitwise(ep_runs):
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [("dp2pp2ep2", "step12"), ("interleaved", "step12_sparse"), ("pp2zb", "step0_x2")],
+)
+def test_ep_with_pp_is_step12_bitwise(ep_runs, ours, theirs):
     """dp 2 x pp 2 x ep 2: the first stage's routers get the load-balancing loss's gradient through the layers'
-    outputs (rule 2), not from a loss they cannot see; one process's bits. Zero bubble's B/W split at ep 1 too."""
-    assert_step12s_run(ep_runs("dp2pp2ep2"), ep_runs("step12"))
-    assert_step12s_run(ep_runs("pp2zb"), ep_runs("step0_x2"))
+    outputs (rule 2), not from a loss they cannot see; one process's bits. Interleaved 1F1B over 4 blocks, MoE in
+    blocks 0 and 2 (both on pp rank 0; the record's layers in model order); zero bubble's B/W split at ep 1."""
+    assert_step12s_run(ep_runs(ours), ep_runs(theirs))
 
 
 def test_ep_with_tp_and_cp_drift_as_those_axes_do_on_the_dense_model(ep_runs, dense_reference):
