@@ -323,6 +323,37 @@ def rank_params(shape: Shape, tp: int, pp: int, stage: int, chunks: int = 1) -> 
     return {"blocks": blocks, "rest": rest}
 
 
+def block_indices(n_layer: int, pp: int, stage: int, chunks: int = 1) -> list[int]:
+    """The blocks, by number, a rank of pipeline ``stage`` holds (``chunk_blocks``'s): the model cut into pp x chunks
+    stages by step 9's split, this rank's the stages stage, stage + pp, ..."""
+    starts = list(
+        itertools.accumulate(
+            (stage_blocks(n_layer, pp * chunks, k) for k in range(pp * chunks)), initial=0
+        )
+    )
+    return [
+        b for v in range(chunks) for b in range(starts[v * pp + stage], starts[v * pp + stage + 1])
+    ]
+
+
+def moe_rank_params_on_mesh(
+    shape: Shape, moe: MoE, tp: int, pp: int, stage: int, chunks: int, ep: int
+) -> dict:
+    """Elements a rank of step 10 with experts holds (experts_on_mesh.py; the trainers' GPT-2): ``dense``,
+    ``rank_params``'s with each MoE block's tp share of the MLP (c_fc, c_proj's weight; its bias whole) replaced by
+    the router (E x h, whole), and ``experts``, E/ep whole experts of each MoE block it holds."""
+    held = rank_params(shape, tp, pp, stage, chunks)
+    h, f = shape.n_embd, shape.ffn_width
+    mlp_split = 2 * h * f + f
+    moe_blocks = sum(b % moe.every == 0 for b in block_indices(shape.n_layer, pp, stage, chunks))
+    mlp_share = -(-shape.block_split // tp) - -(-(shape.block_split - mlp_split) // tp) + h
+    expert = 2 * h * f + f + h
+    return {
+        "dense": held["blocks"] + held["rest"] - moe_blocks * (mlp_share - moe.experts * h),
+        "experts": moe_blocks * moe.experts // ep * expert,
+    }
+
+
 class Activations:
     """What autograd saves per micro-batch of b sequences, counted once on the meta device: per block and for
     the rest of the model, the part tensor parallelism splits and the part it keeps whole; with checkpointing,
@@ -1343,7 +1374,8 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
         stage = mesh["coords"][rank][2]
         # step 9's rule
         chunks = step9_pipeline("pipeline_setup").virtual_stages({"schedule": "1f1b", **config})
-        held = rank_params(shape, mesh["tp"], mesh["pp"], stage, chunks if mesh["pp"] > 1 else 1)
+        chunks = chunks if mesh["pp"] > 1 else 1
+        held = rank_params(shape, mesh["tp"], mesh["pp"], stage, chunks)
         estimated = estimate.state_bytes(
             mesh["zero"],
             held["blocks"] + held["rest"],
@@ -1351,6 +1383,15 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
             param_dtype,
             reduce_dtype,
         )
+        if config.get("moe_experts"):  # step 12 (ZeRO-0), step 10 (ZeRO-1 per kind: mesh_moe_state)
+            moe = MoE(config["moe_experts"], config["moe_top_k"], config["moe_every"])
+            ep = metrics["env"].get("expert_parallel_size", config.get("ep") or 1)
+            held = moe_rank_params_on_mesh(shape, moe, mesh["tp"], mesh["pp"], stage, chunks, ep)
+            estimated = (
+                mesh_moe_state(held["dense"], held["experts"], mesh["dp"], ep, param_dtype)
+                if mesh["zero"]
+                else estimate.state_bytes(0, held["dense"] + held["experts"], 1, param_dtype)
+            )
         rows.append(
             {
                 "step": config["step"],

@@ -291,6 +291,22 @@ def test_each_ranks_all_to_all_bytes_are_what_its_ep_group_sent(ep_runs, name, e
             assert sum(n["bytes"] for n in mine) == record["comm"][rank]["ep"]["all_to_all"]
 
 
+def test_the_planner_holds_every_ranks_model_state_with_experts(ep_runs):
+    """``compare/plan.py --measured`` on the 8-rank run, the interleaved one (a pp rank without experts) and step
+    12's: every rank's parameters, gradients and AdamW state within the planner's tolerance of its estimate (the
+    dense part's ZeRO-1 over dp x cp, an expert's over its copies; step 12's ZeRO-0), each MoE block's MLP share
+    replaced by its router and E/ep whole experts."""
+    from conftest import run_forked
+
+    names = ("5d", "interleaved", "step12")
+    command = [sys.executable, str(REPO / "compare" / "plan.py"), "--measured"]
+    result = run_forked([*command, *(str(ep_runs(n)) for n in names)], timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.rstrip().endswith("within 5% of the estimate: yes"), result.stdout
+    assert result.stdout.count(" 2 x 2 x 2, ZeRO-1 ") == 8, result.stdout
+    assert result.stdout.count(" 1.000 ") == 8 + 4 + 2, result.stdout  # AdamW's step counts aside
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------------------
 
 
