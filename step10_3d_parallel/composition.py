@@ -1,4 +1,4 @@
-"""Steps 8, 9 and 11 composed on step 10's mesh (mesh.py): what no step had to decide alone.
+"""Steps 8, 9, 11 and 12 composed on step 10's mesh (mesh.py): what no step had to decide alone.
 
 1. **The flags and their checks**: the mesh's own (mesh.py), step 8's for the tp degree, step 11's for the cp
    degree, step 9's for the pp degree, every one before anything connects.
@@ -15,6 +15,8 @@
    ZeRO-1 go over dp x cp (mesh.py's rule 5). Not with --sequence-parallel (both split the sequence; not composed
    here) nor selective recomputation (the ring keeps no s x s tensor to recompute). With dropout, each tp rank's
    ring draws every head's mask and keeps its heads' (ring_attention.py's rule 6), as step 8 does (its rule 7).
+6. **Experts on the mesh** (step 12, ``--moe-experts E --ep D``): experts_on_mesh.py, after its rules 1-3 on the
+   whole model; the gradients, the optimiser, the norms and the checkpoints then as its rules 4-7 say.
 """
 
 import functools
@@ -25,6 +27,8 @@ import torch.distributed as dist
 from comm_accounting import take_comm_bytes
 from config import UserError
 from context_parallel import LAYOUTS, check_context_parallel, context_parallel_gpt2, sequence_shard
+from expert_parallel import is_expert
+from experts_on_mesh import add_ep_flag, check_experts_on_mesh, experts_on_mesh, gather_experts
 from mesh import check_mesh
 from pipeline_setup import add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
 from pipeline_stages import GPT2Stage
@@ -75,6 +79,7 @@ def add_mesh_flags(parser) -> None:
         "(step 8's sequence_parallel.py)",
     )
     add_recomputation_flag(flags)  # step 7's --activation-checkpointing: full or selective
+    add_ep_flag(flags)  # experts_on_mesh.py: --ep, with common/moe.py's --moe-experts
     add_pipeline_flags(parser)  # step 9's --schedule, --virtual-stages and --micro-batches
 
 
@@ -102,6 +107,7 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
         )
     if cp > 1:
         check_context_on_mesh(config, cp)
+    check_experts_on_mesh(config, dp, cp, pp)
     return dp, check_pipeline(config, pp, flag="--pp")
 
 
@@ -141,6 +147,8 @@ def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
     9's at tp = 1); with --cp, context-parallel over the cp group (rule 5); its blocks recomputed in backward as
     --activation-checkpointing says. Pass ``model`` and keep no reference to it: the rank keeps its stage only."""
     shapes = {name: p.shape for name, p in model.named_parameters()}
+    if mesh.experts:  # rule 6: this rank's experts, dispatched over the ep group
+        experts_on_mesh(model, mesh, config)
     if mesh.tp > 1:
         reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
         model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
@@ -204,29 +212,38 @@ class BytesByAxis:
 
     def take(self, axis: str) -> dict:
         """What was counted since the last take, added to ``axis`` (the pipeline's point-to-point to ``pp``, the
-        ring's sends to ``cp``, whatever ``axis``); returns the counts so far, by axis (plain dicts: a record's)."""
+        ring's sends and routing counts to ``cp``, the experts' all-to-alls to ``ep``, whatever ``axis``);
+        returns the counts so far, by axis (plain dicts: a record's)."""
         for kind, count in take_comm_bytes().items():
-            counts = self.counts[
-                "pp" if kind.startswith("p2p") else "cp" if kind == "send" else axis
-            ]
+            to = (
+                "pp"
+                if kind.startswith("p2p")
+                else "cp"
+                if kind in ("send", "routing counts")
+                else axis
+            )
+            counts = self.counts.setdefault("ep" if kind == "all_to_all" else to, {})
             counts[kind] = counts.get(kind, 0) + count
         return self.counts
 
 
 def counted_once(named: list, mesh) -> list:
     """The tensors whose squares add up to the whole model's (or gradient's) across the mesh: TP shards on every
-    tp rank, replicated ones on tp rank 0 only, the tie's copy on the last stage not at all."""
+    tp rank, replicated ones on tp rank 0 only, the tie's copy on the last stage not at all; with experts, the
+    dense tensors on the ep group's first rank only (experts_on_mesh.py's rule 6)."""
+    first_of_ep = mesh.experts is None or mesh.experts.ep_rank == 0
     return [
         p
         for n, p in named
         if (is_sharded(p) or mesh.tp_rank == 0)
         and not (n == "transformer.wte.weight" and mesh.pp_rank > 0)
+        and (first_of_ep or is_expert(n))
     ]
 
 
 def gather_full_model(stage, named: list, mesh) -> dict:
-    """Every parameter whole, by name, on every rank: the tp shards all-gathered (step 8), the stages' parts
-    then gathered over the pp group (step 9)."""
+    """Every parameter whole, by name, on every rank: the tp shards all-gathered (step 8), the other experts
+    over the ep group (step 12), the stages' parts then gathered over the pp group (step 9)."""
     full = gather_full_parameters(stage, group=mesh.tp_group)  # by the stage module's names
     name_of = {n: name for (n, _), (name, _) in zip(stage.named_parameters(), named)}
     mine = {
@@ -235,60 +252,73 @@ def gather_full_model(stage, named: list, mesh) -> dict:
         if not (name_of[n] == "transformer.wte.weight" and mesh.pp_rank > 0)
     }
     stages = [None] * mesh.pp
-    dist.all_gather_object(stages, mine, group=mesh.pp_group)
+    dist.all_gather_object(stages, gather_experts(mine, mesh), group=mesh.pp_group)
     return {n: t for part in stages for n, t in part.items()}
 
 
 class MeshShards:
     """checkpoint.py's part for a rank of the mesh (rule 4): its TP/PP shard of the parameters and of AdamW's state,
-    as step 8 writes it (blocks of the whole tensors, named), ZeRO-1's slices first gathered over the dp group
-    (``consolidated_state_dict``) and written by dp rank 0. Any step reads it at any mesh or world size."""
+    as step 8 writes it (blocks of the whole tensors, named), ZeRO-1's slices first gathered over the dp x cp group
+    (``consolidated_state_dict``) and written by dp x cp rank 0; with experts, each ZeRO-1 optimiser's over its
+    group, the experts written by their first copies (experts_on_mesh.py's ``parts``). Any step reads it at any
+    mesh or world size."""
 
     per_rank = True
 
     def __init__(self, named: list, optimizer, mesh):
         self.named, self.optimizer, self.mesh = named, optimizer, mesh
+        # (ZeRO-1 optimiser, whether this rank writes its parameters)
+        self.parts = getattr(optimizer, "parts", [(optimizer, mesh.dp_cp_rank == 0)])
 
     def checkpoint_state(self) -> dict:
-        # a collective over dp: every dp rank takes part
-        state = self.optimizer.consolidated_state_dict()
-        return (
-            checkpoint_shards(self.named, self.optimizer.params, state)
-            if self.mesh.dp_cp_rank == 0
-            else {}
-        )
+        params, state = [], {"state": {}, "param_groups": []}
+        for optimizer, writes in self.parts:
+            # a collective over its group: every rank of it takes part
+            full = optimizer.consolidated_state_dict()
+            if writes:  # one state dict, numbered on from the last part's
+                first, params = len(params), params + optimizer.params
+                state["state"].update({first + i: s for i, s in full["state"].items()})
+                groups = state["param_groups"] or [
+                    {**g, "params": []} for g in full["param_groups"]
+                ]
+                for group, theirs in zip(groups, full["param_groups"]):
+                    group["params"] += [first + i for i in theirs["params"]]
+                state["param_groups"] = groups
+        written = {id(p) for p in params}
+        named = [(n, p) for n, p in self.named if id(p) in written]
+        return checkpoint_shards(named, params, state) if params else {}
 
     def load_checkpoint(self, checkpoint) -> None:
         """This rank's TP shard of every parameter (step 8's blocks), then its ZeRO-1 slices of that shard's AdamW
         state (step 5's flat ranges), out of any step's checkpoint at any mesh."""
-        optimizer = self.optimizer
         params = [p for _, p in self.named]
         index = {p: i for i, p in enumerate(params)}
         # this rank's TP shards, step 8's way
         shards = load_checkpoint_shards(self.named, params, checkpoint)
-        state = {}
-        # the local optimiser's parameters: flat slices of the shards
-        for local, piece in enumerate(optimizer.pieces):
-            entry = shards["state"].get(index[piece.param])
-            if entry:  # none: never stepped
-                state[local] = {
-                    k: v.reshape(-1)[piece.start : piece.end].clone()
-                    if torch.is_tensor(v) and v.dim()
-                    else v
-                    for k, v in entry.items()
-                }
         hyper = {
             i: {k: v for k, v in g.items() if k != "params"}
             for g in shards["param_groups"]
             for i in g["params"]
         }
-        # the checkpoint's lr, betas, ... for each group
-        groups = [
-            {**local, **hyper[index[full["params"][0]]]}
-            for local, full in zip(
-                optimizer.local_optimizer.state_dict()["param_groups"], optimizer.full_groups
+        for optimizer, _ in self.parts:
+            state = {}
+            # the local optimiser's parameters: flat slices of the shards
+            for local, piece in enumerate(optimizer.pieces):
+                entry = shards["state"].get(index[piece.param])
+                if entry:  # none: never stepped
+                    state[local] = {
+                        k: v.reshape(-1)[piece.start : piece.end].clone()
+                        if torch.is_tensor(v) and v.dim()
+                        else v
+                        for k, v in entry.items()
+                    }
+            # the checkpoint's lr, betas, ... for each group
+            groups = [
+                {**local, **hyper[index[full["params"][0]]]}
+                for local, full in zip(
+                    optimizer.local_optimizer.state_dict()["param_groups"], optimizer.full_groups
+                )
+            ]
+            optimizer.load_state_dict(
+                {"state": state, "param_groups": groups, "slices": optimizer.slices()}
             )
-        ]
-        optimizer.load_state_dict(
-            {"state": state, "param_groups": groups, "slices": optimizer.slices()}
-        )

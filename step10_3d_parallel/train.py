@@ -2,11 +2,14 @@
 
 A pp x dp x tp mesh: each pipeline stage (step 9) tensor-parallel over its tp group (step 8); the dp replicas of a
 stage read their own samples (step 2), average gradients (step 3), shard AdamW's state (step 5). With --cp, a
-fourth axis: each sequence split over a ring of cp ranks (step 11), replicas to the gradients. Bitwise: README.
+fourth axis: each sequence split over a ring of cp ranks (step 11), replicas to the gradients. With --moe-experts,
+step 12's experts: --ep D splits them over D ranks of the dp x cp plane (experts_on_mesh.py). Bitwise: README.
 
     torchrun --standalone --nproc_per_node=4 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 1
     torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 2 --steps 2
     torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --cp 2 --tp 2 --pp 2 --steps 2
+    torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --cp 2 --tp 2 --ep 2 \
+        --moe-experts 4 --steps 2
 """
 
 from pathlib import Path
@@ -29,9 +32,12 @@ from composition import (
 )
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
+from expert_parallel import reduce_gradients
+from experts_on_mesh import DenseAndExperts, moe_record_on_mesh, norm_groups
 from mesh import build_mesh
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
+from moe import add_moe_flags, check_moe, moe_model, take_moe_record
 from naive_dp import allreduce_gradients
 from resharding import open_checkpoint
 from sampler import ShardedSampler
@@ -75,22 +81,23 @@ def train_step(
     # the bytes sent so far: over tp inside the stages, point-to-point over pp
     comm = BytesByAxis("tp")
     # the replicas of this shard average their gradients (sum, then divide: step 3)
-    if mesh.dp * mesh.cp > 1:
-        allreduce_gradients(
-            pipe.module, reduce_dtype=getattr(torch, config["reduce_dtype"]), group=mesh.dp_cp_group
-        )
+    reduce_dtype = getattr(torch, config["reduce_dtype"])
+    if mesh.experts:  # dense ones over dp x cp, each expert's over its copies (experts_on_mesh.py)
+        reduce_gradients(pipe.module, mesh.experts, reduce_dtype)
+    elif mesh.dp * mesh.cp > 1:
+        allreduce_gradients(pipe.module, reduce_dtype=reduce_dtype, group=mesh.dp_cp_group)
     comm.take("dp")
 
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(
         [p for _, p in named],
         config["grad_clip"],
-        [mesh.tp_group, mesh.pp_group],
+        norm_groups(mesh),
         # the whole gradient's
         counted=counted_once(named, mesh),
         device=device,
     )
-    comm.take("norms")  # its sums of squares, over tp then pp (the parameter norm's: main())
+    comm.take("norms")  # its sums of squares, over tp, pp (and ep) (the parameter norm's: main())
     # this rank's 1/(dp cp) of its shard's elements, then all-gathered over dp x cp
     scaler.step(optimizer)
     scaler.update()
@@ -108,7 +115,9 @@ def main():
     distributed.add_flags(parser)
     add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_mesh_flags(parser)
+    add_moe_flags(parser)
     config = parse_config(parser)
+    check_moe(config)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"], config["deterministic"])
@@ -121,7 +130,12 @@ def main():
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
     device = distributed.join(world, config["timeout_s"])  # this rank's device
     mesh = build_mesh(
-        dp, config["tp"], config["pp"], timeout_s=config["timeout_s"], cp=config["cp"]
+        dp,
+        config["tp"],
+        config["pp"],
+        timeout_s=config["timeout_s"],
+        cp=config["cp"],
+        ep=config["ep"] if config["moe_experts"] else None,
     )
 
     # ---- data, model, optimiser ----------------------------------------------------------------
@@ -131,15 +145,24 @@ def main():
     )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # The same whole model on every rank (the seed's), tensor-parallel over tp, cut into stages over pp: rank keeps one.
+    # With --moe-experts, every rank builds every expert, then keeps its own (experts_on_mesh.py).
     stage, named, pipe, shapes = parallelize_on_mesh(
-        build_model(config, corpus.vocab_size, config["seed"]), mesh, config, device
+        moe_model(build_model(config, corpus.vocab_size, config["seed"]), config),
+        mesh,
+        config,
+        device,
     )
-    optimizer = ShardedOptimizer(
-        adamw_param_groups(named, config),
-        torch.optim.AdamW,
-        process_group=mesh.dp_cp_group,
-        # ZeRO-1 over dp x cp: AdamW's state for a slice
-        **adamw_options(config),
+    take_moe_record(stage)  # forget the tokens dropout's recording run routed
+    optimizer = (
+        DenseAndExperts(named, config, mesh)  # ZeRO-1 for the dense and for the expert parameters
+        if mesh.experts
+        else ShardedOptimizer(
+            adamw_param_groups(named, config),
+            torch.optim.AdamW,
+            process_group=mesh.dp_cp_group,
+            # ZeRO-1 over dp x cp: AdamW's state for a slice
+            **adamw_options(config),
+        )
     )
     scheduler = make_scheduler(optimizer, config)
     # disabled (no fp16 here): kept for the checkpoint's format
@@ -177,18 +200,18 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
+        # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp x cp
+        # (a cp rank's loss is the mean over its positions, as many on every rank).
+        loss = distributed.mean_over_ranks(
+            pipe.from_last_stage(loss_sum, mesh.pp_group), accum, mesh.dp_cp_group
+        )
         log.log(
             {
                 "step": step + 1,
-                # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp x cp
-                # (a cp rank's loss is the mean over its positions, as many on every rank).
-                "loss": distributed.mean_over_ranks(
-                    pipe.from_last_stage(loss_sum, mesh.pp_group), accum, mesh.dp_cp_group
-                ),
+                # an MoE run's rounded to float32, as step 12 (and step 0) round theirs
+                "loss": torch.tensor(loss).float().item() if mesh.experts else loss,
                 "grad_norm": grad_norm.item(),
-                "param_norm": param_norm(
-                    counted_once(named, mesh), [mesh.tp_group, mesh.pp_group], device
-                ),
+                "param_norm": param_norm(counted_once(named, mesh), norm_groups(mesh), device),
                 "lr": lr,
                 "tokens_per_s": tokens_per_step / step_time["wall_s"],
                 "effective_batch_size": config["micro_batch_size"] * accum * dp,
@@ -196,6 +219,8 @@ def main():
                 **distributed.gather_per_rank(
                     memory=memory, step_time=step_time, comm=comm.take("norms")
                 ),
+                # the experts' load and each rank's all-to-all notes, as step 12's
+                **(moe_record_on_mesh(stage, mesh) if mesh.experts else {}),
             }
         )
         # a SIGTERM reached a rank: every rank stops after this step
@@ -214,7 +239,10 @@ def main():
         shape, axes = (mesh.pp, dp, mesh.cp, mesh.tp), "pp x dp x cp x tp"
         if mesh.cp == 1:  # three axes, as before --cp
             shape, axes = (mesh.pp, dp, mesh.tp), "pp x dp x tp"
-        log.finish(final, f" on a {' x '.join(map(str, shape))} ({axes}) mesh ({world.backend})")
+        experts = f", experts over ep {mesh.ep}" if mesh.experts else ""
+        log.finish(
+            final, f" on a {' x '.join(map(str, shape))} ({axes}) mesh{experts} ({world.backend})"
+        )
     distributed.shutdown()
 
 

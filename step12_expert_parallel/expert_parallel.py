@@ -30,7 +30,9 @@ between, the experts' compute, is replaced. In the order a token travels, for on
    the group's timeout, and fails in the words of gloo's other timeouts (collective_failures.py explains them).
 
 Groups: ranks [g*D, (g+1)*D) form expert-parallel group g; ranks with the same ``rank % D`` hold the same experts.
-Every all-to-all's bytes are counted (``comm_accounting``) and noted per layer and micro-batch in ``traffic``.
+(Step 10 cuts each of its dp x cp planes the same way: ``planes``, the lists of ranks that hold the same dense
+parameters; here one plane, every rank.) Every all-to-all's bytes are counted (``comm_accounting``) and noted per
+layer and micro-batch in ``traffic``.
 """
 
 from datetime import timedelta
@@ -43,19 +45,26 @@ from comm_accounting import count_collective
 
 class Groups:
     """This rank's two groups: ``ep`` (the D ranks that split the experts) and ``replicas`` (the W/D ranks that hold
-    the same experts). ``dist.new_group`` is collective: every rank creates every group, in the same order."""
+    the same experts). ``dist.new_group`` is collective: every rank creates every group, in the same order.
 
-    def __init__(self, ep: int):
-        world, rank = dist.get_world_size(), dist.get_rank()
-        self.ep_size, self.ep_rank, self.world_size = ep, rank % ep, world
-        for g in range(world // ep):
-            group = dist.new_group(list(range(g * ep, (g + 1) * ep)))
-            if rank // ep == g:
-                self.ep = group
-        for q in range(ep):
-            group = dist.new_group(list(range(q, world, ep)))
-            if rank % ep == q:
-                self.replicas = group
+    ``planes``: lists of the W ranks that hold the same dense parameters, each cut as above (default: one plane,
+    every rank); ``data``: this rank's plane as a process group (default: every rank); ``timeout``: the new groups'."""
+
+    def __init__(self, ep: int, planes: list | None = None, data=None, timeout=None):
+        rank, self.data = dist.get_rank(), data
+        planes = planes or [list(range(dist.get_world_size()))]
+        plane = next(ranks for ranks in planes if rank in ranks)
+        self.ep_size, self.ep_rank, self.world_size = ep, plane.index(rank) % ep, len(plane)
+        for ranks in planes:
+            for g in range(len(ranks) // ep):
+                group = dist.new_group(ranks[g * ep : (g + 1) * ep], timeout=timeout)
+                if rank in ranks[g * ep : (g + 1) * ep]:
+                    self.ep = group
+        for ranks in planes:
+            for q in range(ep):
+                group = dist.new_group(ranks[q::ep], timeout=timeout)
+                if rank in ranks[q::ep]:
+                    self.replicas = group
 
 
 def local_experts_of(n_experts: int, ep_size: int, ep_rank: int) -> range:
@@ -170,7 +179,8 @@ def is_expert(name: str) -> bool:
 
 
 def reduce_gradients(model, groups: Groups, reduce_dtype: torch.dtype = torch.float32) -> None:
-    """Rule 7: dense gradients summed over all ranks, expert gradients over their copies; both divided by W.
+    """Rule 7: dense gradients summed over all ranks (``groups.data``), expert gradients over their copies; both
+    divided by W.
 
     Each group's gradients go in one flat buffer and one all-reduce (step 4's bucket, without its hooks): a
     collective per tensor would pay gloo's fixed cost per call once per parameter, dozens of times a step."""
@@ -179,7 +189,7 @@ def reduce_gradients(model, groups: Groups, reduce_dtype: torch.dtype = torch.fl
     experts = [p for name, p in named if is_expert(name)]
     # --ep = world size: each expert on one rank only, nothing to add up
     alone = dist.get_world_size(groups.replicas) == 1
-    for params, group in ((dense, None), (experts, groups.replicas)):
+    for params, group in ((dense, groups.data), (experts, groups.replicas)):
         if not params:
             continue
         flat = torch.cat([p.grad.flatten().to(reduce_dtype) for p in params])

@@ -304,9 +304,10 @@ def test_the_top_runnable_layouts_train_and_hold_what_the_plan_says(small_corpus
 
 def test_the_ep_layouts_train_and_hold_and_send_what_the_plan_says(small_corpus, tmp_path):
     """``plan.py --moe-experts E``: step 12's layouts (every ep dividing E and the ranks), each with the command
-    that trains it. Each ep's command, trained one step at 2 ranks: every rank's parameters and gradients are the
-    row's to the byte, its model state within the tolerance (AdamW's step counts), and the all-to-all bytes of the
-    step, averaged over the ranks (over a group what is sent arrives), the row's dropless figure exactly, and each
+    that trains it, in step 12 and on step 10's mesh (--dp N --ep D, ZeRO-1). Each command, trained one step at 2
+    ranks: every rank's parameters and gradients are the row's to the byte, its model state within the tolerance
+    (AdamW's step counts), and the all-to-all bytes of the step, averaged over the ranks (over a group what is sent
+    arrives), the row's dropless figure exactly, and each
     rank's the closed form (conftest.assert_all_to_all_closed_form: the tests' other step-12 runs drop slots)."""
     argv = [
         "--moe-experts",
@@ -337,11 +338,18 @@ def test_the_ep_layouts_train_and_hold_and_send_what_the_plan_says(small_corpus,
         row["fits"] and row["command"] for row in layouts
     )
     assert layouts[1]["params"] < layouts[0]["params"]  # half the experts a rank
-    for row in layouts:
-        assert f"  ep {row['ep']}: {row['command']}" in result.stdout
-        nproc, step, flags = split(row["command"])
-        assert (nproc, step) == (2, "step12_expert_parallel")
-        out = tmp_path / f"ep{row['ep']}"
+    # ZeRO-1 on the mesh: less than step 12's ZeRO-0
+    assert all(sum(r["mesh_state"].values()) < sum(r["state"].values()) for r in layouts)
+    runs = [(row, row["command"], row["state"], row["all_to_all_handed"], "") for row in layouts]
+    runs += [
+        (row, row["mesh_command"], row["mesh_state"], row["mesh_all_to_all_handed"], ", step 10")
+        for row in layouts
+    ]
+    for row, command, state, handed, on in runs:
+        assert f"  ep {row['ep']}{on}: {command}" in result.stdout
+        nproc, step, flags = split(command)
+        assert (nproc, step) == (2, "step12_expert_parallel" if not on else "step10_3d_parallel")
+        out = tmp_path / f"ep{row['ep']}{on.replace(', step ', '_')}"
         trained = run_ranks(
             REPO / step / "train.py",
             [
@@ -359,21 +367,15 @@ def test_the_ep_layouts_train_and_hold_and_send_what_the_plan_says(small_corpus,
             ],
             nproc,
         )
-        assert trained.returncode == 0, f"{row['command']} failed:\n{trained.stderr[-3000:]}"
+        assert trained.returncode == 0, f"{command} failed:\n{trained.stderr[-3000:]}"
         record = metrics(out)["records"][-1]
         assert record["moe"]["dropped_fraction"] == [0.0, 0.0]  # dropless, as the plan assumes
         for memory in record["memory"]:
-            assert (memory["params"], memory["grads"]) == (
-                row["state"]["params"],
-                row["state"]["grads"],
-            )
+            assert (memory["params"], memory["grads"]) == (state["params"], state["grads"])
             measured = sum(memory[kind] for kind in estimate.KINDS)
-            state = sum(row["state"].values())
-            assert abs(measured / state - 1) <= plan.MEASURED_TOLERANCE, (row["ep"], memory)
+            planned = sum(state.values())
+            assert abs(measured / planned - 1) <= plan.MEASURED_TOLERANCE, (command, memory)
         sent = [sum(note["bytes"] for note in notes) for notes in record["all_to_all"]]
-        assert sum(sent) / len(sent) == pytest.approx(row["all_to_all_handed"], rel=1e-12), (
-            row["ep"],
-            sent,
-        )
+        assert sum(sent) / len(sent) == pytest.approx(handed, rel=1e-12), (command, sent)
         # and on every rank, layer and micro-batch, the closed form of a dropless run
         assert assert_all_to_all_closed_form(out) == 2 * 2 * 2  # ranks x layers x micro-batches
