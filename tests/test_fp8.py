@@ -208,6 +208,43 @@ def test_rowwise_scales_keep_ordinary_tokens_that_one_tensorwise_scale_flushes()
     assert error["rowwise"] < 0.06 < 0.3 < error["tensorwise"], error
 
 
+@pytest.fixture(scope="module")
+def outliers() -> dict:
+    """compare/fp8_outliers.py at a tiny size: the MLP trained in bf16 and each recipe, with no outliers, outlier
+    tokens and an outlier channel (x 1e5), then each matmul's error measured, all in this run (about 15 s)."""
+    import argparse
+
+    import fp8_outliers  # compare/, on the path through conftest
+
+    args = argparse.Namespace(steps=40, factor=1e5, width=32, hidden=64, tokens=128, lr=1e-3)
+    return fp8_outliers.run(args)["results"]
+
+
+@ROWWISE_RUNS_HERE
+def test_rowwise_beats_tensorwise_on_outlier_tokens_and_not_on_an_outlier_channel(outliers):
+    """A scale helps only along the axis its matmul keeps (fp8.py, rule 3). Rowwise scales x per token in the
+    forward: outlier tokens leave the others' error as it was, an outlier channel sits in every token's row. In
+    the weight gradient it scales x per channel over the tokens: the reverse. Training follows the forward."""
+    none, tokens, channel = outliers["none"], outliers["tokens"], outliers["channel"]
+    # outlier tokens: rowwise's forward as without outliers, tensorwise's flushed; both weight gradients hit
+    assert tokens["rowwise"]["forward"] < 1.5 * none["rowwise"]["forward"]
+    assert tokens["tensorwise"]["forward"] > 3 * none["tensorwise"]["forward"]
+    assert tokens["rowwise"]["grad_weight"] > 2 * none["rowwise"]["grad_weight"]
+    # an outlier channel: both forwards hit alike; rowwise's weight gradient as without outliers
+    assert all(channel[r]["forward"] > 2 * none[r]["forward"] for r in RECIPES), channel
+    assert 2 / 3 < channel["rowwise"]["forward"] / channel["tensorwise"]["forward"] < 1.5, channel
+    assert (
+        channel["rowwise"]["grad_weight"]
+        < 1.5 * none["rowwise"]["grad_weight"]
+        < channel["tensorwise"]["grad_weight"]
+    )
+    # the final losses: rowwise near bf16 with outlier tokens, tensorwise far; alike with an outlier channel
+    final = {kind: {r: outliers[kind][r]["final"] for r in outliers[kind]} for kind in outliers}
+    assert final["tokens"]["rowwise"] < 1.5 * final["tokens"]["bf16"], final
+    assert final["tokens"]["tensorwise"] > 3 * final["tokens"]["rowwise"], final
+    assert 0.5 < final["channel"]["rowwise"] / final["channel"]["tensorwise"] < 2, final
+
+
 @ROWWISE_RUNS_HERE
 def test_bench_fp8_times_every_row_and_refuses_bad_shapes():
     import json
