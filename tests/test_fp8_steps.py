@@ -89,6 +89,10 @@ def test_exact_mode_with_fp8_is_bitwise_step1_at_3_ranks(exact_step1, step, tmp_
             id="rowwise-bf16-parameters",
             marks=ROWWISE_RUNS_HERE,
         ),
+        pytest.param(
+            ("--fp8", "tensorwise", "--param-dtype", "bf16"), id="tensorwise-bf16-parameters"
+        ),
+        pytest.param(("--fp8", "rowwise"), id="rowwise-float32", marks=ROWWISE_RUNS_HERE),
     ],
 )
 def test_step7_with_fp8_is_bitwise_fsdp2_with_torchao(flags, tmp_path, small_corpus):
