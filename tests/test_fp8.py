@@ -186,6 +186,29 @@ def test_sizes_not_multiples_of_16_are_refused():
     check_fp8({**config, "n_embd": 32}, torch.device("cpu"))  # accepted
 
 
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_the_bytes_a_layer_casts_are_the_planners_formula(recipe, monkeypatch):
+    """docs/planner.md: one Float8Linear, one micro-batch (T tokens, K in, N out), forward and backward: FP8 copies
+    of 2 (T K + N K + T N) bytes (each operand cast once per matmul it enters), scales of 4 x 6 bytes
+    (tensorwise) or 4 x 2 (T + N + K) (rowwise: one per row of each operand, along the axis its matmul keeps)."""
+    import fp8
+
+    cast, original = [], fp8.to_fp8
+
+    def counting(t, dtype, dim, pow2):
+        bits, scale = original(t, dtype, dim, pow2)
+        cast.append((bits.numel() * bits.element_size(), scale.numel() * scale.element_size()))
+        return bits, scale
+
+    monkeypatch.setattr(fp8, "to_fp8", counting)
+    T, K, N = 64, 48, 80
+    layer = convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(K, N)), recipe)
+    layer(torch.randn(T, K, requires_grad=True)).sum().backward()
+    copies, scales = map(sum, zip(*cast))
+    assert len(cast) == 6 and copies == 2 * (T * K + N * K + T * N)
+    assert scales == 4 * (6 if recipe == "tensorwise" else 2 * (T + N + K))
+
+
 @ROWWISE_RUNS_HERE
 def test_rowwise_scales_keep_ordinary_tokens_that_one_tensorwise_scale_flushes():
     """One token in 64 at 1e5 times the others (massive activations): one scale per tensor maps the outliers onto
