@@ -1,6 +1,6 @@
 """One command that runs every GPU path on the GPUs present and writes a markdown report.
 
-    python compare/gpu_check.py                     # on the GPU(s): about 6-8 minutes on one H100
+    python compare/gpu_check.py                     # on the GPU(s): 6-8 minutes on one H100 before the FP8 section
     python compare/gpu_check.py --device cpu        # the same checks, tiny, on the CPU (the tests run it)
 
 What it checks, each section a verdict:
@@ -26,6 +26,9 @@ What it checks, each section a verdict:
 9. **Expert parallelism**: step 12 at ``--ep 2`` on 2 ranks (sharing the GPU over gloo, or over nccl with a GPU
    each) against step 0 accumulating 2 micro-batches of the same MoE model: bitwise, and every rank's all-to-all
    bytes the closed form, per MoE layer and micro-batch.
+10. **FP8**: step 0 at the speed section's shape under bf16 autocast, then with ``--fp8 tensorwise`` and
+    ``--fp8 rowwise`` (common/fp8.py); tokens/s, MFU against the bf16 peak and the final loss, interleaved
+    rounds, medians. A recipe the device's ``_scaled_mm`` cannot run is skipped in one line.
 
 Exit 0 when every section passes, 1 otherwise; the report goes to --report (and stdout).
 """
@@ -49,6 +52,7 @@ import estimate  # noqa: E402
 import memory  # noqa: E402
 import parity  # noqa: E402
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
+from fp8 import fp8_cannot_run  # noqa: E402
 from launch import trainer_command  # noqa: E402
 
 REPO_ROOT = parity.REPO_ROOT
@@ -447,6 +451,116 @@ def speed_section(
     )
 
 
+# (name, step 0's extra flags, the FP8 recipe or None): every run under bf16 autocast, FP8 on the blocks' linears
+FP8_VARIANTS = [
+    ("bf16 autocast", [], None),
+    ("bf16 autocast + --fp8 tensorwise", ["--fp8", "tensorwise"], "tensorwise"),
+    ("bf16 autocast + --fp8 rowwise", ["--fp8", "rowwise"], "rowwise"),
+]
+
+
+def check_fp8_speed(check: Check, place: int) -> None:
+    """Step 0 under bf16 autocast, with and without ``--fp8 tensorwise|rowwise`` (common/fp8.py), at the speed
+    section's shape (GPT-2 small's on a GPU), interleaved rounds, medians. A recipe this device's ``_scaled_mm``
+    cannot run (``fp8_cannot_run``: a GPU before compute capability 8.9, torch 2.11's CPU build for rowwise) is
+    skipped in one line, not failed."""
+    out = check.out / "fp8"
+    # On a CPU, smaller still: on an AVX-512 CPU the CPU's _scaled_mm can run oneDNN's reference FP8 kernel,
+    # about 1 s for a 256^3 matmul (docs/fp8.md, Speed); the tiny mode checks that every recipe runs.
+    cpu = "--n-layer 2 --n-head 2 --n-embd 32 --seq-len 16 --micro-batch-size 1 --grad-accum 2"
+    shape = check.small if check.gpu else cpu.split()
+    flags = [
+        *check.common,
+        *shape,
+        "--amp",
+        "bf16",
+        "--steps",
+        str(check.speed_steps),
+        "--save-every",
+        "0",
+        "--quiet",
+        "--attention",
+        "sdpa",
+    ]
+    skipped, variants = [], []
+    for name, extra, recipe in FP8_VARIANTS:
+        why = recipe and fp8_cannot_run(recipe, torch.device(check.device))
+        if why:
+            skipped.append(f"- {name}: skipped, this device's `_scaled_mm` cannot run it (`{why}`)")
+        else:
+            variants.append((name, extra))
+    title = "FP8: step 0 in bf16 beside --fp8 tensorwise and rowwise"
+    if len(variants) == 1:  # bf16 alone: nothing to compare
+        check.section(place, title, None, "\n".join(skipped))
+        return
+
+    def last(flag: str) -> int:  # the value argparse keeps: the flag's last
+        return int(flags[len(flags) - flags[::-1].index(flag)])
+
+    config = {
+        "n_layer": last("--n-layer"),
+        "n_head": last("--n-head"),
+        "n_embd": last("--n-embd"),
+        "seq_len": last("--seq-len"),
+        "dropout": 0.0,
+        "weight_decay": 0.1,
+    }
+    per_token = flops_per_token(config)
+    peak = next(
+        (v for k, v in PEAK_BF16.items() if check.gpu and k in torch.cuda.get_device_name(0)), None
+    )
+    measured, peaks, losses, failures = {}, {}, {}, []
+    # interleaved: a slow spell of the machine hits every variant
+    for round_ in range(check.rounds):
+        for name, extra in variants:
+            tag = f"{name.split()[-1]}_{round_}"
+            code, output = run(
+                trainer_command("step0_single_gpu", 0, [*flags, *extra, "--out", str(out / tag)]),
+                out / f"{tag}.log",
+            )
+            if code:
+                failures.append(f"{name}: exit {code}: `{error_line(output)}`")
+                continue
+            tokens_per_s, _, peaks[name] = step0_tokens_per_s(out / tag, check.speed_warmup)
+            measured.setdefault(name, []).append(tokens_per_s)
+            records = json.loads((out / tag / "metrics.json").read_text())["records"]
+            losses[name] = records[-1]["loss"]
+    rows = [
+        "| run | tokens/s (median of rounds) | rounds | x bf16 | MFU (bf16 peak) | final loss | CUDA peak |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base = statistics.median(measured["bf16 autocast"]) if "bf16 autocast" in measured else None
+    for name, values in measured.items():
+        median = statistics.median(values)
+        rows.append(
+            f"| {name} | {median:,.0f} ({min(values):,.0f}-{max(values):,.0f}) | {len(values)} | "
+            + (f"{median / base:.2f}x" if base else "n/a")
+            + f" | {f'{median * per_token / peak:.1%}' if peak else 'n/a'} | {losses[name]:.4f} | "
+            + (f"{peaks[name] / 2**30:.1f} GiB" if peaks.get(name) else "n/a")
+            + " |"
+        )
+    ok = not failures and len(measured) == len(variants)
+    note = (
+        "MFU counts the model's FLOPs against the GPU's dense bf16 peak (its FP8 peak is twice that), so an "
+        "FP8 run's MFU says how much of bf16's peak it reached; no target: eager FP8 casts in separate kernels"
+        if check.gpu
+        else "CPU: `_scaled_mm` is an emulation or oneDNN's reference kernel here; the tiny sizes check that every "
+        "recipe runs, not its speed"
+    )
+    check.section(
+        place,
+        title,
+        ok,
+        f"`{' '.join(flags)}`, {check.speed_steps} steps, clock from step {check.speed_warmup + 1}; "
+        f"{per_token / 1e9:.2f} GFLOP per token\n\n"
+        + "\n".join(rows)
+        + "\n\n"
+        + "".join(f"{line}\n" for line in skipped)
+        + f"\n{note}\n"
+        + "".join(f"\n- FAILED {f}" for f in failures),
+    )
+
+
 def check_fits(check: Check, place: int) -> None:
     out = check.out / "fits"
     config = {
@@ -724,6 +838,7 @@ def main() -> int:
             "offload",
             "context",
             "experts",
+            "fp8",
         ],
         help="run only these sections (memory needs tour; compile: speed's compiled pair)",
     )
@@ -743,6 +858,7 @@ def main() -> int:
             "offload",
             "context",
             "experts",
+            "fp8",
         ]
     )
     header = f"# GPU check ({args.device})\n\n{environment(args.device)}\n"
@@ -795,6 +911,8 @@ def main() -> int:
             )
     if sections & {"speed", "compile"}:
         check_speed(check, 6, "compile" in sections)
+    if "fp8" in sections:  # timed too: alone, after the tour
+        check_fp8_speed(check, 10)
     verdict = "every section passed" if check.passed else "SOME SECTIONS FAILED"
     check.write(verdict)
     print(

@@ -568,6 +568,7 @@ CASES = {
     "plan-moe-top-k": lambda s: tool("plan.py", "--moe-experts", "4", "--moe-top-k", "5"),
     "peak-profiled-steps": lambda s: tool("peak_memory.py", "--profiled-steps", "0"),
     "bench-strategies": lambda s: tool("bench.py", "--strategies", "zero4"),
+    "fp8-outliers-sizes": lambda s: tool("fp8_outliers.py", "--tokens", "100"),
     "bubble-stages": lambda s: tool("bubble.py", "--stages", "0"),
     "pipeline-reference-stages": lambda s: tool("pipeline_reference.py", "--stages", "0"),
     "pipeline-memory-stages": lambda s: tool("pipeline_memory.py", "--stages", "0"),
