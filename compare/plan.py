@@ -562,12 +562,15 @@ def moe_layouts(
     return rows
 
 
-def mesh_moe_state(dense: int, experts: int, devices: int, ep: int, param_dtype: str) -> dict:
-    """Bytes per rank, by kind, of step 10's ``--dp N --ep D`` (experts_on_mesh.py's rule 5): ZeRO-1 over the N ranks
-    for the ``dense`` elements, over an expert's N/D copies for the rank's ``experts``."""
+def mesh_moe_state(
+    dense: int, experts: int, devices: int, ep: int, param_dtype: str, zero: int = 1
+) -> dict:
+    """Bytes per rank, by kind, of step 10's ``--dp N --ep D`` (experts_on_mesh.py's rule 5): ZeRO-1 (or ``zero``,
+    its --zero) over the N ranks for the ``dense`` elements, over an expert's N/D copies for the rank's ``experts``;
+    ``zero`` 0: step 12's whole state."""
     parts = (
-        estimate.state_bytes(1, dense, devices, param_dtype),
-        estimate.state_bytes(1, experts, devices // ep, param_dtype),
+        estimate.state_bytes(zero, dense, devices, param_dtype),
+        estimate.state_bytes(zero, experts, devices // ep, param_dtype),
     )
     return {kind: sum(part[kind] for part in parts) for kind in parts[0]}
 
@@ -1320,7 +1323,8 @@ def report(
 
 # ---- Measured beside estimated -----------------------------------------------------------------------------------
 
-ZERO_OF_STEP = {5: 1, 6: 2, 7: 3, 10: 1}  # step 10: ZeRO-1 over the data axis (issue 20)
+# step 10: its --zero over the data axis, ZeRO-1 by default (and in runs from before the flag)
+ZERO_OF_STEP = {5: 1, 6: 2, 7: 3, 10: 1}
 MEASURED_TOLERANCE = 0.05  # a rank's recorded model state against the estimate (docs/planner.md)
 
 
@@ -1356,7 +1360,7 @@ def layout_of(metrics: dict) -> dict:
         "dp": dp,
         "tp": tp,
         "pp": pp,
-        "zero": ZERO_OF_STEP.get(number, 0),
+        "zero": metrics["config"].get("zero", ZERO_OF_STEP.get(number, 0)),
         "coords": coords,
         "replicate": replicate,
     }
@@ -1383,14 +1387,14 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
             param_dtype,
             reduce_dtype,
         )
-        if config.get("moe_experts"):  # step 12 (ZeRO-0), step 10 (ZeRO-1 per kind: mesh_moe_state)
+        if config.get(
+            "moe_experts"
+        ):  # step 12 (ZeRO-0), step 10 (its --zero per kind: mesh_moe_state)
             moe = MoE(config["moe_experts"], config["moe_top_k"], config["moe_every"])
             ep = metrics["env"].get("expert_parallel_size", config.get("ep") or 1)
             held = moe_rank_params_on_mesh(shape, moe, mesh["tp"], mesh["pp"], stage, chunks, ep)
-            estimated = (
-                mesh_moe_state(held["dense"], held["experts"], mesh["dp"], ep, param_dtype)
-                if mesh["zero"]
-                else estimate.state_bytes(0, held["dense"] + held["experts"], 1, param_dtype)
+            estimated = mesh_moe_state(
+                held["dense"], held["experts"], mesh["dp"], ep, param_dtype, mesh["zero"]
             )
         rows.append(
             {
