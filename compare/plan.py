@@ -651,7 +651,8 @@ def moe_report(
     if not any(row["fits"] or row["mesh_fits"] for row in rows):
         lines.append(
             "no ep fits, in step 12 (ZeRO-0) nor on step 10's mesh (ZeRO-1 for the dense part and the "
-            "experts); ZeRO-2/3 with ep is not built yet"
+            "experts); step 10's --zero 2 also shards their gradients (not in this table), ZeRO-3 with ep "
+            "is not built"
         )
     return "\n".join(lines)
 

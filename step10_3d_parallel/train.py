@@ -249,7 +249,9 @@ def main():
         experts = f", experts over ep {mesh.ep}" if mesh.experts else ""
         # the default, ZeRO-1, unsaid
         zero = (
-            f", {('DDP', '', 'ZeRO-2')[config['zero']]} over dp x cp" if config["zero"] != 1 else ""
+            f", {('DDP', '', 'ZeRO-2')[config['zero']]} over {'dp x cp' if mesh.cp > 1 else 'dp'}"
+            if config["zero"] != 1
+            else ""
         )
         log.finish(
             final,
