@@ -562,12 +562,15 @@ def moe_layouts(
     return rows
 
 
-def mesh_moe_state(dense: int, experts: int, devices: int, ep: int, param_dtype: str) -> dict:
-    """Bytes per rank, by kind, of step 10's ``--dp N --ep D`` (experts_on_mesh.py's rule 5): ZeRO-1 over the N ranks
-    for the ``dense`` elements, over an expert's N/D copies for the rank's ``experts``."""
+def mesh_moe_state(
+    dense: int, experts: int, devices: int, ep: int, param_dtype: str, zero: int = 1
+) -> dict:
+    """Bytes per rank, by kind, of step 10's ``--dp N --ep D`` (experts_on_mesh.py's rule 5): ZeRO-1 (or ``zero``,
+    its --zero) over the N ranks for the ``dense`` elements, over an expert's N/D copies for the rank's ``experts``;
+    ``zero`` 0: step 12's whole state."""
     parts = (
-        estimate.state_bytes(1, dense, devices, param_dtype),
-        estimate.state_bytes(1, experts, devices // ep, param_dtype),
+        estimate.state_bytes(zero, dense, devices, param_dtype),
+        estimate.state_bytes(zero, experts, devices // ep, param_dtype),
     )
     return {kind: sum(part[kind] for part in parts) for kind in parts[0]}
 
@@ -648,7 +651,8 @@ def moe_report(
     if not any(row["fits"] or row["mesh_fits"] for row in rows):
         lines.append(
             "no ep fits, in step 12 (ZeRO-0) nor on step 10's mesh (ZeRO-1 for the dense part and the "
-            "experts); ZeRO-2/3 with ep is not built yet"
+            "experts); step 10's --zero 2 also shards their gradients (not in this table), ZeRO-3 with ep "
+            "is not built"
         )
     return "\n".join(lines)
 
@@ -1052,23 +1056,24 @@ def trainer(
     c: dict, param_dtype: str = "float32", reduce_every_micro_batch: bool = False
 ) -> tuple[str, list] | str:
     """(the step folder that trains layout ``c``, its layout flags), or one line saying why no trainer does.
-    cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings), or step 10 (ZeRO-1 over dp x cp, with tp
-    and pp too; not with SP or selective recomputation); tp or pp: step 8 (tp alone), step 9
-    (pp alone), step 10 (dp x tp x pp, ZeRO-1 over dp; tp or pp alone too where recomputation is asked: steps 8
-    and 9 have none); pure dp: step 1, 5, 6, 7 for ZeRO-0 to 3, step 7 with --replicate (HSDP), --offload-optimizer
-    and --activation-checkpointing full|selective, which step 10 also takes (ZeRO-1 with recomputation: step 10 at
-    tp = pp = 1). 16-bit parameters: steps 5-7 only."""
+    cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings), or step 10 (DDP, ZeRO-1 or ZeRO-2 over
+    dp x cp, --zero 0|1|2, with tp and pp too; not with SP or selective recomputation); tp or pp: step 8 (tp alone),
+    step 9 (pp alone), step 10 (dp x tp x pp, --zero over dp; tp or pp alone too where recomputation is asked:
+    steps 8 and 9 have none); pure dp: step 1, 5, 6, 7 for ZeRO-0 to 3, step 7 with --replicate (HSDP),
+    --offload-optimizer and --activation-checkpointing full|selective, which step 10 also takes at ZeRO 0-2 (step 10
+    at tp = pp = 1). ZeRO-3 with tp, pp or cp: none (docs/planner.md). 16-bit parameters: steps 5-7 only."""
     dp, cp, tp, pp, zero, m = c["dp"], c["cp"], c["tp"], c["pp"], c["zero"], c["micro_batches"]
     recompute = "full" if c["checkpointing"] else "selective" if c.get("selective") else None
-    if cp > 1 and zero == 0 and tp == pp == 1:
-        if recompute:
-            return "no trainer runs cp with recomputation and DDP: step 11 has no --activation-checkpointing"
+    axes = " x ".join(a for a in ("dp", "cp", "tp", "pp") if c[a] > 1)
+    # step 10's --zero, said where it is not the default (ZeRO-1) and there is more than one replica
+    zero_flag = ["--zero", zero] if zero != 1 and dp * cp > 1 else []
+    if cp > 1 and zero == 0 and tp == pp == 1 and not recompute:
         step, flags = "step11_context_parallel", ["--cp", cp]
-    elif cp > 1 and zero != 1:
+    elif zero == 3 and (tp > 1 or pp > 1 or cp > 1):
         return (
-            f"no trainer runs cp with {estimate.STAGES[zero]}"
-            + (" and tp or pp" if zero == 0 else "")
-            + ": step 11 is DDP over its rings, step 10 ZeRO-1 over dp x cp"
+            f"no trainer runs ZeRO-3 with {' x '.join(a for a in ('cp', 'tp', 'pp') if c[a] > 1)}: step 7 "
+            "shards the parameters over dp alone, step 10's --zero stops at 2 (it would need FSDP over dp x cp of "
+            "each rank's tp/pp shard: docs/planner.md)"
         )
     elif cp > 1 and (c["sequence_parallel"] or c.get("selective")):
         return (
@@ -1076,12 +1081,6 @@ def trainer(
             ": step 10 refuses it (composition.py's rule 5)"
         )
     elif tp > 1 or pp > 1 or cp > 1:
-        if zero > 1:
-            return (
-                f"no trainer runs {estimate.STAGES[zero]} with tp or pp: step 10 is ZeRO-1 over dp"
-            )
-        if dp > 1 and zero == 0:
-            return "no trainer runs DDP with tp or pp: step 10 is ZeRO-1 over dp"
         pipeline = (
             [
                 "--schedule",
@@ -1109,6 +1108,7 @@ def trainer(
                     tp,
                     "--pp",
                     pp,
+                    *zero_flag,
                     *sp,
                     *pipeline,
                     *(["--activation-checkpointing", recompute] if recompute else []),
@@ -1118,11 +1118,21 @@ def trainer(
             step, flags = (
                 ("step8_tensor_parallel", sp) if tp > 1 else ("step9_pipeline_parallel", pipeline)
             )
-    # step 10 at tp = pp = 1: ZeRO-1 over dp, with recomputation (step 5 has none)
-    elif recompute and zero == 1:
+    # step 10 at tp = pp = 1: ZeRO 0-2 over dp, with recomputation (steps 1, 5 and 6 have none)
+    elif recompute and zero < 3:
         step, flags = (
             "step10_3d_parallel",
-            ["--dp", dp, "--tp", 1, "--pp", 1, "--activation-checkpointing", recompute],
+            [
+                "--dp",
+                dp,
+                "--tp",
+                1,
+                "--pp",
+                1,
+                *zero_flag,
+                "--activation-checkpointing",
+                recompute,
+            ],
         )
     else:
         step, flags = ZERO_STEPS[zero], []
@@ -1136,17 +1146,19 @@ def trainer(
                 *(["--offload-optimizer"] if c["offload"] else []),
                 *(["--activation-checkpointing", recompute] if recompute else []),
             ]
-    layout = (
-        estimate.STAGES[zero]
-        if step in ZERO_STEPS
-        else " x ".join(a for a in ("dp", "cp", "tp", "pp") if c[a] > 1)
-    )
+    layout = estimate.STAGES[zero] if step in ZERO_STEPS else axes
+    if step == "step10_3d_parallel" and zero == 2 and reduce_every_micro_batch and m > 1:
+        return (
+            "no trainer runs ZeRO-2 reducing every micro-batch with "
+            f"{axes if tp > 1 or pp > 1 or cp > 1 else 'recomputation'}: step 10's --zero 2 reduce-scatters "
+            "once a step; step 6 alone has --reduce-every-micro-batch"
+        )
     if recompute == "full" and pp > 1 and c["schedule"] == "zero-bubble":
         return "no trainer runs checkpointing with zero bubble: step 10 refuses it (W would recompute every block again)"
     if recompute and step not in ("step7_zero3", "step10_3d_parallel"):
         return (
             f"no trainer runs {'checkpointing' if c['checkpointing'] else 'selective recomputation'} "
-            f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO-1) alone have --activation-checkpointing"
+            f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO 0-2) alone have --activation-checkpointing"
         )
     if param_dtype != "float32" and step not in PARAM_DTYPE_STEPS:
         return f"no trainer runs {param_dtype} parameters with {layout}: steps 5-7 alone have --param-dtype"
@@ -1320,7 +1332,8 @@ def report(
 
 # ---- Measured beside estimated -----------------------------------------------------------------------------------
 
-ZERO_OF_STEP = {5: 1, 6: 2, 7: 3, 10: 1}  # step 10: ZeRO-1 over the data axis (issue 20)
+# step 10: its --zero over the data axis, ZeRO-1 by default (and in runs from before the flag)
+ZERO_OF_STEP = {5: 1, 6: 2, 7: 3, 10: 1}
 MEASURED_TOLERANCE = 0.05  # a rank's recorded model state against the estimate (docs/planner.md)
 
 
@@ -1356,7 +1369,7 @@ def layout_of(metrics: dict) -> dict:
         "dp": dp,
         "tp": tp,
         "pp": pp,
-        "zero": ZERO_OF_STEP.get(number, 0),
+        "zero": metrics["config"].get("zero", ZERO_OF_STEP.get(number, 0)),
         "coords": coords,
         "replicate": replicate,
     }
@@ -1383,14 +1396,14 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
             param_dtype,
             reduce_dtype,
         )
-        if config.get("moe_experts"):  # step 12 (ZeRO-0), step 10 (ZeRO-1 per kind: mesh_moe_state)
+        if config.get(
+            "moe_experts"
+        ):  # step 12 (ZeRO-0), step 10 (its --zero per kind: mesh_moe_state)
             moe = MoE(config["moe_experts"], config["moe_top_k"], config["moe_every"])
             ep = metrics["env"].get("expert_parallel_size", config.get("ep") or 1)
             held = moe_rank_params_on_mesh(shape, moe, mesh["tp"], mesh["pp"], stage, chunks, ep)
-            estimated = (
-                mesh_moe_state(held["dense"], held["experts"], mesh["dp"], ep, param_dtype)
-                if mesh["zero"]
-                else estimate.state_bytes(0, held["dense"] + held["experts"], 1, param_dtype)
+            estimated = mesh_moe_state(
+                held["dense"], held["experts"], mesh["dp"], ep, param_dtype, mesh["zero"]
             )
         rows.append(
             {

@@ -227,11 +227,12 @@ class BytesByAxis:
         return self.counts
 
 
-def counted_once(named: list, mesh) -> list:
+def counted_once(named: list, mesh, plane: bool = False) -> list:
     """The tensors whose squares add up to the whole model's (or gradient's) across the mesh: TP shards on every
     tp rank, replicated ones on tp rank 0 only, the tie's copy on the last stage not at all; with experts, the
-    dense tensors on the ep group's first rank only (experts_on_mesh.py's rule 6)."""
-    first_of_ep = mesh.experts is None or mesh.experts.ep_rank == 0
+    dense tensors on the ep group's first rank only (experts_on_mesh.py's rule 6), unless ``plane``: each rank's
+    slices of them, added over the dp x cp plane too (ZeRO-2: zero_stages.py's rule 4)."""
+    first_of_ep = plane or mesh.experts is None or mesh.experts.ep_rank == 0
     return [
         p
         for n, p in named

@@ -143,12 +143,13 @@ def _over_ring(counts: torch.Tensor, tokens: int, mesh) -> tuple[torch.Tensor, i
 class DenseAndExperts(torch.optim.Optimizer):
     """Rule 5: ZeRO-1 over dp x cp for the dense parameters, over an expert's copies for the experts, as one
     optimiser for the loop, the LR schedule (``param_groups``: the dense ones) and the memory record (``state``).
-    ``parts``: each with whether this rank writes its parameters to a checkpoint (rule 7; composition.py)."""
+    ``parts``: each with whether this rank writes its parameters to a checkpoint (rule 7; composition.py).
+    ``zero1(named, group)``: what builds each part (default: ZeRO-1 over ``group``; zero_stages.py: --zero's)."""
 
-    def __init__(self, named: list, config: dict, mesh):
+    def __init__(self, named: list, config: dict, mesh, zero1=None):
         from training import adamw_options, adamw_param_groups
 
-        def zero1(named, group):
+        def sharded(named, group):
             return ShardedOptimizer(
                 adamw_param_groups(named, config),
                 torch.optim.AdamW,
@@ -156,6 +157,7 @@ class DenseAndExperts(torch.optim.Optimizer):
                 **adamw_options(config),
             )
 
+        zero1 = zero1 or sharded  # zero_stages.py's, for the stage --zero asks
         experts = [(n, p) for n, p in named if is_expert(n)]
         self.dense = zero1([(n, p) for n, p in named if not is_expert(n)], mesh.dp_cp_group)
         self.experts = zero1(experts, mesh.experts.replicas) if experts else None

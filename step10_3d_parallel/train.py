@@ -1,7 +1,8 @@
 """Step 10: data, tensor and pipeline parallelism at once, on one device mesh (mesh.py). Grown from step 9's train.py.
 
 A pp x dp x tp mesh: each pipeline stage (step 9) tensor-parallel over its tp group (step 8); the dp replicas of a
-stage read their own samples (step 2), average gradients (step 3), shard AdamW's state (step 5). With --cp, a
+stage read their own samples (step 2), average gradients (step 3), shard AdamW's state (step 5; --zero 0: not, 2: the
+gradients too, as step 6: zero_stages.py). With --cp, a
 fourth axis: each sequence split over a ring of cp ranks (step 11), replicas to the gradients. With --moe-experts,
 step 12's experts: --ep D splits them over D ranks of the dp x cp plane (experts_on_mesh.py). Bitwise: README.
 
@@ -12,6 +13,7 @@ step 12's experts: --ep D splits them over D ranks of the dp x cp plane (experts
         --moe-experts 4 --steps 2
 """
 
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,26 +34,29 @@ from composition import (
 )
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
-from expert_parallel import reduce_gradients
 from experts_on_mesh import DenseAndExperts, moe_record_on_mesh, norm_groups
 from mesh import build_mesh
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from moe import add_moe_flags, check_moe, moe_model, take_moe_record
-from naive_dp import allreduce_gradients
 from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
 from training import (
-    adamw_options,
-    adamw_param_groups,
     check_amp,
     clip_grad_norm,
     make_grad_scaler,
     make_scheduler,
     param_norm,
 )
-from zero1 import ShardedOptimizer
+from zero_stages import (
+    add_zero_flag,
+    average_gradients,
+    check_zero,
+    gradient_shards,
+    norm_terms,
+    optimizer_factory,
+)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -60,8 +65,9 @@ def train_step(
     pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh
 ) -> tuple:
     """One optimiser step on this replica's ``micro_batches``, through the pipeline ``--micro-batches`` at a time;
-    this shard's gradients averaged over dp, unscaled, clipped with the whole gradient's norm, applied (ZeRO-1 over
-    dp x cp). Returns the losses' sum (the last stage's), the gradient norm, this rank's memory, the bytes by axis."""
+    this shard's gradients averaged over dp x cp, unscaled, clipped with the whole gradient's norm, applied (ZeRO
+    --zero over dp x cp: zero_stages.py). Returns the losses' sum (the last stage's), the gradient norm, this
+    rank's memory, the bytes by axis."""
     accum = len(micro_batches)
     in_flight = config["micro_batches"] or accum
     loss_sum = torch.zeros((), device=device)
@@ -80,30 +86,29 @@ def train_step(
     finish_gradient_synchronization(pipe)
     # the bytes sent so far: over tp inside the stages, point-to-point over pp
     comm = BytesByAxis("tp")
-    # the replicas of this shard average their gradients (sum, then divide: step 3)
-    reduce_dtype = getattr(torch, config["reduce_dtype"])
-    if mesh.experts:  # dense ones over dp x cp, each expert's over its copies (experts_on_mesh.py)
-        reduce_gradients(pipe.module, mesh.experts, reduce_dtype)
-    elif mesh.dp * mesh.cp > 1:
-        allreduce_gradients(pipe.module, reduce_dtype=reduce_dtype, group=mesh.dp_cp_group)
+    # the replicas of this shard average their gradients (sum, then divide: step 3): all-reduced, or with --zero 2
+    # reduce-scattered, each rank keeping its slice (zero_stages.py)
+    accumulated = average_gradients(
+        pipe.module, optimizer, mesh, getattr(torch, config["reduce_dtype"])
+    )
     comm.take("dp")
 
     scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(
-        [p for _, p in named],
-        config["grad_clip"],
-        norm_groups(mesh),
-        # the whole gradient's
-        counted=counted_once(named, mesh),
-        device=device,
-    )
-    comm.take("norms")  # its sums of squares, over tp, pp (and ep) (the parameter norm's: main())
-    # this rank's 1/(dp cp) of its shard's elements, then all-gathered over dp x cp
+    params, counted, groups = norm_terms(named, optimizer, mesh)  # the whole gradient's
+    grad_norm = clip_grad_norm(params, config["grad_clip"], groups, counted=counted, device=device)
+    comm.take("norms")  # its sums of squares, over tp, pp (and ep; with --zero 2, dp x cp first)
+    # this rank's 1/(dp cp) of its shard's elements (--zero 0: all of them), then all-gathered over dp x cp
     scaler.step(optimizer)
     scaler.update()
     comm.take("dp")  # ZeRO-1's all-gather
     memory = memory_stats(
-        (p for _, p in named), optimizer, device, micro_batches_in_flight=pipe.take_peak_in_flight()
+        (p for _, p in named),
+        optimizer,
+        device,
+        gradient_shards(optimizer),  # --zero 2: this rank's slices; else every param.grad
+        micro_batches_in_flight=pipe.take_peak_in_flight(),
+        # --zero 2: the whole gradient the micro-batches added up before the reduce-scatter freed it
+        **({"accumulated_grads": accumulated} if accumulated is not None else {}),
     )
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory, comm
@@ -116,7 +121,9 @@ def main():
     add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_mesh_flags(parser)
     add_moe_flags(parser)
+    add_zero_flag(parser)  # --zero 0|1|2 (zero_stages.py)
     config = parse_config(parser)
+    check_zero(config)
     check_moe(config)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
@@ -153,16 +160,16 @@ def main():
         device,
     )
     take_moe_record(stage)  # forget the tokens dropout's recording run routed
+    # ZeRO --zero over dp x cp: AdamW's state for a slice (zero_stages.py)
+    sharded = optimizer_factory(
+        config, timedelta(seconds=config["timeout_s"]) if config["timeout_s"] else None
+    )
     optimizer = (
-        DenseAndExperts(named, config, mesh)  # ZeRO-1 for the dense and for the expert parameters
+        DenseAndExperts(
+            named, config, mesh, sharded
+        )  # the dense and the expert parameters, each kind's
         if mesh.experts
-        else ShardedOptimizer(
-            adamw_param_groups(named, config),
-            torch.optim.AdamW,
-            process_group=mesh.dp_cp_group,
-            # ZeRO-1 over dp x cp: AdamW's state for a slice
-            **adamw_options(config),
-        )
+        else sharded(named, mesh.dp_cp_group)
     )
     scheduler = make_scheduler(optimizer, config)
     # disabled (no fp16 here): kept for the checkpoint's format
@@ -240,8 +247,15 @@ def main():
         if mesh.cp == 1:  # three axes, as before --cp
             shape, axes = (mesh.pp, dp, mesh.tp), "pp x dp x tp"
         experts = f", experts over ep {mesh.ep}" if mesh.experts else ""
+        # the default, ZeRO-1, unsaid
+        zero = (
+            f", {('DDP', '', 'ZeRO-2')[config['zero']]} over {'dp x cp' if mesh.cp > 1 else 'dp'}"
+            if config["zero"] != 1
+            else ""
+        )
         log.finish(
-            final, f" on a {' x '.join(map(str, shape))} ({axes}) mesh{experts} ({world.backend})"
+            final,
+            f" on a {' x '.join(map(str, shape))} ({axes}) mesh{experts}{zero} ({world.backend})",
         )
     distributed.shutdown()
 

@@ -447,6 +447,9 @@ CASES = {
         "full",
         ranks=2,
     ),
+    "mesh-zero-3": lambda s: trainer(
+        "step10", "--data", s.data("small.txt", CORPUS), "--tp", "2", "--zero", "3", ranks=2
+    ),
     "memory-budget-too-small": lambda s: trainer(
         "step0", *s.tiny, "--out", s.root / "runs" / "fresh", "--max-memory-mb", "1"
     ),

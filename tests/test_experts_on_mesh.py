@@ -44,6 +44,9 @@ SPARSE = ("--n-layer", "4", "--moe-every", "2")
 RUNS = {
     "step12": ("step12", 2, [*ONE, *ACCUM, "--ep", "2", "--save-every", "2"]),
     "dp2ep2": ("step10", 2, [*ONE, *ACCUM, "--dp", "2", "--ep", "2"]),
+    # zero_stages.py's other stages, each kind of parameter over its own group
+    "dp2ep2z0": ("step10", 2, [*ONE, *ACCUM, "--dp", "2", "--ep", "2", "--zero", "0"]),
+    "dp2ep2z2": ("step10", 2, [*ONE, *ACCUM, "--dp", "2", "--ep", "2", "--zero", "2"]),
     "step12_4": ("step12", 4, [*ONE, *ACCUM, "--ep", "2"]),
     "dp4ep2": ("step10", 4, [*ONE, *ACCUM, "--dp", "4", "--ep", "2"]),
     "dp2pp2ep2": (
@@ -225,6 +228,32 @@ def test_ep_alone_is_step12_bitwise(ep_runs, ours, theirs):
     dropped = [d for r in metrics(run)["records"] for d in r["moe"]["dropped_fraction"]]
     assert any(d > 0 for d in dropped)  # capacity drops choices
     assert_step12s_run(run, ep_runs(theirs))
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_every_zero_stage_with_experts_is_zero1s_run_and_the_planners_bytes(ep_runs, zero):
+    """--dp 2 --ep 2 at --zero 0 (AdamW whole, step 12's all-reduces) and --zero 2 (the dense gradients
+    reduce-scattered over the plane, an expert's over its copies, here one: kept whole and divided by W, step 12's
+    rule 7): the --zero 1 run bitwise (2 ranks: the same sums; the norm's slices over the plane count every dense
+    and expert element once). Every rank's params and grads are the planner's per kind (``mesh_moe_state`` at its
+    stage) to the byte; AdamW's state up to its step counts."""
+    import estimate
+    import plan
+
+    run = ep_runs(f"dp2ep2z{zero}")
+    assert_bitwise_same_run(run, ep_runs("dp2ep2"))
+    record = metrics(run)
+    rows = plan.measured_rows(record, estimate.vocabulary_size(record["config"]["tokenizer"]))
+    for row in rows:
+        assert row["zero"] == zero
+        assert {k: row["measured"][k] for k in ("params", "grads")} == {
+            k: row["estimated"][k] for k in ("params", "grads")
+        }, row
+        assert (
+            0 <= row["measured"]["optimizer_state"] - row["estimated"]["optimizer_state"] <= 4 * 64
+        )
+    grads, params = rows[0]["measured"]["grads"], rows[0]["measured"]["params"]
+    assert grads < params if zero == 2 else grads == params  # the dense half a rank's slice
 
 
 @pytest.mark.parametrize(
