@@ -331,8 +331,8 @@ def test_a_deliberate_moe_bug_is_caught_by_the_oracle():
     x = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     original = moe_module.route
 
-    def unnormalised(logits, top_k, capacity_factor=0.0):
-        routing = original(logits, 1, capacity_factor)
+    def unnormalised(logits, top_k, capacity_factor=0.0, whole_sequence=None):
+        routing = original(logits, 1, capacity_factor, whole_sequence)
         probs = routing.probs
         routing.weights, routing.experts = probs.topk(top_k, dim=-1)
         routing.kept = torch.ones_like(routing.experts, dtype=torch.bool)
