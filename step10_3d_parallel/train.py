@@ -132,7 +132,7 @@ def main():
     add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_mesh_flags(parser)
     add_moe_flags(parser)
-    add_zero_flag(parser)  # --zero 0|1|2 (zero_stages.py)
+    add_zero_flag(parser)  # --zero 0|1|2|3 (zero_stages.py; 3: zero3_on_mesh.py)
     config = parse_config(parser)
     check_zero(config)
     check_moe(config)
