@@ -1056,12 +1056,13 @@ def trainer(
     c: dict, param_dtype: str = "float32", reduce_every_micro_batch: bool = False
 ) -> tuple[str, list] | str:
     """(the step folder that trains layout ``c``, its layout flags), or one line saying why no trainer does.
-    cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings), or step 10 (DDP, ZeRO-1 or ZeRO-2 over
-    dp x cp, --zero 0|1|2, with tp and pp too; not with SP or selective recomputation); tp or pp: step 8 (tp alone),
+    cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings), or step 10 (DDP, ZeRO-1, -2 or -3 over
+    dp x cp, --zero 0|1|2|3, with tp and pp too; not with SP or selective recomputation); tp or pp: step 8 (tp alone),
     step 9 (pp alone), step 10 (dp x tp x pp, --zero over dp; tp or pp alone too where recomputation is asked:
     steps 8 and 9 have none); pure dp: step 1, 5, 6, 7 for ZeRO-0 to 3, step 7 with --replicate (HSDP),
     --offload-optimizer and --activation-checkpointing full|selective, which step 10 also takes at ZeRO 0-2 (step 10
-    at tp = pp = 1). ZeRO-3 with tp, pp or cp: none (docs/planner.md). 16-bit parameters: steps 5-7 only."""
+    at tp = pp = 1). ZeRO-3 with tp, pp or cp: step 10's --zero 3, not with SP or zero bubble (step 10 refuses
+    them), HSDP or offloading (step 7's alone). 16-bit parameters: steps 5-7 only."""
     dp, cp, tp, pp, zero, m = c["dp"], c["cp"], c["tp"], c["pp"], c["zero"], c["micro_batches"]
     recompute = "full" if c["checkpointing"] else "selective" if c.get("selective") else None
     axes = " x ".join(a for a in ("dp", "cp", "tp", "pp") if c[a] > 1)
@@ -1069,12 +1070,8 @@ def trainer(
     zero_flag = ["--zero", zero] if zero != 1 and dp * cp > 1 else []
     if cp > 1 and zero == 0 and tp == pp == 1 and not recompute:
         step, flags = "step11_context_parallel", ["--cp", cp]
-    elif zero == 3 and (tp > 1 or pp > 1 or cp > 1):
-        return (
-            f"no trainer runs ZeRO-3 with {' x '.join(a for a in ('cp', 'tp', 'pp') if c[a] > 1)}: step 7 "
-            "shards the parameters over dp alone, step 10's --zero stops at 2 (it would need FSDP over dp x cp of "
-            "each rank's tp/pp shard: docs/planner.md)"
-        )
+    elif zero == 3 and (tp > 1 or pp > 1 or cp > 1) and (why := mesh_zero3_problem(c, axes)):
+        return why
     elif cp > 1 and (c["sequence_parallel"] or c.get("selective")):
         return (
             f"no trainer runs cp with {'sequence parallelism' if c['sequence_parallel'] else 'selective recomputation'}"
@@ -1147,22 +1144,36 @@ def trainer(
                 *(["--activation-checkpointing", recompute] if recompute else []),
             ]
     layout = estimate.STAGES[zero] if step in ZERO_STEPS else axes
-    if step == "step10_3d_parallel" and zero == 2 and reduce_every_micro_batch and m > 1:
+    if step == "step10_3d_parallel" and zero >= 2 and reduce_every_micro_batch and m > 1:
         return (
-            "no trainer runs ZeRO-2 reducing every micro-batch with "
-            f"{axes if tp > 1 or pp > 1 or cp > 1 else 'recomputation'}: step 10's --zero 2 reduce-scatters "
-            "once a step; step 6 alone has --reduce-every-micro-batch"
+            f"no trainer runs ZeRO-{zero} reducing every micro-batch with "
+            f"{axes if tp > 1 or pp > 1 or cp > 1 else 'recomputation'}: step 10's --zero {zero} "
+            "reduce-scatters once a step; step 6 alone has --reduce-every-micro-batch"
         )
     if recompute == "full" and pp > 1 and c["schedule"] == "zero-bubble":
         return "no trainer runs checkpointing with zero bubble: step 10 refuses it (W would recompute every block again)"
     if recompute and step not in ("step7_zero3", "step10_3d_parallel"):
         return (
             f"no trainer runs {'checkpointing' if c['checkpointing'] else 'selective recomputation'} "
-            f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO 0-2) alone have --activation-checkpointing"
+            f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO 0-3) alone have --activation-checkpointing"
         )
     if param_dtype != "float32" and step not in PARAM_DTYPE_STEPS:
         return f"no trainer runs {param_dtype} parameters with {layout}: steps 5-7 alone have --param-dtype"
     return step, flags
+
+
+def mesh_zero3_problem(c: dict, axes: str) -> str | None:
+    """Why step 10's --zero 3 cannot train ZeRO-3 layout ``c`` with tp, pp or cp (``axes``), or None."""
+    if c["sequence_parallel"] or (c["pp"] > 1 and c["schedule"] == "zero-bubble"):
+        return (
+            f"no trainer runs ZeRO-3 with {'sequence parallelism' if c['sequence_parallel'] else 'zero bubble'}: "
+            "step 10 refuses it (zero3_on_mesh.py's rule 6)"
+        )
+    if c.get("replicate", 1) > 1:
+        return f"no trainer runs HSDP with {axes}: step 7 alone has --replicate"
+    if c["offload"]:
+        return f"no trainer runs ZeRO-3 offloading AdamW with {axes}: step 7 alone has --offload-optimizer"
+    return None
 
 
 def command(

@@ -204,10 +204,13 @@ class BytesByAxis:
     """The bytes this rank hands to collectives in one step (comm_accounting.py), by what they are for: ``tp``
     (activations inside a stage), ``cp`` (the ring's key/value blocks and their gradients), ``pp`` (point-to-point
     between stages), ``dp`` (the gradients' all-reduce, ZeRO-1's all-gather, over dp x cp) and ``norms`` (sums of
-    squares, over tp then pp). Starts with what was counted so far, added to ``axis``."""
+    squares, over tp then pp). Starts with what was counted so far, added to ``axis``. ``data_kinds``: kinds that
+    are the data axis's whenever they are counted (--zero 3: its all-gathers and reduce-scatters, inside the flushes).
+    """
 
-    def __init__(self, axis: str):
+    def __init__(self, axis: str, data_kinds=()):
         self.counts = {"tp": {}, "cp": {}, "pp": {}, "dp": {}, "norms": {}}
+        self.data_kinds = tuple(data_kinds)
         self.take(axis)
 
     def take(self, axis: str) -> dict:
@@ -220,6 +223,8 @@ class BytesByAxis:
                 if kind.startswith("p2p")
                 else "cp"
                 if kind in ("send", "routing counts")
+                else "dp"
+                if kind in self.data_kinds
                 else axis
             )
             counts = self.counts.setdefault("ep" if kind == "all_to_all" else to, {})

@@ -2,7 +2,7 @@
 
 A pp x dp x tp mesh: each pipeline stage (step 9) tensor-parallel over its tp group (step 8); the dp replicas of a
 stage read their own samples (step 2), average gradients (step 3), shard AdamW's state (step 5; --zero 0: not, 2: the
-gradients too, as step 6: zero_stages.py). With --cp, a
+gradients too, as step 6: zero_stages.py; 3: the parameters too, step 7's FullyShardedDP: zero3_on_mesh.py). With --cp, a
 fourth axis: each sequence split over a ring of cp ranks (step 11), replicas to the gradients. With --moe-experts,
 step 12's experts: --ep D splits them over D ranks of the dp x cp plane (experts_on_mesh.py). Bitwise: README.
 
@@ -49,6 +49,9 @@ from training import (
     make_scheduler,
     param_norm,
 )
+from zero3_on_mesh import FullyShardedStages
+from zero3_on_mesh_state import FullyShardedShards
+from zero3_on_mesh_state import gather_full_model as gather_fully_sharded
 from zero_stages import (
     add_zero_flag,
     average_gradients,
@@ -62,12 +65,12 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(
-    pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh
+    pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh, sharded
 ) -> tuple:
     """One optimiser step on this replica's ``micro_batches``, through the pipeline ``--micro-batches`` at a time;
     this shard's gradients averaged over dp x cp, unscaled, clipped with the whole gradient's norm, applied (ZeRO
-    --zero over dp x cp: zero_stages.py). Returns the losses' sum (the last stage's), the gradient norm, this
-    rank's memory, the bytes by axis."""
+    --zero over dp x cp: zero_stages.py; ``sharded``: --zero 3's stages, zero3_on_mesh.py, else None). Returns the
+    losses' sum (the last stage's), the gradient norm, this rank's memory, the bytes by axis."""
     accum = len(micro_batches)
     in_flight = config["micro_batches"] or accum
     loss_sum = torch.zeros((), device=device)
@@ -84,17 +87,22 @@ def train_step(
             loss_sum += loss
     # step 9's (the tie, every send waited), then step 8's (sequence-parallel)
     finish_gradient_synchronization(pipe)
-    # the bytes sent so far: over tp inside the stages, point-to-point over pp
-    comm = BytesByAxis("tp")
+    # the bytes sent so far: over tp inside the stages, point-to-point over pp (--zero 3: its gathers over dp)
+    comm = BytesByAxis("tp", ("all_gather", "reduce_scatter") if sharded else ())
     # the replicas of this shard average their gradients (sum, then divide: step 3): all-reduced, or with --zero 2
-    # reduce-scattered, each rank keeping its slice (zero_stages.py)
-    accumulated = average_gradients(
-        pipe.module, optimizer, mesh, getattr(torch, config["reduce_dtype"])
+    # reduce-scattered, each rank keeping its slice (zero_stages.py); --zero 3 reduce-scattered in the last backward
+    accumulated = (
+        sharded.finish_gradient_synchronization()
+        if sharded
+        else average_gradients(pipe.module, optimizer, mesh, getattr(torch, config["reduce_dtype"]))
     )
     comm.take("dp")
 
     scaler.unscale_(optimizer)
-    params, counted, groups = norm_terms(named, optimizer, mesh)  # the whole gradient's
+    # the whole gradient's
+    params, counted, groups = (
+        sharded.norm_terms() if sharded else norm_terms(named, optimizer, mesh)
+    )
     grad_norm = clip_grad_norm(params, config["grad_clip"], groups, counted=counted, device=device)
     comm.take("norms")  # its sums of squares, over tp, pp (and ep; with --zero 2, dp x cp first)
     # this rank's 1/(dp cp) of its shard's elements (--zero 0: all of them), then all-gathered over dp x cp
@@ -102,13 +110,16 @@ def train_step(
     scaler.update()
     comm.take("dp")  # ZeRO-1's all-gather
     memory = memory_stats(
-        (p for _, p in named),
+        sharded.parameter_shards if sharded else (p for _, p in named),  # --zero 3: padded shards
         optimizer,
         device,
-        gradient_shards(optimizer),  # --zero 2: this rank's slices; else every param.grad
+        # --zero 2 and 3: this rank's slices; else every param.grad
+        sharded.gradient_shards if sharded else gradient_shards(optimizer),
         micro_batches_in_flight=pipe.take_peak_in_flight(),
-        # --zero 2: the whole gradient the micro-batches added up before the reduce-scatter freed it
+        # --zero 2 and 3: the whole gradient the micro-batches added up before the reduce-scatter freed it
         **({"accumulated_grads": accumulated} if accumulated is not None else {}),
+        # --zero 3: units gathered at once
+        **({"gathered_peak": sharded.take_peak_gathered_bytes()} if sharded else {}),
     )
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory, comm
@@ -121,7 +132,7 @@ def main():
     add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_mesh_flags(parser)
     add_moe_flags(parser)
-    add_zero_flag(parser)  # --zero 0|1|2 (zero_stages.py)
+    add_zero_flag(parser)  # --zero 0|1|2|3 (zero_stages.py; 3: zero3_on_mesh.py)
     config = parse_config(parser)
     check_zero(config)
     check_moe(config)
@@ -160,6 +171,11 @@ def main():
         device,
     )
     take_moe_record(stage)  # forget the tokens dropout's recording run routed
+    # --zero 3: each chunk of the stage fully sharded over dp x cp (zero3_on_mesh.py); named: this rank's pieces
+    sharded_stages = (
+        FullyShardedStages(pipe, named, mesh, config, device) if config["zero"] == 3 else None
+    )
+    named = sharded_stages.named if sharded_stages else named
     # ZeRO --zero over dp x cp: AdamW's state for a slice (zero_stages.py)
     sharded = optimizer_factory(
         config, timedelta(seconds=config["timeout_s"]) if config["timeout_s"] else None
@@ -184,7 +200,12 @@ def main():
         world.rank,
         world.world_size,
         shapes,
-        [RunState(scheduler, scaler, batches, log), MeshShards(named, optimizer, mesh)],
+        [
+            RunState(scheduler, scaler, batches, log),
+            FullyShardedShards(sharded_stages, optimizer)
+            if sharded_stages
+            else MeshShards(named, optimizer, mesh),
+        ],
         data_parallel_size=dp,
     )
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
@@ -200,7 +221,7 @@ def main():
         # the same on every tp and pp rank of a replica
         micro_batches = [batches.next() for _ in range(accum)]
         loss_sum, grad_norm, memory, comm = train_step(
-            pipe, optimizer, scaler, micro_batches, config, device, named, mesh
+            pipe, optimizer, scaler, micro_batches, config, device, named, mesh, sharded_stages
         )
         scheduler.step()
 
@@ -218,7 +239,11 @@ def main():
                 # an MoE run's rounded to float32, as step 12 (and step 0) round theirs
                 "loss": torch.tensor(loss).float().item() if mesh.experts else loss,
                 "grad_norm": grad_norm.item(),
-                "param_norm": param_norm(counted_once(named, mesh), norm_groups(mesh), device),
+                "param_norm": param_norm(
+                    sharded_stages.counted if sharded_stages else counted_once(named, mesh),
+                    sharded_stages.norm_groups if sharded_stages else norm_groups(mesh),
+                    device,
+                ),
                 "lr": lr,
                 "tokens_per_s": tokens_per_step / step_time["wall_s"],
                 "effective_batch_size": config["micro_batch_size"] * accum * dp,
@@ -240,7 +265,11 @@ def main():
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
     # every rank takes part; rank 0 writes the plain model
-    full = gather_full_model(stage, named, mesh)
+    full = (
+        gather_fully_sharded(sharded_stages, mesh)
+        if sharded_stages
+        else gather_full_model(stage, named, mesh)
+    )
     if world.is_main:
         final = save_final_weights(Path(config["out"]), {name: full[name] for name in shapes})
         shape, axes = (mesh.pp, dp, mesh.cp, mesh.tp), "pp x dp x cp x tp"
@@ -249,7 +278,7 @@ def main():
         experts = f", experts over ep {mesh.ep}" if mesh.experts else ""
         # the default, ZeRO-1, unsaid
         zero = (
-            f", {('DDP', '', 'ZeRO-2')[config['zero']]} over {'dp x cp' if mesh.cp > 1 else 'dp'}"
+            f", {('DDP', '', 'ZeRO-2', 'ZeRO-3')[config['zero']]} over {'dp x cp' if mesh.cp > 1 else 'dp'}"
             if config["zero"] != 1
             else ""
         )

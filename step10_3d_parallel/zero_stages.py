@@ -1,5 +1,6 @@
-"""The ZeRO stage over step 10's data axis (``--zero 0|1|2``): where the averaged gradient lives and who steps AdamW,
-over the dp x cp plane (mesh.py's rule 5; with experts each kind over its own group, experts_on_mesh.py's rule 5).
+"""The ZeRO stage over step 10's data axis (``--zero 0|1|2|3``): where the averaged gradient lives and who steps
+AdamW, over the dp x cp plane (mesh.py's rule 5; with experts each kind over its own group, experts_on_mesh.py's rule
+5). Stage 3, where the parameters are sharded too, is step 7's FullyShardedDP on each stage: zero3_on_mesh.py.
 
 1. **One layout, three stages.** Every stage cuts this rank's TP/PP shard as step 5's ``ShardedOptimizer`` does
    (zero1.py's rule 1: laid flat, element-balanced), over a group of N ranks:
@@ -30,10 +31,11 @@ from comm_accounting import count_collective, reduce_scatter_single
 from config import UserError
 from expert_parallel import reduce_gradients
 from naive_dp import allreduce_gradients
-from training import adamw_options, adamw_param_groups
+from training import adamw_options, adamw_param_groups, make_optimizer
 from zero1 import ShardedOptimizer, shard_numel
+from zero3_on_mesh import check_fully_sharded
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 
 
 def add_zero_flag(flags) -> None:
@@ -42,26 +44,30 @@ def add_zero_flag(flags) -> None:
         type=int,
         default=1,
         help="ZeRO stage over the dp x cp ranks (zero_stages.py): 0 all-reduces the gradients and keeps AdamW "
-        "whole, 1 shards AdamW's state, 2 its gradients too",
+        "whole, 1 shards AdamW's state, 2 its gradients too, 3 the parameters too (zero3_on_mesh.py)",
     )
 
 
 def check_zero(config: dict) -> None:
-    """One line for a stage step 10 does not have."""
+    """One line for a stage step 10 does not have, or (ZeRO-3) a flag it does not compose with."""
     if config["zero"] not in STAGES:
         raise UserError(
-            f"--zero {config['zero']}: step 10 runs ZeRO 0, 1 or 2 over dp x cp; ZeRO-3 (parameters sharded too) is "
-            "step7_zero3's, over dp alone (docs/planner.md says what the mesh would need); use --zero 0, 1 or 2"
+            f"--zero {config['zero']}: step 10 runs ZeRO 0, 1, 2 or 3 over dp x cp; use one of them"
         )
+    if config["zero"] == 3:
+        check_fully_sharded(config)
 
 
 def optimizer_factory(config: dict, timeout=None):
     """``sharded(named, group)``: rule 1's ``ShardedOptimizer`` for ``named``, whose gradients are averaged over
     ``group``: sliced over ``group`` (stages 1 and 2; 2 with its gradient shards), or over this rank alone (stage 0).
+    Stage 3: a plain AdamW, ``named`` being this rank's pieces already (zero3_on_mesh.py, as step 7).
     ``timeout``: stage 0's group's, as the mesh's groups have it."""
     alone = []  # stage 0's group of one, made once: only this rank takes part in creating it
 
-    def sharded(named: list, group) -> ShardedOptimizer:
+    def sharded(named: list, group) -> ShardedOptimizer | torch.optim.AdamW:
+        if config["zero"] == 3:
+            return make_optimizer(named, config)
         groups, shards = adamw_param_groups(named, config), None
         if config["zero"] == 0:
             if not alone:

@@ -13,8 +13,10 @@ Step 6 still kept every parameter on every rank; here:
    the pieces and frees the buffer (its storage is resized to 0: the memory goes back to the allocator).
    Backward needs the weights again: a hook on the gradient of the unit's output gathers them once more
    just before the unit's backward runs. The root unit is gathered first and kept until the end of
-   backward: the tied embedding is used at both ends of the model. A frozen parameter (``requires_grad``
-   False) is gathered and freed like the others, but no gradient is computed or reduced for it.
+   backward: the tied embedding is used at both ends of the model (a hook on the model's output gathers it
+   again if an earlier backward freed it: a pipeline runs several forwards before their backwards, step 10).
+   A frozen parameter (``requires_grad`` False) is gathered and freed like the others, but no gradient is
+   computed or reduced for it.
 4. **One flat gradient per unit.** The views are cut (``torch.split``) from one flat leaf tensor, so
    autograd sums every use of every parameter of the unit into ``flat.grad`` and runs the leaf's
    post-accumulate hook once, when the unit's backward is over. That hook frees the gathered weights and
@@ -207,6 +209,10 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         self.root.install(self.root.pieces)
         if not torch.is_grad_enabled():
             self._free(self.root)  # no backward will come
+        elif tensors := [t for t in _tensors_in(output) if t.requires_grad]:
+            # gathered again if another forward's backward freed it since (nothing if it is still gathered)
+            hook = functools.partial(self._root_pre_backward, self.root)
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
 
     def _pre_forward(self, unit: Unit, module, args) -> None:
         position, self.forward_calls = self.forward_calls, self.forward_calls + 1
@@ -238,6 +244,9 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         self._gathered(unit)
         # for activation checkpointing: the forward recomputed in backward reads them
         unit.install(unit.views)
+
+    def _root_pre_backward(self, root: Unit, grad) -> None:
+        self._gathered(root)  # the views backward saved read the buffer the gather fills again
 
     def _post_backward(self, unit: Unit, flat: torch.Tensor) -> None:
         """Runs once per backward, after every gradient of the unit has been summed into ``flat.grad``."""

@@ -447,8 +447,16 @@ CASES = {
         "full",
         ranks=2,
     ),
-    "mesh-zero-3": lambda s: trainer(
-        "step10", "--data", s.data("small.txt", CORPUS), "--tp", "2", "--zero", "3", ranks=2
+    "mesh-zero-3-not-composed": lambda s: trainer(
+        "step10",
+        "--data",
+        s.data("small.txt", CORPUS),
+        "--tp",
+        "2",
+        "--zero",
+        "3",
+        "--sequence-parallel",
+        ranks=2,
     ),
     "memory-budget-too-small": lambda s: trainer(
         "step0", *s.tiny, "--out", s.root / "runs" / "fresh", "--max-memory-mb", "1"
@@ -799,6 +807,19 @@ def experts_check(**flags):
     )
 
 
+def zero_check(**flags):
+    """Step 10's check of --zero (zero_stages.py), and of what ZeRO-3 on the mesh does not compose with."""
+
+    def run(monkeypatch):
+        monkeypatch.syspath_prepend(str(REPO / STEPS["step10"]))
+        import zero_stages
+
+        config = {"zero": 3, "sequence_parallel": False, "schedule": "1f1b", "moe_experts": 0}
+        zero_stages.check_zero(config | flags)
+
+    return run
+
+
 def context_parallel_check(config: dict, ranks: int):
     """What step 11 checks before joining: rings of --cp ranks, 2 x cp chunks of the sequence."""
 
@@ -1012,6 +1033,13 @@ LIKEWISE = {
         activation_checkpointing="full"
     ),
     "--moe-experts cannot be negative, got -2": lambda: moe_check(moe_experts=-2),
+    "--zero 4: step 10 runs ZeRO 0, 1, 2 or 3 over dp x cp; use one of them": zero_check(zero=4),
+    "--zero 3 with --schedule zero-bubble: its W computes the weight gradients after the backward whose end "
+    "reduce-scatters them; use 1f1b, gpipe or interleaved-1f1b, or --zero 2": zero_check(
+        schedule="zero-bubble"
+    ),
+    "--zero 3 with --moe-experts: the experts' gradients have groups of their own, not the dp x cp plane ZeRO-3 "
+    "shards over; use --zero 0, 1 or 2": zero_check(moe_experts=4),
 }
 
 
@@ -1045,6 +1073,9 @@ QUOTED = (
     "--dropout with --moe",
     "--sequence-parallel with --moe",
     "--activation-checkpointing full with --moe",
+    "--zero 4",
+    "--zero 3 with --schedule",
+    "--zero 3 with --moe",
 )
 
 

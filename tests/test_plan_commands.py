@@ -74,11 +74,12 @@ def planned(argv: list[str], json_path: Path) -> tuple[list[dict], str]:
     return json.loads(json_path.read_text())["fit"], out.getvalue()
 
 
-# Why a listed layout may have no command (issue 49: every other layout has one): ZeRO-3 on the mesh (not built:
-# docs/planner.md), what step 10 refuses, what only steps 5-7 or step 6 have.
+# Why a listed layout may have no command (issue 49: every other layout has one): what step 10 refuses, what only
+# steps 5-7, step 6 or step 7 have.
 NO_COMMAND = [
-    r"ZeRO-3 with (cp|tp|pp)( x (tp|pp))*: step 7 shards the parameters over dp alone, step 10's --zero stops at 2 "
-    r"\(it would need FSDP over dp x cp of each rank's tp/pp shard: docs/planner.md\)",
+    r"ZeRO-3 with (sequence parallelism|zero bubble): step 10 refuses it \(zero3_on_mesh.py's rule 6\)",
+    r"HSDP with (dp x )?(cp|tp|pp)( x (tp|pp))*: step 7 alone has --replicate",
+    r"ZeRO-3 offloading AdamW with (dp x )?(cp|tp|pp)( x (tp|pp))*: step 7 alone has --offload-optimizer",
     r"cp with (sequence parallelism|selective recomputation): step 10 refuses it .*",
     r"checkpointing with zero bubble: step 10 refuses it .*",
     r"(bf16|fp16) parameters with .*: steps 5-7 alone have --param-dtype",
@@ -236,8 +237,9 @@ def test_every_listed_layout_has_a_command_its_trainer_parses_or_says_why_not(tm
                 )
     # the fourth axis on the mesh
     assert {s for s in chosen if s.startswith("step10 with cp")}, chosen
-    # DDP, ZeRO-1 and ZeRO-2 on step 10, beside tp, pp or cp and (with recomputation) alone
+    # DDP, ZeRO-1 and ZeRO-2 on step 10, beside tp, pp or cp and (with recomputation) alone; ZeRO-3 beside them
     assert {f"step10 --zero {z}, {at}" for z in range(3) for at in ("mesh", "dp")} <= chosen, chosen
+    assert "step10 --zero 3, mesh" in chosen, chosen
     chosen = {s for s in chosen if not s.startswith("step10 ")}
     assert chosen == {
         "step1_torch_ddp",
@@ -264,9 +266,11 @@ def test_a_model_no_trainer_builds_gets_one_line_and_no_commands(tmp_path):
 def test_the_top_runnable_layouts_train_and_hold_what_the_plan_says(small_corpus, tmp_path):
     """The trainers' default model at 4 ranks, 20 MiB each: the first 3 layouts that have a command (2026-12: DDP
     and ZeRO-2 with checkpointing at dp 4, DDP at dp 2 x pp 2, all three step 10 with --zero 0 or 2, which had no
-    trainer before), each trained 2 steps as its command says. Each run's mesh and ZeRO stage are its row's;
-    ``compare/plan.py --measured`` passes them; and every rank's recorded params + grads + AdamW state is within
-    the same tolerance of its stage's row in the plan."""
+    trainer before), and the first ZeRO-3 layout with tp (dp 2 x tp 2, step 10's --zero 3, which had none either),
+    each trained 2 steps as its command says. Each run's mesh and ZeRO stage are its row's; ``compare/plan.py
+    --measured`` passes them; every rank's recorded params + grads + AdamW state is within the same tolerance of its
+    stage's row in the plan; the ZeRO-3 run's params, grads, gathered units and accumulated gradient are the row's
+    to the byte."""
     fit, _ = planned(["--devices", "4", "--memory-gb", "0.02"], tmp_path / "plan.json")
     runnable = [c for c in fit if c["command"]][:3]
     assert (
@@ -274,6 +278,8 @@ def test_the_top_runnable_layouts_train_and_hold_what_the_plan_says(small_corpus
     ), [c["command"] for c in runnable]
     # step 10's --zero 0 or 2 among them: what a run of its stage holds, measured
     assert any(" --zero " in c["command"] for c in runnable), [c["command"] for c in runnable]
+    runnable.append(next(c for c in fit if c["command"] and c["zero"] == 3 and c["tp"] > 1))
+    assert " --zero 3" in runnable[-1]["command"], runnable[-1]["command"]
     runs = []
     for i, c in enumerate(runnable):
         nproc, step, flags = split(c["command"])
@@ -319,6 +325,17 @@ def test_the_top_runnable_layouts_train_and_hold_what_the_plan_says(small_corpus
                 c["command"],
                 row,
             )
+            if c["zero"] == 3:  # the pieces, their gradients, the units gathered, the gradient held
+                memory = run["records"][-1]["memory"][row["rank"]]
+                assert (
+                    memory["params"],
+                    memory["grads"],
+                    memory["gathered_peak"],
+                    memory["accumulated_grads"],
+                ) == (stage["params"], stage["grads"], stage["gathered"], stage["accumulated"]), (
+                    memory,
+                    stage,
+                )
         runs.append(str(out))
     result = run_forked(
         [sys.executable, str(REPO / "compare" / "plan.py"), "--measured", *runs], timeout=120

@@ -1,6 +1,7 @@
-"""Step 10's --zero 0|1|2 (zero_stages.py): the ZeRO stage over the dp x cp plane. At dp only, --zero 0 is step 1
-(PyTorch DDP) and --zero 2 is step 6 bitwise at 2 ranks, and --zero 2 is step 6 at 4 ranks in the exact mode; with
-tp or pp, both are --zero 1's run bitwise (the same sums); every rank's params, grads and AdamW state are the
+"""Step 10's --zero 0|1|2|3 (zero_stages.py, zero3_on_mesh.py): the ZeRO stage over the dp x cp plane. At dp only,
+--zero 0 is step 1 (PyTorch DDP) and --zero 2 is step 6 bitwise at 2 ranks, and --zero 2 is step 6 at 4 ranks in the
+exact mode; with tp or pp, every stage is --zero 1's run bitwise (the same sums), --zero 3 too (tp, pp, and cp at a
+plane of 4 in the exact mode); every rank's params, grads, AdamW state (and ZeRO-3's gathered units) are the
 planner's for its stage (compare/plan.py's measured rows); a checkpoint resumes at another stage bitwise.
 
 The runs are shared (module fixture ``zero_runs``; step 1's and the --zero 1 mesh runs are conftest.py's
@@ -11,7 +12,7 @@ import pytest
 
 import estimate  # compare/, on the path through conftest
 import plan
-from conftest import EXACT, assert_bitwise_same_run, metrics, train
+from conftest import EXACT, MESH_RUNS, assert_bitwise_same_run, metrics, train
 
 ACCUM = ("--grad-accum", "2")
 # name: (step, ranks, flags)
@@ -22,6 +23,22 @@ RUNS = {
     "z2tp": ("step10", 4, ["--dp", "2", "--tp", "2", "--zero", "2", *ACCUM]),
     "z0pp": ("step10", 4, ["--dp", "2", "--pp", "2", "--zero", "0", *ACCUM]),
     "z2exact": ("step10", 4, ["--dp", "4", "--zero", "2", *EXACT]),
+    # --zero 3 (zero3_on_mesh.py), each with what a layout of the planner's adds: recomputation (bitwise to none),
+    # gpipe (its last stage's root freed by the first backward, gathered again for the second), cp in float64
+    "z3tp": (
+        "step10",
+        4,
+        ["--dp", "2", "--tp", "2", "--zero", "3", *ACCUM, "--save-every", "2"]
+        + ["--activation-checkpointing", "selective"],
+    ),
+    "z3pp": (
+        "step10",
+        4,
+        ["--dp", "2", "--pp", "2", "--zero", "3", *ACCUM]
+        + ["--schedule", "gpipe", "--activation-checkpointing", "full"],
+    ),
+    "z3cp": ("step10", 4, ["--dp", "2", "--cp", "2", "--zero", "3", *EXACT]),
+    "z1cp": ("step10", 4, ["--dp", "2", "--cp", "2", *EXACT]),
 }
 
 
@@ -124,3 +141,109 @@ def test_a_checkpoint_resumes_at_another_stage_bitwise(zero_runs, saved, resumed
     assert (
         metrics(out)["records"][:2] == metrics(zero_runs(saved))["records"][:2]
     )  # the checkpoint's own
+
+
+# ---- --zero 3: step 7's FullyShardedDP on each rank's tp/pp stage, over dp x cp (zero3_on_mesh.py) ------------------
+
+
+@pytest.mark.parametrize(
+    "ours, theirs", [("z3tp", "dp2tp2"), ("z3pp", "dp2pp2")], ids=["zero3-tp", "zero3-pp"]
+)
+def test_zero3_with_tp_or_pp_is_zero1s_run(zero_runs, mesh_runs, ours, theirs):
+    """dp 2 x tp 2 and dp 2 x pp 2 at --zero 3: the --zero 1 run bitwise (losses, gradient norms, parameter norms,
+    final weights). A reduce-scatter adds each element's two numbers as the all-reduce does; the norm adds every
+    element once, from pieces over dp, shards over tp, the replicated LayerNorms on tp rank 0 and the tie on the
+    first stage, and clipping triggers; the tie crosses the pipeline as averaged slices. With selective and full
+    recomputation and gpipe, which change nothing computed."""
+    assert_bitwise_same_run(zero_runs(ours), mesh_runs(theirs))
+    assert any(r["grad_norm"] > 0.3 for r in metrics(zero_runs(ours))["records"])
+
+
+def test_zero3_over_a_plane_of_4_is_zero1s_run_in_the_exact_mode(zero_runs):
+    """dp 2 x cp 2 (ZeRO-3 over 4 ranks, each ring's two halves replicas) with the float64 reduction, bf16, dropout
+    and clipping: the --zero 1 run bitwise. In float32 a 4-rank reduce-scatter and an all-reduce may add in other
+    orders (the contract of steps 6 and 7)."""
+    assert_bitwise_same_run(zero_runs("z3cp"), zero_runs("z1cp"))
+
+
+def _planned(run: dict) -> dict:
+    """compare/plan.py's configuration of ``run``'s layout at ZeRO-3: its stages' bytes per rank."""
+    config, mesh = run["config"], plan.layout_of(run)
+    shape = plan.Shape(
+        config["n_layer"],
+        config["n_embd"],
+        config["n_head"],
+        estimate.vocabulary_size(config["tokenizer"]),
+        config["seq_len"],
+    )
+    b, m = config["micro_batch_size"], config["micro_batches"] or config["grad_accum"]
+    return plan.configuration(
+        shape,
+        mesh["dp"],
+        mesh["tp"],
+        mesh["pp"],
+        3,
+        False,
+        b,
+        m,
+        plan.Activations(shape, b),
+        schedule=config["schedule"],
+    )
+
+
+@pytest.mark.parametrize("name", ["z3tp", "z3pp", "z3cp"])
+def test_zero3_memory_per_rank_is_the_planners(zero_runs, name):
+    """Every rank's parameters and gradients are the planner's ZeRO-3 bytes for its stage (4 ceil(Ψ/N) each, Ψ its
+    tp/pp share, N = dp x cp) to the byte, AdamW's state 8 ceil(Ψ/N) and a 4-byte step count a piece, the units
+    gathered at once (the root and two blocks, or the blocks a stage has) and the whole gradient the micro-batches
+    accumulated before the last one's backward reduce-scattered it: the plan's ``gathered`` and ``accumulated``, to
+    the byte. The reduce-scatter sends Ψ once a step in the reduction's dtype (the plan's float32, twice in float64); the all-gathers at least the plan's
+    M (2 Ψ_blocks + Ψ_rest) (a pipeline's end stages gather their small units, the positions or the final norm, in
+    backward too)."""
+    run = metrics(zero_runs(name))
+    # AdamW's step counts: one a piece, a piece of every tensor a stage holds (GPT-2's 16 a block, 5 more at most)
+    planned, pieces = _planned(run), 16 * run["config"]["n_layer"] + 5
+    rows = plan.measured_rows(run, estimate.vocabulary_size(run["config"]["tokenizer"]))
+    record = run["records"][-1]
+    for row, memory, comm in zip(rows, record["memory"], record["comm"]):
+        stage = planned["stages"][row["stage"]]
+        assert row["zero"] == 3 and row["dp"] == 2 * (1 + (name == "z3cp")), row
+        measured, estimated = row["measured"], row["estimated"]
+        assert (measured["params"], measured["grads"]) == (stage["params"], stage["grads"]), row
+        assert (estimated["params"], estimated["grads"]) == (stage["params"], stage["grads"]), row
+        assert 0 < measured["optimizer_state"] - stage["optimizer_state"] <= 4 * pieces, row
+        assert memory["gathered_peak"] == stage["gathered"], (name, memory, stage)
+        assert memory["accumulated_grads"] == stage["accumulated"], (name, memory, stage)
+        wide = 2 if run["config"]["reduce_dtype"] == "float64" else 1  # the plan's float32 gradient
+        assert comm["dp"]["reduce_scatter"] == wide * stage["comm"]["dp"]["reduce_scatter"], comm
+        assert comm["dp"]["all_gather"] >= stage["comm"]["dp"]["all_gather"], (name, comm)
+        if run["config"]["pp"] == 1:  # the root once a micro-batch, every block twice: the plan's
+            assert comm["dp"]["all_gather"] == stage["comm"]["dp"]["all_gather"], (name, comm)
+
+
+@pytest.mark.parametrize(
+    "saved, resumed",
+    [("z3tp", "dp2tp2"), ("dp2pp2", "z3pp")],
+    ids=["zero3-to-zero1", "zero1-to-zero3"],
+)
+def test_a_zero3_checkpoint_resumes_at_zero1_and_back_bitwise(zero_runs, mesh_runs, saved, resumed):
+    """--zero 3's checkpoint is --zero 1's (the pieces gathered into tp shards, written by name): dp 2 x tp 2's at
+    step 2 resumed at --zero 1 continues as the uninterrupted --zero 1 run, bit for bit, and dp 2 x pp 2's --zero 1
+    checkpoint resumed at --zero 3 (each rank cutting its pieces out of the tp shards) as the --zero 3 run."""
+
+    def run(name):
+        return zero_runs(name) if name in RUNS else mesh_runs(name)
+
+    _, nproc, flags = RUNS[resumed] if resumed in RUNS else MESH_RUNS[resumed]
+    out = train(
+        "step10",
+        zero_runs.top / f"{saved}_at_{resumed}",
+        zero_runs.corpus,
+        *flags,
+        "--resume",
+        str(run(saved) / "checkpoints" / "step_2"),
+        nproc=nproc,
+    )
+    stage = metrics(out)["config"]["zero"]
+    assert stage == metrics(run(resumed))["config"]["zero"] != metrics(run(saved))["config"]["zero"]
+    assert_bitwise_same_run(out, run(resumed))
