@@ -6,9 +6,9 @@
    the tensor-parallel output layer, with its copy of the tie (``parallelize_on_mesh``: the whole wrapping order).
 3. **Counted once across the mesh**: a norm adds TP shards on every tp rank, replicated tensors on tp rank 0, and
    the tie on the first stage only.
-4. **One checkpoint whatever the mesh**: each rank writes its TP/PP shard as step 8 does, its ZeRO-1 slices first
-   gathered over dp, so the checkpoint never depends on dp; loading cuts this rank's part back out of any step's
-   checkpoint at any mesh.
+4. **One checkpoint whatever the mesh**: each rank gives DCP its TP/PP shard as step 8 does and its ZeRO-1 slices
+   of that shard's AdamW state as step 5 does, boxes of the whole tensors, so the checkpoint never depends on the
+   mesh; loading copies this rank's part out of any step's checkpoint at any mesh.
 5. **Context parallelism inside the stages** (step 11, ``--cp``): the model made tensor-parallel is then made
    context-parallel over the cp group (its attention the ring, on this rank's heads; its embeddings, dropouts and
    targets this rank's positions), so the stages send each other S/C tokens of every micro-batch. Gradients and
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from comm_accounting import take_comm_bytes
 from config import UserError
 from context_parallel import LAYOUTS, check_context_parallel, context_parallel_gpt2, sequence_shard
+from dcp_checkpoint import load_model, load_optimizer, model_state, optimizer_state
 from mesh import check_mesh
 from pipeline import GPT2Stage
 from pipeline_setup import add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
@@ -32,12 +33,7 @@ from recomputation import add_recomputation_flag, recompute
 from sequence_parallel import check_sequence_parallel, sequence_parallel_gpt2
 from sequence_parallel import finish_gradient_synchronization as finish_sequence_parallel
 from tensor_parallel import check_tensor_parallel, parallelize_gpt2
-from tensor_parallel_state import (
-    checkpoint_shards,
-    gather_full_parameters,
-    is_sharded,
-    load_checkpoint_shards,
-)
+from tensor_parallel_state import gather_full_parameters, is_sharded, place_of
 from vocab_parallel import vocab_parallel_cross_entropy
 
 
@@ -240,55 +236,29 @@ def gather_full_model(stage, named: list, mesh) -> dict:
 
 
 class MeshShards:
-    """checkpoint.py's part for a rank of the mesh (rule 4): its TP/PP shard of the parameters and of AdamW's state,
-    as step 8 writes it (blocks of the whole tensors, named), ZeRO-1's slices first gathered over the dp group
-    (``consolidated_state_dict``) and written by dp rank 0. Any step reads it at any mesh or world size."""
+    """checkpoint.py's part for a rank of the mesh (rule 4): its TP/PP shard of the parameters, as step 8 gives it
+    (one box of each whole tensor), and its ZeRO-1 slices of that shard's AdamW state (step 5's flat ranges, a few
+    boxes each): no gather. dp replicas write the same boxes, once; any step reads it at any mesh or world size."""
 
     per_rank = True
 
     def __init__(self, named: list, optimizer, mesh):
         self.named, self.optimizer, self.mesh = named, optimizer, mesh
+        # the local optimiser's parameters: flat slices of the TP shards
+        name_of = {p: n for n, p in named}
+        self.places = [
+            (name_of[piece.param], place_of(piece.param)._replace(start=piece.start))
+            for piece in optimizer.pieces
+        ]
 
     def checkpoint_state(self) -> dict:
-        # a collective over dp: every dp rank takes part
-        state = self.optimizer.consolidated_state_dict()
-        return (
-            checkpoint_shards(self.named, self.optimizer.params, state)
-            if self.mesh.dp_cp_rank == 0
-            else {}
-        )
+        return {
+            **model_state([(n, p, place_of(p)) for n, p in self.named]),
+            **optimizer_state(self.optimizer.local_optimizer, self.places),
+        }
 
     def load_checkpoint(self, checkpoint) -> None:
-        """This rank's TP shard of every parameter (step 8's blocks), then its ZeRO-1 slices of that shard's AdamW
-        state (step 5's flat ranges), out of any step's checkpoint at any mesh."""
-        optimizer = self.optimizer
-        params = [p for _, p in self.named]
-        index = {p: i for i, p in enumerate(params)}
-        # this rank's TP shards, step 8's way
-        shards = load_checkpoint_shards(self.named, params, checkpoint)
-        state = {}
-        # the local optimiser's parameters: flat slices of the shards
-        for local, piece in enumerate(optimizer.pieces):
-            entry = shards["state"].get(index[piece.param])
-            if entry:  # none: never stepped
-                state[local] = {
-                    k: v.reshape(-1)[piece.start : piece.end].clone()
-                    if torch.is_tensor(v) and v.dim()
-                    else v
-                    for k, v in entry.items()
-                }
-        hyper = {
-            i: {k: v for k, v in g.items() if k != "params"}
-            for g in shards["param_groups"]
-            for i in g["params"]
-        }
-        # the checkpoint's lr, betas, ... for each group
-        groups = [
-            {**local, **hyper[index[full["params"][0]]]}
-            for local, full in zip(
-                optimizer.local_optimizer.state_dict()["param_groups"], optimizer.full_groups
-            )
-        ]
-        optimizer.load_state_dict(
-            {"state": state, "param_groups": groups, "slices": optimizer.slices()}
-        )
+        """This rank's TP shard of every parameter, then its ZeRO-1 slices of that shard's AdamW state, out of any
+        step's checkpoint at any mesh."""
+        load_model(checkpoint, [(n, p, place_of(p)) for n, p in self.named])
+        load_optimizer(checkpoint, self.optimizer.local_optimizer, self.places)

@@ -56,14 +56,14 @@ paused = False
 
 
 def pausing_barrier(self, kind, value):
-    """``pause:STEP:RANK``: rank RANK stops in the middle of writing checkpoint STEP, once its own file is in
-    .tmp_step_<STEP> (the barrier before the rename), on the first attempt only, so that a run torchrun
-    restarts goes through. See tests/test_fault_tolerance.py."""
+    """``pause:STEP:RANK``: rank RANK stops in the middle of writing checkpoint STEP, once every rank's data is in
+    .tmp_step_<STEP> (DCP's .metadata written: the barrier before the rename), on the first attempt only, so that a
+    run torchrun restarts goes through. See tests/test_fault_tolerance.py."""
     global paused
     step, rank = map(int, value.split(":"))
     tmp = checkpoint.checkpoint_dir(self.config["out"], step).with_name(f".tmp_step_{step}")
     # Once: the barrier after the rename can come before rank 0 has renamed, the file still in .tmp_step_<STEP>.
-    if self.rank == rank and first_attempt and not paused and (tmp / f"rank{rank}.pt").is_file():
+    if self.rank == rank and first_attempt and not paused and (tmp / ".metadata").is_file():
         paused = True
         if kind == "pause":
             print(
