@@ -123,7 +123,7 @@ def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage
     stage = GPT2Stage(model, stage_index, num_stages)
     if stage.is_last and is_sharded(model.transformer.wte.weight):
         copy, embedding = stage.lm_head.weight, model.transformer.wte.weight
-        copy.tp_blocks = embedding.tp_blocks  # the same shard
+        copy.tp_blocks, copy.tp_shape = embedding.tp_blocks, embedding.tp_shape  # the same shard
         model.lm_head.weight = copy
         stage.lm_head = model.lm_head
     return stage
@@ -238,27 +238,35 @@ def gather_full_model(stage, named: list, mesh) -> dict:
 class MeshShards:
     """checkpoint.py's part for a rank of the mesh (rule 4): its TP/PP shard of the parameters, as step 8 gives it
     (one box of each whole tensor), and its ZeRO-1 slices of that shard's AdamW state (step 5's flat ranges, a few
-    boxes each): no gather. dp replicas write the same boxes, once; any step reads it at any mesh or world size."""
+    boxes each): no gather. dp replicas write the same boxes, once; the tie's copy on the last stage is not saved
+    (its ZeRO-1 slices are cut with that stage's other parameters: other boxes). Any step reads it at any mesh."""
 
     per_rank = True
 
     def __init__(self, named: list, optimizer, mesh):
         self.named, self.optimizer, self.mesh = named, optimizer, mesh
-        # the local optimiser's parameters: flat slices of the TP shards
+        self.saved = [
+            (n, p) for n, p in named if n != "transformer.wte.weight" or mesh.pp_rank == 0
+        ]
+
+    def places(self, named: list) -> list:
+        """The local optimiser's parameters, flat slices of the TP shards ``named`` holds (None: another's)."""
         name_of = {p: n for n, p in named}
-        self.places = [
+        return [
             (name_of[piece.param], place_of(piece.param)._replace(start=piece.start))
-            for piece in optimizer.pieces
+            if piece.param in name_of
+            else None
+            for piece in self.optimizer.pieces
         ]
 
     def checkpoint_state(self) -> dict:
         return {
-            **model_state([(n, p, place_of(p)) for n, p in self.named]),
-            **optimizer_state(self.optimizer.local_optimizer, self.places),
+            **model_state([(n, p, place_of(p)) for n, p in self.saved]),
+            **optimizer_state(self.optimizer.local_optimizer, self.places(self.saved)),
         }
 
     def load_checkpoint(self, checkpoint) -> None:
-        """This rank's TP shard of every parameter, then its ZeRO-1 slices of that shard's AdamW state, out of any
-        step's checkpoint at any mesh."""
+        """This rank's TP shard of every parameter (the tie's copy too), then its ZeRO-1 slices of that shard's AdamW
+        state, out of any step's checkpoint at any mesh."""
         load_model(checkpoint, [(n, p, place_of(p)) for n, p in self.named])
-        load_optimizer(checkpoint, self.optimizer.local_optimizer, self.places)
+        load_optimizer(checkpoint, self.optimizer.local_optimizer, self.places(self.named))

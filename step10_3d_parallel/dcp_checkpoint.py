@@ -113,9 +113,7 @@ class Boxes:
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         return self.views[torch.Size(index.offset)]
 
-    def __deepcopy__(
-        self, memo
-    ) -> "Boxes":  # a copy of the piece, not of the storage it is a view of
+    def __deepcopy__(self, memo) -> "Boxes":  # the piece copied, not the storage it is a view of
         return Boxes(self.tensor.detach().to("cpu", copy=True), self.place)
 
 
@@ -207,28 +205,24 @@ def load_model(checkpoint, pieces) -> None:
 def optimizer_state_dict(checkpoint, places: list, params: list, groups: list) -> dict:
     """The state dict of an optimiser whose i-th parameter ``params[i]`` is at ``places[i] = (name, place)``,
     read from ``checkpoint``; ``groups``: its own param groups (membership and update implementation, rule 5)."""
-    wanted, state = (
-        {},
-        {},
-    )  # what DCP fills; the state dict's tensors (DCP fills them through views)
+    # what DCP fills; the state dict (DCP fills its tensors through views); its objects, filled after
+    wanted, state, objects = {}, {}, []
     for i, ((name, place), param) in enumerate(zip(places, params)):
         for key, saved in checkpoint.entries(f"optim.state.{name}.").items():
             fqn = f"optim.state.{name}.{key}"
-            wanted[fqn] = None  # an object: replaced by what was saved
-            if isinstance(saved, TensorStorageMetadata):
-                per_element = saved.size == torch.Size(place.shape) and len(saved.size) > 0
-                value = torch.empty(
-                    param.shape if per_element else saved.size, dtype=saved.properties.dtype
-                )
-                state.setdefault(i, {})[key] = value
-                wanted[fqn] = entry(value, place) if per_element else value
+            if not isinstance(saved, TensorStorageMetadata):
+                wanted[fqn] = None  # an object: replaced by the saved one
+                objects.append((i, key, fqn))
+                continue
+            per_element = saved.size == torch.Size(place.shape) and len(saved.size) > 0
+            shape = param.shape if per_element else saved.size
+            value = state.setdefault(i, {})[key] = torch.empty(shape, dtype=saved.properties.dtype)
+            wanted[fqn] = entry(value, place) if per_element else value
         if f"optim.param_groups.{name}" in checkpoint.metadata:
             wanted[f"optim.param_groups.{name}"] = None
     checkpoint.read(wanted)
-    for i, (name, _) in enumerate(places):  # the objects
-        for key, saved in checkpoint.entries(f"optim.state.{name}.").items():
-            if not isinstance(saved, TensorStorageMetadata):
-                state.setdefault(i, {})[key] = wanted[f"optim.state.{name}.{key}"]
+    for i, key, fqn in objects:
+        state.setdefault(i, {})[key] = wanted[fqn]
     index = {id(p): i for i, p in enumerate(params)}
     saved_groups = []
     for group in groups:
