@@ -9,16 +9,23 @@
 2. **Weights**: k > 1: the k chosen probabilities renormalised to sum to 1 (Mixtral; HF's
    ``MixtralTopKRouter``). k = 1: the probability itself, not renormalised (Switch Transformer, eq. 2):
    renormalised it would be 1 and the router would get no gradient from the language-model loss.
-3. **Capacity** (``--moe-capacity-factor c``; GShard's per-group capacity): 0 is dropless; else each expert
-   takes at most ``C = ceil(k * T * c / E)`` of a micro-batch's T tokens' k*T slots. Slots are served in
-   order of position, token by token and, within a token, choice by choice (Megatron-LM's
-   ``--moe-token-drop-policy position``); an expert's slots past C are dropped: that choice adds nothing,
-   and a token all of whose choices were dropped passes through the block on the residual alone.
+3. **Capacity** (``--moe-capacity-factor c``): 0 is dropless; else each expert takes at most
+   ``C = ceil(k * T * c / E)`` of a micro-batch's T tokens' k*T slots: the Switch Transformer's expert capacity
+   (Fedus et al. 2021, arXiv:2101.03961, eq. 3: tokens per batch / experts * capacity factor) counted in slots
+   for k > 1, per micro-batch as GShard's per-group capacity (Lepikhin et al. 2020, arXiv:2006.16668, sec. 2.2:
+   2N/E for top-2 over a group's N tokens; c = 1, k = 2 gives it). Slots are served in order of position,
+   token by token and, within a token, choice by choice (Megatron-LM's ``--moe-token-drop-policy position``);
+   an expert's slots past C are dropped: that choice adds nothing, and a token all of whose choices were
+   dropped passes through the block on the residual alone.
 4. **Load-balancing loss** (``--moe-aux-loss-coef a``), per MoE layer and per micro-batch, added to the loss:
    ``a * E * sum_i f_i * P_i``, f_i the fraction of the k*T routed slots that chose expert i (before dropping),
-   P_i the mean router probability of expert i over the T tokens. Switch Transformer eq. 4-6 for k = 1;
+   P_i the mean router probability of expert i over the T tokens: Switch Transformer (Fedus et al. 2021) eq. 4
+   (the loss, a * N * sum_i f_i * P_i), eq. 5 (f_i) and eq. 6 (P_i), for k = 1;
    DeepSeek-V2's expert-level balance loss for k > 1 (1 at perfect balance for every k). HF's
    ``load_balancing_loss_func`` divides the counts by T, not k*T: its value is k times this one (tested).
+   A sequence split over ranks (step 10's ``--cp``): ``whole_sequence(counts, T)`` adds the other ranks' counts
+   and tokens, so f_i is the whole micro-batch's; P_i stays the mean over this rank's tokens, so the ranks'
+   losses average to one process's, as their language-model losses do.
 5. **Experts** are the GPT-2 MLP (model.py's ``MLP``). Each computes its slots of one micro-batch as one
    product; ``dispatch`` is where step 12 sends the slots to the rank that owns the expert and back.
 
@@ -66,8 +73,10 @@ def capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) 
     )
 
 
-def route(logits: torch.Tensor, top_k: int, capacity_factor: float = 0.0) -> Routing:
-    """Rules 1-4 on the router's ``logits`` (N, E)."""
+def route(
+    logits: torch.Tensor, top_k: int, capacity_factor: float = 0.0, whole_sequence=None
+) -> Routing:
+    """Rules 1-4 on the router's ``logits`` (N, E); ``whole_sequence``: rule 4's, or None."""
     n_tokens, n_experts = logits.shape
     probs = F.softmax(logits.float(), dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
@@ -82,7 +91,10 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float = 0.0) -> Rou
         else:
             place = ((chosen.cumsum(0) - 1) * chosen).sum(-1)
             kept = (place < limit).view_as(experts)
-        fraction = chosen.sum(0).float() / (n_tokens * top_k)  # f_i, before dropping
+        counts, total = chosen.sum(0), n_tokens
+        if whole_sequence is not None:  # the other ranks' tokens of the same sequences
+            counts, total = whole_sequence(counts, n_tokens)
+        fraction = counts.float() / (total * top_k)  # f_i, before dropping
     aux_loss = n_experts * (fraction * probs.mean(0)).sum()
     return Routing(probs, weights, experts, kept, aux_loss)
 
@@ -124,14 +136,15 @@ class MoE(nn.Module):
 
     After each forward: ``aux_loss`` (this micro-batch's, unscaled; in the graph) and ``totals`` (the counts
     since ``take_moe_record``). ``dispatch(tokens, counts, experts)`` computes the sorted slots' outputs:
-    ``local_experts`` here; step 12 puts its all-to-all dispatcher in its place."""
+    ``local_experts`` here; step 12 puts its all-to-all dispatcher in its place. ``whole_sequence``: rule 4's
+    (step 10 sets it under ``--cp``)."""
 
     def __init__(self, cfg, n_experts: int, top_k: int, capacity_factor: float = 0.0):
         super().__init__()
         self.router = nn.Linear(cfg.n_embd, n_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(n_experts)})
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
-        self.dispatch = local_experts
+        self.dispatch, self.whole_sequence = local_experts, None
         self.aux_loss = None
         self.totals = {
             "tokens_per_expert": torch.zeros(n_experts, dtype=torch.long, device="cpu"),
@@ -143,7 +156,7 @@ class MoE(nn.Module):
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
-        routing = route(self.router(tokens), self.top_k, self.capacity_factor)
+        routing = route(self.router(tokens), self.top_k, self.capacity_factor, self.whole_sequence)
         order, counts = permute(routing, self.n_experts)
         outputs = self.dispatch(tokens[order // self.top_k], counts, self.experts)
         self.aux_loss = routing.aux_loss

@@ -614,7 +614,7 @@ class TorchPipelineGPipe(TorchTensorParallel):
 
     key, name, pytorch = "torch-pp-gpipe", "pytorch pipelining GPipe", True
     schedule = "gpipe"
-    module_needed = ("pipeline", "step9_pipeline_parallel", ("Pipeline", "GPT2Stage"))
+    module_needed = ("pipeline_stages", "step9_pipeline_parallel", ("GPT2Stage",))
 
     @classmethod
     def unavailable(cls):
@@ -625,13 +625,13 @@ class TorchPipelineGPipe(TorchTensorParallel):
         return why
 
     def build(self):
-        pipeline = importlib.import_module("pipeline")
+        pipeline_stages = importlib.import_module("pipeline_stages")
         rank, stages = dist.get_rank(), dist.get_world_size()
         if stages > self.config["n_layer"]:
             raise ValueError(
                 f"{stages} stages but {self.config['n_layer']} blocks: run with --n-layer {stages}"
             )
-        stage = pipeline.GPT2Stage(
+        stage = pipeline_stages.GPT2Stage(
             build_model(self.config, VOCAB_SIZE, self.config["seed"]), rank, stages
         )
         self.first, self.last, self.tied = stage.is_first, stage.is_last, stage.tied_parameter
@@ -696,6 +696,13 @@ class PipelineGPipe(TorchPipelineGPipe):
         False,
         "pytorch pipelining GPipe",
     )
+
+    @classmethod
+    def unavailable(cls):  # the stages (as PyTorch's row), and the Pipeline that runs them
+        return (
+            super().unavailable()
+            or optional_module("pipeline", "step9_pipeline_parallel", ("Pipeline",))[1]
+        )
 
     def wrap(self, model):
         pipeline = importlib.import_module("pipeline")

@@ -78,7 +78,8 @@ def simulated(rank: int, world_size: int, port: int, args) -> list:
     import torch
     import torch.distributed as dist
 
-    from pipeline import Pipeline, ideal_bubble
+    from pipeline import Pipeline
+    from pipeline_schedules import ideal_bubble
     from pipeline_trace import idle_fractions
 
     torch.set_num_threads(1)

@@ -188,7 +188,7 @@ class Model:
 
 def cut(ranges: list[list[int]], world_size: int) -> list[tuple[int, int, int]]:
     """Each flat range of tensors padded to a multiple of N and cut N ways (zero1.cut_into_pieces,
-    zero3.Unit): per rank, (elements held including padding, elements owned, pieces owned)."""
+    zero3_units.Unit): per rank, (elements held including padding, elements owned, pieces owned)."""
     held, owned, pieces = [0] * world_size, [0] * world_size, [0] * world_size
     for sizes in ranges:
         shard = -(-sum(sizes) // world_size)

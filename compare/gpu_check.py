@@ -1,6 +1,6 @@
 """One command that runs every GPU path on the GPUs present and writes a markdown report.
 
-    python compare/gpu_check.py                     # on the GPU(s): about 6-8 minutes on one H100
+    python compare/gpu_check.py                     # on the GPU(s): 6-8 minutes on one H100 before the FP8 section
     python compare/gpu_check.py --device cpu        # the same checks, tiny, on the CPU (the tests run it)
 
 What it checks, each section a verdict:
@@ -23,6 +23,12 @@ What it checks, each section a verdict:
    AdamW's state no longer takes.
 8. **Context parallelism**: step 11's ring attention beside PyTorch's ``context_parallel`` (CUDA only) on the same
    tensors, each against attention on the whole sequence, with ms and CUDA peak per rank (compare/cp_reference.py).
+9. **Expert parallelism**: step 12 at ``--ep 2`` on 2 ranks (sharing the GPU over gloo, or over nccl with a GPU
+   each) against step 0 accumulating 2 micro-batches of the same MoE model: bitwise, and every rank's all-to-all
+   bytes the closed form, per MoE layer and micro-batch.
+10. **FP8**: step 0 at the speed section's shape under bf16 autocast, then with ``--fp8 tensorwise`` and
+    ``--fp8 rowwise`` (common/fp8.py); tokens/s, MFU against the bf16 peak and the final loss, interleaved
+    rounds, medians. A recipe the device's ``_scaled_mm`` cannot run is skipped in one line.
 
 Exit 0 when every section passes, 1 otherwise; the report goes to --report (and stdout).
 """
@@ -46,6 +52,7 @@ import estimate  # noqa: E402
 import memory  # noqa: E402
 import parity  # noqa: E402
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
+from fp8 import fp8_cannot_run  # noqa: E402
 from launch import trainer_command  # noqa: E402
 
 REPO_ROOT = parity.REPO_ROOT
@@ -444,6 +451,116 @@ def speed_section(
     )
 
 
+# (name, step 0's extra flags, the FP8 recipe or None): every run under bf16 autocast, FP8 on the blocks' linears
+FP8_VARIANTS = [
+    ("bf16 autocast", [], None),
+    ("bf16 autocast + --fp8 tensorwise", ["--fp8", "tensorwise"], "tensorwise"),
+    ("bf16 autocast + --fp8 rowwise", ["--fp8", "rowwise"], "rowwise"),
+]
+
+
+def check_fp8_speed(check: Check, place: int) -> None:
+    """Step 0 under bf16 autocast, with and without ``--fp8 tensorwise|rowwise`` (common/fp8.py), at the speed
+    section's shape (GPT-2 small's on a GPU), interleaved rounds, medians. A recipe this device's ``_scaled_mm``
+    cannot run (``fp8_cannot_run``: a GPU before compute capability 8.9, torch 2.11's CPU build for rowwise) is
+    skipped in one line, not failed."""
+    out = check.out / "fp8"
+    # On a CPU, smaller still: on an AVX-512 CPU the CPU's _scaled_mm can run oneDNN's reference FP8 kernel,
+    # about 1 s for a 256^3 matmul (docs/fp8.md, Speed); the tiny mode checks that every recipe runs.
+    cpu = "--n-layer 2 --n-head 2 --n-embd 32 --seq-len 16 --micro-batch-size 1 --grad-accum 2"
+    shape = check.small if check.gpu else cpu.split()
+    flags = [
+        *check.common,
+        *shape,
+        "--amp",
+        "bf16",
+        "--steps",
+        str(check.speed_steps),
+        "--save-every",
+        "0",
+        "--quiet",
+        "--attention",
+        "sdpa",
+    ]
+    skipped, variants = [], []
+    for name, extra, recipe in FP8_VARIANTS:
+        why = recipe and fp8_cannot_run(recipe, torch.device(check.device))
+        if why:
+            skipped.append(f"- {name}: skipped, this device's `_scaled_mm` cannot run it (`{why}`)")
+        else:
+            variants.append((name, extra))
+    title = "FP8: step 0 in bf16 beside --fp8 tensorwise and rowwise"
+    if len(variants) == 1:  # bf16 alone: nothing to compare
+        check.section(place, title, None, "\n".join(skipped))
+        return
+
+    def last(flag: str) -> int:  # the value argparse keeps: the flag's last
+        return int(flags[len(flags) - flags[::-1].index(flag)])
+
+    config = {
+        "n_layer": last("--n-layer"),
+        "n_head": last("--n-head"),
+        "n_embd": last("--n-embd"),
+        "seq_len": last("--seq-len"),
+        "dropout": 0.0,
+        "weight_decay": 0.1,
+    }
+    per_token = flops_per_token(config)
+    peak = next(
+        (v for k, v in PEAK_BF16.items() if check.gpu and k in torch.cuda.get_device_name(0)), None
+    )
+    measured, peaks, losses, failures = {}, {}, {}, []
+    # interleaved: a slow spell of the machine hits every variant
+    for round_ in range(check.rounds):
+        for name, extra in variants:
+            tag = f"{name.split()[-1]}_{round_}"
+            code, output = run(
+                trainer_command("step0_single_gpu", 0, [*flags, *extra, "--out", str(out / tag)]),
+                out / f"{tag}.log",
+            )
+            if code:
+                failures.append(f"{name}: exit {code}: `{error_line(output)}`")
+                continue
+            tokens_per_s, _, peaks[name] = step0_tokens_per_s(out / tag, check.speed_warmup)
+            measured.setdefault(name, []).append(tokens_per_s)
+            records = json.loads((out / tag / "metrics.json").read_text())["records"]
+            losses[name] = records[-1]["loss"]
+    rows = [
+        "| run | tokens/s (median of rounds) | rounds | x bf16 | MFU (bf16 peak) | final loss | CUDA peak |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base = statistics.median(measured["bf16 autocast"]) if "bf16 autocast" in measured else None
+    for name, values in measured.items():
+        median = statistics.median(values)
+        rows.append(
+            f"| {name} | {median:,.0f} ({min(values):,.0f}-{max(values):,.0f}) | {len(values)} | "
+            + (f"{median / base:.2f}x" if base else "n/a")
+            + f" | {f'{median * per_token / peak:.1%}' if peak else 'n/a'} | {losses[name]:.4f} | "
+            + (f"{peaks[name] / 2**30:.1f} GiB" if peaks.get(name) else "n/a")
+            + " |"
+        )
+    ok = not failures and len(measured) == len(variants)
+    note = (
+        "MFU counts the model's FLOPs against the GPU's dense bf16 peak (its FP8 peak is twice that), so an "
+        "FP8 run's MFU says how much of bf16's peak it reached; no target: eager FP8 casts in separate kernels"
+        if check.gpu
+        else "CPU: `_scaled_mm` is an emulation or oneDNN's reference kernel here; the tiny sizes check that every "
+        "recipe runs, not its speed"
+    )
+    check.section(
+        place,
+        title,
+        ok,
+        f"`{' '.join(flags)}`, {check.speed_steps} steps, clock from step {check.speed_warmup + 1}; "
+        f"{per_token / 1e9:.2f} GFLOP per token\n\n"
+        + "\n".join(rows)
+        + "\n\n"
+        + "".join(f"{line}\n" for line in skipped)
+        + f"\n{note}\n"
+        + "".join(f"\n- FAILED {f}" for f in failures),
+    )
+
+
 def check_fits(check: Check, place: int) -> None:
     out = check.out / "fits"
     config = {
@@ -601,6 +718,101 @@ def check_context(check: Check, place: int) -> None:
     )
 
 
+def all_to_all_off_formula(run: Path) -> tuple[int, list[str]]:
+    """Step 12's all-to-all notes in ``run``, on every rank, per MoE layer and micro-batch, against the closed form
+    (float32 rows of h): 8 E + 4 h * 2 * (sent + received) bytes, what a rank receives being what the ranks of its
+    expert-parallel group sent to its experts. Returns (notes checked, those off the formula)."""
+    metrics = json.loads((run / "metrics.json").read_text())
+    config = metrics["config"]
+    experts, h, ep = config["moe_experts"], config["n_embd"], config["ep"]
+    checked, off = 0, []
+    for record in metrics["records"]:
+        notes = record["all_to_all"]  # [rank][layer x micro-batch]
+        for rank, mine in enumerate(notes):
+            group = range(rank // ep * ep, rank // ep * ep + ep)
+            local = range(rank % ep * experts // ep, (rank % ep + 1) * experts // ep)
+            for i, note in enumerate(mine):
+                received = sum(notes[s][i]["sent_per_expert"][e] for s in group for e in local)
+                formula = 8 * experts + 4 * h * 2 * (sum(note["sent_per_expert"]) + received)
+                checked += 1
+                if (note["received"], note["bytes"]) != (received, formula):
+                    off.append(
+                        f"step {record['step']} rank {rank} note {i}: {note['bytes']:,} B received "
+                        f"{note['received']} (formula {formula:,} B, {received})"
+                    )
+    return checked, off
+
+
+def check_experts(check: Check, place: int) -> None:
+    """Step 12 at --ep 2 against step 0 on the same MoE model and micro-batches (one sample each: step 0's two
+    micro-batches are the two ranks'), float32, capacity factor 1 (slots dropped): every sum step 12 changes has two
+    terms, so the runs are bitwise (docs/parity.md); and the all-to-all bytes the formula on every rank."""
+    out, title = check.out / "experts", "Expert parallelism: step 12 at --ep 2 against step 0"
+    model = (
+        ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--seq-len", "256", "--steps", "6"]
+        if check.gpu
+        else [
+            "--n-layer",
+            "2",
+            "--n-embd",
+            "32",
+            "--n-head",
+            "2",
+            "--seq-len",
+            "32",
+            "--steps",
+            "3",
+        ]
+    )
+    flags = [
+        *check.common,
+        *model,
+        "--moe-experts",
+        "4",
+        "--moe-top-k",
+        "2",
+        "--moe-capacity-factor",
+        "1.0",
+        "--micro-batch-size",
+        "1",
+        "--save-every",
+        "0",
+        "--quiet",
+    ]
+    for name, step, nproc, extra in (
+        ("step0", "step0_single_gpu", 0, ["--grad-accum", "2"]),
+        (
+            "step12",
+            "step12_expert_parallel",
+            2,
+            ["--grad-accum", "1", "--ep", "2", "--timeout-s", "120"],
+        ),
+    ):
+        code, output = run(
+            trainer_command(step, nproc, [*flags, *extra, "--out", str(out / name)]),
+            out / f"{name}.log",
+        )
+        if code:
+            check.section(place, title, False, f"{name}: exit {code}: `{error_line(output)}`")
+            return
+    _, _, result = parity.check(str(out / "step0"), str(out / "step12"))
+    checked, off = all_to_all_off_formula(out / "step12")
+    metrics = json.loads((out / "step12" / "metrics.json").read_text())
+    first = metrics["records"][0]
+    dropped = ", ".join(f"{d:.1%}" for d in first["moe"]["dropped_fraction"])
+    ok = result.bitwise and checked > 0 and not off
+    lines = [
+        f"`{' '.join(flags)}`; step 0 `--grad-accum 2`, step 12 `--ep 2` on 2 ranks "
+        f"({metrics['env']['backend']}, {metrics['env']['device']})",
+        f"- step 12 vs step 0: {parity.verdict(result)}",
+        f"- all-to-all bytes, {checked} notes (ranks x MoE layers x micro-batches x steps): "
+        + ("every one the formula" if checked and not off else f"{len(off)} OFF: {off[:3]}"),
+        f"- step 1: rank 0 sent {first['comm']['all_to_all']:,} B of all-to-alls; tokens per expert "
+        f"{first['moe']['tokens_per_expert']}; dropped (per layer) {dropped}",
+    ]
+    check.section(place, title, ok, "\n".join(lines))
+
+
 def main() -> int:
     parser = OneLineParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -625,6 +837,8 @@ def main() -> int:
             "fits",
             "offload",
             "context",
+            "experts",
+            "fp8",
         ],
         help="run only these sections (memory needs tour; compile: speed's compiled pair)",
     )
@@ -633,7 +847,19 @@ def main() -> int:
         raise UserError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
     sections = set(
         args.only
-        or ["tour", "nccl", "resume", "memory", "speed", "compile", "fits", "offload", "context"]
+        or [
+            "tour",
+            "nccl",
+            "resume",
+            "memory",
+            "speed",
+            "compile",
+            "fits",
+            "offload",
+            "context",
+            "experts",
+            "fp8",
+        ]
     )
     header = f"# GPU check ({args.device})\n\n{environment(args.device)}\n"
     print(header, flush=True)
@@ -665,6 +891,8 @@ def main() -> int:
         check_offload(check, 7)
     if "context" in sections:
         check_context(check, 8)
+    if "experts" in sections:
+        check_experts(check, 9)
     if tour:
         tour.join()
     if "nccl" in sections and check.gpu:
@@ -683,6 +911,8 @@ def main() -> int:
             )
     if sections & {"speed", "compile"}:
         check_speed(check, 6, "compile" in sections)
+    if "fp8" in sections:  # timed too: alone, after the tour
+        check_fp8_speed(check, 10)
     verdict = "every section passed" if check.passed else "SOME SECTIONS FAILED"
     check.write(verdict)
     print(

@@ -113,7 +113,8 @@ def measure(rank: int, world_size: int, port: int, config: dict, cases: list) ->
     # the step's own modules (its copies of common's, verbatim, and pipeline.py)
     sys.path.insert(0, str(STEP9))
     from model import build_model
-    from pipeline import GPT2Stage, Pipeline
+    from pipeline import Pipeline
+    from pipeline_stages import GPT2Stage
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(

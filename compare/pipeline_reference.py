@@ -65,7 +65,8 @@ def worker(rank: int, world_size: int, port: int, args) -> list:
     )
 
     from model import build_model
-    from pipeline import GPT2Stage, Pipeline
+    from pipeline import Pipeline
+    from pipeline_stages import GPT2Stage
     from training import make_optimizer
 
     torch.set_num_threads(1)

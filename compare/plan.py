@@ -51,7 +51,9 @@ also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
 Mixture of experts (``--moe-experts E`` or ``--moe-preset``): step 12's layouts instead, one per ep dividing E and
 the devices: a rank holds the dense part whole and E/ep experts of each MoE layer (ZeRO-0) and one micro-batch's
 activations (activation_formula.py's MoE terms), and hands 8E + 4·k·T·h·bytes to all-to-alls per MoE layer and
-micro-batch of T tokens; each row's step time is estimated (moe_step_time), not ranked (docs/planner.md).
+micro-batch of T tokens; each row's step time is estimated (moe_step_time), not ranked (docs/planner.md). Each row
+again on step 10's mesh (``--dp N --ep D``): the same, with ZeRO-1's AdamW state, the dense part's sharded over the
+N ranks and each expert's over its N/D copies (experts_on_mesh.py).
 Ranking: by an estimated step time (compute 6Ψ + 12 L s h per token, 8Ψ + 16 L s h for the blocks with
 checkpointing, over --tflops,
 stretched by the bubble (M + P - 1)/M; each axis's bytes over the link it crosses: --intra-gbs inside a node,
@@ -321,6 +323,37 @@ def rank_params(shape: Shape, tp: int, pp: int, stage: int, chunks: int = 1) -> 
     return {"blocks": blocks, "rest": rest}
 
 
+def block_indices(n_layer: int, pp: int, stage: int, chunks: int = 1) -> list[int]:
+    """The blocks, by number, a rank of pipeline ``stage`` holds (``chunk_blocks``'s): the model cut into pp x chunks
+    stages by step 9's split, this rank's the stages stage, stage + pp, ..."""
+    starts = list(
+        itertools.accumulate(
+            (stage_blocks(n_layer, pp * chunks, k) for k in range(pp * chunks)), initial=0
+        )
+    )
+    return [
+        b for v in range(chunks) for b in range(starts[v * pp + stage], starts[v * pp + stage + 1])
+    ]
+
+
+def moe_rank_params_on_mesh(
+    shape: Shape, moe: MoE, tp: int, pp: int, stage: int, chunks: int, ep: int
+) -> dict:
+    """Elements a rank of step 10 with experts holds (experts_on_mesh.py; the trainers' GPT-2): ``dense``,
+    ``rank_params``'s with each MoE block's tp share of the MLP (c_fc, c_proj's weight; its bias whole) replaced by
+    the router (E x h, whole), and ``experts``, E/ep whole experts of each MoE block it holds."""
+    held = rank_params(shape, tp, pp, stage, chunks)
+    h, f = shape.n_embd, shape.ffn_width
+    mlp_split = 2 * h * f + f
+    moe_blocks = sum(b % moe.every == 0 for b in block_indices(shape.n_layer, pp, stage, chunks))
+    mlp_share = -(-shape.block_split // tp) - -(-(shape.block_split - mlp_split) // tp) + h
+    expert = 2 * h * f + f + h
+    return {
+        "dense": held["blocks"] + held["rest"] - moe_blocks * (mlp_share - moe.experts * h),
+        "experts": moe_blocks * moe.experts // ep * expert,
+    }
+
+
 class Activations:
     """What autograd saves per micro-batch of b sequences, counted once on the meta device: per block and for
     the rest of the model, the part tensor parallelism splits and the part it keeps whole; with checkpointing,
@@ -421,9 +454,9 @@ def in_flight(
     return micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
 
 
-def step9_pipeline(module: str = "pipeline"):
-    """Step 9's pipeline.py: the schedules the planner counts with (their action lists, their bubble); or
-    another of step 9's modules, ``module`` (pipeline_setup.py: its flags' rules)."""
+def step9_pipeline(module: str = "pipeline_schedules"):
+    """Step 9's pipeline_schedules.py: the schedules the planner counts with (their action lists, their
+    bubble); or another of step 9's modules, ``module`` (pipeline_setup.py: its flags' rules)."""
     step9 = str(Path(__file__).resolve().parent.parent / "step9_pipeline_parallel")
     if step9 not in sys.path:
         sys.path.append(step9)  # after common/: the copies step 9 shares are common's own
@@ -500,6 +533,7 @@ def moe_layouts(
         held = moe_rank_params(shape, moe, ep)
         state = estimate.state_bytes(0, held, 1, param_dtype)
         total = sum(state.values()) + held_activations
+        mesh = mesh_moe_state(psi["dense"], held - psi["dense"], hardware.devices, ep, param_dtype)
         layer = all_to_all_bytes(
             moe, micro_batch_size * shape.seq_len, shape.n_embd, ep, activation_bytes(param_dtype)
         )
@@ -516,12 +550,29 @@ def moe_layouts(
                 "all_to_all_on_the_wire": layer["on_the_wire"] * per_step,
                 "inside_a_node": hardware.gpus_per_node % ep == 0,
                 "micro_batches": micro_batches,
+                "mesh_state": mesh,
+                "mesh_fits": sum(mesh.values()) + held_activations <= hardware.memory,
+                # step 10 at --ep 1 runs every expert where its tokens are: no all-to-all
+                "mesh_all_to_all_handed": layer["handed"] * per_step if ep > 1 else 0,
             }
         )
         rows[-1]["time"] = moe_step_time(
             shape, psi, hardware, micro_batch_size, rows[-1], state["grads"] / held
         )
     return rows
+
+
+def mesh_moe_state(
+    dense: int, experts: int, devices: int, ep: int, param_dtype: str, zero: int = 1
+) -> dict:
+    """Bytes per rank, by kind, of step 10's ``--dp N --ep D`` (experts_on_mesh.py's rule 5): ZeRO-1 (or ``zero``,
+    its --zero) over the N ranks for the ``dense`` elements, over an expert's N/D copies for the rank's ``experts``;
+    ``zero`` 0: step 12's whole state."""
+    parts = (
+        estimate.state_bytes(zero, dense, devices, param_dtype),
+        estimate.state_bytes(zero, experts, devices // ep, param_dtype),
+    )
+    return {kind: sum(part[kind] for part in parts) for kind in parts[0]}
 
 
 def moe_step_time(
@@ -570,10 +621,12 @@ def moe_report(
         f"{rows[0]['micro_batches']} micro-batches a rank",
         "step 12: dp over every rank, ep splitting the experts; ZeRO-0; model state and one micro-batch's "
         f"activations {accounting}; all-to-all per rank and optimiser step; dropless, balanced",
+        "step 10 (--dp N --ep D): the same layout on its mesh, AdamW's state sharded (ZeRO-1) over the N ranks "
+        "for the dense part and over an expert's N/D copies for the experts",
         f"{'ep':>4}{'copies of an expert':>21}{'params a rank':>16}{f'state ({unit[1]})':>14}"
         f"{f'activations ({unit[1]})':>20}{'fits':>6}"
         f"{f'all-to-all handed ({unit[1]})':>25}{f'on the wire ({unit[1]})':>19}{'ep group':>16}"
-        f"{'step (est.)':>13}",
+        f"{'step (est.)':>13}{f'step 10: state ({unit[1]})':>25}{'fits':>6}",
     ]
     for row in rows:
         lines.append(
@@ -583,15 +636,23 @@ def moe_report(
             f"{row['all_to_all_handed'] / unit[0]:>25,.1f}{row['all_to_all_on_the_wire'] / unit[0]:>19,.1f}"
             f"{'inside a node' if row['inside_a_node'] else 'across nodes':>16}"
             f"{step_ms(row['time']['step_s'] * 1e3):>13}"
+            f"{sum(row['mesh_state'].values()) / unit[0]:>25,.1f}"
+            f"{'yes' if row['mesh_fits'] else 'no':>6}"
         )
     if rows[0]["no_command"]:
         lines.append(f"no command: {rows[0]['no_command']}")
     else:
         lines += [f"  ep {row['ep']}: {row['command']}" for row in rows if row["fits"]]
-    if not any(row["fits"] for row in rows):
+        lines += [
+            f"  ep {row['ep']}, step 10: {row['mesh_command'] or 'no command: ' + row['no_mesh_command']}"
+            for row in rows
+            if row["mesh_fits"]
+        ]
+    if not any(row["fits"] or row["mesh_fits"] for row in rows):
         lines.append(
-            "no ep fits: step 12 keeps the dense part whole on every rank (ZeRO-0); "
-            "sharding it (ZeRO with ep) is not built yet"
+            "no ep fits, in step 12 (ZeRO-0) nor on step 10's mesh (ZeRO-1 for the dense part and the "
+            "experts); step 10's --zero 2 also shards their gradients (not in this table), ZeRO-3 with ep "
+            "is not built"
         )
     return "\n".join(lines)
 
@@ -995,23 +1056,24 @@ def trainer(
     c: dict, param_dtype: str = "float32", reduce_every_micro_batch: bool = False
 ) -> tuple[str, list] | str:
     """(the step folder that trains layout ``c``, its layout flags), or one line saying why no trainer does.
-    cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings), or step 10 (ZeRO-1 over dp x cp, with tp
-    and pp too; not with SP or selective recomputation); tp or pp: step 8 (tp alone), step 9
-    (pp alone), step 10 (dp x tp x pp, ZeRO-1 over dp; tp or pp alone too where recomputation is asked: steps 8
-    and 9 have none); pure dp: step 1, 5, 6, 7 for ZeRO-0 to 3, step 7 with --replicate (HSDP), --offload-optimizer
-    and --activation-checkpointing full|selective, which step 10 also takes (ZeRO-1 with recomputation: step 10 at
-    tp = pp = 1). 16-bit parameters: steps 5-7 only."""
+    cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings), or step 10 (DDP, ZeRO-1 or ZeRO-2 over
+    dp x cp, --zero 0|1|2, with tp and pp too; not with SP or selective recomputation); tp or pp: step 8 (tp alone),
+    step 9 (pp alone), step 10 (dp x tp x pp, --zero over dp; tp or pp alone too where recomputation is asked:
+    steps 8 and 9 have none); pure dp: step 1, 5, 6, 7 for ZeRO-0 to 3, step 7 with --replicate (HSDP),
+    --offload-optimizer and --activation-checkpointing full|selective, which step 10 also takes at ZeRO 0-2 (step 10
+    at tp = pp = 1). ZeRO-3 with tp, pp or cp: none (docs/planner.md). 16-bit parameters: steps 5-7 only."""
     dp, cp, tp, pp, zero, m = c["dp"], c["cp"], c["tp"], c["pp"], c["zero"], c["micro_batches"]
     recompute = "full" if c["checkpointing"] else "selective" if c.get("selective") else None
-    if cp > 1 and zero == 0 and tp == pp == 1:
-        if recompute:
-            return "no trainer runs cp with recomputation and DDP: step 11 has no --activation-checkpointing"
+    axes = " x ".join(a for a in ("dp", "cp", "tp", "pp") if c[a] > 1)
+    # step 10's --zero, said where it is not the default (ZeRO-1) and there is more than one replica
+    zero_flag = ["--zero", zero] if zero != 1 and dp * cp > 1 else []
+    if cp > 1 and zero == 0 and tp == pp == 1 and not recompute:
         step, flags = "step11_context_parallel", ["--cp", cp]
-    elif cp > 1 and zero != 1:
+    elif zero == 3 and (tp > 1 or pp > 1 or cp > 1):
         return (
-            f"no trainer runs cp with {estimate.STAGES[zero]}"
-            + (" and tp or pp" if zero == 0 else "")
-            + ": step 11 is DDP over its rings, step 10 ZeRO-1 over dp x cp"
+            f"no trainer runs ZeRO-3 with {' x '.join(a for a in ('cp', 'tp', 'pp') if c[a] > 1)}: step 7 "
+            "shards the parameters over dp alone, step 10's --zero stops at 2 (it would need FSDP over dp x cp of "
+            "each rank's tp/pp shard: docs/planner.md)"
         )
     elif cp > 1 and (c["sequence_parallel"] or c.get("selective")):
         return (
@@ -1019,12 +1081,6 @@ def trainer(
             ": step 10 refuses it (composition.py's rule 5)"
         )
     elif tp > 1 or pp > 1 or cp > 1:
-        if zero > 1:
-            return (
-                f"no trainer runs {estimate.STAGES[zero]} with tp or pp: step 10 is ZeRO-1 over dp"
-            )
-        if dp > 1 and zero == 0:
-            return "no trainer runs DDP with tp or pp: step 10 is ZeRO-1 over dp"
         pipeline = (
             [
                 "--schedule",
@@ -1052,6 +1108,7 @@ def trainer(
                     tp,
                     "--pp",
                     pp,
+                    *zero_flag,
                     *sp,
                     *pipeline,
                     *(["--activation-checkpointing", recompute] if recompute else []),
@@ -1061,11 +1118,21 @@ def trainer(
             step, flags = (
                 ("step8_tensor_parallel", sp) if tp > 1 else ("step9_pipeline_parallel", pipeline)
             )
-    # step 10 at tp = pp = 1: ZeRO-1 over dp, with recomputation (step 5 has none)
-    elif recompute and zero == 1:
+    # step 10 at tp = pp = 1: ZeRO 0-2 over dp, with recomputation (steps 1, 5 and 6 have none)
+    elif recompute and zero < 3:
         step, flags = (
             "step10_3d_parallel",
-            ["--dp", dp, "--tp", 1, "--pp", 1, "--activation-checkpointing", recompute],
+            [
+                "--dp",
+                dp,
+                "--tp",
+                1,
+                "--pp",
+                1,
+                *zero_flag,
+                "--activation-checkpointing",
+                recompute,
+            ],
         )
     else:
         step, flags = ZERO_STEPS[zero], []
@@ -1079,17 +1146,19 @@ def trainer(
                 *(["--offload-optimizer"] if c["offload"] else []),
                 *(["--activation-checkpointing", recompute] if recompute else []),
             ]
-    layout = (
-        estimate.STAGES[zero]
-        if step in ZERO_STEPS
-        else " x ".join(a for a in ("dp", "cp", "tp", "pp") if c[a] > 1)
-    )
+    layout = estimate.STAGES[zero] if step in ZERO_STEPS else axes
+    if step == "step10_3d_parallel" and zero == 2 and reduce_every_micro_batch and m > 1:
+        return (
+            "no trainer runs ZeRO-2 reducing every micro-batch with "
+            f"{axes if tp > 1 or pp > 1 or cp > 1 else 'recomputation'}: step 10's --zero 2 reduce-scatters "
+            "once a step; step 6 alone has --reduce-every-micro-batch"
+        )
     if recompute == "full" and pp > 1 and c["schedule"] == "zero-bubble":
         return "no trainer runs checkpointing with zero bubble: step 10 refuses it (W would recompute every block again)"
     if recompute and step not in ("step7_zero3", "step10_3d_parallel"):
         return (
             f"no trainer runs {'checkpointing' if c['checkpointing'] else 'selective recomputation'} "
-            f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO-1) alone have --activation-checkpointing"
+            f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO 0-2) alone have --activation-checkpointing"
         )
     if param_dtype != "float32" and step not in PARAM_DTYPE_STEPS:
         return f"no trainer runs {param_dtype} parameters with {layout}: steps 5-7 alone have --param-dtype"
@@ -1263,7 +1332,8 @@ def report(
 
 # ---- Measured beside estimated -----------------------------------------------------------------------------------
 
-ZERO_OF_STEP = {5: 1, 6: 2, 7: 3, 10: 1}  # step 10: ZeRO-1 over the data axis (issue 20)
+# step 10: its --zero over the data axis, ZeRO-1 by default (and in runs from before the flag)
+ZERO_OF_STEP = {5: 1, 6: 2, 7: 3, 10: 1}
 MEASURED_TOLERANCE = 0.05  # a rank's recorded model state against the estimate (docs/planner.md)
 
 
@@ -1299,7 +1369,7 @@ def layout_of(metrics: dict) -> dict:
         "dp": dp,
         "tp": tp,
         "pp": pp,
-        "zero": ZERO_OF_STEP.get(number, 0),
+        "zero": metrics["config"].get("zero", ZERO_OF_STEP.get(number, 0)),
         "coords": coords,
         "replicate": replicate,
     }
@@ -1317,7 +1387,8 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
         stage = mesh["coords"][rank][2]
         # step 9's rule
         chunks = step9_pipeline("pipeline_setup").virtual_stages({"schedule": "1f1b", **config})
-        held = rank_params(shape, mesh["tp"], mesh["pp"], stage, chunks if mesh["pp"] > 1 else 1)
+        chunks = chunks if mesh["pp"] > 1 else 1
+        held = rank_params(shape, mesh["tp"], mesh["pp"], stage, chunks)
         estimated = estimate.state_bytes(
             mesh["zero"],
             held["blocks"] + held["rest"],
@@ -1325,6 +1396,15 @@ def measured_rows(metrics: dict, vocab: int) -> list[dict]:
             param_dtype,
             reduce_dtype,
         )
+        if config.get(
+            "moe_experts"
+        ):  # step 12 (ZeRO-0), step 10 (its --zero per kind: mesh_moe_state)
+            moe = MoE(config["moe_experts"], config["moe_top_k"], config["moe_every"])
+            ep = metrics["env"].get("expert_parallel_size", config.get("ep") or 1)
+            held = moe_rank_params_on_mesh(shape, moe, mesh["tp"], mesh["pp"], stage, chunks, ep)
+            estimated = mesh_moe_state(
+                held["dense"], held["experts"], mesh["dp"], ep, param_dtype, mesh["zero"]
+            )
         rows.append(
             {
                 "step": config["step"],
@@ -1452,13 +1532,23 @@ def moe_plan(
         why_not = "step 12 trains float32 parameters (it has no --param-dtype)"
     for row in rows:
         row["command"], row["no_command"] = None, why_not
+        row["mesh_command"], row["no_mesh_command"] = None, why_not
+        flags = (
+            f"{' '.join(model_flags(config, parser))} --grad-accum {row['micro_batches']} "
+            f"--moe-experts {moe.experts} --moe-top-k {moe.top_k} --moe-every {moe.every} "
+            f"--moe-capacity-factor 0 --ep {row['ep']}"
+        )
         if not why_not:
             row["command"] = (
-                f"torchrun --nproc-per-node {hardware.devices} step12_expert_parallel/train.py "
-                f"{' '.join(model_flags(config, parser))} --grad-accum {row['micro_batches']} "
-                f"--moe-experts {moe.experts} --moe-top-k {moe.top_k} --moe-every {moe.every} "
-                f"--moe-capacity-factor 0 --ep {row['ep']}"
+                f"torchrun --nproc-per-node {hardware.devices} step12_expert_parallel/train.py {flags}"
             )
+            if config["dropout"] > 0 and row["ep"] > 1:  # experts_on_mesh.py's rule 8
+                row["no_mesh_command"] = "step 10 refuses --dropout with --ep above 1"
+            else:
+                row["mesh_command"] = (
+                    f"torchrun --nproc-per-node {hardware.devices} step10_3d_parallel/train.py "
+                    f"--dp {hardware.devices} {flags}"
+                )
     if config["json"]:
         config["json"].write_text(
             json.dumps(

@@ -1,4 +1,4 @@
-"""Steps 8, 9 and 11 composed on step 10's mesh (mesh.py): what no step had to decide alone.
+"""Steps 8, 9, 11 and 12 composed on step 10's mesh (mesh.py): what no step had to decide alone.
 
 1. **The flags and their checks**: the mesh's own (mesh.py), step 8's for the tp degree, step 11's for the cp
    degree, step 9's for the pp degree, every one before anything connects.
@@ -15,6 +15,8 @@
    ZeRO-1 go over dp x cp (mesh.py's rule 5). Not with --sequence-parallel (both split the sequence; not composed
    here) nor selective recomputation (the ring keeps no s x s tensor to recompute). With dropout, each tp rank's
    ring draws every head's mask and keeps its heads' (ring_attention.py's rule 6), as step 8 does (its rule 7).
+6. **Experts on the mesh** (step 12, ``--moe-experts E --ep D``): experts_on_mesh.py, after its rules 1-3 on the
+   whole model; the gradients, the optimiser, the norms and the checkpoints then as its rules 4-7 say.
 """
 
 import functools
@@ -26,9 +28,11 @@ from comm_accounting import take_comm_bytes
 from config import UserError
 from context_parallel import LAYOUTS, check_context_parallel, context_parallel_gpt2, sequence_shard
 from dcp_checkpoint import load_model, load_optimizer, model_state, optimizer_state
+from expert_parallel import is_expert
+from experts_on_mesh import add_ep_flag, check_experts_on_mesh, experts_on_mesh, gather_experts
 from mesh import check_mesh
-from pipeline import GPT2Stage
 from pipeline_setup import add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
+from pipeline_stages import GPT2Stage
 from recomputation import add_recomputation_flag, recompute
 from sequence_parallel import check_sequence_parallel, sequence_parallel_gpt2
 from sequence_parallel import finish_gradient_synchronization as finish_sequence_parallel
@@ -71,6 +75,7 @@ def add_mesh_flags(parser) -> None:
         "(step 8's sequence_parallel.py)",
     )
     add_recomputation_flag(flags)  # step 7's --activation-checkpointing: full or selective
+    add_ep_flag(flags)  # experts_on_mesh.py: --ep, with common/moe.py's --moe-experts
     add_pipeline_flags(parser)  # step 9's --schedule, --virtual-stages and --micro-batches
 
 
@@ -98,6 +103,7 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
         )
     if cp > 1:
         check_context_on_mesh(config, cp)
+    check_experts_on_mesh(config, dp, cp, pp)
     return dp, check_pipeline(config, pp, flag="--pp")
 
 
@@ -137,6 +143,8 @@ def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
     9's at tp = 1); with --cp, context-parallel over the cp group (rule 5); its blocks recomputed in backward as
     --activation-checkpointing says. Pass ``model`` and keep no reference to it: the rank keeps its stage only."""
     shapes = {name: p.shape for name, p in model.named_parameters()}
+    if mesh.experts:  # rule 6: this rank's experts, dispatched over the ep group
+        experts_on_mesh(model, mesh, config)
     if mesh.tp > 1:
         reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
         model = parallelize_gpt2(model, group=mesh.tp_group, reduce_dtype=reduce_dtype)
@@ -200,29 +208,39 @@ class BytesByAxis:
 
     def take(self, axis: str) -> dict:
         """What was counted since the last take, added to ``axis`` (the pipeline's point-to-point to ``pp``, the
-        ring's sends to ``cp``, whatever ``axis``); returns the counts so far, by axis (plain dicts: a record's)."""
+        ring's sends and routing counts to ``cp``, the experts' all-to-alls to ``ep``, whatever ``axis``);
+        returns the counts so far, by axis (plain dicts: a record's)."""
         for kind, count in take_comm_bytes().items():
-            counts = self.counts[
-                "pp" if kind.startswith("p2p") else "cp" if kind == "send" else axis
-            ]
+            to = (
+                "pp"
+                if kind.startswith("p2p")
+                else "cp"
+                if kind in ("send", "routing counts")
+                else axis
+            )
+            counts = self.counts.setdefault("ep" if kind == "all_to_all" else to, {})
             counts[kind] = counts.get(kind, 0) + count
         return self.counts
 
 
-def counted_once(named: list, mesh) -> list:
+def counted_once(named: list, mesh, plane: bool = False) -> list:
     """The tensors whose squares add up to the whole model's (or gradient's) across the mesh: TP shards on every
-    tp rank, replicated ones on tp rank 0 only, the tie's copy on the last stage not at all."""
+    tp rank, replicated ones on tp rank 0 only, the tie's copy on the last stage not at all; with experts, the
+    dense tensors on the ep group's first rank only (experts_on_mesh.py's rule 6), unless ``plane``: each rank's
+    slices of them, added over the dp x cp plane too (ZeRO-2: zero_stages.py's rule 4)."""
+    first_of_ep = plane or mesh.experts is None or mesh.experts.ep_rank == 0
     return [
         p
         for n, p in named
         if (is_sharded(p) or mesh.tp_rank == 0)
         and not (n == "transformer.wte.weight" and mesh.pp_rank > 0)
+        and (first_of_ep or is_expert(n))
     ]
 
 
 def gather_full_model(stage, named: list, mesh) -> dict:
-    """Every parameter whole, by name, on every rank: the tp shards all-gathered (step 8), the stages' parts
-    then gathered over the pp group (step 9)."""
+    """Every parameter whole, by name, on every rank: the tp shards all-gathered (step 8), the other experts
+    over the ep group (step 12), the stages' parts then gathered over the pp group (step 9)."""
     full = gather_full_parameters(stage, group=mesh.tp_group)  # by the stage module's names
     name_of = {n: name for (n, _), (name, _) in zip(stage.named_parameters(), named)}
     mine = {
@@ -231,42 +249,53 @@ def gather_full_model(stage, named: list, mesh) -> dict:
         if not (name_of[n] == "transformer.wte.weight" and mesh.pp_rank > 0)
     }
     stages = [None] * mesh.pp
-    dist.all_gather_object(stages, mine, group=mesh.pp_group)
+    dist.all_gather_object(stages, gather_experts(mine, mesh), group=mesh.pp_group)
     return {n: t for part in stages for n, t in part.items()}
 
 
 class MeshShards:
     """checkpoint.py's part for a rank of the mesh (rule 4): its TP/PP shard of the parameters, as step 8 gives it
-    (one box of each whole tensor), and its ZeRO-1 slices of that shard's AdamW state (step 5's flat ranges, a few
-    boxes each): no gather. dp replicas write the same boxes, once; the tie's copy on the last stage is not saved
-    (its ZeRO-1 slices are cut with that stage's other parameters: other boxes). Any step reads it at any mesh."""
+    (one box of each whole tensor), and the slices each of its ZeRO optimisers steps of that shard's AdamW state
+    (step 5's flat ranges, a few boxes each; --zero 0: all of it; with experts, the dense optimiser's and the
+    experts', experts_on_mesh.py's rule 5): no gather. Every copy of a tensor writes the same boxes (dp x cp
+    replicas, an expert's copies, tp ranks' replicated tensors), which DCP writes once; the tie's copy on the last
+    stage is not saved (its slices are cut with that stage's other parameters: other boxes). Any step reads it at
+    any mesh, ep and --zero stage."""
 
     per_rank = True
 
     def __init__(self, named: list, optimizer, mesh):
-        self.named, self.optimizer, self.mesh = named, optimizer, mesh
+        self.named, self.mesh = named, mesh
+        # the ZeRO optimisers: itself, or DenseAndExperts's two (experts_on_mesh.py)
+        self.optimizers = getattr(optimizer, "parts", [optimizer])
         self.saved = [
             (n, p) for n, p in named if n != "transformer.wte.weight" or mesh.pp_rank == 0
         ]
 
-    def places(self, named: list) -> list:
-        """The local optimiser's parameters, flat slices of the TP shards ``named`` holds (None: another's)."""
+    @staticmethod
+    def places(optimizer, named: list) -> list:
+        """``optimizer``'s local parameters, flat slices of the TP shards ``named`` holds (None: another's)."""
         name_of = {p: n for n, p in named}
         return [
             (name_of[piece.param], place_of(piece.param)._replace(start=piece.start))
             if piece.param in name_of
             else None
-            for piece in self.optimizer.pieces
+            for piece in optimizer.pieces
         ]
 
     def checkpoint_state(self) -> dict:
-        return {
-            **model_state([(n, p, place_of(p)) for n, p in self.saved]),
-            **optimizer_state(self.optimizer.local_optimizer, self.places(self.saved)),
-        }
+        state = model_state([(n, p, place_of(p)) for n, p in self.saved])
+        for optimizer in self.optimizers:
+            state.update(
+                optimizer_state(optimizer.local_optimizer, self.places(optimizer, self.saved))
+            )
+        return state
 
     def load_checkpoint(self, checkpoint) -> None:
-        """This rank's TP shard of every parameter (the tie's copy too), then its ZeRO-1 slices of that shard's AdamW
-        state, out of any step's checkpoint at any mesh."""
+        """This rank's TP shard of every parameter (the tie's copy too, its experts by their names), then each
+        optimiser's slices of that shard's AdamW state, out of any step's checkpoint at any mesh."""
         load_model(checkpoint, [(n, p, place_of(p)) for n, p in self.named])
-        load_optimizer(checkpoint, self.optimizer.local_optimizer, self.places(self.named))
+        for optimizer in self.optimizers:
+            load_optimizer(
+                checkpoint, optimizer.local_optimizer, self.places(optimizer, self.named)
+            )

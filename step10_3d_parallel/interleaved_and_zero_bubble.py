@@ -1,10 +1,9 @@
 """The schedules beyond 1F1B: interleaved 1F1B (virtual stages), zero bubble (a split backward).
 
-Named for the two schedules it holds, not ``schedules.py``: GPipe and 1F1B, the schedules a learner
-meets first, stay in pipeline.py with the ``Pipeline`` that runs them; these two are second ideas,
-each shrinking the bubble 1F1B leaves. Each schedule is a pure function from (stage, stages,
-micro-batches) to the stage's action list, which pipeline.py's ``schedule_actions`` returns and
-``Pipeline.run`` follows; ``BackwardSplit`` is zero bubble's B and W, which ``Pipeline`` calls.
+Named for the two schedules it holds: GPipe and 1F1B, the schedules a learner meets first, are in
+pipeline_schedules.py; these two are second ideas, each shrinking the bubble 1F1B leaves. Each
+schedule is a pure function from (stage, stages, micro-batches) to the stage's action list, which
+pipeline_schedules.py's ``schedule_actions`` returns and ``Pipeline.run`` (pipeline.py) follows; ``BackwardSplit`` is zero bubble's B and W, which ``Pipeline`` calls.
 
 1. **Interleaved 1F1B** (Narayanan et al. 2021): the model cut into P x V chunks, rank r holding
    chunks r, r + P, ..., so a micro-batch loops through the ranks V times; micro-batches go in

@@ -32,10 +32,21 @@ sequences, and the ranks that hold the same shard of the same stage in the other
    (ZeRO-1) run over the plane of ranks that differ in dp or cp (``dp_cp_group``, Megatron-LM's "data
    parallel group with context parallel"), the sampler over dp alone. At cp = 1 that plane is the dp
    group, and no other group is created.
+6. **Experts inside the dp x cp plane** (``--ep D``, step 12's expert_parallel.py). An MoE layer's experts are
+   split over D ranks that hold the same stage and tp shard, drawn from the dp x cp plane as Megatron-LM folds
+   expert parallelism into "data parallel x context parallel" and torchtitan takes its ep from the data and
+   context axes: the ranks of a plane already hold different tokens of the same dense weights, so sending
+   tokens between them to their experts costs no other layout. The plane, ``W = dp * cp`` ranks in dp x cp
+   order (cp varying fastest), is cut into W/D blocks of D consecutive ranks, step 12's ``Groups`` with the
+   plane for the world: ``arange(world).view(pp, W // D, D, tp)``, the ep group a line along the third
+   dimension, an expert's copies (its gradient's group) along the second. The ep group sits next to tp in
+   rank order, the nearest ranks tp leaves: its all-to-alls run twice a layer, forward and backward, with
+   nothing to overlap them (at cp = D it is the ring itself). At D = W = world, step 12's groups exactly.
 
 ``torch.distributed.device_mesh.init_device_mesh("cpu", (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp",
-"tp"))`` builds the same groups, and ``mesh["dp", "cp"]._flatten()`` the dp x cp plane (the tests check them
-rank by rank); it is what to use in your own code. This file shows what it does.
+"tp"))`` builds the same groups, and ``mesh["dp", "cp"]._flatten()`` the dp x cp plane; ``(pp, W // D, D, tp)``
+the experts' (the tests check them rank by rank); it is what to use in your own code. This file shows what
+it does.
 """
 
 import itertools
@@ -45,6 +56,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from config import UserError
+from expert_parallel import Groups
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first: the order of the array's dimensions
 
@@ -122,45 +134,59 @@ class DeviceMesh(NamedTuple):
     cp_group: object = None
     dp_cp_rank: int = 0
     dp_cp_group: object = None
+    experts: Groups = (
+        None  # an MoE model's: the ep group and the experts' copies (rule 6); None for a dense one
+    )
+
+    @property
+    def ep(self) -> int:
+        return self.experts.ep_size if self.experts else 1
 
     def record(self) -> dict:
         """The degrees, as a run's record keeps them (compare/parity.py reads the global batch from them)."""
+        experts = (
+            {"ep": self.ep, "experts": "D consecutive ranks of dp x cp"} if self.experts else {}
+        )
         return {
             "data_parallel_size": self.dp,
             "context_parallel_size": self.cp,
             "tensor_parallel_size": self.tp,
             "pipeline_stages": self.pp,
+            **({"expert_parallel_size": self.ep} if self.experts else {}),
             "mesh": {
                 "pp": self.pp,
                 "dp": self.dp,
                 "cp": self.cp,
                 "tp": self.tp,
                 "order": "pp, dp, cp, tp (tp innermost)",
+                **experts,
             },
         }
 
 
 def build_mesh(
-    dp: int, tp: int, pp: int, timeout_s: float | None = None, cp: int = 1
+    dp: int, tp: int, pp: int, timeout_s: float | None = None, cp: int = 1, ep: int | None = None
 ) -> DeviceMesh:
     """Create the axes' process groups (every rank calls this, with the same degrees) and return this rank's place
     in them. The default process group must exist; ``dp * cp * tp * pp`` must be its size. ``timeout_s``: how
     long a collective on these groups waits for a peer; pass the default group's, or a new group waits torch's
-    default 30 minutes for a rank that died. cp = 1 creates no cp or dp x cp group (rule 5)."""
+    default 30 minutes for a rank that died. cp = 1 creates no cp or dp x cp group (rule 5). ``ep``: an MoE
+    model's expert-parallel degree, dividing dp * cp (rule 6; 1: every expert on every rank); None: a dense model."""
     check_mesh(dp, tp, pp, dist.get_world_size(), cp)
     rank = dist.get_rank()
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
     axes = ("tp", "dp", "pp") + (("cp", ("dp", "cp")) if cp > 1 else ())
     mine = {}
     for axis in axes:  # the same order on every rank: new_group is a collective
         for ranks in axis_groups(axis, dp, tp, pp, cp):
-            group = dist.new_group(
-                ranks, timeout=timedelta(seconds=timeout_s) if timeout_s else None
-            )
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine[axis] = ranks, group
     at = coordinates(rank, dp, tp, pp, cp)
     ring = mine.get("cp", ([rank], None))
     dp_cp = mine.get(("dp", "cp"), mine["dp"])
+    planes = axis_groups(("dp", "cp"), dp, tp, pp, cp)  # rule 6: each cut into blocks of ep
+    experts = None if ep is None else Groups(ep, planes, data=dp_cp[1], timeout=timeout)
     return DeviceMesh(
         dp,
         tp,
@@ -180,4 +206,5 @@ def build_mesh(
         cp_group=ring[1],
         dp_cp_rank=at["dp"] * cp + at["cp"],
         dp_cp_group=dp_cp[1],
+        experts=experts,
     )

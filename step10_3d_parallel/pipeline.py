@@ -2,8 +2,9 @@
 
 Steps 1-7 replicated (or sharded) the *whole* model on every rank and split the *batch*: every rank
 ran every layer. Here the *layers* are split: rank s holds stage s (a run of consecutive blocks; the
-embedding with the first stage, the final norm and the output layer with the last), and a batch
-flows through the ranks as micro-batches. Here:
+embedding with the first stage, the final norm and the output layer with the last: our GPT-2's
+stages are pipeline_stages.py, read before this file), and a batch flows through the ranks as
+micro-batches. Here:
 
 1. **Point-to-point, shapes known in advance.** A stage sends its output activation to the next
    stage (``isend``) and receives the gradient of that activation back; the next stage receives into
@@ -13,14 +14,12 @@ flows through the ranks as micro-batches. Here:
    stage never blocks on a peer that is itself blocked sending to it; receives block, within the
    process group's timeout (a dead or frozen stage ends the job, never hangs it). Over gloo a
    message between GPUs goes through host memory: host_staging.py.
-2. **Two schedules.** ``gpipe``: every micro-batch forward, then every backward (M micro-batches of
-   activations held at once). ``1f1b``: stage s runs P - s - 1 forwards (warm-up), then alternates
-   one forward and one backward, then the remaining backwards (at most P - s micro-batches held).
-   Idle time per stage, the bubble, is (P - 1) / (M + P - 1) of the step in both; 1F1B saves
-   memory. Both run the backwards in micro-batch order 0, 1, ..., M - 1, which is the order one
-   process accumulating M micro-batches adds their gradients in: so every ``.grad`` holds the same
-   bits. Two more schedules shrink the bubble, interleaved 1F1B and zero bubble:
-   interleaved_and_zero_bubble.py, read after this file.
+2. **A schedule, followed.** ``run`` does what ``schedule_actions`` lists for this stage, in
+   order: forwards, backwards (and zero bubble's weight gradients) of numbered micro-batches. The
+   schedules are pure functions: GPipe and 1F1B in pipeline_schedules.py, read before this file;
+   interleaved 1F1B and zero bubble, which shrink the bubble, in interleaved_and_zero_bubble.py,
+   read after it. Every one runs the backwards in micro-batch order, as one process accumulates:
+   every ``.grad`` holds the same bits.
 3. **The tied embedding, combined per micro-batch.** GPT-2's token embedding is also its output
    layer: the first stage holds it, the last a copy. The last stage sends its gradient contribution
    of each micro-batch to the first, which adds it before accumulating, as one process adds the two;
@@ -43,83 +42,11 @@ from torch import nn
 from comm_accounting import count_collective
 from dropout_replay import RandomStream
 from host_staging import host_staged
-from interleaved_and_zero_bubble import BackwardSplit, interleaved_actions, zero_bubble_actions
-from model import GPT2
+from interleaved_and_zero_bubble import BackwardSplit
+from pipeline_schedules import SCHEDULES, schedule_actions
 from tied_embedding import TiedGradient
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 CPU = torch.device("cpu")
-
-
-def stage_blocks(n_blocks: int, num_stages: int) -> list[range]:
-    """The blocks of each stage: consecutive, as even as can be (the first stages take one more)."""
-    base, extra = divmod(n_blocks, num_stages)
-    starts = [s * base + min(s, extra) for s in range(num_stages + 1)]
-    return [range(starts[s], starts[s + 1]) for s in range(num_stages)]
-
-
-class GPT2Stage(nn.Module):
-    """Stage ``stage`` of ``num_stages`` of our ``GPT2`` (model.py), under the model's own names.
-
-    A slice of the model's block list: the first stage maps token ids to hidden states (``embed``:
-    token and position embeddings, dropout; then its blocks), the middle ones hidden states to
-    hidden states, the last hidden states to logits (its blocks, then ``head``: final norm, output
-    layer).
-    The modules are the model's own, the blocks keyed by their index in the model, so a stage's
-    ``named_parameters()`` are the model's names (``transformer.h.3.mlp.c_fc.weight``). With more
-    than one stage the last stage's output layer gets a copy of the tied embedding:
-    ``tied_parameter``.
-    """
-
-    def __init__(self, model, stage: int, num_stages: int):
-        super().__init__()
-        self.config, self.stage, self.num_stages = model.config, stage, num_stages
-        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        source, self.transformer = model.transformer, nn.Module()
-        if self.is_first:
-            self.transformer.wte, self.transformer.wpe = source.wte, source.wpe
-            self.transformer.drop = source.drop
-        blocks = stage_blocks(len(source.h), num_stages)[stage]
-        self.transformer.h = nn.ModuleDict({str(i): source.h[i] for i in blocks})
-        tied = None
-        if self.is_last:
-            self.transformer.ln_f = source.ln_f
-            # On the meta device: a new Linear would draw its weight from dropout's generator.
-            self.lm_head = nn.Linear(
-                model.lm_head.in_features, model.lm_head.out_features, bias=False, device="meta"
-            )
-            if self.is_first:  # one stage: the model's own tie
-                self.lm_head.weight = source.wte.weight
-            else:
-                self.lm_head.weight = tied = nn.Parameter(model.lm_head.weight.detach().clone())
-        if self.is_first and num_stages > 1:
-            tied = source.wte.weight
-        self._tied = (tied,)  # in a tuple: as an attribute it would be registered under a new name
-
-    @property
-    def tied_parameter(self) -> nn.Parameter | None:
-        """The copy of the tied embedding this stage holds, on the first and the last stage."""
-        return self._tied[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``GPT2.forward``'s ops for this stage's part, in its order: in turn the stages compute
-        the model."""
-        if self.is_first:  # the model's own code, run on the modules this stage holds
-            x = GPT2.embed(self, x)
-        for block in self.transformer.h.values():
-            x = block(x)
-        if self.is_last:  # ln_f, then the output layer
-            x = GPT2.head(self, x)
-        return x
-
-    def owned_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The parameters this stage answers for, by the model's names: the tied embedding counts
-        once, on the first stage (the last stage's copy is not a parameter of the model)."""
-        return [
-            (name, p)
-            for name, p in self.named_parameters()
-            if not (p is self.tied_parameter and not self.is_first)
-        ]
 
 
 def message_tag(to_stage: int, gradient: bool) -> int:
@@ -128,35 +55,6 @@ def message_tag(to_stage: int, gradient: bool) -> int:
     its own messages in micro-batch order whatever else the sender sent between them (a rank with V
     chunks talks to its neighbour for several of them). 1 is the tie's (tied_embedding.py)."""
     return 2 + 2 * to_stage + int(gradient)
-
-
-def schedule_actions(
-    schedule: str, stage: int, num_stages: int, micro_batches: int, chunks: int = 1
-) -> list[tuple]:
-    """What stage ``stage`` does, in order: ``("F", i)`` forward of micro-batch i, ``("B", i)`` its
-    backward; interleaved ``("F", i, v)`` and ``("B", i, v)``, through this rank's chunk v of
-    ``chunks``; zero bubble also ``("W", i)`` (interleaved_and_zero_bubble.py)."""
-    if schedule == "interleaved-1f1b":
-        return interleaved_actions(stage, num_stages, micro_batches, chunks)
-    if schedule == "zero-bubble":
-        return zero_bubble_actions(stage, num_stages, micro_batches)
-    forwards = [("F", i) for i in range(micro_batches)]
-    backwards = [("B", i) for i in range(micro_batches)]
-    if schedule == "gpipe":
-        return forwards + backwards
-    if schedule != "1f1b":
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    warmup = min(num_stages - stage - 1, micro_batches)  # in flight before the first backward comes
-    steady = [action for pair in zip(forwards[warmup:], backwards) for action in pair]
-    return forwards[:warmup] + steady + backwards[micro_batches - warmup :]
-
-
-def ideal_bubble(schedule: str, num_stages: int, micro_batches: int, chunks: int = 1) -> float:
-    """The idle fraction of a stage in the ideal schedule, a backward twice a forward: (P - 1) /
-    (M + P - 1) for GPipe and 1F1B, (P - 1) / (V M + P - 1) interleaved, (P - 1) / (3 M + P - 1)
-    zero bubble (B = W = F; M >= P)."""
-    work = {"interleaved-1f1b": chunks, "zero-bubble": 3}.get(schedule, 1) * micro_batches
-    return (num_stages - 1) / (work + num_stages - 1)
 
 
 class Pipeline:

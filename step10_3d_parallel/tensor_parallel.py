@@ -303,7 +303,10 @@ def parallelize_gpt2(model, group=None, reduce_dtype=None):
     for name, style in tensor_parallel_plan(len(model.transformer.h)).items():
         parent, _, leaf = name.rpartition(".")
         module = model.get_submodule(parent)
-        setattr(module, leaf, style.from_full(getattr(module, leaf), group, reduce_dtype))
+        if hasattr(
+            module, leaf
+        ):  # a mixture of experts has no mlp.c_fc: its experts stay whole (step 10)
+            setattr(module, leaf, style.from_full(getattr(module, leaf), group, reduce_dtype))
     for block in model.transformer.h:  # rule 7: this rank's heads of one process's mask
         block.attn.attn_dropout = ShardDropout(cfg.dropout, group)
     # one Parameter: its gradient sums both uses, as in GPT-2

@@ -1,14 +1,19 @@
 """Step 10: data, tensor and pipeline parallelism at once, on one device mesh (mesh.py). Grown from step 9's train.py.
 
 A pp x dp x tp mesh: each pipeline stage (step 9) tensor-parallel over its tp group (step 8); the dp replicas of a
-stage read their own samples (step 2), average gradients (step 3), shard AdamW's state (step 5). With --cp, a
-fourth axis: each sequence split over a ring of cp ranks (step 11), replicas to the gradients. Bitwise: README.
+stage read their own samples (step 2), average gradients (step 3), shard AdamW's state (step 5; --zero 0: not, 2: the
+gradients too, as step 6: zero_stages.py). With --cp, a
+fourth axis: each sequence split over a ring of cp ranks (step 11), replicas to the gradients. With --moe-experts,
+step 12's experts: --ep D splits them over D ranks of the dp x cp plane (experts_on_mesh.py). Bitwise: README.
 
     torchrun --standalone --nproc_per_node=4 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 1
     torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 2 --steps 2
     torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --cp 2 --tp 2 --pp 2 --steps 2
+    torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --cp 2 --tp 2 --ep 2 \
+        --moe-experts 4 --steps 2
 """
 
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -29,23 +34,29 @@ from composition import (
 )
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
+from experts_on_mesh import DenseAndExperts, moe_record_on_mesh, norm_groups
 from mesh import build_mesh
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
-from naive_dp import allreduce_gradients
+from moe import add_moe_flags, check_moe, moe_model, take_moe_record
 from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
 from training import (
-    adamw_options,
-    adamw_param_groups,
     check_amp,
     clip_grad_norm,
     make_grad_scaler,
     make_scheduler,
     param_norm,
 )
-from zero1 import ShardedOptimizer
+from zero_stages import (
+    add_zero_flag,
+    average_gradients,
+    check_zero,
+    gradient_shards,
+    norm_terms,
+    optimizer_factory,
+)
 
 STEP = Path(__file__).resolve().parent.name
 
@@ -54,8 +65,9 @@ def train_step(
     pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh
 ) -> tuple:
     """One optimiser step on this replica's ``micro_batches``, through the pipeline ``--micro-batches`` at a time;
-    this shard's gradients averaged over dp, unscaled, clipped with the whole gradient's norm, applied (ZeRO-1 over
-    dp x cp). Returns the losses' sum (the last stage's), the gradient norm, this rank's memory, the bytes by axis."""
+    this shard's gradients averaged over dp x cp, unscaled, clipped with the whole gradient's norm, applied (ZeRO
+    --zero over dp x cp: zero_stages.py). Returns the losses' sum (the last stage's), the gradient norm, this
+    rank's memory, the bytes by axis."""
     accum = len(micro_batches)
     in_flight = config["micro_batches"] or accum
     loss_sum = torch.zeros((), device=device)
@@ -74,29 +86,29 @@ def train_step(
     finish_gradient_synchronization(pipe)
     # the bytes sent so far: over tp inside the stages, point-to-point over pp
     comm = BytesByAxis("tp")
-    # the replicas of this shard average their gradients (sum, then divide: step 3)
-    if mesh.dp * mesh.cp > 1:
-        allreduce_gradients(
-            pipe.module, reduce_dtype=getattr(torch, config["reduce_dtype"]), group=mesh.dp_cp_group
-        )
+    # the replicas of this shard average their gradients (sum, then divide: step 3): all-reduced, or with --zero 2
+    # reduce-scattered, each rank keeping its slice (zero_stages.py)
+    accumulated = average_gradients(
+        pipe.module, optimizer, mesh, getattr(torch, config["reduce_dtype"])
+    )
     comm.take("dp")
 
     scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(
-        [p for _, p in named],
-        config["grad_clip"],
-        [mesh.tp_group, mesh.pp_group],
-        # the whole gradient's
-        counted=counted_once(named, mesh),
-        device=device,
-    )
-    comm.take("norms")  # its sums of squares, over tp then pp (the parameter norm's: main())
-    # this rank's 1/(dp cp) of its shard's elements, then all-gathered over dp x cp
+    params, counted, groups = norm_terms(named, optimizer, mesh)  # the whole gradient's
+    grad_norm = clip_grad_norm(params, config["grad_clip"], groups, counted=counted, device=device)
+    comm.take("norms")  # its sums of squares, over tp, pp (and ep; with --zero 2, dp x cp first)
+    # this rank's 1/(dp cp) of its shard's elements (--zero 0: all of them), then all-gathered over dp x cp
     scaler.step(optimizer)
     scaler.update()
     comm.take("dp")  # ZeRO-1's all-gather
     memory = memory_stats(
-        (p for _, p in named), optimizer, device, micro_batches_in_flight=pipe.take_peak_in_flight()
+        (p for _, p in named),
+        optimizer,
+        device,
+        gradient_shards(optimizer),  # --zero 2: this rank's slices; else every param.grad
+        micro_batches_in_flight=pipe.take_peak_in_flight(),
+        # --zero 2: the whole gradient the micro-batches added up before the reduce-scatter freed it
+        **({"accumulated_grads": accumulated} if accumulated is not None else {}),
     )
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory, comm
@@ -108,7 +120,11 @@ def main():
     distributed.add_flags(parser)
     add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_mesh_flags(parser)
+    add_moe_flags(parser)
+    add_zero_flag(parser)  # --zero 0|1|2 (zero_stages.py)
     config = parse_config(parser)
+    check_zero(config)
+    check_moe(config)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"], config["deterministic"])
@@ -121,7 +137,12 @@ def main():
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None
     device = distributed.join(world, config["timeout_s"])  # this rank's device
     mesh = build_mesh(
-        dp, config["tp"], config["pp"], timeout_s=config["timeout_s"], cp=config["cp"]
+        dp,
+        config["tp"],
+        config["pp"],
+        timeout_s=config["timeout_s"],
+        cp=config["cp"],
+        ep=config["ep"] if config["moe_experts"] else None,
     )
 
     # ---- data, model, optimiser ----------------------------------------------------------------
@@ -131,15 +152,24 @@ def main():
     )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
     # The same whole model on every rank (the seed's), tensor-parallel over tp, cut into stages over pp: rank keeps one.
+    # With --moe-experts, every rank builds every expert, then keeps its own (experts_on_mesh.py).
     stage, named, pipe, shapes = parallelize_on_mesh(
-        build_model(config, corpus.vocab_size, config["seed"]), mesh, config, device
+        moe_model(build_model(config, corpus.vocab_size, config["seed"]), config),
+        mesh,
+        config,
+        device,
     )
-    optimizer = ShardedOptimizer(
-        adamw_param_groups(named, config),
-        torch.optim.AdamW,
-        process_group=mesh.dp_cp_group,
-        # ZeRO-1 over dp x cp: AdamW's state for a slice
-        **adamw_options(config),
+    take_moe_record(stage)  # forget the tokens dropout's recording run routed
+    # ZeRO --zero over dp x cp: AdamW's state for a slice (zero_stages.py)
+    sharded = optimizer_factory(
+        config, timedelta(seconds=config["timeout_s"]) if config["timeout_s"] else None
+    )
+    optimizer = (
+        DenseAndExperts(
+            named, config, mesh, sharded
+        )  # the dense and the expert parameters, each kind's
+        if mesh.experts
+        else sharded(named, mesh.dp_cp_group)
     )
     scheduler = make_scheduler(optimizer, config)
     # disabled (no fp16 here): kept for the checkpoint's format
@@ -177,18 +207,18 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
+        # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp x cp
+        # (a cp rank's loss is the mean over its positions, as many on every rank).
+        loss = distributed.mean_over_ranks(
+            pipe.from_last_stage(loss_sum, mesh.pp_group), accum, mesh.dp_cp_group
+        )
         log.log(
             {
                 "step": step + 1,
-                # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp x cp
-                # (a cp rank's loss is the mean over its positions, as many on every rank).
-                "loss": distributed.mean_over_ranks(
-                    pipe.from_last_stage(loss_sum, mesh.pp_group), accum, mesh.dp_cp_group
-                ),
+                # an MoE run's rounded to float32, as step 12 (and step 0) round theirs
+                "loss": torch.tensor(loss).float().item() if mesh.experts else loss,
                 "grad_norm": grad_norm.item(),
-                "param_norm": param_norm(
-                    counted_once(named, mesh), [mesh.tp_group, mesh.pp_group], device
-                ),
+                "param_norm": param_norm(counted_once(named, mesh), norm_groups(mesh), device),
                 "lr": lr,
                 "tokens_per_s": tokens_per_step / step_time["wall_s"],
                 "effective_batch_size": config["micro_batch_size"] * accum * dp,
@@ -196,6 +226,8 @@ def main():
                 **distributed.gather_per_rank(
                     memory=memory, step_time=step_time, comm=comm.take("norms")
                 ),
+                # the experts' load and each rank's all-to-all notes, as step 12's
+                **(moe_record_on_mesh(stage, mesh) if mesh.experts else {}),
             }
         )
         # a SIGTERM reached a rank: every rank stops after this step
@@ -214,7 +246,17 @@ def main():
         shape, axes = (mesh.pp, dp, mesh.cp, mesh.tp), "pp x dp x cp x tp"
         if mesh.cp == 1:  # three axes, as before --cp
             shape, axes = (mesh.pp, dp, mesh.tp), "pp x dp x tp"
-        log.finish(final, f" on a {' x '.join(map(str, shape))} ({axes}) mesh ({world.backend})")
+        experts = f", experts over ep {mesh.ep}" if mesh.experts else ""
+        # the default, ZeRO-1, unsaid
+        zero = (
+            f", {('DDP', '', 'ZeRO-2')[config['zero']]} over {'dp x cp' if mesh.cp > 1 else 'dp'}"
+            if config["zero"] != 1
+            else ""
+        )
+        log.finish(
+            final,
+            f" on a {' x '.join(map(str, shape))} ({axes}) mesh{experts}{zero} ({world.backend})",
+        )
     distributed.shutdown()
 
 

@@ -12,22 +12,27 @@ between, the experts' compute, is replaced. In the order a token travels, for on
 3. **Dispatch**: ``all_to_all_single`` of the tokens themselves, with those uneven splits. What arrives is laid out
    by source, and within a source by expert.
 4. **Expert compute**: each local expert's MLP on each source's slots, **one product per (source, expert)**: the
-   product one process would compute for that micro-batch, so the bits are the same (a GEMM over two sources'
-   rows concatenated would sum differently: DESIGN.md's measurement).
+   product one process would compute for that micro-batch, so the bits are the same. A GEMM over two sources'
+   rows concatenated would sum the weight gradient over the rows otherwise (tests/test_expert_parallel.py
+   measures it on your CPU; docs/parity.md has the numbers).
 5. **Combine**: a second ``all_to_all_single``, splits swapped, brings the outputs home, in the order they left;
    moe.py unpermutes them and sums each token's k outputs with its router weights.
 6. **Backward**: each all-to-all's gradient is the all-to-all the other way (``_AllToAll``, Megatron's
    mappings.py style); counts need none.
 7. **Gradients**: dense parameters are data-parallel over all W ranks: all-reduce, divide by W. An expert's copies
    live on W/D ranks (one per expert-parallel group); its gradient already holds the slots of D ranks' micro-
-   batches, so it is summed over its W/D copies and divided by W too: the mean over the global batch.
+   batches, so it is summed over its W/D copies and divided by W too: the mean over the global batch. (Autograd
+   adds an expert's D products the last source's first; with 3 or more terms that is another order than one
+   process's: docs/parity.md, "Where 4 ranks sum otherwise than step 0".)
 
 8. **A frozen peer**: gloo's uneven all-to-all (its alltoallv) waits for a frozen peer's rows with no timeout of its
    own (measured 2026-12-02, torch 2.13: the other rank waited forever), so each all-to-all here is waited on with
    the group's timeout, and fails in the words of gloo's other timeouts (collective_failures.py explains them).
 
 Groups: ranks [g*D, (g+1)*D) form expert-parallel group g; ranks with the same ``rank % D`` hold the same experts.
-Every all-to-all's bytes are counted (``comm_accounting``) and noted per layer and micro-batch in ``traffic``.
+(Step 10 cuts each of its dp x cp planes the same way: ``planes``, the lists of ranks that hold the same dense
+parameters; here one plane, every rank.) Every all-to-all's bytes are counted (``comm_accounting``) and noted per
+layer and micro-batch in ``traffic``.
 """
 
 from datetime import timedelta
@@ -40,19 +45,26 @@ from comm_accounting import count_collective
 
 class Groups:
     """This rank's two groups: ``ep`` (the D ranks that split the experts) and ``replicas`` (the W/D ranks that hold
-    the same experts). ``dist.new_group`` is collective: every rank creates every group, in the same order."""
+    the same experts). ``dist.new_group`` is collective: every rank creates every group, in the same order.
 
-    def __init__(self, ep: int):
-        world, rank = dist.get_world_size(), dist.get_rank()
-        self.ep_size, self.ep_rank, self.world_size = ep, rank % ep, world
-        for g in range(world // ep):
-            group = dist.new_group(list(range(g * ep, (g + 1) * ep)))
-            if rank // ep == g:
-                self.ep = group
-        for q in range(ep):
-            group = dist.new_group(list(range(q, world, ep)))
-            if rank % ep == q:
-                self.replicas = group
+    ``planes``: lists of the W ranks that hold the same dense parameters, each cut as above (default: one plane,
+    every rank); ``data``: this rank's plane as a process group (default: every rank); ``timeout``: the new groups'."""
+
+    def __init__(self, ep: int, planes: list | None = None, data=None, timeout=None):
+        rank, self.data = dist.get_rank(), data
+        planes = planes or [list(range(dist.get_world_size()))]
+        plane = next(ranks for ranks in planes if rank in ranks)
+        self.ep_size, self.ep_rank, self.world_size = ep, plane.index(rank) % ep, len(plane)
+        for ranks in planes:
+            for g in range(len(ranks) // ep):
+                group = dist.new_group(ranks[g * ep : (g + 1) * ep], timeout=timeout)
+                if rank in ranks[g * ep : (g + 1) * ep]:
+                    self.ep = group
+        for ranks in planes:
+            for q in range(ep):
+                group = dist.new_group(ranks[q::ep], timeout=timeout)
+                if rank in ranks[q::ep]:
+                    self.replicas = group
 
 
 def local_experts_of(n_experts: int, ep_size: int, ep_rank: int) -> range:
@@ -167,7 +179,8 @@ def is_expert(name: str) -> bool:
 
 
 def reduce_gradients(model, groups: Groups, reduce_dtype: torch.dtype = torch.float32) -> None:
-    """Rule 7: dense gradients summed over all ranks, expert gradients over their copies; both divided by W.
+    """Rule 7: dense gradients summed over all ranks (``groups.data``), expert gradients over their copies; both
+    divided by W.
 
     Each group's gradients go in one flat buffer and one all-reduce (step 4's bucket, without its hooks): a
     collective per tensor would pay gloo's fixed cost per call once per parameter, dozens of times a step."""
@@ -176,7 +189,7 @@ def reduce_gradients(model, groups: Groups, reduce_dtype: torch.dtype = torch.fl
     experts = [p for name, p in named if is_expert(name)]
     # --ep = world size: each expert on one rank only, nothing to add up
     alone = dist.get_world_size(groups.replicas) == 1
-    for params, group in ((dense, None), (experts, groups.replicas)):
+    for params, group in ((dense, groups.data), (experts, groups.replicas)):
         if not params:
             continue
         flat = torch.cat([p.grad.flatten().to(reduce_dtype) for p in params])

@@ -60,6 +60,7 @@ RESUMABLE_KEYS = (
     "fp8",
     "ep",
     "activation_checkpointing",
+    "zero",
 )
 # may change with the world size, the product kept
 BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from zero3 import SHARDED
+from zero3_units import SHARDED
 
 COLORS = {
     "forward": "tab:blue",

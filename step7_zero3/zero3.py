@@ -2,15 +2,12 @@
 
 Step 6 still kept every parameter on every rank; here:
 
-1. **Units.** The model is cut into units: the submodules given (GPT-2's blocks) and one root unit for
-   every parameter no unit holds (embeddings, the tied output layer, the last LayerNorm). A parameter
-   belongs to the innermost unit that contains it; a unit left with no parameter is no unit at all. A unit's parameters are laid end to end in one flat
-   range of L elements, padded to Lp, a multiple of N; rank r keeps [r*Lp/N, (r+1)*Lp/N) (step 5's
-   slices), and one layout serves parameters, gradients and optimiser state alike.
-2. **Pieces under the original names.** Every registered parameter is replaced by this rank's piece of
-   it: a 1-D ``nn.Parameter`` that views the unit's shard (0 elements where the rank owns none of it).
-   ``named_parameters()`` still says ``transformer.h.0.attn.c_q.weight``, so a plain torch optimiser
-   steps the pieces in place and weight decay, decided by name, lands where it always did.
+1. **Units.** The model is cut into units (the submodules given, GPT-2's blocks, and a root unit
+   for every other parameter). A unit's parameters are one flat range, padded to Lp, a multiple of
+   N; rank r keeps [r*Lp/N, (r+1)*Lp/N), its shard (zero3_units.py's rule 1).
+2. **Pieces under the original names.** Every parameter is replaced by this rank's piece of it, a
+   view of the unit's shard under the parameter's own name, so a plain torch optimiser steps the
+   pieces in place (zero3_units.py's rule 2).
 3. **Gather before use, free after.** A forward pre-hook all-gathers the unit's shards into one buffer
    of Lp elements and points the module's parameters at views of it; the post-hook points them back at
    the pieces and frees the buffer (its storage is resized to 0: the memory goes back to the allocator).
@@ -27,9 +24,8 @@ Step 6 still kept every parameter on every rank; here:
    forward order; backward: the one before it), so the transfer overlaps this unit's compute. Every
    read waits on its handle first. At most one reduce-scatter is in flight: the next unit's hook waits
    for it, so backward holds about two units' full gradients (plus what the collective copies), not all.
-6. **Built from nothing.** The model may be built on the meta device (no memory at all); ``init_fn(name,
-   shape)`` gives each parameter's values, one full parameter at a time, and the rank keeps its slice.
-   No broadcast: the values are a pure function of the name, so every rank agrees without talking.
+6. **Built from nothing.** The model may be built on the meta device; ``init_fn(name, shape)`` gives
+   each parameter's values, and each rank keeps its slice, no broadcast (zero3_units.py's rule 3).
 7. **Mixed precision** (``param_dtype``, as FSDP2's ``MixedPrecisionPolicy``): the float32 shards
    stay the masters, gathers and compute are 16-bit, gradients are reduced in float32
    (zero3_mixed_precision.py).
@@ -39,15 +35,14 @@ Step 6 still kept every parameter on every rank; here:
    and points each piece's ``.grad`` at its slice of the unit's gradient shard.
 
 Collectives are matched by the order they are issued in. Every rank runs the same graph, so the hooks
-fire, and launch their collectives, in the same order everywhere. Saving, loading, the full
-parameters by name and what the trainer measures: zero3_state.py. GPT-2 from step 7's flags:
-zero3_setup.py. HSDP (``mesh``: N read as the N/R ranks of a row, the gradient all-reduced across the rows):
-hsdp.py.
+fire, and launch their collectives, in the same order everywhere. The layout (rules 1, 2, 6):
+zero3_units.py, read before this file. Saving, loading, the full parameters by name and what the
+trainer measures: zero3_state.py. GPT-2 from step 7's flags: zero3_setup.py. HSDP (``mesh``: N read
+as the N/R ranks of a row, the gradient all-reduced across the rows): hsdp.py.
 """
 
 import contextlib
 import functools
-import math
 import weakref
 
 import torch
@@ -57,72 +52,7 @@ from comm_accounting import all_gather_single, count_collective, reduce_scatter_
 from hsdp import average, hybrid_mesh
 from zero3_mixed_precision import accumulate, cast_forward_inputs
 from zero3_state import FullyShardedState
-
-SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
-
-
-class Unit:
-    """Parameters gathered, freed and reduce-scattered together: one flat range of Lp elements.
-
-    ``entries``: (first name, parameter, [(module, attribute)] where it is registered: two for a tied weight).
-    Fills this rank's shard from ``value(name, param)``, one full parameter at a time, and cuts the pieces.
-    """
-
-    def __init__(self, name: str, module, entries: list, value, world_size: int, rank: int, device):
-        # world_size, rank: of the shard group (the whole world, but for HSDP: hsdp.py's rule 2)
-        self.name, self.module = name, module
-        self.names, self.registrations = [e[0] for e in entries], [e[2] for e in entries]
-        self.shapes = [param.shape for _, param, _ in entries]
-        # frozen ones get no gradient
-        self.trainable = [param.requires_grad for _, param, _ in entries]
-        self.numels = [math.prod(shape) for shape in self.shapes]
-        self.padded = -(-sum(self.numels) // world_size) * world_size  # Lp
-        size = self.padded // world_size
-        self.shard = torch.zeros(size, device=device)  # this rank's elements; the padding stays 0
-        # this rank's averaged gradient: allocated by the first reduce-scatter
-        self.grad_shard = None
-        self.slices, self.pieces, self.ranges, begin = [], [], [], 0
-        for (name, param, _), numel in zip(entries, self.numels):
-            # this rank's elements of the parameter, in the unit: [lo, hi)
-            lo = max(begin, rank * size)
-            # hi == lo: the rank owns none of it
-            hi = max(lo, min(begin + numel, (rank + 1) * size))
-            self.slices.append(slice(lo - rank * size, hi - rank * size))
-            self.ranges.append((lo - begin, hi - begin))  # the same elements, within the parameter
-            with torch.no_grad():  # the full value lives only until its slice is copied
-                self.shard[self.slices[-1]] = value(name, param).reshape(-1)[
-                    lo - begin : hi - begin
-                ]
-            self.pieces.append(
-                torch.nn.Parameter(self.shard[self.slices[-1]], requires_grad=param.requires_grad)
-            )
-            begin += numel
-        # the full-size leaf: created by the first gather, its storage freed between uses
-        self.flat = None
-        # param_dtype under no_sync: the micro-batches' gradients summed in reduce_dtype
-        self.accumulated = None
-        self.state, self.handle, self.views = SHARDED, None, None
-        self.sending = None  # param_dtype: the shard cast to 16 bits, in flight in the all-gather
-        self.work = self.output = None  # the reduce-scatter in flight and the buffer it writes
-        self.input = None  # the full gradient it reads
-
-    # shaped like the parameters; the padding left out
-    def full_views(self, flat: torch.Tensor) -> list:
-        sizes = self.numels + [self.padded - sum(self.numels)]
-        # frozen: no gradient path
-        chunks, detached = torch.split(flat, sizes), torch.split(flat.detach(), sizes)
-        return [
-            (chunk if trainable else frozen).view(shape)
-            for chunk, frozen, trainable, shape in zip(
-                chunks, detached, self.trainable, self.shapes
-            )
-        ]
-
-    def install(self, tensors: list) -> None:
-        """Make ``tensors`` (pieces, or full views) the modules' parameters (``setattr`` would refuse a view)."""
-        for tensor, where in zip(tensors, self.registrations):
-            for module, attribute in where:
-                module._parameters[attribute] = tensor
+from zero3_units import GATHERED, GATHERING, SHARDED, Unit, build_units
 
 
 class FullyShardedDP(FullyShardedState, torch.nn.Module):
@@ -149,19 +79,18 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         mesh=None,
     ):
         super().__init__()
-        self.module = module
-        self.param_dtype = param_dtype
+        self.module, self.param_dtype = module, param_dtype
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         # the shard group (all ranks, or a row: HSDP) the units are cut over
         self.mesh = mesh or hybrid_mesh()
-        self.reshard_after_forward, self.reduce_dtype, self.prefetch = (
-            reshard_after_forward,
-            reduce_dtype,
-            prefetch,
-        )
+        self.reshard_after_forward = reshard_after_forward
+        self.reduce_dtype, self.prefetch = reduce_dtype, prefetch
         self.device = torch.device(device or "cpu")
         self.require_sync = True
-        self.units = self._build_units(module, list(units), init_fn)
+        # the layout, built once (zero3_units.py)
+        self.units = build_units(
+            module, list(units), init_fn, self.mesh.shard_size, self.mesh.shard_rank, self.device
+        )
         # None: no parameter of its own
         self.root = self.units[0] if self.units[0].module is module else None
         module.register_forward_pre_hook(self._root_pre_forward)
@@ -181,53 +110,6 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         # units reduce-scattered in this optimiser step (cleared by the sync point)
         self.reduced = set()
         self.gathered_bytes = self.peak_gathered_bytes = 0
-
-    def _build_units(self, model, unit_modules: list, init_fn) -> list:
-        names = {m: n for n, m in model.named_modules()}
-        unit_names = [names[m] for m in unit_modules]  # KeyError: not a submodule of the model
-        full_name = lambda module, attribute: f"{names[module]}.{attribute}".lstrip(".")  # noqa: E731
-        where = {}  # parameter -> where it is registered, first (named_parameters()' name) first
-        for module in names:
-            for attribute, param in module._parameters.items():
-                if param is not None:
-                    where.setdefault(param, []).append((module, attribute))
-
-        def owner(module) -> int:  # the innermost unit holding the module (0: the root)
-            inside = [
-                i + 1 for i, u in enumerate(unit_names) if f"{names[module]}.".startswith(f"{u}.")
-            ]
-            return max(inside, key=lambda i: len(unit_names[i - 1]), default=0)
-
-        entries = [[] for _ in range(len(unit_modules) + 1)]
-        for param, registered in where.items():
-            owners = {owner(module) for module, _ in registered}
-            if len(owners) > 1:  # it would be gathered, and its gradient reduced, in two places
-                raise ValueError(
-                    f"{full_name(*registered[0])} is tied across units ("
-                    f"{', '.join(sorted(['root', *unit_names][o] for o in owners))}): wrap one module "
-                    "that holds every use of it, or leave them all to the root"
-                )
-            entries[owners.pop()].append((full_name(*registered[0]), param, registered))
-
-        def value(name, tensor):
-            if tensor.is_meta and init_fn is None:
-                raise ValueError(f"{name} is on the meta device: pass init_fn to give it values")
-            return (init_fn(name, tensor.shape) if tensor.is_meta else tensor.detach()).to(
-                self.device, tensor.dtype
-            )
-
-        units = [
-            Unit(name, m, e, value, self.mesh.shard_size, self.mesh.shard_rank, self.device)
-            for name, m, e in zip(["root"] + unit_names, [model] + unit_modules, entries)
-            if e
-        ]
-        for unit in units:
-            unit.install(unit.pieces)
-        for module in names:  # buffers are small: every rank keeps them whole
-            for attribute, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[attribute] = value(full_name(module, attribute), buffer)
-        return units
 
     def forward(self, *args, **kwargs):
         if self.reduced:  # a synchronised backward ran, and nobody finished it

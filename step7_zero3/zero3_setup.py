@@ -5,7 +5,7 @@ zero3.py's, which needs no particular model: this file imports it, never the oth
 second idea, memory against time, that asks of FullyShardedDP one line of its pre-backward hook, which installs the
 gathered views again for the forward recomputed in backward), ``--offload-optimizer``, ``--trace``, ``--replicate``
 (HSDP, hsdp.py; ``check_replicate`` refuses an R that does not divide N). ``shard_gpt2``: this project's GPT-2 built on
-the meta device and wrapped in ``FullyShardedDP`` with its blocks as units (zero3.py's rule 6).
+the meta device and wrapped in ``FullyShardedDP`` with its blocks as units (zero3_units.py's rule 3).
 """
 
 import torch
@@ -51,8 +51,8 @@ def check_replicate(replicate: int, world_size: int) -> None:
 def shard_gpt2(config: dict, vocab_size: int, device, param_dtype=None) -> tuple:
     """This project's GPT-2 (model.py), fully sharded with its blocks as units: built on the meta
     device (only shapes: no rank ever holds all of it), each rank filling its own slices from
-    ``initial_value``, a pure function of (seed, name), so no broadcast is needed (zero3.py's rule
-    6); --activation-checkpointing, --no-prefetch, --reduce-dtype and ``param_dtype``
+    ``initial_value``, a pure function of (seed, name), so no broadcast is needed (zero3_units.py's
+    rule 3); --activation-checkpointing, --no-prefetch, --reduce-dtype and ``param_dtype``
     (--param-dtype's 16-bit dtype, rule 7) as ``config`` says. Returns ``(wrapper, shapes)``: the
     full parameters' shapes by name, which no rank holds any more."""
     with torch.device("meta"):

@@ -1,13 +1,13 @@
 """A pipeline set up from a trainer's flags: the flags, their mistakes refused, GPT-2 wired in.
 
-``add_pipeline_flags``: ``--schedule`` (one of pipeline.py's ``SCHEDULES``), ``--virtual-stages``,
-``--micro-batches``; ``virtual_stages``: V, the chunks of layers per rank they ask for;
-``check_pipeline``: a flag that cannot work (a schedule the stages cannot run, more stages than
-blocks, micro-batches that do not divide the accumulation, fp16's loss scaling) ends the run with
-one line (``UserError``: exit 2), before anything is connected. ``pipeline_gpt2``: this rank's
-``GPT2Stage`` chunks wrapped in the ``Pipeline`` that runs them, under --amp's autocast, with
-dropout's random ops recorded. What step 9's train.py and step 10's composition.py call by name; the
-idea is pipeline.py's.
+``add_pipeline_flags``: ``--schedule`` (one of pipeline_schedules.py's ``SCHEDULES``),
+``--virtual-stages``, ``--micro-batches``; ``virtual_stages``: V, the chunks of layers per rank they
+ask for; ``check_pipeline``: a flag that cannot work (a schedule the stages cannot run, more stages
+than blocks, micro-batches that do not divide the accumulation, fp16's loss scaling) ends the run
+with one line (``UserError``: exit 2), before anything is connected. ``pipeline_gpt2``: this rank's
+``GPT2Stage`` chunks (pipeline_stages.py) wrapped in the ``Pipeline`` that runs them, under --amp's
+autocast, with dropout's random ops recorded. What step 9's train.py and step 10's composition.py
+call by name; the idea is pipeline.py's.
 """
 
 import functools
@@ -16,7 +16,8 @@ import torch
 
 from dropout_replay import record_random_ops
 from failures import UserError
-from pipeline import SCHEDULES, Pipeline
+from pipeline import Pipeline
+from pipeline_schedules import SCHEDULES
 
 
 def add_pipeline_flags(parser) -> None:

@@ -11,7 +11,7 @@ from rank 0, in the run folder:
 - ``pipeline.png``: one row per stage, forwards blue and backwards green with their micro-batch's number (a
   rank's later chunks paler);
 - ``bubble.json``: per stage the idle fraction, 1 - (its forward, backward and W time) / (the step's time, first
-  event of any stage to the last), beside the ideal schedule's (pipeline.py's ``ideal_bubble``).
+  event of any stage to the last), beside the ideal schedule's (pipeline_schedules.py's ``ideal_bubble``).
 
 On this 2-core machine 4 stages share 2 cores, so a stage's compute is slower while others compute: the idle
 fractions measured at P = 4 mix the bubble with that sharing (the step README says how much).
@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 import distributed
-from pipeline import ideal_bubble
+from pipeline_schedules import ideal_bubble
 
 COLORS = {
     "forward": "tab:blue",

@@ -22,8 +22,8 @@ from config import Preemption, build_parser, exit_on_user_error, limit_memory, p
 from data import MicroBatches, check_enough_data, load_corpus
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
-from pipeline import GPT2Stage
 from pipeline_setup import add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
+from pipeline_stages import GPT2Stage
 from pipeline_state import PipelineState, gather_full_model, owned
 from resharding import open_checkpoint
 from sampler import ShardedSampler

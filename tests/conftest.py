@@ -187,6 +187,37 @@ def assert_bitwise_same_run(a: Path, b: Path) -> None:
     assert ra == rb
 
 
+def assert_all_to_all_closed_form(run: Path) -> int:
+    """Step 12's all-to-all bytes on every rank of ``run`` (float32 activations), per MoE layer and micro-batch:
+    the E counts (int64), then the token rows sent and received, forward and backward (float32 rows of h):
+    8 E + 4 h * 2 * (sent + received), what a rank receives being what the ranks of its expert-parallel group sent
+    to its experts (step 10's ep groups at pp = tp = cp = 1 are step 12's). Rank 0's notes add up to its recorded
+    all-to-all bytes. Returns how many notes were checked."""
+    config = metrics(run)["config"]
+    experts, h, ep = config["moe_experts"], config["n_embd"], config["ep"]
+    checked = 0
+    for record in metrics(run)["records"]:
+        notes = record["all_to_all"]  # [rank][layer x micro-batch]
+        for rank, mine in enumerate(notes):
+            group = range(rank // ep * ep, rank // ep * ep + ep)
+            local = range(rank % ep * experts // ep, (rank % ep + 1) * experts // ep)
+            for i, note in enumerate(mine):
+                received = sum(notes[s][i]["sent_per_expert"][e] for s in group for e in local)
+                assert note["received"] == received, (run, rank, i)
+                sent = sum(note["sent_per_expert"])
+                assert note["bytes"] == 8 * experts + 4 * h * 2 * (sent + received), (run, rank, i)
+                checked += 1
+        # step 12 records rank 0's bytes by kind; step 10 every rank's, by axis
+        comm = record["comm"]
+        recorded = (
+            comm["all_to_all"]
+            if isinstance(comm, dict)
+            else comm[0].get("ep", {}).get("all_to_all", 0)
+        )
+        assert sum(n["bytes"] for n in notes[0]) == recorded
+    return checked
+
+
 def parity(a, b) -> subprocess.CompletedProcess:
     return run_forked(
         [sys.executable, str(REPO / "compare" / "parity.py"), str(a), str(b)], timeout=60

@@ -450,6 +450,21 @@ CASES = {
         "--sequence-parallel",
         ranks=4,
     ),
+    "mesh-ep-plane": lambda s: trainer(
+        "step10", "--data", s.data("small.txt", CORPUS), "--moe-experts", "4", "--ep", "4", ranks=2
+    ),
+    "mesh-moe-not-composed": lambda s: trainer(
+        "step10",
+        "--data",
+        s.data("small.txt", CORPUS),
+        "--cp",
+        "2",
+        "--moe-experts",
+        "4",
+        "--moe-capacity-factor",
+        "1",
+        ranks=2,
+    ),
     "mesh-full-recompute-zero-bubble": lambda s: trainer(
         "step10",
         "--data",
@@ -461,6 +476,9 @@ CASES = {
         "--activation-checkpointing",
         "full",
         ranks=2,
+    ),
+    "mesh-zero-3": lambda s: trainer(
+        "step10", "--data", s.data("small.txt", CORPUS), "--tp", "2", "--zero", "3", ranks=2
     ),
     "memory-budget-too-small": lambda s: trainer(
         "step0", *s.tiny, "--out", s.root / "runs" / "fresh", "--max-memory-mb", "1"
@@ -583,6 +601,7 @@ CASES = {
     "plan-moe-top-k": lambda s: tool("plan.py", "--moe-experts", "4", "--moe-top-k", "5"),
     "peak-profiled-steps": lambda s: tool("peak_memory.py", "--profiled-steps", "0"),
     "bench-strategies": lambda s: tool("bench.py", "--strategies", "zero4"),
+    "fp8-outliers-sizes": lambda s: tool("fp8_outliers.py", "--tokens", "100"),
     "bubble-stages": lambda s: tool("bubble.py", "--stages", "0"),
     "pipeline-reference-stages": lambda s: tool("pipeline_reference.py", "--stages", "0"),
     "pipeline-memory-stages": lambda s: tool("pipeline_memory.py", "--stages", "0"),
@@ -786,6 +805,30 @@ def degrees_check(config: dict, world_size: int = 2):
     return run
 
 
+def experts_check(**flags):
+    """Step 10's checks of experts on the mesh (experts_on_mesh.py), at --ep 2 and 4 experts on 2 ranks."""
+    return degrees_check(
+        {
+            "dp": None,
+            "tp": 1,
+            "pp": 1,
+            "cp": 1,
+            "sequence_parallel": False,
+            "n_head": 2,
+            "seq_len": 32,
+            "micro_batches": None,
+            "grad_accum": 2,
+            "n_layer": 2,
+            "activation_checkpointing": "none",
+            "dropout": 0.0,
+            "ep": 2,
+            "moe_experts": 4,
+            "moe_capacity_factor": 0.0,
+            **flags,
+        }
+    )
+
+
 def context_parallel_check(config: dict, ranks: int):
     """What step 11 checks before joining: rings of --cp ranks, 2 x cp chunks of the sequence."""
 
@@ -981,6 +1024,23 @@ LIKEWISE = {
         no_gpu(tool_main("gpu_check")),
     ),
     "--moe-every must be at least 1, got 0": lambda: moe_check(moe_experts=4, moe_every=0),
+    "--ep 2 splits the experts of a mixture of experts: give --moe-experts E (a multiple of 2), or drop "
+    "--ep": experts_check(ep=2, moe_experts=0),
+    "--ep 0: the expert-parallel degree must be at least 1": experts_check(ep=0),
+    "--moe-experts 3 is not divisible by --ep 2: each rank holds E/D experts; choose E a multiple of 2": (
+        experts_check(moe_experts=3)
+    ),
+    "--dropout with --moe-experts and --ep, --cp or --pp above 1: an expert draws its mask over the slots it "
+    "receives, known once routed, on the rank that owns it, so no rank can draw one process's masks; use "
+    "--dropout 0": experts_check(dropout=0.1),
+    "--sequence-parallel with --moe-experts: each tp rank would route its S/T tokens and the experts' "
+    "gradients would need adding over tp; use one of the two": experts_check(
+        tp=2, ep=1, sequence_parallel=True
+    ),
+    "--activation-checkpointing full with --moe-experts: recomputing a block would run its experts' "
+    "all-to-alls and count its tokens again; use selective, or none": experts_check(
+        activation_checkpointing="full"
+    ),
     "--moe-experts cannot be negative, got -2": lambda: moe_check(moe_experts=-2),
 }
 
@@ -1010,6 +1070,11 @@ QUOTED = (
     "scontrol is not",
     "--fp8 with --compile",
     "--fp8 with --moe",
+    "--ep 2 splits",
+    "--ep 0:",
+    "--dropout with --moe",
+    "--sequence-parallel with --moe",
+    "--activation-checkpointing full with --moe",
 )
 
 

@@ -186,6 +186,29 @@ def test_sizes_not_multiples_of_16_are_refused():
     check_fp8({**config, "n_embd": 32}, torch.device("cpu"))  # accepted
 
 
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_the_bytes_a_layer_casts_are_the_planners_formula(recipe, monkeypatch):
+    """docs/planner.md: one Float8Linear, one micro-batch (T tokens, K in, N out), forward and backward: FP8 copies
+    of 2 (T K + N K + T N) bytes (each operand cast once per matmul it enters), scales of 4 x 6 bytes
+    (tensorwise) or 4 x 2 (T + N + K) (rowwise: one per row of each operand, along the axis its matmul keeps)."""
+    import fp8
+
+    cast, original = [], fp8.to_fp8
+
+    def counting(t, dtype, dim, pow2):
+        bits, scale = original(t, dtype, dim, pow2)
+        cast.append((bits.numel() * bits.element_size(), scale.numel() * scale.element_size()))
+        return bits, scale
+
+    monkeypatch.setattr(fp8, "to_fp8", counting)
+    T, K, N = 64, 48, 80
+    layer = convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(K, N)), recipe)
+    layer(torch.randn(T, K, requires_grad=True)).sum().backward()
+    copies, scales = map(sum, zip(*cast))
+    assert len(cast) == 6 and copies == 2 * (T * K + N * K + T * N)
+    assert scales == 4 * (6 if recipe == "tensorwise" else 2 * (T + N + K))
+
+
 @ROWWISE_RUNS_HERE
 def test_rowwise_scales_keep_ordinary_tokens_that_one_tensorwise_scale_flushes():
     """One token in 64 at 1e5 times the others (massive activations): one scale per tensor maps the outliers onto
@@ -206,6 +229,43 @@ def test_rowwise_scales_keep_ordinary_tokens_that_one_tensorwise_scale_flushes()
         for r in RECIPES
     }
     assert error["rowwise"] < 0.06 < 0.3 < error["tensorwise"], error
+
+
+@pytest.fixture(scope="module")
+def outliers() -> dict:
+    """compare/fp8_outliers.py at a tiny size: the MLP trained in bf16 and each recipe, with no outliers, outlier
+    tokens and an outlier channel (x 1e5), then each matmul's error measured, all in this run (6-12 s)."""
+    import argparse
+
+    import fp8_outliers  # compare/, on the path through conftest
+
+    args = argparse.Namespace(steps=40, factor=1e5, width=32, hidden=32, tokens=128, lr=1e-3)
+    return fp8_outliers.run(args)["results"]
+
+
+@ROWWISE_RUNS_HERE
+def test_rowwise_beats_tensorwise_on_outlier_tokens_and_not_on_an_outlier_channel(outliers):
+    """A scale helps only along the axis its matmul keeps (fp8.py, rule 3). Rowwise scales x per token in the
+    forward: outlier tokens leave the others' error as it was, an outlier channel sits in every token's row. In
+    the weight gradient it scales x per channel over the tokens: the reverse. Training follows the forward."""
+    none, tokens, channel = outliers["none"], outliers["tokens"], outliers["channel"]
+    # outlier tokens: rowwise's forward as without outliers, tensorwise's flushed; both weight gradients hit
+    assert tokens["rowwise"]["forward"] < 1.5 * none["rowwise"]["forward"]
+    assert tokens["tensorwise"]["forward"] > 3 * none["tensorwise"]["forward"]
+    assert tokens["rowwise"]["grad_weight"] > 2 * none["rowwise"]["grad_weight"]
+    # an outlier channel: both forwards hit alike; rowwise's weight gradient as without outliers
+    assert all(channel[r]["forward"] > 2 * none[r]["forward"] for r in RECIPES), channel
+    assert 2 / 3 < channel["rowwise"]["forward"] / channel["tensorwise"]["forward"] < 1.5, channel
+    assert (
+        channel["rowwise"]["grad_weight"]
+        < 1.5 * none["rowwise"]["grad_weight"]
+        < channel["tensorwise"]["grad_weight"]
+    )
+    # the final losses: rowwise near bf16 with outlier tokens, tensorwise far; alike with an outlier channel
+    final = {kind: {r: outliers[kind][r]["final"] for r in outliers[kind]} for kind in outliers}
+    assert final["tokens"]["rowwise"] < 1.5 * final["tokens"]["bf16"], final
+    assert final["tokens"]["tensorwise"] > 3 * final["tokens"]["rowwise"], final
+    assert 0.5 < final["channel"]["rowwise"] / final["channel"]["tensorwise"] < 2, final
 
 
 @ROWWISE_RUNS_HERE

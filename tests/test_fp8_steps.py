@@ -33,7 +33,7 @@ from conftest import (
 )
 from data import MicroBatches, load_corpus  # common/, on the path through conftest
 from model import build_model, language_model_loss
-from training import adamw_options, adamw_param_groups, clip_grad_norm, lr_at
+from training import adamw_options, adamw_param_groups, autocast, clip_grad_norm, lr_at
 
 RECIPES = ["tensorwise", "rowwise"]
 
@@ -89,6 +89,10 @@ def test_exact_mode_with_fp8_is_bitwise_step1_at_3_ranks(exact_step1, step, tmp_
             id="rowwise-bf16-parameters",
             marks=ROWWISE_RUNS_HERE,
         ),
+        pytest.param(
+            ("--fp8", "tensorwise", "--param-dtype", "bf16"), id="tensorwise-bf16-parameters"
+        ),
+        pytest.param(("--fp8", "rowwise"), id="rowwise-float32", marks=ROWWISE_RUNS_HERE),
     ],
 )
 def test_step7_with_fp8_is_bitwise_fsdp2_with_torchao(flags, tmp_path, small_corpus):
@@ -124,9 +128,12 @@ def test_parity_refuses_fp8_against_high_precision_and_the_state_bytes_are_the_s
         ]
 
 
-def torchao_plain_loop(config: dict, corpus_path, recipe: str) -> tuple[list, dict]:
+def torchao_plain_loop(config: dict, corpus_path, recipe: str, start=None) -> tuple[list, dict]:
     """An outsider's loop: our model and data, torchao's FP8 on the blocks, AdamW with step 0's groups and
-    schedule, one micro-batch a step (nothing to accumulate), clipping with the project's exact norm."""
+    schedule, one micro-batch a step (nothing to accumulate), clipping with the project's exact norm, under
+    ``config["amp"]``'s autocast. ``start``: a checkpoint folder to go on from, its ``state.pt`` read here (the
+    weights, AdamW's and the schedule's state dicts), not through the trainers' loader; the data position by
+    drawing the micro-batches its steps drew. The losses of the steps it runs, and the final weights."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -146,10 +153,22 @@ def torchao_plain_loop(config: dict, corpus_path, recipe: str) -> tuple[list, di
         adamw_param_groups(model.named_parameters(), config), **adamw_options(config)
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, config) / config["lr"])
+    first = 0
+    if start is not None:
+        state = torch.load(start / "state.pt")
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(state["model"][name])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        first = state["step"]
+        for _ in range(first):
+            batches.next()
     losses = []
-    for _ in range(config["steps"]):
+    for _ in range(first, config["steps"]):
         inputs, targets = batches.next()
-        loss = language_model_loss(model, inputs, targets)
+        with autocast(config["amp"], torch.device("cpu")):
+            loss = language_model_loss(model, inputs, targets)
         loss.backward()
         clip_grad_norm(list(model.parameters()), config["grad_clip"])
         opt.step()
@@ -202,24 +221,48 @@ def test_resume_with_fp8_is_bitwise(recipe, tmp_path, small_corpus):
     assert_bitwise_same_run(whole, resumed)
 
 
-@ROWWISE_RUNS_HERE
-def test_a_high_precision_checkpoint_resumes_into_fp8(tmp_path, small_corpus):
-    """FP8 with dynamic scaling keeps no state: a checkpoint without --fp8 continues with it, and the steps after
-    the checkpoint are the FP8 ones (they differ from the high-precision run's), the steps before are kept."""
-    plain = train("step0", tmp_path / "plain", small_corpus, "--save-every", "2", nproc=0)
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory, small_corpus):
+    """Step 0 under bf16 autocast without FP8, a checkpoint at step 2, one micro-batch a step."""
+    out = tmp_path_factory.mktemp("bf16") / "run"
+    return train("step0", out, small_corpus, *BF16_ONE, "--save-every", "2", nproc=0)
+
+
+BF16_ONE = ("--amp", "bf16", "--grad-accum", "1")
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_a_bf16_checkpoint_resumes_into_fp8_bitwise_to_torchao_from_that_state(
+    recipe, bf16_run, tmp_path, small_corpus
+):
+    """FP8 with dynamic scaling keeps no state: a bf16 checkpoint goes on with --fp8, steps 3-4 bit for bit what
+    an outsider's loop computes with torchao's FP8 from the same state (the checkpoint's file read in the test, the
+    data position drawn again); steps 1-2 are the bf16 run's, step 3 differs from it."""
     into = train(
         "step0",
         tmp_path / "into",
         small_corpus,
+        *BF16_ONE,
         "--fp8",
-        "rowwise",
+        recipe,
         "--resume",
-        str(plain / "checkpoints" / "step_2"),
+        str(bf16_run / "checkpoints" / "step_2"),
         nproc=0,
     )
-    a, b = metrics(plain)["records"], metrics(into)["records"]
+    a, b = metrics(bf16_run)["records"], metrics(into)["records"]
     assert [r["loss"] for r in a[:2]] == [r["loss"] for r in b[:2]]
     assert a[2]["loss"] != b[2]["loss"]  # step 3's forward already multiplies in FP8
+    config = metrics(into)["config"]
+    losses, theirs = torchao_plain_loop(
+        config, small_corpus, recipe, start=bf16_run / "checkpoints" / "step_2"
+    )
+    assert [r["loss"] for r in b[2:]] == losses
+    ours = weights(into)
+    assert sorted(ours) == sorted(theirs)
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), (
+            f"{recipe}: {name} differs from torchao's loop"
+        )
 
 
 @pytest.mark.parametrize(

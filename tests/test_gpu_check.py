@@ -4,8 +4,11 @@ itself is tests/test_plot_and_tour.py's)."""
 
 import sys
 
+import pytest
+import torch
+
 import gpu_check  # compare/, on the path through conftest
-from conftest import REPO, STEPS, run_forked
+from conftest import REPO, STEPS, fp8_cannot_run, run_forked
 
 
 def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
@@ -26,6 +29,8 @@ def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
             "fits",
             "offload",
             "context",
+            "experts",
+            "fp8",
         ],
         timeout=600,
     )
@@ -40,10 +45,21 @@ def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
         "A model that does not fit one rank's budget: PASS",
         "ZeRO-Offload (step 7): PASS",
         "Context parallelism: step 11's ring beside PyTorch's context_parallel: PASS",
+        "Expert parallelism: step 12 at --ep 2 against step 0: PASS",
+        "FP8: step 0 in bf16 beside --fp8 tensorwise and rowwise: PASS",
     ):
         assert f"## {title}" in text, text
-    # the second run, the resumed one, the offloaded one
-    assert text.count("(bitwise identical)") == 3
+    # the second run, the resumed one, the offloaded one, step 12
+    assert text.count("(bitwise identical)") == 4
+    # 2 ranks x 2 MoE layers x 1 micro-batch x 3 steps; a rank's bytes off the formula would be named
+    assert (
+        "all-to-all bytes, 12 notes (ranks x MoE layers x micro-batches x steps): every one the formula"
+        in text
+    )
+    step12 = tmp_path / "runs" / "experts" / "step12" / "metrics.json"
+    step12.write_text(step12.read_text().replace('"bytes": ', '"bytes": 1', 1))
+    checked, off = gpu_check.all_to_all_off_formula(step12.parent)
+    assert checked == 12 and len(off) == 1 and off[0].startswith("step 1 rank 0 note 0: 1"), off
     assert (
         "step 1 (DDP): exit 1: `error: out of memory" in text
         and "step 7 (ZeRO-3): trained 2 steps" in text
@@ -56,6 +72,12 @@ def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
         "step 0, SDPA: train_step alone (records' step_time) |",
     ):
         assert f"| {run}" in text, text
+    # FP8: every recipe this CPU's _scaled_mm runs is timed; one it cannot is skipped in one line, saying why
+    fp8 = text[text.index("## FP8") :]
+    assert "| bf16 autocast | " in fp8 and "| bf16 autocast + --fp8 tensorwise | " in fp8, fp8
+    rowwise_runs = fp8_cannot_run("rowwise", torch.device("cpu")) is None
+    assert ("| bf16 autocast + --fp8 rowwise | " in fp8) == rowwise_runs, fp8
+    assert ("- bf16 autocast + --fp8 rowwise: skipped, " in fp8) != rowwise_runs, fp8
 
 
 def test_the_context_section_fails_a_ring_off_whole_attention_or_off_pytorchs():
@@ -105,3 +127,19 @@ def test_the_memory_section_reads_the_tours_runs_against_the_formulas(tour, tmp_
     metrics.write_text(metrics.read_text().replace('"optimizer_state": ', '"optimizer_state": 1'))
     gpu_check.check_memory(check, 3, broken)
     assert check.verdicts[3] is False and not check.passed
+
+
+def test_the_fp8_section_skips_what_the_device_cannot_run_in_one_line(tmp_path, monkeypatch):
+    """A device whose _scaled_mm runs no recipe (a GPU before compute capability 8.9): each recipe skipped in
+    one line saying why, the section not run (not failed), and no trainer started."""
+    why = "torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or 8.9"
+    monkeypatch.setattr(gpu_check, "fp8_cannot_run", lambda recipe, device: why)
+    monkeypatch.setattr(gpu_check, "run", lambda *a, **k: pytest.fail("a trainer was started"))
+    check = gpu_check.Check("cpu", tmp_path, tmp_path / "report.md", "# header\n")
+    gpu_check.check_fp8_speed(check, 9)
+    assert check.verdicts == {9: None} and check.passed
+    text = (tmp_path / "report.md").read_text()
+    assert "## FP8: step 0 in bf16 beside --fp8 tensorwise and rowwise: not run" in text, text
+    for recipe in ("tensorwise", "rowwise"):
+        line = f"- bf16 autocast + --fp8 {recipe}: skipped, this device's `_scaled_mm` cannot run it (`{why}`)"
+        assert line in text.splitlines(), text

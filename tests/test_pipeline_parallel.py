@@ -159,13 +159,13 @@ def test_stages_in_turn_compute_the_models_forward_bitwise(n_layer, num_stages):
     """The stages one after the other give the logits of ``model(ids)`` bit for bit, dropout on (the same draws
     in the same order), under the model's parameter names: each block once, the tie held by the first stage
     and copied by the last."""
-    pipeline, model_py = step9_module("pipeline"), step9_module("model")
+    stages_py, model_py = step9_module("pipeline_stages"), step9_module("model")
     config = dict(seq_len=S, n_layer=n_layer, n_head=2, n_embd=E, dropout=0.1, attention="math")
     model = model_py.build_model(config, VOCAB, seed=0)
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(2)
     expected = model(ids)
-    stages = [pipeline.GPT2Stage(model, s, num_stages) for s in range(num_stages)]
+    stages = [stages_py.GPT2Stage(model, s, num_stages) for s in range(num_stages)]
     torch.manual_seed(2)
     x = ids
     for stage in stages:

@@ -37,7 +37,7 @@ def simulate(
     import sys
 
     sys.path.insert(0, str(STEP9))
-    from pipeline import schedule_actions
+    from pipeline_schedules import schedule_actions
 
     P, V, M = stages, chunks, micro_batches
     K = P * V
@@ -142,7 +142,7 @@ def test_interleaved_rounds_and_warmup_are_megatrons():
     import sys
 
     sys.path.insert(0, str(STEP9))
-    from pipeline import schedule_actions
+    from pipeline_schedules import schedule_actions
 
     assert schedule_actions("interleaved-1f1b", 0, 2, 4, 2) == [
         ("F", 0, 0),

@@ -721,7 +721,8 @@ def test_pipeline_stages_hold_what_the_real_stages_hold_at_every_tp_and_pp(sched
     sys.path.insert(0, str(REPO / "step9_pipeline_parallel"))
     sys.path.insert(0, str(REPO / "step8_tensor_parallel"))
     from model import build_model
-    from pipeline import GPT2Stage, schedule_actions
+    from pipeline_schedules import schedule_actions
+    from pipeline_stages import GPT2Stage
     from tensor_parallel import ColumnParallelLinear, RowParallelLinear, tensor_parallel_plan
     from vocab_parallel import VocabParallelEmbedding
 
@@ -782,7 +783,8 @@ def test_interleaved_stages_hold_what_their_real_chunks_hold():
 
     sys.path.insert(0, str(REPO / "step9_pipeline_parallel"))
     from model import build_model
-    from pipeline import GPT2Stage, schedule_actions
+    from pipeline_schedules import schedule_actions
+    from pipeline_stages import GPT2Stage
 
     n_layer, h, heads, vocab, seq, b, micro_batches = 6, 32, 4, 2048, 16, 2, 6
     shape = plan.Shape(n_layer, h, heads, vocab, seq)

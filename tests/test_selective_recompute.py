@@ -285,8 +285,8 @@ def _attention_cores_run(rank, world_size, port, queue, runs):
 
     init_gloo(rank, world_size, port)
     sys.path.insert(0, str(REPO / "step10_3d_parallel"))
-    from pipeline import GPT2Stage
     from pipeline_setup import pipeline_gpt2
+    from pipeline_stages import GPT2Stage
     from recomputation import recompute
 
     micro_batches, b, s = 4, 2, 16
