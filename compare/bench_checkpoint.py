@@ -1,12 +1,15 @@
-"""How long a checkpoint holds training up, written in the foreground or with --async-save.
+"""How long a checkpoint holds training up, written in the foreground or with --async-save, and how long
+a resume takes to read one back.
 
     python compare/bench_checkpoint.py                       # step 1, 2 ranks, a 25 M-parameter model
     python compare/bench_checkpoint.py --step step7 --rounds 5
 
 Runs the trainer with and without --async-save, alternating (so a slow spell of the machine hits both),
 and reads the pause each save reports ("checkpoint step_k ...: training paused N ms"). The first save
-of each run is left out (its folder and file creation are slower). Prints medians with the spread, and
-the resident memory the in-memory copy costs (the trainer's own rss column).
+of each run is left out (its folder and file creation are slower). Then resumes the foreground run's
+checkpoint of step 6 and reads what the trainer reports ("resumed from ...: read in N ms": opening it and
+every rank's part loaded). Prints medians with the spread, and the resident memory the in-memory copy
+costs (the trainer's own rss column).
 """
 
 import re
@@ -46,8 +49,12 @@ MODEL = [
 ]
 
 
-def one_run(step: str, nproc: int, out: Path, async_save: bool) -> tuple[list[float], float]:
+def one_run(
+    step: str, nproc: int, out: Path, async_save: bool, resume=None
+) -> tuple[list[float], float]:
+    """The pauses of a run's saves (the first left out) and its peak rss; resuming ``resume``: the read's."""
     args = [*MODEL, "--out", str(out), *(["--async-save"] if async_save else [])]
+    args += ["--resume", str(resume)] if resume else []
     result = subprocess.run(
         trainer_command(step, nproc, args), capture_output=True, text=True, timeout=1800
     )
@@ -58,6 +65,8 @@ def one_run(step: str, nproc: int, out: Path, async_save: bool) -> tuple[list[fl
         sys.exit(f"{step} failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
     pauses = [float(m) for m in re.findall(r"training paused (\d+) ms", result.stdout)]
     rss = [float(m) for m in re.findall(r"rss (\d+) MiB", result.stdout)]
+    if resume:
+        return [float(m) for m in re.findall(r"read in (\d+) ms", result.stdout)], max(rss)
     return pauses[1:], max(rss)
 
 
@@ -74,7 +83,7 @@ def main():
     if args.nproc < 1 or args.rounds < 1:
         raise UserError("--nproc and --rounds must be at least 1")
     step = steps[args.step]
-    pauses, peaks = {False: [], True: []}, {False: [], True: []}
+    pauses, peaks, reads = {False: [], True: []}, {False: [], True: []}, []
     for _ in range(args.rounds):
         for async_save in (False, True):
             p, rss = one_run(
@@ -82,12 +91,19 @@ def main():
             )
             pauses[async_save] += p
             peaks[async_save].append(rss)
+        saved = args.out / "sync" / "checkpoints" / "step_6"
+        reads += one_run(step, args.nproc, args.out / "resumed", False, saved)[0]
     for async_save, name in ((False, "written in the foreground"), (True, "--async-save")):
         p = sorted(pauses[async_save])
         print(
             f"{name:26s} pause median {statistics.median(p):7.0f} ms (min {p[0]:.0f}, max {p[-1]:.0f}, "
             f"{len(p)} saves), peak rss {statistics.median(peaks[async_save]):.0f} MiB"
         )
+    reads.sort()
+    print(
+        f"{'read back (resume)':26s} read median  {statistics.median(reads):7.0f} ms (min {reads[0]:.0f}, "
+        f"max {reads[-1]:.0f}, {len(reads)} resumes)"
+    )
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@
    the tensor-parallel output layer, with its copy of the tie (``parallelize_on_mesh``: the whole wrapping order).
 3. **Counted once across the mesh**: a norm adds TP shards on every tp rank, replicated tensors on tp rank 0, and
    the tie on the first stage only.
-4. **One checkpoint whatever the mesh**: each rank writes its TP/PP shard as step 8 does, its ZeRO-1 slices first
-   gathered over dp, so the checkpoint never depends on dp; loading cuts this rank's part back out of any step's
-   checkpoint at any mesh.
+4. **One checkpoint whatever the mesh**: each rank gives DCP its TP/PP shard as step 8 does and its ZeRO-1 slices
+   of that shard's AdamW state as step 5 does, boxes of the whole tensors, so the checkpoint never depends on the
+   mesh; loading copies this rank's part out of any step's checkpoint at any mesh.
 5. **Context parallelism inside the stages** (step 11, ``--cp``): the model made tensor-parallel is then made
    context-parallel over the cp group (its attention the ring, on this rank's heads; its embeddings, dropouts and
    targets this rank's positions), so the stages send each other S/C tokens of every micro-batch. Gradients and
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from comm_accounting import take_comm_bytes
 from config import UserError
 from context_parallel import LAYOUTS, check_context_parallel, context_parallel_gpt2, sequence_shard
+from dcp_checkpoint import load_model, load_optimizer, model_state, optimizer_state
 from expert_parallel import is_expert
 from experts_on_mesh import add_ep_flag, check_experts_on_mesh, experts_on_mesh, gather_experts
 from mesh import check_mesh
@@ -36,12 +37,7 @@ from recomputation import add_recomputation_flag, recompute
 from sequence_parallel import check_sequence_parallel, sequence_parallel_gpt2
 from sequence_parallel import finish_gradient_synchronization as finish_sequence_parallel
 from tensor_parallel import check_tensor_parallel, parallelize_gpt2
-from tensor_parallel_state import (
-    checkpoint_shards,
-    gather_full_parameters,
-    is_sharded,
-    load_checkpoint_shards,
-)
+from tensor_parallel_state import gather_full_parameters, is_sharded, place_of
 from vocab_parallel import vocab_parallel_cross_entropy
 
 
@@ -133,7 +129,7 @@ def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage
     stage = GPT2Stage(model, stage_index, num_stages)
     if stage.is_last and is_sharded(model.transformer.wte.weight):
         copy, embedding = stage.lm_head.weight, model.transformer.wte.weight
-        copy.tp_blocks = embedding.tp_blocks  # the same shard
+        copy.tp_blocks, copy.tp_shape = embedding.tp_blocks, embedding.tp_shape  # the same shard
         model.lm_head.weight = copy
         stage.lm_head = model.lm_head
     return stage
@@ -263,68 +259,48 @@ def gather_full_model(stage, named: list, mesh) -> dict:
 
 
 class MeshShards:
-    """checkpoint.py's part for a rank of the mesh (rule 4): its TP/PP shard of the parameters and of AdamW's state,
-    as step 8 writes it (blocks of the whole tensors, named), ZeRO-1's slices first gathered over the dp x cp group
-    (``consolidated_state_dict``) and written by dp x cp rank 0; with experts, each ZeRO-1 optimiser's over its
-    group, the experts written by their first copies (experts_on_mesh.py's ``parts``). Any step reads it at any
-    mesh or world size."""
+    """checkpoint.py's part for a rank of the mesh (rule 4): its TP/PP shard of the parameters, as step 8 gives it
+    (one box of each whole tensor), and the slices each of its ZeRO optimisers steps of that shard's AdamW state
+    (step 5's flat ranges, a few boxes each; --zero 0: all of it; with experts, the dense optimiser's and the
+    experts', experts_on_mesh.py's rule 5): no gather. Every copy of a tensor writes the same boxes (dp x cp
+    replicas, an expert's copies, tp ranks' replicated tensors), which DCP writes once; the tie's copy on the last
+    stage is not saved (its slices are cut with that stage's other parameters: other boxes). Any step reads it at
+    any mesh, ep and --zero stage."""
 
     per_rank = True
 
     def __init__(self, named: list, optimizer, mesh):
-        self.named, self.optimizer, self.mesh = named, optimizer, mesh
-        # (ZeRO-1 optimiser, whether this rank writes its parameters)
-        self.parts = getattr(optimizer, "parts", [(optimizer, mesh.dp_cp_rank == 0)])
+        self.named, self.mesh = named, mesh
+        # the ZeRO optimisers: itself, or DenseAndExperts's two (experts_on_mesh.py)
+        self.optimizers = getattr(optimizer, "parts", [optimizer])
+        self.saved = [
+            (n, p) for n, p in named if n != "transformer.wte.weight" or mesh.pp_rank == 0
+        ]
+
+    @staticmethod
+    def places(optimizer, named: list) -> list:
+        """``optimizer``'s local parameters, flat slices of the TP shards ``named`` holds (None: another's)."""
+        name_of = {p: n for n, p in named}
+        return [
+            (name_of[piece.param], place_of(piece.param)._replace(start=piece.start))
+            if piece.param in name_of
+            else None
+            for piece in optimizer.pieces
+        ]
 
     def checkpoint_state(self) -> dict:
-        params, state = [], {"state": {}, "param_groups": []}
-        for optimizer, writes in self.parts:
-            # a collective over its group: every rank of it takes part
-            full = optimizer.consolidated_state_dict()
-            if writes:  # one state dict, numbered on from the last part's
-                first, params = len(params), params + optimizer.params
-                state["state"].update({first + i: s for i, s in full["state"].items()})
-                groups = state["param_groups"] or [
-                    {**g, "params": []} for g in full["param_groups"]
-                ]
-                for group, theirs in zip(groups, full["param_groups"]):
-                    group["params"] += [first + i for i in theirs["params"]]
-                state["param_groups"] = groups
-        written = {id(p) for p in params}
-        named = [(n, p) for n, p in self.named if id(p) in written]
-        return checkpoint_shards(named, params, state) if params else {}
+        state = model_state([(n, p, place_of(p)) for n, p in self.saved])
+        for optimizer in self.optimizers:
+            state.update(
+                optimizer_state(optimizer.local_optimizer, self.places(optimizer, self.saved))
+            )
+        return state
 
     def load_checkpoint(self, checkpoint) -> None:
-        """This rank's TP shard of every parameter (step 8's blocks), then its ZeRO-1 slices of that shard's AdamW
-        state (step 5's flat ranges), out of any step's checkpoint at any mesh."""
-        params = [p for _, p in self.named]
-        index = {p: i for i, p in enumerate(params)}
-        # this rank's TP shards, step 8's way
-        shards = load_checkpoint_shards(self.named, params, checkpoint)
-        hyper = {
-            i: {k: v for k, v in g.items() if k != "params"}
-            for g in shards["param_groups"]
-            for i in g["params"]
-        }
-        for optimizer, _ in self.parts:
-            state = {}
-            # the local optimiser's parameters: flat slices of the shards
-            for local, piece in enumerate(optimizer.pieces):
-                entry = shards["state"].get(index[piece.param])
-                if entry:  # none: never stepped
-                    state[local] = {
-                        k: v.reshape(-1)[piece.start : piece.end].clone()
-                        if torch.is_tensor(v) and v.dim()
-                        else v
-                        for k, v in entry.items()
-                    }
-            # the checkpoint's lr, betas, ... for each group
-            groups = [
-                {**local, **hyper[index[full["params"][0]]]}
-                for local, full in zip(
-                    optimizer.local_optimizer.state_dict()["param_groups"], optimizer.full_groups
-                )
-            ]
-            optimizer.load_state_dict(
-                {"state": state, "param_groups": groups, "slices": optimizer.slices()}
+        """This rank's TP shard of every parameter (the tie's copy too, its experts by their names), then each
+        optimiser's slices of that shard's AdamW state, out of any step's checkpoint at any mesh."""
+        load_model(checkpoint, [(n, p, place_of(p)) for n, p in self.named])
+        for optimizer in self.optimizers:
+            load_optimizer(
+                checkpoint, optimizer.local_optimizer, self.places(optimizer, self.named)
             )

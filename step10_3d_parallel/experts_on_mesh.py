@@ -25,8 +25,9 @@ ranks that exchange tokens are also tensor-parallel, pipelined and context-paral
    experts' follow them).
 6. **Counted once** (composition.py's rule 3, and an axis more): a norm adds the dense tensors on the ep group's
    first rank, the experts on every ep rank (tp rank 0's), all-reduced over tp, pp, then ep.
-7. **Checkpoints**: the experts are written by their first copies (the plane's first ep group), whole and by name
-   as step 12 writes them: step 12 at any ep, and this step at any mesh, read them back (composition.py's rule 4).
+7. **Checkpoints**: an expert is written whole and by name, as step 12 writes it, its AdamW state as the slices
+   its copies step (rule 5): boxes of the whole tensors, each written once (composition.py's rule 4). Step 12 at
+   any ep, and this step at any mesh, ep or --zero, read them back.
 8. **What does not compose**, refused in one line each (``check_experts_on_mesh``): see there.
 """
 
@@ -143,7 +144,7 @@ def _over_ring(counts: torch.Tensor, tokens: int, mesh) -> tuple[torch.Tensor, i
 class DenseAndExperts(torch.optim.Optimizer):
     """Rule 5: ZeRO-1 over dp x cp for the dense parameters, over an expert's copies for the experts, as one
     optimiser for the loop, the LR schedule (``param_groups``: the dense ones) and the memory record (``state``).
-    ``parts``: each with whether this rank writes its parameters to a checkpoint (rule 7; composition.py).
+    ``parts``: the two, each checkpointed as its slices (rule 7; composition.py's ``MeshShards``).
     ``zero1(named, group)``: what builds each part (default: ZeRO-1 over ``group``; zero_stages.py: --zero's)."""
 
     def __init__(self, named: list, config: dict, mesh, zero1=None):
@@ -161,9 +162,7 @@ class DenseAndExperts(torch.optim.Optimizer):
         experts = [(n, p) for n, p in named if is_expert(n)]
         self.dense = zero1([(n, p) for n, p in named if not is_expert(n)], mesh.dp_cp_group)
         self.experts = zero1(experts, mesh.experts.replicas) if experts else None
-        self.parts = [(self.dense, mesh.dp_cp_rank == 0)]
-        if self.experts:  # the plane's first ep group holds every expert once
-            self.parts.append((self.experts, mesh.dp_cp_rank < mesh.ep))
+        self.parts = [self.dense] + ([self.experts] if self.experts else [])
 
     @property
     def param_groups(self):
@@ -178,7 +177,7 @@ class DenseAndExperts(torch.optim.Optimizer):
         return self.dense.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for optimizer, _ in self.parts:
+        for optimizer in self.parts:
             optimizer.zero_grad(set_to_none)
 
     def step(self, closure=None):

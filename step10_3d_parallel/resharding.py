@@ -1,38 +1,39 @@
-"""Reading a checkpoint back at any world size: whatever pieces of each tensor the writing ranks held, joined
-by parameter name and element range, so a checkpoint written by any step at N ranks resumes in any step at N'.
+"""Opening a checkpoint to resume it: what wrote it (``meta.json``), whether this run may resume it, and what it
+holds, read through torch.distributed.checkpoint (``dcp_checkpoint.py``) at whatever layout the reader has.
 
-1. **Three forms.** Whoever holds a tensor says which elements of which parameter it is: whole (``model``:
-   ``{name: tensor}``), flat slices of the flattened parameters (``model`` with ``model_slices``:
-   ``{name: (start, end)}``, ZeRO), or N-D blocks of rows or columns (``model``, a list, with ``model_blocks``:
-   ``(name, dim, start, end)`` each, tensor parallelism, as torch.distributed.checkpoint describes N-D chunks).
-   The optimiser's state dict comes with ``optimizer_slices``: ``(name, start, end)`` or a list of blocks per
-   parameter.
-2. **Read what each file says about itself**, never which step wrote it: ``Checkpoint`` joins the pieces back
-   (``parameter(name)``) or cuts the ones a loader asks for (``optimizer_state_dict(slices)``); each rank reads
-   only what it will own (the files are memory-mapped), as DeepSpeed's universal checkpoints and
-   torch.distributed.checkpoint do.
+1. **Read what the checkpoint says about itself**, never which step wrote it: ``meta.json`` (``checkpoint_meta``:
+   format, step, world size, config, the parameters' shapes) and DCP's ``.metadata`` (every tensor's chunks, and in
+   which file they are). Each rank then reads only its own boxes of each tensor (``read``).
+2. **Whole or refused before anything connects** (``Checkpoint``): an unreadable ``meta.json`` or ``.metadata``, a
+   data file missing or cut short, is one line naming the checkpoint to resume instead. A checkpoint of the earlier
+   format (2: this repository's own files) is refused in one line saying how to convert it (compare/consolidate.py).
 3. **The same run, or refused** (``check_resumable``): the config must be the checkpoint's, except the flags
    that say where and how to run (``RESUMABLE_KEYS``) and how the global batch is split: micro-batch x
    accumulation x ranks may change if their product does not. The data stream continues at the same sample.
 4. **Opened before anything is connected or written** (``open_checkpoint``, once ``checkpoint_files.py`` has
-   found it); ``meta.json`` (``checkpoint_meta``) says what wrote the rest. Step 0's checkpoints are its own
-   (one process, one file): refused here in one line.
+   found it). Step 0's checkpoints are its own (one process, one file): refused here in one line.
 5. **Each rank's own part** (``PerRank``): an idea file's sharded state, saved by every rank for itself beside
    checkpoint.py's shared parts, read back here at any world size.
 """
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint_files import complete_checkpoints
 from config import UserError
-from training import params_in_order
+from dcp_checkpoint import Place, optimizer_state_dict, read
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 2: this repository's own files (state.pt, rank<r>.pt), before DCP
 STEP0_FORMAT = "single-process"  # step0_single_gpu/checkpoint.py's meta.json
+CONVERT = (
+    "python compare/consolidate.py {path} OUT"  # what turns a format-2 checkpoint into this one
+)
 
 # Flags that may change when resuming: they say where to write, what to print, where to run and how
 # long to wait, not what to compute. Every other flag must be the checkpoint's.
@@ -64,9 +65,6 @@ RESUMABLE_KEYS = (
 # may change with the world size, the product kept
 BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")
 
-# Optimiser options that say how the update runs, not what it computes: the resuming run's own, not the saved ones.
-UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
-
 
 def checkpoint_meta(
     step: int, world_size: int, config: dict, shapes: dict, data_parallel_size=None
@@ -84,15 +82,9 @@ def checkpoint_meta(
     return json.dumps(meta, indent=1) + "\n"
 
 
-def optimizer_slices(optimizer, named_params) -> list:
-    """``optimizer_slices`` (rule 1) of a plain optimiser over whole parameters: ``(name, 0, numel)`` of each of its
-    parameters, numbered as its state dict numbers them."""
-    name_of = {param: name for name, param in named_params}
-    return [(name_of[p], 0, p.numel()) for p in params_in_order(optimizer)]
-
-
 class Checkpoint:
-    """A whole checkpoint on disk, read as full tensors by parameter name, whatever step and world size wrote it.
+    """A whole checkpoint on disk: its run state (``shared``), each rank's RNG (``ranks``), and every tensor by name
+    (``read``), whatever step, world size or layout wrote it.
 
     Opening it checks that it is readable; ``check_resumable`` that it belongs to this run. ``reader`` says who
     reads it (a trainer's "resume", or "consolidate"), so that a corrupted one is reported in that one's terms.
@@ -111,19 +103,24 @@ class Checkpoint:
     }
 
     def __init__(self, path: Path, reader: str = "resume"):
-        self.path, self.reader = Path(path), reader
+        self.path, self.reader, started = Path(path), reader, time.perf_counter()
         try:
             meta = json.loads((self.path / "meta.json").read_text())
         except (OSError, ValueError) as error:
             self._corrupted(f"meta.json unreadable: {type(error).__name__}")
-        if isinstance(meta, dict) and meta.get("format") == STEP0_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        if found == STEP0_FORMAT:
             raise UserError(
                 f"checkpoint {self.path} was written by step 0, whose checkpoint is one process's whole "
                 "state in one file, not pieces to reshard: resume it with step0_single_gpu/train.py, or "
                 "start afresh without --resume"
             )
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-            found = meta.get("format") if isinstance(meta, dict) else None
+        if found == 2 and reader == "resume":
+            raise UserError(
+                f"checkpoint {self.path} has format 2 (this repository's own files, before DCP); convert it "
+                f"with {CONVERT.format(path=self.path)}, then resume OUT's checkpoint"
+            )
+        if found != FORMAT_VERSION:
             raise UserError(
                 f"checkpoint {self.path} has format {found}, this code reads {FORMAT_VERSION} (it was "
                 "written by another version of this repository); start afresh without --resume"
@@ -138,58 +135,67 @@ class Checkpoint:
             self.data_parallel_size = int(meta.get("data_parallel_size", self.world_size))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             self._corrupted(f"meta.json lacks or garbles {error}")
-        self.shared = self._load("state.pt")
-        self.ranks = [self._load(f"rank{r}.pt") for r in range(self.world_size)]
+        try:
+            stored = FileSystemReader(self.path).read_metadata()
+        except FileNotFoundError:
+            self._corrupted(".metadata is missing")
+        except Exception as error:  # noqa: BLE001 (a pickle cut short or overwritten: all "corrupted")
+            self._corrupted(f".metadata unreadable: {type(error).__name__}")
+        self.metadata = stored.state_dict_metadata  # every entry: a tensor's chunks, or an object
+        self._check_files(stored.storage_data)
+        missing = [n for n in ("run", *self._rank_keys()) if n not in self.metadata]
+        missing += [n for n in self.shapes if f"model.{n}" not in self.metadata]
+        if missing:
+            self._corrupted(f"it holds no {missing[0]}")
+        objects = self.read({key: None for key in ("run", *self._rank_keys())})
+        self.shared, self.ranks = objects["run"], [objects[k] for k in self._rank_keys()]
         if self.shared.get("step") != self.step:
             self._corrupted(
-                f"state.pt is for step {self.shared.get('step')}, meta.json says {self.step}"
+                f"its run state is for step {self.shared.get('step')}, meta.json says {self.step}"
             )
-        # Where each parameter's elements, and each parameter's optimiser state, are: (start, end, tensor or state).
-        self.parameter_pieces, self.state_pieces, self.groups = {}, {}, []
-        self.parameter_blocks, self.state_blocks = {}, {}  # N-D blocks, joined below
-        for file, holder in [
-            ("state.pt", self.shared),
-            *((f"rank{r}.pt", h) for r, h in enumerate(self.ranks)),
-        ]:
-            try:
-                self._index(holder)
-            except (KeyError, TypeError, ValueError, IndexError) as error:
-                self._corrupted(f"{file} lacks or garbles {error}")
-        self._join_blocks()
-        missing = [name for name in self.shapes if name not in self.parameter_pieces]
-        if missing:
-            self._corrupted(f"no rank holds {missing[0]}")
+        self.open_s = time.perf_counter() - started  # the trainer reports it with its loading
 
-    def _index(self, holder: dict) -> None:
-        """Note where the file ``holder`` says its tensors belong, in whichever form it wrote them (rule 2)."""
-        # N-D blocks of rows or columns, a list of tensors beside their places
-        if "model_blocks" in holder:
-            for (name, dim, start, end), tensor in zip(holder["model_blocks"], holder["model"]):
-                self.parameter_blocks.setdefault(name, []).append((dim, start, end, tensor))
-        # flat slices of the flattened parameters; without model_slices, whole ones
-        elif "model" in holder:
-            whole = {name: (0, shape.numel()) for name, shape in self.shapes.items()}
-            ranges = holder["model_slices"] if "model_slices" in holder else whole
-            for name, (start, end) in ranges.items():
-                self.parameter_pieces.setdefault(name, []).append(
-                    (start, end, holder["model"][name])
-                )
-        if "optimizer" in holder:
-            self._index_optimizer(holder["optimizer"], holder["optimizer_slices"])
+    def _rank_keys(self) -> list[str]:
+        return [f"rank{r}" for r in range(self.world_size)]
 
-    def _load(self, name: str) -> dict:
-        try:
-            return torch.load(self.path / name, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as error:  # noqa: BLE001 (a truncated zip, a missing file, garbage bytes: all "corrupted")
-            # Our words, not torch's: its message about weights_only would advise loading untrusted pickles.
-            if isinstance(error, FileNotFoundError):
+    def _check_files(self, storage: dict) -> None:
+        """Every data file ``.metadata`` names is there and long enough: found before anything connects."""
+        needed = {}
+        for info in storage.values():
+            needed[info.relative_path] = max(
+                needed.get(info.relative_path, 0), info.offset + info.length
+            )
+        for name, size in sorted(needed.items()):
+            file = self.path / name
+            if not file.is_file():
                 self._corrupted(f"{name} is missing")
-            reason = (
-                "not a file torch.save wrote, or cut short"
-                if "zip" in str(error).lower() or isinstance(error, (EOFError, OSError))
-                else "it holds something other than tensors and plain values"
-            )
-            self._corrupted(f"{name} unreadable: {reason}")
+            if file.stat().st_size < size:
+                self._corrupted(f"{name} is cut short")
+
+    def read(self, state: dict) -> dict:
+        """Fill ``state`` (DCP entries: tensors, ``dcp_checkpoint.Boxes``, None for objects) from this checkpoint."""
+        for key, value in state.items():
+            saved = self.metadata.get(key)
+            size = getattr(value, "size", None)
+            if saved is None or (
+                isinstance(saved, TensorStorageMetadata) and size and saved.size != size()
+            ):
+                there = "nothing" if saved is None else f"shape {tuple(saved.size)}"
+                raise UserError(
+                    f"checkpoint {self.path} holds {there} under {key}, this run needs shape "
+                    f"{tuple(size()) if size else 'an object'}: it is another model's; resume it with the "
+                    "flags that wrote it, or start afresh without --resume"
+                )
+        try:
+            return read(state, self.path)
+        except UserError:
+            raise
+        except Exception as error:  # noqa: BLE001 (bytes overwritten in a data file)
+            self._corrupted(f"a data file unreadable: {type(error).__name__}")
+
+    def entries(self, prefix: str) -> dict:
+        """``{rest: storage metadata}`` of the entries whose names begin with ``prefix``."""
+        return {k[len(prefix) :]: v for k, v in self.metadata.items() if k.startswith(prefix)}
 
     def _corrupted(self, what: str):
         number = int(self.path.name[5:]) if self.path.name[5:].isdigit() else None  # step_<k>
@@ -202,134 +208,24 @@ class Checkpoint:
         advice = with_earlier.format(earlier=earlier[-1]) if earlier else without
         raise UserError(f"checkpoint {self.path} is corrupted ({what}); {advice}")
 
-    def _index_optimizer(self, state_dict: dict, slices: list) -> None:
-        for i, piece in enumerate(slices):
-            state = state_dict["state"].get(i, {})
-            # split the state into its blocks, to be joined with the other ranks'
-            if _is_blocks(piece):
-                offset = 0
-                for name, dim, start, end in piece:
-                    cut = {
-                        k: v.narrow(dim, offset, end - start)
-                        if torch.is_tensor(v) and v.dim() > 0
-                        else v
-                        for k, v in state.items()
-                    }
-                    self.state_blocks.setdefault(name, []).append((dim, start, end, cut))
-                    offset += end - start
-            else:
-                name, start, end = piece
-                self.state_pieces.setdefault(name, []).append((start, end, state))
-        if not self.groups:  # the same hyperparameters in every rank's groups
-            # Which implementation runs the update (foreach on a GPU, single-tensor on the CPU) is the resuming
-            # run's choice, not the saved run's: a checkpoint written on one device resumes on the other.
-            self.groups = [
-                (
-                    {k: v for k, v in g.items() if k not in ("params", *UPDATE_IMPLEMENTATION)},
-                    {_name(slices[i]) for i in g["params"]},
-                )
-                for g in state_dict["param_groups"]
-            ]
-        else:
-            for (_, names), group in zip(self.groups, state_dict["param_groups"]):
-                names.update(_name(slices[i]) for i in group["params"])
-
-    def _join_blocks(self) -> None:
-        """The N-D blocks of a parameter (and of its state) joined into the whole, read as one piece."""
-        for name, blocks in self.parameter_blocks.items():
-            whole = self._join(
-                name, [(dim, start, end, tensor) for dim, start, end, tensor in blocks]
-            )
-            self.parameter_pieces.setdefault(name, []).append((0, whole.numel(), whole))
-        for name, blocks in self.state_blocks.items():
-            first = blocks[0][3]
-            if not first:
-                continue  # never stepped
-            state = {
-                key: self._join(name, [(d, s, e, st[key]) for d, s, e, st in blocks])
-                if torch.is_tensor(value) and value.dim() > 0
-                else value
-                for key, value in first.items()
-            }
-            self.state_pieces.setdefault(name, []).append((0, self.shapes[name].numel(), state))
-
-    def _join(self, name: str, blocks: list) -> torch.Tensor:
-        dim, covered, parts = blocks[0][0], 0, []
-        # replicas once
-        for _, start, end, tensor in sorted({b[1]: b for b in blocks}.values(), key=lambda b: b[1]):
-            if start != covered:
-                break
-            parts.append(tensor)
-            covered = end
-        if covered != self.shapes[name][dim]:
-            self._corrupted(f"no rank holds rows or columns {covered}- of {name} (dim {dim})")
-        return torch.cat(parts, dim=dim).reshape(-1)
-
-    # ---- What a loader asks for ----------------------------------------------------------------------
+    # ---- Whole tensors, for tools and tests (a trainer reads only its own boxes) ----------------------
     def parameter(self, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Elements [start, end) of the flattened parameter (all of them, shaped, by default): a new tensor."""
-        whole = end is None and start == 0
-        end = self.shapes[name].numel() if end is None else end
-        values = _cut(self.parameter_pieces[name], start, end, self, name)
-        return values.view(self.shapes[name]) if whole else values
+        """Elements [start, end) of the flattened parameter (all of it, shaped, by default): a new tensor."""
+        saved = self.metadata[f"model.{name}"]
+        whole = self.read({f"model.{name}": torch.empty(saved.size, dtype=saved.properties.dtype)})
+        whole = whole[f"model.{name}"]
+        return whole if end is None and start == 0 else whole.reshape(-1)[start:end].clone()
 
     def optimizer_state_dict(self, slices: list, params: list) -> dict:
         """The state dict of an optimiser whose i-th parameter ``params[i]`` holds elements [start, end) of
-        ``slices[i] = (name, start, end)``, in the checkpoint's parameter groups (which are chosen by name)."""
-        state = {}
-        for i, (piece, param) in enumerate(zip(slices, params)):
-            # N-D blocks (a tensor-parallel shard), in the checkpoint's layout
-            if _is_blocks(piece):
-                name, whole = (
-                    piece[0][0],
-                    [p for p in self.state_pieces.get(piece[0][0], []) if p[2]],
-                )
-                if whole:
-                    state[i] = {
-                        key: self.block(name, piece, value.view(self.shapes[name]))
-                        if torch.is_tensor(value) and value.dim() > 0
-                        else value
-                        for key, value in self._whole_state(name).items()
-                    }
-                continue
-            name, start, end = piece
-            pieces = [p for p in self.state_pieces.get(name, []) if p[2]]
-            if not pieces:
-                continue  # never stepped: no state, as in a fresh optimiser
-            entry = {}
-            for key, value in pieces[0][2].items():
-                # one value per element: exp_avg, exp_avg_sq
-                if torch.is_tensor(value) and value.dim() > 0:
-                    part = [(s, e, st[key]) for s, e, st in pieces]
-                    entry[key] = _cut(part, start, end, self, name).view(param.shape)
-                else:  # one value per parameter (AdamW's step): every slice holds it
-                    entry[key] = value.clone() if torch.is_tensor(value) else value
-            state[i] = entry
-        groups = [
-            {**hyper, "params": [i for i, piece in enumerate(slices) if _name(piece) in names]}
-            for hyper, names in self.groups
-        ]
-        return {"state": state, "param_groups": groups}
-
-    def _whole_state(self, name: str) -> dict:
-        """Parameter ``name``'s whole optimiser state (flat tensors), joined from whatever pieces hold it."""
-        pieces = [p for p in self.state_pieces[name] if p[2]]
-        numel = self.shapes[name].numel()
-        return {
-            key: _cut([(s, e, st[key]) for s, e, st in pieces], 0, numel, self, name)
-            if torch.is_tensor(value) and value.dim() > 0
-            else (value.clone() if torch.is_tensor(value) else value)
-            for key, value in pieces[0][2].items()
-        }
-
-    def block(self, name: str, blocks: list, whole: torch.Tensor | None = None) -> torch.Tensor:
-        """The ``(name, dim, start, end)`` blocks of parameter ``name`` (or of ``whole``, shaped like it),
-        concatenated along their dim, in the checkpoint's layout: a tensor-parallel rank's shard."""
-        whole = self.parameter(name) if whole is None else whole
-        return torch.cat(
-            [whole.narrow(dim, start, end - start) for _, dim, start, end in blocks],
-            dim=blocks[0][1],
-        )
+        ``slices[i] = (name, start, end)``, in one group per group the checkpoint saved its parameters in."""
+        groups = {}
+        for (name, _, _), param in zip(slices, params):
+            hyper = self.read({f"optim.param_groups.{name}": None})[f"optim.param_groups.{name}"]
+            groups.setdefault(hyper["group"], {**hyper, "params": []})["params"].append(param)
+        places = [(name, Place(self.shapes[name], start=start)) for name, start, _ in slices]
+        groups = [{k: v for k, v in g.items() if k != "group"} for _, g in sorted(groups.items())]
+        return optimizer_state_dict(self, places, params, groups)
 
     def rank_state(self, rank: int) -> dict:
         """What rank ``rank`` saved (its RNG); at another world size, rank ``rank mod N``'s: a stream, not the one
@@ -403,30 +299,6 @@ class Checkpoint:
                 file=sys.stderr,
             )
         return changes
-
-
-def _is_blocks(piece) -> bool:
-    """N-D blocks, ``[(name, dim, start, end), ...]``, rather than a flat slice ``(name, start, end)``."""
-    return isinstance(piece[0], (list, tuple))
-
-
-def _name(piece) -> str:
-    return piece[0][0] if _is_blocks(piece) else piece[0]
-
-
-def _cut(pieces: list, start: int, end: int, checkpoint: Checkpoint, name: str) -> torch.Tensor:
-    """Elements [start, end) from ``pieces`` = [(piece start, piece end, tensor)] that tile the parameter."""
-    parts, covered = [], start
-    for piece_start, piece_end, tensor in sorted(pieces, key=lambda p: p[0]):
-        lo, hi = max(covered, piece_start), min(end, piece_end)
-        if lo < hi:
-            if lo != covered:
-                break
-            parts.append(tensor.reshape(-1)[lo - piece_start : hi - piece_start])
-            covered = hi
-    if covered != end:
-        checkpoint._corrupted(f"no rank holds elements {covered}-{end} of {name}")
-    return torch.cat(parts) if parts else pieces[0][2].reshape(-1)[:0].clone()
 
 
 def open_checkpoint(path: Path, config: dict, world_size: int, is_main: bool):

@@ -1,11 +1,11 @@
 """A tensor-parallel model's state, apart from its layers (tensor_parallel.py): each rank's shards written as
-checkpoint blocks and read back at any degree, the whole model gathered, the shards counted once in a global norm,
+checkpoint boxes and read back at any degree, the whole model gathered, the shards counted once in a global norm,
 and the replicated parameters checked bit-identical across the group.
 
-1. **A shard is its own checkpoint block.** Every sharded parameter carries ``tp_blocks``: ``[(dim, start, end)]``,
-   rank r's block r of T in the model's own layout (``nn.Linear``'s ``(out, in)``), so a rank writes its shards
-   as they are, with ``(name, dim, start, end)`` beside each; resharding.py joins blocks back whatever the degree
-   that wrote them, and cuts them for whatever degree reads them.
+1. **A shard is its own checkpoint box.** Every sharded parameter carries ``tp_blocks``: ``[(dim, start, end)]``,
+   rank r's block r of T in the model's own layout (``nn.Linear``'s ``(out, in)``), and ``tp_shape``, the whole
+   parameter's; a rank gives DCP its shards as they are, each one box of the whole tensor (``place_of``,
+   dcp_checkpoint.py), and DCP copies any degree's boxes into whatever degree reads them.
 2. **Counted once.** A global norm over the group sums every rank's shards and the replicated parameters once
    (on the group's first rank): ``counted_once`` says which tensors a rank adds.
 """
@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from comm_accounting import count_collective
 from config import UserError
+from dcp_checkpoint import Place, load_model, load_optimizer, model_state, optimizer_state
 from training import params_in_order
 
 
@@ -41,7 +42,7 @@ def block_of(full: torch.Tensor, dim: int, group, what: str) -> nn.Parameter:
         full.detach().narrow(dim, start, length).clone(memory_format=torch.contiguous_format),
         requires_grad=full.requires_grad,
     )
-    shard.tp_blocks = [(dim, start, start + length)]
+    shard.tp_blocks, shard.tp_shape = [(dim, start, start + length)], tuple(full.shape)
     return shard
 
 
@@ -49,68 +50,35 @@ def is_sharded(param: torch.Tensor) -> bool:
     return getattr(param, "tp_blocks", None) is not None
 
 
-def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``full`` (a full parameter, or its optimiser state), shaped as ``param``; ``full``
-    itself for a replicated parameter."""
+def place_of(param: torch.Tensor) -> Place:
+    """Where this rank's ``param`` sits in the whole one (rule 1): its block, or all of a replicated parameter."""
     if not is_sharded(param):
-        return full
-    [(dim, start, end)] = param.tp_blocks
-    return full.narrow(dim, start, end - start)
-
-
-def checkpoint_blocks(name: str, param) -> list:
-    """Where this rank's ``param`` sits in the whole one: ``(name, dim, start, end)`` blocks (resharding.py);
-    a replicated parameter is one block, all of it."""
-    return (
-        [(name, *block) for block in param.tp_blocks]
-        if is_sharded(param)
-        else [(name, 0, 0, param.shape[0])]
-    )
-
-
-def checkpoint_shards(named: list, params: list, optimizer_state: dict) -> dict:
-    """This rank's shards of the parameters ``named`` (``(name, param)`` pairs) and of their optimiser state
-    (``optimizer_state``: a state dict whose i-th parameter is ``params[i]``), and which block of which parameter
-    each is: resharding.py joins them back at any degree. A shard is its own block, as it is laid out."""
-    name_of = {p: n for n, p in named}
-    return {
-        "model_blocks": [b for n, p in named for b in checkpoint_blocks(n, p)],
-        "model": [p.detach() for _, p in named],
-        "optimizer": optimizer_state,
-        "optimizer_slices": [checkpoint_blocks(name_of[p], p) for p in params],
-    }
-
-
-def load_checkpoint_shards(named: list, params: list, checkpoint) -> dict:
-    """The reverse of ``checkpoint_shards``: copy this rank's shard of every parameter ``named`` out of
-    ``checkpoint`` (any step's, any degree's: resharding.py joins its blocks), and return the optimiser
-    state of the shards (the i-th entry ``params[i]``'s)."""
-    with torch.no_grad():
-        for name, param in named:
-            param.copy_(shard_of(param, checkpoint.parameter(name)))
-    name_of = {p: n for n, p in named}
-    return checkpoint.optimizer_state_dict(
-        [checkpoint_blocks(name_of[p], p) for p in params], params
-    )
+        return Place(tuple(param.shape))
+    [(dim, start, _)] = param.tp_blocks
+    offsets = tuple(start if d == dim else 0 for d in range(param.dim()))
+    return Place(param.tp_shape, offsets, tuple(param.shape))
 
 
 class TensorParallelShards:
-    """checkpoint.py's part for a tensor-parallel model and its plain optimiser: each rank saves its shards as they
-    are (``checkpoint_shards``) and loads back its shards of any step's checkpoint (``load_checkpoint_shards``)."""
+    """checkpoint.py's part for a tensor-parallel model and its plain optimiser: each rank gives DCP its shards as
+    they are, and loads back its shards of any step's checkpoint, at any degree (rule 1)."""
 
     per_rank = True
 
     def __init__(self, model, optimizer):
         self.named, self.optimizer = list(model.named_parameters()), optimizer
+        name_of = {p: n for n, p in self.named}
+        self.places = [(name_of[p], place_of(p)) for p in params_in_order(optimizer)]
 
     def checkpoint_state(self) -> dict:
-        return checkpoint_shards(
-            self.named, params_in_order(self.optimizer), self.optimizer.state_dict()
-        )
+        return {
+            **model_state([(n, p, place_of(p)) for n, p in self.named]),
+            **optimizer_state(self.optimizer, self.places),
+        }
 
     def load_checkpoint(self, checkpoint) -> None:
-        params = params_in_order(self.optimizer)
-        self.optimizer.load_state_dict(load_checkpoint_shards(self.named, params, checkpoint))
+        load_model(checkpoint, [(n, p, place_of(p)) for n, p in self.named])
+        load_optimizer(checkpoint, self.optimizer, self.places)
 
 
 def gather_full_parameters(model, group=None) -> dict:

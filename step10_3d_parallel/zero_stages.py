@@ -20,8 +20,8 @@ AdamW, over the dp x cp plane (mesh.py's rule 5; with experts each kind over its
 4. **A norm over slices** (ZeRO-2). A rank holds 1/N of its shard's gradient, so the squares of its slices are
    added over the plane too (sharded_gradients.py's rule 2, step 5's), then over tp and pp (composition.py's rule 3):
    the plane holds every dense and every expert element once, so no ep rank is left out (experts_on_mesh.py's rule 6).
-5. **Checkpoints by name**, whatever the stage: composition.py's rule 4 writes the consolidated state, so a run saved
-   at one stage resumes at another.
+5. **Checkpoints by name**, whatever the stage: composition.py's rule 4 gives DCP each optimiser's slices (stage 0:
+   whole) as boxes of the whole tensors, so a run saved at one stage resumes at another.
 """
 
 import torch
@@ -103,7 +103,7 @@ class Whole(ShardedOptimizer):
 
 def _parts(optimizer) -> list:
     """The ``ShardedOptimizer``s inside ``optimizer``: itself, or (with experts) ``DenseAndExperts``'s two."""
-    return [part for part, _ in getattr(optimizer, "parts", [(optimizer, None)])]
+    return getattr(optimizer, "parts", [optimizer])
 
 
 def average_gradients(module, optimizer, mesh, reduce_dtype: torch.dtype) -> int | None:

@@ -1,45 +1,43 @@
-"""Checkpoints that are whole or absent, and resumed in one call. ``<out>/checkpoints/step_<k>/`` holds ``meta.json``
-(format, step, world size, config, parameter shapes), ``state.pt`` (written by rank 0: what every rank holds alike)
-and ``rank<r>.pt`` (the rank's RNG and, from step 5 on, its slices).
+"""Checkpoints that are whole or absent, and resumed in one call. ``<out>/checkpoints/step_<k>/`` is a
+torch.distributed.checkpoint (DCP) folder: ``.metadata`` and the ranks' ``.distcp`` files, holding every part's
+entries (``dcp_checkpoint.py``: the parameters and AdamW's state by name), ``run`` (rank 0's: what every rank holds
+alike) and ``rank<r>`` (each rank's RNG); and ``meta.json`` (format, step, world size, config, parameter shapes).
 
-1. **Whole or absent**: written into ``.tmp_step_<k>``, renamed ``step_<k>`` once every rank's file is in it.
+1. **Whole or absent**: written into ``.tmp_step_<k>``; once every rank's data and DCP's ``.metadata`` are in it,
+   rank 0 adds ``meta.json`` and renames it ``step_<k>``.
 2. **One call each way**, as torchtitan's ``Stateful``: the writer is given the run's *parts* once, each with
    ``checkpoint_state()`` and ``load_checkpoint(checkpoint)``; the loop calls ``start(checkpoint)`` and ``save(step)``.
-3. **Read back by parameter name** (``resharding.py``): by any step from 1 on, at any world size; found and made
-   whole or absent by ``checkpoint_files.py``.
+3. **Read back by parameter name** (``resharding.py``): by any step from 1 on, at any world size and layout;
+   found and made whole or absent by ``checkpoint_files.py``.
 """
 
 import time
 
-import torch
 import torch.distributed as dist
 
+import dcp_checkpoint
 from checkpoint_files import checkpoint_dir, clear_checkpoints, publish, start_writing
 from config import not_written
-from resharding import checkpoint_meta, optimizer_slices
+from dcp_checkpoint import Place, load_model, model_state, optimizer_state
+from resharding import checkpoint_meta
 from seeding import rng_state, set_rng_state
 from training import params_in_order
 
 
-def optimizer_state(optimizer, named_params) -> dict:
-    """What is saved for a plain optimiser over whole parameters: its state dict, and whose state each entry is."""
-    return {
-        "optimizer": optimizer.state_dict(),
-        "optimizer_slices": optimizer_slices(optimizer, named_params),
-    }
+def whole_places(optimizer, named_params) -> list:
+    """``(name, place)`` of each of ``optimizer``'s parameters (``params_in_order``), whole ones of ``named_params``."""
+    name_of = {param: name for name, param in named_params}
+    return [(name_of[p], Place(tuple(p.shape))) for p in params_in_order(optimizer)]
 
 
 def load_optimizer(optimizer, checkpoint, named_params) -> None:
-    """The reverse of ``optimizer_state``: give ``optimizer`` its state from ``checkpoint``, whatever wrote it."""
-    slices = optimizer_slices(optimizer, named_params)
-    optimizer.load_state_dict(checkpoint.optimizer_state_dict(slices, params_in_order(optimizer)))
+    """Give a plain ``optimizer`` over the whole ``named_params`` its state from ``checkpoint``, whatever wrote it."""
+    dcp_checkpoint.load_optimizer(checkpoint, optimizer, whole_places(optimizer, named_params))
 
 
 def load_parameters(named_params, checkpoint) -> None:
     """Copy every full parameter from ``checkpoint`` into ``named_params``: a model every rank holds whole."""
-    with torch.no_grad():
-        for name, param in named_params:
-            param.copy_(checkpoint.parameter(name))
+    load_model(checkpoint, [(name, p, Place(tuple(p.shape))) for name, p in named_params])
 
 
 class RunState:
@@ -68,32 +66,25 @@ class RunState:
 
 
 class WholeModel:
-    """A part: a model every rank holds whole and a plain ``optimizer`` (if any) over its parameters, or, given
-    ``masters`` (step 0's --param-dtype), over their float32 masters, saved and loaded in place of 16-bit copies."""
+    """A part: a model every rank holds whole and a plain ``optimizer`` (if any) over its parameters. Every rank
+    gives DCP its copy, which DCP writes once (a replica's boxes are the same)."""
 
-    per_rank = False
+    per_rank = True
 
-    def __init__(self, model, optimizer=None, masters=None):
-        self.model, self.optimizer, self.masters = model, optimizer, masters or []
-        # what the optimiser steps, by name
-        self.trained = self.masters or list(model.named_parameters())
+    def __init__(self, model, optimizer=None):
+        self.model, self.optimizer = model, optimizer
+        self.named = list(model.named_parameters())  # the tie once
 
     def checkpoint_state(self) -> dict:
-        master_of = {p.data_ptr(): m for (_, m), p in zip(self.masters, self.model.parameters())}
-        state = {
-            "model": {
-                name: master_of.get(t.data_ptr(), t) for name, t in self.model.state_dict().items()
-            }
-        }
-        return (
-            {**state, **optimizer_state(self.optimizer, self.trained)} if self.optimizer else state
-        )
+        state = model_state([(name, p, Place(tuple(p.shape))) for name, p in self.named])
+        if self.optimizer:
+            state.update(optimizer_state(self.optimizer, whole_places(self.optimizer, self.named)))
+        return state
 
     def load_checkpoint(self, checkpoint) -> None:
-        # 16-bit copies rounded
-        load_parameters([*self.model.named_parameters(), *self.masters], checkpoint)
+        load_parameters(self.named, checkpoint)
         if self.optimizer:
-            load_optimizer(self.optimizer, checkpoint, self.trained)
+            load_optimizer(self.optimizer, checkpoint, self.named)
 
 
 class CheckpointWriter:
@@ -120,12 +111,16 @@ class CheckpointWriter:
             if self.rank == 0:
                 clear_checkpoints(self.config["out"])
             return 0
+        started = time.perf_counter()
         for part in self.parts:
             part.load_checkpoint(checkpoint)
         # 1: one stream
         set_rng_state(checkpoint.rank_state(self.rank if self.world_size > 1 else 0)["rng"])
         if self.rank == 0:
-            print(f"resumed from {checkpoint.path} at step {checkpoint.step}")
+            took = (time.perf_counter() - started + checkpoint.open_s) * 1e3
+            print(
+                f"resumed from {checkpoint.path} at step {checkpoint.step}: read in {took:.0f} ms"
+            )
         return checkpoint.step
 
     def save(self, step: int) -> None:
@@ -137,11 +132,16 @@ class CheckpointWriter:
             raise not_written(error, self.rank, step, self.config["out"]) from error
         self._report(step, started, "written")
 
-    def _states(self, step: int) -> tuple[dict, dict]:
-        shared, own = {"step": step}, {"rng": rng_state()}
+    def _states(self, step: int) -> tuple[dict]:
+        """DCP's state dict: every part's entries (a shared part's in ``run``, once), and this rank's RNG."""
+        shared, state = {"step": step}, {}
+        if self.rank < self.world_size:  # step 9's stages: one process's RNG, rank 0's
+            state[f"rank{self.rank}"] = {"rng": rng_state()}
         for part in self.parts:
-            (own if part.per_rank else shared).update(part.checkpoint_state())
-        return shared, own
+            (state if part.per_rank else shared).update(part.checkpoint_state())
+        if self.rank == 0:
+            state["run"] = shared
+        return (state,)
 
     def wait(self) -> None:  # nothing to wait for: save returns once the checkpoint is whole
         pass
@@ -157,20 +157,27 @@ class CheckpointWriter:
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=self.group)
 
-    def _write(self, step: int, shared_state: dict, rank_state: dict) -> None:
+    def _write(self, step: int, state: dict) -> None:
+        tmp = self._prepare(step)
+        dcp_checkpoint.save(state, tmp, self.group)  # every rank's boxes, .metadata last (rank 0)
+        self._publish(step, tmp)
+
+    def _prepare(self, step: int):
+        """An empty ``.tmp_step_<step>`` (what a killed save left, removed), on every rank before anyone writes."""
         tmp = checkpoint_dir(self.config["out"], step).with_name(f".tmp_step_{step}")
         if self.rank == 0:
-            start_writing(self.config["out"], step)  # what a killed save left, removed
+            start_writing(self.config["out"], step)
         self._barrier()
-        torch.save(rank_state, tmp / f"rank{self.rank}.pt")
+        return tmp
+
+    def _publish(self, step: int, tmp) -> None:
+        """Rule 1, once DCP has written every rank's data and its ``.metadata``: ``meta.json``, then the rename."""
+        self._barrier()  # (a test pauses a rank here: written, not yet the checkpoint)
         if self.rank == 0:
-            torch.save(shared_state, tmp / "state.pt")
             (tmp / "meta.json").write_text(
                 checkpoint_meta(
                     step, self.world_size, self.config, self.shapes, self.data_parallel_size
                 )
             )
-        self._barrier()  # every rank's file is in tmp before it becomes the checkpoint
-        if self.rank == 0:
             publish(tmp)  # .tmp_step_<k> becomes step_<k>
         self._barrier()

@@ -168,7 +168,7 @@ def main():
         world.rank,
         world.world_size,
         shapes,
-        [RunState(scheduler, scaler, batches, log), ExpertParallelModel(model, optimizer)],
+        [RunState(scheduler, scaler, batches, log), WholeModel(model, optimizer)],
     )
     start_step = writer.start(resumed)  # every part loaded, the RNG last; or a fresh start in --out
     accum = config["grad_accum"]
@@ -223,20 +223,6 @@ def main():
     if world.is_main:
         log.finish(save_final_weights(Path(config["out"]), whole))
     distributed.shutdown()
-
-
-class ExpertParallelModel(WholeModel):
-    """This rank's parameters (the dense ones and its experts) and AdamW state, in its own file of the checkpoint,
-    read back by name (resharding.py): whichever rank saved an expert, any layout can load it."""
-
-    per_rank = True
-
-    def checkpoint_state(self) -> dict:
-        state = super().checkpoint_state()
-        return {
-            **state,
-            "model_slices": {name: (0, t.numel()) for name, t in state["model"].items()},
-        }
 
 
 def moe_record_over_ranks(model, dispatchers) -> dict:

@@ -5,15 +5,18 @@
    parameters with the local groups' hyperparameters, pushed to the local optimiser before every step and
    state dict, pulled back whenever a state dict is loaded into it (ZeRO-2: the local groups of slices).
 1. **Each rank its own slices.** A rank's state dict is its local optimiser's, with the ``(parameter, start, end)``
-   slices it covers; its checkpoint holds those slices of the weights and of the state, named by parameter
-   (``checkpoint_state``), so ``resharding.py`` cuts any rank's slices back out at any world size
-   (``load_checkpoint``, which all-gathers the weights after). No gather, no full copy when saving.
+   slices it covers; its checkpoint holds those slices of the weights and of the state, as boxes of the whole
+   tensors named by parameter (``checkpoint_state``, dcp_checkpoint.py), so DCP copies any layout's boxes into this
+   rank's slices at any world size (``load_checkpoint``, which all-gathers the weights after). No gather, no full
+   copy when saving.
 2. **A plain optimiser's state dict on request** (``consolidated_state_dict``): every rank's slices gathered and
    joined, as ``ZeroRedundancyOptimizer.consolidate_state_dict`` does; for export and inspection, never per step.
 """
 
 import torch
 import torch.distributed as dist
+
+from dcp_checkpoint import Place, load_model, load_optimizer, model_state, optimizer_state
 
 
 def hyperparameters(group: dict) -> dict:
@@ -85,31 +88,31 @@ class ShardedOptimizerState:
         return {name: param for name, param in named_params}
 
     # ---- Checkpoints (rule 1: the interface of checkpoint.py) ---------------------------------------------
+    def checkpoint_places(self, named_params) -> list:
+        """``(name, place)`` of each local parameter: a flat slice of parameter ``name`` (dcp_checkpoint.py)."""
+        name_of = {param: name for name, param in named_params}
+        return [
+            (name_of[piece.param], Place(tuple(piece.param.shape), start=piece.start))
+            for piece in self.pieces
+        ]
+
     def checkpoint_state(self, named_params) -> dict:
-        """What this rank saves: the weights of its slices (``model``; ``model_slices``, which elements of which
-        flattened parameter) and its slices of the optimiser state (``optimizer``, ``optimizer_slices``), named by
-        ``named_params``. No gather, no full copy: each rank writes what it steps (with masters: float32)."""
-        named_slices = self.slices(named_params)
-        return {
-            "model": {
-                name: view.detach().clone() for (name, _, _), view in zip(named_slices, self.views)
-            },
-            "model_slices": {name: (start, end) for name, start, end in named_slices},
-            "optimizer": self.state_dict(),
-            "optimizer_slices": named_slices,
-        }
+        """What this rank saves: the weights of its slices and its slices of the optimiser state, each a few boxes
+        of the whole tensor named by ``named_params`` (dcp_checkpoint.py). No gather, no full copy: each rank writes
+        what it steps (with masters: float32)."""
+        places = self.checkpoint_places(named_params)
+        pieces = [(name, view, place) for (name, place), view in zip(places, self.views)]
+        return {**model_state(pieces), **optimizer_state(self.local_optimizer, places)}
 
     def load_checkpoint(self, checkpoint, named_params) -> None:
-        """This rank's slices of the weights and of the optimiser state, cut out of ``checkpoint`` (a
+        """This rank's slices of the weights and of the optimiser state, copied out of ``checkpoint`` (a
         ``resharding.Checkpoint``, whatever world size or step wrote it), then the parameters all-gathered as
         after a step (a collective): every rank holds the whole model again."""
-        named_slices = self.slices(named_params)
-        with torch.no_grad():
-            for (name, start, end), view in zip(named_slices, self.views):
-                view.copy_(checkpoint.parameter(name, start, end))
-        self.local_optimizer.load_state_dict(
-            checkpoint.optimizer_state_dict(named_slices, self.views)
+        places = self.checkpoint_places(named_params)
+        load_model(
+            checkpoint, [(name, view, place) for (name, place), view in zip(places, self.views)]
         )
+        load_optimizer(checkpoint, self.local_optimizer, places)
         self.all_gather_parameters()
 
     def state_dict(self) -> dict:

@@ -3,10 +3,10 @@ mechanism: the methods ``FullyShardedDP`` takes from ``FullyShardedState``. A se
 saved and read back, not how a step trains), so a file of its own, as ZeRO-1's zero1_state.py.
 
 1. **Each rank its own pieces.** A rank saves its pieces as they are, flat slices under the
-   original names, with the elements of each flattened parameter they hold, and AdamW's state for
-   them (``checkpoint_state``): nothing full-size, no collective. ``load_checkpoint`` reads back
-   only this rank's elements, from a checkpoint written at any world size by any step
-   (``resharding.Checkpoint`` joins and cuts the slices).
+   original names, each a few boxes of the whole parameter (dcp_checkpoint.py), and AdamW's state
+   for them (``checkpoint_state``): nothing full-size, no collective. ``load_checkpoint`` reads back
+   only this rank's elements, from a checkpoint written at any world size by any step (DCP copies
+   the saved boxes' overlaps into the pieces).
 2. **The full parameters on request** (``gathered_parameters``): one unit all-gathered at a time,
    for the export and the tests, never per step.
 3. **What the trainer measures**: the shards it counts (``parameter_shards``,
@@ -16,6 +16,8 @@ saved and read back, not how a step trains), so a file of its own, as ZeRO-1's z
 import torch
 
 from comm_accounting import all_gather_single, count_collective
+from dcp_checkpoint import Place, load_model, load_optimizer, model_state, optimizer_state
+from training import params_in_order
 
 
 class FullyShardedState:
@@ -23,46 +25,49 @@ class FullyShardedState:
     bytes its gathers and frees track (``gathered_bytes``, ``peak_gathered_bytes``)."""
 
     # ---- Checkpoints (rule 1; checkpoint.py's interface: what this rank saves, and loading it) ---
+    def checkpoint_places(self) -> dict:
+        """``{name: place}``: the flat slice of each whole parameter this rank's piece of it is."""
+        ranges = self.piece_ranges()
+        return {
+            name: Place(tuple(shape), start=ranges[name][0])
+            for unit in self.units
+            for name, shape in zip(unit.names, unit.shapes)
+        }
+
     def checkpoint_state(self, optimizer=None) -> dict:
-        """What this rank saves: its pieces as flat slices (``model``; ``model_slices``, which
-        elements of each flattened parameter they are) and, given the ``optimizer`` that steps the
-        pieces, its state dict and the slice each of its parameters is (``optimizer``,
-        ``optimizer_slices``). Nothing full-size, no collective."""
-        state = {"model": self.module.state_dict(), "model_slices": self.piece_ranges()}
+        """What this rank saves: its pieces, each a few boxes of the whole parameter (dcp_checkpoint.py), and, given
+        the ``optimizer`` that steps the pieces, its state for them. Nothing full-size, no collective."""
+        places = self.checkpoint_places()
+        state = model_state(
+            [(name, piece, places[name]) for name, piece in self.module.named_parameters()]
+        )
         if optimizer is not None:
-            state.update(
-                optimizer=optimizer.state_dict(), optimizer_slices=self._optimizer_slices(optimizer)
-            )
+            state.update(optimizer_state(optimizer, self._optimizer_places(optimizer)))
         return state
 
     def load_checkpoint(self, checkpoint, optimizer=None) -> None:
         """Copy this rank's pieces out of ``checkpoint`` (a ``resharding.Checkpoint``, written at
         any world size by any step: only these elements are read) and, given the ``optimizer``, its
         state for them."""
-        ranges = self.piece_ranges()
-        with torch.no_grad():
-            for name, piece in self.module.named_parameters():
-                piece.copy_(checkpoint.parameter(name, *ranges[name]))
+        places = self.checkpoint_places()
+        load_model(
+            checkpoint,
+            [(name, piece, places[name]) for name, piece in self.module.named_parameters()],
+        )
         if optimizer is not None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            slices = self._optimizer_slices(optimizer)
-            optimizer.load_state_dict(checkpoint.optimizer_state_dict(slices, params))
+            load_optimizer(checkpoint, optimizer, self._optimizer_places(optimizer))
 
     def piece_ranges(self) -> dict:
         """``{name: (start, end)}``: the elements of each (flattened) parameter this rank's piece
         holds."""
         return {name: r for unit in self.units for name, r in zip(unit.names, unit.ranges)}
 
-    def _optimizer_slices(self, optimizer) -> list:
-        """``(name, start, end)`` of each of ``optimizer``'s parameters (pieces), numbered as its
-        state dict is."""
-        ranges = self.piece_ranges()
+    def _optimizer_places(self, optimizer) -> list:
+        """``(name, place)`` of each of ``optimizer``'s parameters (pieces), numbered as its state
+        dict is."""
+        places = self.checkpoint_places()
         name_of = {piece: name for name, piece in self.module.named_parameters()}
-        return [
-            (name_of[p], *ranges[name_of[p]])
-            for group in optimizer.param_groups
-            for p in group["params"]
-        ]
+        return [(name_of[p], places[name_of[p]]) for p in params_in_order(optimizer)]
 
     # ---- Full parameters, unit by unit (rule 2) --------------------------------------------------
     @torch.no_grad()

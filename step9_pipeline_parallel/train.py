@@ -24,7 +24,7 @@ from metrics import RunLog, StepClock, environment, memory_stats, save_final_wei
 from model import build_model
 from pipeline_setup import add_pipeline_flags, check_pipeline, pipeline_gpt2, virtual_stages
 from pipeline_stages import GPT2Stage
-from pipeline_state import PipelineState, gather_full_state, owned
+from pipeline_state import PipelineState, gather_full_model, owned
 from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
@@ -192,7 +192,7 @@ def main():
             preemption.leave(writer, step + 1, config["out"])
 
     writer.wait()  # the last checkpoint is whole on disk before the run says it is done
-    full = gather_full_state(named, None, world.is_main).get("model")
+    full = gather_full_model(named, world.is_main)
     if pipe.timeline is not None:
         from pipeline_trace import write_trace  # operations code, read it after the lesson
 

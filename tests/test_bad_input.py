@@ -173,10 +173,28 @@ def cut_short(name: str, size: int):
 def set_data_position(index: int):
     """Where an epoch ended inside an optimiser step, the position saved is not a whole number of steps."""
 
-    def damage(checkpoint: Path) -> None:
-        state = torch.load(checkpoint / "state.pt", weights_only=True)
-        state["data"]["index"] = index
-        torch.save(state, checkpoint / "state.pt")
+    def damage(
+        checkpoint: Path,
+    ) -> None:  # the run state is one of DCP's objects: the checkpoint written anew
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from dcp_checkpoint import read, save
+
+        saved = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+        state = read(
+            {
+                key: torch.empty(md.size, dtype=md.properties.dtype)
+                if isinstance(md, TensorStorageMetadata)
+                else None
+                for key, md in saved.items()
+            },
+            checkpoint,
+        )
+        state["run"]["data"]["index"] = index
+        for file in [*checkpoint.glob("*.distcp"), checkpoint / ".metadata"]:
+            file.unlink()
+        save(state, checkpoint)
 
     return damage
 
@@ -235,7 +253,7 @@ CASES = {
         "step1",
         *s.tiny,
         "--out",
-        s.run(checkpoint_damage=write("state.pt", bytes(100))),
+        s.run(checkpoint_damage=write(".metadata", bytes(100))),
         "--resume",
         ranks=2,
     ),
@@ -243,7 +261,7 @@ CASES = {
         "step1",
         *s.tiny,
         "--out",
-        s.run(checkpoint_damage=lambda c: (c / "rank1.pt").unlink()),
+        s.run(checkpoint_damage=lambda c: (c / "__1_0.distcp").unlink()),
         "--resume",
         ranks=2,
     ),
@@ -262,6 +280,18 @@ CASES = {
         s.run(
             checkpoint_damage=lambda c: edit_json(
                 c / "meta.json", lambda meta: meta.update(format=1)
+            )
+        ),
+        "--resume",
+        ranks=2,
+    ),
+    "format-2": lambda s: trainer(
+        "step1",
+        *s.tiny,
+        "--out",
+        s.run(
+            checkpoint_damage=lambda c: edit_json(
+                c / "meta.json", lambda meta: meta.update(format=2)
             )
         ),
         "--resume",
@@ -530,7 +560,7 @@ CASES = {
     ),
     "consolidate-corrupted": lambda s: tool(
         "consolidate.py",
-        step4(s.run(checkpoint_damage=write("state.pt", bytes(100)))),
+        step4(s.run(checkpoint_damage=write(".metadata", bytes(100)))),
         s.root / "runs" / "plain",
     ),
     "consolidate-into-itself": lambda s: tool(

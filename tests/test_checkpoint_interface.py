@@ -188,10 +188,11 @@ FIXTURE = REPO / "tests" / "fixtures" / "format2_step5_two_ranks"
 def test_a_checkpoint_written_before_the_reader_was_split_out_reads_back_its_own_tensors():
     """tests/fixtures/format2_step5_two_ranks: step 5's checkpoint at step 2 of a 4-step run at 2 ranks (ZeRO-1
     slices of AdamW's state in each rank's file, the whole model in state.pt, dropout on), written by the code
-    before checkpoint.py was split into checkpoint.py, resharding.py and background_writer.py. Today's reader
-    gives back exactly the tensors the files hold: every parameter, and every rank's slice of exp_avg and
-    exp_avg_sq, bit for bit. (Nothing here depends on the CPU: the bits are read, not computed.)"""
-    from resharding import Checkpoint
+    before checkpoint.py was split into checkpoint.py, resharding.py and background_writer.py. The reader of
+    format 2 (compare/format2.py, what consolidate.py converts with) gives back exactly the tensors the files hold:
+    every parameter, and every rank's slice of exp_avg and exp_avg_sq, bit for bit. (Nothing here depends on the
+    CPU: the bits are read, not computed.)"""
+    from format2 import Checkpoint
 
     checkpoint = Checkpoint(FIXTURE / "step_2")
     raw = torch.load(FIXTURE / "step_2" / "state.pt", weights_only=True)
@@ -219,10 +220,10 @@ def test_a_checkpoint_written_before_the_reader_was_split_out_reads_back_its_own
 def test_a_checkpoint_written_before_the_reader_was_split_out_resumes_as_todays_does(
     step, small_corpus, tmp_path
 ):
-    """The same fixture resumed today in step 5 and in step 1 (DDP: the slices joined into whole tensors) ends on
-    the bits of the same state in today's format, on this machine: (a) the fixture rewritten by today's
-    consolidate.py (the plain format steps 0-4 write), (b) the step-3 checkpoint today's trainer writes when it
-    resumes the fixture. The final bits themselves depend on the CPU's kernels (the fixture was written on
+    """The same fixture, converted to today's format (DCP) by consolidate.py as the trainers' one-line refusal of
+    format 2 says, resumed today in step 5 and in step 1 (DDP: the slices joined into whole tensors) ends on
+    the bits of the same state written anew, on this machine: (a) the fixture consolidated again (every tensor one
+    chunk), (b) the step-3 checkpoint today's trainer writes when it resumes the fixture. The final bits themselves depend on the CPU's kernels (the fixture was written on
     another machine), so they are compared between runs made here, never with numbers recorded there. The
     records the fixture holds come back unchanged, and every step is logged once."""
     import json
@@ -278,8 +279,9 @@ def test_a_checkpoint_written_before_the_reader_was_split_out_resumes_as_todays_
         assert result.returncode == 0, result.stderr[-3000:]
         return out
 
-    old = resume(tmp_path / "old", FIXTURE / "step_2", "--save-every", "1")
-    consolidated = consolidate(FIXTURE / "step_2", tmp_path / "consolidated")
+    converted = consolidate(FIXTURE / "step_2", tmp_path / "converted")
+    old = resume(tmp_path / "old", converted, "--save-every", "1")
+    consolidated = consolidate(converted, tmp_path / "consolidated")
     assert_bitwise_same_run(
         old, resume(tmp_path / "consolidated", consolidated, "--save-every", "0")
     )

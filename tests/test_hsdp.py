@@ -7,6 +7,7 @@ form with N / R = 2 in place of N; a checkpoint resumes bitwise at R = 2 and at 
 Runs are shared between the tests (module fixtures); the exact-mode step 1 run is conftest's ``exact_run``.
 """
 
+import math
 import sys
 
 import pytest
@@ -313,19 +314,25 @@ def test_trainer_communication_is_the_closed_form(fsdp2_pair, exact_pair):
 def test_trainer_resumes_bitwise_at_the_same_and_another_layout(
     exact_pair, replicate, tmp_path, small_corpus
 ):
-    """Every rank writes its pieces (replicas the same ones, bit for bit); resumed at R = 2, at R = 1 (sharded over
-    all 4: the reader cuts each rank's elements out of the saved ones) or at R = 4 (rows of one rank: every rank
-    whole, as DDP), the exact mode gives the same bits."""
+    """Every rank gives DCP its pieces (replicas the same boxes, which DCP writes once: different ones would overlap,
+    and DCP refuses a plan whose boxes overlap); resumed at R = 2, at R = 1 (sharded over all 4: each rank reads its
+    elements out of the saved boxes) or at R = 4 (rows of one rank: every rank whole, as DDP), the exact mode gives
+    the same bits."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     _, step7 = exact_pair
     checkpoint = step7 / "checkpoints" / "step_2"
-    own = [torch.load(checkpoint / f"rank{rank}.pt", weights_only=True) for rank in range(N)]
-    for rank in range(N):
-        replica = own[(rank + S) % N]  # the same place in the other row
-        assert own[rank]["model_slices"] == replica["model_slices"]
-        assert all(
-            torch.equal(own[rank]["model"][n], replica["model"][n]) for n in own[rank]["model"]
-        )
-    assert own[0]["model_slices"] != own[1]["model_slices"]
+    stored = FileSystemReader(checkpoint).read_metadata()
+    written = {}  # each rank's file: the model's boxes it holds
+    for index, info in stored.storage_data.items():
+        if index.fqn.startswith("model."):
+            written.setdefault(info.relative_path, set()).add((index.fqn, tuple(index.offset)))
+    for fqn, saved in stored.state_dict_metadata.items():
+        if fqn.startswith(
+            "model."
+        ):  # the boxes tile the tensor once: one copy of each replica's piece
+            assert sum(math.prod(c.sizes) for c in saved.chunks) == math.prod(saved.size), fqn
+    assert len(written) > 1 and written["__0_0.distcp"] != written["__1_0.distcp"]
     resumed = train(
         "step7",
         tmp_path / "resumed",

@@ -84,14 +84,16 @@ class Part:
         return {self.key: torch.tensor(self.value)}
 
     def load_checkpoint(self, checkpoint) -> None:
-        state = checkpoint.ranks[0] if self.per_rank else checkpoint.shared
+        # a per-rank part's entries are DCP's, read into this rank's tensors; a shared part's are in the run state
+        empty = {self.key: torch.zeros((), dtype=torch.int64)}
+        state = checkpoint.read(empty) if self.per_rank else checkpoint.shared
         # draws before the RNG is set
         self.calls.append((self.key, int(state[self.key]), float(torch.rand(()))))
 
 
 def test_the_writer_saves_each_part_where_it_says_and_starts_from_them_in_order_rng_last(tmp_path):
-    """One call each way: ``save(step)`` puts a shared part in state.pt and a per-rank one in rank0.pt beside the
-    RNG; ``start(checkpoint)`` loads every part in the order given, then the RNG (what a part draws while loading
+    """One call each way: ``save(step)`` puts a shared part in the run state (``run``) and a per-rank one in DCP's
+    entries, beside the rank's RNG (``rank0``); ``start(checkpoint)`` loads every part in the order given, then the RNG (what a part draws while loading
     must not move the stream), and returns the step; ``start(None)`` clears an earlier run's checkpoints."""
     from checkpoint import CheckpointWriter
     from resharding import Checkpoint
@@ -103,10 +105,11 @@ def test_the_writer_saves_each_part_where_it_says_and_starts_from_them_in_order_
     CheckpointWriter(config, 0, 1, {}, parts).save(7)
     after_save = torch.rand(3)  # what the run draws next
     folder = tmp_path / "checkpoints" / "step_7"
-    shared, own = torch.load(folder / "state.pt"), torch.load(folder / "rank0.pt")
+    saved = Checkpoint(folder)
+    shared, own = saved.shared, {*saved.ranks[0], *(set(saved.metadata) - {"run", "rank0"})}
     assert set(shared) == {"step", "shared_1", "shared_3"} and shared["step"] == 7
     assert set(own) == {"rng", "own_2"}
-    assert CheckpointWriter(config, 0, 1, {}, parts).start(Checkpoint(folder)) == 7
+    assert CheckpointWriter(config, 0, 1, {}, parts).start(saved) == 7
     assert [(key, value) for key, value, _ in calls] == [
         ("shared_1", 1),
         ("own_2", 2),

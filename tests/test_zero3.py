@@ -385,17 +385,26 @@ def test_trainer_exact_mode_is_bitwise_identical_at_world_size_3(exact3):
 def test_trainer_resumes_bitwise_from_its_own_shards(exact3, tmp_path, small_corpus):
     _, step7 = exact3
     checkpoint = step7 / "checkpoints" / "step_2"
-    shared = torch.load(checkpoint / "state.pt", weights_only=True)
-    # nothing full-size in the shared file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from resharding import Checkpoint
+
+    # nothing full-size in the run state
+    shared = Checkpoint(checkpoint).shared
     assert "model" not in shared and "optimizer" not in shared
     psi, _ = psi_and_root(step7)
     units = metrics(step7)["config"]["n_layer"] + 1
+    stored = FileSystemReader(checkpoint).read_metadata()
     for rank in range(3):
-        own = torch.load(checkpoint / f"rank{rank}.pt", weights_only=True)
-        # the tied weight: one piece, two names
-        pieces = {(t.data_ptr(), t.numel()): t for t in own["model"].values()}
-        assert all(t.dim() == 1 for t in own["model"].values())
-        assert abs(sum(t.numel() for t in pieces.values()) - psi / 3) <= 2 * units, (
+        # the boxes of the model this rank wrote (the tied weight once, under one name)
+        held = [
+            chunk.sizes
+            for index, info in stored.storage_data.items()
+            if index.fqn.startswith("model.") and info.relative_path.startswith(f"__{rank}_")
+            for chunk in stored.state_dict_metadata[index.fqn].chunks
+            if chunk.offsets == index.offset
+        ]
+        assert abs(sum(math.prod(sizes) for sizes in held) - psi / 3) <= 2 * units, (
             "a rank holds 1/3 of the model"
         )
     resumed = train(

@@ -1,8 +1,8 @@
 """Run a trainer with its checkpoint writer slowed down or failing, or with a SIGTERM sent at a chosen point: a
 test hook injected from tests/, so that the trainers carry no test switch of their own.
 
-    python tests/writer_hook.py slow:2 step7_zero3/train.py --async-save ...   # every write starts 2 s late
-    python tests/writer_hook.py fail:4 step7_zero3/train.py --async-save ...   # writing step_4 raises OSError
+    python tests/writer_hook.py slow:2 step7_zero3/train.py --async-save ...   # every save made whole 2 s late
+    python tests/writer_hook.py fail:4 step7_zero3/train.py --async-save ...   # making step_4 whole raises OSError
     torchrun ... tests/writer_hook.py pause:4:1 step1_torch_ddp/train.py ...    # rank 1 stops inside step_4's write
     torchrun ... tests/writer_hook.py sigterm:2:launcher step1_torch_ddp/train.py --preempt-grace-s 20 ...
     torchrun ... tests/writer_hook.py sigterm-in-save:2:1 step7_zero3/train.py --preempt-grace-s 20 ...
@@ -35,7 +35,9 @@ import failures  # noqa: E402
 
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
-write = checkpoint.CheckpointWriter._write
+# the step where a save becomes the checkpoint (step 0's one process: the whole write)
+FINISH = "_publish" if hasattr(checkpoint.CheckpointWriter, "_publish") else "_write"
+write = getattr(checkpoint.CheckpointWriter, FINISH)
 
 
 def slow_or_failing_write(self, step, *state, kind, value):
@@ -56,14 +58,14 @@ paused = False
 
 
 def pausing_barrier(self, kind, value):
-    """``pause:STEP:RANK``: rank RANK stops in the middle of writing checkpoint STEP, once its own file is in
-    .tmp_step_<STEP> (the barrier before the rename), on the first attempt only, so that a run torchrun
-    restarts goes through. See tests/test_fault_tolerance.py."""
+    """``pause:STEP:RANK``: rank RANK stops in the middle of writing checkpoint STEP, once every rank's data is in
+    .tmp_step_<STEP> (DCP's .metadata written: the barrier before the rename), on the first attempt only, so that a
+    run torchrun restarts goes through. See tests/test_fault_tolerance.py."""
     global paused
     step, rank = map(int, value.split(":"))
     tmp = checkpoint.checkpoint_dir(self.config["out"], step).with_name(f".tmp_step_{step}")
     # Once: the barrier after the rename can come before rank 0 has renamed, the file still in .tmp_step_<STEP>.
-    if self.rank == rank and first_attempt and not paused and (tmp / f"rank{rank}.pt").is_file():
+    if self.rank == rank and first_attempt and not paused and (tmp / ".metadata").is_file():
         paused = True
         if kind == "pause":
             print(
@@ -109,7 +111,9 @@ for mode in modes.split(","):
     elif kind == "sigterm":
         failures.Preemption.agreed = partialmethod(signalled_agreement, value=value)
     else:
-        checkpoint.CheckpointWriter._write = partialmethod(
-            slow_or_failing_write, kind=kind, value=value
+        setattr(
+            checkpoint.CheckpointWriter,
+            FINISH,
+            partialmethod(slow_or_failing_write, kind=kind, value=value),
         )
 runpy.run_path(script, run_name="__main__")
