@@ -23,8 +23,8 @@ the dp x cp plane by step 7's ``FullyShardedDP`` (zero3.py), as torchtitan appli
 4. **A norm over pieces.** Each rank adds the squares of its pieces of the tensors counted once over tp and pp
    (composition.py's rule 3: tp shards on every tp rank, replicated ones on tp rank 0, the tie on the first stage),
    then over dp x cp, tp and pp in turn: every element of the model's gradient once.
-5. **Checkpoints by name**, as every stage writes them (zero3_on_mesh_state.py): --zero 1's form, so a run saved
-   at --zero 3 resumes at 0, 1 or 2, and back.
+5. **Checkpoints by name** (zero3_on_mesh_state.py): each rank its pieces, slices of its tp shards, as boxes of the
+   whole tensors, so a run saved at --zero 3 resumes at 0, 1 or 2 and at any mesh, and back.
 6. **Not composed**: sequence parallelism (its LayerNorms' gradients are added over tp after the backward, by when
    ZeRO-3 has reduce-scattered them), zero bubble (its W computes weight gradients after the backward whose end
    reduce-scatters them), experts (an expert's gradient has its own group). Each refused in one line.
@@ -36,6 +36,7 @@ import torch
 
 from config import UserError
 from hsdp import HybridMesh
+from tensor_parallel_state import place_of
 from tied_embedding import KIND, TIED_TAG, TiedGradient
 from zero3 import FullyShardedDP
 
@@ -76,8 +77,8 @@ class FullyShardedStages:
     def __init__(self, pipe, named: list, mesh, config: dict, device):
         self.pipe, self.mesh = pipe, mesh
         self.last_micro_batch = config["grad_accum"] - 1
-        # what a piece no longer says: the tp shard's shape and place in the whole tensor, by the model's name
-        self.shards = {name: (p.shape, getattr(p, "tp_blocks", None)) for name, p in named}
+        # what a piece no longer says, by the model's name: its tp shard's place in the whole tensor, and blocks
+        self.shards = {name: (place_of(p), getattr(p, "tp_blocks", None)) for name, p in named}
         self.wrappers, self.local_names, self.tie, self.forwards = [], [], None, []
         self.accumulated = 0
         reduce_dtype = getattr(torch, config["reduce_dtype"])

@@ -1,14 +1,13 @@
 """ZeRO-3 on the mesh (zero3_on_mesh.py) as checkpoints and the final weights see it: a second idea (what is saved
 and read back, not how a step trains), so a file of its own, as step 7's zero3_state.py is to its zero3.py.
 
-1. **The checkpoint every stage writes.** A piece is a flat slice of a tp shard, and a tp shard an N-D block of
-   the whole tensor; resharding.py describes slices of whole tensors and blocks of them, not slices of blocks. So
-   the pieces, and AdamW's state for them, are gathered over the dp x cp plane into the tp shards, unit by unit,
-   and dp x cp rank 0 writes them as step 8's blocks (composition.py's rule 4): --zero 1's checkpoint, bitwise.
-   A run saved at any --zero resumes at any other, and at any mesh.
-2. **Loading cuts the pieces out.** Each rank reads its tp shard of every parameter (and of its AdamW state) from
-   any step's checkpoint, then keeps its piece's elements: the range step 7's layout gives it in the flattened
-   shard.
+1. **Each rank its own pieces.** A piece is a flat slice of a tp shard, and a tp shard a block of the whole tensor:
+   a slice of a block, a few boxes of the whole tensor (dcp_checkpoint.py's rule 2). Every rank gives DCP its
+   pieces and AdamW's state for them under the model's names, as they are: no gather. The tie's copy on the last
+   stage holds the same elements as the first stage's (zero3_on_mesh.py's rule 2) and is not saved, as
+   composition.py's ``MeshShards`` leaves it out.
+2. **Loading copies this rank's pieces out** of any step's checkpoint at any mesh and --zero stage (the tie's copy
+   too): DCP copies the saved boxes' overlaps into them.
 3. **The final weights**: each unit gathered over the plane (step 7's ``gathered_parameters``), the tp shards
    over tp (step 8), the stages over pp (step 9), as composition.py's ``gather_full_model`` does.
 """
@@ -16,19 +15,11 @@ and read back, not how a step trains), so a file of its own, as step 7's zero3_s
 import torch
 import torch.distributed as dist
 
-from comm_accounting import all_gather_single, count_collective
-from tensor_parallel_state import assemble, checkpoint_shards
+from comm_accounting import count_collective
+from dcp_checkpoint import load_model, load_optimizer, model_state, optimizer_state
+from tensor_parallel_state import assemble
 from training import params_in_order
 from zero3_on_mesh import TIE
-
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state with one value per element
-
-
-def tp_blocks(stages, name: str) -> list:
-    """Where this rank's tp shard of ``name`` sits in the whole tensor: step 8's ``(name, dim, start, end)``
-    blocks; a replicated tensor is one block, all of it."""
-    shape, blocks = stages.shards[name]
-    return [(name, *b) for b in blocks] if blocks else [(name, 0, 0, shape[0])]
 
 
 class FullyShardedShards:
@@ -39,79 +30,36 @@ class FullyShardedShards:
 
     def __init__(self, stages, optimizer):
         self.stages, self.optimizer = stages, optimizer
+        # each piece's place: its range in the flattened tp shard, at that shard's place in the whole tensor
+        self.places = {
+            names[n]: stages.shards[names[n]][0]._replace(start=place.start)
+            for wrapper, names in zip(stages.wrappers, stages.local_names)
+            for n, place in wrapper.checkpoint_places().items()
+        }
+        self.saved = [(n, p) for n, p in stages.named if n != TIE or stages.mesh.pp_rank == 0]
 
-    def _gathered(self, unit, values) -> list:
-        """``values`` (this rank's shard of ``unit``'s flat range) gathered over the plane: one tensor per
-        parameter of the unit, shaped as its tp shard. A collective over the plane, not counted: not a step's."""
-        mesh = self.stages.wrappers[0].mesh
-        full = values.new_empty(unit.padded)
-        all_gather_single(full, values.detach().contiguous(), group=mesh.shard_group)
-        return [t.clone() for t in full.split(unit.numels + [unit.padded - sum(unit.numels)])][:-1]
+    def _pieces(self, named: list) -> list:
+        return [(n, p, self.places[n]) for n, p in named]
+
+    def _optimizer_places(self, named: list) -> list:
+        """``(name, place)`` of each of the optimiser's pieces (``params_in_order``), None for one not in ``named``."""
+        name_of = {p: n for n, p in named}
+        return [
+            (name_of[p], self.places[name_of[p]]) if p in name_of else None
+            for p in params_in_order(self.optimizer)
+        ]
 
     def checkpoint_state(self) -> dict:
-        """Rule 1: every rank of the plane gathers; dp x cp rank 0 returns the tp shards and their state."""
-        state = self.optimizer.state
-        named, moments = [], {}
-        for wrapper, names in zip(self.stages.wrappers, self.stages.local_names):
-            for unit in wrapper.units:
-                whole = self._gathered(unit, unit.shard)
-                stepped = [piece for piece in unit.pieces if piece in state]
-                by_key = {}
-                for key in MOMENTS if stepped else ():
-                    flat = torch.zeros_like(unit.shard)
-                    for piece, part in zip(unit.pieces, unit.slices):
-                        if piece in state:
-                            flat[part] = state[piece][key]
-                    by_key[key] = self._gathered(unit, flat)
-                for i, (name, shape) in enumerate(zip(unit.names, unit.shapes)):
-                    tensor = whole[i].view(shape)
-                    tensor.tp_blocks = self.stages.shards[names[name]][
-                        1
-                    ]  # tensor_parallel_state's form
-                    named.append((names[name], tensor))
-                    if stepped:  # every piece of a parameter steps alike: any one's step count
-                        moments[names[name]] = {
-                            "step": state[unit.pieces[i]]["step"].clone(),
-                            **{k: by_key[k][i].view(shape) for k in MOMENTS},
-                        }
-        if self.stages.mesh.dp_cp_rank != 0:
-            return {}
-        tensors, order = dict(named), self._names_in_order()
-        saved = {
-            "state": {i: moments[n] for i, n in enumerate(order) if n in moments},
-            "param_groups": self.optimizer.state_dict()["param_groups"],
+        """Rule 1: this rank's pieces and their AdamW state, boxes of the whole tensors. No collective."""
+        return {
+            **model_state(self._pieces(self.saved)),
+            **optimizer_state(self.optimizer, self._optimizer_places(self.saved)),
         }
-        return checkpoint_shards(named, [tensors[n] for n in order], saved)
-
-    def _names_in_order(self) -> list:
-        """The model's name of each parameter (piece) of the optimiser, numbered as its state dict is."""
-        name_of = {id(p): n for n, p in self.stages.named}
-        return [name_of[id(p)] for p in params_in_order(self.optimizer)]
 
     def load_checkpoint(self, checkpoint) -> None:
         """Rule 2: this rank's pieces, and AdamW's state for them, out of any step's checkpoint at any mesh."""
-        ranges = {
-            names[n]: r
-            for wrapper, names in zip(self.stages.wrappers, self.stages.local_names)
-            for n, r in wrapper.piece_ranges().items()
-        }
-        with torch.no_grad():
-            for name, piece in self.stages.named:
-                shard = checkpoint.block(name, tp_blocks(self.stages, name))
-                piece.copy_(shard.reshape(-1)[slice(*ranges[name])])
-        order = self._names_in_order()
-        blocks = [tp_blocks(self.stages, n) for n in order]
-        full = checkpoint.optimizer_state_dict(blocks, params_in_order(self.optimizer))
-        state = {
-            i: {
-                k: v.reshape(-1)[slice(*ranges[order[i]])].clone()
-                if torch.is_tensor(v) and v.dim()
-                else v
-                for k, v in entry.items()
-            }
-            for i, entry in full["state"].items()
-        }
-        self.optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
+        load_model(checkpoint, self._pieces(self.stages.named))
+        load_optimizer(checkpoint, self.optimizer, self._optimizer_places(self.stages.named))
 
 
 def gather_full_model(stages, mesh) -> dict:
@@ -120,10 +68,8 @@ def gather_full_model(stages, mesh) -> dict:
     for wrapper, names in zip(stages.wrappers, stages.local_names):
         for n, t in wrapper.gathered_parameters():  # one unit at a time, over the plane
             mine[names[n]] = t.clone()
-    for (
-        name,
-        tensor,
-    ) in mine.items():  # the same names in the same order on every tp rank of the stage
+    # the same names in the same order on every tp rank of the stage
+    for name, tensor in mine.items():
         blocks = stages.shards[name][1]
         if blocks:
             parts = [torch.empty_like(tensor) for _ in range(mesh.tp)]

@@ -8,6 +8,9 @@ The runs are shared (module fixture ``zero_runs``; step 1's and the --zero 1 mes
 ``mesh_runs``, step 6's exact-mode run its ``exact_run``): TINY, global batch 8 samples (16 in the exact mode).
 """
 
+import json
+import math
+
 import pytest
 
 import estimate  # compare/, on the path through conftest
@@ -34,7 +37,7 @@ RUNS = {
     "z3pp": (
         "step10",
         4,
-        ["--dp", "2", "--pp", "2", "--zero", "3", *ACCUM]
+        ["--dp", "2", "--pp", "2", "--zero", "3", *ACCUM, "--save-every", "2"]
         + ["--schedule", "gpipe", "--activation-checkpointing", "full"],
     ),
     "z3cp": ("step10", 4, ["--dp", "2", "--cp", "2", "--zero", "3", *EXACT]),
@@ -221,15 +224,43 @@ def test_zero3_memory_per_rank_is_the_planners(zero_runs, name):
             assert comm["dp"]["all_gather"] == stage["comm"]["dp"]["all_gather"], (name, comm)
 
 
+@pytest.mark.parametrize("name", ["z3tp", "z3pp"], ids=["zero3-tp", "zero3-pp"])
+def test_a_zero3_checkpoint_is_every_ranks_own_pieces(zero_runs, name):
+    """zero3_on_mesh_state.py's rule 1: every rank of dp 2 x tp 2 (and of dp 2 x pp 2) writes its own pieces of the
+    parameters and of AdamW's moments, no gather to dp rank 0; their boxes tile every tensor exactly once (the tie's
+    copy on the last stage not written: the first stage's pieces are the tensor)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    checkpoint = zero_runs(name) / "checkpoints" / "step_2"
+    stored = FileSystemReader(checkpoint).read_metadata()
+    written = {}  # each rank's file: the boxes of the model and of its moments it holds
+    for index, info in stored.storage_data.items():
+        if index.fqn.startswith("model.") or index.fqn.endswith(".exp_avg"):
+            written.setdefault(info.relative_path, set()).add((index.fqn, tuple(index.offset)))
+    assert sorted(written) == [f"__{r}_0.distcp" for r in range(4)], sorted(written)
+    assert all(written[a] != written[b] for a in written for b in written if a != b)
+    names = json.loads((checkpoint / "meta.json").read_text())["shapes"]
+    tiled = [
+        f for f in stored.state_dict_metadata if f.startswith("model.") or f.endswith(".exp_avg")
+    ]
+    assert sorted(tiled) == sorted(
+        [f"model.{n}" for n in names] + [f"optim.state.{n}.exp_avg" for n in names]
+    )
+    for fqn in tiled:
+        saved = stored.state_dict_metadata[fqn]
+        assert sum(math.prod(c.sizes) for c in saved.chunks) == math.prod(saved.size), fqn
+
+
 @pytest.mark.parametrize(
     "saved, resumed",
-    [("z3tp", "dp2tp2"), ("dp2pp2", "z3pp")],
-    ids=["zero3-to-zero1", "zero1-to-zero3"],
+    [("z3tp", "dp2tp2"), ("dp2pp2", "z3pp"), ("z3pp", "dp2pp2")],
+    ids=["zero3-to-zero1", "zero1-to-zero3", "zero3-pp-to-zero1"],
 )
 def test_a_zero3_checkpoint_resumes_at_zero1_and_back_bitwise(zero_runs, mesh_runs, saved, resumed):
-    """--zero 3's checkpoint is --zero 1's (the pieces gathered into tp shards, written by name): dp 2 x tp 2's at
-    step 2 resumed at --zero 1 continues as the uninterrupted --zero 1 run, bit for bit, and dp 2 x pp 2's --zero 1
-    checkpoint resumed at --zero 3 (each rank cutting its pieces out of the tp shards) as the --zero 3 run."""
+    """--zero 3's checkpoint is by name, each rank's pieces boxes of the whole tensors (zero3_on_mesh_state.py):
+    dp 2 x tp 2's at step 2 resumed at --zero 1 continues as the uninterrupted --zero 1 run, bit for bit, and so does
+    dp 2 x pp 2's (the tie read from the first stage's pieces); dp 2 x pp 2's --zero 1 checkpoint resumed at --zero 3
+    (each rank reading its pieces out of the saved slices) as the --zero 3 run."""
 
     def run(name):
         return zero_runs(name) if name in RUNS else mesh_runs(name)
