@@ -8,15 +8,14 @@
    slices it covers; its checkpoint holds those slices of the weights and of the state, as boxes of the whole
    tensors named by parameter (``checkpoint_state``, dcp_checkpoint.py), so DCP copies any layout's boxes into this
    rank's slices at any world size (``load_checkpoint``, which all-gathers the weights after). No gather, no full
-   copy when saving.
+   copy when saving. dcp_checkpoint is imported by these methods, not with the file: importing DCP imports
+   torch.distributed.nn, which binds the default group, and importing an idea file must leave a script's group alone.
 2. **A plain optimiser's state dict on request** (``consolidated_state_dict``): every rank's slices gathered and
    joined, as ``ZeroRedundancyOptimizer.consolidate_state_dict`` does; for export and inspection, never per step.
 """
 
 import torch
 import torch.distributed as dist
-
-from dcp_checkpoint import Place, load_model, load_optimizer, model_state, optimizer_state
 
 
 def hyperparameters(group: dict) -> dict:
@@ -90,6 +89,8 @@ class ShardedOptimizerState:
     # ---- Checkpoints (rule 1: the interface of checkpoint.py) ---------------------------------------------
     def checkpoint_places(self, named_params) -> list:
         """``(name, place)`` of each local parameter: a flat slice of parameter ``name`` (dcp_checkpoint.py)."""
+        from dcp_checkpoint import Place  # here, not at the top: rule 1
+
         name_of = {param: name for name, param in named_params}
         return [
             (name_of[piece.param], Place(tuple(piece.param.shape), start=piece.start))
@@ -100,6 +101,8 @@ class ShardedOptimizerState:
         """What this rank saves: the weights of its slices and its slices of the optimiser state, each a few boxes
         of the whole tensor named by ``named_params`` (dcp_checkpoint.py). No gather, no full copy: each rank writes
         what it steps (with masters: float32)."""
+        from dcp_checkpoint import model_state, optimizer_state
+
         places = self.checkpoint_places(named_params)
         pieces = [(name, view, place) for (name, place), view in zip(places, self.views)]
         return {**model_state(pieces), **optimizer_state(self.local_optimizer, places)}
@@ -108,6 +111,8 @@ class ShardedOptimizerState:
         """This rank's slices of the weights and of the optimiser state, copied out of ``checkpoint`` (a
         ``resharding.Checkpoint``, whatever world size or step wrote it), then the parameters all-gathered as
         after a step (a collective): every rank holds the whole model again."""
+        from dcp_checkpoint import load_model, load_optimizer
+
         places = self.checkpoint_places(named_params)
         load_model(
             checkpoint, [(name, view, place) for (name, place), view in zip(places, self.views)]

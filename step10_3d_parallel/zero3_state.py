@@ -6,7 +6,9 @@ saved and read back, not how a step trains), so a file of its own, as ZeRO-1's z
    original names, each a few boxes of the whole parameter (dcp_checkpoint.py), and AdamW's state
    for them (``checkpoint_state``): nothing full-size, no collective. ``load_checkpoint`` reads back
    only this rank's elements, from a checkpoint written at any world size by any step (DCP copies
-   the saved boxes' overlaps into the pieces).
+   the saved boxes' overlaps into the pieces). dcp_checkpoint is imported by these methods, not
+   with the file: importing DCP imports torch.distributed.nn, which binds the default group, and
+   importing an idea file must leave a script's group alone.
 2. **The full parameters on request** (``gathered_parameters``): one unit all-gathered at a time,
    for the export and the tests, never per step.
 3. **What the trainer measures**: the shards it counts (``parameter_shards``,
@@ -16,7 +18,6 @@ saved and read back, not how a step trains), so a file of its own, as ZeRO-1's z
 import torch
 
 from comm_accounting import all_gather_single, count_collective
-from dcp_checkpoint import Place, load_model, load_optimizer, model_state, optimizer_state
 from training import params_in_order
 
 
@@ -27,6 +28,8 @@ class FullyShardedState:
     # ---- Checkpoints (rule 1; checkpoint.py's interface: what this rank saves, and loading it) ---
     def checkpoint_places(self) -> dict:
         """``{name: place}``: the flat slice of each whole parameter this rank's piece of it is."""
+        from dcp_checkpoint import Place  # here, not at the top: rule 1
+
         ranges = self.piece_ranges()
         return {
             name: Place(tuple(shape), start=ranges[name][0])
@@ -37,6 +40,8 @@ class FullyShardedState:
     def checkpoint_state(self, optimizer=None) -> dict:
         """What this rank saves: its pieces, each a few boxes of the whole parameter (dcp_checkpoint.py), and, given
         the ``optimizer`` that steps the pieces, its state for them. Nothing full-size, no collective."""
+        from dcp_checkpoint import model_state, optimizer_state
+
         places = self.checkpoint_places()
         state = model_state(
             [(name, piece, places[name]) for name, piece in self.module.named_parameters()]
@@ -49,6 +54,8 @@ class FullyShardedState:
         """Copy this rank's pieces out of ``checkpoint`` (a ``resharding.Checkpoint``, written at
         any world size by any step: only these elements are read) and, given the ``optimizer``, its
         state for them."""
+        from dcp_checkpoint import load_model, load_optimizer
+
         places = self.checkpoint_places()
         load_model(
             checkpoint,

@@ -5,7 +5,9 @@ files afterwards, run each case's plain loop beside the PyTorch counterpart, com
 ``torch.equal`` after every optimiser step, and leave with ``dist.destroy_process_group()``. A worker that
 aborts at interpreter exit (the "terminate called without an active exception" an idea file once caused by
 importing ``distributed.py``) makes the program fail, so the run is also an abort check. The cases share
-that one spawn (the harness imports every idea file before any loop runs, so each import is checked alone).
+that one spawn (the harness imports every idea file before any loop runs). A module one case's import pulls in
+is already there for the next case's, so each step folder's idea files are also imported alone, in a fresh
+interpreter of their own (``test_importing_an_idea_file_alone_leaves_the_default_group_alone``).
 """
 
 import json
@@ -15,6 +17,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from drop_in_harness import FOLDER, IDEA_MODULES
 
 CASES = {
     "naive_dp": "broadcast_parameters + allreduce_gradients vs DistributedDataParallel",
@@ -55,3 +58,27 @@ def test_idea_file_in_an_outside_harness_equals_its_pytorch_counterpart(case, ha
     report = report["cases"][case]
     assert report["problems"] == [], f"{CASES[case]}: {report['problems'][:10]}"
     assert report["checked"] >= 30, "too few tensors compared for the comparison to prove anything"
+
+
+@pytest.mark.parametrize(
+    "folder", sorted({FOLDER[case] for case in CASES}, key=lambda f: int(f[4:].split("_")[0]))
+)
+def test_importing_an_idea_file_alone_leaves_the_default_group_alone(folder):
+    """In the shared harness zero3 once passed only because zero1's import had pulled in torch.distributed.nn
+    (through DCP) first: each folder's idea files, imported by an interpreter that has imported nothing else."""
+    modules = sorted({m for case in CASES if FOLDER[case] == folder for m in IDEA_MODULES[case]})
+    probe = (
+        "import sys, torch.distributed\n"
+        f"sys.path.insert(0, {str(REPO / folder)!r})\n"
+        "before = set(sys.modules)\n"
+        f"for name in {modules!r}: __import__(name)\n"
+        "print(sorted({'distributed', 'torch.distributed.nn', 'torch.distributed.nn.functional'}"
+        " & (set(sys.modules) - before)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", (
+        f"importing {modules} from {folder} imported {result.stdout}"
+    )
