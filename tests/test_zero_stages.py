@@ -2,7 +2,7 @@
 --zero 0 is step 1 (PyTorch DDP) and --zero 2 is step 6 bitwise at 2 ranks, and --zero 2 is step 6 at 4 ranks in the
 exact mode; with tp or pp, every stage is --zero 1's run bitwise (the same sums), --zero 3 too (tp, pp, and cp at a
 plane of 4 in the exact mode); every rank's params, grads, AdamW state (and ZeRO-3's gathered units) are the
-planner's for its stage (compare/plan.py's measured rows); a checkpoint resumes at another stage bitwise.
+planner's for its stage (compare/plan.py's measured rows); a checkpoint resumes at another stage bitwise, --zero 3's at another plane too.
 
 The runs are shared (module fixture ``zero_runs``; step 1's and the --zero 1 mesh runs are conftest.py's
 ``mesh_runs``, step 6's exact-mode run its ``exact_run``): TINY, global batch 8 samples (16 in the exact mode).
@@ -42,6 +42,7 @@ RUNS = {
     ),
     "z3cp": ("step10", 4, ["--dp", "2", "--cp", "2", "--zero", "3", *EXACT]),
     "z1cp": ("step10", 4, ["--dp", "2", "--cp", "2", *EXACT]),
+    "z3exact2": ("step10", 2, ["--dp", "2", "--zero", "3", *EXACT]),
 }
 
 
@@ -278,3 +279,31 @@ def test_a_zero3_checkpoint_resumes_at_zero1_and_back_bitwise(zero_runs, mesh_ru
     stage = metrics(out)["config"]["zero"]
     assert stage == metrics(run(resumed))["config"]["zero"] != metrics(run(saved))["config"]["zero"]
     assert_bitwise_same_run(out, run(resumed))
+
+
+def test_a_zero3_checkpoint_resumes_at_another_plane_bitwise(zero_runs):
+    """Pieces cut for a plane of 2 read back into pieces for a plane of 4: dp 2's --zero 3 checkpoint at step 2,
+    resumed at --dp 4 --zero 3 (each rank copying its new pieces out of the saved ones), continues bit for bit as the
+    same checkpoint resumed at --dp 4 --zero 2 (ZeRO-1's slices: another reader), in the exact mode (float64
+    reduction: the same sums at either stage). No uninterrupted run compares: another dp takes other samples."""
+    resumed = {
+        stage: train(
+            "step10",
+            zero_runs.top / f"z3exact2_at_dp4_zero{stage}",
+            zero_runs.corpus,
+            *["--dp", "4", "--zero", stage, *EXACT, "--grad-accum", "1"],  # the saved global batch
+            *["--resume", str(zero_runs("z3exact2") / "checkpoints" / "step_2")],
+            nproc=4,
+        )
+        for stage in ("3", "2")
+    }
+    for stage, out in resumed.items():
+        config = metrics(out)["config"]
+        assert (config["zero"], config["dp"]) == (int(stage), 4)
+        assert config["resume"].endswith("step_2")
+    assert_bitwise_same_run(resumed["3"], resumed["2"])
+    saved = [r["loss"] for r in metrics(zero_runs("z3exact2"))["records"]]
+    after = [r["loss"] for r in metrics(resumed["3"])["records"]]
+    assert (
+        after[:2] == saved[:2] and after[2:] != saved[2:]
+    )  # the saved steps, then dp 4's own samples
