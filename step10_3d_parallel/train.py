@@ -134,7 +134,6 @@ def main():
     add_moe_flags(parser)
     add_zero_flag(parser)  # --zero 0|1|2|3 (zero_stages.py; 3: zero3_on_mesh.py)
     config = parse_config(parser)
-    check_zero(config)
     check_moe(config)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
@@ -143,6 +142,7 @@ def main():
     # the budget: what training adds to libraries and data
     limit_memory(config["max_memory_mb"], STEP, world.device)
     dp, _ = check_degrees(config, world.world_size, corpus.vocab_size)
+    check_zero(config, dp)  # the stage, and --replicate's rows of the dp x cp plane
     check_enough_data(len(corpus.blocks), dp, config["micro_batch_size"], config["grad_accum"])
     resume_from = find_checkpoint(config["resume"], config["out"])
     resumed = open_checkpoint(resume_from, config, dp, world.is_main) if resume_from else None

@@ -2,9 +2,12 @@
 the dp x cp plane by step 7's ``FullyShardedDP`` (zero3.py), as torchtitan applies FSDP2 to what TP has sharded.
 
 1. **Step 7's units, over the plane.** Each chunk of this rank's stage (a ``GPT2Stage`` of step 8's tp shards) is
-   wrapped in ``FullyShardedDP`` over the dp x cp group (hsdp.py's mesh of one row: the plane, N = dp cp ranks):
-   its blocks are units, laid flat and cut into N pieces under the model's names; a plain AdamW steps the pieces.
-   A rank holds 4Ψ/N + 4Ψ/N + 8Ψ/N bytes, Ψ its stage's tp share: the planner's ZeRO-3 row over the plane.
+   wrapped in ``FullyShardedDP`` over the dp x cp plane laid out as hsdp.py's (replicate, shard) array: R rows of
+   S = dp cp / R consecutive plane ranks (``--replicate R``, HSDP; R = 1: one row, the plane's own group). Its
+   blocks are units, laid flat and cut into S pieces under the model's names, every row holding each piece once;
+   the gradient is reduce-scattered in the row and all-reduced across the rows (hsdp.py's rule 3); a plain AdamW
+   steps the pieces. A rank holds 4Ψ/S + 4Ψ/S + 8Ψ/S bytes, Ψ its stage's tp share: the planner's ZeRO-3 row
+   over the plane (with R > 1, its HSDP row).
 2. **The tie, a root of its own at both ends** (pp > 1). The first stage's root unit is the token embedding alone
    (the positions a unit of their own), the last stage's the tied copy alone (the final norm a unit): one (V/tp, h)
    tensor at both ends, padded and cut alike, so rank (d, c, t) of the first stage and of the last hold the same
@@ -22,7 +25,8 @@ the dp x cp plane by step 7's ``FullyShardedDP`` (zero3.py), as torchtitan appli
    follow the same schedule. The tp all-reduces and the pipeline's messages are step 8's and 9's, unchanged.
 4. **A norm over pieces.** Each rank adds the squares of its pieces of the tensors counted once over tp and pp
    (composition.py's rule 3: tp shards on every tp rank, replicated ones on tp rank 0, the tie on the first stage),
-   then over dp x cp, tp and pp in turn: every element of the model's gradient once.
+   then over its row of the plane (the other rows hold the same pieces), tp and pp in turn: every element of the
+   model's gradient once.
 5. **Checkpoints by name** (zero3_on_mesh_state.py): each rank its pieces, slices of its tp shards, as boxes of the
    whole tensors, so a run saved at --zero 3 resumes at 0, 1 or 2 and at any mesh, and back.
 6. **Not composed**: sequence parallelism (its LayerNorms' gradients are added over tp after the backward, by when
@@ -31,11 +35,14 @@ the dp x cp plane by step 7's ``FullyShardedDP`` (zero3.py), as torchtitan appli
 """
 
 import functools
+from datetime import timedelta
 
 import torch
 
 from config import UserError
-from hsdp import HybridMesh
+from expert_parallel import Groups
+from hsdp import HybridMesh, replicate_problem
+from mesh import axis_groups
 from tensor_parallel_state import place_of
 from tied_embedding import KIND, TIED_TAG, TiedGradient
 from zero3 import FullyShardedDP
@@ -63,9 +70,37 @@ def check_fully_sharded(config: dict) -> None:
         )
 
 
-def plane(mesh) -> HybridMesh:
-    """The dp x cp plane as step 7's shard group: one row of N = dp cp ranks, no replicas (hsdp.py's rule 1)."""
-    return HybridMesh(1, mesh.dp * mesh.cp, 0, mesh.dp_cp_rank, mesh.dp_cp_group, None)
+def check_replicate_on_plane(config: dict, dp: int) -> None:
+    """--replicate R: only where parameters are sharded, and R must cut the dp x cp plane into equal rows."""
+    replicate, n = config["replicate"], dp * config["cp"]
+    if replicate != 1 and config["zero"] != 3:
+        raise UserError(
+            f"--replicate {replicate} replicates ZeRO-3's shard groups (HSDP): use it with --zero 3, or leave it out"
+        )
+    if replicate < 1:
+        raise UserError(replicate_problem(replicate, n))
+    if n % replicate:
+        raise UserError(
+            f"--replicate {replicate} does not cut the dp x cp plane (dp {dp} x cp {config['cp']} = {n} ranks) "
+            f"into equal rows: choose R dividing {n}, or change --dp or --cp"
+        )
+
+
+def plane(mesh, replicate: int = 1, timeout=None) -> HybridMesh:
+    """The dp x cp plane as step 7's (replicate, shard) array (rule 1, hsdp.py's rule 1): R rows of S = dp cp / R
+    consecutive plane ranks, the columns across them. Every rank creates every plane's groups, in the same order:
+    expert_parallel.py's ``Groups`` cuts planes just so (there blocks of ep ranks and their copies). R = 1: one row,
+    the plane's group, nothing created."""
+    n = mesh.dp * mesh.cp
+    if replicate == 1:
+        return HybridMesh(1, n, 0, mesh.dp_cp_rank, mesh.dp_cp_group, None)
+    shard = n // replicate
+    rows = Groups(
+        shard, axis_groups(("dp", "cp"), mesh.dp, mesh.tp, mesh.pp, mesh.cp), timeout=timeout
+    )
+    return HybridMesh(
+        replicate, shard, mesh.dp_cp_rank // shard, mesh.dp_cp_rank % shard, rows.ep, rows.replicas
+    )
 
 
 class FullyShardedStages:
@@ -82,6 +117,10 @@ class FullyShardedStages:
         self.wrappers, self.local_names, self.tie, self.forwards = [], [], None, []
         self.accumulated = 0
         reduce_dtype = getattr(torch, config["reduce_dtype"])
+        timeout = timedelta(seconds=config["timeout_s"]) if config["timeout_s"] else None
+        self.hybrid = plane(
+            mesh, config["replicate"], timeout
+        )  # rule 1's rows, made once for every chunk
         for chunk in pipe.chunks:
             tied = chunk.tied_parameter  # the first or the last stage's, at pp > 1 (rule 2)
             self.local_names.append(
@@ -93,7 +132,7 @@ class FullyShardedStages:
             if tied is not None and chunk.is_last:
                 units = [*units, chunk.transformer.ln_f]  # the root: the tied copy alone
             wrapper = FullyShardedDP(
-                chunk, units, reduce_dtype=reduce_dtype, device=device, mesh=plane(mesh)
+                chunk, units, reduce_dtype=reduce_dtype, device=device, mesh=self.hybrid
             )
             wrapper.require_sync = False  # rule 3: the last micro-batch's backward sets it
             chunk.register_forward_hook(functools.partial(self._count, len(self.wrappers)))
@@ -155,7 +194,7 @@ class FullyShardedStages:
 
     @property
     def norm_groups(self) -> list:
-        return [self.mesh.dp_cp_group, self.mesh.tp_group, self.mesh.pp_group]
+        return [self.hybrid.shard_group, self.mesh.tp_group, self.mesh.pp_group]
 
     def norm_terms(self) -> tuple[list, list, list]:
         """``training.clip_grad_norm``'s (params, counted, groups): every piece scaled, rule 4's counted."""

@@ -33,7 +33,7 @@ from expert_parallel import reduce_gradients
 from naive_dp import allreduce_gradients
 from training import adamw_options, adamw_param_groups, make_optimizer
 from zero1 import ShardedOptimizer, shard_numel
-from zero3_on_mesh import check_fully_sharded
+from zero3_on_mesh import check_fully_sharded, check_replicate_on_plane
 
 STAGES = (0, 1, 2, 3)
 
@@ -46,16 +46,26 @@ def add_zero_flag(flags) -> None:
         help="ZeRO stage over the dp x cp ranks (zero_stages.py): 0 all-reduces the gradients and keeps AdamW "
         "whole, 1 shards AdamW's state, 2 its gradients too, 3 the parameters too (zero3_on_mesh.py)",
     )
+    flags.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        metavar="R",
+        help="with --zero 3, HSDP (zero3_on_mesh.py, step 7's hsdp.py): shard over dp x cp / R consecutive "
+        "ranks of the plane, replicate over R such rows; 1: shard over the whole plane",
+    )
 
 
-def check_zero(config: dict) -> None:
-    """One line for a stage step 10 does not have, or (ZeRO-3) a flag it does not compose with."""
+def check_zero(config: dict, dp: int) -> None:
+    """One line for a stage step 10 does not have, or (ZeRO-3) a flag it does not compose with, or replicas (HSDP)
+    that do not cut the dp x cp plane."""
     if config["zero"] not in STAGES:
         raise UserError(
             f"--zero {config['zero']}: step 10 runs ZeRO 0, 1, 2 or 3 over dp x cp; use one of them"
         )
     if config["zero"] == 3:
         check_fully_sharded(config)
+    check_replicate_on_plane(config, dp)
 
 
 def optimizer_factory(config: dict, timeout=None):

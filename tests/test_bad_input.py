@@ -488,6 +488,12 @@ CASES = {
         "--sequence-parallel",
         ranks=2,
     ),
+    "mesh-replicate": lambda s: trainer(
+        "step10",
+        *("--data", s.data("small.txt", CORPUS), "--dp", "2", "--cp", "2"),
+        *("--zero", "3", "--replicate", "3"),
+        ranks=4,
+    ),
     "memory-budget-too-small": lambda s: trainer(
         "step0", *s.tiny, "--out", s.root / "runs" / "fresh", "--max-memory-mb", "1"
     ),
@@ -845,7 +851,7 @@ def zero_check(**flags):
         import zero_stages
 
         config = {"zero": 3, "sequence_parallel": False, "schedule": "1f1b", "moe_experts": 0}
-        zero_stages.check_zero(config | flags)
+        zero_stages.check_zero({"cp": 1, "replicate": 1} | config | flags, dp=4)
 
     return run
 
@@ -1031,7 +1037,6 @@ LIKEWISE = {
         "cp_reference", "--device", "cpu", "--cp", "4", "--seq-len", "36"
     ),
     "scontrol is not on PATH: run this on a node of the Slurm job": slurm_without_scontrol,
-    "--replicate 0: the number of replicas must be at least 1": replicate_check(0, 4),
     "--replicate 3 does not divide the 1 ranks: choose R with N / R whole (the ranks of one node, typically), or "
     "launch a multiple of 3 ranks": tool_main("fsdp2_reference", "--replicate", "3"),
     "--fp8 with --moe-experts is not built yet (an expert's tokens are not a multiple of 16); drop one of them": fp8_check(
@@ -1064,6 +1069,13 @@ LIKEWISE = {
     ),
     "--moe-experts cannot be negative, got -2": lambda: moe_check(moe_experts=-2),
     "--zero 4: step 10 runs ZeRO 0, 1, 2 or 3 over dp x cp; use one of them": zero_check(zero=4),
+    "--replicate 2 replicates ZeRO-3's shard groups (HSDP): use it with --zero 3, or leave it out": zero_check(
+        zero=1, replicate=2
+    ),
+    "--replicate 0: the number of replicas must be at least 1": (
+        replicate_check(0, 4),
+        zero_check(replicate=0),
+    ),
     "--zero 3 with --schedule zero-bubble: its W computes the weight gradients after the backward whose end "
     "reduce-scatters them; use 1f1b, gpipe or interleaved-1f1b, or --zero 2": zero_check(
         schedule="zero-bubble"
@@ -1106,6 +1118,7 @@ QUOTED = (
     "--zero 4",
     "--zero 3 with --schedule",
     "--zero 3 with --moe",
+    "--replicate 2 replicates",
 )
 
 

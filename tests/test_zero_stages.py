@@ -43,6 +43,8 @@ RUNS = {
     "z3cp": ("step10", 4, ["--dp", "2", "--cp", "2", "--zero", "3", *EXACT]),
     "z1cp": ("step10", 4, ["--dp", "2", "--cp", "2", *EXACT]),
     "z3exact2": ("step10", 2, ["--dp", "2", "--zero", "3", *EXACT]),
+    # HSDP over the plane: 2 rows of 2 (each ring's halves shard), the rows replicas
+    "z3cpR2": ("step10", 4, ["--dp", "2", "--cp", "2", "--zero", "3", "--replicate", "2", *EXACT]),
 }
 
 
@@ -166,8 +168,11 @@ def test_zero3_with_tp_or_pp_is_zero1s_run(zero_runs, mesh_runs, ours, theirs):
 def test_zero3_over_a_plane_of_4_is_zero1s_run_in_the_exact_mode(zero_runs):
     """dp 2 x cp 2 (ZeRO-3 over 4 ranks, each ring's two halves replicas) with the float64 reduction, bf16, dropout
     and clipping: the --zero 1 run bitwise. In float32 a 4-rank reduce-scatter and an all-reduce may add in other
-    orders (the contract of steps 6 and 7)."""
+    orders (the contract of steps 6 and 7). With --replicate 2 (HSDP: sharded over rows of 2, the rows reduced
+    across), the same run too: float64 sums, one division (hsdp.py's rule 3)."""
     assert_bitwise_same_run(zero_runs("z3cp"), zero_runs("z1cp"))
+    assert_bitwise_same_run(zero_runs("z3cpR2"), zero_runs("z1cp"))
+    assert metrics(zero_runs("z3cpR2"))["config"]["replicate"] == 2
 
 
 def _planned(run: dict) -> dict:
@@ -192,13 +197,14 @@ def _planned(run: dict) -> dict:
         m,
         plan.Activations(shape, b),
         schedule=config["schedule"],
+        replicate=config["replicate"],
     )
 
 
-@pytest.mark.parametrize("name", ["z3tp", "z3pp", "z3cp"])
+@pytest.mark.parametrize("name", ["z3tp", "z3pp", "z3cp", "z3cpR2"])
 def test_zero3_memory_per_rank_is_the_planners(zero_runs, name):
     """Every rank's parameters and gradients are the planner's ZeRO-3 bytes for its stage (4 ceil(Ψ/N) each, Ψ its
-    tp/pp share, N = dp x cp) to the byte, AdamW's state 8 ceil(Ψ/N) and a 4-byte step count a piece, the units
+    tp/pp share, N = dp x cp, or a row's dp x cp / R with --replicate R) to the byte, AdamW's state 8 ceil(Ψ/N) and a 4-byte step count a piece, the units
     gathered at once (the root and two blocks, or the blocks a stage has) and the whole gradient the micro-batches
     accumulated before the last one's backward reduce-scattered it: the plan's ``gathered`` and ``accumulated``, to
     the byte. The reduce-scatter sends Ψ once a step in the reduction's dtype (the plan's float32, twice in float64); the all-gathers at least the plan's
@@ -211,7 +217,7 @@ def test_zero3_memory_per_rank_is_the_planners(zero_runs, name):
     record = run["records"][-1]
     for row, memory, comm in zip(rows, record["memory"], record["comm"]):
         stage = planned["stages"][row["stage"]]
-        assert row["zero"] == 3 and row["dp"] == 2 * (1 + (name == "z3cp")), row
+        assert row["zero"] == 3 and row["dp"] == 2 * (1 + (name in ("z3cp", "z3cpR2"))), row
         measured, estimated = row["measured"], row["estimated"]
         assert (measured["params"], measured["grads"]) == (stage["params"], stage["grads"]), row
         assert (estimated["params"], estimated["grads"]) == (stage["params"], stage["grads"]), row
@@ -254,14 +260,15 @@ def test_a_zero3_checkpoint_is_every_ranks_own_pieces(zero_runs, name):
 
 @pytest.mark.parametrize(
     "saved, resumed",
-    [("z3tp", "dp2tp2"), ("dp2pp2", "z3pp"), ("z3pp", "dp2pp2")],
-    ids=["zero3-to-zero1", "zero1-to-zero3", "zero3-pp-to-zero1"],
+    [("z3tp", "dp2tp2"), ("dp2pp2", "z3pp"), ("z3pp", "dp2pp2"), ("z3cpR2", "z1cp")],
+    ids=["zero3-to-zero1", "zero1-to-zero3", "zero3-pp-to-zero1", "hsdp-to-zero1"],
 )
 def test_a_zero3_checkpoint_resumes_at_zero1_and_back_bitwise(zero_runs, mesh_runs, saved, resumed):
     """--zero 3's checkpoint is by name, each rank's pieces boxes of the whole tensors (zero3_on_mesh_state.py):
     dp 2 x tp 2's at step 2 resumed at --zero 1 continues as the uninterrupted --zero 1 run, bit for bit, and so does
     dp 2 x pp 2's (the tie read from the first stage's pieces); dp 2 x pp 2's --zero 1 checkpoint resumed at --zero 3
-    (each rank reading its pieces out of the saved slices) as the --zero 3 run."""
+    (each rank reading its pieces out of the saved slices) as the --zero 3 run; dp 2 x cp 2's HSDP checkpoint (each
+    row's ranks their pieces, the rows the same ones, written once) at --zero 1 as the --zero 1 run."""
 
     def run(name):
         return zero_runs(name) if name in RUNS else mesh_runs(name)
