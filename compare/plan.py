@@ -1061,8 +1061,8 @@ def trainer(
     step 9 (pp alone), step 10 (dp x tp x pp, --zero over dp; tp or pp alone too where recomputation is asked:
     steps 8 and 9 have none); pure dp: step 1, 5, 6, 7 for ZeRO-0 to 3, step 7 with --replicate (HSDP),
     --offload-optimizer and --activation-checkpointing full|selective, which step 10 also takes at ZeRO 0-2 (step 10
-    at tp = pp = 1). ZeRO-3 with tp, pp or cp: step 10's --zero 3 (HSDP: its --replicate R), not with SP or zero
-    bubble (step 10 refuses them) or offloading (step 7's alone). 16-bit parameters: steps 5-7 only."""
+    at tp = pp = 1). ZeRO-3 with tp, pp or cp: step 10's --zero 3 (HSDP: its --replicate R; its
+    --offload-optimizer), not with SP or zero bubble (step 10 refuses them). 16-bit parameters: steps 5-7 only."""
     dp, cp, tp, pp, zero, m = c["dp"], c["cp"], c["tp"], c["pp"], c["zero"], c["micro_batches"]
     recompute = "full" if c["checkpointing"] else "selective" if c.get("selective") else None
     axes = " x ".join(a for a in ("dp", "cp", "tp", "pp") if c[a] > 1)
@@ -1107,6 +1107,7 @@ def trainer(
                     pp,
                     *zero_flag,
                     *(["--replicate", c["replicate"]] if c.get("replicate", 1) > 1 else []),
+                    *(["--offload-optimizer"] if c["offload"] else []),
                     *sp,
                     *pipeline,
                     *(["--activation-checkpointing", recompute] if recompute else []),
@@ -1170,8 +1171,6 @@ def mesh_zero3_problem(c: dict, axes: str) -> str | None:
             f"no trainer runs ZeRO-3 with {'sequence parallelism' if c['sequence_parallel'] else 'zero bubble'}: "
             "step 10 refuses it (zero3_on_mesh.py's rule 6)"
         )
-    if c["offload"]:
-        return f"no trainer runs ZeRO-3 offloading AdamW with {axes}: step 7 alone has --offload-optimizer"
     return None
 
 

@@ -6,8 +6,9 @@ the dp x cp plane by step 7's ``FullyShardedDP`` (zero3.py), as torchtitan appli
    S = dp cp / R consecutive plane ranks (``--replicate R``, HSDP; R = 1: one row, the plane's own group). Its
    blocks are units, laid flat and cut into S pieces under the model's names, every row holding each piece once;
    the gradient is reduce-scattered in the row and all-reduced across the rows (hsdp.py's rule 3); a plain AdamW
-   steps the pieces. A rank holds 4Ψ/S + 4Ψ/S + 8Ψ/S bytes, Ψ its stage's tp share: the planner's ZeRO-3 row
-   over the plane (with R > 1, its HSDP row).
+   steps the pieces (``--offload-optimizer``: on host copies of them, step 7's offload.py). A rank holds 4Ψ/S +
+   4Ψ/S + 8Ψ/S bytes (offloaded: 8Ψ/S on the device, 12Ψ/S on the host), Ψ its stage's tp share: the planner's
+   ZeRO-3 row over the plane (with R > 1, its HSDP row).
 2. **The tie, a root of its own at both ends** (pp > 1). The first stage's root unit is the token embedding alone
    (the positions a unit of their own), the last stage's the tied copy alone (the final norm a unit): one (V/tp, h)
    tensor at both ends, padded and cut alike, so rank (d, c, t) of the first stage and of the last hold the same
@@ -70,12 +71,17 @@ def check_fully_sharded(config: dict) -> None:
         )
 
 
-def check_replicate_on_plane(config: dict, dp: int) -> None:
-    """--replicate R: only where parameters are sharded, and R must cut the dp x cp plane into equal rows."""
+def check_plane_flags(config: dict, dp: int) -> None:
+    """--replicate R and --offload-optimizer: only where parameters are sharded (--zero 3); R must cut the dp x cp
+    plane into equal rows."""
     replicate, n = config["replicate"], dp * config["cp"]
     if replicate != 1 and config["zero"] != 3:
         raise UserError(
             f"--replicate {replicate} replicates ZeRO-3's shard groups (HSDP): use it with --zero 3, or leave it out"
+        )
+    if config["offload_optimizer"] and config["zero"] != 3:
+        raise UserError(
+            "--offload-optimizer steps ZeRO-3's pieces on the host: use it with --zero 3, or leave it out"
         )
     if replicate < 1:
         raise UserError(replicate_problem(replicate, n))

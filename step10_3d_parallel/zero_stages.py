@@ -31,9 +31,10 @@ from comm_accounting import count_collective, reduce_scatter_single
 from config import UserError
 from expert_parallel import reduce_gradients
 from naive_dp import allreduce_gradients
+from offload import OffloadedOptimizer
 from training import adamw_options, adamw_param_groups, make_optimizer
 from zero1 import ShardedOptimizer, shard_numel
-from zero3_on_mesh import check_fully_sharded, check_replicate_on_plane
+from zero3_on_mesh import check_fully_sharded, check_plane_flags
 
 STAGES = (0, 1, 2, 3)
 
@@ -54,6 +55,11 @@ def add_zero_flag(flags) -> None:
         help="with --zero 3, HSDP (zero3_on_mesh.py, step 7's hsdp.py): shard over dp x cp / R consecutive "
         "ranks of the plane, replicate over R such rows; 1: shard over the whole plane",
     )
+    flags.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="with --zero 3, AdamW's state and step in host memory (ZeRO-Offload, step 7's offload.py)",
+    )
 
 
 def check_zero(config: dict, dp: int) -> None:
@@ -65,19 +71,23 @@ def check_zero(config: dict, dp: int) -> None:
         )
     if config["zero"] == 3:
         check_fully_sharded(config)
-    check_replicate_on_plane(config, dp)
+    check_plane_flags(config, dp)
 
 
 def optimizer_factory(config: dict, timeout=None):
     """``sharded(named, group)``: rule 1's ``ShardedOptimizer`` for ``named``, whose gradients are averaged over
     ``group``: sliced over ``group`` (stages 1 and 2; 2 with its gradient shards), or over this rank alone (stage 0).
-    Stage 3: a plain AdamW, ``named`` being this rank's pieces already (zero3_on_mesh.py, as step 7).
+    Stage 3: a plain AdamW, ``named`` being this rank's pieces already (zero3_on_mesh.py, as step 7), or with
+    --offload-optimizer step 7's ``OffloadedOptimizer`` (the same AdamW on host copies: bitwise on a CPU).
     ``timeout``: stage 0's group's, as the mesh's groups have it."""
     alone = []  # stage 0's group of one, made once: only this rank takes part in creating it
 
     def sharded(named: list, group) -> ShardedOptimizer | torch.optim.AdamW:
-        if config["zero"] == 3:
-            return make_optimizer(named, config)
+        if (
+            config["zero"] == 3
+        ):  # with --offload-optimizer, stepping host copies of the pieces (step 7's)
+            make = lambda named: make_optimizer(named, config)  # noqa: E731
+            return OffloadedOptimizer(named, make) if config["offload_optimizer"] else make(named)
         groups, shards = adamw_param_groups(named, config), None
         if config["zero"] == 0:
             if not alone:

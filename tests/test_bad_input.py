@@ -851,7 +851,8 @@ def zero_check(**flags):
         import zero_stages
 
         config = {"zero": 3, "sequence_parallel": False, "schedule": "1f1b", "moe_experts": 0}
-        zero_stages.check_zero({"cp": 1, "replicate": 1} | config | flags, dp=4)
+        plane = {"cp": 1, "replicate": 1, "offload_optimizer": False}
+        zero_stages.check_zero(plane | config | flags, dp=4)
 
     return run
 
@@ -1076,6 +1077,9 @@ LIKEWISE = {
         replicate_check(0, 4),
         zero_check(replicate=0),
     ),
+    "--offload-optimizer steps ZeRO-3's pieces on the host: use it with --zero 3, or leave it out": zero_check(
+        zero=2, offload_optimizer=True
+    ),
     "--zero 3 with --schedule zero-bubble: its W computes the weight gradients after the backward whose end "
     "reduce-scatters them; use 1f1b, gpipe or interleaved-1f1b, or --zero 2": zero_check(
         schedule="zero-bubble"
@@ -1119,6 +1123,7 @@ QUOTED = (
     "--zero 3 with --schedule",
     "--zero 3 with --moe",
     "--replicate 2 replicates",
+    "--offload-optimizer steps",
 )
 
 

@@ -78,7 +78,6 @@ def planned(argv: list[str], json_path: Path) -> tuple[list[dict], str]:
 # steps 5-7, step 6 or step 7 have.
 NO_COMMAND = [
     r"ZeRO-3 with (sequence parallelism|zero bubble): step 10 refuses it \(zero3_on_mesh.py's rule 6\)",
-    r"ZeRO-3 offloading AdamW with (dp x )?(cp|tp|pp)( x (tp|pp))*: step 7 alone has --offload-optimizer",
     r"cp with (sequence parallelism|selective recomputation): step 10 refuses it .*",
     r"checkpointing with zero bubble: step 10 refuses it .*",
     r"(bf16|fp16) parameters with .*: steps 5-7 alone have --param-dtype",
@@ -232,6 +231,8 @@ def test_every_listed_layout_has_a_command_its_trainer_parses_or_says_why_not(tm
                 )
             if step == "step10_3d_parallel" and c["replicate"] > 1:  # HSDP beside a model axis
                 chosen.add("step10 --zero 3 --replicate")
+            if step == "step10_3d_parallel" and c["offload"]:  # ZeRO-Offload beside a model axis
+                chosen.add("step10 --zero 3 --offload-optimizer")
             if step == "step10_3d_parallel" and c["cp"] > 1:
                 chosen.add(
                     "step10 with cp and " + ("tp" if c["tp"] > 1 else "pp" if c["pp"] > 1 else "dp")
@@ -240,7 +241,11 @@ def test_every_listed_layout_has_a_command_its_trainer_parses_or_says_why_not(tm
     assert {s for s in chosen if s.startswith("step10 with cp")}, chosen
     # DDP, ZeRO-1 and ZeRO-2 on step 10, beside tp, pp or cp and (with recomputation) alone; ZeRO-3 beside them
     assert {f"step10 --zero {z}, {at}" for z in range(3) for at in ("mesh", "dp")} <= chosen, chosen
-    assert {"step10 --zero 3, mesh", "step10 --zero 3 --replicate"} <= chosen, chosen
+    assert {
+        "step10 --zero 3, mesh",
+        "step10 --zero 3 --replicate",
+        "step10 --zero 3 --offload-optimizer",
+    } <= chosen, chosen
     chosen = {s for s in chosen if not s.startswith("step10 ")}
     assert chosen == {
         "step1_torch_ddp",

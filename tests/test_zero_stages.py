@@ -41,6 +41,13 @@ RUNS = {
         + ["--schedule", "gpipe", "--activation-checkpointing", "full"],
     ),
     "z3cp": ("step10", 4, ["--dp", "2", "--cp", "2", "--zero", "3", *EXACT]),
+    # z3tp with AdamW on host copies of the pieces (step 7's offload.py): on a CPU the same arithmetic
+    "z3tpOff": (
+        "step10",
+        4,
+        ["--dp", "2", "--tp", "2", "--zero", "3", *ACCUM, "--save-every", "2"]
+        + ["--activation-checkpointing", "selective", "--offload-optimizer"],
+    ),
     "z1cp": ("step10", 4, ["--dp", "2", "--cp", "2", *EXACT]),
     "z3exact2": ("step10", 2, ["--dp", "2", "--zero", "3", *EXACT]),
     # HSDP over the plane: 2 rows of 2 (each ring's halves shard), the rows replicas
@@ -175,7 +182,7 @@ def test_zero3_over_a_plane_of_4_is_zero1s_run_in_the_exact_mode(zero_runs):
     assert metrics(zero_runs("z3cpR2"))["config"]["replicate"] == 2
 
 
-def _planned(run: dict) -> dict:
+def _planned(run: dict, offload: bool = False) -> dict:
     """compare/plan.py's configuration of ``run``'s layout at ZeRO-3: its stages' bytes per rank."""
     config, mesh = run["config"], plan.layout_of(run)
     shape = plan.Shape(
@@ -198,6 +205,7 @@ def _planned(run: dict) -> dict:
         plan.Activations(shape, b),
         schedule=config["schedule"],
         replicate=config["replicate"],
+        offload=offload,
     )
 
 
@@ -260,15 +268,30 @@ def test_a_zero3_checkpoint_is_every_ranks_own_pieces(zero_runs, name):
 
 @pytest.mark.parametrize(
     "saved, resumed",
-    [("z3tp", "dp2tp2"), ("dp2pp2", "z3pp"), ("z3pp", "dp2pp2"), ("z3cpR2", "z1cp")],
-    ids=["zero3-to-zero1", "zero1-to-zero3", "zero3-pp-to-zero1", "hsdp-to-zero1"],
+    [
+        ("z3tp", "dp2tp2"),
+        ("dp2pp2", "z3pp"),
+        ("z3pp", "dp2pp2"),
+        ("z3cpR2", "z1cp"),
+        ("z3tpOff", "dp2tp2"),
+        ("dp2tp2", "z3tpOff"),
+    ],
+    ids=[
+        "zero3-to-zero1",
+        "zero1-to-zero3",
+        "zero3-pp-to-zero1",
+        "hsdp-to-zero1",
+        "offloaded-to-zero1",
+        "zero1-to-offloaded",
+    ],
 )
 def test_a_zero3_checkpoint_resumes_at_zero1_and_back_bitwise(zero_runs, mesh_runs, saved, resumed):
     """--zero 3's checkpoint is by name, each rank's pieces boxes of the whole tensors (zero3_on_mesh_state.py):
     dp 2 x tp 2's at step 2 resumed at --zero 1 continues as the uninterrupted --zero 1 run, bit for bit, and so does
     dp 2 x pp 2's (the tie read from the first stage's pieces); dp 2 x pp 2's --zero 1 checkpoint resumed at --zero 3
     (each rank reading its pieces out of the saved slices) as the --zero 3 run; dp 2 x cp 2's HSDP checkpoint (each
-    row's ranks their pieces, the rows the same ones, written once) at --zero 1 as the --zero 1 run."""
+    row's ranks their pieces, the rows the same ones, written once) at --zero 1 as the --zero 1 run; and dp 2 x tp 2's
+    with AdamW offloaded as the --zero 1 run, and back (the host copies refreshed from the pieces read)."""
 
     def run(name):
         return zero_runs(name) if name in RUNS else mesh_runs(name)
@@ -314,3 +337,20 @@ def test_a_zero3_checkpoint_resumes_at_another_plane_bitwise(zero_runs):
     assert (
         after[:2] == saved[:2] and after[2:] != saved[2:]
     )  # the saved steps, then dp 4's own samples
+
+
+def test_zero3_offloaded_on_the_mesh_is_the_same_run_with_its_state_on_the_host(zero_runs):
+    """--offload-optimizer at dp 2 x tp 2 (step 7's OffloadedOptimizer over the pieces): on a CPU AdamW does the same
+    arithmetic on the host copies, so the run is --zero 3's without it bitwise; every rank's host holds the float32
+    copies and the moments, the planner's offloaded row (12Ψ/N on the host, within its padding and step counters),
+    and the device the pieces and their gradients, the row's to the byte."""
+    assert_bitwise_same_run(zero_runs("z3tpOff"), zero_runs("z3tp"))
+    run = metrics(zero_runs("z3tpOff"))
+    planned = _planned(run, offload=True)
+    rows = plan.measured_rows(run, estimate.vocabulary_size(run["config"]["tokenizer"]))
+    for row, memory in zip(rows, run["records"][-1]["memory"]):
+        stage = planned["stages"][row["stage"]]
+        assert stage["optimizer_state"] == 0 < stage["host"], stage
+        assert (memory["params"], memory["grads"]) == (stage["params"], stage["grads"]), row
+        assert memory["host"] == memory["params"] + memory["optimizer_state"]  # copies + moments
+        assert memory["host"] == pytest.approx(stage["host"], rel=1e-3), (memory, stage)
