@@ -124,9 +124,8 @@ class FullyShardedStages:
         self.accumulated = 0
         reduce_dtype = getattr(torch, config["reduce_dtype"])
         timeout = timedelta(seconds=config["timeout_s"]) if config["timeout_s"] else None
-        self.hybrid = plane(
-            mesh, config["replicate"], timeout
-        )  # rule 1's rows, made once for every chunk
+        # rule 1's rows and columns, made once for every chunk
+        self.hybrid = plane(mesh, config["replicate"], timeout)
         for chunk in pipe.chunks:
             tied = chunk.tied_parameter  # the first or the last stage's, at pp > 1 (rule 2)
             self.local_names.append(
