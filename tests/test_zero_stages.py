@@ -50,7 +50,9 @@ RUNS = {
     ),
     "z1cp": ("step10", 4, ["--dp", "2", "--cp", "2", *EXACT]),
     "z3exact2": ("step10", 2, ["--dp", "2", "--zero", "3", *EXACT]),
-    # HSDP over the plane: 2 rows of 2 (each ring's halves shard), the rows replicas
+    # HSDP over a plane of each tp rank (rows of 1: two planes' rows and columns made), and over the dp x cp plane
+    # (rows of 2, each ring's halves; the rows replicas)
+    "z3tpR2": ("step10", 4, ["--dp", "2", "--tp", "2", "--zero", "3", "--replicate", "2", *ACCUM]),
     "z3cpR2": ("step10", 4, ["--dp", "2", "--cp", "2", "--zero", "3", "--replicate", "2", *EXACT]),
 }
 
@@ -160,14 +162,17 @@ def test_a_checkpoint_resumes_at_another_stage_bitwise(zero_runs, saved, resumed
 
 
 @pytest.mark.parametrize(
-    "ours, theirs", [("z3tp", "dp2tp2"), ("z3pp", "dp2pp2")], ids=["zero3-tp", "zero3-pp"]
+    "ours, theirs",
+    [("z3tp", "dp2tp2"), ("z3pp", "dp2pp2"), ("z3tpR2", "dp2tp2")],
+    ids=["zero3-tp", "zero3-pp", "hsdp-tp"],
 )
 def test_zero3_with_tp_or_pp_is_zero1s_run(zero_runs, mesh_runs, ours, theirs):
     """dp 2 x tp 2 and dp 2 x pp 2 at --zero 3: the --zero 1 run bitwise (losses, gradient norms, parameter norms,
     final weights). A reduce-scatter adds each element's two numbers as the all-reduce does; the norm adds every
     element once, from pieces over dp, shards over tp, the replicated LayerNorms on tp rank 0 and the tie on the
     first stage, and clipping triggers; the tie crosses the pipeline as averaged slices. With selective and full
-    recomputation and gpipe, which change nothing computed."""
+    recomputation and gpipe, which change nothing computed. HSDP at dp 2 x tp 2 with --replicate 2 (rows of one
+    rank, every tp rank's plane its own rows and columns): each piece's two numbers added across the rows instead."""
     assert_bitwise_same_run(zero_runs(ours), mesh_runs(theirs))
     assert any(r["grad_norm"] > 0.3 for r in metrics(zero_runs(ours))["records"])
 
