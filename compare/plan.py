@@ -1070,7 +1070,7 @@ def trainer(
     zero_flag = ["--zero", zero] if zero != 1 and dp * cp > 1 else []
     if cp > 1 and zero == 0 and tp == pp == 1 and not recompute:
         step, flags = "step11_context_parallel", ["--cp", cp]
-    elif zero == 3 and (tp > 1 or pp > 1 or cp > 1) and (why := mesh_zero3_problem(c, axes)):
+    elif zero == 3 and (tp > 1 or pp > 1 or cp > 1) and (why := mesh_zero3_problem(c)):
         return why
     elif cp > 1 and (c["sequence_parallel"] or c.get("selective")):
         return (
@@ -1164,8 +1164,8 @@ def trainer(
     return step, flags
 
 
-def mesh_zero3_problem(c: dict, axes: str) -> str | None:
-    """Why step 10's --zero 3 cannot train ZeRO-3 layout ``c`` with tp, pp or cp (``axes``), or None."""
+def mesh_zero3_problem(c: dict) -> str | None:
+    """Why step 10's --zero 3 cannot train ZeRO-3 layout ``c`` with tp, pp or cp, or None."""
     if c["sequence_parallel"] or (c["pp"] > 1 and c["schedule"] == "zero-bubble"):
         return (
             f"no trainer runs ZeRO-3 with {'sequence parallelism' if c['sequence_parallel'] else 'zero bubble'}: "
