@@ -67,7 +67,12 @@ def zero_runs(tmp_path_factory, small_corpus):
             done[name] = train(step, top / name, small_corpus, *flags, nproc=nproc)
         return done[name]
 
-    run.top, run.corpus = top, small_corpus
+    def resume(saved, name: str, flags: list, nproc: int):
+        """Step 10 with ``flags`` on ``nproc`` ranks from the step-2 checkpoint of run folder ``saved``."""
+        step_2 = str(saved / "checkpoints" / "step_2")
+        return train("step10", top / name, small_corpus, *flags, "--resume", step_2, nproc=nproc)
+
+    run.top, run.resume = top, resume
     return run
 
 
@@ -142,15 +147,7 @@ def test_a_checkpoint_resumes_at_another_stage_bitwise(zero_runs, saved, resumed
     """The checkpoint is by name, whatever the stage (composition.py's rule 4): --zero 2's step-2 checkpoint
     resumed at --zero 0 continues as the uninterrupted --zero 0 run, bit for bit, and --zero 0's at --zero 2."""
     _, nproc, flags = RUNS[resumed]
-    out = train(
-        "step10",
-        zero_runs.top / f"{saved}_at_{resumed}",
-        zero_runs.corpus,
-        *flags,
-        "--resume",
-        str(zero_runs(saved) / "checkpoints" / "step_2"),
-        nproc=nproc,
-    )
+    out = zero_runs.resume(zero_runs(saved), f"{saved}_at_{resumed}", flags, nproc)
     assert_bitwise_same_run(out, zero_runs(resumed))
     assert metrics(out)["config"]["zero"] == _stage_of(zero_runs(resumed))
     assert (
@@ -302,15 +299,7 @@ def test_a_zero3_checkpoint_resumes_at_zero1_and_back_bitwise(zero_runs, mesh_ru
         return zero_runs(name) if name in RUNS else mesh_runs(name)
 
     _, nproc, flags = RUNS[resumed] if resumed in RUNS else MESH_RUNS[resumed]
-    out = train(
-        "step10",
-        zero_runs.top / f"{saved}_at_{resumed}",
-        zero_runs.corpus,
-        *flags,
-        "--resume",
-        str(run(saved) / "checkpoints" / "step_2"),
-        nproc=nproc,
-    )
+    out = zero_runs.resume(run(saved), f"{saved}_at_{resumed}", flags, nproc)
     stage = metrics(out)["config"]["zero"]
     assert stage == metrics(run(resumed))["config"]["zero"] != metrics(run(saved))["config"]["zero"]
     assert_bitwise_same_run(out, run(resumed))
@@ -322,13 +311,11 @@ def test_a_zero3_checkpoint_resumes_at_another_plane_bitwise(zero_runs):
     same checkpoint resumed at --dp 4 --zero 2 (ZeRO-1's slices: another reader), in the exact mode (float64
     reduction: the same sums at either stage). No uninterrupted run compares: another dp takes other samples."""
     resumed = {
-        stage: train(
-            "step10",
-            zero_runs.top / f"z3exact2_at_dp4_zero{stage}",
-            zero_runs.corpus,
-            *["--dp", "4", "--zero", stage, *EXACT, "--grad-accum", "1"],  # the saved global batch
-            *["--resume", str(zero_runs("z3exact2") / "checkpoints" / "step_2")],
-            nproc=4,
+        stage: zero_runs.resume(
+            zero_runs("z3exact2"),
+            f"z3exact2_at_dp4_zero{stage}",
+            ["--dp", "4", "--zero", stage, *EXACT, "--grad-accum", "1"],  # the saved global batch
+            4,
         )
         for stage in ("3", "2")
     }
