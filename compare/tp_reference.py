@@ -40,13 +40,13 @@ from data import MicroBatches, load_corpus  # noqa: E402
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights  # noqa: E402
 from model import build_model  # noqa: E402
 from seeding import seed_everything  # noqa: E402
+from sharded_norms import param_norm  # noqa: E402
 from training import (  # noqa: E402
     autocast,
     check_amp,
     make_grad_scaler,
     make_optimizer,
     make_scheduler,
-    param_norm,
     scale_gradients,
     sum_of_squares,
 )

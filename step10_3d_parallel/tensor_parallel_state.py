@@ -105,7 +105,7 @@ def assemble(blocks: list, parts: list) -> torch.Tensor:
 
 
 def counted_once(params, group=None) -> list:
-    """This rank's share of the whole model for a global norm (``training.clip_grad_norm`` and ``param_norm``
+    """This rank's share of the whole model for a global norm (``sharded_norms.clip_grad_norm`` and ``param_norm``
     over ``group``): its shards, and the replicated parameters on the group's first rank only."""
     first = dist.get_rank(group) == 0
     return [p for p in params if is_sharded(p) or first]

@@ -42,12 +42,11 @@ from moe import add_moe_flags, check_moe, moe_model, take_moe_record
 from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
+from sharded_norms import clip_grad_norm, param_norm
 from training import (
     check_amp,
-    clip_grad_norm,
     make_grad_scaler,
     make_scheduler,
-    param_norm,
 )
 from zero3_on_mesh import FullyShardedStages
 from zero3_on_mesh_state import FullyShardedShards

@@ -202,7 +202,7 @@ class FullyShardedStages:
         return [self.hybrid.shard_group, self.mesh.tp_group, self.mesh.pp_group]
 
     def norm_terms(self) -> tuple[list, list, list]:
-        """``training.clip_grad_norm``'s (params, counted, groups): every piece scaled, rule 4's counted."""
+        """``sharded_norms.clip_grad_norm``'s (params, counted, groups): every piece scaled, rule 4's counted."""
         return [p for _, p in self.named], self.counted, self.norm_groups
 
     @property

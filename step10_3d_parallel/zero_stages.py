@@ -171,7 +171,7 @@ def reduce_scatter_gradients(
 
 
 def norm_terms(named: list, optimizer, mesh) -> tuple[list, list, list]:
-    """``training.clip_grad_norm``'s (params, counted, groups) at this stage. Stages 0 and 1: every rank holds the
+    """``sharded_norms.clip_grad_norm``'s (params, counted, groups) at this stage. Stages 0 and 1: every rank holds the
     whole averaged gradient of its shard: composition.py's ``counted_once``, over tp, pp (and ep). Stage 2 (rule 4):
     this rank's slices, of them those of the tensors counted once over tp and pp, over the plane first."""
     from composition import counted_once

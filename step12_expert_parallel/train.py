@@ -36,14 +36,13 @@ from moe import add_moe_flags, check_moe, moe_layers, moe_model, take_moe_record
 from resharding import open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from seeding import seed_everything
+from sharded_norms import clip_grad_norm, param_norm
 from training import (
     autocast,
     check_amp,
-    clip_grad_norm,
     make_grad_scaler,
     make_optimizer,
     make_scheduler,
-    param_norm,
 )
 
 STEP = Path(__file__).resolve().parent.name

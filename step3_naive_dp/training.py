@@ -1,8 +1,8 @@
 """The pieces of one optimiser step that every step shares: optimiser, LR schedule, AMP, clipping, norms.
 
 They live here, not in each train.py, so that the numbers they produce are computed the same way
-in every step; parity between steps depends on it. Why the norms need sums that no split across
-ranks can change, and how the exact one works: exact_sums.py.
+in every step; parity between steps depends on it. Why the norms are summed so that no grouping
+changes them, and how the exact one works: exact_sums.py.
 """
 
 import contextlib
@@ -191,14 +191,11 @@ def sum_of_squares(tensors) -> torch.Tensor:
     """Sum of the squares of all elements of all tensors, accumulated and returned in float64 on their device
     (on a GPU nothing waits for it: the clipping that follows scales on the device too).
 
-    Each float32 square is exact in float64, and the float64 sum carries ~29 more bits than a
-    float32 result keeps: splitting or reordering the sum moves it by ~1e-16 relative. So a ZeRO
-    rank that sums the squares of its slices and then all-reduces the sums gets, after the square
-    root is rounded to float32, the clipping norm a DDP rank gets (unless the norm sits right on a
-    float32 rounding boundary). On a GPU the elements are taken in pieces of 4M across tensors
-    (``exact_sums.pieces``): a GPT-2 small's 148 gradients in 21 pieces, three kernels each, not
-    three per tensor, since launching kernels is what a step can spend its time on (docs/gpu.md).
-    On the CPU, tensor by tensor: each one's float64 squares stay in cache (faster: docs/design.md).
+    Each float32 square is exact in float64, and the float64 sum carries ~29 more bits than a float32
+    result keeps: adding the same squares in another grouping moves it by ~1e-16 relative, far below
+    float32's rounding (exact_sums.py says why that matters). On a GPU the elements are taken in pieces of
+    4M across tensors (``exact_sums.pieces``): a GPT-2 small's 148 gradients in 21 pieces, three kernels
+    each, not three per tensor. On the CPU, tensor by tensor: each one's float64 squares stay in cache.
     """
     tensors = list(tensors)
     pieces_ = pieces(tensors) if tensors and tensors[0].is_cuda else (t.detach() for t in tensors)
@@ -210,35 +207,15 @@ def sum_of_squares(tensors) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float64) if total is None else total
 
 
-def clip_grad_norm(params, max_norm: float, groups=(), counted=None, device=None) -> torch.Tensor:
-    """Scale the gradients of ``params`` in place so that the whole model's gradient has norm at most
-    ``max_norm``; return that norm before clipping, in float32. The rule of ``torch.nn.utils.clip_grad_norm_``
-    (coefficient max_norm / (norm + 1e-6), capped at 1, in float32), and one function for every layout, after
-    torchtitan's ``clip_grad_norm_(..., pp_mesh=)``:
-
-    - ``params``: every parameter whose ``.grad`` this rank scales (whole tensors; ZeRO's slices or float32
-      masters; a stage's; tensor-parallel shards);
-    - ``counted``: those whose gradients' squares this rank adds (default ``params``). Across the ranks of
-      ``groups``, every element of the model's gradient is counted exactly once: a slice or a shard on its own
-      rank, a replica on one rank only (step 8's LayerNorms on tp rank 0; the tied embedding on the first stage);
-    - ``groups``: the process groups whose ranks hold the rest, all-reduced in turn (ZeRO's ranks; the
-      pipeline's stages; tp, then pp, in step 10). ``device``: where nccl reduces (default: the parameters').
-
-    The squares are added in float64 (``sum_of_squares``) and the norm rounded to float32: cut into slices or
-    stages and added in another grouping, the float64 sum moves by ~1e-16 relative, far below float32's
-    rounding, so every layout gets the float32 norm one process gets (unless it sits within ~1e-16 of a
-    float32 rounding boundary). Not exact, unlike ``param_norm``: exactness would cost many times
-    the float64 sum's time (docs/design.md, "Norms").
-    """
-    params = list(params)
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Scale the gradients of ``params`` in place so that their norm is at most ``max_norm``; return that norm
+    before clipping, in float32. The rule of ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm / (norm +
+    1e-6), capped at 1, in float32), with the squares added in float64 (``sum_of_squares``) rather than as
+    per-tensor float32 norms: the same float32 norm however the sum is grouped (unless it sits within ~1e-16 of
+    a float32 rounding boundary). Not exact, unlike ``param_norm``: exactness would cost many times the
+    float64 sum's time (docs/design.md, "Norms")."""
     grads = [p.grad for p in params if p.grad is not None]
-    squares = sum_of_squares(
-        grads if counted is None else [p.grad for p in counted if p.grad is not None]
-    )
-    squares = _summed_over(
-        squares, groups, device or (params[0].device if params else torch.device("cpu"))
-    )
-    norm = squares.sqrt().float()
+    norm = sum_of_squares(grads).sqrt().float()
     scale_gradients(grads, norm, max_norm)
     return norm
 
@@ -256,31 +233,9 @@ def scale_gradients(grads, norm: torch.Tensor, max_norm: float) -> None:
             torch._foreach_mul_(same_device, coefficient.to(device))
 
 
-def param_norm(tensors, groups=(), device=None) -> float:
-    """The whole model's parameter norm, in float64, from this rank's ``tensors`` (every element counted once
-    across the ranks of ``groups``, as for ``clip_grad_norm``). In float64: a float32 norm of ~30 would round
-    to steps of 4e-6, coarser than the 1e-6 parity limit. Exact rather than summed in float64
-    (``exact_sums.square_sum_parts``): records are compared bitwise, and a float64 sum rounds
-    differently when the same numbers are grouped differently (by tensor here, by slice in ZeRO-3,
-    by stage in step 9), in the last bit; integers do not."""
-    tensors = list(tensors)
-    parts = square_sum_parts(tensors)
-    return norm_from_parts(
-        _summed_over(parts, groups, device or (tensors[0].device if tensors else None))
-    )
-
-
-def _summed_over(tensor: torch.Tensor, groups, device) -> torch.Tensor:
-    """``tensor`` (on the CPU) all-reduced over each of ``groups`` in turn, on ``device`` (nccl reduces device
-    tensors only), back on the CPU. Counted in the records' communication bytes (comm_accounting.py)."""
-    if not groups:
-        return tensor
-    import torch.distributed as dist
-
-    from comm_accounting import count_collective  # steps 1 on (step 0 has no groups)
-
-    tensor = tensor.to(device or "cpu")
-    for group in groups:
-        count_collective("all_reduce", tensor)
-        dist.all_reduce(tensor, group=group)
-    return tensor.cpu()
+def param_norm(tensors) -> float:
+    """The parameter norm of ``tensors``, in float64. In float64: a float32 norm of ~30 would round to steps of
+    4e-6, coarser than the 1e-6 parity limit. Exact rather than summed in float64 (``exact_sums``): records
+    are compared bitwise, and a float64 sum of the same numbers grouped differently can differ in the last
+    bit; integers do not."""
+    return norm_from_parts(square_sum_parts(list(tensors)))

@@ -28,6 +28,7 @@ from resharding import PerRank, open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from seeding import seed_everything
 from sharded_gradients import ShardedGradScaler
+from sharded_norms import clip_grad_norm, param_norm
 from training import (
     adamw_options,
     adamw_param_groups,
@@ -35,11 +36,9 @@ from training import (
     autocast,
     check_amp,
     check_param_dtype,
-    clip_grad_norm,
     make_grad_scaler,
     make_scheduler,
     param_dtype,
-    param_norm,
     params_in_order,
 )
 from zero2 import ShardedGradientDDP, add_zero2_flags

@@ -61,7 +61,7 @@ class ShardedOptimizerState:
 
     @property
     def norm_groups(self) -> list:
-        """What a global norm of the stepped tensors (``param_groups``) sums over (``training.clip_grad_norm``'s
+        """What a global norm of the stepped tensors (``param_groups``) sums over (``sharded_norms.clip_grad_norm``'s
         ``groups``): nothing while every rank holds the whole averaged gradient, the ranks' group once the groups
         are this rank's slices (ZeRO-2, masters)."""
         return [self.group or dist.group.WORLD] if self.groups_are_local else []

@@ -31,18 +31,17 @@ from resharding import PerRank, open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from seeding import seed_everything
 from sharded_gradients import ShardedGradScaler
+from sharded_norms import clip_grad_norm, param_norm
 from streaming_export import save_final_weights_streaming
 from training import (
     add_param_dtype_flag,
     autocast,
     check_amp,
     check_param_dtype,
-    clip_grad_norm,
     make_grad_scaler,
     make_optimizer,
     make_scheduler,
     param_dtype,
-    param_norm,
 )
 from zero3_setup import add_zero3_flags, check_replicate, shard_gpt2
 

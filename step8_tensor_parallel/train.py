@@ -37,6 +37,7 @@ from sequence_parallel import (
 
 # step 5's: the fp16 overflow flag agreed by every rank
 from sharded_gradients import ShardedGradScaler
+from sharded_norms import clip_grad_norm, param_norm
 from tensor_parallel import check_tensor_parallel, parallelize_gpt2
 from tensor_parallel_state import (
     TensorParallelShards,
@@ -47,11 +48,9 @@ from tensor_parallel_state import (
 from training import (
     autocast,
     check_amp,
-    clip_grad_norm,
     make_grad_scaler,
     make_optimizer,
     make_scheduler,
-    param_norm,
 )
 from vocab_parallel import vocab_parallel_cross_entropy
 

@@ -28,13 +28,12 @@ from pipeline_state import PipelineState, gather_full_model, owned
 from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
+from sharded_norms import clip_grad_norm, param_norm
 from training import (
     check_amp,
-    clip_grad_norm,
     make_grad_scaler,
     make_optimizer,
     make_scheduler,
-    param_norm,
 )
 
 STEP = Path(__file__).resolve().parent.name

@@ -289,7 +289,7 @@ def case_zero1(rank, problems) -> int:
 def case_zero2(rank, problems) -> int:
     """Sharded gradients: ours end to end, against DDP with a plain AdamW, a GradScaler and clip_grad_norm_."""
     from sharded_gradients import ShardedGradScaler
-    from training import clip_grad_norm
+    from sharded_norms import clip_grad_norm
     from zero1 import ShardedOptimizer
     from zero2 import ShardedGradientDDP
 
@@ -562,7 +562,7 @@ def case_zero1_fp16(rank, problems) -> int:
     loss scale (2^30) overflows fp16 and backs off to 2^10: both must skip that step, and only it."""
     from masters import ShardedOptimizerWithMasters
     from sharded_gradients import ShardedGradScaler
-    from training import clip_grad_norm
+    from sharded_norms import clip_grad_norm
 
     scaling = {"init_scale": 2.0**30, "backoff_factor": 2.0**-20}
     model = build(lambda: Stack(False), 100)

@@ -285,7 +285,7 @@ def scaler_skips_together(results, rank, world_size):
 def clipping_matches(results, world_size):
     import torch.distributed as dist
 
-    from training import clip_grad_norm
+    from sharded_norms import clip_grad_norm
 
     ref_model, our_model = make_model(), make_model()
     ours, fill = sharded_like_zero2(in_group_order(our_model), world_size)
