@@ -133,6 +133,7 @@ def main():
     add_moe_flags(parser)
     add_zero_flag(parser)  # --zero 0|1|2|3 (zero_stages.py; 3: zero3_on_mesh.py)
     config = parse_config(parser)
+    distributed.refuse_compile(config)  # its communication runs in or around the blocks
     check_moe(config)
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)

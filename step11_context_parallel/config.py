@@ -194,27 +194,10 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     model.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile each block, as torchtitan does: fused kernels, other rounding than eager "
-        f"(steps {', '.join(s[4 : s.index('_')] for s in COMPILES)})",
+        help="torch.compile each block, as torchtitan does: fused kernels, other rounding than eager",
     )
     p.set_defaults(step=step)  # recorded with the flags: which step wrote a run or a checkpoint
     return p
-
-
-# The steps whose blocks can be compiled: their communication runs outside the blocks (after backward, or in
-# hooks on the parameters' gradients), so a compiled block computes what an eager one does. Not the others:
-# ZeRO-3 gathers a block's parameters in hooks around the block's own forward, which a compiled block would
-# trace into its graph; tensor parallelism's all-reduces sit inside the blocks; the pipeline records and
-# replays each block's random operations under a dispatch mode. None of the three is tried with compile yet.
-COMPILES = (
-    "step0_single_gpu",
-    "step1_torch_ddp",
-    "step2_sharded_data",
-    "step3_naive_dp",
-    "step4_hooks_bucketing",
-    "step5_zero1",
-    "step6_zero2",
-)
 
 
 def parse_config(parser: argparse.ArgumentParser, argv=None) -> dict:
@@ -223,12 +206,6 @@ def parse_config(parser: argparse.ArgumentParser, argv=None) -> dict:
     config = vars(parser.parse_args(argv))
     check_config(config)
     config["attention"] = resolved_attention(config)
-    if config["compile"] and config["step"].startswith("step") and config["step"] not in COMPILES:
-        raise UserError(
-            f"--compile is not supported by {config['step']} (its communication runs inside the "
-            "blocks, or around them in hooks a compiled block would trace): leave it out, or compile "
-            f"in one of {', '.join(COMPILES)}"
-        )
     if config["max_memory_mb"] is not None and config["max_memory_mb"] <= 0:
         raise UserError(f"--max-memory-mb must be positive, got {config['max_memory_mb']:g}")
     return config

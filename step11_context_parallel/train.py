@@ -84,6 +84,7 @@ def main():
     add_async_save_flag(parser)  # --async-save (background_writer.py)
     add_context_parallel_flags(parser)  # --cp, --cp-layout
     config = parse_config(parser)
+    distributed.refuse_compile(config)  # its communication runs in or around the blocks
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     seed_everything(config["seed"], config["deterministic"])

@@ -122,6 +122,7 @@ def main():
     add_moe_flags(parser)
     add_ep_flag(parser)
     config = parse_config(parser)
+    distributed.refuse_compile(config)  # its communication runs in or around the blocks
     check_moe(config)
     world = distributed.plan_world(config)
     config["ep"] = check_ep(config, world.world_size)

@@ -97,6 +97,7 @@ def main():
     add_param_dtype_flag(parser)
     add_fp8_flag(parser)  # --fp8 tensorwise|rowwise (fp8.py)
     config = parse_config(parser)
+    distributed.refuse_compile(config)  # its communication runs in or around the blocks
     world = distributed.plan_world(config)
     check_amp(config["amp"], world.device)
     # --fp8: no --amp fp16, sizes multiples of 16, a device with _scaled_mm

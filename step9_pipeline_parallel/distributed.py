@@ -43,6 +43,32 @@ def add_flags(parser) -> None:
     )
 
 
+# The steps whose blocks can be compiled: their communication runs outside the blocks (after backward, or in
+# hooks on the parameters' gradients), so a compiled block computes what an eager one does. Not the others:
+# ZeRO-3 gathers a block's parameters in hooks around the block's own forward, which a compiled block would
+# trace into its graph; tensor parallelism's all-reduces sit inside the blocks; the pipeline records and
+# replays each block's random operations under a dispatch mode. None of them is tried with compile yet.
+COMPILES = (
+    "step0_single_gpu",
+    "step1_torch_ddp",
+    "step2_sharded_data",
+    "step3_naive_dp",
+    "step4_hooks_bucketing",
+    "step5_zero1",
+    "step6_zero2",
+)
+
+
+def refuse_compile(config: dict) -> None:
+    """``--compile`` in a step whose communication a compiled block would trace (steps 7 on): one line."""
+    if config["compile"]:
+        raise UserError(
+            f"--compile is not supported by {config['step']} (its communication runs inside the "
+            "blocks, or around them in hooks a compiled block would trace): leave it out, or compile "
+            f"in one of {', '.join(COMPILES)}"
+        )
+
+
 @dataclass
 class World:
     rank: int

@@ -92,6 +92,7 @@ def main():
         "--trace", action="store_true", help="write the stages' timelines of the last step"
     )
     config = parse_config(parser)
+    distributed.refuse_compile(config)  # its communication runs in or around the blocks
     world = distributed.plan_world(config)
     check_pipeline(config, world.world_size)
     check_amp(config["amp"], world.device)
