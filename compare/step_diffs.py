@@ -34,8 +34,9 @@ START, END = "<!-- step-diffs:start -->", "<!-- step-diffs:end -->"
 # by name (flags, seeds, optimiser helpers, records, bytes per collective) and operations code (failures.py,
 # memory_budget.py, collective_failures.py). Lines are counted as they are, blank ones and comments included.
 LESSON_COPIES = {"model.py", "data.py", "distributed.py", "checkpoint.py"}
-# And where a shared module is the step's lesson: the MoE layer in step 12 (in step 0 it is a flag's plumbing).
-LESSON_COPIES_IN = {"step12_expert_parallel": {"moe.py"}}
+# And where a shared module is the step's lesson: the norms over slices in step 5 (reused as plumbing after it),
+# the MoE layer in step 12 (in step 0 it is a flag's plumbing).
+LESSON_COPIES_IN = {"step5_zero1": {"sharded_norms.py"}, "step12_expert_parallel": {"moe.py"}}
 SKIP_LINE = "**Skip on a first read:**"
 
 
