@@ -80,9 +80,7 @@ def train_step(
             optimizer,
             device,
             grads=[p.grad for _, p in trained if p.grad is not None],
-        )
-        memory["master_params"] = (
-            sum(p.numel() * p.element_size() for _, p in masters) if masters else 0
+            masters=[master for _, master in masters or []],  # none without --param-dtype: 0 bytes
         )
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
