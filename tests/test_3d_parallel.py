@@ -381,9 +381,9 @@ def test_a_frozen_rank_ends_the_job_within_the_timeout(
     tests/test_dead_rank.py allows step 1 and step 7. tp: rank 1 of a tp pair, rank 0 waits in a tensor-parallel
     all-reduce. dp x pp: rank 3 (stage 1 of replica 1); rank 2 waits in its data-parallel all-reduce, rank 1 in a
     point-to-point receive from it, any rank in the mesh-wide norm: whichever waits first speaks (rank 0 did in 1
-    of 8 runs where the line was recorded; once, in a full suite on 2026-12-06, rank 0's line came first and said it
-    lost its connection: the rank it waited on had timed out first). cp x pp: rank 3 (stage 1, ring position 1); rank 2 waits in the ring's
-    point-to-point exchange, rank 1 for the pipeline's."""
+    of 8 runs where the line was recorded; once, in a full suite, rank 0's line came first and said it lost its
+    connection: the rank it waited on had timed out first). cp x pp: rank 3 (stage 1, ring position 1); rank 2
+    waits in the ring's point-to-point exchange, rank 1 for the pipeline's."""
     import os
     import signal
     import subprocess

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import sharded_norms
 from checkpoint_files import clear_checkpoints, find_checkpoint
 from config import UserError
 from conftest import metrics
@@ -237,7 +238,6 @@ def test_one_clipping_function_for_every_layout_counts_each_element_once():
     # rank 0 holds the first two tensors and a replica of the third; rank 1 holds the third alone
     shares = [[whole[0], whole[1], whole[2]], [whole[2]]]
     counted = [[whole[0], whole[1]], [whole[2]]]
-    import sharded_norms
     from training import sum_of_squares
 
     total = sum(sum_of_squares(p.grad for p in c) for c in counted)
