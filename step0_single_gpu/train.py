@@ -173,8 +173,8 @@ def main():
                 **take_moe_record(model),  # MoE: aux loss, tokens per expert, dropped fraction
             }
         )
-        # a SIGTERM reached a rank: every rank stops after this step
-        preempted = preemption.agreed()
+        # a SIGTERM came: the run stops after this step
+        preempted = preemption.signalled()
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             writer.save(step + 1)
         if preempted:

@@ -49,6 +49,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             )
         )
 
+    def host_bytes(self) -> int:
+        """What rule 1 keeps in host memory: the float32 copies and the optimiser's state (a step's ``host``)."""
+        state = (v for s in self.state.values() for v in s.values() if torch.is_tensor(v))
+        return sum(t.numel() * t.element_size() for t in [*self.host_copies, *state])
+
     @torch.no_grad()
     def step(self, closure=None):
         """Rule 2: gradients to the host, AdamW on the host, parameters back."""

@@ -48,25 +48,19 @@ def memory_stats(
     params, optimizer, device: torch.device, grads=None, masters=None, **counts
 ) -> dict:
     """Bytes held by this process: what its parameters, gradients (``grads``, by default every
-    ``param.grad``, or the float32 ``param.main_grad`` a gradient sync left beside a 16-bit parameter),
-    float32 ``masters`` (given: ``master_params``) and optimiser state take, its peak resident set size (the
-    whole process: Python, torch, data), and on a GPU what CUDA allocated; ``host``: what an optimiser offloaded
-    to host memory keeps there (offload.py: its float32 copies and its state); then ``counts``, a step's own
-    (a pipeline's micro-batches in flight, ZeRO-3's gathered peak), as given."""
+    ``param.grad``), float32 ``masters`` (given: ``master_params``) and optimiser state take, its peak
+    resident set size (the whole process: Python, torch, data), and on a GPU what CUDA allocated; then
+    ``counts``, a step's own, as given."""
     params = list(params)
-    if grads is None:
-        grads = [p.grad if getattr(p, "main_grad", None) is None else p.main_grad for p in params]
     stats = {
         "params": tensor_bytes(params),
-        "grads": tensor_bytes(grads),
+        "grads": tensor_bytes(p.grad for p in params) if grads is None else tensor_bytes(grads),
         "optimizer_state": optimizer_state_bytes(optimizer),
         **({} if masters is None else {"master_params": tensor_bytes(masters)}),
         # ru_maxrss is in KiB on Linux and in bytes on macOS
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         * (1 if sys.platform == "darwin" else 1024),
     }
-    if hasattr(optimizer, "host_copies"):
-        stats["host"] = tensor_bytes(optimizer.host_copies) + stats["optimizer_state"]
     if device.type == "cuda":
         stats["cuda_allocated"] = torch.cuda.memory_allocated(device)
         stats["cuda_peak"] = torch.cuda.max_memory_allocated(device)

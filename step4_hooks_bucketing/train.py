@@ -175,7 +175,7 @@ def main():
             }
         )
         # a SIGTERM reached a rank: every rank stops after this step
-        preempted = preemption.agreed()
+        preempted = distributed.preempted_anywhere(preemption)
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             writer.save(step + 1)
         if preempted:

@@ -195,6 +195,22 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def preempted_anywhere(preemption) -> bool:
+    """Whether a SIGTERM reached any rank (``failures.Preemption``): each rank's flag all-reduced (max) once per
+    step, so every rank stops after the same step and saves it, whichever of them the signal reached first. No
+    collective when ``--preempt-grace-s`` is 0."""
+    if not preemption.grace_s:
+        return False
+    on_gpu = dist.get_backend() == "nccl"  # nccl reduces only what is on a GPU
+    flag = torch.tensor(
+        [preemption.signalled()],
+        dtype=torch.int32,
+        device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu",
+    )
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def gather_from_every_rank(value) -> list:
     """``[rank 0's value, rank 1's, ...]`` on every rank: what rank 0 logs about all of them."""
     everyone = [None] * dist.get_world_size()

@@ -22,7 +22,7 @@ from comm_accounting import take_comm_bytes
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
 from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
-from main_grad import MainGradDDP
+from main_grad import MainGradDDP, gradients
 from masters import sharded_optimizer
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
@@ -75,7 +75,9 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
         scaler.step(optimizer)
         scaler.update()
         # before zero_grad
-        memory = memory_stats(model.parameters(), optimizer, device, masters=optimizer.masters)
+        memory = memory_stats(
+            model.parameters(), optimizer, device, gradients(model.parameters()), optimizer.masters
+        )
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
 
@@ -193,7 +195,7 @@ def main():
             }
         )
         # a SIGTERM reached a rank: every rank stops after this step
-        preempted = preemption.agreed()
+        preempted = distributed.preempted_anywhere(preemption)
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             writer.save(step + 1)
         if preempted:

@@ -33,6 +33,12 @@ def accumulate(param: torch.Tensor, dtype: torch.dtype) -> None:
     )
 
 
+def gradients(params) -> list:
+    """Where each parameter's gradient is after the sync (rule 3): ``main_grad`` beside a 16-bit parameter,
+    ``grad`` beside a float32 one (what a step's memory record counts)."""
+    return [p.grad if getattr(p, "main_grad", None) is None else p.main_grad for p in params]
+
+
 class MainGradDDP(BucketedDDP):
     """``BucketedDDP`` whose 16-bit parameters' gradients are summed, reduced and left in float32 in
     ``param.main_grad`` (rules 1-3); same arguments and contract as ``BucketedDDP``."""

@@ -82,6 +82,7 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
             grads=model.gradient_shards,
             # full units held at once, this step
             gathered_peak=model.take_peak_gathered_bytes(),
+            **({"host": optimizer.host_bytes()} if config["offload_optimizer"] else {}),
         )
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
@@ -195,7 +196,7 @@ def main():
             }
         )
         # a SIGTERM reached a rank: every rank stops after this step
-        preempted = preemption.agreed()
+        preempted = distributed.preempted_anywhere(preemption)
         if preempted or (config["save_every"] and (step + 1) % config["save_every"] == 0):
             writer.save(step + 1)
         if preempted:

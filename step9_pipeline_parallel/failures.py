@@ -97,10 +97,9 @@ class Preemption:
     1. **Noticed at once**: Python runs a signal handler only between bytecodes, never while the main thread waits
        in a collective; the signal's number also goes down a pipe (``signal.set_wakeup_fd``) that a thread
        reads, so the deadline starts when the signal comes.
-    2. **Agreed by every rank**: each rank's flag is all-reduced (max) once per step, so every rank stops after
-       the same step, whichever of them the signal reached first, and saves it; ``leave`` then waits for the
-       write, says where it is and exits ``PREEMPTED``: ``--resume auto`` (under ``torchrun --max-restarts``
-       too) goes on from there, bit for bit.
+    2. **At a step's end**: the loop asks ``signalled()`` after each optimiser step and, if so, saves that step;
+       ``leave`` then waits for the write, says where it is and exits ``PREEMPTED``: ``--resume auto`` (under
+       ``torchrun --max-restarts`` too) goes on from there, bit for bit.
     3. **Never a hang**: a second SIGTERM, or S seconds without leaving, ends the rank with ``PREEMPTED_UNSAVED``;
        the checkpoints already written are whole (checkpoint.py, rule 1).
     """
@@ -139,23 +138,9 @@ class Preemption:
         )
         os._exit(PREEMPTED_UNSAVED)
 
-    def agreed(self) -> bool:
-        """Whether any rank has had a SIGTERM: one all-reduce per step (rule 2), none when the flag is off."""
-        if not self.grace_s:
-            return False
-        import torch  # here, not at the top: --help and flag errors need no torch
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.signalled_at is not None
-        on_gpu = dist.get_backend() == "nccl"  # nccl reduces only what is on a GPU
-        flag = torch.tensor(
-            [self.signalled_at is not None],
-            dtype=torch.int32,
-            device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu",
-        )
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def signalled(self) -> bool:
+        """Whether a SIGTERM came: asked once per step, after the optimiser step (rule 2)."""
+        return self.signalled_at is not None
 
     def leave(self, writer, step: int, out_dir) -> None:
         """After the save of ``step``: wait for the write, say where it is, exit ``PREEMPTED`` (rule 2)."""

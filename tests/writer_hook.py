@@ -81,16 +81,17 @@ def pausing_barrier(self, kind, value):
     barrier(self)
 
 
-agreed = failures.Preemption.agreed
-agreements = 0
+signalled = failures.Preemption.signalled
+asked = 0
 
 
-def signalled_agreement(self, value):
-    """``sigterm:K:TO``: at the K-th agreement (after step K), rank 0 is signalled first, then the ranks agree."""
-    global agreements
-    agreements += 1
+def signalled_at_step(self, value):
+    """``sigterm:K:TO``: when the loop asks for the K-th time (after step K), rank 0 is signalled first, then the
+    ranks agree (distributed.preempted_anywhere)."""
+    global asked
+    asked += 1
     step, to = value.split(":")
-    if self.rank == 0 and agreements == int(step) and first_attempt:
+    if self.rank == 0 and asked == int(step) and first_attempt:
         os.kill(os.getppid() if to == "launcher" else os.getpid(), signal.SIGTERM)
         deadline = time.monotonic() + 10
         # noticed by the trainer's own watcher
@@ -99,7 +100,7 @@ def signalled_agreement(self, value):
         if to == "self-twice":
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(2)  # the watcher ends the process here
-    return agreed(self)
+    return signalled(self)
 
 
 for mode in modes.split(","):
@@ -109,7 +110,7 @@ for mode in modes.split(","):
             pausing_barrier, kind=kind, value=value
         )
     elif kind == "sigterm":
-        failures.Preemption.agreed = partialmethod(signalled_agreement, value=value)
+        failures.Preemption.signalled = partialmethod(signalled_at_step, value=value)
     else:
         setattr(
             checkpoint.CheckpointWriter,
