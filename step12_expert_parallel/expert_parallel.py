@@ -26,7 +26,7 @@ between, the experts' compute, is replaced. In the order a token travels, for on
    process's: docs/parity.md, "Where 4 ranks sum otherwise than step 0".)
 
 8. **A frozen peer**: gloo's uneven all-to-all (its alltoallv) waits for a frozen peer's rows with no timeout of its
-   own (measured 2026-12-02, torch 2.13: the other rank waited forever), so each all-to-all here is waited on with
+   own (the step's README: the other rank waited forever), so each all-to-all here is waited on with
    the group's timeout, and fails in the words of gloo's other timeouts (collective_failures.py explains them).
 
 Groups: ranks [g*D, (g+1)*D) form expert-parallel group g; ranks with the same ``rank % D`` hold the same experts.
