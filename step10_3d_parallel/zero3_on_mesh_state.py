@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 
 from comm_accounting import count_collective
-from dcp_checkpoint import load_model, load_optimizer, model_state, optimizer_state
+from dcp_checkpoint import load_model, load_optimizer, model_state, optimizer_state, params_in_order
 from tensor_parallel_state import assemble
-from training import params_in_order
 from zero3_on_mesh import TIE
 
 

@@ -18,10 +18,9 @@ import torch.distributed as dist
 import dcp_checkpoint
 from checkpoint_files import checkpoint_dir, clear_checkpoints, publish, start_writing
 from config import not_written
-from dcp_checkpoint import Place, load_model, model_state, optimizer_state
+from dcp_checkpoint import Place, load_model, model_state, optimizer_state, params_in_order
 from resharding import checkpoint_meta
 from seeding import rng_state, set_rng_state
-from training import params_in_order
 
 
 def whole_places(optimizer, named_params) -> list:

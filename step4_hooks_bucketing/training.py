@@ -15,11 +15,6 @@ from exact_sums import norm_from_parts, pieces, square_sum_parts
 from failures import UserError
 
 
-def params_in_order(optimizer) -> list:
-    """The optimiser's parameters, numbered as its state dict numbers them."""
-    return [param for group in optimizer.param_groups for param in group["params"]]
-
-
 def check_one_process(step: str) -> None:
     """Step 0 is one process: under torchrun each copy would train the whole model alone into the same --out."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:

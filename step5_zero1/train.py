@@ -21,6 +21,7 @@ from checkpoint_files import find_checkpoint
 from comm_accounting import take_comm_bytes
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
+from dcp_checkpoint import params_in_order
 from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
 from main_grad import MainGradDDP, gradients
 from masters import sharded_optimizer
@@ -41,7 +42,6 @@ from training import (
     make_grad_scaler,
     make_scheduler,
     param_dtype,
-    params_in_order,
 )
 
 STEP = Path(__file__).resolve().parent.name

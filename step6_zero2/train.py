@@ -20,6 +20,7 @@ from checkpoint_files import find_checkpoint
 from comm_accounting import take_comm_bytes
 from config import Preemption, build_parser, exit_on_user_error, limit_memory, parse_config
 from data import MicroBatches, check_enough_data, load_corpus
+from dcp_checkpoint import params_in_order
 from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
 from masters import sharded_optimizer
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
@@ -39,7 +40,6 @@ from training import (
     make_grad_scaler,
     make_scheduler,
     param_dtype,
-    params_in_order,
 )
 from zero2 import ShardedGradientDDP, add_zero2_flags
 

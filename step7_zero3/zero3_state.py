@@ -18,7 +18,7 @@ saved and read back, not how a step trains), so a file of its own, as ZeRO-1's z
 import torch
 
 from comm_accounting import all_gather_single, count_collective
-from training import params_in_order
+from dcp_checkpoint import params_in_order
 
 
 class FullyShardedState:

@@ -33,12 +33,17 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from training import params_in_order
-
 # One process saving or every rank reading alone is what is meant here: DCP need not say so.
 warnings.filterwarnings(
     "ignore", message=".*assuming the intent is to (save|load) in a single process"
 )
+
+
+def params_in_order(optimizer) -> list:
+    """The optimiser's parameters, numbered as its state dict numbers them."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
 # Optimiser options that say how the update runs, not what it computes: the resuming run's own (rule 5).
 UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 

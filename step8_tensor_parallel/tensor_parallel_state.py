@@ -18,8 +18,14 @@ import torch.nn as nn
 
 from comm_accounting import count_collective
 from config import UserError
-from dcp_checkpoint import Place, load_model, load_optimizer, model_state, optimizer_state
-from training import params_in_order
+from dcp_checkpoint import (
+    Place,
+    load_model,
+    load_optimizer,
+    model_state,
+    optimizer_state,
+    params_in_order,
+)
 
 
 def block_length(size: int, group, what: str) -> int:
