@@ -39,6 +39,7 @@ from mesh import build_mesh
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
 from moe import add_moe_flags, check_moe, moe_model, take_moe_record
+from offload import OffloadedOptimizer
 from resharding import open_checkpoint
 from sampler import ShardedSampler
 from seeding import seed_everything
@@ -119,6 +120,8 @@ def train_step(
         **({"accumulated_grads": accumulated} if accumulated is not None else {}),
         # --zero 3: units gathered at once
         **({"gathered_peak": sharded.take_peak_gathered_bytes()} if sharded else {}),
+        # --offload-optimizer: the float32 copies and the moments in host memory
+        **({"host": optimizer.host_bytes()} if isinstance(optimizer, OffloadedOptimizer) else {}),
     )
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory, comm

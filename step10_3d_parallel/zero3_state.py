@@ -18,7 +18,6 @@ saved and read back, not how a step trains), so a file of its own, as ZeRO-1's z
 import torch
 
 from comm_accounting import all_gather_single, count_collective
-from dcp_checkpoint import params_in_order
 
 
 class FullyShardedState:
@@ -74,7 +73,8 @@ class FullyShardedState:
         dict is."""
         places = self.checkpoint_places()
         name_of = {piece: name for name, piece in self.module.named_parameters()}
-        return [(name_of[p], places[name_of[p]]) for p in params_in_order(optimizer)]
+        pieces = [p for group in optimizer.param_groups for p in group["params"]]
+        return [(name_of[p], places[name_of[p]]) for p in pieces]
 
     # ---- Full parameters, unit by unit (rule 2) --------------------------------------------------
     @torch.no_grad()

@@ -82,7 +82,12 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
             grads=model.gradient_shards,
             # full units held at once, this step
             gathered_peak=model.take_peak_gathered_bytes(),
-            **({"host": optimizer.host_bytes()} if config["offload_optimizer"] else {}),
+            # --offload-optimizer: the float32 copies and the moments in host memory
+            **(
+                {"host": optimizer.host_bytes()}
+                if isinstance(optimizer, OffloadedOptimizer)
+                else {}
+            ),
         )
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, memory
