@@ -149,7 +149,7 @@ import training  # noqa: E402
 from bucketed_ddp import BucketedDDP  # noqa: E402
 from config import UserError, build_parser, exit_on_user_error, parse_config  # noqa: E402
 from model import GPT2, build_model, gpt2_config, initial_value, language_model_loss  # noqa: E402
-from moe import add_moe_flags, check_moe, moe_layers, moe_model, with_aux_loss  # noqa: E402
+from moe_setup import add_moe_flags, check_moe, moe_layers, moe_model, with_aux_loss  # noqa: E402
 from naive_dp import allreduce_gradients, broadcast_parameters  # noqa: E402
 from seeding import seed_everything  # noqa: E402
 from training import adamw_options, adamw_param_groups  # noqa: E402

@@ -23,7 +23,7 @@ import parity  # noqa: E402
 from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from data import load_tokenizer  # noqa: E402
 from model import build_model  # noqa: E402
-from moe import moe_model  # noqa: E402
+from moe_setup import moe_model  # noqa: E402
 
 
 def load_trained_model(name: str):

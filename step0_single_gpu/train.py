@@ -20,7 +20,7 @@ from data import MicroBatches, check_enough_data, load_corpus
 from fp8 import add_fp8_flag, check_fp8, convert_to_fp8
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, compile_blocks, language_model_loss
-from moe import add_moe_flags, check_moe, moe_model, take_moe_record, with_aux_loss  # MoE
+from moe_setup import add_moe_flags, check_moe, moe_model, take_moe_record, with_aux_loss  # MoE
 from seeding import seed_everything
 from training import (
     add_param_dtype_flag,

@@ -38,7 +38,8 @@ import distributed
 from comm_accounting import count_collective
 from config import UserError
 from expert_parallel import ExpertParallel, is_expert, shard_experts
-from moe import MoE, moe_layers, take_moe_record
+from moe import MoE
+from moe_setup import moe_layers, take_moe_record
 from zero1 import ShardedOptimizer
 from zero1_state import hyperparameters
 

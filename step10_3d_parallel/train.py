@@ -38,7 +38,7 @@ from experts_on_mesh import DenseAndExperts, moe_record_on_mesh, norm_groups
 from mesh import build_mesh
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model
-from moe import add_moe_flags, check_moe, moe_model, take_moe_record
+from moe_setup import add_moe_flags, check_moe, moe_model, take_moe_record
 from offload import OffloadedOptimizer
 from resharding import open_checkpoint
 from sampler import ShardedSampler

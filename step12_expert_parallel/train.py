@@ -32,7 +32,14 @@ from data import MicroBatches, check_enough_data, load_corpus
 from expert_parallel import Groups, counted_once, is_expert, reduce_gradients, shard_experts
 from metrics import RunLog, StepClock, environment, memory_stats, save_final_weights
 from model import build_model, language_model_loss
-from moe import add_moe_flags, check_moe, moe_layers, moe_model, take_moe_record, with_aux_loss
+from moe_setup import (
+    add_moe_flags,
+    check_moe,
+    moe_layers,
+    moe_model,
+    take_moe_record,
+    with_aux_loss,
+)
 from resharding import open_checkpoint
 from sampler import ShardedSampler, checked_micro_batches
 from seeding import seed_everything

@@ -39,7 +39,7 @@ from torch.utils.data import DistributedSampler  # noqa: E402
 
 from data import MicroBatches, load_corpus  # noqa: E402
 from model import build_model, language_model_loss  # noqa: E402
-from moe import moe_model, take_moe_record, with_aux_loss  # noqa: E402
+from moe_setup import moe_model, take_moe_record, with_aux_loss  # noqa: E402
 from seeding import seed_everything  # noqa: E402
 from training import make_optimizer, make_scheduler  # noqa: E402
 

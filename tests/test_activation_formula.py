@@ -122,7 +122,7 @@ def test_the_formula_is_what_autograd_saves_for_the_trainers_model(attention, dr
 
 
 def MOE(config: GPTConfig, flags: dict):
-    from moe import moe_model
+    from moe_setup import moe_model
 
     return moe_model(GPT2(config), {"seed": 0, "n_layer": config.n_layer, **flags}).train()
 

@@ -1090,9 +1090,9 @@ LIKEWISE = {
 
 
 def moe_check(**flags):
-    import moe  # common/moe.py: the MoE flags' checks (steps 0 and 12)
+    import moe_setup  # common/moe_setup.py: the MoE flags' checks (steps 0, 10 and 12)
 
-    moe.check_moe({key: None for key in moe.MOE_DEFAULTS} | flags)
+    moe_setup.check_moe({key: None for key in moe_setup.MOE_DEFAULTS} | flags)
 
 
 # The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").

@@ -343,13 +343,13 @@ def test_transformers_loads_the_moe_model_offline_and_its_logits_equal_ours(
     assert report["0_default_is"] == ["GPT2MoELMHeadModel", "torch.float32", False]
     assert report["0_float64_is"] == ["GPT2MoELMHeadModel", "torch.float64", False]
     model, _, _ = sample.load_trained_model(str(run))
-    import moe
+    import moe_setup
 
-    moe.take_moe_record(model)
+    moe_setup.take_moe_record(model)
     with torch.no_grad():
         ours = model(ids)
     # the capacity rule is in play: some of these 3 x 32 tokens' choices were dropped
-    assert moe.take_moe_record(model)["moe"]["dropped_fraction"][0] > 0
+    assert moe_setup.take_moe_record(model)["moe"]["dropped_fraction"][0] > 0
     for attention in ("default", "eager"):
         torch.testing.assert_close(logits[f"0_{attention}"], ours, **FLOAT32, msg=attention)
     with torch.no_grad():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import moe  # common/, on the path through conftest
+import moe_setup
 from conftest import MOE, assert_bitwise_same_run, metrics, train, weights
 from failures import UserError
 from model import GPTConfig, build_model, initial_value
@@ -131,10 +132,10 @@ CONFIG = {
 
 def test_parameter_names_and_initial_values_are_a_function_of_seed_and_name():
     before = torch.get_rng_state()
-    model = moe.moe_model(build_model(CONFIG, 32, CONFIG["seed"]), CONFIG)
+    model = moe_setup.moe_model(build_model(CONFIG, 32, CONFIG["seed"]), CONFIG)
     assert torch.equal(before, torch.get_rng_state())  # nothing drawn from the global generator
     names = dict(model.named_parameters())
-    assert moe.moe_blocks(CONFIG) == [0, 2]
+    assert moe_setup.moe_blocks(CONFIG) == [0, 2]
     for i in (0, 2):
         assert names[f"transformer.h.{i}.mlp.router.weight"].shape == (4, 16)
         for e in range(4):
@@ -167,11 +168,14 @@ def test_a_dense_model_is_left_alone():
     dense = {**CONFIG, "moe_experts": 0}
     model = build_model(dense, 32, 5)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    assert moe.moe_model(model, dense) is model
+    assert moe_setup.moe_model(model, dense) is model
     assert {n: p for n, p in model.named_parameters()}.keys() == before.keys()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     loss = torch.tensor(1.5)
-    assert moe.with_aux_loss(model, loss, dense) is loss and moe.take_moe_record(model) == {}
+    assert (
+        moe_setup.with_aux_loss(model, loss, dense) is loss
+        and moe_setup.take_moe_record(model) == {}
+    )
 
 
 @pytest.mark.parametrize(
@@ -193,9 +197,9 @@ def test_a_dense_model_is_left_alone():
     ],
 )
 def test_moe_flags_that_mean_nothing_clear_are_refused(flags, message):
-    config = {key: None for key in moe.MOE_DEFAULTS} | flags
+    config = {key: None for key in moe_setup.MOE_DEFAULTS} | flags
     with pytest.raises(UserError, match="^" + message.replace("(", r"\(")):
-        moe.check_moe(config)
+        moe_setup.check_moe(config)
 
 
 @pytest.fixture(scope="module")
