@@ -22,8 +22,8 @@ import distributed
 from background_writer import BackgroundWriter, add_async_save_flag
 from checkpoint import CheckpointWriter, RunState
 from checkpoint_files import find_checkpoint
+from comm_by_axis import BytesByAxis
 from composition import (
-    BytesByAxis,
     MeshShards,
     add_mesh_flags,
     check_degrees,
