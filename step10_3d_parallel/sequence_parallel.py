@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from comm_accounting import count_collective, reduce_scatter_single
 from config import UserError
-from tensor_parallel import ShardDropout, degree_and_fix
+from shard_dropout import ShardDropout
+from tensor_parallel import degree_and_fix
 from tensor_parallel_mappings import all_gather_along, all_reduce, scatter_along
 
 # ---- the communication: f and g along the sequence ---------------------------------------

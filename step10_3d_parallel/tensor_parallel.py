@@ -38,8 +38,8 @@ work *inside* each layer. Here:
 7. **One process's dropout masks.** Every rank's random stream is the same (one seed), so a rank that
    drew attention dropout's mask for its own heads would draw every other rank's mask too: heads h and
    h + H/T dropped alike. ``ShardDropout`` draws the mask of all heads, as one process draws it, and
-   keeps this rank's block: the masks are one process's (tests: within float32's rounding of step 0),
-   and the stream moves on as one process's. The fused sdpa kernel draws inside itself, so with
+   keeps this rank's block (shard_dropout.py): the masks are one process's (tests: within float32's rounding of
+   step 0), and the stream moves on as one process's. The fused sdpa kernel draws inside itself, so with
    dropout it is refused (``check_tensor_parallel``).
 
 What changes the numbers: a row-parallel layer sums ``h/T`` products per rank and then the ranks'
@@ -54,6 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from config import UserError
+from shard_dropout import ShardDropout
 from tensor_parallel_mappings import (
     copy_to_tensor_parallel_region,
     gather_along,
@@ -63,7 +64,7 @@ from tensor_parallel_mappings import (
 from tensor_parallel_state import block_length, block_of
 from vocab_parallel import VocabParallelEmbedding
 
-# ---- a rank's share of a row-parallel bias, its block of a dropout mask ------------------------------------
+# ---- a rank's share of a row-parallel bias ---------------------------------------------------------------
 
 
 class _BiasShare(torch.autograd.Function):
@@ -76,30 +77,6 @@ class _BiasShare(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-class ShardDropout(nn.Module):
-    """``nn.Dropout(p)`` on this rank's block (dim 1) of a tensor split over ``group``: the heads of attention's
-    (B, heads, S, S) weights (rule 7), the sequence of (B, S, h) activations under sequence parallelism. It draws
-    the whole tensor's mask, as ``F.dropout`` does on a CPU (a Bernoulli draw in the input's dtype, divided by
-    1 - p), and keeps this rank's block, so the masks are one process's and the random stream moves on as one
-    process's does."""
-
-    def __init__(self, p: float, group=None):
-        super().__init__()
-        self.p, self.group = p, group
-
-    def forward(self, x):
-        if not self.training or self.p == 0:
-            return x
-        world_size = dist.get_world_size(self.group)
-        whole = (x.shape[0], x.shape[1] * world_size, *x.shape[2:])
-        noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)
-        noise = noise.div_(1 - self.p)
-        # A copy of this rank's block: a view would keep the whole mask alive until backward.
-        return x * noise.chunk(world_size, dim=1)[dist.get_rank(self.group)].clone(
-            memory_format=torch.contiguous_format
-        )
 
 
 # ---- the layers --------------------------------------------------------------------------------------------

@@ -362,7 +362,8 @@ def use_sequence_parallelism_in_your_own_script():
 
     from model import GPT2, GPTConfig
     from sequence_parallel import finish_gradient_synchronization, sequence_parallel_gpt2
-    from tensor_parallel import ShardDropout, parallelize_gpt2
+    from shard_dropout import ShardDropout
+    from tensor_parallel import parallelize_gpt2
     from vocab_parallel import vocab_parallel_cross_entropy
 
     rank, T = dist.get_rank(), dist.get_world_size()
@@ -503,7 +504,7 @@ def sp_dropout_worker(rank, world_size, port, queue):
         sys.path.insert(0, str(REPO / STEPS["step8"]))
         import torch.nn.functional as F
 
-        from tensor_parallel import ShardDropout
+        from shard_dropout import ShardDropout
 
         x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         torch.manual_seed(3)
