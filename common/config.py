@@ -12,8 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
-# How a run ends on a mistake, and the memory budget: operations code, in modules of their own (skip them on a
-# first read). Named here too because every train.py imports them from config.
+# How a run ends on a mistake, and the memory budget: operations code, in modules of their own (skip
+# them on a first read). Named here too because every train.py imports them from config.
 from failures import (  # noqa: F401
     Preemption,
     UserError,
@@ -36,9 +36,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def check_writable_folder(path, what: str) -> None:
-    """Refuse, before anything is written, a folder that cannot be created or written: ``path`` itself or one
-    of its parents is a file, or the nearest existing one is not writable. ``what`` names it for the user
-    (``--out runs/x``). A missing folder is fine: it is created when the first file is written."""
+    """Refuse, before anything is written, a folder that cannot be created or written: ``path``
+    itself or one of its parents is a file, or the nearest existing one is not writable. ``what``
+    names it for the user (``--out runs/x``). A missing folder is fine: it is created when the first
+    file is written."""
     path = Path(path)
     for folder in [path, *path.parents]:
         if not folder.exists():
@@ -55,8 +56,8 @@ def check_writable_folder(path, what: str) -> None:
 
 
 def check_writable_file(path, what: str) -> None:
-    """Refuse, before any work, a file that cannot be written at the end of it: ``path`` is a folder, or its
-    folder cannot be made or written (``check_writable_folder``)."""
+    """Refuse, before any work, a file that cannot be written at the end of it: ``path`` is a
+    folder, or its folder cannot be made or written (``check_writable_folder``)."""
     if Path(path).is_dir():
         raise UserError(f"{what} is a folder; name a file")
     check_writable_folder(Path(path).parent, what)
@@ -68,15 +69,17 @@ def _path_under_repo(value: str) -> str:
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's help ends with its default, but a switch's: "--nondeterministic ... (default: True)" read as
-    nondeterministic by default (its value is the deterministic setting it turns off). A switch is off until given."""
+    """Every flag's help ends with its default, but a switch's: "--nondeterministic ... (default:
+    True)" read as nondeterministic by default (its value is the deterministic setting it turns
+    off). A switch is off until given."""
 
     def _get_help_string(self, action):
         return action.help if action.nargs == 0 else super()._get_help_string(action)
 
 
 def build_parser(step: str) -> argparse.ArgumentParser:
-    """The flags every step has. Defaults are the reference workload (about a minute on 2 CPU cores)."""
+    """The flags every step has. Defaults are the
+    reference workload (about a minute on 2 CPU cores)."""
     p = OneLineParser(
         prog=f"{step}/train.py",
         description=f"{step}: train a small GPT-2 on tiny shakespeare.",
@@ -101,7 +104,8 @@ def build_parser(step: str) -> argparse.ArgumentParser:
         "--loss-scale-init",
         type=float,
         default=2.0**16,
-        help="fp16: the gradient scaler's first loss scale (halved on every overflow, which skips the step)",
+        help="fp16: the gradient scaler's first loss scale (halved on every overflow, which "
+        "skips the step)",
     )
     run.add_argument(
         "--device",
@@ -124,15 +128,18 @@ def build_parser(step: str) -> argparse.ArgumentParser:
         const="latest",
         default=None,
         metavar="PATH",
-        help="continue from the newest checkpoint in --out (an error if there is none), from PATH, or, "
-        "with 'auto', from the newest one or afresh when there is none (for torchrun --max-restarts)",
+        help="continue from the newest checkpoint in --out (an error if there is none), "
+        "from PATH, or, "
+        "with 'auto', from the newest one or afresh when there is none (for torchrun "
+        "--max-restarts)",
     )
     run.add_argument(
         "--preempt-grace-s",
         type=float,
         default=0.0,
         metavar="S",
-        help="on SIGTERM (a spot machine's notice, torchrun stopping), finish the step, save it and exit "
+        help="on SIGTERM (a spot machine's notice, torchrun stopping), finish the step, "
+        "save it and exit "
         "with code 4 within S seconds; 0: SIGTERM ends the run at once",
     )
     run.add_argument("--quiet", action="store_true", help="no per-step console lines")
@@ -140,7 +147,8 @@ def build_parser(step: str) -> argparse.ArgumentParser:
         "--nondeterministic",
         dest="deterministic",
         action="store_false",
-        help="torch's default kernels instead of deterministic ones (on a GPU some backward passes add "
+        help="torch's default kernels instead of deterministic ones (on a GPU some backward "
+        "passes add "
         "atomically): two runs, a resumed run and the steps' parity no longer agree bit for bit. "
         "Without it, every kernel is deterministic",
     )
@@ -194,15 +202,16 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     model.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile each block, as torchtitan does: fused kernels, other rounding than eager",
+        help="torch.compile each block, as torchtitan does: fused kernels, other rounding "
+        "than eager",
     )
     p.set_defaults(step=step)  # recorded with the flags: which step wrote a run or a checkpoint
     return p
 
 
 def parse_config(parser: argparse.ArgumentParser, argv=None) -> dict:
-    """Parse and sanity-check the shared flags, then put the memory budget in force; every problem is a
-    ``UserError``. A step checks its own."""
+    """Parse and sanity-check the shared flags, then put the memory budget in force; every problem
+    is a ``UserError``. A step checks its own."""
     config = vars(parser.parse_args(argv))
     check_config(config)
     config["attention"] = resolved_attention(config)
@@ -212,7 +221,8 @@ def parse_config(parser: argparse.ArgumentParser, argv=None) -> dict:
 
 
 def resolved_attention(config: dict) -> str:
-    """``--attention auto`` made concrete, so that metrics.json and checkpoints say which attention ran."""
+    """``--attention auto`` made concrete, so that
+    metrics.json and checkpoints say which attention ran."""
     if config.get("attention", "auto") != "auto":
         return config["attention"]
     return "sdpa" if on_cuda(config) else "math"
@@ -226,22 +236,24 @@ def on_cuda(config: dict) -> bool:
 
 
 def check_grace(grace_s: float) -> None:
-    """Under torchrun, --preempt-grace-s must end before torchrun kills what it told to stop: it waits
-    --shutdown_timeout (its environment's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s) after its SIGTERM."""
+    """Under torchrun, --preempt-grace-s must end before torchrun kills what it told to stop: it
+    waits --shutdown_timeout (its environment's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s) after its
+    SIGTERM."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or not grace_s:
         return
     launcher_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
     if grace_s >= launcher_s:
         raise UserError(
-            f"--preempt-grace-s {grace_s:g} is not shorter than the {launcher_s:g} s torchrun waits after "
+            f"--preempt-grace-s {grace_s:g} is not shorter than the {launcher_s:g} s "
+            "torchrun waits after "
             "a SIGTERM before it kills its ranks: give less (the save must fit in it), or raise "
             "torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
         )
 
 
 def check_config(config: dict) -> None:
-    """The checks of the shared flags (what ``parse_config`` does, less the budget): for a tool that starts
-    trainers and wants to refuse their flags before it starts any (compare/tour.py)."""
+    """The checks of the shared flags (what ``parse_config`` does, less the budget): for a tool that
+    starts trainers and wants to refuse their flags before it starts any (compare/tour.py)."""
     positive = ["steps", "micro_batch_size", "grad_accum", "n_layer", "n_head", "n_embd", "seq_len"]
     for key in positive:
         if config[key] < 1:
@@ -250,9 +262,9 @@ def check_config(config: dict) -> None:
         raise UserError(
             f"--n-embd {config['n_embd']} must be divisible by --n-head {config['n_head']}"
         )
-    # AdamW refuses a negative --lr, --weight-decay or a beta outside [0, 1) itself, but with a traceback from
-    # inside torch once the corpus is tokenized; a zero --lr would divide by zero in the schedule. Written as
-    # "not >=" and the like so that nan is refused too.
+    # AdamW refuses a negative --lr, --weight-decay or a beta outside [0, 1) itself, but with a
+    # traceback from inside torch once the corpus is tokenized; a zero --lr would divide by zero in
+    # the schedule. Written as "not >=" and the like so that nan is refused too.
     # the last where defined: steps 4-6, bench, estimate
     for key in ("lr", "loss_scale_init", "bucket_cap_mb"):
         if key in config and not config[key] > 0:

@@ -1,8 +1,8 @@
 """The corpus as equal-length token blocks, and a resumable stream of micro-batches over them.
 
-Every sample holds exactly ``seq_len + 1`` tokens (``seq_len`` inputs, ``seq_len`` targets), so every
-micro-batch has the same number of target tokens and the mean of per-micro-batch mean losses equals
-the mean over the whole global batch. That is what lets one process with accumulation A*N and
+Every sample holds exactly ``seq_len + 1`` tokens (``seq_len`` inputs, ``seq_len`` targets), so
+every micro-batch has the same number of target tokens and the mean of per-micro-batch mean losses
+equals the mean over the whole global batch. That is what lets one process with accumulation A*N and
 N processes with accumulation A compute the same thing.
 """
 
@@ -30,8 +30,9 @@ class Corpus:
 
 
 def load_tokenizer(path) -> Tokenizer:
-    """The tokenizer in ``path`` (a tokenizers JSON file, as data/train_tokenizer.py writes), or a ``UserError``.
-    A local file, read by the ``tokenizers`` library itself: no network at run time, ever."""
+    """The tokenizer in ``path`` (a tokenizers JSON file, as data/train_tokenizer.py writes), or a
+    ``UserError``. A local file, read by the ``tokenizers`` library itself: no network at run time,
+    ever."""
     try:
         return Tokenizer.from_file(str(path))
     except Exception:  # noqa: BLE001 (not JSON, JSON of something else: the library's words would not help)
@@ -42,7 +43,8 @@ def load_tokenizer(path) -> Tokenizer:
 
 
 def check_text(path) -> None:
-    """Refuse a --data file that is not UTF-8 text, or holds none, with one line instead of a traceback."""
+    """Refuse a --data file that is not UTF-8 text, or
+    holds none, with one line instead of a traceback."""
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
@@ -55,16 +57,18 @@ def check_text(path) -> None:
 
 
 def load_corpus(text_path: str, tokenizer_path: str, seq_len: int) -> Corpus:
-    """Tokenize a local text file with the fixed tokenizer and pack it into blocks of ``seq_len + 1``.
+    """Tokenize a local text file with the fixed
+    tokenizer and pack it into blocks of ``seq_len + 1``.
 
     The tail that does not fill a whole block is dropped. Block ``i`` is the same on every rank and
     in every run: samplers hand out block indices, never text.
     """
     tokenizer = load_tokenizer(tokenizer_path)
     check_text(text_path)
-    # Line by line, newlines kept: they are part of the text the model should learn to write. Text mode reads
-    # "\r\n" and "\r" as "\n"; this is what datasets' text loader (Dataset.from_text, keep_linebreaks=True)
-    # hands the tokenizer, without importing it and pyarrow into every rank (tests/test_data.py compares the two).
+    # Line by line, newlines kept: they are part of the text the model should learn to write. Text
+    # mode reads "\r\n" and "\r" as "\n"; this is what datasets' text loader (Dataset.from_text,
+    # keep_linebreaks=True) hands the tokenizer, without importing it and pyarrow into every rank
+    # (tests/test_data.py compares the two).
     with open(text_path, encoding="utf-8") as f:
         lines = f.readlines()
     ids = [token for encoding in tokenizer.encode_batch(lines) for token in encoding.ids]
@@ -72,7 +76,8 @@ def load_corpus(text_path: str, tokenizer_path: str, seq_len: int) -> Corpus:
     n_blocks = len(ids) // block
     if n_blocks == 0:
         raise UserError(
-            f"--data {text_path} holds {len(ids)} tokens, fewer than one block of --seq-len {seq_len} + 1; "
+            f"--data {text_path} holds {len(ids)} tokens, fewer than one block of "
+            f"--seq-len {seq_len} + 1; "
             "lower --seq-len or pass more text"
         )
     blocks = torch.tensor(ids[: n_blocks * block], dtype=torch.long).view(n_blocks, block)
@@ -100,12 +105,14 @@ def check_enough_data(
     if per_rank < needed:
         raise UserError(
             f"world size {world_size} leaves {per_rank} samples per rank, fewer than one optimiser "
-            f"step needs ({micro_batch_size} x {grad_accum} = {needed}); use fewer ranks or smaller batches"
+            f"step needs ({micro_batch_size} x {grad_accum} = {needed}); use fewer "
+            "ranks or smaller batches"
         )
 
 
 class MicroBatches:
-    """Micro-batches of ``micro_batch_size`` samples drawn in the order a sampler gives, epoch after epoch.
+    """Micro-batches of ``micro_batch_size`` samples
+    drawn in the order a sampler gives, epoch after epoch.
 
     ``sampler`` is anything with ``set_epoch``, ``__iter__`` and ``__len__`` (PyTorch's
     ``DistributedSampler`` or a hand-written one). An epoch has ``len(sampler) // micro_batch_size``
@@ -130,7 +137,8 @@ class MicroBatches:
         self.epoch, self.index, self._order = state["epoch"], state["index"], None
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets of the next micro-batch: ``(B, seq_len)`` each, targets shifted by one."""
+        """Inputs and targets of the next micro-batch:
+        ``(B, seq_len)`` each, targets shifted by one."""
         self.epoch_started = None
         if self.index == self.per_epoch:
             self.epoch, self.index, self._order = self.epoch + 1, 0, None

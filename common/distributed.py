@@ -43,11 +43,12 @@ def add_flags(parser) -> None:
     )
 
 
-# The steps whose blocks can be compiled: their communication runs outside the blocks (after backward, or in
-# hooks on the parameters' gradients), so a compiled block computes what an eager one does. Not the others:
-# ZeRO-3 gathers a block's parameters in hooks around the block's own forward, which a compiled block would
-# trace into its graph; tensor parallelism's all-reduces sit inside the blocks; the pipeline records and
-# replays each block's random operations under a dispatch mode. None of them is tried with compile yet.
+# The steps whose blocks can be compiled: their communication runs outside the blocks (after
+# backward, or in hooks on the parameters' gradients), so a compiled block computes what an eager
+# one does. Not the others: ZeRO-3 gathers a block's parameters in hooks around the block's own
+# forward, which a compiled block would trace into its graph; tensor parallelism's all-reduces sit
+# inside the blocks; the pipeline records and replays each block's random operations under a
+# dispatch mode. None of them is tried with compile yet.
 COMPILES = (
     "step0_single_gpu",
     "step1_torch_ddp",
@@ -60,11 +61,13 @@ COMPILES = (
 
 
 def refuse_compile(config: dict) -> None:
-    """``--compile`` in a step whose communication a compiled block would trace (steps 7 on): one line."""
+    """``--compile`` in a step whose communication a
+    compiled block would trace (steps 7 on): one line."""
     if config["compile"]:
         raise UserError(
             f"--compile is not supported by {config['step']} (its communication runs inside the "
-            "blocks, or around them in hooks a compiled block would trace): leave it out, or compile "
+            "blocks, or around them in hooks a compiled block would trace): leave it "
+            "out, or compile "
             f"in one of {', '.join(COMPILES)}"
         )
 
@@ -83,7 +86,8 @@ class World:
 
 
 def world_from_env() -> tuple[int, int, int, int]:
-    """(rank, world size, local rank, local world size) as torchrun set them; a world of one otherwise."""
+    """(rank, world size, local rank, local world size)
+    as torchrun set them; a world of one otherwise."""
     env = os.environ
     world_size = int(env.get("WORLD_SIZE", 1))
     return (
@@ -95,7 +99,8 @@ def world_from_env() -> tuple[int, int, int, int]:
 
 
 def choose_backend(requested: str, device: torch.device, local_world_size: int) -> str:
-    """nccl needs a GPU of its own per rank on a node; gloo runs anywhere (CPU, or ranks sharing a GPU)."""
+    """nccl needs a GPU of its own per rank on a node;
+    gloo runs anywhere (CPU, or ranks sharing a GPU)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "nccl":
         if gpus < local_world_size or device.type != "cuda":
@@ -112,13 +117,14 @@ def choose_backend(requested: str, device: torch.device, local_world_size: int) 
 def plan_world(config: dict) -> World:
     """This rank's place, device and backend, checked but not yet connected.
 
-    Everything a user can get wrong is checked before ``join``, so a mistake ends every rank with one
-    line and exit 2, never with a rank waiting in a collective for peers that already left.
+    Everything a user can get wrong is checked before ``join``, so a mistake ends every rank with
+    one line and exit 2, never with a rank waiting in a collective for peers that already left.
     """
     # torch would time out connecting to the store, with a traceback
     if not config["timeout_s"] > 0:
         raise UserError(
-            f"--timeout-s must be positive, got {config['timeout_s']:g}: it is how long a rank waits "
+            f"--timeout-s must be positive, got {config['timeout_s']:g}: it is how "
+            "long a rank waits "
             "for its peers (default 300)"
         )
     rank, world_size, local_rank, local_world_size = world_from_env()
@@ -128,13 +134,14 @@ def plan_world(config: dict) -> World:
 
 
 def join(world: World, timeout_s: float) -> torch.device:
-    """Join the process group; a peer that does not answer within ``timeout_s`` is an error, not a hang. Returns
-    the device this rank computes on (a GPU: made the current one, as nccl expects).
+    """Join the process group; a peer that does not answer within ``timeout_s`` is an error, not a
+    hang. Returns the device this rank computes on (a GPU: made the current one, as nccl expects).
 
-    Under torchrun the ranks meet in the store that torchrun's agent keeps for the whole job. When torchrun
-    restarts a failed group (``--max-restarts``), the new ranks would find the keys the dead ranks left in it
-    (gloo's addresses among them) and connect to processes that no longer exist. So each attempt gets keys
-    of its own: the store seen through a prefix named after ``TORCHELASTIC_RESTART_COUNT``."""
+    Under torchrun the ranks meet in the store that torchrun's agent keeps for the whole job. When
+    torchrun restarts a failed group (``--max-restarts``), the new ranks would find the keys the
+    dead ranks left in it (gloo's addresses among them) and connect to processes that no longer
+    exist. So each attempt gets keys of its own: the store seen through a prefix named after
+    ``TORCHELASTIC_RESTART_COUNT``."""
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)
     timeout = timedelta(seconds=timeout_s)
@@ -173,18 +180,19 @@ def shutdown() -> None:
     ``destroy_process_group`` then frees the group, whose destructor stops gloo's worker threads. A
     worker thread lets go of a collective (and of the Python tensors it was given) only *after* the
     caller's wait has returned, and letting go of a tensor Python already dropped needs the GIL. The
-    destructor waits for that with the GIL released, so it is safe. Two ways to break it, both seen here:
+    destructor waits for that with the GIL released, so it is safe. Two ways to break it, both seen
+    here:
 
-    - Something else still holds the group, so ``destroy_process_group`` frees nothing and the worker
-      threads live on into interpreter exit. A thread that asks for the GIL once exit has begun is
-      killed in the middle of a C++ destructor: "terminate called without an active exception",
-      SIGABRT (1 test run in 6 on a loaded machine). PyTorch's own ``torch.distributed.nn.functional``
-      holds the group if it is first imported while the group exists: this module imports it first. A
-      tensor hook that holds the wrapper holding the group does too (the garbage collector cannot see into
-      autograd's graph): steps 4 and 7 hook weakly.
+    - Something else still holds the group, so ``destroy_process_group`` frees nothing and the
+      worker threads live on into interpreter exit. A thread that asks for the GIL once exit has
+      begun is killed in the middle of a C++ destructor: "terminate called without an active
+      exception", SIGABRT (1 test run in 6 on a loaded machine). PyTorch's own
+      ``torch.distributed.nn.functional`` holds the group if it is first imported while the group
+      exists: this module imports it first. A tensor hook that holds the wrapper holding the group
+      does too (the garbage collector cannot see into autograd's graph): steps 4 and 7 hook weakly.
     - The last reference is dropped by C++ code that holds the GIL while gloo's threads stop, and a
-      thread still releasing a tensor waits for the GIL forever (~1 run in 30 hung at exit). DDP's C++
-      reducer holds the group: free every ``DistributedDataParallel`` before calling this.
+      thread still releasing a tensor waits for the GIL forever (~1 run in 30 hung at exit). DDP's
+      C++ reducer holds the group: free every ``DistributedDataParallel`` before calling this.
     """
     if dist.is_initialized():
         # nccl's barrier needs to be told its GPU (else a warning, or a guess)
@@ -196,9 +204,9 @@ def shutdown() -> None:
 
 
 def preempted_anywhere(preemption) -> bool:
-    """Whether a SIGTERM reached any rank (``failures.Preemption``): each rank's flag all-reduced (max) once per
-    step, so every rank stops after the same step and saves it, whichever of them the signal reached first. No
-    collective when ``--preempt-grace-s`` is 0."""
+    """Whether a SIGTERM reached any rank (``failures.Preemption``): each rank's flag all-reduced
+    (max) once per step, so every rank stops after the same step and saves it, whichever of them the
+    signal reached first. No collective when ``--preempt-grace-s`` is 0."""
     if not preemption.grace_s:
         return False
     on_gpu = dist.get_backend() == "nccl"  # nccl reduces only what is on a GPU
@@ -219,14 +227,16 @@ def gather_from_every_rank(value) -> list:
 
 
 def gather_per_rank(**values) -> dict:
-    """``{name: [rank 0's value, rank 1's, ...]}`` for every keyword, in one gather: a record's per-rank fields."""
+    """``{name: [rank 0's value, rank 1's, ...]}`` for every
+    keyword, in one gather: a record's per-rank fields."""
     everyone = gather_from_every_rank(values)
     return {name: [value[name] for value in everyone] for name in values}
 
 
 def mean_over_ranks(total: torch.Tensor, count: int, group=None) -> float:
-    """The mean over every rank of ``group`` of ``count`` values each rank summed into ``total`` (the loop's
-    loss: micro-batches' losses on every rank). Collective. Summed in float64: the same bits whatever the order."""
+    """The mean over every rank of ``group`` of ``count`` values each rank summed into ``total``
+    (the loop's loss: micro-batches' losses on every rank). Collective. Summed in float64: the same
+    bits whatever the order."""
     total = total.detach().double()
     dist.all_reduce(total, group=group)
     return total.item() / (count * dist.get_world_size(group))

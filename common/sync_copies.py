@@ -48,7 +48,8 @@ def main() -> int:
     missing = [origin for origin, _ in copy_pairs() if not origin.is_file()]
     if missing:
         print(
-            f"origin missing (fix common/copies.json): {', '.join(str(m.relative_to(REPO_ROOT)) for m in missing)}"
+            "origin missing (fix common/copies.json): "
+            f"{', '.join(str(m.relative_to(REPO_ROOT)) for m in missing)}"
         )
         return 1
     stale = stale_copies()

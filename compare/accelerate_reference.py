@@ -1,23 +1,28 @@
-"""Step 1's loop written with Hugging Face Accelerate: what a library does for the lines step 1 writes by hand.
+"""Step 1's loop written with Hugging Face Accelerate:
+what a library does for the lines step 1 writes by hand.
 
-    torchrun --standalone --nproc_per_node=2 compare/accelerate_reference.py            # runs/accelerate_reference
-    accelerate launch --multi_gpu --num_processes 2 compare/accelerate_reference.py     # the Accelerate way
-    python compare/parity.py step1 runs/accelerate_reference                            # PASS
+    # runs/accelerate_reference
+    torchrun --standalone --nproc_per_node=2 compare/accelerate_reference.py
+    # the Accelerate way
+    accelerate launch --multi_gpu --num_processes 2 compare/accelerate_reference.py
+    python compare/parity.py step1 runs/accelerate_reference                          # PASS
 
-``accelerate launch --multi_gpu`` starts the ranks through torchrun, on a CPU too (``--cpu`` would start one
-process).
+``accelerate launch --multi_gpu`` starts the ranks through torchrun, on a CPU too (``--cpu`` would
+start one process).
 
-It takes step 1's flags (float32, no --amp). The same model, initial weights and AdamW; ``Accelerator`` joins the
-process group, ``prepare`` wraps the model in PyTorch's DistributedDataParallel (as step 1 does) and the
-optimiser in a wrapper that steps and zeroes only on the last micro-batch; ``accumulate`` is step 1's ``no_sync()``
-on the others, ``backward`` divides the loss by the accumulation count, ``clip_grad_norm_`` is
-``torch.nn.utils.clip_grad_norm_``. Two things stay step 1's, each because Accelerate's own would train on other
-numbers: the data (a prepared DataLoader gives rank r whole micro-batches r, r + N, ... of one shuffle, where
-``DistributedSampler`` deals single samples: the same global batch in another grouping, other float sums) and
-the learning-rate schedule (a prepared scheduler steps once per rank per optimiser step: it counts samples).
-step1_torch_ddp/README.md sets the two loops side by side, with the measured result: bitwise to step 1 with
-``--grad-clip 0``; with clipping, torch's ``clip_grad_norm_`` takes the norm from per-tensor float32 norms where
-step 1 adds squares in float64, so the norms differ by about 1e-6 relative and the weights drift by ~1e-7.
+It takes step 1's flags (float32, no --amp). The same model, initial weights and AdamW;
+``Accelerator`` joins the process group, ``prepare`` wraps the model in PyTorch's
+DistributedDataParallel (as step 1 does) and the optimiser in a wrapper that steps and zeroes only
+on the last micro-batch; ``accumulate`` is step 1's ``no_sync()`` on the others, ``backward``
+divides the loss by the accumulation count, ``clip_grad_norm_`` is
+``torch.nn.utils.clip_grad_norm_``. Two things stay step 1's, each because Accelerate's own would
+train on other numbers: the data (a prepared DataLoader gives rank r whole micro-batches r, r + N,
+... of one shuffle, where ``DistributedSampler`` deals single samples: the same global batch in
+another grouping, other float sums) and the learning-rate schedule (a prepared scheduler steps once
+per rank per optimiser step: it counts samples). step1_torch_ddp/README.md sets the two loops side
+by side, with the measured result: bitwise to step 1 with ``--grad-clip 0``; with clipping, torch's
+``clip_grad_norm_`` takes the norm from per-tensor float32 norms where step 1 adds squares in
+float64, so the norms differ by about 1e-6 relative and the weights drift by ~1e-7.
 """
 
 import sys

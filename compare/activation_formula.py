@@ -1,11 +1,12 @@
-"""Activation bytes by formula: Korthikanti et al. 2022's accounting ("Reducing Activation Recomputation in Large
-Transformer Models", section 4), written out term by term and generalised to the shapes real jobs train, so that
-the planner can size models it cannot count: flash attention saves no s x s tensor on a GPU, but the meta device
-(where ``estimate.Model`` counts) runs the math path in its place.
+"""Activation bytes by formula: Korthikanti et al. 2022's accounting ("Reducing Activation
+Recomputation in Large Transformer Models", section 4), written out term by term and generalised to
+the shapes real jobs train, so that the planner can size models it cannot count: flash attention
+saves no s x s tensor on a GPU, but the meta device (where ``estimate.Model`` counts) runs the math
+path in its place.
 
-Per transformer layer and micro-batch of b sequences of s tokens (T = s b), hidden h, a heads of d, kv key/value
-heads, MLP width f, t-way tensor parallelism; e bytes an activation (2 in 16 bits), m bytes a dropout mask
-element (1 on a GPU: a bool), what autograd keeps for backward:
+Per transformer layer and micro-batch of b sequences of s tokens (T = s b), hidden h, a heads of d,
+kv key/value heads, MLP width f, t-way tensor parallelism; e bytes an activation (2 in 16 bits), m
+bytes a dropout mask element (1 on a GPU: a bool), what autograd keeps for backward:
 
     whole on every tensor-parallel rank (1/t of each with sequence parallelism)
         the two LayerNorms' inputs          2 T h e      and their float32 statistics per token
@@ -15,39 +16,46 @@ element (1 on a GPU: a bool), what autograd keeps for backward:
         q; k and v                          T h e;  2 T kv d e
         c_proj's input (attention's output) T h e
         the MLP, GELU                       2 T f e      (c_fc's output, GELU's output)
-                 SwiGLU                     3 T f e      (gate, up, their product; silu recomputed, as fused)
-        math attention                      a T s e      softmax's output; with dropout its mask a T s m and
-                                                         output a T s e (5 a s² b at e = 2, m = 1)
-        flash attention (sdpa)              a T 4        the log-sum-exp (the output is c_proj's input)
+                 SwiGLU                     3 T f e      (gate, up, their product; silu
+                                                         recomputed, as fused)
+        math attention                      a T s e      softmax's output; with dropout its
+                                                         mask a T s m and output a T s e
+                                                         (5 a s² b at e = 2, m = 1)
+        flash attention (sdpa)              a T 4        the log-sum-exp (the output is
+                                                         c_proj's input)
 
-With e = 2, m = 1, f = 4h, kv = a and dropout on, that is the paper's equation (1) and Table 2, in units of sbh:
-34 + 5as/h per layer; with tensor parallelism 10 + 24/t + 5as/(ht); with sequence parallelism (34 + 5as/h)/t;
-selective recomputation (the s² terms recomputed) 10 + 24/t or 34/t; full recomputation keeps the layer's input,
-2 (1/t of it with sequence parallelism, as Megatron-LM keeps it). The LayerNorms' statistics (16 bytes a token)
-and the log-sum-exp are what the paper leaves out: below 0.1% of a layer at its shapes (tests/test_plan.py).
+With e = 2, m = 1, f = 4h, kv = a and dropout on, that is the paper's equation (1) and Table 2, in
+units of sbh: 34 + 5as/h per layer; with tensor parallelism 10 + 24/t + 5as/(ht); with sequence
+parallelism (34 + 5as/h)/t; selective recomputation (the s² terms recomputed) 10 + 24/t or 34/t;
+full recomputation keeps the layer's input, 2 (1/t of it with sequence parallelism, as Megatron-LM
+keeps it). The LayerNorms' statistics (16 bytes a token) and the log-sum-exp are what the paper
+leaves out: below 0.1% of a layer at its shapes (tests/test_plan.py).
 
-Outside the layers (its section 4.3): the first stage keeps the embedding dropout's mask, T h m; the last stage
-the final norm's input and output, 2 T h e, and the logits in float32 for the loss, 4 T V / t.
+Outside the layers (its section 4.3): the first stage keeps the embedding dropout's mask, T h m; the
+last stage the final norm's input and output, 2 T h e, and the logits in float32 for the loss, 4 T V
+/ t.
 
-A mixture of experts' layer (common/moe.py; step 12 with ``expert_parallel.py``) in place of the MLP and its
-dropout mask, E experts, top-k, on a rank holding T tokens that sends S kept slots (k T when dropless) and whose
-experts compute R (in one process R = S; under expert parallelism k T on average, when the router balances):
+A mixture of experts' layer (common/moe.py; step 12 with ``expert_parallel.py``) in place of the MLP
+and its dropout mask, E experts, top-k, on a rank holding T tokens that sends S kept slots (k T when
+dropless) and whose experts compute R (in one process R = S; under expert parallelism k T on
+average, when the router balances):
 
-    router                              4 T E + 4 E      the float32 probabilities; f_i, the aux loss's
-    choices                             8 T k + 4 T k    the k experts (int64) and the weights (float32);
-                                                         k > 1: the weights before renormalising, and their
-                                                         sums, 4 T k + 4 T
-    dispatch                            8 S + 8 T k      the gathered slots' token indices; the sort's order
-    experts' inputs                     R h e            the slots that reach this rank's experts
-    experts                             2 R f e          GELU's (3 R f e SwiGLU), and the dropout mask R h m
-    combine                             S h e + T k h e  the outputs back home, then placed in the k T slots
+    router           4 T E + 4 E      the float32 probabilities; f_i, the aux loss's
+    choices          8 T k + 4 T k    the k experts (int64) and the weights (float32); k > 1:
+                                      the weights before renormalising, and their sums,
+                                      4 T k + 4 T
+    dispatch         8 S + 8 T k      the gathered slots' token indices; the sort's order
+    experts' inputs  R h e            the slots that reach this rank's experts
+    experts          2 R f e          GELU's (3 R f e SwiGLU), and the dropout mask R h m
+    combine          S h e + T k h e  the outputs back home, then placed in the k T slots
 
-Context parallelism over C ranks (step 11's ring) gives each rank T/C of the tokens and every term above falls
-to 1/C: attention by the ring keeps what flash attention keeps (the log-sum-exp, the output as c_proj's input),
-never a score matrix, whatever --attention says.
+Context parallelism over C ranks (step 11's ring) gives each rank T/C of the tokens and every term
+above falls to 1/C: attention by the ring keeps what flash attention keeps (the log-sum-exp, the
+output as c_proj's input), never a score matrix, whatever --attention says.
 """
 
-# Korthikanti et al.'s Table 2, per layer in units of s b h (e = 2, dropout on, multi-head attention, f = 4h)
+# Korthikanti et al.'s Table 2, per layer in units of s
+# b h (e = 2, dropout on, multi-head attention, f = 4h)
 TABLE2 = {
     ("none", False): lambda a, s, h, t: 10 + 24 / t + 5 * a * s / (h * t),
     ("none", True): lambda a, s, h, t: (34 + 5 * a * s / h) / t,
@@ -63,10 +71,11 @@ def split(n: int, ways: int) -> int:
 
 
 class FormulaActivations:
-    """The planner's activations by formula, with the interface of ``plan.Activations`` (bytes one micro-batch
-    leaves for backward on a rank; what one block's recomputation adds). ``selective``: attention's s x s part
-    recomputed in backward (nothing to recompute with flash attention, which keeps none). ``cp``: a rank's share of
-    every sequence under context parallelism, attention by the ring."""
+    """The planner's activations by formula, with the interface of ``plan.Activations`` (bytes one
+    micro-batch leaves for backward on a rank; what one block's recomputation adds). ``selective``:
+    attention's s x s part recomputed in backward (nothing to recompute with flash attention, which
+    keeps none). ``cp``: a rank's share of every sequence under context parallelism, attention by
+    the ring."""
 
     def __init__(
         self,
@@ -113,9 +122,9 @@ class FormulaActivations:
         return sum(self.terms(tp, sequence_parallel).values())
 
     def moe_terms(self, experts: int, top_k: int, sent=None, received=None) -> dict:
-        """One MoE block's saved bytes on a rank (no tensor parallelism), by name: the dense terms with the MLP's
-        replaced by the MoE layer's. ``sent``: the kept slots of this rank's tokens; ``received``: the slots its
-        experts compute; both k T by default (dropless, balanced)."""
+        """One MoE block's saved bytes on a rank (no tensor parallelism), by name: the dense terms
+        with the MLP's replaced by the MoE layer's. ``sent``: the kept slots of this rank's tokens;
+        ``received``: the slots its experts compute; both k T by default (dropless, balanced)."""
         shape, e, m, tokens = self.shape, self.e, self.m, self.tokens
         h, f = shape.n_embd, shape.ffn_width
         slots = top_k * tokens
@@ -144,8 +153,8 @@ class FormulaActivations:
         return split(self.tokens * self.shape.n_embd * self.e, tp if sequence_parallel else 1)
 
     def rest(self, tp: int, first: bool, last: bool, sequence_parallel: bool) -> int:
-        """Outside the layers: the embedding dropout's mask on the first stage; on the last, the final norm's input,
-        output and statistics, and the float32 logits (split by vocabulary)."""
+        """Outside the layers: the embedding dropout's mask on the first stage; on the last, the
+        final norm's input, output and statistics, and the float32 logits (split by vocabulary)."""
         hidden, whole = self.tokens * self.shape.n_embd, tp if sequence_parallel else 1
         total = split(hidden * self.m, whole) if first and self.dropout else 0
         if last:
@@ -174,5 +183,6 @@ class FormulaActivations:
     def recomputed(
         self, blocks: int, tp: int, checkpointing: bool, sequence_parallel: bool = False
     ) -> int:
-        """With full recomputation, one layer's activations while its backward runs (once per stage)."""
+        """With full recomputation, one layer's activations
+        while its backward runs (once per stage)."""
         return self.block_bytes(tp, sequence_parallel and tp > 1) if checkpointing and blocks else 0

@@ -1,21 +1,23 @@
-"""Activations per rank under tensor parallelism: what step 8 shrinks, and what it does not; and under context
-parallelism (step 11), which splits them all.
+"""Activations per rank under tensor parallelism: what step 8 shrinks, and what it does not; and
+under context parallelism (step 11), which splits them all.
 
-    python compare/activations.py                   # TP = 1, 2, 4 on the default model, one micro-batch
+    python compare/activations.py   # TP = 1, 2, 4 on the default model, one micro-batch
     python compare/activations.py --tp 1 2 --n-layer 4 --seq-len 128
-    python compare/activations.py --sequence-parallel        # and step 8's --sequence-parallel beside each
-    python compare/activations.py --cp 1 2 4 --seq-len 1024 --micro-batch-size 1   # step 11's ring instead
+    # and step 8's --sequence-parallel beside each
+    python compare/activations.py --sequence-parallel
+    # step 11's ring instead
+    python compare/activations.py --cp 1 2 4 --seq-len 1024 --micro-batch-size 1
 
 Autograd keeps tensors from forward for backward: the activations. This counts them exactly, as the
-forward of one micro-batch saves them (``torch.autograd.graph.saved_tensors_hooks``; each storage once,
-the parameters left out), on every rank of step 8's model at each TP degree, in spawned gloo processes
-(TP = 1 is the whole model: one data-parallel rank's activations). Printed: the bytes each rank saves, the
-part every rank holds identically (the residual stream, the LayerNorms' inputs and outputs, the token ids:
-replicated, found by comparing the ranks' tensors), and the rest (q, k, v, the attention scores, the MLP's
-4h, the logits), which tensor parallelism splits 1/T. With ``--sequence-parallel`` each degree is measured again
-with step 8's sequence_parallel.py: the replicated part is what it splits. With ``--cp`` the model
-is step 11's at each degree C (its ring at C = 1 too), beside model.py's own attention, which keeps
-an S x S matrix per head.
+forward of one micro-batch saves them (``torch.autograd.graph.saved_tensors_hooks``; each storage
+once, the parameters left out), on every rank of step 8's model at each TP degree, in spawned gloo
+processes (TP = 1 is the whole model: one data-parallel rank's activations). Printed: the bytes each
+rank saves, the part every rank holds identically (the residual stream, the LayerNorms' inputs and
+outputs, the token ids: replicated, found by comparing the ranks' tensors), and the rest (q, k, v,
+the attention scores, the MLP's 4h, the logits), which tensor parallelism splits 1/T. With
+``--sequence-parallel`` each degree is measured again with step 8's sequence_parallel.py: the
+replicated part is what it splits. With ``--cp`` the model is step 11's at each degree C (its ring
+at C = 1 too), beside model.py's own attention, which keeps an S x S matrix per head.
 """
 
 import argparse
@@ -34,7 +36,8 @@ from launch import spawn_ranks  # noqa: E402
 
 
 class SavedActivations:
-    """The tensors autograd saves for backward while it is active, each storage once: (bytes, fingerprint)."""
+    """The tensors autograd saves for backward while it
+    is active, each storage once: (bytes, fingerprint)."""
 
     def __init__(self, params):
         self.skip = {p.untyped_storage().data_ptr() for p in params}
@@ -88,7 +91,8 @@ def run(world_size: int, config: dict, sequence_parallel: bool = False) -> list[
 
 
 def measure_cp(rank: int, world_size: int, port: int, config: dict, ring: bool) -> tuple:
-    """The bytes one rank of step 11's model saves for one micro-batch (``ring=False``: model.py's attention)."""
+    """The bytes one rank of step 11's model saves for one
+    micro-batch (``ring=False``: model.py's attention)."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(
@@ -151,8 +155,10 @@ def main() -> int:
                     "use degrees whose 2 x C divides it"
                 )
         print(
-            f"saved for backward, one micro-batch of {config['micro_batch_size']} x {config['seq_len']} tokens "
-            f"(n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head {config['n_head']}), per rank:"
+            f"saved for backward, one micro-batch of {config['micro_batch_size']} x "
+            f"{config['seq_len']} tokens "
+            f"(n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head "
+            f"{config['n_head']}), per rank:"
         )
         print(f"{'attention':>10} {'CP':>3} {'saved per rank':>15} {'x CP':>15}")
         for label, c, saved in run_cp(args.cp, config):
@@ -162,11 +168,14 @@ def main() -> int:
         if t < 1 or config["n_head"] % t:
             raise UserError(f"--tp {t}: each degree must divide the {config['n_head']} heads")
     print(
-        f"saved for backward, one micro-batch of {config['micro_batch_size']} x {config['seq_len']} tokens "
-        f"(n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head {config['n_head']}), per rank:"
+        f"saved for backward, one micro-batch of {config['micro_batch_size']} x "
+        f"{config['seq_len']} tokens "
+        f"(n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head "
+        f"{config['n_head']}), per rank:"
     )
     print(
-        f"{'TP':>3} {'SP':>3} {'saved per rank':>15} {'replicated':>12} {'split':>12} {'split x TP':>12}"
+        f"{'TP':>3} {'SP':>3} {'saved per rank':>15} {'replicated':>12} {'split':>12} "
+        f"{'split x TP':>12}"
     )
     for t in args.tp:
         for sequence_parallel in [False, True] if args.sequence_parallel and t > 1 else [False]:

@@ -1,80 +1,101 @@
 """Every data-parallel strategy on one workload, in one torchrun job, interleaved: step time, memory
 per rank and communication per optimiser step, ours next to PyTorch's.
 
-    torchrun --standalone --nproc_per_node=2 compare/bench.py                       # every row: minutes on 2 cores
+    torchrun --standalone --nproc_per_node=2 compare/bench.py   # every row: minutes on 2 cores
     torchrun --standalone --nproc_per_node=2 compare/bench.py --strategies ddp,bucketed,naive
-    torchrun --standalone --nproc_per_node=2 compare/bench.py --rounds 9 --steps-per-round 10 --bucket-cap-mb 0.25
+    torchrun --standalone --nproc_per_node=2 compare/bench.py --rounds 9 --steps-per-round 10 \\
+        --bucket-cap-mb 0.25
 
 Rows (``--strategies`` takes the keys or the names, comma-separated; default: all available). A row
 whose module is missing or unfinished is left out with a one-line note; a row's counterpart and
 PyTorch DDP are added when the row is asked for without them (they are what its ratios divide by),
-and so are the counterpart's own (``zero3-no-prefetch`` brings ``zero3``, which brings its FSDP2 row).
+and so are the counterpart's own (``zero3-no-prefetch`` brings ``zero3``, which brings its FSDP2
+row).
 
-    key                name                         what runs                                   counterpart
-    ddp                pytorch DDP                  DistributedDataParallel + AdamW             -
-    bucketed           BucketedDDP (step 4)         step4_hooks_bucketing/bucketed_ddp.py       pytorch DDP
-                                                    + AdamW
-    naive              naive (step 3)               step3_naive_dp/naive_dp.py + AdamW          pytorch DDP
-    torch-zero1        pytorch ZeRO-1               DDP + ZeroRedundancyOptimizer(AdamW)        -
-    zero1              ZeRO-1 (step 5)              BucketedDDP + step5_zero1/zero1.py          pytorch ZeRO-1
-                                                    ShardedOptimizer(AdamW)
-    zero1-bf16         ZeRO-1 bf16 (step 5)         the same with param_dtype=torch.bfloat16:   ZeRO-1 (step 5)
-                                                    bf16 parameters, float32 masters of the
-                                                    slices (counted in optimizer_state)
-    torch-fsdp2        pytorch FSDP2 ZeRO-2         fully_shard(each block, then the root,      -
-                                                    reshard_after_forward=False) + AdamW
-    zero2              ZeRO-2 (step 6)              step6_zero2/zero2.py ShardedGradientDDP +   pytorch FSDP2 ZeRO-2
-                                                    ShardedOptimizer(AdamW) over its buckets
-    torch-fsdp2-zero3  pytorch FSDP2 ZeRO-3         fully_shard(each block,                     -
-                                                    reshard_after_forward=True), then the root
-                                                    (default: kept gathered for backward) + AdamW
-    zero3              ZeRO-3 (step 7)              step7_zero3/zero3.py FullyShardedDP over    pytorch FSDP2 ZeRO-3
-                                                    the blocks, built on the meta device as
-                                                    step7_zero3/train.py builds it; a plain
-                                                    AdamW over this rank's pieces
-    zero3-no-prefetch  ZeRO-3 no prefetch (step 7)  the same with prefetch=False: each unit     ZeRO-3 (step 7)
-                                                    gathered only when it is needed
-    zero3-offload      ZeRO-3 offload (step 7)      the same with step7_zero3/offload.py's      ZeRO-3 (step 7)
-                                                    OffloadedOptimizer: AdamW on host copies
-    torch-tp           pytorch TP                   compare/tp_reference.py's parallelize():    -
-                                                    parallelize_module (Colwise/Rowwise) +
-                                                    loss_parallel + AdamW
-    tp                 tensor parallel (step 8)     step8_tensor_parallel/tensor_parallel.py    pytorch TP
-                                                    parallelize_gpt2 +
-                                                    vocab_parallel_cross_entropy + AdamW
-    torch-pp-gpipe     pytorch pipelining GPipe     torch.distributed.pipelining PipelineStage  -
-                                                    + ScheduleGPipe (scale_grads=False, loss /
-                                                    M) on step 9's GPT2Stage + AdamW
-    pp-gpipe           pipeline GPipe (step 9)      step9_pipeline_parallel/pipeline.py         pytorch pipelining
-                                                    Pipeline(schedule="gpipe") + AdamW          GPipe
-    torch-pp-1f1b      pytorch pipelining 1F1B      the same with Schedule1F1B                  -
-    pp-1f1b            pipeline 1F1B (step 9)       Pipeline(schedule="1f1b")                   pytorch pipelining
-                                                                                                1F1B
-    torch-moe-ddp      pytorch DDP (MoE)            the MoE model (--moe-experts, default 4      -
-                                                    here; common/moe.py), every expert on every
-                                                    rank, under DDP + AdamW
-    moe-ep1            MoE ep 1 (step 12)           the same model, step 12's                   pytorch DDP (MoE)
-                                                    reduce_gradients at --ep 1 (no all-to-all)
-    ep                 expert parallel (step 12)    step12_expert_parallel/expert_parallel.py   MoE ep 1 (step 12)
-                                                    at --ep = world size: E/W experts a rank,
-                                                    all-to-all dispatch and combine
+    key                name                          counterpart
+                       what runs
+    ddp                pytorch DDP                   -
+                       DistributedDataParallel + AdamW
+    bucketed           BucketedDDP (step 4)          pytorch DDP
+                       step4_hooks_bucketing/bucketed_ddp.py + AdamW
+    naive              naive (step 3)                pytorch DDP
+                       step3_naive_dp/naive_dp.py + AdamW
+    torch-zero1        pytorch ZeRO-1                -
+                       DDP + ZeroRedundancyOptimizer(AdamW)
+    zero1              ZeRO-1 (step 5)               pytorch ZeRO-1
+                       BucketedDDP + step5_zero1/zero1.py
+                         ShardedOptimizer(AdamW)
+    zero1-bf16         ZeRO-1 bf16 (step 5)          ZeRO-1 (step 5)
+                       the same with param_dtype=torch.bfloat16: bf16
+                         parameters, float32 masters of the slices (counted
+                         in optimizer_state)
+    torch-fsdp2        pytorch FSDP2 ZeRO-2          -
+                       fully_shard(each block, then the root,
+                         reshard_after_forward=False) + AdamW
+    zero2              ZeRO-2 (step 6)               pytorch FSDP2 ZeRO-2
+                       step6_zero2/zero2.py ShardedGradientDDP +
+                         ShardedOptimizer(AdamW) over its buckets
+    torch-fsdp2-zero3  pytorch FSDP2 ZeRO-3          -
+                       fully_shard(each block, reshard_after_forward=True),
+                         then the root (default: kept gathered for backward)
+                         + AdamW
+    zero3              ZeRO-3 (step 7)               pytorch FSDP2 ZeRO-3
+                       step7_zero3/zero3.py FullyShardedDP over the blocks,
+                         built on the meta device as step7_zero3/train.py
+                         builds it; a plain AdamW over this rank's pieces
+    zero3-no-prefetch  ZeRO-3 no prefetch (step 7)   ZeRO-3 (step 7)
+                       the same with prefetch=False: each unit gathered only
+                         when it is needed
+    zero3-offload      ZeRO-3 offload (step 7)       ZeRO-3 (step 7)
+                       the same with step7_zero3/offload.py's
+                         OffloadedOptimizer: AdamW on host copies
+    torch-tp           pytorch TP                    -
+                       compare/tp_reference.py's parallelize():
+                         parallelize_module (Colwise/Rowwise) + loss_parallel
+                         + AdamW
+    tp                 tensor parallel (step 8)      pytorch TP
+                       step8_tensor_parallel/tensor_parallel.py
+                         parallelize_gpt2 + vocab_parallel_cross_entropy +
+                         AdamW
+    torch-pp-gpipe     pytorch pipelining GPipe      -
+                       torch.distributed.pipelining PipelineStage +
+                         ScheduleGPipe (scale_grads=False, loss / M) on step
+                         9's GPT2Stage + AdamW
+    pp-gpipe           pipeline GPipe (step 9)       pytorch pipelining GPipe
+                       step9_pipeline_parallel/pipeline.py
+                         Pipeline(schedule="gpipe") + AdamW
+    torch-pp-1f1b      pytorch pipelining 1F1B       -
+                       the same with Schedule1F1B
+    pp-1f1b            pipeline 1F1B (step 9)        pytorch pipelining 1F1B
+                       Pipeline(schedule="1f1b")
+    torch-moe-ddp      pytorch DDP (MoE)             -
+                       the MoE model (--moe-experts, default 4 here;
+                         common/moe.py), every expert on every rank, under
+                         DDP + AdamW
+    moe-ep1            MoE ep 1 (step 12)            pytorch DDP (MoE)
+                       the same model, step 12's reduce_gradients at --ep 1
+                         (no all-to-all)
+    ep                 expert parallel (step 12)     MoE ep 1 (step 12)
+                       step12_expert_parallel/expert_parallel.py at --ep =
+                         world size: E/W experts a rank, all-to-all dispatch
+                         and combine
 
 The tensor-parallel rows split the model, not the batch: their ranks share every micro-batch, so an
 optimiser step runs accumulation x world size micro-batches (the same on every rank), the tokens per
 step of the data-parallel rows; their ``vs DDP`` is TP against data parallelism on as many ranks.
 
-The pipeline rows split the model into world-size stages (one per rank: step 9's ``GPT2Stage``), which
-together are one replica: an optimiser step pushes accumulation x world size micro-batches through the
-pipeline, the tokens per step of the data-parallel rows. PyTorch's schedules know nothing of GPT-2's tied
-embedding: their first and last stage add each other's accumulated half once per step (one exchange, as
-Megatron-LM does; not bitwise), where ours adds each micro-batch's halves in one process's order (one message
-per micro-batch, and the sum sent back once). The default model has 2 blocks: 2 ranks at most (--n-layer
-for more).
+The pipeline rows split the model into world-size stages (one per rank: step 9's ``GPT2Stage``),
+which together are one replica: an optimiser step pushes accumulation x world size micro-batches
+through the pipeline, the tokens per step of the data-parallel rows. PyTorch's schedules know
+nothing of GPT-2's tied embedding: their first and last stage add each other's accumulated half once
+per step (one exchange, as Megatron-LM does; not bitwise), where ours adds each micro-batch's halves
+in one process's order (one message per micro-batch, and the sum sent back once). The default model
+has 2 blocks: 2 ranks at most (--n-layer for more).
 
-The MoE rows train the MoE model (``--moe-*`` as in steps 0 and 12; dropless top-2 of 4 by default): their
-``vs pytorch DDP`` is what the experts cost against the dense model, and the ``ep`` row's counterpart is the same
-model and code at ep 1, so its ratio is expert parallelism's effect alone: the all-to-alls in, the experts' all-reduce
-out (an expert's gradient is whole on its one rank).
+The MoE rows train the MoE model (``--moe-*`` as in steps 0 and 12; dropless top-2 of 4 by default):
+their ``vs pytorch DDP`` is what the experts cost against the dense model, and the ``ep`` row's
+counterpart is the same model and code at ep 1, so its ratio is expert parallelism's effect alone:
+the all-to-alls in, the experts' all-reduce out (an expert's gradient is whole on its one rank).
 
 The no-prefetch row's counterpart is our own prefetching row, so its ``vs counterpart`` ratio is
 the prefetch's effect alone (above 1.0: gathering on demand was faster).
@@ -156,7 +177,8 @@ from training import adamw_options, adamw_param_groups  # noqa: E402
 
 VOCAB_SIZE = 2048  # the tokenizer's; the tokens are random, so the corpus is not read
 MEMORY_KINDS = ("params", "grads", "optimizer_state")
-# Trainer flags of the shared parser that a benchmark does not use (no corpus, checkpoint, schedule, clipping)
+# Trainer flags of the shared parser that a benchmark
+# does not use (no corpus, checkpoint, schedule, clipping)
 UNUSED_FLAGS = {
     "steps",
     "out",
@@ -173,8 +195,9 @@ UNUSED_FLAGS = {
 
 
 def optional_module(name: str, folder: str, needs: tuple[str, ...]):
-    """``(module, None)``, or ``(None, why)`` when ``folder/name.py`` is missing, does not import, or
-    lacks one of ``needs``. Files still being written may fail in any way: the row goes, not the run."""
+    """``(module, None)``, or ``(None, why)`` when ``folder/name.py`` is missing, does not import,
+    or lacks one of ``needs``. Files still being written may fail in any way: the row goes, not the
+    run."""
     path = REPO_ROOT / folder / f"{name}.py"
     if not path.is_file():
         return None, f"{folder}/{name}.py does not exist yet"
@@ -183,7 +206,8 @@ def optional_module(name: str, folder: str, needs: tuple[str, ...]):
     except Exception as error:  # noqa: BLE001 (any failure of an unfinished file leaves the row out)
         return (
             None,
-            f"{folder}/{name}.py does not import: {type(error).__name__}: {str(error).splitlines()[0]}",
+            f"{folder}/{name}.py does not import: {type(error).__name__}: "
+            f"{str(error).splitlines()[0]}",
         )
     if Path(module.__file__).resolve() != path.resolve():
         return None, f"'import {name}' found {module.__file__}, not {folder}/{name}.py"
@@ -211,7 +235,7 @@ def state_bytes(state) -> int:
     )
 
 
-# ---- the strategies --------------------------------------------------------------------------------
+# ---- the strategies ------------------------------------------------------------------------------
 
 
 class Strategy:
@@ -254,11 +278,13 @@ class Strategy:
         return language_model_loss(self.wrapped, inputs, targets)
 
     def own_batches(self, batches: list) -> list:
-        """The micro-batches of one optimiser step on this rank (the tensor-parallel rows share theirs)."""
+        """The micro-batches of one optimiser step on this
+        rank (the tensor-parallel rows share theirs)."""
         return batches
 
     def micro_batch(self, syncing: bool):
-        """The context of one micro-batch's forward and backward: no communication unless ``syncing``."""
+        """The context of one micro-batch's forward and
+        backward: no communication unless ``syncing``."""
         no_sync = getattr(self.wrapped, "no_sync", None)
         return no_sync() if (no_sync and not syncing) else contextlib.nullcontext()
 
@@ -365,8 +391,9 @@ class Zero1(Bucketed):
 
 
 class Zero1Bf16(Zero1):
-    """Step 5 with --param-dtype bf16: bf16 parameters, forward and backward, and all-gathers; float32 masters of
-    this rank's slices; the gradient reduced in float32 into ``main_grad``. Measured against its float32 self."""
+    """Step 5 with --param-dtype bf16: bf16 parameters, forward and backward, and all-gathers;
+    float32 masters of this rank's slices; the gradient reduced in float32 into ``main_grad``.
+    Measured against its float32 self."""
 
     key, name, counterpart = "zero1-bf16", "ZeRO-1 bf16 (step 5)", "ZeRO-1 (step 5)"
     module_needed = ("masters", "step5_zero1", ("ShardedOptimizerWithMasters",))
@@ -395,7 +422,8 @@ class Zero1Bf16(Zero1):
 
 
 def padded_bytes(params, world_size: int) -> int:
-    """What FSDP2 moves for ``params``: every parameter's dim 0 padded to a multiple of the world size."""
+    """What FSDP2 moves for ``params``: every parameter's
+    dim 0 padded to a multiple of the world size."""
     return sum(
         -(-p.shape[0] // world_size) * world_size * math.prod(p.shape[1:]) * p.element_size()
         for p in params
@@ -476,7 +504,8 @@ class TorchFSDP2Zero3(TorchFSDP2):
 
     def analytic_comm(self):
         # Per micro-batch: every parameter gathered for forward, the blocks again for backward (the
-        # root stays gathered); one reduce-scatter per optimiser step (no_sync accumulates unsharded).
+        # root stays gathered); one reduce-scatter per optimiser step (no_sync accumulates
+        # unsharded).
         accum = self.config["grad_accum"]
         return {
             "all_gather": accum * (self.padded_bytes + self.padded_block_bytes),
@@ -490,8 +519,8 @@ class Zero3(Strategy):
     prefetch = True
 
     def build(self):
-        # As step7_zero3/train.py builds it: shapes only, on the meta device; FullyShardedDP fills each
-        # rank's slices from initial_value, so the weights are every other row's.
+        # As step7_zero3/train.py builds it: shapes only, on the meta device; FullyShardedDP fills
+        # each rank's slices from initial_value, so the weights are every other row's.
         with torch.device("meta"):
             return GPT2(gpt2_config(self.config, VOCAB_SIZE))
 
@@ -524,8 +553,8 @@ class Zero3NoPrefetch(Zero3):
 
 
 class Zero3Offload(Zero3):
-    """step7_zero3/offload.py: AdamW on host copies of the pieces. On a CPU the host is the device: the row measures
-    what the moves cost (gradients out, parameters back), not what they save."""
+    """step7_zero3/offload.py: AdamW on host copies of the pieces. On a CPU the host is the device:
+    the row measures what the moves cost (gradients out, parameters back), not what they save."""
 
     key, name, counterpart = "zero3-offload", "ZeRO-3 offload (step 7)", "ZeRO-3 (step 7)"
     module_needed = ("offload", "step7_zero3", ("OffloadedOptimizer",))
@@ -551,7 +580,8 @@ class TorchTensorParallel(Strategy):
         )
 
     def own_batches(self, batches):
-        """accumulation x world size micro-batches, the same on every rank: the data-parallel rows' tokens."""
+        """accumulation x world size micro-batches, the same
+        on every rank: the data-parallel rows' tokens."""
         generator = torch.Generator().manual_seed(0)
         n = len(batches) * dist.get_world_size()
         blocks = [
@@ -576,8 +606,8 @@ class TorchTensorParallel(Strategy):
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def analytic_comm(self):
-        """Step 8's formula (its README): per micro-batch (6 n_layer + 2) all-reduces of b x s x h floats and
-        the loss's 3 x b x s; accumulation x world size micro-batches per step."""
+        """Step 8's formula (its README): per micro-batch (6 n_layer + 2) all-reduces of b x s x h
+        floats and the loss's 3 x b x s; accumulation x world size micro-batches per step."""
         c = self.config
         b, s, h = c["micro_batch_size"], c["seq_len"], c["n_embd"]
         per_micro_batch = ((6 * c["n_layer"] + 2) * b * s * h + 3 * b * s) * 4
@@ -676,8 +706,9 @@ class TorchPipelineGPipe(TorchTensorParallel):
             self.tied.grad = self.tied.grad + other if self.first else other + self.tied.grad
 
     def analytic_comm(self):
-        """Per micro-batch b x s x h floats to the next stage and as many back to the previous one; the tied
-        embedding's accumulated half once per step, each way between the first and the last stage."""
+        """Per micro-batch b x s x h floats to the next stage and as many back to the previous one;
+        the tied embedding's accumulated half once per step, each way between the first and the last
+        stage."""
         c = self.config
         activation = c["micro_batch_size"] * c["seq_len"] * c["n_embd"] * 4 * self.micro_batches
         comm = {
@@ -737,11 +768,12 @@ class Pipeline1F1B(PipelineGPipe):
     )
 
 
-# ---- the mixture of experts: the same MoE model with its experts replicated, then split -------------
+# ---- the mixture of experts: the same MoE model with its experts replicated, then split ----------
 
 
 class MoEModel(Strategy):
-    """The MoE model (``--moe-experts``, 4 by default here) and its loss, + a * the load-balancing loss."""
+    """The MoE model (``--moe-experts``, 4 by default
+    here) and its loss, + a * the load-balancing loss."""
 
     def build(self):
         if not self.config["moe_experts"]:
@@ -759,8 +791,9 @@ class TorchDDPMoE(MoEModel, TorchDDP):
 
 
 class MoEReplicated(MoEModel):
-    """Step 12 at ``--ep 1``: the MoE model whole on every rank, its gradients all-reduced over the world
-    in one flat buffer after backward (expert_parallel.reduce_gradients): the same model and code as the next row, without expert parallelism."""
+    """Step 12 at ``--ep 1``: the MoE model whole on every rank, its gradients all-reduced over the
+    world in one flat buffer after backward (expert_parallel.reduce_gradients): the same model and
+    code as the next row, without expert parallelism."""
 
     key, name, counterpart = "moe-ep1", "MoE ep 1 (step 12)", "pytorch DDP (MoE)"
     module_needed = (
@@ -792,8 +825,8 @@ class MoEReplicated(MoEModel):
 
 
 class ExpertParallelRow(MoEReplicated):
-    """Step 12 at ``--ep`` = the world size: each rank keeps E/W experts; two all-to-alls per MoE layer
-    and micro-batch each way; an expert's gradient is already whole on its one rank."""
+    """Step 12 at ``--ep`` = the world size: each rank keeps E/W experts; two all-to-alls per MoE
+    layer and micro-batch each way; an expert's gradient is already whole on its one rank."""
 
     key, name, counterpart = "ep", "expert parallel (step 12)", "MoE ep 1 (step 12)"
     ep = None  # the world size
@@ -871,7 +904,7 @@ def step6_copy_differs() -> bool:
     return a.is_file() and b.is_file() and a.read_bytes() != b.read_bytes()
 
 
-# ---- measuring -------------------------------------------------------------------------------------
+# ---- measuring -----------------------------------------------------------------------------------
 
 
 def measure(
@@ -912,7 +945,8 @@ def measure(
 
 
 def build(classes: list, config: dict) -> tuple[list, list[str]]:
-    """Build every row; a row that fails to build on any rank is left out on every rank, with a note."""
+    """Build every row; a row that fails to build on
+    any rank is left out on every rank, with a note."""
     built, notes = [], []
     for cls in classes:
         try:
@@ -932,7 +966,7 @@ def build(classes: list, config: dict) -> tuple[list, list[str]]:
     return built, notes
 
 
-# ---- reporting -------------------------------------------------------------------------------------
+# ---- reporting -----------------------------------------------------------------------------------
 
 
 def ratio(reference: list, mine: list) -> dict:
@@ -1011,8 +1045,10 @@ def print_report(summary: dict, notes: list, header: str) -> None:
         print("counterparts: " + "; ".join(f"{n} vs {c}" for n, c in counterparts.items()))
 
     print(
-        f"\nBytes per rank (rank 0 / rank 1 / ..., or '(each)' when every rank holds the same; the whole "
-        f"model: {summary['model_bytes']:,} B of float32 parameters): parameters, gradients at the sync point, "
+        "\nBytes per rank (rank 0 / rank 1 / ..., or '(each)' when every rank holds "
+        "the same; the whole "
+        f"model: {summary['model_bytes']:,} B of float32 parameters): parameters, "
+        "gradients at the sync point, "
         "optimiser state"
     )
     widths = {
@@ -1117,7 +1153,7 @@ def plot(summary: dict, path: Path, title: str, notes: list[str]) -> None:
     plt.close(fig)
 
 
-# ---- main --------------------------------------------------------------------------------------------
+# ---- main ----------------------------------------------------------------------------------------
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -1195,8 +1231,9 @@ def main():
     summary = summarise(strategies, times, everyone, config, world_size)
 
     # Free PyTorch's wrappers (DDP's C++ reducer holds the process group) before the group goes: see
-    # shutdown(). Then check that they went. (Our wrappers hold no group; BucketedDDP's hooks keep it
-    # alive in a cycle through its parameters that the collector does not break, which is harmless.)
+    # shutdown(). Then check that they went. (Our wrappers hold no group; BucketedDDP's hooks keep
+    # it alive in a cycle through its parameters that the collector does not break, which is
+    # harmless.)
     held = [(s.name, weakref.ref(s.wrapped)) for s in strategies if s.pytorch]
     del strategies
     gc.collect()
@@ -1204,10 +1241,14 @@ def main():
 
     if rank == 0:
         header = (
-            f"{world_size} ranks, gloo, {torch.get_num_threads()} thread(s) each, torch {torch.__version__}; "
-            f"{config['rounds']} rounds x {config['steps_per_round']} steps (+1 warm-up round); global batch "
-            f"{summary['tokens_per_step']:,} tokens ({config['micro_batch_size']} x {config['seq_len']} x "
-            f"{config['grad_accum']} accum x {world_size} ranks); model {config['n_layer']}x{config['n_embd']}, "
+            f"{world_size} ranks, gloo, {torch.get_num_threads()} thread(s) each, "
+            f"torch {torch.__version__}; "
+            f"{config['rounds']} rounds x {config['steps_per_round']} steps (+1 "
+            "warm-up round); global batch "
+            f"{summary['tokens_per_step']:,} tokens ({config['micro_batch_size']} x "
+            f"{config['seq_len']} x "
+            f"{config['grad_accum']} accum x {world_size} ranks); model "
+            f"{config['n_layer']}x{config['n_embd']}, "
             f"bucket cap {config['bucket_cap_mb']} MiB"
         )
         all_notes = (

@@ -1,15 +1,15 @@
-"""How long a checkpoint holds training up, written in the foreground or with --async-save, and how long
-a resume takes to read one back.
+"""How long a checkpoint holds training up, written in the foreground or with --async-save, and how
+long a resume takes to read one back.
 
-    python compare/bench_checkpoint.py                       # step 1, 2 ranks, a 25 M-parameter model
+    python compare/bench_checkpoint.py   # step 1, 2 ranks, a 25 M-parameter model
     python compare/bench_checkpoint.py --step step7 --rounds 5
 
-Runs the trainer with and without --async-save, alternating (so a slow spell of the machine hits both),
-and reads the pause each save reports ("checkpoint step_k ...: training paused N ms"). The first save
-of each run is left out (its folder and file creation are slower). Then resumes the foreground run's
-checkpoint of step 6 and reads what the trainer reports ("resumed from ...: read in N ms": opening it and
-every rank's part loaded). Prints medians with the spread, and the resident memory the in-memory copy
-costs (the trainer's own rss column).
+Runs the trainer with and without --async-save, alternating (so a slow spell of the machine hits
+both), and reads the pause each save reports ("checkpoint step_k ...: training paused N ms"). The
+first save of each run is left out (its folder and file creation are slower). Then resumes the
+foreground run's checkpoint of step 6 and reads what the trainer reports ("resumed from ...: read in
+N ms": opening it and every rank's part loaded). Prints medians with the spread, and the resident
+memory the in-memory copy costs (the trainer's own rss column).
 """
 
 import re
@@ -52,7 +52,8 @@ MODEL = [
 def one_run(
     step: str, nproc: int, out: Path, async_save: bool, resume=None
 ) -> tuple[list[float], float]:
-    """The pauses of a run's saves (the first left out) and its peak rss; resuming ``resume``: the read's."""
+    """The pauses of a run's saves (the first left out)
+    and its peak rss; resuming ``resume``: the read's."""
     args = [*MODEL, "--out", str(out), *(["--async-save"] if async_save else [])]
     args += ["--resume", str(resume)] if resume else []
     result = subprocess.run(
@@ -71,7 +72,7 @@ def one_run(
 
 
 def main():
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--step", default="step1")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
@@ -96,12 +97,14 @@ def main():
     for async_save, name in ((False, "written in the foreground"), (True, "--async-save")):
         p = sorted(pauses[async_save])
         print(
-            f"{name:26s} pause median {statistics.median(p):7.0f} ms (min {p[0]:.0f}, max {p[-1]:.0f}, "
+            f"{name:26s} pause median {statistics.median(p):7.0f} ms (min {p[0]:.0f}, "
+            f"max {p[-1]:.0f}, "
             f"{len(p)} saves), peak rss {statistics.median(peaks[async_save]):.0f} MiB"
         )
     reads.sort()
     print(
-        f"{'read back (resume)':26s} read median  {statistics.median(reads):7.0f} ms (min {reads[0]:.0f}, "
+        f"{'read back (resume)':26s} read median  {statistics.median(reads):7.0f} ms "
+        f"(min {reads[0]:.0f}, "
         f"max {reads[-1]:.0f}, {len(reads)} resumes)"
     )
 

@@ -48,14 +48,16 @@ def main():
     # torchrun tells each rank its place; without it there is no group to join
     if "RANK" not in os.environ:
         raise UserError(
-            "start it under torchrun: torchrun --standalone --nproc_per_node=2 compare/bench_collectives.py"
+            "start it under torchrun: torchrun --standalone --nproc_per_node=2 "
+            "compare/bench_collectives.py"
         )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     n = dist.get_world_size()
     numel = int(args.mib * 2**20 / 4) // n * n
     full, shard = torch.ones(numel), torch.ones(numel // n)
-    # torch 2.13's names; 2.11 has only all_gather_into_tensor / reduce_scatter_tensor (common/comm_accounting.py)
+    # torch 2.13's names; 2.11 has only all_gather_into_tensor
+    # / reduce_scatter_tensor (common/comm_accounting.py)
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     results = {
@@ -72,7 +74,8 @@ def main():
         for name, t in results.items():
             m = statistics.median(t)
             print(
-                f"{name:<24} {m * 1e3:>7.2f}ms {min(t) * 1e3:>7.2f}ms {max(t) * 1e3:>7.2f}ms {m / ar:>13.2f}"
+                f"{name:<24} {m * 1e3:>7.2f}ms {min(t) * 1e3:>7.2f}ms "
+                f"{max(t) * 1e3:>7.2f}ms {m / ar:>13.2f}"
             )
     dist.barrier()
     dist.destroy_process_group()

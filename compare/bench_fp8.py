@@ -1,12 +1,13 @@
-"""One linear layer's forward and backward at GPT-2 small's shapes: nn.Linear (float32, bf16 autocast),
-common/fp8.py's Float8Linear and torchao's, each recipe; interleaved rounds, the median.
+"""One linear layer's forward and backward at GPT-2 small's shapes: nn.Linear (float32, bf16
+autocast), common/fp8.py's Float8Linear and torchao's, each recipe; interleaved rounds, the median.
 
-    python compare/bench_fp8.py                                  # the linears of a GPT-2 small block, 1024 tokens
-    python compare/bench_fp8.py --tokens 8192 --device cuda      # where FP8 is the point: a Hopper GPU
+    # the linears of a GPT-2 small block, 1024 tokens
+    python compare/bench_fp8.py
+    python compare/bench_fp8.py --tokens 8192 --device cuda   # where FP8 is the point: a Hopper GPU
 
-On a CPU, ``torch._scaled_mm`` is an emulation (the 8-bit operands widened, then a float32 GEMM), so FP8 is
-slower there, not faster: the CPU's ratio says what the casts and the emulation cost, nothing about a GPU.
-Prints a table and one JSON line (milliseconds per forward + backward).
+On a CPU, ``torch._scaled_mm`` is an emulation (the 8-bit operands widened, then a float32 GEMM), so
+FP8 is slower there, not faster: the CPU's ratio says what the casts and the emulation cost, nothing
+about a GPU. Prints a table and one JSON line (milliseconds per forward + backward).
 """
 
 import copy
@@ -28,7 +29,8 @@ GPT2_SMALL = "768x768,768x3072,3072x768"
 
 
 def layers(in_f: int, out_f: int, device) -> dict:
-    """Every contender for one (in, out) shape, the same weights: name -> (module, autocast dtype or None)."""
+    """Every contender for one (in, out) shape, the same
+    weights: name -> (module, autocast dtype or None)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -63,7 +65,7 @@ def time_once(module, dtype, x, device) -> float:
 
 
 def main():
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=GPT2_SMALL, help="in x out of each layer, comma-separated")
     p.add_argument(
         "--tokens", type=int, default=1024, help="rows of the input (micro-batch x sequence)"
@@ -82,7 +84,8 @@ def main():
         ) from None
     if args.tokens % 16 or any(n % 16 for s in shapes for n in s) or args.rounds < 1:
         raise UserError(
-            "--tokens and every size in --shapes must be multiples of 16 (FP8 GEMMs), --rounds at least 1"
+            "--tokens and every size in --shapes must be multiples of 16 (FP8 GEMMs), "
+            "--rounds at least 1"
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
@@ -101,7 +104,8 @@ def main():
         results[f"{in_f}x{out_f}"] = {name: statistics.median(t) for name, t in times.items()}
     kind = "emulated on the CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(
-        f"forward + backward of one linear, {args.tokens} tokens, ms (median of {args.rounds}; FP8 {kind})"
+        f"forward + backward of one linear, {args.tokens} tokens, ms (median of "
+        f"{args.rounds}; FP8 {kind})"
     )
     names = list(next(iter(results.values())))
     print("| shape | " + " | ".join(names) + " |")

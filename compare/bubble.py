@@ -1,22 +1,27 @@
-"""The pipeline bubble, measured: step 9 at P = 2 and 4 stages with M = 1, 2, 4, 8 micro-batches, each stage's
-idle fraction of its last step against the ideal schedule's (P - 1) / (M + P - 1), (P - 1) / (V M + P - 1)
-interleaved over V = 2 chunks per stage (M a multiple of P), (P - 1) / (3 M + P - 1) zero bubble, and the
-micro-batches whose activations each stage held at once (GPipe: M; 1F1B: at most P - s on stage s; interleaved:
-(V - 1) P + 2 (P - s - 1) + 1 chunks' worth; zero bubble: min(P, M), each until its W), and the activation bytes
-each stage sent, M B S h x 4 per hop: V hops out and V back, one fewer at either end.
+"""The pipeline bubble, measured: step 9 at P = 2 and 4 stages with M = 1, 2, 4, 8 micro-batches,
+each stage's idle fraction of its last step against the ideal schedule's (P - 1) / (M + P - 1), (P -
+1) / (V M + P - 1) interleaved over V = 2 chunks per stage (M a multiple of P), (P - 1) / (3 M + P -
+   1) zero bubble, and the
+micro-batches whose activations each stage held at once (GPipe: M; 1F1B: at most P - s on stage s;
+interleaved: (V - 1) P + 2 (P - s - 1) + 1 chunks' worth; zero bubble: min(P, M), each until its W),
+and the activation bytes each stage sent, M B S h x 4 per hop: V hops out and V back, one fewer at
+either end.
 
     python compare/bubble.py                        # every schedule, a table, runs/plots/bubble.png
     python compare/bubble.py --stages 2 --micro-batches 1 4 --schedules 1f1b
-    python compare/bubble.py --simulate-ms 20 --micro-batches 4 8   # the compute simulated: the schedules alone
+    # the compute simulated: the schedules alone
+    python compare/bubble.py --simulate-ms 20 --micro-batches 4 8
 
-Each run is step 9's trainer with --trace (its bubble.json and pipeline.png land in runs/bubble/<run>/). A
-model of 8 blocks, width 128, micro-batches of 4 x 64 tokens: big enough that compute, not launching, fills
-a stage. On a machine with fewer cores than stages the stages also wait for a core; the table says so.
+Each run is step 9's trainer with --trace (its bubble.json and pipeline.png land in
+runs/bubble/<run>/). A model of 8 blocks, width 128, micro-batches of 4 x 64 tokens: big enough that
+compute, not launching, fills a stage. On a machine with fewer cores than stages the stages also
+wait for a core; the table says so.
 
-``--simulate-ms F``: step 9's ``Pipeline`` as it is (schedules, messages, waits) around stages whose work is a sleep,
-so each stage has a "device" of its own however few the cores: one layer whose forward sleeps F, the gradient of its
-output (B) F and of its weight (W) F (a whole backward B + W; the interleaved schedule's chunks F / 2 each). The
-idle fractions of the second step then measure the schedule against its formula.
+``--simulate-ms F``: step 9's ``Pipeline`` as it is (schedules, messages, waits) around stages whose
+work is a sleep, so each stage has a "device" of its own however few the cores: one layer whose
+forward sleeps F, the gradient of its output (B) F and of its weight (W) F (a whole backward B + W;
+the interleaved schedule's chunks F / 2 each). The idle fractions of the second step then measure
+the schedule against its formula.
 """
 
 import argparse
@@ -40,9 +45,10 @@ WIDTH = 8  # --simulate-ms: the layer's width, its real compute negligible besid
 
 
 def sleepy_stage(seconds: float):
-    """One layer whose forward, output gradient (B) and weight gradient (W) each take ``seconds``: a Linear whose
-    forward sleeps and whose weight's gradient hook sleeps (W), then an identity whose backward sleeps (B: it lies
-    on the path to the stage's input and to the layer's output, not on the path to the weight)."""
+    """One layer whose forward, output gradient (B) and weight gradient (W) each take ``seconds``: a
+    Linear whose forward sleeps and whose weight's gradient hook sleeps (W), then an identity whose
+    backward sleeps (B: it lies on the path to the stage's input and to the layer's output, not on
+    the path to the weight)."""
     import torch
 
     class SleepOnBackward(torch.autograd.Function):
@@ -72,8 +78,8 @@ def sleepy_stage(seconds: float):
 
 
 def simulated(rank: int, world_size: int, port: int, args) -> list:
-    """Every schedule and M of ``args`` on ``world_size`` sleeping stages: each stage's idle fraction of the second
-    step, the formula's, and the micro-batches held at once."""
+    """Every schedule and M of ``args`` on ``world_size`` sleeping stages: each stage's idle
+    fraction of the second step, the formula's, and the micro-batches held at once."""
     sys.path.insert(0, str(REPO_ROOT / STEP))
     import torch
     import torch.distributed as dist
@@ -178,7 +184,8 @@ def main() -> int:
         and not args.simulate_ms > 0
     ):
         raise UserError(
-            "--stages must be 1 to 4 (the runs share this machine's cores), --micro-batches at least 1 "
+            "--stages must be 1 to 4 (the runs share this machine's cores), "
+            "--micro-batches at least 1 "
             "and --simulate-ms positive"
         )
     if args.png.suffix != ".png":
@@ -193,7 +200,8 @@ def main() -> int:
                 interleaved = schedule == "interleaved-1f1b"
                 if interleaved and (m % stages or stages < 2):
                     print(
-                        f"skipping {schedule} P={stages} M={m}: it runs whole rounds of P >= 2 micro-batches"
+                        f"skipping {schedule} P={stages} M={m}: it runs whole rounds "
+                        "of P >= 2 micro-batches"
                     )
                     continue
                 out = args.runs_dir / f"{schedule}_p{stages}_m{m}"
@@ -229,11 +237,13 @@ def main() -> int:
         f"compute simulated, {args.simulate_ms:g} ms" if args.simulate_ms else f"{cores} CPU cores"
     )
     print(
-        f"\nidle fraction of the last step per stage vs its schedule's (ideal); micro-batches (interleaved: "
+        "\nidle fraction of the last step per stage vs its schedule's (ideal); "
+        "micro-batches (interleaved: "
         f"chunk micro-batches) held at once ({compute})"
     )
     print(
-        f"{'schedule':<16} {'P':>2} {'M':>2} {'ideal':>6}  {'idle per stage':<28} {'held per stage':<14} formula"
+        f"{'schedule':<16} {'P':>2} {'M':>2} {'ideal':>6}  {'idle per stage':<28} "
+        f"{'held per stage':<14} formula"
     )
     for r in results:
         p, m = r["stages"], r["micro_batches"]
@@ -260,9 +270,13 @@ def main() -> int:
         # W's deferred at once: min(s + 1, M) on stage s
         if r["schedule"] == "zero-bubble" and "waiting" in r:
             waiting = [min(s + 1, m) for s in range(p)]
-            waiting = f"; W's waiting {r['waiting']}, formula {waiting}{'' if r['waiting'] == waiting else ' differs'}"
+            waiting = (
+                f"; W's waiting {r['waiting']}, formula "
+                f"{waiting}{'' if r['waiting'] == waiting else ' differs'}"
+            )
         print(
-            f"{r['schedule']:<16} {p:>2} {m:>2} {r['ideal']:>6.2f}  {idle:<28} {str(r['held']):<14} {formula}"
+            f"{r['schedule']:<16} {p:>2} {m:>2} {r['ideal']:>6.2f}  {idle:<28} "
+            f"{str(r['held']):<14} {formula}"
             f"{'' if r['held'] == formula else '  <-- differs'}{waiting}"
         )
 

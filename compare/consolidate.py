@@ -1,12 +1,15 @@
-"""Rewrite a checkpoint whole, in one process: every tensor one chunk of its full shape, in today's format (DCP);
-and convert a checkpoint of the earlier format (2: this repository's own files), which the trainers refuse.
+"""Rewrite a checkpoint whole, in one process: every tensor one chunk of its full shape, in today's
+format (DCP); and convert a checkpoint of the earlier format (2: this repository's own files), which
+the trainers refuse.
 
     python compare/consolidate.py runs/step7_zero3/checkpoints/step_20 runs/consolidated
-    torchrun --standalone --nproc_per_node=2 step1_torch_ddp/train.py --resume runs/consolidated/checkpoints/step_20
+    torchrun --standalone --nproc_per_node=2 step1_torch_ddp/train.py \\
+        --resume runs/consolidated/checkpoints/step_20
 
-Every trainer already resumes any step's checkpoint at any world size (DCP copies the saved boxes into the new
-layout's); this writes the joined tensors once (DeepSpeed calls it a universal checkpoint): for a tool that reads
-one chunk per tensor, or a checkpoint of format 2 to resume today. Bad input is one line and exit code 2.
+Every trainer already resumes any step's checkpoint at any world size (DCP copies the saved boxes
+into the new layout's); this writes the joined tensors once (DeepSpeed calls it a universal
+checkpoint): for a tool that reads one chunk per tensor, or a checkpoint of format 2 to resume
+today. Bad input is one line and exit code 2.
 """
 
 import argparse
@@ -69,9 +72,10 @@ def whole_entries(checkpoint) -> dict:
 
 
 def consolidate(source, out_dir: Path) -> Path:
-    """Rewrite checkpoint ``source`` (a ``Checkpoint``, or its folder: any step, any world size, format 2 or today's)
-    in ``out_dir``/checkpoints as one process: every tensor one chunk. Returns it. Refuses (before writing
-    anything) an ``out_dir`` that cannot be written or already holds that checkpoint."""
+    """Rewrite checkpoint ``source`` (a ``Checkpoint``, or its folder: any step, any world size,
+    format 2 or today's) in ``out_dir``/checkpoints as one process: every tensor one chunk. Returns
+    it. Refuses (before writing anything) an ``out_dir`` that cannot be written or already holds
+    that checkpoint."""
     checkpoint = source if not isinstance(source, (str, Path)) else open_any(source)
     final = checkpoint_dir(out_dir, checkpoint.step)
     check_writable_folder(final, f"consolidating into {out_dir}")
@@ -97,7 +101,7 @@ def consolidate(source, out_dir: Path) -> Path:
 
 def main(argv=None):
     parser = OneLineParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("checkpoint", type=Path, help="a checkpoints/step_<k> folder")
     parser.add_argument(
@@ -110,7 +114,8 @@ def main(argv=None):
     source = open_any(args.checkpoint)
     written = consolidate(source, args.out)
     print(
-        f"{written}: {len(source.shapes)} parameters of {source.config['step']} (world size {source.world_size}) "
+        f"{written}: {len(source.shapes)} parameters of {source.config['step']} (world "
+        f"size {source.world_size}) "
         f"at step {source.step}, each tensor whole"
     )
 

@@ -1,16 +1,20 @@
-"""Step 11's ring attention beside PyTorch's own context parallelism (``context_parallel``), on the same queries,
-keys and values: each against attention on the whole sequence in float32, forward and backward, and the time
-and CUDA memory of one forward and backward per rank.
+"""Step 11's ring attention beside PyTorch's own context parallelism (``context_parallel``), on the
+same queries, keys and values: each against attention on the whole sequence in float32, forward and
+backward, and the time and CUDA memory of one forward and backward per rank.
 
-    python compare/cp_reference.py                                      # 2 ranks: one GPU each, or sharing one
-    python compare/cp_reference.py --device cpu --seq-len 256 --heads 2   # the ring alone (tests/test_gpu_check.py)
+    # 2 ranks: one GPU each, or sharing one
+    python compare/cp_reference.py
+    # the ring alone (tests/test_gpu_check.py)
+    python compare/cp_reference.py --device cpu --seq-len 256 --heads 2
 
-PyTorch's ``context_parallel`` splits the buffers it is given with the same head-tail layout as step 11's zig-zag
-(rank r keeps chunks r and 2C-1-r) and, inside its context, runs scaled_dot_product_attention as a ring of flash
-or memory-efficient kernels, passing K/V shards by all-gather (its default). Those kernels are CUDA's, so on the
-CPU only the ring runs. The comparison is with attention computed whole, not bitwise: the two rings merge their
-partial softmaxes in different orders and kernels (step 11's bitwise proof is against its blockwise reference in
-``tests/test_context_parallel.py``). With one GPU the ranks share it over gloo; with more, nccl, one GPU a rank.
+PyTorch's ``context_parallel`` splits the buffers it is given with the same head-tail layout as step
+11's zig-zag (rank r keeps chunks r and 2C-1-r) and, inside its context, runs
+scaled_dot_product_attention as a ring of flash or memory-efficient kernels, passing K/V shards by
+all-gather (its default). Those kernels are CUDA's, so on the CPU only the ring runs. The comparison
+is with attention computed whole, not bitwise: the two rings merge their partial softmaxes in
+different orders and kernels (step 11's bitwise proof is against its blockwise reference in
+``tests/test_context_parallel.py``). With one GPU the ranks share it over gloo; with more, nccl, one
+GPU a rank.
 """
 
 import argparse
@@ -34,7 +38,8 @@ NAMES = ("output", "dq", "dk", "dv")
 
 
 def relative_errors(got: list, exact: list) -> dict:
-    """max |got - exact| / max |exact| of each tensor: a bf16 result is about 2^-8 off, float32's about 2^-23."""
+    """max |got - exact| / max |exact| of each tensor: a
+    bf16 result is about 2^-8 off, float32's about 2^-23."""
     return {
         name: ((g.float() - e.float()).abs().max() / e.float().abs().max()).item()
         for name, g, e in zip(NAMES, got, exact)
@@ -42,7 +47,8 @@ def relative_errors(got: list, exact: list) -> dict:
 
 
 def forward_backward(attention, q, k, v, dout) -> list:
-    """[output, dq, dk, dv] of ``attention(q, k, v)`` with ``dout`` as the output's gradient, on fresh leaves."""
+    """[output, dq, dk, dv] of ``attention(q, k, v)`` with
+    ``dout`` as the output's gradient, on fresh leaves."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = attention(*leaves)
     out.backward(dout)
@@ -54,7 +60,8 @@ def causal_sdpa(q, k, v):
 
 
 def timed(fn, repeats: int, device: torch.device) -> tuple[float, int]:
-    """(median ms of ``fn``, the CUDA peak it reached above what was allocated before, bytes; 0 on the CPU)."""
+    """(median ms of ``fn``, the CUDA peak it reached above
+    what was allocated before, bytes; 0 on the CPU)."""
     cuda = device.type == "cuda"
     times = []
     if cuda:
@@ -126,7 +133,8 @@ def compare(rank: int, world_size: int, port: int, config: dict) -> dict:
 
 
 def theirs(q, k, v, dout, exact, world_size: int, repeats: int, device) -> dict:
-    """PyTorch's context_parallel on the same tensors: SDPA inside the context on the buffers it shards."""
+    """PyTorch's context_parallel on the same tensors:
+    SDPA inside the context on the buffers it shards."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.experimental import context_parallel
 
@@ -146,15 +154,18 @@ def theirs(q, k, v, dout, exact, world_size: int, repeats: int, device) -> dict:
 
 
 def report(results: dict, config: dict) -> tuple[str, bool]:
-    """A markdown table, and whether the ring is as close to whole attention as the bound allows on every rank, and,
-    where PyTorch's ring ran, within twice its error (or bf16's 2^-8 where PyTorch's is smaller still)."""
+    """A markdown table, and whether the ring is as close to whole attention as the bound allows on
+    every rank, and, where PyTorch's ring ran, within twice its error (or bf16's 2^-8 where
+    PyTorch's is smaller still)."""
     first = results[0]
     # bf16 inputs on a GPU; float32 on the CPU
     bound = 2**-5 if config["device"] == "cuda" else 1e-5
     lines = [
-        f"C = {len(results)} ranks ({first['backend']}), batch {config['batch']}, {config['heads']} heads of "
+        f"C = {len(results)} ranks ({first['backend']}), batch {config['batch']}, "
+        f"{config['heads']} heads of "
         f"{config['head_dim']}, {config['seq_len']:,} tokens, causal, "
-        f"{'bf16' if config['device'] == 'cuda' else 'float32'}; max |error| / max |whole attention's| over "
+        f"{'bf16' if config['device'] == 'cuda' else 'float32'}; max |error| / max "
+        "|whole attention's| over "
         "the ranks, forward and backward; ms and CUDA peak per rank, medians of "
         f"{config['repeats']} forward + backward",
         "",

@@ -1,21 +1,21 @@
 """Before launching: the bytes each rank will hold, per step and world size, from the trainer flags.
 
-    python compare/estimate.py                                   # the default config, world sizes 1-4
+    python compare/estimate.py   # the default config, world sizes 1-4
     python compare/estimate.py --n-layer 16 --n-embd 1024 --n-head 16 --micro-batch-size 1 \\
-        --world-sizes 1,2,4 --budget-mb 2048                     # step 7's "does not fit on one rank" demo
-    python compare/estimate.py --param-dtype bf16                # and the closed forms, 16-bit, N = 1 ... 1024
-    python compare/estimate.py --zero-paper                      # the ZeRO paper's Figure 1, its 4x and 8x
+        --world-sizes 1,2,4 --budget-mb 2048   # step 7's "does not fit on one rank" demo
+    python compare/estimate.py --param-dtype bf16   # and the closed forms, 16-bit, N = 1 ... 1024
+    python compare/estimate.py --zero-paper         # the ZeRO paper's Figure 1, its 4x and 8x
 
 Nothing is allocated: GPT-2 is built on the meta device from the flags the trainers take (--n-layer,
 --n-embd, --n-head, --seq-len, the vocabulary of --tokenizer), so Ψ and every tensor's shape are
 exact. Then, with float32 parameters and AdamW (two moments and a 4-byte step count per tensor it
 steps), per rank:
 
-    step                 parameters         gradients          optimizer state
-    DDP (steps 0-4)      4Ψ                 4Ψ                 8Ψ
-    ZeRO-1 (step 5)      4Ψ                 4Ψ                 8Ψ/N   one flat range, cut N ways
-    ZeRO-2 (step 6)      4Ψ                 4Ψ/N               8Ψ/N   the gradient buckets, each cut N ways
-    ZeRO-3 (step 7)      4Ψ/N               4Ψ/N               8Ψ/N   units (root, each block), each cut N ways
+    step               parameters  gradients  optimizer state
+    DDP (steps 0-4)    4Ψ          4Ψ         8Ψ
+    ZeRO-1 (step 5)    4Ψ          4Ψ         8Ψ/N   one flat range, cut N ways
+    ZeRO-2 (step 6)    4Ψ          4Ψ/N       8Ψ/N   the gradient buckets, each cut N ways
+    ZeRO-3 (step 7)    4Ψ/N        4Ψ/N       8Ψ/N   units (root, each block), each cut N ways
 
 each computed element by element with the layouts the steps use (padding to a multiple of N, on the
 last rank; one step count per piece a rank steps): these are the numbers each record's ``memory``
@@ -27,16 +27,17 @@ counted by ``saved_tensors_hooks``; the same in every step, and released by each
 ``Model.checkpointed_activation_bytes`` counts what step 7 keeps with --activation-checkpointing
 (``compare/peak_memory.py`` predicts with it).
 
-With 16-bit parameters (``--param-dtype bf16``; ``state_bytes``, ``formula``) the closed forms follow
-the ZeRO paper: DDP 2Ψ + 2Ψ + 12Ψ (K = 12: fp32 master weights and two moments), ZeRO-1 2Ψ + 2Ψ + 12Ψ/N,
-ZeRO-2 2Ψ + (2 + 12)Ψ/N, ZeRO-3 16Ψ/N; and as FSDP2's ``reduce_dtype=float32`` (step 7's ``param_dtype``)
-holds them, gradients in float32: ZeRO-2 2Ψ + (4 + 12)Ψ/N, ZeRO-3 4Ψ/N + 4Ψ/N + 8Ψ/N (docs/planner.md).
+With 16-bit parameters (``--param-dtype bf16``; ``state_bytes``, ``formula``) the closed forms
+follow the ZeRO paper: DDP 2Ψ + 2Ψ + 12Ψ (K = 12: fp32 master weights and two moments), ZeRO-1 2Ψ +
+2Ψ + 12Ψ/N, ZeRO-2 2Ψ + (2 + 12)Ψ/N, ZeRO-3 16Ψ/N; and as FSDP2's ``reduce_dtype=float32`` (step 7's
+``param_dtype``) holds them, gradients in float32: ZeRO-2 2Ψ + (4 + 12)Ψ/N, ZeRO-3 4Ψ/N + 4Ψ/N +
+8Ψ/N (docs/planner.md).
 
 ``total`` adds them up for the rank that holds most. With ``--budget-mb`` (the trainers'
 ``--max-memory-mb``: what a rank may allocate beyond its start-up) each row says whether that total
 fits and what is left. Not counted, and the reason to leave headroom: communication buffers (DDP's
-and steps 4-5's buckets, 4Ψ; step 6's buckets until launched), the copies gloo makes of a gathered or
-reduce-scattered unit, the gradient of the unit in backward (step 7), the corpus, the process
+and steps 4-5's buckets, 4Ψ; step 6's buckets until launched), the copies gloo makes of a gathered
+or reduce-scattered unit, the gradient of the unit in backward (step 7), the corpus, the process
 group's threads, and the allocator's own slack (docs/zero3.md measures them on step 7's demo).
 """
 
@@ -59,7 +60,8 @@ STEPS = ("DDP (steps 0-4)", "ZeRO-1 (step 5)", "ZeRO-2 (step 6)", "ZeRO-3 (step 
 KINDS = ("params", "grads", "optimizer_state")
 BYTES = 4  # float32 parameters, gradients and moments
 STEP_COUNT_BYTES = 4  # AdamW's per-tensor step, a float32 scalar tensor
-# The trainer flags an estimate reads; the others are accepted (so a trainer's command line can be pasted) and hidden.
+# The trainer flags an estimate reads; the others are accepted
+# (so a trainer's command line can be pasted) and hidden.
 USED_FLAGS = {
     "n_layer",
     "n_embd",
@@ -75,8 +77,8 @@ USED_FLAGS = {
 class Model:
     """GPT-2 of a config on the meta device: names, shapes and units, no memory.
 
-    ``dtype``: what forward computes in (a 16-bit ``param_dtype``: activations of 2 bytes where the model's
-    own ops keep that dtype)."""
+    ``dtype``: what forward computes in (a 16-bit ``param_dtype``: activations of 2 bytes where the
+    model's own ops keep that dtype)."""
 
     def __init__(self, config: dict, vocab_size: int, dtype: torch.dtype | None = None):
         self.config, self.vocab_size = config, vocab_size
@@ -93,7 +95,8 @@ class Model:
         self.units += [[n for name, n in self.named if name.startswith(b)] for b in blocks]
 
     def optimizer_order(self) -> list[int]:
-        """The sizes in the order the steps' AdamW groups list them (decayed first): step 5's one flat range."""
+        """The sizes in the order the steps' AdamW groups
+        list them (decayed first): step 5's one flat range."""
         index = {p: i for i, (p) in enumerate(self.module.parameters())}
         sizes = [n for _, n in self.named]
         groups = adamw_param_groups(self.module.named_parameters(), self.config)
@@ -102,7 +105,8 @@ class Model:
     def gradient_buckets(
         self, bucket_cap_mb: float, first_bucket_cap_mb: float = 1.0
     ) -> list[list[int]]:
-        """Step 6's buckets: the parameters in gradient-ready order (reversed), closed once a cap is reached."""
+        """Step 6's buckets: the parameters in gradient-ready
+        order (reversed), closed once a cap is reached."""
         buckets, current, size = [], [], 0
         for n in [n for _, n in self.named][::-1]:
             current.append(n)
@@ -117,9 +121,11 @@ class Model:
         return buckets + ([current] if current else [])
 
     def activation_bytes(self, micro_batch_size: int, checkpointing: bool = False) -> int:
-        """Bytes autograd keeps for backward in one micro-batch, at most at once (the weights left out).
+        """Bytes autograd keeps for backward in one
+        micro-batch, at most at once (the weights left out).
 
-        ``checkpointing``: as step 7's --activation-checkpointing: ``checkpointed_activation_bytes``, both parts."""
+        ``checkpointing``: as step 7's --activation-checkpointing:
+        ``checkpointed_activation_bytes``, both parts."""
         if checkpointing:
             return sum(self.checkpointed_activation_bytes(micro_batch_size))
         saved, _ = self.saved_tensors(micro_batch_size)
@@ -127,10 +133,10 @@ class Model:
         return sum({k: n for part in saved.values() for k, n in part.items()}.values())
 
     def checkpointed_activation_bytes(self, micro_batch_size: int) -> tuple[int, int]:
-        """With every block checkpointed: (what is kept from forward to backward, the most a block's recomputation
-        adds while its backward runs). Kept: what the root saves and each block's tensor arguments (a checkpointed
-        block keeps its input and nothing it computes); added: the block's own saved tensors, alive again while it
-        recomputes them."""
+        """With every block checkpointed: (what is kept from forward to backward, the most a block's
+        recomputation adds while its backward runs). Kept: what the root saves and each block's
+        tensor arguments (a checkpointed block keeps its input and nothing it computes); added: the
+        block's own saved tensors, alive again while it recomputes them."""
         saved, arguments = self.saved_tensors(micro_batch_size)
         kept = {**saved.get(None, {}), **arguments}
         added = [
@@ -140,8 +146,9 @@ class Model:
         return sum(kept.values()), max(added, default=0)
 
     def saved_tensors(self, micro_batch_size: int, shapes: dict | None = None) -> tuple[dict, dict]:
-        """One forward (and the loss) of a micro-batch, counting storages: ({block index, or None for the root:
-        {storage: bytes} of the tensors autograd saves there}, {storage: bytes} of the blocks' tensor arguments).
+        """One forward (and the loss) of a micro-batch, counting storages: ({block index, or None
+        for the root: {storage: bytes} of the tensors autograd saves there}, {storage: bytes} of the
+        blocks' tensor arguments).
         ``shapes``: filled with
         {storage: the shape it was first saved with}."""
         weights = {p.untyped_storage()._cdata for p in self.module.parameters()}
@@ -207,7 +214,8 @@ def cut(ranges: list[list[int]], world_size: int) -> list[tuple[int, int, int]]:
 def predict(
     model: Model, step: str, world_size: int, bucket_cap_mb: float = 25.0, prefetch: bool = True
 ) -> list[dict]:
-    """Bytes per rank of ``step`` at ``world_size``, as the trainers record them (after the optimiser step)."""
+    """Bytes per rank of ``step`` at ``world_size``, as
+    the trainers record them (after the optimiser step)."""
     whole, tensors = model.psi * BYTES, len(model.named)
     adam = lambda owned, pieces: 2 * BYTES * owned + STEP_COUNT_BYTES * pieces  # noqa: E731
     if step == STEPS[0]:
@@ -241,7 +249,7 @@ def predict(
     raise ValueError(f"no estimate for {step!r}; steps: {', '.join(STEPS)}")
 
 
-# ---- The closed forms, with 16-bit parameters (the ZeRO paper's accounting) ---------------------------------
+# ---- The closed forms, with 16-bit parameters (the ZeRO paper's accounting) ----------------------
 
 # None: FullyShardedDP's default
 PARAM_DTYPES = {"float32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -254,16 +262,18 @@ PAPER_GB = (120.0, 31.4, 16.6, 1.9)  # its printed numbers (GB = 10^9 bytes), st
 def bytes_per_parameter(
     stage: int, param_dtype: str = "float32", reduce_dtype: str | None = None
 ) -> tuple:
-    """(parameters, gradients, optimiser state) in bytes per parameter, and which of them are divided by N.
+    """(parameters, gradients, optimiser state) in bytes
+    per parameter, and which of them are divided by N.
 
-    float32 (steps 0-7 today): 4 + 4 + 8 (two AdamW moments; the parameters are the weights stepped).
-    16-bit ``param_dtype``: 2-byte parameters for compute and communication, K = 12 bytes of fp32 state
-    (the master weights + two moments). The gradients the optimiser reads are kept in ``reduce_dtype``:
-    16 bits when None (the paper's 2 + 2 + 12), or 4 bytes with ``"float32"``, as FSDP2's
-    ``MixedPrecisionPolicy(reduce_dtype=float32)`` and step 7's ``param_dtype`` keep them (the reduced fp32
-    gradient applied to the fp32 master, never rounded to 16 bits). ZeRO-3 held that way keeps no 16-bit
-    shard at all: its parameter shard *is* the fp32 master (4), cast to 16 bits only while gathered, so
-    its K is the two moments (8): 4 + 4 + 8, the same 16Ψ/N as the paper's 2 + 2 + 12."""
+    float32 (steps 0-7 today): 4 + 4 + 8 (two AdamW moments; the parameters are the weights
+    stepped). 16-bit ``param_dtype``: 2-byte parameters for compute and communication, K = 12 bytes
+    of fp32 state (the master weights + two moments). The gradients the optimiser reads are kept in
+    ``reduce_dtype``: 16 bits when None (the paper's 2 + 2 + 12), or 4 bytes with ``"float32"``, as
+    FSDP2's ``MixedPrecisionPolicy(reduce_dtype=float32)`` and step 7's ``param_dtype`` keep them
+    (the reduced fp32 gradient applied to the fp32 master, never rounded to 16 bits). ZeRO-3 held
+    that way keeps no 16-bit shard at all: its parameter shard *is* the fp32 master (4), cast to 16
+    bits only while gathered, so its K is the two moments (8): 4 + 4 + 8, the same 16Ψ/N as the
+    paper's 2 + 2 + 12."""
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype {param_dtype!r}: one of {', '.join(PARAM_DTYPES)}")
     sharded = (stage >= 3, stage >= 2, stage >= 1)
@@ -286,9 +296,10 @@ def state_bytes(
     param_dtype: str = "float32",
     reduce_dtype: str | None = None,
 ) -> dict:
-    """Bytes per rank of ZeRO ``stage`` (0: DDP) for Ψ parameters on N ranks, the closed form with the
-    padding included: a sharded kind holds ceil(Ψ/N) elements (the steps pad each flat range to a multiple
-    of N; over several ranges, ``predict`` counts the layouts exactly). AdamW's step counts left out."""
+    """Bytes per rank of ZeRO ``stage`` (0: DDP) for Ψ parameters on N ranks, the closed form with
+    the padding included: a sharded kind holds ceil(Ψ/N) elements (the steps pad each flat range to
+    a multiple of N; over several ranges, ``predict`` counts the layouts exactly). AdamW's step
+    counts left out."""
     per_param, sharded = bytes_per_parameter(stage, param_dtype, reduce_dtype)
     return {
         kind: b * (-(-psi // world_size) if cut else psi)
@@ -305,7 +316,8 @@ def formula(stage: int, param_dtype: str = "float32", reduce_dtype: str | None =
 def reduction_limit(
     stage: int, param_dtype: str = "bf16", reduce_dtype: str | None = None
 ) -> float:
-    """How many times less than DDP a rank holds as N grows without bound: 16Ψ / (the unsharded terms)."""
+    """How many times less than DDP a rank holds as N
+    grows without bound: 16Ψ / (the unsharded terms)."""
     per_param, sharded = bytes_per_parameter(stage, param_dtype, reduce_dtype)
     kept = sum(b for b, cut in zip(per_param, sharded) if not cut)
     return (
@@ -316,11 +328,14 @@ def reduction_limit(
 
 
 def zero_paper_report(world_sizes=tuple(2**k for k in range(11))) -> str:
-    """The ZeRO paper's Figure 1 from the closed forms, the "4x" and "8x" as limits, and N = 1 ... 1024."""
+    """The ZeRO paper's Figure 1 from the closed forms,
+    the "4x" and "8x" as limits, and N = 1 ... 1024."""
     psi, n = PAPER_PSI, PAPER_N
     lines = [
-        f"The ZeRO paper's Figure 1: Ψ = 7.5B parameters, N = {n} devices, mixed precision (16-bit parameters "
-        "and gradients, K = 12 bytes of fp32 master weights and Adam moments per parameter), GB = 10^9 bytes",
+        f"The ZeRO paper's Figure 1: Ψ = 7.5B parameters, N = {n} devices, mixed "
+        "precision (16-bit parameters "
+        "and gradients, K = 12 bytes of fp32 master weights and Adam moments per "
+        "parameter), GB = 10^9 bytes",
         f"{'stage':<8}{'per rank':<26}{'computed':>12}{'the paper':>11}",
     ]
     for stage in range(4):
@@ -331,7 +346,8 @@ def zero_paper_report(world_sizes=tuple(2**k for k in range(11))) -> str:
     lines += [
         "",
         'Where "4x" and "8x" come from: what DDP holds over what a ZeRO rank holds, as N grows',
-        "  ZeRO-1: 16Ψ / (2Ψ + 2Ψ + 12Ψ/N) -> 16/4 = 4 (the 16-bit weights and gradients stay whole)",
+        "  ZeRO-1: 16Ψ / (2Ψ + 2Ψ + 12Ψ/N) -> 16/4 = 4 (the 16-bit weights and "
+        "gradients stay whole)",
         "  ZeRO-2: 16Ψ / (2Ψ + 14Ψ/N)      -> 16/2 = 8 (the 16-bit weights stay whole)",
         "  ZeRO-3: 16Ψ / (16Ψ/N)            =  N (nothing stays whole)",
         f"{'N':>6}"
@@ -350,8 +366,8 @@ def zero_paper_report(world_sizes=tuple(2**k for k in range(11))) -> str:
 
 
 def closed_forms_report(psi: int, param_dtype: str, world_sizes) -> str:
-    """Ψ of the configured model through each stage's closed form, as the paper counts it and as FSDP2's
-    ``MixedPrecisionPolicy(reduce_dtype=float32)`` (step 7's ``param_dtype``) holds it."""
+    """Ψ of the configured model through each stage's closed form, as the paper counts it and as
+    FSDP2's ``MixedPrecisionPolicy(reduce_dtype=float32)`` (step 7's ``param_dtype``) holds it."""
     ways = [
         (None, "the paper (16-bit gradients)"),
         ("float32", "gradients reduced and kept in float32, as FSDP2"),
@@ -359,7 +375,8 @@ def closed_forms_report(psi: int, param_dtype: str, world_sizes) -> str:
     if param_dtype == "float32":
         ways = [(None, "float32 (steps 0-7 today)")]
     lines = [
-        f"Closed forms, Ψ = {psi:,}, param_dtype {param_dtype}: MiB per rank (parameters + gradients + "
+        f"Closed forms, Ψ = {psi:,}, param_dtype {param_dtype}: MiB per rank "
+        "(parameters + gradients + "
         "optimizer state, padding included)"
     ]
     for reduce_dtype, title in ways:
@@ -371,12 +388,9 @@ def closed_forms_report(psi: int, param_dtype: str, world_sizes) -> str:
         )
         lines.append(f"  {'N':>6}" + "".join(f"{name:>11}" for name in STAGES))
         for world_size in world_sizes:
+            stages = [state_bytes(s, psi, world_size, param_dtype, reduce_dtype) for s in range(4)]
             lines.append(
-                f"  {world_size:>6}"
-                + "".join(
-                    f"{mib(sum(state_bytes(stage, psi, world_size, param_dtype, reduce_dtype).values()), 3):>11}"
-                    for stage in range(4)
-                )
+                f"  {world_size:>6}" + "".join(f"{mib(sum(b.values()), 3):>11}" for b in stages)
             )
     return "\n".join(lines)
 
@@ -423,13 +437,18 @@ def mib(n: int, digits: int = 1) -> str:
 def report(config: dict, result: dict, budget_mb: float | None, prefetch: bool) -> str:
     psi, units = result["psi"], result["units"]
     lines = [
-        f"GPT-2 n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head {config['n_head']}, seq_len "
-        f"{config['seq_len']}, vocabulary {result['vocab_size']:,} ({Path(config['tokenizer']).name}): "
+        f"GPT-2 n_layer {config['n_layer']}, n_embd {config['n_embd']}, n_head "
+        f"{config['n_head']}, seq_len "
+        f"{config['seq_len']}, vocabulary {result['vocab_size']:,} "
+        f"({Path(config['tokenizer']).name}): "
         f"Ψ = {psi:,} parameters in {result['tensors']} tensors",
-        f"(root {units[0]:,}, each block {units[1] if len(units) > 1 else 0:,}); float32, AdamW; full training "
-        f"state 16Ψ = {mib(16 * psi)} MiB; micro-batch {config['micro_batch_size']} x {config['seq_len']} tokens",
+        f"(root {units[0]:,}, each block {units[1] if len(units) > 1 else 0:,}); "
+        "float32, AdamW; full training "
+        f"state 16Ψ = {mib(16 * psi)} MiB; micro-batch {config['micro_batch_size']} x "
+        f"{config['seq_len']} tokens",
         "",
-        f"MiB per rank, the rank holding most (ZeRO ranks differ by padding; --json has every rank). "
+        "MiB per rank, the rank holding most (ZeRO ranks differ by padding; --json "
+        "has every rank). "
         f"gathered: step 7's units in flight (root + {'two blocks' if prefetch else 'one block'})",
     ]
     header = (
@@ -442,18 +461,25 @@ def report(config: dict, result: dict, budget_mb: float | None, prefetch: bool) 
     for row in result["rows"]:
         rank = row["ranks"][row["rank"]]
         line = (
-            f"{row['step']:<17}{row['world_size']:>5}{mib(rank['params']):>10}{mib(rank['grads']):>10}"
-            f"{mib(rank['optimizer_state']):>11}{mib(rank['gathered']) if 'gathered' in rank else '-':>10}"
+            f"{row['step']:<17}{row['world_size']:>5}{mib(rank['params']):>10}"
+            f"{mib(rank['grads']):>10}"
+            f"{mib(rank['optimizer_state']):>11}"
+            f"{mib(rank['gathered']) if 'gathered' in rank else '-':>10}"
             f"{mib(row['activations']):>13}{mib(row['total']):>10}"
         )
         if budget_mb is not None:
             left = budget_mb - row["total"] / 2**20
-            line += f"   {'fits' if left >= 0 else 'DOES NOT FIT'}: {abs(left):,.0f} MiB {'left' if left >= 0 else 'over'}"
+            line += (
+                f"   {'fits' if left >= 0 else 'DOES NOT FIT'}: {abs(left):,.0f} MiB "
+                f"{'left' if left >= 0 else 'over'}"
+            )
         lines.append(line)
     if budget_mb is not None:
         lines.append(
-            "Not counted, so leave headroom: communication buffers (DDP's buckets: 4Ψ), gloo's copies of "
-            "a unit in flight, the unit's full gradient in step 7's backward, the corpus, the allocator's "
+            "Not counted, so leave headroom: communication buffers (DDP's buckets: "
+            "4Ψ), gloo's copies of "
+            "a unit in flight, the unit's full gradient in step 7's backward, the "
+            "corpus, the allocator's "
             "slack (see --help)."
         )
     return "\n".join(lines)

@@ -48,7 +48,8 @@ def world_sizes_and_modes(world_sizes: str, modes: str) -> tuple[list[int], list
     unknown = [m for m in modes.split(",") if m not in MODES]
     if unknown:
         raise UserError(
-            f"--modes: {', '.join(map(repr, unknown))} is not a reduce dtype; choose from {','.join(MODES)}"
+            f"--modes: {', '.join(map(repr, unknown))} is not a reduce dtype; choose "
+            f"from {','.join(MODES)}"
         )
     return sizes, modes.split(",")
 
@@ -61,13 +62,15 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     args, extra = parser.parse_known_args()
     world_sizes, modes = world_sizes_and_modes(args.world_sizes, args.modes)
-    # Steps 3-7: data parallelism. Steps 8 and up sum inside the layers in another order (no exact mode reaches step 1).
+    # Steps 3-7: data parallelism. Steps 8 and up sum inside the
+    # layers in another order (no exact mode reaches step 1).
     steps = [
         s for s in parity.step_folders() if 3 <= parity.step_number(s) < parity.MODEL_PARALLEL_FROM
     ]
     reference = next(s for s in parity.step_folders() if s.startswith("step1"))
     print(
-        f"{'mode':<8} {'ranks':>5}  {'step':<22} {'max abs diff':>12} {'max |param norm diff|':>21}  verdict"
+        f"{'mode':<8} {'ranks':>5}  {'step':<22} {'max abs diff':>12} "
+        f"{'max |param norm diff|':>21}  verdict"
     )
     exact_ok = True
     for mode in modes:

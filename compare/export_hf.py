@@ -1,41 +1,51 @@
-"""A run's final weights and tokenizer as a Hugging Face GPT-2 folder: evaluate, serve or fine-tune it elsewhere.
+"""A run's final weights and tokenizer as a Hugging Face
+GPT-2 folder: evaluate, serve or fine-tune it elsewhere.
 
-    python compare/export_hf.py step1                     # runs/step1_torch_ddp -> runs/step1_torch_ddp/hf
+    python compare/export_hf.py step1   # runs/step1_torch_ddp -> runs/step1_torch_ddp/hf
     python compare/export_hf.py runs/x runs/x_hf
     HF_HUB_OFFLINE=1 python -c "from transformers import pipeline; \\
-        print(pipeline('text-generation', model='runs/x_hf')('ROMEO:', max_new_tokens=20)[0]['generated_text'])"
+        print(pipeline('text-generation', model='runs/x_hf')('ROMEO:',
+        max_new_tokens=20)[0]['generated_text'])"
 
-The folder holds ``config.json``, ``generation_config.json``, ``model.safetensors``, ``tokenizer.json`` and
-``tokenizer_config.json``: what ``GPT2LMHeadModel.from_pretrained`` and ``pipeline("text-generation")`` read, no
-network needed. Nothing here imports ``transformers`` (the files are plain JSON and safetensors); the tests load
-the folder with it. This file owns the mapping from our GPT-2 onto theirs; tests/test_model.py's oracle uses it.
+The folder holds ``config.json``, ``generation_config.json``, ``model.safetensors``,
+``tokenizer.json`` and ``tokenizer_config.json``: what ``GPT2LMHeadModel.from_pretrained`` and
+``pipeline("text-generation")`` read, no network needed. Nothing here imports ``transformers`` (the
+files are plain JSON and safetensors); the tests load the folder with it. This file owns the mapping
+from our GPT-2 onto theirs; tests/test_model.py's oracle uses it.
 
-The mapping, rule by rule (our names: common/model.py; theirs: ``transformers``' ``modeling_gpt2.py``):
+The mapping, rule by rule (our names: common/model.py;
+theirs: ``transformers``' ``modeling_gpt2.py``):
 
 1. Embeddings, LayerNorms and biases keep their names and values: both models are nanoGPT's GPT-2.
-2. Their projections are ``Conv1D``: ``y = x @ W + b`` with ``W`` laid out ``(in, out)``, the transpose of an
-   ``nn.Linear`` weight. So every ``c_fc``, ``c_proj`` weight is ours transposed (``.t().contiguous()``: a
-   safetensors file stores a tensor's bytes, not a view).
-3. Their ``c_attn`` is q, k and v in one matrix, the outputs side by side ``[q | k | v]``: they split its
-   output in thirds, then each third into heads exactly as ours does (``view(B, T, heads, head_dim)``). So
-   ``c_attn.weight = cat([Wq^T, Wk^T, Wv^T], dim=1)`` and ``c_attn.bias = cat([bq, bk, bv])``.
-4. The output layer is the token embedding in both (tied): written once, as ``transformer.wte.weight``, with
-   ``tie_word_embeddings`` (what ``save_pretrained`` writes for GPT-2 too).
-5. The config: ``n_positions`` = our ``--seq-len`` (the rows of ``wpe``: their model cannot go past it either),
-   tanh GELU (``gelu_new``), LayerNorm epsilon 1e-5 and scores scaled by 1/sqrt(head_dim), as ours; dropout as
-   the run trained with (off when ``model.eval()``, as ``from_pretrained`` returns it).
-6. The tokenizer: the run's own ``tokenizer.json``, byte for byte (checked against the run's record first), so
-   ``AutoTokenizer`` tokenizes exactly as ``tokenizers`` does here; ``<|endoftext|>`` is bos, eos and pad.
-   ``generation_config.json``'s ``max_length`` is ``--seq-len``: generation stops where the position embedding ends.
+2. Their projections are ``Conv1D``: ``y = x @ W + b`` with ``W`` laid out ``(in, out)``, the
+   transpose of an ``nn.Linear`` weight. So every ``c_fc``, ``c_proj`` weight is ours transposed
+   (``.t().contiguous()``: a safetensors file stores a tensor's bytes, not a view).
+3. Their ``c_attn`` is q, k and v in one matrix, the outputs side by side ``[q | k | v]``: they
+   split its output in thirds, then each third into heads exactly as ours does (``view(B, T, heads,
+   head_dim)``). So ``c_attn.weight = cat([Wq^T, Wk^T, Wv^T], dim=1)`` and ``c_attn.bias = cat([bq,
+   bk, bv])``.
+4. The output layer is the token embedding in both (tied): written once, as
+   ``transformer.wte.weight``, with ``tie_word_embeddings`` (what ``save_pretrained`` writes for
+   GPT-2 too).
+5. The config: ``n_positions`` = our ``--seq-len`` (the rows of ``wpe``: their model cannot go past
+   it either), tanh GELU (``gelu_new``), LayerNorm epsilon 1e-5 and scores scaled by
+   1/sqrt(head_dim), as ours; dropout as the run trained with (off when ``model.eval()``, as
+   ``from_pretrained`` returns it).
+6. The tokenizer: the run's own ``tokenizer.json``, byte for byte (checked against the run's record
+   first), so ``AutoTokenizer`` tokenizes exactly as ``tokenizers`` does here; ``<|endoftext|>`` is
+   bos, eos and pad.
+   ``generation_config.json``'s ``max_length`` is ``--seq-len``: generation stops where the position
+   embedding ends.
 
-7. A mixture-of-experts run (``--moe-experts``, step 0 or 12): ``transformers`` has no GPT-2 with experts, so the
-   folder also holds ``modeling_gpt2_moe.py`` (this folder's copy of it), ``GPT2LMHeadModel`` with an MoE in
-   place of the MLPs our run replaced, named in ``config.json``'s ``auto_map``: ``AutoModelForCausalLM`` and
-   ``pipeline`` load it with ``trust_remote_code=True``. The router keeps its name and layout (an ``nn.Linear``
-   in both); each expert is a GPT-2 MLP, mapped as rule 2 maps the dense one.
+7. A mixture-of-experts run (``--moe-experts``, step 0 or 12): ``transformers`` has no GPT-2 with
+   experts, so the folder also holds ``modeling_gpt2_moe.py`` (this folder's copy of it),
+   ``GPT2LMHeadModel`` with an MoE in place of the MLPs our run replaced, named in ``config.json``'s
+   ``auto_map``: ``AutoModelForCausalLM`` and ``pipeline`` load it with ``trust_remote_code=True``.
+   The router keeps its name and layout (an ``nn.Linear`` in both); each expert is a GPT-2 MLP,
+   mapped as rule 2 maps the dense one.
 
-An ``OUT`` that holds files is refused (nothing saved is overwritten). The logits' agreement, measured: README.md
-and docs/interop.md.
+An ``OUT`` that holds files is refused (nothing saved is overwritten). The logits' agreement,
+measured: README.md and docs/interop.md.
 """
 
 import argparse
@@ -57,8 +67,9 @@ import sample  # noqa: E402
 from config import OneLineParser, UserError, check_writable_folder, exit_on_user_error  # noqa: E402
 
 EOS = "<|endoftext|>"  # data/train_tokenizer.py's one special token
-# Ours -> theirs inside block i, for the tensors rules 1 and 2 cover (rule 3: c_q, c_k, c_v -> c_attn); an MLP's
-# names follow its prefix: "mlp." in a dense block, "mlp.experts.e." for each expert e of an MoE block (rule 7).
+# Ours -> theirs inside block i, for the tensors rules 1 and 2 cover (rule 3: c_q, c_k, c_v ->
+# c_attn); an MLP's names follow its prefix: "mlp." in a dense block, "mlp.experts.e." for each
+# expert e of an MoE block (rule 7).
 SAME = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias")
 TRANSPOSED = ("attn.c_proj.weight",)
 MLP_SAME, MLP_TRANSPOSED = ("c_fc.bias", "c_proj.bias"), ("c_fc.weight", "c_proj.weight")
@@ -68,7 +79,8 @@ TOP = (
     "transformer.ln_f.weight",
     "transformer.ln_f.bias",
 )
-# Rule 7: the modeling file an MoE folder carries, and the names its config.json gives transformers' Auto classes.
+# Rule 7: the modeling file an MoE folder carries, and the
+# names its config.json gives transformers' Auto classes.
 MOE_MODELING = Path(__file__).resolve().parent / "modeling_gpt2_moe.py"
 MOE_AUTO_MAP = {
     "AutoConfig": "modeling_gpt2_moe.GPT2MoEConfig",
@@ -77,7 +89,8 @@ MOE_AUTO_MAP = {
 
 
 def hugging_face_config(config: dict, vocab_size: int, eos_id: int | None) -> dict:
-    """``config.json`` of ``transformers``' GPT-2 for a run's ``config`` (rule 5); ``GPT2Config(**it)`` takes it."""
+    """``config.json`` of ``transformers``' GPT-2 for a run's
+    ``config`` (rule 5); ``GPT2Config(**it)`` takes it."""
     dropout = config.get("dropout", 0.0)
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -107,8 +120,8 @@ def hugging_face_config(config: dict, vocab_size: int, eos_id: int | None) -> di
 
 
 def moe_config(config: dict) -> dict:
-    """Rule 7's part of ``config.json``: the architecture in this folder's modeling file, and the run's MoE flags;
-    nothing for a dense run."""
+    """Rule 7's part of ``config.json``: the architecture in this folder's modeling file, and the
+    run's MoE flags; nothing for a dense run."""
     if not config.get("moe_experts"):
         return {}
     return {
@@ -123,8 +136,9 @@ def moe_config(config: dict) -> dict:
 
 
 def hugging_face_weights(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our GPT-2's tensors (``named_parameters()``' names, the tied weight once; or their gradients: the mapping is
-    linear) under ``GPT2LMHeadModel``'s names and layouts (rules 1-4, 7). Refuses tensors GPT-2 does not have."""
+    """Our GPT-2's tensors (``named_parameters()``' names, the tied weight once; or their gradients:
+    the mapping is linear) under ``GPT2LMHeadModel``'s names and layouts (rules 1-4, 7). Refuses
+    tensors GPT-2 does not have."""
     layers = sorted(
         {int(m.group(1)) for n in ours if (m := re.match(r"transformer\.h\.(\d+)\.", n))}
     )
@@ -163,15 +177,16 @@ def hugging_face_weights(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     extra = sorted(set(ours) - used)
     if extra or layers != list(range(len(layers))):
         raise UserError(
-            f"the weights hold {', '.join(extra[:3]) or 'blocks out of order'}, which GPT-2 does not "
+            f"the weights hold {', '.join(extra[:3]) or 'blocks out of order'}, which "
+            "GPT-2 does not "
             "have: they are not common/model.py's GPT-2"
         )
     return theirs
 
 
 def tokenizer_config(seq_len: int, has_eos: bool) -> dict:
-    """``tokenizer_config.json``: the fast tokenizer built from ``tokenizer.json`` as it is (rule 6); no clean-up
-    of spaces when decoding, so the text is what ``tokenizers`` decodes."""
+    """``tokenizer_config.json``: the fast tokenizer built from ``tokenizer.json`` as it is (rule
+    6); no clean-up of spaces when decoding, so the text is what ``tokenizers`` decodes."""
     specials = {"bos_token": EOS, "eos_token": EOS, "pad_token": EOS} if has_eos else {}
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -189,7 +204,8 @@ def check_exportable(name: str) -> tuple[Path, dict]:
     weights = metrics["final"].get("weights")
     if not weights or not (run / weights).is_file():
         raise UserError(
-            f"{run} has no final weights ({run / (weights or 'model.safetensors')} not found); run it "
+            f"{run} has no final weights ({run / (weights or 'model.safetensors')} not "
+            "found); run it "
             "to the end (or --resume it), then export"
         )
     return run, metrics
@@ -206,7 +222,8 @@ def check_out(out: Path) -> None:
 
 
 def export(name: str, out: Path | None = None) -> Path:
-    """Write run ``name``'s Hugging Face folder into ``out`` (default: ``<run>/hf``) and return it."""
+    """Write run ``name``'s Hugging Face folder into
+    ``out`` (default: ``<run>/hf``) and return it."""
     run, metrics = check_exportable(name)
     out = Path(out) if out is not None else run / "hf"
     check_out(out)
@@ -215,7 +232,8 @@ def export(name: str, out: Path | None = None) -> Path:
     eos = tokenizer.token_to_id(EOS)
     weights = hugging_face_weights({n: p.detach() for n, p in model.named_parameters()})
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside OUT, then renamed: a folder that is there is whole (as the trainers' checkpoints).
+    # Written beside OUT, then renamed: a folder that
+    # is there is whole (as the trainers' checkpoints).
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
@@ -260,8 +278,10 @@ def main() -> int:
     out = export(args.run, args.out)
     if json.loads((out / "config.json").read_text())["model_type"] == "gpt2_moe":
         print(
-            f"exported {parity.resolve_run(args.run)} as a Hugging Face GPT-2 with experts in {out}: "
-            "AutoModelForCausalLM.from_pretrained or pipeline('text-generation', model=...) load it "
+            f"exported {parity.resolve_run(args.run)} as a Hugging Face GPT-2 with "
+            f"experts in {out}: "
+            "AutoModelForCausalLM.from_pretrained or pipeline('text-generation', "
+            "model=...) load it "
             "with trust_remote_code=True"
         )
         return 0

@@ -1,14 +1,16 @@
-"""Reading a checkpoint of format 2 (this repository's own files, before torch.distributed.checkpoint): what
-compare/consolidate.py converts into today's format. Kept here, not in the step folders: the trainers refuse format 2
-in one line that says to convert it.
+"""Reading a checkpoint of format 2 (this repository's own files, before
+torch.distributed.checkpoint): what compare/consolidate.py converts into today's format. Kept here,
+not in the step folders: the trainers refuse format 2 in one line that says to convert it.
 
-``<checkpoint>/`` holds ``meta.json``, ``state.pt`` (rank 0's: the run state; steps 1-4 also the whole model) and
-``rank<r>.pt`` (each rank's RNG and its pieces). Whoever held a tensor said which elements of which parameter it is:
-whole (``model``: ``{name: tensor}``), flat slices of the flattened parameters (``model`` with ``model_slices``:
-``{name: (start, end)}``, ZeRO), or N-D blocks (``model``, a list, with ``model_blocks``: ``(name, dim, start,
-end)`` each, tensor parallelism). The optimiser's state dict comes with ``optimizer_slices``: ``(name, start, end)``
-or a list of blocks per parameter. ``Checkpoint`` joins the pieces back (``parameter(name)``) and cuts the ones asked
-for (``optimizer_state_dict(slices)``).
+``<checkpoint>/`` holds ``meta.json``, ``state.pt`` (rank 0's: the run state; steps 1-4 also the
+whole model) and ``rank<r>.pt`` (each rank's RNG and its pieces). Whoever held a tensor said which
+elements of which parameter it is: whole (``model``: ``{name: tensor}``), flat slices of the
+flattened parameters (``model`` with ``model_slices``:
+``{name: (start, end)}``, ZeRO), or N-D blocks (``model``, a list, with ``model_blocks``: ``(name,
+dim, start, end)`` each, tensor parallelism). The optimiser's state dict comes with
+``optimizer_slices``: ``(name, start, end)`` or a list of blocks per parameter. ``Checkpoint`` joins
+the pieces back (``parameter(name)``) and cuts the ones asked for
+(``optimizer_state_dict(slices)``).
 """
 
 import json
@@ -21,13 +23,15 @@ from config import UserError
 
 FORMAT_VERSION = 2
 
-# Optimiser options that say how the update runs, not what it computes: the resuming run's own, not the saved ones.
+# Optimiser options that say how the update runs, not what
+# it computes: the resuming run's own, not the saved ones.
 UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
 class Checkpoint:
-    """A whole checkpoint of format 2 on disk, read as full tensors by parameter name, whatever step and world size
-    wrote it. ``reader`` says who reads it, so that a corrupted one is reported in that one's terms."""
+    """A whole checkpoint of format 2 on disk, read as full tensors by parameter name, whatever step
+    and world size wrote it. ``reader`` says who reads it, so that a corrupted one is reported in
+    that one's terms."""
 
     # What to do instead of reading a corrupted checkpoint: with the one before it, or without any.
     INSTEAD = {
@@ -67,7 +71,8 @@ class Checkpoint:
             self._corrupted(
                 f"state.pt is for step {self.shared.get('step')}, meta.json says {self.step}"
             )
-        # Where each parameter's elements, and each parameter's optimiser state, are: (start, end, tensor or state).
+        # Where each parameter's elements, and each parameter's
+        # optimiser state, are: (start, end, tensor or state).
         self.parameter_pieces, self.state_pieces, self.groups = {}, {}, []
         self.parameter_blocks, self.state_blocks = {}, {}  # N-D blocks, joined below
         for file, holder in [
@@ -84,7 +89,8 @@ class Checkpoint:
             self._corrupted(f"no rank holds {missing[0]}")
 
     def _index(self, holder: dict) -> None:
-        """Note where the file ``holder`` says its tensors belong, in whichever form it wrote them (rule 2)."""
+        """Note where the file ``holder`` says its tensors
+        belong, in whichever form it wrote them (rule 2)."""
         # N-D blocks of rows or columns, a list of tensors beside their places
         if "model_blocks" in holder:
             for (name, dim, start, end), tensor in zip(holder["model_blocks"], holder["model"]):
@@ -104,7 +110,8 @@ class Checkpoint:
         try:
             return torch.load(self.path / name, map_location="cpu", weights_only=True, mmap=True)
         except Exception as error:  # noqa: BLE001 (a truncated zip, a missing file, garbage bytes: all "corrupted")
-            # Our words, not torch's: its message about weights_only would advise loading untrusted pickles.
+            # Our words, not torch's: its message about
+            # weights_only would advise loading untrusted pickles.
             if isinstance(error, FileNotFoundError):
                 self._corrupted(f"{name} is missing")
             reason = (
@@ -144,8 +151,9 @@ class Checkpoint:
                 name, start, end = piece
                 self.state_pieces.setdefault(name, []).append((start, end, state))
         if not self.groups:  # the same hyperparameters in every rank's groups
-            # Which implementation runs the update (foreach on a GPU, single-tensor on the CPU) is the resuming
-            # run's choice, not the saved run's: a checkpoint written on one device resumes on the other.
+            # Which implementation runs the update (foreach on a GPU, single-tensor on the CPU) is
+            # the resuming run's choice, not the saved run's: a checkpoint written on one device
+            # resumes on the other.
             self.groups = [
                 (
                     {k: v for k, v in g.items() if k not in ("params", *UPDATE_IMPLEMENTATION)},
@@ -158,7 +166,8 @@ class Checkpoint:
                 names.update(_name(slices[i]) for i in group["params"])
 
     def _join_blocks(self) -> None:
-        """The N-D blocks of a parameter (and of its state) joined into the whole, read as one piece."""
+        """The N-D blocks of a parameter (and of its
+        state) joined into the whole, read as one piece."""
         for name, blocks in self.parameter_blocks.items():
             whole = self._join(
                 name, [(dim, start, end, tensor) for dim, start, end, tensor in blocks]
@@ -188,17 +197,19 @@ class Checkpoint:
             self._corrupted(f"no rank holds rows or columns {covered}- of {name} (dim {dim})")
         return torch.cat(parts, dim=dim).reshape(-1)
 
-    # ---- What a loader asks for ----------------------------------------------------------------------
+    # ---- What a loader asks for ------------------------------------------------------------------
     def parameter(self, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Elements [start, end) of the flattened parameter (all of them, shaped, by default): a new tensor."""
+        """Elements [start, end) of the flattened parameter
+        (all of them, shaped, by default): a new tensor."""
         whole = end is None and start == 0
         end = self.shapes[name].numel() if end is None else end
         values = _cut(self.parameter_pieces[name], start, end, self, name)
         return values.view(self.shapes[name]) if whole else values
 
     def optimizer_state_dict(self, slices: list, params: list) -> dict:
-        """The state dict of an optimiser whose i-th parameter ``params[i]`` holds elements [start, end) of
-        ``slices[i] = (name, start, end)``, in the checkpoint's parameter groups (which are chosen by name)."""
+        """The state dict of an optimiser whose i-th parameter ``params[i]`` holds elements [start,
+        end) of ``slices[i] = (name, start, end)``, in the checkpoint's parameter groups (which are
+        chosen by name)."""
         state = {}
         for i, (piece, param) in enumerate(zip(slices, params)):
             # N-D blocks (a tensor-parallel shard), in the checkpoint's layout
@@ -235,7 +246,8 @@ class Checkpoint:
         return {"state": state, "param_groups": groups}
 
     def _whole_state(self, name: str) -> dict:
-        """Parameter ``name``'s whole optimiser state (flat tensors), joined from whatever pieces hold it."""
+        """Parameter ``name``'s whole optimiser state (flat
+        tensors), joined from whatever pieces hold it."""
         pieces = [p for p in self.state_pieces[name] if p[2]]
         numel = self.shapes[name].numel()
         return {
@@ -246,8 +258,9 @@ class Checkpoint:
         }
 
     def block(self, name: str, blocks: list, whole: torch.Tensor | None = None) -> torch.Tensor:
-        """The ``(name, dim, start, end)`` blocks of parameter ``name`` (or of ``whole``, shaped like it),
-        concatenated along their dim, in the checkpoint's layout: a tensor-parallel rank's shard."""
+        """The ``(name, dim, start, end)`` blocks of parameter ``name`` (or of ``whole``, shaped
+        like it), concatenated along their dim, in the checkpoint's layout: a tensor-parallel rank's
+        shard."""
         whole = self.parameter(name) if whole is None else whole
         return torch.cat(
             [whole.narrow(dim, start, end - start) for _, dim, start, end in blocks],
@@ -256,7 +269,8 @@ class Checkpoint:
 
 
 def _is_blocks(piece) -> bool:
-    """N-D blocks, ``[(name, dim, start, end), ...]``, rather than a flat slice ``(name, start, end)``."""
+    """N-D blocks, ``[(name, dim, start, end), ...]``,
+    rather than a flat slice ``(name, start, end)``."""
     return isinstance(piece[0], (list, tuple))
 
 
@@ -265,7 +279,8 @@ def _name(piece) -> str:
 
 
 def _cut(pieces: list, start: int, end: int, checkpoint: Checkpoint, name: str) -> torch.Tensor:
-    """Elements [start, end) from ``pieces`` = [(piece start, piece end, tensor)] that tile the parameter."""
+    """Elements [start, end) from ``pieces`` = [(piece
+    start, piece end, tensor)] that tile the parameter."""
     parts, covered = [], start
     for piece_start, piece_end, tensor in sorted(pieces, key=lambda p: p[0]):
         lo, hi = max(covered, piece_start), min(end, piece_end)

@@ -1,24 +1,29 @@
-"""Outliers against FP8's scales: a small model trained in bf16, ``tensorwise`` and ``rowwise`` FP8, with outlier
-tokens (rows of a linear's input) or an outlier channel (a column), and each matmul's error measured.
+"""Outliers against FP8's scales: a small model trained in bf16, ``tensorwise`` and ``rowwise`` FP8,
+with outlier tokens (rows of a linear's input) or an outlier channel (a column), and each matmul's
+error measured.
 
     python compare/fp8_outliers.py                                   # the table and one JSON line
     python compare/fp8_outliers.py --plot docs/images/fp8_outliers.png
 
-1. The model: a two-layer MLP (``Linear(width, hidden)``, GELU, ``Linear(hidden, width)``), every linear in FP8
-   (common/fp8.py) or in bf16, always under bf16 autocast. It learns a teacher of the same shape from a start
-   near it (the teacher's weights, each times 1 + 0.3 N(0, 1)), so the loss falls to the floor that each
-   recipe's rounding allows. The loss: squared error relative to the target's, on the ordinary tokens.
-2. The outliers carry no information, so what they cost is only what they do to the scales. ``tokens``: one
-   token in 64 at ``--factor`` times the others (the "massive activations" of large models), left out of the
-   loss, as an attention sink's output is unused; its rows reach the second linear too. ``channel``: input
-   channel 0 at ``--factor`` times the others in every token; it is channel 0 in every case and the teacher's
-   and the student's weights on it are zero (they stay zero: its gradient is dropped). ``none``: the control.
-3. Each matmul's error, after training, on a fresh batch: the first linear's forward (``x W^T``) and weight
-   gradient (``gy^T x``, gy the float32 model's own gradient of the loss), the recipe's result against float32
-   with the same weights and gy, as a relative Frobenius error over the ordinary part (the outlier tokens' rows
-   and channel 0's column left out). A scale helps only along the axis its matmul keeps: rowwise scales x per
-   token in the forward, per input channel (over the tokens) in the weight gradient (fp8.py, rule 3).
-4. Every run starts from the same weights and draws the same batches (seeded); the runs differ in the recipe only.
+1. The model: a two-layer MLP (``Linear(width, hidden)``, GELU, ``Linear(hidden, width)``), every
+   linear in FP8 (common/fp8.py) or in bf16, always under bf16 autocast. It learns a teacher of the
+   same shape from a start near it (the teacher's weights, each times 1 + 0.3 N(0, 1)), so the loss
+   falls to the floor that each recipe's rounding allows. The loss: squared error relative to the
+   target's, on the ordinary tokens.
+2. The outliers carry no information, so what they cost is only what they do to the scales.
+   ``tokens``: one token in 64 at ``--factor`` times the others (the "massive activations" of large
+   models), left out of the loss, as an attention sink's output is unused; its rows reach the second
+   linear too. ``channel``: input channel 0 at ``--factor`` times the others in every token; it is
+   channel 0 in every case and the teacher's and the student's weights on it are zero (they stay
+   zero: its gradient is dropped). ``none``: the control.
+3. Each matmul's error, after training, on a fresh batch: the first linear's forward (``x W^T``) and
+   weight gradient (``gy^T x``, gy the float32 model's own gradient of the loss), the recipe's
+   result against float32 with the same weights and gy, as a relative Frobenius error over the
+   ordinary part (the outlier tokens' rows and channel 0's column left out). A scale helps only
+   along the axis its matmul keeps: rowwise scales x per token in the forward, per input channel
+   (over the tokens) in the weight gradient (fp8.py, rule 3).
+4. Every run starts from the same weights and draws the same
+   batches (seeded); the runs differ in the recipe only.
 Prints a table and one JSON line.
 """
 
@@ -35,8 +40,8 @@ from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from fp8 import convert_to_fp8, fp8_cannot_run  # noqa: E402
 
 KINDS = ["none", "tokens", "channel"]
-# bf16 last: on an AVX-512 CPU (AMX, torch 2.13) a bf16 matmul sends the CPU's _scaled_mm to oneDNN's reference
-# FP8 kernel for the rest of the process, 1000x slower (docs/fp8.md, Speed)
+# bf16 last: on an AVX-512 CPU (AMX, torch 2.13) a bf16 matmul sends the CPU's _scaled_mm to
+# oneDNN's reference FP8 kernel for the rest of the process, 1000x slower (docs/fp8.md, Speed)
 RECIPES = ["tensorwise", "rowwise", "bf16"]
 EVERY = 64  # rule 2: one token in 64 is an outlier
 
@@ -66,7 +71,8 @@ def relative_loss(out, target, keep) -> torch.Tensor:
 
 
 def train(teacher, start, kind: str, recipe: str, args) -> tuple[list, torch.nn.Module]:
-    """Rule 1: AdamW, a cosine learning rate from ``--lr`` to 0; the losses and the trained model."""
+    """Rule 1: AdamW, a cosine learning rate from
+    ``--lr`` to 0; the losses and the trained model."""
     model = copy.deepcopy(start)
     if recipe != "bf16":
         convert_to_fp8(model, recipe)
@@ -120,7 +126,8 @@ def matmul_errors(teacher, model, kind: str, args) -> dict:
 
 
 def run(args) -> dict:
-    """Every (kind, recipe) this CPU can run: losses, the mean of the last 10, each matmul's error."""
+    """Every (kind, recipe) this CPU can run: losses,
+    the mean of the last 10, each matmul's error."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     teacher = mlp(args.width, args.hidden)
@@ -149,7 +156,8 @@ def run(args) -> dict:
 
 def table(report: dict) -> str:
     rows = [
-        "| outliers | recipe | final loss (mean of last 10) | x bf16 | forward error | weight-gradient error |",
+        "| outliers | recipe | final loss (mean of last 10) | x bf16 | forward error | "
+        "weight-gradient error |",
         "|---|---|---|---|---|---|",
     ]
     for kind, recipes in report["results"].items():
@@ -187,7 +195,8 @@ def plot(report: dict, path: Path) -> None:
     axes[0].legend()
     c = report["config"]
     fig.suptitle(
-        f"MLP {c['width']}-{c['hidden']}-{c['width']}, {c['tokens']} tokens a step, outlier x{c['factor']:g}"
+        f"MLP {c['width']}-{c['hidden']}-{c['width']}, {c['tokens']} tokens a step, "
+        f"outlier x{c['factor']:g}"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +215,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.tokens % EVERY or args.width % 16 or args.hidden % 16 or args.steps < 10:
         raise UserError(
-            f"--tokens must be a multiple of {EVERY}, --width and --hidden of 16, --steps at least 10"
+            f"--tokens must be a multiple of {EVERY}, --width and --hidden of 16, "
+            "--steps at least 10"
         )
     report = run(args)
     print(table(report))

@@ -1,23 +1,27 @@
 """Steps 5-7's mixed-precision training with PyTorch's FSDP2: the run they must equal, bit for bit.
 
-    torchrun --standalone --nproc_per_node=2 compare/fsdp2_reference.py --param-dtype bf16   # runs/fsdp2_reference
+    # runs/fsdp2_reference
+    torchrun --standalone --nproc_per_node=2 compare/fsdp2_reference.py --param-dtype bf16
     torchrun --standalone --nproc_per_node=2 step7_zero3/train.py --param-dtype bf16
-    python compare/parity.py step7 runs/fsdp2_reference                                     # PASS (bitwise)
+    python compare/parity.py step7 runs/fsdp2_reference   # PASS (bitwise)
 
-It takes step 7's flags. The model is the same GPT-2 (the same initial weights); each block and then the
-whole model get ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=--param-dtype,
-reduce_dtype=torch.float32)``: float32 sharded master weights, gathered in 16 bits, forward and backward
-in 16 bits, gradients reduce-scattered in float32 and kept in float32 for AdamW. (``--param-dtype
-float32``: no policy, plain FSDP2.) The loop is step 7's: the same data shards, accumulation with
-``set_requires_gradient_sync`` (FSDP2 sums the micro-batches' 16-bit gradients in float32), clipping by
-the norm of the whole gradient (its squares summed in float64, as the steps do), AdamW. The final
-weights are the float32 master, gathered, so parity.py compares them with the steps' final weights.
-fp16 parameters need a loss scaler that FSDP2 does not give a DTensor optimiser here: refused.
+It takes step 7's flags. The model is the same GPT-2 (the same initial weights); each block and then
+the whole model get ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=--param-dtype,
+reduce_dtype=torch.float32)``: float32 sharded master weights, gathered in 16 bits, forward and
+backward in 16 bits, gradients reduce-scattered in float32 and kept in float32 for AdamW.
+(``--param-dtype float32``: no policy, plain FSDP2.) The loop is step 7's: the same data shards,
+accumulation with ``set_requires_gradient_sync`` (FSDP2 sums the micro-batches' 16-bit gradients in
+float32), clipping by the norm of the whole gradient (its squares summed in float64, as the steps
+do), AdamW. The final weights are the float32 master, gathered, so parity.py compares them with the
+steps' final weights. fp16 parameters need a loss scaler that FSDP2 does not give a DTensor
+optimiser here: refused.
 ``--offload-optimizer``: ``CPUOffloadPolicy``, the counterpart of step 7's (step7_zero3/offload.py).
-``--replicate R``: HSDP, ``fully_shard`` on the 2-D mesh ``(R, N // R)`` named ("replicate", "shard"), the
-counterpart of step 7's (step7_zero3/hsdp.py); the norms then sum over the "shard" group only.
-``--fp8 tensorwise|rowwise``: torchao's ``convert_to_float8_training`` on the blocks' linears before sharding,
-the counterpart of step 7's ``--fp8`` (FSDP2 gathers the float32 or bf16 weight, torchao casts it: no FP8 all-gather).
+``--replicate R``: HSDP, ``fully_shard`` on the 2-D mesh ``(R, N // R)`` named ("replicate",
+"shard"), the counterpart of step 7's (step7_zero3/hsdp.py); the norms then sum over the "shard"
+group only.
+``--fp8 tensorwise|rowwise``: torchao's ``convert_to_float8_training`` on the blocks' linears before
+sharding, the counterpart of step 7's ``--fp8`` (FSDP2 gathers the float32 or bf16 weight, torchao
+casts it: no FP8 all-gather).
 """
 
 import sys
@@ -62,7 +66,8 @@ def main():
     parser.add_argument(
         "--offload-optimizer",
         action="store_true",
-        help="CPUOffloadPolicy: the sharded parameters, gradients and AdamW on the host (step 7's flag)",
+        help="CPUOffloadPolicy: the sharded parameters, gradients and AdamW on the host "
+        "(step 7's flag)",
     )
     parser.add_argument(
         "--replicate",
@@ -92,7 +97,8 @@ def main():
     if config["replicate"] < 1 or world.world_size % config["replicate"]:
         # step 7's words (step7_zero3/hsdp.py)
         raise UserError(
-            f"--replicate {config['replicate']} does not divide the {world.world_size} ranks: choose R "
+            f"--replicate {config['replicate']} does not divide the {world.world_size} "
+            "ranks: choose R "
             f"with N / R whole (the ranks of one node, typically), or launch a multiple of "
             f"{config['replicate']} ranks"
         )
@@ -200,7 +206,8 @@ def main():
         log.write(final)
         print(
             f"done: {config['steps']} steps, FSDP2 over {world.world_size} ranks (param_dtype "
-            f"{config['param_dtype']}), final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}"
+            f"{config['param_dtype']}), final loss {log.records[-1]['loss']:.4f}, "
+            f"weights in {config['out']}"
         )
     del model, optimizer, weights  # DTensors hold the mesh's group: free them before the group goes
     distributed.shutdown()

@@ -1,34 +1,41 @@
 """One command that runs every GPU path on the GPUs present and writes a markdown report.
 
-    python compare/gpu_check.py                     # on the GPU(s): 6-8 minutes on one H100 before the FP8 section
-    python compare/gpu_check.py --device cpu        # the same checks, tiny, on the CPU (the tests run it)
+    # on the GPU(s): 6-8 minutes on one H100 before the FP8 section
+    python compare/gpu_check.py
+    # the same checks, tiny, on the CPU (the tests run it)
+    python compare/gpu_check.py --device cpu
 
 What it checks, each section a verdict:
 
-1. **The tour on the GPU, ranks sharing it** (2 ranks over gloo on one device, the way a learner with one GPU
-   runs the steps): every step with its parity verdict against step 1 on the same device (compare/tour.py).
+1. **The tour on the GPU, ranks sharing it** (2 ranks over gloo on one device, the way a learner
+   with one GPU runs the steps): every step with its parity verdict against step 1 on the same
+   device (compare/tour.py).
 2. **One GPU per rank over nccl**, when there are 2 or more GPUs: the same tour.
-3. **Resume and repeat**: step 0 stopped at a checkpoint and resumed equals the uninterrupted run bit for bit,
-   and so does a second run (deterministic kernels, flash attention's backward included).
-4. **Memory**: the bytes of parameters, gradients and AdamW state per rank of steps 1 and 5-7 (from the tour's
-   runs) against compare/memory.py's formulas, with what CUDA allocated.
-5. **Speed**: step 0 at GPT-2 small's shape (12 layers, 768 wide, sequence 1024, micro-batch 16, bf16) beside
-   compare/plain_loop.py on the same model, with SDPA and with SDPA + torch.compile: step 0 as it ships
-   (deterministic kernels) against the plain loop with torch's defaults, and each with the other choice
-   (``--nondeterministic``, deterministic); tokens/s and MFU, interleaved rounds, medians.
-6. **A model that does not fit one rank**: a per-rank budget (--max-memory-mb: a fraction of the GPU) that
-   16 bytes per parameter exceeds; step 1 (DDP) must end with one out-of-memory line, step 7 (ZeRO-3, 2 ranks
-   sharing the GPU) must train.
-7. **ZeRO-Offload**: step 7 with and without ``--offload-optimizer``: the parity verdict, and the device bytes
-   AdamW's state no longer takes.
-8. **Context parallelism**: step 11's ring attention beside PyTorch's ``context_parallel`` (CUDA only) on the same
-   tensors, each against attention on the whole sequence, with ms and CUDA peak per rank (compare/cp_reference.py).
-9. **Expert parallelism**: step 12 at ``--ep 2`` on 2 ranks (sharing the GPU over gloo, or over nccl with a GPU
-   each) against step 0 accumulating 2 micro-batches of the same MoE model: bitwise, and every rank's all-to-all
-   bytes the closed form, per MoE layer and micro-batch.
-10. **FP8**: step 0 at the speed section's shape under bf16 autocast, then with ``--fp8 tensorwise`` and
-    ``--fp8 rowwise`` (common/fp8.py); tokens/s, MFU against the bf16 peak and the final loss, interleaved
-    rounds, medians. A recipe the device's ``_scaled_mm`` cannot run is skipped in one line.
+3. **Resume and repeat**: step 0 stopped at a checkpoint and resumed equals the uninterrupted run
+   bit for bit, and so does a second run (deterministic kernels, flash attention's backward
+   included).
+4. **Memory**: the bytes of parameters, gradients and AdamW state per rank of steps 1 and 5-7 (from
+   the tour's runs) against compare/memory.py's formulas, with what CUDA allocated.
+5. **Speed**: step 0 at GPT-2 small's shape (12 layers, 768 wide, sequence 1024, micro-batch 16,
+   bf16) beside compare/plain_loop.py on the same model, with SDPA and with SDPA + torch.compile:
+   step 0 as it ships (deterministic kernels) against the plain loop with torch's defaults, and each
+   with the other choice (``--nondeterministic``, deterministic); tokens/s and MFU, interleaved
+   rounds, medians.
+6. **A model that does not fit one rank**: a per-rank budget (--max-memory-mb: a fraction of the
+   GPU) that 16 bytes per parameter exceeds; step 1 (DDP) must end with one out-of-memory line, step
+   7 (ZeRO-3, 2 ranks sharing the GPU) must train.
+7. **ZeRO-Offload**: step 7 with and without ``--offload-optimizer``: the parity verdict, and the
+   device bytes AdamW's state no longer takes.
+8. **Context parallelism**: step 11's ring attention beside PyTorch's ``context_parallel`` (CUDA
+   only) on the same tensors, each against attention on the whole sequence, with ms and CUDA peak
+   per rank (compare/cp_reference.py).
+9. **Expert parallelism**: step 12 at ``--ep 2`` on 2 ranks (sharing the GPU over gloo, or over nccl
+   with a GPU each) against step 0 accumulating 2 micro-batches of the same MoE model: bitwise, and
+   every rank's all-to-all bytes the closed form, per MoE layer and micro-batch.
+10. **FP8**: step 0 at the speed section's shape under bf16 autocast, then with ``--fp8 tensorwise``
+    and ``--fp8 rowwise`` (common/fp8.py); tokens/s, MFU against the bf16 peak and the final loss,
+    interleaved rounds, medians. A recipe the device's ``_scaled_mm`` cannot run is skipped in one
+    line.
 
 Exit 0 when every section passes, 1 otherwise; the report goes to --report (and stdout).
 """
@@ -111,7 +118,8 @@ class Check:
             ]
         )
         self.speed_steps, self.speed_warmup, self.rounds = (14, 4, 2) if self.gpu else (4, 1, 1)
-        # A model whose 16 bytes per parameter do not fit the budget; ZeRO-3 over 2 ranks needs about half.
+        # A model whose 16 bytes per parameter do not fit
+        # the budget; ZeRO-3 over 2 ranks needs about half.
         self.fit_model = (
             ["--n-layer", "8", "--n-embd", "1024", "--n-head", "16"]
             if self.gpu
@@ -119,7 +127,8 @@ class Check:
         )
 
     def section(self, place: int, title: str, ok: bool | None, body: str) -> None:
-        """Add a section (``ok`` None: not run) and rewrite the report, so a check cut short keeps what it found."""
+        """Add a section (``ok`` None: not run) and rewrite the
+        report, so a check cut short keeps what it found."""
         self.verdicts[place] = ok  # a section rewritten as it goes (speed) keeps its last verdict
         verdict = {True: "PASS", False: "FAIL", None: "not run"}[ok]
         self.sections[place] = f"## {title}: {verdict}\n\n{body.rstrip()}\n"
@@ -292,15 +301,17 @@ def check_memory(check: Check, place: int, runs: Path) -> None:
 
 
 def flops_per_token(config: dict) -> float:
-    """nanoGPT's estimate: 6 per parameter (the position embedding left out), and attention's 12 L h T."""
+    """nanoGPT's estimate: 6 per parameter (the position
+    embedding left out), and attention's 12 L h T."""
     model = estimate.Model(config, estimate.vocabulary_size(TOKENIZER))
     params = model.psi - config["seq_len"] * config["n_embd"]
     return 6 * params + 12 * config["n_layer"] * config["n_embd"] * config["seq_len"]
 
 
 def step0_tokens_per_s(run_dir: Path, warmup: int) -> tuple[float, float, int | None]:
-    """(tokens/s of the whole loop, logging included; tokens/s of ``train_step`` alone (``step_time``); CUDA peak)
-    over the records after ``warmup``. Their gap is what the loop does around the step (the exact norms)."""
+    """(tokens/s of the whole loop, logging included; tokens/s of ``train_step`` alone
+    (``step_time``); CUDA peak) over the records after ``warmup``. Their gap is what the loop does
+    around the step (the exact norms)."""
     metrics = json.loads((run_dir / "metrics.json").read_text())
     records, config = metrics["records"], metrics["config"]
     per_step = config["micro_batch_size"] * config["grad_accum"] * config["seq_len"]
@@ -326,8 +337,9 @@ def check_speed(check: Check, place: int, compiled: bool) -> None:
         "--attention",
         "sdpa",
     ]
-    # (name, plain loop or step 0, extra flags): the plain loop with torch's defaults and step 0 as it ships
-    # (deterministic kernels, so that two runs, resume and parity are bitwise), then each with the other choice.
+    # (name, plain loop or step 0, extra flags): the plain loop with torch's defaults and step 0 as
+    # it ships (deterministic kernels, so that two runs, resume and parity are bitwise), then each
+    # with the other choice.
     fast = ["--nondeterministic"]
     variants = [
         ("plain loop, SDPA", "plain", fast),
@@ -400,7 +412,8 @@ def speed_section(
     per_token: float,
     peak: float | None,
 ) -> None:
-    """The speed section as measured so far: ``per_token`` FLOPs per token, ``peak`` the GPU's bf16 FLOP/s."""
+    """The speed section as measured so far: ``per_token``
+    FLOPs per token, ``peak`` the GPU's bf16 FLOP/s."""
     rows = [
         "| run | tokens/s (median of rounds) | rounds | MFU | CUDA peak |",
         "|---|---|---|---|---|",
@@ -410,7 +423,8 @@ def speed_section(
         mfu = f"{median * per_token / peak:.1%}" if peak else "n/a"
         cuda = f"{peaks[name] / 2**30:.1f} GiB" if peaks.get(name) else "n/a"
         rows.append(
-            f"| {name} | {median:,.0f} ({min(values):,.0f}-{max(values):,.0f}) | {len(values)} | {mfu} | {cuda} |"
+            f"| {name} | {median:,.0f} ({min(values):,.0f}-{max(values):,.0f}) | "
+            f"{len(values)} | {mfu} | {cuda} |"
         )
     ratios = []
     alone = ": train_step alone (records' step_time)"
@@ -436,7 +450,8 @@ def speed_section(
     )
     ok = not failures and bool(ratios) and (not check.gpu or ratios[0][1] >= 0.9)
     target = (
-        "target: step 0 with SDPA, as it ships (deterministic), at 0.9x or better of the plain SDPA loop with "
+        "target: step 0 with SDPA, as it ships (deterministic), at 0.9x or better of "
+        "the plain SDPA loop with "
         "torch's defaults"
         if check.gpu
         else "CPU: the tiny sizes check that every variant runs; the ratio is not a target here"
@@ -445,13 +460,15 @@ def speed_section(
         place,
         "Speed: step 0 beside a plain PyTorch loop",
         ok,
-        f"`{' '.join(flags)}`, {check.speed_steps} steps, clock from step {check.speed_warmup + 1}; "
+        f"`{' '.join(flags)}`, {check.speed_steps} steps, clock from step "
+        f"{check.speed_warmup + 1}; "
         f"{per_token / 1e9:.2f} GFLOP per token\n\n{text}\n\n{target}\n"
         + "".join(f"\n- FAILED {f}" for f in failures),
     )
 
 
-# (name, step 0's extra flags, the FP8 recipe or None): every run under bf16 autocast, FP8 on the blocks' linears
+# (name, step 0's extra flags, the FP8 recipe or None):
+# every run under bf16 autocast, FP8 on the blocks' linears
 FP8_VARIANTS = [
     ("bf16 autocast", [], None),
     ("bf16 autocast + --fp8 tensorwise", ["--fp8", "tensorwise"], "tensorwise"),
@@ -460,13 +477,14 @@ FP8_VARIANTS = [
 
 
 def check_fp8_speed(check: Check, place: int) -> None:
-    """Step 0 under bf16 autocast, with and without ``--fp8 tensorwise|rowwise`` (common/fp8.py), at the speed
-    section's shape (GPT-2 small's on a GPU), interleaved rounds, medians. A recipe this device's ``_scaled_mm``
-    cannot run (``fp8_cannot_run``: a GPU before compute capability 8.9, torch 2.11's CPU build for rowwise) is
-    skipped in one line, not failed."""
+    """Step 0 under bf16 autocast, with and without ``--fp8 tensorwise|rowwise`` (common/fp8.py), at
+    the speed section's shape (GPT-2 small's on a GPU), interleaved rounds, medians. A recipe this
+    device's ``_scaled_mm`` cannot run (``fp8_cannot_run``: a GPU before compute capability 8.9,
+    torch 2.11's CPU build for rowwise) is skipped in one line, not failed."""
     out = check.out / "fp8"
-    # On a CPU, smaller still: on an AVX-512 CPU the CPU's _scaled_mm can run oneDNN's reference FP8 kernel,
-    # about 1 s for a 256^3 matmul (docs/fp8.md, Speed); the tiny mode checks that every recipe runs.
+    # On a CPU, smaller still: on an AVX-512 CPU the CPU's _scaled_mm can run oneDNN's reference FP8
+    # kernel, about 1 s for a 256^3 matmul (docs/fp8.md, Speed); the tiny mode checks that every
+    # recipe runs.
     cpu = "--n-layer 2 --n-head 2 --n-embd 32 --seq-len 16 --micro-batch-size 1 --grad-accum 2"
     shape = check.small if check.gpu else cpu.split()
     flags = [
@@ -526,7 +544,8 @@ def check_fp8_speed(check: Check, place: int) -> None:
             records = json.loads((out / tag / "metrics.json").read_text())["records"]
             losses[name] = records[-1]["loss"]
     rows = [
-        "| run | tokens/s (median of rounds) | rounds | x bf16 | MFU (bf16 peak) | final loss | CUDA peak |",
+        "| run | tokens/s (median of rounds) | rounds | x bf16 | MFU (bf16 peak) | "
+        "final loss | CUDA peak |",
         "|---|---|---|---|---|---|---|",
     ]
     base = statistics.median(measured["bf16 autocast"]) if "bf16 autocast" in measured else None
@@ -541,17 +560,21 @@ def check_fp8_speed(check: Check, place: int) -> None:
         )
     ok = not failures and len(measured) == len(variants)
     note = (
-        "MFU counts the model's FLOPs against the GPU's dense bf16 peak (its FP8 peak is twice that), so an "
-        "FP8 run's MFU says how much of bf16's peak it reached; no target: eager FP8 casts in separate kernels"
+        "MFU counts the model's FLOPs against the GPU's dense bf16 peak (its FP8 peak "
+        "is twice that), so an "
+        "FP8 run's MFU says how much of bf16's peak it reached; no target: eager FP8 "
+        "casts in separate kernels"
         if check.gpu
-        else "CPU: `_scaled_mm` is an emulation or oneDNN's reference kernel here; the tiny sizes check that every "
+        else "CPU: `_scaled_mm` is an emulation or oneDNN's reference kernel here; the tiny "
+        "sizes check that every "
         "recipe runs, not its speed"
     )
     check.section(
         place,
         title,
         ok,
-        f"`{' '.join(flags)}`, {check.speed_steps} steps, clock from step {check.speed_warmup + 1}; "
+        f"`{' '.join(flags)}`, {check.speed_steps} steps, clock from step "
+        f"{check.speed_warmup + 1}; "
         f"{per_token / 1e9:.2f} GFLOP per token\n\n"
         + "\n".join(rows)
         + "\n\n"
@@ -572,10 +595,11 @@ def check_fits(check: Check, place: int) -> None:
         "weight_decay": 0.1,
     }
     psi = estimate.Model(config, estimate.vocabulary_size(TOKENIZER)).psi
-    # 16Ψ of state cannot fit; ZeRO-3's 8Ψ at N = 2 does, with its working memory (a gathered block, AdamW's
-    # multi-tensor temporaries on a GPU, the exact norm's pieces): about 14Ψ at this shape on a GPU (2026-11-26).
-    # On a CPU, under RLIMIT_DATA, ZeRO-3 ran out at 11.5Ψ and once at 12Ψ (12 MiB short: the libraries' threads
-    # take a varying share), not at 12.5Ψ or 13Ψ (2026-11-27): 14Ψ leaves it 1.7Ψ, and DDP 2Ψ short of its state.
+    # 16Ψ of state cannot fit; ZeRO-3's 8Ψ at N = 2 does, with its working memory (a gathered block,
+    # AdamW's multi-tensor temporaries on a GPU, the exact norm's pieces): about 14Ψ at this shape
+    # on a GPU (2026-11-26). On a CPU, under RLIMIT_DATA, ZeRO-3 ran out at 11.5Ψ and once at 12Ψ
+    # (12 MiB short: the libraries' threads take a varying share), not at 12.5Ψ or 13Ψ (2026-11-27):
+    # 14Ψ leaves it 1.7Ψ, and DDP 2Ψ short of its state.
     budget = round((15 if check.gpu else 14) * psi / 2**20)
     flags = [
         *check.common,
@@ -629,9 +653,10 @@ def check_fits(check: Check, place: int) -> None:
 
 
 def check_offload(check: Check, place: int) -> None:
-    """Step 7 with and without --offload-optimizer, 2 ranks sharing the device: bitwise on a CPU, where AdamW runs
-    on the same kernels either way; on a GPU the same first step and param norms within the parity contract, and
-    the device bytes after the step lower by AdamW's state (the moments move to the host, beside float32 copies)."""
+    """Step 7 with and without --offload-optimizer, 2 ranks sharing the device: bitwise on a CPU,
+    where AdamW runs on the same kernels either way; on a GPU the same first step and param norms
+    within the parity contract, and the device bytes after the step lower by AdamW's state (the
+    moments move to the host, beside float32 copies)."""
     out = check.out / "offload"
     flags = [
         *check.common,
@@ -664,8 +689,8 @@ def check_offload(check: Check, place: int) -> None:
     lines = [f"`{' '.join(flags)}`, offloaded vs not: {parity.verdict(result)}"]
     # the host's single-tensor AdamW against the device's multi-tensor one rounds otherwise (4 steps
     if check.gpu:
-        # on an H200: some weights past allclose, param norms 5e-7 apart), as another summation order does: the
-        # same first step, then the parity contract's param-norm bound
+        # on an H200: some weights past allclose, param norms 5e-7 apart), as another summation
+        # order does: the same first step, then the parity contract's param-norm bound
         ok = result.first_loss_diff_step != 1 and result.first_param_norm_violation_step is None
         lines.append(
             f"- another AdamW implementation (host vs device): first loss difference at step "
@@ -719,9 +744,10 @@ def check_context(check: Check, place: int) -> None:
 
 
 def all_to_all_off_formula(run: Path) -> tuple[int, list[str]]:
-    """Step 12's all-to-all notes in ``run``, on every rank, per MoE layer and micro-batch, against the closed form
-    (float32 rows of h): 8 E + 4 h * 2 * (sent + received) bytes, what a rank receives being what the ranks of its
-    expert-parallel group sent to its experts. Returns (notes checked, those off the formula)."""
+    """Step 12's all-to-all notes in ``run``, on every rank, per MoE layer and micro-batch, against
+    the closed form (float32 rows of h): 8 E + 4 h * 2 * (sent + received) bytes, what a rank
+    receives being what the ranks of its expert-parallel group sent to its experts. Returns (notes
+    checked, those off the formula)."""
     metrics = json.loads((run / "metrics.json").read_text())
     config = metrics["config"]
     experts, h, ep = config["moe_experts"], config["n_embd"], config["ep"]
@@ -744,9 +770,10 @@ def all_to_all_off_formula(run: Path) -> tuple[int, list[str]]:
 
 
 def check_experts(check: Check, place: int) -> None:
-    """Step 12 at --ep 2 against step 0 on the same MoE model and micro-batches (one sample each: step 0's two
-    micro-batches are the two ranks'), float32, capacity factor 1 (slots dropped): every sum step 12 changes has two
-    terms, so the runs are bitwise (docs/parity.md); and the all-to-all bytes the formula on every rank."""
+    """Step 12 at --ep 2 against step 0 on the same MoE model and micro-batches (one sample each:
+    step 0's two micro-batches are the two ranks'), float32, capacity factor 1 (slots dropped):
+    every sum step 12 changes has two terms, so the runs are bitwise (docs/parity.md); and the
+    all-to-all bytes the formula on every rank."""
     out, title = check.out / "experts", "Expert parallelism: step 12 at --ep 2 against step 0"
     model = (
         ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--seq-len", "256", "--steps", "6"]
@@ -807,7 +834,8 @@ def check_experts(check: Check, place: int) -> None:
         f"- step 12 vs step 0: {parity.verdict(result)}",
         f"- all-to-all bytes, {checked} notes (ranks x MoE layers x micro-batches x steps): "
         + ("every one the formula" if checked and not off else f"{len(off)} OFF: {off[:3]}"),
-        f"- step 1: rank 0 sent {first['comm']['all_to_all']:,} B of all-to-alls; tokens per expert "
+        f"- step 1: rank 0 sent {first['comm']['all_to_all']:,} B of all-to-alls; "
+        "tokens per expert "
         f"{first['moe']['tokens_per_expert']}; dropped (per layer) {dropped}",
     ]
     check.section(place, title, ok, "\n".join(lines))
@@ -876,8 +904,9 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 (a thread's exception would only be printed)
             check.section(2, "The tour and memory", False, f"`{error!r}`")
 
-    # On a GPU the tour (2 ranks, small model) runs beside the resume and budget checks, which need little
-    # of the device; the speed check runs alone, last. On the CPU (2 cores here) everything runs in turn.
+    # On a GPU the tour (2 ranks, small model) runs beside the resume and budget checks, which need
+    # little of the device; the speed check runs alone, last. On the CPU (2 cores here) everything
+    # runs in turn.
     tour = threading.Thread(target=tour_and_memory) if sections & {"tour", "memory"} else None
     if tour:
         tour.start()
@@ -916,7 +945,8 @@ def main() -> int:
     verdict = "every section passed" if check.passed else "SOME SECTIONS FAILED"
     check.write(verdict)
     print(
-        f"gpu_check: {verdict} ({time.perf_counter() - check.started:.0f} s); report: {check.report}"
+        f"gpu_check: {verdict} ({time.perf_counter() - check.started:.0f} s); report: "
+        f"{check.report}"
     )
     return 0 if check.passed else 1
 

@@ -1,5 +1,5 @@
-"""Start a step's trainer the way a learner would, and turn its failure into one line; or spawn the ranks of a
-measuring tool (``spawn_ranks``)."""
+"""Start a step's trainer the way a learner would, and turn its failure into one line; or spawn the
+ranks of a measuring tool (``spawn_ranks``)."""
 
 import queue as queues
 import socket
@@ -19,7 +19,8 @@ from config import UserError  # noqa: E402
 
 
 def trainer_command(step: str, nproc: int, args: list[str]) -> list[str]:
-    """``python stepK/train.py`` for nproc=0 (one process, no torchrun), else torchrun with nproc ranks."""
+    """``python stepK/train.py`` for nproc=0 (one process,
+    no torchrun), else torchrun with nproc ranks."""
     script = str(REPO_ROOT / step / "train.py")
     if nproc == 0:
         return [sys.executable, script, *args]
@@ -37,13 +38,14 @@ def trainer_command(step: str, nproc: int, args: list[str]) -> list[str]:
 def node_command(
     step: str, nnodes: int, nproc_per_node: int, endpoint: str, run_id: str, args: list[str]
 ) -> list[str]:
-    """torchrun for one node of a job on ``nnodes`` nodes, each running ``nproc_per_node`` ranks: the same
-    command on every node.
+    """torchrun for one node of a job on ``nnodes`` nodes, each running ``nproc_per_node`` ranks:
+    the same command on every node.
 
-    torchrun's c10d rendezvous, served at ``endpoint`` (HOST:PORT, an address of one of the nodes that
-    every node can reach), waits for ``nnodes`` launches with the same ``run_id``, then numbers the nodes
-    itself (no ``--node-rank``: torchrun ignores it with c10d); global rank = node rank x nproc_per_node +
-    local rank. The endpoint's node serves the store, on whichever of its launches binds the port first."""
+    torchrun's c10d rendezvous, served at ``endpoint`` (HOST:PORT, an address of one of the nodes
+    that every node can reach), waits for ``nnodes`` launches with the same ``run_id``, then numbers
+    the nodes itself (no ``--node-rank``: torchrun ignores it with c10d); global rank = node rank x
+    nproc_per_node + local rank. The endpoint's node serves the store, on whichever of its launches
+    binds the port first."""
     script = str(REPO_ROOT / step / "train.py")
     return [
         sys.executable,
@@ -62,9 +64,10 @@ def node_command(
 def run_nodes_here(
     step: str, nnodes: int, nproc_per_node: int, args: list[str], timeout: float = 600
 ) -> list[tuple[int, str]]:
-    """Run a multi-node job as ``nnodes`` launches on this machine, rendezvousing on a free loopback port;
-    (exit code, output) per launch. If one launch fails, or the time runs out, the others are stopped
-    (SIGTERM: torchrun passes it on to its ranks), so no launch waits for a peer that will never come."""
+    """Run a multi-node job as ``nnodes`` launches on this machine, rendezvousing on a free loopback
+    port; (exit code, output) per launch. If one launch fails, or the time runs out, the others are
+    stopped (SIGTERM: torchrun passes it on to its ranks), so no launch waits for a peer that will
+    never come."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -112,11 +115,12 @@ def run_trainer(step: str, nproc: int, args: list[str], log: Path) -> None:
 
 def spawn_ranks(target, world_size: int, *args, timeout: float = 900) -> dict:
     """Run ``target(rank, world_size, port, *args)`` in ``world_size`` processes that meet at a free
-    loopback port (each joins its own process group there); ``{rank: what target returned}``. A rank that
-    fails ends them all, with its traceback; one that dies without a word (killed: out of memory?) with its
-    exit code; no answer within ``timeout`` seconds, likewise. The ranks are forked from a server process that
-    has imported the tool (and so torch) and done nothing else: a spawned rank would import torch again, seconds
-    each, and a rank forked from the tool itself would inherit its state (CUDA's, once it has touched the GPU)."""
+    loopback port (each joins its own process group there); ``{rank: what target returned}``. A rank
+    that fails ends them all, with its traceback; one that dies without a word (killed: out of
+    memory?) with its exit code; no answer within ``timeout`` seconds, likewise. The ranks are
+    forked from a server process that has imported the tool (and so torch) and done nothing else: a
+    spawned rank would import torch again, seconds each, and a rank forked from the tool itself
+    would inherit its state (CUDA's, once it has touched the GPU)."""
     ctx = mp.get_context("forkserver")
     # torch._dynamo too: building a model under a device context imports it, ~3 CPU seconds a rank
     # no effect once it runs

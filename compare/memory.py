@@ -3,8 +3,8 @@
     python compare/memory.py step1 step5 step6            # one table per run, every rank
     python compare/memory.py runs/a runs/b --png mem.png   # and a bar chart of them
     python compare/memory.py step6 --check                 # exit 1 if a rank is off by more than 2%
+    # bytes per rank against N: formulas, runs as points
     python compare/memory.py runs/scaling/* --scaling-png docs/images/memory_scaling.png
-                                                           # bytes per rank against N: formulas, runs as points
 
 With Ψ parameters, fp32 AdamW (two moments) and N ranks, the bytes each rank holds outside backward:
 
@@ -13,7 +13,8 @@ With Ψ parameters, fp32 AdamW (two moments) and N ranks, the bytes each rank ho
     ZeRO-1 (step 5)     4Ψ          4Ψ         8Ψ/N
     ZeRO-2 (step 6)     4Ψ          4Ψ/N       8Ψ/N
     ZeRO-3 (step 7)     4Ψ/N        4Ψ/N       8Ψ/N
-    ZeRO-3 offloaded    4Ψ/N        4Ψ/N       8Ψ/N, on the host with 4Ψ/N of float32 copies (``host``)
+    ZeRO-3 offloaded    4Ψ/N        4Ψ/N       8Ψ/N, on the host with 4Ψ/N of float32 copies
+                                               (``host``)
 
 With ``--param-dtype bf16|fp16`` (steps 0, 5, 6, 7: 16-bit parameters, float32 masters of the owned
 elements, gradients reduced and kept in float32; docs/mixed_precision.md):
@@ -48,15 +49,16 @@ from plot import check_figure_path  # noqa: E402
 
 TOLERANCE = 0.02
 KINDS = ("params", "grads", "master_params", "optimizer_state")
-# Bytes per parameter of each kind, and whether it is divided by N: (params, grads, masters, optimizer state).
+# Bytes per parameter of each kind, and whether it is
+# divided by N: (params, grads, masters, optimizer state).
 FORMULAS = {
     "DDP": ((4, False), (4, False), (0, False), (8, False)),
     "ZeRO-1": ((4, False), (4, False), (0, False), (8, True)),
     "ZeRO-2": ((4, False), (4, True), (0, False), (8, True)),
     "ZeRO-3": ((4, True), (4, True), (0, False), (8, True)),
     # --param-dtype bf16|fp16: 16-bit parameters; gradients reduced into float32 (whole in step 5's
-    # main_grad, shards in step 6); float32 masters of the owned elements. Step 7's float32 shards are
-    # its masters, so its formula is ZeRO-3's.
+    # main_grad, shards in step 6); float32 masters of the owned elements. Step 7's float32 shards
+    # are its masters, so its formula is ZeRO-3's.
     "DDP 16-bit": ((2, False), (4, False), (4, False), (8, False)),
     "ZeRO-1 16-bit": ((2, False), (4, False), (4, True), (8, True)),
     "ZeRO-2 16-bit": ((2, False), (4, True), (4, True), (8, True)),
@@ -91,9 +93,11 @@ def measure(run_name: str) -> tuple[Path, str, int, int, list[dict]]:
         and f"{name} 16-bit" in FORMULAS
     ):
         name = f"{name} 16-bit"
-    # HSDP (step 7's --replicate R): the shards are over the N/R ranks of a row, so the formula's N is N/R
+    # HSDP (step 7's --replicate R): the shards are over
+    # the N/R ranks of a row, so the formula's N is N/R
     shards = metrics["env"]["world_size"] // metrics["config"].get("replicate", 1)
-    # per rank: each kind's bytes, and ``host`` (the bytes --offload-optimizer keeps on the host; None without it)
+    # per rank: each kind's bytes, and ``host`` (the bytes
+    # --offload-optimizer keeps on the host; None without it)
     return (
         run,
         name,
@@ -175,15 +179,16 @@ def one_model(runs: list) -> int:
     psis = sorted({psi for _, _, psi, _, _ in runs})
     if len(psis) > 1:
         raise UserError(
-            f"--scaling-png needs runs of one model; these have Ψ = {', '.join(f'{p:,}' for p in psis)}"
+            "--scaling-png needs runs of one model; these have Ψ = "
+            f"{', '.join(f'{p:,}' for p in psis)}"
         )
     return psis[0]
 
 
 def scaling_chart(run_names: list[str], out: Path) -> Path:
-    """Bytes per rank (parameters + gradients + optimizer state, the rank holding most) against the world
-    size: each strategy's formula as a line over N = 1 to max(4, the largest N run), each run as a point on
-    it. The runs must be of one model (one Ψ): the lines are drawn for that Ψ."""
+    """Bytes per rank (parameters + gradients + optimizer state, the rank holding most) against the
+    world size: each strategy's formula as a line over N = 1 to max(4, the largest N run), each run
+    as a point on it. The runs must be of one model (one Ψ): the lines are drawn for that Ψ."""
     runs = [measure(name) for name in run_names]
     psi, sizes = one_model(runs), range(1, max(4, *(ws for _, _, _, ws, _ in runs)) + 1)
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)

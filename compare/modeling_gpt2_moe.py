@@ -1,20 +1,25 @@
-"""GPT-2 with mixture-of-experts MLPs, for Hugging Face ``transformers``: the model of an exported MoE run.
+"""GPT-2 with mixture-of-experts MLPs, for Hugging Face
+``transformers``: the model of an exported MoE run.
 
-``transformers`` has no GPT-2 with experts (its MoE models, Mixtral, Qwen-MoE, OLMoE, ..., use rotary positions,
-RMSNorm and gated experts), so compare/export_hf.py copies this file into the folder it writes and names it in
-``config.json``'s ``auto_map``; ``from_pretrained(folder, trust_remote_code=True)`` runs it. It imports only
-``torch`` and ``transformers``, and repeats common/moe.py's rules instead of importing them: the folder stands alone,
-and tests/test_export_hf.py checks the two implementations against each other.
+``transformers`` has no GPT-2 with experts (its MoE models, Mixtral, Qwen-MoE, OLMoE, ..., use
+rotary positions, RMSNorm and gated experts), so compare/export_hf.py copies this file into the
+folder it writes and names it in ``config.json``'s ``auto_map``; ``from_pretrained(folder,
+trust_remote_code=True)`` runs it. It imports only ``torch`` and ``transformers``, and repeats
+common/moe.py's rules instead of importing them: the folder stands alone, and
+tests/test_export_hf.py checks the two implementations against each other.
 
-Everything is ``GPT2LMHeadModel`` but the MLP of blocks 0, N, 2N, ... (``moe_every`` N), which is a router and
-``moe_experts`` E of their own ``GPT2MLP``:
+Everything is ``GPT2LMHeadModel`` but the MLP of blocks 0, N, 2N, ... (``moe_every`` N), which is a
+router and ``moe_experts`` E of their own ``GPT2MLP``:
 
-1. Router: ``nn.Linear(h, E, bias=False)``; ``softmax`` of its logits in float32; the ``moe_top_k`` k largest.
-2. Weights: for k > 1 the k probabilities renormalised to sum to 1 (Mixtral); for k = 1 the probability (Switch).
+1. Router: ``nn.Linear(h, E, bias=False)``; ``softmax``
+   of its logits in float32; the ``moe_top_k`` k largest.
+2. Weights: for k > 1 the k probabilities renormalised to
+   sum to 1 (Mixtral); for k = 1 the probability (Switch).
 3. Capacity (``moe_capacity_factor`` c > 0): of one forward's N tokens, each expert takes at most
-   ``ceil(k * N * c / E)`` slots, served token by token and, within a token, choice by choice; a dropped choice
-   adds nothing. So with c > 0 a token's output depends on the tokens beside it in the forward, as in training:
-   generating with the KV cache forwards one new token at a time, and one token is never dropped.
+   ``ceil(k * N * c / E)`` slots, served token by token and, within a token, choice by choice; a
+   dropped choice adds nothing. So with c > 0 a token's output depends on the tokens beside it in
+   the forward, as in training: generating with the KV cache forwards one new token at a time, and
+   one token is never dropped.
 4. Output: each token's sum over its kept choices of weight * expert output.
 
 The load-balancing loss is not added to this model's loss: fine-tuning it here trains without it.

@@ -1,20 +1,22 @@
-"""Two runs that sum in another order: how far apart they are, and whether that is as far as two correct
-implementations drift apart *on this machine*.
+"""Two runs that sum in another order: how far apart they are, and whether that is as far as two
+correct implementations drift apart *on this machine*.
 
-Steps 0, 8, 10 and 11 add the same numbers as step 1 in another order (one process's micro-batches, a
-row-parallel layer's partial products, a ring's softmax blocks), so they cannot be bitwise equal to it, and
-how far they drift depends on the CPU's kernels: ATen and MKL choose their vector code per instruction set
-(docs/parity.md, "Another summation order, on any CPU"). A fixed tolerance made on one CPU fails on another.
-So such a run is judged against a reference pair measured on the same machine, in the same session:
+Steps 0, 8, 10 and 11 add the same numbers as step 1 in another order (one process's micro-batches,
+a row-parallel layer's partial products, a ring's softmax blocks), so they cannot be bitwise equal
+to it, and how far they drift depends on the CPU's kernels: ATen and MKL choose their vector code
+per instruction set (docs/parity.md, "Another summation order, on any CPU"). A fixed tolerance made
+on one CPU fails on another. So such a run is judged against a reference pair measured on the same
+machine, in the same session:
 
-1. The first step's loss agrees to float32's rounding (< 1e-6 relative): both start from the same weights
-   and data, so only the order of one forward's sums differs. That holds on every CPU.
-2. Everything that follows (the losses, the param norm, the weights after the last step) drifts no further
-   than ``FACTOR`` times the reference pair's drift: step 0 against step 1, two correct implementations on the
-   same global batches. A drift of 0 on both sides of a comparison that must differ is a test's business.
+1. The first step's loss agrees to float32's rounding (< 1e-6 relative): both start from the same
+   weights and data, so only the order of one forward's sums differs. That holds on every CPU.
+2. Everything that follows (the losses, the param norm, the weights after the last step) drifts no
+   further than ``FACTOR`` times the reference pair's drift: step 0 against step 1, two correct
+   implementations on the same global batches. A drift of 0 on both sides of a comparison that must
+   differ is a test's business.
 
-A real bug (a wrong mask, a lost gradient, a shard cut from the wrong rows) moves the weights by about the
-learning rate in one step, a thousand times the reference's drift on the tests' workload.
+A real bug (a wrong mask, a lost gradient, a shard cut from the wrong rows) moves the weights by
+about the learning rate in one step, a thousand times the reference's drift on the tests' workload.
 """
 
 from dataclasses import dataclass, fields
@@ -28,7 +30,8 @@ EPS = torch.finfo(torch.float32).eps
 
 @dataclass
 class Drift:
-    """How far run ``a`` is from run ``b``: relative for losses, absolute for the param norm and the weights."""
+    """How far run ``a`` is from run ``b``: relative for
+    losses, absolute for the param norm and the weights."""
 
     first_loss: float
     loss: float  # the largest relative loss difference over the logged steps
@@ -37,7 +40,8 @@ class Drift:
 
     def __str__(self) -> str:
         return (
-            f"first loss {self.first_loss:.1e}, loss {self.loss:.1e}, param norm {self.param_norm:.1e}, "
+            f"first loss {self.first_loss:.1e}, loss {self.loss:.1e}, param norm "
+            f"{self.param_norm:.1e}, "
             f"weights {self.weights:.1e}"
         )
 
@@ -55,13 +59,15 @@ def drift(metrics_a: dict, weights_a: dict, metrics_b: dict, weights_b: dict) ->
 
 
 def largest(*drifts: Drift) -> Drift:
-    """Each quantity's largest drift over several reference pairs (one process regrouped two ways, say)."""
+    """Each quantity's largest drift over several reference
+    pairs (one process regrouped two ways, say)."""
     return Drift(*(max(getattr(d, f.name) for d in drifts) for f in fields(Drift)))
 
 
 def bound(reference: Drift, metrics: dict, weights: dict) -> Drift:
-    """What a run may drift: ``FACTOR`` times the reference's, each at least one float32 ulp of its quantity
-    (the reference could, by chance, round alike), and the first loss to float32's rounding."""
+    """What a run may drift: ``FACTOR`` times the reference's, each at least one float32 ulp of its
+    quantity (the reference could, by chance, round alike), and the first loss to float32's
+    rounding."""
     biggest = max(w.abs().max().item() for w in weights.values())
     norm = metrics["records"][-1]["param_norm"]
     return Drift(

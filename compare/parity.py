@@ -103,7 +103,8 @@ def load_run(name: str) -> tuple[Path, dict]:
     path = run / "metrics.json"
     if not path.is_file() and run == Path(name):  # a folder named (not a step), but not a run's
         raise UserError(
-            f"{run} is not a run folder (no metrics.json in it); name the --out folder of a finished "
+            f"{run} is not a run folder (no metrics.json in it); name the --out folder "
+            "of a finished "
             "run, or a step (step1)"
         )
     if not path.is_file():
@@ -115,12 +116,14 @@ def load_run(name: str) -> tuple[Path, dict]:
         raise UserError(f"{path} is corrupted (not JSON: {error}); run the step again") from None
     if missing or not isinstance(metrics["records"], list):
         raise UserError(
-            f"{path} is corrupted or not a metrics file (missing {', '.join(missing) or 'records'}); "
+            f"{path} is corrupted or not a metrics file (missing "
+            f"{', '.join(missing) or 'records'}); "
             "run the step again"
         )
     if metrics.get("schema_version") != SCHEMA_VERSION:
         raise UserError(
-            f"{path} has schema {metrics.get('schema_version')}, this tool reads {SCHEMA_VERSION} (it was "
+            f"{path} has schema {metrics.get('schema_version')}, this tool reads "
+            f"{SCHEMA_VERSION} (it was "
             "written by another version of the trainers); run the step again"
         )
     if not metrics["final"]:
@@ -141,8 +144,9 @@ def load_weights(run: Path, metrics: dict) -> dict:
 
 
 def global_batch(metrics: dict) -> int:
-    """Samples per optimiser step: micro-batch x accumulation x the ranks that draw their own samples (all of
-    them in data parallelism; one group of tensor-parallel ranks shares its samples)."""
+    """Samples per optimiser step: micro-batch x accumulation x the ranks that draw their own
+    samples (all of them in data parallelism; one group of tensor-parallel ranks shares its
+    samples)."""
     c, env = metrics["config"], metrics["env"]
     return (
         c["micro_batch_size"] * c["grad_accum"] * env.get("data_parallel_size", env["world_size"])
@@ -205,7 +209,8 @@ class Parity:
 
 
 def same_number(x: float, y: float) -> bool:
-    """Equal, or both NaN: an fp16 step the scaler skipped logs a NaN or inf gradient norm in both runs."""
+    """Equal, or both NaN: an fp16 step the scaler skipped
+    logs a NaN or inf gradient norm in both runs."""
     return x == y or (math.isnan(x) and math.isnan(y))
 
 
@@ -217,7 +222,8 @@ def compare(a: dict, wa: dict, b: dict, wb: dict) -> Parity:
         x, y = wa[name].double(), wb[name].double()
         if x.shape != y.shape:
             raise UserError(
-                f"tensor {name} has shape {tuple(x.shape)} in one run and {tuple(y.shape)} in the other"
+                f"tensor {name} has shape {tuple(x.shape)} in one run and "
+                f"{tuple(y.shape)} in the other"
             )
         diff = (x - y).abs()
         rel = diff / y.abs().clamp_min(torch.finfo(torch.float32).tiny)
@@ -280,7 +286,8 @@ def report(run_a: Path, run_b: Path, parity: Parity, brief: bool = False) -> str
             )
     fmt = lambda step: "never" if step is None else f"step {step}"  # noqa: E731
     lines.append(
-        f"  weights: {sum(t.allclose for t in parity.tensors)}/{len(parity.tensors)} tensors allclose "
+        f"  weights: {sum(t.allclose for t in parity.tensors)}/{len(parity.tensors)} "
+        "tensors allclose "
         f"(rtol={RTOL}, atol={ATOL}), {sum(t.bitwise for t in parity.tensors)} bitwise equal, "
         f"max abs diff {parity.max_abs:.3e}"
     )

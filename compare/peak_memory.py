@@ -1,10 +1,11 @@
 """Peak tensor memory of a ZeRO-3 (step 7) training step, per rank: measured, and predicted.
 
-    python compare/peak_memory.py                                   # the default model at N = 1, 2 and 4
-    python compare/peak_memory.py --world-sizes 1,2 --n-layer 8 --seq-len 256 --micro-batch-size 4 \\
-        --compare-checkpointing --timed-steps 10                    # activations dominate: with and without
+    python compare/peak_memory.py   # the default model at N = 1, 2 and 4
+    # activations dominate: with and without
+    python compare/peak_memory.py --world-sizes 1,2 --n-layer 8 --seq-len 256 \\
+        --micro-batch-size 4 --compare-checkpointing --timed-steps 10
+    # FullyShardedDP(param_dtype=torch.bfloat16)
     python compare/peak_memory.py --param-dtype bf16 --world-sizes 1,2,3,4 --timed-steps 0
-                                                                    # FullyShardedDP(param_dtype=torch.bfloat16)
 
 For each world size N, N processes (gloo on loopback, one CPU thread each, started by
 torch.multiprocessing) build step 7's model as its train.py does (``shard_gpt2``): GPT-2 on the meta
@@ -20,26 +21,29 @@ model is built, through one warm-up step (it allocates AdamW's moments and the g
 --profiled-steps steps:
 
     state    bytes live through a whole step: parameter shards, gradient shards, AdamW's state
-    peak     the most bytes live at once during a step; where (forward, backward, optimizer); and what
-             is live then besides the state, by the op or autograd node that allocated it
+    peak     the most bytes live at once during a step; where (forward, backward, optimizer); and
+             what is live then besides the state, by the op or autograd node that allocated it
 
 Predicted, with ``compare/estimate.py``'s layouts (padding and AdamW's step counts included):
 
-    state        4Ψ/N + 4Ψ/N + 8Ψ/N (with --param-dtype bf16 too: the fp32 shards are the master weights, the
-                 gradients are reduced and kept in float32, as FSDP2's; 16-bit copies exist only while gathered)
-    gathered     the units in flight (2 bytes an element with --param-dtype): the root (kept from forward to
-                 the end of backward) and two blocks
+    state        4Ψ/N + 4Ψ/N + 8Ψ/N (with --param-dtype bf16 too: the fp32 shards are the master
+                 weights, the gradients are reduced and kept in float32, as FSDP2's; 16-bit copies
+                 exist only while gathered)
+    gathered     the units in flight (2 bytes an element with --param-dtype): the root (kept from
+                 forward to the end of backward) and two blocks
                  (one computing, the next prefetched; one with --no-prefetch)
     activations  what autograd saves in one micro-batch; with --activation-checkpointing, the root's
-                 saved tensors, every block's inputs and one block's own (recomputed in its backward)
+                 saved tensors, every block's inputs and one block's own (recomputed in its
+                 backward)
 
 The breakdown names what the prediction leaves out. On GPT-2 here the peak comes as the last
 micro-batch's backward starts: the state, the root (no block is gathered then), the activations, the
 full gradients the earlier micro-batches accumulated (4Ψ, not 4Ψ/N: under ``no_sync`` they stay
 whole) and the loss's gradients with respect to the log-probabilities and the logits (2 x B x T x
-vocabulary float32). The records miss what gloo's worker threads allocate and free (the profiler records
-the thread it runs on): a tensor one of them frees is taken off when its address is allocated again, and
-a collective's own copy (gloo's reduce-scatter clones its input) is never counted as state.
+vocabulary float32). The records miss what gloo's worker threads allocate and free (the profiler
+records the thread it runs on): a tensor one of them frees is taken off when its address is
+allocated again, and a collective's own copy (gloo's reduce-scatter clones its input) is never
+counted as state.
 
 Step time: the median, over --timed-steps steps run after the profiled ones without the profiler,
 of the slowest rank's time (the ranks start each timed step together); cpu time: the same with the
@@ -57,7 +61,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 STEP7 = REPO / "step7_zero3"
-# Step 7's folder first: its own copies of config.py, model.py, training.py... are what gets measured.
+# Step 7's folder first: its own copies of config.py,
+# model.py, training.py... are what gets measured.
 sys.path[:0] = [str(STEP7), str(REPO / "compare")]
 import torch  # noqa: E402
 
@@ -66,8 +71,8 @@ import estimate  # noqa: E402
 from config import UserError, build_parser, check_writable_file, exit_on_user_error, parse_config  # noqa: E402
 from launch import spawn_ranks  # noqa: E402
 
-# The flags that change what is measured; the trainer's others are accepted (a train.py command line can
-# be pasted) and hidden.
+# The flags that change what is measured; the trainer's others are accepted (a train.py command line
+# can be pasted) and hidden.
 USED_FLAGS = estimate.USED_FLAGS | {
     "grad_accum",
     "amp",
@@ -80,11 +85,12 @@ PHASES = ("forward", "backward", "optimizer")
 NODE = "autograd::engine::evaluate_function: "
 
 
-# ---- Prediction ---------------------------------------------------------------------------------------
+# ---- Prediction ----------------------------------------------------------------------------------
 
 
 def predict(config: dict, vocab_size: int, world_size: int, checkpointing: bool) -> list[dict]:
-    """Per rank: ``state`` (16Ψ/N as laid out), ``gathered`` and ``activations``, in bytes; and Ψ."""
+    """Per rank: ``state`` (16Ψ/N as laid out),
+    ``gathered`` and ``activations``, in bytes; and Ψ."""
     # 16 bits: gathered and computed in it
     dtype = estimate.PARAM_DTYPES[config.get("param_dtype") or "float32"]
     model = estimate.Model(config, vocab_size, dtype)
@@ -105,12 +111,13 @@ def predict(config: dict, vocab_size: int, world_size: int, checkpointing: bool)
     ]
 
 
-# ---- Replaying the profiler's memory records ------------------------------------------------------------
+# ---- Replaying the profiler's memory records -----------------------------------------------------
 
 
 def label(ranges: tuple) -> str:
-    """What made an allocation, from the ranges around it (innermost first): the autograd node in backward,
-    the outermost op otherwise; none at all is a storage resized from Python: a unit being gathered."""
+    """What made an allocation, from the ranges around it (innermost first): the autograd node in
+    backward, the outermost op otherwise; none at all is a storage resized from Python: a unit being
+    gathered."""
     node = next((r[len(NODE) :] for r in ranges if r.startswith(NODE)), None)
     ops = [r for r in ranges if r.startswith(("aten::", "c10d::"))]
     if not ops:
@@ -119,12 +126,13 @@ def label(ranges: tuple) -> str:
 
 
 def collective_copy(ranges: tuple) -> bool:
-    """Whether an allocation is a collective's own copy: gloo's reduce-scatter clones its input (measured:
-    ``aten::clone`` inside ``c10d::_reduce_scatter_base_``, the input's size). The copy goes when the
-    collective's work object does, freed by whichever thread lets go of it last: the rank's, after its
-    ``wait()``, or now and then gloo's worker thread, whose frees the records miss. Such a copy still "live"
-    from a step's start to its end is one of those: it is not state, and the replay says how many bytes of
-    them it set apart (``collective_copies``)."""
+    """Whether an allocation is a collective's own copy:
+    gloo's reduce-scatter clones its input (measured:
+    ``aten::clone`` inside ``c10d::_reduce_scatter_base_``, the input's size). The copy goes when
+    the collective's work object does, freed by whichever thread lets go of it last: the rank's,
+    after its ``wait()``, or now and then gloo's worker thread, whose frees the records miss. Such a
+    copy still "live" from a step's start to its end is one of those: it is not state, and the
+    replay says how many bytes of them it set apart (``collective_copies``)."""
     return any(r.startswith("c10d::") for r in ranges)
 
 
@@ -134,8 +142,8 @@ def phase_of(ranges: tuple) -> str:
 
 
 def allocations(prof) -> list[tuple]:
-    """Every allocation and free recorded, in time order: (ns, address, bytes (negative: a free), ranges
-    around it, innermost first: ops, autograd nodes, ``record_function`` labels)."""
+    """Every allocation and free recorded, in time order: (ns, address, bytes (negative: a free),
+    ranges around it, innermost first: ops, autograd nodes, ``record_function`` labels)."""
     from torch._C._profiler import _EventType
 
     found = []
@@ -154,11 +162,11 @@ def allocations(prof) -> list[tuple]:
 
 
 def replay(events: list[tuple]):
-    """Yield, after each event: (its index, bytes live, the live blocks {address: (bytes, index of the
-    allocation)}, whether a block was freed unseen).
+    """Yield, after each event: (its index, bytes live, the live blocks {address: (bytes, index of
+    the allocation)}, whether a block was freed unseen).
 
-    A block freed by another thread leaves no record; an allocation at its address shows that it is gone
-    by then, and it is taken off there."""
+    A block freed by another thread leaves no record; an allocation at its address shows that it is
+    gone by then, and it is taken off there."""
     live, total = {}, 0
     for i, (_, address, nbytes, _) in enumerate(events):
         unseen = False
@@ -176,12 +184,13 @@ def replay(events: list[tuple]):
 def step_peaks(events: list[tuple], steps: int) -> tuple[list[dict], int]:
     """From ``allocations``' events, per profiled step (ranges "step 0", "step 1", ...):
 
-    ``state``: bytes of the blocks live from its start to its end, collectives' copies apart (``state_parts``:
-    by what allocated them);
+    ``state``: bytes of the blocks live from its start to its end, collectives' copies apart
+    (``state_parts``: by what allocated them);
     ``peak``: the most bytes live during it,
-    the ``phase`` it falls in and what made the allocation that reached it (``made_by``); ``beyond_state``:
-    what is live at the peak besides the state, by phase and ``label`` ("before the step": a block from an
-    earlier step, freed unseen or freed later). Also: how many blocks were freed unseen, in all."""
+    the ``phase`` it falls in and what made the allocation that reached it (``made_by``);
+    ``beyond_state``: what is live at the peak besides the state, by phase and ``label`` ("before
+    the step": a block from an earlier step, freed unseen or freed later). Also: how many blocks
+    were freed unseen, in all."""
     step_of = lambda ranges: next((int(r[5:]) for r in ranges if r.startswith("step ")), None)  # noqa: E731
     results = [{"peak": -1} for _ in range(steps)]
     unseen = 0
@@ -193,7 +202,8 @@ def step_peaks(events: list[tuple], steps: int) -> tuple[list[dict], int]:
             r["last"] = i
             if total > r["peak"]:
                 r["peak"], r["at"] = total, i
-    # Again, to see the live blocks at each step's start (after the event before its first), peak and end.
+    # Again, to see the live blocks at each step's start
+    # (after the event before its first), peak and end.
     before_start = {r["first"] - 1: r for r in results}
     at_peak, at_end = {r["at"]: r for r in results}, {r["last"]: r for r in results}
     for i, _, live, _ in replay(events):
@@ -229,8 +239,9 @@ def step_peaks(events: list[tuple], steps: int) -> tuple[list[dict], int]:
 
 
 def parts_by_label(blocks, events: list[tuple], before: int = 0) -> dict:
-    """Bytes of ``blocks`` ((bytes, index of the allocation) pairs) by the phase and op that allocated them,
-    largest first; a block allocated before event ``before`` counts as "before the step"."""
+    """Bytes of ``blocks`` ((bytes, index of the allocation) pairs) by the phase and op that
+    allocated them, largest first; a block allocated before event ``before`` counts as "before the
+    step"."""
     parts = {}
     for nbytes, j in blocks:
         key = (
@@ -240,7 +251,7 @@ def parts_by_label(blocks, events: list[tuple], before: int = 0) -> dict:
     return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
 
 
-# ---- Each rank's process ----------------------------------------------------------------------------------
+# ---- Each rank's process -------------------------------------------------------------------------
 
 
 def checkpointing_modes(config: dict) -> list[bool]:
@@ -251,9 +262,9 @@ def checkpointing_modes(config: dict) -> list[bool]:
 
 def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size: int) -> dict:
     """This rank's measurements, per checkpointing mode: {mode: {"steps", "unseen", "gathered_peak",
-    "step_times"}}. Each mode is profiled in a profiler session of its own (blocks allocated before a
-    session are not in its records: the other mode's model does not count), then the timed steps of
-    the modes alternate, so that a change in the machine's load hits them alike."""
+    "step_times"}}. Each mode is profiled in a profiler session of its own (blocks allocated before
+    a session are not in its records: the other mode's model does not count), then the timed steps
+    of the modes alternate, so that a change in the machine's load hits them alike."""
     from seeding import seed_everything
     from sharded_gradients import ShardedGradScaler
     from train import train_step  # step 7's train.py: importing it runs nothing
@@ -318,12 +329,12 @@ def measure_rank(rank: int, world_size: int, port: int, config: dict, vocab_size
     return results
 
 
-# ---- Report ------------------------------------------------------------------------------------------------
+# ---- Report --------------------------------------------------------------------------------------
 
 
 def run(config: dict, world_sizes: list[int]) -> dict:
-    """Measure and predict at each world size (and checkpointing mode); one row per rank, in bytes (step
-    times in seconds)."""
+    """Measure and predict at each world size (and checkpointing mode); one row per rank, in bytes
+    (step times in seconds)."""
     vocab_size = estimate.vocabulary_size(config["tokenizer"])
     rows = []
     for world_size in world_sizes:
@@ -376,18 +387,22 @@ def report(result: dict, top: int = 6) -> str:
     config, rows = result["config"], result["rows"]
     lines = [
         f"step 7, GPT-2 n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocabulary "
-        f"{result['vocab_size']:,}: Ψ = {rows[0]['psi']:,}; micro-batch {config['micro_batch_size']} x "
+        f"{result['vocab_size']:,}: Ψ = {rows[0]['psi']:,}; micro-batch "
+        f"{config['micro_batch_size']} x "
         f"{config['seq_len']} tokens, accumulation {config['grad_accum']}; "
         f"prefetch {'off' if config['no_prefetch'] else 'on'}",
-        "MiB per rank. predicted = state (16Ψ/N) + gathered units + activations. Measured from the profiler's "
+        "MiB per rank. predicted = state (16Ψ/N) + gathered units + activations. "
+        "Measured from the profiler's "
         "memory records: state (live through a whole step), peak (the most live during a step)",
-        f"{'N':>2}{'ckpt':>5}{'rank':>5}{'state':>9}{'measured':>10}{'gathered':>10}{'activ.':>9}{'predicted':>11}"
+        f"{'N':>2}{'ckpt':>5}{'rank':>5}{'state':>9}{'measured':>10}{'gathered':>10}"
+        f"{'activ.':>9}{'predicted':>11}"
         f"{'peak':>9}{'peak/pred':>11}  {'peak in':<10}{'step time':>11}{'cpu time':>11}",
     ]
     for r in rows:
         ms = lambda seconds: f"{seconds * 1e3:,.0f} ms" if seconds is not None else "-"  # noqa: E731
         lines.append(
-            f"{r['world_size']:>2}{'on' if r['activation_checkpointing'] else 'off':>5}{r['rank']:>5}"
+            f"{r['world_size']:>2}{'on' if r['activation_checkpointing'] else 'off':>5}"
+            f"{r['rank']:>5}"
             f"{mib(r['state']):>9}{mib(max(r['state_measured'])):>10}{mib(r['gathered']):>10}"
             f"{mib(r['activations']):>9}{mib(r['predicted']):>11}{mib(r['peak']):>9}"
             f"{r['peak'] / r['predicted']:>11.3f}  {r['peak_phase']:<10}{ms(r['step_time_s']):>11}"
@@ -398,8 +413,10 @@ def report(result: dict, top: int = 6) -> str:
         shown = ", ".join(f"{name} {mib(n)}" for name, n in parts[:top])
         rest = sum(n for _, n in parts[top:])
         lines.append(
-            f"N = {r['world_size']}, checkpointing {'on' if r['activation_checkpointing'] else 'off'}, "
-            f"rank 0, at its peak ({r['peak_phase']}, {r['peak_made_by']}), live besides the state: {shown}"
+            f"N = {r['world_size']}, checkpointing "
+            f"{'on' if r['activation_checkpointing'] else 'off'}, "
+            f"rank 0, at its peak ({r['peak_phase']}, {r['peak_made_by']}), live "
+            f"besides the state: {shown}"
             f"{f', the rest {mib(rest)}' if rest else ''}"
         )
     return "\n".join(lines)
@@ -437,7 +454,8 @@ def main() -> int:
     flags.add_argument(
         "--compare-checkpointing",
         action="store_true",
-        help="measure with and without activation checkpointing, in the same processes, timed steps "
+        help="measure with and without activation checkpointing, in the same processes, "
+        "timed steps "
         "alternating",
     )
     flags.add_argument(

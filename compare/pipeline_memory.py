@@ -1,20 +1,22 @@
-"""Activation memory in flight per pipeline stage, in bytes: GPipe holds M micro-batches' activations, 1F1B at most P.
+"""Activation memory in flight per pipeline stage, in bytes:
+GPipe holds M micro-batches' activations, 1F1B at most P.
 
-    python compare/pipeline_memory.py                       # P = 2 and 4, M = 1, 2, 4, 8, both schedules
+    python compare/pipeline_memory.py   # P = 2 and 4, M = 1, 2, 4, 8, both schedules
     python compare/pipeline_memory.py --stages 2 --micro-batches 1 8 --n-embd 256
 
-Autograd keeps tensors from a micro-batch's forward until its backward: the activations. A pipeline stage holds
-those of every micro-batch it has run forward and not yet backward, so its peak is (micro-batches held at once)
-x (bytes one micro-batch saves on that stage): GPipe holds all M before the first backward; 1F1B's stage s at
-most P - s (min(P - s, M)). This measures the bytes, not the count: ``SavedBytesInFlight`` follows every
-tensor autograd saves while ``Pipeline.run`` runs (``torch.autograd.graph.saved_tensors_hooks``), from the save
-until autograd lets go of it, each storage once, the parameters left out; it keeps the most bytes held at once.
-No allocator is asked, so the numbers are exact and the same on every machine (float32).
+Autograd keeps tensors from a micro-batch's forward until its backward: the activations. A pipeline
+stage holds those of every micro-batch it has run forward and not yet backward, so its peak is
+(micro-batches held at once) x (bytes one micro-batch saves on that stage): GPipe holds all M before
+the first backward; 1F1B's stage s at most P - s (min(P - s, M)). This measures the bytes, not the
+count: ``SavedBytesInFlight`` follows every tensor autograd saves while ``Pipeline.run`` runs
+(``torch.autograd.graph.saved_tensors_hooks``), from the save until autograd lets go of it, each
+storage once, the parameters left out; it keeps the most bytes held at once. No allocator is asked,
+so the numbers are exact and the same on every machine (float32).
 
-Each P runs in P spawned gloo processes, step 9's own modules: every rank builds the whole model and keeps
-``GPT2Stage(model, rank, P)``, as train.py does, and runs one optimiser step's forwards and backwards per
-(schedule, M) on random tokens (memory depends on shapes, not on the text). The default model is
-compare/bubble.py's: 4 blocks of width 128, micro-batches of 4 x 64 tokens.
+Each P runs in P spawned gloo processes, step 9's own modules: every rank builds the whole model and
+keeps ``GPT2Stage(model, rank, P)``, as train.py does, and runs one optimiser step's forwards and
+backwards per (schedule, M) on random tokens (memory depends on shapes, not on the text). The
+default model is compare/bubble.py's: 4 blocks of width 128, micro-batches of 4 x 64 tokens.
 """
 
 import argparse
@@ -48,11 +50,13 @@ VOCAB = 2048  # data/tokenizer.json's
 
 
 class SavedBytesInFlight:
-    """The bytes autograd holds for backward, followed live while active as ``saved_tensors_hooks(*counter.hooks)``.
+    """The bytes autograd holds for backward, followed live while active as
+    ``saved_tensors_hooks(*counter.hooks)``.
 
-    A storage counts from the first time a tensor on it is saved until autograd has let go of the last one
-    (autograd drops a saved tensor once the backward that needs it has run). Parameters (``params``) are not
-    activations and are left out. ``peak``: the most bytes held at once; ``saved``: bytes counted in, in all.
+    A storage counts from the first time a tensor on it is saved until autograd has let go of the
+    last one (autograd drops a saved tensor once the backward that needs it has run). Parameters
+    (``params``) are not activations and are left out. ``peak``: the most bytes held at once;
+    ``saved``: bytes counted in, in all.
     """
 
     def __init__(self, params=()):
@@ -91,7 +95,8 @@ class SavedBytesInFlight:
 
 
 class _Held:
-    """What autograd keeps in place of a saved tensor: the tensor, and a note to the counter when dropped."""
+    """What autograd keeps in place of a saved tensor:
+    the tensor, and a note to the counter when dropped."""
 
     __slots__ = ("tensor", "counter", "address")
 
@@ -103,12 +108,14 @@ class _Held:
 
 
 def held_formula(schedule: str, stage: int, num_stages: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once: M for GPipe, min(P - s, M) for 1F1B."""
+    """Micro-batches whose activations stage ``stage``
+    holds at once: M for GPipe, min(P - s, M) for 1F1B."""
     return micro_batches if schedule == "gpipe" else min(num_stages - stage, micro_batches)
 
 
 def measure(rank: int, world_size: int, port: int, config: dict, cases: list) -> list:
-    """One stage: for each (schedule, M), a fresh stage of the same model runs one step; its counts to rank 0."""
+    """One stage: for each (schedule, M), a fresh stage of
+    the same model runs one step; its counts to rank 0."""
     torch.set_num_threads(1)
     # the step's own modules (its copies of common's, verbatim, and pipeline.py)
     sys.path.insert(0, str(STEP9))
@@ -138,8 +145,9 @@ def measure(rank: int, world_size: int, port: int, config: dict, cases: list) ->
         tokens = torch.randint(0, VOCAB, (m, b, s + 1), generator=torch.Generator().manual_seed(0))
         counter = SavedBytesInFlight(stage.parameters())
         with torch.autograd.graph.saved_tensors_hooks(*counter.hooks):
-            # Each micro-batch's ids in a storage of its own, as a data loader hands them out: views of one
-            # tensor would be counted as one storage, held until the last micro-batch's backward.
+            # Each micro-batch's ids in a storage of its own, as a data loader hands them out: views
+            # of one tensor would be counted as one storage, held until the last micro-batch's
+            # backward.
             pipe.run(
                 m,
                 inputs=[t[:, :-1].clone() for t in tokens],
@@ -184,17 +192,21 @@ def main() -> int:
         m < 1 for m in args.micro_batches
     ):
         raise UserError(
-            f"--stages must be 2 to {config['n_layer']} (the model's blocks) and --micro-batches at "
+            f"--stages must be 2 to {config['n_layer']} (the model's blocks) and "
+            "--micro-batches at "
             "least 1"
         )
     cases = [(schedule, m) for schedule in args.schedules for m in args.micro_batches]
     print(
-        f"activations held for backward per stage, bytes (float32; {config['n_layer']} blocks, n_embd "
-        f"{config['n_embd']}, micro-batches of {config['micro_batch_size']} x {config['seq_len']} tokens, "
+        f"activations held for backward per stage, bytes (float32; {config['n_layer']} "
+        "blocks, n_embd "
+        f"{config['n_embd']}, micro-batches of {config['micro_batch_size']} x "
+        f"{config['seq_len']} tokens, "
         f"vocabulary {VOCAB})"
     )
     print(
-        f"{'schedule':<8} {'P':>2} {'M':>2} {'stage':>5} {'one micro-batch':>16} {'held':>4} {'peak measured':>14} "
+        f"{'schedule':<8} {'P':>2} {'M':>2} {'stage':>5} {'one micro-batch':>16} "
+        f"{'held':>4} {'peak measured':>14} "
         f"{'held x one':>14}"
     )
     differ = 0
@@ -211,7 +223,8 @@ def main() -> int:
                 )
                 differ += not ok
                 print(
-                    f"{schedule:<8} {p:>2} {m:>2} {s:>5} {r['per_micro_batch']:>16,} {r['held']:>4} "
+                    f"{schedule:<8} {p:>2} {m:>2} {s:>5} {r['per_micro_batch']:>16,} "
+                    f"{r['held']:>4} "
                     f"{r['peak']:>14,} {expected:>14,}{'' if ok else '  <-- differs'}"
                 )
     print(

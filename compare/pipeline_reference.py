@@ -1,32 +1,38 @@
-"""Our pipeline (step9_pipeline_parallel/pipeline.py) against PyTorch's own, ``torch.distributed.pipelining``,
-on the same stages: are the gradients and the weights the same bits?
+"""Our pipeline (step9_pipeline_parallel/pipeline.py) against PyTorch's own,
+``torch.distributed.pipelining``, on the same stages: are the gradients and the weights the same
+bits?
 
-    python compare/pipeline_reference.py                                  # 2 stages, gpipe and 1f1b, M = 3
+    python compare/pipeline_reference.py   # 2 stages, gpipe and 1f1b, M = 3
     python compare/pipeline_reference.py --stages 4 --micro-batches 8 --steps 3
-    python compare/pipeline_reference.py --schedules interleaved-1f1b --micro-batches 4   # 2 chunks per stage
-    python compare/pipeline_reference.py --steps 20 --n-embd 128 --seq-len 64 --micro-batch-size 8   # + times
+    # 2 chunks per stage
+    python compare/pipeline_reference.py --schedules interleaved-1f1b --micro-batches 4
+    # + times
+    python compare/pipeline_reference.py --steps 20 --n-embd 128 --seq-len 64 --micro-batch-size 8
 
-It starts ``--stages`` processes (gloo, CPU, one thread each), builds our GPT-2 in each (the same weights: every
-parameter is a function of its name), cuts it into the same stages with ``GPT2Stage``, and trains ``--steps``
-AdamW steps from the same weights on the same micro-batches twice per schedule: with PyTorch's ``PipelineStage``
-and ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (``--virtual-stages`` chunks per process,
-the model cut into P x V) / ``ScheduleInterleavedZeroBubble`` (one stage per process), and with our
-``Pipeline``. After every step it asserts that every gradient and every weight of every stage is ``torch.equal``
-in the two; exit 0 when all are, 1 otherwise.
+It starts ``--stages`` processes (gloo, CPU, one thread each), builds our GPT-2 in each (the same
+weights: every parameter is a function of its name), cuts it into the same stages with
+``GPT2Stage``, and trains ``--steps`` AdamW steps from the same weights on the same micro-batches
+twice per schedule: with PyTorch's ``PipelineStage`` and ``ScheduleGPipe`` / ``Schedule1F1B`` /
+``ScheduleInterleaved1F1B`` (``--virtual-stages`` chunks per process, the model cut into P x V) /
+``ScheduleInterleavedZeroBubble`` (one stage per process), and with our ``Pipeline``. After every
+step it asserts that every gradient and every weight of every stage is ``torch.equal`` in the two;
+exit 0 when all are, 1 otherwise.
 
-Two things PyTorch's schedules do not do as one process accumulating M micro-batches does, and what the
-reference does instead (each printed with what it would cost):
+Two things PyTorch's schedules do not do as one process accumulating M micro-batches does, and what
+the reference does instead (each printed with what it would cost):
 
-- ``scale_grads=True`` (their default) sums the M micro-batches' gradients, then divides the sum by M. One
-  process divides each micro-batch's loss by M before its backward. Dividing by a power of two is exact, so
-  the two agree when M is one; otherwise they differ in the last bits. The reference uses ``scale_grads=False``
-  and a loss function that returns ``loss / M``.
-- GPT-2's tied embedding lives on the first and the last stage, and PyTorch's stages know nothing of it: each
-  accumulates its own half. Adding the two accumulated halves once per step adds in another order than one
-  process (which adds the two halves of each micro-batch, then accumulates). The reference records each
-  micro-batch's halves with gradient hooks and adds them in one process's order after the schedule.
-Dropout is off here: PyTorch's stages draw their masks from their own generators (our pipeline replays the
-other stages' draws to draw one process's masks; step 9's tests check that against step 0).
+- ``scale_grads=True`` (their default) sums the M micro-batches' gradients, then divides the sum by
+  M. One process divides each micro-batch's loss by M before its backward. Dividing by a power of
+  two is exact, so the two agree when M is one; otherwise they differ in the last bits. The
+  reference uses ``scale_grads=False`` and a loss function that returns ``loss / M``.
+- GPT-2's tied embedding lives on the first and the last stage, and PyTorch's stages know nothing of
+  it: each accumulates its own half. Adding the two accumulated halves once per step adds in another
+  order than one process (which adds the two halves of each micro-batch, then accumulates). The
+  reference records each micro-batch's halves with gradient hooks and adds them in one process's
+  order after the schedule.
+Dropout is off here: PyTorch's stages draw their masks from their own generators (our pipeline
+replays the other stages' draws to draw one process's masks; step 9's tests check that against step
+0).
 """
 
 import argparse
@@ -98,8 +104,9 @@ def worker(rank: int, world_size: int, port: int, args) -> list:
     )
 
     def fresh_stage(schedule):
-        """This process's stage (a ``GPT2Stage``), or with the interleaved schedule its list of V chunks (the
-        model's stages rank, rank + P, ...), with its tied parameter (or None), its parameters and optimiser."""
+        """This process's stage (a ``GPT2Stage``), or with the interleaved schedule its list of V
+        chunks (the model's stages rank, rank + P, ...), with its tied parameter (or None), its
+        parameters and optimiser."""
         V = args.virtual_stages if schedule == "interleaved-1f1b" else 1
         model = build_model(config, VOCAB, config["seed"])
         chunks = [GPT2Stage(model, v * P + rank, P * V) for v in range(V)]
@@ -128,7 +135,8 @@ def worker(rank: int, world_size: int, port: int, args) -> list:
         return schedule_cls[schedule](stages[0] if single else stages, M, **options)
 
     def step_builtin(schedule, inputs, targets):
-        """PyTorch's schedules take the whole batch on the first stage and the targets on the last."""
+        """PyTorch's schedules take the whole batch on
+        the first stage and the targets on the last."""
         schedule.step(*([inputs] if first else []), **({"target": targets} if last else {}))
 
     report = {}
@@ -210,7 +218,8 @@ def worker(rank: int, world_size: int, port: int, args) -> list:
             "times": times,
         }
 
-        # The trap: PyTorch's default scale_grads=True (sum, then divide by M), one step, against ours.
+        # The trap: PyTorch's default scale_grads=True
+        # (sum, then divide by M), one step, against ours.
         default, _, default_named, _ = fresh_stage(schedule)
         # torch 2.11 checks strides
         inputs, targets = data[0, :, :-1].contiguous(), data[0, :, 1:].contiguous()
@@ -264,7 +273,8 @@ def main() -> int:
         raise UserError("--micro-batches, --steps and --micro-batch-size must be at least 1")
     if "1f1b" in args.schedules and args.micro_batches < args.stages:
         raise UserError(
-            f"PyTorch's Schedule1F1B needs at least as many micro-batches as stages: --micro-batches "
+            "PyTorch's Schedule1F1B needs at least as many micro-batches as stages: "
+            "--micro-batches "
             f">= {args.stages}, or --schedules gpipe"
         )
     if "interleaved-1f1b" in args.schedules and (
@@ -279,7 +289,8 @@ def main() -> int:
     reports = spawn_ranks(worker, args.stages, args, timeout=args.timeout_s * 10)[0]
     ok = True
     print(
-        f"{args.stages} stages, {args.micro_batches} micro-batches of {args.micro_batch_size}, {args.steps} AdamW "
+        f"{args.stages} stages, {args.micro_batches} micro-batches of "
+        f"{args.micro_batch_size}, {args.steps} AdamW "
         f"steps: our pipeline vs torch.distributed.pipelining (scale_grads=False, loss / M)"
     )
     for schedule in args.schedules:
@@ -290,25 +301,30 @@ def main() -> int:
         scale = max(r[schedule]["scale_grads_diff"] for r in reports)
         tie = max(r[schedule]["tie_naive_diff"] for r in reports)
         print(
-            f"  {schedule:<5} gradients and weights of {tensors} tensors after every step: {verdict}"
+            f"  {schedule:<5} gradients and weights of {tensors} tensors after every "
+            f"step: {verdict}"
         )
         print(
             f"        with their default scale_grads=True: max abs gradient diff {scale:.1e}"
-            f"{' (M is a power of two: exact)' if scale == 0 else ''}; the tied embedding's two accumulated halves "
+            f"{' (M is a power of two: exact)' if scale == 0 else ''}; the tied "
+            "embedding's two accumulated halves "
             f"added once per step: max abs diff {tie:.1e}"
         )
     # forward + backward of one step, every stage starting together (rank 0's clock)
     if args.steps >= 3:
         print(
-            "time per step (forward and backward of all micro-batches, tie included; median, min-max over steps "
+            "time per step (forward and backward of all micro-batches, tie included; "
+            "median, min-max over steps "
             "after the first):"
         )
         for schedule in args.schedules:
             t = {who: reports[0][schedule]["times"][who][1:] for who in ("theirs", "ours")}
             ratios = [o / b for o, b in zip(t["ours"], t["theirs"])]
             print(
-                f"  {schedule:<5} ours {statistics.median(t['ours']) * 1e3:6.1f} ms, torch.distributed.pipelining "
-                f"{statistics.median(t['theirs']) * 1e3:6.1f} ms: ours / theirs {statistics.median(ratios):.2f} "
+                f"  {schedule:<5} ours {statistics.median(t['ours']) * 1e3:6.1f} ms, "
+                "torch.distributed.pipelining "
+                f"{statistics.median(t['theirs']) * 1e3:6.1f} ms: ours / theirs "
+                f"{statistics.median(ratios):.2f} "
                 f"({min(ratios):.2f}-{max(ratios):.2f})"
             )
         if len(args.schedules) == 2:

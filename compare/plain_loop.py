@@ -1,14 +1,16 @@
-"""The training loop a learner writes in an afternoon, on the same model and data: what step 0's speed is
-measured against (compare/gpu_check.py). No exact norms, no checkpoints, no per-step records: torch's
-defaults (AdamW's multi-tensor kernel on a GPU), bf16 autocast on CUDA, ``clip_grad_norm_``, and
-``loss.item()`` once a step, as nanoGPT's loop logs it. Deterministic kernels as every step runs them, or
-``--nondeterministic`` as torch runs by default (each step takes the flag too).
+"""The training loop a learner writes in an afternoon, on the same model and data: what step 0's
+speed is measured against (compare/gpu_check.py). No exact norms, no checkpoints, no per-step
+records: torch's defaults (AdamW's multi-tensor kernel on a GPU), bf16 autocast on CUDA,
+``clip_grad_norm_``, and ``loss.item()`` once a step, as nanoGPT's loop logs it. Deterministic
+kernels as every step runs them, or ``--nondeterministic`` as torch runs by default (each step takes
+the flag too).
 
-    python compare/plain_loop.py --attention sdpa --n-layer 12 --n-head 12 --n-embd 768 --seq-len 1024 \\
+    python compare/plain_loop.py --attention sdpa --n-layer 12 --n-head 12 --n-embd 768 \\
+        --seq-len 1024 \\
         --micro-batch-size 16 --steps 20 --warmup 5 [--compile] [--nondeterministic]
 
-It takes step 0's flags (the ones it does not use are ignored) and prints one JSON line: tokens/s over the
-steps after --warmup, and the peak CUDA bytes.
+It takes step 0's flags (the ones it does not use are ignored) and prints one JSON line: tokens/s
+over the steps after --warmup, and the peak CUDA bytes.
 """
 
 import json

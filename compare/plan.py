@@ -1,65 +1,70 @@
-"""Before launching: which (dp, cp, tp, pp, ZeRO stage, activation checkpointing, sequence parallelism) fit, what
-each rank holds, what each axis moves, and which to try first.
+"""Before launching: which (dp, cp, tp, pp, ZeRO stage, activation checkpointing, sequence
+parallelism) fit, what each rank holds, what each axis moves, and which to try first.
 
-    python compare/plan.py --devices 64 --memory-gb 80 --params 7.5e9 --seq-len 2048 --micro-batch-size 1 \\
-        --global-batch 512 --param-dtype bf16                       # a 7.5B model on 8 nodes of 8 GPUs
-    python compare/plan.py --devices 4 --memory-gb 0.03             # the trainers' default model, 4 ranks
+    # a 7.5B model on 8 nodes of 8 GPUs
+    python compare/plan.py --devices 64 --memory-gb 80 --params 7.5e9 --seq-len 2048 \\
+        --micro-batch-size 1 --global-batch 512 --param-dtype bf16
+    python compare/plan.py --devices 4 --memory-gb 0.03   # the trainers' default model, 4 ranks
+    # estimate beside what runs measured
     python compare/plan.py --measured runs/step1_torch_ddp runs/step8_tensor_parallel ...
-                                                                    # estimate beside what runs measured
 
-The model is the trainers' GPT-2 (their flags: --n-layer, --n-embd, --n-head, --seq-len, the vocabulary of
---tokenizer or --vocab-size), or, with --params, a GPT shaped like GPT-3's family (hidden h a multiple of
-128, h/128 layers and heads), or a published one (--preset: GPT-2, GPT-3, Korthikanti et al.'s, Llama 3, with
-grouped-query attention, SwiGLU, RMSNorm, untied embeddings: ``Shape``). GPT-2's Ψ per block is 12h² + 13h;
-the embeddings Vh + sh, the final norm 2h.
+The model is the trainers' GPT-2 (their flags: --n-layer, --n-embd, --n-head, --seq-len, the
+vocabulary of --tokenizer or --vocab-size), or, with --params, a GPT shaped like GPT-3's family
+(hidden h a multiple of 128, h/128 layers and heads), or a published one (--preset: GPT-2, GPT-3,
+Korthikanti et al.'s, Llama 3, with grouped-query attention, SwiGLU, RMSNorm, untied embeddings:
+``Shape``). GPT-2's Ψ per block is 12h² + 13h; the embeddings Vh + sh, the final norm 2h.
 
-A rank of the mesh dp x tp x pp holds, of its pipeline stage's blocks (step 9's even split; the first stage
-adds the embeddings, the last the final norm and, when pp > 1, a copy of the tied embedding), 1/tp of every
-matrix and of the column-parallel biases and the vocabulary (step 8's layout), the rest whole. Over the data
-axis its state is what ``estimate.state_bytes`` gives for the ZeRO stage (0: DDP), float32 or 16-bit
-parameters (the ZeRO paper's 2 + 2 + 12; with --reduce-dtype float32, FSDP2's gradients).
+A rank of the mesh dp x tp x pp holds, of its pipeline stage's blocks (step 9's even split; the
+first stage adds the embeddings, the last the final norm and, when pp > 1, a copy of the tied
+embedding), 1/tp of every matrix and of the column-parallel biases and the vocabulary (step 8's
+layout), the rest whole. Over the data axis its state is what ``estimate.state_bytes`` gives for the
+ZeRO stage (0: DDP), float32 or 16-bit parameters (the ZeRO paper's 2 + 2 + 12; with --reduce-dtype
+float32, FSDP2's gradients).
 
-Activations per micro-batch are counted on the meta device (``estimate.Model``: what autograd saves, exact
-for the trainers' model with math attention), or, with --preset, --params, --attention sdpa or
---selective-recompute, by Korthikanti et al.'s formula (``activation_formula.py``: as on a GPU); tensor
-parallelism splits the ones inside its split layers (q, k, v, the attention scores, the MLP's 4h, the logits) and
-leaves the (b, s, h) ones whole. Checkpointing keeps each block's input
+Activations per micro-batch are counted on the meta device (``estimate.Model``: what autograd saves,
+exact for the trainers' model with math attention), or, with --preset, --params, --attention sdpa or
+--selective-recompute, by Korthikanti et al.'s formula (``activation_formula.py``: as on a GPU);
+tensor parallelism splits the ones inside its split layers (q, k, v, the attention scores, the MLP's
+4h, the logits) and leaves the (b, s, h) ones whole. Checkpointing keeps each block's input
 and recomputes one block at a time. Sequence parallelism (step 8's sequence_parallel.py, at tp > 1)
 splits the LayerNorms'
-activations too; context parallelism (step 11: cp ranks share each sequence, each a replica of the model state,
-ZeRO over dp x cp) gives each rank 1/cp of every activation, by the formula with the ring's attention. Both are
-kept only where the same layout with less of them does not fit (CP too where the global batch is too small for
-dp x cp replicas); --sequence-parallel asks for SP at every tp > 1. Micro-batches held at once: 1 without a
-pipeline (each backward frees its own), M with GPipe on every stage, at most P - s on stage s with 1F1B (the
-first stage holds P).
+activations too; context parallelism (step 11: cp ranks share each sequence, each a replica of the
+model state, ZeRO over dp x cp) gives each rank 1/cp of every activation, by the formula with the
+ring's attention. Both are kept only where the same layout with less of them does not fit (CP too
+where the global batch is too small for dp x cp replicas); --sequence-parallel asks for SP at every
+tp > 1. Micro-batches held at once: 1 without a pipeline (each backward frees its own), M with GPipe
+on every stage, at most P - s on stage s with 1F1B (the first stage holds P).
 
-Communication per optimiser step and rank, in bytes handed to collectives and point-to-point sends (the report
-also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
-    DP   ZeRO-0 all-reduce G·ψ; ZeRO-1 all-reduce G·ψ + all-gather P·ψ; ZeRO-2 reduce-scatter G·ψ + all-gather
-         P·ψ (M reduce-scatters with --reduce-every-micro-batch; else no_sync() holds a whole gradient until the
-         step's one); ZeRO-3 reduce-scatter G·ψ + all-gathers M·(2ψ_blocks + ψ_rest)·P (each block forward and
-         backward, the rest once per micro-batch): ψ the rank's TP/PP share, P and G the bytes of a parameter as
-         computed (ZeRO-3 gathers 16-bit units from a float32 shard) and of a gradient
-         HSDP (--hsdp, step 7's --replicate R): ZeRO-3's, inside rows of S = dp·cp/R ranks, and an all-reduce of
-         G·ψ/S across the R rows
-    TP   per micro-batch 6 all-reduces of b·s·h per block (2 forward; 4 backward: q, k, v and the MLP's input),
-         one for the embedding, one for the output layer's input: (6 L_stage + 2) b·s·h activations
-    PP   per micro-batch b·s·h activations forward and b·s·h gradients back (one message each way), and the
-         tied embedding's gradient (Vh/tp) from the last stage to the first
-    CP   per micro-batch and block, to the next rank of the ring: cp - 1 K/V blocks forward (again with
-         checkpointing) and backward, and cp float32 dK/dV buffers (step 11's records)
-Mixture of experts (``--moe-experts E`` or ``--moe-preset``): step 12's layouts instead, one per ep dividing E and
-the devices: a rank holds the dense part whole and E/ep experts of each MoE layer (ZeRO-0) and one micro-batch's
-activations (activation_formula.py's MoE terms), and hands 8E + 4·k·T·h·bytes to all-to-alls per MoE layer and
-micro-batch of T tokens; each row's step time is estimated (moe_step_time), not ranked (docs/planner.md). Each row
-again on step 10's mesh (``--dp N --ep D``): the same, with ZeRO-1's AdamW state, the dense part's sharded over the
-N ranks and each expert's over its N/D copies (experts_on_mesh.py).
-Ranking: by an estimated step time (compute 6Ψ + 12 L s h per token, 8Ψ + 16 L s h for the blocks with
-checkpointing, over --tflops,
-stretched by the bubble (M + P - 1)/M; each axis's bytes over the link it crosses: --intra-gbs inside a node,
---inter-gbs across, ranks laid out tp innermost, then cp, then dp, then pp; with --offload-optimizer, ZeRO-3 may keep
-AdamW's state on the host, its gradient shard out and float32 shard back over --host-gbs; nothing overlapped,
-so it errs slow), then by simplicity. The first row is the one to try; each row says why it is there.
+Communication per optimiser step and rank, in bytes handed to collectives and point-to-point sends
+(the report also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
+    DP   ZeRO-0 all-reduce G·ψ; ZeRO-1 all-reduce G·ψ + all-gather P·ψ; ZeRO-2 reduce-scatter G·ψ +
+         all-gather P·ψ (M reduce-scatters with --reduce-every-micro-batch; else no_sync() holds a
+         whole gradient until the step's one); ZeRO-3 reduce-scatter G·ψ + all-gathers M·(2ψ_blocks
+         + ψ_rest)·P (each block forward and backward, the rest once per micro-batch): ψ the rank's
+         TP/PP share, P and G the bytes of a parameter as computed (ZeRO-3 gathers 16-bit units from
+         a float32 shard) and of a gradient HSDP (--hsdp, step 7's --replicate R): ZeRO-3's, inside
+         rows of S = dp·cp/R ranks, and an all-reduce of G·ψ/S across the R rows
+    TP   per micro-batch 6 all-reduces of b·s·h per block (2 forward; 4 backward: q, k, v and the
+         MLP's input), one for the embedding, one for the output layer's input: (6 L_stage + 2)
+         b·s·h activations
+    PP   per micro-batch b·s·h activations forward and b·s·h gradients back (one message each way),
+         and the tied embedding's gradient (Vh/tp) from the last stage to the first
+    CP   per micro-batch and block, to the next rank of the ring: cp - 1 K/V blocks forward (again
+         with checkpointing) and backward, and cp float32 dK/dV buffers (step 11's records)
+Mixture of experts (``--moe-experts E`` or ``--moe-preset``): step 12's layouts instead, one per ep
+dividing E and the devices: a rank holds the dense part whole and E/ep experts of each MoE layer
+(ZeRO-0) and one micro-batch's activations (activation_formula.py's MoE terms), and hands 8E +
+4·k·T·h·bytes to all-to-alls per MoE layer and micro-batch of T tokens; each row's step time is
+estimated (moe_step_time), not ranked (docs/planner.md). Each row again on step 10's mesh (``--dp N
+--ep D``): the same, with ZeRO-1's AdamW state, the dense part's sharded over the N ranks and each
+expert's over its N/D copies (experts_on_mesh.py).
+Ranking: by an estimated step time (compute 6Ψ + 12 L s h per token, 8Ψ + 16 L s h for the blocks
+with checkpointing, over --tflops,
+stretched by the bubble (M + P - 1)/M; each axis's bytes over the link it crosses: --intra-gbs
+inside a node, --inter-gbs across, ranks laid out tp innermost, then cp, then dp, then pp; with
+--offload-optimizer, ZeRO-3 may keep AdamW's state on the host, its gradient shard out and float32
+shard back over --host-gbs; nothing overlapped, so it errs slow), then by simplicity. The first row
+is the one to try; each row says why it is there.
 """
 
 import argparse
@@ -101,10 +106,11 @@ HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 6144, 8192, 12288, 1638
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A decoder-only transformer by its shape: the trainers' GPT-2 by default (multi-head attention, a GELU MLP
-    of 4h, LayerNorms, biases, learned positions, the output layer tied to the token embedding); Llama's kind with
-    ``n_kv_head`` < ``n_head`` (grouped-query attention), ``mlp="swiglu"``, ``ffn``, ``norm="rmsnorm"``,
-    ``bias=False``, ``positions=False`` (rotary: no table) and ``tied=False``."""
+    """A decoder-only transformer by its shape: the trainers' GPT-2 by default (multi-head
+    attention, a GELU MLP of 4h, LayerNorms, biases, learned positions, the output layer tied to the
+    token embedding); Llama's kind with ``n_kv_head`` < ``n_head`` (grouped-query attention),
+    ``mlp="swiglu"``, ``ffn``, ``norm="rmsnorm"``, ``bias=False``, ``positions=False`` (rotary: no
+    table) and ``tied=False``."""
 
     n_layer: int
     n_embd: int
@@ -121,8 +127,8 @@ class Shape:
 
     @classmethod
     def from_params(cls, psi: float, vocab: int, seq_len: int) -> "Shape":
-        """A shape of GPT-3's table for about Ψ parameters: the hidden size nearest (32Ψ/3)^(1/3) (where h = 128 L),
-        heads of 128, then as many layers as Ψ takes."""
+        """A shape of GPT-3's table for about Ψ parameters: the hidden size nearest (32Ψ/3)^(1/3)
+        (where h = 128 L), heads of 128, then as many layers as Ψ takes."""
         h = min(HIDDEN_SIZES, key=lambda h: abs(math.log(h / (32 * psi / 3) ** (1 / 3))))
         layers = max(1, round((psi - (vocab + seq_len + 2) * h) / (12 * h * h + 13 * h)))
         return cls(layers, h, max(1, h // 128), vocab, seq_len)
@@ -154,8 +160,8 @@ class Shape:
 
     @property
     def block_split(self) -> int:
-        """A block's elements tensor parallelism splits: c_q, c_k, c_v, attn.c_proj's weight, the MLP's matrices,
-        and the column-parallel layers' biases."""
+        """A block's elements tensor parallelism splits: c_q, c_k, c_v, attn.c_proj's weight, the
+        MLP's matrices, and the column-parallel layers' biases."""
         h, f = self.n_embd, self.ffn_width
         matrices = 2 * h * h + 2 * h * self.kv_dim + (3 if self.mlp == "swiglu" else 2) * h * f
         return matrices + (
@@ -179,8 +185,9 @@ class Shape:
         return embeddings + self.n_layer * self.block + self.norm_params
 
 
-# Published shapes: GPT-2 (Radford et al. 2019, Hugging Face's counts), GPT-3 (Brown et al. 2020, Table 2.1; 13B's
-# h as released, 5120), Korthikanti et al. 2022's Table 3 (vocabulary 51,200), Llama 3 (Dubey et al. 2024, Table 3)
+# Published shapes: GPT-2 (Radford et al. 2019, Hugging Face's counts), GPT-3 (Brown et al. 2020,
+# Table 2.1; 13B's h as released, 5120), Korthikanti et al. 2022's Table 3 (vocabulary 51,200),
+# Llama 3 (Dubey et al. 2024, Table 3)
 PRESETS = {
     "gpt2": Shape(12, 768, 12, 50257, 1024),
     "gpt2-medium": Shape(24, 1024, 16, 50257, 1024),
@@ -222,8 +229,9 @@ PRESETS = {
 }
 
 
-# Mixture of experts (common/moe.py, step 12's expert parallelism): every ``every``-th block (0, N, 2N, ...) has E
-# copies of its MLP behind a router (E x h, no bias); each token's k slots go to their experts' ranks.
+# Mixture of experts (common/moe.py, step 12's expert parallelism): every ``every``-th block (0, N,
+# 2N, ...) has E copies of its MLP behind a router (E x h, no bias); each token's k slots go to
+# their experts' ranks.
 @dataclasses.dataclass(frozen=True)
 class MoE:
     experts: int
@@ -254,8 +262,9 @@ MOE_PRESETS = {
 
 
 def moe_psi(shape: Shape, moe: MoE) -> dict:
-    """Ψ of an MoE model: ``dense`` (everything but the experts, the routers included), ``experts`` (all E of
-    every MoE layer), ``active`` (what one token computes with: dense and k experts a layer)."""
+    """Ψ of an MoE model: ``dense`` (everything but the experts, the routers included), ``experts``
+    (all E of every MoE layer), ``active`` (what one token computes with: dense and k experts a
+    layer)."""
     h, f = shape.n_embd, shape.ffn_width
     expert = (3 if shape.mlp == "swiglu" else 2) * h * f + (
         (2 if shape.mlp == "swiglu" else 1) * f + h if shape.bias else 0
@@ -271,8 +280,9 @@ def moe_psi(shape: Shape, moe: MoE) -> dict:
 
 
 def moe_rank_params(shape: Shape, moe: MoE, ep: int) -> int:
-    """Elements a rank of step 12 holds: the dense part whole (data-parallel over every rank), E/ep experts of each
-    MoE layer. Its gradients and AdamW state follow its parameters (``estimate.state_bytes`` at ZeRO-0)."""
+    """Elements a rank of step 12 holds: the dense part whole (data-parallel over every rank), E/ep
+    experts of each MoE layer. Its gradients and AdamW state follow its parameters
+    (``estimate.state_bytes`` at ZeRO-0)."""
     psi = moe_psi(shape, moe)
     return psi["dense"] + psi["experts"] // ep
 
@@ -280,11 +290,11 @@ def moe_rank_params(shape: Shape, moe: MoE, ep: int) -> int:
 def all_to_all_bytes(
     moe: MoE, tokens: int, h: int, ep: int, activation_bytes: int = 4, kept: float = 1.0
 ) -> dict:
-    """Bytes per MoE layer and micro-batch of ``tokens`` a rank hands to all-to-alls in step 12 (expert_parallel.py),
-    on average over the ranks: the E counts (int64), then the kept slots' rows sent and as many received (over
-    a group, what is sent is what arrives), forward (dispatch, combine) and backward (their gradients):
-    8E + 4 x k·T·kept x h x bytes. ``on_the_wire``: the token rows that leave the rank, (ep - 1)/ep of them when
-    the router balances."""
+    """Bytes per MoE layer and micro-batch of ``tokens`` a rank hands to all-to-alls in step 12
+    (expert_parallel.py), on average over the ranks: the E counts (int64), then the kept slots' rows
+    sent and as many received (over a group, what is sent is what arrives), forward (dispatch,
+    combine) and backward (their gradients): 8E + 4 x k·T·kept x h x bytes. ``on_the_wire``: the
+    token rows that leave the rank, (ep - 1)/ep of them when the router balances."""
     rows = moe.top_k * tokens * kept * h * activation_bytes
     return {
         "handed": 8 * moe.experts + 4 * rows,
@@ -293,22 +303,23 @@ def all_to_all_bytes(
 
 
 def stage_blocks(n_layer: int, pp: int, stage: int) -> int:
-    """Blocks on ``stage`` of ``pp``: step 9's split, as even as can be, the first stages taking one more."""
+    """Blocks on ``stage`` of ``pp``: step 9's split, as
+    even as can be, the first stages taking one more."""
     base, extra = divmod(n_layer, pp)
     return base + (stage < extra)
 
 
 def chunk_blocks(n_layer: int, pp: int, stage: int, chunks: int = 1) -> list[int]:
-    """Blocks of each chunk a rank of pipeline ``stage`` holds: one chunk, step 9's split; interleaved, the chunks
-    stage, stage + pp, ... of the model cut into pp x chunks."""
+    """Blocks of each chunk a rank of pipeline ``stage`` holds: one chunk, step 9's split;
+    interleaved, the chunks stage, stage + pp, ... of the model cut into pp x chunks."""
     return [stage_blocks(n_layer, pp * chunks, v * pp + stage) for v in range(chunks)]
 
 
 def rank_params(shape: Shape, tp: int, pp: int, stage: int, chunks: int = 1) -> dict:
-    """Elements a rank of pipeline ``stage`` holds: ``blocks`` (its blocks' share) and ``rest`` (embeddings,
-    final norm, the tied copy). Of a block ``Shape.block_split`` is split over tp (GPT-2: 12h² + 7h, c_q, c_k, c_v,
-    attn.c_proj's weight, c_fc, mlp.c_proj's weight), the rest kept whole (GPT-2: 6h, the LayerNorms, the
-    row-parallel biases); the vocabulary is split.
+    """Elements a rank of pipeline ``stage`` holds: ``blocks`` (its blocks' share) and ``rest``
+    (embeddings, final norm, the tied copy). Of a block ``Shape.block_split`` is split over tp
+    (GPT-2: 12h² + 7h, c_q, c_k, c_v, attn.c_proj's weight, c_fc, mlp.c_proj's weight), the rest
+    kept whole (GPT-2: 6h, the LayerNorms, the row-parallel biases); the vocabulary is split.
     ``chunks``: the interleaved schedule's per stage."""
     h = shape.n_embd
     blocks = sum(chunk_blocks(shape.n_layer, pp, stage, chunks)) * (
@@ -324,8 +335,8 @@ def rank_params(shape: Shape, tp: int, pp: int, stage: int, chunks: int = 1) -> 
 
 
 def block_indices(n_layer: int, pp: int, stage: int, chunks: int = 1) -> list[int]:
-    """The blocks, by number, a rank of pipeline ``stage`` holds (``chunk_blocks``'s): the model cut into pp x chunks
-    stages by step 9's split, this rank's the stages stage, stage + pp, ..."""
+    """The blocks, by number, a rank of pipeline ``stage`` holds (``chunk_blocks``'s): the model cut
+    into pp x chunks stages by step 9's split, this rank's the stages stage, stage + pp, ..."""
     starts = list(
         itertools.accumulate(
             (stage_blocks(n_layer, pp * chunks, k) for k in range(pp * chunks)), initial=0
@@ -339,9 +350,10 @@ def block_indices(n_layer: int, pp: int, stage: int, chunks: int = 1) -> list[in
 def moe_rank_params_on_mesh(
     shape: Shape, moe: MoE, tp: int, pp: int, stage: int, chunks: int, ep: int
 ) -> dict:
-    """Elements a rank of step 10 with experts holds (experts_on_mesh.py; the trainers' GPT-2): ``dense``,
-    ``rank_params``'s with each MoE block's tp share of the MLP (c_fc, c_proj's weight; its bias whole) replaced by
-    the router (E x h, whole), and ``experts``, E/ep whole experts of each MoE block it holds."""
+    """Elements a rank of step 10 with experts holds (experts_on_mesh.py; the trainers' GPT-2):
+    ``dense``, ``rank_params``'s with each MoE block's tp share of the MLP (c_fc, c_proj's weight;
+    its bias whole) replaced by the router (E x h, whole), and ``experts``, E/ep whole experts of
+    each MoE block it holds."""
     held = rank_params(shape, tp, pp, stage, chunks)
     h, f = shape.n_embd, shape.ffn_width
     mlp_split = 2 * h * f + f
@@ -355,9 +367,9 @@ def moe_rank_params_on_mesh(
 
 
 class Activations:
-    """What autograd saves per micro-batch of b sequences, counted once on the meta device: per block and for
-    the rest of the model, the part tensor parallelism splits and the part it keeps whole; with checkpointing,
-    what a block keeps (its input)."""
+    """What autograd saves per micro-batch of b sequences, counted once on the meta device: per
+    block and for the rest of the model, the part tensor parallelism splits and the part it keeps
+    whole; with checkpointing, what a block keeps (its input)."""
 
     def __init__(self, shape: Shape, micro_batch_size: int, dtype=None, dropout: float = 0.0):
         config = {
@@ -387,14 +399,16 @@ class Activations:
 
         def parts(storages: dict, in_block: bool) -> tuple[int, int, int]:
             kept = sum(n for k, n in storages.items() if whole(shapes[k]))
-            # A block saves five (b, s, h) tensors: the LayerNorms' inputs and outputs, whole on every rank, and the
-            # attention's output, the row-parallel c_proj's input, which holds only the rank's heads.
+            # A block saves five (b, s, h) tensors: the LayerNorms' inputs and outputs, whole on
+            # every rank, and the attention's output, the row-parallel c_proj's input, which holds
+            # only the rank's heads.
             if in_block:
                 kept -= hidden * element
             # Sequence parallelism (step 8's sequence_parallel.py) splits the LayerNorms' inputs
             # (two per block, the final one in
-            # the rest) and their per-token statistics; their outputs, gathered whole for the column-parallel layers
-            # and kept for their weights' gradients, stay whole (as in PyTorch's plan).
+            # the rest) and their per-token statistics; their outputs, gathered whole for the
+            # column-parallel layers and kept for their weights' gradients, stay whole (as in
+            # PyTorch's plan).
             statistics = sum(
                 n for k, n in storages.items() if len(shapes[k]) > 0 and shapes[k][-1] == 1
             )
@@ -415,10 +429,11 @@ class Activations:
         checkpointing: bool,
         sequence_parallel: bool = False,
     ) -> int:
-        """Bytes one micro-batch leaves for backward on a rank of a stage with ``blocks`` blocks (with
-        checkpointing, the blocks' inputs: the block recomputed in backward is ``recomputed``; with
-        ``sequence_parallel``, 1/tp of them, and of what sequence parallelism splits)."""
-        # the rest (embedding lookup, final norm, logits, loss): on the last stage, where nearly all of it is
+        """Bytes one micro-batch leaves for backward on a rank of a stage with ``blocks`` blocks
+        (with checkpointing, the blocks' inputs: the block recomputed in backward is ``recomputed``;
+        with ``sequence_parallel``, 1/tp of them, and of what sequence parallelism splits)."""
+        # the rest (embedding lookup, final norm, logits,
+        # loss): on the last stage, where nearly all of it is
         rest = self.split(self.rest, tp, sequence_parallel) if last else 0
         kept = -(-self.kept_per_block // tp) if sequence_parallel else self.kept_per_block
         return blocks * (kept if checkpointing else self.block_bytes(tp, sequence_parallel)) + rest
@@ -434,17 +449,18 @@ class Activations:
     def recomputed(
         self, blocks: int, tp: int, checkpointing: bool, sequence_parallel: bool = False
     ) -> int:
-        """With checkpointing, what one block's recomputation holds while its backward runs: once per stage,
-        whatever the micro-batches in flight (one backward, so one recomputation, runs at a time)."""
+        """With checkpointing, what one block's recomputation holds while its backward runs: once
+        per stage, whatever the micro-batches in flight (one backward, so one recomputation, runs at
+        a time)."""
         return self.block_bytes(tp, sequence_parallel) if checkpointing and blocks else 0
 
 
 def in_flight(
     schedule: str, pp: int, stage: int, micro_batches: int, chunks: int = VIRTUAL_STAGES
 ) -> int:
-    """Micro-batches whose activations a stage holds at once: GPipe M, 1F1B at most P - s; interleaved, chunk
-    micro-batches, its warm-up plus one, (V - 1) P + 2 (P - s - 1) + 1, at most M V; zero bubble min(P, M) (each
-    held until its deferred W); no pipeline: 1."""
+    """Micro-batches whose activations a stage holds at once: GPipe M, 1F1B at most P - s;
+    interleaved, chunk micro-batches, its warm-up plus one, (V - 1) P + 2 (P - s - 1) + 1, at most M
+    V; zero bubble min(P, M) (each held until its deferred W); no pipeline: 1."""
     if pp == 1:
         return 1
     if schedule == "zero-bubble":
@@ -455,8 +471,9 @@ def in_flight(
 
 
 def step9_pipeline(module: str = "pipeline_schedules"):
-    """Step 9's pipeline_schedules.py: the schedules the planner counts with (their action lists, their
-    bubble); or another of step 9's modules, ``module`` (pipeline_setup.py: its flags' rules)."""
+    """Step 9's pipeline_schedules.py: the schedules the planner counts with (their action lists,
+    their bubble); or another of step 9's modules, ``module`` (pipeline_setup.py: its flags'
+    rules)."""
     step9 = str(Path(__file__).resolve().parent.parent / "step9_pipeline_parallel")
     if step9 not in sys.path:
         sys.path.append(step9)  # after common/: the copies step 9 shares are common's own
@@ -474,8 +491,9 @@ def interleaved_activations(
     sequence_parallel: bool,
     chunks: int = VIRTUAL_STAGES,
 ) -> int:
-    """The most bytes a rank of the interleaved schedule holds for backward: its chunks' activations per micro-batch
-    (the last chunk with the logits) added and taken away along step 9's own action list, at their peak."""
+    """The most bytes a rank of the interleaved schedule holds for backward: its chunks' activations
+    per micro-batch (the last chunk with the logits) added and taken away along step 9's own action
+    list, at their peak."""
     schedule_actions = step9_pipeline().schedule_actions
     blocks = chunk_blocks(shape.n_layer, pp, stage, chunks)
     last = [v * pp + stage == pp * chunks - 1 for v in range(chunks)]
@@ -511,13 +529,14 @@ def moe_layouts(
     param_dtype: str = "float32",
     activations: FormulaActivations | None = None,
 ) -> list[dict]:
-    """Step 12's layouts on ``hardware.devices`` ranks: every ep that divides both E and the ranks. The dense part
-    is data-parallel over every rank, each expert over the devices/ep ranks that hold it; ZeRO-0 (step 12 is built
-    on naive DP). Per rank: parameters, model state, one micro-batch's activations (step 12 runs each micro-batch's
-    backward before the next forward; ``activations``: by formula, math attention by default) and the all-to-all
-    bytes of an optimiser step, dropless (``kept`` = 1: a capacity factor only sends less) and balanced (each rank's
-    experts compute k x T slots, whatever ep). An ep group is ep consecutive ranks (expert_parallel.py): inside a
-    node when ep divides the GPUs per node."""
+    """Step 12's layouts on ``hardware.devices`` ranks: every ep that divides both E and the ranks.
+    The dense part is data-parallel over every rank, each expert over the devices/ep ranks that hold
+    it; ZeRO-0 (step 12 is built on naive DP). Per rank: parameters, model state, one micro-batch's
+    activations (step 12 runs each micro-batch's backward before the next forward; ``activations``:
+    by formula, math attention by default) and the all-to-all bytes of an optimiser step, dropless
+    (``kept`` = 1: a capacity factor only sends less) and balanced (each rank's experts compute k x
+    T slots, whatever ep). An ep group is ep consecutive ranks (expert_parallel.py): inside a node
+    when ep divides the GPUs per node."""
     psi = moe_psi(shape, moe)
     rows, layers = [], psi["moe_layers"]
     per_step = layers * micro_batches
@@ -565,8 +584,9 @@ def moe_layouts(
 def mesh_moe_state(
     dense: int, experts: int, devices: int, ep: int, param_dtype: str, zero: int = 1
 ) -> dict:
-    """Bytes per rank, by kind, of step 10's ``--dp N --ep D`` (experts_on_mesh.py's rule 5): ZeRO-1 (or ``zero``,
-    its --zero) over the N ranks for the ``dense`` elements, over an expert's N/D copies for the rank's ``experts``;
+    """Bytes per rank, by kind, of step 10's ``--dp N --ep D`` (experts_on_mesh.py's rule 5): ZeRO-1
+    (or ``zero``, its --zero) over the N ranks for the ``dense`` elements, over an expert's N/D
+    copies for the rank's ``experts``;
     ``zero`` 0: step 12's whole state."""
     parts = (
         estimate.state_bytes(zero, dense, devices, param_dtype),
@@ -578,11 +598,12 @@ def mesh_moe_state(
 def moe_step_time(
     shape: Shape, psi: dict, hardware: Hardware, micro_batch_size: int, row: dict, grad_bytes: float
 ) -> dict:
-    """Seconds per optimiser step of a step-12 row, ``step_time``'s rough model: compute (6 x the active Ψ + 12 L s h
-    a token) on this rank's tokens; the all-to-alls' bytes on the wire over the ep group's link; the dense
-    gradients' all-reduce over every rank and each expert's over its copies (rings: 2(n - 1)/n), none
-    overlapped. A group spans nodes when it has more ranks than a node (the copies of an expert are strided, ep
-    apart, so they span nodes whenever the devices do). ``psi``: ``moe_psi``'s."""
+    """Seconds per optimiser step of a step-12 row, ``step_time``'s rough model: compute (6 x the
+    active Ψ + 12 L s h a token) on this rank's tokens; the all-to-alls' bytes on the wire over the
+    ep group's link; the dense gradients' all-reduce over every rank and each expert's over its
+    copies (rings: 2(n - 1)/n), none overlapped. A group spans nodes when it has more ranks than a
+    node (the copies of an expert are strided, ep apart, so they span nodes whenever the devices
+    do). ``psi``: ``moe_psi``'s."""
     tokens = row["micro_batches"] * micro_batch_size * shape.seq_len
     flops = flops_per_token(shape, False, active=psi["active"]) * tokens
     compute = flops / (hardware.tflops * 1e12)
@@ -609,19 +630,24 @@ def moe_report(
     param_dtype: str,
     accounting: str = "by formula (compare/activation_formula.py: math attention, dropout 0)",
 ) -> str:
-    """The EP table: one line per ep degree, and each row's step 12 command (or why there is none)."""
+    """The EP table: one line per ep degree, and each
+    row's step 12 command (or why there is none)."""
     unit = (GIB, "GiB") if max(row["total"] for row in rows) >= 2 * GIB else (2**20, "MiB")
     psi = moe_psi(shape, moe)
     lines = [
         f"mixture of experts: E {moe.experts}, top-{moe.top_k}, every {moe.every} block(s) "
-        f"({psi['moe_layers']} MoE layers); Ψ = {psi['dense'] + psi['experts']:,} ({psi['dense']:,} dense, "
+        f"({psi['moe_layers']} MoE layers); Ψ = {psi['dense'] + psi['experts']:,} "
+        f"({psi['dense']:,} dense, "
         f"{psi['experts']:,} experts), {psi['active']:,} active per token; {param_dtype}, AdamW",
-        f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} ({hardware.gpus_per_node} per "
+        f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} "
+        f"({hardware.gpus_per_node} per "
         f"node); micro-batch {micro_batch_size}, global batch {global_batch} sequences, "
         f"{rows[0]['micro_batches']} micro-batches a rank",
-        "step 12: dp over every rank, ep splitting the experts; ZeRO-0; model state and one micro-batch's "
+        "step 12: dp over every rank, ep splitting the experts; ZeRO-0; model state "
+        "and one micro-batch's "
         f"activations {accounting}; all-to-all per rank and optimiser step; dropless, balanced",
-        "step 10 (--dp N --ep D): the same layout on its mesh, AdamW's state sharded (ZeRO-1) over the N ranks "
+        "step 10 (--dp N --ep D): the same layout on its mesh, AdamW's state sharded "
+        "(ZeRO-1) over the N ranks "
         "for the dense part and over an expert's N/D copies for the experts",
         f"{'ep':>4}{'copies of an expert':>21}{'params a rank':>16}{f'state ({unit[1]})':>14}"
         f"{f'activations ({unit[1]})':>20}{'fits':>6}"
@@ -633,7 +659,8 @@ def moe_report(
             f"{row['ep']:>4}{row['expert_replicas']:>21}{row['params']:>16,}"
             f"{sum(row['state'].values()) / unit[0]:>14,.1f}{row['activations'] / unit[0]:>20,.1f}"
             f"{'yes' if row['fits'] else 'no':>6}"
-            f"{row['all_to_all_handed'] / unit[0]:>25,.1f}{row['all_to_all_on_the_wire'] / unit[0]:>19,.1f}"
+            f"{row['all_to_all_handed'] / unit[0]:>25,.1f}"
+            f"{row['all_to_all_on_the_wire'] / unit[0]:>19,.1f}"
             f"{'inside a node' if row['inside_a_node'] else 'across nodes':>16}"
             f"{step_ms(row['time']['step_s'] * 1e3):>13}"
             f"{sum(row['mesh_state'].values()) / unit[0]:>25,.1f}"
@@ -644,14 +671,17 @@ def moe_report(
     else:
         lines += [f"  ep {row['ep']}: {row['command']}" for row in rows if row["fits"]]
         lines += [
-            f"  ep {row['ep']}, step 10: {row['mesh_command'] or 'no command: ' + row['no_mesh_command']}"
+            f"  ep {row['ep']}, step 10: "
+            f"{row['mesh_command'] or 'no command: ' + row['no_mesh_command']}"
             for row in rows
             if row["mesh_fits"]
         ]
     if not any(row["fits"] or row["mesh_fits"] for row in rows):
         lines.append(
-            "no ep fits, in step 12 (ZeRO-0) nor on step 10's mesh (ZeRO-1 for the dense part and the "
-            "experts); step 10's --zero 2 also shards their gradients (not in this table), ZeRO-3 with ep "
+            "no ep fits, in step 12 (ZeRO-0) nor on step 10's mesh (ZeRO-1 for the "
+            "dense part and the "
+            "experts); step 10's --zero 2 also shards their gradients (not in this "
+            "table), ZeRO-3 with ep "
             "is not built"
         )
     return "\n".join(lines)
@@ -681,21 +711,22 @@ def configuration(
     cp: int = 1,
     replicate: int = 1,
 ) -> dict:
-    """Every rank's bytes and every axis's traffic for one configuration (``micro_batches``: per rank and step,
-    the pipeline's M). Stages differ; the rank holding most decides whether it fits. ZeRO-2 and -3 over M > 1
-    micro-batches: as the trainers' ``no_sync()`` does, whole gradients accumulate until the step's one
-    reduce-scatter (``accumulated``, beside the shard); ``reduce_every_micro_batch`` (step 6's flag): M
-    reduce-scatters into the shard instead. ``offload`` (ZeRO-3 only,
-    step 7's --offload-optimizer): the optimiser state leaves the device for the host (``host``), with a float32
-    copy of the shard where the shard is the master; the gradient shard goes out and the float32 shard comes
-    back every step (``offloaded``, bytes each way). ``sequence_parallel`` (at tp > 1, step 8's
-    sequence_parallel.py): what the
-    LayerNorms save split 1/tp too; each activation all-reduce a reduce-scatter and an all-gather. ``cp`` (step 11):
-    each sequence split over cp ranks, each a replica of the state, so ZeRO shards over dp x cp; ``activations``
-    must then be the ring's (``FormulaActivations(..., cp=cp)``); the ring passes K/V blocks to its neighbour.
-    ``replicate`` (ZeRO-3 only, step 7's --replicate: HSDP): the dp x cp replicas are R rows of S = dp cp / R, the
-    state sharded over a row's S, the gathers and the reduce-scatter in the row, the 1/S gradient shard all-reduced
-    across the R rows (``comm["replicate"]``)."""
+    """Every rank's bytes and every axis's traffic for one configuration (``micro_batches``: per
+    rank and step, the pipeline's M). Stages differ; the rank holding most decides whether it fits.
+    ZeRO-2 and -3 over M > 1 micro-batches: as the trainers' ``no_sync()`` does, whole gradients
+    accumulate until the step's one reduce-scatter (``accumulated``, beside the shard);
+    ``reduce_every_micro_batch`` (step 6's flag): M reduce-scatters into the shard instead.
+    ``offload`` (ZeRO-3 only, step 7's --offload-optimizer): the optimiser state leaves the device
+    for the host (``host``), with a float32 copy of the shard where the shard is the master; the
+    gradient shard goes out and the float32 shard comes back every step (``offloaded``, bytes each
+    way). ``sequence_parallel`` (at tp > 1, step 8's sequence_parallel.py): what the
+    LayerNorms save split 1/tp too; each activation all-reduce a reduce-scatter and an all-gather.
+    ``cp`` (step 11): each sequence split over cp ranks, each a replica of the state, so ZeRO shards
+    over dp x cp; ``activations`` must then be the ring's (``FormulaActivations(..., cp=cp)``); the
+    ring passes K/V blocks to its neighbour.
+    ``replicate`` (ZeRO-3 only, step 7's --replicate: HSDP): the dp x cp replicas are R rows of S =
+    dp cp / R, the state sharded over a row's S, the gathers and the reduce-scatter in the row, the
+    1/S gradient shard all-reduced across the R rows (``comm["replicate"]``)."""
     sequence_parallel = sequence_parallel and tp > 1
     chunks = VIRTUAL_STAGES if schedule == "interleaved-1f1b" and pp > 1 else 1
     (p_bytes, g_bytes, _), _ = estimate.bytes_per_parameter(zero, param_dtype, reduce_dtype)
@@ -776,7 +807,8 @@ def configuration(
                 "send": micro_batches * bsh * act_bytes * hops
                 + (micro_batches * tied if stage == pp - 1 else tied if stage == 0 else 0)
             }
-        # per block: C - 1 K/V blocks forward (again with checkpointing) and backward, C float32 dK/dV
+        # per block: C - 1 K/V blocks forward (again with
+        # checkpointing) and backward, C float32 dK/dV
         if cp > 1:
             kv = 2 * micro_batch_size * shape.seq_len // cp * -(-shape.kv_dim // tp)
             passes = (cp - 1) * (3 if checkpointing else 2) * act_bytes + cp * 4
@@ -818,10 +850,11 @@ def configuration(
 def flops_per_token(
     shape: Shape, checkpointing: bool, selective: bool = False, active: int | None = None
 ) -> float:
-    """Forward and backward, 3 passes of 2 flops per weight and 4 s h a layer for attention's QKᵀ and AV:
-    6Ψ + 12 L s h, Narayanan et al. 2021's 72 L h² (1 + s / 6h + V / 12 L h). Checkpointing runs the blocks'
-    forward once more (their 96 L h² (1 + s / 6h + V / 16 L h)): 2Ψ_blocks + 4 L s h; selective recomputation
-    only attention's QKᵀ and AV: 4 L s h. ``active``: the Ψ a token computes with, if not the model's (an MoE's)."""
+    """Forward and backward, 3 passes of 2 flops per weight and 4 s h a layer for attention's QKᵀ
+    and AV: 6Ψ + 12 L s h, Narayanan et al. 2021's 72 L h² (1 + s / 6h + V / 12 L h). Checkpointing
+    runs the blocks' forward once more (their 96 L h² (1 + s / 6h + V / 16 L h)): 2Ψ_blocks + 4 L s
+    h; selective recomputation only attention's QKᵀ and AV: 4 L s h. ``active``: the Ψ a token
+    computes with, if not the model's (an MoE's)."""
     blocks, attention = (
         shape.n_layer * shape.block,
         4 * shape.n_layer * shape.seq_len * shape.n_embd,
@@ -834,8 +867,9 @@ def flops_per_token(
 
 
 def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: int) -> dict:
-    """Seconds per optimiser step, a rough model: compute over the devices, stretched by the bubble, plus each
-    axis's bytes over the link it crosses (a ring moves 2(n-1)/n of an all-reduce's bytes), none overlapped."""
+    """Seconds per optimiser step, a rough model: compute over the devices, stretched by the bubble,
+    plus each axis's bytes over the link it crosses (a ring moves 2(n-1)/n of an all-reduce's
+    bytes), none overlapped."""
     dp, cp, tp, pp, m = (
         config["dp"],
         config["cp"],
@@ -878,8 +912,9 @@ def step_time(config: dict, shape: Shape, hardware: Hardware, micro_batch_size: 
 
 
 def group_sizes(config: dict) -> dict:
-    """The ranks of each axis's group (ZeRO's and the gradients' over dp x cp: a ring's ranks are replicas); a
-    pipeline's and a ring's sends go to one neighbour at a time. HSDP (``replicate``): its rows and columns."""
+    """The ranks of each axis's group (ZeRO's and the gradients' over dp x cp: a ring's ranks are
+    replicas); a pipeline's and a ring's sends go to one neighbour at a time. HSDP (``replicate``):
+    its rows and columns."""
     # HSDP: ZeRO's group is a row of dp cp / R, the gradient shard's a column
     replicate = config.get("replicate", 1)
     return {
@@ -892,10 +927,11 @@ def group_sizes(config: dict) -> dict:
 
 
 def on_the_wire(kinds: dict, n: int) -> float:
-    """Bytes a rank sends for ``kinds`` (bytes handed to each kind of collective, as the records count them) on a
-    group of ``n`` ranks with ring algorithms: an all-reduce 2(n - 1)/n of its buffer (a reduce-scatter, then an
-    all-gather), a reduce-scatter or an all-gather (n - 1)/n of the whole buffer, a point-to-point send all of it.
-    So ZeRO-2's reduce-scatter + all-gather hands collectives twice DDP's all-reduce bytes, and sends the same."""
+    """Bytes a rank sends for ``kinds`` (bytes handed to each kind of collective, as the records
+    count them) on a group of ``n`` ranks with ring algorithms: an all-reduce 2(n - 1)/n of its
+    buffer (a reduce-scatter, then an all-gather), a reduce-scatter or an all-gather (n - 1)/n of
+    the whole buffer, a point-to-point send all of it. So ZeRO-2's reduce-scatter + all-gather hands
+    collectives twice DDP's all-reduce bytes, and sends the same."""
     return sum(
         b * (2 * (n - 1) / n if kind == "all_reduce" else 1 if kind == "send" else (n - 1) / n)
         for kind, b in kinds.items()
@@ -921,15 +957,16 @@ def plan(
     ring_activations=None,
     hsdp: bool = False,
 ) -> tuple[list[dict], list[dict]]:
-    """(the configurations that fit, ranked; those that do not). Every dp x cp x tp x pp = --devices with tp dividing
-    the heads (and the key/value heads), pp at most the layers, 2 cp dividing the sequence and global batch =
-    dp x micro-batch x M. The interleaved schedule where it can run (M a multiple of pp, 2 chunks of a block or
-    more per stage), 1F1B where it cannot. Sequence parallelism (``sequence_parallel``: always) and context
-    parallelism are kept where they are needed: a layout with them fits only if the same layout without them (cp
-    folded into dp) does not, or cannot run (the global batch too small for dp x cp replicas).
-    ``activations``: by default counted on the meta device (the trainers' model); ``ring_activations(cp)``: by
-    default the formula's, with the ring's attention. ``hsdp``: ZeRO-3 also as HSDP, every R that leaves rows of 2
-    or more (step 7's --replicate R)."""
+    """(the configurations that fit, ranked; those that do not). Every dp x cp x tp x pp = --devices
+    with tp dividing the heads (and the key/value heads), pp at most the layers, 2 cp dividing the
+    sequence and global batch = dp x micro-batch x M. The interleaved schedule where it can run (M a
+    multiple of pp, 2 chunks of a block or more per stage), 1F1B where it cannot. Sequence
+    parallelism (``sequence_parallel``: always) and context parallelism are kept where they are
+    needed: a layout with them fits only if the same layout without them (cp folded into dp) does
+    not, or cannot run (the global batch too small for dp x cp replicas).
+    ``activations``: by default counted on the meta device (the trainers' model);
+    ``ring_activations(cp)``: by default the formula's, with the ring's attention. ``hsdp``: ZeRO-3
+    also as HSDP, every R that leaves rows of 2 or more (step 7's --replicate R)."""
     activations = activations or Activations(
         shape, micro_batch_size, estimate.PARAM_DTYPES[param_dtype]
     )
@@ -1021,8 +1058,9 @@ def layout_key(c: dict) -> tuple:
 
 
 def plainer(c: dict, sequence_parallel: bool = False) -> set:
-    """The keys of the same layout with less of what only activations call for: context parallelism folded into dp,
-    or sequence parallelism left out (unless ``sequence_parallel`` asks for it everywhere), or both."""
+    """The keys of the same layout with less of what only activations call for: context parallelism
+    folded into dp, or sequence parallelism left out (unless ``sequence_parallel`` asks for it
+    everywhere), or both."""
     sp = sequence_parallel and c["tp"] > 1
     folds = [{"dp": c["dp"] * c["cp"], "cp": 1}] if c["cp"] > 1 else []
     unsplits = [{"sequence_parallel": sp}] if c["sequence_parallel"] != sp else []
@@ -1045,7 +1083,7 @@ def name(c: dict) -> str:
     )
 
 
-# ---- The command that trains a layout ----------------------------------------------------------------------------
+# ---- The command that trains a layout ------------------------------------------------------------
 
 # pure dp, by ZeRO stage
 ZERO_STEPS = ("step1_torch_ddp", "step5_zero1", "step6_zero2", "step7_zero3")
@@ -1055,14 +1093,17 @@ PARAM_DTYPE_STEPS = ("step5_zero1", "step6_zero2", "step7_zero3")  # the trainer
 def trainer(
     c: dict, param_dtype: str = "float32", reduce_every_micro_batch: bool = False
 ) -> tuple[str, list] | str:
-    """(the step folder that trains layout ``c``, its layout flags), or one line saying why no trainer does.
-    cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings), or step 10 (DDP, ZeRO-1, -2 or -3 over
-    dp x cp, --zero 0|1|2|3, with tp and pp too; not with SP or selective recomputation); tp or pp: step 8 (tp alone),
-    step 9 (pp alone), step 10 (dp x tp x pp, --zero over dp; tp or pp alone too where recomputation is asked:
-    steps 8 and 9 have none); pure dp: step 1, 5, 6, 7 for ZeRO-0 to 3, step 7 with --replicate (HSDP),
-    --offload-optimizer and --activation-checkpointing full|selective, which step 10 also takes at ZeRO 0-2 (step 10
-    at tp = pp = 1). ZeRO-3 with tp, pp or cp: step 10's --zero 3 (HSDP: its --replicate R; its
-    --offload-optimizer), not with SP or zero bubble (step 10 refuses them). 16-bit parameters: steps 5-7 only."""
+    """(the step folder that trains layout ``c``, its
+    layout flags), or one line saying why no trainer does.
+    cp: step 11 (dp rings of cp ranks, each a replica, DDP over the rings), or step 10 (DDP, ZeRO-1,
+    -2 or -3 over dp x cp, --zero 0|1|2|3, with tp and pp too; not with SP or selective
+    recomputation); tp or pp: step 8 (tp alone), step 9 (pp alone), step 10 (dp x tp x pp, --zero
+    over dp; tp or pp alone too where recomputation is asked: steps 8 and 9 have none); pure dp:
+    step 1, 5, 6, 7 for ZeRO-0 to 3, step 7 with --replicate (HSDP), --offload-optimizer and
+    --activation-checkpointing full|selective, which step 10 also takes at ZeRO 0-2 (step 10 at tp =
+    pp = 1). ZeRO-3 with tp, pp or cp: step 10's --zero 3 (HSDP: its --replicate R; its
+    --offload-optimizer), not with SP or zero bubble (step 10 refuses them). 16-bit parameters:
+    steps 5-7 only."""
     dp, cp, tp, pp, zero, m = c["dp"], c["cp"], c["tp"], c["pp"], c["zero"], c["micro_batches"]
     recompute = "full" if c["checkpointing"] else "selective" if c.get("selective") else None
     axes = " x ".join(a for a in ("dp", "cp", "tp", "pp") if c[a] > 1)
@@ -1074,7 +1115,8 @@ def trainer(
         return why
     elif cp > 1 and (c["sequence_parallel"] or c.get("selective")):
         return (
-            f"no trainer runs cp with {'sequence parallelism' if c['sequence_parallel'] else 'selective recomputation'}"
+            "no trainer runs cp with "
+            f"{'sequence parallelism' if c['sequence_parallel'] else 'selective recomputation'}"
             ": step 10 refuses it (composition.py's rule 5)"
         )
     elif tp > 1 or pp > 1 or cp > 1:
@@ -1139,7 +1181,10 @@ def trainer(
             flags.append("--reduce-every-micro-batch")
         if zero == 3:
             if reduce_every_micro_batch and m > 1:
-                return "no trainer runs ZeRO-3 reducing every micro-batch: step 7 has no --reduce-every-micro-batch"
+                return (
+                    "no trainer runs ZeRO-3 reducing every micro-batch: step 7 has no "
+                    "--reduce-every-micro-batch"
+                )
             flags += [
                 *(["--replicate", c["replicate"]] if c.get("replicate", 1) > 1 else []),
                 *(["--offload-optimizer"] if c["offload"] else []),
@@ -1153,14 +1198,22 @@ def trainer(
             "reduce-scatters once a step; step 6 alone has --reduce-every-micro-batch"
         )
     if recompute == "full" and pp > 1 and c["schedule"] == "zero-bubble":
-        return "no trainer runs checkpointing with zero bubble: step 10 refuses it (W would recompute every block again)"
+        return (
+            "no trainer runs checkpointing with zero bubble: step 10 refuses it (W would "
+            "recompute every block again)"
+        )
     if recompute and step not in ("step7_zero3", "step10_3d_parallel"):
         return (
-            f"no trainer runs {'checkpointing' if c['checkpointing'] else 'selective recomputation'} "
-            f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO 0-3) alone have --activation-checkpointing"
+            "no trainer runs "
+            f"{'checkpointing' if c['checkpointing'] else 'selective recomputation'} "
+            f"with {layout}: steps 7 (ZeRO-3) and 10 (ZeRO 0-3) alone have "
+            "--activation-checkpointing"
         )
     if param_dtype != "float32" and step not in PARAM_DTYPE_STEPS:
-        return f"no trainer runs {param_dtype} parameters with {layout}: steps 5-7 alone have --param-dtype"
+        return (
+            f"no trainer runs {param_dtype} parameters with {layout}: steps 5-7 alone have "
+            "--param-dtype"
+        )
     return step, flags
 
 
@@ -1168,7 +1221,8 @@ def mesh_zero3_problem(c: dict) -> str | None:
     """Why step 10's --zero 3 cannot train ZeRO-3 layout ``c`` with tp, pp or cp, or None."""
     if c["sequence_parallel"] or (c["pp"] > 1 and c["schedule"] == "zero-bubble"):
         return (
-            f"no trainer runs ZeRO-3 with {'sequence parallelism' if c['sequence_parallel'] else 'zero bubble'}: "
+            "no trainer runs ZeRO-3 with "
+            f"{'sequence parallelism' if c['sequence_parallel'] else 'zero bubble'}: "
             "step 10 refuses it (zero3_on_mesh.py's rule 6)"
         )
     return None
@@ -1181,9 +1235,10 @@ def command(
     param_dtype: str = "float32",
     reduce_every_micro_batch: bool = False,
 ) -> tuple[str | None, str | None]:
-    """(``torchrun --nproc-per-node N stepX/train.py FLAGS``, None) for layout ``c``, or (None, why not):
-    ``trainer``'s step and layout flags after ``model_flags`` (the model's, the micro-batch's), the plan's M as
-    --grad-accum (the global batch), --param-dtype where the step has it."""
+    """(``torchrun --nproc-per-node N stepX/train.py
+    FLAGS``, None) for layout ``c``, or (None, why not):
+    ``trainer``'s step and layout flags after ``model_flags`` (the model's, the micro-batch's), the
+    plan's M as --grad-accum (the global batch), --param-dtype where the step has it."""
     found = trainer(c, param_dtype, reduce_every_micro_batch)
     if isinstance(found, str):
         return None, found
@@ -1194,8 +1249,8 @@ def command(
 
 
 def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
-    """Why this configuration, in the rules' terms: DDP first; ZeRO-2 before ZeRO-3; TP inside a node; PP across
-    nodes, paying the bubble; checkpointing only when activations do not fit."""
+    """Why this configuration, in the rules' terms: DDP first; ZeRO-2 before ZeRO-3; TP inside a
+    node; PP across nodes, paying the bubble; checkpointing only when activations do not fit."""
     reasons = []
     same = lambda r: all(r[k] == c[k] for k in ("dp", "cp", "tp", "pp", "sequence_parallel"))  # noqa: E731
     simpler = [
@@ -1228,7 +1283,8 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
         )
         reasons.append(
             f"HSDP: gathers {'inside a node' if links['dp'] else 'ACROSS nodes'}, "
-            f"{across / 1e6:,.1f} MB of gradient shard {'inside a node' if links['replicate'] else 'across'}"
+            f"{across / 1e6:,.1f} MB of gradient shard "
+            f"{'inside a node' if links['replicate'] else 'across'}"
         )
     if c["tp"] > 1:
         reasons.append(
@@ -1253,7 +1309,8 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
 
 
 def activations_reason(c: dict, rejected: list[dict], unit: tuple) -> str:
-    """Why context or sequence parallelism: the same layout with less of them does not fit, or cannot run."""
+    """Why context or sequence parallelism: the same layout
+    with less of them does not fit, or cannot run."""
     # less CP or SP, with SP or without: the least it needs
     keys = plainer(c) | plainer(c, sequence_parallel=True)
     without = [r for r in rejected if layout_key(r) in keys]
@@ -1294,34 +1351,43 @@ def report(
     kind = "GPT-2" if shape.is_trainers else f"{shape.mlp}, {shape.norm}, {shape.kv_heads} kv heads"
     lines = [
         f"{kind} n_layer {shape.n_layer}, n_embd {shape.n_embd}, n_head {shape.n_head}, vocabulary "
-        f"{shape.vocab:,}, seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} parameters, AdamW; "
+        f"{shape.vocab:,}, seq_len {shape.seq_len}: Ψ = {shape.psi:,}; {param_dtype} "
+        "parameters, AdamW; "
         f"activations {accounting}",
         f"{hardware.devices} devices of {hardware.memory / unit[0]:g} {unit[1]} "
         f"({hardware.gpus_per_node} per node); "
         f"micro-batch {micro_batch_size}, global batch {global_batch} sequences",
-        f"{len(fit)} configurations fit, {len(rejected)} do not. {unit[1]} per rank (the stage holding most); "
+        f"{len(fit)} configurations fit, {len(rejected)} do not. {unit[1]} per rank "
+        "(the stage holding most); "
         "grads: with ZeRO-2/3, the shard and the whole gradient no_sync() accumulates (M > 1); "
-        "gather: ZeRO-3's units in flight; held: micro-batches of activations held (interleaved: chunks'); "
-        "MB: bytes per step and rank each axis hands to collectives / sends on the wire (ring algorithms); "
+        "gather: ZeRO-3's units in flight; held: micro-batches of activations held "
+        "(interleaved: chunks'); "
+        "MB: bytes per step and rank each axis hands to collectives / sends on the "
+        "wire (ring algorithms); "
         + (
             f"no commands: {no_commands}"
             if no_commands
             else "under each, the command that trains it, or why none"
         ),
-        f"{'#':>3} {'configuration':<62}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}{'activ.':>9}{'held':>5}"
+        f"{'#':>3} "
+        f"{'configuration':<62}{'params':>9}{'grads':>9}{'optim':>9}{'gather':>9}"
+        f"{'activ.':>9}{'held':>5}"
         f"{'total':>9}{'DP MB':>20}{'TP MB':>20}{'PP MB':>20}{'CP MB':>20}{'step ms':>9}  why",
     ]
     for i, c in enumerate(fit[:top]):
         s = c["stages"][c["worst_stage"]]
         sizes = group_sizes(c)
         also = {"dp": ("replicate",)}  # HSDP: the all-reduce across the rows in the DP column
+        handed = {a: sum(s["comm"].get(a, {}).values()) for a in sizes}
+        wire = {a: on_the_wire(s["comm"].get(a, {}), sizes[a]) for a in sizes}
         comm = {
-            axis: f"{sum(sum(s['comm'].get(a, {}).values()) for a in (axis, *also.get(axis, ()))) / 1e6:,.1f}/"
-            f"{sum(on_the_wire(s['comm'].get(a, {}), sizes[a]) for a in (axis, *also.get(axis, ()))) / 1e6:,.1f}"
+            axis: f"{sum(handed[a] for a in (axis, *also.get(axis, ()))) / 1e6:,.1f}/"
+            f"{sum(wire[a] for a in (axis, *also.get(axis, ()))) / 1e6:,.1f}"
             for axis in ("dp", "tp", "pp", "cp")
         }
         lines.append(
-            f"{i + 1:>3} {name(c):<62}{gib(s['params']):>9}{gib(s['grads'] + s.get('accumulated', 0)):>9}"
+            f"{i + 1:>3} "
+            f"{name(c):<62}{gib(s['params']):>9}{gib(s['grads'] + s.get('accumulated', 0)):>9}"
             f"{gib(s['optimizer_state']):>9}"
             f"{gib(s['gathered']) if 'gathered' in s else '-':>9}{gib(s['activations']):>9}"
             f"{s['in_flight']:>5}{gib(c['total']):>9}"
@@ -1333,13 +1399,14 @@ def report(
     if not fit:
         best = min(rejected, key=lambda c: c["total"])
         lines.append(
-            f"nothing fits: the smallest is {name(best)} with {gib(best['total'])} {unit[1]} per rank; add "
+            f"nothing fits: the smallest is {name(best)} with {gib(best['total'])} "
+            f"{unit[1]} per rank; add "
             "devices or memory, or shorten the micro-batch"
         )
     return "\n".join(lines)
 
 
-# ---- Measured beside estimated -----------------------------------------------------------------------------------
+# ---- Measured beside estimated -------------------------------------------------------------------
 
 # step 10: its --zero over the data axis, ZeRO-1 by default (and in runs from before the flag)
 ZERO_OF_STEP = {5: 1, 6: 2, 7: 3, 10: 1}
@@ -1348,10 +1415,11 @@ MEASURED_TOLERANCE = 0.05  # a rank's recorded model state against the estimate 
 
 def layout_of(metrics: dict) -> dict:
     """The mesh of a run from its metrics.json: dp, tp, pp, ZeRO stage, and each rank's (dp, tp, pp)
-    coordinates. Reads ``env``'s ``data_parallel_size``, ``tensor_parallel_size``, ``pipeline_stages`` (steps 8
-    and 9 write them; a step 10 run writes all three, and ``mesh_coords`` [[dp, tp, pp] per rank] where its
-    layout is not tp innermost, then dp, then pp); step 11's ``context_parallel_size``: a ring's ranks are
-    replicas of the model state, counted in dp; step 7's ``--replicate R`` (HSDP): sharded over dp / R."""
+    coordinates. Reads ``env``'s ``data_parallel_size``, ``tensor_parallel_size``,
+    ``pipeline_stages`` (steps 8 and 9 write them; a step 10 run writes all three, and
+    ``mesh_coords`` [[dp, tp, pp] per rank] where its layout is not tp innermost, then dp, then pp);
+    step 11's ``context_parallel_size``: a ring's ranks are replicas of the model state, counted in
+    dp; step 7's ``--replicate R`` (HSDP): sharded over dp / R."""
     env, step = metrics["env"], metrics["config"]["step"]
     number = int(step[4:].split("_")[0])
     world = env["world_size"]
@@ -1385,8 +1453,8 @@ def layout_of(metrics: dict) -> dict:
 
 
 def measured_rows(metrics: dict, vocab: int) -> list[dict]:
-    """Per rank of a run: the model state it recorded (params + grads + optimizer state, the last record) and
-    the planner's for its stage; a step 10 run is read the same way (``layout_of``)."""
+    """Per rank of a run: the model state it recorded (params + grads + optimizer state, the last
+    record) and the planner's for its stage; a step 10 run is read the same way (``layout_of``)."""
     config, mesh = metrics["config"], layout_of(metrics)
     shape = Shape(config["n_layer"], config["n_embd"], config["n_head"], vocab, config["seq_len"])
     param_dtype = config.get("param_dtype") or "float32"
@@ -1439,7 +1507,8 @@ def measured_report(runs: list[Path]) -> tuple[str, bool]:
     import parity
 
     lines = [
-        f"{'run':<26}{'rank':>5}{'mesh dp x tp x pp, ZeRO':>40}{'measured state':>16}{'estimated':>12}"
+        f"{'run':<26}{'rank':>5}{'mesh dp x tp x pp, ZeRO':>40}{'measured state':>16}"
+        f"{'estimated':>12}"
         f"{'ratio':>8}{'in flight (measured / est.)':>29}"
     ]
     ok = True
@@ -1449,7 +1518,10 @@ def measured_report(runs: list[Path]) -> tuple[str, bool]:
         for row in measured_rows(metrics, vocab):
             m, e = sum(row["measured"].values()), sum(row["estimated"].values())
             ok &= abs(m / e - 1) <= MEASURED_TOLERANCE
-            mesh = f"{row['dp']} x {row['tp']} x {row['pp']}, {estimate.STAGES[row['zero']] if row['dp'] > 1 else '-'}"
+            mesh = (
+                f"{row['dp']} x {row['tp']} x {row['pp']}, "
+                f"{estimate.STAGES[row['zero']] if row['dp'] > 1 else '-'}"
+            )
             mesh += (
                 f" (HSDP {row['replicate']} x {row['dp'] // row['replicate']})"
                 if row["replicate"] > 1
@@ -1461,10 +1533,12 @@ def measured_report(runs: list[Path]) -> tuple[str, bool]:
                 else "-"
             )
             lines.append(
-                f"{Path(folder).name:<26}{row['rank']:>5}{mesh:>40}{m:>16,}{e:>12,}{m / e:>8.3f}{held:>29}"
+                f"{Path(folder).name:<26}{row['rank']:>5}{mesh:>40}{m:>16,}{e:>12,}"
+                f"{m / e:>8.3f}{held:>29}"
             )
     lines.append(
-        f"every rank's model state within {MEASURED_TOLERANCE:.0%} of the estimate: {'yes' if ok else 'NO'}"
+        f"every rank's model state within {MEASURED_TOLERANCE:.0%} of the estimate: "
+        f"{'yes' if ok else 'NO'}"
     )
     return "\n".join(lines), ok
 
@@ -1472,15 +1546,18 @@ def measured_report(runs: list[Path]) -> tuple[str, bool]:
 def trainers_model(config: dict, parser, shape: Shape, vocab: int) -> str | None:
     """None where the step trainers build the planned model; else why no layout gets a command."""
     if config["preset"] or config["params"] or not shape.is_trainers:
-        return "not the trainers' GPT-2 (--preset, --params or a shape flag): no step trainer builds it"
+        return (
+            "not the trainers' GPT-2 (--preset, --params or a shape flag): no step trainer "
+            "builds it"
+        )
     if vocab != estimate.vocabulary_size(config["tokenizer"]):
         return f"the trainers take the vocabulary of --tokenizer, not --vocab-size {vocab}"
     return None
 
 
 def model_flags(config: dict, parser) -> list:
-    """The trainer flags that give the planned model and micro-batch: the shape's always, the rest where the plan
-    did not take the trainers' default."""
+    """The trainer flags that give the planned model and micro-batch: the shape's always, the rest
+    where the plan did not take the trainers' default."""
     words = [
         f"--{flag.replace('_', '-')} {config[flag]}"
         for flag in ("n_layer", "n_embd", "n_head", "seq_len", "micro_batch_size")
@@ -1549,7 +1626,8 @@ def moe_plan(
         )
         if not why_not:
             row["command"] = (
-                f"torchrun --nproc-per-node {hardware.devices} step12_expert_parallel/train.py {flags}"
+                f"torchrun --nproc-per-node {hardware.devices} "
+                f"step12_expert_parallel/train.py {flags}"
             )
             if config["dropout"] > 0 and row["ep"] > 1:  # experts_on_mesh.py's rule 8
                 row["no_mesh_command"] = "step 10 refuses --dropout with --ep above 1"
@@ -1616,7 +1694,8 @@ def main() -> int:
     flags.add_argument(
         "--selective-recompute",
         action="store_true",
-        help="recompute attention's s x s part in backward (Korthikanti et al.) where not checkpointing",
+        help="recompute attention's s x s part in backward (Korthikanti et al.) where not "
+        "checkpointing",
     )
     flags.add_argument(
         "--vocab-size", type=int, default=None, help="default: the vocabulary of --tokenizer"
@@ -1625,20 +1704,23 @@ def main() -> int:
         "--global-batch",
         type=int,
         default=None,
-        help="sequences per optimiser step (default: --devices x --micro-batch-size x --grad-accum)",
+        help="sequences per optimiser step (default: --devices x --micro-batch-size x "
+        "--grad-accum)",
     )
     if not any(action.dest == "param_dtype" for action in parser._actions):
         flags.add_argument("--param-dtype", choices=tuple(estimate.PARAM_DTYPES), default="float32")
     flags.add_argument(
         "--reduce-dtype-fp32",
         action="store_true",
-        help="16-bit parameters with gradients kept in float32, as FSDP2 (default: the paper's 16-bit)",
+        help="16-bit parameters with gradients kept in float32, as FSDP2 (default: the "
+        "paper's 16-bit)",
     )
     flags.add_argument(
         "--schedule",
         choices=SCHEDULES,
         default="1f1b",
-        help="the pipeline's (interleaved: 2 chunks a stage where M and the blocks allow, else 1f1b; "
+        help="the pipeline's (interleaved: 2 chunks a stage where M and the blocks allow, "
+        "else 1f1b; "
         "zero-bubble: B = W = F assumed in its bubble)",
     )
     flags.add_argument(
@@ -1797,7 +1879,8 @@ def main() -> int:
         activations = formula()
         accounting = (
             f"by formula (compare/activation_formula.py: {config['attention']} attention, dropout "
-            f"{config['dropout']:g}{', selective recomputation' if config['selective_recompute'] else ''})"
+            f"{config['dropout']:g}"
+            f"{', selective recomputation' if config['selective_recompute'] else ''})"
         )
     else:
         activations = Activations(

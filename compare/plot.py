@@ -1,14 +1,16 @@
-"""Loss, grad norm and param norm of any number of runs, overlaid, and each run's difference to the first.
+"""Loss, grad norm and param norm of any number of
+runs, overlaid, and each run's difference to the first.
 
-    python compare/plot.py step0 step1 step3                  # -> runs/plots/step0_vs_step1_vs_step3.png
+    python compare/plot.py step0 step1 step3   # -> runs/plots/step0_vs_step1_vs_step3.png
     python compare/plot.py step1 runs/matrix/float32_ws3/step3_naive_dp --out diff.png
 
 Left column: the curves. Right column: run minus the first run (the reference), step by step, on a
-symmetric log scale that shows both 0 (bitwise identical) and 1e-7 (a rounding difference). One legend
-below the panels names every run with its verdict (identical, or its largest difference). Runs are
-named like in parity.py: short step names, step folders or run folders.
+symmetric log scale that shows both 0 (bitwise identical) and 1e-7 (a rounding difference). One
+legend below the panels names every run with its verdict (identical, or its largest difference).
+Runs are named like in parity.py: short step names, step folders or run folders.
 
-    python compare/plot.py --expert-load runs/moe/step12_expert_parallel   # an MoE run: each expert's share
+    # an MoE run: each expert's share
+    python compare/plot.py --expert-load runs/moe/step12_expert_parallel
 """
 
 import argparse
@@ -35,8 +37,8 @@ SERIES = (
 
 
 def check_figure_path(path: Path, flag: str) -> None:
-    """Refuse, before any run is read, a figure file matplotlib cannot write: an unknown format (it goes by
-    the file's extension), or a folder that cannot hold it."""
+    """Refuse, before any run is read, a figure file matplotlib cannot write: an unknown format (it
+    goes by the file's extension), or a folder that cannot hold it."""
     formats = plt.figure().canvas.get_supported_filetypes()
     plt.close("all")
     if path.suffix.lstrip(".").lower() not in formats:
@@ -52,15 +54,16 @@ def plot_runs(names: list[str], out: Path) -> Path:
     check_figure_path(out, "--out")
     runs = [parity.load_run(name) for name in names]
     labels = [f"{path.name} (ws {m['env']['world_size']})" for path, m in runs]
-    # A run keeps its colour in both columns; past the default cycle's 10 colours, tab20's 20 (no two runs alike).
+    # A run keeps its colour in both columns; past the default
+    # cycle's 10 colours, tab20's 20 (no two runs alike).
     colors = (
         [f"C{i}" for i in range(len(runs))]
         if len(runs) <= 10
         else [plt.cm.tab20(i % 20) for i in range(len(runs))]
     )
     base = {r["step"]: r for r in runs[0][1]["records"]}
-    # One legend for the whole figure, below it, each run with its verdict: per-panel legends would sit on
-    # the curves, and the runs are the same in every panel.
+    # One legend for the whole figure, below it, each run with its verdict: per-panel legends would
+    # sit on the curves, and the runs are the same in every panel.
     worst = [{key: 0.0 for key, _ in SERIES} for _ in runs]
     fig, axes = plt.subplots(len(SERIES), 2, figsize=(12, 8.5), dpi=110, sharex=True)
     for row, (key, title) in enumerate(SERIES):
@@ -110,14 +113,16 @@ def plot_runs(names: list[str], out: Path) -> Path:
         )
         for label, w in zip(labels[1:], worst[1:])
     ]
-    # Two columns while every verdict fits half the width at this font size; one column otherwise (a long verdict
-    # in two columns runs off both edges). The figure grows by the legend's lines, so no line sits on a panel.
+    # Two columns while every verdict fits half the width at this font size; one column otherwise (a
+    # long verdict in two columns runs off both edges). The figure grows by the legend's lines, so
+    # no line sits on a panel.
     columns = 2 if len(runs) > 1 and max(map(len, verdicts)) <= 80 else 1
     legend_inches = 0.25 + 0.2 * -(-len(verdicts) // columns)
     fig.set_size_inches(12, 8.5 + legend_inches)
     fig.legend(handles, verdicts, loc="lower center", ncol=columns, fontsize=9, frameon=False)
     fig.suptitle(
-        f"{len(runs)} runs: the curves (left), and each run minus the reference, {labels[0]} (right)"
+        f"{len(runs)} runs: the curves (left), and each run minus the reference, "
+        f"{labels[0]} (right)"
         if len(runs) > 1
         else labels[0],
         fontsize=11,
@@ -130,9 +135,9 @@ def plot_runs(names: list[str], out: Path) -> Path:
 
 
 def expert_load(metrics: dict) -> dict:
-    """An MoE run's load, per step: for each MoE layer, each expert's share of the token slots the experts computed
-    (the record's ``tokens_per_expert``, common/moe.py: the step's micro-batches; 1/E each when the router
-    balances), and the fraction of slots dropped by capacity."""
+    """An MoE run's load, per step: for each MoE layer, each expert's share of the token slots the
+    experts computed (the record's ``tokens_per_expert``, common/moe.py: the step's micro-batches;
+    1/E each when the router balances), and the fraction of slots dropped by capacity."""
     records = [r for r in metrics["records"] if r.get("moe")]
     if not records:
         raise UserError(
@@ -159,8 +164,8 @@ def expert_load(metrics: dict) -> dict:
 
 
 def plot_expert_load(name: str, out: Path) -> Path:
-    """``expert_load`` drawn: a panel per MoE layer (the first 4), a line per expert, the balanced 1/E dashed, and
-    the dropped fraction below them."""
+    """``expert_load`` drawn: a panel per MoE layer (the first 4), a line per expert, the balanced
+    1/E dashed, and the dropped fraction below them."""
     check_figure_path(out, "--out")
     path, metrics = parity.load_run(name)
     load = expert_load(metrics)

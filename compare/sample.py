@@ -33,14 +33,16 @@ def load_trained_model(name: str):
     tokenizer_path = Path(config["tokenizer"])
     if not tokenizer_path.is_file():
         raise UserError(
-            f"the tokenizer {tokenizer_path} that {run} trained with does not exist any more; put it "
+            f"the tokenizer {tokenizer_path} that {run} trained with does not exist "
+            "any more; put it "
             "back, or run the step again"
         )
     if hashlib.sha256(tokenizer_path.read_bytes()).hexdigest() != metrics["env"].get(
         "tokenizer_sha256"
     ):
         raise UserError(
-            f"{tokenizer_path} has changed since {run} was trained, and its token ids would mean other "
+            f"{tokenizer_path} has changed since {run} was trained, and its token ids "
+            "would mean other "
             "text; put the file back as it was, or run the step again"
         )
     tokenizer = load_tokenizer(tokenizer_path)
@@ -52,7 +54,8 @@ def load_trained_model(name: str):
         params[n].shape != weights[n].shape for n in params
     ):
         raise UserError(
-            f"{run}: its weights do not fit the model its metrics.json describes (a tensor missing, extra "
+            f"{run}: its weights do not fit the model its metrics.json describes (a "
+            "tensor missing, extra "
             "or of another shape); run the step again"
         )
     with torch.no_grad():
@@ -64,7 +67,8 @@ def load_trained_model(name: str):
 def next_token(
     logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator
 ) -> int:
-    """Greedy at temperature 0; otherwise sample from the ``top_k`` most likely tokens (0: all of them)."""
+    """Greedy at temperature 0; otherwise sample from
+    the ``top_k`` most likely tokens (0: all of them)."""
     if temperature == 0:
         return int(logits.argmax())
     if top_k:

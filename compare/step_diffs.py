@@ -1,14 +1,16 @@
 """How big is each new idea? For every step folder against the one it grew from (the step before it,
 unless its train.py says "Grown from step N's train.py": steps 8 and 9 grow from a data-parallel
-step, not from step 7): the files added and removed, how many lines of train.py changed, and how many lines
-a learner reads in the folder on a first pass (``learner_facing``), beside all its Python lines.
+step, not from step 7): the files added and removed, how many lines of train.py changed, and how
+many lines a learner reads in the folder on a first pass (``learner_facing``), beside all its Python
+lines.
 
     python compare/step_diffs.py           # print the table; exit 1 if README.md's copy is stale
     python compare/step_diffs.py --write   # rewrite the table in README.md
 
-The table lives in README.md between the markers <!-- step-diffs:start --> and <!-- step-diffs:end -->.
-Changed lines are the '+' and '-' lines of a unified diff (difflib), headers not counted; a train.py
-that one folder lacks counts as empty. Lines of a file are its lines of text, blank ones and comments included.
+The table lives in README.md between the markers <!-- step-diffs:start --> and <!-- step-diffs:end
+-->. Changed lines are the '+' and '-' lines of a unified diff (difflib), headers not counted; a
+train.py that one folder lacks counts as empty. Lines of a file are its lines of text, blank ones
+and comments included.
 """
 
 import argparse
@@ -25,17 +27,19 @@ from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- step-diffs:start -->", "<!-- step-diffs:end -->"
 
-# The rule for learner-facing lines: what a learner reads on a first pass through a step folder, the files that
-# say what the step does. That is train.py; the idea files, i.e. every Python file that is not a copy of a
-# common/ module (new in this step, or copied from the step that introduced it), less the trace modules
-# (*_trace.py: a timeline for a figure); and, of common/'s copies, LESSON_COPIES: the model, the data, the
-# process group (what steps 1 and up are about) and the checkpoint basics (and LESSON_COPIES_IN's). Every other copy is skipped on a
-# first read, and each step README says so in a paragraph that starts with SKIP_LINE: plumbing train.py calls
-# by name (flags, seeds, optimiser helpers, records, bytes per collective) and operations code (failures.py,
-# memory_budget.py, collective_failures.py). Lines are counted as they are, blank ones and comments included.
+# The rule for learner-facing lines: what a learner reads on a first pass through a step folder, the
+# files that say what the step does. That is train.py; the idea files, i.e. every Python file that
+# is not a copy of a common/ module (new in this step, or copied from the step that introduced it),
+# less the trace modules (*_trace.py: a timeline for a figure); and, of common/'s copies,
+# LESSON_COPIES: the model, the data, the process group (what steps 1 and up are about) and the
+# checkpoint basics (and LESSON_COPIES_IN's). Every other copy is skipped on a first read, and each
+# step README says so in a paragraph that starts with SKIP_LINE: plumbing train.py calls by name
+# (flags, seeds, optimiser helpers, records, bytes per collective) and operations code (failures.py,
+# memory_budget.py, collective_failures.py). Lines are counted as they are, blank ones and comments
+# included.
 LESSON_COPIES = {"model.py", "data.py", "distributed.py", "checkpoint.py"}
-# And where a shared module is the step's lesson: the norms over slices in step 5 (reused as plumbing after it),
-# the MoE layer in step 12 (in step 0 it is a flag's plumbing).
+# And where a shared module is the step's lesson: the norms over slices in step 5 (reused as
+# plumbing after it), the MoE layer in step 12 (in step 0 it is a flag's plumbing).
 LESSON_COPIES_IN = {"step5_zero1": {"sharded_norms.py"}, "step12_expert_parallel": {"moe.py"}}
 SKIP_LINE = "**Skip on a first read:**"
 
@@ -53,8 +57,8 @@ def step_folders() -> list[Path]:
 
 
 def base_of(folder: Path, folders: list[Path]) -> Path:
-    """The folder ``folder`` grew from: the one its train.py names ("Grown from step 3's train.py"), else the
-    step before it."""
+    """The folder ``folder`` grew from: the one its train.py names ("Grown from step 3's train.py"),
+    else the step before it."""
     train = folder / "train.py"
     named = (
         re.search(r"[Gg]rown from step (\d+)'s train\.py", train.read_text())
@@ -85,7 +89,8 @@ def common_copies(folder: Path) -> set[str]:
 
 
 def learner_facing(folder: Path) -> set[str]:
-    """The Python files of ``folder`` a learner reads on a first pass (the rule above LESSON_COPIES)."""
+    """The Python files of ``folder`` a learner reads
+    on a first pass (the rule above LESSON_COPIES)."""
     copies = common_copies(folder)
     return {
         f
@@ -184,7 +189,8 @@ def main() -> int:
     print(fresh)
     if current != fresh:
         print(
-            f"{args.readme}: the step-diffs table is stale; run python compare/step_diffs.py --write"
+            f"{args.readme}: the step-diffs table is stale; run python "
+            "compare/step_diffs.py --write"
         )
         return 1
     print(f"{args.readme}: the step-diffs table is up to date")

@@ -13,10 +13,11 @@ The rule: a rank is a straggler when it is the slowest (most CPU time) in at lea
 of the steps (default 75%: consistently, not in a burst) AND its median CPU time is at least
 ``--ratio`` times the other ranks' (default 1.5: above the 1.32x that identical ranks reached on
 a loaded 2-core machine). The first step is left out when there are others: it pays one-time
-start-up costs. In a pipeline each stage runs its own blocks, so only the ranks of one stage are compared
-(``work_groups``). Fewer than ``MIN_STEPS`` analysed steps get no verdict: with 3, a median is one
-step's time and one of two identical ranks is slowest in all of them one time in four. At most one rank can be slowest in more than half of the steps, so at most one
-is flagged. Prints a per-rank table and the verdict; exit 0 whatever the verdict, 2 on bad input.
+start-up costs. In a pipeline each stage runs its own blocks, so only the ranks of one stage are
+compared (``work_groups``). Fewer than ``MIN_STEPS`` analysed steps get no verdict: with 3, a median
+is one step's time and one of two identical ranks is slowest in all of them one time in four. At
+most one rank can be slowest in more than half of the steps, so at most one is flagged. Prints a
+per-rank table and the verdict; exit 0 whatever the verdict, 2 on bad input.
 """
 
 import argparse
@@ -54,7 +55,8 @@ class Result:
 
 
 def step_times(metrics: dict, source) -> tuple[list[int], list[list[dict]]]:
-    """(steps, per step the list of per-rank ``{"wall_s", "cpu_s"}``), checked; ``UserError`` if unusable."""
+    """(steps, per step the list of per-rank ``{"wall_s",
+    "cpu_s"}``), checked; ``UserError`` if unusable."""
     records, env = metrics["records"], metrics["env"]
     world_size = env.get("world_size") if isinstance(env, dict) else None
     if not isinstance(world_size, int) or world_size < 1:
@@ -72,7 +74,8 @@ def step_times(metrics: dict, source) -> tuple[list[int], list[list[dict]]]:
         entry = record.get("step_time")
         if entry is None:
             raise UserError(
-                f"{source}: step {record.get('step')} has no step_time (written before per-rank step "
+                f"{source}: step {record.get('step')} has no step_time (written before "
+                "per-rank step "
                 f"times were logged); run the step again"
             )
         if (
@@ -95,9 +98,12 @@ def step_times(metrics: dict, source) -> tuple[list[int], list[list[dict]]]:
 
 
 def work_groups(env: dict, world_size: int) -> list[list[int]]:
-    """The ranks that do the same work, so that their CPU times compare: all of them, but in a pipeline (steps 9 and
-    10) each stage runs its own blocks, the last one the output layer and the loss too: only a stage's ranks compare
-    (the ranks of stage s are s x world/P ... (s + 1) x world/P - 1: the mesh's pp axis is its outermost)."""
+    """The ranks that do the same work, so that their CPU
+    times compare: all of them, but in a pipeline (steps 9 and
+    10) each stage runs its own blocks, the last one the output layer and the loss too: only a
+        stage's ranks compare
+    (the ranks of stage s are s x world/P ... (s + 1) x
+    world/P - 1: the mesh's pp axis is its outermost)."""
     stages = env.get("pipeline_stages") or 1
     per_stage = world_size // stages if world_size % stages == 0 else world_size
     return [list(range(first, first + per_stage)) for first in range(0, world_size, per_stage)]
@@ -144,15 +150,22 @@ def analyse(
 
 
 def verdict(result: Result) -> str:
-    """One line: who is flagged and by how much, or why nobody is (the closest candidate's numbers)."""
+    """One line: who is flagged and by how much, or
+    why nobody is (the closest candidate's numbers)."""
     if len(result.ranks) == 1:
         return "one rank: nothing to compare"
     if max(map(len, result.groups)) == 1:
-        return "one rank per pipeline stage, each running its own blocks: no two ranks do the same work to compare"
+        return (
+            "one rank per pipeline stage, each running its own blocks: no two ranks do the "
+            "same work to compare"
+        )
     n = len(result.steps)
     if n < MIN_STEPS:
         return f"too few steps to call: {n} analysed, a verdict needs {MIN_STEPS} (run more steps)"
-    rule = f"rule: slowest in >= {result.fraction:.0%} of steps and median CPU time >= {result.ratio:g}x the others'"
+    rule = (
+        f"rule: slowest in >= {result.fraction:.0%} of steps and median CPU time >= "
+        f"{result.ratio:g}x the others'"
+    )
     if result.straggler is not None:
         r = result.ranks[result.straggler]
         return (
@@ -161,7 +174,8 @@ def verdict(result: Result) -> str:
         )
     r = max(result.ranks, key=lambda rank: (rank.slowest_in, rank.vs_others))
     return (
-        f"no straggler: the most often slowest, rank {r.rank}, was slowest in {r.slowest_in} of {n} steps "
+        f"no straggler: the most often slowest, rank {r.rank}, was slowest in "
+        f"{r.slowest_in} of {n} steps "
         f"at {r.vs_others:.2f}x the others' median CPU time ({rule})"
     )
 
@@ -200,7 +214,8 @@ def report(run: Path, metrics: dict, result: Result) -> str:
             f"{f'{r.slowest_in}/{len(steps)}':>10} {r.vs_others:>12.2f}x"
         )
     lines.append(
-        "  CPU: the rank's own work (its training thread's CPU time); waiting: wall - CPU, mostly blocked "
+        "  CPU: the rank's own work (its training thread's CPU time); waiting: wall - "
+        "CPU, mostly blocked "
         "in collectives for slower peers; own tok/s: its tokens per step / its CPU time"
     )
     lines.append(f"verdict: {verdict(result)}")
@@ -222,7 +237,8 @@ def main() -> int:
         "--ratio",
         type=float,
         default=RATIO,
-        help="... and whose median CPU time is at least this many times the others' (default %(default)s)",
+        help="... and whose median CPU time is at least this many times the others' "
+        "(default %(default)s)",
     )
     args = parser.parse_args()
     if not 0.5 < args.fraction <= 1:

@@ -9,24 +9,26 @@ batches are the distributed steps' global batches. Every distributed step runs u
 with ``--nproc`` ranks. Then each step is compared with step 1, the PyTorch DDP reference: the
 parity contract must hold for steps 2 and up (bitwise at world size 2 with default flags); the
 tour fails otherwise. Step 0 is compared too, and its difference printed: its micro-batches hold
-other samples than the ranks' do, so its sums round differently (docs/parity.md measures it). Steps 8 and
-up split the model, not the batch: their ``--nproc`` ranks share one stream of micro-batches,
+other samples than the ranks' do, so its sums round differently (docs/parity.md measures it). Steps
+8 and up split the model, not the batch: their ``--nproc`` ranks share one stream of micro-batches,
 accumulating ``grad_accum x nproc`` of them as step 0 does. Step 9 (pipeline parallelism) changes no
-sum, so it must be bitwise equal to step 0; so must its zero-bubble schedule (runs/zero_bubble) and its interleaved
-one (2 chunks per rank), run once more beside step 0 on a model of 2 x nproc blocks (or the --n-layer given, if
-more), in runs/interleaved. Step 8 (tensor parallelism) sums inside each layer in another order than step 1; its
-difference is printed the same way (the first step's loss and gradient norm relative to step 1's, and the drift),
-and, without --amp, judged against step 0's own drift from step 1 on this machine (compare/other_order.py: within 10
-times it, the first loss to 1e-6), so the verdict does not change with the CPU; it is skipped when ``--nproc`` does not divide
-its heads. Step 12 (expert parallelism) trains a mixture of experts, not the tour's model: it runs beside step 0
-training the same one (runs/moe; one sample a micro-batch, 2 x nproc experts), bitwise equal to it at 2 ranks.
-Step 10 runs its ``--nproc`` ranks as a dp x tp
-mesh, tp = 2 and dp = nproc / 2, each replica accumulating as many micro-batches as make step 1's global batch (at
-2 ranks: one replica of tp 2, step 8's run); its difference to step 1 is step 8's kind, printed the same way (skipped for an odd ``--nproc``). Step 11 splits every sequence
-over the ``--nproc`` ranks (skipped when 2 x nproc chunks do not cut ``--seq-len``); printed as step 8 is. It
-also says whether a run had a rank consistently slower than the others (compare/stragglers.py): that is
-information, not a failure.
-Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see --runs-dir).
+sum, so it must be bitwise equal to step 0; so must its zero-bubble schedule (runs/zero_bubble) and
+its interleaved one (2 chunks per rank), run once more beside step 0 on a model of 2 x nproc blocks
+(or the --n-layer given, if more), in runs/interleaved. Step 8 (tensor parallelism) sums inside each
+layer in another order than step 1; its difference is printed the same way (the first step's loss
+and gradient norm relative to step 1's, and the drift), and, without --amp, judged against step 0's
+own drift from step 1 on this machine (compare/other_order.py: within 10 times it, the first loss to
+1e-6), so the verdict does not change with the CPU; it is skipped when ``--nproc`` does not divide
+its heads. Step 12 (expert parallelism) trains a mixture of experts, not the tour's model: it runs
+beside step 0 training the same one (runs/moe; one sample a micro-batch, 2 x nproc experts), bitwise
+equal to it at 2 ranks. Step 10 runs its ``--nproc`` ranks as a dp x tp mesh, tp = 2 and dp = nproc
+/ 2, each replica accumulating as many micro-batches as make step 1's global batch (at 2 ranks: one
+replica of tp 2, step 8's run); its difference to step 1 is step 8's kind, printed the same way
+(skipped for an odd ``--nproc``). Step 11 splits every sequence over the ``--nproc`` ranks (skipped
+when 2 x nproc chunks do not cut ``--seq-len``); printed as step 8 is. It also says whether a run
+had a rank consistently slower than the others (compare/stragglers.py): that is information, not a
+failure. Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see
+--runs-dir).
 """
 
 import argparse
@@ -63,23 +65,27 @@ def number(step: str) -> int:
 
 
 def shown(path: Path) -> Path:
-    """``path`` relative to the current folder when it lies inside it: shorter to read and to paste."""
+    """``path`` relative to the current folder when it
+    lies inside it: shorter to read and to paste."""
     path = Path(path).resolve()
     return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
 
 
 def check_the_data_feeds(nproc: int, extra: list[str]) -> tuple[dict, int]:
-    """Refuse, before any trainer starts, flags a trainer would refuse, and an --nproc the corpus cannot feed.
+    """Refuse, before any trainer starts, flags a trainer
+    would refuse, and an --nproc the corpus cannot feed.
 
-    The trainers would refuse them too, but step 0 first and in its own terms: it runs as one process
-    accumulating 2 x nproc micro-batches, so too many ranks would read as a --grad-accum it cannot feed."""
+    The trainers would refuse them too, but step 0 first and in its own terms: it runs as one
+    process accumulating 2 x nproc micro-batches, so too many ranks would read as a --grad-accum it
+    cannot feed."""
     try:
         config = vars(
             build_parser("tour").parse_args(["--grad-accum", str(DEFAULT_GRAD_ACCUM), *extra])
         )
     except UserError as error:  # the trainer's --help lists the flags, the tour's does not
         raise UserError(
-            f"the tour passes the flags it does not know to every step, step 0 included: {str(error).removesuffix(' (see --help)')}; "
+            "the tour passes the flags it does not know to every step, step 0 "
+            f"included: {str(error).removesuffix(' (see --help)')}; "
             "python step0_single_gpu/train.py --help lists them"
         ) from None
     check_config(config)
@@ -95,8 +101,8 @@ EXPERTS = 12  # step 12: an MoE model (--moe-experts), compared with step 0 trai
 
 
 def mesh_flags(nproc: int) -> list[str]:
-    """Step 10's mesh in the tour: tp = 2 inside, dp = nproc / 2 replicas, each accumulating 2 x nproc / dp
-    micro-batches: step 1's global batch."""
+    """Step 10's mesh in the tour: tp = 2 inside, dp = nproc / 2 replicas, each accumulating 2 x
+    nproc / dp micro-batches: step 1's global batch."""
     dp = nproc // 2
     return ["--tp", "2", "--dp", str(dp), "--grad-accum", str(DEFAULT_GRAD_ACCUM * nproc // dp)]
 
@@ -111,8 +117,9 @@ def run_schedule(
     timeout: list[str],
     layers: list[str] = (),
 ) -> tuple:
-    """Step 9 with ``flags`` (another schedule) in runs/<folder>; its parity with the tour's step 0, or, given
-    ``layers`` (a deeper model), with step 0 run beside it on that model. Returns (parity, seconds)."""
+    """Step 9 with ``flags`` (another schedule) in runs/<folder>; its parity with the tour's step 0,
+    or, given ``layers`` (a deeper model), with step 0 run beside it on that model. Returns (parity,
+    seconds)."""
     runs = {step: args.runs_dir / folder / step for step in (single, pipeline)}
     if not layers:
         runs[single] = args.runs_dir / single
@@ -146,9 +153,9 @@ def run_schedule(
 
 
 def run_experts(single: str, experts: str, args, extra: list[str], timeout: list[str]) -> tuple:
-    """Step 12 with 2 x nproc experts split over the nproc ranks, beside step 0 training the same MoE model, in
-    runs/moe: one sample a micro-batch, each rank one, step 0 accumulating nproc, so both hold the same micro-batches
-    in the same order. Returns (parity, seconds)."""
+    """Step 12 with 2 x nproc experts split over the nproc ranks, beside step 0 training the same
+    MoE model, in runs/moe: one sample a micro-batch, each rank one, step 0 accumulating nproc, so
+    both hold the same micro-batches in the same order. Returns (parity, seconds)."""
     runs = {step: args.runs_dir / "moe" / step for step in (single, experts)}
     moe = [
         "--moe-experts",
@@ -191,17 +198,19 @@ def run_experts(single: str, experts: str, args, extra: list[str], timeout: list
 
 
 def splits_the_model(step: str) -> bool:
-    """Steps 8 and up: their ranks share one stream of micro-batches (they split the model or the sequence)."""
+    """Steps 8 and up: their ranks share one stream of
+    micro-batches (they split the model or the sequence)."""
     return number(step) >= parity.MODEL_PARALLEL_FROM
 
 
 def other_order_row(result, run_a: dict, run_b: dict) -> str:
-    """How far a run that sums in another order is from step 1: the first step's loss and gradient norm
-    (relative), and the drift of the weights and the param norm by the end."""
+    """How far a run that sums in another order is from step 1: the first step's loss and gradient
+    norm (relative), and the drift of the weights and the param norm by the end."""
     first_a, first_b = run_a["records"][0], run_b["records"][0]
     rel = {k: abs(first_b[k] - first_a[k]) / abs(first_a[k]) for k in ("loss", "grad_norm")}
     return (
-        f"other summation order: step 1 loss rel diff {rel['loss']:.1e}, grad norm {rel['grad_norm']:.1e}; "
+        f"other summation order: step 1 loss rel diff {rel['loss']:.1e}, grad norm "
+        f"{rel['grad_norm']:.1e}; "
         f"max abs diff {result.max_abs:.1e}, param norm diff {result.max_param_norm_diff:.1e}"
     )
 
@@ -214,8 +223,8 @@ def drift_from(reference: str, run: str) -> tuple[other_order.Drift, dict, dict]
 
 
 def machine() -> str:
-    """The CPU and the kernels ATen chose for it: what the tour's losses, drifts and speeds depend on (and its
-    16-bit matmul units, which decide how fast bf16 runs on a CPU)."""
+    """The CPU and the kernels ATen chose for it: what the tour's losses, drifts and speeds depend
+    on (and its 16-bit matmul units, which decide how fast bf16 runs on a CPU)."""
     import torch
 
     model, units = platform.processor() or platform.machine(), []
@@ -289,7 +298,8 @@ def main() -> int:
     parser.add_argument(
         "--keep-going",
         action="store_true",
-        help="a step that fails is reported in the table and the others still run (compare/gpu_check.py)",
+        help="a step that fails is reported in the table and the others still run "
+        "(compare/gpu_check.py)",
     )
     parser.add_argument(
         "--timeout-s",
@@ -395,18 +405,21 @@ def main() -> int:
         args.runs_dir / "plots" / "tour.png",
     )
 
-    # Two correct implementations in other orders, on this machine: what a model-splitting step may drift. In
-    # 32 bits: under 16-bit autocast a split matmul rounds its partial sums in 16 bits, and the first loss is no
-    # longer float32's to round (step 8 at bf16: 2.2e-6 relative), so such a tour prints the drift alone.
+    # Two correct implementations in other orders, on this machine: what a model-splitting step may
+    # drift. In 32 bits: under 16-bit autocast a split matmul rounds its partial sums in 16 bits,
+    # and the first loss is no longer float32's to round (step 8 at bf16: 2.2e-6 relative), so such
+    # a tour prints the drift alone.
     order_reference = (
         drift_from(runs[reference], runs[single])[0] if single and config["amp"] == "none" else None
     )
     print(
-        f"\nmachine: {machine()} (final losses, differences and tok/s are this machine's; the verdicts hold "
+        f"\nmachine: {machine()} (final losses, differences and tok/s are this "
+        "machine's; the verdicts hold "
         "on any)"
     )
     print(
-        f"{'step':<24} {'ranks':>5} {'time':>6} {'final loss':>10} {'tok/s':>8}  parity vs {reference}"
+        f"{'step':<24} {'ranks':>5} {'time':>6} {'final loss':>10} {'tok/s':>8}  "
+        f"parity vs {reference}"
     )
     all_passed = True
     for step in steps:
@@ -415,9 +428,11 @@ def main() -> int:
         if step == reference:
             verdict = "(reference)"
         elif number(step) in (0, 9):
-            # Not a parity check: one process sums its micro-batches in another order (see docs/parity.md).
+            # Not a parity check: one process sums its
+            # micro-batches in another order (see docs/parity.md).
             verdict = (
-                f"same global batches, other summation order: max abs diff {results[step].max_abs:.1e}, "
+                "same global batches, other summation order: max abs diff "
+                f"{results[step].max_abs:.1e}, "
                 f"param norm diff {results[step].max_param_norm_diff:.1e}"
             )
             if step in against_step0:  # one pipeline sums as one process: bitwise equal to step 0
@@ -428,8 +443,8 @@ def main() -> int:
                     f"{'' if bitwise else '  <-- expected bitwise identical'}; {verdict}"
                 )
         elif splits_the_model(step):
-            # Not a parity check against step 1 either: the layers sum their products in another order
-            # (the step's README; its bitwise check is against PyTorch's own implementation).
+            # Not a parity check against step 1 either: the layers sum their products in another
+            # order (the step's README; its bitwise check is against PyTorch's own implementation).
             verdict = other_order_row(results[step], parity.load_run(runs[reference])[1], metrics)
             # judged by step 0's own drift from step 1, measured here
             if order_reference is not None:
@@ -439,7 +454,9 @@ def main() -> int:
                 )
                 all_passed &= not beyond
                 verdict += (
-                    f"; {drift.weights / max(order_reference.weights, other_order.EPS):.1f}x step 0's "
+                    "; "
+                    f"{drift.weights / max(order_reference.weights, other_order.EPS):.1f}x "
+                    "step 0's "
                     f"drift: {'FAIL (' + '; '.join(beyond) + ')' if beyond else 'PASS'}"
                 )
         else:
@@ -449,7 +466,8 @@ def main() -> int:
                 all_passed = False
                 verdict += "  <-- expected bitwise identical" if results[step].passed else ""
         print(
-            f"{step:<24} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s {records[-1]['loss']:>10.4f} "
+            f"{step:<24} {metrics['env']['world_size']:>5} {times[step]:>5.0f}s "
+            f"{records[-1]['loss']:>10.4f} "
             f"{statistics.median(r['tokens_per_s'] for r in records):>8,.0f}  {verdict}"
         )
     # one pipeline, other schedules: still one process's sums
@@ -467,9 +485,12 @@ def main() -> int:
         expected = result.passed and (result.bitwise or args.nproc != 2)
         all_passed &= expected
         print(
-            f"{experts:<24} {args.nproc:>5} {seconds:>5.0f}s {moe_metrics['records'][-1]['loss']:>10.4f} "
-            f"{statistics.median(r['tokens_per_s'] for r in moe_metrics['records']):>8,.0f}  vs {single} on the "
-            f"same MoE model: {parity.verdict(result)}{'' if expected else '  <-- expected bitwise identical'}"
+            f"{experts:<24} {args.nproc:>5} {seconds:>5.0f}s "
+            f"{moe_metrics['records'][-1]['loss']:>10.4f} "
+            f"{statistics.median(r['tokens_per_s'] for r in moe_metrics['records']):>8,.0f}"
+            f"  vs {single} on the "
+            "same MoE model: "
+            f"{parity.verdict(result)}{'' if expected else '  <-- expected bitwise identical'}"
         )
     # Informational, never a failure: the per-rank CPU time of every step (compare/stragglers.py).
     flagged, too_short = [], 0
@@ -486,7 +507,8 @@ def main() -> int:
         else "no rank consistently slower in any step"
     )
     print(
-        f"\nstragglers: {'; '.join(flagged) or nobody} (per-rank table: python compare/stragglers.py <step>)"
+        f"\nstragglers: {'; '.join(flagged) or nobody} (per-rank table: python "
+        "compare/stragglers.py <step>)"
     )
     if skipped:
         print(f"skipped: {'; '.join(skipped)}")

@@ -1,17 +1,18 @@
 """Step 8's training with PyTorch's own tensor parallelism: the run step 8 must equal, bit for bit.
 
-    torchrun --standalone --nproc_per_node=2 compare/tp_reference.py          # writes runs/tp_reference
-    python compare/parity.py step8 runs/tp_reference                          # PASS (bitwise identical)
+    torchrun --standalone --nproc_per_node=2 compare/tp_reference.py   # writes runs/tp_reference
+    python compare/parity.py step8 runs/tp_reference                   # PASS (bitwise identical)
 
-It takes step 8's flags. The model is the same GPT-2 (common/model.py, the same initial weights), and
-``parallelize_module`` gets step 8's plan in PyTorch's styles: ``ColwiseParallel`` for each block's c_q, c_k,
-c_v (a contiguous block of rows: whole heads) and c_fc, and for the output layer with its logits left sharded;
-``RowwiseParallel`` for both c_proj and the token embedding; the loss under ``loss_parallel()``. One thing
-the built-in does not do for GPT-2, done here: it breaks the tie between the embedding and the output layer
-(each gets its own DTensor), so the tie is made again. The attention reads its number of heads off the
-width: it runs on the local heads as it is. The loop is step 8's: same data, AMP, accumulation, clipping by
-the norm of the whole gradient (computed exactly, as step 8 does), AdamW. The final weights are gathered by
-name and written as they are, so parity.py compares them.
+It takes step 8's flags. The model is the same GPT-2 (common/model.py, the same initial weights),
+and ``parallelize_module`` gets step 8's plan in PyTorch's styles: ``ColwiseParallel`` for each
+block's c_q, c_k, c_v (a contiguous block of rows: whole heads) and c_fc, and for the output layer
+with its logits left sharded;
+``RowwiseParallel`` for both c_proj and the token embedding; the loss under ``loss_parallel()``. One
+thing the built-in does not do for GPT-2, done here: it breaks the tie between the embedding and the
+output layer (each gets its own DTensor), so the tie is made again. The attention reads its number
+of heads off the width: it runs on the local heads as it is. The loop is step 8's: same data, AMP,
+accumulation, clipping by the norm of the whole gradient (computed exactly, as step 8 does), AdamW.
+The final weights are gathered by name and written as they are, so parity.py compares them.
 """
 
 import sys
@@ -63,10 +64,11 @@ BLOCK_PLAN = {
 
 
 def sequence_parallel_plan(n_layer: int) -> dict:
-    """Step 8's plan with --sequence-parallel, as torchtitan writes it for Llama: the activations between the layers
-    ``Shard(1)`` (split along the sequence), ``SequenceParallel`` LayerNorms, each attention and MLP gathering its
-    input once (``PrepareModuleInput``), the row-parallel layers reduce-scattering into ``Shard(1)``. GPT-2's
-    learned position embedding (Llama has none) gives each rank its block of positions (``Shard(0)``)."""
+    """Step 8's plan with --sequence-parallel, as torchtitan writes it for Llama: the activations
+    between the layers ``Shard(1)`` (split along the sequence), ``SequenceParallel`` LayerNorms,
+    each attention and MLP gathering its input once (``PrepareModuleInput``), the row-parallel
+    layers reduce-scattering into ``Shard(1)``. GPT-2's learned position embedding (Llama has none)
+    gives each rank its block of positions (``Shard(0)``)."""
     gather = lambda: PrepareModuleInput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
     )  # noqa: E731
@@ -102,7 +104,8 @@ def sequence_parallel_plan(n_layer: int) -> dict:
 
 
 def parallelize(model, mesh, sequence_parallel: bool = False):
-    """Our GPT-2 -> PyTorch tensor parallelism over ``mesh``, with step 8's plan (and --sequence-parallel's)."""
+    """Our GPT-2 -> PyTorch tensor parallelism over ``mesh``,
+    with step 8's plan (and --sequence-parallel's)."""
     plan = {
         "transformer.wte": RowwiseParallel(input_layouts=Replicate()),
         # logits stay sharded
@@ -126,8 +129,9 @@ def local(t):
 
 
 def counted_once(params) -> list:
-    """Which parameters this rank counts in a norm of the whole model, as step 8 counts them: shards on every
-    rank, replicas on rank 0 only (a row-parallel bias is a DTensor too, but ``Replicate``)."""
+    """Which parameters this rank counts in a norm of the whole model, as step 8 counts them: shards
+    on every rank, replicas on rank 0 only (a row-parallel bias is a DTensor too, but
+    ``Replicate``)."""
     first = dist.get_rank() == 0
     return [
         p
@@ -155,7 +159,8 @@ def main():
     config = parse_config(parser)
     if config["reduce_dtype"] != "float32":
         raise UserError(
-            "PyTorch's tensor parallelism all-reduces in the activations' dtype: drop --reduce-dtype"
+            "PyTorch's tensor parallelism all-reduces in the activations' dtype: drop "
+            "--reduce-dtype"
         )
     if config["sequence_parallel"] and config["dropout"] > 0:
         raise UserError(
@@ -250,7 +255,8 @@ def main():
         final = save_final_weights(Path(config["out"]), weights)
         log.write(final)
         print(
-            f"done: {config['steps']} steps, PyTorch tensor parallelism over {world.world_size} ranks, "
+            f"done: {config['steps']} steps, PyTorch tensor parallelism over "
+            f"{world.world_size} ranks, "
             f"final loss {log.records[-1]['loss']:.4f}, weights in {config['out']}"
         )
     # DTensors hold the mesh's group: free them before the group goes

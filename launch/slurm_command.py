@@ -1,23 +1,24 @@
-"""The torchrun line that launch/slurm.sbatch runs on every node of a Slurm job, rendered from Slurm's variables.
+"""The torchrun line that launch/slurm.sbatch runs on
+every node of a Slurm job, rendered from Slurm's variables.
 
     python launch/slurm_command.py step7 --steps 2000      # inside a job: one argument per line
     python launch/slurm_command.py step7 --steps 2000 --show   # the same, as one shell line to read
 
 What it reads, and why (docs/multi_node.md walks through it):
 
-1. ``SLURM_JOB_NODELIST``, expanded by ``scontrol show hostnames``: the first node serves torchrun's c10d
-   rendezvous (``--rdzv-endpoint=HEAD:PORT``); every node runs the same line and torchrun numbers the nodes
-   itself (c10d ignores ``--node-rank``, so ``SLURM_NODEID`` is not passed: the sbatch script uses it to name
-   each node's pid file).
-2. ``SLURM_NNODES``: ``--nnodes``. ``SLURM_JOB_ID``: ``--rdzv-id`` (the same after a requeue: a new store
-   then, on the new torchruns), and the port, ``29400 + id % 1000`` (``RDZV_PORT`` overrides), so two jobs
-   sharing a node do not meet by mistake.
-3. ``--nproc_per_node``: ``NPROC_PER_NODE`` if set, else ``SLURM_GPUS_ON_NODE`` (one rank per GPU); a CPU
-   allocation has to say how many. One torchrun per node: the job must run one task per node
+1. ``SLURM_JOB_NODELIST``, expanded by ``scontrol show hostnames``: the first node serves torchrun's
+   c10d rendezvous (``--rdzv-endpoint=HEAD:PORT``); every node runs the same line and torchrun
+   numbers the nodes itself (c10d ignores ``--node-rank``, so ``SLURM_NODEID`` is not passed: the
+   sbatch script uses it to name each node's pid file).
+2. ``SLURM_NNODES``: ``--nnodes``. ``SLURM_JOB_ID``: ``--rdzv-id`` (the same after a requeue: a new
+   store then, on the new torchruns), and the port, ``29400 + id % 1000`` (``RDZV_PORT`` overrides),
+   so two jobs sharing a node do not meet by mistake.
+3. ``--nproc_per_node``: ``NPROC_PER_NODE`` if set, else ``SLURM_GPUS_ON_NODE`` (one rank per GPU);
+   a CPU allocation has to say how many. One torchrun per node: the job must run one task per node
    (``--ntasks-per-node=1``); torchrun starts the ranks.
-4. The trainer's own flags, plus ``--resume auto`` (a requeued job goes on from its last checkpoint; a new one
-   starts) and ``--preempt-grace-s`` (20 s, under torchrun's 30, unless given): the SIGTERM the script
-   forwards before the time limit ends the step in progress with a checkpoint.
+4. The trainer's own flags, plus ``--resume auto`` (a requeued job goes on from its last checkpoint;
+   a new one starts) and ``--preempt-grace-s`` (20 s, under torchrun's 30, unless given): the
+   SIGTERM the script forwards before the time limit ends the step in progress with a checkpoint.
 """
 
 import os
@@ -36,7 +37,8 @@ GRACE_S = "20"
 
 
 def step_folder(name: str) -> str:
-    """``step3`` or ``step3_naive_dp`` -> ``step3_naive_dp``, or a ``UserError`` listing the steps."""
+    """``step3`` or ``step3_naive_dp`` -> ``step3_naive_dp``,
+    or a ``UserError`` listing the steps."""
     folders = sorted(
         (
             p.name
@@ -54,7 +56,8 @@ def step_folder(name: str) -> str:
 def variable(env: dict, name: str) -> str:
     if not env.get(name):
         raise UserError(
-            f"{name} is not set: run this inside a Slurm job (sbatch launch/slurm.sbatch STEP ...), "
+            f"{name} is not set: run this inside a Slurm job (sbatch "
+            "launch/slurm.sbatch STEP ...), "
             "or set the SLURM_* variables it reads by hand"
         )
     return env[name]
@@ -72,7 +75,8 @@ def ranks_per_node(env: dict) -> int:
     given = env.get("NPROC_PER_NODE") or env.get("SLURM_GPUS_ON_NODE") or "0"
     if not given.isdigit() or int(given) < 1:
         raise UserError(
-            "the job has no GPUs per node (SLURM_GPUS_ON_NODE) and NPROC_PER_NODE is not set: submit "
+            "the job has no GPUs per node (SLURM_GPUS_ON_NODE) and NPROC_PER_NODE is "
+            "not set: submit "
             "with --gpus-per-node=N, or set NPROC_PER_NODE=N for N ranks per node on CPUs"
         )
     return int(given)
@@ -86,7 +90,8 @@ def check_job(step: str, env: dict) -> None:
 
 
 def torchrun_command(step: str, args: list[str], env: dict, hostnames: list[str]) -> list[str]:
-    """The line every node runs (rules 1-4), from Slurm's variables ``env`` and the job's ``hostnames``."""
+    """The line every node runs (rules 1-4), from Slurm's
+    variables ``env`` and the job's ``hostnames``."""
     check_job(step, env)
     nnodes, job = int(env["SLURM_NNODES"]), env["SLURM_JOB_ID"]
     if len(hostnames) != nnodes:

@@ -1,15 +1,18 @@
-"""Step 0's checkpoint: one process's whole state in one file, written whole or not at all, resumed in one call.
+"""Step 0's checkpoint: one process's whole state in one
+file, written whole or not at all, resumed in one call.
 
-``<out>/checkpoints/step_<k>/`` holds ``state.pt`` (``torch.save`` of one dict: the weights, AdamW's moments, the
-schedule, the loss scale, the data position, the log and every random generator) and ``meta.json`` (the step and
-the flags). ``checkpoint_files.py`` makes it whole or absent and finds it for ``--resume``.
+``<out>/checkpoints/step_<k>/`` holds ``state.pt`` (``torch.save`` of one dict: the weights, AdamW's
+moments, the schedule, the loss scale, the data position, the log and every random generator) and
+``meta.json`` (the step and the flags). ``checkpoint_files.py`` makes it whole or absent and finds
+it for ``--resume``.
 
-1. **One call each way**, as torchtitan's ``Stateful``: the writer is given the run's *parts* once, each with
-   ``checkpoint_state()`` and ``load_checkpoint(state)``; the loop calls ``start(checkpoint)`` and ``save(step)``.
-2. **The same run, or refused** (``open_checkpoint``): every flag must be the checkpoint's, except those that say
-   where to write, what to print and where to run (``RESUMABLE_KEYS``).
-3. **Bitwise**: the random generators are put back last (nothing may draw after them), so the resumed run takes
-   the very steps the uninterrupted one took.
+1. **One call each way**, as torchtitan's ``Stateful``: the writer is given the run's *parts* once,
+   each with ``checkpoint_state()`` and ``load_checkpoint(state)``; the loop calls
+   ``start(checkpoint)`` and ``save(step)``.
+2. **The same run, or refused** (``open_checkpoint``): every flag must be the checkpoint's, except
+   those that say where to write, what to print and where to run (``RESUMABLE_KEYS``).
+3. **Bitwise**: the random generators are put back last (nothing may draw after them), so the
+   resumed run takes the very steps the uninterrupted one took.
 """
 
 import json
@@ -24,8 +27,9 @@ from seeding import rng_state, set_rng_state
 
 FORMAT = "single-process"  # meta.json's "format": what the later steps' reader refuses in one line
 
-# Flags that may change when resuming: they say where to write, what to print and where to run, not what to
-# compute (--fp8 keeps no state of its own: a bf16 run may go on in FP8). Every other flag must be the checkpoint's.
+# Flags that may change when resuming: they say where to write, what to print and where to run, not
+# what to compute (--fp8 keeps no state of its own: a bf16 run may go on in FP8). Every other flag
+# must be the checkpoint's.
 RESUMABLE_KEYS = (
     "out",
     "save_every",
@@ -60,8 +64,9 @@ class RunState:
 
 
 class WholeModel:
-    """A part: the model and AdamW, or, given ``masters`` (--param-dtype), AdamW over the float32 masters, which
-    are saved in place of the 16-bit copies (the copies are rounded from them on load)."""
+    """A part: the model and AdamW, or, given ``masters`` (--param-dtype), AdamW over the float32
+    masters, which are saved in place of the 16-bit copies (the copies are rounded from them on
+    load)."""
 
     def __init__(self, model, optimizer, masters=None):
         self.model, self.optimizer, self.masters = model, optimizer, masters or []
@@ -83,7 +88,8 @@ class WholeModel:
 
 
 def open_checkpoint(path: Path, config: dict) -> dict:
-    """Rule 2: the state saved in ``path``, read before anything is written, or a one-line refusal."""
+    """Rule 2: the state saved in ``path``, read before
+    anything is written, or a one-line refusal."""
     try:
         meta = json.loads((path / "meta.json").read_text())
         saved, step = dict(meta["config"]), int(meta["step"])
@@ -92,8 +98,10 @@ def open_checkpoint(path: Path, config: dict) -> dict:
     if meta.get("format") != FORMAT:
         who = saved.get("step", "another step")
         raise UserError(
-            f"checkpoint {path} was written by {who} (format {meta.get('format')}), not by this step 0: "
-            "step 0 resumes only its own; resume it with the step that wrote it (at any world size, "
+            f"checkpoint {path} was written by {who} (format {meta.get('format')}), "
+            "not by this step 0: "
+            "step 0 resumes only its own; resume it with the step that wrote it (at "
+            "any world size, "
             "1 included), or start afresh without --resume"
         )
     differing = sorted(
@@ -130,8 +138,8 @@ class CheckpointWriter:
         self.config, self.parts = config, parts
 
     def start(self, state: dict | None) -> int:
-        """Resume from ``state`` (``open_checkpoint``'s): every part, then the RNG (rule 3); given None, clear the
-        checkpoints an earlier run left in --out. Returns the step to go on from."""
+        """Resume from ``state`` (``open_checkpoint``'s): every part, then the RNG (rule 3); given
+        None, clear the checkpoints an earlier run left in --out. Returns the step to go on from."""
         if state is None:
             clear_checkpoints(self.config["out"])
             return 0
@@ -152,12 +160,14 @@ class CheckpointWriter:
             raise not_written(error, self.rank, step, self.config["out"]) from error
         if not self.config["quiet"]:
             print(
-                f"checkpoint step_{step} written: training paused {(time.perf_counter() - started) * 1e3:.0f} ms",
+                f"checkpoint step_{step} written: training paused "
+                f"{(time.perf_counter() - started) * 1e3:.0f} ms",
                 flush=True,
             )
 
     def wait(self) -> None:
-        """Nothing to wait for: ``save`` returns once the checkpoint is whole (``Preemption`` calls it)."""
+        """Nothing to wait for: ``save`` returns once the
+        checkpoint is whole (``Preemption`` calls it)."""
 
     def _write(self, step: int, state: dict) -> None:
         tmp = start_writing(self.config["out"], step)

@@ -44,10 +44,11 @@ STEP = Path(__file__).resolve().parent.name
 def train_step(
     model, optimizer, scaler, micro_batches: list, config: dict, device, masters=None
 ) -> tuple:
-    """One optimiser step on ``micro_batches`` (a list of (inputs, targets)): forward and backward on each, then
-    the gradients unscaled, clipped and applied (``masters``: the float32 (name, master) pairs AdamW steps with
-    --param-dtype). Returns what the loop logs: the losses' sum, the gradient norm before clipping, the memory.
-    The phases are named for torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
+    """One optimiser step on ``micro_batches`` (a list of (inputs, targets)): forward and backward
+    on each, then the gradients unscaled, clipped and applied (``masters``: the float32 (name,
+    master) pairs AdamW steps with --param-dtype). Returns what the loop logs: the losses' sum, the
+    gradient norm before clipping, the memory. The phases are named for torch.profiler
+    (compare/peak_memory.py reads them): free when no profiler runs."""
     trained = masters or list(model.named_parameters())  # what AdamW steps, by name
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
@@ -55,7 +56,8 @@ def train_step(
         with record_function("forward"), autocast(config["amp"], device):
             loss = language_model_loss(model, inputs.to(device), targets.to(device))
         with record_function("backward"):
-            # Summing loss/accum over the micro-batches makes the gradient the mean over the global batch.
+            # Summing loss/accum over the micro-batches makes
+            # the gradient the mean over the global batch.
             # MoE: + a * load-balancing loss
             scaler.scale(with_aux_loss(model, loss, config) / accum).backward()
         loss_sum += loss.detach()
@@ -125,8 +127,9 @@ def main():
     # block by block: the parameters keep their names, the loop does not change
     if config["compile"]:
         compile_blocks(model)
-    # --param-dtype bf16|fp16: AdamW steps a float32 master of every parameter; the model computes in a
-    # 16-bit copy, rounded from the masters after every step (the sharded steps keep 1/N of the masters).
+    # --param-dtype bf16|fp16: AdamW steps a float32 master of every parameter; the model computes
+    # in a 16-bit copy, rounded from the masters after every step (the sharded steps keep 1/N of the
+    # masters).
     masters = float32_masters(model, param_dtype(config))  # None without --param-dtype
     trained = masters or list(model.named_parameters())  # what AdamW steps, by name
     optimizer = make_optimizer(trained, config)

@@ -1,22 +1,26 @@
 """Steps 8, 9, 11 and 12 composed on step 10's mesh (mesh.py): what no step had to decide alone.
 
-1. **The flags and their checks**: the mesh's own (mesh.py), step 8's for the tp degree, step 11's for the cp
-   degree, step 9's for the pp degree, every one before anything connects.
-2. **A stage of a tensor-parallel model**: step 9 cuts the model step 8 made tensor-parallel; the last stage keeps
-   the tensor-parallel output layer, with its copy of the tie (``parallelize_on_mesh``: the whole wrapping order).
-3. **Counted once across the mesh**: a norm adds TP shards on every tp rank, replicated tensors on tp rank 0, and
-   the tie on the first stage only.
-4. **One checkpoint whatever the mesh**: each rank gives DCP its TP/PP shard as step 8 does and its ZeRO-1 slices
-   of that shard's AdamW state as step 5 does, boxes of the whole tensors, so the checkpoint never depends on the
-   mesh; loading copies this rank's part out of any step's checkpoint at any mesh.
-5. **Context parallelism inside the stages** (step 11, ``--cp``): the model made tensor-parallel is then made
-   context-parallel over the cp group (its attention the ring, on this rank's heads; its embeddings, dropouts and
-   targets this rank's positions), so the stages send each other S/C tokens of every micro-batch. Gradients and
-   ZeRO-1 go over dp x cp (mesh.py's rule 5). Not with --sequence-parallel (both split the sequence; not composed
-   here) nor selective recomputation (the ring keeps no s x s tensor to recompute). With dropout, each tp rank's
-   ring draws every head's mask and keeps its heads' (ring_attention.py's rule 6), as step 8 does (its rule 7).
-6. **Experts on the mesh** (step 12, ``--moe-experts E --ep D``): experts_on_mesh.py, after its rules 1-3 on the
-   whole model; the gradients, the optimiser, the norms and the checkpoints then as its rules 4-7 say.
+1. **The flags and their checks**: the mesh's own (mesh.py), step 8's for the tp degree, step 11's
+   for the cp degree, step 9's for the pp degree, every one before anything connects.
+2. **A stage of a tensor-parallel model**: step 9 cuts the model step 8 made tensor-parallel; the
+   last stage keeps the tensor-parallel output layer, with its copy of the tie
+   (``parallelize_on_mesh``: the whole wrapping order).
+3. **Counted once across the mesh**: a norm adds TP shards on every tp rank, replicated tensors on
+   tp rank 0, and the tie on the first stage only.
+4. **One checkpoint whatever the mesh**: each rank gives DCP its TP/PP shard as step 8 does and its
+   ZeRO-1 slices of that shard's AdamW state as step 5 does, boxes of the whole tensors, so the
+   checkpoint never depends on the mesh; loading copies this rank's part out of any step's
+   checkpoint at any mesh.
+5. **Context parallelism inside the stages** (step 11, ``--cp``): the model made tensor-parallel is
+   then made context-parallel over the cp group (its attention the ring, on this rank's heads; its
+   embeddings, dropouts and targets this rank's positions), so the stages send each other S/C tokens
+   of every micro-batch. Gradients and ZeRO-1 go over dp x cp (mesh.py's rule 5). Not with
+   --sequence-parallel (both split the sequence; not composed here) nor selective recomputation (the
+   ring keeps no s x s tensor to recompute). With dropout, each tp rank's ring draws every head's
+   mask and keeps its heads' (ring_attention.py's rule 6), as step 8 does (its rule 7).
+6. **Experts on the mesh** (step 12, ``--moe-experts E --ep D``): experts_on_mesh.py, after its
+   rules 1-3 on the whole model; the gradients, the optimiser, the norms and the checkpoints then as
+   its rules 4-7 say.
 """
 
 import functools
@@ -79,8 +83,9 @@ def add_mesh_flags(parser) -> None:
 
 
 def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, int]:
-    """Every mistake in the mesh flags, with one line, before anything connects; returns (dp, M): the mesh's
-    own (mesh.py), step 8's for the tp degree, step 11's for the cp degree and step 9's for the pp degree."""
+    """Every mistake in the mesh flags, with one line, before anything connects; returns (dp, M):
+    the mesh's own (mesh.py), step 8's for the tp degree, step 11's for the cp degree and step 9's
+    for the pp degree."""
     tp, pp, cp = config["tp"], config["pp"], config["cp"]
     dp = config["dp"] if config["dp"] is not None else max(1, world_size // max(1, tp * pp * cp))
     check_mesh(dp, tp, pp, world_size, cp)
@@ -96,8 +101,10 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
         and config["schedule"] == "zero-bubble"
     ):
         raise UserError(
-            "--activation-checkpointing full with --schedule zero-bubble: W's backward of each layer "
-            "would recompute its block again (torch.utils.checkpoint recomputes once per backward call); "
+            "--activation-checkpointing full with --schedule zero-bubble: W's backward "
+            "of each layer "
+            "would recompute its block again (torch.utils.checkpoint recomputes once "
+            "per backward call); "
             "use selective, or another --schedule"
         )
     if cp > 1:
@@ -107,7 +114,8 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
 
 
 def check_context_on_mesh(config: dict, cp: int) -> None:
-    """Rule 5's refusals, one line each: step 11's check of the sequence, then what step 10 does not compose."""
+    """Rule 5's refusals, one line each: step 11's check
+    of the sequence, then what step 10 does not compose."""
     check_context_parallel(config, cp)  # --seq-len cut into 2 x cp chunks
     if config["sequence_parallel"]:
         raise UserError(
@@ -122,9 +130,10 @@ def check_context_on_mesh(config: dict, cp: int) -> None:
 
 
 def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage:
-    """Step 9's stage of a model step 8 made tensor-parallel. The output layer must stay the tensor-parallel one
-    (its input's gradient is all-reduced over the tp group, Megatron's f): GPT2Stage gives the last stage a
-    plain Linear, so it gets the model's ColumnParallelLinear back, with the stage's copy of the tie."""
+    """Step 9's stage of a model step 8 made tensor-parallel. The output layer must stay the
+    tensor-parallel one (its input's gradient is all-reduced over the tp group, Megatron's f):
+    GPT2Stage gives the last stage a plain Linear, so it gets the model's ColumnParallelLinear back,
+    with the stage's copy of the tie."""
     stage = GPT2Stage(model, stage_index, num_stages)
     if stage.is_last and is_sharded(model.transformer.wte.weight):
         copy, embedding = stage.lm_head.weight, model.transformer.wte.weight
@@ -135,12 +144,14 @@ def tensor_parallel_stage(model, stage_index: int, num_stages: int) -> GPT2Stage
 
 
 def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
-    """``(stage, named, pipe, shapes)`` of this rank (step 9's ``pipeline_gpt2``, and the whole model's parameter
-    shapes: what checkpoints and the final weights describe): ``model``, whole on every rank, made tensor-parallel
-    over the tp group (step 8; at tp = 1 it stays plain GPT-2, as in steps 5 and 9), cut into stages (rule 2), this
-    rank's run by a Pipeline over the pp group, the last stage's loss step 8's over the vocabulary slices (or step
-    9's at tp = 1); with --cp, context-parallel over the cp group (rule 5); its blocks recomputed in backward as
-    --activation-checkpointing says. Pass ``model`` and keep no reference to it: the rank keeps its stage only."""
+    """``(stage, named, pipe, shapes)`` of this rank (step 9's ``pipeline_gpt2``, and the whole
+    model's parameter shapes: what checkpoints and the final weights describe): ``model``, whole on
+    every rank, made tensor-parallel over the tp group (step 8; at tp = 1 it stays plain GPT-2, as
+    in steps 5 and 9), cut into stages (rule 2), this rank's run by a Pipeline over the pp group,
+    the last stage's loss step 8's over the vocabulary slices (or step 9's at tp = 1); with --cp,
+    context-parallel over the cp group (rule 5); its blocks recomputed in backward as
+    --activation-checkpointing says. Pass ``model`` and keep no reference to it: the rank keeps its
+    stage only."""
     shapes = {name: p.shape for name, p in model.named_parameters()}
     if mesh.experts:  # rule 6: this rank's experts, dispatched over the ep group
         experts_on_mesh(model, mesh, config)
@@ -180,26 +191,27 @@ def parallelize_on_mesh(model, mesh, config: dict, device) -> tuple:
 
 
 def _loss_on_positions(loss_fn, group, layout: str, micro_batch_size: int, logits, targets):
-    """``loss_fn`` on this cp rank's positions: the logits are theirs already, the (flattened) targets are the
-    whole micro-batch's (rule 5)."""
+    """``loss_fn`` on this cp rank's positions: the logits are theirs already, the (flattened)
+    targets are the whole micro-batch's (rule 5)."""
     return loss_fn(
         logits, sequence_shard(targets.view(micro_batch_size, -1), group, layout).flatten()
     )
 
 
 def finish_gradient_synchronization(pipe) -> None:
-    """The single sync point of a tensor-parallel stage, before the optimiser step: step 9's (the tie's gradient
-    from the first stage, every send waited), then step 8's (--sequence-parallel: the LayerNorms' partial
-    gradients, added over tp)."""
+    """The single sync point of a tensor-parallel stage, before the optimiser step: step 9's (the
+    tie's gradient from the first stage, every send waited), then step 8's (--sequence-parallel: the
+    LayerNorms' partial gradients, added over tp)."""
     pipe.finish_gradient_synchronization()
     finish_sequence_parallel(pipe.module)
 
 
 def counted_once(named: list, mesh, plane: bool = False) -> list:
-    """The tensors whose squares add up to the whole model's (or gradient's) across the mesh: TP shards on every
-    tp rank, replicated ones on tp rank 0 only, the tie's copy on the last stage not at all; with experts, the
-    dense tensors on the ep group's first rank only (experts_on_mesh.py's rule 6), unless ``plane``: each rank's
-    slices of them, added over the dp x cp plane too (ZeRO-2: zero_stages.py's rule 4)."""
+    """The tensors whose squares add up to the whole model's (or gradient's) across the mesh: TP
+    shards on every tp rank, replicated ones on tp rank 0 only, the tie's copy on the last stage not
+    at all; with experts, the dense tensors on the ep group's first rank only (experts_on_mesh.py's
+    rule 6), unless ``plane``: each rank's slices of them, added over the dp x cp plane too (ZeRO-2:
+    zero_stages.py's rule 4)."""
     first_of_ep = plane or mesh.experts is None or mesh.experts.ep_rank == 0
     return [
         p
@@ -211,8 +223,9 @@ def counted_once(named: list, mesh, plane: bool = False) -> list:
 
 
 def gather_full_model(stage, named: list, mesh) -> dict:
-    """Every parameter whole, by name, on every rank: the tp shards all-gathered (step 8), the other experts
-    over the ep group (step 12), the stages' parts then gathered over the pp group (step 9)."""
+    """Every parameter whole, by name, on every rank: the tp shards all-gathered (step 8), the other
+    experts over the ep group (step 12), the stages' parts then gathered over the pp group (step
+    9)."""
     full = gather_full_parameters(stage, group=mesh.tp_group)  # by the stage module's names
     name_of = {n: name for (n, _), (name, _) in zip(stage.named_parameters(), named)}
     mine = {
@@ -226,13 +239,14 @@ def gather_full_model(stage, named: list, mesh) -> dict:
 
 
 class MeshShards:
-    """checkpoint.py's part for a rank of the mesh (rule 4): its TP/PP shard of the parameters, as step 8 gives it
-    (one box of each whole tensor), and the slices each of its ZeRO optimisers steps of that shard's AdamW state
-    (step 5's flat ranges, a few boxes each; --zero 0: all of it; with experts, the dense optimiser's and the
-    experts', experts_on_mesh.py's rule 5): no gather. Every copy of a tensor writes the same boxes (dp x cp
-    replicas, an expert's copies, tp ranks' replicated tensors), which DCP writes once; the tie's copy on the last
-    stage is not saved (its slices are cut with that stage's other parameters: other boxes). Any step reads it at
-    any mesh, ep and --zero stage."""
+    """checkpoint.py's part for a rank of the mesh (rule 4): its TP/PP shard of the parameters, as
+    step 8 gives it (one box of each whole tensor), and the slices each of its ZeRO optimisers steps
+    of that shard's AdamW state (step 5's flat ranges, a few boxes each; --zero 0: all of it; with
+    experts, the dense optimiser's and the experts', experts_on_mesh.py's rule 5): no gather. Every
+    copy of a tensor writes the same boxes (dp x cp replicas, an expert's copies, tp ranks'
+    replicated tensors), which DCP writes once; the tie's copy on the last stage is not saved (its
+    slices are cut with that stage's other parameters: other boxes). Any step reads it at any mesh,
+    ep and --zero stage."""
 
     per_rank = True
 
@@ -246,7 +260,8 @@ class MeshShards:
 
     @staticmethod
     def places(optimizer, named: list) -> list:
-        """``optimizer``'s local parameters, flat slices of the TP shards ``named`` holds (None: another's)."""
+        """``optimizer``'s local parameters, flat slices of
+        the TP shards ``named`` holds (None: another's)."""
         name_of = {p: n for n, p in named}
         return [
             (name_of[piece.param], place_of(piece.param)._replace(start=piece.start))
@@ -264,8 +279,9 @@ class MeshShards:
         return state
 
     def load_checkpoint(self, checkpoint) -> None:
-        """This rank's TP shard of every parameter (the tie's copy too, its experts by their names), then each
-        optimiser's slices of that shard's AdamW state, out of any step's checkpoint at any mesh."""
+        """This rank's TP shard of every parameter (the tie's copy too, its experts by their names),
+        then each optimiser's slices of that shard's AdamW state, out of any step's checkpoint at
+        any mesh."""
         load_model(checkpoint, [(n, p, place_of(p)) for n, p in self.named])
         for optimizer in self.optimizers:
             load_optimizer(

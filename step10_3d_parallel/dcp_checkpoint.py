@@ -1,20 +1,26 @@
-"""This rank's pieces of the parameters and of the optimiser's state as a torch.distributed.checkpoint (DCP) state
-dict, and back: saved under the model's own names, read back at any layout, opened by any DCP reader.
+"""This rank's pieces of the parameters and of the optimiser's state as a
+torch.distributed.checkpoint (DCP) state dict, and back: saved under the model's own names, read
+back at any layout, opened by any DCP reader.
 
-1. **Names, not ranks.** ``model.<name>`` is parameter ``name``, ``optim.state.<name>.<key>`` its optimiser state
-   (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``), ``optim.param_groups.<name>`` its group's hyperparameters, as
-   torch's flattened optimiser state dict names them: ``dcp_to_torch_save`` gives whole tensors of the model's shapes.
-2. **A piece is a few boxes.** A rank's tensor holds elements [start, start + numel) of the flattened block of
-   sizes ``block`` at ``offsets`` in the whole tensor (a ``Place``): all of it (DDP), a flat slice (ZeRO), a block
-   (tensor parallelism), a slice of a block (both). Any such range is at most 2·ndim − 1 N-D boxes (a partial
-   row, full rows, a partial row: ``boxes``), each a contiguous view of the piece: DCP's chunks. Replicas write the
-   same boxes, which DCP writes once.
-3. **Loading copies into the views.** This rank's boxes in the new layout ask DCP for the saved chunks that overlap
-   them, and DCP copies the overlaps into the views: no arithmetic, no dtype change, so resuming is bitwise.
-4. **The default planners, told where a box lives** (``Boxes`` answers DCP's ``__create_write_items__``,
-   ``__create_chunk_list__`` and ``__get_tensor_shard__`` as DTensor does; the planners look its views up).
-5. **The optimiser's hyperparameters come from the checkpoint, its groups and its update implementation from the
-   resuming run** (``UPDATE_IMPLEMENTATION``: foreach on a GPU, single-tensor on the CPU).
+1. **Names, not ranks.** ``model.<name>`` is parameter ``name``, ``optim.state.<name>.<key>`` its
+   optimiser state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``), ``optim.param_groups.<name>``
+   its group's hyperparameters, as torch's flattened optimiser state dict names them:
+   ``dcp_to_torch_save`` gives whole tensors of the model's shapes.
+2. **A piece is a few boxes.** A rank's tensor holds elements [start, start + numel) of the
+   flattened block of sizes ``block`` at ``offsets`` in the whole tensor (a ``Place``): all of it
+   (DDP), a flat slice (ZeRO), a block (tensor parallelism), a slice of a block (both). Any such
+   range is at most 2·ndim − 1 N-D boxes (a partial row, full rows, a partial row: ``boxes``), each
+   a contiguous view of the piece: DCP's chunks. Replicas write the same boxes, which DCP writes
+   once.
+3. **Loading copies into the views.** This rank's boxes in the new layout ask DCP for the saved
+   chunks that overlap them, and DCP copies the overlaps into the views: no arithmetic, no dtype
+   change, so resuming is bitwise.
+4. **The default planners, told where a box lives** (``Boxes`` answers DCP's
+   ``__create_write_items__``, ``__create_chunk_list__`` and ``__get_tensor_shard__`` as DTensor
+   does; the planners look its views up).
+5. **The optimiser's hyperparameters come from the checkpoint, its groups and its update
+   implementation from the resuming run** (``UPDATE_IMPLEMENTATION``: foreach on a GPU,
+   single-tensor on the CPU).
 """
 
 import copy
@@ -44,12 +50,14 @@ def params_in_order(optimizer) -> list:
     return [param for group in optimizer.param_groups for param in group["params"]]
 
 
-# Optimiser options that say how the update runs, not what it computes: the resuming run's own (rule 5).
+# Optimiser options that say how the update runs, not
+# what it computes: the resuming run's own (rule 5).
 UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
 class Place(NamedTuple):
-    """Where a rank's tensor sits in the whole one of ``shape`` (rule 2); the defaults: all of it."""
+    """Where a rank's tensor sits in the whole one of
+    ``shape`` (rule 2); the defaults: all of it."""
 
     shape: tuple
     offsets: tuple | None = None  # of the block; None: at the origin
@@ -58,8 +66,9 @@ class Place(NamedTuple):
 
 
 def boxes(start: int, end: int, shape: tuple) -> list[tuple[tuple, tuple, int]]:
-    """Elements [start, end) of a row-major tensor of ``shape`` as ``(offsets, sizes, first element)`` boxes, each
-    contiguous in memory: a partial first row, the full rows, a partial last row (rows cut the same way inside)."""
+    """Elements [start, end) of a row-major tensor of ``shape`` as ``(offsets, sizes, first
+    element)`` boxes, each contiguous in memory: a partial first row, the full rows, a partial last
+    row (rows cut the same way inside)."""
     if start >= end:
         return []
     if len(shape) <= 1:
@@ -82,7 +91,8 @@ def boxes(start: int, end: int, shape: tuple) -> list[tuple[tuple, tuple, int]]:
 
 
 class Boxes:
-    """A tensor at its ``Place`` as DCP sees a piece of a whole tensor (rules 2 and 4): its boxes, views of it."""
+    """A tensor at its ``Place`` as DCP sees a piece of a
+    whole tensor (rules 2 and 4): its boxes, views of it."""
 
     def __init__(self, tensor: torch.Tensor, place: Place):
         self.tensor, self.place = tensor, place
@@ -123,7 +133,8 @@ class Boxes:
 
 
 def entry(tensor: torch.Tensor, place: Place):
-    """What DCP is given for ``tensor`` at ``place``: the tensor itself (shaped as the whole) when it is all of it."""
+    """What DCP is given for ``tensor`` at ``place``: the
+    tensor itself (shaped as the whole) when it is all of it."""
     if place.offsets is None and place.block is None and tensor.numel() == math.prod(place.shape):
         return tensor.view(place.shape)
     return Boxes(tensor, place)
@@ -171,7 +182,8 @@ def save(state: dict, folder, process_group=None, storage_writer=None) -> None:
 
 
 def read(state: dict, folder) -> dict:
-    """Every tensor and box of ``state`` filled from ``folder``, every other value replaced by the saved object.
+    """Every tensor and box of ``state`` filled from
+    ``folder``, every other value replaced by the saved object.
     No collective: each rank reads what it asks for."""
     dcp.load(
         state, storage_reader=dcp.FileSystemReader(folder), planner=LoadPlanner(), no_dist=True
@@ -179,14 +191,15 @@ def read(state: dict, folder) -> dict:
     return state
 
 
-# ---- The model and the optimiser ---------------------------------------------------------------------------
+# ---- The model and the optimiser -----------------------------------------------------------------
 def model_state(pieces) -> dict:
     """``model.<name>`` for each ``(name, tensor, place)`` of ``pieces``."""
     return {f"model.{name}": entry(tensor, place) for name, tensor, place in pieces}
 
 
 def optimizer_state(optimizer, places: list) -> dict:
-    """``optim.*`` (rule 1) of ``optimizer``, whose i-th parameter (``params_in_order``) is ``places[i]``:
+    """``optim.*`` (rule 1) of ``optimizer``, whose i-th
+    parameter (``params_in_order``) is ``places[i]``:
     ``(name, place)``, or None for a copy another rank saves."""
     saved, out = optimizer.state_dict(), {}
     for g, group in enumerate(saved["param_groups"]):
@@ -203,14 +216,17 @@ def optimizer_state(optimizer, places: list) -> dict:
 
 
 def load_model(checkpoint, pieces) -> None:
-    """Copy this rank's ``(name, tensor, place)`` pieces out of ``checkpoint`` (any layout's), in place."""
+    """Copy this rank's ``(name, tensor, place)`` pieces
+    out of ``checkpoint`` (any layout's), in place."""
     checkpoint.read(model_state(pieces))
 
 
 def optimizer_state_dict(checkpoint, places: list, params: list, groups: list) -> dict:
-    """The state dict of an optimiser whose i-th parameter ``params[i]`` is at ``places[i] = (name, place)``,
-    read from ``checkpoint``; ``groups``: its own param groups (membership and update implementation, rule 5)."""
-    # what DCP fills; the state dict (DCP fills its tensors through views); its objects, filled after
+    """The state dict of an optimiser whose i-th parameter ``params[i]`` is at ``places[i] = (name,
+    place)``, read from ``checkpoint``; ``groups``: its own param groups (membership and update
+    implementation, rule 5)."""
+    # what DCP fills; the state dict (DCP fills its
+    # tensors through views); its objects, filled after
     wanted, state, objects = {}, {}, []
     for i, ((name, place), param) in enumerate(zip(places, params)):
         for key, saved in checkpoint.entries(f"optim.state.{name}.").items():
@@ -241,7 +257,8 @@ def optimizer_state_dict(checkpoint, places: list, params: list, groups: list) -
 
 
 def load_optimizer(checkpoint, optimizer, places: list) -> None:
-    """Give ``optimizer`` (its i-th parameter at ``places[i]``) its state from ``checkpoint``, whatever wrote it."""
+    """Give ``optimizer`` (its i-th parameter at ``places[i]``)
+    its state from ``checkpoint``, whatever wrote it."""
     params = params_in_order(optimizer)
     optimizer.load_state_dict(
         optimizer_state_dict(checkpoint, places, params, optimizer.param_groups)

@@ -1,33 +1,41 @@
-"""Step 12's experts on step 10's mesh (``--moe-experts E --ep D``): what expert parallelism must decide when the
-ranks that exchange tokens are also tensor-parallel, pipelined and context-parallel.
+"""Step 12's experts on step 10's mesh (``--moe-experts E --ep D``): what expert parallelism must
+decide when the ranks that exchange tokens are also tensor-parallel, pipelined and context-parallel.
 
-1. **The groups** (mesh.py's rule 6): D consecutive ranks of a dp x cp plane, at the same stage and tp rank, split
-   each MoE layer's experts (step 12's ``Groups``, the plane for its world). A tp rank holds its E/D experts
-   whole: the tensor-parallel plan skips an MoE block's MLP (tensor_parallel.py), every tp rank routes the same
-   tokens and computes the same experts, so their gradients agree with no collective (Megatron can also cut an
-   expert over tp, its expert tensor parallelism; not here). ``--ep 1``: every expert on every rank, no all-to-all.
-2. **The load-balancing loss reaches every stage.** One process differentiates ``(loss + a * sum of aux) / accum``;
-   in a pipeline the loss is on the last stage, the other stages' routers out of its reach. So each MoE layer's
-   output carries its aux loss through ``AuxLossToRouters`` (Megatron-LM's ``MoEAuxLossAutoScaler``): forward, the
-   output itself; backward, the output's gradient passed on, and the aux loss given the gradient one process gives
-   it, ``(1 / accum) * a`` with the same two float32 roundings. It meets the language-model loss's gradient at the
-   router's probabilities in a sum of two terms (a + b = b + a): one process's bits, at any pp, at pp = 1 too.
-3. **A sequence split over cp.** A cp rank routes its S/C positions. The aux loss's fractions f_i must be the
-   whole micro-batch's: moe.py's ``whole_sequence`` (its rule 4) adds the ring's counts, E integers all-reduced
-   (exact), and tokens; its mean probabilities P_i stay the rank's, so the ring's aux losses average to one
-   process's, as their language-model losses do (rule 4 divides both by W). Capacity is refused with cp: it
-   drops by position among a micro-batch's T tokens, and a rank holds S/C of them.
-4. **Gradients** (step 12's rule 7, on a plane of W = dp x cp ranks): the dense ones summed over the plane, an
-   expert's over its W/D copies (at the same stage and tp rank), both divided by W (``reduce_gradients``).
-5. **ZeRO-1 per kind of parameter.** ZeRO-1 over dp x cp assumes the plane's ranks hold the same parameters; an
-   ep group's do not. The dense parameters' AdamW state is sharded over the plane, an expert's over its copies:
-   ``DenseAndExperts``, two ``ShardedOptimizer``s stepped as one (the LR schedule sets the dense groups; the
-   experts' follow them).
-6. **Counted once** (composition.py's rule 3, and an axis more): a norm adds the dense tensors on the ep group's
-   first rank, the experts on every ep rank (tp rank 0's), all-reduced over tp, pp, then ep.
-7. **Checkpoints**: an expert is written whole and by name, as step 12 writes it, its AdamW state as the slices
-   its copies step (rule 5): boxes of the whole tensors, each written once (composition.py's rule 4). Step 12 at
-   any ep, and this step at any mesh, ep or --zero, read them back.
+1. **The groups** (mesh.py's rule 6): D consecutive ranks of a dp x cp plane, at the same stage and
+   tp rank, split each MoE layer's experts (step 12's ``Groups``, the plane for its world). A tp
+   rank holds its E/D experts whole: the tensor-parallel plan skips an MoE block's MLP
+   (tensor_parallel.py), every tp rank routes the same tokens and computes the same experts, so
+   their gradients agree with no collective (Megatron can also cut an expert over tp, its expert
+   tensor parallelism; not here). ``--ep 1``: every expert on every rank, no all-to-all.
+2. **The load-balancing loss reaches every stage.** One process differentiates ``(loss + a * sum of
+   aux) / accum``; in a pipeline the loss is on the last stage, the other stages' routers out of its
+   reach. So each MoE layer's output carries its aux loss through ``AuxLossToRouters``
+   (Megatron-LM's ``MoEAuxLossAutoScaler``): forward, the output itself; backward, the output's
+   gradient passed on, and the aux loss given the gradient one process gives it, ``(1 / accum) * a``
+   with the same two float32 roundings. It meets the language-model loss's gradient at the router's
+   probabilities in a sum of two terms (a + b = b + a): one process's bits, at any pp, at pp = 1
+   too.
+3. **A sequence split over cp.** A cp rank routes its S/C positions. The aux loss's fractions f_i
+   must be the whole micro-batch's: moe.py's ``whole_sequence`` (its rule 4) adds the ring's counts,
+   E integers all-reduced (exact), and tokens; its mean probabilities P_i stay the rank's, so the
+   ring's aux losses average to one process's, as their language-model losses do (rule 4 divides
+   both by W). Capacity is refused with cp: it drops by position among a micro-batch's T tokens, and
+   a rank holds S/C of them.
+4. **Gradients** (step 12's rule 7, on a plane of W = dp x cp ranks): the dense ones summed over the
+   plane, an expert's over its W/D copies (at the same stage and tp rank), both divided by W
+   (``reduce_gradients``).
+5. **ZeRO-1 per kind of parameter.** ZeRO-1 over dp x cp assumes the plane's ranks hold the same
+   parameters; an ep group's do not. The dense parameters' AdamW state is sharded over the plane, an
+   expert's over its copies:
+   ``DenseAndExperts``, two ``ShardedOptimizer``s stepped as one (the LR schedule sets the dense
+   groups; the experts' follow them).
+6. **Counted once** (composition.py's rule 3, and an axis more): a norm adds the dense tensors on
+   the ep group's first rank, the experts on every ep rank (tp rank 0's), all-reduced over tp, pp,
+   then ep.
+7. **Checkpoints**: an expert is written whole and by name, as step 12 writes it, its AdamW state as
+   the slices its copies step (rule 5): boxes of the whole tensors, each written once
+   (composition.py's rule 4). Step 12 at any ep, and this step at any mesh, ep or --zero, read them
+   back.
 8. **What does not compose**, refused in one line each (``check_experts_on_mesh``): see there.
 """
 
@@ -69,7 +77,8 @@ def check_experts_on_mesh(config: dict, dp: int, cp: int, pp: int) -> None:
         return
     if (dp * cp) % ep:
         raise UserError(
-            f"--ep {ep} must divide --dp x --cp = {dp * cp}: the experts are split over ranks of the "
+            f"--ep {ep} must divide --dp x --cp = {dp * cp}: the experts are split "
+            "over ranks of the "
             "data and context axes (mesh.py's rule 6); change --ep, --dp or --cp"
         )
     if experts % ep:
@@ -79,18 +88,23 @@ def check_experts_on_mesh(config: dict, dp: int, cp: int, pp: int) -> None:
         )
     if cp > 1 and config["moe_capacity_factor"] > 0:
         raise UserError(
-            "--moe-capacity-factor with --cp: capacity drops slots by position among a micro-batch's "
-            "tokens, and a cp rank holds S/C of them; use --moe-capacity-factor 0 (dropless) with --cp"
+            "--moe-capacity-factor with --cp: capacity drops slots by position among a "
+            "micro-batch's "
+            "tokens, and a cp rank holds S/C of them; use --moe-capacity-factor 0 "
+            "(dropless) with --cp"
         )
     if config["dropout"] > 0 and max(ep, cp, pp) > 1:
         raise UserError(
-            "--dropout with --moe-experts and --ep, --cp or --pp above 1: an expert draws its mask over the "
-            "slots it receives, known once routed, on the rank that owns it, so no rank can draw one "
+            "--dropout with --moe-experts and --ep, --cp or --pp above 1: an expert "
+            "draws its mask over the "
+            "slots it receives, known once routed, on the rank that owns it, so no "
+            "rank can draw one "
             "process's masks; use --dropout 0"
         )
     if config["sequence_parallel"]:
         raise UserError(
-            "--sequence-parallel with --moe-experts: each tp rank would route its S/T tokens and the "
+            "--sequence-parallel with --moe-experts: each tp rank would route its S/T "
+            "tokens and the "
             "experts' gradients would need adding over tp; use one of the two"
         )
     if config["activation_checkpointing"] == "full":
@@ -101,7 +115,8 @@ def check_experts_on_mesh(config: dict, dp: int, cp: int, pp: int) -> None:
 
 
 class AuxLossToRouters(torch.autograd.Function):
-    """Rule 2: ``output`` unchanged; in backward, ``gradient`` for ``aux_loss`` beside ``output``'s own."""
+    """Rule 2: ``output`` unchanged; in backward,
+    ``gradient`` for ``aux_loss`` beside ``output``'s own."""
 
     @staticmethod
     def forward(ctx, output, aux_loss, gradient):
@@ -115,8 +130,9 @@ class AuxLossToRouters(torch.autograd.Function):
 
 
 def experts_on_mesh(model, mesh, config: dict) -> None:
-    """Rules 1-3 on ``model`` (whole, before tensor parallelism cuts it): keep this rank's experts and dispatch to
-    the ep group's; under cp count the routing over the ring; carry every layer's aux-loss gradient."""
+    """Rules 1-3 on ``model`` (whole, before tensor parallelism cuts it): keep this rank's experts
+    and dispatch to the ep group's; under cp count the routing over the ring; carry every layer's
+    aux-loss gradient."""
     layers = moe_layers(model)
     if mesh.ep > 1:
         shard_experts(model, layers, mesh.experts)
@@ -135,7 +151,8 @@ def experts_on_mesh(model, mesh, config: dict) -> None:
 
 
 def _over_ring(counts: torch.Tensor, tokens: int, mesh) -> tuple[torch.Tensor, int]:
-    """Rule 3: the slots each expert got from the whole micro-batch, and its tokens (cp x this rank's)."""
+    """Rule 3: the slots each expert got from the whole
+    micro-batch, and its tokens (cp x this rank's)."""
     counts = counts.clone()
     count_collective("routing counts", counts)
     dist.all_reduce(counts, group=mesh.cp_group)
@@ -143,10 +160,12 @@ def _over_ring(counts: torch.Tensor, tokens: int, mesh) -> tuple[torch.Tensor, i
 
 
 class DenseAndExperts(torch.optim.Optimizer):
-    """Rule 5: ZeRO-1 over dp x cp for the dense parameters, over an expert's copies for the experts, as one
-    optimiser for the loop, the LR schedule (``param_groups``: the dense ones) and the memory record (``state``).
+    """Rule 5: ZeRO-1 over dp x cp for the dense parameters, over an expert's copies for the
+    experts, as one optimiser for the loop, the LR schedule (``param_groups``: the dense ones) and
+    the memory record (``state``).
     ``parts``: the two, each checkpointed as its slices (rule 7; composition.py's ``MeshShards``).
-    ``zero1(named, group)``: what builds each part (default: ZeRO-1 over ``group``; zero_stages.py: --zero's)."""
+    ``zero1(named, group)``: what builds each part (default: ZeRO-1 over ``group``; zero_stages.py:
+    --zero's)."""
 
     def __init__(self, named: list, config: dict, mesh, zero1=None):
         from training import adamw_options, adamw_param_groups
@@ -195,7 +214,8 @@ def norm_groups(mesh) -> list:
 
 
 def gather_experts(mine: dict, mesh) -> dict:
-    """``mine`` (every parameter of this rank's stage, by name) with the other experts of its ep group. Collective."""
+    """``mine`` (every parameter of this rank's stage, by name)
+    with the other experts of its ep group. Collective."""
     if mesh.ep > 1:
         held = [None] * mesh.ep
         experts = {n: t for n, t in mine.items() if is_expert(n)}
@@ -206,10 +226,11 @@ def gather_experts(mine: dict, mesh) -> dict:
 
 
 def moe_record_on_mesh(stage, mesh) -> dict:
-    """Step 12's MoE record over the mesh, on every rank (collective): per MoE layer, in model order, the slots each
-    expert computed summed over the dp x cp ranks that hold it, the dropped fraction averaged over them; the
-    layers' load-balancing loss averaged over them and summed over layers; each rank's all-to-all notes (step 12's
-    ``traffic``). Counted on tp rank 0: the tp ranks route alike."""
+    """Step 12's MoE record over the mesh, on every rank (collective): per MoE layer, in model
+    order, the slots each expert computed summed over the dp x cp ranks that hold it, the dropped
+    fraction averaged over them; the layers' load-balancing loss averaged over them and summed over
+    layers; each rank's all-to-all notes (step 12's ``traffic``). Counted on tp rank 0: the tp ranks
+    route alike."""
     layers = [(n, m) for n, m in stage.named_modules() if isinstance(m, MoE)]
     traffic = []
     for _, m in layers:

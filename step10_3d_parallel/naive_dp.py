@@ -29,7 +29,8 @@ def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
 def allreduce_gradients(
     module: torch.nn.Module, reduce_dtype: torch.dtype = torch.float32, group=None
 ) -> None:
-    """Replace every gradient by its mean over the ranks: all-reduce (sum), then divide by world size.
+    """Replace every gradient by its mean over the
+    ranks: all-reduce (sum), then divide by world size.
 
     ``reduce_dtype=torch.float64`` is the exact mode: summing in float64 does not depend on the
     order in which the ranks' values are added, so the result is the same bits however the
@@ -37,8 +38,8 @@ def allreduce_gradients(
 
     Every rank must call this with a gradient for every trainable parameter: the ranks issue one
     all-reduce per parameter in the same order, and a rank that skipped one would pair its next
-    all-reduce with a different parameter on the other ranks. ``group``: the ranks that hold replicas
-    (default: all; step 10 passes its data-parallel group).
+    all-reduce with a different parameter on the other ranks. ``group``: the ranks that hold
+    replicas (default: all; step 10 passes its data-parallel group).
     """
     world_size = dist.get_world_size(group)
     for name, param in module.named_parameters():

@@ -1,18 +1,23 @@
-"""ZeRO-Offload: the optimiser's state and its step on the host, so the device holds only what forward and backward
-need (``--offload-optimizer``; DeepSpeed's ZeRO-Offload, FSDP2's ``CPUOffloadPolicy``).
+"""ZeRO-Offload: the optimiser's state and its step on the host, so the device holds only what
+forward and backward need (``--offload-optimizer``; DeepSpeed's ZeRO-Offload, FSDP2's
+``CPUOffloadPolicy``).
 
-1. **What moves.** Per rank, ZeRO-3 holds 4Ψ/N of parameters, 4Ψ/N of gradients and 8Ψ/N of AdamW moments on the
-   device. Offloaded, the moments and a float32 copy of the parameters (the masters AdamW updates) live in host
-   memory: the device keeps 8Ψ/N, the host 12Ψ/N, plus a host copy of the gradients (4Ψ/N) while it steps.
-2. **One step, three moves.** The gradient shards go to the host after the reduce-scatter (and after clipping,
-   which reads them where they are), AdamW steps the host copies, the updated shards come back. On a GPU the
-   host tensors are pinned and the copies non-blocking, the host waiting for the device before it reads.
-3. **The optimiser the loop already knows.** ``OffloadedOptimizer`` is a ``torch.optim.Optimizer`` over the
-   device parameters (the scheduler sets their learning rate, the gradient scaler unscales and checks their
-   gradients, checkpoints number its state by them), whose ``step`` runs a plain optimiser, built by ``make``,
-   over the host copies. Its state dict is the inner one's: a checkpoint does not say where the state lived.
-4. **The same numbers.** AdamW does the same arithmetic on the copies: on a CPU the run is bitwise the run
-   without offload; on a GPU the update runs on the CPU's kernels instead of the GPU's (other rounding).
+1. **What moves.** Per rank, ZeRO-3 holds 4Ψ/N of parameters, 4Ψ/N of gradients and 8Ψ/N of AdamW
+   moments on the device. Offloaded, the moments and a float32 copy of the parameters (the masters
+   AdamW updates) live in host memory: the device keeps 8Ψ/N, the host 12Ψ/N, plus a host copy of
+   the gradients (4Ψ/N) while it steps.
+2. **One step, three moves.** The gradient shards go to the host after the reduce-scatter (and after
+   clipping, which reads them where they are), AdamW steps the host copies, the updated shards come
+   back. On a GPU the host tensors are pinned and the copies non-blocking, the host waiting for the
+   device before it reads.
+3. **The optimiser the loop already knows.** ``OffloadedOptimizer`` is a ``torch.optim.Optimizer``
+   over the device parameters (the scheduler sets their learning rate, the gradient scaler unscales
+   and checks their gradients, checkpoints number its state by them), whose ``step`` runs a plain
+   optimiser, built by ``make``, over the host copies. Its state dict is the inner one's: a
+   checkpoint does not say where the state lived.
+4. **The same numbers.** AdamW does the same arithmetic on the copies: on a CPU the run is bitwise
+   the run without offload; on a GPU the update runs on the CPU's kernels instead of the GPU's
+   (other rounding).
 """
 
 import torch
@@ -21,7 +26,8 @@ HOST = torch.device("cpu")  # where the masters, the moments and the step live
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
-    """``make(named_host_params)`` builds the optimiser that steps on the host (step 7: AdamW, by ``make_optimizer``)."""
+    """``make(named_host_params)`` builds the optimiser that
+    steps on the host (step 7: AdamW, by ``make_optimizer``)."""
 
     def __init__(self, named_params, make, host: torch.device = HOST):
         named_params = list(named_params)
@@ -50,7 +56,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         )
 
     def host_bytes(self) -> int:
-        """What rule 1 keeps in host memory: the float32 copies and the optimiser's state (a step's ``host``)."""
+        """What rule 1 keeps in host memory: the float32 copies
+        and the optimiser's state (a step's ``host``)."""
         state = (v for s in self.state.values() for v in s.values() if torch.is_tensor(v))
         return sum(t.numel() * t.element_size() for t in [*self.host_copies, *state])
 
@@ -61,7 +68,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for ours, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({key: value for key, value in ours.items() if key != "params"})
         for param, copy in self.pairs:
-            # copy=True: a host tensor of its own even where the host is the device (a CPU run), as on a GPU
+            # copy=True: a host tensor of its own even where
+            # the host is the device (a CPU run), as on a GPU
             copy.grad = (
                 None
                 if param.grad is None
@@ -83,7 +91,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """The state onto the host, and the host copies from the device parameters (loaded just before)."""
+        """The state onto the host, and the host copies
+        from the device parameters (loaded just before)."""
         self.inner.load_state_dict(state_dict)
         for ours, inner in zip(self.param_groups, self.inner.param_groups):
             ours.update({key: value for key, value in inner.items() if key != "params"})

@@ -1,30 +1,32 @@
-"""Ring attention: softmax(q k^T / sqrt(d), causal) v for this rank's queries against every rank's keys and values,
-the key/value blocks passed round the ring of C ranks (Liu et al. 2023; the merge and the recomputing backward
-are flash attention's). context_parallel.py puts it in the model; this page is the arithmetic:
+"""Ring attention: softmax(q k^T / sqrt(d), causal) v for this rank's queries against every rank's
+keys and values, the key/value blocks passed round the ring of C ranks (Liu et al. 2023; the merge
+and the recomputing backward are flash attention's). context_parallel.py puts it in the model; this
+page is the arithmetic:
 
-1. **Chunks.** The sequence is cut into 2C chunks and rank r holds two of them (``chunks_of``: r and 2C-1-r,
-   ``zigzag``, or 2r and 2r+1, ``contiguous``); a block going round the ring is its rank's two chunks.
-2. **The ring.** Attention needs every earlier key. A rank computes its queries against the key/value
-   block it holds, then passes the block to rank r+1 and receives rank r-1's: after C-1 passes it has met
-   every block, never holding more than two. The next block's send and receive start before the current
-   block is computed, so the compute hides the transfer.
-3. **Log-sum-exp merge.** Each (query chunk, key chunk) pair gives a softmax normalised over its own keys,
-   and its log-sum-exp ``lse``. Two such partial results merge exactly, in float32:
+1. **Chunks.** The sequence is cut into 2C chunks and rank r holds two of them (``chunks_of``: r and
+   2C-1-r, ``zigzag``, or 2r and 2r+1, ``contiguous``); a block going round the ring is its rank's
+   two chunks.
+2. **The ring.** Attention needs every earlier key. A rank computes its queries against the
+   key/value block it holds, then passes the block to rank r+1 and receives rank r-1's: after C-1
+   passes it has met every block, never holding more than two. The next block's send and receive
+   start before the current block is computed, so the compute hides the transfer.
+3. **Log-sum-exp merge.** Each (query chunk, key chunk) pair gives a softmax normalised over its own
+   keys, and its log-sum-exp ``lse``. Two such partial results merge exactly, in float32:
    ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)``.
-   Only the merged output and lse are kept for backward: no rank ever holds a score matrix beyond one
-   chunk by one chunk, and none is saved. The output is laid out (B, S, H, D), as flash attention lays it
-   out, so the projection after it reads the same storage instead of a copy.
-4. **Causal.** A key chunk after a query chunk is skipped, the diagonal pair is masked (context_parallel.py's
-   rule 3: why zig-zag balances the work).
+   Only the merged output and lse are kept for backward: no rank ever holds a score matrix beyond
+   one chunk by one chunk, and none is saved. The output is laid out (B, S, H, D), as flash
+   attention lays it out, so the projection after it reads the same storage instead of a copy.
+4. **Causal.** A key chunk after a query chunk is skipped, the diagonal pair is masked
+   (context_parallel.py's rule 3: why zig-zag balances the work).
 5. **Backward around the ring again.** The probabilities are recomputed from the saved lse (flash
-   attention's backward); the key/value blocks travel the same way, each with a float32 buffer for its
-   dK and dV that every rank adds its queries' part to; one more pass brings each buffer home. A buffer
-   travels while the next block is computed: a rank computes its part first and adds it once the buffer
-   has come (in the same order, so the sums are those of adding at once).
-6. **Dropout on the attention weights**, drawn pair by pair in the ring; backward draws the same masks again
-   from a generator set to the state forward started from, so no mask is kept. A rank that holds some of the
-   heads only (step 10, tensor-parallel too) draws every head's mask and keeps its own, so tp ranks do not all
-   drop alike and the masks are this ring's whole-model ones.
+   attention's backward); the key/value blocks travel the same way, each with a float32 buffer for
+   its dK and dV that every rank adds its queries' part to; one more pass brings each buffer home. A
+   buffer travels while the next block is computed: a rank computes its part first and adds it once
+   the buffer has come (in the same order, so the sums are those of adding at once).
+6. **Dropout on the attention weights**, drawn pair by pair in the ring; backward draws the same
+   masks again from a generator set to the state forward started from, so no mask is kept. A rank
+   that holds some of the heads only (step 10, tensor-parallel too) draws every head's mask and
+   keeps its own, so tp ranks do not all drop alike and the masks are this ring's whole-model ones.
 """
 
 import math
@@ -44,8 +46,8 @@ def chunks_of(rank: int, cp: int, layout: str = "zigzag") -> tuple[int, int]:
 
 
 class _Ring:
-    """Point-to-point with the next and previous rank of ``group``; gloo moves CPU tensors only, so where
-    the ranks share a GPU over gloo the messages go through host memory."""
+    """Point-to-point with the next and previous rank of ``group``; gloo moves CPU tensors only, so
+    where the ranks share a GPU over gloo the messages go through host memory."""
 
     def __init__(self, group):
         self.group = group
@@ -60,14 +62,15 @@ class _Ring:
         )
 
     def start(self, tensor: torch.Tensor, tag: int):
-        """Send ``tensor`` to the next rank and receive the previous rank's into a new buffer; returns a
-        function that waits for both (within the group's timeout) and gives the received tensor."""
+        """Send ``tensor`` to the next rank and receive the previous rank's into a new buffer;
+        returns a function that waits for both (within the group's timeout) and gives the received
+        tensor."""
         staged = tensor.device.type != "cpu" and dist.get_backend(self.group) == "gloo"
         out = tensor.detach().cpu() if staged else tensor.detach().contiguous()
         into = torch.empty_like(out)
         count_collective("send", out)
-        # One batch: nccl posts both at once (a send and a receive issued one after the other on its stream would
-        # wait for each other round the ring); gloo issues them in turn.
+        # One batch: nccl posts both at once (a send and a receive issued one after the other on its
+        # stream would wait for each other round the ring); gloo issues them in turn.
         works = dist.batch_isend_irecv(
             [
                 dist.P2POp(dist.isend, out, self.next, self.group, tag),
@@ -84,7 +87,8 @@ class _Ring:
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    """Float32 scores of one chunk of queries against one chunk of keys; the diagonal pair is causal."""
+    """Float32 scores of one chunk of queries against
+    one chunk of keys; the diagonal pair is causal."""
     s = (q @ k.transpose(-2, -1)).float() * scale
     if causal:
         n = s.shape[-1]
@@ -99,9 +103,10 @@ def _rng_state(device) -> torch.Tensor:
 
 
 def _dropout_mask(like: torch.Tensor, p: float, generator=None, heads=(0, 1)) -> torch.Tensor:
-    """What ``F.dropout`` multiplies by on the CPU: kept with probability 1 - p, scaled by 1 / (1 - p). ``heads``:
-    (i, n) where ``like`` holds block i of n of the heads (step 10's tensor parallelism): the mask of all heads is
-    drawn, as one rank of the ring draws it, and block i kept (rule 6)."""
+    """What ``F.dropout`` multiplies by on the CPU: kept with probability 1 - p, scaled by 1 / (1 -
+    p). ``heads``: (i, n) where ``like`` holds block i of n of the heads (step 10's tensor
+    parallelism): the mask of all heads is drawn, as one rank of the ring draws it, and block i kept
+    (rule 6)."""
     index, blocks = heads
     whole = torch.empty(
         (like.shape[0], like.shape[1] * blocks, *like.shape[2:]),
@@ -112,8 +117,8 @@ def _dropout_mask(like: torch.Tensor, p: float, generator=None, heads=(0, 1)) ->
 
 
 class RingAttention(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d), causal) v for this rank's queries against every rank's keys and values; with
-    ``dropout`` on the attention weights (rule 6)."""
+    """softmax(q k^T / sqrt(d), causal) v for this rank's queries against every rank's keys and
+    values; with ``dropout`` on the attention weights (rule 6)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, layout, dropout=0.0, heads=(0, 1)):
@@ -150,7 +155,8 @@ class RingAttention(torch.autograd.Function):
                         lse[i] = merged
             if pending:
                 kv = pending()
-        # laid out (B, S, H, D) as flash attention lays it out: c_proj's input is then the same storage, kept once
+        # laid out (B, S, H, D) as flash attention lays it out:
+        # c_proj's input is then the same storage, kept once
         out = torch.cat(out, dim=2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         lse = torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)

@@ -1,46 +1,48 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): T ranks run one model on the same samples,
 each holding 1/T of every weight matrix.
 
-Steps 1-7 split the batch: every rank ran the whole model on its own samples (ZeRO only changed where
-the state waits between uses). Here the ranks of a group see the same micro-batches and split the
-work *inside* each layer. Here:
+Steps 1-7 split the batch: every rank ran the whole model on its own samples (ZeRO only changed
+where the state waits between uses). Here the ranks of a group see the same micro-batches and split
+the work *inside* each layer. Here:
 
 1. **Column-parallel, then row-parallel.** A linear layer ``y = x A^T`` can be split by the rows of
-   ``A`` (its output features: rank r computes ``y_r``, a slice of ``y``, from the whole ``x``) or by
-   its columns (its input features: rank r computes a partial ``x_r A_r^T`` of the whole ``y``, and
-   the ranks sum). An MLP is a column-parallel layer, an element-wise activation, a row-parallel
-   layer: the activation needs no communication in between, so a pair costs one all-reduce forward (after
-   the row-parallel layer) and one backward per column-parallel layer (attention: c_q, c_k and c_v, then
-   c_proj; MLP: c_fc, then c_proj). The plan (``BLOCK_PLAN``) names each layer and its kind, as
-   torchtitan's does. (Megatron fuses q, k and v into one matrix, one backward all-reduce instead of
-   three; PyTorch's ``ColwiseParallel`` on each, which we equal bit for bit, does not.)
-2. **Two conjugate functions carry all the communication** (tensor_parallel_mappings.py, apart from the
-   layers, as Megatron-LM's ``mappings.py``). ``copy_to_tensor_parallel_region`` (Megatron's *f*):
-   identity forward, all-reduce of the gradient backward, in front of a column-parallel layer,
-   because each rank's ``x`` feeds only its slice of ``y``. And ``reduce_from_tensor_parallel_region``
-   (*g*): all-reduce forward, identity backward, after a row-parallel layer. Nothing else in the model
-   knows it is distributed.
-3. **Whole heads.** q, k and v are three ``nn.Linear`` whose rows are the heads side by side, so rank r's
-   contiguous block of rows of each is heads ``r H/T .. (r+1) H/T - 1``: attention runs on its local heads
-   with no communication, and reads their number off the width (no attribute to patch). Hence T must
-   divide the number of heads: a block that cut a head in two would be silently wrong.
+   ``A`` (its output features: rank r computes ``y_r``, a slice of ``y``, from the whole ``x``) or
+   by its columns (its input features: rank r computes a partial ``x_r A_r^T`` of the whole ``y``,
+   and the ranks sum). An MLP is a column-parallel layer, an element-wise activation, a row-parallel
+   layer: the activation needs no communication in between, so a pair costs one all-reduce forward
+   (after the row-parallel layer) and one backward per column-parallel layer (attention: c_q, c_k
+   and c_v, then c_proj; MLP: c_fc, then c_proj). The plan (``BLOCK_PLAN``) names each layer and its
+   kind, as torchtitan's does. (Megatron fuses q, k and v into one matrix, one backward all-reduce
+   instead of three; PyTorch's ``ColwiseParallel`` on each, which we equal bit for bit, does not.)
+2. **Two conjugate functions carry all the communication** (tensor_parallel_mappings.py, apart from
+   the layers, as Megatron-LM's ``mappings.py``). ``copy_to_tensor_parallel_region`` (Megatron's
+   *f*): identity forward, all-reduce of the gradient backward, in front of a column-parallel layer,
+   because each rank's ``x`` feeds only its slice of ``y``. And
+   ``reduce_from_tensor_parallel_region`` (*g*): all-reduce forward, identity backward, after a
+   row-parallel layer. Nothing else in the model knows it is distributed.
+3. **Whole heads.** q, k and v are three ``nn.Linear`` whose rows are the heads side by side, so
+   rank r's contiguous block of rows of each is heads ``r H/T .. (r+1) H/T - 1``: attention runs on
+   its local heads with no communication, and reads their number off the width (no attribute to
+   patch). Hence T must divide the number of heads: a block that cut a head in two would be silently
+   wrong.
 4. **The row-parallel bias as PyTorch adds it.** Each rank adds ``bias / T`` to its partial sum
    before the all-reduce (DTensor's Replicate -> Partial, ``_partition_value``), so the result is
    bitwise PyTorch's ``RowwiseParallel``. The bias gradient is the true one (``_BiasShare``):
    every rank already holds the whole output gradient.
-5. **The vocabulary split, the tie kept** (vocab_parallel.py): the token embedding and the tied output layer
-   hold rows ``[r V/T, (r+1) V/T)`` of one Parameter, and the loss is taken on logits split by vocabulary.
+5. **The vocabulary split, the tie kept** (vocab_parallel.py): the token embedding and the tied
+   output layer hold rows ``[r V/T, (r+1) V/T)`` of one Parameter, and the loss is taken on logits
+   split by vocabulary.
 6. **Replicated parameters stay identical without a gradient sync.** LayerNorms, the position
    embedding and row-parallel biases see the same inputs on every rank and, thanks to *f*'s
    all-reduce, the same output gradients: their gradients come out bit-identical everywhere.
    (That replicated work, done T times on the same tokens, is what sequence parallelism splits:
    sequence_parallel.py, which swaps the layers' communication, below, for its own.)
-7. **One process's dropout masks.** Every rank's random stream is the same (one seed), so a rank that
-   drew attention dropout's mask for its own heads would draw every other rank's mask too: heads h and
-   h + H/T dropped alike. ``ShardDropout`` draws the mask of all heads, as one process draws it, and
-   keeps this rank's block (shard_dropout.py): the masks are one process's (tests: within float32's rounding of
-   step 0), and the stream moves on as one process's. The fused sdpa kernel draws inside itself, so with
-   dropout it is refused (``check_tensor_parallel``).
+7. **One process's dropout masks.** Every rank's random stream is the same (one seed), so a rank
+   that drew attention dropout's mask for its own heads would draw every other rank's mask too:
+   heads h and h + H/T dropped alike. ``ShardDropout`` draws the mask of all heads, as one process
+   draws it, and keeps this rank's block (shard_dropout.py): the masks are one process's (tests:
+   within float32's rounding of step 0), and the stream moves on as one process's. The fused sdpa
+   kernel draws inside itself, so with dropout it is refused (``check_tensor_parallel``).
 
 What changes the numbers: a row-parallel layer sums ``h/T`` products per rank and then the ranks'
 partial sums; one process sums ``h`` products in one go. Floating-point addition is not associative,
@@ -64,11 +66,12 @@ from tensor_parallel_mappings import (
 from tensor_parallel_state import block_length, block_of
 from vocab_parallel import VocabParallelEmbedding
 
-# ---- a rank's share of a row-parallel bias ---------------------------------------------------------------
+# ---- a rank's share of a row-parallel bias -------------------------------------------------------
 
 
 class _BiasShare(torch.autograd.Function):
-    """``bias / T`` forward (rule 4); backward, the gradient of the whole bias: the T shares add up to it."""
+    """``bias / T`` forward (rule 4); backward, the gradient
+    of the whole bias: the T shares add up to it."""
 
     @staticmethod
     def forward(ctx, bias, world_size):
@@ -79,16 +82,17 @@ class _BiasShare(torch.autograd.Function):
         return grad, None
 
 
-# ---- the layers --------------------------------------------------------------------------------------------
+# ---- the layers ----------------------------------------------------------------------------------
 
 
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear(in_features, out_features)`` with its output features split over ``group``.
 
-    ``.weight`` is this rank's block of rows of the full ``(out_features, in_features)`` weight, rows
-    ``[r out/T, (r+1) out/T)``; ``.bias`` the same rows of the bias. The input is the whole ``x``, the
-    same on every rank; the output is this rank's slice of the last dimension, or, with
-    ``gather_output=True``, the whole output (one all-gather). ``out_features`` must be divisible by T.
+    ``.weight`` is this rank's block of rows of the full ``(out_features, in_features)`` weight,
+    rows ``[r out/T, (r+1) out/T)``; ``.bias`` the same rows of the bias. The input is the whole
+    ``x``, the same on every rank; the output is this rank's slice of the last dimension, or, with
+    ``gather_output=True``, the whole output (one all-gather). ``out_features`` must be divisible by
+    T.
     """
 
     def __init__(
@@ -111,7 +115,8 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_full(cls, linear: nn.Linear, group=None, reduce_dtype=None) -> "ColumnParallelLinear":
-        """This rank's part of ``linear`` (the same full layer on every rank): its block of rows, of the bias too."""
+        """This rank's part of ``linear`` (the same full layer
+        on every rank): its block of rows, of the bias too."""
         # no storage, no random draw: dropout's masks must not depend on this
         with torch.device("meta"):
             layer = cls(
@@ -135,10 +140,11 @@ class RowParallelLinear(nn.Module):
     """``nn.Linear(in_features, out_features)`` with its input features split over ``group``.
 
     ``.weight`` is this rank's block of columns of the full ``(out_features, in_features)`` weight,
-    columns ``[r in/T, (r+1) in/T)``; ``.bias`` is whole (replicated). The input is this rank's slice
-    of the last dimension (what a column-parallel layer returns), or, with ``input_is_parallel=False``,
-    the whole input, sliced here. The output is whole and the same on every rank: the partial sums,
-    each with ``bias / T`` added (as PyTorch's ``RowwiseParallel`` does), all-reduced.
+    columns ``[r in/T, (r+1) in/T)``; ``.bias`` is whole (replicated). The input is this rank's
+    slice of the last dimension (what a column-parallel layer returns), or, with
+    ``input_is_parallel=False``, the whole input, sliced here. The output is whole and the same on
+    every rank: the partial sums, each with ``bias / T`` added (as PyTorch's ``RowwiseParallel``
+    does), all-reduced.
     """
 
     def __init__(
@@ -165,7 +171,8 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_full(cls, linear: nn.Linear, group=None, reduce_dtype=None) -> "RowParallelLinear":
-        """This rank's part of ``linear`` (the same full layer on every rank): its block of columns, the bias whole."""
+        """This rank's part of ``linear`` (the same full layer
+        on every rank): its block of columns, the bias whole."""
         with torch.device("meta"):
             layer = cls(
                 linear.in_features,
@@ -190,12 +197,13 @@ class RowParallelLinear(nn.Module):
         return self.reduce_output(F.linear(x, self.weight, share), self.group, self.reduce_dtype)
 
 
-# ---- GPT-2, made tensor-parallel ----------------------------------------------------------------------------
-# Every sharded parameter is one contiguous block of the full one (``from_full``: rank r's block r of T along
-# dim 0 for column-parallel weights and biases and for the vocabulary, dim 1 for row-parallel weights), in the
-# model's own layout (nn.Linear's ``(out, in)``), so a shard is its own checkpoint block, nothing transposed.
-# The plan (torchtitan's style, our layers): each layer by its name, and the layer that replaces it. A
-# column-parallel layer's output stays split (by heads, or the MLP's hidden features) into the row-parallel one.
+# ---- GPT-2, made tensor-parallel -----------------------------------------------------------------
+# Every sharded parameter is one contiguous block of the full one (``from_full``: rank r's block r
+# of T along dim 0 for column-parallel weights and biases and for the vocabulary, dim 1 for
+# row-parallel weights), in the model's own layout (nn.Linear's ``(out, in)``), so a shard is its
+# own checkpoint block, nothing transposed. The plan (torchtitan's style, our layers): each layer by
+# its name, and the layer that replaces it. A column-parallel layer's output stays split (by heads,
+# or the MLP's hidden features) into the row-parallel one.
 # whole heads: a block of rows
 BLOCK_PLAN = {
     "attn.c_q": ColumnParallelLinear,
@@ -227,12 +235,13 @@ def tensor_parallel_plan(n_layer: int) -> dict:
 def check_tensor_parallel(
     config: dict, vocab_size: int, world_size: int, flag: str | None = None
 ) -> None:
-    """``check_divisible`` for a run's flags: --n-head and the vocabulary; and no fused attention with dropout
-    (rule 7)."""
+    """``check_divisible`` for a run's flags: --n-head and the vocabulary; and no fused attention
+    with dropout (rule 7)."""
     check_divisible(config["n_head"], vocab_size, world_size, flag)
     if world_size > 1 and config.get("dropout", 0) > 0 and config.get("attention") == "sdpa":
         raise UserError(
-            "--attention sdpa (a GPU's default) with --dropout under tensor parallelism: the fused kernel "
+            "--attention sdpa (a GPU's default) with --dropout under tensor "
+            "parallelism: the fused kernel "
             "would draw attention's masks for this rank's heads alone, the same on every rank; use "
             "--attention math"
         )
@@ -251,12 +260,14 @@ def check_divisible(n_head: int, vocab_size: int, world_size: int, flag: str | N
     if n_head % world_size:
         why = "more ranks than heads" if world_size > n_head else "each rank holds whole heads"
         raise UserError(
-            f"{degree} needs --n-head divisible by {world_size}, got {n_head} ({why}): {fix} {n_head}, "
+            f"{degree} needs --n-head divisible by {world_size}, got {n_head} ({why}): "
+            f"{fix} {n_head}, "
             "or change --n-head (and --n-embd)"
         )
     if vocab_size % world_size:
         raise UserError(
-            f"{degree} needs a vocabulary divisible by {world_size}, the tokenizer has {vocab_size} "
+            f"{degree} needs a vocabulary divisible by {world_size}, the tokenizer has "
+            f"{vocab_size} "
             f"tokens: {fix} {vocab_size}, or pad the vocabulary (Megatron does)"
         )
 
@@ -273,8 +284,8 @@ def parallelize_gpt2(model, group=None, reduce_dtype=None):
     the width, so it runs on the local heads unchanged. Parameter names do not change. The model's
     forward then returns this rank's vocabulary slice of the logits: take the loss with
     ``vocab_parallel_cross_entropy``. Every sharded parameter carries ``tp_blocks``: where it sits
-    in the whole one (tensor_parallel_state.py). Attention dropout keeps this rank's heads of one process's mask
-    (rule 7). Sequence parallelism: sequence_parallel.py."""
+    in the whole one (tensor_parallel_state.py). Attention dropout keeps this rank's heads of one
+    process's mask (rule 7). Sequence parallelism: sequence_parallel.py."""
     cfg = model.config
     check_divisible(cfg.n_head, cfg.vocab_size, dist.get_world_size(group))
     for name, style in tensor_parallel_plan(len(model.transformer.h)).items():

@@ -1,15 +1,20 @@
-"""Step 10: data, tensor and pipeline parallelism at once, on one device mesh (mesh.py). Grown from step 9's train.py.
+"""Step 10: data, tensor and pipeline parallelism at once,
+on one device mesh (mesh.py). Grown from step 9's train.py.
 
-A pp x dp x tp mesh: each pipeline stage (step 9) tensor-parallel over its tp group (step 8); the dp replicas of a
-stage read their own samples (step 2), average gradients (step 3), shard AdamW's state (step 5; --zero 0: not, 2: the
-gradients too, as step 6: zero_stages.py; 3: the parameters too, step 7's FullyShardedDP: zero3_on_mesh.py). With --cp, a
-fourth axis: each sequence split over a ring of cp ranks (step 11), replicas to the gradients. With --moe-experts,
-step 12's experts: --ep D splits them over D ranks of the dp x cp plane (experts_on_mesh.py). Bitwise: README.
+A pp x dp x tp mesh: each pipeline stage (step 9) tensor-parallel over its tp group (step 8); the dp
+replicas of a stage read their own samples (step 2), average gradients (step 3), shard AdamW's state
+(step 5; --zero 0: not, 2: the gradients too, as step 6: zero_stages.py; 3: the parameters too, step
+7's FullyShardedDP: zero3_on_mesh.py). With --cp, a fourth axis: each sequence split over a ring of
+cp ranks (step 11), replicas to the gradients. With --moe-experts, step 12's experts: --ep D splits
+them over D ranks of the dp x cp plane (experts_on_mesh.py). Bitwise: README.
 
     torchrun --standalone --nproc_per_node=4 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 1
-    torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 2 --steps 2
-    torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --cp 2 --tp 2 --pp 2 --steps 2
-    torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --cp 2 --tp 2 --ep 2 \
+    torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --tp 2 --pp 2 \\
+        --steps 2
+    torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --cp 2 --tp 2 --pp 2 \\
+        --steps 2
+    torchrun --standalone --nproc_per_node=8 step10_3d_parallel/train.py --dp 2 --cp 2 --tp 2 \\
+        --ep 2 \
         --moe-experts 4 --steps 2
 """
 
@@ -67,10 +72,11 @@ STEP = Path(__file__).resolve().parent.name
 def train_step(
     pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list, mesh, sharded
 ) -> tuple:
-    """One optimiser step on this replica's ``micro_batches``, through the pipeline ``--micro-batches`` at a time;
-    this shard's gradients averaged over dp x cp, unscaled, clipped with the whole gradient's norm, applied (ZeRO
-    --zero over dp x cp: zero_stages.py; ``sharded``: --zero 3's stages, zero3_on_mesh.py, else None). Returns the
-    losses' sum (the last stage's), the gradient norm, this rank's memory, the bytes by axis."""
+    """One optimiser step on this replica's ``micro_batches``, through the pipeline
+    ``--micro-batches`` at a time; this shard's gradients averaged over dp x cp, unscaled, clipped
+    with the whole gradient's norm, applied (ZeRO --zero over dp x cp: zero_stages.py; ``sharded``:
+    --zero 3's stages, zero3_on_mesh.py, else None). Returns the losses' sum (the last stage's), the
+    gradient norm, this rank's memory, the bytes by axis."""
     accum = len(micro_batches)
     in_flight = config["micro_batches"] or accum
     loss_sum = torch.zeros((), device=device)
@@ -87,10 +93,12 @@ def train_step(
             loss_sum += loss
     # step 9's (the tie, every send waited), then step 8's (sequence-parallel)
     finish_gradient_synchronization(pipe)
-    # the bytes sent so far: over tp inside the stages, point-to-point over pp (--zero 3: its gathers over dp)
+    # the bytes sent so far: over tp inside the stages,
+    # point-to-point over pp (--zero 3: its gathers over dp)
     comm = BytesByAxis("tp", ("all_gather", "reduce_scatter") if sharded else ())
-    # the replicas of this shard average their gradients (sum, then divide: step 3): all-reduced, or with --zero 2
-    # reduce-scattered, each rank keeping its slice (zero_stages.py); --zero 3 reduce-scattered in the last backward
+    # the replicas of this shard average their gradients (sum, then divide: step 3): all-reduced, or
+    # with --zero 2 reduce-scattered, each rank keeping its slice (zero_stages.py); --zero 3
+    # reduce-scattered in the last backward
     accumulated = (
         sharded.finish_gradient_synchronization()
         if sharded
@@ -105,7 +113,8 @@ def train_step(
     )
     grad_norm = clip_grad_norm(params, config["grad_clip"], groups, counted=counted, device=device)
     comm.take("norms")  # its sums of squares, over tp, pp (and ep; with --zero 2, dp x cp first)
-    # this rank's 1/(dp cp) of its shard's elements (--zero 0: all of them), then all-gathered over dp x cp
+    # this rank's 1/(dp cp) of its shard's elements (--zero
+    # 0: all of them), then all-gathered over dp x cp
     scaler.step(optimizer)
     scaler.update()
     comm.take("dp")  # ZeRO-1's all-gather
@@ -116,7 +125,8 @@ def train_step(
         # --zero 2 and 3: this rank's slices; else every param.grad
         sharded.gradient_shards if sharded else gradient_shards(optimizer),
         micro_batches_in_flight=pipe.take_peak_in_flight(),
-        # --zero 2 and 3: the whole gradient the micro-batches added up before the reduce-scatter freed it
+        # --zero 2 and 3: the whole gradient the micro-batches
+        # added up before the reduce-scatter freed it
         **({"accumulated_grads": accumulated} if accumulated is not None else {}),
         # --zero 3: units gathered at once
         **({"gathered_peak": sharded.take_peak_gathered_bytes()} if sharded else {}),
@@ -160,13 +170,15 @@ def main():
     )
 
     # ---- data, model, optimiser ----------------------------------------------------------------
-    # The dp replicas read disjoint shards (step 2); the cp, tp and pp ranks of one replica read the same samples.
+    # The dp replicas read disjoint shards (step 2); the cp, tp and pp ranks of one replica read the
+    # same samples.
     sampler = ShardedSampler(
         len(corpus.blocks), num_replicas=dp, rank=mesh.dp_rank, shuffle=True, seed=config["seed"]
     )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # The same whole model on every rank (the seed's), tensor-parallel over tp, cut into stages over pp: rank keeps one.
-    # With --moe-experts, every rank builds every expert, then keeps its own (experts_on_mesh.py).
+    # The same whole model on every rank (the seed's), tensor-parallel over tp, cut into stages over
+    # pp: rank keeps one. With --moe-experts, every rank builds every expert, then keeps its own
+    # (experts_on_mesh.py).
     stage, named, pipe, shapes = parallelize_on_mesh(
         moe_model(build_model(config, corpus.vocab_size, config["seed"]), config),
         mesh,
@@ -174,7 +186,8 @@ def main():
         device,
     )
     take_moe_record(stage)  # forget the tokens dropout's recording run routed
-    # --zero 3: each chunk of the stage fully sharded over dp x cp (zero3_on_mesh.py); named: this rank's pieces
+    # --zero 3: each chunk of the stage fully sharded over
+    # dp x cp (zero3_on_mesh.py); named: this rank's pieces
     sharded_stages = (
         FullyShardedStages(pipe, named, mesh, config, device) if config["zero"] == 3 else None
     )
@@ -197,7 +210,8 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     env.update(mesh.record())  # the degrees (parity.py: the global batch)
     log = RunLog(config, env, is_writer=world.is_main)
-    # Checkpoints: each rank its TP/PP shard, the same whatever dp, any step's read back at any mesh (rule 4).
+    # Checkpoints: each rank its TP/PP shard, the same
+    # whatever dp, any step's read back at any mesh (rule 4).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config,
         world.rank,
@@ -231,8 +245,9 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
-        # The loss is where the logits are, on the last stage: sent to the stage's peers, then averaged over dp x cp
-        # (a cp rank's loss is the mean over its positions, as many on every rank).
+        # The loss is where the logits are, on the last stage: sent to the stage's peers, then
+        # averaged over dp x cp (a cp rank's loss is the mean over its positions, as many on every
+        # rank).
         loss = distributed.mean_over_ranks(
             pipe.from_last_stage(loss_sum, mesh.pp_group), accum, mesh.dp_cp_group
         )
@@ -281,7 +296,8 @@ def main():
         experts = f", experts over ep {mesh.ep}" if mesh.experts else ""
         # the default, ZeRO-1, unsaid
         zero = (
-            f", {('DDP', '', 'ZeRO-2', 'ZeRO-3')[config['zero']]} over {'dp x cp' if mesh.cp > 1 else 'dp'}"
+            f", {('DDP', '', 'ZeRO-2', 'ZeRO-3')[config['zero']]} over "
+            f"{'dp x cp' if mesh.cp > 1 else 'dp'}"
             if config["zero"] != 1
             else ""
         )

@@ -37,8 +37,9 @@ class FullyShardedState:
         }
 
     def checkpoint_state(self, optimizer=None) -> dict:
-        """What this rank saves: its pieces, each a few boxes of the whole parameter (dcp_checkpoint.py), and, given
-        the ``optimizer`` that steps the pieces, its state for them. Nothing full-size, no collective."""
+        """What this rank saves: its pieces, each a few boxes of the whole parameter
+        (dcp_checkpoint.py), and, given the ``optimizer`` that steps the pieces, its state for them.
+        Nothing full-size, no collective."""
         from dcp_checkpoint import model_state, optimizer_state
 
         places = self.checkpoint_places()

@@ -4,21 +4,23 @@ builds its units here, once; its hooks then only gather, free and reduce-scatter
 where, not when it moves: a second idea, so a file of its own, read before zero3.py (its rules 1,
 2 and 6 are this file's 1, 2 and 3).
 
-1. **Units.** The model is cut into units: the submodules given (GPT-2's blocks) and one root unit for
-   every parameter no unit holds (embeddings, the tied output layer, the last LayerNorm). A parameter
-   belongs to the innermost unit that contains it; a unit left with no parameter is no unit at all.
-   A unit's parameters are laid end to end in one flat range of L elements, padded to Lp, a multiple
-   of N; rank r keeps [r*Lp/N, (r+1)*Lp/N) (step 5's slices), and one layout serves parameters,
-   gradients and optimiser state alike. A parameter tied across two units is refused: it would be
-   gathered, and its gradient reduced, in two places.
-2. **Pieces under the original names.** Every registered parameter is replaced by this rank's piece of
-   it: a 1-D ``nn.Parameter`` that views the unit's shard (0 elements where the rank owns none of it).
+1. **Units.** The model is cut into units: the submodules given (GPT-2's blocks) and one root unit
+   for every parameter no unit holds (embeddings, the tied output layer, the last LayerNorm). A
+   parameter belongs to the innermost unit that contains it; a unit left with no parameter is no
+   unit at all. A unit's parameters are laid end to end in one flat range of L elements, padded to
+   Lp, a multiple of N; rank r keeps [r*Lp/N, (r+1)*Lp/N) (step 5's slices), and one layout serves
+   parameters, gradients and optimiser state alike. A parameter tied across two units is refused: it
+   would be gathered, and its gradient reduced, in two places.
+2. **Pieces under the original names.** Every registered parameter is replaced by this rank's piece
+   of it: a 1-D ``nn.Parameter`` that views the unit's shard (0 elements where the rank owns none of
+   it).
    ``named_parameters()`` still says ``transformer.h.0.attn.c_q.weight``, so a plain torch optimiser
    steps the pieces in place and weight decay, decided by name, lands where it always did. While a
    unit computes, its modules hold full views of the gathered range instead (``full_views``,
    ``install``), under the same names.
-3. **Built from nothing.** The model may be built on the meta device (no memory at all); ``init_fn(name,
-   shape)`` gives each parameter's values, one full parameter at a time, and the rank keeps its slice.
+3. **Built from nothing.** The model may be built on the meta device (no memory at all);
+   ``init_fn(name, shape)`` gives each parameter's values, one full parameter at a time, and the
+   rank keeps its slice.
    No broadcast: the values are a pure function of the name, so every rank agrees without talking.
    Buffers are small: every rank keeps them whole.
 """
@@ -34,8 +36,9 @@ SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
 class Unit:
     """Parameters gathered, freed and reduce-scattered together: one flat range of Lp elements.
 
-    ``entries``: (first name, parameter, [(module, attribute)] where it is registered: two for a tied weight).
-    Fills this rank's shard from ``value(name, param)``, one full parameter at a time, and cuts the pieces.
+    ``entries``: (first name, parameter, [(module, attribute)] where it is registered: two for a
+    tied weight). Fills this rank's shard from ``value(name, param)``, one full parameter at a time,
+    and cuts the pieces.
     """
 
     def __init__(self, name: str, module, entries: list, value, world_size: int, rank: int, device):
@@ -90,7 +93,8 @@ class Unit:
         ]
 
     def install(self, tensors: list) -> None:
-        """Make ``tensors`` (pieces, or full views) the modules' parameters (``setattr`` would refuse a view)."""
+        """Make ``tensors`` (pieces, or full views) the modules'
+        parameters (``setattr`` would refuse a view)."""
         for tensor, where in zip(tensors, self.registrations):
             for module, attribute in where:
                 module._parameters[attribute] = tensor
@@ -99,9 +103,9 @@ class Unit:
 def build_units(
     model, unit_modules: list, init_fn, world_size: int, rank: int, device
 ) -> list[Unit]:
-    """``model``'s units (rule 1; the root first, if it holds any parameter), each parameter replaced
-    by this rank's piece (rule 2), the values from ``init_fn`` where they are on the meta device
-    (rule 3). ``world_size``, ``rank``: of the shard group."""
+    """``model``'s units (rule 1; the root first, if it holds any parameter), each parameter
+    replaced by this rank's piece (rule 2), the values from ``init_fn`` where they are on the meta
+    device (rule 3). ``world_size``, ``rank``: of the shard group."""
     names = {m: n for n, m in model.named_modules()}
     unit_names = [names[m] for m in unit_modules]  # KeyError: not a submodule of the model
     full_name = lambda module, attribute: f"{names[module]}.{attribute}".lstrip(".")  # noqa: E731

@@ -1,29 +1,32 @@
 """Context parallelism: the sequence of every micro-batch split over C ranks, attention by a ring.
 
-Data parallelism split the batch, tensor parallelism the weights; neither helps when one sequence is too
-long: attention's activations grow with its square. Here every rank holds the whole model, reads the same
-micro-batch, and keeps 1/C of its positions. Everything except attention works token by token, so it runs
-on a rank's tokens unchanged. Here:
+Data parallelism split the batch, tensor parallelism the weights; neither helps when one sequence is
+too long: attention's activations grow with its square. Here every rank holds the whole model, reads
+the same micro-batch, and keeps 1/C of its positions. Everything except attention works token by
+token, so it runs on a rank's tokens unchanged. Here:
 
-1. **Chunks, zig-zag.** The sequence is cut into 2C chunks; rank r keeps chunks r and 2C-1-r (``zigzag``)
-   or 2r and 2r+1 (``contiguous``). ``sequence_shard`` takes a rank's positions of any (B, S, ...) tensor:
-   the token ids (a hook on the token embedding), the position ids (a hook on the position embedding:
-   positions stay global) and the targets.
-2. **Attention by a ring** (ring_attention.py, the arithmetic on its own page). A rank computes its queries
-   against the key/value block it holds while passing the block on round the ring; partial softmaxes merge
-   exactly by their log-sum-exp, and backward sends dK and dV round the ring again. ``RingSelfAttention``
-   puts it in GPT-2's attention, the projections (and their names) kept.
-3. **Causal, balanced.** A key chunk after a query chunk is skipped, the diagonal pair is masked. With the
-   contiguous split rank r computes 4r + 3 pairs, so the last rank does (4C - 1)/3 times the first's work
-   and everyone waits for it; zig-zag gives every rank 2C + 1 (``attention_pairs``).
-4. **The loss and the gradients.** Each rank's loss is the mean over its S/C tokens of every sequence;
-   every rank has as many, so the mean of the ranks' gradients (step 3's all-reduce) is the gradient of the
-   mean over all tokens: context parallelism is data parallelism over positions. Beside data parallelism
-   (``--cp`` below the world size) the ranks are laid out ``arange(world).view(dp, cp)``, one ring per row,
-   and the same all-reduce over every rank averages both.
-5. **Dropout.** Between the layers (``SequenceShardDropout``) a rank draws the mask one process draws for
-   the whole sequence and keeps its positions: drawing only its own would give every rank the same mask, as
-   they share the random stream. Attention's dropout is drawn in the ring (ring_attention.py's rule 6).
+1. **Chunks, zig-zag.** The sequence is cut into 2C chunks; rank r keeps chunks r and 2C-1-r
+   (``zigzag``) or 2r and 2r+1 (``contiguous``). ``sequence_shard`` takes a rank's positions of any
+   (B, S, ...) tensor: the token ids (a hook on the token embedding), the position ids (a hook on
+   the position embedding: positions stay global) and the targets.
+2. **Attention by a ring** (ring_attention.py, the arithmetic on its own page). A rank computes its
+   queries against the key/value block it holds while passing the block on round the ring; partial
+   softmaxes merge exactly by their log-sum-exp, and backward sends dK and dV round the ring again.
+   ``RingSelfAttention`` puts it in GPT-2's attention, the projections (and their names) kept.
+3. **Causal, balanced.** A key chunk after a query chunk is skipped, the diagonal pair is masked.
+   With the contiguous split rank r computes 4r + 3 pairs, so the last rank does (4C - 1)/3 times
+   the first's work and everyone waits for it; zig-zag gives every rank 2C + 1
+   (``attention_pairs``).
+4. **The loss and the gradients.** Each rank's loss is the mean over its S/C tokens of every
+   sequence; every rank has as many, so the mean of the ranks' gradients (step 3's all-reduce) is
+   the gradient of the mean over all tokens: context parallelism is data parallelism over positions.
+   Beside data parallelism (``--cp`` below the world size) the ranks are laid out
+   ``arange(world).view(dp, cp)``, one ring per row, and the same all-reduce over every rank
+   averages both.
+5. **Dropout.** Between the layers (``SequenceShardDropout``) a rank draws the mask one process
+   draws for the whole sequence and keeps its positions: drawing only its own would give every rank
+   the same mask, as they share the random stream. Attention's dropout is drawn in the ring
+   (ring_attention.py's rule 6).
 """
 
 import functools
@@ -80,12 +83,14 @@ def add_context_parallel_flags(parser) -> None:
 
 
 def check_context_parallel(config: dict, world_size: int) -> tuple[int, int]:
-    """Refuse what the ring cannot split, before anything starts (one line each, docs/bad_input.md); returns
-    ``(cp, dp)``: the ranks of a ring (``--cp``, default all) and the rings, each a data-parallel replica."""
+    """Refuse what the ring cannot split, before anything starts (one line each, docs/bad_input.md);
+    returns ``(cp, dp)``: the ranks of a ring (``--cp``, default all) and the rings, each a
+    data-parallel replica."""
     cp = config["cp"] or world_size
     if cp < 1 or world_size % cp:
         raise UserError(
-            f"--cp {cp} does not divide the {world_size} ranks into rings: launch a multiple of {cp} "
+            f"--cp {cp} does not divide the {world_size} ranks into rings: launch a "
+            f"multiple of {cp} "
             "processes, or change --cp"
         )
     if config["seq_len"] % (2 * cp):
@@ -97,8 +102,8 @@ def check_context_parallel(config: dict, world_size: int) -> tuple[int, int]:
 
 
 class SequenceShardDropout(nn.Module):
-    """``nn.Dropout`` on this rank's positions: the whole sequence's mask, as one process draws it, then this
-    rank's positions of it (rule 5)."""
+    """``nn.Dropout`` on this rank's positions: the whole sequence's mask, as one process draws it,
+    then this rank's positions of it (rule 5)."""
 
     def __init__(self, p: float, group=None, layout: str = "zigzag"):
         super().__init__()
@@ -113,8 +118,8 @@ class SequenceShardDropout(nn.Module):
 
 
 class RingSelfAttention(nn.Module):
-    """GPT-2's attention (model.py) with the ring in place of scores, mask and softmax. It keeps the original's
-    projections, so the parameters keep their names."""
+    """GPT-2's attention (model.py) with the ring in place of scores, mask and softmax. It keeps the
+    original's projections, so the parameters keep their names."""
 
     def __init__(self, attn: nn.Module, group=None, layout: str = "zigzag", heads=(0, 1)):
         super().__init__()
@@ -142,8 +147,9 @@ class RingSelfAttention(nn.Module):
 
 
 def context_parallel_groups(cp: int):
-    """(this rank's ring, its data-parallel index): the ranks laid out ``arange(world).view(dp, cp)``, one ring
-    per row (rule 4). Every rank creates every group, in the same order; one ring of every rank is the world."""
+    """(this rank's ring, its data-parallel index): the ranks laid out ``arange(world).view(dp,
+    cp)``, one ring per row (rule 4). Every rank creates every group, in the same order; one ring of
+    every rank is the world."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if cp == world_size:
         return None, 0
@@ -154,9 +160,11 @@ def context_parallel_groups(cp: int):
 def context_parallel_gpt2(
     model: nn.Module, group=None, layout: str = "zigzag", heads=(0, 1)
 ) -> nn.Module:
-    """Our GPT-2 (model.py), in place, for its rank of ``group``: it takes the whole micro-batch and returns
-    the logits of this rank's positions (rule 1); ``model.sequence_shard(targets)`` gives the targets of those.
-    ``heads``: (i, n) where the model is tensor-parallel and this rank holds block i of n of the heads (step 10)."""
+    """Our GPT-2 (model.py), in place, for its rank of ``group``: it takes the whole micro-batch and
+    returns the logits of this rank's positions (rule 1); ``model.sequence_shard(targets)`` gives
+    the targets of those.
+    ``heads``: (i, n) where the model is tensor-parallel and this rank holds block i of n of the
+    heads (step 10)."""
     model.sequence_shard = functools.partial(sequence_shard, group=group, layout=layout)
     model.transformer.wte.register_forward_pre_hook(
         lambda module, args: (sequence_shard(args[0], group, layout),)

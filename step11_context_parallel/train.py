@@ -1,9 +1,10 @@
-"""Step 11: context parallelism, ring attention written by hand (context_parallel.py). Grown from step 3's train.py.
+"""Step 11: context parallelism, ring attention written by
+hand (context_parallel.py). Grown from step 3's train.py.
 
-Step 3 gave every rank its own samples. Here the C ranks read the same micro-batches and split every sequence:
-each keeps 1/C of the positions (two chunks, zig-zag), attention passes key/value blocks around a ring, and the
-gradients are averaged over the ranks as in step 3. The softmax merges in another order than one process's:
-bitwise to a blockwise reference, close to step 1 (README).
+Step 3 gave every rank its own samples. Here the C ranks read the same micro-batches and split every
+sequence: each keeps 1/C of the positions (two chunks, zig-zag), attention passes key/value blocks
+around a ring, and the gradients are averaged over the ranks as in step 3. The softmax merges in
+another order than one process's: bitwise to a blockwise reference, close to step 1 (README).
 
     torchrun --standalone --nproc_per_node=2 step11_context_parallel/train.py
     python compare/parity.py step1 step11                   # close: other summation order
@@ -47,16 +48,17 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every rank of a ring):
-    forward and backward on this rank's positions of each, the gradients averaged across ranks once, then unscaled,
-    clipped and applied. Returns what the loop logs: the losses' sum, the gradient norm before clipping, this
-    rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads them): free when no
-    profiler runs."""
+    """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every rank
+    of a ring): forward and backward on this rank's positions of each, the gradients averaged across
+    ranks once, then unscaled, clipped and applied. Returns what the loop logs: the losses' sum, the
+    gradient norm before clipping, this rank's memory. The phases are named for torch.profiler
+    (compare/peak_memory.py reads them): free when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
         with record_function("forward"), autocast(config["amp"], device):
-            # The model computes this rank's positions (rule 1): the loss is over this rank's tokens.
+            # The model computes this rank's positions
+            # (rule 1): the loss is over this rank's tokens.
             loss = language_model_loss(
                 model, inputs.to(device), model.sequence_shard(targets.to(device))
             )
@@ -65,7 +67,8 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
         loss_sum += loss.detach()
 
     with record_function("optimizer"):
-        # Each rank's gradient is its tokens' share: the mean over ranks is the mean over every token (rule 6).
+        # Each rank's gradient is its tokens' share: the mean
+        # over ranks is the mean over every token (rule 6).
         allreduce_gradients(model, getattr(torch, config["reduce_dtype"]))
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
         grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"])
@@ -99,7 +102,8 @@ def main():
     device = distributed.join(world, config["timeout_s"])  # this rank's device
 
     # ---- data, model, optimiser ----------------------------------------------------------------
-    # The ranks of a ring share each micro-batch and split its sequences; the rings split the batch (step 2).
+    # The ranks of a ring share each micro-batch and split its sequences; the rings split the batch
+    # (step 2).
     ring, dp_rank = context_parallel_groups(cp)
     sampler = ShardedSampler(
         len(corpus.blocks), num_replicas=dp, rank=dp_rank, shuffle=True, seed=config["seed"]
@@ -116,8 +120,8 @@ def main():
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     env.update(context_parallel_size=cp, data_parallel_size=dp)  # parity.py: the global batch
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
-    # state is copied to memory and a thread writes it (background_writer.py).
+    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py);
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config,
         world.rank,

@@ -1,12 +1,16 @@
-"""Step 12: expert parallelism (expert_parallel.py). Grown from step 3's train.py (naive data parallelism).
+"""Step 12: expert parallelism (expert_parallel.py).
+Grown from step 3's train.py (naive data parallelism).
 
-An MoE model (moe.py, --moe-experts E) whose experts are split over --ep D ranks: every rank routes its own
-micro-batches, sends each token to the rank that owns its expert and gets the output back (two all-to-alls a
-layer). Dense parameters are data-parallel over all ranks, each expert over the W/D ranks that hold it; after
-the last micro-batch both are all-reduced over those ranks and divided by W (step 3's rule, two groups).
+An MoE model (moe.py, --moe-experts E) whose experts are split over --ep D ranks: every rank routes
+its own micro-batches, sends each token to the rank that owns its expert and gets the output back
+(two all-to-alls a layer). Dense parameters are data-parallel over all ranks, each expert over the
+W/D ranks that hold it; after the last micro-batch both are all-reduced over those ranks and divided
+by W (step 3's rule, two groups).
 
-    torchrun --standalone --nproc_per_node=2 step12_expert_parallel/train.py --ep 2 --micro-batch-size 1
-    python step0_single_gpu/train.py --moe-experts 4 --micro-batch-size 1 --grad-accum 4    # the reference
+    torchrun --standalone --nproc_per_node=2 step12_expert_parallel/train.py --ep 2 \\
+        --micro-batch-size 1
+    # the reference
+    python step0_single_gpu/train.py --moe-experts 4 --micro-batch-size 1 --grad-accum 4
 """
 
 from pathlib import Path
@@ -58,25 +62,29 @@ STEP = Path(__file__).resolve().parent.name
 def train_step(
     model, optimizer, scaler, micro_batches: list, config: dict, device, groups
 ) -> tuple:
-    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
-    each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
-    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
-    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward
+    and backward on each, the gradients synchronised across ranks once, then unscaled, clipped and
+    applied. Returns what the loop logs: the losses' sum, the gradient norm before clipping, this
+    rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads them): free
+    when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
         with record_function("forward"), autocast(config["amp"], device):
             loss = language_model_loss(model, inputs.to(device), targets.to(device))
         with record_function("backward"):
-            # + a * the load-balancing loss; the all-to-alls of the MoE layers run inside forward and backward
+            # + a * the load-balancing loss; the all-to-alls
+            # of the MoE layers run inside forward and backward
             scaler.scale(with_aux_loss(model, loss, config) / accum).backward()
         loss_sum += loss.detach()
 
     with record_function("optimizer"):
-        # Once per optimiser step: dense gradients over every rank, each expert's over its copies; both / W.
+        # Once per optimiser step: dense gradients over every
+        # rank, each expert's over its copies; both / W.
         reduce_gradients(model, groups, getattr(torch, config["reduce_dtype"]))
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
-        # The whole model's norm: every element counted once over the world (dense on rank 0, experts once each)
+        # The whole model's norm: every element counted once
+        # over the world (dense on rank 0, experts once each)
         grad_norm = clip_grad_norm(
             model.parameters(),
             config["grad_clip"],
@@ -111,7 +119,8 @@ def check_ep(config: dict, world_size: int) -> int:
         )
     if ep < 1 or world_size % ep:
         raise UserError(
-            f"--ep {ep} must divide the world size {world_size} (ranks = data-parallel copies x --ep)"
+            f"--ep {ep} must divide the world size {world_size} (ranks = data-parallel "
+            "copies x --ep)"
         )
     if experts % ep:
         raise UserError(
@@ -155,7 +164,8 @@ def main():
         len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"]
     )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # Every rank builds the same dense parameters and all the experts from (seed, name), then keeps its own E/D.
+    # Every rank builds the same dense parameters and all
+    # the experts from (seed, name), then keeps its own E/D.
     model = moe_model(build_model(config, corpus.vocab_size, config["seed"]), config)
     # the whole model's, for the checkpoints
     shapes = {name: p.shape for name, p in model.named_parameters()}
@@ -168,8 +178,8 @@ def main():
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
-    # state is copied to memory and a thread writes it (background_writer.py).
+    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py);
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config,
         world.rank,
@@ -201,7 +211,8 @@ def main():
         log.log(
             {
                 "step": step + 1,
-                # over every rank and micro-batch, rounded to float32 as step 0 rounds its mean: at 2 ranks the same bits
+                # over every rank and micro-batch, rounded to float32
+                # as step 0 rounds its mean: at 2 ranks the same bits
                 "loss": torch.tensor(distributed.mean_over_ranks(loss_sum, accum)).float().item(),
                 "grad_norm": grad_norm.item(),
                 "param_norm": param_norm(counted_once(model, groups), groups=(dist.group.WORLD,)),
@@ -233,8 +244,9 @@ def main():
 
 
 def moe_record_over_ranks(model, dispatchers) -> dict:
-    """The MoE record over every rank: tokens per expert summed (what one process routing every micro-batch
-    counts), the load-balancing loss and dropped fraction averaged; and each rank's all-to-all notes."""
+    """The MoE record over every rank: tokens per expert summed (what one process routing every
+    micro-batch counts), the load-balancing loss and dropped fraction averaged; and each rank's
+    all-to-all notes."""
     mine = take_moe_record(model)["moe"]
     traffic = [note for d in dispatchers for note in d.traffic]
     for d in dispatchers:
@@ -254,7 +266,8 @@ def moe_record_over_ranks(model, dispatchers) -> dict:
 
 
 def gather_experts(model, groups) -> dict:
-    """Every parameter by name on rank 0: its own, and the experts of the first expert-parallel group's ranks."""
+    """Every parameter by name on rank 0: its own, and the
+    experts of the first expert-parallel group's ranks."""
     own = {name: p.detach().cpu() for name, p in model.named_parameters()}
     experts = (
         {n: t for n, t in own.items() if is_expert(n)} if dist.get_rank() < groups.ep_size else {}

@@ -1,9 +1,9 @@
 """The memory budget (``--max-memory-mb``) and the one line that says a run ran out of memory.
 
-Operations code, not the lesson: skip it on a first read. ``limit_memory`` asks the OS to refuse this
-process more data memory than the budget, as a GPU's memory would; running out (under a budget or not)
-ends the run with one line that says who ran out, within which budget, why this step needs that much,
-and what to do instead (``failures.exit_on_user_error`` prints it, exit code 2).
+Operations code, not the lesson: skip it on a first read. ``limit_memory`` asks the OS to refuse
+this process more data memory than the budget, as a GPU's memory would; running out (under a budget
+or not) ends the run with one line that says who ran out, within which budget, why this step needs
+that much, and what to do instead (``failures.exit_on_user_error`` prints it, exit code 2).
 """
 
 import ctypes
@@ -17,9 +17,9 @@ from failures import UserError, failure_explainers
 # The memory budget this process runs under (--max-memory-mb), for the out-of-memory line below.
 budget = {"mb": None, "step": None, "start_mb": None, "gpu": None}
 
-# How an allocation that failed reads: Python's MemoryError; torch's CPU allocator ("DefaultCPUAllocator:
-# can't allocate memory: you tried to allocate N bytes. Error code 12 (Cannot allocate memory)"); a
-# C++ std::bad_alloc that torch passed on; CUDA's "CUDA out of memory".
+# How an allocation that failed reads: Python's MemoryError; torch's CPU allocator
+# ("DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes. Error code 12 (Cannot
+# allocate memory)"); a C++ std::bad_alloc that torch passed on; CUDA's "CUDA out of memory".
 OUT_OF_MEMORY = re.compile(
     r"can't allocate memory|Cannot allocate memory|std::bad_alloc|out of memory", re.I
 )
@@ -30,16 +30,18 @@ def is_out_of_memory(error: BaseException) -> bool:
         return True
     if not isinstance(error, RuntimeError):
         return False
-    # Under a budget a thread's stack (8 MiB, private and writable) counts as data memory, so a budget too
-    # small for the libraries' threads (datasets reads the corpus with a pool) fails to start one: Python says
-    # "can't start new thread". Without a budget it may be a limit on processes instead: not claimed as memory.
+    # Under a budget a thread's stack (8 MiB, private and writable) counts as data memory, so a
+    # budget too small for the libraries' threads (datasets reads the corpus with a pool) fails to
+    # start one: Python says "can't start new thread". Without a budget it may be a limit on
+    # processes instead: not claimed as memory.
     return bool(OUT_OF_MEMORY.search(str(error))) or (
         budget["mb"] is not None and "can't start new thread" in str(error)
     )
 
 
 def out_of_memory_message(error: BaseException) -> str:
-    """One line: who ran out, within which budget, why this step needs that much, what to do instead."""
+    """One line: who ran out, within which budget, why
+    this step needs that much, what to do instead."""
     asked = re.search(r"tried to allocate (\d+) bytes", str(error))
     what = (
         f"could not allocate {int(asked.group(1)) / 2**20:,.1f} MiB more"
@@ -68,8 +70,14 @@ def out_of_memory_message(error: BaseException) -> str:
         replicated = {5: "the weights and the gradients", 6: "the weights"}.get(
             number, "the whole training state (weights, gradients, AdamW's moments)"
         )
-        why = f"{step} keeps {replicated} on every rank, however many ranks: train with step7_zero3 on more ranks"
-    return f"out of memory: {who} {what} {within}; {why}{fix} (compare/estimate.py predicts the bytes per rank)"
+        why = (
+            f"{step} keeps {replicated} on every rank, however many ranks: train with "
+            "step7_zero3 on more ranks"
+        )
+    return (
+        f"out of memory: {who} {what} {within}; {why}{fix} (compare/estimate.py predicts "
+        "the bytes per rank)"
+    )
 
 
 def explain_out_of_memory(error: BaseException) -> tuple[str, int] | None:
@@ -82,18 +90,20 @@ failure_explainers.insert(0, explain_out_of_memory)
 
 
 def limit_memory(max_memory_mb: float | None, step: str, device=None) -> None:
-    """Let this process allocate at most ``max_memory_mb`` MiB more data memory than it holds now; on a CUDA
-    ``device``, at most ``max_memory_mb`` MiB of that GPU's memory (``torch.cuda.set_per_process_memory_fraction``:
-    the caching allocator refuses more, as a smaller GPU would; ranks sharing one GPU each get their own budget).
+    """Let this process allocate at most ``max_memory_mb`` MiB more data memory than it holds now;
+    on a CUDA ``device``, at most ``max_memory_mb`` MiB of that GPU's memory
+    (``torch.cuda.set_per_process_memory_fraction``: the caching allocator refuses more, as a
+    smaller GPU would; ranks sharing one GPU each get their own budget).
 
     Called once the corpus is tokenized, before the model or the process group: the budget is what
-    training adds, as a GPU's memory would be, and it does not depend on how much the libraries and the
-    data take on this machine. (Set before tokenizing, a small budget made the Rust tokenizer abort the
-    process, or hang, instead of failing an allocation we can report: docs/design.md.) The OS
-    enforces it: ``RLIMIT_DATA`` caps the data segment and every private writable mapping, which is
-    where torch's CPU tensors live (``brk`` and ``mmap`` both honour it since Linux 4.7). An allocation
-    beyond it fails like any out-of-memory: torch raises, and ``exit_on_user_error`` (failures.py) turns that
-    into one line. Why this limit and not ``RLIMIT_AS`` or an external ``prlimit``: docs/design.md."""
+    training adds, as a GPU's memory would be, and it does not depend on how much the libraries and
+    the data take on this machine. (Set before tokenizing, a small budget made the Rust tokenizer
+    abort the process, or hang, instead of failing an allocation we can report: docs/design.md.) The
+    OS enforces it: ``RLIMIT_DATA`` caps the data segment and every private writable mapping, which
+    is where torch's CPU tensors live (``brk`` and ``mmap`` both honour it since Linux 4.7). An
+    allocation beyond it fails like any out-of-memory: torch raises, and ``exit_on_user_error``
+    (failures.py) turns that into one line. Why this limit and not ``RLIMIT_AS`` or an external
+    ``prlimit``: docs/design.md."""
     if max_memory_mb is not None and max_memory_mb <= 0:
         raise UserError(f"--max-memory-mb must be positive, got {max_memory_mb:g}")
     # the budget is named once it is in force
@@ -106,7 +116,8 @@ def limit_memory(max_memory_mb: float | None, step: str, device=None) -> None:
         total = torch.cuda.get_device_properties(device).total_memory
         if max_memory_mb * 2**20 > total:
             raise UserError(
-                f"--max-memory-mb {max_memory_mb:g} is more than {device}'s {total / 2**20:,.0f} MiB; "
+                f"--max-memory-mb {max_memory_mb:g} is more than {device}'s "
+                f"{total / 2**20:,.0f} MiB; "
                 "lower it"
             )
         torch.cuda.set_per_process_memory_fraction(max_memory_mb * 2**20 / total, device)
@@ -132,11 +143,11 @@ def limit_memory(max_memory_mb: float | None, step: str, device=None) -> None:
 def release_freed_blocks(threshold: int = 2**20) -> None:
     """Make glibc give every freed block of ``threshold`` bytes or more straight back to the OS.
 
-    By default glibc serves a block from its heaps (and keeps it there when freed) unless it is larger
-    than its mmap threshold, which rises, as large blocks are freed, up to 32 MiB. A data limit then
-    counts the allocator's cache as if it were tensors (step 7's peak per rank about doubled:
-    docs/design.md, "glibc's mmap threshold"). ``mallopt(M_MMAP_THRESHOLD)`` fixes the threshold,
-    so a freed tensor's memory leaves the process at once. Other C libraries: no-op."""
+    By default glibc serves a block from its heaps (and keeps it there when freed) unless it is
+    larger than its mmap threshold, which rises, as large blocks are freed, up to 32 MiB. A data
+    limit then counts the allocator's cache as if it were tensors (step 7's peak per rank about
+    doubled: docs/design.md, "glibc's mmap threshold"). ``mallopt(M_MMAP_THRESHOLD)`` fixes the
+    threshold, so a freed tensor's memory leaves the process at once. Other C libraries: no-op."""
     if platform.libc_ver()[0] != "glibc":
         return
     m_mmap_threshold = -3  # from <malloc.h>
@@ -144,7 +155,8 @@ def release_freed_blocks(threshold: int = 2**20) -> None:
 
 
 def data_memory_bytes() -> int | None:
-    """What ``RLIMIT_DATA`` counts for this process now (``VmData``), or None where /proc is missing."""
+    """What ``RLIMIT_DATA`` counts for this process now
+    (``VmData``), or None where /proc is missing."""
     try:
         with open("/proc/self/status") as status:
             for line in status:

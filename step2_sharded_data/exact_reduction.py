@@ -1,9 +1,10 @@
 """The exact mode of steps 1 and 2 (``--reduce-dtype float64``): PyTorch's DDP reducing in float64.
 
-Summing float32 gradients of 3+ ranks gives a result that depends on the order of the additions; summing
-them in float64 is exact for the few ranks we run, so every implementation that does the same gets the
-same bits, whatever order its all-reduce adds in (docs/parity.md). Steps 3 and up reduce in float64
-themselves; DDP's C++ reducer does not, so steps 1 and 2 give it this communication hook.
+Summing float32 gradients of 3+ ranks gives a result that depends on the order of the additions;
+summing them in float64 is exact for the few ranks we run, so every implementation that does the
+same gets the same bits, whatever order its all-reduce adds in (docs/parity.md). Steps 3 and up
+reduce in float64 themselves; DDP's C++ reducer does not, so steps 1 and 2 give it this
+communication hook.
 """
 
 import torch

@@ -1,7 +1,8 @@
 """Step 2: step 1's loop with a data sampler written from scratch (sampler.py).
 
-Every rank gets a disjoint shard, as many samples as the others, a new shuffle each epoch that all agree on;
-each epoch the ranks all-gather their indices and check it. Bitwise identical to step 1's: same indices.
+Every rank gets a disjoint shard, as many samples as the others, a new shuffle each epoch that all
+agree on; each epoch the ranks all-gather their indices and check it. Bitwise identical to step 1's:
+same indices.
 
     torchrun --standalone --nproc_per_node=2 step2_sharded_data/train.py
     python compare/parity.py step1 step2
@@ -42,10 +43,11 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
-    each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
-    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
-    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward
+    and backward on each, the gradients synchronised across ranks once, then unscaled, clipped and
+    applied. Returns what the loop logs: the losses' sum, the gradient norm before clipping, this
+    rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads them): free
+    when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
@@ -109,7 +111,8 @@ def main():
     # block by block, as in step 0: the communication stays outside the blocks
     if config["compile"]:
         compile_blocks(model)
-    # DDP broadcasts rank 0's parameters at construction, then all-reduces gradients during backward.
+    # DDP broadcasts rank 0's parameters at construction,
+    # then all-reduces gradients during backward.
     ddp_model = DistributedDataParallel(
         model, device_ids=[device.index] if world.backend == "nccl" else None
     )
@@ -122,8 +125,8 @@ def main():
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
-    # state is copied to memory and a thread writes it (background_writer.py).
+    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py);
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config,
         world.rank,

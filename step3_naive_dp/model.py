@@ -5,18 +5,18 @@
 
 Parameter names (stable: checkpoints, the tensor-parallel plan and the pipeline's stages use them):
 ``transformer.wte.weight`` (V, h), ``transformer.wpe.weight`` (seq_len, h), per block ``i``
-``transformer.h.i.ln_1.{weight,bias}``, ``.attn.c_q``, ``.attn.c_k``, ``.attn.c_v``, ``.attn.c_proj``,
-``.ln_2``, ``.mlp.c_fc``, ``.mlp.c_proj`` (each an ``nn.Linear``: ``.weight`` laid out
-``(out_features, in_features)``, and ``.bias``), then ``transformer.ln_f``. ``lm_head.weight`` *is*
-``transformer.wte.weight`` (one Parameter, listed once, under that name).
+``transformer.h.i.ln_1.{weight,bias}``, ``.attn.c_q``, ``.attn.c_k``, ``.attn.c_v``,
+``.attn.c_proj``, ``.ln_2``, ``.mlp.c_fc``, ``.mlp.c_proj`` (each an ``nn.Linear``: ``.weight`` laid
+out ``(out_features, in_features)``, and ``.bias``), then ``transformer.ln_f``. ``lm_head.weight``
+*is* ``transformer.wte.weight`` (one Parameter, listed once, under that name).
 
 q, k and v are three ``nn.Linear`` rather than GPT-2's one fused matrix so that each is split by
 whole heads with a plain contiguous block of rows (step 8's column-parallel layers).
 
-Why not ``torch.manual_seed(seed); GPT2(...)``? That ties each parameter's values to the order in which
-the whole model draws from one generator: to know one parameter you must build them all. Here every
-parameter has its own generator, seeded from the run's seed and its name (``initial_value``), so any
-rank can build any single parameter, or a slice of it, alone. ZeRO-3 needs exactly that.
+Why not ``torch.manual_seed(seed); GPT2(...)``? That ties each parameter's values to the order in
+which the whole model draws from one generator: to know one parameter you must build them all. Here
+every parameter has its own generator, seeded from the run's seed and its name (``initial_value``),
+so any rank can build any single parameter, or a slice of it, alone. ZeRO-3 needs exactly that.
 """
 
 import hashlib
@@ -51,8 +51,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, _ = x.shape
-        # (B, T, heads * head_dim) -> (B, heads, T, head_dim). The number of heads is read off the width,
-        # so a tensor-parallel rank holding a block of whole heads runs this code unchanged.
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim). The number of heads is read off the
+        # width, so a tensor-parallel rank holding a block of whole heads runs this code unchanged.
         q, k, v = (
             proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
             for proj in (self.c_q, self.c_k, self.c_v)
@@ -62,8 +62,8 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
     def core(self, q, k, v):
-        """Attention's core, (B, heads, T, head_dim) in and out: no weights, every s x s tensor (what step 7's
-        --activation-checkpointing selective recomputes in backward)."""
+        """Attention's core, (B, heads, T, head_dim) in and out: no weights, every s x s tensor
+        (what step 7's --activation-checkpointing selective recomputes in backward)."""
         if self.attention == "sdpa":  # flash / memory-efficient attention where the device has it
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
@@ -148,7 +148,8 @@ def gpt2_config(config: dict, vocab_size: int) -> GPTConfig:
 
 
 def parameter_seed(seed: int, name: str) -> int:
-    """A 63-bit seed for one parameter; stable across processes and Python versions (unlike ``hash``)."""
+    """A 63-bit seed for one parameter; stable across
+    processes and Python versions (unlike ``hash``)."""
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
@@ -169,8 +170,9 @@ def initial_value(name: str, shape: torch.Size, seed: int, n_layer: int) -> torc
 
 
 def compile_blocks(model: GPT2) -> GPT2:
-    """``torch.compile`` each block in place, as torchtitan does: the parameters keep their names and the
-    loop does not change; the compiled kernels round differently from eager ones (fused operations)."""
+    """``torch.compile`` each block in place, as torchtitan does: the parameters keep their names
+    and the loop does not change; the compiled kernels round differently from eager ones (fused
+    operations)."""
     for block in model.transformer.h:
         block.compile()
     return model
@@ -179,8 +181,8 @@ def compile_blocks(model: GPT2) -> GPT2:
 def build_model(config: dict, vocab_size: int, seed: int) -> GPT2:
     """The GPT-2 of ``config`` on the CPU, every parameter set by ``initial_value``.
 
-    Built on the meta device first (no memory, no random draws: dropout's masks must not depend on how
-    the model was built), then given storage and filled parameter by parameter."""
+    Built on the meta device first (no memory, no random draws: dropout's masks must not depend on
+    how the model was built), then given storage and filled parameter by parameter."""
     with torch.device("meta"):
         model = GPT2(gpt2_config(config, vocab_size))
     model.to_empty(device="cpu")
@@ -195,7 +197,9 @@ def build_model(config: dict, vocab_size: int, seed: int) -> GPT2:
 def language_model_loss(
     model, inputs: torch.Tensor, targets: torch.Tensor, cross_entropy=F.cross_entropy
 ):
-    """Mean next-token cross-entropy; the logits go to float32 first, so AMP changes the model, not the loss.
-    ``cross_entropy(logits, targets)``: on (B*S, V) logits and (B*S,) targets (step 8's: over vocabulary slices)."""
+    """Mean next-token cross-entropy; the logits go to
+    float32 first, so AMP changes the model, not the loss.
+    ``cross_entropy(logits, targets)``: on (B*S, V) logits and (B*S,) targets (step 8's: over
+    vocabulary slices)."""
     logits = model(inputs)
     return cross_entropy(logits.float().flatten(0, 1), targets.flatten())

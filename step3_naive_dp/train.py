@@ -1,8 +1,9 @@
 """Step 3: naive data parallelism, written by hand (naive_dp.py) instead of DDP.
 
-Models built from different seeds on purpose, then rank 0's parameters broadcast; after the last micro-batch
-every gradient is all-reduced (one all-reduce per parameter) and divided by the world size, then AdamW steps.
-The run must be bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
+Models built from different seeds on purpose, then rank 0's parameters broadcast; after the last
+micro-batch every gradient is all-reduced (one all-reduce per parameter) and divided by the world
+size, then AdamW steps. The run must be bitwise identical to step 1's at world size 2, and at any
+world size with --reduce-dtype float64.
 
     torchrun --standalone --nproc_per_node=2 step3_naive_dp/train.py
     python compare/parity.py step1 step3
@@ -41,10 +42,11 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
-    each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
-    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
-    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward
+    and backward on each, the gradients synchronised across ranks once, then unscaled, clipped and
+    applied. Returns what the loop logs: the losses' sum, the gradient norm before clipping, this
+    rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads them): free
+    when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
@@ -55,7 +57,8 @@ def train_step(model, optimizer, scaler, micro_batches: list, config: dict, devi
         loss_sum += loss.detach()
 
     with record_function("optimizer"):
-        # Synchronise once per optimiser step, after the last micro-batch: sum, then divide by world size.
+        # Synchronise once per optimiser step, after the
+        # last micro-batch: sum, then divide by world size.
         allreduce_gradients(model, getattr(torch, config["reduce_dtype"]))
         scaler.unscale_(optimizer)  # clip (and log) the true gradient, not the loss-scaled one
         grad_norm = clip_grad_norm(model.parameters(), config["grad_clip"])
@@ -99,7 +102,8 @@ def main():
         len(corpus.blocks), world.world_size, world.rank, shuffle=True, seed=config["seed"]
     )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # Different seeds on purpose: without the broadcast the replicas would start, and stay, different.
+    # Different seeds on purpose: without the broadcast
+    # the replicas would start, and stay, different.
     model = build_model(config, corpus.vocab_size, config["seed"] + world.rank).to(device)
     # the blocks' nn.Linears multiply in FP8; embeddings, output layer stay (fp8.py)
     if config["fp8"]:
@@ -114,8 +118,8 @@ def main():
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
-    # state is copied to memory and a thread writes it (background_writer.py).
+    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py);
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config,
         world.rank,

@@ -1,14 +1,16 @@
-"""Checkpoints that are whole or absent, and resumed in one call. ``<out>/checkpoints/step_<k>/`` is a
-torch.distributed.checkpoint (DCP) folder: ``.metadata`` and the ranks' ``.distcp`` files, holding every part's
-entries (``dcp_checkpoint.py``: the parameters and AdamW's state by name), ``run`` (rank 0's: what every rank holds
-alike) and ``rank<r>`` (each rank's RNG); and ``meta.json`` (format, step, world size, config, parameter shapes).
+"""Checkpoints that are whole or absent, and resumed in one call. ``<out>/checkpoints/step_<k>/`` is
+a torch.distributed.checkpoint (DCP) folder: ``.metadata`` and the ranks' ``.distcp`` files, holding
+every part's entries (``dcp_checkpoint.py``: the parameters and AdamW's state by name), ``run``
+(rank 0's: what every rank holds alike) and ``rank<r>`` (each rank's RNG); and ``meta.json``
+(format, step, world size, config, parameter shapes).
 
-1. **Whole or absent**: written into ``.tmp_step_<k>``; once every rank's data and DCP's ``.metadata`` are in it,
-   rank 0 adds ``meta.json`` and renames it ``step_<k>``.
-2. **One call each way**, as torchtitan's ``Stateful``: the writer is given the run's *parts* once, each with
-   ``checkpoint_state()`` and ``load_checkpoint(checkpoint)``; the loop calls ``start(checkpoint)`` and ``save(step)``.
-3. **Read back by parameter name** (``resharding.py``): by any step from 1 on, at any world size and layout;
-   found and made whole or absent by ``checkpoint_files.py``.
+1. **Whole or absent**: written into ``.tmp_step_<k>``; once every rank's data and DCP's
+   ``.metadata`` are in it, rank 0 adds ``meta.json`` and renames it ``step_<k>``.
+2. **One call each way**, as torchtitan's ``Stateful``: the writer is given the run's *parts* once,
+   each with ``checkpoint_state()`` and ``load_checkpoint(checkpoint)``; the loop calls
+   ``start(checkpoint)`` and ``save(step)``.
+3. **Read back by parameter name** (``resharding.py``): by any step from 1 on, at any world size and
+   layout; found and made whole or absent by ``checkpoint_files.py``.
 """
 
 import time
@@ -24,23 +26,27 @@ from seeding import rng_state, set_rng_state
 
 
 def whole_places(optimizer, named_params) -> list:
-    """``(name, place)`` of each of ``optimizer``'s parameters (``params_in_order``), whole ones of ``named_params``."""
+    """``(name, place)`` of each of ``optimizer``'s parameters
+    (``params_in_order``), whole ones of ``named_params``."""
     name_of = {param: name for name, param in named_params}
     return [(name_of[p], Place(tuple(p.shape))) for p in params_in_order(optimizer)]
 
 
 def load_optimizer(optimizer, checkpoint, named_params) -> None:
-    """Give a plain ``optimizer`` over the whole ``named_params`` its state from ``checkpoint``, whatever wrote it."""
+    """Give a plain ``optimizer`` over the whole ``named_params``
+    its state from ``checkpoint``, whatever wrote it."""
     dcp_checkpoint.load_optimizer(checkpoint, optimizer, whole_places(optimizer, named_params))
 
 
 def load_parameters(named_params, checkpoint) -> None:
-    """Copy every full parameter from ``checkpoint`` into ``named_params``: a model every rank holds whole."""
+    """Copy every full parameter from ``checkpoint`` into
+    ``named_params``: a model every rank holds whole."""
     load_model(checkpoint, [(name, p, Place(tuple(p.shape))) for name, p in named_params])
 
 
 class RunState:
-    """A part (rule 2) every rank holds alike: the schedule, the loss scale, the data position and the log."""
+    """A part (rule 2) every rank holds alike: the schedule,
+    the loss scale, the data position and the log."""
 
     per_rank = False  # rank 0 saves it for everyone
 
@@ -65,8 +71,9 @@ class RunState:
 
 
 class WholeModel:
-    """A part: a model every rank holds whole and a plain ``optimizer`` (if any) over its parameters. Every rank
-    gives DCP its copy, which DCP writes once (a replica's boxes are the same)."""
+    """A part: a model every rank holds whole and a plain ``optimizer`` (if any) over its
+    parameters. Every rank gives DCP its copy, which DCP writes once (a replica's boxes are the
+    same)."""
 
     per_rank = True
 
@@ -87,8 +94,9 @@ class WholeModel:
 
 
 class CheckpointWriter:
-    """Every rank calls ``start`` once, ``save`` at the same steps, ``wait`` before exit. ``shapes``: every full
-    parameter's, by name (what joins slices back); ``parts``: rule 2; ``--async-save``: ``background_writer.py``."""
+    """Every rank calls ``start`` once, ``save`` at the same steps, ``wait`` before exit.
+    ``shapes``: every full parameter's, by name (what joins slices back); ``parts``: rule 2;
+    ``--async-save``: ``background_writer.py``."""
 
     def __init__(
         self,
@@ -104,8 +112,9 @@ class CheckpointWriter:
         self.parts, self.data_parallel_size, self.group = parts, data_parallel_size, None
 
     def start(self, checkpoint) -> int:
-        """Resume from ``checkpoint``: every part, then this rank's RNG (nothing may draw after it); given None,
-        clear the checkpoints an earlier run left in --out. Returns the step to go on from."""
+        """Resume from ``checkpoint``: every part, then this rank's RNG (nothing may draw after it);
+        given None, clear the checkpoints an earlier run left in --out. Returns the step to go on
+        from."""
         if checkpoint is None:
             if self.rank == 0:
                 clear_checkpoints(self.config["out"])
@@ -123,7 +132,8 @@ class CheckpointWriter:
         return checkpoint.step
 
     def save(self, step: int) -> None:
-        """Write checkpoint ``step``: every part, asked on every rank (a part may gather: a collective)."""
+        """Write checkpoint ``step``: every part, asked on
+        every rank (a part may gather: a collective)."""
         started = time.perf_counter()
         try:
             self._write(step, *self._states(step))
@@ -132,7 +142,8 @@ class CheckpointWriter:
         self._report(step, started, "written")
 
     def _states(self, step: int) -> tuple[dict]:
-        """DCP's state dict: every part's entries (a shared part's in ``run``, once), and this rank's RNG."""
+        """DCP's state dict: every part's entries (a shared
+        part's in ``run``, once), and this rank's RNG."""
         shared, state = {"step": step}, {}
         if self.rank < self.world_size:  # step 9's stages: one process's RNG, rank 0's
             state[f"rank{self.rank}"] = {"rng": rng_state()}
@@ -148,7 +159,8 @@ class CheckpointWriter:
     def _report(self, step: int, started: float, how: str) -> None:
         if self.rank == 0 and not self.config["quiet"]:
             print(
-                f"checkpoint step_{step} {how}: training paused {(time.perf_counter() - started) * 1e3:.0f} ms",
+                f"checkpoint step_{step} {how}: training paused "
+                f"{(time.perf_counter() - started) * 1e3:.0f} ms",
                 flush=True,
             )
 
@@ -162,7 +174,8 @@ class CheckpointWriter:
         self._publish(step, tmp)
 
     def _prepare(self, step: int):
-        """An empty ``.tmp_step_<step>`` (what a killed save left, removed), on every rank before anyone writes."""
+        """An empty ``.tmp_step_<step>`` (what a killed save
+        left, removed), on every rank before anyone writes."""
         tmp = checkpoint_dir(self.config["out"], step).with_name(f".tmp_step_{step}")
         if self.rank == 0:
             start_writing(self.config["out"], step)
@@ -170,7 +183,8 @@ class CheckpointWriter:
         return tmp
 
     def _publish(self, step: int, tmp) -> None:
-        """Rule 1, once DCP has written every rank's data and its ``.metadata``: ``meta.json``, then the rename."""
+        """Rule 1, once DCP has written every rank's data and
+        its ``.metadata``: ``meta.json``, then the rename."""
         self._barrier()  # (a test pauses a rank here: written, not yet the checkpoint)
         if self.rank == 0:
             (tmp / "meta.json").write_text(

@@ -4,17 +4,18 @@ metrics.json (schema version ``SCHEMA_VERSION``) is read by `compare/parity.py` 
 `compare/plot.py`. Its keys:
 
 - ``config``: every flag; ``env``: torch version, backend, device, world size, dtypes, data hashes;
-- ``records``: per optimiser step ``step`` (1-based), ``loss`` (mean over all ranks and micro-batches),
-  ``grad_norm`` (before clipping), ``param_norm``, ``lr``, ``tokens_per_s``, ``effective_batch_size``
-  (micro-batch x accumulation x world size, in samples), ``epoch``, ``memory`` (a list, one dict of
-  bytes per rank: sharded steps differ per rank; on a GPU also its ``gpu_utilization``, percent or None where
-  NVML cannot be read), ``step_time`` (a list, one dict per rank: ``wall_s``
-  and ``cpu_s``, see ``StepClock``; read by `compare/stragglers.py`, ignored by parity), ``device_s`` (what
-  the step cost: the devices of the job x the wall time since the previous record), ``per_node`` (each node's
-  samples and tokens per second, ``RunLog.per_node``) and, in distributed
-  steps, ``comm`` (bytes rank 0 handed to each kind of collective during the step);
-- ``cost``: ``RunLog.cost``, the whole run's device-seconds and tokens, every launch of a resumed run included
-  (read by `compare/cost.py`);
+- ``records``: per optimiser step ``step`` (1-based), ``loss`` (mean over all ranks and
+  micro-batches), ``grad_norm`` (before clipping), ``param_norm``, ``lr``, ``tokens_per_s``,
+  ``effective_batch_size`` (micro-batch x accumulation x world size, in samples), ``epoch``,
+  ``memory`` (a list, one dict of bytes per rank: sharded steps differ per rank; on a GPU also its
+  ``gpu_utilization``, percent or None where NVML cannot be read), ``step_time`` (a list, one dict
+  per rank: ``wall_s`` and ``cpu_s``, see ``StepClock``; read by `compare/stragglers.py`, ignored by
+  parity), ``device_s`` (what the step cost: the devices of the job x the wall time since the
+  previous record), ``per_node`` (each node's samples and tokens per second, ``RunLog.per_node``)
+  and, in distributed steps, ``comm`` (bytes rank 0 handed to each kind of collective during the
+  step);
+- ``cost``: ``RunLog.cost``, the whole run's device-seconds and tokens, every launch of a resumed
+  run included (read by `compare/cost.py`);
 - ``final``: ``weights`` (safetensors file, relative to the run folder), ``sha256`` of that file,
   ``param_norm``, and ``fingerprints`` (per tensor: shape, sha256 of its bytes, norm).
 """
@@ -48,9 +49,9 @@ def memory_stats(
     params, optimizer, device: torch.device, grads=None, masters=None, **counts
 ) -> dict:
     """Bytes held by this process: what its parameters, gradients (``grads``, by default every
-    ``param.grad``), float32 ``masters`` (given: ``master_params``) and optimiser state take, its peak
-    resident set size (the whole process: Python, torch, data), and on a GPU what CUDA allocated; then
-    ``counts``, a step's own, as given."""
+    ``param.grad``), float32 ``masters`` (given: ``master_params``) and optimiser state take, its
+    peak resident set size (the whole process: Python, torch, data), and on a GPU what CUDA
+    allocated; then ``counts``, a step's own, as given."""
     params = list(params)
     stats = {
         "params": tensor_bytes(params),
@@ -69,8 +70,9 @@ def memory_stats(
 
 
 def gpu_utilization(device: torch.device) -> int | None:
-    """The percent of the last sample period (1/6 s to 1 s) in which the GPU ran a kernel, from NVML through
-    ``torch.cuda.utilization``; None where it cannot be read (no ``pynvml``, a driver without NVML)."""
+    """The percent of the last sample period (1/6 s to 1 s) in which the GPU ran a kernel, from NVML
+    through ``torch.cuda.utilization``; None where it cannot be read (no ``pynvml``, a driver
+    without NVML)."""
     try:
         return int(torch.cuda.utilization(device))
     except Exception:  # noqa: BLE001  (ModuleNotFoundError for pynvml, NVML's own errors: all "not available")
@@ -78,16 +80,18 @@ def gpu_utilization(device: torch.device) -> int | None:
 
 
 class StepClock:
-    """This rank's time for one optimiser step: wall-clock seconds and the CPU seconds of this thread.
+    """This rank's time for one optimiser step:
+    wall-clock seconds and the CPU seconds of this thread.
 
-    Why both. In synchronous data parallelism every rank's *wall* time is the same: a fast rank waits for
-    the slowest inside the step's collectives, so the wall time says how slow the job is, not which rank
-    makes it slow. The main thread's CPU time (``time.thread_time``) counts only what this rank computed:
-    forward, backward and the optimiser run on this thread (one CPU thread per rank, torch.set_num_threads(1)),
-    while waiting for a peer sleeps (gloo's own threads do the transfers). So a straggler stands out in
-    ``cpu_s`` and not in ``wall_s`` (measured in docs/fault_tolerance.md, "Stragglers"). Limits: a rank slow
-    for lack of CPU or for waiting on I/O takes wall time, not CPU time, and on a GPU the CPU time is only the
-    launching (CUDA events would time the kernels)."""
+    Why both. In synchronous data parallelism every rank's *wall* time is the same: a fast rank
+    waits for the slowest inside the step's collectives, so the wall time says how slow the job is,
+    not which rank makes it slow. The main thread's CPU time (``time.thread_time``) counts only what
+    this rank computed: forward, backward and the optimiser run on this thread (one CPU thread per
+    rank, torch.set_num_threads(1)), while waiting for a peer sleeps (gloo's own threads do the
+    transfers). So a straggler stands out in ``cpu_s`` and not in ``wall_s`` (measured in
+    docs/fault_tolerance.md, "Stragglers"). Limits: a rank slow for lack of CPU or for waiting on
+    I/O takes wall time, not CPU time, and on a GPU the CPU time is only the launching (CUDA events
+    would time the kernels)."""
 
     def __init__(self):
         self.wall, self.cpu = time.perf_counter(), time.thread_time()
@@ -99,14 +103,16 @@ class StepClock:
 def environment(
     device: torch.device, world_size: int, backend: str | None, amp: str, corpus
 ) -> dict:
-    """What a run's metrics.json records about where it ran and on what data (``corpus``: data.Corpus)."""
+    """What a run's metrics.json records about where it
+    ran and on what data (``corpus``: data.Corpus)."""
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "backend": backend,
         "world_size": world_size,
-        # torchrun's ranks per node (--nproc_per_node); a node's ranks are consecutive: node = rank // this
+        # torchrun's ranks per node (--nproc_per_node); a
+        # node's ranks are consecutive: node = rank // this
         "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         "param_dtype": "float32",
         "autocast_dtype": {"none": None, "bf16": "bfloat16", "fp16": "float16"}[amp],
@@ -134,8 +140,9 @@ def write_json_atomically(path: Path, data) -> None:
 
 
 def save_final_weights(out_dir: Path, named_tensors: dict) -> dict:
-    """Write the full weights as safetensors and return the ``final`` section, with their ``param_norm``: exact
-    (training.py), so the bits every step logs from its own slices, shards or stages."""
+    """Write the full weights as safetensors and return the ``final`` section, with their
+    ``param_norm``: exact (training.py), so the bits every step logs from its own slices, shards or
+    stages."""
     from training import param_norm
 
     weights = {name: t.detach().cpu().contiguous() for name, t in named_tensors.items()}
@@ -165,8 +172,9 @@ class RunLog:
         self.started = self.last = time.perf_counter()
 
     def log(self, record: dict) -> None:
-        # Seconds since this process started logging, everything included (the logging's own norms and
-        # synchronisations too, which step_time leaves out): what end-to-end throughput is measured from.
+        # Seconds since this process started logging, everything included (the logging's own norms
+        # and synchronisations too, which step_time leaves out): what end-to-end throughput is
+        # measured from.
         now = time.perf_counter()
         record["since_start_s"] = round(now - self.started, 4)
         # What the step cost: every device of the job was held from the previous record to this one.
@@ -190,10 +198,11 @@ class RunLog:
             )
 
     def per_node(self, record: dict) -> list[dict]:
-        """Each node's share of the step's samples (its ranks' share of the job), per second of its slowest rank's
-        wall time (``samples_per_s``, ``tokens_per_s``: what the node delivered) and of its busiest rank's CPU time
-        (``busy_tokens_per_s``: what it could deliver without waiting). In synchronous training every node's wall
-        time is the job's, since fast ranks wait in the collectives; a straggling node shows in the busy figure."""
+        """Each node's share of the step's samples (its ranks' share of the job), per second of its
+        slowest rank's wall time (``samples_per_s``, ``tokens_per_s``: what the node delivered) and
+        of its busiest rank's CPU time (``busy_tokens_per_s``: what it could deliver without
+        waiting). In synchronous training every node's wall time is the job's, since fast ranks wait
+        in the collectives; a straggling node shows in the busy figure."""
         if "step_time" not in record:
             return []
         times, per_node = (
@@ -221,9 +230,11 @@ class RunLog:
         return nodes
 
     def cost(self) -> dict:
-        """Device-seconds and tokens of the records so far (those of earlier launches too: a resumed run
-        carries them), and what they buy: tokens per device-hour. A device is a GPU, or a rank on the CPU.
-        ``steps_timed``: the records that say their cost (one written before ``device_s`` was recorded does not)."""
+        """Device-seconds and tokens of the records so far (those of earlier launches too: a resumed
+        run carries them), and what they buy: tokens per device-hour. A device is a GPU, or a rank
+        on the CPU.
+        ``steps_timed``: the records that say their cost (one written before ``device_s`` was
+        recorded does not)."""
         timed = [r for r in self.records if "device_s" in r]
         device_s = sum(r["device_s"] for r in timed)
         tokens = sum(r["effective_batch_size"] for r in timed) * self.config["seq_len"]
@@ -253,8 +264,9 @@ class RunLog:
         }
 
     def finish(self, final: dict, layout: str | None = None) -> None:
-        """Write metrics.json with ``final`` (the exported weights' record) and say the run is done: its steps, what
-        it ran on (``layout``; by default the ranks and their backend), its last loss and where its weights are."""
+        """Write metrics.json with ``final`` (the exported weights' record) and say the run is done:
+        its steps, what it ran on (``layout``; by default the ranks and their backend), its last
+        loss and where its weights are."""
         self.write(final)
         if self.is_writer:
             env = self.env
@@ -262,7 +274,8 @@ class RunLog:
                 f" on {env['world_size']} ranks ({env['backend']})" if env["backend"] else ""
             )
             print(
-                f"done: {self.config['steps']} steps{layout}, final loss {self.records[-1]['loss']:.4f}, "
+                f"done: {self.config['steps']} steps{layout}, final loss "
+                f"{self.records[-1]['loss']:.4f}, "
                 f"weights in {self.config['out']}"
             )
 
@@ -285,12 +298,15 @@ class RunLog:
         )
         if final is not None and not self.config["quiet"]:
             nodes = ", ".join(
-                f"node {n['node']} {n['samples_per_s']:,.1f} samples/s ({n['tokens_per_s']:,.0f} tokens/s, "
+                f"node {n['node']} {n['samples_per_s']:,.1f} samples/s "
+                f"({n['tokens_per_s']:,.0f} tokens/s, "
                 f"{n['busy_tokens_per_s']:,.0f} busy)"
                 for n in cost["per_node"]
             )
             print(
-                f"cost: {cost['device_s']:,.1f} device-seconds ({cost['devices']} x {cost['device']}), "
-                f"{cost['tokens']:,} tokens, {cost['tokens_per_device_hour'] or 0:,.0f} tokens per device-hour; "
+                f"cost: {cost['device_s']:,.1f} device-seconds ({cost['devices']} x "
+                f"{cost['device']}), "
+                f"{cost['tokens']:,} tokens, "
+                f"{cost['tokens_per_device_hour'] or 0:,.0f} tokens per device-hour; "
                 f"median per node: {nodes}"
             )

@@ -67,7 +67,8 @@ class ShardedSampler:
     def __iter__(self):
         if self.shuffle:
             # A private generator: the order depends on (seed, epoch) only, never on the global RNG
-            # that model init or dropout have advanced differently. Same on every rank, new each epoch.
+            # that model init or dropout have advanced differently. Same on every rank, new each
+            # epoch.
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)
             indices = torch.randperm(self.dataset_len, generator=generator).tolist()
@@ -76,7 +77,8 @@ class ShardedSampler:
         if self.drop_last:
             indices = indices[: self.total_size]
         else:
-            # Repeat from the start, cycling more than once when the dataset is shorter than the padding.
+            # Repeat from the start, cycling more than once
+            # when the dataset is shorter than the padding.
             padding = self.total_size - len(indices)
             indices += [indices[i % len(indices)] for i in range(padding)]
         # Interleaved, not contiguous: rank r takes positions r, r + N, r + 2N, ...
@@ -102,14 +104,16 @@ def check_no_overlap(
     - every rank holds the same number of samples (so every rank takes the same number of steps);
     - no sample is on two ranks, except the ``total_size - dataset_len`` padding repeats
       (none with ``drop_last``);
-    - together the ranks cover the whole dataset (``total_size`` distinct samples with ``drop_last``).
+    - together the ranks cover the whole dataset
+      (``total_size`` distinct samples with ``drop_last``).
 
     Without an initialised process group it checks ``indices`` as a world of one. Returns a summary
     to log; raises ``RuntimeError`` naming the first problem it finds (ranks are ``group`` ranks).
     """
     if dist.is_available() and dist.is_initialized():
         gathered = [None] * dist.get_world_size(group)
-        # Pickled Python lists: handles shards of different lengths (a bug we want to catch) for free.
+        # Pickled Python lists: handles shards of different
+        # lengths (a bug we want to catch) for free.
         dist.all_gather_object(gathered, [int(i) for i in indices], group=group)
     else:
         gathered = [[int(i) for i in indices]]
@@ -122,7 +126,8 @@ def check_no_overlap(
     lengths = [len(shard) for shard in gathered]
     if len(set(lengths)) != 1:
         raise RuntimeError(
-            "ranks hold different numbers of samples (a rank with fewer steps would leave the others "
+            "ranks hold different numbers of samples (a rank with fewer steps would "
+            "leave the others "
             "hanging in all-reduce): " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
         )
     per_rank = samples_per_rank(dataset_len, world_size, drop_last)
@@ -149,19 +154,21 @@ def check_no_overlap(
                     culprit = index
             holders.setdefault(index, []).append(rank)
     if culprit is not None:
-        # Padding never puts one sample on one rank twice, so such a sample is the surest one to name.
+        # Padding never puts one sample on one rank twice,
+        # so such a sample is the surest one to name.
         culprit = next((i for i, ranks in holders.items() if len(set(ranks)) < len(ranks)), culprit)
         raise RuntimeError(
             f"sample {culprit} {_where(holders[culprit])}: {repeats} repeated samples, "
             f"but padding explains only {padding}"
         )
-    # Property (a). Implied by the checks above (the right total, no more repeats than padding, all in
-    # range), but stated on its own: it is the property training needs.
+    # Property (a). Implied by the checks above (the right total, no more repeats than padding, all
+    # in range), but stated on its own: it is the property training needs.
     expected = total_size if drop_last else dataset_len
     if len(holders) != expected:
         missing = sorted(set(range(dataset_len)) - holders.keys())[:5]
         raise RuntimeError(
-            f"the shards cover {len(holders)} distinct samples, expected {expected}; missing e.g. {missing}"
+            f"the shards cover {len(holders)} distinct samples, expected {expected}; "
+            f"missing e.g. {missing}"
         )
     return {
         "ranks": world_size,
@@ -173,9 +180,10 @@ def check_no_overlap(
 
 
 def checked_micro_batches(batches, accum: int, verbose: bool = False) -> tuple[list, dict | None]:
-    """The step's next ``accum`` micro-batches from ``batches`` (data.MicroBatches over a ShardedSampler), and
-    ``check_no_overlap``'s summary when one of them started an epoch (else None): a collective, which every rank
-    reaches at the same micro-step, as every rank starts every epoch at the same one. ``verbose``: print it."""
+    """The step's next ``accum`` micro-batches from ``batches`` (data.MicroBatches over a
+    ShardedSampler), and ``check_no_overlap``'s summary when one of them started an epoch (else
+    None): a collective, which every rank reaches at the same micro-step, as every rank starts every
+    epoch at the same one. ``verbose``: print it."""
     micro_batches, shard_check = [], None
     for _ in range(accum):
         micro_batches.append(batches.next())

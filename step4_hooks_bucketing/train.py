@@ -1,8 +1,9 @@
 """Step 4: real DDP by hand: autograd hooks, gradient buckets, all-reduce overlapped with backward.
 
-BucketedDDP (bucketed_ddp.py): gradients reduced in a few flat buckets, each launched the moment its last
-gradient is ready while backward goes on; one sync point before the optimiser step; no_sync() while accumulating.
-The run must be bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
+BucketedDDP (bucketed_ddp.py): gradients reduced in a few flat buckets, each launched the moment its
+last gradient is ready while backward goes on; one sync point before the optimiser step; no_sync()
+while accumulating. The run must be bitwise identical to step 1's at world size 2, and at any world
+size with --reduce-dtype float64.
 
     torchrun --standalone --nproc_per_node=2 step4_hooks_bucketing/train.py
     python compare/parity.py step1 step4
@@ -43,10 +44,11 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
-    each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
-    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
-    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward
+    and backward on each, the gradients synchronised across ranks once, then unscaled, clipped and
+    applied. Returns what the loop logs: the losses' sum, the gradient norm before clipping, this
+    rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads them): free
+    when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
@@ -127,8 +129,8 @@ def main():
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
-    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py); --async-save: the
-    # state is copied to memory and a thread writes it (background_writer.py).
+    # What a checkpoint holds, each part saving and loading its own state (checkpoint.py);
+    # --async-save: the state is copied to memory and a thread writes it (background_writer.py).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config,
         world.rank,

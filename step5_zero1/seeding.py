@@ -13,15 +13,16 @@ import torch
 
 
 def seed_everything(seed: int, deterministic: bool = True) -> None:
-    """Seed Python, NumPy and torch (CPU and every GPU); one CPU thread; deterministic kernels unless
-    ``deterministic`` is False (--nondeterministic: torch's default kernels)."""
-    # No CUBLAS_WORKSPACE_CONFIG: torch gives each stream its own cuBLAS workspace, which is what cuBLAS needs to
-    # be deterministic, and torch 2.11 on asks for nothing more; the old advice (:4096:8) costs a GPU a third of
-    # its speed (docs/gpu.md).
+    """Seed Python, NumPy and torch (CPU and every GPU); one CPU thread; deterministic kernels
+    unless ``deterministic`` is False (--nondeterministic: torch's default kernels)."""
+    # No CUBLAS_WORKSPACE_CONFIG: torch gives each stream its own cuBLAS workspace, which is what
+    # cuBLAS needs to be deterministic, and torch 2.11 on asks for nothing more; the old advice
+    # (:4096:8) costs a GPU a third of its speed (docs/gpu.md).
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(deterministic)
-    # Deterministic mode also fills every new uninitialised tensor with NaN, a kernel per allocation: a
-    # guard for code that reads memory before writing it, which none here does (two runs are compared bitwise).
+    # Deterministic mode also fills every new uninitialised tensor with NaN, a kernel per
+    # allocation: a guard for code that reads memory before writing it, which none here does (two
+    # runs are compared bitwise).
     torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.benchmark = False
     random.seed(seed)
@@ -30,7 +31,8 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
 
 
 def rng_state() -> dict:
-    """Every generator's current state, as tensors and plain values (loadable with weights_only=True)."""
+    """Every generator's current state, as tensors and
+    plain values (loadable with weights_only=True)."""
     kind, keys, pos, has_gauss, cached_gauss = np.random.get_state()
     state = {
         "python": random.getstate(),

@@ -1,8 +1,9 @@
 """Step 5: ZeRO stage 1: AdamW's state partitioned across the ranks (zero1.py).
 
-Each rank keeps AdamW's moments for its 1/N of the parameters' elements and updates only that slice; the updated
-slices are all-gathered so every rank holds the whole model again: 8/N optimiser bytes per parameter, not 8.
-The run must be bitwise identical to step 1's at world size 2, and at any world size with --reduce-dtype float64.
+Each rank keeps AdamW's moments for its 1/N of the parameters' elements and updates only that slice;
+the updated slices are all-gathered so every rank holds the whole model again: 8/N optimiser bytes
+per parameter, not 8. The run must be bitwise identical to step 1's at world size 2, and at any
+world size with --reduce-dtype float64.
 
     torchrun --standalone --nproc_per_node=2 step5_zero1/train.py
     python compare/parity.py step1 step5
@@ -48,10 +49,11 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
-    each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
-    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
-    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward
+    and backward on each, the gradients synchronised across ranks once, then unscaled, clipped and
+    applied. Returns what the loop logs: the losses' sum, the gradient norm before clipping, this
+    rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads them): free
+    when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
@@ -144,7 +146,8 @@ def main():
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
-    # Checkpoints: each rank its slices of the weights (or masters) and of AdamW's state, read at any world size.
+    # Checkpoints: each rank its slices of the weights (or
+    # masters) and of AdamW's state, read at any world size.
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config,
         world.rank,

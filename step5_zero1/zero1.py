@@ -1,25 +1,29 @@
 """ShardedOptimizer: ZeRO stage 1, every rank keeps and steps 1/N of the optimiser state.
 
-Step 4 made the gradient all-reduce cheap, but every rank still held the whole AdamW state (8 bytes per
-parameter, twice the weights) and ran the same full update as every other rank. Here:
+Step 4 made the gradient all-reduce cheap, but every rank still held the whole AdamW state (8 bytes
+per parameter, twice the weights) and ran the same full update as every other rank. Here:
 
-1. **Element-balanced shards.** The parameters are laid end to end in one flat range (or a few chunks), padded
-   to a multiple of N; rank r owns the r-th of N equal slices, so a parameter may be cut between two ranks
-   (owning whole parameters would leave the rank with the embedding most of the state).
+1. **Element-balanced shards.** The parameters are laid end to end in one flat range (or a few
+   chunks), padded to a multiple of N; rank r owns the r-th of N equal slices, so a parameter may be
+   cut between two ranks (owning whole parameters would leave the rank with the embedding most of
+   the state).
 2. **Views, not copies.** The local optimiser steps *views* into the parameters' storage
-   (``param.detach().view(-1)[start:end]``): the update lands in the parameter itself, and the optimiser
-   creates state for this rank's slices only.
-3. **Gradients by slice.** ``step()`` points each view's ``.grad`` at its slice of the averaged ``param.grad``
-   (no copy). In ZeRO-2 (step 6) the views' ``.grad`` point, for good, into shards a reduce-scatter fills.
-4. **All-gather after the step.** Every rank sends its updated slices and receives everyone else's, chunk by
-   chunk, in the same order on every rank (collectives are matched by order).
+   (``param.detach().view(-1)[start:end]``): the update lands in the parameter itself, and the
+   optimiser creates state for this rank's slices only.
+3. **Gradients by slice.** ``step()`` points each view's ``.grad`` at its slice of the averaged
+   ``param.grad`` (no copy). In ZeRO-2 (step 6) the views' ``.grad`` point, for good, into shards a
+   reduce-scatter fills.
+4. **All-gather after the step.** Every rank sends its updated slices and receives everyone else's,
+   chunk by chunk, in the same order on every rank (collectives are matched by order).
 5. **A drop-in, as ``ZeroRedundancyOptimizer`` is.** ``param_groups`` hold the full parameters, so a
-   ``GradScaler``, ``clip_grad_norm_`` and an LR scheduler read the whole averaged gradient every rank holds:
-   the ranks agree without a word. Where the optimiser reads slices only (ZeRO-2, ``masters.py``), that verdict
-   is combined across ranks (``sharded_gradients.py``). Saving and loading: ``zero1_state.py``.
+   ``GradScaler``, ``clip_grad_norm_`` and an LR scheduler read the whole averaged gradient every
+   rank holds: the ranks agree without a word. Where the optimiser reads slices only (ZeRO-2,
+   ``masters.py``), that verdict is combined across ranks (``sharded_gradients.py``). Saving and
+   loading: ``zero1_state.py``.
 
-Adam, AdamW and SGD update each element from its own values, so a slice steps to the bits the whole tensor
-would; an optimiser that looks across a tensor (LAMB, Adafactor) would not survive being sliced.
+Adam, AdamW and SGD update each element from its own values, so a slice steps to the bits the whole
+tensor would; an optimiser that looks across a tensor (LAMB, Adafactor) would not survive being
+sliced.
 """
 
 import math
@@ -69,17 +73,21 @@ def flat_view(piece: Piece, tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
-    """Wrap ``optimizer_cls`` so that this rank keeps and steps only its slices of the parameters; use it as
-    ``ZeroRedundancyOptimizer``: ``zero_grad()``, ``backward()``, the gradient sync (anything that leaves every
-    rank the averaged ``param.grad``), ``step()``, with a ``GradScaler``, clipping and an LR scheduler.
+    """Wrap ``optimizer_cls`` so that this rank keeps and steps only its slices of the parameters;
+    use it as ``ZeroRedundancyOptimizer``: ``zero_grad()``, ``backward()``, the gradient sync
+    (anything that leaves every rank the averaged ``param.grad``), ``step()``, with a
+    ``GradScaler``, clipping and an LR scheduler.
 
-    ``params``: tensors or param-group dicts (frozen parameters are dropped). ``chunks``: lists of parameters,
-    each laid out flat and sharded on its own (default: one). ``gradient_shards``: ZeRO-2, one flat buffer of
-    Lp/N elements per chunk, filled elsewhere. ``process_group``: the ranks sharing the state (default: all).
+    ``params``: tensors or param-group dicts (frozen parameters are dropped). ``chunks``: lists of
+    parameters, each laid out flat and sharded on its own (default: one). ``gradient_shards``:
+    ZeRO-2, one flat buffer of Lp/N elements per chunk, filled elsewhere. ``process_group``: the
+    ranks sharing the state (default: all).
     ``defaults`` go to ``optimizer_cls``. 16-bit parameters with float32 masters: ``masters.py``.
 
-    ``param_groups`` are the full parameters' groups (with ``gradient_shards``, the local groups of slices);
-    ``state`` is the local optimiser's. ``Optimizer.__init__`` is not called: it would create full-size state.
+    ``param_groups`` are the full parameters' groups (with
+    ``gradient_shards``, the local groups of slices);
+    ``state`` is the local optimiser's. ``Optimizer.__init__`` is not called: it would create
+    full-size state.
     """
 
     def __init__(
@@ -132,7 +140,8 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
         )
         self.device = self.params[0].device if self.params else torch.device("cpu")
 
-        # Every rank computes every rank's pieces: it must know where to put what the all-gather brings.
+        # Every rank computes every rank's pieces: it must
+        # know where to put what the all-gather brings.
         self.pieces_of_rank = cut_into_pieces(self.chunks, self.world_size)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g["params"]}
         mine = self.pieces_of_rank[self.rank]
@@ -151,9 +160,10 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
             for gi, g in enumerate(groups)
         ]
         self.local_optimizer = optimizer_cls(local_groups, **defaults)
-        # What GradScaler, clipping and LR schedulers see: the full parameters, with the local groups'
-        # hyperparameters. Hyperparameters flow to the local groups before every step and state_dict,
-        # and back from them whenever a state dict is loaded into the local optimiser (by anyone).
+        # What GradScaler, clipping and LR schedulers see: the full parameters, with the local
+        # groups' hyperparameters. Hyperparameters flow to the local groups before every step and
+        # state_dict, and back from them whenever a state dict is loaded into the local optimiser
+        # (by anyone).
         self.full_groups = [
             {**hyperparameters(local), "params": g["params"]}
             for g, local in zip(groups, self.local_optimizer.param_groups)
@@ -170,7 +180,8 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
                 shard_numel(c, self.world_size) for c in self.chunks
             ]:
                 raise ValueError(
-                    "gradient_shards needs one flat buffer of ceil(L / world size) elements per chunk"
+                    "gradient_shards needs one flat buffer of ceil(L / world size) "
+                    "elements per chunk"
                 )
             for piece, view in zip(self.pieces, self.views):
                 view.grad = gradient_shards[piece.chunk][
@@ -178,12 +189,14 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
                 ]
 
     def _to_step(self, views: list) -> list:
-        """What the local optimiser steps: the views themselves (rule 2). ``masters.py``: float32 copies."""
+        """What the local optimiser steps: the views
+        themselves (rule 2). ``masters.py``: float32 copies."""
         return views
 
-    # ---- One optimiser step ------------------------------------------------------------------------
+    # ---- One optimiser step ----------------------------------------------------------------------
     def _take_gradient_slices(self) -> None:
-        """ZeRO-1: point every view's ``.grad`` at its slice of the averaged ``param.grad`` (no copy)."""
+        """ZeRO-1: point every view's ``.grad`` at its
+        slice of the averaged ``param.grad`` (no copy)."""
         if self.gradient_shards is not None:
             return  # ZeRO-2: the views already read the gradient shards
         for piece, view in zip(self.pieces, self.views):
@@ -221,12 +234,14 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
                 flat_view(piece, piece.param).copy_(values)
 
     def _all_gather_chunks(self, mine: list, dtype=None):
-        """Collective, chunk by chunk (rule 4): this rank sends ``mine``, the values of its pieces (in ``pieces``
-        order), and every rank's come back. Yields ``(rank, piece, its values)`` for every rank's pieces; each rank
-        must consume it whole (one all-gather per chunk). ``dtype``: what is sent (default: the chunk's own)."""
+        """Collective, chunk by chunk (rule 4): this rank sends ``mine``, the values of its pieces
+        (in ``pieces`` order), and every rank's come back. Yields ``(rank, piece, its values)`` for
+        every rank's pieces; each rank must consume it whole (one all-gather per chunk). ``dtype``:
+        what is sent (default: the chunk's own)."""
         for c, chunk in enumerate(self.chunks):
             shard = shard_numel(chunk, self.world_size)
-            # Two temporary buffers, the chunk's size (several chunks keep this peak small); the tail is padding.
+            # Two temporary buffers, the chunk's size (several
+            # chunks keep this peak small); the tail is padding.
             send = torch.zeros(shard, dtype=dtype or chunk[0].dtype, device=chunk[0].device)
             for piece, values in zip(self.pieces, mine):
                 if piece.chunk == c:

@@ -1,17 +1,21 @@
-"""ZeRO-1's optimiser (zero1.py) as PyTorch's tools and checkpoints see it, apart from its mechanism: the methods
-``ShardedOptimizer`` takes from ``ShardedOptimizerState``.
+"""ZeRO-1's optimiser (zero1.py) as PyTorch's tools and checkpoints see it, apart from its
+mechanism: the methods ``ShardedOptimizer`` takes from ``ShardedOptimizerState``.
 
-0. **The full groups.** A ``GradScaler``, clipping and an LR scheduler read ``param_groups``: the full
-   parameters with the local groups' hyperparameters, pushed to the local optimiser before every step and
-   state dict, pulled back whenever a state dict is loaded into it (ZeRO-2: the local groups of slices).
-1. **Each rank its own slices.** A rank's state dict is its local optimiser's, with the ``(parameter, start, end)``
-   slices it covers; its checkpoint holds those slices of the weights and of the state, as boxes of the whole
-   tensors named by parameter (``checkpoint_state``, dcp_checkpoint.py), so DCP copies any layout's boxes into this
-   rank's slices at any world size (``load_checkpoint``, which all-gathers the weights after). No gather, no full
-   copy when saving. dcp_checkpoint is imported by these methods, not with the file: importing DCP imports
-   torch.distributed.nn, which binds the default group, and importing an idea file must leave a script's group alone.
-2. **A plain optimiser's state dict on request** (``consolidated_state_dict``): every rank's slices gathered and
-   joined, as ``ZeroRedundancyOptimizer.consolidate_state_dict`` does; for export and inspection, never per step.
+0. **The full groups.** A ``GradScaler``, clipping and an LR scheduler read ``param_groups``: the
+   full parameters with the local groups' hyperparameters, pushed to the local optimiser before
+   every step and state dict, pulled back whenever a state dict is loaded into it (ZeRO-2: the local
+   groups of slices).
+1. **Each rank its own slices.** A rank's state dict is its local optimiser's, with the
+   ``(parameter, start, end)`` slices it covers; its checkpoint holds those slices of the weights
+   and of the state, as boxes of the whole tensors named by parameter (``checkpoint_state``,
+   dcp_checkpoint.py), so DCP copies any layout's boxes into this rank's slices at any world size
+   (``load_checkpoint``, which all-gathers the weights after). No gather, no full copy when saving.
+   dcp_checkpoint is imported by these methods, not with the file: importing DCP imports
+   torch.distributed.nn, which binds the default group, and importing an idea file must leave a
+   script's group alone.
+2. **A plain optimiser's state dict on request** (``consolidated_state_dict``): every rank's slices
+   gathered and joined, as ``ZeroRedundancyOptimizer.consolidate_state_dict`` does; for export and
+   inspection, never per step.
 """
 
 import torch
@@ -24,10 +28,11 @@ def hyperparameters(group: dict) -> dict:
 
 
 class ShardedOptimizerState:
-    """Mixed into ``zero1.ShardedOptimizer``: reads its ``pieces``, ``views``, ``local_optimizer``, ``params``,
-    ``index``, ``group_sizes``, ``full_groups``, ``gradient_shards``, ``world_size``, ``rank`` and ``group``."""
+    """Mixed into ``zero1.ShardedOptimizer``: reads its ``pieces``, ``views``, ``local_optimizer``,
+    ``params``, ``index``, ``group_sizes``, ``full_groups``, ``gradient_shards``, ``world_size``,
+    ``rank`` and ``group``."""
 
-    # ---- What PyTorch's tools read (rule 0) ---------------------------------------------------------
+    # ---- What PyTorch's tools read (rule 0) ------------------------------------------------------
     @property
     def groups_are_local(self) -> bool:
         """ZeRO-2: only the local slices have the gradients a tool reads."""
@@ -61,19 +66,22 @@ class ShardedOptimizerState:
 
     @property
     def norm_groups(self) -> list:
-        """What a global norm of the stepped tensors (``param_groups``) sums over (``sharded_norms.clip_grad_norm``'s
-        ``groups``): nothing while every rank holds the whole averaged gradient, the ranks' group once the groups
-        are this rank's slices (ZeRO-2, masters)."""
+        """What a global norm of the stepped tensors (``param_groups``) sums over
+        (``sharded_norms.clip_grad_norm``'s ``groups``): nothing while every rank holds the whole
+        averaged gradient, the ranks' group once the groups are this rank's slices (ZeRO-2,
+        masters)."""
         return [self.group or dist.group.WORLD] if self.groups_are_local else []
 
     @property
     def masters(self) -> list:
-        """The float32 master copies this optimiser steps in place of the parameters: none (``masters.py``: some)."""
+        """The float32 master copies this optimiser steps in
+        place of the parameters: none (``masters.py``: some)."""
         return []
 
     def slices(self, named_params=None) -> list:
-        """``(name, start, end)`` of each local parameter: the elements of which parameter its state is for.
-        Without ``named_params``, the parameter's number (its place in the groups) stands for its name."""
+        """``(name, start, end)`` of each local parameter: the elements of which parameter its state
+        is for. Without ``named_params``, the parameter's number (its place in the groups) stands
+        for its name."""
         name_of = (
             {param: name for name, param in named_params}
             if named_params is not None
@@ -82,13 +90,14 @@ class ShardedOptimizerState:
         return [(name_of[piece.param], piece.start, piece.end) for piece in self.pieces]
 
     def master_weights(self, named_params) -> dict:
-        """``{name: full weight}``: the parameters themselves, which every rank holds whole and up to date after
-        ``step()`` (``masters.py``: the float32 masters, gathered)."""
+        """``{name: full weight}``: the parameters themselves, which every rank holds whole and up
+        to date after ``step()`` (``masters.py``: the float32 masters, gathered)."""
         return {name: param for name, param in named_params}
 
-    # ---- Checkpoints (rule 1: the interface of checkpoint.py) ---------------------------------------------
+    # ---- Checkpoints (rule 1: the interface of checkpoint.py) ------------------------------------
     def checkpoint_places(self, named_params) -> list:
-        """``(name, place)`` of each local parameter: a flat slice of parameter ``name`` (dcp_checkpoint.py)."""
+        """``(name, place)`` of each local parameter: a flat
+        slice of parameter ``name`` (dcp_checkpoint.py)."""
         from dcp_checkpoint import Place  # here, not at the top: rule 1
 
         name_of = {param: name for name, param in named_params}
@@ -98,9 +107,9 @@ class ShardedOptimizerState:
         ]
 
     def checkpoint_state(self, named_params) -> dict:
-        """What this rank saves: the weights of its slices and its slices of the optimiser state, each a few boxes
-        of the whole tensor named by ``named_params`` (dcp_checkpoint.py). No gather, no full copy: each rank writes
-        what it steps (with masters: float32)."""
+        """What this rank saves: the weights of its slices and its slices of the optimiser state,
+        each a few boxes of the whole tensor named by ``named_params`` (dcp_checkpoint.py). No
+        gather, no full copy: each rank writes what it steps (with masters: float32)."""
         from dcp_checkpoint import model_state, optimizer_state
 
         places = self.checkpoint_places(named_params)
@@ -108,9 +117,10 @@ class ShardedOptimizerState:
         return {**model_state(pieces), **optimizer_state(self.local_optimizer, places)}
 
     def load_checkpoint(self, checkpoint, named_params) -> None:
-        """This rank's slices of the weights and of the optimiser state, copied out of ``checkpoint`` (a
-        ``resharding.Checkpoint``, whatever world size or step wrote it), then the parameters all-gathered as
-        after a step (a collective): every rank holds the whole model again."""
+        """This rank's slices of the weights and of the optimiser state, copied out of
+        ``checkpoint`` (a ``resharding.Checkpoint``, whatever world size or step wrote it), then the
+        parameters all-gathered as after a step (a collective): every rank holds the whole model
+        again."""
         from dcp_checkpoint import load_model, load_optimizer
 
         places = self.checkpoint_places(named_params)
@@ -132,7 +142,8 @@ class ShardedOptimizerState:
         if [tuple(s) for s in state_dict.get("slices", ())] != self.slices():
             raise ValueError(
                 f"this optimiser shard covers other slices (saved at world size "
-                f"{state_dict.get('world_size')}; here world size {self.world_size}, rank {self.rank}, "
+                f"{state_dict.get('world_size')}; here world size {self.world_size}, "
+                f"rank {self.rank}, "
                 "or other chunks): cut this rank's slices from every rank's shards, as "
                 "resharding.py does, or load a consolidated state dict into a plain optimiser"
             )
@@ -141,7 +152,8 @@ class ShardedOptimizerState:
         )
 
     def consolidated_state_dict(self) -> dict:
-        """Collective: the state dict a plain ``optimizer_cls`` over the full parameters would have, on every rank.
+        """Collective: the state dict a plain ``optimizer_cls``
+        over the full parameters would have, on every rank.
 
         For checkpoints and inspection only: gathering the state every step would put the whole
         state back on every rank, the memory ZeRO-1 exists to save, and send it over the network.

@@ -34,7 +34,8 @@ from comm_accounting import count_collective
 
 
 class Bucket:
-    """A flat buffer of ``numel`` elements holding the gradients of a few parameters, reduced with one collective."""
+    """A flat buffer of ``numel`` elements holding the gradients
+    of a few parameters, reduced with one collective."""
 
     def __init__(self, index: int, params: list, dtype: torch.dtype, numel: int):
         self.index, self.params, self.dtype, self.numel = index, params, dtype, numel
@@ -45,7 +46,8 @@ class Bucket:
 
     def allocate(self):
         self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.params[0].device)
-        # slots[i]: the part of the buffer that holds params[i]'s gradient, shaped like the parameter
+        # slots[i]: the part of the buffer that holds
+        # params[i]'s gradient, shaped like the parameter
         self.slots, offset = [], 0
         for p in self.params:
             self.slots.append(self.buffer[offset : offset + p.numel()].view_as(p))
@@ -61,7 +63,8 @@ def assign_buckets(
     params: list, bucket_cap_bytes: float, first_bucket_cap_bytes: float
 ) -> list[list]:
     """Split ``params`` (in gradient-ready order) into consecutive groups of about the cap in bytes.
-    A group closes once it reaches its cap; a parameter larger than the cap gets a group of its own."""
+    A group closes once it reaches its cap; a parameter larger than the cap gets a group of its
+    own."""
     groups, current, size = [], [], 0
     for p in params:
         current.append(p)
@@ -80,9 +83,9 @@ class BucketedDDP(torch.nn.Module):
     ``finish_gradient_synchronization()`` once; then every rank holds the same averaged gradients.
     ``reduce_dtype=torch.float64`` reduces in float64 (exact, order-free) and rounds back once.
 
-    What a bucket's collective is lives in four methods, ``_make_bucket``, ``_fill``, ``_launch`` and
-    ``_finish``: step 6 (ZeRO-2) overrides them to reduce-scatter each bucket instead. What a parameter
-    puts in and takes out lives in two, ``_local_gradient`` and ``_write_back``.
+    What a bucket's collective is lives in four methods, ``_make_bucket``, ``_fill``, ``_launch``
+    and ``_finish``: step 6 (ZeRO-2) overrides them to reduce-scatter each bucket instead. What a
+    parameter puts in and takes out lives in two, ``_local_gradient`` and ``_write_back``.
     """
 
     def __init__(
@@ -124,9 +127,10 @@ class BucketedDDP(torch.nn.Module):
         return bucket
 
     def _register_hooks(self, params: list) -> None:
-        # Weakly: a parameter's hooks live in autograd's C++ graph, where Python's garbage collector does not look,
-        # so a hook holding this wrapper (which holds the parameter) would keep both alive for good, and the
-        # process group with them (tests/test_data_parallel.py). A parameter that outlives the wrapper trains alone.
+        # Weakly: a parameter's hooks live in autograd's C++ graph, where Python's garbage collector
+        # does not look, so a hook holding this wrapper (which holds the parameter) would keep both
+        # alive for good, and the process group with them (tests/test_data_parallel.py). A parameter
+        # that outlives the wrapper trains alone.
         me = weakref.ref(self)
         for p in params:  # fires after backward has added this pass's gradient into p.grad
             p.register_post_accumulate_grad_hook(
@@ -146,7 +150,8 @@ class BucketedDDP(torch.nn.Module):
             self.require_sync = previous
 
     def _on_gradient_ready(self, param: torch.Tensor) -> None:
-        """Runs inside backward, right after ``param.grad`` received this backward's contribution."""
+        """Runs inside backward, right after ``param.grad``
+        received this backward's contribution."""
         if not self.require_sync:
             return
         bucket, i = self.location[param]
@@ -159,7 +164,8 @@ class BucketedDDP(torch.nn.Module):
         self._launch_ready_buckets()
 
     def _local_gradient(self, param: torch.Tensor):
-        """What this rank reduces for ``param``: the gradient backward accumulated in ``param.grad``."""
+        """What this rank reduces for ``param``: the
+        gradient backward accumulated in ``param.grad``."""
         return param.grad
 
     def _fill(self, bucket: Bucket, i: int, grad) -> None:
@@ -192,11 +198,13 @@ class BucketedDDP(torch.nn.Module):
             )
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every bucket, average, and write the result into ``param.grad``. Once per optimiser step."""
+        """Wait for every bucket, average, and write the
+        result into ``param.grad``. Once per optimiser step."""
         unused = self._complete_the_buckets_backward_left_open()
         used_anywhere = self._used_by_any_rank(unused) if self.find_unused_parameters else None
         unused_ids = {id(p) for p in unused}
-        # A gradient for what this rank used, and (find_unused_parameters=True) for what any rank used.
+        # A gradient for what this rank used, and
+        # (find_unused_parameters=True) for what any rank used.
         receiving = {
             p
             for p in self.location
@@ -212,7 +220,8 @@ class BucketedDDP(torch.nn.Module):
             )
 
     def _finish(self, bucket: Bucket, receiving: set) -> None:
-        """Wait for the bucket's all-reduce, average, and write the gradients of ``receiving`` back."""
+        """Wait for the bucket's all-reduce, average,
+        and write the gradients of ``receiving`` back."""
         bucket.work.wait()
         bucket.work = None
         bucket.buffer.div_(self.world_size)
@@ -230,14 +239,14 @@ class BucketedDDP(torch.nn.Module):
     # Their hooks never fired, so their buckets are still open when backward ends. A parameter that
     # got a gradient in an earlier micro-batch (inside no_sync) still has it in ``param.grad``: that
     # accumulated gradient is what gets reduced. A parameter with no gradient at all is reduced as
-    # zeros, so no peer is left waiting; then, with ``find_unused_parameters=False`` (the default, as
-    # in DDP) it is an error naming it. With ``True``, one extra small all-reduce tells every rank
-    # which parameters nobody used, and those keep ``grad=None`` (as PyTorch DDP does), so the
+    # zeros, so no peer is left waiting; then, with ``find_unused_parameters=False`` (the default,
+    # as in DDP) it is an error naming it. With ``True``, one extra small all-reduce tells every
+    # rank which parameters nobody used, and those keep ``grad=None`` (as PyTorch DDP does), so the
     # optimiser skips them.
 
     def _complete_the_buckets_backward_left_open(self) -> list:
-        """Fill and launch every bucket backward did not complete, and get the buckets ready for the next
-        backward; return the parameters with no gradient."""
+        """Fill and launch every bucket backward did not complete, and get the buckets ready for the
+        next backward; return the parameters with no gradient."""
         unused = []
         for bucket in self.buckets[self.next_to_launch :]:
             for i, p in enumerate(bucket.params):

@@ -1,19 +1,24 @@
-"""Opening a checkpoint to resume it: what wrote it (``meta.json``), whether this run may resume it, and what it
-holds, read through torch.distributed.checkpoint (``dcp_checkpoint.py``) at whatever layout the reader has.
+"""Opening a checkpoint to resume it: what wrote it (``meta.json``), whether this run may resume it,
+and what it holds, read through torch.distributed.checkpoint (``dcp_checkpoint.py``) at whatever
+layout the reader has.
 
-1. **Read what the checkpoint says about itself**, never which step wrote it: ``meta.json`` (``checkpoint_meta``:
-   format, step, world size, config, the parameters' shapes) and DCP's ``.metadata`` (every tensor's chunks, and in
-   which file they are). Each rank then reads only its own boxes of each tensor (``read``).
-2. **Whole or refused before anything connects** (``Checkpoint``): an unreadable ``meta.json`` or ``.metadata``, a
-   data file missing or cut short, is one line naming the checkpoint to resume instead. A checkpoint of the earlier
-   format (2: this repository's own files) is refused in one line saying how to convert it (compare/consolidate.py).
-3. **The same run, or refused** (``check_resumable``): the config must be the checkpoint's, except the flags
-   that say where and how to run (``RESUMABLE_KEYS``) and how the global batch is split: micro-batch x
-   accumulation x ranks may change if their product does not. The data stream continues at the same sample.
-4. **Opened before anything is connected or written** (``open_checkpoint``, once ``checkpoint_files.py`` has
-   found it). Step 0's checkpoints are its own (one process, one file): refused here in one line.
-5. **Each rank's own part** (``PerRank``): an idea file's sharded state, saved by every rank for itself beside
-   checkpoint.py's shared parts, read back here at any world size.
+1. **Read what the checkpoint says about itself**, never which step wrote it: ``meta.json``
+   (``checkpoint_meta``: format, step, world size, config, the parameters' shapes) and DCP's
+   ``.metadata`` (every tensor's chunks, and in which file they are). Each rank then reads only its
+   own boxes of each tensor (``read``).
+2. **Whole or refused before anything connects** (``Checkpoint``): an unreadable ``meta.json`` or
+   ``.metadata``, a data file missing or cut short, is one line naming the checkpoint to resume
+   instead. A checkpoint of the earlier format (2: this repository's own files) is refused in one
+   line saying how to convert it (compare/consolidate.py).
+3. **The same run, or refused** (``check_resumable``): the config must be the checkpoint's, except
+   the flags that say where and how to run (``RESUMABLE_KEYS``) and how the global batch is split:
+   micro-batch x accumulation x ranks may change if their product does not. The data stream
+   continues at the same sample.
+4. **Opened before anything is connected or written** (``open_checkpoint``, once
+   ``checkpoint_files.py`` has found it). Step 0's checkpoints are its own (one process, one file):
+   refused here in one line.
+5. **Each rank's own part** (``PerRank``): an idea file's sharded state, saved by every rank for
+   itself beside checkpoint.py's shared parts, read back here at any world size.
 """
 
 import json
@@ -69,7 +74,8 @@ BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")
 def checkpoint_meta(
     step: int, world_size: int, config: dict, shapes: dict, data_parallel_size=None
 ) -> str:
-    """meta.json. ``data_parallel_size``: the ranks that drew their own samples, when not all did (TP, PP)."""
+    """meta.json. ``data_parallel_size``: the ranks that
+    drew their own samples, when not all did (TP, PP)."""
     meta = {
         "format": FORMAT_VERSION,
         "step": step,
@@ -83,11 +89,12 @@ def checkpoint_meta(
 
 
 class Checkpoint:
-    """A whole checkpoint on disk: its run state (``shared``), each rank's RNG (``ranks``), and every tensor by name
-    (``read``), whatever step, world size or layout wrote it.
+    """A whole checkpoint on disk: its run state (``shared``), each rank's RNG (``ranks``), and
+    every tensor by name (``read``), whatever step, world size or layout wrote it.
 
-    Opening it checks that it is readable; ``check_resumable`` that it belongs to this run. ``reader`` says who
-    reads it (a trainer's "resume", or "consolidate"), so that a corrupted one is reported in that one's terms.
+    Opening it checks that it is readable; ``check_resumable`` that it belongs to this run.
+    ``reader`` says who reads it (a trainer's "resume", or "consolidate"), so that a corrupted one
+    is reported in that one's terms.
     """
 
     # What to do instead of reading a corrupted checkpoint: with the one before it, or without any.
@@ -111,18 +118,22 @@ class Checkpoint:
         found = meta.get("format") if isinstance(meta, dict) else None
         if found == STEP0_FORMAT:
             raise UserError(
-                f"checkpoint {self.path} was written by step 0, whose checkpoint is one process's whole "
-                "state in one file, not pieces to reshard: resume it with step0_single_gpu/train.py, or "
+                f"checkpoint {self.path} was written by step 0, whose checkpoint is "
+                "one process's whole "
+                "state in one file, not pieces to reshard: resume it with "
+                "step0_single_gpu/train.py, or "
                 "start afresh without --resume"
             )
         if found == 2 and reader == "resume":
             raise UserError(
-                f"checkpoint {self.path} has format 2 (this repository's own files, before DCP); convert it "
+                f"checkpoint {self.path} has format 2 (this repository's own files, "
+                "before DCP); convert it "
                 f"with {CONVERT.format(path=self.path)}, then resume OUT's checkpoint"
             )
         if found != FORMAT_VERSION:
             raise UserError(
-                f"checkpoint {self.path} has format {found}, this code reads {FORMAT_VERSION} (it was "
+                f"checkpoint {self.path} has format {found}, this code reads "
+                f"{FORMAT_VERSION} (it was "
                 "written by another version of this repository); start afresh without --resume"
             )
         try:
@@ -159,7 +170,8 @@ class Checkpoint:
         return [f"rank{r}" for r in range(self.world_size)]
 
     def _check_files(self, storage: dict) -> None:
-        """Every data file ``.metadata`` names is there and long enough: found before anything connects."""
+        """Every data file ``.metadata`` names is there
+        and long enough: found before anything connects."""
         needed = {}
         for info in storage.values():
             needed[info.relative_path] = max(
@@ -173,7 +185,8 @@ class Checkpoint:
                 self._corrupted(f"{name} is cut short")
 
     def read(self, state: dict) -> dict:
-        """Fill ``state`` (DCP entries: tensors, ``dcp_checkpoint.Boxes``, None for objects) from this checkpoint."""
+        """Fill ``state`` (DCP entries: tensors, ``dcp_checkpoint.Boxes``,
+        None for objects) from this checkpoint."""
         for key, value in state.items():
             saved = self.metadata.get(key)
             size = getattr(value, "size", None)
@@ -183,7 +196,8 @@ class Checkpoint:
                 there = "nothing" if saved is None else f"shape {tuple(saved.size)}"
                 raise UserError(
                     f"checkpoint {self.path} holds {there} under {key}, this run needs shape "
-                    f"{tuple(size()) if size else 'an object'}: it is another model's; resume it with the "
+                    f"{tuple(size()) if size else 'an object'}: it is another model's; "
+                    "resume it with the "
                     "flags that wrote it, or start afresh without --resume"
                 )
         try:
@@ -208,17 +222,19 @@ class Checkpoint:
         advice = with_earlier.format(earlier=earlier[-1]) if earlier else without
         raise UserError(f"checkpoint {self.path} is corrupted ({what}); {advice}")
 
-    # ---- Whole tensors, for tools and tests (a trainer reads only its own boxes) ----------------------
+    # ---- Whole tensors, for tools and tests (a trainer reads only its own boxes) -----------------
     def parameter(self, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Elements [start, end) of the flattened parameter (all of it, shaped, by default): a new tensor."""
+        """Elements [start, end) of the flattened parameter
+        (all of it, shaped, by default): a new tensor."""
         saved = self.metadata[f"model.{name}"]
         whole = self.read({f"model.{name}": torch.empty(saved.size, dtype=saved.properties.dtype)})
         whole = whole[f"model.{name}"]
         return whole if end is None and start == 0 else whole.reshape(-1)[start:end].clone()
 
     def optimizer_state_dict(self, slices: list, params: list) -> dict:
-        """The state dict of an optimiser whose i-th parameter ``params[i]`` holds elements [start, end) of
-        ``slices[i] = (name, start, end)``, in one group per group the checkpoint saved its parameters in."""
+        """The state dict of an optimiser whose i-th parameter ``params[i]`` holds elements [start,
+        end) of ``slices[i] = (name, start, end)``, in one group per group the checkpoint saved its
+        parameters in."""
         groups = {}
         for (name, _, _), param in zip(slices, params):
             hyper = self.read({f"optim.param_groups.{name}": None})[f"optim.param_groups.{name}"]
@@ -228,13 +244,14 @@ class Checkpoint:
         return optimizer_state_dict(self, places, params, groups)
 
     def rank_state(self, rank: int) -> dict:
-        """What rank ``rank`` saved (its RNG); at another world size, rank ``rank mod N``'s: a stream, not the one
-        an uninterrupted run at the new size would have drawn."""
+        """What rank ``rank`` saved (its RNG); at another world size, rank ``rank mod N``'s: a
+        stream, not the one an uninterrupted run at the new size would have drawn."""
         return self.ranks[rank % self.world_size]
 
     def data_state(self, micro_batch_size: int, world_size: int) -> dict:
-        """The data position for ``world_size`` ranks drawing ``micro_batch_size`` samples each: the same number
-        of samples into the same epoch's shuffle (every rank's shard interleaves that one order)."""
+        """The data position for ``world_size`` ranks drawing ``micro_batch_size`` samples each: the
+        same number of samples into the same epoch's shuffle (every rank's shard interleaves that
+        one order)."""
         state = self.shared["data"]
         saved_per_draw = self.config["micro_batch_size"] * self.data_parallel_size
         per_draw = micro_batch_size * world_size
@@ -242,7 +259,8 @@ class Checkpoint:
         if consumed % per_draw:
             raise UserError(
                 f"cannot continue the data stream of {self.path} with {world_size} ranks x "
-                f"{micro_batch_size}: it stopped {consumed} samples into epoch {state['epoch']}, not a "
+                f"{micro_batch_size}: it stopped {consumed} samples into epoch "
+                f"{state['epoch']}, not a "
                 f"multiple of {per_draw}; resume with {self.data_parallel_size} ranks x "
                 f"{self.config['micro_batch_size']}"
             )
@@ -251,8 +269,9 @@ class Checkpoint:
     def check_resumable(
         self, config: dict, world_size: int, say_changes: bool = False
     ) -> list[str]:
-        """Refuse (``UserError``) a checkpoint of another run, or one whose data stream cannot continue at this world
-        size; return what changes (step, world size, batch split), and with ``say_changes`` print it."""
+        """Refuse (``UserError``) a checkpoint of another run, or one whose data stream cannot
+        continue at this world size; return what changes (step, world size, batch split), and with
+        ``say_changes`` print it."""
         saved = self.config
         ignored = set(RESUMABLE_KEYS) | set(BATCH_SPLIT_KEYS) | {"step"}
         differing = sorted(k for k in set(saved) & set(config) - ignored if saved[k] != config[k])
@@ -267,7 +286,8 @@ class Checkpoint:
         if batch != saved_batch:
             raise UserError(
                 f"cannot resume {self.path} at world size {world_size} with micro-batch "
-                f"{config['micro_batch_size']} x accumulation {config['grad_accum']}: the global batch "
+                f"{config['micro_batch_size']} x accumulation {config['grad_accum']}: "
+                "the global batch "
                 f"would be {batch}, it was {saved_batch} (saved at world size "
                 f"{self.data_parallel_size}); keep "
                 "micro-batch x accumulation x ranks the same"
@@ -287,14 +307,16 @@ class Checkpoint:
         if changes and say_changes:
             split_changed = any(not change.startswith("step ") for change in changes)
             outcome = (
-                "the micro-batches group the samples differently, so the steps from here are close to, not "
+                "the micro-batches group the samples differently, so the steps from "
+                "here are close to, not "
                 "bitwise, those of an uninterrupted run"
                 if split_changed
                 else "the steps from here are bitwise "
                 "those of an uninterrupted run wherever the two steps train alike"
             )
             print(
-                f"resuming {self.path} with {', '.join(changes)}: the data stream continues at the same sample; "
+                f"resuming {self.path} with {', '.join(changes)}: the data stream "
+                "continues at the same sample; "
                 f"{outcome} (docs/fault_tolerance.md)",
                 file=sys.stderr,
             )
@@ -302,15 +324,17 @@ class Checkpoint:
 
 
 def open_checkpoint(path: Path, config: dict, world_size: int, is_main: bool):
-    """Open ``path`` for this run, checked before anything is connected or written (``is_main`` says what changes)."""
+    """Open ``path`` for this run, checked before anything is
+    connected or written (``is_main`` says what changes)."""
     checkpoint = Checkpoint(path)
     checkpoint.check_resumable(config, world_size, say_changes=is_main)
     return checkpoint
 
 
 class PerRank:
-    """A part each rank saves for itself: ``holder.checkpoint_state(*args)``, ``holder.load_checkpoint(c, *args)``
-    (an idea file's sharded state: ZeRO's slices, ``zero3.py``'s pieces)."""
+    """A part each rank saves for itself: ``holder.checkpoint_state(*args)``,
+    ``holder.load_checkpoint(c, *args)`` (an idea file's sharded state: ZeRO's slices,
+    ``zero3.py``'s pieces)."""
 
     per_rank = True
 

@@ -1,4 +1,5 @@
-"""What ranks whose optimiser reads only slices of the gradient must agree on: whether to step, and by how much.
+"""What ranks whose optimiser reads only slices of the
+gradient must agree on: whether to step, and by how much.
 
 Step 4's ranks all held the whole averaged gradient, so a GradScaler's overflow check and the
 clipping norm came out the same on every rank without a word. Here rank r's optimiser reads only
@@ -10,10 +11,11 @@ its float32 masters' gradients are slices of ``param.main_grad``), in ZeRO-2's r
    and rank 0 did not, rank 0 would step and rank 1 would skip: the replicas would part for good.
    ``ShardedGradScaler`` combines the flags with one all-reduce (MAX), as FSDP's does.
 2. **One clipping norm.** Each rank sums the squares of its own slices, one all-reduce adds the
-   sums, and every rank scales its slices by the same coefficient: ``sharded_norms.clip_grad_norm`` with
-   the ranks' group, ``clip_grad_norm(params_of_this_rank, max_norm, [dist.group.WORLD])``.
-3. **One parameter norm for the log**, from slices too (the float32 masters, ZeRO-3's pieces): the exact
-   parts of the sums of squares add up across ranks to the whole's (``sharded_norms.param_norm``).
+   sums, and every rank scales its slices by the same coefficient: ``sharded_norms.clip_grad_norm``
+   with the ranks' group, ``clip_grad_norm(params_of_this_rank, max_norm, [dist.group.WORLD])``.
+3. **One parameter norm for the log**, from slices too (the float32 masters, ZeRO-3's pieces): the
+   exact parts of the sums of squares add up across ranks to the whole's
+   (``sharded_norms.param_norm``).
 """
 
 import torch

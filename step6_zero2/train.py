@@ -1,7 +1,8 @@
 """Step 6: ZeRO stage 2: gradients partitioned too (zero2.py), on top of step 5's sharded AdamW.
 
-Step 5 all-reduced every bucket; here each is reduce-scattered the moment its last gradient is ready, each rank
-receiving only the averaged slice it updates: 4/N gradient bytes per parameter, not 4. Bitwise to step 1 (README).
+Step 5 all-reduced every bucket; here each is reduce-scattered the moment its last gradient is
+ready, each rank receiving only the averaged slice it updates: 4/N gradient bytes per parameter, not
+4. Bitwise to step 1 (README).
 
     torchrun --standalone --nproc_per_node=2 step6_zero2/train.py
     python compare/parity.py step1 step6
@@ -47,10 +48,11 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
-    each, the gradients synchronised across ranks once, then unscaled, clipped and applied. Returns what the loop
-    logs: the losses' sum, the gradient norm before clipping, this rank's memory. The phases are named for
-    torch.profiler (compare/peak_memory.py reads them): free when no profiler runs."""
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward
+    and backward on each, the gradients synchronised across ranks once, then unscaled, clipped and
+    applied. Returns what the loop logs: the losses' sum, the gradient norm before clipping, this
+    rank's memory. The phases are named for torch.profiler (compare/peak_memory.py reads them): free
+    when no profiler runs."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
@@ -131,7 +133,8 @@ def main():
         reduce_dtype=getattr(torch, config["reduce_dtype"]),
         reduce_every_micro_batch=config["reduce_every_micro_batch"],
     )
-    # ZeRO-1 as in step 5, sliced as the buckets are: AdamW reads each gradient from the reduce-scatter's shard.
+    # ZeRO-1 as in step 5, sliced as the buckets are: AdamW
+    # reads each gradient from the reduce-scatter's shard.
     optimizer = sharded_optimizer(
         adamw_param_groups(model.named_parameters(), config),
         torch.optim.AdamW,
@@ -146,7 +149,8 @@ def main():
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
-    # Checkpoints: each rank its slices of the weights (or masters) and of AdamW's state, read at any world size.
+    # Checkpoints: each rank its slices of the weights (or
+    # masters) and of AdamW's state, read at any world size.
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config,
         world.rank,

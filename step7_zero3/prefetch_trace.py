@@ -1,13 +1,13 @@
-"""Make prefetching visible: one micro-batch's forward and backward, unit by unit, with every all-gather
-and reduce-scatter, on one timeline.
+"""Make prefetching visible: one micro-batch's forward and backward, unit by unit, with every
+all-gather and reduce-scatter, on one timeline.
 
-``PrefetchTrace(fsdp_model)`` watches a ``FullyShardedDP`` from outside, as step 4's ``OverlapTrace`` watches
-its buckets: hooks of its own on each unit's module time its forward (from its weights being gathered to its
-post-hook), and it wraps the wrapper's methods to see each backward (from the hook that gathers the unit to
-the one that frees it) and each collective launched and finished (an all-gather's end is its completion
-callback; a gloo reduce-scatter has none, so its end is when the rank waited for it). The record is
-emptied at every forward, so at the end it holds the last micro-batch: the synchronised one of the last
-optimiser step. ``write`` turns it into
+``PrefetchTrace(fsdp_model)`` watches a ``FullyShardedDP`` from outside, as step 4's
+``OverlapTrace`` watches its buckets: hooks of its own on each unit's module time its forward (from
+its weights being gathered to its post-hook), and it wraps the wrapper's methods to see each
+backward (from the hook that gathers the unit to the one that frees it) and each collective launched
+and finished (an all-gather's end is its completion callback; a gloo reduce-scatter has none, so its
+end is when the rank waited for it). The record is emptied at every forward, so at the end it holds
+the last micro-batch: the synchronised one of the last optimiser step. ``write`` turns it into
 
 - ``trace.json``: Chrome trace format (open it in chrome://tracing or https://ui.perfetto.dev);
 - ``timeline.png``: compute on the top row, each collective on a row of its own below.
@@ -35,7 +35,8 @@ COLORS = {
 class PrefetchTrace:
     def __init__(self, fsdp_model):
         self.fsdp, self.timeline, self.recording, self.open = fsdp_model, [], True, {}
-        # prepend: empty the record before FullyShardedDP's own pre-hook launches this forward's gathers
+        # prepend: empty the record before FullyShardedDP's
+        # own pre-hook launches this forward's gathers
         fsdp_model.module.register_forward_pre_hook(self._on_forward, prepend=True)
         for unit in fsdp_model.units:
             # after FullyShardedDP's pre-hook (gathered), before its post-hook
@@ -103,7 +104,8 @@ class PrefetchTrace:
         self.recording = False
 
     def finish(self, out_dir: Path | None) -> None:
-        """``stop``, then (given ``out_dir``: one rank gives it) ``write`` this rank's timeline there."""
+        """``stop``, then (given ``out_dir``: one rank
+        gives it) ``write`` this rank's timeline there."""
         self.stop()
         if out_dir is not None:
             self.write(dist.get_rank() if dist.is_initialized() else 0, out_dir)

@@ -4,14 +4,15 @@
 ZeRO-3 never holds. But a safetensors file is simple enough to write in pieces:
 
     8 bytes     the header's length, little-endian
-    header      JSON: per tensor its dtype, shape and [begin, end) byte offsets into the data; tensors
-                sorted by name (as safetensors sorts them); padded with spaces to a multiple of 8 bytes
+    header      JSON: per tensor its dtype, shape and [begin, end) byte offsets into the data;
+                tensors sorted by name (as safetensors sorts them); padded with spaces to a multiple
+                of 8 bytes
     data        the tensors' raw bytes, one after another, at those offsets
 
 The header needs only names, shapes and dtypes, all known before anything is gathered, so it is
-written first; then each tensor's bytes go to their offset as its unit is gathered, in whatever order
-the units come. The file is byte for byte the one ``save_file`` writes for the same tensors (a test
-compares it with step 1's).
+written first; then each tensor's bytes go to their offset as its unit is gathered, in whatever
+order the units come. The file is byte for byte the one ``save_file`` writes for the same tensors (a
+test compares it with step 1's).
 """
 
 import hashlib
@@ -51,9 +52,9 @@ def save_final_weights_streaming(
     out_dir: Path, shapes: dict, named_tensors, is_writer: bool
 ) -> dict | None:
     """``save_final_weights`` for tensors that arrive one by one (``named_tensors``: an iterator of
-    ``(name, tensor)``, every name of ``shapes`` once). Every rank must consume the iterator (its gathers
-    are collectives); only the writer writes, and gets the ``final`` section back (its exact ``param_norm`` from
-    each tensor's parts as it passes, exact_sums.py)."""
+    ``(name, tensor)``, every name of ``shapes`` once). Every rank must consume the iterator (its
+    gathers are collectives); only the writer writes, and gets the ``final`` section back (its exact
+    ``param_norm`` from each tensor's parts as it passes, exact_sums.py)."""
     from exact_sums import norm_from_parts, square_sum_parts
 
     path = Path(out_dir) / "model.safetensors"

@@ -1,12 +1,15 @@
 """Step 7: ZeRO stage 3: the parameters partitioned too (zero3.py); FSDP, from scratch.
 
-Step 6 still kept every parameter on every rank. Here the model is built on the meta device, each rank keeps 1/N
-of every block's parameters and of the root's, and gathers a unit only while its forward or backward runs, the next
-unit's gather already under way; a plain AdamW steps this rank's pieces: 4/N + 4/N + 8/N bytes per parameter.
+Step 6 still kept every parameter on every rank. Here the model is built on the meta device, each
+rank keeps 1/N of every block's parameters and of the root's, and gathers a unit only while its
+forward or backward runs, the next unit's gather already under way; a plain AdamW steps this rank's
+pieces: 4/N + 4/N + 8/N bytes per parameter.
 
     torchrun --standalone --nproc_per_node=2 step7_zero3/train.py
-    python compare/parity.py step1 step7                    # bitwise at 2 ranks (--trace: the prefetch timeline)
-    torchrun --standalone --nproc_per_node=4 step7_zero3/train.py --replicate 2   # HSDP: 2 rows of 2 (hsdp.py)
+    # bitwise at 2 ranks (--trace: the prefetch timeline)
+    python compare/parity.py step1 step7
+    # HSDP: 2 rows of 2 (hsdp.py)
+    torchrun --standalone --nproc_per_node=4 step7_zero3/train.py --replicate 2
 """
 
 import contextlib
@@ -49,9 +52,10 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward and backward on
-    each, the gradients synchronised once, unscaled, clipped, applied. Returns the losses' sum, the gradient norm
-    before clipping, this rank's memory; the phases named for torch.profiler (compare/peak_memory.py reads them)."""
+    """One optimiser step on this rank's ``micro_batches`` (a list of (inputs, targets)): forward
+    and backward on each, the gradients synchronised once, unscaled, clipped, applied. Returns the
+    losses' sum, the gradient norm before clipping, this rank's memory; the phases named for
+    torch.profiler (compare/peak_memory.py reads them)."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
@@ -151,7 +155,8 @@ def main():
 
     env = environment(device, world.world_size, world.backend, config["amp"], corpus)
     log = RunLog(config, env, is_writer=world.is_main)
-    # Checkpoints: each rank its pieces and AdamW's state for them, read at any world size (only those elements).
+    # Checkpoints: each rank its pieces and AdamW's state
+    # for them, read at any world size (only those elements).
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config,
         world.rank,

@@ -1,4 +1,5 @@
-"""FullyShardedDP: ZeRO stage 3, every rank keeps 1/N of the parameters and gathers them only for use.
+"""FullyShardedDP: ZeRO stage 3, every rank keeps
+1/N of the parameters and gathers them only for use.
 
 Step 6 still kept every parameter on every rank; here:
 
@@ -8,36 +9,37 @@ Step 6 still kept every parameter on every rank; here:
 2. **Pieces under the original names.** Every parameter is replaced by this rank's piece of it, a
    view of the unit's shard under the parameter's own name, so a plain torch optimiser steps the
    pieces in place (zero3_units.py's rule 2).
-3. **Gather before use, free after.** A forward pre-hook all-gathers the unit's shards into one buffer
-   of Lp elements and points the module's parameters at views of it; the post-hook points them back at
-   the pieces and frees the buffer (its storage is resized to 0: the memory goes back to the allocator).
-   Backward needs the weights again: a hook on the gradient of the unit's output gathers them once more
-   just before the unit's backward runs. The root unit is gathered first and kept until the end of
-   backward: the tied embedding is used at both ends of the model (a hook on the model's output gathers it
-   again if an earlier backward freed it: a pipeline runs several forwards before their backwards, step 10).
-   A frozen parameter (``requires_grad`` False) is gathered and freed like the others, but no gradient is
-   computed or reduced for it.
+3. **Gather before use, free after.** A forward pre-hook all-gathers the unit's shards into one
+   buffer of Lp elements and points the module's parameters at views of it; the post-hook points
+   them back at the pieces and frees the buffer (its storage is resized to 0: the memory goes back
+   to the allocator). Backward needs the weights again: a hook on the gradient of the unit's output
+   gathers them once more just before the unit's backward runs. The root unit is gathered first and
+   kept until the end of backward: the tied embedding is used at both ends of the model (a hook on
+   the model's output gathers it again if an earlier backward freed it: a pipeline runs several
+   forwards before their backwards, step 10). A frozen parameter (``requires_grad`` False) is
+   gathered and freed like the others, but no gradient is computed or reduced for it.
 4. **One flat gradient per unit.** The views are cut (``torch.split``) from one flat leaf tensor, so
    autograd sums every use of every parameter of the unit into ``flat.grad`` and runs the leaf's
-   post-accumulate hook once, when the unit's backward is over. That hook frees the gathered weights and
-   launches the unit's reduce-scatter: rank r receives the sum of every rank's slice r, divided by N and
-   rounded to float32 once (reduced in float64: the exact mode of steps 3-6).
-5. **Prefetch.** When a unit starts, the next one's all-gather is launched (forward: the next unit in
-   forward order; backward: the one before it), so the transfer overlaps this unit's compute. Every
-   read waits on its handle first. At most one reduce-scatter is in flight: the next unit's hook waits
-   for it, so backward holds about two units' full gradients (plus what the collective copies), not all.
+   post-accumulate hook once, when the unit's backward is over. That hook frees the gathered weights
+   and launches the unit's reduce-scatter: rank r receives the sum of every rank's slice r, divided
+   by N and rounded to float32 once (reduced in float64: the exact mode of steps 3-6).
+5. **Prefetch.** When a unit starts, the next one's all-gather is launched (forward: the next unit
+   in forward order; backward: the one before it), so the transfer overlaps this unit's compute.
+   Every read waits on its handle first. At most one reduce-scatter is in flight: the next unit's
+   hook waits for it, so backward holds about two units' full gradients (plus what the collective
+   copies), not all.
 6. **Built from nothing.** The model may be built on the meta device; ``init_fn(name, shape)`` gives
    each parameter's values, and each rank keeps its slice, no broadcast (zero3_units.py's rule 3).
 7. **Mixed precision** (``param_dtype``, as FSDP2's ``MixedPrecisionPolicy``): the float32 shards
    stay the masters, gathers and compute are 16-bit, gradients are reduced in float32
    (zero3_mixed_precision.py).
-8. **no_sync() and one sync point**, as in steps 4-6. Inside ``no_sync()`` full gradients accumulate in
-   ``flat.grad`` (as DDP's do in ``param.grad``: bitwise parity needs the same sums); the next synchronised
-   backward reduce-scatters them. ``finish_gradient_synchronization()`` waits for the last reduce-scatter
-   and points each piece's ``.grad`` at its slice of the unit's gradient shard.
+8. **no_sync() and one sync point**, as in steps 4-6. Inside ``no_sync()`` full gradients accumulate
+   in ``flat.grad`` (as DDP's do in ``param.grad``: bitwise parity needs the same sums); the next
+   synchronised backward reduce-scatters them. ``finish_gradient_synchronization()`` waits for the
+   last reduce-scatter and points each piece's ``.grad`` at its slice of the unit's gradient shard.
 
-Collectives are matched by the order they are issued in. Every rank runs the same graph, so the hooks
-fire, and launch their collectives, in the same order everywhere. The layout (rules 1, 2, 6):
+Collectives are matched by the order they are issued in. Every rank runs the same graph, so the
+hooks fire, and launch their collectives, in the same order everywhere. The layout (rules 1, 2, 6):
 zero3_units.py, read before this file. Saving, loading, the full parameters by name and what the
 trainer measures: zero3_state.py. GPT-2 from step 7's flags: zero3_setup.py. HSDP (``mesh``: N read
 as the N/R ranks of a row, the gradient all-reduced across the rows): hsdp.py.
@@ -60,12 +62,14 @@ from zero3_units import GATHERED, GATHERING, SHARDED, Unit, build_units
 class FullyShardedDP(FullyShardedState, torch.nn.Module):
     """Wrap ``module`` for fully sharded data parallelism over the default process group.
 
-    ``units``: submodules, each sharded and gathered as one unit; a root unit holds every other parameter.
+    ``units``: submodules, each sharded and gathered as
+    one unit; a root unit holds every other parameter.
     ``init_fn(name, shape)``: the values of a parameter (or buffer) that is on the meta device.
     ``param_dtype``: the dtype parameters are gathered and computed in (None: their own, float32).
-    ``mesh``: an ``hsdp.HybridMesh``, to shard over its rows and replicate over its columns (None: the world).
-    Contract as in steps 4-6: the same forwards and backwards on every rank; after the last backward of an
-    optimiser step (the one outside ``no_sync()``) call ``finish_gradient_synchronization()`` once.
+    ``mesh``: an ``hsdp.HybridMesh``, to shard over its rows and replicate over its columns (None:
+    the world). Contract as in steps 4-6: the same forwards and backwards on every rank; after the
+    last backward of an optimiser step (the one outside ``no_sync()``) call
+    ``finish_gradient_synchronization()`` once.
     """
 
     def __init__(
@@ -103,8 +107,9 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         # as FSDP2's cast_forward_inputs: every unit computes in param_dtype
         if param_dtype is not None:
             cast_forward_inputs({module, *(unit.module for unit in self.units)}, param_dtype)
-        # Units as their forwards begin, a unit called twice listed twice: recorded in the first forward (every
-        # forward runs the same graph), it says what to prefetch at each call. forward_calls: calls so far.
+        # Units as their forwards begin, a unit called twice listed twice: recorded in the first
+        # forward (every forward runs the same graph), it says what to prefetch at each call.
+        # forward_calls: calls so far.
         self.forward_order, self.forward_calls, self.recorded = [], 0, False
         # units as their forwards ended, this forward; reversed: backward's order
         self.post_forward_order = []
@@ -135,7 +140,7 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         finally:
             self.require_sync = previous
 
-    # ---- Gather and free ---------------------------------------------------------------------------
+    # ---- Gather and free -------------------------------------------------------------------------
     def _launch_gather(self, unit: Unit) -> None:
         if unit.state != SHARDED:
             return
@@ -147,8 +152,9 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
                 requires_grad=any(unit.trainable),
             )
             if any(unit.trainable):  # a unit of frozen parameters has no backward of its own to end
-                # Weakly, as step 4's hooks: a tensor's hooks live where Python's garbage collector does not look,
-                # and a hook holding the unit (which holds this tensor) would keep it, and the wrapper, for good.
+                # Weakly, as step 4's hooks: a tensor's hooks live where Python's garbage collector
+                # does not look, and a hook holding the unit (which holds this tensor) would keep
+                # it, and the wrapper, for good.
                 me, unit_ref = weakref.ref(self), weakref.ref(unit)
                 unit.flat.register_post_accumulate_grad_hook(
                     lambda flat: me() and me()._post_backward(unit_ref(), flat)
@@ -158,8 +164,9 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         self.gathered_bytes += unit.padded * unit.flat.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         count_collective("all_gather", unit.flat)
-        # Into .data: a write autograd does not count, so what backward saved from the last gather stays valid.
-        # With param_dtype the shard goes out cast to 16 bits, a copy freed after the wait (see _gathered).
+        # Into .data: a write autograd does not count, so what backward saved from the last gather
+        # stays valid. With param_dtype the shard goes out cast to 16 bits, a copy freed after the
+        # wait (see _gathered).
         unit.sending = unit.shard.to(unit.flat.dtype)
         unit.handle = all_gather_single(
             unit.flat.data, unit.sending, group=self.mesh.shard_group, async_op=True
@@ -189,7 +196,7 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         if self.prefetch and 0 <= position < len(order):
             self._launch_gather(order[position])
 
-    # ---- The hooks -----------------------------------------------------------------------------------
+    # ---- The hooks -------------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
         self.post_forward_order, self.forward_calls = [], 0
         if self.root is None:  # no parameter of its own: only start the first unit's gather
@@ -210,7 +217,8 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         if not torch.is_grad_enabled():
             self._free(self.root)  # no backward will come
         elif tensors := [t for t in _tensors_in(output) if t.requires_grad]:
-            # gathered again if another forward's backward freed it since (nothing if it is still gathered)
+            # gathered again if another forward's backward
+            # freed it since (nothing if it is still gathered)
             hook = functools.partial(self._root_pre_backward, self.root)
             torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
 
@@ -238,7 +246,8 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
             self._free(unit)
 
     def _pre_backward(self, unit: Unit, position: int, grad) -> None:
-        """``position``: where this call of the unit ended in forward; the call that ended before it runs next."""
+        """``position``: where this call of the unit ended in
+        forward; the call that ended before it runs next."""
         self._launch_gather(unit)
         self._prefetch(self.post_forward_order, position - 1)
         self._gathered(unit)
@@ -249,7 +258,8 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         self._gathered(root)  # the views backward saved read the buffer the gather fills again
 
     def _post_backward(self, unit: Unit, flat: torch.Tensor) -> None:
-        """Runs once per backward, after every gradient of the unit has been summed into ``flat.grad``."""
+        """Runs once per backward, after every gradient
+        of the unit has been summed into ``flat.grad``."""
         unit.install(unit.pieces)
         self._free(unit)
         if self.require_sync:
@@ -257,7 +267,7 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         elif self.param_dtype is not None:  # no_sync: this 16-bit gradient into a reduce_dtype sum
             unit.accumulated = accumulate(unit, self.reduce_dtype)
 
-    # ---- Gradients -----------------------------------------------------------------------------------
+    # ---- Gradients -------------------------------------------------------------------------------
     def _reduce_scatter(self, unit: Unit) -> None:
         if self.reducing is not None:
             # at most one in flight: bounds full-gradient memory
@@ -291,12 +301,14 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         # gloo writes the output only here (and its handle has no future to call back)
         unit.work.wait()
         unit.input.untyped_storage().resize_(0)
-        # Divided by N (HSDP: all-reduced across the replicas too, hsdp.py); float64 -> float32 rounds here, once
+        # Divided by N (HSDP: all-reduced across the replicas
+        # too, hsdp.py); float64 -> float32 rounds here, once
         unit.grad_shard.copy_(average(unit.output, self.mesh, self.reduce_dtype))
         unit.work = unit.output = unit.input = self.reducing = None
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for the last reduce-scatter; then each piece's ``.grad`` is its slice of the averaged gradient."""
+        """Wait for the last reduce-scatter; then each piece's
+        ``.grad`` is its slice of the averaged gradient."""
         # the optimiser is about to change the shards: no gathered copy may outlive them
         for unit in self.units:
             # (a unit of frozen parameters, gathered for backward, has no hook that frees it)
@@ -320,7 +332,8 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
 
 
 def _tensors_in(output) -> list:
-    """The tensors in a module's output: a tensor, or tuples, lists and dicts of them (ModelOutput is a dict)."""
+    """The tensors in a module's output: a tensor, or tuples,
+    lists and dicts of them (ModelOutput is a dict)."""
     if isinstance(output, dict):
         output = list(output.values())
     if isinstance(output, (tuple, list)):

@@ -1,11 +1,12 @@
 """GPT-2 fully sharded from step 7's flags: what step 7's train.py calls by name. The idea is
 zero3.py's, which needs no particular model: this file imports it, never the other way round.
 
-``add_zero3_flags``: ``--no-prefetch``, ``--activation-checkpointing [full|selective|none]`` (recomputation.py, a
-second idea, memory against time, that asks of FullyShardedDP one line of its pre-backward hook, which installs the
-gathered views again for the forward recomputed in backward), ``--offload-optimizer``, ``--trace``, ``--replicate``
-(HSDP, hsdp.py; ``check_replicate`` refuses an R that does not divide N). ``shard_gpt2``: this project's GPT-2 built on
-the meta device and wrapped in ``FullyShardedDP`` with its blocks as units (zero3_units.py's rule 3).
+``add_zero3_flags``: ``--no-prefetch``, ``--activation-checkpointing [full|selective|none]``
+(recomputation.py, a second idea, memory against time, that asks of FullyShardedDP one line of its
+pre-backward hook, which installs the gathered views again for the forward recomputed in backward),
+``--offload-optimizer``, ``--trace``, ``--replicate`` (HSDP, hsdp.py; ``check_replicate`` refuses an
+R that does not divide N). ``shard_gpt2``: this project's GPT-2 built on the meta device and wrapped
+in ``FullyShardedDP`` with its blocks as units (zero3_units.py's rule 3).
 """
 
 import torch
@@ -43,7 +44,8 @@ def add_zero3_flags(parser) -> None:
 
 
 def check_replicate(replicate: int, world_size: int) -> None:
-    """--replicate R must cut the N ranks into equal shard groups: else one line, exit 2, before any group."""
+    """--replicate R must cut the N ranks into equal shard
+    groups: else one line, exit 2, before any group."""
     if problem := replicate_problem(replicate, world_size):
         raise UserError(problem)
 

@@ -1,16 +1,21 @@
 """``--async-save``: a checkpoint copied to memory in the training loop and written to disk by
-torch.distributed.checkpoint's ``async_save`` in a thread, while training goes on; made whole there too.
+torch.distributed.checkpoint's ``async_save`` in a thread, while training goes on; made whole there
+too.
 
-1. **A copy training cannot change**: ``async_save`` stages the state through the writer's ``stage``, here
-   ``snapshot`` (tensors and ``dcp_checkpoint.Boxes`` copied to the CPU: the pause training sees), then DCP's thread
-   writes the copy. DCP's default staging does not know a ``Boxes``.
-2. **Whole or absent, as in the foreground** (checkpoint.py, rule 1): when DCP's write is done on this rank, its
-   thread goes on to ``_publish`` (the barrier after every rank's data, ``meta.json``, the rename): ``async_save``'s
-   future alone says this rank's part is written, not that the checkpoint is.
-3. **Collectives on a process group of their own**: collectives on one group are matched by the order they are
-   issued in, and DCP's and the barriers, issued from another thread, would interleave with training's.
-4. **One save at a time**: the next ``save`` first waits for the last; ``wait`` (before the run says it is
-   done, and before a preempted run exits) raises what the write failed with, as the foreground writer would have.
+1. **A copy training cannot change**: ``async_save`` stages the state through the writer's
+   ``stage``, here ``snapshot`` (tensors and ``dcp_checkpoint.Boxes`` copied to the CPU: the pause
+   training sees), then DCP's thread writes the copy. DCP's default staging does not know a
+   ``Boxes``.
+2. **Whole or absent, as in the foreground** (checkpoint.py, rule 1): when DCP's write is done on
+   this rank, its thread goes on to ``_publish`` (the barrier after every rank's data,
+   ``meta.json``, the rename): ``async_save``'s future alone says this rank's part is written, not
+   that the checkpoint is.
+3. **Collectives on a process group of their own**: collectives on one group are matched by the
+   order they are issued in, and DCP's and the barriers, issued from another thread, would
+   interleave with training's.
+4. **One save at a time**: the next ``save`` first waits for the last; ``wait`` (before the run says
+   it is done, and before a preempted run exits) raises what the write failed with, as the
+   foreground writer would have.
 The cost is one copy of what is saved, in memory (docs/benchmarks.md measures the pause either way).
 """
 
@@ -36,8 +41,8 @@ def add_async_save_flag(parser) -> None:
 
 
 def snapshot(state):
-    """A copy of ``state`` that training can no longer change: tensors copied to the CPU, the rest deep-copied
-    (a ``Boxes``: its tensor, dcp_checkpoint.py)."""
+    """A copy of ``state`` that training can no longer change: tensors copied to the CPU, the rest
+    deep-copied (a ``Boxes``: its tensor, dcp_checkpoint.py)."""
     if torch.is_tensor(state):
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
@@ -55,7 +60,8 @@ class _SnapshotWriter(dcp.FileSystemWriter):
 
 
 class BackgroundWriter(CheckpointWriter):
-    """A ``CheckpointWriter`` whose ``save`` returns once the state is copied to memory; DCP's thread writes it."""
+    """A ``CheckpointWriter`` whose ``save`` returns once
+    the state is copied to memory; DCP's thread writes it."""
 
     def __init__(
         self,

@@ -1,17 +1,21 @@
-"""Tensor parallelism's communication, apart from the layers (Megatron-LM's ``mappings.py``): each one a small
-autograd Function whose backward is its forward's conjugate. The layers (tensor_parallel.py) and sequence
-parallelism (sequence_parallel.py) call these and nothing else of torch.distributed.
+"""Tensor parallelism's communication, apart from the layers (Megatron-LM's ``mappings.py``): each
+one a small autograd Function whose backward is its forward's conjugate. The layers
+(tensor_parallel.py) and sequence parallelism (sequence_parallel.py) call these and nothing else of
+torch.distributed.
 
-1. **f and g.** ``copy_to_tensor_parallel_region`` (Megatron's *f*): identity forward, the gradient all-reduced
-   backward, in front of a column-parallel layer, because each rank's ``x`` feeds only its slice of ``y``.
-   ``reduce_from_tensor_parallel_region`` (*g*): the ranks' partial sums all-reduced forward, identity backward,
-   after a row-parallel layer.
-2. **Gather and scatter along a dimension.** ``gather_along``: the ranks' blocks concatenated forward, this
-   rank's block of the gradient backward; ``scatter_along`` the other way round. Concatenating adds nothing, so
-   both are exact.
-3. **The float64 reduction.** ``all_reduce(..., reduce_dtype=torch.float64)`` sums in float64 and rounds once, so
-   the result does not depend on the order the ranks are added in (the exact mode's reductions).
-4. **Counted.** Every collective's bytes go to comm_accounting, whole buffers, as the records report them.
+1. **f and g.** ``copy_to_tensor_parallel_region`` (Megatron's *f*): identity forward, the gradient
+   all-reduced backward, in front of a column-parallel layer, because each rank's ``x`` feeds only
+   its slice of ``y``.
+   ``reduce_from_tensor_parallel_region`` (*g*): the ranks' partial sums all-reduced forward,
+   identity backward, after a row-parallel layer.
+2. **Gather and scatter along a dimension.** ``gather_along``: the ranks' blocks concatenated
+   forward, this rank's block of the gradient backward; ``scatter_along`` the other way round.
+   Concatenating adds nothing, so both are exact.
+3. **The float64 reduction.** ``all_reduce(..., reduce_dtype=torch.float64)`` sums in float64 and
+   rounds once, so the result does not depend on the order the ranks are added in (the exact mode's
+   reductions).
+4. **Counted.** Every collective's bytes go to
+   comm_accounting, whole buffers, as the records report them.
 """
 
 import torch
@@ -31,7 +35,8 @@ def all_reduce(
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """f: identity forward; backward, the gradients of every rank's slice of the output are summed."""
+    """f: identity forward; backward, the gradients
+    of every rank's slice of the output are summed."""
 
     @staticmethod
     def forward(ctx, x, group, reduce_dtype):
@@ -48,7 +53,8 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    """g: the ranks' partial sums added up forward; backward, every rank gets the whole gradient as is."""
+    """g: the ranks' partial sums added up forward;
+    backward, every rank gets the whole gradient as is."""
 
     @staticmethod
     def forward(ctx, x, group, reduce_dtype):
@@ -60,7 +66,8 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
 
 
 def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The ranks' blocks of ``x`` along ``dim``, concatenated in rank order (exact: nothing is added)."""
+    """The ranks' blocks of ``x`` along ``dim``,
+    concatenated in rank order (exact: nothing is added)."""
     world_size = dist.get_world_size(group)
     x = x.contiguous()
     stacked = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -74,7 +81,8 @@ def _my_block(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 class _GatherAlong(torch.autograd.Function):
-    """Forward: the ranks' blocks of ``dim``, concatenated; backward: this rank's block of the gradient."""
+    """Forward: the ranks' blocks of ``dim``, concatenated;
+    backward: this rank's block of the gradient."""
 
     @staticmethod
     def forward(ctx, x, dim, group):
@@ -87,7 +95,8 @@ class _GatherAlong(torch.autograd.Function):
 
 
 class _ScatterAlong(torch.autograd.Function):
-    """Forward: this rank's block of ``dim``, no communication; backward: the blocks' gradients all-gathered."""
+    """Forward: this rank's block of ``dim``, no communication;
+    backward: the blocks' gradients all-gathered."""
 
     @staticmethod
     def forward(ctx, x, dim, group):

@@ -1,13 +1,14 @@
-"""A tensor-parallel model's state, apart from its layers (tensor_parallel.py): each rank's shards written as
-checkpoint boxes and read back at any degree, the whole model gathered, the shards counted once in a global norm,
-and the replicated parameters checked bit-identical across the group.
+"""A tensor-parallel model's state, apart from its layers (tensor_parallel.py): each rank's shards
+written as checkpoint boxes and read back at any degree, the whole model gathered, the shards
+counted once in a global norm, and the replicated parameters checked bit-identical across the group.
 
-1. **A shard is its own checkpoint box.** Every sharded parameter carries ``tp_blocks``: ``[(dim, start, end)]``,
-   rank r's block r of T in the model's own layout (``nn.Linear``'s ``(out, in)``), and ``tp_shape``, the whole
-   parameter's; a rank gives DCP its shards as they are, each one box of the whole tensor (``place_of``,
-   dcp_checkpoint.py), and DCP copies any degree's boxes into whatever degree reads them.
-2. **Counted once.** A global norm over the group sums every rank's shards and the replicated parameters once
-   (on the group's first rank): ``counted_once`` says which tensors a rank adds.
+1. **A shard is its own checkpoint box.** Every sharded parameter carries ``tp_blocks``: ``[(dim,
+   start, end)]``, rank r's block r of T in the model's own layout (``nn.Linear``'s ``(out, in)``),
+   and ``tp_shape``, the whole parameter's; a rank gives DCP its shards as they are, each one box of
+   the whole tensor (``place_of``, dcp_checkpoint.py), and DCP copies any degree's boxes into
+   whatever degree reads them.
+2. **Counted once.** A global norm over the group sums every rank's shards and the replicated
+   parameters once (on the group's first rank): ``counted_once`` says which tensors a rank adds.
 """
 
 import hashlib
@@ -40,8 +41,10 @@ def block_length(size: int, group, what: str) -> int:
 
 
 def block_of(full: torch.Tensor, dim: int, group, what: str) -> nn.Parameter:
-    """Rank r's block r of T of ``full`` along ``dim``, as a new Parameter that records where it sits (rule 1):
-    ``tp_blocks``, ``[(dim, start, end)]`` (a list: the checkpoint format of resharding.py allows several)."""
+    """Rank r's block r of T of ``full`` along ``dim``, as
+    a new Parameter that records where it sits (rule 1):
+    ``tp_blocks``, ``[(dim, start, end)]`` (a list: the checkpoint format of resharding.py allows
+    several)."""
     length = block_length(full.shape[dim], group, what)
     start = dist.get_rank(group) * length
     shard = nn.Parameter(
@@ -57,7 +60,8 @@ def is_sharded(param: torch.Tensor) -> bool:
 
 
 def place_of(param: torch.Tensor) -> Place:
-    """Where this rank's ``param`` sits in the whole one (rule 1): its block, or all of a replicated parameter."""
+    """Where this rank's ``param`` sits in the whole one
+    (rule 1): its block, or all of a replicated parameter."""
     if not is_sharded(param):
         return Place(tuple(param.shape))
     [(dim, start, _)] = param.tp_blocks
@@ -66,8 +70,9 @@ def place_of(param: torch.Tensor) -> Place:
 
 
 class TensorParallelShards:
-    """checkpoint.py's part for a tensor-parallel model and its plain optimiser: each rank gives DCP its shards as
-    they are, and loads back its shards of any step's checkpoint, at any degree (rule 1)."""
+    """checkpoint.py's part for a tensor-parallel model and its plain optimiser: each rank gives DCP
+    its shards as they are, and loads back its shards of any step's checkpoint, at any degree (rule
+    1)."""
 
     per_rank = True
 
@@ -88,8 +93,8 @@ class TensorParallelShards:
 
 
 def gather_full_parameters(model, group=None) -> dict:
-    """Every parameter whole, by name, on every rank: what the plain model's ``named_parameters()`` would hold.
-    One all-gather per sharded parameter."""
+    """Every parameter whole, by name, on every rank: what the plain model's ``named_parameters()``
+    would hold. One all-gather per sharded parameter."""
     size = dist.get_world_size(group)
     full = {}
     for name, param in model.named_parameters():
@@ -105,20 +110,23 @@ def gather_full_parameters(model, group=None) -> dict:
 
 
 def assemble(blocks: list, parts: list) -> torch.Tensor:
-    """The full tensor from every rank's shard (``parts[r]``, rank r's), given one rank's ``tp_blocks``: rank r
-    holds block r of T along the same dim, so the full tensor is the shards side by side in rank order."""
+    """The full tensor from every rank's shard (``parts[r]``, rank r's), given one rank's
+    ``tp_blocks``: rank r holds block r of T along the same dim, so the full tensor is the shards
+    side by side in rank order."""
     return torch.cat(parts, dim=blocks[0][0])
 
 
 def counted_once(params, group=None) -> list:
-    """This rank's share of the whole model for a global norm (``sharded_norms.clip_grad_norm`` and ``param_norm``
-    over ``group``): its shards, and the replicated parameters on the group's first rank only."""
+    """This rank's share of the whole model for a global norm (``sharded_norms.clip_grad_norm`` and
+    ``param_norm`` over ``group``): its shards, and the replicated parameters on the group's first
+    rank only."""
     first = dist.get_rank(group) == 0
     return [p for p in params if is_sharded(p) or first]
 
 
 def replicated_in_sync(model, group=None) -> bool:
-    """True on every rank when every replicated parameter is bit-identical on every rank (a check, not a fix)."""
+    """True on every rank when every replicated parameter
+    is bit-identical on every rank (a check, not a fix)."""
     digest = hashlib.sha256()
     for param in model.parameters():
         if not is_sharded(param):

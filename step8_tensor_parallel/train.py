@@ -1,8 +1,9 @@
 """Step 8: tensor parallelism, written by hand (tensor_parallel.py; sequence_parallel.py on top).
 Grown from step 3's train.py.
 
-Steps 1-7 gave every rank its own samples. Here the T ranks read the same micro-batches and split every layer:
-whole heads, 1/T of the MLP, of the vocabulary, of every weight matrix; activations are all-reduced, not gradients.
+Steps 1-7 gave every rank its own samples. Here the T ranks read the same micro-batches and split
+every layer: whole heads, 1/T of the MLP, of the vocabulary, of every weight matrix; activations are
+all-reduced, not gradients.
 
     torchrun --standalone --nproc_per_node=2 step8_tensor_parallel/train.py
     torchrun --standalone --nproc_per_node=2 compare/tp_reference.py
@@ -58,9 +59,10 @@ STEP = Path(__file__).resolve().parent.name
 
 
 def train_step(model, optimizer, scaler, micro_batches: list, config: dict, device) -> tuple:
-    """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every rank): forward and
-    backward on each, then this rank's gradient shards unscaled, clipped and applied. Returns the losses' sum, the
-    gradient norm before clipping, this rank's memory; the phases named for torch.profiler (compare/peak_memory.py)."""
+    """One optimiser step on ``micro_batches`` (a list of (inputs, targets), the same on every
+    rank): forward and backward on each, then this rank's gradient shards unscaled, clipped and
+    applied. Returns the losses' sum, the gradient norm before clipping, this rank's memory; the
+    phases named for torch.profiler (compare/peak_memory.py)."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
@@ -119,8 +121,9 @@ def main():
         len(corpus.blocks), num_replicas=1, rank=0, shuffle=True, seed=config["seed"]
     )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # The same full model on every rank (the seed's), then each keeps its shards. Activations are all-reduced in
-    # their own dtype (bf16 under --amp bf16), as PyTorch's TP; --reduce-dtype float64: order-free, not step 1's sums.
+    # The same full model on every rank (the seed's), then each keeps its shards. Activations are
+    # all-reduced in their own dtype (bf16 under --amp bf16), as PyTorch's TP; --reduce-dtype
+    # float64: order-free, not step 1's sums.
     reduce_dtype = torch.float64 if config["reduce_dtype"] == "float64" else None
     model = build_model(config, corpus.vocab_size, config["seed"])
     # what checkpoints describe

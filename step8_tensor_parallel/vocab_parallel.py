@@ -1,16 +1,20 @@
-"""The vocabulary split over the T ranks of a tensor-parallel group: the embedding, the tied output layer and the
-loss, with the logits never whole (Megatron-LM's ``VocabParallelEmbedding`` and ``vocab_parallel_cross_entropy``;
-PyTorch's ``loss_parallel``). tensor_parallel.py's rule 5, apart: a second idea, for the two ends of the model.
+"""The vocabulary split over the T ranks of a tensor-parallel group: the embedding, the tied output
+layer and the loss, with the logits never whole (Megatron-LM's ``VocabParallelEmbedding`` and
+``vocab_parallel_cross_entropy``; PyTorch's ``loss_parallel``). tensor_parallel.py's rule 5, apart:
+a second idea, for the two ends of the model.
 
-1. **One Parameter, split by rows.** Rank r holds rows ``[r V/T, (r+1) V/T)`` of the token embedding, and the
-   output layer *is* that same Parameter (GPT-2 ties them): its gradient sums both uses, as in one process.
-2. **The lookup.** Every rank gets the whole input ids; it looks up the ids it owns, zeroes the rows of the
-   others, and the ranks all-reduce (tensor_parallel_mappings.py's *g*): every rank gets the whole output.
-3. **The loss, three numbers a token.** The output layer gives this rank's ``(tokens, V/T)`` slice of the
-   logits; ``vocab_parallel_cross_entropy`` all-reduces, per token, the max, the sum of exponentials and the
-   target's log-probability (from the rank that owns the target): no rank ever holds ``(tokens, V)`` logits,
-   and the value is ``F.cross_entropy``'s on the whole logits. The arithmetic is PyTorch's ``loss_parallel``,
-   op for op, so the loss and its gradient are bitwise PyTorch's tensor parallelism.
+1. **One Parameter, split by rows.** Rank r holds rows ``[r V/T, (r+1) V/T)`` of the token
+   embedding, and the output layer *is* that same Parameter (GPT-2 ties them): its gradient sums
+   both uses, as in one process.
+2. **The lookup.** Every rank gets the whole input ids; it looks up the ids it owns, zeroes the rows
+   of the others, and the ranks all-reduce (tensor_parallel_mappings.py's *g*): every rank gets the
+   whole output.
+3. **The loss, three numbers a token.** The output layer gives this rank's ``(tokens, V/T)`` slice
+   of the logits; ``vocab_parallel_cross_entropy`` all-reduces, per token, the max, the sum of
+   exponentials and the target's log-probability (from the rank that owns the target): no rank ever
+   holds ``(tokens, V)`` logits, and the value is ``F.cross_entropy``'s on the whole logits. The
+   arithmetic is PyTorch's ``loss_parallel``, op for op, so the loss and its gradient are bitwise
+   PyTorch's tensor parallelism.
 """
 
 import torch
@@ -23,10 +27,11 @@ from tensor_parallel_state import block_length, block_of
 
 
 class VocabParallelEmbedding(nn.Module):
-    """``nn.Embedding(num_embeddings, embedding_dim)`` with its rows (the vocabulary) split over ``group``.
+    """``nn.Embedding(num_embeddings, embedding_dim)``
+    with its rows (the vocabulary) split over ``group``.
 
-    ``.weight`` is rows ``[r V/T, (r+1) V/T)``. Every rank gets the whole input ids and returns the whole
-    output (rule 2).
+    ``.weight`` is rows ``[r V/T, (r+1) V/T)``. Every rank gets the whole input ids and returns the
+    whole output (rule 2).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None, reduce_dtype=None):
@@ -43,7 +48,8 @@ class VocabParallelEmbedding(nn.Module):
     def from_full(
         cls, embedding: nn.Embedding, group=None, reduce_dtype=None
     ) -> "VocabParallelEmbedding":
-        """This rank's part of ``embedding`` (the same full table on every rank): its block of rows (tokens)."""
+        """This rank's part of ``embedding`` (the same full
+        table on every rank): its block of rows (tokens)."""
         with torch.device("meta"):
             layer = cls(
                 embedding.num_embeddings,
@@ -63,7 +69,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """The arithmetic of PyTorch's ``loss_parallel`` (``torch/distributed/tensor/parallel/loss.py``), op for op."""
+    """The arithmetic of PyTorch's ``loss_parallel``
+    (``torch/distributed/tensor/parallel/loss.py``), op for op."""
 
     @staticmethod
     def forward(ctx, logits, targets, group):
@@ -97,7 +104,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, group=None
 ) -> torch.Tensor:
-    """Mean cross-entropy of ``logits`` (``(N, V/T)``: this rank's vocabulary slice, as the tied output layer
-    gives it) against ``targets`` (``(N,)``, ids in the whole vocabulary, the same on every rank): the value
-    ``F.cross_entropy`` gives on the whole ``(N, V)`` logits, on every rank, without ever building them."""
+    """Mean cross-entropy of ``logits`` (``(N, V/T)``: this rank's vocabulary slice, as the tied
+    output layer gives it) against ``targets`` (``(N,)``, ids in the whole vocabulary, the same on
+    every rank): the value ``F.cross_entropy`` gives on the whole ``(N, V)`` logits, on every rank,
+    without ever building them."""
     return _VocabParallelCrossEntropy.apply(logits, targets, group)

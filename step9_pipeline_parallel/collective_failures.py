@@ -1,11 +1,11 @@
 """When a collective fails: one line that says which rank died, froze or disagreed, and exit code 3.
 
 Operations code, not the lesson: skip it on a first read. A rank that dies, freezes or issues other
-collectives than its peers leaves them waiting. gloo then raises, in the survivors, a RuntimeError whose
-text says what it saw (torch 2.13; docs/fault_tolerance.md has each case as measured). The trainers turn
-it into one line and this exit code, and leave with os._exit: a normal exit would tear down the broken
-group, which can itself wait for the lost peer. distributed.py imports this module, which registers
-``explain_collective_failure`` with ``failures.exit_on_user_error``.
+collectives than its peers leaves them waiting. gloo then raises, in the survivors, a RuntimeError
+whose text says what it saw (torch 2.13; docs/fault_tolerance.md has each case as measured). The
+trainers turn it into one line and this exit code, and leave with os._exit: a normal exit would tear
+down the broken group, which can itself wait for the lost peer. distributed.py imports this module,
+which registers ``explain_collective_failure`` with ``failures.exit_on_user_error``.
 """
 
 import os
@@ -21,20 +21,24 @@ from failures import failure_explainers
 
 COLLECTIVE_FAILED = 3
 SEE = "see docs/fault_tolerance.md"
-# How long a survivor waits, after its own failure, for the other survivors to report (``roll_call``).
-# They entered the collective together, so they fail within the compute between two collectives.
+# How long a survivor waits, after its own failure, for the other survivors to report
+# (``roll_call``). They entered the collective together, so they fail within the compute between two
+# collectives.
 ROLL_CALL_S = 2.0
 
 # a peer never sent (or never took) its part
 GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")
-# When one operation times out, gloo closes every pair of the group with this text: another operation
-# under way at the same time (step 7's prefetched gather beside a reduce-scatter) raises it instead of the
-# timeout, and may be the one this rank waits on first. It is the same failure: this rank waited a timeout.
+# When one operation times out, gloo closes every pair of the group with this text: another
+# operation under way at the same time (step 7's prefetched gather beside a reduce-scatter) raises
+# it instead of the timeout, and may be the one this rank waits on first. It is the same failure:
+# this rank waited a timeout.
 PAIR_CLOSED = "Application timeout caused pair closure"
-# A peer's socket closed: its process ended, or its gloo gave up on the collective (its own timeout).
+# A peer's socket closed: its process ended, or its
+# gloo gave up on the collective (its own timeout).
 PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
-# What TORCH_DISTRIBUTED_DEBUG=DETAIL checks before every collective: that every rank arrives, and that
-# they all issue the same collective (op, shapes, dtypes). Its errors name the ranks themselves.
+# What TORCH_DISTRIBUTED_DEBUG=DETAIL checks before every collective: that every rank arrives, and
+# that they all issue the same collective (op, shapes, dtypes). Its errors name the ranks
+# themselves.
 DETAIL_ABSENT = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier in (\d+) ms")
 DETAIL_MISMATCH = re.compile(
     r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
@@ -46,13 +50,15 @@ DETAIL_MISMATCH = re.compile(
 
 
 def roll_call(grace_s: float = ROLL_CALL_S, missing: list | None = None) -> list[int] | None:
-    """After a collective failed here: the ranks that did not report through the store within ``grace_s``.
+    """After a collective failed here: the ranks that
+    did not report through the store within ``grace_s``.
 
     Every rank whose collective fails calls this, so a rank missing here is one that is not failing
-    with the others: dead, frozen, or busy for longer than the timeout. An empty list means every rank
-    reached it: they are all alive and gave up on each other, which is what ranks that issued different
-    collectives do. None: the store did not answer (its host may be the rank that froze). The store is
-    torchrun's, or rank 0's without torchrun; every operation on it is bounded by ``grace_s``.
+    with the others: dead, frozen, or busy for longer than the timeout. An empty list means every
+    rank reached it: they are all alive and gave up on each other, which is what ranks that issued
+    different collectives do. None: the store did not answer (its host may be the rank that froze).
+    The store is torchrun's, or rank 0's without torchrun; every operation on it is bounded by
+    ``grace_s``.
     ``missing``, if given, holds the ranks not yet seen while the roll call runs.
     """
     missing = [] if missing is None else missing
@@ -77,8 +83,8 @@ def who_is_missing(what: str) -> str:
     """``what`` happened to this rank; finish the sentence with what a roll call finds.
 
     torchrun stops every rank (SIGTERM) as soon as one exits, which for a rank that was killed is a
-    tenth of a second after its death, before the roll call can end: then the line says what the roll
-    call had seen so far, and leaves at once."""
+    tenth of a second after its death, before the roll call can end: then the line says what the
+    roll call had seen so far, and leaves at once."""
     missing, started = [], time.monotonic()
 
     def stopped_by_launcher(signum, frame):
@@ -90,7 +96,8 @@ def who_is_missing(what: str) -> str:
         os.write(
             2,
             (
-                f"error: {what}; {ranks} when the launcher stopped this rank {time.monotonic() - started:.1f} s "
+                f"error: {what}; {ranks} when the launcher stopped this rank "
+                f"{time.monotonic() - started:.1f} s "
                 f"later (another rank failed first: torchrun's report says how); {SEE}\n"
             ).encode(),
         )
@@ -107,16 +114,19 @@ def who_is_missing(what: str) -> str:
             signal.signal(signal.SIGTERM, previous)
     if found:
         return (
-            f"{what}; rank(s) {', '.join(map(str, found))} did not answer a roll call within {ROLL_CALL_S:g} s "
+            f"{what}; rank(s) {', '.join(map(str, found))} did not answer a roll call "
+            f"within {ROLL_CALL_S:g} s "
             f"either: dead, frozen, or slower than --timeout-s; {SEE}"
         )
     if found == []:
         return (
-            f"{what}, yet every rank answered a roll call: all alive, they issued different collectives, or "
+            f"{what}, yet every rank answered a roll call: all alive, they issued "
+            "different collectives, or "
             f"the same ones in a different order (TORCH_DISTRIBUTED_DEBUG=DETAIL names them); {SEE}"
         )
     return (
-        f"{what}: a rank died, froze, is slower than --timeout-s, or the ranks issued different collectives "
+        f"{what}: a rank died, froze, is slower than --timeout-s, or the ranks issued "
+        "different collectives "
         f"(the store did not answer a roll call); {SEE}"
     )
 
@@ -128,22 +138,26 @@ def group_timeout_s() -> float:
 
 
 def explain_collective_failure(error: BaseException) -> tuple[str, int] | None:
-    """One line for a collective that failed on this rank, and exit code 3; None for any other error."""
+    """One line for a collective that failed on this
+    rank, and exit code 3; None for any other error."""
     if not isinstance(error, RuntimeError) or not dist.is_initialized():
         return None
     text, me = str(error), f"rank {dist.get_rank()}"
     if match := DETAIL_MISMATCH.search(text):
         a, seq_a, op_a, shape_a, dtype_a, b, seq_b, op_b, shape_b, dtype_b = match.groups()
         return (
-            f"{me}: the ranks issued different collectives: rank {a} runs collective #{seq_a} {op_a} "
+            f"{me}: the ranks issued different collectives: rank {a} runs collective "
+            f"#{seq_a} {op_a} "
             f"[{shape_a}] {dtype_a}, rank {b} runs #{seq_b} {op_b} [{shape_b}] {dtype_b} "
             f"(found by TORCH_DISTRIBUTED_DEBUG=DETAIL); {SEE}"
         ), COLLECTIVE_FAILED
     if match := DETAIL_ABSENT.search(text):
         ranks, waited_ms = match.groups()
         return (
-            f"{me} waited {int(waited_ms) / 1000:g} s in a collective that rank(s) {ranks.strip()} never joined "
-            f"(TORCH_DISTRIBUTED_DEBUG=DETAIL's barrier): died, froze, or slower than --timeout-s; {SEE}"
+            f"{me} waited {int(waited_ms) / 1000:g} s in a collective that rank(s) "
+            f"{ranks.strip()} never joined "
+            "(TORCH_DISTRIBUTED_DEBUG=DETAIL's barrier): died, froze, or slower than "
+            f"--timeout-s; {SEE}"
         ), COLLECTIVE_FAILED
     if match := GLOO_TIMEOUT.search(text):
         return who_is_missing(

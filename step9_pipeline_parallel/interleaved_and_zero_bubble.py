@@ -3,7 +3,8 @@
 Named for the two schedules it holds: GPipe and 1F1B, the schedules a learner meets first, are in
 pipeline_schedules.py; these two are second ideas, each shrinking the bubble 1F1B leaves. Each
 schedule is a pure function from (stage, stages, micro-batches) to the stage's action list, which
-pipeline_schedules.py's ``schedule_actions`` returns and ``Pipeline.run`` (pipeline.py) follows; ``BackwardSplit`` is zero bubble's B and W, which ``Pipeline`` calls.
+pipeline_schedules.py's ``schedule_actions`` returns and ``Pipeline.run`` (pipeline.py) follows;
+``BackwardSplit`` is zero bubble's B and W, which ``Pipeline`` calls.
 
 1. **Interleaved 1F1B** (Narayanan et al. 2021): the model cut into P x V chunks, rank r holding
    chunks r, r + P, ..., so a micro-batch loops through the ranks V times; micro-batches go in

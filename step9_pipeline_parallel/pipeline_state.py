@@ -1,12 +1,14 @@
-"""A pipeline's state, apart from its schedule (pipeline.py): each stage's parameters and AdamW state given to DCP
-under the model's own names, which is what step 9's checkpoints are; the whole model gathered for its final weights.
+"""A pipeline's state, apart from its schedule (pipeline.py): each stage's parameters and AdamW
+state given to DCP under the model's own names, which is what step 9's checkpoints are; the whole
+model gathered for its final weights.
 
-1. **One replica, one checkpoint.** All stages together are one model: each stage gives DCP its own parameters and
-   their AdamW state whole (dcp_checkpoint.py), so a checkpoint of step 9 reads as one process's, at any number of
-   stages, and any step 1-12 resumes it; each stage loads back its parameters by name, wherever the stage
-   boundaries now are.
-2. **The tie once.** The last stage's copy of the tied embedding is the first stage's, trained alike: its
-   parameter and its AdamW state are saved once, from the first stage (``owned``), and read by both.
+1. **One replica, one checkpoint.** All stages together are one model: each stage gives DCP its own
+   parameters and their AdamW state whole (dcp_checkpoint.py), so a checkpoint of step 9 reads as
+   one process's, at any number of stages, and any step 1-12 resumes it; each stage loads back its
+   parameters by name, wherever the stage boundaries now are.
+2. **The tie once.** The last stage's copy of the tied embedding is the first stage's, trained
+   alike: its parameter and its AdamW state are saved once, from the first stage (``owned``), and
+   read by both.
 """
 
 import torch.distributed as dist
@@ -29,7 +31,8 @@ def gather_full_model(named: list, is_main: bool) -> dict | None:
 
 
 class PipelineState:
-    """checkpoint.py's part for a pipeline stage (rule 1): its parameters and AdamW state, the tie once (rule 2)."""
+    """checkpoint.py's part for a pipeline stage (rule 1):
+    its parameters and AdamW state, the tie once (rule 2)."""
 
     per_rank = True
 

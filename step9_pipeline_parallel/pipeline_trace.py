@@ -1,20 +1,23 @@
-"""Make the bubble visible: every stage's forwards, backwards, sends and receives of one optimiser step, on one
-timeline, and the fraction of the step each stage sat idle.
+"""Make the bubble visible: every stage's forwards, backwards, sends and receives of one optimiser
+step, on one timeline, and the fraction of the step each stage sat idle.
 
-``Pipeline.timeline``, set to a list, records ``(what, micro-batch, start, end, chunk)`` for each forward and
-backward (the micro-batch's number; the chunk: 0, or the rank's chunk with the interleaved schedule) and each
-send and receive (a send's bar is only its launch: the bytes go in the background; a receive's bar is the wait),
-and zero bubble's W's ("weights"). ``write_trace`` (every stage calls it: it gathers the stages' timelines) writes,
-from rank 0, in the run folder:
+``Pipeline.timeline``, set to a list, records ``(what, micro-batch, start, end, chunk)`` for each
+forward and backward (the micro-batch's number; the chunk: 0, or the rank's chunk with the
+interleaved schedule) and each send and receive (a send's bar is only its launch: the bytes go in
+the background; a receive's bar is the wait), and zero bubble's W's ("weights"). ``write_trace``
+(every stage calls it: it gathers the stages' timelines) writes, from rank 0, in the run folder:
 
-- ``trace.json``: Chrome trace format, one row per stage (chrome://tracing or https://ui.perfetto.dev);
-- ``pipeline.png``: one row per stage, forwards blue and backwards green with their micro-batch's number (a
-  rank's later chunks paler);
-- ``bubble.json``: per stage the idle fraction, 1 - (its forward, backward and W time) / (the step's time, first
-  event of any stage to the last), beside the ideal schedule's (pipeline_schedules.py's ``ideal_bubble``).
+- ``trace.json``: Chrome trace format, one row per
+  stage (chrome://tracing or https://ui.perfetto.dev);
+- ``pipeline.png``: one row per stage, forwards blue and backwards green with their micro-batch's
+  number (a rank's later chunks paler);
+- ``bubble.json``: per stage the idle fraction, 1 - (its forward, backward and W time) / (the step's
+  time, first event of any stage to the last), beside the ideal schedule's (pipeline_schedules.py's
+  ``ideal_bubble``).
 
-On this 2-core machine 4 stages share 2 cores, so a stage's compute is slower while others compute: the idle
-fractions measured at P = 4 mix the bubble with that sharing (the step README says how much).
+On this 2-core machine 4 stages share 2 cores, so a stage's compute is slower while others compute:
+the idle fractions measured at P = 4 mix the bubble with that sharing (the step README says how
+much).
 Operations code: read it after pipeline.py.
 """
 
@@ -35,8 +38,8 @@ COMPUTE = ("forward", "backward", "weights")  # weights: zero bubble's W, split 
 
 
 def idle_fractions(timelines: list[list]) -> list[float]:
-    """Per stage: the share of the step (first event of any stage to the last) it spent neither in a forward
-    nor in a backward."""
+    """Per stage: the share of the step (first event of any stage to the last) it spent neither in a
+    forward nor in a backward."""
     start = min(e[2] for events in timelines for e in events)
     end = max(e[3] for events in timelines for e in events)
     return [

@@ -1,8 +1,10 @@
-"""Step 9: pipeline parallelism, written by hand (pipeline.py): the model cut into stages, one per rank.
+"""Step 9: pipeline parallelism, written by hand
+(pipeline.py): the model cut into stages, one per rank.
 
-Grown from step 3's train.py, but all ranks together are ONE replica: rank s holds stage s (consecutive blocks),
-every rank reads step 0's micro-batches, and each optimiser step pushes them through the pipeline, --micro-batches
-at a time, by --schedule (gpipe, 1f1b, interleaved-1f1b, zero-bubble). Bitwise identical to step 0.
+Grown from step 3's train.py, but all ranks together are ONE replica: rank s holds stage s
+(consecutive blocks), every rank reads step 0's micro-batches, and each optimiser step pushes them
+through the pipeline, --micro-batches at a time, by --schedule (gpipe, 1f1b, interleaved-1f1b,
+zero-bubble). Bitwise identical to step 0.
 
     torchrun --standalone --nproc_per_node=2 step9_pipeline_parallel/train.py --grad-accum 4
     python step0_single_gpu/train.py --grad-accum 4 && python compare/parity.py step0 step9
@@ -42,10 +44,11 @@ STEP = Path(__file__).resolve().parent.name
 def train_step(
     pipe, optimizer, scaler, micro_batches: list, config: dict, device, named: list
 ) -> tuple:
-    """One optimiser step on ``micro_batches`` (the same on every stage), pushed through the pipeline
-    ``--micro-batches`` at a time; this stage's gradients (``named``: by the model's names) unscaled, clipped with
-    every stage's norm, applied. Returns the losses' sum (the last stage's; zero elsewhere), the gradient norm, this
-    stage's memory. Forwards and backwards interleave: no phases to name apart for the profiler."""
+    """One optimiser step on ``micro_batches`` (the same on every stage), pushed through the
+    pipeline ``--micro-batches`` at a time; this stage's gradients (``named``: by the model's names)
+    unscaled, clipped with every stage's norm, applied. Returns the losses' sum (the last stage's;
+    zero elsewhere), the gradient norm, this stage's memory. Forwards and backwards interleave: no
+    phases to name apart for the profiler."""
     accum = len(micro_batches)
     in_flight = config["micro_batches"] or accum
     loss_sum = torch.zeros((), device=device)
@@ -111,13 +114,15 @@ def main():
     )
 
     # ---- data, model, optimiser ----------------------------------------------------------------
-    # One replica: every stage draws step 0's micro-batches (the first reads the inputs, the last the targets).
+    # One replica: every stage draws step 0's micro-batches (the first reads the inputs, the last
+    # the targets).
     sampler = ShardedSampler(
         len(corpus.blocks), num_replicas=1, rank=0, shuffle=True, seed=config["seed"]
     )
     batches = MicroBatches(corpus.blocks, sampler, config["micro_batch_size"])
-    # Every rank builds the whole model (a pure function of the seed), cuts it into stages and keeps its own: its
-    # parameters by the model's names, and the Pipeline that runs it (step 0's loss on the last stage).
+    # Every rank builds the whole model (a pure function of the seed), cuts it into stages and keeps
+    # its own: its parameters by the model's names, and the Pipeline that runs it (step 0's loss on
+    # the last stage).
     model = build_model(config, corpus.vocab_size, config["seed"]).to(device)
     shapes = {name: p.shape for name, p in model.named_parameters()}  # what the final weights hold
     # the model's stages: V per rank with --schedule interleaved-1f1b
@@ -136,7 +141,8 @@ def main():
     # compare/parity.py: the global batch is one replica's
     env.update(pipeline_stages=num_stages, data_parallel_size=1)
     log = RunLog(config, env, is_writer=world.is_main)
-    # Checkpoints: one process's (one RNG stream), gathered to rank 0, read by name wherever the stages now cut.
+    # Checkpoints: one process's (one RNG stream), gathered
+    # to rank 0, read by name wherever the stages now cut.
     writer = (BackgroundWriter if config["async_save"] else CheckpointWriter)(
         config,
         world.rank,

@@ -1,7 +1,7 @@
-"""Shared helpers: launch real trainers (one process for step 0, a process per rank over gloo otherwise, each
-forked from a server that has imported torch: ``run_ranks``) on a tiny workload, and read what they wrote.
-Every trainer sets one CPU thread per process itself (seeding.seed_everything); the process-group timeout is
-short so a broken collective fails fast."""
+"""Shared helpers: launch real trainers (one process for step 0, a process per rank over gloo
+otherwise, each forked from a server that has imported torch: ``run_ranks``) on a tiny workload, and
+read what they wrote. Every trainer sets one CPU thread per process itself
+(seeding.seed_everything); the process-group timeout is short so a broken collective fails fast."""
 
 import getpass
 import json
@@ -19,9 +19,10 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
-# torch.compile's on-disk cache does not key its CPU kernels by ATEN_CPU_CAPABILITY: kernels compiled in a suite
-# run under avx2 were loaded by a later run under avx512 and corrupted the heap (step 1 --compile, both ranks
-# aborted in malloc; with an empty cache it passes). One cache per kernel path, for the tests and their ranks.
+# torch.compile's on-disk cache does not key its CPU kernels by ATEN_CPU_CAPABILITY: kernels
+# compiled in a suite run under avx2 were loaded by a later run under avx512 and corrupted the heap
+# (step 1 --compile, both ranks aborted in malloc; with an empty cache it passes). One cache per
+# kernel path, for the tests and their ranks.
 os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR",
     str(
@@ -36,8 +37,8 @@ import other_order  # noqa: E402  (compare/other_order.py: another summation ord
 from fp8 import fp8_cannot_run  # noqa: E402  (common/fp8.py)
 from launch import trainer_command  # noqa: E402,F401  (the tests import it from here)
 
-# torch 2.11's CPU _scaled_mm takes one scale per tensor: there, --fp8 rowwise is refused in one line (check_fp8,
-# tests/test_bad_input.py) and the tests that run it skip, saying so
+# torch 2.11's CPU _scaled_mm takes one scale per tensor: there, --fp8 rowwise is refused in one
+# line (check_fp8, tests/test_bad_input.py) and the tests that run it skip, saying so
 ROWWISE_RUNS_HERE = pytest.mark.skipif(
     fp8_cannot_run("rowwise", torch.device("cpu")) is not None,
     reason="this torch build's CPU _scaled_mm takes one scale per tensor only: no rowwise FP8 here",
@@ -76,12 +77,13 @@ TINY = [
     "--quiet",
 ]
 TIMEOUT = ["--timeout-s", "60"]
-# The contract's strictest setting at once: exact mode (float64 reduction), accumulation (no_sync), clipping
-# that triggers, bf16 autocast, dropout (each rank's RNG must be where it should), checkpoints every 2 steps.
-# bf16 here covers bf16 at world size 2 too: there the float64 and float32 reductions give the same bits.
+# The contract's strictest setting at once: exact mode (float64 reduction), accumulation (no_sync),
+# clipping that triggers, bf16 autocast, dropout (each rank's RNG must be where it should),
+# checkpoints every 2 steps. bf16 here covers bf16 at world size 2 too: there the float64 and
+# float32 reductions give the same bits.
 EXACT = ("--reduce-dtype", "float64", "--amp", "bf16", "--dropout", "0.1", "--save-every", "2")
-# The tests' mixture of experts (common/moe.py): 4 experts, top-2, capacity factor 1 (so choices are dropped on
-# TINY's micro-batches), the Switch load-balancing loss at its usual weight.
+# The tests' mixture of experts (common/moe.py): 4 experts, top-2, capacity factor 1 (so choices are
+# dropped on TINY's micro-batches), the Switch load-balancing loss at its usual weight.
 MOE = (
     "--moe-experts",
     "4",
@@ -96,7 +98,8 @@ MOE = (
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory) -> Path:
-    """The first 150 kB of the corpus: tokenizing it takes a tenth of the time, the text is the same kind."""
+    """The first 150 kB of the corpus: tokenizing it takes
+    a tenth of the time, the text is the same kind."""
     path = tmp_path_factory.mktemp("data") / "small.txt"
     path.write_bytes((REPO / "data" / "tinyshakespeare.txt").read_bytes()[:150_000])
     return path
@@ -112,8 +115,8 @@ def free_port() -> int:
 def launch(
     step: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 240
 ):
-    """Run a step's trainer: step 0 (or nproc=0) as one process, the others as ``nproc`` ranks with the short
-    process-group timeout (``run_ranks``)."""
+    """Run a step's trainer: step 0 (or nproc=0) as one process, the others as ``nproc`` ranks with
+    the short process-group timeout (``run_ranks``)."""
     nproc = 0 if step == "step0" else nproc
     return run_ranks(
         REPO / STEPS[step] / "train.py", [*args, *TIMEOUT] if nproc else args, nproc, env, timeout
@@ -123,13 +126,14 @@ def launch(
 def run_ranks(
     script: Path, args: list[str], nproc: int, env: dict | None = None, timeout: float = 240
 ):
-    """``python SCRIPT ARGS`` as one process (nproc=0), or as ``nproc`` ranks. Each rank is a process of its own
-    with the variables torchrun gives it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT...), forked from
-    ``WORKERS``' server (``run_forked``): torchrun and its ranks would spend ~6 CPU seconds each importing
-    torch and tokenizers, most of what a tiny run costs. The ranks then meet in rank 0's store, as they
-    do started by hand; what torchrun itself does (its agent's store, restarts, stopping the other ranks)
-    is tested with real torchrun, and the tour runs every step under it. Returns the ranks' outputs, rank
-    by rank, and torchrun's exit code: 0, or 1 if a rank failed (their own codes end stderr then)."""
+    """``python SCRIPT ARGS`` as one process (nproc=0), or as ``nproc`` ranks. Each rank is a
+    process of its own with the variables torchrun gives it (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT...), forked from ``WORKERS``' server (``run_forked``): torchrun and its ranks would
+    spend ~6 CPU seconds each importing torch and tokenizers, most of what a tiny run costs. The
+    ranks then meet in rank 0's store, as they do started by hand; what torchrun itself does (its
+    agent's store, restarts, stopping the other ranks) is tested with real torchrun, and the tour
+    runs every step under it. Returns the ranks' outputs, rank by rank, and torchrun's exit code: 0,
+    or 1 if a rank failed (their own codes end stderr then)."""
     if not nproc:
         return run_forked([sys.executable, str(script), *args], env=env, timeout=timeout)
     port = free_port()
@@ -157,7 +161,8 @@ def run_ranks(
 
 
 def train(step: str, out: Path, corpus: Path, *extra: str, nproc: int = 2) -> Path:
-    """Train on the tiny workload into ``out``; fail the test with the trainer's output if it fails."""
+    """Train on the tiny workload into ``out``; fail
+    the test with the trainer's output if it fails."""
     result = launch(step, [*TINY, "--data", str(corpus), "--out", str(out), *extra], nproc=nproc)
     assert result.returncode == 0, (
         f"{step} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -188,11 +193,12 @@ def assert_bitwise_same_run(a: Path, b: Path) -> None:
 
 
 def assert_all_to_all_closed_form(run: Path) -> int:
-    """Step 12's all-to-all bytes on every rank of ``run`` (float32 activations), per MoE layer and micro-batch:
-    the E counts (int64), then the token rows sent and received, forward and backward (float32 rows of h):
-    8 E + 4 h * 2 * (sent + received), what a rank receives being what the ranks of its expert-parallel group sent
-    to its experts (step 10's ep groups at pp = tp = cp = 1 are step 12's). Rank 0's notes add up to its recorded
-    all-to-all bytes. Returns how many notes were checked."""
+    """Step 12's all-to-all bytes on every rank of ``run`` (float32 activations), per MoE layer and
+    micro-batch: the E counts (int64), then the token rows sent and received, forward and backward
+    (float32 rows of h): 8 E + 4 h * 2 * (sent + received), what a rank receives being what the
+    ranks of its expert-parallel group sent to its experts (step 10's ep groups at pp = tp = cp = 1
+    are step 12's). Rank 0's notes add up to its recorded all-to-all bytes. Returns how many notes
+    were checked."""
     config = metrics(run)["config"]
     experts, h, ep = config["moe_experts"], config["n_embd"], config["ep"]
     checked = 0
@@ -225,8 +231,9 @@ def parity(a, b) -> subprocess.CompletedProcess:
 
 
 def other_order_drift(reference, a: Path, b: Path) -> tuple[other_order.Drift, list[str]]:
-    """Run ``b`` against ``a`` where ``b`` sums in another order (compare/other_order.py): its drift, and what of
-    it exceeds ``reference`` (a Drift measured on this machine) times the stated factor. Empty: within."""
+    """Run ``b`` against ``a`` where ``b`` sums in another order (compare/other_order.py): its
+    drift, and what of it exceeds ``reference`` (a Drift measured on this machine) times the stated
+    factor. Empty: within."""
     mb, wb = metrics(b), weights(b)
     drift = other_order.drift(mb, wb, metrics(a), weights(a))
     return drift, other_order.beyond(drift, other_order.bound(reference, mb, wb))
@@ -235,9 +242,9 @@ def other_order_drift(reference, a: Path, b: Path) -> tuple[other_order.Drift, l
 def regrouped_drift(
     run: Path, corpus: Path, out: Path, *flags: str, groupings=((8, 1), (2, 4))
 ) -> other_order.Drift:
-    """How far step 0 drifts from ``run`` (step 0 on TINY with ``flags``) when it regroups the same samples a step
-    into other micro-batches, (accumulation, micro-batch size) each: another order of the same sums, in one process.
-    Each quantity's largest over the groupings."""
+    """How far step 0 drifts from ``run`` (step 0 on TINY with ``flags``) when it regroups the same
+    samples a step into other micro-batches, (accumulation, micro-batch size) each: another order of
+    the same sums, in one process. Each quantity's largest over the groupings."""
     runs = [
         train(
             "step0",
@@ -258,9 +265,10 @@ def regrouped_drift(
 
 @pytest.fixture(scope="session")
 def order_reference(tour) -> other_order.Drift:
-    """How far two correct implementations drift apart on this machine: the tour's step 0 (one process, 4
-    micro-batches) from its step 1 (DDP, 2 ranks x 2), the same global batches summed in another order. Every test
-    of a run in another summation order takes its bound from it (compare/other_order.py)."""
+    """How far two correct implementations drift apart on this machine: the tour's step 0 (one
+    process, 4 micro-batches) from its step 1 (DDP, 2 ranks x 2), the same global batches summed in
+    another order. Every test of a run in another summation order takes its bound from it
+    (compare/other_order.py)."""
     single, ddp = tour[0] / STEPS["step0"], tour[0] / STEPS["step1"]
     return other_order.drift(metrics(single), weights(single), metrics(ddp), weights(ddp))
 
@@ -268,7 +276,8 @@ def order_reference(tour) -> other_order.Drift:
 @pytest.fixture(scope="session")
 def tour(tmp_path_factory, small_corpus) -> tuple[Path, str]:
     """The README's main job on the tiny workload: every step at world size 2 (step 0 as one process
-    accumulating 2 x 2 micro-batches), checkpoints every 2 steps. Returns (runs folder, its output)."""
+    accumulating 2 x 2 micro-batches), checkpoints every 2 steps. Returns (runs folder, its
+    output)."""
     runs = tmp_path_factory.mktemp("tour")
     at = TINY.index("--grad-accum")
     tiny = TINY[:at] + TINY[at + 2 :]  # the tour sets the accumulation itself
@@ -297,15 +306,16 @@ def tour(tmp_path_factory, small_corpus) -> tuple[Path, str]:
 
 @pytest.fixture(scope="session")
 def step1_ws2(tour) -> Path:
-    """The golden reference on the tiny workload: PyTorch DDP, 2 ranks, float32, with checkpoints."""
+    """The golden reference on the tiny workload:
+    PyTorch DDP, 2 ranks, float32, with checkpoints."""
     return tour[0] / STEPS["step1"]
 
 
 @pytest.fixture(scope="session")
 def exact_run(tmp_path_factory, small_corpus):
-    """``exact_run(step, world_size)``: that step trained on TINY with the EXACT flags at that world size, once
-    per session, and its run folder. The exact-mode matrix, the two-node test, the resume tests and step 7's
-    tests share them."""
+    """``exact_run(step, world_size)``: that step trained on TINY with the EXACT flags at that world
+    size, once per session, and its run folder. The exact-mode matrix, the two-node test, the resume
+    tests and step 7's tests share them."""
     runs = {}
 
     def run(step: str, world_size: int) -> Path:
@@ -317,9 +327,9 @@ def exact_run(tmp_path_factory, small_corpus):
     return run
 
 
-# Step 9 (pipeline parallelism) on top of TINY: 4 blocks (up to 4 stages), 4 micro-batches per step, and what must
-# flow through the stages right: dropout (one random stream), bf16 autocast, clipping (TINY's), checkpoints at
-# steps 2 and 4.
+# Step 9 (pipeline parallelism) on top of TINY: 4 blocks (up to 4 stages), 4 micro-batches per step,
+# and what must flow through the stages right: dropout (one random stream), bf16 autocast, clipping
+# (TINY's), checkpoints at steps 2 and 4.
 PIPELINE = (
     "--n-layer",
     "4",
@@ -336,8 +346,9 @@ PIPELINE = (
 
 @pytest.fixture(scope="session")
 def pipeline_runs(tmp_path_factory, small_corpus):
-    """``pipeline_runs(step, nproc, *extra)``: that trainer on TINY + PIPELINE (+ extra), once per session; its run
-    folder. Step 9's tests (tests/test_pipeline_parallel.py) and step 9's resume test share them."""
+    """``pipeline_runs(step, nproc, *extra)``: that trainer on TINY + PIPELINE (+ extra), once per
+    session; its run folder. Step 9's tests (tests/test_pipeline_parallel.py) and step 9's resume
+    test share them."""
     runs = {}
 
     def run(step: str, nproc: int = 1, *extra: str) -> Path:
@@ -350,9 +361,9 @@ def pipeline_runs(tmp_path_factory, small_corpus):
     return run
 
 
-# Step 10's meshes on TINY, each run 8 samples per optimiser step (micro-batches of 2), as step 1 on 2 ranks
-# accumulating 2; name: (step, ranks, flags), the accumulation each run's own. The runs with checkpoints are resumed
-# at other meshes and by step 1 (tests/test_3d_parallel.py).
+# Step 10's meshes on TINY, each run 8 samples per optimiser step (micro-batches of 2), as step 1 on
+# 2 ranks accumulating 2; name: (step, ranks, flags), the accumulation each run's own. The runs with
+# checkpoints are resumed at other meshes and by step 1 (tests/test_3d_parallel.py).
 MESH_RUNS = {
     "step1": ("step1", 2, ["--grad-accum", "2"]),
     "step8": ("step8", 2, ["--grad-accum", "4"]),
@@ -369,7 +380,8 @@ MESH_RUNS = {
         2,
         ["--grad-accum", "4", "--sequence-parallel", "--dropout", "0.1", "--amp", "bf16"],
     ),
-    # the same without sequence parallelism: the same masks, the same first loss (tests/test_tensor_parallel.py)
+    # the same without sequence parallelism: the same masks,
+    # the same first loss (tests/test_tensor_parallel.py)
     "step8dropbf16": ("step8", 2, ["--grad-accum", "4", "--dropout", "0.1", "--amp", "bf16"]),
     "tp2pp2sp": (
         "step10",
@@ -393,8 +405,9 @@ MESH_RUNS = {
 
 @pytest.fixture(scope="session")
 def mesh_runs(tmp_path_factory, small_corpus):
-    """``mesh_runs(name)``: the run folder of ``MESH_RUNS[name]``, trained once per session. Step 10's tests
-    (tests/test_3d_parallel.py) and the planner's measured rows (tests/test_plan.py) share them."""
+    """``mesh_runs(name)``: the run folder of ``MESH_RUNS[name]``, trained once per session. Step
+    10's tests (tests/test_3d_parallel.py) and the planner's measured rows (tests/test_plan.py)
+    share them."""
     done = {}
     at = TINY.index("--grad-accum")
     tiny = TINY[:at] + TINY[at + 2 :]  # each run sets its own accumulation
@@ -416,8 +429,8 @@ def mesh_runs(tmp_path_factory, small_corpus):
 
 
 def init_gloo(rank: int, world_size: int, port: int) -> None:
-    """In a spawned worker: one CPU thread, and the trainers' own join: a gloo group on loopback, with a
-    short timeout. Leave with ``shutdown()``, as the trainers do."""
+    """In a spawned worker: one CPU thread, and the trainers' own join: a gloo group on loopback,
+    with a short timeout. Leave with ``shutdown()``, as the trainers do."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     distributed.join(
@@ -428,16 +441,18 @@ def init_gloo(rank: int, world_size: int, port: int) -> None:
 shutdown = distributed.shutdown
 
 
-# The workers' start method. Each is a new process, forked from a server process that has imported torch and this
-# file and done nothing else (no group, no tensor work), so a worker starts where a spawned one would be once it
-# has unpickled its target, without importing torch again: about 3 CPU seconds less per worker, most of what a toy
-# test costs. (Outsiders' harnesses, tests/drop_in_harness.py, still use mp.spawn.)
+# The workers' start method. Each is a new process, forked from a server process that has imported
+# torch and this file and done nothing else (no group, no tensor work), so a worker starts where a
+# spawned one would be once it has unpickled its target, without importing torch again: about 3 CPU
+# seconds less per worker, most of what a toy test costs. (Outsiders' harnesses,
+# tests/drop_in_harness.py, still use mp.spawn.)
 WORKERS = mp.get_context("forkserver")
-# And what every trainer imports beyond torch, ~1,000 modules that cost a rank 2-4 CPU seconds, more than the rest of
-# a tiny run: tokenizers (the corpus), safetensors (the weights), torch._inductor.config (which
-# torch.use_deterministic_algorithms imports, and with it torch._dynamo and sympy), matplotlib (--trace), and
-# torch.distributed's FSDP, DTensor, pipelining and checkpoint (the references and the resharding). A name that
-# does not import is skipped by the server.
+# And what every trainer imports beyond torch, ~1,000 modules that cost a rank 2-4 CPU seconds, more
+# than the rest of a tiny run: tokenizers (the corpus), safetensors (the weights),
+# torch._inductor.config (which torch.use_deterministic_algorithms imports, and with it
+# torch._dynamo and sympy), matplotlib (--trace), and torch.distributed's FSDP, DTensor, pipelining
+# and checkpoint (the references and the resharding). A name that does not import is skipped by the
+# server.
 WORKERS.set_forkserver_preload(
     [
         "torch",
@@ -456,8 +471,8 @@ WORKERS.set_forkserver_preload(
 
 
 def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
-    """Run ``target(rank, world_size, port, queue, *args)`` in ``world_size`` fresh processes (``WORKERS``).
-    Each worker puts ``(rank, result)`` on the queue; returns ``{rank: result}``."""
+    """Run ``target(rank, world_size, port, queue, *args)`` in ``world_size`` fresh processes
+    (``WORKERS``). Each worker puts ``(rank, result)`` on the queue; returns ``{rank: result}``."""
     ctx = WORKERS
     queue = ctx.Queue()
     port = free_port()
@@ -471,7 +486,8 @@ def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
         results = dict(queue.get(timeout=timeout) for _ in procs)
         for p in procs:
             p.join(timeout=30)
-        # A worker that answered but never exited hangs in its shutdown: that is a bug, not a slow machine.
+        # A worker that answered but never exited hangs in
+        # its shutdown: that is a bug, not a slow machine.
         assert [p.exitcode for p in procs] == [0] * world_size, (
             f"worker exit codes: {[p.exitcode for p in procs]}"
         )
@@ -485,20 +501,21 @@ def spawn(target, world_size: int, *args, timeout: float = 120) -> dict:
 def run_forked(
     command: list[str], env: dict | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """``subprocess.run(command, cwd=REPO, capture_output=True, text=True)`` for ``python SCRIPT ARGS`` or
-    ``python -c CODE ARGS``, in a process forked from ``WORKERS``' server instead of a new interpreter: the same
-    script runs as ``__main__`` with the same argv, environment and working folder, and only the imports of
-    torch and tokenizers are already done (the repository's own modules are forgotten first, so the script
-    imports its folder's copies as it would). A new interpreter costs ~6 CPU seconds of imports, a fork a
-    tenth of one: most of what a short command (tests/test_bad_input.py's) or a tiny training run costs."""
+    """``subprocess.run(command, cwd=REPO, capture_output=True, text=True)`` for ``python SCRIPT
+    ARGS`` or ``python -c CODE ARGS``, in a process forked from ``WORKERS``' server instead of a new
+    interpreter: the same script runs as ``__main__`` with the same argv, environment and working
+    folder, and only the imports of torch and tokenizers are already done (the repository's own
+    modules are forgotten first, so the script imports its folder's copies as it would). A new
+    interpreter costs ~6 CPU seconds of imports, a fork a tenth of one: most of what a short command
+    (tests/test_bad_input.py's) or a tiny training run costs."""
     return run_forked_together([command], [env or {}], timeout)[0]
 
 
 def run_forked_together(
     commands: list[list[str]], envs: list[dict], timeout: float = 300, grace_s: float = 30
 ) -> list[subprocess.CompletedProcess]:
-    """``run_forked`` for several commands at once (the ranks of one job); once one has failed, the others
-    have ``grace_s`` to end before they are killed, as torchrun stops a job's other ranks."""
+    """``run_forked`` for several commands at once (the ranks of one job); once one has failed, the
+    others have ``grace_s`` to end before they are killed, as torchrun stops a job's other ranks."""
     import tempfile
     import time
 
@@ -515,7 +532,8 @@ def run_forked_together(
                 )
             )
             processes[-1].start()
-        # As torchrun does: once one process has failed, the others get grace_s to end, then are stopped.
+        # As torchrun does: once one process has failed,
+        # the others get grace_s to end, then are stopped.
         deadline, timed_out = time.monotonic() + timeout, False
         while any(p.is_alive() for p in processes):
             if any(p.exitcode for p in processes):
@@ -543,7 +561,8 @@ def run_forked_together(
 
 
 def _run_as_main(argv: list[str], env: dict, out: Path, err: Path) -> None:
-    """In the forked process: become ``python *argv`` (see ``run_forked``); the exit code is the script's."""
+    """In the forked process: become ``python *argv`` (see
+    ``run_forked``); the exit code is the script's."""
     import runpy
 
     for fd, path in ((1, out), (2, err)):

@@ -1,22 +1,25 @@
-"""Each idea file used the way someone else's training script uses it, beside its PyTorch counterpart.
+"""Each idea file used the way someone else's training
+script uses it, beside its PyTorch counterpart.
 
-    python tests/drop_in_harness.py CASE [CASE ...] OUT.json   # CASE: naive_dp bucketed_ddp zero1 zero2 zero3
-                                                               #       zero1_bf16 zero2_bf16 zero1_fp16 offload
+    # CASE: naive_dp bucketed_ddp zero1 zero2 zero3 zero1_bf16 zero2_bf16 zero1_fp16 offload
+    python tests/drop_in_harness.py CASE [CASE ...] OUT.json
 
 This file is deliberately written like an outside harness (a course's test suite, a learner's own
 script): ``torch.multiprocessing.spawn`` starts two workers, each creates the process group itself,
 *then* imports the idea file from its step folder, and runs a plain loop that names nothing of this
 repository but the idea file's own classes and functions. The same loop runs with the PyTorch
-counterpart (``DistributedDataParallel``, ``ZeroRedundancyOptimizer``, FSDP2's ``fully_shard``) in the
-same process, and every parameter is compared with ``torch.equal`` after every optimiser step. The
-workers leave with ``dist.destroy_process_group()``, as such a script does, not with our ``shutdown()``.
+counterpart (``DistributedDataParallel``, ``ZeroRedundancyOptimizer``, FSDP2's ``fully_shard``) in
+the same process, and every parameter is compared with ``torch.equal`` after every optimiser step.
+The workers leave with ``dist.destroy_process_group()``, as such a script does, not with our
+``shutdown()``.
 
-Several cases share one spawn (starting a process is most of a case's time): the group is created once, every
-case's idea files are imported next, one case after another and each from its own folder (so what an import
-adds to ``sys.modules`` is still its own doing: no loop has run yet), then the cases' loops run in turn, each
-with its own files back in place. OUT.json holds ``{"cases": {CASE: {"problems": [...], "checked": N}},
-"threads left": [...]}``. A worker that dies (an exception, or a signal such as the SIGABRT of a thread left
-alive into interpreter exit) makes ``mp.spawn`` raise, and this script exit non-zero.
+Several cases share one spawn (starting a process is most of a case's time): the group is created
+once, every case's idea files are imported next, one case after another and each from its own folder
+(so what an import adds to ``sys.modules`` is still its own doing: no loop has run yet), then the
+cases' loops run in turn, each with its own files back in place. OUT.json holds ``{"cases": {CASE:
+{"problems": [...], "checked": N}}, "threads left": [...]}``. A worker that dies (an exception, or a
+signal such as the SIGABRT of a thread left alive into interpreter exit) makes ``mp.spawn`` raise,
+and this script exit non-zero.
 """
 
 import contextlib
@@ -62,7 +65,8 @@ WORLD_SIZE, STEPS, MICRO_BATCHES, VOCAB = 2, 3, 2, 11
 
 class Toy(nn.Module):
     """An embedding tied to the output layer, a norm, a frozen layer, a layer used only in the first
-    micro-batch of each step, sizes no world size divides (9 x 6 ... 6 x 7: 412 trainable elements)."""
+    micro-batch of each step, sizes no world size divides (9 x 6 ... 6 x 7: 412 trainable
+    elements)."""
 
     def __init__(self):
         super().__init__()
@@ -83,7 +87,8 @@ class Toy(nn.Module):
 
 
 class Block(nn.Module):
-    """A norm, a layer used twice (tied to itself), a frozen layer or not, a layer used only in the first micro-batch."""
+    """A norm, a layer used twice (tied to itself), a frozen
+    layer or not, a layer used only in the first micro-batch."""
 
     def __init__(self, frozen: bool):
         super().__init__()
@@ -112,8 +117,9 @@ class TiedEnds(nn.Module):
 
 
 class Stack(nn.Module):
-    """For FSDP: a root with no parameter of its own; the embedding, each block and the head are units, each
-    called once. ``tied=True``: the embedding is also the output layer, one unit called at both ends."""
+    """For FSDP: a root with no parameter of its own; the embedding, each block and the head are
+    units, each called once. ``tied=True``: the embedding is also the output layer, one unit called
+    at both ends."""
 
     def __init__(self, tied: bool = False):
         super().__init__()
@@ -172,7 +178,7 @@ def params(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-# ---- The cases: our loop and PyTorch's, step by step ---------------------------------------------------
+# ---- The cases: our loop and PyTorch's, step by step ---------------------------------------------
 
 
 def case_naive_dp(rank, problems) -> int:
@@ -224,7 +230,8 @@ def case_bucketed_ddp(rank, problems) -> int:
 
 
 def case_zero1(rank, problems) -> int:
-    """DDP syncs the gradients; the optimisers differ: ours, ZeroRedundancyOptimizer, and a plain one."""
+    """DDP syncs the gradients; the optimisers differ:
+    ours, ZeroRedundancyOptimizer, and a plain one."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from zero1 import ShardedOptimizer
@@ -280,14 +287,16 @@ def case_zero1(rank, problems) -> int:
             or scalers[0].get_scale() == 2.0**10
         ):
             problems.append(
-                f"scales {[s.get_scale() for s in scalers]}: the overflow step was not skipped alike"
+                f"scales {[s.get_scale() for s in scalers]}: the overflow step was not "
+                "skipped alike"
             )
         del models, opts
     return checked
 
 
 def case_zero2(rank, problems) -> int:
-    """Sharded gradients: ours end to end, against DDP with a plain AdamW, a GradScaler and clip_grad_norm_."""
+    """Sharded gradients: ours end to end, against DDP with
+    a plain AdamW, a GradScaler and clip_grad_norm_."""
     from sharded_gradients import ShardedGradScaler
     from sharded_norms import clip_grad_norm
     from zero1 import ShardedOptimizer
@@ -328,7 +337,8 @@ def case_zero2(rank, problems) -> int:
         our_opt.zero_grad()
         their_scaler.unscale_(their_opt)
         # clip_grad_norm adds the squares in float64 (any grouping of the slices rounds to the same
-        # float32 norm); clip_grad_norm_ adds float32 norms. So: PyTorch's clipping rule, with that norm.
+        # float32 norm); clip_grad_norm_ adds float32 norms. So: PyTorch's clipping rule, with that
+        # norm.
         grads = [p.grad for p in theirs.parameters() if p.grad is not None]
         norm = sum(g.double().pow(2).sum() for g in grads).sqrt().float()
         torch.nn.utils.clip_grads_with_norm_(theirs.parameters(), 0.5, norm)
@@ -341,17 +351,19 @@ def case_zero2(rank, problems) -> int:
 
 
 def case_zero3(rank, problems) -> int:
-    """FullyShardedDP against FSDP2's fully_shard (every unit called once), and against DDP with the embedding
-    tied to the output layer (a unit called at both ends: FSDP2 reduce-scatters each call's gradient on its
-    own, which rounds differently from DDP; FullyShardedDP sums every use first, as DDP does)."""
+    """FullyShardedDP against FSDP2's fully_shard (every unit called once), and against DDP with the
+    embedding tied to the output layer (a unit called at both ends: FSDP2 reduce-scatters each
+    call's gradient on its own, which rounds differently from DDP; FullyShardedDP sums every use
+    first, as DDP does)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from zero3 import FullyShardedDP
 
     mesh, checked, float32_result = init_device_mesh("cpu", (WORLD_SIZE,)), 0, None
-    # (tied ends, param_dtype): FSDP2 in float32; DDP with a unit called twice; FSDP2's mixed precision,
-    # bf16 parameters and computation over float32 master shards, gradients reduced in float32.
+    # (tied ends, param_dtype): FSDP2 in float32; DDP with a unit called twice; FSDP2's mixed
+    # precision, bf16 parameters and computation over float32 master shards, gradients reduced in
+    # float32.
     for tied, param_dtype in ((False, None), (True, None), (False, torch.bfloat16)):
         ours_model = build(lambda tied=tied: Stack(tied), 100)
         ours = FullyShardedDP(ours_model, ours_model.units, param_dtype=param_dtype)
@@ -389,7 +401,10 @@ def case_zero3(rank, problems) -> int:
                 if tied
                 else {name: p.full_tensor() for name, p in theirs.named_parameters()}
             )
-            label = f"{'tied, vs DDP' if tied else 'vs FSDP2'}{', bf16' if param_dtype else ''} step {step}"
+            label = (
+                f"{'tied, vs DDP' if tied else 'vs FSDP2'}{', bf16' if param_dtype else ''}"
+                f" step {step}"
+            )
             checked += compare(problems, label, mine, full)
         if (tied, param_dtype) == (False, None):
             float32_result = mine
@@ -416,8 +431,9 @@ def case_zero3(rank, problems) -> int:
 
 
 def case_offload(rank, problems) -> int:
-    """FullyShardedDP with OffloadedOptimizer (AdamW on host copies) against FSDP2 with CPUOffloadPolicy, an LR
-    schedule on both: bitwise at every step; the moments and the masters on the host, apart from the parameters."""
+    """FullyShardedDP with OffloadedOptimizer (AdamW on host copies) against FSDP2 with
+    CPUOffloadPolicy, an LR schedule on both: bitwise at every step; the moments and the masters on
+    the host, apart from the parameters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -472,7 +488,8 @@ def case_offload(rank, problems) -> int:
 
 
 def groups_of(named) -> list[dict]:
-    """``groups`` for (name, tensor) pairs, as OffloadedOptimizer hands its host copies to the optimiser it builds."""
+    """``groups`` for (name, tensor) pairs, as OffloadedOptimizer
+    hands its host copies to the optimiser it builds."""
     named = list(named)
     decayed = {n for n, _ in named if n.endswith("weight") and "norm" not in n}
     return [
@@ -482,7 +499,8 @@ def groups_of(named) -> list[dict]:
 
 
 def fsdp2_bf16(model):
-    """FSDP2 with bf16 parameters over float32 shards, gradients reduced in float32: every unit, then the root."""
+    """FSDP2 with bf16 parameters over float32 shards,
+    gradients reduced in float32: every unit, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -494,7 +512,8 @@ def fsdp2_bf16(model):
 
 
 def trained_fsdp2_bf16(rank: int) -> list[dict]:
-    """FSDP2's float32 masters after each of STEPS steps of the plain loop: what the two cases below must equal."""
+    """FSDP2's float32 masters after each of STEPS steps of
+    the plain loop: what the two cases below must equal."""
     theirs = fsdp2_bf16(build(lambda: Stack(False), 100))
     opt = torch.optim.AdamW(groups(theirs), lr=0.05)
     after = []
@@ -510,8 +529,9 @@ def trained_fsdp2_bf16(rank: int) -> list[dict]:
 
 
 def summed_and_averaged(model, step, rank, scaler) -> dict:
-    """The outsider's own gradient sync for 16-bit parameters: each micro-batch's scaled 16-bit gradient added to a
-    float32 sum, the sums all-reduced in float32 and averaged. ``{parameter: its float32 averaged gradient}``."""
+    """The outsider's own gradient sync for 16-bit parameters: each micro-batch's scaled 16-bit
+    gradient added to a float32 sum, the sums all-reduced in float32 and averaged. ``{parameter: its
+    float32 averaged gradient}``."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     sums = {}
     for micro_step in range(MICRO_BATCHES):
@@ -528,8 +548,9 @@ def summed_and_averaged(model, step, rank, scaler) -> dict:
 
 
 def case_zero1_bf16(rank, problems) -> int:
-    """ShardedOptimizerWithMasters(param_dtype=bf16) with the outsider's own gradient sync (float32 sums into
-    ``main_grad``, as the optimiser's docstring asks) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
+    """ShardedOptimizerWithMasters(param_dtype=bf16) with the outsider's own gradient sync (float32
+    sums into ``main_grad``, as the optimiser's docstring asks) against FSDP2's
+    MixedPrecisionPolicy(bf16, float32)."""
     from masters import ShardedOptimizerWithMasters
 
     expected = trained_fsdp2_bf16(rank)
@@ -556,10 +577,11 @@ def case_zero1_bf16(rank, problems) -> int:
 
 
 def case_zero1_fp16(rank, problems) -> int:
-    """ShardedOptimizerWithMasters(fp16) with ShardedGradScaler and clip_grad_norm over its slices, the outsider's float32
-    gradient sync into ``main_grad``, against PyTorch's plain mixed precision: an fp16 copy of the model for forward
-    and backward, AdamW over a float32 master of all of it, torch.amp.GradScaler, clip_grad_norm_'s rule. The first
-    loss scale (2^30) overflows fp16 and backs off to 2^10: both must skip that step, and only it."""
+    """ShardedOptimizerWithMasters(fp16) with ShardedGradScaler and clip_grad_norm over its slices,
+    the outsider's float32 gradient sync into ``main_grad``, against PyTorch's plain mixed
+    precision: an fp16 copy of the model for forward and backward, AdamW over a float32 master of
+    all of it, torch.amp.GradScaler, clip_grad_norm_'s rule. The first loss scale (2^30) overflows
+    fp16 and backs off to 2^10: both must skip that step, and only it."""
     from masters import ShardedOptimizerWithMasters
     from sharded_gradients import ShardedGradScaler
     from sharded_norms import clip_grad_norm
@@ -626,7 +648,8 @@ def case_zero1_fp16(rank, problems) -> int:
 
 
 def case_zero2_bf16(rank, problems) -> int:
-    """ShardedGradientDDP + ShardedOptimizerWithMasters(bf16) against FSDP2's MixedPrecisionPolicy(bf16, float32)."""
+    """ShardedGradientDDP + ShardedOptimizerWithMasters(bf16) against FSDP2's
+    MixedPrecisionPolicy(bf16, float32)."""
     from masters import ShardedOptimizerWithMasters
     from zero2 import ShardedGradientDDP
 
@@ -667,8 +690,9 @@ def from_folder(folder: Path) -> dict:
 
 
 def set_aside(folder: Path) -> dict:
-    """Take ``folder`` off the path and its modules out of ``sys.modules`` (another step folder holds files of
-    the same names: the next case must load its own); returns them, to be put back for the case's loop."""
+    """Take ``folder`` off the path and its modules out of ``sys.modules`` (another step folder
+    holds files of the same names: the next case must load its own); returns them, to be put back
+    for the case's loop."""
     sys.path.remove(str(folder))
     modules = from_folder(folder)
     for name in modules:
@@ -687,8 +711,9 @@ def worker(rank: int, cases: list[str], port: int, out: str) -> None:
         before = set(sys.modules)
         for module in IDEA_MODULES[case]:
             importlib.import_module(module)
-        # Importing an idea file must do nothing to the group: no set-up module of the trainers, nothing that
-        # binds the default group (torch.distributed.nn.functional does, as a default argument, when first imported).
+        # Importing an idea file must do nothing to the group: no set-up module of the trainers,
+        # nothing that binds the default group (torch.distributed.nn.functional does, as a default
+        # argument, when first imported).
         side_effects = {
             "distributed",
             "torch.distributed.nn",
@@ -705,7 +730,8 @@ def worker(rank: int, cases: list[str], port: int, out: str) -> None:
         checked[case] = globals()[f"case_{case}"](rank, problems[case])
         set_aside(folder)
     dist.destroy_process_group()
-    # A group that something still holds is not freed: its threads would run on into interpreter exit.
+    # A group that something still holds is not freed:
+    # its threads would run on into interpreter exit.
     left = gloo_threads()
     Path(f"{out}.rank{rank}").write_text(
         json.dumps({"problems": problems, "checked": checked, "threads left": left})
@@ -728,8 +754,8 @@ def main() -> None:
     unknown = sorted(set(cases) - set(FOLDER))
     if not cases or unknown:
         sys.exit(
-            f"usage: python tests/drop_in_harness.py CASE [CASE ...] OUT.json, CASE one of {sorted(FOLDER)}"
-            + (f" (not {unknown})" if unknown else "")
+            "usage: python tests/drop_in_harness.py CASE [CASE ...] OUT.json, CASE "
+            f"one of {sorted(FOLDER)}" + (f" (not {unknown})" if unknown else "")
         )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,11 +1,13 @@
-"""step12's expert_parallel.py dropped into someone else's script: their own MoE layer, their own mp.spawn loop.
+"""step12's expert_parallel.py dropped into someone else's
+script: their own MoE layer, their own mp.spawn loop.
 
-The outsider writes a top-1 MoE layer of their own (a router, argmax, their own sort by expert, experts that are
-``nn.Sequential``s in an ``nn.ModuleDict``), and uses two things of the idea file: ``ExpertParallel`` in place of
-running their experts, and ``reduce_gradients`` after backward. Each of 2 ranks trains on its own batch with
-SGD for a few steps; the reference is the same layer with every expert, in one process, running both ranks'
-batches one after the other and averaging the gradients. After every step each rank's parameters must be
-``torch.equal`` to the reference's (at 2 ranks every sum has two terms: the same bits). Prints JSON.
+The outsider writes a top-1 MoE layer of their own (a router, argmax, their own sort by expert,
+experts that are ``nn.Sequential``s in an ``nn.ModuleDict``), and uses two things of the idea file:
+``ExpertParallel`` in place of running their experts, and ``reduce_gradients`` after backward. Each
+of 2 ranks trains on its own batch with SGD for a few steps; the reference is the same layer with
+every expert, in one process, running both ranks' batches one after the other and averaging the
+gradients. After every step each rank's parameters must be ``torch.equal`` to the reference's (at 2
+ranks every sum has two terms: the same bits). Prints JSON.
 
     python tests/ep_drop_in_harness.py OUT.json
 """

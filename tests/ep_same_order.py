@@ -1,28 +1,32 @@
-"""Step 12's sums at W ranks, written again in one process: the reference step 12 at 4 ranks is bitwise against.
+"""Step 12's sums at W ranks, written again in one process:
+the reference step 12 at 4 ranks is bitwise against.
 
-A plain loop over the MoE model step 0 trains (common/model.py + common/moe.py, its data, AdamW and schedule),
-naming nothing of step 12. Each optimiser step runs its W micro-batches one at a time (micro-batch i is what
-rank i holds with one sample a micro-batch), keeps each one's gradients g_i apart, then adds them in an order:
+A plain loop over the MoE model step 0 trains (common/model.py + common/moe.py, its data, AdamW and
+schedule), naming nothing of step 12. Each optimiser step runs its W micro-batches one at a time
+(micro-batch i is what rank i holds with one sample a micro-batch), keeps each one's gradients g_i
+apart, then adds them in an order:
 
-- ``step0``: one after the other in float32, as step 0's ``.grad`` accumulates them: ((g_0 + g_1) + g_2) + g_3.
-  The loss likewise. (This order must give step 0's bits: it checks the rest of the loop.)
+- ``step0``: one after the other in float32, as step 0's ``.grad`` accumulates them: ((g_0 + g_1) +
+  g_2) + g_3. The loss likewise. (This order must give step 0's bits: it checks the rest of the
+  loop.)
 - ``ep`` (``--ep D``), step 12 with ``--reduce-dtype float64``, micro-batch i on rank i:
-  1. a dense gradient: the W terms added in float64, divided by W, rounded to float32 once. Exact for a few
-     float32 terms, so whatever order gloo's all-reduce adds in, it gets these bits;
-  2. expert e's gradient: the ranks of an expert-parallel group (D consecutive ranks) send their slots to
-     e's rank, which computes one product per source. Autograd's engine runs the ready node created last first,
-     so the last source's product reaches e's gradient first, and it adds them in float32:
-     ((g_{D-1} + g_{D-2}) + ...) + g_0 for group 0. The W/D groups' sums (e's copies) are then added in float64,
-     divided by W, rounded once;
+  1. a dense gradient: the W terms added in float64, divided by W, rounded to float32 once. Exact
+     for a few float32 terms, so whatever order gloo's all-reduce adds in, it gets these bits;
+  2. expert e's gradient: the ranks of an expert-parallel group (D consecutive ranks) send their
+     slots to e's rank, which computes one product per source. Autograd's engine runs the ready node
+     created last first, so the last source's product reaches e's gradient first, and it adds them
+     in float32: ((g_{D-1} + g_{D-2}) + ...) + g_0 for group 0. The W/D groups' sums (e's copies)
+     are then added in float64, divided by W, rounded once;
   3. the loss: the W losses added in float64, divided by W, rounded to float32;
-  4. the clipping norm as step 0 takes it (squares added in float64, the root in float32): a rank's share
-     added first moves the float64 sum by ~1e-16 relative, below float32's rounding.
+  4. the clipping norm as step 0 takes it (squares added in float64, the root in float32): a rank's
+     share added first moves the float64 sum by ~1e-16 relative, below float32's rounding.
 
-Writes OUT/<order>/metrics.json and model.safetensors, as a run does, and OUT/<order>/first_step.json: how many
-elements of the first step's summed gradients (dense, experts) and whether its loss differ from the ``step0``
-order's on the same g_i.
+Writes OUT/<order>/metrics.json and model.safetensors, as a run does, and
+OUT/<order>/first_step.json: how many elements of the first step's summed gradients (dense, experts)
+and whether its loss differ from the ``step0`` order's on the same g_i.
 
-    python tests/ep_same_order.py RUN OUT ORDER...     # RUN: a run whose config to train (W = its world size)
+    # RUN: a run whose config to train (W = its world size)
+    python tests/ep_same_order.py RUN OUT ORDER...
 """
 
 import json
@@ -86,7 +90,8 @@ def loss_of(order: str, losses: list) -> float:
 
 
 def exact_norm(tensors) -> float:
-    """sqrt of the exact sum of squares, rounded once: each float32 square is exact in float64, fsum rounds once."""
+    """sqrt of the exact sum of squares, rounded once: each
+    float32 square is exact in float64, fsum rounds once."""
     return math.sqrt(math.fsum(x for t in tensors for x in t.double().pow(2).flatten().tolist()))
 
 

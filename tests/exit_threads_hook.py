@@ -1,13 +1,15 @@
-"""Run a trainer, then say which of gloo's threads are still alive: the leak ``distributed.shutdown`` warns of.
+"""Run a trainer, then say which of gloo's threads are
+still alive: the leak ``distributed.shutdown`` warns of.
 
     torchrun --standalone --nproc_per_node=2 tests/exit_threads_hook.py step7_zero3/train.py ...
 
-Gloo's threads (``gloo_tcp_loop``, ``pt_gloo_runloop``) stop only when the process group is freed, and
-``destroy_process_group`` frees it only if nothing else holds it. A group still held at interpreter exit lets
-a thread ask for the GIL while exit is under way: "terminate called without an active exception", SIGABRT,
-now and then (see ``shutdown``'s docstring). A race is a poor test; a thread that is alive after ``main`` is a
-sure one. train.py runs as ``__main__`` (its folder first on sys.path, as when it runs by itself); then the
-garbage is collected, gloo's socket loop is given 5 s to end, and this prints one line from /proc:
+Gloo's threads (``gloo_tcp_loop``, ``pt_gloo_runloop``) stop only when the process group is freed,
+and ``destroy_process_group`` frees it only if nothing else holds it. A group still held at
+interpreter exit lets a thread ask for the GIL while exit is under way: "terminate called without an
+active exception", SIGABRT, now and then (see ``shutdown``'s docstring). A race is a poor test; a
+thread that is alive after ``main`` is a sure one. train.py runs as ``__main__`` (its folder first
+on sys.path, as when it runs by itself); then the garbage is collected, gloo's socket loop is given
+5 s to end, and this prints one line from /proc:
 ``threads after main: NAME,NAME,...``.
 """
 
@@ -20,7 +22,8 @@ from pathlib import Path
 
 
 def thread_names() -> list[str]:
-    """The names of this process's threads, main included (Linux's /proc; gloo names its threads)."""
+    """The names of this process's threads, main
+    included (Linux's /proc; gloo names its threads)."""
     return sorted(
         Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()
     )

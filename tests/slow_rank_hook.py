@@ -1,12 +1,15 @@
-"""Run a trainer with one rank slowed down on purpose: a straggler made from tests/, so that the trainers carry
-no test switch of their own (compare/stragglers.py is tested on real runs; docs/fault_tolerance.md, "Stragglers").
+"""Run a trainer with one rank slowed down on purpose: a straggler made from tests/, so that the
+trainers carry no test switch of their own (compare/stragglers.py is tested on real runs;
+docs/fault_tolerance.md, "Stragglers").
 
-    torchrun --standalone --nproc_per_node=2 tests/slow_rank_hook.py 1:0.05 step1_torch_ddp/train.py ...
+    torchrun --standalone --nproc_per_node=2 tests/slow_rank_hook.py 1:0.05 \\
+        step1_torch_ddp/train.py ...
 
-``RANK:SECONDS``: rank RANK spins for SECONDS of its thread's CPU time each time it fetches a micro-batch. CPU
-work, not a sleep: it stands in for a slower device or a heavier input pipeline, i.e. more computation. The
-patch goes on the step's own ``data`` module (the trainer's folder first on sys.path, as when it runs by itself),
-then train.py runs as ``__main__``. A malformed RANK:SECONDS is one line and exit code 2, before any import.
+``RANK:SECONDS``: rank RANK spins for SECONDS of its thread's CPU time each time it fetches a
+micro-batch. CPU work, not a sleep: it stands in for a slower device or a heavier input pipeline,
+i.e. more computation. The patch goes on the step's own ``data`` module (the trainer's folder first
+on sys.path, as when it runs by itself), then train.py runs as ``__main__``. A malformed
+RANK:SECONDS is one line and exit code 2, before any import.
 """
 
 import os
@@ -28,7 +31,8 @@ def parse(spec: str) -> tuple[int, float]:
 
 
 def extra_work(seconds: float) -> None:
-    """Busy the CPU for ``seconds`` of this thread's CPU time (a sleep would cost wall time but no work)."""
+    """Busy the CPU for ``seconds`` of this thread's CPU
+    time (a sleep would cost wall time but no work)."""
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         pass
@@ -40,7 +44,8 @@ def main() -> None:
         slow_rank, seconds = parse(spec)
     except ValueError:
         print(
-            f"error: slow_rank_hook.py {spec!r}: expected RANK:SECONDS, e.g. 1:0.05 (rank >= 0, 0 <= seconds < 60)",
+            f"error: slow_rank_hook.py {spec!r}: expected RANK:SECONDS, e.g. 1:0.05 "
+            "(rank >= 0, 0 <= seconds < 60)",
             file=sys.stderr,
             flush=True,
         )

@@ -1,7 +1,7 @@
-"""compare/accelerate_reference.py: step 1's loop written with Hugging Face Accelerate trains like step 1. Bitwise
-without clipping; with it, only the gradient norm differs (torch's clip_grad_norm_ adds per-tensor float32 norms,
-step 1 adds squares in float64), measured to the ulp and checked to stay there. Launched by Accelerate's own
-launcher and as our ranks."""
+"""compare/accelerate_reference.py: step 1's loop written with Hugging Face Accelerate trains like
+step 1. Bitwise without clipping; with it, only the gradient norm differs (torch's clip_grad_norm_
+adds per-tensor float32 norms, step 1 adds squares in float64), measured to the ulp and checked to
+stay there. Launched by Accelerate's own launcher and as our ranks."""
 
 import subprocess
 import sys
@@ -22,8 +22,9 @@ def no_clipping(args: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def unclipped(tmp_path_factory, small_corpus):
-    """Step 1 and ``accelerate launch --multi_gpu --num_processes 2`` (torchrun underneath; ``--cpu`` would start one
-    process) on TINY with clipping off, once for the tests below: (step 1's run, ours, the launcher's output)."""
+    """Step 1 and ``accelerate launch --multi_gpu --num_processes 2`` (torchrun underneath;
+    ``--cpu`` would start one process) on TINY with clipping off, once for the tests below: (step
+    1's run, ours, the launcher's output)."""
     folder = tmp_path_factory.mktemp("unclipped")
     args = [*no_clipping(TINY), *TIMEOUT, "--data", str(small_corpus)]
     step1 = train("step1", folder / "step1", small_corpus, "--grad-clip", "0")
@@ -57,8 +58,8 @@ def unclipped(tmp_path_factory, small_corpus):
 
 
 def test_accelerate_launch_trains_bitwise_like_step1_without_clipping(unclipped):
-    """The Accelerate launch against step 1, clipping off: every weight ``torch.equal``, every loss the same
-    float."""
+    """The Accelerate launch against step 1, clipping off: every weight ``torch.equal``, every loss
+    the same float."""
     step1, ours, output = unclipped
     assert "Accelerate over 2 ranks" in output
     assert metrics(ours)["config"]["grad_clip"] == metrics(step1)["config"]["grad_clip"] == 0
@@ -70,11 +71,12 @@ def test_accelerate_launch_trains_bitwise_like_step1_without_clipping(unclipped)
 
 
 def test_without_clipping_the_logged_norm_is_step1s_to_a_few_ulps(unclipped):
-    """--grad-clip 0 logs the norm it does not clip by (torch.nn.utils.get_total_norm of the same bitwise
-    gradients): each record's grad_norm against step 1's, as strictly as with clipping below (1e-5 relative:
-    per-tensor float32 norms, not step 1's float64 squares; measured: up to 8e-7, and one of the four steps equal,
-    so that they differ at all is the CPU's, not asserted). The other tests compare the norms only with clipping
-    on, so a norm logged wrong when nothing is clipped (0, say) passed."""
+    """--grad-clip 0 logs the norm it does not clip by (torch.nn.utils.get_total_norm of the same
+    bitwise gradients): each record's grad_norm against step 1's, as strictly as with clipping below
+    (1e-5 relative: per-tensor float32 norms, not step 1's float64 squares; measured: up to 8e-7,
+    and one of the four steps equal, so that they differ at all is the CPU's, not asserted). The
+    other tests compare the norms only with clipping on, so a norm logged wrong when nothing is
+    clipped (0, say) passed."""
     step1, ours, _ = unclipped
     ra, rb = metrics(step1)["records"], metrics(ours)["records"]
     assert len(ra) == len(rb) == 4 and metrics(ours)["config"]["grad_clip"] == 0
@@ -83,10 +85,11 @@ def test_without_clipping_the_logged_norm_is_step1s_to_a_few_ulps(unclipped):
 
 
 def test_with_clipping_only_the_norm_differs_and_by_a_few_ulps(step1_ws2, tmp_path, small_corpus):
-    """The tour's step 1 (clipping at 0.3, below every norm of the run: every step clips) against the Accelerate
-    loop on the same flags, launched as our ranks. The norms differ by at most 1e-5 relative (measured: 1.2e-6,
-    8 float32 ulps), so the clipping coefficients do, so the weights drift apart from step 1 on: within 1e-6
-    (measured 1.5e-7 after 4 steps), the first losses identical, parity.py's verdict PASS, not bitwise."""
+    """The tour's step 1 (clipping at 0.3, below every norm of the run: every step clips) against
+    the Accelerate loop on the same flags, launched as our ranks. The norms differ by at most 1e-5
+    relative (measured: 1.2e-6, 8 float32 ulps), so the clipping coefficients do, so the weights
+    drift apart from step 1 on: within 1e-6 (measured 1.5e-7 after 4 steps), the first losses
+    identical, parity.py's verdict PASS, not bitwise."""
     ours = tmp_path / "accelerate"
     args = [*TINY, *TIMEOUT, "--data", str(small_corpus), "--out", str(ours)]
     result = run_ranks(SCRIPT, args, nproc=2)

@@ -1,8 +1,9 @@
-"""compare/activation_formula.py and the planner's published models: Korthikanti et al. 2022's per-layer
-accounting term by term (their Table 2 for their four models, every mode), what autograd really saves on this
-machine for the trainers' model (each difference named), the presets' parameter counts as published, and the
-175B layout of their Table 3 not fitting in 80 GB without recomputation; and the model-state tables (the ZeRO
-paper's Table 1, the Ultra-Scale Playbook's bytes per parameter)."""
+"""compare/activation_formula.py and the planner's published models: Korthikanti et al. 2022's
+per-layer accounting term by term (their Table 2 for their four models, every mode), what autograd
+really saves on this machine for the trainers' model (each difference named), the presets' parameter
+counts as published, and the 175B layout of their Table 3 not fitting in 80 GB without
+recomputation; and the model-state tables (the ZeRO paper's Table 1, the Ultra-Scale Playbook's
+bytes per parameter)."""
 
 import pytest
 import torch
@@ -18,17 +19,19 @@ KORTHIKANTI = {
     "megatron-530b": (1, 8, 35),
     "megatron-1t": (1, 8, 64),
 }
-# Table 2 prints full recomputation once, 2 (the layer's input in 16 bits); with sequence parallelism that input is
-# split over t, as Megatron-LM keeps it: 2/t. A row the table leaves out, asserted with its rows.
+# Table 2 prints full recomputation once, 2 (the layer's input in 16 bits); with sequence
+# parallelism that input is split over t, as Megatron-LM keeps it: 2/t. A row the table leaves out,
+# asserted with its rows.
 ROWS = {**TABLE2, ("full", True): lambda a, s, h, t: 2 / t}
 
 
 @pytest.mark.quick
 @pytest.mark.parametrize("name", KORTHIKANTI)
 def test_every_mode_of_table_2_per_layer(name):
-    """e = 2, masks of 1 byte, dropout on, math attention: the five rows of their Table 2 in units of sbh, at each
-    model's t, and full recomputation with sequence parallelism (ROWS: 2/t, not 2). What the paper leaves out (the
-    LayerNorms' float32 statistics, 16 bytes a token) is below 0.03%."""
+    """e = 2, masks of 1 byte, dropout on, math attention: the five rows of their Table 2 in units
+    of sbh, at each model's t, and full recomputation with sequence parallelism (ROWS: 2/t, not 2).
+    What the paper leaves out (the LayerNorms' float32 statistics, 16 bytes a token) is below
+    0.03%."""
     shape = plan.PRESETS[name]
     b, t, _ = KORTHIKANTI[name]
     sbh = shape.seq_len * b * shape.n_embd
@@ -46,7 +49,8 @@ def test_every_mode_of_table_2_per_layer(name):
             got / sbh,
             expected / sbh,
         )
-    # and at t = 1, the paper's equation (1): sbh (34 + 5as/h), of which the statistics are the only addition
+    # and at t = 1, the paper's equation (1): sbh (34 +
+    # 5as/h), of which the statistics are the only addition
     formula = FormulaActivations(shape, b, 2, "math", 0.1)
     terms = formula.terms()
     assert (
@@ -72,8 +76,8 @@ def test_flash_attention_keeps_no_s_squared_and_swiglu_three_ffn_wide_tensors():
 
 
 def saved_by_one_block(config: GPTConfig, micro_batch_size: int, model=None) -> dict:
-    """Bytes autograd saves inside block 0 of the real model on this CPU (or of ``model``), each storage once,
-    weights left out."""
+    """Bytes autograd saves inside block 0 of the real model on this CPU (or of ``model``), each
+    storage once, weights left out."""
     torch.manual_seed(0)
     model = model or GPT2(config).train()
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -97,10 +101,11 @@ def saved_by_one_block(config: GPTConfig, micro_batch_size: int, model=None) -> 
 @pytest.mark.quick
 @pytest.mark.parametrize("attention, dropout", [("math", 0.0), ("math", 0.1), ("sdpa", 0.0)])
 def test_the_formula_is_what_autograd_saves_for_the_trainers_model(attention, dropout):
-    """Counted on real tensors (the meta device runs SDPA's math path), float32, e = 4. Two differences, each
-    named: on a CPU a dropout mask is a float32 tensor (m = 4; a bool on a GPU), and the math path keeps its s x s
-    bool causal mask. SDPA's output is laid out (b, s, a, d) under its (b, a, s, d) shape, so c_proj's input is
-    the same storage: kept once, as the formula counts it."""
+    """Counted on real tensors (the meta device runs SDPA's math path), float32, e = 4. Two
+    differences, each named: on a CPU a dropout mask is a float32 tensor (m = 4; a bool on a GPU),
+    and the math path keeps its s x s bool causal mask. SDPA's output is laid out (b, s, a, d) under
+    its (b, a, s, d) shape, so c_proj's input is the same storage: kept once, as the formula counts
+    it."""
     torch.set_num_threads(1)
     b, s, h, heads = 2, 32, 64, 4
     config = GPTConfig(
@@ -135,9 +140,10 @@ MOE_CONFIG = dict(vocab_size=128, seq_len=32, n_layer=1, n_head=4, n_embd=64, at
     "top_k, capacity_factor, dropout", [(1, 0.0, 0.0), (2, 0.0, 0.0), (2, 1.0, 0.1)]
 )
 def test_the_moe_formula_is_what_autograd_saves_in_one_process(top_k, capacity_factor, dropout):
-    """An MoE block of common/moe.py (step 0's), float32: the formula's terms with S = R = the kept slots the
-    layer counted (k T dropless; fewer with a capacity factor of 1, where some slots drop), Switch's k = 1 (no
-    renormalising) and k = 2; the one difference the dense test names (math attention's s x s causal mask)."""
+    """An MoE block of common/moe.py (step 0's), float32: the formula's terms with S = R = the kept
+    slots the layer counted (k T dropless; fewer with a capacity factor of 1, where some slots
+    drop), Switch's k = 1 (no renormalising) and k = 2; the one difference the dense test names
+    (math attention's s x s causal mask)."""
     torch.set_num_threads(1)
     b, experts = 2, 4
     config = GPTConfig(**MOE_CONFIG, dropout=dropout)
@@ -155,8 +161,8 @@ def test_the_moe_formula_is_what_autograd_saves_in_one_process(top_k, capacity_f
 
 
 def moe_activations_worker(rank, world_size, port, queue):
-    """Step 12's dispatcher at ep = world size: each rank its own tokens, what its MoE block saves and the slots it
-    sent and its experts received."""
+    """Step 12's dispatcher at ep = world size: each rank its own tokens, what its MoE block saves
+    and the slots it sent and its experts received."""
     import os
     import sys
     import traceback
@@ -202,9 +208,10 @@ def moe_activations_worker(rank, world_size, port, queue):
 
 
 def test_the_moe_formula_is_what_each_rank_saves_under_expert_parallelism():
-    """Step 12 at ep 2, dropless, dropout on: on each rank the formula with the slots its tokens sent (S = k T)
-    and the slots its experts computed (R, uneven: the router does not balance this micro-batch), to the byte;
-    and their mean is the planner's balanced default (R = k T: what one rank receives, all ranks send)."""
+    """Step 12 at ep 2, dropless, dropout on: on each rank the formula with the slots its tokens
+    sent (S = k T) and the slots its experts computed (R, uneven: the router does not balance this
+    micro-batch), to the byte; and their mean is the planner's balanced default (R = k T: what one
+    rank receives, all ranks send)."""
     from conftest import spawn
 
     got = spawn(moe_activations_worker, 2)
@@ -222,8 +229,8 @@ def test_the_moe_formula_is_what_each_rank_saves_under_expert_parallelism():
 
 @pytest.mark.quick
 def test_presets_have_their_published_parameter_counts():
-    """Exact where the count is published to the parameter (Hugging Face's GPT-2s; Llama 3's), else within the
-    paper's rounding."""
+    """Exact where the count is published to the parameter (Hugging Face's GPT-2s; Llama 3's), else
+    within the paper's rounding."""
     exact = {
         "gpt2": 124_439_808,
         "gpt2-medium": 354_823_168,
@@ -254,8 +261,9 @@ def test_presets_have_their_published_parameter_counts():
 
 @pytest.mark.quick
 def test_llama_tensor_parallel_shares_split_gqa_and_swiglu():
-    """Llama 3 8B at t = 8: q and c_proj 1/8 of h², k and v 1/8 of their 8 heads, the three MLP matrices 1/8;
-    the RMSNorms whole; untied, the output layer's own matrix is split like the embedding."""
+    """Llama 3 8B at t = 8: q and c_proj 1/8 of h², k and v 1/8 of their 8 heads, the three MLP
+    matrices 1/8; the RMSNorms whole; untied, the output layer's own matrix is split like the
+    embedding."""
     llama = plan.PRESETS["llama3-8b"]
     h, kv, f, vocab = 4096, 1024, 14336, 128256
     block = (2 * h * h + 2 * h * kv + 3 * h * f) // 8 + 2 * h
@@ -268,9 +276,10 @@ def test_llama_tensor_parallel_shares_split_gqa_and_swiglu():
 
 @pytest.mark.quick
 def test_the_175b_layout_of_table_3_does_not_fit_without_recomputation():
-    """t 8, p 8, micro-batch 1, 64 micro-batches, 16-bit: the first stage holds 8 micro-batches of 12 layers,
-    96 x 23 sbh (10 + 24/8 + 5as/(ht)), 55.6 GB, beside 16 bytes a parameter of its 2.8 B: about 100 GB,
-    over 80 GiB. Selective recomputation with sequence parallelism (34/t) brings it under."""
+    """t 8, p 8, micro-batch 1, 64 micro-batches, 16-bit: the first stage holds 8 micro-batches of
+    12 layers, 96 x 23 sbh (10 + 24/8 + 5as/(ht)), 55.6 GB, beside 16 bytes a parameter of its 2.8
+    B: about 100 GB, over 80 GiB. Selective recomputation with sequence parallelism (34/t) brings it
+    under."""
     shape = plan.PRESETS["megatron-175b"]
     hardware = plan.Hardware(64, 80 * plan.GIB)
     formula = FormulaActivations(shape, 1, 2, "math", 0.1)
@@ -292,7 +301,8 @@ def test_the_175b_layout_of_table_3_does_not_fit_without_recomputation():
     assert c["total"] < 80 * plan.GIB
 
 
-# the ZeRO paper's Table 1 (GB per device, K = 12): rows N = 1, 4, 16, 64; per model ZeRO-1, ZeRO-2, ZeRO-3
+# the ZeRO paper's Table 1 (GB per device, K = 12): rows
+# N = 1, 4, 16, 64; per model ZeRO-1, ZeRO-2, ZeRO-3
 ZERO_TABLE_1 = {
     1: ((120, 120, 120), (2048, 2048, 2048), (16000, 16000, 16000)),
     4: ((52.5, 41.3, 30), (896, 704, 512), (7000, 5500, 4000)),
@@ -320,9 +330,10 @@ def test_the_zero_papers_table_1_within_its_printed_digits():
 
 @pytest.mark.quick
 def test_the_ultra_scale_playbooks_bytes_per_parameter():
-    """Its table: float32 training 4 + 4 + 8 = 16 bytes a parameter; mixed precision 2 + 2 + 4 (the float32
-    master) + 8 = 16; with float32 gradients as well, 20. The trainers' float32 gradients (FSDP2's reduce_dtype)
-    replace the 16-bit ones instead of adding to them: 18, and 16 under ZeRO-3, whose shard is the master."""
+    """Its table: float32 training 4 + 4 + 8 = 16 bytes a parameter; mixed precision 2 + 2 + 4 (the
+    float32 master) + 8 = 16; with float32 gradients as well, 20. The trainers' float32 gradients
+    (FSDP2's reduce_dtype) replace the 16-bit ones instead of adding to them: 18, and 16 under
+    ZeRO-3, whose shard is the master."""
     import estimate
 
     assert sum(estimate.bytes_per_parameter(0, "float32")[0]) == 16
@@ -332,8 +343,8 @@ def test_the_ultra_scale_playbooks_bytes_per_parameter():
 
 
 def test_the_command_line_describes_a_model_by_its_shape_or_a_preset(tmp_path):
-    """Llama 3 8B by flags is the preset; a preset takes --seq-len and --vocab-size over its own; a shape that is
-    not the trainers' model is sized by the formula."""
+    """Llama 3 8B by flags is the preset; a preset takes --seq-len and --vocab-size over its own; a
+    shape that is not the trainers' model is sized by the formula."""
     import json
     import sys
 

@@ -1,18 +1,19 @@
-"""Every user mistake in docs/bad_input.md, tried for real: one `error:` line, exit 2, nothing saved touched.
+"""Every user mistake in docs/bad_input.md, tried for
+real: one `error:` line, exit 2, nothing saved touched.
 
-The table in docs/bad_input.md is the list. Each row names its case here (last column), and the message it
-shows is the pattern the case's one stderr line must match: paths as the doc shows them, ``...`` for what
-depends on the machine. A case with no row, or a row with no case, fails the test.
+The table in docs/bad_input.md is the list. Each row names its case here (last column), and the
+message it shows is the pattern the case's one stderr line must match: paths as the doc shows them,
+``...`` for what depends on the machine. A case with no row, or a row with no case, fails the test.
 
-Each case is a process of its own running the real command: a trainer as ``python stepK/train.py`` (a
-distributed step as rank 0 of 2 through torchrun's environment variables, which reaches every check, since all
-of them run before the process group is joined), a tool as ``python compare/x.py``. The processes are forked
-from one that has imported torch and tokenizers (``conftest.run_forked``: the script runs as ``__main__``
-with its argv and environment; a new interpreter would spend ~6 CPU seconds importing them, in 80 cases),
-a few at a time. Each works in a folder of its own laid out like the repository (``runs/``,
-``data/``), holding what its command reads: a copy of the tour's step-1 run, damaged on purpose where that
-is the mistake. Afterwards every file in those folders must have the bytes it had before, and none may
-have been added.
+Each case is a process of its own running the real command: a trainer as ``python stepK/train.py``
+(a distributed step as rank 0 of 2 through torchrun's environment variables, which reaches every
+check, since all of them run before the process group is joined), a tool as ``python compare/x.py``.
+The processes are forked from one that has imported torch and tokenizers (``conftest.run_forked``:
+the script runs as ``__main__`` with its argv and environment; a new interpreter would spend ~6 CPU
+seconds importing them, in 80 cases), a few at a time. Each works in a folder of its own laid out
+like the repository (``runs/``, ``data/``), holding what its command reads: a copy of the tour's
+step-1 run, damaged on purpose where that is the mistake. Afterwards every file in those folders
+must have the bytes it had before, and none may have been added.
 """
 
 import json
@@ -36,7 +37,7 @@ TABLE = REPO / "docs" / "bad_input.md"
 PARALLEL = 4
 
 
-# ---- how a case runs its command ------------------------------------------------------------------------
+# ---- how a case runs its command -----------------------------------------------------------------
 
 
 @dataclass
@@ -46,7 +47,8 @@ class Case:
 
     @property
     def script(self) -> str:
-        """``step1_torch_ddp/train.py`` or ``compare/parity.py``: what the doc's example command must run."""
+        """``step1_torch_ddp/train.py`` or ``compare/parity.py``:
+        what the doc's example command must run."""
         return (
             next(Path(part) for part in self.command if part.endswith(".py"))
             .relative_to(REPO)
@@ -55,8 +57,9 @@ class Case:
 
 
 def trainer(step: str, *args, ranks: int | None = None, env: dict | None = None) -> Case:
-    """``python stepK/train.py ARGS``; with ``ranks``, as rank 0 of that many, as torchrun would start it. Were a
-    check missing, the rank would go on to wait for its peers: a port of its own and a short timeout end that."""
+    """``python stepK/train.py ARGS``; with ``ranks``, as rank 0 of that many, as torchrun would
+    start it. Were a check missing, the rank would go on to wait for its peers: a port of its own
+    and a short timeout end that."""
     if ranks:
         env = {
             "WORLD_SIZE": str(ranks),
@@ -75,19 +78,22 @@ def trainer(step: str, *args, ranks: int | None = None, env: dict | None = None)
 SIMULATED = {
     "a build without fp16 on the CPU": (
         "import torch\n"
-        "def refuse(*args, **kwargs): raise RuntimeError('GradScaler is not supported on this device')\n"
+        "def refuse(*args, **kwargs): raise RuntimeError('GradScaler is not supported "
+        "on this device')\n"
         "torch.amp.GradScaler = refuse\n"
     ),
     "a device without FP8 matmuls": (
         "import torch\n"
-        "def refuse(*args, **kwargs): raise RuntimeError('torch._scaled_mm is only supported on CUDA SM 8.9 or later')\n"
+        "def refuse(*args, **kwargs): raise RuntimeError('torch._scaled_mm is only "
+        "supported on CUDA SM 8.9 or later')\n"
         "torch._scaled_mm = refuse\n"
     ),
     "an FP8 matmul with one scale per tensor only (torch 2.11's CPU)": (
         "import torch\n"
         "mm = torch._scaled_mm\n"
         "def per_tensor(a, b, scale_a, scale_b, **kwargs):\n"
-        "    if scale_a.numel() != 1: raise RuntimeError('_scaled_mm only supports per-tensor scaling for CPU')\n"
+        "    if scale_a.numel() != 1: raise RuntimeError('_scaled_mm only supports "
+        "per-tensor scaling for CPU')\n"
         "    return mm(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)\n"
         "torch._scaled_mm = per_tensor\n"
     ),
@@ -114,11 +120,12 @@ def slurm(*args, **env) -> Case:
     return Case([sys.executable, str(REPO / "launch" / "slurm_command.py"), *args], env)
 
 
-# ---- what a case's command reads: a folder laid out like the repository ---------------------------------
+# ---- what a case's command reads: a folder laid out like the repository --------------------------
 
 
 class Scratch:
-    """A case's own folder, ``<root>/runs``, ``<root>/data``: what its command reads, and nothing else."""
+    """A case's own folder, ``<root>/runs``, ``<root>/data``:
+    what its command reads, and nothing else."""
 
     def __init__(self, root: Path, step1_run: Path, small_corpus: Path):
         self.root, self.step1_run = root, step1_run
@@ -129,8 +136,9 @@ class Scratch:
     def run(
         self, name: str = "step1_torch_ddp", damage=None, checkpoint_damage=None, metrics_edit=None
     ) -> Path:
-        """runs/<name>: a copy of the tour's step-1 run (2 ranks, checkpoints step_2 and step_4), with
-        ``damage(run folder)``, ``checkpoint_damage(step_4 folder)`` and ``metrics_edit(metrics dict)`` done to it."""
+        """runs/<name>: a copy of the tour's step-1 run (2 ranks, checkpoints step_2 and step_4),
+        with ``damage(run folder)``, ``checkpoint_damage(step_4 folder)`` and ``metrics_edit(metrics
+        dict)`` done to it."""
         run = Path(shutil.copytree(self.step1_run, self.root / "runs" / name))
         if damage:
             damage(run)
@@ -166,12 +174,14 @@ def write(name: str, content: bytes):
 
 
 def cut_short(name: str, size: int):
-    """A damage: the file ``name`` in the folder keeps only its first ``size`` bytes (a copy cut short)."""
+    """A damage: the file ``name`` in the folder keeps
+    only its first ``size`` bytes (a copy cut short)."""
     return lambda folder: (folder / name).write_bytes((folder / name).read_bytes()[:size])
 
 
 def set_data_position(index: int):
-    """Where an epoch ended inside an optimiser step, the position saved is not a whole number of steps."""
+    """Where an epoch ended inside an optimiser step,
+    the position saved is not a whole number of steps."""
 
     def damage(
         checkpoint: Path,
@@ -200,7 +210,8 @@ def set_data_position(index: int):
 
 
 def changed_tokenizer(s: Scratch) -> Path:
-    """A run whose config names data/tokenizer.json, which changed (by a byte) after the run was trained."""
+    """A run whose config names data/tokenizer.json, which
+    changed (by a byte) after the run was trained."""
     tokenizer = s.data("tokenizer.json", (REPO / "data" / "tokenizer.json").read_bytes())
     run = s.run(metrics_edit=lambda m: m["config"].update(tokenizer=str(tokenizer)))
     tokenizer.write_text(tokenizer.read_text() + "\n")
@@ -215,8 +226,8 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 # what conftest's small_corpus holds
 CORPUS = (REPO / "data" / "tinyshakespeare.txt").read_bytes()[:150_000]
 
-# Every case, by the name docs/bad_input.md gives it: a function of the case's Scratch folder that puts
-# there what the command reads and returns the command.
+# Every case, by the name docs/bad_input.md gives it: a function of the case's Scratch folder that
+# puts there what the command reads and returns the command.
 CASES = {
     # ---- flags
     "unknown-choice": lambda s: trainer("step0", "--amp", "fp8"),
@@ -586,7 +597,7 @@ CASES = {
         ),
     ),
     "export-out-not-empty": lambda s: tool("export_hf.py", s.run(), s.notes().parent),
-    # ---- launch/slurm_command.py (launch/slurm.sbatch's line), outside a job or in one it cannot launch
+    # ---- launch/slurm_command.py (slurm.sbatch's line), outside a job or in one it cannot launch
     "slurm-not-in-a-job": lambda s: slurm("step3", SLURM_JOB_ID="", SLURM_NNODES=""),
     "slurm-tasks-per-node": lambda s: slurm(
         "step3", SLURM_JOB_ID="7", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="4"
@@ -625,7 +636,7 @@ CASES = {
 }
 
 
-# ---- the table -----------------------------------------------------------------------------------------
+# ---- the table -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -638,7 +649,8 @@ class Row:
 
 
 def table_rows() -> list[Row]:
-    """The rows of docs/bad_input.md's table: | mistake | example command | message | exit code | case |."""
+    """The rows of docs/bad_input.md's table: | mistake
+    | example command | message | exit code | case |."""
     rows = []
     for line in TABLE.read_text().splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
@@ -672,7 +684,8 @@ def files_under(root: Path) -> dict[str, bytes]:
 
 
 def shorten(text: str, root: Path) -> str:
-    """Paths as the doc shows them: relative to the case's folder (laid out like the repository) or the repo."""
+    """Paths as the doc shows them: relative to the case's
+    folder (laid out like the repository) or the repo."""
     return text.replace(f"{root}/", "").replace(f"{REPO}/", "")
 
 
@@ -682,8 +695,8 @@ def run_case(case: Case) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def tried(step1_ws2, small_corpus, tmp_path_factory):
-    """Every case run, a few at a time: ``(folder of the case folders, its files before, after, {case: (case
-    folder, result)})``."""
+    """Every case run, a few at a time: ``(folder of the case folders, its files before, after,
+    {case: (case folder, result)})``."""
     top = tmp_path_factory.mktemp("bad_input")
     folders = {name: Scratch(top / name, step1_ws2, small_corpus) for name in CASES}
     cases = {name: build(folders[name]) for name, build in CASES.items()}
@@ -738,9 +751,10 @@ def test_bad_input_changes_and_adds_no_file(tried):
     assert [name for name in before if after[name] != before[name]] == [], "files changed"
 
 
-# ---- the checks a row lists as "likewise": the same check, or its twin, on another flag -------------------
-# A process for each would double this file's time (each mostly imports torch), so these run in this one,
-# through the very functions the trainers and tools call; the rows' own cases show the line and exit code.
+# ---- the checks a row lists as "likewise": the same check, or its twin, on another flag ----------
+# A process for each would double this file's time (each mostly imports torch), so these run in this
+# one, through the very functions the trainers and tools call; the rows' own cases show the line and
+# exit code.
 
 
 def flags(*argv):
@@ -808,7 +822,8 @@ def gpu_budget_over_its_memory(monkeypatch):
 
 
 def degrees_check(config: dict, world_size: int = 2):
-    """What step 10 checks before joining (composition.check_degrees), on 2 ranks and a 2048-token vocabulary."""
+    """What step 10 checks before joining (composition.check_degrees),
+    on 2 ranks and a 2048-token vocabulary."""
 
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step10"]))
@@ -820,7 +835,8 @@ def degrees_check(config: dict, world_size: int = 2):
 
 
 def experts_check(**flags):
-    """Step 10's checks of experts on the mesh (experts_on_mesh.py), at --ep 2 and 4 experts on 2 ranks."""
+    """Step 10's checks of experts on the mesh
+    (experts_on_mesh.py), at --ep 2 and 4 experts on 2 ranks."""
     return degrees_check(
         {
             "dp": None,
@@ -844,7 +860,8 @@ def experts_check(**flags):
 
 
 def zero_check(**flags):
-    """Step 10's check of --zero (zero_stages.py), and of what ZeRO-3 on the mesh does not compose with."""
+    """Step 10's check of --zero (zero_stages.py), and
+    of what ZeRO-3 on the mesh does not compose with."""
 
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step10"]))
@@ -894,7 +911,8 @@ def mesh_check(dp: int, tp: int, pp: int, world_size: int):
 
 
 def slurm_without_scontrol(monkeypatch):
-    """launch/slurm_command.py on a machine that is not a Slurm node: no scontrol to expand the node list."""
+    """launch/slurm_command.py on a machine that is not
+    a Slurm node: no scontrol to expand the node list."""
     monkeypatch.syspath_prepend(str(REPO / "launch"))
     monkeypatch.setenv("PATH", str(REPO / "no such folder"))
     import slurm_command
@@ -903,7 +921,8 @@ def slurm_without_scontrol(monkeypatch):
 
 
 def replicate_check(replicate: int, world_size: int):
-    """What step 7 checks before joining: --replicate R dividing the ranks into equal shard groups."""
+    """What step 7 checks before joining: --replicate
+    R dividing the ranks into equal shard groups."""
 
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step7"]))
@@ -931,11 +950,12 @@ LIKEWISE = {
     "--data data is a folder, not a file; pass the file itself": flags(
         "--data", str(REPO / "data")
     ),
-    "--timeout-s must be positive, got 0: it is how long a rank waits for its peers (default 300)": lambda: (
-        distributed.plan_world({"timeout_s": 0.0})
-    ),
-    "--amp bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use --amp fp16 or --amp none": gpu_without_bfloat16,
-    "--param-dtype bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use --param-dtype fp16": gpu_without_bfloat16_parameters,
+    "--timeout-s must be positive, got 0: it is how long a rank waits for its peers "
+    "(default 300)": lambda: distributed.plan_world({"timeout_s": 0.0}),
+    "--amp bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use --amp fp16 "
+    "or --amp none": gpu_without_bfloat16,
+    "--param-dtype bf16 needs a GPU with bfloat16 support; Tesla T4 has none: use "
+    "--param-dtype fp16": gpu_without_bfloat16_parameters,
     "--max-memory-mb 100000 is more than cuda:0's 81,559 MiB; lower it": gpu_budget_over_its_memory,
     "--nproc must be at least 1, got 0": tool_main("tour", "--nproc", "0"),
     "--timeout-s must be positive, got 0": tool_main("tour", "--timeout-s", "0"),
@@ -963,9 +983,11 @@ LIKEWISE = {
         "--global-batch",
         "7",
     ),
-    "tensor parallelism over 8 ranks needs --n-head divisible by 8, got 4 (more ranks than heads): run on a number of "
+    "tensor parallelism over 8 ranks needs --n-head divisible by 8, got 4 (more ranks "
+    "than heads): run on a number of "
     "ranks that divides 4, or change --n-head (and --n-embd)": tensor_parallel_check(4, 2048, 8),
-    "--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or more": degrees_check(
+    "--sequence-parallel splits the sequence over the tp group: use it with --tp 2 or "
+    "more": degrees_check(
         {
             "dp": None,
             "tp": 1,
@@ -979,7 +1001,8 @@ LIKEWISE = {
             "n_layer": 2,
         }
     ),
-    "--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to recompute; use full, or none": degrees_check(
+    "--activation-checkpointing selective with --cp: the ring keeps no s x s tensor to "
+    "recompute; use full, or none": degrees_check(
         {
             "dp": None,
             "tp": 1,
@@ -994,8 +1017,10 @@ LIKEWISE = {
             "activation_checkpointing": "selective",
         }
     ),
-    "--attention sdpa (a GPU's default) with --dropout under tensor parallelism: the fused kernel would draw "
-    "attention's masks for this rank's heads alone, the same on every rank; use --attention math": degrees_check(
+    "--attention sdpa (a GPU's default) with --dropout under tensor parallelism: the "
+    "fused kernel would draw "
+    "attention's masks for this rank's heads alone, the same on every rank; use "
+    "--attention math": degrees_check(
         {
             "dp": None,
             "tp": 2,
@@ -1012,7 +1037,8 @@ LIKEWISE = {
             "attention": "sdpa",
         }
     ),
-    "--dp 1 x --cp 3 x --tp 1 x --pp 1 = 3 ranks, but the job has 2: launch 3 processes (torchrun --nproc_per_node), "
+    "--dp 1 x --cp 3 x --tp 1 x --pp 1 = 3 ranks, but the job has 2: launch 3 "
+    "processes (torchrun --nproc_per_node), "
     "or choose degrees whose product is 2": degrees_check(
         {
             "dp": None,
@@ -1028,21 +1054,19 @@ LIKEWISE = {
             "activation_checkpointing": "none",
         }
     ),
-    "--cp 3: step 11 cuts --seq-len 64 into 2 x 3 chunks; use degrees whose 2 x C divides it": tool_main(
-        "activations", "--cp", "1", "3"
-    ),
-    "--cp 3 does not divide the 4 ranks into rings: launch a multiple of 3 processes, or change --cp": context_parallel_check(
-        {"seq_len": 36, "dropout": 0.0, "cp": 3}, 4
-    ),
+    "--cp 3: step 11 cuts --seq-len 64 into 2 x 3 chunks; use degrees whose 2 x C "
+    "divides it": tool_main("activations", "--cp", "1", "3"),
+    "--cp 3 does not divide the 4 ranks into rings: launch a multiple of 3 processes, "
+    "or change --cp": context_parallel_check({"seq_len": 36, "dropout": 0.0, "cp": 3}, 4),
     "--seq-len 36 is cut into 2 x 4 chunks for 4 ranks: use a multiple of 8": tool_main(
         "cp_reference", "--device", "cpu", "--cp", "4", "--seq-len", "36"
     ),
     "scontrol is not on PATH: run this on a node of the Slurm job": slurm_without_scontrol,
-    "--replicate 3 does not divide the 1 ranks: choose R with N / R whole (the ranks of one node, typically), or "
+    "--replicate 3 does not divide the 1 ranks: choose R with N / R whole (the ranks "
+    "of one node, typically), or "
     "launch a multiple of 3 ranks": tool_main("fsdp2_reference", "--replicate", "3"),
-    "--fp8 with --moe-experts is not built yet (an expert's tokens are not a multiple of 16); drop one of them": fp8_check(
-        {"fp8": "rowwise", "amp": "none", "moe_experts": 4}
-    ),
+    "--fp8 with --moe-experts is not built yet (an expert's tokens are not a multiple "
+    "of 16); drop one of them": fp8_check({"fp8": "rowwise", "amp": "none", "moe_experts": 4}),
     "--fp8 with --compile is not tried yet; drop one of them": fp8_check(
         {"fp8": "rowwise", "amp": "none", "compile": True}
     ),
@@ -1051,40 +1075,44 @@ LIKEWISE = {
         no_gpu(tool_main("gpu_check")),
     ),
     "--moe-every must be at least 1, got 0": lambda: moe_check(moe_experts=4, moe_every=0),
-    "--ep 2 splits the experts of a mixture of experts: give --moe-experts E (a multiple of 2), or drop "
+    "--ep 2 splits the experts of a mixture of experts: give --moe-experts E (a "
+    "multiple of 2), or drop "
     "--ep": experts_check(ep=2, moe_experts=0),
     "--ep 0: the expert-parallel degree must be at least 1": experts_check(ep=0),
-    "--moe-experts 3 is not divisible by --ep 2: each rank holds E/D experts; choose E a multiple of 2": (
-        experts_check(moe_experts=3)
-    ),
-    "--dropout with --moe-experts and --ep, --cp or --pp above 1: an expert draws its mask over the slots it "
-    "receives, known once routed, on the rank that owns it, so no rank can draw one process's masks; use "
+    "--moe-experts 3 is not divisible by --ep 2: each rank holds E/D experts; choose E "
+    "a multiple of 2": (experts_check(moe_experts=3)),
+    "--dropout with --moe-experts and --ep, --cp or --pp above 1: an expert draws its "
+    "mask over the slots it "
+    "receives, known once routed, on the rank that owns it, so no rank can draw one "
+    "process's masks; use "
     "--dropout 0": experts_check(dropout=0.1),
-    "--sequence-parallel with --moe-experts: each tp rank would route its S/T tokens and the experts' "
+    "--sequence-parallel with --moe-experts: each tp rank would route its S/T tokens "
+    "and the experts' "
     "gradients would need adding over tp; use one of the two": experts_check(
         tp=2, ep=1, sequence_parallel=True
     ),
-    "--activation-checkpointing full with --moe-experts: recomputing a block would run its experts' "
+    "--activation-checkpointing full with --moe-experts: recomputing a block would run "
+    "its experts' "
     "all-to-alls and count its tokens again; use selective, or none": experts_check(
         activation_checkpointing="full"
     ),
     "--moe-experts cannot be negative, got -2": lambda: moe_check(moe_experts=-2),
     "--zero 4: step 10 runs ZeRO 0, 1, 2 or 3 over dp x cp; use one of them": zero_check(zero=4),
-    "--replicate 2 replicates ZeRO-3's shard groups (HSDP): use it with --zero 3, or leave it out": zero_check(
-        zero=1, replicate=2
-    ),
+    "--replicate 2 replicates ZeRO-3's shard groups (HSDP): use it with --zero 3, or "
+    "leave it out": zero_check(zero=1, replicate=2),
     "--replicate 0: the number of replicas must be at least 1": (
         replicate_check(0, 4),
         zero_check(replicate=0),
     ),
-    "--offload-optimizer steps ZeRO-3's pieces on the host: use it with --zero 3, or leave it out": zero_check(
-        zero=2, offload_optimizer=True
-    ),
-    "--zero 3 with --schedule zero-bubble: its W computes the weight gradients after the backward whose end "
+    "--offload-optimizer steps ZeRO-3's pieces on the host: use it with --zero 3, or "
+    "leave it out": zero_check(zero=2, offload_optimizer=True),
+    "--zero 3 with --schedule zero-bubble: its W computes the weight gradients after "
+    "the backward whose end "
     "reduce-scatters them; use 1f1b, gpipe or interleaved-1f1b, or --zero 2": zero_check(
         schedule="zero-bubble"
     ),
-    "--zero 3 with --moe-experts: the experts' gradients have groups of their own, not the dp x cp plane ZeRO-3 "
+    "--zero 3 with --moe-experts: the experts' gradients have groups of their own, not "
+    "the dp x cp plane ZeRO-3 "
     "shards over; use --zero 0, 1 or 2": zero_check(moe_experts=4),
 }
 
@@ -1095,7 +1123,8 @@ def moe_check(**flags):
     moe_setup.check_moe({key: None for key in moe_setup.MOE_DEFAULTS} | flags)
 
 
-# The ones the doc quotes word for word (the others it gives by their form: "must be positive, got ...").
+# The ones the doc quotes word for word (the others it
+# gives by their form: "must be positive, got ...").
 QUOTED = (
     "--moe-every must",
     "--moe-experts cannot",

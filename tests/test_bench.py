@@ -159,10 +159,10 @@ def test_memory_per_rank_matches_each_strategy(every_row):
 
 
 def test_the_moe_rows_hold_and_send_what_expert_parallelism_says(every_row):
-    """The MoE rows (4 experts, top-2, dropless, on the one block) against closed forms: ep 1 holds and
-    all-reduces everything; at ep = 2 a rank keeps 2 of the 4 experts and all-reduces only the dense part; and
-    the ranks' all-to-all bytes add up to 4 token transfers (dispatch and combine, each way) of every slot,
-    plus the counts, per micro-batch."""
+    """The MoE rows (4 experts, top-2, dropless, on the one block) against closed forms: ep 1 holds
+    and all-reduces everything; at ep = 2 a rank keeps 2 of the 4 experts and all-reduces only the
+    dense part; and the ranks' all-to-all bytes add up to 4 token transfers (dispatch and combine,
+    each way) of every slot, plus the counts, per micro-batch."""
     _, numbers, _ = every_row
     rows, config = numbers["rows"], numbers["config"]
     dense, h = numbers["model_bytes"], config["n_embd"]
@@ -184,11 +184,12 @@ def test_the_moe_rows_hold_and_send_what_expert_parallelism_says(every_row):
 
 
 def test_zero3_rows_count_what_fsdp2_is_said_to_move(every_row):
-    """Our ZeRO-3 counts its collectives; PyTorch's row states them analytically: the same bytes (same
-    units: the blocks, and a root kept gathered through backward)."""
+    """Our ZeRO-3 counts its collectives; PyTorch's row states them analytically: the same bytes
+    (same units: the blocks, and a root kept gathered through backward)."""
     _, numbers, _ = every_row
     rows = numbers["rows"]
-    # ours is always there (a missing one is a failure, not a skip); PyTorch's only where torch has fully_shard
+    # ours is always there (a missing one is a failure, not
+    # a skip); PyTorch's only where torch has fully_shard
     assert {"ZeRO-3 (step 7)", "ZeRO-3 no prefetch (step 7)"} <= set(rows), sorted(rows)
     if "pytorch FSDP2 ZeRO-3" not in rows and bench_module().TorchFSDP2.unavailable():
         pytest.skip("this torch has no fully_shard")
@@ -205,7 +206,8 @@ def test_zero3_rows_count_what_fsdp2_is_said_to_move(every_row):
 
 
 def test_fsdp2_analytic_comm_is_what_fsdp2_hands_to_gloo():
-    """The PyTorch FSDP2 rows' analytic bytes, checked by counting FSDP2's own calls to the collectives."""
+    """The PyTorch FSDP2 rows' analytic bytes, checked
+    by counting FSDP2's own calls to the collectives."""
     if bench_module().TorchFSDP2.unavailable():
         pytest.skip("this torch has no fully_shard")
     results = spawn(count_fsdp2_collectives, 2)
@@ -280,8 +282,9 @@ def test_one_row_brings_its_references_and_runs_as_a_world_of_one(tmp_path):
 
 
 def test_no_prefetch_row_brings_its_references_in_turn(monkeypatch):
-    # A module of a step folder that an earlier test imported (step 10's copy of zero3.py) would be found instead
-    # of step 7's, and the row left out: this test once skipped so in the full suite. Each imported afresh here.
+    # A module of a step folder that an earlier test imported (step 10's copy of zero3.py) would be
+    # found instead of step 7's, and the row left out: this test once skipped so in the full suite.
+    # Each imported afresh here.
     for name, module in list(sys.modules.items()):
         if Path(getattr(module, "__file__", None) or "/").resolve().parent.name.startswith("step"):
             monkeypatch.delitem(sys.modules, name)

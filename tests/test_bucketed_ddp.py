@@ -62,8 +62,9 @@ class Unused(torch.nn.Module):
 
 
 class UsedEarly(torch.nn.Module):
-    """``early`` takes part in the first micro-batch only: the synchronised backward of the last one gives
-    it no gradient, and what must be averaged is the gradient it accumulated inside no_sync."""
+    """``early`` takes part in the first micro-batch only: the synchronised backward of the last one
+    gives it no gradient, and what must be averaged is the gradient it accumulated inside
+    no_sync."""
 
     def __init__(self):
         super().__init__()
@@ -162,8 +163,9 @@ def half_model_cap(model_name) -> float:
 
 
 def used_early_matches_ddp(rank, cap_mb) -> list:
-    """DDP (find_unused_parameters=True) and BucketedDDP on UsedEarly; also both against the definition:
-    the mean over the ranks of the gradient each accumulated locally. Returns the mismatches."""
+    """DDP (find_unused_parameters=True) and BucketedDDP on UsedEarly; also both against the
+    definition: the mean over the ranks of the gradient each accumulated locally. Returns the
+    mismatches."""
     grads = {}
     for name in ("ddp", "ours"):
         model = fresh("UsedEarly")
@@ -226,12 +228,14 @@ def worker(rank, world_size, port, queue):
         for cap in (1e-9, 100.0):
             results[f"used early/{cap}"] = used_early_matches_ddp(rank, cap)
         results["broadcast"] = broadcast_at_wrapping(rank)
-        # The bug the post-accumulate hook avoids: with accumulation, an early hook reduces the wrong sum.
+        # The bug the post-accumulate hook avoids: with
+        # accumulation, an early hook reduces the wrong sum.
         results["early hook"] = compare_with_ddp(
             rank, "FrozenBias", 100.0, lambda n: True, wrapper=EarlyHookDDP
         )
         # Default (find_unused_parameters=False): a clear error naming the parameter, on every rank,
-        # after all buckets were reduced, so the group is still usable (shutdown's barrier would hang otherwise).
+        # after all buckets were reduced, so the group is still usable (shutdown's barrier would
+        # hang otherwise).
         strict = BucketedDDP(fresh("Unused"))
         strict(inputs("Unused", rank, 0)).sum().backward()
         try:
@@ -270,7 +274,8 @@ def test_a_hook_before_accumulation_breaks_gradient_accumulation(results):
 
 @pytest.mark.parametrize("cap", [1e-9, 100.0])
 def test_gradient_accumulated_in_no_sync_but_unused_at_the_sync_is_averaged_like_ddp(results, cap):
-    """find_unused_parameters=True; one bucket per parameter (1e-9 MiB) and one bucket for all (100 MiB)."""
+    """find_unused_parameters=True; one bucket per parameter
+    (1e-9 MiB) and one bucket for all (100 MiB)."""
     for rank in range(WORLD_SIZE):
         assert results[rank][f"used early/{cap}"] == [], f"rank {rank}"
 

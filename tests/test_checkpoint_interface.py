@@ -1,9 +1,11 @@
-"""The checkpoint interface (common/checkpoint.py, rule 3) of the sharding wrappers, against one plain process.
+"""The checkpoint interface (common/checkpoint.py, rule
+3) of the sharding wrappers, against one plain process.
 
-Each wrapper says what this rank saves (``checkpoint_state``) and loads its part back (``load_checkpoint``). The
-independent answer is a plain model and a plain AdamW in the same process, given the same gradients: what every
-rank saved, joined by ``Checkpoint``, must be that model's parameters and AdamW's state, bit for bit; and a
-checkpoint written at one world size, loaded at another, must step on to the plain model's next bits.
+Each wrapper says what this rank saves (``checkpoint_state``) and loads its part back
+(``load_checkpoint``). The independent answer is a plain model and a plain AdamW in the same
+process, given the same gradients: what every rank saved, joined by ``Checkpoint``, must be that
+model's parameters and AdamW's state, bit for bit; and a checkpoint written at one world size,
+loaded at another, must step on to the plain model's next bits.
 """
 
 import io
@@ -19,19 +21,22 @@ LR = dict(lr=0.1, betas=(0.9, 0.99), weight_decay=0.01)
 
 
 def toy() -> torch.nn.Sequential:
-    """Sizes no world size divides evenly (15 + 3 + 12 + 4 elements), the same values on every rank."""
+    """Sizes no world size divides evenly (15 + 3 + 12
+    + 4 elements), the same values on every rank."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 4))
 
 
 def gradient(name: str, param: torch.Tensor, step: int) -> torch.Tensor:
-    """The averaged gradient every rank holds at ``step``: a pure function of the name, so ranks agree."""
+    """The averaged gradient every rank holds at ``step``:
+    a pure function of the name, so ranks agree."""
     generator = torch.Generator().manual_seed(zlib.crc32(f"{name} {step}".encode()))
     return torch.randn(param.shape, generator=generator)
 
 
 def reference(steps: int) -> tuple[torch.nn.Module, torch.optim.AdamW]:
-    """The plain model and AdamW after ``steps`` steps on ``gradient``: the answer a sharded run must give."""
+    """The plain model and AdamW after ``steps`` steps on
+    ``gradient``: the answer a sharded run must give."""
     model = toy()
     optimizer = torch.optim.AdamW(model.parameters(), **LR)
     for step in range(steps):
@@ -42,8 +47,8 @@ def reference(steps: int) -> tuple[torch.nn.Module, torch.optim.AdamW]:
 
 
 def save(folder, rank: int, world_size: int, named_shapes: dict, holder, *args) -> None:
-    """Write checkpoint step_1 in ``folder`` with the trainers' writer: ``holder.checkpoint_state(*args)`` the
-    rank's part (``resharding.PerRank``)."""
+    """Write checkpoint step_1 in ``folder`` with the trainers' writer:
+    ``holder.checkpoint_state(*args)`` the rank's part (``resharding.PerRank``)."""
     from checkpoint import CheckpointWriter
     from resharding import PerRank
 
@@ -52,7 +57,8 @@ def save(folder, rank: int, world_size: int, named_shapes: dict, holder, *args) 
 
 
 def as_bytes(tensors: dict) -> bytes:
-    """Tensors through the result queue as bytes: a tensor itself would be shared memory, gone with the worker."""
+    """Tensors through the result queue as bytes: a tensor
+    itself would be shared memory, gone with the worker."""
     buffer = io.BytesIO()
     torch.save({name: t.detach().clone() for name, t in tensors.items()}, buffer)
     return buffer.getvalue()
@@ -63,9 +69,9 @@ def from_bytes(data: bytes) -> dict:
 
 
 def sharded_optimizer_worker(rank, world_size, port, queue, folder, steps_before):
-    """ZeRO-1 with float32 masters (param_dtype=bf16): save after ``steps_before`` steps (``folder`` empty), or
-    load the checkpoint in ``folder`` (the optimiser alone: it rounds and all-gathers the 16-bit parameters
-    itself) and take one more step."""
+    """ZeRO-1 with float32 masters (param_dtype=bf16): save after ``steps_before`` steps (``folder``
+    empty), or load the checkpoint in ``folder`` (the optimiser alone: it rounds and all-gathers the
+    16-bit parameters itself) and take one more step."""
     init_gloo(rank, world_size, port)
     sys.path.insert(0, str(REPO / "step5_zero1"))
     from masters import ShardedOptimizerWithMasters
@@ -186,12 +192,13 @@ FIXTURE = REPO / "tests" / "fixtures" / "format2_step5_two_ranks"
 
 
 def test_a_checkpoint_written_before_the_reader_was_split_out_reads_back_its_own_tensors():
-    """tests/fixtures/format2_step5_two_ranks: step 5's checkpoint at step 2 of a 4-step run at 2 ranks (ZeRO-1
-    slices of AdamW's state in each rank's file, the whole model in state.pt, dropout on), written by the code
-    before checkpoint.py was split into checkpoint.py, resharding.py and background_writer.py. The reader of
-    format 2 (compare/format2.py, what consolidate.py converts with) gives back exactly the tensors the files hold:
-    every parameter, and every rank's slice of exp_avg and exp_avg_sq, bit for bit. (Nothing here depends on the
-    CPU: the bits are read, not computed.)"""
+    """tests/fixtures/format2_step5_two_ranks: step 5's checkpoint at step 2 of a 4-step run at 2
+    ranks (ZeRO-1 slices of AdamW's state in each rank's file, the whole model in state.pt, dropout
+    on), written by the code before checkpoint.py was split into checkpoint.py, resharding.py and
+    background_writer.py. The reader of format 2 (compare/format2.py, what consolidate.py converts
+    with) gives back exactly the tensors the files hold: every parameter, and every rank's slice of
+    exp_avg and exp_avg_sq, bit for bit. (Nothing here depends on the CPU: the bits are read, not
+    computed.)"""
     from format2 import Checkpoint
 
     checkpoint = Checkpoint(FIXTURE / "step_2")
@@ -220,12 +227,14 @@ def test_a_checkpoint_written_before_the_reader_was_split_out_reads_back_its_own
 def test_a_checkpoint_written_before_the_reader_was_split_out_resumes_as_todays_does(
     step, small_corpus, tmp_path
 ):
-    """The same fixture, converted to today's format (DCP) by consolidate.py as the trainers' one-line refusal of
-    format 2 says, resumed today in step 5 and in step 1 (DDP: the slices joined into whole tensors) ends on
-    the bits of the same state written anew, on this machine: (a) the fixture consolidated again (every tensor one
-    chunk), (b) the step-3 checkpoint today's trainer writes when it resumes the fixture. The final bits themselves depend on the CPU's kernels (the fixture was written on
-    another machine), so they are compared between runs made here, never with numbers recorded there. The
-    records the fixture holds come back unchanged, and every step is logged once."""
+    """The same fixture, converted to today's format (DCP) by consolidate.py as the trainers'
+    one-line refusal of format 2 says, resumed today in step 5 and in step 1 (DDP: the slices joined
+    into whole tensors) ends on the bits of the same state written anew, on this machine: (a) the
+    fixture consolidated again (every tensor one chunk), (b) the step-3 checkpoint today's trainer
+    writes when it resumes the fixture. The final bits themselves depend on the CPU's kernels (the
+    fixture was written on another machine), so they are compared between runs made here, never with
+    numbers recorded there. The records the fixture holds come back unchanged, and every step is
+    logged once."""
     import json
     import shutil
 

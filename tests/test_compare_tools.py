@@ -1,4 +1,5 @@
-"""compare/sample.py on the tour's step-1 run, and compare/step_diffs.py on this repository's README."""
+"""compare/sample.py on the tour's step-1 run, and
+compare/step_diffs.py on this repository's README."""
 
 import subprocess
 import sys
@@ -33,8 +34,8 @@ def samples(*runs):
 
 
 def test_sampling_is_seeded_and_greedy_ignores_the_seed(step1_ws2):
-    """The command line once; the seeds compared in this process with the function it calls (each command
-    line is mostly imports)."""
+    """The command line once; the seeds compared in this process with the function it calls (each
+    command line is mostly imports)."""
     import sample  # compare/ is on sys.path (conftest)
 
     (first,) = samples([step1_ws2, "--tokens", "20", "--seed", "3"])
@@ -113,8 +114,9 @@ def test_step_diffs_detects_and_rewrites_a_stale_table(tmp_path):
 
 @pytest.mark.quick
 def test_learner_facing_lines_follow_the_rule(tmp_path):
-    """train.py, the idea files (not a copy of common/, not a *_trace.py) and the copies in LESSON_COPIES count;
-    the other copies of common/ do not. Counted against files written here, not against the repository."""
+    """train.py, the idea files (not a copy of common/, not a *_trace.py) and the copies in
+    LESSON_COPIES count; the other copies of common/ do not. Counted against files written here, not
+    against the repository."""
     import step_diffs
 
     # named in common/copies.json: its copies are the manifest's
@@ -138,8 +140,9 @@ def test_learner_facing_lines_follow_the_rule(tmp_path):
 
 @pytest.mark.quick
 def test_every_step_readme_names_the_files_to_skip_on_a_first_read():
-    """Each step README has one paragraph starting with step_diffs.SKIP_LINE, and the files it names are exactly
-    the ones the learner-facing count leaves out: a module added to a step, or moved, keeps the two true."""
+    """Each step README has one paragraph starting with step_diffs.SKIP_LINE, and the files it names
+    are exactly the ones the learner-facing count leaves out: a module added to a step, or moved,
+    keeps the two true."""
     import re
 
     import step_diffs
@@ -156,8 +159,9 @@ def test_every_step_readme_names_the_files_to_skip_on_a_first_read():
 
 @pytest.mark.quick
 def test_compare_readme_names_every_tool():
-    """compare/README.md lists every script in compare/, once, with a line of what it does (a new tool that nobody
-    can find is not there for a learner), and the front page's Layout points to it."""
+    """compare/README.md lists every script in compare/, once, with a line of what it does (a new
+    tool that nobody can find is not there for a learner), and the front page's Layout points to
+    it."""
     import re
 
     rows = re.findall(
@@ -175,10 +179,11 @@ def test_compare_readme_names_every_tool():
 
 
 def test_every_run_records_what_it_cost_every_launch_included(tour, tmp_path, small_corpus):
-    """Each record's device_s is the job's devices x the wall time since the record before it, so over a launch
-    they add up to devices x its last since_start_s; metrics.json's cost sums them and counts the tokens the
-    tour's global batch gives (4 steps x 8 samples x 32 tokens, at every layout). A run resumed from step 2
-    keeps the first launch's two records and their cost. compare/cost.py puts runs side by side."""
+    """Each record's device_s is the job's devices x the wall time since the record before it, so
+    over a launch they add up to devices x its last since_start_s; metrics.json's cost sums them and
+    counts the tokens the tour's global batch gives (4 steps x 8 samples x 32 tokens, at every
+    layout). A run resumed from step 2 keeps the first launch's two records and their cost.
+    compare/cost.py puts runs side by side."""
     runs, _ = tour
     for name in ("step0", "step1", "step7", "step9"):
         m = metrics(runs / STEPS[name])

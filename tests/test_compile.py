@@ -1,7 +1,8 @@
-"""``--compile`` (each block compiled with torch.compile, as torchtitan does) in the steps whose communication
-stays outside the blocks. Step 6's gradient hooks, reduce-scatter and sharded optimiser compose with compiled
-blocks as PyTorch's DDP does: bitwise step 1 compiled. And the compiled blocks really ran: their fused kernels
-round differently from eager ones, within step 1's parity limits. The steps where it is refused: docs/bad_input.md.
+"""``--compile`` (each block compiled with torch.compile, as torchtitan does) in the steps whose
+communication stays outside the blocks. Step 6's gradient hooks, reduce-scatter and sharded
+optimiser compose with compiled blocks as PyTorch's DDP does: bitwise step 1 compiled. And the
+compiled blocks really ran: their fused kernels round differently from eager ones, within step 1's
+parity limits. The steps where it is refused: docs/bad_input.md.
 """
 
 from conftest import assert_bitwise_same_run, parity, train

@@ -1,10 +1,13 @@
-"""Step 10 with --cp: context parallelism as a fourth axis of the mesh (composition.py's rule 5, mesh.py's rule 5).
+"""Step 10 with --cp: context parallelism as a fourth axis
+of the mesh (composition.py's rule 5, mesh.py's rule 5).
 
-Where the other degrees leave every sum alone the run is bitwise step 11's: cp alone, cp x pp (a pipeline changes no
-sum) under zero bubble, dp x cp (two rings' gradients, an order-free sum) with full recomputation, the interleaved
-schedule; with bf16, dropout 0.1 and the float64 reduction on. cp x tp sums each layer as step 8 does: step 11's in
-another summation order, bounded by step 0's drift from step 1 on this machine, dropout 0.1 on (each tp rank's ring
-draws every head's mask and keeps its own heads': step 11's masks). All four at 8 ranks is cp x tp's run, bitwise. A checkpoint resumes across steps 10 and 11 at another mesh, bitwise.
+Where the other degrees leave every sum alone the run is bitwise step 11's: cp alone, cp x pp (a
+pipeline changes no sum) under zero bubble, dp x cp (two rings' gradients, an order-free sum) with
+full recomputation, the interleaved schedule; with bf16, dropout 0.1 and the float64 reduction on.
+cp x tp sums each layer as step 8 does: step 11's in another summation order, bounded by step 0's
+drift from step 1 on this machine, dropout 0.1 on (each tp rank's ring draws every head's mask and
+keeps its own heads': step 11's masks). All four at 8 ranks is cp x tp's run, bitwise. A checkpoint
+resumes across steps 10 and 11 at another mesh, bitwise.
 """
 
 import sys
@@ -31,7 +34,8 @@ L4 = ("--n-layer", "4")  # the interleaved schedule: two chunks a stage
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory, small_corpus):
-    """``cp_runs(name)``: each run trained once on TINY (4 steps, global batch 4 samples), checkpoints every 2."""
+    """``cp_runs(name)``: each run trained once on TINY (4
+    steps, global batch 4 samples), checkpoints every 2."""
     runs, done = (
         {
             "step11": ("step11", 2, ["--cp", "2", *EXACT]),
@@ -99,8 +103,9 @@ def test_cp_with_dp_or_pp_is_step11_bitwise(cp_runs, ours, theirs):
 
 
 def test_the_rings_bytes_are_on_the_cp_axis_and_step11s(cp_runs):
-    """Rank 0's record at cp 2: the ring's sends under ``cp``, as many bytes as step 11's rank 0 sends (the same
-    ring, the same blocks); at cp 2 x pp 2 each stage rings its own block, half of them; nothing on ``tp``."""
+    """Rank 0's record at cp 2: the ring's sends under ``cp``, as many bytes as step 11's rank 0
+    sends (the same ring, the same blocks); at cp 2 x pp 2 each stage rings its own block, half of
+    them; nothing on ``tp``."""
     step11 = metrics(cp_runs("step11"))["records"][-1]["comm"]["send"]
     alone, piped = (metrics(cp_runs(name))["records"][-1]["comm"] for name in ("cp2", "cp2pp2"))
     assert alone[0]["cp"] == {"send": step11} and not alone[0]["tp"], alone[0]
@@ -110,9 +115,9 @@ def test_the_rings_bytes_are_on_the_cp_axis_and_step11s(cp_runs):
 
 
 def test_cp_with_tp_is_step11_in_another_summation_order(cp_runs, order_reference):
-    """cp 2 x tp 2 against step 11's cp 2, dropout 0.1: the first step's loss and gradient norm to float32's
-    rounding (a tp rank drawing its own heads' masks alone would be 1e-4 away), losses, norms and weights within
-    compare/other_order.py's factor of step 0's drift from step 1."""
+    """cp 2 x tp 2 against step 11's cp 2, dropout 0.1: the first step's loss and gradient norm to
+    float32's rounding (a tp rank drawing its own heads' masks alone would be 1e-4 away), losses,
+    norms and weights within compare/other_order.py's factor of step 0's drift from step 1."""
     ours, theirs = cp_runs("cp2tp2dropout"), cp_runs("step11dropout")
     drift, beyond = other_order_drift(order_reference, theirs, ours)
     first = [metrics(r)["records"][0] for r in (ours, theirs)]
@@ -124,7 +129,8 @@ def test_cp_with_tp_is_step11_in_another_summation_order(cp_runs, order_referenc
 
 
 def test_all_four_axes_at_8_ranks_are_cp_x_tps_run(cp_runs):
-    """cp 2 x tp 2 x pp 2 x dp 1, 8 ranks, 2 steps: the pipeline adds no sum to cp x tp's (4 ranks)."""
+    """cp 2 x tp 2 x pp 2 x dp 1, 8 ranks, 2 steps:
+    the pipeline adds no sum to cp x tp's (4 ranks)."""
     run = cp_runs("cp2tp2pp2")
     assert metrics(run)["env"]["mesh"] == {
         "pp": 2,
@@ -137,9 +143,9 @@ def test_all_four_axes_at_8_ranks_are_cp_x_tps_run(cp_runs):
 
 
 def test_the_planner_holds_every_ranks_model_state_at_four_axes(cp_runs):
-    """``compare/plan.py --measured`` on the 8-rank cp x tp x pp run: every rank's parameters, gradients and AdamW
-    state (ZeRO-1 over the cp pair) within the planner's tolerance of its estimate, a ring's ranks counted as
-    replicas (dp x cp)."""
+    """``compare/plan.py --measured`` on the 8-rank cp x tp x pp run: every rank's parameters,
+    gradients and AdamW state (ZeRO-1 over the cp pair) within the planner's tolerance of its
+    estimate, a ring's ranks counted as replicas (dp x cp)."""
     result = run_forked(
         [
             sys.executable,
@@ -157,8 +163,9 @@ def test_the_planner_holds_every_ranks_model_state_at_four_axes(cp_runs):
 def test_checkpoints_resume_between_steps_10_and_11_at_another_mesh_bitwise(
     cp_runs, tmp_path, small_corpus
 ):
-    """cp 2 x pp 2 (4 ranks, step 10) resumed by step 11 at cp 2 (2 ranks), and step 11's checkpoint by step 10 at
-    cp 2 x pp 2: the same sums, so steps 3 and 4 are the uninterrupted runs', bit for bit."""
+    """cp 2 x pp 2 (4 ranks, step 10) resumed by step 11 at cp 2 (2 ranks), and step 11's checkpoint
+    by step 10 at cp 2 x pp 2: the same sums, so steps 3 and 4 are the uninterrupted runs', bit for
+    bit."""
     into11 = train(
         "step11",
         tmp_path / "into11",
@@ -228,8 +235,9 @@ def _mesh_worker(rank, world_size, port, queue, shapes):
 
 
 def test_the_four_axes_are_init_device_mesh_groups():
-    """8 ranks as (pp, dp, cp, tp) = 1 x 2 x 2 x 2 and 2 x 1 x 2 x 2: every axis's group, and the dp x cp plane
-    the gradients go over, hold the ranks of PyTorch's ``init_device_mesh`` (the plane: its flattened dp, cp)."""
+    """8 ranks as (pp, dp, cp, tp) = 1 x 2 x 2 x 2 and 2 x 1 x 2 x 2: every axis's group, and the dp
+    x cp plane the gradients go over, hold the ranks of PyTorch's ``init_device_mesh`` (the plane:
+    its flattened dp, cp)."""
     results = spawn(_mesh_worker, 8, [(1, 2, 2, 2), (2, 1, 2, 2)], timeout=240)
     for rank, result in results.items():
         assert len(result) == 2 * 6
@@ -266,7 +274,8 @@ def test_axis_groups_along_cp_are_the_lines_of_the_rank_array():
         (
             ["--cp", "3"],
             2,
-            "error: --dp 1 x --cp 3 x --tp 1 x --pp 1 = 3 ranks, but the job has 2: launch 3 processes "
+            "error: --dp 1 x --cp 3 x --tp 1 x --pp 1 = 3 ranks, but the job has 2: "
+            "launch 3 processes "
             "(torchrun --nproc_per_node), or choose degrees whose product is 2",
         ),
     ],

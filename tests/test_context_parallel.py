@@ -1,10 +1,12 @@
-"""Step 11: context parallelism (context_parallel.py), ring attention (ring_attention.py) over a sequence split in 2C chunks.
+"""Step 11: context parallelism (context_parallel.py), ring
+attention (ring_attention.py) over a sequence split in 2C chunks.
 
 The ring merges partial softmaxes in another order than one process does, so its proof is against a
-single-process blockwise reference written here, independently of the ring (no communication, its own
-chunk layouts): the same pairs of chunks in the same order, forward and backward, bit for bit. Against
-exact attention (PyTorch's scaled_dot_product_attention in float64) it is close, and the trainer is compared
-with step 0 on the same micro-batches, the way step 8 is (another summation order, the numbers asserted).
+single-process blockwise reference written here, independently of the ring (no communication, its
+own chunk layouts): the same pairs of chunks in the same order, forward and backward, bit for bit.
+Against exact attention (PyTorch's scaled_dot_product_attention in float64) it is close, and the
+trainer is compared with step 0 on the same micro-batches, the way step 8 is (another summation
+order, the numbers asserted).
 """
 
 import json
@@ -43,7 +45,7 @@ def inputs(dtype):
     return q, k, v, dout
 
 
-# ---- the reference: one process, chunk pairs in the ring's order -----------------------------------
+# ---- the reference: one process, chunk pairs in the ring's order ---------------------------------
 
 
 def rank_chunks(rank, cp, layout):
@@ -51,10 +53,11 @@ def rank_chunks(rank, cp, layout):
 
 
 def blockwise(q, k, v, dout, cp, layout, dropout=0.0, seed=None):
-    """For each rank: its output, dq, and (at its owner) dk, dv, computed chunk pair by chunk pair. At step t a
-    rank r holds the key chunks of rank r - t; the key chunks of rank o collect their gradients at ranks o, o+1,
-    ..., o+C-1 in turn. With ``dropout``, each rank draws a mask per pair in that order from a generator seeded
-    ``seed`` (the ranks' shared stream), as F.dropout draws it on the CPU."""
+    """For each rank: its output, dq, and (at its owner) dk, dv, computed chunk pair by chunk pair.
+    At step t a rank r holds the key chunks of rank r - t; the key chunks of rank o collect their
+    gradients at ranks o, o+1, ..., o+C-1 in turn. With ``dropout``, each rank draws a mask per pair
+    in that order from a generator seeded ``seed`` (the ranks' shared stream), as F.dropout draws it
+    on the CPU."""
     n = S // (2 * cp)
     part = {c: slice(c * n, (c + 1) * n) for c in range(2 * cp)}
     scale = 1 / math.sqrt(D)
@@ -127,7 +130,7 @@ def blockwise(q, k, v, dout, cp, layout, dropout=0.0, seed=None):
     return per_rank
 
 
-# ---- the ring, as someone uses it in their own script -----------------------------------------------
+# ---- the ring, as someone uses it in their own script --------------------------------------------
 
 
 def saved_bytes(fn, *tensors) -> int:
@@ -144,7 +147,8 @@ def saved_bytes(fn, *tensors) -> int:
 
 
 def ring_events(q, k, v, dout) -> list:
-    """The order in which one forward and backward start messages, wait for them and compute chunk pairs."""
+    """The order in which one forward and backward start
+    messages, wait for them and compute chunk pairs."""
     import ring_attention
 
     events, start, scores = [], ring_attention._Ring.start, ring_attention._scores
@@ -202,7 +206,8 @@ def ring_worker(rank, cp, port, out_dir):
 
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
-    """Every rank's output and gradients at C = 1, 2 and 4, both layouts, float32 and bf16 (one job per C)."""
+    """Every rank's output and gradients at C = 1, 2 and
+    4, both layouts, float32 and bf16 (one job per C)."""
     found = {}
     for cp in (1, 2, 4):
         out_dir = tmp_path_factory.mktemp(f"ring{cp}")
@@ -230,9 +235,9 @@ def test_ring_attention_is_bitwise_the_blockwise_reference(ring_results, cp, dty
 @pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_with_dropout_redraws_forwards_masks_in_backward(ring_results, cp):
-    """Attention dropout 0.25, bf16: the masks forward drew pair by pair, drawn again in backward from the state
-    forward started at (not from the global stream, which the worker moved in between): bitwise the reference
-    that keeps every mask."""
+    """Attention dropout 0.25, bf16: the masks forward drew pair by pair, drawn again in backward
+    from the state forward started at (not from the global stream, which the worker moved in
+    between): bitwise the reference that keeps every mask."""
     expected = blockwise(*inputs(torch.bfloat16), cp, "zigzag", DROPOUT, DROPOUT_SEED)
     for rank in range(cp):
         for name, g, e in zip(
@@ -246,7 +251,8 @@ def test_ring_attention_with_dropout_redraws_forwards_masks_in_backward(ring_res
 @pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_is_attention(ring_results, cp):
-    """Against PyTorch's causal attention in float64 on the whole sequence: float32's rounding, no more."""
+    """Against PyTorch's causal attention in float64 on
+    the whole sequence: float32's rounding, no more."""
     q, k, v, dout = (t.double().requires_grad_() for t in inputs(torch.float32))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     out.backward(dout.detach())
@@ -264,8 +270,9 @@ def test_ring_attention_is_attention(ring_results, cp):
 
 @pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 def test_zigzag_balances_the_work_the_causal_mask_leaves():
-    """The pairs each rank computes (attention_pairs) against the causal mask itself: a pair of chunks is work
-    when any of its query positions sees any of its key positions. Zig-zag: 2C + 1 on every rank."""
+    """The pairs each rank computes (attention_pairs) against the causal mask itself: a pair of
+    chunks is work when any of its query positions sees any of its key positions. Zig-zag: 2C + 1 on
+    every rank."""
     sys.path.insert(0, str(FOLDER))
     from context_parallel import attention_pairs
 
@@ -290,8 +297,9 @@ def test_zigzag_balances_the_work_the_causal_mask_leaves():
 
 @pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 def test_no_rank_keeps_a_score_matrix(ring_results):
-    """What the ring keeps for backward: q, k, v, its output and one lse per query, S/C tokens each: 1/C of C = 1's
-    bytes on every rank. model.py's attention keeps its S x S probabilities per head besides."""
+    """What the ring keeps for backward: q, k, v, its output and one lse per query, S/C tokens each:
+    1/C of C = 1's bytes on every rank. model.py's attention keeps its S x S probabilities per head
+    besides."""
     sys.path.insert(0, str(REPO / "common"))
     from model import CausalSelfAttention, GPTConfig
 
@@ -309,9 +317,10 @@ def test_no_rank_keeps_a_score_matrix(ring_results):
 @pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 @pytest.mark.parametrize("cp", [2, 4])
 def test_every_message_travels_while_a_block_is_computed(ring_results, cp):
-    """Rule 2 and rule 5: each key/value block (forward and backward) and each dK/dV buffer is sent before a chunk
-    pair is computed and waited for after it, so the compute hides the transfer; only the last pass, which
-    brings the dK/dV buffers home after every block is done, has nothing left to hide behind."""
+    """Rule 2 and rule 5: each key/value block (forward and backward) and each dK/dV buffer is sent
+    before a chunk pair is computed and waited for after it, so the compute hides the transfer; only
+    the last pass, which brings the dK/dV buffers home after every block is done, has nothing left
+    to hide behind."""
     sys.path.insert(0, str(FOLDER))
     from ring_attention import GRAD_TAG, KV_TAG
 
@@ -359,12 +368,12 @@ def shard_dropout_worker(rank, cp, port, queue):
 
 
 def test_dropout_between_the_layers_keeps_this_ranks_zigzag_chunks_of_one_mask():
-    """Rule 7 on 2 ranks: SequenceShardDropout (after the embedding, attention's c_proj and the MLP) on a rank's
-    zig-zag shard is that shard of F.dropout of the whole sequence from the same generator state, bit for bit,
-    float32 and bf16, and leaves the stream where F.dropout leaves it. The ring's tests drop only attention's
-    weights; this is the dropout outside attention, checked directly against one process's: a rank keeping
-    another part of the whole mask (a contiguous block, the other layout's chunks) trains on masks no one process
-    draws."""
+    """Rule 7 on 2 ranks: SequenceShardDropout (after the embedding, attention's c_proj and the MLP)
+    on a rank's zig-zag shard is that shard of F.dropout of the whole sequence from the same
+    generator state, bit for bit, float32 and bf16, and leaves the stream where F.dropout leaves it.
+    The ring's tests drop only attention's weights; this is the dropout outside attention, checked
+    directly against one process's: a rank keeping another part of the whole mask (a contiguous
+    block, the other layout's chunks) trains on masks no one process draws."""
     for rank, (result, error) in spawn(shard_dropout_worker, 2).items():
         assert error is None, f"rank {rank} failed:\n{error}"
         assert result == {"torch.float32": (True, True), "torch.bfloat16": (True, True)}, (
@@ -373,7 +382,7 @@ def test_dropout_between_the_layers_keeps_this_ranks_zigzag_chunks_of_one_mask()
         )
 
 
-# ---- the trainer ------------------------------------------------------------------------------------
+# ---- the trainer ---------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -385,9 +394,10 @@ def step0_run(tmp_path_factory, small_corpus):
 def test_step11_trains_like_step0_in_another_summation_order(
     step0_run, order_reference, cp, tmp_path, small_corpus
 ):
-    """The same micro-batches as one process: the first step's loss to float32's rounding, the losses, param
-    norm and weights after 4 steps within compare/other_order.py's factor of step 0's own drift from step 1 on
-    this machine (measured: 1.0-2.3x on three kernel paths), the replicas identical."""
+    """The same micro-batches as one process: the first step's loss to float32's rounding, the
+    losses, param norm and weights after 4 steps within compare/other_order.py's factor of step 0's
+    own drift from step 1 on this machine (measured: 1.0-2.3x on three kernel paths), the replicas
+    identical."""
     run = train("step11", tmp_path / "cp", small_corpus, nproc=cp)
     assert metrics(run)["env"]["context_parallel_size"] == cp
     assert metrics(run)["final"]["replicas_identical"]
@@ -417,9 +427,10 @@ def test_step11_trains_like_step0_in_another_summation_order(
 def test_rings_beside_data_parallelism_train_like_step1(
     step1_ws2, order_reference, tmp_path, small_corpus
 ):
-    """--cp 2 on 4 ranks: two rings, each a data-parallel replica reading step 1's rank's samples (rule 6). The same
-    global batches as step 1 at 2 ranks: the first loss to float32's rounding, the drift within
-    compare/other_order.py's factor of step 0's on this machine; every rank's replica the same bits."""
+    """--cp 2 on 4 ranks: two rings, each a data-parallel replica reading step 1's rank's samples
+    (rule 6). The same global batches as step 1 at 2 ranks: the first loss to float32's rounding,
+    the drift within compare/other_order.py's factor of step 0's on this machine; every rank's
+    replica the same bits."""
     run = train("step11", tmp_path / "dp2cp2", small_corpus, "--cp", "2", nproc=4)
     env = metrics(run)["env"]
     assert (env["context_parallel_size"], env["data_parallel_size"]) == (2, 2)
@@ -431,9 +442,10 @@ def test_rings_beside_data_parallelism_train_like_step1(
 
 
 def test_the_activations_tool_finds_every_saved_byte_split_over_the_ring():
-    """compare/activations.py --cp: what one rank of step 11's whole model saves for backward (every tensor
-    autograd keeps, each storage once) is 1/C of C = 1's, to the byte, but for the loss's one float32 scalar
-    (cross-entropy's total weight) that every rank keeps; model.py's attention keeps more (its S x S matrices)."""
+    """compare/activations.py --cp: what one rank of step 11's whole model saves for backward (every
+    tensor autograd keeps, each storage once) is 1/C of C = 1's, to the byte, but for the loss's one
+    float32 scalar (cross-entropy's total weight) that every rank keeps; model.py's attention keeps
+    more (its S x S matrices)."""
     code = (
         "import sys, json; sys.path.insert(0, 'compare'); import activations as a;"
         "c = a.parse_config(a.build_parser('activations'), sys.argv[1:]);"
@@ -457,8 +469,9 @@ def test_the_activations_tool_finds_every_saved_byte_split_over_the_ring():
     whole, scalar = rows["ring", 1], 4
     for c in (2, 4):
         assert rows["ring", c] == (whole - scalar) // c + scalar and (whole - scalar) % c == 0, rows
-    # The planner's ring (Korthikanti et al.'s terms for flash attention, which the ring keeps at C = 1 too, with 1/C
-    # of the tokens) is every byte but the integer token ids, position ids and targets (8 bytes each) and the scalar.
+    # The planner's ring (Korthikanti et al.'s terms for flash attention, which the ring keeps at C
+    # = 1 too, with 1/C of the tokens) is every byte but the integer token ids, position ids and
+    # targets (8 bytes each) and the scalar.
     import plan  # compare/, on the path through conftest
     from activation_formula import FormulaActivations
 
@@ -477,8 +490,9 @@ def test_the_activations_tool_finds_every_saved_byte_split_over_the_ring():
 
 
 def _dropout_between_layers_worker(rank, world_size, port, queue):
-    """One micro-batch through our GPT-2 with dropout 0.1, whole in one process (rank 0 computes it too) and as
-    step 11's ring on 2 ranks, attention's own dropout off in both: the rest draws one process's masks."""
+    """One micro-batch through our GPT-2 with dropout 0.1, whole in one process (rank 0 computes it
+    too) and as step 11's ring on 2 ranks, attention's own dropout off in both: the rest draws one
+    process's masks."""
     from conftest import init_gloo, shutdown
 
     init_gloo(rank, world_size, port)
@@ -534,12 +548,13 @@ def _dropout_between_layers_worker(rank, world_size, port, queue):
 
 
 def test_dropout_between_the_layers_is_one_processs_in_the_trainers_model():
-    """Step 11's whole model with --dropout 0.1 against ours in one process on the same micro-batch: the loss to
-    float32's rounding, every gradient to its rounding (relative to the largest). The ring's attention dropout is off in both, because it is
-    drawn pair by pair in the ring (rule 7), another stream than one process's S x S mask, so a trainer run with
-    dropout cannot be compared with step 0's within rounding (measured: the first loss 7e-5 apart, 7.61539 vs
-    7.61592, 4 steps, TINY); every other dropout draws one process's mask and keeps this rank's zig-zag positions
-    of it. A rank keeping a contiguous block instead is off by about the dropout rate."""
+    """Step 11's whole model with --dropout 0.1 against ours in one process on the same micro-batch:
+    the loss to float32's rounding, every gradient to its rounding (relative to the largest). The
+    ring's attention dropout is off in both, because it is drawn pair by pair in the ring (rule 7),
+    another stream than one process's S x S mask, so a trainer run with dropout cannot be compared
+    with step 0's within rounding (measured: the first loss 7e-5 apart, 7.61539 vs 7.61592, 4 steps,
+    TINY); every other dropout draws one process's mask and keeps this rank's zig-zag positions of
+    it. A rank keeping a contiguous block instead is off by about the dropout rate."""
     results = spawn(_dropout_between_layers_worker, 2)
     for rank, result in results.items():
         assert result["loss"] < 1e-6 and result["grads"] < 1e-4, (rank, result)

@@ -1,7 +1,7 @@
-"""common/data.py reads the corpus itself (Python's text mode, line by line, newlines kept) instead of through
-datasets, whose import (with pyarrow) cost every rank about 1.5 CPU seconds. Checked against the reader it
-replaces, datasets' ``Dataset.from_text(keep_linebreaks=True)``, on the shipped corpus and on text whose line
-ends are awkward, line for line and block for block."""
+"""common/data.py reads the corpus itself (Python's text mode, line by line, newlines kept) instead
+of through datasets, whose import (with pyarrow) cost every rank about 1.5 CPU seconds. Checked
+against the reader it replaces, datasets' ``Dataset.from_text(keep_linebreaks=True)``, on the
+shipped corpus and on text whose line ends are awkward, line for line and block for block."""
 
 import subprocess
 import sys

@@ -34,7 +34,8 @@ from launch import run_nodes_here
 @pytest.fixture(scope="module")
 def default_runs(tour, tmp_path_factory, small_corpus):
     """Steps 2 to 7 on 2 ranks in the default float32 mode, as the tour ran them, and step 4 again
-    with its overlap trace and 0.1 MiB buckets (the tiny model's 0.37 MB would fit in one bucket)."""
+    with its overlap trace and 0.1 MiB buckets (the tiny model's 0.37 MB would fit in one
+    bucket)."""
     runs = {
         step: tour[0] / STEPS[step]
         for step in ("step2", "step3", "step4", "step5", "step6", "step7")
@@ -93,8 +94,9 @@ FORMULAS = {
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_exact_mode_is_bitwise_identical_at_any_world_size(world_size, exact_run):
-    """Exact mode, accumulation, clipping that triggers, bf16 and dropout at once; and, from the same runs, every
-    rank's memory against the ZeRO formulas and the bytes each step hands to each collective."""
+    """Exact mode, accumulation, clipping that triggers, bf16 and dropout at once; and, from the
+    same runs, every rank's memory against the ZeRO formulas and the bytes each step hands to each
+    collective."""
     runs = {step: exact_run(step, world_size) for step in FORMULAS}
     for step in ("step3", "step4", "step5", "step6", "step7"):
         result = parity(runs["step1"], runs[step])
@@ -117,8 +119,8 @@ def test_exact_mode_is_bitwise_identical_at_any_world_size(world_size, exact_run
                 assert abs(measured[kind] / expected - 1) < 0.02, (
                     f"{step} rank {rank} {kind}: {measured[kind]} vs {expected}"
                 )
-    # Each ZeRO stage moves the gradients once (in float64 here: 8 bytes each) and the parameters once
-    # (float32), padding included: at most N - 1 elements per bucket.
+    # Each ZeRO stage moves the gradients once (in float64 here: 8 bytes each) and the parameters
+    # once (float32), padding included: at most N - 1 elements per bucket.
     for step, gradient_collective in (("step5", "all_reduce"), ("step6", "reduce_scatter")):
         for r in metrics(runs[step])["records"]:
             gathered = r["comm"]["all_gather"] / 4
@@ -131,10 +133,11 @@ def test_exact_mode_is_bitwise_identical_at_any_world_size(world_size, exact_run
 
 
 def test_two_nodes_train_bitwise_like_one(exact_run, tmp_path, small_corpus):
-    """Two torchrun launches of 2 ranks each, meeting through torchrun's c10d rendezvous as two machines
-    would (compare/launch.py's node_command, the same command on every node), train every hand-written
-    sharding bitwise like one launch of 4 ranks: a rank's work depends on its global rank only, not on
-    which node runs it. Exact mode, so the comparison is the strict one of the exact-mode matrix."""
+    """Two torchrun launches of 2 ranks each, meeting through torchrun's c10d rendezvous as two
+    machines would (compare/launch.py's node_command, the same command on every node), train every
+    hand-written sharding bitwise like one launch of 4 ranks: a rank's work depends on its global
+    rank only, not on which node runs it. Exact mode, so the comparison is the strict one of the
+    exact-mode matrix."""
     for step in ("step4", "step5", "step6", "step7"):
         out = tmp_path / step
         nodes = run_nodes_here(
@@ -147,7 +150,8 @@ def test_two_nodes_train_bitwise_like_one(exact_run, tmp_path, small_corpus):
         assert [code for code, _ in nodes] == [0, 0], f"{step}:\n" + "\n".join(
             log[-3000:] for _, log in nodes
         )
-        # one world of 4: rank 0 (on whichever launch the rendezvous made node 0) reports for all of them
+        # one world of 4: rank 0 (on whichever launch the
+        # rendezvous made node 0) reports for all of them
         assert sum("done: 4 steps on 4 ranks" in log for _, log in nodes) == 1, [
             log[-1000:] for _, log in nodes
         ]
@@ -194,7 +198,7 @@ def test_step4_all_reduces_each_gradient_byte_once_per_optimiser_step(default_ru
     assert all("broadcast" not in r["comm"] for r in records[1:])
 
 
-# ---- why the broadcast matters (step 3) --------------------------------------------------------------
+# ---- why the broadcast matters (step 3) ----------------------------------------------------------
 
 
 def diverge_worker(rank, world_size, port, queue, broadcast):
@@ -223,7 +227,7 @@ def test_without_the_broadcast_replicas_diverge(broadcast):
     assert spawn(diverge_worker, 2, broadcast) == {0: broadcast, 1: broadcast}
 
 
-# ---- leaving the group ----------------------------------------------------------------------------
+# ---- leaving the group ---------------------------------------------------------------------------
 
 
 def gloo_threads() -> list[str]:
@@ -255,14 +259,16 @@ def leave_worker(rank, world_size, port, queue):
     not Path("/proc/self/task").is_dir(), reason="thread names are read from /proc (Linux)"
 )
 def test_shutdown_leaves_no_gloo_thread_behind():
-    """After shutdown() the group is really gone, its threads with it. A thread of a group that outlives
-    shutdown() may still be letting go of the last collective's tensors when the interpreter exits;
-    it then needs the GIL and aborts the process (the cause of a flaky SIGABRT of the test above).
+    """After shutdown() the group is really gone, its threads with it. A thread of a group that
+    outlives shutdown() may still be letting go of the last collective's tensors when the
+    interpreter exits; it then needs the GIL and aborts the process (the cause of a flaky SIGABRT of
+    the test above).
 
-    Those are the group's workers (``pt_gloo_runloop``): gone when shutdown() returns. The transport's
-    socket loop (``gloo_tcp_loop``) holds no Python object; when its last user lets go from inside the
-    loop it cannot join itself, and it ends on its own a moment later (1 run in 10 here on 2 cores:
-    still running when shutdown() returned, gone 0.2 s after). It must end, not outlive the process."""
+    Those are the group's workers (``pt_gloo_runloop``): gone when shutdown() returns. The
+    transport's socket loop (``gloo_tcp_loop``) holds no Python object; when its last user lets go
+    from inside the loop it cannot join itself, and it ends on its own a moment later (1 run in 10
+    here on 2 cores: still running when shutdown() returned, gone 0.2 s after). It must end, not
+    outlive the process."""
     for rank, (started, at_once, later) in spawn(leave_worker, 2).items():
         assert "pt_gloo_runloop" in started, (
             f"rank {rank}: no gloo worker to watch, thread names changed: {started}"
@@ -276,7 +282,8 @@ def test_shutdown_leaves_no_gloo_thread_behind():
         )
 
 
-# Every step that holds groups in objects of its own, as a learner runs it; step 7 twice: R = 1 holds the world.
+# Every step that holds groups in objects of its own, as
+# a learner runs it; step 7 twice: R = 1 holds the world.
 EXIT_RUNS = {
     "step4": [],
     "step5": [],
@@ -296,10 +303,10 @@ EXIT_RUNS = {
 )
 @pytest.mark.parametrize("run", EXIT_RUNS)
 def test_a_trainer_leaves_no_gloo_thread_behind(run, tmp_path, small_corpus):
-    """The test above with a whole trainer (tests/exit_threads_hook.py): after main() no thread of any group is
-    left, on any rank. Found this way: step 7 kept every rank's world group alive (its model held
-    ``dist.group.WORLD`` and outlived main), the cause of a rare "terminate called without an active
-    exception" at the exit of a test that trained it."""
+    """The test above with a whole trainer (tests/exit_threads_hook.py): after main() no thread of
+    any group is left, on any rank. Found this way: step 7 kept every rank's world group alive (its
+    model held ``dist.group.WORLD`` and outlived main), the cause of a rare "terminate called
+    without an active exception" at the exit of a test that trained it."""
     step = run.split("-")[0]
     args = [
         str(REPO / STEPS[step] / "train.py"),
@@ -325,7 +332,8 @@ def test_a_trainer_leaves_no_gloo_thread_behind(run, tmp_path, small_corpus):
 
 
 def dropped_wrapper_worker(rank, world_size, port, queue, folder, wrap):
-    """An outsider's loop: wrap a model, train a step, drop the wrapper; is it gone once garbage is collected?"""
+    """An outsider's loop: wrap a model, train a step, drop
+    the wrapper; is it gone once garbage is collected?"""
     import gc
     import weakref
 
@@ -371,14 +379,15 @@ WRAPS = {
     ],
 )
 def test_a_dropped_wrapper_is_freed(folder, wrap):
-    """A parameter's hooks live in autograd's C++ graph, where Python's garbage collector does not look: a hook
-    that held the wrapper kept it, its model and its groups (HSDP's, or the world) alive for good. So an outsider
-    who wrapped a second model leaked the first, and step 7 kept gloo's threads into interpreter exit. Both
-    wrappers now hook weakly; the planted bug (a bound method as the hook) keeps both alive."""
+    """A parameter's hooks live in autograd's C++ graph, where Python's garbage collector does not
+    look: a hook that held the wrapper kept it, its model and its groups (HSDP's, or the world)
+    alive for good. So an outsider who wrapped a second model leaked the first, and step 7 kept
+    gloo's threads into interpreter exit. Both wrappers now hook weakly; the planted bug (a bound
+    method as the hook) keeps both alive."""
     assert spawn(dropped_wrapper_worker, 2, folder, wrap) == {0: [True, True], 1: [True, True]}
 
 
-# ---- exact_reduction.py as an outsider uses it: PyTorch's DDP, their own harness ------------------------
+# ---- exact_reduction.py as an outsider uses it: PyTorch's DDP, their own harness -----------------
 
 
 def exact_hook_worker(rank, world_size, port, out):
@@ -397,8 +406,9 @@ def exact_hook_worker(rank, world_size, port, out):
     ddp(exact_hook_batch(rank)).square().mean().backward()
     if rank == 0:
         torch.save([p.grad for p in ddp.module.parameters()], out)
-    # DDP's C++ reducer holds the group: dropped as the last holder, the group's destructor would wait, holding the
-    # GIL, for a gloo thread that needs the GIL to release the hook's callback (seen: a hang at exit). So: first.
+    # DDP's C++ reducer holds the group: dropped as the last holder, the group's destructor would
+    # wait, holding the GIL, for a gloo thread that needs the GIL to release the hook's callback
+    # (seen: a hang at exit). So: first.
     del ddp
     dist.barrier()
     dist.destroy_process_group()
@@ -415,8 +425,9 @@ def exact_hook_batch(rank):
 
 
 def test_exact_reduction_hook_gives_ddp_the_float64_average(tmp_path):
-    """DDP with float64_allreduce_hook at 3 ranks, in a harness that names none of our helpers, against the
-    closed form computed here: each rank's float32 gradient, summed in float64, divided by 3, rounded once."""
+    """DDP with float64_allreduce_hook at 3 ranks, in a harness that names none of our helpers,
+    against the closed form computed here: each rank's float32 gradient, summed in float64, divided
+    by 3, rounded once."""
     import torch.multiprocessing as mp
 
     from conftest import free_port

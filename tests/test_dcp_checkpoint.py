@@ -1,9 +1,10 @@
 """common/dcp_checkpoint.py: a rank's pieces as a torch.distributed.checkpoint state dict, and back.
 
-The independent answers: the whole tensors themselves (a piece's boxes must tile exactly its elements), and
-torch's own DCP readers, which know none of this file: ``dcp_to_torch_save`` and ``dcp.load`` with its default
-planner into plain tensors. Two ranks save a toy at one layout (ZeRO's flat slices, or tensor-parallel blocks with
-ZeRO slices of them); every other layout reads it back, bit for bit.
+The independent answers: the whole tensors themselves (a piece's boxes must tile exactly its
+elements), and torch's own DCP readers, which know none of this file: ``dcp_to_torch_save`` and
+``dcp.load`` with its default planner into plain tensors. Two ranks save a toy at one layout (ZeRO's
+flat slices, or tensor-parallel blocks with ZeRO slices of them); every other layout reads it back,
+bit for bit.
 """
 
 import math
@@ -27,9 +28,10 @@ def whole(name: str) -> torch.Tensor:
 
 
 def pieces(layout: str, rank: int, ranks: int) -> list:
-    """``(name, tensor, place)`` of rank ``rank`` of ``ranks``, each tensor a copy of what the whole holds there:
-    ``zero`` (flat slices), ``tp`` (blocks of rows), ``tp+zero`` (tp 2: each block cut into flat slices over the
-    ranks / 2 of its dp group)."""
+    """``(name, tensor, place)`` of rank ``rank`` of ``ranks``,
+    each tensor a copy of what the whole holds there:
+    ``zero`` (flat slices), ``tp`` (blocks of rows), ``tp+zero`` (tp 2: each block cut into flat
+    slices over the ranks / 2 of its dp group)."""
     tp = {"zero": 1, "tp": ranks, "tp+zero": 2}[layout]
     tp_rank, dp, dp_rank = rank % tp, ranks // tp, rank // tp
     out = []
@@ -44,8 +46,8 @@ def pieces(layout: str, rank: int, ranks: int) -> list:
 
 
 def test_a_flat_range_is_a_few_contiguous_boxes_that_tile_it_exactly():
-    """Every [start, end) of tensors of 1 to 3 dimensions: at most 2 ndim - 1 boxes, each a contiguous run of the
-    flattened tensor beginning where it says, together the range in order."""
+    """Every [start, end) of tensors of 1 to 3 dimensions: at most 2 ndim - 1 boxes, each a
+    contiguous run of the flattened tensor beginning where it says, together the range in order."""
     for shape in [(6,), (3, 4), (2, 3, 4), (4, 1, 3), (1, 1)]:
         numbered = torch.arange(math.prod(shape)).view(shape)
         for start in range(math.prod(shape) + 1):
@@ -75,7 +77,8 @@ def test_a_box_is_a_view_of_the_piece_so_a_load_lands_in_it():
 
 
 def save_worker(rank, world_size, port, queue, folder, layout):
-    """Rank ``rank`` gives DCP its pieces of the model and of an optimiser's state over them, and saves."""
+    """Rank ``rank`` gives DCP its pieces of the model
+    and of an optimiser's state over them, and saves."""
     init_gloo(rank, world_size, port)
     from dcp_checkpoint import save
 
@@ -116,9 +119,9 @@ def test_pieces_saved_at_one_layout_read_back_bitwise_at_any_other(layout, tmp_p
 
 
 def test_torchs_own_readers_get_whole_tensors_of_the_models_shapes(tmp_path):
-    """What a DCP reader that knows nothing of boxes gets: ``dcp_to_torch_save``'s one file holds ``model.<name>``
-    whole, the optimiser's moments whole under the parameter's name; ``dcp.load`` with its default planner fills
-    plain tensors the same."""
+    """What a DCP reader that knows nothing of boxes gets: ``dcp_to_torch_save``'s one file holds
+    ``model.<name>`` whole, the optimiser's moments whole under the parameter's name; ``dcp.load``
+    with its default planner fills plain tensors the same."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -1,6 +1,6 @@
-"""A rank that freezes, or ranks that issue different collectives: the job ends within a bound set by
---timeout-s, with one `error:` line per surviving rank and exit code 3, never a hang or gloo's traceback
-(docs/fault_tolerance.md). Real torchrun launches, real signals."""
+"""A rank that freezes, or ranks that issue different collectives: the job ends within a bound set
+by --timeout-s, with one `error:` line per surviving rank and exit code 3, never a hang or gloo's
+traceback (docs/fault_tolerance.md). Real torchrun launches, real signals."""
 
 import inspect
 import os
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 FREEZE_TIMEOUT_S = 3  # --timeout-s of these runs: the wait that ends a frozen rank's peers
-# Start-up of a loaded 2-core machine aside, what may come on top of the bound: the step under way when
-# the rank froze, the launcher's reaction (it polls every 0.1 s), the interpreters' exits.
+# Start-up of a loaded 2-core machine aside, what may come on top of the bound: the step under way
+# when the rank froze, the launcher's reaction (it polls every 0.1 s), the interpreters' exits.
 SLACK_S = 10
 
 
@@ -82,9 +82,10 @@ def workers_by_rank(torchrun_pid: int) -> dict[int, int]:
 
 
 def continue_once_sigterm_is_pending(pid: int, timeout: float = 10) -> None:
-    """SIGCONT a stopped rank only once torchrun's SIGTERM is pending on it, so the kernel ends it before it runs
-    a line more. torchrun prints "Sending process ... SIGTERM" before it sends it: a rank continued in between
-    ran on, found its peers gone and said so (seen under a loaded full suite, step 12: two `error:` lines)."""
+    """SIGCONT a stopped rank only once torchrun's SIGTERM is pending on it, so the kernel ends it
+    before it runs a line more. torchrun prints "Sending process ... SIGTERM" before it sends it: a
+    rank continued in between ran on, found its peers gone and said so (seen under a loaded full
+    suite, step 12: two `error:` lines)."""
     bit = 1 << (signal.SIGTERM - 1)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -123,13 +124,14 @@ EXTRA = {"step12": ["--moe-experts", "4"]}
 def test_a_frozen_rank_ends_the_job_with_one_line_within_the_timeout(
     step, frozen, tmp_path, small_corpus
 ):
-    """SIGSTOP one rank of two in the middle of training: its peer waits --timeout-s in a collective, takes
-    a roll call (ROLL_CALL_S) that the frozen rank cannot answer, prints one line naming it and exits 3;
-    torchrun then stops the frozen rank. A stopped process only acts on torchrun's SIGTERM once continued,
-    so torchrun would SIGKILL it 30 s later (the next test); this test continues it after the SIGTERM,
-    which is what a rank that hangs without being stopped does at once. Step 1 (PyTorch DDP) and step 7
-    (our ZeRO-3), freezing rank 1 and rank 0 (the store is torchrun's, so rank 0 may freeze too), step 11,
-    whose peer waits in the ring's point-to-point receive, and step 12, whose peer waits in an all-to-all."""
+    """SIGSTOP one rank of two in the middle of training: its peer waits --timeout-s in a
+    collective, takes a roll call (ROLL_CALL_S) that the frozen rank cannot answer, prints one line
+    naming it and exits 3; torchrun then stops the frozen rank. A stopped process only acts on
+    torchrun's SIGTERM once continued, so torchrun would SIGKILL it 30 s later (the next test); this
+    test continues it after the SIGTERM, which is what a rank that hangs without being stopped does
+    at once. Step 1 (PyTorch DDP) and step 7 (our ZeRO-3), freezing rank 1 and rank 0 (the store is
+    torchrun's, so rank 0 may freeze too), step 11, whose peer waits in the ring's point-to-point
+    receive, and step 12, whose peer waits in an all-to-all."""
     survivor = 1 - frozen
     args = [
         *TINY,
@@ -171,8 +173,10 @@ def test_a_frozen_rank_ends_the_job_with_one_line_within_the_timeout(
     lines = output.rest()
 
     assert error == (
-        f"error: rank {survivor} waited {FREEZE_TIMEOUT_S} s in a collective; rank(s) {frozen} did not "
-        f"answer a roll call within {ROLL_CALL_S:g} s either: dead, frozen, or slower than --timeout-s; "
+        f"error: rank {survivor} waited {FREEZE_TIMEOUT_S} s in a collective; rank(s) "
+        f"{frozen} did not "
+        f"answer a roll call within {ROLL_CALL_S:g} s either: dead, frozen, or slower "
+        "than --timeout-s; "
         f"see docs/fault_tolerance.md"
     ), error
     bound = FREEZE_TIMEOUT_S + ROLL_CALL_S + SLACK_S
@@ -197,9 +201,10 @@ PAIR_TIMEOUT_S = 2  # the spawned ranks' process-group timeout
 
 
 def two_collectives_under_way(rank, world_size, port, queue):
-    """Rank 0 starts two collectives (as step 7 has a prefetched gather under way beside a reduce-scatter) that
-    rank 1, alive but silent, never joins, and waits on the second first. Reports what each wait raised and the
-    line the trainers print for a collective closed with the pair (the real one where gloo raised it)."""
+    """Rank 0 starts two collectives (as step 7 has a prefetched gather under way beside a
+    reduce-scatter) that rank 1, alive but silent, never joins, and waits on the second first.
+    Reports what each wait raised and the line the trainers print for a collective closed with the
+    pair (the real one where gloo raised it)."""
     from datetime import timedelta
 
     import torch
@@ -230,9 +235,10 @@ def two_collectives_under_way(rank, world_size, port, queue):
                 errors.append(None)
             except RuntimeError as error:
                 errors.append(error)
-        # Which of the two times out first, and whether the other times out too before the pair is closed under
-        # it, is gloo's race (seen: either one first; under load, both timed out). Where neither was closed, the
-        # line is asked for gloo's own words for it, in this rank with its group as it is.
+        # Which of the two times out first, and whether the other times out too before the pair is
+        # closed under it, is gloo's race (seen: either one first; under load, both timed out).
+        # Where neither was closed, the line is asked for gloo's own words for it, in this rank with
+        # its group as it is.
         closed = next(
             (error for error in errors if error is not None and PAIR_CLOSED in str(error)),
             RuntimeError(f"[gloo/transport/tcp/pair.cc] {PAIR_CLOSED}"),
@@ -249,11 +255,12 @@ def two_collectives_under_way(rank, world_size, port, queue):
 
 
 def test_a_collective_closed_by_another_ones_timeout_gets_the_timeout_line():
-    """When one collective times out, gloo closes every connection of the group, and a second collective under
-    way at the same time raises "Application timeout caused pair closure", not the timeout. A rank that waits
-    on that one first must still print the frozen rank's line, not a traceback (seen once in a full suite: step
-    7, rank 0 frozen, rank 1 ended with exit code 1). Which of the two times out and which is closed is gloo's
-    race: either order, or both timed out (a full suite on a loaded machine); each wait raises one or the other."""
+    """When one collective times out, gloo closes every connection of the group, and a second
+    collective under way at the same time raises "Application timeout caused pair closure", not the
+    timeout. A rank that waits on that one first must still print the frozen rank's line, not a
+    traceback (seen once in a full suite: step 7, rank 0 frozen, rank 1 ended with exit code 1).
+    Which of the two times out and which is closed is gloo's race: either order, or both timed out
+    (a full suite on a loaded machine); each wait raises one or the other."""
     from conftest import spawn
 
     texts, explained = spawn(two_collectives_under_way, 2, timeout=300)[0]
@@ -272,10 +279,11 @@ def test_a_collective_closed_by_another_ones_timeout_gets_the_timeout_line():
 
 
 def test_torchrun_takes_30_s_to_kill_a_stopped_rank_whatever_its_shutdown_timeout():
-    """docs/fault_tolerance.md's bound for a SIGSTOPped rank counts 30 s of torchrun's: when a worker fails,
-    torch 2.13's agent stops the others with ``_shutdown()`` and its default grace (SIGTERM, then SIGKILL
-    30 s later), not with --shutdown-timeout / TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which only its own signal
-    handling uses (both measured: 30.0 s either way). If this fails, torch changed: measure again."""
+    """docs/fault_tolerance.md's bound for a SIGSTOPped rank counts 30 s of torchrun's: when a
+    worker fails, torch 2.13's agent stops the others with ``_shutdown()`` and its default grace
+    (SIGTERM, then SIGKILL 30 s later), not with --shutdown-timeout /
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which only its own signal handling uses (both measured: 30.0 s
+    either way). If this fails, torch changed: measure again."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     assert inspect.signature(LocalElasticAgent._shutdown).parameters["timeout"].default == 30
@@ -304,9 +312,10 @@ config.exit_on_user_error(main)
 
 @pytest.mark.parametrize("detail", [False, True])
 def test_mismatched_collectives_end_in_one_line_per_rank(detail, tmp_path):
-    """Rank 0 all-reduces while rank 1 broadcasts. gloo cannot tell: both wait until the timeout, and the roll
-    call finds every rank alive, which is what the line says. TORCH_DISTRIBUTED_DEBUG=DETAIL compares every
-    collective's fingerprint before running it, so it names both at once."""
+    """Rank 0 all-reduces while rank 1 broadcasts. gloo cannot tell: both wait until the timeout,
+    and the roll call finds every rank alive, which is what the line says.
+    TORCH_DISTRIBUTED_DEBUG=DETAIL compares every collective's fingerprint before running it, so it
+    names both at once."""
     script = tmp_path / "mismatch.py"
     script.write_text(MISMATCH.format(common=str(REPO / "common")))
     env = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": "DETAIL" if detail else "OFF"}
@@ -334,8 +343,10 @@ def test_mismatched_collectives_end_in_one_line_per_rank(detail, tmp_path):
     if detail:
         assert any(
             re.fullmatch(
-                r"error: rank \d: the ranks issued different collectives: rank \d runs collective #\d+ "
-                r"(ALLREDUCE|BROADCAST) \[4\] Float, rank \d runs #\d+ (ALLREDUCE|BROADCAST) \[4\] Float "
+                r"error: rank \d: the ranks issued different collectives: rank \d runs "
+                r"collective #\d+ "
+                r"(ALLREDUCE|BROADCAST) \[4\] Float, rank \d runs #\d+ "
+                r"(ALLREDUCE|BROADCAST) \[4\] Float "
                 r"\(found by TORCH_DISTRIBUTED_DEBUG=DETAIL\); see docs/fault_tolerance.md",
                 e,
             )
@@ -344,7 +355,8 @@ def test_mismatched_collectives_end_in_one_line_per_rank(detail, tmp_path):
     else:
         assert any(
             re.fullmatch(
-                r"error: rank \d waited 2 s in a collective, yet every rank answered a roll call: all "
+                r"error: rank \d waited 2 s in a collective, yet every rank answered a "
+                r"roll call: all "
                 r"alive, they issued different collectives, or the same ones in a different order "
                 r"\(TORCH_DISTRIBUTED_DEBUG=DETAIL names them\); see docs/fault_tolerance.md",
                 e,

@@ -19,14 +19,15 @@ KIND_OF_STEP = {
     "step6": estimate.STEPS[2],
     "step7": estimate.STEPS[3],
 }
-# Model-parallel steps hold other shares than a data-parallel layout: their bytes per rank are tested against
-# their own formulas (test_tensor_parallel.py, test_pipeline_parallel.py; compare/estimate.py has no such layout yet).
+# Model-parallel steps hold other shares than a data-parallel layout: their bytes per rank are
+# tested against their own formulas (test_tensor_parallel.py, test_pipeline_parallel.py;
+# compare/estimate.py has no such layout yet).
 DATA_PARALLEL = {short: folder for short, folder in STEPS.items() if short in KIND_OF_STEP}
 
 
 def test_estimate_matches_every_run_of_the_tour(tour):
-    """Every step's run at world size 2 (step 0: one process), every rank, every kind: within 2% (the
-    layouts are the steps' own, so in fact to the byte); step 7's gathered peak too."""
+    """Every step's run at world size 2 (step 0: one process), every rank, every kind: within 2%
+    (the layouts are the steps' own, so in fact to the byte); step 7's gathered peak too."""
     runs, _ = tour
     checked = []
     for short, folder in DATA_PARALLEL.items():
@@ -66,7 +67,8 @@ def test_estimate_matches_every_run_of_the_tour(tour):
 
 @pytest.mark.quick
 def test_activations_counted_on_the_meta_device_are_those_of_a_real_forward():
-    """What the estimate counts without memory is what autograd saves on a real CPU model (dropout on)."""
+    """What the estimate counts without memory is what
+    autograd saves on a real CPU model (dropout on)."""
     sys.path.insert(0, str(REPO / "common"))
     from model import build_model
 
@@ -83,7 +85,8 @@ def test_activations_counted_on_the_meta_device_are_those_of_a_real_forward():
     real.module = build_model(config, 2048, seed=1)
     assert meta.activation_bytes(3) == real.activation_bytes(3) > 0
     assert meta.activation_bytes(6) > meta.activation_bytes(3)
-    # With step 7's checkpointing: kept (the root's, the blocks' inputs and mask), and one block recomputed.
+    # With step 7's checkpointing: kept (the root's, the
+    # blocks' inputs and mask), and one block recomputed.
     kept, recomputed = meta.checkpointed_activation_bytes(3)
     assert (kept, recomputed) == real.checkpointed_activation_bytes(3)
     assert 0 < recomputed < meta.activation_bytes(3) - kept
@@ -135,7 +138,8 @@ def test_the_command_line_marks_what_fits(tmp_path):
 @pytest.mark.quick
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_zero_layouts_split_every_element_once(world_size):
-    """Whatever the padding, the ranks' pieces add up to the whole model: no element lost or counted twice."""
+    """Whatever the padding, the ranks' pieces add up to
+    the whole model: no element lost or counted twice."""
     model = estimate.Model(
         {
             "n_layer": 3,
@@ -163,12 +167,13 @@ def test_zero_layouts_split_every_element_once(world_size):
             )
 
 
-# ---- The closed forms with 16-bit parameters (issue 17's table) ------------------------------------------------
+# ---- The closed forms with 16-bit parameters (issue 17's table) ----------------------------------
 
 
 @pytest.mark.quick
 def test_the_zero_papers_figure_1_to_its_printed_precision():
-    """Ψ = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (GB = 10^9 bytes), from the closed forms."""
+    """Ψ = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB,
+    1.9 GB (GB = 10^9 bytes), from the closed forms."""
     for stage, printed in enumerate(estimate.PAPER_GB):
         gb = (
             sum(estimate.state_bytes(stage, estimate.PAPER_PSI, estimate.PAPER_N, "bf16").values())
@@ -185,7 +190,8 @@ def test_the_zero_papers_figure_1_to_its_printed_precision():
 
 @pytest.mark.quick
 def test_4x_and_8x_are_limits():
-    """16Ψ / (4Ψ + 12Ψ/N) -> 4 and 16Ψ / (2Ψ + 14Ψ/N) -> 8, approached from below as N grows to 1024."""
+    """16Ψ / (4Ψ + 12Ψ/N) -> 4 and 16Ψ / (2Ψ + 14Ψ/N)
+    -> 8, approached from below as N grows to 1024."""
     assert estimate.reduction_limit(1) == 4 and estimate.reduction_limit(2) == 8
     assert estimate.reduction_limit(3) == float("inf")
     psi = estimate.PAPER_PSI
@@ -201,9 +207,10 @@ def test_4x_and_8x_are_limits():
 
 @pytest.mark.quick
 def test_the_gradient_dtype_decides_zero_2s_shard():
-    """Kept in 16 bits (the paper): 2Ψ + 14Ψ/N; reduced and kept in float32 (FSDP2's reduce_dtype, step 7's
-    param_dtype): 2Ψ + 16Ψ/N. ZeRO-3 held as FSDP2 holds it (the fp32 shard is the master) is 16Ψ/N either way,
-    as is float32 (4 + 4 + 8); padding: a sharded kind holds ceil(Ψ/N) elements."""
+    """Kept in 16 bits (the paper): 2Ψ + 14Ψ/N; reduced and kept in float32 (FSDP2's reduce_dtype,
+    step 7's param_dtype): 2Ψ + 16Ψ/N. ZeRO-3 held as FSDP2 holds it (the fp32 shard is the master)
+    is 16Ψ/N either way, as is float32 (4 + 4 + 8); padding: a sharded kind holds ceil(Ψ/N)
+    elements."""
     psi, n = 1001, 4
     assert estimate.state_bytes(2, psi, n, "bf16") == {
         "params": 2 * psi,
@@ -217,9 +224,9 @@ def test_the_gradient_dtype_decides_zero_2s_shard():
 
 
 def test_step7_with_bf16_parameters_holds_16_psi_over_n(tmp_path):
-    """Step 7's FullyShardedDP(param_dtype=torch.bfloat16) at N = 2, measured by compare/peak_memory.py (the bytes
-    live through a whole step, from the profiler's records): within 2% of 16Ψ/N, padding included; its units in
-    flight are gathered in 2 bytes an element."""
+    """Step 7's FullyShardedDP(param_dtype=torch.bfloat16) at N = 2, measured by
+    compare/peak_memory.py (the bytes live through a whole step, from the profiler's records):
+    within 2% of 16Ψ/N, padding included; its units in flight are gathered in 2 bytes an element."""
     out = tmp_path / "peak.json"
     result = run_forked(
         [
@@ -264,8 +271,9 @@ def test_step7_with_bf16_parameters_holds_16_psi_over_n(tmp_path):
 
 
 def test_the_fp8_rows_beside_the_playbooks_table_are_the_planners_bytes():
-    """docs/planner.md sets our --fp8 rows beside the Ultra-Scale Playbook's FP8 table: each total there is
-    what estimate.bytes_per_parameter gives the planner (FP8 adds no state: the rows are those without it)."""
+    """docs/planner.md sets our --fp8 rows beside the Ultra-Scale Playbook's FP8 table: each total
+    there is what estimate.bytes_per_parameter gives the planner (FP8 adds no state: the rows are
+    those without it)."""
     text = (REPO / "docs" / "planner.md").read_text()
     rows = {
         "float32 parameters": (0, "float32", None),

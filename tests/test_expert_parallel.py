@@ -1,15 +1,17 @@
-"""Step 12 (expert parallelism) against step 0 training the same MoE model on the same micro-batches.
+"""Step 12 (expert parallelism) against step 0
+training the same MoE model on the same micro-batches.
 
-With one sample per micro-batch, step 0 accumulating W micro-batches sees, in order, what W ranks of one micro-batch
-each hold (rank r's sampler shard starts at sample r). At W = 2 every sum step 12 changes has two terms
-(a + b == b + a), and dividing by 2 is exact: bitwise, the aux loss, dropping and clipping included, at ep 2 and at
-ep 1 (every expert on both ranks, its gradient reduced over its two copies). At W = 4 step 0 adds the four
-micro-batches' gradients one after the other in float32; step 12 adds a dense gradient in its all-reduce's order
-(in float64 with --reduce-dtype float64: exact, any order) and an expert's as autograd adds its per-source
-products, the last source first. So at 4 ranks step 12 is proven bitwise against tests/ep_same_order.py, one
-process that adds each gradient in step 12's order, and its drift from step 0 is printed and bounded by the drift
-of step 12 at W = 2 with two micro-batches a rank against step 0 with four (measured in the same session;
-compare/other_order.py). docs/parity.md, "Step 12", says which sums differ and by how much.
+With one sample per micro-batch, step 0 accumulating W micro-batches sees, in order, what W ranks of
+one micro-batch each hold (rank r's sampler shard starts at sample r). At W = 2 every sum step 12
+changes has two terms (a + b == b + a), and dividing by 2 is exact: bitwise, the aux loss, dropping
+and clipping included, at ep 2 and at ep 1 (every expert on both ranks, its gradient reduced over
+its two copies). At W = 4 step 0 adds the four micro-batches' gradients one after the other in
+float32; step 12 adds a dense gradient in its all-reduce's order (in float64 with --reduce-dtype
+float64: exact, any order) and an expert's as autograd adds its per-source products, the last source
+first. So at 4 ranks step 12 is proven bitwise against tests/ep_same_order.py, one process that adds
+each gradient in step 12's order, and its drift from step 0 is printed and bounded by the drift of
+step 12 at W = 2 with two micro-batches a rank against step 0 with four (measured in the same
+session; compare/other_order.py). docs/parity.md, "Step 12", says which sums differ and by how much.
 """
 
 import json
@@ -64,8 +66,9 @@ def ep_runs(tmp_path_factory, small_corpus):
 
 @pytest.fixture(scope="module")
 def same_order(ep_runs):
-    """tests/ep_same_order.py on the 4-rank exact runs' config: in step 0's order (once), in step 12's at each
-    layout. {"step0": folder, "ep4": folder, "dp2_ep2": folder}, each holding a run's files and first_step.json."""
+    """tests/ep_same_order.py on the 4-rank exact runs' config: in step 0's order (once), in step
+    12's at each layout. {"step0": folder, "ep4": folder, "dp2_ep2": folder}, each holding a run's
+    files and first_step.json."""
     out = ep_runs["top"] / "same_order"
     for layout, orders in (("ep4", ["step0", "ep"]), ("dp2_ep2", ["ep"])):
         result = run_forked(
@@ -87,7 +90,8 @@ def same_order(ep_runs):
 
 
 def same_bits(reference, run) -> None:
-    """Final weights torch.equal; every step's loss, gradient and param norms, lr, loads and aux loss equal."""
+    """Final weights torch.equal; every step's loss, gradient
+    and param norms, lr, loads and aux loss equal."""
     wa, wb = weights(reference), weights(run)
     assert sorted(wa) == sorted(wb)
     different = [n for n in wa if not torch.equal(wa[n], wb[n])]
@@ -143,8 +147,9 @@ def test_each_rank_holds_its_experts_and_the_run_their_union(ep_runs):
 
 
 def test_all_to_all_bytes_equal_the_closed_form_on_every_rank(ep_runs):
-    """conftest.assert_all_to_all_closed_form on every rank, layer and micro-batch of the runs with capacity
-    factor 1.0 (slots dropped); a dropless run's are checked in tests/test_plan_commands.py."""
+    """conftest.assert_all_to_all_closed_form on every rank, layer and micro-batch of the runs with
+    capacity factor 1.0 (slots dropped); a dropless run's are checked in
+    tests/test_plan_commands.py."""
     for name in ("ep2", "ep4", "dp2_ep2"):
         ranks = 2 if name == "ep2" else 4
         assert (
@@ -179,12 +184,13 @@ def test_step12_resumes_bit_for_bit(ep_runs):
 
 
 @pytest.mark.parametrize("layout", ["ep4", "dp2_ep2"])
-def test_step12_at_four_ranks_is_bitwise_the_same_order_reference_and_drifts_from_step0_as_another_order(
+def test_step12_at_four_ranks_is_bitwise_the_same_order_reference_and_drifts_from_step0(
     ep_runs, same_order, layout
 ):
-    """Exact mode (--reduce-dtype float64) at 4 ranks: bitwise to tests/ep_same_order.py adding each gradient in
-    step 12's order. Both modes' drift from step 0 accumulating 4 is printed, and bounded by the drift of step 12
-    at 2 ranks x 2 micro-batches (another regrouping by two correct implementations, measured here)."""
+    """Exact mode (--reduce-dtype float64) at 4 ranks: bitwise to tests/ep_same_order.py adding each
+    gradient in step 12's order. Both modes' drift from step 0 accumulating 4 is printed, and
+    bounded by the drift of step 12 at 2 ranks x 2 micro-batches (another regrouping by two correct
+    implementations, measured here)."""
     same_bits(same_order[layout], ep_runs[f"{layout}_exact"])
     step0 = ep_runs["step0_x4"]
     reference = other_order.drift(
@@ -194,14 +200,16 @@ def test_step12_at_four_ranks_is_bitwise_the_same_order_reference_and_drifts_fro
         run = ep_runs[mode]
         drift = other_order.drift(metrics(run), weights(run), metrics(step0), weights(step0))
         print(
-            f"{mode} vs step 0 x 4: {drift}; reference (ep 2 x 2 micro-batches vs step 0): {reference}"
+            f"{mode} vs step 0 x 4: {drift}; reference (ep 2 x 2 micro-batches vs step "
+            f"0): {reference}"
         )
         assert not other_order.beyond(
             drift, other_order.bound(reference, metrics(run), weights(run))
         ), (mode, drift, reference)
         first, ref_first = metrics(run)["records"][0], metrics(step0)["records"][0]
         assert first["moe"]["tokens_per_expert"] == ref_first["moe"]["tokens_per_expert"]
-    # float32 mode: only the dense all-reduce's order changes (gloo's, four quarters added in four orders)
+    # float32 mode: only the dense all-reduce's order
+    # changes (gloo's, four quarters added in four orders)
     exact, plain = weights(ep_runs[f"{layout}_exact"]), weights(ep_runs[layout])
     assert any(not torch.equal(exact[n], plain[n]) for n in exact)
 
@@ -209,10 +217,11 @@ def test_step12_at_four_ranks_is_bitwise_the_same_order_reference_and_drifts_fro
 def test_the_same_order_reference_is_step0_in_step0s_order_and_differs_where_the_sums_do(
     ep_runs, same_order
 ):
-    """The reference is no copy of step 12: in step 0's order it is step 0 bit for bit; in step 12's order, from
-    the same per-micro-batch gradients, its first step's sums differ from step 0's in many elements, the dense
-    gradients' (float64, rounded once, against float32 one after the other) and the experts' (at ep 4: the last
-    source first; at dp 2 x ep 2: two pairs), and its weights end elsewhere."""
+    """The reference is no copy of step 12: in step 0's order it is step 0 bit for bit; in step 12's
+    order, from the same per-micro-batch gradients, its first step's sums differ from step 0's in
+    many elements, the dense gradients' (float64, rounded once, against float32 one after the other)
+    and the experts' (at ep 4: the last source first; at dp 2 x ep 2: two pairs), and its weights
+    end elsewhere."""
     same_bits(same_order["step0"], ep_runs["step0_x4"])
     step0 = weights(ep_runs["step0_x4"])
     for layout in ("ep4", "dp2_ep2"):
@@ -226,11 +235,12 @@ def test_the_same_order_reference_is_step0_in_step0s_order_and_differs_where_the
 
 
 def test_a_product_over_two_sources_rows_at_once_sums_otherwise_than_one_per_source():
-    """Why expert_parallel.py computes one product per (source, expert) (its rule 4), measured on this CPU: an
-    expert's first layer (h -> 4h) on two sources' rows concatenated, against one product per source (the one step
-    0 computes per micro-batch, its weight gradient accumulated over the two backwards), for 35 pairs of row
-    counts, float32, one thread. The weight gradient sums over the rows, and one GEMM over all of them groups that
-    sum otherwise; the output rows may differ too, where the kernel's blocking changes with the row count."""
+    """Why expert_parallel.py computes one product per (source, expert) (its rule 4), measured on
+    this CPU: an expert's first layer (h -> 4h) on two sources' rows concatenated, against one
+    product per source (the one step 0 computes per micro-batch, its weight gradient accumulated
+    over the two backwards), for 35 pairs of row counts, float32, one thread. The weight gradient
+    sums over the rows, and one GEMM over all of them groups that sum otherwise; the output rows may
+    differ too, where the kernel's blocking changes with the row count."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -255,7 +265,8 @@ def test_a_product_over_two_sources_rows_at_once_sums_otherwise_than_one_per_sou
     finally:
         torch.set_num_threads(threads)
     print(
-        f"of {pairs} row-count pairs, concatenated differs in: outputs {outputs}, weight gradient {gradients}"
+        f"of {pairs} row-count pairs, concatenated differs in: outputs {outputs}, "
+        f"weight gradient {gradients}"
     )
     assert gradients > 0  # on any CPU: else one product over every source's rows would do
 
@@ -283,8 +294,8 @@ def test_the_dispatcher_in_an_outsiders_moe_layer_and_spawn_loop_equals_the_laye
 
 
 def test_step12_resumes_at_another_ep_degree_bit_for_bit(ep_runs):
-    """ep 2's checkpoint (each rank's file holds its experts) read by name at ep 1 (every expert on both ranks):
-    both layouts compute step 0's bits, so the resumed run is the uninterrupted one."""
+    """ep 2's checkpoint (each rank's file holds its experts) read by name at ep 1 (every expert on
+    both ranks): both layouts compute step 0's bits, so the resumed run is the uninterrupted one."""
     out = ep_runs["top"] / "resumed_ep1"
     resumed = launch(
         "step12",
@@ -309,8 +320,9 @@ def test_step12_resumes_at_another_ep_degree_bit_for_bit(ep_runs):
 
 
 def test_the_planners_moe_formulas_equal_what_runs_hold_and_send(ep_runs):
-    """compare/plan.py's EP axis against real runs: a rank's parameters (dense whole, E/ep experts) as its record
-    counts them, and the all-to-all bytes per layer, averaged over the ranks, with the kept fraction the run logged."""
+    """compare/plan.py's EP axis against real runs: a rank's parameters (dense whole, E/ep experts)
+    as its record counts them, and the all-to-all bytes per layer, averaged over the ranks, with the
+    kept fraction the run logged."""
     import plan
 
     whole = weights(ep_runs["ep2"])

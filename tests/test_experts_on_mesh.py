@@ -1,12 +1,13 @@
 """Step 10 with --ep: step 12's experts on the mesh (experts_on_mesh.py, mesh.py's rule 6).
 
-The expert-parallel groups are D consecutive ranks of each dp x cp plane: slices of one rank array, PyTorch's
-``init_device_mesh`` groups, step 12's at tp = pp = cp = 1. Where no other axis changes a sum the run is step 12's,
-bit for bit: ep alone at 2 ranks and dp 2 x ep 2 at 4 (float32), ep x pp (each stage's routers given the aux loss's
-gradient, zero bubble's split backward at ep 1). tp sums each layer's partial products in another order and cp
-merges the ring's softmax blocks in another: those runs are bounded by the same reorderings' drift on the dense
-model, measured in this run. All five axes at 8 ranks are the 4-rank cp x tp x ep run, bitwise. Checkpoints resume
-across step 10's meshes and step 12; a frozen rank ends the job; what does not compose is one line, exit 2.
+The expert-parallel groups are D consecutive ranks of each dp x cp plane: slices of one rank array,
+PyTorch's ``init_device_mesh`` groups, step 12's at tp = pp = cp = 1. Where no other axis changes a
+sum the run is step 12's, bit for bit: ep alone at 2 ranks and dp 2 x ep 2 at 4 (float32), ep x pp
+(each stage's routers given the aux loss's gradient, zero bubble's split backward at ep 1). tp sums
+each layer's partial products in another order and cp merges the ring's softmax blocks in another:
+those runs are bounded by the same reorderings' drift on the dense model, measured in this run. All
+five axes at 8 ranks are the 4-rank cp x tp x ep run, bitwise. Checkpoints resume across step 10's
+meshes and step 12; a frozen rank ends the job; what does not compose is one line, exit 2.
 """
 
 import sys
@@ -40,7 +41,8 @@ ACCUM = ("--grad-accum", "1")
 TWO = ("--grad-accum", "2")  # two micro-batches a step: the pipeline's schedule has something to do
 SPARSE = ("--n-layer", "4", "--moe-every", "2")
 
-# name: (step, ranks, flags); each run's global batch is 2 sequences a step (4 at 4 data-parallel ranks)
+# name: (step, ranks, flags); each run's global batch
+# is 2 sequences a step (4 at 4 data-parallel ranks)
 RUNS = {
     "step12": ("step12", 2, [*ONE, *ACCUM, "--ep", "2", "--save-every", "2"]),
     "dp2ep2": ("step10", 2, [*ONE, *ACCUM, "--dp", "2", "--ep", "2"]),
@@ -84,7 +86,8 @@ RUNS = {
         8,
         [*DROPLESS, *TWO, "--pp", "2", "--cp", "2", "--tp", "2", "--ep", "2", "--save-every", "2"],
     ),
-    # the reorderings tp and cp bring, on the dense model: the bound's reference (compare/other_order.py)
+    # the reorderings tp and cp bring, on the dense model:
+    # the bound's reference (compare/other_order.py)
     "dense_step0": ("step0", 1, ["--micro-batch-size", "1", *TWO]),
     "dense_tp2": ("step10", 2, ["--micro-batch-size", "1", *TWO, "--tp", "2"]),
     "dense_cp2": ("step10", 2, ["--micro-batch-size", "1", *TWO, "--cp", "2"]),
@@ -114,14 +117,15 @@ def drift_of(run, reference):
 
 @pytest.fixture(scope="module")
 def dense_reference(ep_runs):
-    """How far step 10's tp 2 and cp 2 drift from step 0 on the dense model, the same samples: the reorderings
-    of a row-parallel layer's partial sums and of the ring's softmax blocks, on this machine."""
+    """How far step 10's tp 2 and cp 2 drift from step 0 on the dense model, the same samples: the
+    reorderings of a row-parallel layer's partial sums and of the ring's softmax blocks, on this
+    machine."""
     return other_order.largest(
         *(drift_of(ep_runs(name), ep_runs("dense_step0")) for name in ("dense_tp2", "dense_cp2"))
     )
 
 
-# ---- the groups ------------------------------------------------------------------------------------------
+# ---- the groups ----------------------------------------------------------------------------------
 
 
 def _groups_worker(rank, world_size, port, queue, shapes):
@@ -162,9 +166,10 @@ def _groups_worker(rank, world_size, port, queue, shapes):
 
 
 def test_the_expert_groups_are_the_rank_arrays_slices_init_device_meshs_and_step12s():
-    """4 ranks as (pp, dp, cp, tp) with ep: each rank's ep group and its experts' copies are the lines of
-    ``arange(4).view(pp, dp * cp // ep, ep, tp)`` through it, the groups ``init_device_mesh`` builds on that shape,
-    and step 12's ``Groups(ep)`` where the plane is the world; at cp = ep the ep group is the ring."""
+    """4 ranks as (pp, dp, cp, tp) with ep: each rank's ep group and its experts' copies are the
+    lines of ``arange(4).view(pp, dp * cp // ep, ep, tp)`` through it, the groups
+    ``init_device_mesh`` builds on that shape, and step 12's ``Groups(ep)`` where the plane is the
+    world; at cp = ep the ep group is the ring."""
     shapes = [(1, 2, 1, 2, 2), (1, 1, 2, 2, 2), (2, 2, 1, 1, 2), (1, 2, 2, 1, 2), (1, 2, 2, 1, 4)]
     shapes += [(1, 4, 1, 1, 2), (1, 4, 1, 1, 4)]
     results = spawn(_groups_worker, 4, shapes, timeout=240)
@@ -183,9 +188,10 @@ def test_the_expert_groups_are_the_rank_arrays_slices_init_device_meshs_and_step
 
 
 def test_the_rings_aux_losses_average_to_one_processs_and_so_do_their_gradients():
-    """moe.py's rule 4 on a sequence cut in two (zig-zag chunks, as step 11 cuts it), ``whole_sequence`` adding
-    the other half's counts: each half's loss is E sum_i f_i P_i with the whole sequence's f_i (by hand) and its
-    own P_i; the halves' mean is one process's loss, and so is the mean of their gradients, to float32 rounding."""
+    """moe.py's rule 4 on a sequence cut in two (zig-zag chunks, as step 11 cuts it),
+    ``whole_sequence`` adding the other half's counts: each half's loss is E sum_i f_i P_i with the
+    whole sequence's f_i (by hand) and its own P_i; the halves' mean is one process's loss, and so
+    is the mean of their gradients, to float32 rounding."""
     import moe  # common/moe.py
 
     torch.manual_seed(0)
@@ -204,11 +210,12 @@ def test_the_rings_aux_losses_average_to_one_processs_and_so_do_their_gradients(
     assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-9)
 
 
-# ---- bitwise where no other axis changes a sum -------------------------------------------------------------
+# ---- bitwise where no other axis changes a sum ---------------------------------------------------
 
 
 def assert_step12s_run(ours, theirs):
-    """``ours`` is ``theirs`` bit for bit: weights, losses, norms, loads and dropped fractions; parity.py agrees."""
+    """``ours`` is ``theirs`` bit for bit: weights, losses,
+    norms, loads and dropped fractions; parity.py agrees."""
     assert_bitwise_same_run(theirs, ours)
     for a, b in zip(metrics(ours)["records"], metrics(theirs)["records"]):
         assert a["moe"]["tokens_per_expert"] == b["moe"]["tokens_per_expert"]
@@ -222,7 +229,8 @@ def assert_step12s_run(ours, theirs):
 
 @pytest.mark.parametrize("ours, theirs", [("dp2ep2", "step12"), ("dp4ep2", "step12_4")])
 def test_ep_alone_is_step12_bitwise(ep_runs, ours, theirs):
-    """--ep 2 on 2 ranks, and --dp 4 --ep 2 on 4 (float32: the same flat all-reduces over the same ranks)."""
+    """--ep 2 on 2 ranks, and --dp 4 --ep 2 on 4 (float32:
+    the same flat all-reduces over the same ranks)."""
     run = ep_runs(ours)
     assert metrics(run)["env"]["expert_parallel_size"] == 2
     dropped = [d for r in metrics(run)["records"] for d in r["moe"]["dropped_fraction"]]
@@ -232,11 +240,12 @@ def test_ep_alone_is_step12_bitwise(ep_runs, ours, theirs):
 
 @pytest.mark.parametrize("zero", [0, 2])
 def test_every_zero_stage_with_experts_is_zero1s_run_and_the_planners_bytes(ep_runs, zero):
-    """--dp 2 --ep 2 at --zero 0 (AdamW whole, step 12's all-reduces) and --zero 2 (the dense gradients
-    reduce-scattered over the plane, an expert's over its copies, here one: kept whole and divided by W, step 12's
-    rule 7): the --zero 1 run bitwise (2 ranks: the same sums; the norm's slices over the plane count every dense
-    and expert element once). Every rank's params and grads are the planner's per kind (``mesh_moe_state`` at its
-    stage) to the byte; AdamW's state up to its step counts."""
+    """--dp 2 --ep 2 at --zero 0 (AdamW whole, step 12's all-reduces) and --zero 2 (the dense
+    gradients reduce-scattered over the plane, an expert's over its copies, here one: kept whole and
+    divided by W, step 12's rule 7): the --zero 1 run bitwise (2 ranks: the same sums; the norm's
+    slices over the plane count every dense and expert element once). Every rank's params and grads
+    are the planner's per kind (``mesh_moe_state`` at its stage) to the byte; AdamW's state up to
+    its step counts."""
     import estimate
     import plan
 
@@ -261,16 +270,17 @@ def test_every_zero_stage_with_experts_is_zero1s_run_and_the_planners_bytes(ep_r
     [("dp2pp2ep2", "step12"), ("interleaved", "step12_sparse"), ("pp2zb", "step0_x2")],
 )
 def test_ep_with_pp_is_step12_bitwise(ep_runs, ours, theirs):
-    """dp 2 x pp 2 x ep 2: the first stage's routers get the load-balancing loss's gradient through the layers'
-    outputs (rule 2), not from a loss they cannot see; one process's bits. Interleaved 1F1B over 4 blocks, MoE in
-    blocks 0 and 2 (both on pp rank 0; the record's layers in model order); zero bubble's B/W split at ep 1."""
+    """dp 2 x pp 2 x ep 2: the first stage's routers get the load-balancing loss's gradient through
+    the layers' outputs (rule 2), not from a loss they cannot see; one process's bits. Interleaved
+    1F1B over 4 blocks, MoE in blocks 0 and 2 (both on pp rank 0; the record's layers in model
+    order); zero bubble's B/W split at ep 1."""
     assert_step12s_run(ep_runs(ours), ep_runs(theirs))
 
 
 def test_ep_with_tp_and_cp_drift_as_those_axes_do_on_the_dense_model(ep_runs, dense_reference):
-    """dp 2 x tp 2 x ep 2 from step 12's ep 2, cp 2 x ep 2 (dropless) from step 0: the first loss to float32's
-    rounding, the routing of the first step the same, the rest within compare/other_order.py's factor of the dense
-    model's tp and cp drift from step 0."""
+    """dp 2 x tp 2 x ep 2 from step 12's ep 2, cp 2 x ep 2 (dropless) from step 0: the first loss to
+    float32's rounding, the routing of the first step the same, the rest within
+    compare/other_order.py's factor of the dense model's tp and cp drift from step 0."""
     for ours, theirs in (("dp2tp2ep2", "step12"), ("cp2ep2", "step0_dropless")):
         run, reference = ep_runs(ours), ep_runs(theirs)
         drift = drift_of(run, reference)
@@ -283,7 +293,8 @@ def test_ep_with_tp_and_cp_drift_as_those_axes_do_on_the_dense_model(ep_runs, de
 
 
 def test_all_five_axes_at_8_ranks_are_the_4_rank_cp_x_tp_x_ep_run(ep_runs):
-    """pp 2 x dp 1 x cp 2 x tp 2, ep 2 over each ring: the pipeline adds no sum to cp x tp x ep's (4 ranks)."""
+    """pp 2 x dp 1 x cp 2 x tp 2, ep 2 over each ring: the
+    pipeline adds no sum to cp x tp x ep's (4 ranks)."""
     run = ep_runs("5d")
     assert metrics(run)["env"]["mesh"] == {
         "pp": 2,
@@ -299,9 +310,9 @@ def test_all_five_axes_at_8_ranks_are_the_4_rank_cp_x_tp_x_ep_run(ep_runs):
 
 @pytest.mark.parametrize("name, ep, tp, pp_ranks", [("dp4ep2", 2, 1, 4), ("5d", 2, 2, 4)])
 def test_each_ranks_all_to_all_bytes_are_what_its_ep_group_sent(ep_runs, name, ep, tp, pp_ranks):
-    """Per MoE layer and micro-batch, on every rank: what it received is what the ranks of its ep group (the same
-    stage and tp rank, its block of the dp x cp plane) sent to its experts; 8 E + 4 H * 2 * (sent + received)
-    bytes, all of them on the record's ``ep`` axis."""
+    """Per MoE layer and micro-batch, on every rank: what it received is what the ranks of its ep
+    group (the same stage and tp rank, its block of the dp x cp plane) sent to its experts; 8 E + 4
+    H * 2 * (sent + received) bytes, all of them on the record's ``ep`` axis."""
     for record in metrics(ep_runs(name))["records"]:
         notes = record["all_to_all"]
         for rank, mine in enumerate(notes):
@@ -321,10 +332,10 @@ def test_each_ranks_all_to_all_bytes_are_what_its_ep_group_sent(ep_runs, name, e
 
 
 def test_the_planner_holds_every_ranks_model_state_with_experts(ep_runs):
-    """``compare/plan.py --measured`` on the 8-rank run, the interleaved one (a pp rank without experts) and step
-    12's: every rank's parameters, gradients and AdamW state within the planner's tolerance of its estimate (the
-    dense part's ZeRO-1 over dp x cp, an expert's over its copies; step 12's ZeRO-0), each MoE block's MLP share
-    replaced by its router and E/ep whole experts."""
+    """``compare/plan.py --measured`` on the 8-rank run, the interleaved one (a pp rank without
+    experts) and step 12's: every rank's parameters, gradients and AdamW state within the planner's
+    tolerance of its estimate (the dense part's ZeRO-1 over dp x cp, an expert's over its copies;
+    step 12's ZeRO-0), each MoE block's MLP share replaced by its router and E/ep whole experts."""
     from conftest import run_forked
 
     names = ("5d", "interleaved", "step12")
@@ -336,7 +347,7 @@ def test_the_planner_holds_every_ranks_model_state_with_experts(ep_runs):
     assert result.stdout.count(" 1.000 ") == 8 + 4 + 2, result.stdout  # AdamW's step counts aside
 
 
-# ---- checkpoints ---------------------------------------------------------------------------------------------
+# ---- checkpoints ---------------------------------------------------------------------------------
 
 
 def resume(ep_runs, step, nproc, name, checkpoint, *flags):
@@ -351,9 +362,10 @@ def resume(ep_runs, step, nproc, name, checkpoint, *flags):
 
 
 def test_checkpoints_resume_across_meshes_and_step12_bitwise(ep_runs):
-    """dp 2 x pp 2 x ep 2's step 2 resumed by step 10 at dp 2 with every expert on both ranks (--ep 1), and step
-    12's by step 10 at dp 2 x pp 2 x ep 2: the same sums, so the uninterrupted runs' bits. The 8-rank run's last
-    checkpoint read by step 12 at ep 2 (2 ranks): its weights, whoever wrote each expert."""
+    """dp 2 x pp 2 x ep 2's step 2 resumed by step 10 at dp 2 with every expert on both ranks (--ep
+    1), and step 12's by step 10 at dp 2 x pp 2 x ep 2: the same sums, so the uninterrupted runs'
+    bits. The 8-rank run's last checkpoint read by step 12 at ep 2 (2 ranks): its weights, whoever
+    wrote each expert."""
     checkpoint = str(ep_runs("dp2pp2ep2") / "checkpoints" / "step_2")
     into_1d = resume(ep_runs, "step10", 2, "into_1d", checkpoint, *ONE, *ACCUM, "--dp", "2")
     assert_bitwise_same_run(ep_runs("step12"), into_1d)
@@ -366,7 +378,7 @@ def test_checkpoints_resume_across_meshes_and_step12_bitwise(ep_runs):
     assert all(torch.equal(t, weights(into12)[n]) for n, t in weights(ep_runs("5d")).items())
 
 
-# ---- what an outsider lifts, failures, refusals --------------------------------------------------------------
+# ---- what an outsider lifts, failures, refusals --------------------------------------------------
 
 OUTSIDER = """
 import sys, torch, torch.nn as nn, torch.nn.functional as F
@@ -386,7 +398,8 @@ out, aux = first_stage(x)  # one process: (loss + a aux) / accum
 ((F.cross_entropy(head(out), y) + a * aux) / accum).backward()
 whole = router.weight.grad.clone()
 results = []
-for carried in (True, False):  # two stages by hand: the loss on the second, its input's gradient sent back
+# two stages by hand: the loss on the second, its input's gradient sent back
+for carried in (True, False):
     router.weight.grad = None
     out, aux = first_stage(x)
     if carried:
@@ -400,9 +413,9 @@ print(results)
 
 
 def test_the_aux_loss_carrier_in_an_outsiders_two_stage_loop_gives_one_processs_router_gradient():
-    """An outsider's router and balance loss on the first of two stages they run by hand, the loss on the second:
-    with ``AuxLossToRouters`` the router's gradient is one process's ``(loss + a aux) / accum`` to the bit;
-    without it, not (the balance loss never reaches the router)."""
+    """An outsider's router and balance loss on the first of two stages they run by hand, the loss
+    on the second: with ``AuxLossToRouters`` the router's gradient is one process's ``(loss + a aux)
+    / accum`` to the bit; without it, not (the balance loss never reaches the router)."""
     from conftest import run_forked
 
     result = run_forked([sys.executable, "-c", OUTSIDER, str(STEP10)], timeout=120)
@@ -413,9 +426,9 @@ def test_the_aux_loss_carrier_in_an_outsiders_two_stage_loop_gives_one_processs_
 def test_a_frozen_rank_in_the_all_to_all_ends_the_job_within_the_timeout(
     tmp_path, small_corpus, monkeypatch
 ):
-    """tests/test_dead_rank.py's check on step 10 at --dp 2 --ep 2 (real torchrun, rank 0 stopped): its peer,
-    waiting in an MoE layer's all-to-all (step 12's rule 8) or the collective after, prints one line naming it
-    and the job ends within --timeout-s plus the roll call."""
+    """tests/test_dead_rank.py's check on step 10 at --dp 2 --ep 2 (real torchrun, rank 0 stopped):
+    its peer, waiting in an MoE layer's all-to-all (step 12's rule 8) or the collective after,
+    prints one line naming it and the job ends within --timeout-s plus the roll call."""
     import test_dead_rank
 
     monkeypatch.setitem(test_dead_rank.EXTRA, "step10", ["--moe-experts", "4", "--ep", "2"])
@@ -427,12 +440,14 @@ def test_a_frozen_rank_in_the_all_to_all_ends_the_job_within_the_timeout(
 REFUSED = {
     "ep-not-dividing": (
         ["--moe-experts", "4", "--ep", "4"],
-        "error: --ep 4 must divide --dp x --cp = 2: the experts are split over ranks of the data and "
+        "error: --ep 4 must divide --dp x --cp = 2: the experts are split over ranks "
+        "of the data and "
         "context axes (mesh.py's rule 6); change --ep, --dp or --cp",
     ),
     "ep-dense": (
         ["--ep", "2"],
-        "error: --ep 2 splits the experts of a mixture of experts: give --moe-experts E (a multiple of 2), "
+        "error: --ep 2 splits the experts of a mixture of experts: give --moe-experts "
+        "E (a multiple of 2), "
         "or drop --ep",
     ),
     "ep-below-1": (
@@ -441,28 +456,34 @@ REFUSED = {
     ),
     "experts": (
         ["--moe-experts", "3", "--ep", "2"],
-        "error: --moe-experts 3 is not divisible by --ep 2: each rank holds E/D experts; choose E a "
+        "error: --moe-experts 3 is not divisible by --ep 2: each rank holds E/D "
+        "experts; choose E a "
         "multiple of 2",
     ),
     "capacity-cp": (
         ["--moe-experts", "4", "--moe-capacity-factor", "1", "--cp", "2"],
-        "error: --moe-capacity-factor with --cp: capacity drops slots by position among a micro-batch's "
+        "error: --moe-capacity-factor with --cp: capacity drops slots by position "
+        "among a micro-batch's "
         "tokens, and a cp rank holds S/C of them; use --moe-capacity-factor 0 (dropless) with --cp",
     ),
     "dropout": (
         ["--moe-experts", "4", "--pp", "2", "--dropout", "0.1"],
-        "error: --dropout with --moe-experts and --ep, --cp or --pp above 1: an expert draws its mask over "
-        "the slots it receives, known once routed, on the rank that owns it, so no rank can draw one "
+        "error: --dropout with --moe-experts and --ep, --cp or --pp above 1: an expert "
+        "draws its mask over "
+        "the slots it receives, known once routed, on the rank that owns it, so no "
+        "rank can draw one "
         "process's masks; use --dropout 0",
     ),
     "sequence-parallel": (
         ["--moe-experts", "4", "--tp", "2", "--sequence-parallel"],
-        "error: --sequence-parallel with --moe-experts: each tp rank would route its S/T tokens and the "
+        "error: --sequence-parallel with --moe-experts: each tp rank would route its "
+        "S/T tokens and the "
         "experts' gradients would need adding over tp; use one of the two",
     ),
     "full-recomputation": (
         ["--moe-experts", "4", "--activation-checkpointing", "full"],
-        "error: --activation-checkpointing full with --moe-experts: recomputing a block would run its "
+        "error: --activation-checkpointing full with --moe-experts: recomputing a "
+        "block would run its "
         "experts' all-to-alls and count its tokens again; use selective, or none",
     ),
 }

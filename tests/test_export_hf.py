@@ -1,8 +1,9 @@
-"""compare/export_hf.py as a learner uses it: a trained run exported, then opened by Hugging Face ``transformers``
-(a test-only dependency, the independent reader: nobody here wrote it) in a fresh interpreter with no network and
-an empty cache, ``GPT2LMHeadModel.from_pretrained`` and ``pipeline("text-generation")`` as their documentation
-shows them. Its logits against ours, its greedy generation against our model's choices, its tokenizer against
-``tokenizers``; in float64 the mapping itself, where only the order of additions may differ."""
+"""compare/export_hf.py as a learner uses it: a trained run exported, then opened by Hugging Face
+``transformers`` (a test-only dependency, the independent reader: nobody here wrote it) in a fresh
+interpreter with no network and an empty cache, ``GPT2LMHeadModel.from_pretrained`` and
+``pipeline("text-generation")`` as their documentation shows them. Its logits against ours, its
+greedy generation against our model's choices, its tokenizer against ``tokenizers``; in float64 the
+mapping itself, where only the order of additions may differ."""
 
 import json
 import os
@@ -26,9 +27,10 @@ FILES = [
     "tokenizer.json",
     "tokenizer_config.json",
 ]
-# float32: each model rounds its own way (their fused c_attn GEMM, Conv1D's addmm on an (in, out) matrix, SDPA
-# or their eager softmax with an additive mask); measured on the tiny run: max |difference| 1.8e-7 of logits up
-# to 0.74 (docs/interop.md). 1e-5 is float32's rounding a few dozen times over, far below a wrong mapping's ~1e-1.
+# float32: each model rounds its own way (their fused c_attn GEMM, Conv1D's addmm on an (in, out)
+# matrix, SDPA or their eager softmax with an additive mask); measured on the tiny run: max
+# |difference| 1.8e-7 of logits up to 0.74 (docs/interop.md). 1e-5 is float32's rounding a few dozen
+# times over, far below a wrong mapping's ~1e-1.
 FLOAT32 = {"rtol": 1e-5, "atol": 1e-5}
 TEXTS = [
     "ROMEO:\nBut soft, what light through yonder window breaks?\n",
@@ -51,7 +53,8 @@ report = {"logits": {}}
 for attention in ("default", "eager"):
     kwargs = {} if attention == "default" else {"attn_implementation": attention}
     model = GPT2LMHeadModel.from_pretrained(folder, **kwargs)
-    report[f"{attention}_is"] = [model.config._attn_implementation, str(model.dtype), model.training]
+    config = model.config
+    report[f"{attention}_is"] = [config._attn_implementation, str(model.dtype), model.training]
     with torch.no_grad():
         report["logits"][attention] = model(input_ids=ids).logits.contiguous()
 save_file(report.pop("logits"), f"{io}/logits.safetensors")
@@ -60,16 +63,18 @@ texts = json.loads(open(f"{io}/texts.json").read())
 report["ids"] = [tokenizer(text)["input_ids"] for text in texts]
 report["decoded"] = [tokenizer.decode(i) for i in report["ids"]]
 generator = pipeline("text-generation", model=folder)
-out = generator(sys.argv[3], max_new_tokens=int(sys.argv[4]), do_sample=False, return_tensors=True)
+prompt, new = sys.argv[3], int(sys.argv[4])
+out = generator(prompt, max_new_tokens=new, do_sample=False, return_tensors=True)
 report["generated"] = [int(t) for t in out[0]["generated_token_ids"]]
-report["text"] = generator(sys.argv[3], max_new_tokens=int(sys.argv[4]), do_sample=False)[0]["generated_text"]
+report["text"] = generator(prompt, max_new_tokens=new, do_sample=False)[0]["generated_text"]
 print(json.dumps(report))
 """
 
 
 def run_offline(script: str, io, *args: str) -> dict:
-    """``script`` in a fresh interpreter with no network and an empty ``HF_HOME`` under ``io`` (remote code is
-    cached there too): the JSON its last line prints, once it is checked that nothing was downloaded."""
+    """``script`` in a fresh interpreter with no network and an empty ``HF_HOME`` under ``io``
+    (remote code is cached there too): the JSON its last line prints, once it is checked that
+    nothing was downloaded."""
     empty = io / "hf_home"
     env = {
         **os.environ,
@@ -94,7 +99,8 @@ def run_offline(script: str, io, *args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, small_corpus):
-    """Step 0 on the tiny workload, exported by the command line into an empty folder that is already there."""
+    """Step 0 on the tiny workload, exported by the command
+    line into an empty folder that is already there."""
     top = tmp_path_factory.mktemp("export_hf")
     run = train("step0", top / "run", small_corpus)
     out = top / "hf"
@@ -111,7 +117,8 @@ def exported(tmp_path_factory, small_corpus):
 
 @pytest.fixture(scope="module")
 def offline(exported, tmp_path_factory):
-    """What transformers, offline in a fresh interpreter, computes from the folder: (report, logits, ids given)."""
+    """What transformers, offline in a fresh interpreter,
+    computes from the folder: (report, logits, ids given)."""
     _, out = exported
     io = tmp_path_factory.mktemp("offline")
     ids = torch.randint(0, 2048, (3, 32), generator=torch.Generator().manual_seed(0))
@@ -154,8 +161,8 @@ def test_transformers_loads_it_offline_and_its_logits_equal_ours_in_float32(expo
 
 
 def test_the_pipeline_generates_what_our_model_would_choose(exported, offline):
-    """Greedy: every token the pipeline chose is the one our model ranks first given the same prefix (up to a tie
-    within the float32 tolerance, where either is right)."""
+    """Greedy: every token the pipeline chose is the one our model ranks first given the same prefix
+    (up to a tie within the float32 tolerance, where either is right)."""
     run, _ = exported
     report = offline[0]
     model, tokenizer, _ = sample.load_trained_model(str(run))
@@ -183,7 +190,8 @@ def test_its_tokenizer_tokenizes_and_decodes_as_ours(exported, offline):
 
 
 def test_in_float64_the_mapping_is_exact(exported):
-    """The weights, loaded in float64 on both sides: the same formula, the order of additions aside (~1e-15)."""
+    """The weights, loaded in float64 on both sides: the
+    same formula, the order of additions aside (~1e-15)."""
     from transformers import GPT2LMHeadModel
 
     run, out = exported
@@ -197,9 +205,9 @@ def test_in_float64_the_mapping_is_exact(exported):
 
 
 def test_a_wrong_mapping_is_caught(exported, tmp_path, monkeypatch):
-    """The comparison can fail: k and v exchanged in c_attn's thirds moves the logits far past the float32
-    tolerance (measured: by 0.40; q and k exchanged, the scores transposed, by 8.8e-4 on this barely trained
-    model)."""
+    """The comparison can fail: k and v exchanged in c_attn's thirds moves the logits far past the
+    float32 tolerance (measured: by 0.40; q and k exchanged, the scores transposed, by 8.8e-4 on
+    this barely trained model)."""
     from transformers import GPT2LMHeadModel
 
     run, _ = exported
@@ -225,15 +233,17 @@ def test_a_wrong_mapping_is_caught(exported, tmp_path, monkeypatch):
     assert difference > 100 * FLOAT32["atol"], difference
 
 
-# ---- a mixture-of-experts run: GPT-2 with experts, in the modeling file the folder carries (rule 7) ----------------
-# Experts in block 0 of 2 (--moe-every 2: block 1 stays dense), top-2 of 4, capacity factor 1: on the test's
-# 3 x 32 tokens some choices are dropped, so the logits check the capacity rule too (asserted below).
+# ---- a mixture-of-experts run: GPT-2 with experts, in the folder's modeling file (rule 7) ----
+# Experts in block 0 of 2 (--moe-every 2: block 1 stays dense), top-2 of 4, capacity factor 1: on
+# the test's 3 x 32 tokens some choices are dropped, so the logits check the capacity rule too
+# (asserted below).
 MOE = [*TESTS_MOE, "--moe-every", "2"]
 MOE_FILES = sorted([*FILES, "modeling_gpt2_moe.py"])
 
-# The same learner, for a model transformers does not have: AutoModelForCausalLM and the pipeline, with
-# trust_remote_code. Each folder named on the command line: its logits in float32 (their default attention and
-# eager) and in float64; for the first one, greedy generation with and without the KV cache.
+# The same learner, for a model transformers does not have: AutoModelForCausalLM and the pipeline,
+# with trust_remote_code. Each folder named on the command line: its logits in float32 (their
+# default attention and eager) and in float64; for the first one, greedy generation with and without
+# the KV cache.
 OFFLINE_MOE = r"""
 import json, sys
 import torch
@@ -252,7 +262,8 @@ for n, folder in enumerate(folders):
 save_file(logits, f"{io}/logits.safetensors")
 generator = pipeline("text-generation", model=folders[0], trust_remote_code=True)
 for cache in (True, False):
-    out = generator("ROMEO:", max_new_tokens=12, do_sample=False, use_cache=cache, return_tensors=True)
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "use_cache": cache, "return_tensors": True}
+    out = generator("ROMEO:", **kwargs)
     report[f"generated_cache_{cache}"] = [int(t) for t in out[0]["generated_token_ids"]]
 print(json.dumps(report))
 """
@@ -260,8 +271,9 @@ print(json.dumps(report))
 
 @pytest.fixture(scope="module")
 def exported_moe(tmp_path_factory, small_corpus):
-    """Step 0 training the MoE, exported by the command line; beside it two folders that must disagree with ours:
-    experts 0 and 1 of block 0 exchanged by the mapping, and the right weights with the capacity rule off."""
+    """Step 0 training the MoE, exported by the command line; beside it two folders that must
+    disagree with ours: experts 0 and 1 of block 0 exchanged by the mapping, and the right weights
+    with the capacity rule off."""
     top = tmp_path_factory.mktemp("export_hf_moe")
     run = train("step0", top / "run", small_corpus, *MOE)
     out = top / "hf"
@@ -300,7 +312,8 @@ def exported_moe(tmp_path_factory, small_corpus):
 
 @pytest.fixture(scope="module")
 def offline_moe(exported_moe, tmp_path_factory):
-    """(report, logits, ids) from transformers, offline, with an empty HF_HOME (remote code is cached under it)."""
+    """(report, logits, ids) from transformers, offline, with
+    an empty HF_HOME (remote code is cached under it)."""
     _, out, wrong, dropless = exported_moe
     io = tmp_path_factory.mktemp("offline_moe")
     ids = torch.randint(0, 2048, (3, 32), generator=torch.Generator().manual_seed(0))
@@ -357,8 +370,8 @@ def test_transformers_loads_the_moe_model_offline_and_its_logits_equal_ours(
 
 
 def test_a_wrong_expert_mapping_or_a_missing_capacity_rule_is_caught(exported_moe, offline_moe):
-    """The comparison can fail: block 0's experts 0 and 1 exchanged, or the same weights without dropping, move
-    the logits far past the float32 tolerance."""
+    """The comparison can fail: block 0's experts 0 and 1 exchanged, or the same weights without
+    dropping, move the logits far past the float32 tolerance."""
     run, _, _, _ = exported_moe
     _, logits, ids = offline_moe
     model, _, _ = sample.load_trained_model(str(run))
@@ -370,8 +383,9 @@ def test_a_wrong_expert_mapping_or_a_missing_capacity_rule_is_caught(exported_mo
 
 
 def test_the_moe_pipeline_generates_what_our_model_would_choose(exported_moe, offline_moe):
-    """Without the KV cache each step forwards the whole prefix, as ours does here, capacity and all: every token
-    chosen is ours' first choice. With the cache, one new token a forward (none dropped): it generates as many."""
+    """Without the KV cache each step forwards the whole prefix, as ours does here, capacity and
+    all: every token chosen is ours' first choice. With the cache, one new token a forward (none
+    dropped): it generates as many."""
     run, _, _, _ = exported_moe
     report = offline_moe[0]
     model, tokenizer, _ = sample.load_trained_model(str(run))

@@ -1,5 +1,5 @@
-"""Fault tolerance: a killed rank restarts and resumes bit for bit, a kill during a save loses nothing, and any
-checkpoint resumes in any step at another world size."""
+"""Fault tolerance: a killed rank restarts and resumes bit for bit, a kill during a save loses
+nothing, and any checkpoint resumes in any step at another world size."""
 
 import os
 import signal
@@ -26,16 +26,17 @@ sys.path[:0] = [str(REPO / "common"), str(REPO / "compare")]
 from consolidate import consolidate  # noqa: E402
 from resharding import Checkpoint  # noqa: E402
 
-# Resumed with another split of the same global batch, a run groups its samples into other micro-batches:
-# float32 sums in another order. Measured on this workload (step 1 and step 7, 2 -> 4 ranks, 2 more steps):
-# 1.8e-8 from the uninterrupted run; the same resume with AdamW's state left unloaded: 2.9e-3. The bound
-# sits between, 500x above the one and 300x below the other.
+# Resumed with another split of the same global batch, a run groups its samples into other
+# micro-batches: float32 sums in another order. Measured on this workload (step 1 and step 7, 2 -> 4
+# ranks, 2 more steps): 1.8e-8 from the uninterrupted run; the same resume with AdamW's state left
+# unloaded: 2.9e-3. The bound sits between, 500x above the one and 300x below the other.
 CLOSE = 1e-5
 
 
 def assert_close_run(reference, resumed, same_until: int, source=None) -> None:
-    """The records up to step ``same_until`` are those of the run that wrote the checkpoint (``source``, by
-    default ``reference``); the weights at the end are within CLOSE of the uninterrupted ``reference``."""
+    """The records up to step ``same_until`` are those of the run that wrote the checkpoint
+    (``source``, by default ``reference``); the weights at the end are within CLOSE of the
+    uninterrupted ``reference``."""
     ra, rb = metrics(reference)["records"], metrics(resumed)["records"]
     rs = metrics(source)["records"] if source else ra
     assert [r["loss"] for r in rs[:same_until]] == [r["loss"] for r in rb[:same_until]]
@@ -46,20 +47,22 @@ def assert_close_run(reference, resumed, same_until: int, source=None) -> None:
 
 
 def split(micro_batch_size: int, grad_accum: int) -> list[str]:
-    """TINY with another micro-batch x accumulation (TINY's 2 x 2 x 2 ranks: a global batch of 8)."""
+    """TINY with another micro-batch x accumulation
+    (TINY's 2 x 2 x 2 ranks: a global batch of 8)."""
     args = list(TINY)
     args[args.index("--micro-batch-size") + 1] = str(micro_batch_size)
     args[args.index("--grad-accum") + 1] = str(grad_accum)
     return args
 
 
-# ---- another world size ------------------------------------------------------------------------------
+# ---- another world size --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("step", ["step1", "step2", "step3", "step4", "step5", "step6", "step7"])
 def test_resume_at_another_world_size(step, tour, tmp_path, small_corpus):
-    """The tour's 2-rank checkpoint at step 2 resumes on 4 ranks (2 x 1 instead of 2 x 2: the same global batch),
-    and the 4-rank checkpoint of step 3 resumes on 2 ranks again: 2 -> 4 and 4 -> 2 in every step."""
+    """The tour's 2-rank checkpoint at step 2 resumes on 4 ranks (2 x 1 instead of 2 x 2: the same
+    global batch), and the 4-rank checkpoint of step 3 resumes on 2 ranks again: 2 -> 4 and 4 -> 2
+    in every step."""
     original = tour[0] / STEPS[step]
     data = ["--data", str(small_corpus), "--save-every", "1"]
     on_four = launch(
@@ -97,9 +100,10 @@ def test_resume_at_another_world_size(step, tour, tmp_path, small_corpus):
 def test_step1_resumes_at_one_rank_and_steps_0_and_1_refuse_each_others_checkpoints(
     tour, tmp_path, small_corpus
 ):
-    """2 -> 1 ranks: DDP on one rank, accumulating 4 micro-batches, goes on like the single-process loop (the
-    global batches that 2 ranks accumulating 2 draw). Step 0's checkpoint is its own (one process, one file): step 1
-    refuses it in one line, and step 0 refuses step 1's, each naming the step that resumes it."""
+    """2 -> 1 ranks: DDP on one rank, accumulating 4 micro-batches, goes on like the single-process
+    loop (the global batches that 2 ranks accumulating 2 draw). Step 0's checkpoint is its own (one
+    process, one file): step 1 refuses it in one line, and step 0 refuses step 1's, each naming the
+    step that resumes it."""
     step0, step1 = tour[0] / STEPS["step0"], tour[0] / STEPS["step1"]
     data = ["--data", str(small_corpus), "--save-every", "2"]
     to_one = launch(
@@ -154,8 +158,9 @@ def test_step1_resumes_at_one_rank_and_steps_0_and_1_refuse_each_others_checkpoi
 
 
 def test_consolidated_zero3_checkpoint_resumes_step1_bitwise(tour, tmp_path, small_corpus):
-    """Step 7's per-rank pieces, joined into one plain state.pt, hold step 1's state bit for bit (the two train
-    alike), so step 1 resumed from it ends exactly where step 1's own uninterrupted run does."""
+    """Step 7's per-rank pieces, joined into one plain state.pt, hold step 1's state bit for bit
+    (the two train alike), so step 1 resumed from it ends exactly where step 1's own uninterrupted
+    run does."""
     source = tour[0] / STEPS["step7"] / "checkpoints" / "step_2"
     result = run_forked(
         [
@@ -191,10 +196,11 @@ def test_consolidated_zero3_checkpoint_resumes_step1_bitwise(tour, tmp_path, sma
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_layout_reads_back_the_state_that_was_saved(world_size, tour, exact_run, tmp_path):
-    """Whatever wrote it (whole tensors in state.pt, weight and AdamW slices per rank, parameter pieces per rank), a
-    checkpoint read back whole is the same state: step 1's, step 5's and step 7's at step 2 are torch.equal
-    (the runs are bitwise alike), at 2 ranks (the tour's) and 3 (the exact-mode runs': pieces cut 3 ways,
-    what a resume at 3 -> 2 reads), and consolidating one changes no bit."""
+    """Whatever wrote it (whole tensors in state.pt, weight and AdamW slices per rank, parameter
+    pieces per rank), a checkpoint read back whole is the same state: step 1's, step 5's and step
+    7's at step 2 are torch.equal (the runs are bitwise alike), at 2 ranks (the tour's) and 3 (the
+    exact-mode runs': pieces cut 3 ways, what a resume at 3 -> 2 reads), and consolidating one
+    changes no bit."""
     runs = {
         step: tour[0] / STEPS[step] if world_size == 2 else exact_run(step, 3)
         for step in ("step1", "step5", "step7")
@@ -222,17 +228,18 @@ def test_every_layout_reads_back_the_state_that_was_saved(world_size, tour, exac
     assert all(torch.equal(plain.parameter(n), full["step1"][0][n]) for n in names)
 
 
-# ---- a rank killed in the middle of a save; torchrun restarts the group ---------------------------------
+# ---- a rank killed in the middle of a save; torchrun restarts the group --------------------------
 
 
 @pytest.mark.parametrize("step, save", [("step1", "sync"), ("step7", "async")])
 def test_killed_during_a_save_torchrun_restarts_and_the_run_ends_bitwise(
     step, save, tour, tmp_path, small_corpus
 ):
-    """Rank 1 stops inside the write of checkpoint 4 (tests/writer_hook.py) and is killed there with SIGKILL. torchrun
-    restarts both ranks (--max-restarts 1); with --resume auto they find the newest whole checkpoint (step 2,
-    not the half-written one), train steps 3 and 4 again, and the run ends bitwise equal to the tour's
-    uninterrupted run. The half-written folder is gone, and step 2's files are untouched."""
+    """Rank 1 stops inside the write of checkpoint 4 (tests/writer_hook.py) and is killed there with
+    SIGKILL. torchrun restarts both ranks (--max-restarts 1); with --resume auto they find the
+    newest whole checkpoint (step 2, not the half-written one), train steps 3 and 4 again, and the
+    run ends bitwise equal to the tour's uninterrupted run. The half-written folder is gone, and
+    step 2's files are untouched."""
     out = tmp_path / "run"
     args = [
         *TINY,

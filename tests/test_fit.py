@@ -115,7 +115,8 @@ def test_out_of_memory_is_one_line_and_exit_2_and_other_errors_keep_their_traceb
     oom = run_python(
         "import config, memory_budget\n"
         "def main():\n"
-        "    raise RuntimeError(\"[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
+        '    raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] '
+        "DefaultCPUAllocator: can't allocate "
         'memory: you tried to allocate 16777216 bytes. Error code 12 (Cannot allocate memory)")\n'
         "memory_budget.budget.update(mb=64, step='step6_zero2', start_mb=400)\n"
         "config.exit_on_user_error(main)",

@@ -40,11 +40,12 @@ def test_step0_two_identical_runs_are_bitwise_identical(tmp_path, small_corpus):
 def test_resume_from_a_checkpoint_is_bitwise_with_dropout(
     step, exact_run, pipeline_runs, tmp_path, small_corpus
 ):
-    """Every step: resumed from step_2 of a 4-step run, steps 3 and 4 come out bit for bit, with dropout
-    on. A step that forgot to restore the data position would train on other batches; one that forgot
-    the RNG state would draw other dropout masks. The 2-rank exact-mode runs (dropout, bf16, checkpoints)
-    are the originals where they exist; step 9's is its tests' 2-stage 1F1B run (dropout, bf16, checkpoints);
-    step 0 (one process), step 2 and step 12 (with two experts) train their own."""
+    """Every step: resumed from step_2 of a 4-step run, steps 3 and 4 come out bit for bit, with
+    dropout on. A step that forgot to restore the data position would train on other batches; one
+    that forgot the RNG state would draw other dropout masks. The 2-rank exact-mode runs (dropout,
+    bf16, checkpoints) are the originals where they exist; step 9's is its tests' 2-stage 1F1B run
+    (dropout, bf16, checkpoints); step 0 (one process), step 2 and step 12 (with two experts) train
+    their own."""
     if step in ("step0", "step2"):
         extra = ["--dropout", "0.1", "--save-every", "2"]
         original = train(step, tmp_path / "original", small_corpus, *extra)
@@ -85,7 +86,8 @@ def test_resume_from_a_checkpoint_is_bitwise_with_dropout(
 
 
 def test_step0_fp16_with_its_gradient_scaler_resumes_bitwise(tmp_path, small_corpus):
-    """fp16 autocast runs on this CPU build; the scaler's state (scale, growth tracker) is checkpointed."""
+    """fp16 autocast runs on this CPU build; the scaler's
+    state (scale, growth tracker) is checkpointed."""
     original = train("step0", tmp_path / "fp16", small_corpus, "--amp", "fp16", "--save-every", "2")
     resumed = train(
         "step0",
@@ -103,7 +105,8 @@ def test_step0_fp16_with_its_gradient_scaler_resumes_bitwise(tmp_path, small_cor
 
 
 def test_resume_latest_continues_in_place(step1_ws2, tmp_path, small_corpus):
-    """--resume with no path takes the newest checkpoint in --out; a finished run just rewrites its result."""
+    """--resume with no path takes the newest checkpoint
+    in --out; a finished run just rewrites its result."""
     out = tmp_path / "run"
     shutil.copytree(step1_ws2, out)
     shutil.rmtree(out / "checkpoints" / "step_4")
@@ -135,7 +138,8 @@ def test_metrics_schema(step1_ws2):
         assert len(r["memory"]) == 2, "one memory entry per rank"
         for memory in r["memory"]:  # DDP replicates everything: every rank holds the same bytes
             assert set(memory) >= {"params", "grads", "optimizer_state", "peak_rss"}
-            # AdamW keeps exp_avg and exp_avg_sq (each the size of the parameter) and a float32 step count
+            # AdamW keeps exp_avg and exp_avg_sq (each the
+            # size of the parameter) and a float32 step count
             assert memory["optimizer_state"] == 2 * memory["params"] + 4 * len(weights(step1_ws2))
             assert memory["grads"] == memory["params"]
         # every gradient, once per optimiser step
@@ -166,12 +170,13 @@ def test_step1_reduce_modes_at_world_size_2(step1_ws2, tmp_path, small_corpus):
 def test_step0_drifts_from_step1_no_further_than_one_process_regrouped(
     tour, step1_ws2, order_reference, tmp_path, small_corpus
 ):
-    """One process accumulating 4 micro-batches (the tour's step 0) sees the global batches of 2 ranks accumulating
-    2, summed in another order. How far that drifts depends on the CPU's kernels, so the bound is measured here:
-    the same process regrouping the same 8 samples a step (8 micro-batches of 1, 2 of 4) is another order too, and
-    step 0 stays within compare/other_order.py's factor of the larger of those two drifts (measured: 1.3-1.8x on
-    three kernel paths), its first loss to float32's rounding. parity.py's fixed tolerances (the contract's) are
-    printed beside it, as information."""
+    """One process accumulating 4 micro-batches (the tour's step 0) sees the global batches of 2
+    ranks accumulating 2, summed in another order. How far that drifts depends on the CPU's kernels,
+    so the bound is measured here: the same process regrouping the same 8 samples a step (8
+    micro-batches of 1, 2 of 4) is another order too, and step 0 stays within
+    compare/other_order.py's factor of the larger of those two drifts (measured: 1.3-1.8x on three
+    kernel paths), its first loss to float32's rounding. parity.py's fixed tolerances (the
+    contract's) are printed beside it, as information."""
     single = tour[0] / "step0_single_gpu"
     assert metrics(single)["config"]["grad_accum"] == 4
     reference = regrouped_drift(single, small_corpus, tmp_path)
@@ -184,7 +189,7 @@ def test_step0_drifts_from_step1_no_further_than_one_process_regrouped(
     assert drift.weights > 0
 
 
-# ---- the parity tool -------------------------------------------------------------------------------
+# ---- the parity tool -----------------------------------------------------------------------------
 
 
 @pytest.mark.quick
@@ -222,13 +227,14 @@ def test_parity_fails_on_a_param_norm_drift(step1_ws2, tmp_path):
     assert "first over the limit at step 3" in result.stdout
 
 
-# ---- bad input to the trainers: every case is in tests/test_bad_input.py (docs/bad_input.md) -------------
+# ---- bad input to the trainers: every case is in tests/test_bad_input.py (docs/bad_input.md) -----
 
 
 @pytest.mark.quick
 def test_help_says_what_a_switch_does_without_a_misleading_default():
-    """ArgumentDefaultsHelpFormatter printed "--nondeterministic ... (default: True)": the value of the setting the
-    switch turns off, read as "nondeterministic by default". Switches say nothing of a default; the rest keep it."""
+    """ArgumentDefaultsHelpFormatter printed "--nondeterministic ... (default: True)": the value of
+    the setting the switch turns off, read as "nondeterministic by default". Switches say nothing of
+    a default; the rest keep it."""
     from config import build_parser
 
     text = " ".join(build_parser("step0_single_gpu").format_help().split())
@@ -242,7 +248,8 @@ def test_help_says_what_a_switch_does_without_a_misleading_default():
 
 @pytest.mark.quick
 def test_unsupported_amp_is_refused_with_one_line(monkeypatch):
-    """fp16 where the build cannot run it (simulated: the CPU scaler refuses) is a UserError, not a traceback."""
+    """fp16 where the build cannot run it (simulated: the
+    CPU scaler refuses) is a UserError, not a traceback."""
     import training
     from config import UserError
 
@@ -255,7 +262,7 @@ def test_unsupported_amp_is_refused_with_one_line(monkeypatch):
     training.check_amp("bf16", torch.device("cpu"))  # bf16 autocast runs on every CPU
 
 
-# ---- the repository itself -------------------------------------------------------------------------
+# ---- the repository itself -----------------------------------------------------------------------
 
 
 @pytest.mark.quick

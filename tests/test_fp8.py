@@ -1,9 +1,11 @@
-"""common/fp8.py against torchao's float8 training (a test-only dependency, imported by this file alone).
+"""common/fp8.py against torchao's float8 training (a
+test-only dependency, imported by this file alone).
 
-torchao 0.18's ``convert_to_float8_training`` with the same recipe is the oracle: one layer's output, input
-gradient and weight gradient, then our GPT-2 for a few AdamW steps, bit for bit (``torch.equal``), in
-float32 and under bf16 autocast. Both run in this process, on this CPU's kernels: nothing is compared with
-bits recorded elsewhere. The trainers' ``--fp8`` is tested in test_fp8_steps.py.
+torchao 0.18's ``convert_to_float8_training`` with the same recipe is the oracle: one layer's
+output, input gradient and weight gradient, then our GPT-2 for a few AdamW steps, bit for bit
+(``torch.equal``), in float32 and under bf16 autocast. Both run in this process, on this CPU's
+kernels: nothing is compared with bits recorded elsewhere. The trainers' ``--fp8`` is tested in
+test_fp8_steps.py.
 """
 
 import copy
@@ -46,7 +48,8 @@ def torchao_convert(module, recipe, module_filter_fn=None):
 
 
 def layer_run(layer, x, amp: bool):
-    """Output, input gradient and every parameter gradient of ``layer`` on ``x`` (a weighted sum as the loss)."""
+    """Output, input gradient and every parameter gradient
+    of ``layer`` on ``x`` (a weighted sum as the loss)."""
     x = x.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
         y = layer(x)
@@ -79,7 +82,8 @@ def test_one_layer_bitwise_to_torchao(recipe, amp):
 
 
 class OutsidersNet(torch.nn.Module):
-    """Someone else's model: no GPT-2, a linear without bias, one not a multiple of 16 left out by their filter."""
+    """Someone else's model: no GPT-2, a linear without bias,
+    one not a multiple of 16 left out by their filter."""
 
     def __init__(self):
         super().__init__()
@@ -92,7 +96,8 @@ class OutsidersNet(torch.nn.Module):
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_any_module_in_an_outsiders_loop_trains_like_torchao(recipe):
-    """An outsider's loop (SGD with momentum, their own module and filter): bitwise to torchao after every step."""
+    """An outsider's loop (SGD with momentum, their own module
+    and filter): bitwise to torchao after every step."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     net = OutsidersNet()
@@ -115,7 +120,8 @@ def test_any_module_in_an_outsiders_loop_trains_like_torchao(recipe):
 
 
 def test_zero_input_gives_zero_output_not_nan():
-    """The amax epsilon (1e-12): an all-zero tensor scales to a finite number, so the layer returns zeros."""
+    """The amax epsilon (1e-12): an all-zero tensor scales
+    to a finite number, so the layer returns zeros."""
     layer = convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False)), "tensorwise")
     y = layer(torch.zeros(16, 16))
     assert torch.equal(y, torch.zeros(16, 16))
@@ -188,9 +194,10 @@ def test_sizes_not_multiples_of_16_are_refused():
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_the_bytes_a_layer_casts_are_the_planners_formula(recipe, monkeypatch):
-    """docs/planner.md: one Float8Linear, one micro-batch (T tokens, K in, N out), forward and backward: FP8 copies
-    of 2 (T K + N K + T N) bytes (each operand cast once per matmul it enters), scales of 4 x 6 bytes
-    (tensorwise) or 4 x 2 (T + N + K) (rowwise: one per row of each operand, along the axis its matmul keeps)."""
+    """docs/planner.md: one Float8Linear, one micro-batch (T tokens, K in, N out), forward and
+    backward: FP8 copies of 2 (T K + N K + T N) bytes (each operand cast once per matmul it enters),
+    scales of 4 x 6 bytes (tensorwise) or 4 x 2 (T + N + K) (rowwise: one per row of each operand,
+    along the axis its matmul keeps)."""
     import fp8
 
     cast, original = [], fp8.to_fp8
@@ -211,9 +218,10 @@ def test_the_bytes_a_layer_casts_are_the_planners_formula(recipe, monkeypatch):
 
 @ROWWISE_RUNS_HERE
 def test_rowwise_scales_keep_ordinary_tokens_that_one_tensorwise_scale_flushes():
-    """One token in 64 at 1e5 times the others (massive activations): one scale per tensor maps the outliers onto
-    e4m3's 448 and pushes the ordinary tokens below its smallest normal (2^-6), where few bits are left; one
-    scale per token keeps every token's own range. Measured 2026-12-02: 52% vs 3.6% error on the ordinary tokens."""
+    """One token in 64 at 1e5 times the others (massive activations): one scale per tensor maps the
+    outliers onto e4m3's 448 and pushes the ordinary tokens below its smallest normal (2^-6), where
+    few bits are left; one scale per token keeps every token's own range. Measured 2026-12-02: 52%
+    vs 3.6% error on the ordinary tokens."""
     torch.manual_seed(0)
     base = torch.nn.Linear(256, 256)
     x = torch.randn(512, 256)
@@ -233,8 +241,9 @@ def test_rowwise_scales_keep_ordinary_tokens_that_one_tensorwise_scale_flushes()
 
 @pytest.fixture(scope="module")
 def outliers() -> dict:
-    """compare/fp8_outliers.py at a tiny size: the MLP trained in bf16 and each recipe, with no outliers, outlier
-    tokens and an outlier channel (x 1e5), then each matmul's error measured, all in this run (6-12 s)."""
+    """compare/fp8_outliers.py at a tiny size: the MLP trained in bf16 and each recipe, with no
+    outliers, outlier tokens and an outlier channel (x 1e5), then each matmul's error measured, all
+    in this run (6-12 s)."""
     import argparse
 
     import fp8_outliers  # compare/, on the path through conftest
@@ -245,11 +254,13 @@ def outliers() -> dict:
 
 @ROWWISE_RUNS_HERE
 def test_rowwise_beats_tensorwise_on_outlier_tokens_and_not_on_an_outlier_channel(outliers):
-    """A scale helps only along the axis its matmul keeps (fp8.py, rule 3). Rowwise scales x per token in the
-    forward: outlier tokens leave the others' error as it was, an outlier channel sits in every token's row. In
-    the weight gradient it scales x per channel over the tokens: the reverse. Training follows the forward."""
+    """A scale helps only along the axis its matmul keeps (fp8.py, rule 3). Rowwise scales x per
+    token in the forward: outlier tokens leave the others' error as it was, an outlier channel sits
+    in every token's row. In the weight gradient it scales x per channel over the tokens: the
+    reverse. Training follows the forward."""
     none, tokens, channel = outliers["none"], outliers["tokens"], outliers["channel"]
-    # outlier tokens: rowwise's forward as without outliers, tensorwise's flushed; both weight gradients hit
+    # outlier tokens: rowwise's forward as without outliers,
+    # tensorwise's flushed; both weight gradients hit
     assert tokens["rowwise"]["forward"] < 1.5 * none["rowwise"]["forward"]
     assert tokens["tensorwise"]["forward"] > 3 * none["tensorwise"]["forward"]
     assert tokens["rowwise"]["grad_weight"] > 2 * none["rowwise"]["grad_weight"]
@@ -261,7 +272,8 @@ def test_rowwise_beats_tensorwise_on_outlier_tokens_and_not_on_an_outlier_channe
         < 1.5 * none["rowwise"]["grad_weight"]
         < channel["tensorwise"]["grad_weight"]
     )
-    # the final losses: rowwise near bf16 with outlier tokens, tensorwise far; alike with an outlier channel
+    # the final losses: rowwise near bf16 with outlier
+    # tokens, tensorwise far; alike with an outlier channel
     final = {kind: {r: outliers[kind][r]["final"] for r in outliers[kind]} for kind in outliers}
     assert final["tokens"]["rowwise"] < 1.5 * final["tokens"]["bf16"], final
     assert final["tokens"]["tensorwise"] > 3 * final["tokens"]["rowwise"], final

@@ -1,10 +1,12 @@
-"""``--fp8 tensorwise|rowwise`` in the trainers (steps 0-7): the same sums in every step, bit for bit.
+"""``--fp8 tensorwise|rowwise`` in the trainers
+(steps 0-7): the same sums in every step, bit for bit.
 
-FP8 changes what each block's matmul computes, not where the gradients are summed, so the contract between
-the steps holds unchanged: at 2 ranks, steps 2-7 (step 3's naive all-reduce, step 4's buckets, ZeRO-1/2, and
-ZeRO-3: every unit's shards gathered, then cast to FP8 in the forward) bitwise to step 1 (DDP); resume bitwise
-(step 7, bf16 autocast); and step 0 bitwise to a
-plain loop of an outsider's, on the same model and data, whose blocks torchao 0.18 converted (the oracle:
+FP8 changes what each block's matmul computes, not where the gradients are summed, so the contract
+between the steps holds unchanged: at 2 ranks, steps 2-7 (step 3's naive all-reduce, step 4's
+buckets, ZeRO-1/2, and ZeRO-3: every unit's shards gathered, then cast to FP8 in the forward)
+bitwise to step 1 (DDP); resume bitwise (step 7, bf16 autocast); and step 0 bitwise to a
+plain loop of an outsider's, on the same model and data, whose blocks torchao 0.18 converted (the
+oracle:
 ``convert_to_float8_training`` with the same recipe, test-only). The layer itself: test_fp8.py.
 """
 
@@ -73,8 +75,9 @@ def exact_step1(tmp_path_factory, small_corpus):
 @ROWWISE_RUNS_HERE
 @pytest.mark.parametrize("step", ["step3", "step5", "step7"])
 def test_exact_mode_with_fp8_is_bitwise_step1_at_3_ranks(exact_step1, step, tmp_path, small_corpus):
-    """The contract's strictest setting (float64 reduction, bf16 autocast, dropout, clipping) with --fp8 rowwise:
-    3 ranks, where only exact mode makes the sums order-free; FP8 adds nothing a rank sums differently."""
+    """The contract's strictest setting (float64 reduction, bf16 autocast, dropout, clipping) with
+    --fp8 rowwise: 3 ranks, where only exact mode makes the sums order-free; FP8 adds nothing a rank
+    sums differently."""
     assert_bitwise_same_run(
         exact_step1, train(step, tmp_path / step, small_corpus, *EXACT_FP8, nproc=3)
     )
@@ -96,8 +99,9 @@ def test_exact_mode_with_fp8_is_bitwise_step1_at_3_ranks(exact_step1, step, tmp_
     ],
 )
 def test_step7_with_fp8_is_bitwise_fsdp2_with_torchao(flags, tmp_path, small_corpus):
-    """ZeRO-3 against PyTorch's: FSDP2 over the blocks, torchao's conversion before sharding (compare/fsdp2_reference.py
-    --fp8). Both gather the unit's weight (float32, or bf16 with --param-dtype), then cast it to FP8."""
+    """ZeRO-3 against PyTorch's: FSDP2 over the blocks, torchao's conversion before sharding
+    (compare/fsdp2_reference.py --fp8). Both gather the unit's weight (float32, or bf16 with
+    --param-dtype), then cast it to FP8."""
     out = tmp_path / "fsdp2"
     result = run_ranks(
         REPO / "compare" / "fsdp2_reference.py",
@@ -119,8 +123,9 @@ def test_parity_refuses_fp8_against_high_precision_and_the_state_bytes_are_the_s
     assert not torch.equal(
         theirs["transformer.h.0.mlp.c_fc.weight"], ours["transformer.h.0.mlp.c_fc.weight"]
     )
-    # Dynamic scaling keeps no state and no FP8 copy between steps: parameters, gradients and AdamW's state hold
-    # the bytes they hold without --fp8 (the planner's formula unchanged; docs/fp8.md).
+    # Dynamic scaling keeps no state and no FP8 copy between steps: parameters, gradients and
+    # AdamW's state hold the bytes they hold without --fp8 (the planner's formula unchanged;
+    # docs/fp8.md).
     kinds = ("params", "grads", "optimizer_state")
     for a, b in zip(metrics(plain)["records"], metrics(fp8_runs["step1", "tensorwise"])["records"]):
         assert [[m[k] for k in kinds] for m in a["memory"]] == [
@@ -129,11 +134,12 @@ def test_parity_refuses_fp8_against_high_precision_and_the_state_bytes_are_the_s
 
 
 def torchao_plain_loop(config: dict, corpus_path, recipe: str, start=None) -> tuple[list, dict]:
-    """An outsider's loop: our model and data, torchao's FP8 on the blocks, AdamW with step 0's groups and
-    schedule, one micro-batch a step (nothing to accumulate), clipping with the project's exact norm, under
-    ``config["amp"]``'s autocast. ``start``: a checkpoint folder to go on from, its ``state.pt`` read here (the
-    weights, AdamW's and the schedule's state dicts), not through the trainers' loader; the data position by
-    drawing the micro-batches its steps drew. The losses of the steps it runs, and the final weights."""
+    """An outsider's loop: our model and data, torchao's FP8 on the blocks, AdamW with step 0's
+    groups and schedule, one micro-batch a step (nothing to accumulate), clipping with the project's
+    exact norm, under ``config["amp"]``'s autocast. ``start``: a checkpoint folder to go on from,
+    its ``state.pt`` read here (the weights, AdamW's and the schedule's state dicts), not through
+    the trainers' loader; the data position by drawing the micro-batches its steps drew. The losses
+    of the steps it runs, and the final weights."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -235,9 +241,10 @@ BF16_ONE = ("--amp", "bf16", "--grad-accum", "1")
 def test_a_bf16_checkpoint_resumes_into_fp8_bitwise_to_torchao_from_that_state(
     recipe, bf16_run, tmp_path, small_corpus
 ):
-    """FP8 with dynamic scaling keeps no state: a bf16 checkpoint goes on with --fp8, steps 3-4 bit for bit what
-    an outsider's loop computes with torchao's FP8 from the same state (the checkpoint's file read in the test, the
-    data position drawn again); steps 1-2 are the bf16 run's, step 3 differs from it."""
+    """FP8 with dynamic scaling keeps no state: a bf16 checkpoint goes on with --fp8, steps 3-4 bit
+    for bit what an outsider's loop computes with torchao's FP8 from the same state (the
+    checkpoint's file read in the test, the data position drawn again); steps 1-2 are the bf16
+    run's, step 3 differs from it."""
     into = train(
         "step0",
         tmp_path / "into",

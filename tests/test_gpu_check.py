@@ -1,6 +1,6 @@
-"""compare/gpu_check.py in its CPU mode (tiny sizes), so the GPU check cannot rot where no GPU is: every section
-but the tour runs as a user would start it, and the memory section reads the session's tour runs (the tour
-itself is tests/test_plot_and_tour.py's)."""
+"""compare/gpu_check.py in its CPU mode (tiny sizes), so the GPU check cannot rot where no GPU is:
+every section but the tour runs as a user would start it, and the memory section reads the session's
+tour runs (the tour itself is tests/test_plot_and_tour.py's)."""
 
 import sys
 
@@ -51,10 +51,11 @@ def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
         assert f"## {title}" in text, text
     # the second run, the resumed one, the offloaded one, step 12
     assert text.count("(bitwise identical)") == 4
-    # 2 ranks x 2 MoE layers x 1 micro-batch x 3 steps; a rank's bytes off the formula would be named
+    # 2 ranks x 2 MoE layers x 1 micro-batch x 3 steps;
+    # a rank's bytes off the formula would be named
     assert (
-        "all-to-all bytes, 12 notes (ranks x MoE layers x micro-batches x steps): every one the formula"
-        in text
+        "all-to-all bytes, 12 notes (ranks x MoE layers x micro-batches x steps): "
+        "every one the formula" in text
     )
     step12 = tmp_path / "runs" / "experts" / "step12" / "metrics.json"
     step12.write_text(step12.read_text().replace('"bytes": ', '"bytes": 1', 1))
@@ -72,7 +73,8 @@ def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
         "step 0, SDPA: train_step alone (records' step_time) |",
     ):
         assert f"| {run}" in text, text
-    # FP8: every recipe this CPU's _scaled_mm runs is timed; one it cannot is skipped in one line, saying why
+    # FP8: every recipe this CPU's _scaled_mm runs is timed;
+    # one it cannot is skipped in one line, saying why
     fp8 = text[text.index("## FP8") :]
     assert "| bf16 autocast | " in fp8 and "| bf16 autocast + --fp8 tensorwise | " in fp8, fp8
     rowwise_runs = fp8_cannot_run("rowwise", torch.device("cpu")) is None
@@ -81,8 +83,8 @@ def test_the_cpu_mode_runs_every_section_and_writes_its_report(tmp_path):
 
 
 def test_the_context_section_fails_a_ring_off_whole_attention_or_off_pytorchs():
-    """compare/cp_reference.py's verdict: the ring within its bound of whole attention on every rank (float32 on the
-    CPU: 1e-5), and on a GPU within twice PyTorch's ring's error where that ran."""
+    """compare/cp_reference.py's verdict: the ring within its bound of whole attention on every rank
+    (float32 on the CPU: 1e-5), and on a GPU within twice PyTorch's ring's error where that ran."""
     import cp_reference
 
     errors = lambda e: dict.fromkeys(cp_reference.NAMES, e)  # noqa: E731
@@ -130,8 +132,8 @@ def test_the_memory_section_reads_the_tours_runs_against_the_formulas(tour, tmp_
 
 
 def test_the_fp8_section_skips_what_the_device_cannot_run_in_one_line(tmp_path, monkeypatch):
-    """A device whose _scaled_mm runs no recipe (a GPU before compute capability 8.9): each recipe skipped in
-    one line saying why, the section not run (not failed), and no trainer started."""
+    """A device whose _scaled_mm runs no recipe (a GPU before compute capability 8.9): each recipe
+    skipped in one line saying why, the section not run (not failed), and no trainer started."""
     why = "torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or 8.9"
     monkeypatch.setattr(gpu_check, "fp8_cannot_run", lambda recipe, device: why)
     monkeypatch.setattr(gpu_check, "run", lambda *a, **k: pytest.fail("a trainer was started"))
@@ -141,5 +143,8 @@ def test_the_fp8_section_skips_what_the_device_cannot_run_in_one_line(tmp_path, 
     text = (tmp_path / "report.md").read_text()
     assert "## FP8: step 0 in bf16 beside --fp8 tensorwise and rowwise: not run" in text, text
     for recipe in ("tensorwise", "rowwise"):
-        line = f"- bf16 autocast + --fp8 {recipe}: skipped, this device's `_scaled_mm` cannot run it (`{why}`)"
+        line = (
+            f"- bf16 autocast + --fp8 {recipe}: skipped, this device's `_scaled_mm` cannot "
+            f"run it (`{why}`)"
+        )
         assert line in text.splitlines(), text

@@ -1,10 +1,12 @@
-"""Step 7's HSDP (``--replicate R``, step7_zero3/hsdp.py) at 4 ranks, R = 2: its groups are ``init_device_mesh``'s;
-a toy in spawned processes trains bitwise like FSDP2's ``fully_shard`` on the (replicate, shard) mesh and like one
-process averaging in float64; the trainer is bitwise compare/fsdp2_reference.py --replicate 2 (float32 and bf16
-parameters) and, in the exact mode, step 1 (DDP) at 4 ranks; bytes per rank and per collective are the closed
-form with N / R = 2 in place of N; a checkpoint resumes bitwise at R = 2 and at R = 1.
+"""Step 7's HSDP (``--replicate R``, step7_zero3/hsdp.py) at 4 ranks, R = 2: its groups are
+``init_device_mesh``'s; a toy in spawned processes trains bitwise like FSDP2's ``fully_shard`` on
+the (replicate, shard) mesh and like one process averaging in float64; the trainer is bitwise
+compare/fsdp2_reference.py --replicate 2 (float32 and bf16 parameters) and, in the exact mode, step
+1 (DDP) at 4 ranks; bytes per rank and per collective are the closed form with N / R = 2 in place of
+N; a checkpoint resumes bitwise at R = 2 and at R = 1.
 
-Runs are shared between the tests (module fixtures); the exact-mode step 1 run is conftest's ``exact_run``.
+Runs are shared between the tests (module fixtures);
+the exact-mode step 1 run is conftest's ``exact_run``.
 """
 
 import math
@@ -49,7 +51,7 @@ S = N // R  # ranks per shard group (a row)
 HSDP = ("--replicate", str(R))
 
 
-# ---- The idea file the way an outsider uses it: a toy, our groups and FSDP2's ------------------------------
+# ---- The idea file the way an outsider uses it: a toy, our groups and FSDP2's --------------------
 
 
 def _toy_worker(rank, world_size, port, queue):
@@ -159,7 +161,8 @@ def toy():
 
 
 def test_toy_groups_are_init_device_mesh_rows_and_columns(toy):
-    """Rank r: shard group = its row of arange(4).view(2, 2), replicate group = its column, as FSDP2's mesh."""
+    """Rank r: shard group = its row of arange(4).view(2,
+    2), replicate group = its column, as FSDP2's mesh."""
     for rank, result in toy.items():
         (ours_shard, theirs_shard), (ours_rep, theirs_rep) = result["groups"]
         assert ours_shard == theirs_shard == [rank // S * S + i for i in range(S)]
@@ -181,7 +184,7 @@ def test_toy_trains_bitwise_like_fsdp2_on_a_2d_mesh_and_like_one_process(toy):
             )
 
 
-# ---- The trainer -----------------------------------------------------------------------------------
+# ---- The trainer ---------------------------------------------------------------------------------
 
 
 def fsdp2_reference(out, corpus, *extra):
@@ -208,7 +211,8 @@ def fsdp2_pair(request, tmp_path_factory, small_corpus):
 
 @pytest.fixture(scope="module")
 def exact_pair(exact_run, tmp_path_factory, small_corpus):
-    """Exact mode (float64 sums, bf16 autocast, dropout, clipping, checkpoints every 2 steps) at 4 ranks."""
+    """Exact mode (float64 sums, bf16 autocast, dropout,
+    clipping, checkpoints every 2 steps) at 4 ranks."""
     return exact_run("step1", N), train(
         "step7",
         tmp_path_factory.mktemp("hsdp_exact") / "step7",
@@ -227,7 +231,8 @@ def test_trainer_is_bitwise_fsdp2_on_the_replicate_shard_mesh(fsdp2_pair):
 
 
 def test_trainer_with_offload_is_bitwise_fsdp2_cpu_offload_on_the_mesh(tmp_path, small_corpus):
-    """--offload-optimizer with --replicate: AdamW on host copies of the row's shards, as FSDP2's CPUOffloadPolicy."""
+    """--offload-optimizer with --replicate: AdamW on host
+    copies of the row's shards, as FSDP2's CPUOffloadPolicy."""
     flags = (*HSDP, "--offload-optimizer", "--steps", "3")
     step7 = train("step7", tmp_path / "step7", small_corpus, *flags, nproc=N)
     result = parity(fsdp2_reference(tmp_path / "fsdp2", small_corpus, *flags), step7)
@@ -242,8 +247,8 @@ def test_trainer_exact_mode_is_bitwise_ddp_at_4_ranks(exact_pair):
 
 
 def unit_sizes(run) -> list[int]:
-    """Elements per unit: the root (every parameter outside the blocks; the tied output layer is the embedding),
-    then each block."""
+    """Elements per unit: the root (every parameter outside the blocks; the tied output layer is the
+    embedding), then each block."""
     final = weights(run)
     blocks = metrics(run)["config"]["n_layer"]
     root = sum(t.numel() for n, t in final.items() if not n.startswith("transformer.h."))
@@ -258,8 +263,9 @@ def padded(numel: int) -> int:
 
 
 def test_trainer_bytes_per_rank_are_the_formula_with_n_over_r(fsdp2_pair, exact_pair):
-    """Parameters and gradients: 4 bytes x (the padded units / S) on every rank, exactly; AdamW's state 8 per
-    element held (within 2%: its step counters). A rank holds what ZeRO-3 over S ranks holds: Psi / (N / R)."""
+    """Parameters and gradients: 4 bytes x (the padded units / S) on every rank, exactly; AdamW's
+    state 8 per element held (within 2%: its step counters). A rank holds what ZeRO-3 over S ranks
+    holds: Psi / (N / R)."""
     for run in (fsdp2_pair[0], exact_pair[1]):
         held = sum(padded(n) for n in unit_sizes(run)) // S
         psi = sum(unit_sizes(run))
@@ -273,7 +279,8 @@ def test_trainer_bytes_per_rank_are_the_formula_with_n_over_r(fsdp2_pair, exact_
 
 
 def test_memory_tool_checks_an_hsdp_run_against_n_over_r(exact_pair):
-    """compare/memory.py --check reads --replicate: the formula's N is the row's 2 ranks, not the job's 4."""
+    """compare/memory.py --check reads --replicate: the
+    formula's N is the row's 2 ranks, not the job's 4."""
     result = memory_tool(exact_pair[1], "--check")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ZeRO-3, N = 2 (HSDP: 4 ranks, 2 replicas of 2)" in result.stdout, result.stdout
@@ -281,7 +288,8 @@ def test_memory_tool_checks_an_hsdp_run_against_n_over_r(exact_pair):
 
 
 def test_planner_reads_an_hsdp_run_as_zero3_over_a_row(exact_pair):
-    """compare/plan.py --measured: the run's model state against ZeRO-3 over dp / R, every rank within 5%."""
+    """compare/plan.py --measured: the run's model state
+    against ZeRO-3 over dp / R, every rank within 5%."""
     result = run_forked(
         [sys.executable, str(REPO / "compare" / "plan.py"), "--measured", str(exact_pair[1])],
         timeout=120,
@@ -292,10 +300,11 @@ def test_planner_reads_an_hsdp_run_as_zero3_over_a_row(exact_pair):
 
 
 def test_trainer_communication_is_the_closed_form(fsdp2_pair, exact_pair):
-    """Per optimiser step, per rank: all-gathers in the shard group, every unit in each forward and every block
-    in each backward (4 bytes, 2 with bf16 parameters); the reduce-scatter in the shard group, every unit padded
-    to S, once (gradient bytes: 4, 8 in the exact mode); the all-reduce across the replicas, its 1/S shard, plus
-    the norms' small all-reduces (the exact parameter norm's parts, one float64 for clipping)."""
+    """Per optimiser step, per rank: all-gathers in the shard group, every unit in each forward and
+    every block in each backward (4 bytes, 2 with bf16 parameters); the reduce-scatter in the shard
+    group, every unit padded to S, once (gradient bytes: 4, 8 in the exact mode); the all-reduce
+    across the replicas, its 1/S shard, plus the norms' small all-reduces (the exact parameter
+    norm's parts, one float64 for clipping)."""
     small = exact_sums.square_sum_parts([torch.zeros(1)]).numel() * 8 + 8
     for run in (fsdp2_pair[0], exact_pair[1]):
         config = metrics(run)["config"]
@@ -314,10 +323,10 @@ def test_trainer_communication_is_the_closed_form(fsdp2_pair, exact_pair):
 def test_trainer_resumes_bitwise_at_the_same_and_another_layout(
     exact_pair, replicate, tmp_path, small_corpus
 ):
-    """Every rank gives DCP its pieces (replicas the same boxes, which DCP writes once: different ones would overlap,
-    and DCP refuses a plan whose boxes overlap); resumed at R = 2, at R = 1 (sharded over all 4: each rank reads its
-    elements out of the saved boxes) or at R = 4 (rows of one rank: every rank whole, as DDP), the exact mode gives
-    the same bits."""
+    """Every rank gives DCP its pieces (replicas the same boxes, which DCP writes once: different
+    ones would overlap, and DCP refuses a plan whose boxes overlap); resumed at R = 2, at R = 1
+    (sharded over all 4: each rank reads its elements out of the saved boxes) or at R = 4 (rows of
+    one rank: every rank whole, as DDP), the exact mode gives the same bits."""
     from torch.distributed.checkpoint import FileSystemReader
 
     _, step7 = exact_pair

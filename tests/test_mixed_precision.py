@@ -1,10 +1,12 @@
-"""--param-dtype: 16-bit parameters over float32 masters (steps 0, 5, 6, 7), against FSDP2's MixedPrecisionPolicy.
+"""--param-dtype: 16-bit parameters over float32 masters
+(steps 0, 5, 6, 7), against FSDP2's MixedPrecisionPolicy.
 
-Real torchrun runs on the tiny workload: at world size 2, steps 5, 6 and 7 with bf16 parameters must equal
-compare/fsdp2_reference.py (FSDP2 with ``MixedPrecisionPolicy(bf16, float32)``) and each other to the bit; in
-the exact mode (float64 reduction) they must equal each other at 3 and 4 ranks; fp16 with the loss scaler,
-skipped steps included, at world size 2. Each gather moves 2 bytes per
-element; gradients move in the reduce dtype. Checkpoints hold the float32 masters and resume bitwise.
+Real torchrun runs on the tiny workload: at world size 2, steps 5, 6 and 7 with bf16 parameters must
+equal compare/fsdp2_reference.py (FSDP2 with ``MixedPrecisionPolicy(bf16, float32)``) and each other
+to the bit; in the exact mode (float64 reduction) they must equal each other at 3 and 4 ranks; fp16
+with the loss scaler, skipped steps included, at world size 2. Each gather moves 2 bytes per
+element; gradients move in the reduce dtype. Checkpoints hold the float32 masters and resume
+bitwise.
 """
 
 import sys
@@ -46,7 +48,8 @@ def fsdp2_reference(out, corpus, *extra):
 
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory, small_corpus) -> dict:
-    """Steps 5, 6, 7 with bf16 parameters at world size 2 (checkpoints at steps 2 and 4), and FSDP2's run."""
+    """Steps 5, 6, 7 with bf16 parameters at world size
+    2 (checkpoints at steps 2 and 4), and FSDP2's run."""
     top = tmp_path_factory.mktemp("bf16")
     runs = {
         step: train(step, top / step, small_corpus, *BF16, "--save-every", "2") for step in SHARDED
@@ -78,12 +81,13 @@ def split_model(run) -> tuple[int, int]:
 
 
 def test_gathers_move_two_bytes_per_element_and_gradients_the_reduce_dtype(bf16_runs):
-    """Per optimiser step at world size 2 (one chunk or bucket set; Ψ = 92,032 here, even, so no padding in
-    steps 5-6): all-gather 2Ψ bytes; gradients 4Ψ (float32), all-reduced in step 5, reduce-scattered in 6-7.
-    The small all-reduces: the exact parts of the masters' norm (3 x 277 int64), and the clipping norm (one
-    float64: every step's optimiser reads only its slices of the gradient). Step 7 gathers every unit in each
-    forward and all but the root in each backward.
-    The first step of steps 5-6 also counts the start-up broadcast of rank 0's weights, still float32 then."""
+    """Per optimiser step at world size 2 (one chunk or bucket set; Ψ = 92,032 here, even, so no
+    padding in steps 5-6): all-gather 2Ψ bytes; gradients 4Ψ (float32), all-reduced in step 5,
+    reduce-scattered in 6-7. The small all-reduces: the exact parts of the masters' norm (3 x 277
+    int64), and the clipping norm (one float64: every step's optimiser reads only its slices of the
+    gradient). Step 7 gathers every unit in each forward and all but the root in each backward.
+    The first step of steps 5-6 also counts the start-up broadcast of rank 0's weights, still
+    float32 then."""
     psi, root = split_model(bf16_runs["step5"])
     assert psi % 2 == 0
     parts, norm = 3 * 277 * 8, 8
@@ -135,8 +139,8 @@ def test_bf16_resumes_bitwise_from_its_float32_masters(step, bf16_runs, tmp_path
 def test_step1_resumes_a_bf16_checkpoint_with_the_float32_masters(
     bf16_runs, tmp_path, small_corpus
 ):
-    """Step 1 knows nothing of --param-dtype: it reads the masters as plain float32 weights, and its first step
-    continues from them (its own float32 training from there on)."""
+    """Step 1 knows nothing of --param-dtype: it reads the masters as plain float32 weights, and its
+    first step continues from them (its own float32 training from there on)."""
     result = launch(
         "step1",
         [
@@ -165,8 +169,8 @@ def assert_bitwise_same_weights(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def exact_bf16_run(tmp_path_factory, small_corpus):
-    """``run(step, N)``: a step with bf16 parameters in the exact mode (float64 reduction), two steps, trained once
-    and shared by the parity and the memory tests."""
+    """``run(step, N)``: a step with bf16 parameters in the exact mode (float64 reduction), two
+    steps, trained once and shared by the parity and the memory tests."""
     top, made = tmp_path_factory.mktemp("exact_bf16"), {}
 
     def run(step: str, world_size: int) -> Path:
@@ -189,15 +193,17 @@ def exact_bf16_run(tmp_path_factory, small_corpus):
 
 @pytest.mark.parametrize("world_size", (3, 4))
 def test_exact_mode_bf16_is_bitwise_across_zero_stages(world_size, exact_bf16_run):
-    """float64 reduction: no order to depend on, so steps 5, 6 and 7 agree at any world size (two steps)."""
+    """float64 reduction: no order to depend on, so steps
+    5, 6 and 7 agree at any world size (two steps)."""
     runs = [exact_bf16_run(step, world_size) for step in SHARDED]
     assert_bitwise_same_run(runs[0], runs[1])
     assert_bitwise_same_run(runs[0], runs[2])
 
 
-# Bytes per parameter, whole (1) or divided by N: 16-bit parameters, float32 gradients (step 5: the reduced
-# gradient, whole, in main_grad; step 6: the reduce-scatter's shards, float32 whatever the reduce dtype), float32
-# masters of the owned elements, AdamW's two moments. Step 5: 2Ψ + 4Ψ + 12Ψ/N; step 6: 2Ψ + 16Ψ/N.
+# Bytes per parameter, whole (1) or divided by N: 16-bit parameters, float32 gradients (step 5: the
+# reduced gradient, whole, in main_grad; step 6: the reduce-scatter's shards, float32 whatever the
+# reduce dtype), float32 masters of the owned elements, AdamW's two moments. Step 5: 2Ψ + 4Ψ +
+# 12Ψ/N; step 6: 2Ψ + 16Ψ/N.
 MIXED_MEMORY = {
     "step5": {
         "params": (2, 1),
@@ -220,9 +226,10 @@ STAGE = {"step5": "ZeRO-1", "step6": "ZeRO-2"}
 def test_memory_per_rank_meets_the_mixed_precision_formulas(
     bf16_runs, exact_bf16_run, tmp_path, small_corpus
 ):
-    """Every rank of steps 5 and 6 with bf16 parameters at N = 1, 2, 3, 4, each kind within 2% of its formula
-    (padding and AdamW's step counters included in the measurement). N = 2 and N = 3, 4 are the runs of the
-    tests above (the exact mode changes the reduction, not what is kept); N = 1 runs one step here."""
+    """Every rank of steps 5 and 6 with bf16 parameters at N = 1, 2, 3, 4, each kind within 2% of
+    its formula (padding and AdamW's step counters included in the measurement). N = 2 and N = 3, 4
+    are the runs of the tests above (the exact mode changes the reduction, not what is kept); N = 1
+    runs one step here."""
     runs = {(step, 2): bf16_runs[step] for step in MIXED_MEMORY}
     runs |= {(step, n): exact_bf16_run(step, n) for step in MIXED_MEMORY for n in (3, 4)}
     # no torchrun
@@ -250,9 +257,9 @@ def test_memory_per_rank_meets_the_mixed_precision_formulas(
 
 
 def test_fp16_with_skipped_steps_is_bitwise_across_zero_stages(tmp_path, small_corpus):
-    """A first loss scale of 2^20 overflows fp16 gradients: steps 5, 6 and 7 skip the same steps (each rank checks
-    its own slices of the float32 reduced gradient, step 5's in main_grad; one all-reduce of a float32 flag
-    combines the verdicts), halve the scale, and go on alike."""
+    """A first loss scale of 2^20 overflows fp16 gradients: steps 5, 6 and 7 skip the same steps
+    (each rank checks its own slices of the float32 reduced gradient, step 5's in main_grad; one
+    all-reduce of a float32 flag combines the verdicts), halve the scale, and go on alike."""
     fp16 = ("--param-dtype", "fp16", "--loss-scale-init", str(2.0**20))
     runs = [train(step, tmp_path / step, small_corpus, *fp16) for step in SHARDED]
     assert_bitwise_same_run(runs[0], runs[1])
@@ -271,10 +278,11 @@ def test_fp16_with_skipped_steps_is_bitwise_across_zero_stages(tmp_path, small_c
 def test_step0_bf16_stays_within_bf16_rounding_of_the_sharded_steps(
     bf16_runs, tmp_path, small_corpus
 ):
-    """One process summing the 4 micro-batches in another order: not bitwise, but the same training. How far bf16
-    parameters drift in another order is the CPU's, so the bound is measured here: step 0 regrouping the same 8
-    samples a step (8 micro-batches of 1, 2 of 4) drifts from itself, and step 5 stays within
-    compare/other_order.py's factor of that (measured 1.0-2.9x on three kernel paths), its first loss to 1e-6."""
+    """One process summing the 4 micro-batches in another order: not bitwise, but the same training.
+    How far bf16 parameters drift in another order is the CPU's, so the bound is measured here: step
+    0 regrouping the same 8 samples a step (8 micro-batches of 1, 2 of 4) drifts from itself, and
+    step 5 stays within compare/other_order.py's factor of that (measured 1.0-2.9x on three kernel
+    paths), its first loss to 1e-6."""
     run = train("step0", tmp_path / "step0", small_corpus, *BF16, "--grad-accum", "4")
     reference = regrouped_drift(run, small_corpus, tmp_path, *BF16)
     step5 = bf16_runs["step5"]
@@ -282,5 +290,6 @@ def test_step0_bf16_stays_within_bf16_rounding_of_the_sharded_steps(
     assert not beyond, f"{beyond}; {drift}; step 0 regrouped: {reference}"
 
 
-# The drop-in cases (ShardedOptimizer and ShardedGradientDDP with param_dtype, against FSDP2 bf16, torch.equal every
-# step) run in tests/test_drop_in.py's one spawn of the outsider harness, with the other idea files.
+# The drop-in cases (ShardedOptimizer and ShardedGradientDDP with param_dtype, against FSDP2 bf16,
+# torch.equal every step) run in tests/test_drop_in.py's one spawn of the outsider harness, with the
+# other idea files.

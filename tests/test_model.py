@@ -1,11 +1,11 @@
 """common/model.py against computations nobody here wrote.
 
-Parity between steps cannot see a bug that every step shares, and every step trains this model. So the
-oracle is Hugging Face ``transformers``' GPT-2 (a test-only dependency, imported by this file and
-tests/test_export_hf.py alone): the same weights copied into it by compare/export_hf.py's mapping (its ``Conv1D``
-holds ``(in, out)``, the transpose of ``nn.Linear``, and one fused ``c_attn`` laid out ``[q | k | v]``), then
-logits and every gradient compared in float64, where two correct implementations of the same formula agree to
-~1e-15 whatever order they add in.
+Parity between steps cannot see a bug that every step shares, and every step trains this model. So
+the oracle is Hugging Face ``transformers``' GPT-2 (a test-only dependency, imported by this file
+and tests/test_export_hf.py alone): the same weights copied into it by compare/export_hf.py's
+mapping (its ``Conv1D`` holds ``(in, out)``, the transpose of ``nn.Linear``, and one fused
+``c_attn`` laid out ``[q | k | v]``), then logits and every gradient compared in float64, where two
+correct implementations of the same formula agree to ~1e-15 whatever order they add in.
 """
 
 import ast
@@ -25,8 +25,9 @@ VOCAB = 64
 
 
 def hugging_face_copy(model):
-    """transformers' GPT2LMHeadModel holding ``model``'s weights (eager attention, float64), mapped by the exporter
-    (compare/export_hf.py: the one place that knows how our names and layouts become theirs)."""
+    """transformers' GPT2LMHeadModel holding ``model``'s weights (eager attention, float64), mapped
+    by the exporter (compare/export_hf.py: the one place that knows how our names and layouts become
+    theirs)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = model.config
@@ -82,7 +83,8 @@ def test_logits_and_gradients_equal_transformers_gpt2(attention):
 
 @pytest.mark.quick
 def test_a_deliberate_bug_is_caught_by_the_oracle():
-    """The oracle can fail: a model whose attention forgets the causal mask differs from transformers'."""
+    """The oracle can fail: a model whose attention
+    forgets the causal mask differs from transformers'."""
     model = build_model({**CONFIG, "attention": "math"}, VOCAB, seed=3).double()
     hf = hugging_face_copy(model)
     ids = torch.randint(
@@ -115,8 +117,8 @@ def test_math_and_sdpa_attention_agree_in_float32():
 
 @pytest.mark.quick
 def test_parameter_names_shapes_and_initial_values():
-    """The documented names and nn.Linear layouts; every value is initial_value(seed, name), so any rank can
-    build one parameter alone; the output layer is the token embedding."""
+    """The documented names and nn.Linear layouts; every value is initial_value(seed, name), so any
+    rank can build one parameter alone; the output layer is the token embedding."""
     model = build_model(CONFIG, VOCAB, seed=7)
     h = CONFIG["n_embd"]
     block = {
@@ -171,12 +173,12 @@ def test_building_the_model_draws_nothing_from_the_global_generator():
 
 @pytest.mark.quick
 def test_no_step_or_tool_imports_transformers():
-    """Only the tests that use it as an oracle: this file, and tests/test_export_hf.py (which loads what
-    compare/export_hf.py writes; the exporter itself writes plain JSON and safetensors), and the one file written
-    for transformers to run, never imported here: compare/modeling_gpt2_moe.py, which an exported MoE folder
-    carries. The repository's own
-    files: not a virtual environment made inside the clone (``python -m venv venv``, as a learner may: its
-    site-packages hold files this Python cannot even parse)."""
+    """Only the tests that use it as an oracle: this file, and tests/test_export_hf.py (which loads
+    what compare/export_hf.py writes; the exporter itself writes plain JSON and safetensors), and
+    the one file written for transformers to run, never imported here: compare/modeling_gpt2_moe.py,
+    which an exported MoE folder carries. The repository's own
+    files: not a virtual environment made inside the clone (``python -m venv venv``, as a learner
+    may: its site-packages hold files this Python cannot even parse)."""
     importers = []
     environments = {p.parent.name for p in REPO.glob("*/pyvenv.cfg")}
     for path in REPO.rglob("*.py"):
@@ -201,19 +203,21 @@ def test_no_step_or_tool_imports_transformers():
     ]
 
 
-# ---- common/moe.py's MoE layer against transformers' Mixtral sparse block --------------------------------------
-# Mixtral's experts are gated (act(gate) * up) and have no biases; a GPT-2 MLP fits inside one with one more input
-# feature held at 1 (it carries c_fc's bias in the gate rows and makes every up unit 1) and one more hidden unit
-# whose gate is 10 (gelu_tanh(10) is 10.0 exactly in float32 and float64), which carries c_proj's bias / 10. The
-# block's routing (softmax in float32, top-k, renormalised), dispatch and weighted sum are Mixtral's own code.
-# In float64 the two agree to ~1e-15 but for the router probabilities both take in float32 (HF's router and
-# ours softmax float32 logits), whose rounding moves outputs and gradients by up to ~1e-7 relative: 1e-6 is the
-# tolerance.
+# ---- common/moe.py's MoE layer against transformers' Mixtral sparse block ------------------------
+# Mixtral's experts are gated (act(gate) * up) and have no biases; a GPT-2 MLP fits inside one with
+# one more input feature held at 1 (it carries c_fc's bias in the gate rows and makes every up unit
+# 1) and one more hidden unit whose gate is 10 (gelu_tanh(10) is 10.0 exactly in float32 and
+#    float64), which carries
+# c_proj's bias / 10. The block's routing (softmax in float32, top-k, renormalised), dispatch and
+# weighted sum are Mixtral's own code. In float64 the two agree to ~1e-15 but for the router
+# probabilities both take in float32 (HF's router and ours softmax float32 logits), whose rounding
+# moves outputs and gradients by up to ~1e-7 relative: 1e-6 is the tolerance.
 MOE_TOLERANCE = {"rtol": 1e-6, "atol": 1e-9}
 
 
 def mixtral_copy(moe):
-    """transformers' MixtralSparseMoeBlock holding ``moe``'s router and experts (float64, eager experts)."""
+    """transformers' MixtralSparseMoeBlock holding ``moe``'s
+    router and experts (float64, eager experts)."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
@@ -303,7 +307,8 @@ def test_moe_layer_output_and_gradients_equal_transformers_mixtral_block(n_exper
 
 @pytest.mark.parametrize("n_experts,top_k", [(4, 1), (4, 2), (8, 3)])
 def test_load_balancing_loss_is_transformers_divided_by_k(n_experts, top_k):
-    """Ours divides the slot counts by k*T (1 at perfect balance, DeepSeek's form), HF's by T: k times ours."""
+    """Ours divides the slot counts by k*T (1 at perfect
+    balance, DeepSeek's form), HF's by T: k times ours."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     import moe as moe_module
@@ -323,7 +328,8 @@ def test_load_balancing_loss_is_transformers_divided_by_k(n_experts, top_k):
 
 
 def test_a_deliberate_moe_bug_is_caught_by_the_oracle():
-    """Weights not renormalised for k = 2 (Switch's rule where Mixtral's holds): the oracle must see it."""
+    """Weights not renormalised for k = 2 (Switch's rule
+    where Mixtral's holds): the oracle must see it."""
     import moe as moe_module
 
     ours = moe_layer(4, 2)

@@ -1,9 +1,10 @@
 """common/moe.py by hand, and step 0 training it.
 
-The MoE layer's numbers against transformers' Mixtral block are in test_model.py (the one file that imports
-transformers). Here: routing, capacity, permutation and the load-balancing loss worked out by hand on a few
-tokens (as torchtitan's tests/unit_tests/test_expert_parallel.py does for its permutation), the layer against a
-token-by-token loop, the parameter names and initial values, the flags' checks, and step 0's records.
+The MoE layer's numbers against transformers' Mixtral block are in test_model.py (the one file that
+imports transformers). Here: routing, capacity, permutation and the load-balancing loss worked out
+by hand on a few tokens (as torchtitan's tests/unit_tests/test_expert_parallel.py does for its
+permutation), the layer against a token-by-token loop, the parameter names and initial values, the
+flags' checks, and step 0's records.
 """
 
 import math
@@ -19,7 +20,8 @@ from model import GPTConfig, build_model, initial_value
 
 
 def logits_choosing(choices: list[list[int]], n_experts: int) -> torch.Tensor:
-    """Logits under which token t's choices are ``choices[t]``, in that order (10, 9, ... for them, 0 for the rest)."""
+    """Logits under which token t's choices are ``choices[t]``,
+    in that order (10, 9, ... for them, 0 for the rest)."""
     logits = torch.zeros(len(choices), n_experts)
     for t, experts in enumerate(choices):
         for j, e in enumerate(experts):
@@ -50,7 +52,8 @@ def test_top1_routing_by_hand_switch_weights_and_drops_by_position():
 
 
 def test_top2_routing_by_hand_renormalised_and_dropped_choice_by_choice():
-    # Two experts, each token takes both: slots t0c0 t0c1 t1c0 t1c1 t2c0 t2c1; C = ceil(2 * 3 * 0.5 / 2) = 2.
+    # Two experts, each token takes both: slots t0c0 t0c1
+    # t1c0 t1c1 t2c0 t2c1; C = ceil(2 * 3 * 0.5 / 2) = 2.
     logits = logits_choosing([[0, 1], [1, 0], [0, 1]], 2)
     routing = moe.route(logits, top_k=2, capacity_factor=0.5)
     assert routing.experts.tolist() == [[0, 1], [1, 0], [0, 1]]
@@ -152,7 +155,8 @@ def test_parameter_names_and_initial_values_are_a_function_of_seed_and_name():
     )
     for name, p in names.items():
         assert torch.equal(p, initial_value(name, p.shape, CONFIG["seed"], CONFIG["n_layer"])), name
-    # GPT-2's stds: c_proj scaled by 1/sqrt(2 n_layer); the router and c_fc 0.02; experts differ from each other
+    # GPT-2's stds: c_proj scaled by 1/sqrt(2 n_layer); the
+    # router and c_fc 0.02; experts differ from each other
     fc, proj = (
         names["transformer.h.0.mlp.experts.1.c_fc.weight"],
         names["transformer.h.0.mlp.experts.1.c_proj.weight"],

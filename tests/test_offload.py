@@ -1,7 +1,8 @@
-"""--offload-optimizer (step 7, step7_zero3/offload.py): AdamW's state and step on the host. On a CPU the run is
-bitwise the run without it, and bitwise FSDP2 with ``CPUOffloadPolicy`` (compare/fsdp2_reference.py); the state
-lives on the host, counted apart in each record; checkpoints do not say where the state lived, so a run resumes
-another's with or without offload, bit for bit. The outsider's use: tests/drop_in_harness.py's ``offload`` case."""
+"""--offload-optimizer (step 7, step7_zero3/offload.py): AdamW's state and step on the host. On a
+CPU the run is bitwise the run without it, and bitwise FSDP2 with ``CPUOffloadPolicy``
+(compare/fsdp2_reference.py); the state lives on the host, counted apart in each record; checkpoints
+do not say where the state lived, so a run resumes another's with or without offload, bit for bit.
+The outsider's use: tests/drop_in_harness.py's ``offload`` case."""
 
 import pytest
 
@@ -40,9 +41,9 @@ def test_offloaded_step7_trains_bitwise_like_fsdp2_cpu_offload(offloaded, tmp_pa
 
 
 def test_the_host_holds_the_masters_and_the_moments(offloaded, tour):
-    """Each record's ``host``: the float32 copies of the rank's pieces (as many bytes as the pieces) and AdamW's
-    state (its two moments, 8 bytes per element, and a step counter per piece); the device's parameters,
-    gradients and state bytes are those of the run without offload."""
+    """Each record's ``host``: the float32 copies of the rank's pieces (as many bytes as the pieces)
+    and AdamW's state (its two moments, 8 bytes per element, and a step counter per piece); the
+    device's parameters, gradients and state bytes are those of the run without offload."""
     plain = metrics(tour[0] / STEPS["step7"])["records"]
     for record, reference in zip(metrics(offloaded)["records"], plain):
         for memory, same in zip(record["memory"], reference["memory"]):
@@ -64,9 +65,9 @@ def test_the_memory_tool_checks_the_host_bytes_against_12_psi_over_n(offloaded):
 
 
 def test_the_planner_predicts_the_host_and_device_bytes(offloaded):
-    """compare/plan.py --offload-optimizer's closed form for the run's layout (ZeRO-3, dp 2): the host's 12Ψ/N
-    and the device's state without AdamW's, within 0.1% of each rank's record (the steps' per-unit padding and
-    AdamW's step counters are all that differ)."""
+    """compare/plan.py --offload-optimizer's closed form for the run's layout (ZeRO-3, dp 2): the
+    host's 12Ψ/N and the device's state without AdamW's, within 0.1% of each rank's record (the
+    steps' per-unit padding and AdamW's step counters are all that differ)."""
     import plan  # compare/, on the path through conftest
 
     config = metrics(offloaded)["config"]
@@ -96,8 +97,9 @@ def test_the_planner_predicts_the_host_and_device_bytes(offloaded):
 def test_a_checkpoint_resumes_with_or_without_offload_bitwise(
     with_offload, offloaded, tour, tmp_path, small_corpus
 ):
-    """The tour's step-2 checkpoint (no offload) resumed offloaded, and the offloaded one resumed without: both
-    end bitwise equal to the uninterrupted run (the host copies are refreshed from the loaded pieces)."""
+    """The tour's step-2 checkpoint (no offload) resumed offloaded, and the offloaded one resumed
+    without: both end bitwise equal to the uninterrupted run (the host copies are refreshed from the
+    loaded pieces)."""
     source = (tour[0] / STEPS["step7"]) if with_offload else offloaded
     out = train(
         "step7",

@@ -1,8 +1,9 @@
-"""compare/peak_memory.py: step 7's memory during a step, from the profiler's records, accounted for byte by byte.
+"""compare/peak_memory.py: step 7's memory during a step,
+from the profiler's records, accounted for byte by byte.
 
-One run of the tool at world size 2 on a small model, with and without activation checkpointing (in the
-same two processes): the state it measures is compare/estimate.py's 16Ψ/N layout to the byte, and the
-peak (at the start of the last micro-batch's backward) is the sum docs/zero3.md explains."""
+One run of the tool at world size 2 on a small model, with and without activation checkpointing (in
+the same two processes): the state it measures is compare/estimate.py's 16Ψ/N layout to the byte,
+and the peak (at the start of the last micro-batch's backward) is the sum docs/zero3.md explains."""
 
 import json
 import sys
@@ -49,12 +50,12 @@ def measured(tmp_path_factory):
 
 
 def test_state_is_the_zero3_layout_to_the_byte_and_the_peak_is_accounted_for(measured):
-    """Live through every step: 16Ψ/N as laid out (to the byte, but for a scalar or so that a gloo thread
-    freed, which the records miss: the clipping norm's 8 bytes, now and then). At the peak, besides that
-    state: the root unit (gathered from forward to the end of backward), what the forward kept for backward,
-    the full gradients the first micro-batch accumulated (4Ψ, unsharded: no_sync), and the loss's gradients
-    with respect to the log-probabilities and to the logits (2 x B x T x V float32). Within 1%; measured: to
-    a few kB."""
+    """Live through every step: 16Ψ/N as laid out (to the byte, but for a scalar or so that a gloo
+    thread freed, which the records miss: the clipping norm's 8 bytes, now and then). At the peak,
+    besides that state: the root unit (gathered from forward to the end of backward), what the
+    forward kept for backward, the full gradients the first micro-batch accumulated (4Ψ, unsharded:
+    no_sync), and the loss's gradients with respect to the log-probabilities and to the logits (2 x
+    B x T x V float32). Within 1%; measured: to a few kB."""
     result, _ = measured
     config, vocab = result["config"], result["vocab_size"]
     model = estimate.Model(config, vocab)
@@ -65,9 +66,10 @@ def test_state_is_the_zero3_layout_to_the_byte_and_the_peak_is_accounted_for(mea
     rows = result["rows"]
     modes = sorted((r["activation_checkpointing"], r["rank"]) for r in rows)
     assert modes == [(False, 0), (False, 1), (True, 0), (True, 1)]
-    # The profiler records the frees of its own thread only: a buffer that one of gloo's threads frees last
-    # (seen: a gathered unit, 0.76 MiB, once in about ten runs under load) stays "live" in the replay until
-    # its address is reused. So the replay may count up to one unit too many, never fewer bytes.
+    # The profiler records the frees of its own thread only: a buffer that one of gloo's threads
+    # frees last (seen: a gathered unit, 0.76 MiB, once in about ten runs under load) stays "live"
+    # in the replay until its address is reused. So the replay may count up to one unit too many,
+    # never fewer bytes.
     unseen_free = 4 * max(padded)
     for r in rows:
         assert all(
@@ -100,10 +102,10 @@ def test_the_report_names_the_peak(measured):
 
 
 def test_the_replay_sets_a_collectives_copy_freed_unseen_apart_from_the_state(monkeypatch):
-    """The replay, on events written by hand: a parameter shard allocated before the step; gloo's reduce-scatter
-    clone of the last step, whose free came on gloo's worker thread (no record: the profiler records its own
-    thread); a temporary of the step. State: the shard only; the clone is reported apart; the peak counts it
-    (the replay cannot know when it went)."""
+    """The replay, on events written by hand: a parameter shard allocated before the step; gloo's
+    reduce-scatter clone of the last step, whose free came on gloo's worker thread (no record: the
+    profiler records its own thread); a temporary of the step. State: the shard only; the clone is
+    reported apart; the peak counts it (the replay cannot know when it went)."""
     # peak_memory.py puts step 7's folder first: not for others
     monkeypatch.setattr(sys, "path", list(sys.path))
     import peak_memory

@@ -1,7 +1,7 @@
-"""compare/bench.py's step-9 rows on a tiny model: ours and torch.distributed.pipelining's hold the same bytes per
-stage and send the same activations and gradients (counted for ours, the formula for theirs); only the tied
-embedding's traffic differs, by the price of adding its halves in one process's order. One timed round of one
-step: this checks the harness, not the speed."""
+"""compare/bench.py's step-9 rows on a tiny model: ours and torch.distributed.pipelining's hold the
+same bytes per stage and send the same activations and gradients (counted for ours, the formula for
+theirs); only the tied embedding's traffic differs, by the price of adding its halves in one
+process's order. One timed round of one step: this checks the harness, not the speed."""
 
 import json
 
@@ -53,8 +53,8 @@ def test_pipeline_rows_hold_and_send_what_pytorchs_pipelining_does(tmp_path):
                 assert counted.get(kind, 0) == formula[kind]
         assert [c["p2p activations"] for c in theirs["comm"]] == [activation, 0]
         assert [c["p2p activation gradients"] for c in theirs["comm"]] == [0, activation]
-        # Ours: the last stage sends each micro-batch's half, the first sends the sum back once; theirs: one
-        # accumulated half each way.
+        # Ours: the last stage sends each micro-batch's half, the first sends the sum back once;
+        # theirs: one accumulated half each way.
         assert [c["p2p tied-parameter gradient"] for c in ours["comm"]] == [
             tie,
             micro_batches * tie,

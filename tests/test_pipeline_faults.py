@@ -1,6 +1,7 @@
-"""Step 9, a stage that dies or freezes: the job ends within --timeout-s with the one line per surviving rank and
-exit code 3 of every failed collective (docs/fault_tolerance.md), never a hang, and the point-to-point waits
-obey the process group's timeout. Real torchrun launches with real signals, and spawned stages for the waits."""
+"""Step 9, a stage that dies or freezes: the job ends within --timeout-s with the one line per
+surviving rank and exit code 3 of every failed collective (docs/fault_tolerance.md), never a hang,
+and the point-to-point waits obey the process group's timeout. Real torchrun launches with real
+signals, and spawned stages for the waits."""
 
 import os
 import re
@@ -31,13 +32,13 @@ TIMEOUT_S = 3  # --timeout-s of the torchrun runs
 P2P_TIMEOUT_S = 2  # the spawned stages' process-group timeout
 
 
-# ---- the point-to-point waits themselves ---------------------------------------------------------------------------
+# ---- the point-to-point waits themselves ---------------------------------------------------------
 
 
 def waiting_stage(rank, world_size, port, queue, waiter):
-    """Stage ``waiter`` of a two-stage toy pipeline runs a step; the other stage never does (as if frozen) and
-    stays alive until the roll call is over. The waiter reports how long its receive waited, gloo's error and
-    the line the trainers would print for it."""
+    """Stage ``waiter`` of a two-stage toy pipeline runs a step; the other stage never does (as if
+    frozen) and stays alive until the roll call is over. The waiter reports how long its receive
+    waited, gloo's error and the line the trainers would print for it."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -46,7 +47,8 @@ def waiting_stage(rank, world_size, port, queue, waiter):
     from collective_failures import explain_collective_failure
     from pipeline import Pipeline
 
-    # The meeting point waits long (a loaded machine starts processes slowly); the group's operations, P2P_TIMEOUT_S.
+    # The meeting point waits long (a loaded machine starts
+    # processes slowly); the group's operations, P2P_TIMEOUT_S.
     store = dist.TCPStore(
         "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=60)
     )
@@ -89,9 +91,9 @@ def waiting_stage(rank, world_size, port, queue, waiter):
 
 @pytest.mark.parametrize("waiter", [0, 1])
 def test_a_point_to_point_wait_obeys_the_process_group_timeout(waiter):
-    """Stage 0 waits in the receive of its output's gradient, stage 1 in the receive of its input, for a peer that
-    never sends: gloo raises after the process group's timeout, and the trainers' explainer turns that into the
-    line every failed collective gets, naming the silent stage."""
+    """Stage 0 waits in the receive of its output's gradient, stage 1 in the receive of its input,
+    for a peer that never sends: gloo raises after the process group's timeout, and the trainers'
+    explainer turns that into the line every failed collective gets, naming the silent stage."""
     from conftest import spawn
 
     results = spawn(waiting_stage, 2, waiter, timeout=300)  # importing torch: slow when loaded
@@ -102,21 +104,23 @@ def test_a_point_to_point_wait_obeys_the_process_group_timeout(waiter):
     assert P2P_TIMEOUT_S <= waited <= P2P_TIMEOUT_S + SLACK_S, waited
     assert code == COLLECTIVE_FAILED
     assert line == (
-        f"rank {waiter} waited {P2P_TIMEOUT_S} s in a collective; rank(s) {1 - waiter} did not answer a "
+        f"rank {waiter} waited {P2P_TIMEOUT_S} s in a collective; rank(s) {1 - waiter} "
+        "did not answer a "
         f"roll call within {ROLL_CALL_S:g} s either: dead, frozen, or slower than --timeout-s; "
         "see docs/fault_tolerance.md"
     ), line
 
 
-# ---- a whole job: three stages, the middle one killed or frozen ------------------------------------------------
+# ---- a whole job: three stages, the middle one killed or frozen ----------------------------------
 
 # 2 chunks per stage
 INTERLEAVED = ["--n-layer", "6", "--grad-accum", "3", "--schedule", "interleaved-1f1b"]
 
 
 def start_three_stages(tmp_path, small_corpus, *extra: str) -> tuple[subprocess.Popen, Lines, dict]:
-    """Step 9 on 3 stages (a 3-block TINY model, or ``extra``'s), training until stopped; returns once two optimiser
-    steps are done (every message and collective of a step has run), with torchrun's workers by rank."""
+    """Step 9 on 3 stages (a 3-block TINY model, or ``extra``'s), training until stopped; returns
+    once two optimiser steps are done (every message and collective of a step has run), with
+    torchrun's workers by rank."""
     args = [
         *TINY,
         "--steps",
@@ -171,9 +175,10 @@ def assert_no_traceback(lines: list[str]) -> None:
 
 
 def test_a_killed_stage_ends_the_job_at_once(tmp_path, small_corpus):
-    """SIGKILL the middle stage of three: its neighbours' sockets close, their receives fail at once, each prints
-    the line of a lost connection (naming rank 1, which did not answer the roll call) and exits 3, or is
-    stopped by torchrun before it can (-15: torchrun stops every worker 0.1 s after the first one ends)."""
+    """SIGKILL the middle stage of three: its neighbours' sockets close, their receives fail at
+    once, each prints the line of a lost connection (naming rank 1, which did not answer the roll
+    call) and exits 3, or is stopped by torchrun before it can (-15: torchrun stops every worker 0.1
+    s after the first one ends)."""
     proc, output, ranks = start_three_stages(tmp_path, small_corpus)
     try:
         os.kill(ranks[1], signal.SIGKILL)
@@ -202,7 +207,8 @@ def test_a_killed_stage_ends_the_job_at_once(tmp_path, small_corpus):
     for error in errors:
         match = re.fullmatch(
             r"error: rank [02] lost its connection to a peer in a collective \(gloo: Connection "
-            r"(?:reset|closed) by peer\); rank\(s\) ([\d, ]+) had not answered a roll call when the "
+            r"(?:reset|closed) by peer\); rank\(s\) ([\d, ]+) had not answered a roll "
+            r"call when the "
             r"launcher stopped this rank \d+\.\d s later \(another rank failed first: torchrun's "
             r"report says how\); see docs/fault_tolerance.md",
             error,
@@ -217,11 +223,12 @@ def test_a_killed_stage_ends_the_job_at_once(tmp_path, small_corpus):
     ids=["1f1b", "interleaved", "zero-bubble"],
 )
 def test_a_frozen_stage_ends_the_job_within_the_timeout(tmp_path, small_corpus, extra):
-    """SIGSTOP the middle stage of three: both neighbours wait --timeout-s in a point-to-point receive, take a roll
-    call that rank 1 cannot answer, print one line each and exit 3. torchrun then stops rank 1 (continued here,
-    as a rank that hangs without being stopped acts on torchrun's SIGTERM at once: tests/test_dead_rank.py).
-    Zero bubble, the same. Interleaved (6 blocks in 2 chunks per stage), the same, but rank 2 also feeds rank 0 (the
-    ring wraps): the survivor still waiting may see the other leave first, and says so (rank 1 named in both)."""
+    """SIGSTOP the middle stage of three: both neighbours wait --timeout-s in a point-to-point
+    receive, take a roll call that rank 1 cannot answer, print one line each and exit 3. torchrun
+    then stops rank 1 (continued here, as a rank that hangs without being stopped acts on torchrun's
+    SIGTERM at once: tests/test_dead_rank.py). Zero bubble, the same. Interleaved (6 blocks in 2
+    chunks per stage), the same, but rank 2 also feeds rank 0 (the ring wraps): the survivor still
+    waiting may see the other leave first, and says so (rank 1 named in both)."""
     proc, output, ranks = start_three_stages(tmp_path, small_corpus, *extra)
     try:
         os.kill(ranks[1], signal.SIGSTOP)
@@ -236,8 +243,9 @@ def test_a_frozen_stage_ends_the_job_within_the_timeout(tmp_path, small_corpus, 
     lines = output.rest()
     codes = exit_codes(lines, ranks)
     errors = sorted(line for line in lines if line.startswith("error:"))
-    # The frozen rank says nothing: it is continued only once torchrun's SIGTERM is pending on it, which ends it
-    # before it runs again (continued earlier, it once found its peers gone and said so: test_dead_rank.py).
+    # The frozen rank says nothing: it is continued only once torchrun's SIGTERM is pending on it,
+    # which ends it before it runs again (continued earlier, it once found its peers gone and said
+    # so: test_dead_rank.py).
     assert not [line for line in lines if line.startswith("error: rank 1 ")], lines
 
     bound = TIMEOUT_S + ROLL_CALL_S + SLACK_S
@@ -246,7 +254,8 @@ def test_a_frozen_stage_ends_the_job_within_the_timeout(tmp_path, small_corpus, 
     )
     assert ended_at - frozen_at <= bound, f"job ended {ended_at - frozen_at:.1f} s after SIGSTOP"
     waited = [
-        f"error: rank {r} waited {TIMEOUT_S} s in a collective; rank(s) 1 did not answer a roll call "
+        f"error: rank {r} waited {TIMEOUT_S} s in a collective; rank(s) 1 did not "
+        "answer a roll call "
         f"within {ROLL_CALL_S:g} s either: dead, frozen, or slower than --timeout-s; "
         "see docs/fault_tolerance.md"
         for r in (0, 2)
@@ -255,7 +264,10 @@ def test_a_frozen_stage_ends_the_job_within_the_timeout(tmp_path, small_corpus, 
         assert errors == waited, errors
     # the ring wraps (rank 2 feeds rank 0): a survivor may also see the other survivor leave first
     else:
-        lost = r"lost its connection to a peer in a collective \(gloo: Connection (?:closed|reset) by peer\)"
+        lost = (
+            r"lost its connection to a peer in a collective \(gloo: Connection "
+            r"(?:closed|reset) by peer\)"
+        )
         assert len(errors) == 2 and all(
             e == w
             or re.fullmatch(

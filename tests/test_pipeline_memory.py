@@ -1,6 +1,7 @@
-"""Step 9's activation memory in flight, in bytes: compare/pipeline_memory.py's count of what autograd holds for
-backward, on a toy two-stage pipeline whose saved tensors have a closed form, for both schedules and several M:
-the peak is (micro-batches held) x (one micro-batch's bytes), GPipe holding M and 1F1B min(P - s, M)."""
+"""Step 9's activation memory in flight, in bytes: compare/pipeline_memory.py's count of what
+autograd holds for backward, on a toy two-stage pipeline whose saved tensors have a closed form, for
+both schedules and several M: the peak is (micro-batches held) x (one micro-batch's bytes), GPipe
+holding M and 1F1B min(P - s, M)."""
 
 import sys
 
@@ -12,8 +13,8 @@ B, H = 3, 16  # rows of a micro-batch, width
 FLOAT = 4
 # Saved for backward per micro-batch, parameters left out, each storage once:
 # stage 0: Linear keeps its input (B x H), tanh its output (B x H);
-# stage 1: Linear keeps its input (the received activation), tanh its output (which mse_loss keeps too: the same
-# storage), mse_loss the target (B x H).
+# stage 1: Linear keeps its input (the received activation), tanh its output (which mse_loss keeps
+# too: the same storage), mse_loss the target (B x H).
 ONE_MICRO_BATCH = {0: 2 * B * H * FLOAT, 1: 3 * B * H * FLOAT}
 CASES = [(schedule, m) for schedule in ("gpipe", "1f1b") for m in (1, 2, 4)]
 
@@ -65,8 +66,8 @@ def test_activation_bytes_in_flight_are_the_closed_form():
 
 
 def test_the_counter_follows_one_process_saving_and_freeing():
-    """Outside any pipeline: a storage saved twice counts once, parameters not at all, and the bytes leave when
-    backward is done with them."""
+    """Outside any pipeline: a storage saved twice counts once, parameters not at all, and the bytes
+    leave when backward is done with them."""
     from pipeline_memory import SavedBytesInFlight
 
     layer = torch.nn.Linear(H, H)

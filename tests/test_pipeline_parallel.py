@@ -1,9 +1,9 @@
-"""Step 9, pipeline parallelism: bitwise equal to step 0 with the same micro-batches (both schedules, 2 and 4
-stages, dropout and bf16 on), to torch.distributed.pipelining on the same stages, and to one process in an
-outsider's own harness (on the CPU, staged through host memory, and on one GPU shared over gloo); the stages
-compute the model's forward bit for bit; checkpoints that resume at another number of stages and that step 1
-reads; the bytes each stage sends and the micro-batches it holds, against their formulas; a stage that hangs
-ends the job."""
+"""Step 9, pipeline parallelism: bitwise equal to step 0 with the same micro-batches (both
+schedules, 2 and 4 stages, dropout and bf16 on), to torch.distributed.pipelining on the same stages,
+and to one process in an outsider's own harness (on the CPU, staged through host memory, and on one
+GPU shared over gloo); the stages compute the model's forward bit for bit; checkpoints that resume
+at another number of stages and that step 1 reads; the bytes each stage sends and the micro-batches
+it holds, against their formulas; a stage that hangs ends the job."""
 
 import importlib.util
 import os
@@ -28,9 +28,10 @@ from conftest import (
 )
 from slow_rank_hook import HOOK
 
-# The runs are shared (conftest's ``pipeline_runs``, on TINY + PIPELINE: 4 blocks, 4 micro-batches per step, dropout,
-# bf16, clipping, checkpoints at steps 2 and 4): step 0, and step 9 on 2 stages with each schedule (the 1F1B one is
-# also step 9's original in tests/test_foundation.py's resume test).
+# The runs are shared (conftest's ``pipeline_runs``, on TINY + PIPELINE: 4 blocks, 4 micro-batches
+# per step, dropout, bf16, clipping, checkpoints at steps 2 and 4): step 0, and step 9 on 2 stages
+# with each schedule (the 1F1B one is also step 9's original in tests/test_foundation.py's resume
+# test).
 FLAGS = (*TINY, *PIPELINE)
 # TINY's micro-batch, sequence and width; data/tokenizer.json's vocabulary
 B, S, E, VOCAB = 2, 32, 32, 2048
@@ -38,8 +39,9 @@ B, S, E, VOCAB = 2, 32, 32, 2048
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_two_stages_train_bitwise_like_step0(pipeline_runs, schedule):
-    """Every weight and every logged number (loss, grad norm, param norm) the same bits as step 0 accumulating
-    the same 4 micro-batches: the stages run step 0's ops, add gradients in its order, draw its dropout masks."""
+    """Every weight and every logged number (loss, grad norm, param norm) the same bits as step 0
+    accumulating the same 4 micro-batches: the stages run step 0's ops, add gradients in its order,
+    draw its dropout masks."""
     assert_bitwise_same_run(
         pipeline_runs("step0"), pipeline_runs("step9", 2, "--schedule", schedule)
     )
@@ -48,10 +50,11 @@ def test_two_stages_train_bitwise_like_step0(pipeline_runs, schedule):
 def test_resume_at_four_stages_is_bitwise_and_step1_reads_the_checkpoint(
     pipeline_runs, tmp_path, small_corpus
 ):
-    """A 2-stage checkpoint resumed by 4 stages (GPipe, 2 flushes of 2 micro-batches: the boundaries move,
-    the state is found by name) finishes bitwise like step 0; step 1 (PyTorch DDP, 2 ranks x 2 micro-batches)
-    reads the same checkpoint and goes on from it. (Not bitwise: DDP's two ranks draw other dropout masks than
-    one process, and sum in another order; its first loss after the resume is within dropout's noise.)"""
+    """A 2-stage checkpoint resumed by 4 stages (GPipe, 2 flushes of 2 micro-batches: the boundaries
+    move, the state is found by name) finishes bitwise like step 0; step 1 (PyTorch DDP, 2 ranks x 2
+    micro-batches) reads the same checkpoint and goes on from it. (Not bitwise: DDP's two ranks draw
+    other dropout masks than one process, and sum in another order; its first loss after the resume
+    is within dropout's noise.)"""
     two = pipeline_runs("step9", 2, "--schedule", "1f1b")
     checkpoint = two / "checkpoints" / "step_2"
     four = train(
@@ -87,11 +90,12 @@ def test_resume_at_four_stages_is_bitwise_and_step1_reads_the_checkpoint(
 
 
 def test_bytes_sent_and_micro_batches_held_match_the_formulas(pipeline_runs):
-    """Per micro-batch each way: batch x sequence x hidden x 4 bytes; the tie: the last stage's half of the
-    embedding's gradient per micro-batch, the first stage's combined gradient once per step. GPipe holds all M
-    micro-batches' activations on every stage, 1F1B at most P - s on stage s. Stage 0 holds the embeddings and
-    its blocks; the last stage its blocks, the final norm and its copy of the tied embedding. Both stages add
-    the two norms' all-reduces: the gradient's float64 sum of squares, the parameters' exact parts."""
+    """Per micro-batch each way: batch x sequence x hidden x 4 bytes; the tie: the last stage's half
+    of the embedding's gradient per micro-batch, the first stage's combined gradient once per step.
+    GPipe holds all M micro-batches' activations on every stage, 1F1B at most P - s on stage s.
+    Stage 0 holds the embeddings and its blocks; the last stage its blocks, the final norm and its
+    copy of the tied embedding. Both stages add the two norms' all-reduces: the gradient's float64
+    sum of squares, the parameters' exact parts."""
     activation, tie, M, norms = B * S * E * 4, VOCAB * E * 4, 4, 8 + 3 * 277 * 8
     for schedule, held in [("1f1b", [2, 1]), ("gpipe", [M, M])]:
         records = metrics(pipeline_runs("step9", 2, "--schedule", schedule))["records"]
@@ -121,9 +125,10 @@ def test_bytes_sent_and_micro_batches_held_match_the_formulas(pipeline_runs):
 
 
 def test_equal_to_torch_distributed_pipelining_on_the_same_stages():
-    """compare/pipeline_reference.py: PyTorch's PipelineStage with ScheduleGPipe and Schedule1F1B (scale_grads=False,
-    loss / M) against ours, 2 stages, 3 micro-batches: every gradient and weight torch.equal; and the two traps
-    it avoids cost something (their default scale_grads=True, and adding the tie's accumulated halves)."""
+    """compare/pipeline_reference.py: PyTorch's PipelineStage with ScheduleGPipe and Schedule1F1B
+    (scale_grads=False, loss / M) against ours, 2 stages, 3 micro-batches: every gradient and weight
+    torch.equal; and the two traps it avoids cost something (their default scale_grads=True, and
+    adding the tie's accumulated halves)."""
     result = run_forked(
         [sys.executable, str(REPO / "compare" / "pipeline_reference.py"), "--steps", "1"]
     )
@@ -136,8 +141,9 @@ def test_equal_to_torch_distributed_pipelining_on_the_same_stages():
 
 
 def step9_module(name: str):
-    """Step 9's ``name``.py, imported under a name of its own (other steps have modules of the same names); the
-    modules it imports that only step 9 has (pipeline.py's dropout_replay.py, ...) are found in step 9's folder."""
+    """Step 9's ``name``.py, imported under a name of its own (other steps have modules of the same
+    names); the modules it imports that only step 9 has (pipeline.py's dropout_replay.py, ...) are
+    found in step 9's folder."""
     spec = importlib.util.spec_from_file_location(
         f"step9_{name}", REPO / STEPS["step9"] / f"{name}.py"
     )
@@ -151,14 +157,14 @@ def step9_module(name: str):
     return module
 
 
-# ---- the stages: a slice of the model's blocks, the model's forward ----------------------------------------------
+# ---- the stages: a slice of the model's blocks, the model's forward ------------------------------
 
 
 @pytest.mark.parametrize("n_layer, num_stages", [(4, 1), (4, 2), (3, 2), (4, 4)])
 def test_stages_in_turn_compute_the_models_forward_bitwise(n_layer, num_stages):
-    """The stages one after the other give the logits of ``model(ids)`` bit for bit, dropout on (the same draws
-    in the same order), under the model's parameter names: each block once, the tie held by the first stage
-    and copied by the last."""
+    """The stages one after the other give the logits of ``model(ids)`` bit for bit, dropout on (the
+    same draws in the same order), under the model's parameter names: each block once, the tie held
+    by the first stage and copied by the last."""
     stages_py, model_py = step9_module("pipeline_stages"), step9_module("model")
     config = dict(seq_len=S, n_layer=n_layer, n_head=2, n_embd=E, dropout=0.1, attention="math")
     model = model_py.build_model(config, VOCAB, seed=0)
@@ -179,7 +185,7 @@ def test_stages_in_turn_compute_the_models_forward_bitwise(n_layer, num_stages):
         assert stages[-1].tied_parameter is not model.transformer.wte.weight
 
 
-# ---- gloo moves CPU tensors only: a GPU's messages go through host memory ----------------------------------------
+# ---- gloo moves CPU tensors only: a GPU's messages go through host memory ------------------------
 
 
 def test_only_gloo_off_the_cpu_stages_through_host_memory():
@@ -189,14 +195,15 @@ def test_only_gloo_off_the_cpu_stages_through_host_memory():
     assert not host_staged("nccl", torch.device("cuda", 1))
 
 
-# ---- an outsider's harness: their model, their loop, our Pipeline ------------------------------------------------
+# ---- an outsider's harness: their model, their loop, our Pipeline --------------------------------
 
 
 def outsider_worker(rank, world_size, port, queue, where="cpu"):
-    """Process group first, our module imported after; a two-stage toy model whose first and last layer share a
-    weight; a plain loop; the gradients compared with one process accumulating the same micro-batches.
-    ``where``: "cpu"; "cpu staged" (every message through the host-memory path, a no-op copy on the CPU); "cuda"
-    (both ranks on one GPU, over gloo: staged for real)."""
+    """Process group first, our module imported after; a two-stage toy model whose first and last
+    layer share a weight; a plain loop; the gradients compared with one process accumulating the
+    same micro-batches.
+    ``where``: "cpu"; "cpu staged" (every message through the host-memory path, a no-op copy on the
+    CPU); "cuda" (both ranks on one GPU, over gloo: staged for real)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -304,13 +311,14 @@ def test_an_outsider_pipeline_equals_one_process_accumulating(where):
     }
 
 
-# ---- a stage that hangs --------------------------------------------------------------------------------------------
+# ---- a stage that hangs --------------------------------------------------------------------------
 
 
 def test_a_hung_stage_ends_the_job_within_the_timeout(tmp_path, small_corpus):
-    """Stage 1 computes 20 s longer per micro-batch (slow_rank_hook.py): stage 0 waits for its gradient in a receive,
-    gives up after --timeout-s 3 with the one line of every failed collective, and torchrun stops the job: long
-    before the 320 s the slow stage would take, and never a hang."""
+    """Stage 1 computes 20 s longer per micro-batch (slow_rank_hook.py): stage 0 waits for its
+    gradient in a receive, gives up after --timeout-s 3 with the one line of every failed
+    collective, and torchrun stops the job: long before the 320 s the slow stage would take, and
+    never a hang."""
     started = time.monotonic()
     args = [*TINY, "--data", str(small_corpus), "--out", str(tmp_path / "run"), "--timeout-s", "3"]
     result = subprocess.run(

@@ -1,9 +1,10 @@
-"""Step 9's schedules beyond 1F1B: interleaved 1F1B (``--schedule interleaved-1f1b --virtual-stages V``) and zero
-bubble (``--schedule zero-bubble``, ZB-H1). Each bitwise equal to step 0 accumulating the same micro-batches at P = 2
-and 4 (dropout, bf16 and clipping on: each chunk's backwards, or W's, add in micro-batch order; each chunk draws its
-masks where one process does) and to PyTorch's ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``;
-their action lists run to the end with blocking receives and sends that never block (a simulation of every rank at
-once), with the bubble of their formulas; step 10's pp axis takes them; their mistakes stop in one line."""
+"""Step 9's schedules beyond 1F1B: interleaved 1F1B (``--schedule interleaved-1f1b --virtual-stages
+V``) and zero bubble (``--schedule zero-bubble``, ZB-H1). Each bitwise equal to step 0 accumulating
+the same micro-batches at P = 2 and 4 (dropout, bf16 and clipping on: each chunk's backwards, or
+W's, add in micro-batch order; each chunk draws its masks where one process does) and to PyTorch's
+``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``; their action lists run to the end
+with blocking receives and sends that never block (a simulation of every rank at once), with the
+bubble of their formulas; step 10's pp axis takes them; their mistakes stop in one line."""
 
 import json
 import re
@@ -28,12 +29,13 @@ STEP9 = REPO / "step9_pipeline_parallel"
 def simulate(
     schedule: str, stages: int, micro_batches: int, chunks: int = 1, backward_cost: int = 2
 ) -> dict:
-    """Every rank runs its ``schedule_actions`` in order, one time unit a forward, ``backward_cost`` a backward (half
-    of it B, half W, where split), an action starting when its inputs have arrived (the previous stage's forward,
-    the next stage's B; W after its own B; the first stage's tie after the last stage's: a receive blocks, a send
-    does not). Returns each rank's idle fraction, the step's length, the most micro-batches (or chunk micro-batches)
-    held at once and the most W's waiting; raises AssertionError if the ranks deadlock (some rank waits for what
-    no rank will ever send)."""
+    """Every rank runs its ``schedule_actions`` in order, one time unit a forward, ``backward_cost``
+    a backward (half of it B, half W, where split), an action starting when its inputs have arrived
+    (the previous stage's forward, the next stage's B; W after its own B; the first stage's tie
+    after the last stage's: a receive blocks, a send does not). Returns each rank's idle fraction,
+    the step's length, the most micro-batches (or chunk micro-batches) held at once and the most W's
+    waiting; raises AssertionError if the ranks deadlock (some rank waits for what no rank will ever
+    send)."""
     import sys
 
     sys.path.insert(0, str(STEP9))
@@ -70,7 +72,8 @@ def simulate(
             if k == 0 and P > 1 and kind == "B":
                 # the tie: the last stage's half of this micro-batch's gradient
                 needs.append((kind, K - 1, i))
-            # (zero-bubble: the first stage adds the tie's halves after its last W, when the last stage's are in)
+            # (zero-bubble: the first stage adds the tie's halves
+            # after its last W, when the last stage's are in)
             if any(need not in done for need in needs):
                 continue  # this rank's receive waits
             start = max([clock[r]] + [done[need] for need in needs])
@@ -104,11 +107,11 @@ def simulate(
     "P,V,M", [(2, 2, 2), (2, 2, 4), (2, 3, 6), (4, 2, 4), (4, 2, 8), (4, 4, 8), (3, 2, 9)]
 )
 def test_interleaved_actions_run_without_deadlock_and_with_the_formulas_bubble(P, V, M):
-    """With unit forwards and backwards twice as long, the step of the interleaved schedule is the work plus the
-    formula's bubble: idle fraction (P - 1) / (V M + P - 1) on every rank; 1F1B's the same at V = 1. Held at once
-    on rank r: Megatron-LM's warm-up plus one, (V - 1) P + 2 (P - r - 1) + 1 chunk micro-batches (at most M V), each
-    1/V of a stage's activations; 1F1B's min(P - r, M). A warm-up one forward short deadlocks, one too long holds
-    one more (both checked by hand)."""
+    """With unit forwards and backwards twice as long, the step of the interleaved schedule is the
+    work plus the formula's bubble: idle fraction (P - 1) / (V M + P - 1) on every rank; 1F1B's the
+    same at V = 1. Held at once on rank r: Megatron-LM's warm-up plus one, (V - 1) P + 2 (P - r - 1)
+    + 1 chunk micro-batches (at most M V), each 1/V of a stage's activations; 1F1B's min(P - r, M).
+    A warm-up one forward short deadlocks, one too long holds one more (both checked by hand)."""
     bubble = simulate("interleaved-1f1b", P, M, V)
     assert bubble["idle"][0] == pytest.approx((P - 1) / (V * M + P - 1)), bubble
     assert bubble["held"] == [min((V - 1) * P + 2 * (P - r - 1) + 1, M * V) for r in range(P)], (
@@ -122,10 +125,12 @@ def test_interleaved_actions_run_without_deadlock_and_with_the_formulas_bubble(P
 @pytest.mark.quick
 @pytest.mark.parametrize("P,M", [(2, 1), (2, 4), (3, 6), (4, 2), (4, 4), (4, 8)])
 def test_zero_bubble_runs_without_deadlock_and_with_the_formulas_bubble(P, M):
-    """ZB-H1 with forward, B and W a unit each: the step is the work plus (P - 1) units, idle (P - 1) / (3 M + P - 1)
-    (1F1B's with the same costs: 3 (P - 1) units), once M >= P (fewer, and the warm-up is the whole batch); each
-    stage holds min(P, M) micro-batches' activations (1F1B's P - s, plus the s W's it defers) and at most
-    min(s + 1, M) W's. The tie's dependency (the first stage's W after the last stage's) deadlocks nothing."""
+    """ZB-H1 with forward, B and W a unit each: the step is the work plus (P - 1) units, idle (P -
+    1) / (3 M + P - 1) (1F1B's with the same costs: 3 (P - 1) units), once M >= P (fewer, and the
+       warm-up is the whole batch); each
+    stage holds min(P, M) micro-batches' activations (1F1B's P - s, plus the s W's it defers) and at
+    most min(s + 1, M) W's. The tie's dependency (the first stage's W after the last stage's)
+    deadlocks nothing."""
     bubble = simulate("zero-bubble", P, M)
     assert bubble["held"] == [min(P, M)] * P and bubble["W"] == [min(s + 1, M) for s in range(P)], (
         bubble
@@ -137,8 +142,9 @@ def test_zero_bubble_runs_without_deadlock_and_with_the_formulas_bubble(P, M):
 
 @pytest.mark.quick
 def test_interleaved_rounds_and_warmup_are_megatrons():
-    """Rank 0 of 2, 2 chunks, 4 micro-batches: micro-batches 0, 1 through chunk 0, then through chunk 1, warm-up
-    (V - 1) P + 2 (P - 1) = 4 forwards; then one forward, one backward, the backwards through the last chunk first."""
+    """Rank 0 of 2, 2 chunks, 4 micro-batches: micro-batches 0, 1 through chunk 0, then through
+    chunk 1, warm-up (V - 1) P + 2 (P - 1) = 4 forwards; then one forward, one backward, the
+    backwards through the last chunk first."""
     import sys
 
     sys.path.insert(0, str(STEP9))
@@ -165,10 +171,10 @@ def test_interleaved_rounds_and_warmup_are_megatrons():
 
 
 def test_two_stages_two_chunks_train_bitwise_like_step0(pipeline_runs):
-    """P = 2, V = 2 (4 chunks of one block), 4 micro-batches, dropout, bf16, clipping: every weight and every
-    logged number the same bits as step 0 accumulating the same micro-batches. --trace: the last step's timeline
-    names each chunk, the bubble's formula is (P - 1) / (V M + P - 1) = 1/9, and each rank held the chunk
-    micro-batches of its warm-up plus one (5 and 3)."""
+    """P = 2, V = 2 (4 chunks of one block), 4 micro-batches, dropout, bf16, clipping: every weight
+    and every logged number the same bits as step 0 accumulating the same micro-batches. --trace:
+    the last step's timeline names each chunk, the bubble's formula is (P - 1) / (V M + P - 1) =
+    1/9, and each rank held the chunk micro-batches of its warm-up plus one (5 and 3)."""
     run = pipeline_runs(
         "step9", 2, "--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--trace"
     )
@@ -188,8 +194,8 @@ def test_two_stages_two_chunks_train_bitwise_like_step0(pipeline_runs):
 
 
 def test_four_stages_two_chunks_train_bitwise_like_step0(tmp_path, small_corpus):
-    """P = 4, V = 2: 8 chunks of one block, each micro-batch through rank 3 to rank 0 and on; 8 micro-batches in
-    2 flushes of 4 (the smallest M the schedule takes), dropout on."""
+    """P = 4, V = 2: 8 chunks of one block, each micro-batch through rank 3 to rank 0 and on; 8
+    micro-batches in 2 flushes of 4 (the smallest M the schedule takes), dropout on."""
     flags = (*TINY, "--n-layer", "8", "--grad-accum", "8", "--dropout", "0.1", "--steps", "2")
     step0 = train("step0", tmp_path / "step0", small_corpus, *flags)
     four = train(
@@ -212,25 +218,29 @@ def test_four_stages_two_chunks_train_bitwise_like_step0(tmp_path, small_corpus)
         (
             ["--schedule", "interleaved-1f1b", "--grad-accum", "3"],
             2,
-            "--schedule interleaved-1f1b sends micro-batches through the 2 stages in rounds of 2: make --micro-batches "
+            "--schedule interleaved-1f1b sends micro-batches through the 2 stages in "
+            "rounds of 2: make --micro-batches "
             "(or --grad-accum) a multiple of 2, not 3",
         ),
         (
             ["--virtual-stages", "2"],
             2,
-            "--virtual-stages 2 gives each rank chunks of layers for the interleaved schedule: add --schedule "
+            "--virtual-stages 2 gives each rank chunks of layers for the interleaved "
+            "schedule: add --schedule "
             "interleaved-1f1b, or leave --virtual-stages out",
         ),
         (
             ["--schedule", "zero-bubble"],
             1,
-            "--schedule zero-bubble defers each stage's weight gradients past the next stage's work: it needs 2 or more "
+            "--schedule zero-bubble defers each stage's weight gradients past the next "
+            "stage's work: it needs 2 or more "
             "stages (one process: any other schedule)",
         ),
         (
             ["--schedule", "interleaved-1f1b", "--virtual-stages", "3"],
             2,
-            "2 stages (one per rank) x 3 virtual stages but the model has 4 blocks: every stage needs at least one; use "
+            "2 stages (one per rank) x 3 virtual stages but the model has 4 blocks: "
+            "every stage needs at least one; use "
             "fewer stages or virtual stages or a larger --n-layer",
         ),
     ],
@@ -246,9 +256,10 @@ def test_interleaved_mistakes_stop_in_one_line(tmp_path, small_corpus, flags, np
 
 @pytest.mark.parametrize("stages,layers", [(2, 4), (4, 8)])
 def test_equal_to_torchs_interleaved_and_zero_bubble_schedules(stages, layers):
-    """compare/pipeline_reference.py: PyTorch's ScheduleInterleaved1F1B on the same P x 2 chunks, and its
-    ScheduleInterleavedZeroBubble on one stage per process (its B and W: ``stage_backward_input`` / ``_weight``),
-    PipelineStage each, scale_grads=False, loss / M, against ours, M = 4: every gradient and weight torch.equal."""
+    """compare/pipeline_reference.py: PyTorch's ScheduleInterleaved1F1B on the same P x 2 chunks,
+    and its ScheduleInterleavedZeroBubble on one stage per process (its B and W:
+    ``stage_backward_input`` / ``_weight``), PipelineStage each, scale_grads=False, loss / M,
+    against ours, M = 4: every gradient and weight torch.equal."""
     result = run_forked(
         [
             sys.executable,
@@ -281,9 +292,9 @@ def test_equal_to_torchs_interleaved_and_zero_bubble_schedules(stages, layers):
     ids=["interleaved", "zero-bubble"],
 )
 def test_step10_pp_axis_takes_the_schedules_bitwise(pipeline_runs, schedule):
-    """Step 10's pp axis takes the same flags: --pp 2 is step 0's bits, and with --tp 2 it is tp 2 x pp 2 under
-    1F1B's bits (tensor parallelism sums in its own order; the schedule changes none; zero bubble's W's leave the
-    tp all-reduces in B)."""
+    """Step 10's pp axis takes the same flags: --pp 2 is step 0's bits, and with --tp 2 it is tp 2 x
+    pp 2 under 1F1B's bits (tensor parallelism sums in its own order; the schedule changes none;
+    zero bubble's W's leave the tp all-reduces in B)."""
     assert_bitwise_same_run(
         pipeline_runs("step0"), pipeline_runs("step10", 2, "--pp", "2", *schedule)
     )
@@ -297,8 +308,9 @@ def test_step10_pp_axis_takes_the_schedules_bitwise(pipeline_runs, schedule):
 def test_a_1f1b_checkpoint_resumed_by_another_schedule_is_bitwise(
     pipeline_runs, tmp_path, small_corpus, schedule
 ):
-    """The 2-stage 1F1B run's step-2 checkpoint resumed interleaved (2 chunks per rank: the blocks now cut in 4, the
-    state found by name, the random stream where one process left it) or with zero bubble: bitwise like step 0."""
+    """The 2-stage 1F1B run's step-2 checkpoint resumed interleaved (2 chunks per rank: the blocks
+    now cut in 4, the state found by name, the random stream where one process left it) or with zero
+    bubble: bitwise like step 0."""
     checkpoint = pipeline_runs("step9", 2, "--schedule", "1f1b") / "checkpoints" / "step_2"
     resumed = train(
         "step9",
@@ -314,8 +326,9 @@ def test_a_1f1b_checkpoint_resumed_by_another_schedule_is_bitwise(
 
 
 def test_zero_bubble_two_stages_train_bitwise_like_step0(pipeline_runs):
-    """ZB-H1 at P = 2, 4 micro-batches, dropout, bf16, clipping, the tie: every weight and logged number step 0's
-    bits; each stage held min(P, M) = 2 micro-batches (until their W); --trace records the W's."""
+    """ZB-H1 at P = 2, 4 micro-batches, dropout, bf16, clipping, the tie: every weight and logged
+    number step 0's bits; each stage held min(P, M) = 2 micro-batches (until their W); --trace
+    records the W's."""
     run = pipeline_runs("step9", 2, "--schedule", "zero-bubble", "--trace")
     assert_bitwise_same_run(pipeline_runs("step0"), run)
     assert [m["micro_batches_in_flight"] for m in metrics(run)["records"][-1]["memory"]] == [2, 2]
@@ -325,8 +338,8 @@ def test_zero_bubble_two_stages_train_bitwise_like_step0(pipeline_runs):
 
 @pytest.mark.parametrize("accum", ["4", "2"])
 def test_zero_bubble_four_stages_train_bitwise_like_step0(tmp_path, small_corpus, accum):
-    """P = 4 with 4 micro-batches, and with 2 (M < P: the warm-up is the whole batch, the W's all at the end),
-    dropout on."""
+    """P = 4 with 4 micro-batches, and with 2 (M < P: the warm-up is the whole batch, the W's all at
+    the end), dropout on."""
     flags = (*TINY, "--n-layer", "4", "--grad-accum", accum, "--dropout", "0.1", "--steps", "2")
     step0 = train("step0", tmp_path / "step0", small_corpus, *flags)
     four = train(
@@ -336,9 +349,10 @@ def test_zero_bubble_four_stages_train_bitwise_like_step0(tmp_path, small_corpus
 
 
 def test_bubble_with_simulated_compute_runs_every_schedule(tmp_path):
-    """compare/bubble.py --simulate-ms: step 9's Pipeline around sleeping stages, every schedule at P = 2, M = 4;
-    the micro-batches each stage held and zero bubble's W's waiting at once, counted by the Pipeline, are each
-    schedule's closed form (the idle fractions are timings: the step README has them, from a quiet machine)."""
+    """compare/bubble.py --simulate-ms: step 9's Pipeline around sleeping stages, every schedule at
+    P = 2, M = 4; the micro-batches each stage held and zero bubble's W's waiting at once, counted
+    by the Pipeline, are each schedule's closed form (the idle fractions are timings: the step
+    README has them, from a quiet machine)."""
     png = tmp_path / "bubble.png"
     result = run_forked(
         [

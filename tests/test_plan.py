@@ -1,5 +1,6 @@
-"""compare/plan.py: the planner's bytes per rank are the layouts steps 5-9 hold, its traffic the steps' formulas,
-its ranking the rules it states; and a run's metrics (step 10's too, when it writes its mesh) read beside it."""
+"""compare/plan.py: the planner's bytes per rank are the layouts steps 5-9 hold, its traffic the
+steps' formulas, its ranking the rules it states; and a run's metrics (step 10's too, when it writes
+its mesh) read beside it."""
 
 import dataclasses
 import math
@@ -17,7 +18,8 @@ DEFAULT = plan.Shape(n_layer=2, n_embd=128, n_head=4, vocab=2048, seq_len=64)
 
 @pytest.mark.quick
 def test_psi_is_the_models():
-    """12h² + 13h per block, Vh + sh + 2h around them: the parameters GPT-2 of that shape has (the README's Ψ)."""
+    """12h² + 13h per block, Vh + sh + 2h around them: the
+    parameters GPT-2 of that shape has (the README's Ψ)."""
     assert DEFAULT.psi == 667_136
     small = plan.Shape(3, 24, 2, 101, 7)
     model = estimate.Model(
@@ -44,9 +46,9 @@ def test_a_parameter_count_gets_gpt3s_shape():
 
 @pytest.mark.quick
 def test_tensor_and_pipeline_shares_are_steps_8_and_9s():
-    """Step 8: 1/T of the matrices, c_q, c_k, c_v's and c_fc's biases and the vocabulary, the rest whole
-    (test_tensor_parallel.py's formula); step 9: the embeddings on the first stage, the final norm and the
-    tied copy on the last (test_pipeline_parallel.py's)."""
+    """Step 8: 1/T of the matrices, c_q, c_k, c_v's and c_fc's biases and the vocabulary, the rest
+    whole (test_tensor_parallel.py's formula); step 9: the embeddings on the first stage, the final
+    norm and the tied copy on the last (test_pipeline_parallel.py's)."""
     h, layers, s, vocab = 32, 2, 32, 2048
     shape = plan.Shape(layers, h, 2, vocab, s)
     sharded = vocab * h + layers * (3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h)
@@ -69,8 +71,9 @@ def test_in_flight_and_bubble():
     activations = plan.Activations(DEFAULT, 8)
     c = plan.configuration(DEFAULT, 1, 1, 2, 0, False, 8, 4, activations, schedule="gpipe")
     assert c["bubble"] == 1 / 5
-    # Zero bubble (ZB-H1): every stage holds min(P, M) until its W, step 9's schedule_actions' count (the
-    # simulation in tests/test_pipeline_schedules.py); the bubble (P - 1) / (3 M + P - 1) with B = W = F.
+    # Zero bubble (ZB-H1): every stage holds min(P, M) until its W, step 9's schedule_actions' count
+    # (the simulation in tests/test_pipeline_schedules.py); the bubble (P - 1) / (3 M + P - 1) with
+    # B = W = F.
     assert [plan.in_flight("zero-bubble", 4, s, 8) for s in range(4)] == [4] * 4
     assert plan.in_flight("zero-bubble", 4, 0, 2) == 2
     c = plan.configuration(DEFAULT, 1, 1, 2, 0, False, 8, 4, activations, schedule="zero-bubble")
@@ -83,9 +86,10 @@ def test_in_flight_and_bubble():
     [("float32", None, 4), ("bf16", None, 0), ("bf16", "float32", 4)],
 )
 def test_offload_moves_adamws_state_to_the_host_in_closed_form(param_dtype, reduce_dtype, copy):
-    """ZeRO-3 at dp 4, offloaded: the device loses exactly the optimiser state; the host holds it and, where the
-    parameter shard is the float32 master (float32, or FSDP2's fp32 gradients), a float32 copy of the shard; each
-    step moves the gradient shard out and the float32 shard back, over --host-gbs, added to the step time."""
+    """ZeRO-3 at dp 4, offloaded: the device loses exactly the optimiser state; the host holds it
+    and, where the parameter shard is the float32 master (float32, or FSDP2's fp32 gradients), a
+    float32 copy of the shard; each step moves the gradient shard out and the float32 shard back,
+    over --host-gbs, added to the step time."""
     activations = plan.Activations(DEFAULT, 8, estimate.PARAM_DTYPES[param_dtype])
     on, off = (
         plan.configuration(
@@ -120,7 +124,8 @@ def test_offload_moves_adamws_state_to_the_host_in_closed_form(param_dtype, redu
         - plan.step_time(on, DEFAULT, hardware, 8)["step_s"]
     )
     assert slower == pytest.approx((g_bytes + 4) * shard / 20e9)
-    # offered only when asked and only at ZeRO-3: between the two totals, dp 4's ZeRO-3 fits offloaded alone
+    # offered only when asked and only at ZeRO-3: between
+    # the two totals, dp 4's ZeRO-3 fits offloaded alone
     small = plan.Hardware(4, (moved["total"] + kept["total"]) / 2)
     layout = lambda c: (c["dp"], c["zero"], c["offload"], c["checkpointing"])  # noqa: E731
     fit, rejected = plan.plan(DEFAULT, small, 8, 64, param_dtype, reduce_dtype, offload=True)
@@ -133,9 +138,10 @@ def test_offload_moves_adamws_state_to_the_host_in_closed_form(param_dtype, redu
 
 @pytest.mark.quick
 def test_activations_split_by_tensor_parallelism_as_measured():
-    """compare/activations.py's measurement (step 8's README, 8 x 64 tokens, the default model): 14,194,180 bytes
-    at TP = 1, 8,427,012 at TP = 2, 5,543,428 at TP = 4. The planner's count: within 0.1% at TP = 1 and 2, and
-    0.2% at TP = 4 (measured 2026-11-27: -0.04%, -0.09%, -0.15%)."""
+    """compare/activations.py's measurement (step 8's README, 8 x 64 tokens, the default model):
+    14,194,180 bytes at TP = 1, 8,427,012 at TP = 2, 5,543,428 at TP = 4. The planner's count:
+    within 0.1% at TP = 1 and 2, and 0.2% at TP = 4 (measured 2026-11-27: -0.04%, -0.09%,
+    -0.15%)."""
     activations = plan.Activations(DEFAULT, 8)
     measured = {1: 14_194_180, 2: 8_427_012, 4: 5_543_428}
     for tp, tolerance in ((1, 0.001), (2, 0.001), (4, 0.002)):
@@ -149,9 +155,10 @@ def test_activations_split_by_tensor_parallelism_as_measured():
 
 @pytest.mark.quick
 def test_sequence_parallel_activations_as_measured_and_its_traffic_on_the_wire():
-    """compare/activations.py --sequence-parallel (step 8's README, 8 x 64 tokens, the default model): 7,761,412
-    bytes per rank at TP = 2, 4,545,028 at TP = 4; the planner within 0.1% and 0.2% (measured: -0.10%, -0.19%). Its activation all-reduces become reduce-scatters and all-gathers: twice the
-    bytes handed, the same sent on a ring."""
+    """compare/activations.py --sequence-parallel (step 8's README, 8 x 64 tokens, the default
+    model): 7,761,412 bytes per rank at TP = 2, 4,545,028 at TP = 4; the planner within 0.1% and
+    0.2% (measured: -0.10%, -0.19%). Its activation all-reduces become reduce-scatters and
+    all-gathers: twice the bytes handed, the same sent on a ring."""
     activations = plan.Activations(DEFAULT, 8)
     for tp, measured, tolerance in ((2, 7_761_412, 0.001), (4, 4_545_028, 0.002)):
         estimated = activations.per_micro_batch(2, tp, True, True, False, sequence_parallel=True)
@@ -182,10 +189,11 @@ def test_sequence_parallel_activations_as_measured_and_its_traffic_on_the_wire()
 
 @pytest.mark.quick
 def test_dropout_masks_are_counted_as_measured():
-    """compare/activations.py --dropout 0.1 --sequence-parallel (8 x 64 tokens, the default model, 2026-11-28):
-    17,602,052 bytes at TP = 1; 10,786,308 and 10,120,708 with SP at TP = 2; 7,378,436 and 6,380,036 at TP = 4.
-    The planner given --dropout 0.1 within 0.1% / 0.2% (-0.03%, -0.07%, -0.07%, -0.12%, -0.13%); before, it
-    counted no mask whatever --dropout said (19% low at TP = 1)."""
+    """compare/activations.py --dropout 0.1 --sequence-parallel (8 x 64 tokens, the default model,
+    2026-11-28): 17,602,052 bytes at TP = 1; 10,786,308 and 10,120,708 with SP at TP = 2; 7,378,436
+    and 6,380,036 at TP = 4. The planner given --dropout 0.1 within 0.1% / 0.2% (-0.03%, -0.07%,
+    -0.07%, -0.12%, -0.13%); before, it counted no mask whatever --dropout said (19% low at TP =
+    1)."""
     activations = plan.Activations(DEFAULT, 8, dropout=0.1)
     measured = {
         (1, False): 17_602_052,
@@ -206,25 +214,27 @@ def test_dropout_masks_are_counted_as_measured():
 
 @pytest.mark.quick
 def test_16_bit_activations_split_by_tensor_parallelism_are_half_the_float32_ones():
-    """In bf16 every tensor tensor parallelism splits is half its float32 size, the attention output (the
-    row-parallel c_proj's input) among them; only the LayerNorms' float32 statistics, kept whole, are not. The
-    attention output moved from the kept part at the size of a float32 statistic instead (4 bytes an element, not 2)
-    made the split part 5% too large at GPT-2 medium's width and the kept part too small (fails before the fix)."""
+    """In bf16 every tensor tensor parallelism splits is half its float32 size, the attention output
+    (the row-parallel c_proj's input) among them; only the LayerNorms' float32 statistics, kept
+    whole, are not. The attention output moved from the kept part at the size of a float32 statistic
+    instead (4 bytes an element, not 2) made the split part 5% too large at GPT-2 medium's width and
+    the kept part too small (fails before the fix)."""
     shape = plan.Shape(6, 1024, 8, 50257, 1024)
     float32, bf16 = plan.Activations(shape, 1), plan.Activations(shape, 1, torch.bfloat16)
     assert bf16.block[1] * 2 == float32.block[1]
-    # kept whole: the LayerNorms' float32 statistics and the boolean causal mask stay; the rest halves
-    # ln_1 and ln_2's mean and rstd per token; the (s, s) mask
+    # kept whole: the LayerNorms' float32 statistics and the boolean causal mask stay; the rest
+    # halves ln_1 and ln_2's mean and rstd per token; the (s, s) mask
     fixed = 2 * 2 * 1024 * 4 + 1024 * 1024
     assert bf16.block[0] - fixed == (float32.block[0] - fixed) // 2
 
 
 @pytest.mark.quick
 def test_zero3_gathers_16_bit_units_whatever_the_gradients_are_reduced_in():
-    """ZeRO-3 with 16-bit parameters and float32 reduction (FSDP2's policy, step 7's --param-dtype) keeps a float32
-    shard, the master, but casts it to 16 bits to gather it: the units in flight and the all-gathers are 2 bytes an
-    element, as with 16-bit reduction. Only the gradients' reduce-scatter doubles. (Taking the shard's 4 bytes for
-    the gathered units doubled both, and fails this.)"""
+    """ZeRO-3 with 16-bit parameters and float32 reduction (FSDP2's policy, step 7's --param-dtype)
+    keeps a float32 shard, the master, but casts it to 16 bits to gather it: the units in flight and
+    the all-gathers are 2 bytes an element, as with 16-bit reduction. Only the gradients'
+    reduce-scatter doubles. (Taking the shard's 4 bytes for the gathered units doubled both, and
+    fails this.)"""
     shape = plan.Shape(4, 256, 4, 2048, 64)
     activations = plan.Activations(shape, 2, torch.bfloat16)
     by_reduce = {
@@ -243,10 +253,11 @@ def test_zero3_gathers_16_bit_units_whatever_the_gradients_are_reduced_in():
 
 @pytest.mark.quick
 def test_compute_counts_attention_as_narayanan_et_al_do():
-    """Flops per token against Narayanan et al. 2021 (their eq. 3, per token): 72 L h² (1 + s / 6h + V / 12 L h) for
-    forward and backward, 96 L h² (1 + s / 6h + V / 16 L h) when the blocks' forward is recomputed; within 1% (Ψ also
-    holds the biases, norms and position table, counted as if multiplied). At s = 16,384 a GPT-3-shaped 6.7B model
-    (32 layers of 4096) does 1.64x what 6Ψ alone says."""
+    """Flops per token against Narayanan et al. 2021 (their eq. 3, per token): 72 L h² (1 + s / 6h +
+    V / 12 L h) for forward and backward, 96 L h² (1 + s / 6h + V / 16 L h) when the blocks' forward
+    is recomputed; within 1% (Ψ also holds the biases, norms and position table, counted as if
+    multiplied). At s = 16,384 a GPT-3-shaped 6.7B model (32 layers of 4096) does 1.64x what 6Ψ
+    alone says."""
     L, h, s, V = 32, 4096, 16384, 50257
     shape = plan.Shape(L, h, 32, V, s)
     assert (
@@ -270,9 +281,10 @@ def test_compute_counts_attention_as_narayanan_et_al_do():
 
 @pytest.mark.quick
 def test_on_the_wire_zero2_sends_what_ddp_sends():
-    """Bytes handed to collectives (as the records count them) against bytes a rank sends with ring algorithms, on
-    4 ranks: DDP's all-reduce of 4Ψ sends 2 x 3/4 of it; ZeRO-2's reduce-scatter of 4Ψ and all-gather of 4Ψ hand
-    collectives twice that, and send 3/4 of each: the same 6Ψ. ZeRO-1 sends 9Ψ, a point-to-point send all of it."""
+    """Bytes handed to collectives (as the records count them) against bytes a rank sends with ring
+    algorithms, on 4 ranks: DDP's all-reduce of 4Ψ sends 2 x 3/4 of it; ZeRO-2's reduce-scatter of
+    4Ψ and all-gather of 4Ψ hand collectives twice that, and send 3/4 of each: the same 6Ψ. ZeRO-1
+    sends 9Ψ, a point-to-point send all of it."""
     psi = 1000
     ddp, zero2 = {"all_reduce": 4 * psi}, {"reduce_scatter": 4 * psi, "all_gather": 4 * psi}
     assert plan.on_the_wire(ddp, 4) == plan.on_the_wire(zero2, 4) == 6 * psi
@@ -283,9 +295,10 @@ def test_on_the_wire_zero2_sends_what_ddp_sends():
 @pytest.mark.quick
 @pytest.mark.parametrize("zero", [2, 3])
 def test_zero2_and_3_accumulate_as_the_trainers_do_or_reduce_every_micro_batch(zero):
-    """Over M = 4 micro-batches the trainers' no_sync() accumulates the whole gradient (4Ψ in float32) beside the
-    shard (4Ψ/N) until the step's one reduce-scatter; step 6's --reduce-every-micro-batch keeps the shard only and
-    reduce-scatters 4 times. One micro-batch: neither. Closed forms, Ψ from the shape."""
+    """Over M = 4 micro-batches the trainers' no_sync() accumulates the whole gradient (4Ψ in
+    float32) beside the shard (4Ψ/N) until the step's one reduce-scatter; step 6's
+    --reduce-every-micro-batch keeps the shard only and reduce-scatters 4 times. One micro-batch:
+    neither. Closed forms, Ψ from the shape."""
     shape = plan.Shape(2, 64, 4, 512, 16)
     activations = plan.Activations(shape, 2)
     psi, n = shape.psi, 4
@@ -307,11 +320,12 @@ def test_zero2_and_3_accumulate_as_the_trainers_do_or_reduce_every_micro_batch(z
 
 @pytest.mark.quick
 def test_a_pipeline_with_checkpointing_recomputes_one_block_at_a_time():
-    """With activation checkpointing a stage keeps each block's input (b x s x h, float32) for every micro-batch in
-    flight, and holds one block's recomputation while its backward runs: once, however many micro-batches are in
-    flight. Stage 0 of 4 holds 1 micro-batch at M = 1 and 4 at M = 8 (1F1B): three more micro-batches' block inputs,
-    computed here from the shape, not the planner (multiplying the recomputation by the micro-batches in flight
-    overstated the first stage and fails this)."""
+    """With activation checkpointing a stage keeps each block's input (b x s x h, float32) for every
+    micro-batch in flight, and holds one block's recomputation while its backward runs: once,
+    however many micro-batches are in flight. Stage 0 of 4 holds 1 micro-batch at M = 1 and 4 at M =
+    8 (1F1B): three more micro-batches' block inputs, computed here from the shape, not the planner
+    (multiplying the recomputation by the micro-batches in flight overstated the first stage and
+    fails this)."""
     b, shape = 2, plan.Shape(8, 64, 4, 2048, 32)
     activations = plan.Activations(shape, b)
     held = {
@@ -325,13 +339,15 @@ def test_a_pipeline_with_checkpointing_recomputes_one_block_at_a_time():
 
 @pytest.mark.quick
 def test_full_recomputation_with_sequence_parallelism_keeps_1_over_t_of_each_layers_input():
-    """Korthikanti et al.'s 175B layout of Table 3 (t 8, p 8, micro-batch 1, 64 micro-batches, 16-bit) with full
-    recomputation and sequence parallelism, by the formula: the first stage holds, for each of its 8 micro-batches
-    in flight, its 12 layers' inputs at 2sbh/t each and the embedding dropout's mask (sbh/t), and once the layer
-    being recomputed, (34 + 5as/h) sbh/t, beside its two LayerNorms' float32 statistics (8 bytes a token each, split
-    over t), to the byte. The trainers' model counted on the meta device likewise: with SP each micro-batch more
-    in flight holds its blocks' inputs (b s h float32) split over t. The formula keeping the input whole under
-    sequence parallelism (t times too much, the rest of the row unchanged) passed every other test."""
+    """Korthikanti et al.'s 175B layout of Table 3 (t 8, p 8, micro-batch 1, 64 micro-batches,
+    16-bit) with full recomputation and sequence parallelism, by the formula: the first stage holds,
+    for each of its 8 micro-batches in flight, its 12 layers' inputs at 2sbh/t each and the
+    embedding dropout's mask (sbh/t), and once the layer being recomputed, (34 + 5as/h) sbh/t,
+    beside its two LayerNorms' float32 statistics (8 bytes a token each, split over t), to the byte.
+    The trainers' model counted on the meta device likewise: with SP each micro-batch more in flight
+    holds its blocks' inputs (b s h float32) split over t. The formula keeping the input whole under
+    sequence parallelism (t times too much, the rest of the row unchanged) passed every other
+    test."""
     from activation_formula import FormulaActivations
 
     shape, t = plan.PRESETS["megatron-175b"], 8
@@ -362,10 +378,11 @@ def test_full_recomputation_with_sequence_parallelism_keeps_1_over_t_of_each_lay
 
 @pytest.mark.quick
 def test_the_ring_sends_grouped_query_attentions_key_value_width():
-    """The cp axis for Llama 3 8B (8 key/value heads of 128 beside 32 query heads) at cp 4, tp 2, bf16: per micro-batch
-    and block the structure step 11's run records for GPT-2 (tests/test_context_parallel.py: C - 1 K/V blocks forward,
-    again with checkpointing, and backward; C float32 dK/dV buffers), each block 2 b (s/C) (kv_dim/tp) elements.
-    GPT-2's key/value width is its hidden size, so sizing the blocks by h instead of n_kv_head x head_dim (4 times too
+    """The cp axis for Llama 3 8B (8 key/value heads of 128 beside 32 query heads) at cp 4, tp 2,
+    bf16: per micro-batch and block the structure step 11's run records for GPT-2
+    (tests/test_context_parallel.py: C - 1 K/V blocks forward, again with checkpointing, and
+    backward; C float32 dK/dV buffers), each block 2 b (s/C) (kv_dim/tp) elements. GPT-2's key/value
+    width is its hidden size, so sizing the blocks by h instead of n_kv_head x head_dim (4 times too
     much here) passed every test of the ring's traffic."""
     from activation_formula import FormulaActivations
 
@@ -394,8 +411,9 @@ def test_the_ring_sends_grouped_query_attentions_key_value_width():
 
 @pytest.mark.quick
 def test_communication_is_the_steps_formulas():
-    """DP: DDP all-reduces 4Ψ, step 5 4Ψ + 4Ψ, step 6 4Ψ + 4Ψ, step 7 (accumulation 2) 3.19 x 4Ψ of all-gathers
-    (the README's table); TP: (6L + 2) b s h per micro-batch (step 8's README, the loss's 3bs left out);
+    """DP: DDP all-reduces 4Ψ, step 5 4Ψ + 4Ψ, step 6 4Ψ + 4Ψ, step 7 (accumulation 2) 3.19 x 4Ψ of
+    all-gathers (the README's table); TP: (6L + 2) b s h per micro-batch (step 8's README, the
+    loss's 3bs left out);
     PP: b s h each way per micro-batch and the tied gradient (step 9's test)."""
     psi = DEFAULT.psi
     activations = plan.Activations(DEFAULT, 8)
@@ -423,9 +441,10 @@ def test_communication_is_the_steps_formulas():
 
 @pytest.mark.quick
 def test_hsdp_rows_shard_over_a_row_and_all_reduce_the_shard_across():
-    """Step 7's --replicate R at dp 16, 8 devices per node: the state of ZeRO-3 over 16 / R ranks, the gathers and
-    the reduce-scatter ZeRO-3's (in the row), the all-reduce 4 ceil(Ψ/S) across the rows; with R = 2 the rows are
-    the nodes, so only that all-reduce crosses, where plain ZeRO-3's gathers cross nodes. Without --hsdp, no row."""
+    """Step 7's --replicate R at dp 16, 8 devices per node: the state of ZeRO-3 over 16 / R ranks,
+    the gathers and the reduce-scatter ZeRO-3's (in the row), the all-reduce 4 ceil(Ψ/S) across the
+    rows; with R = 2 the rows are the nodes, so only that all-reduce crosses, where plain ZeRO-3's
+    gathers cross nodes. Without --hsdp, no row."""
     psi, activations = DEFAULT.psi, plan.Activations(DEFAULT, 8)
     plain = plan.configuration(DEFAULT, 16, 1, 1, 3, False, 8, 2, activations)
     for replicate in (2, 4, 8):
@@ -462,17 +481,17 @@ def test_hsdp_rows_shard_over_a_row_and_all_reduce_the_shard_across():
 
 @pytest.mark.quick
 def test_the_ranking_follows_the_rules():
-    """DDP first when it fits; ZeRO-2 before ZeRO-3; ZeRO-3 only when ZeRO-2 does not fit; tensor parallelism
-    inside a node before across; a pipeline's bubble (P - 1)/(M + P - 1) costs time."""
+    """DDP first when it fits; ZeRO-2 before ZeRO-3; ZeRO-3 only when ZeRO-2 does not fit; tensor
+    parallelism inside a node before across; a pipeline's bubble (P - 1)/(M + P - 1) costs time."""
     activations_fit = 64 * 2**20
     hardware = plan.Hardware(devices=4, memory=activations_fit)
     fit, rejected = plan.plan(DEFAULT, hardware, 8, 32)
     assert (fit[0]["dp"], fit[0]["zero"], fit[0]["checkpointing"]) == (4, 0, False)
     order = [(c["dp"], c["tp"], c["pp"], c["zero"], c["checkpointing"]) for c in fit]
     assert order.index((4, 1, 1, 2, False)) < order.index((4, 1, 1, 3, False))
-    # On the default model ZeRO-3 holds *more* than ZeRO-2 at 4 ranks: the units in flight (the root and two of
-    # the two blocks) outweigh the 4Ψ·3/4 it saves. With 8 blocks it holds less; a budget between the two:
-    # ZeRO-3 is the data-parallel row that fits.
+    # On the default model ZeRO-3 holds *more* than ZeRO-2 at 4 ranks: the units in flight (the root
+    # and two of the two blocks) outweigh the 4Ψ·3/4 it saves. With 8 blocks it holds less; a budget
+    # between the two: ZeRO-3 is the data-parallel row that fits.
     totals = {c["zero"]: c["total"] for c in fit if (c["dp"], c["checkpointing"]) == (4, False)}
     assert totals[3] > totals[2] < totals[1] < totals[0]
     deep = plan.Shape(8, 128, 4, 2048, 64)
@@ -500,10 +519,11 @@ def test_the_ranking_follows_the_rules():
 
 @pytest.mark.quick
 def test_context_and_sequence_parallelism_only_where_activations_do_not_fit():
-    """Context parallelism (step 11) splits every activation 1/C (the ring's formula, measured against step 11 in
-    test_context_parallel.py), keeps the whole model state on every rank of a ring (ZeRO shards over dp x cp) and
-    passes K/V blocks to a neighbour. The planner keeps a layout with CP or SP only where the same layout with less
-    of them does not fit, or cannot run (a global batch smaller than the replicas)."""
+    """Context parallelism (step 11) splits every activation 1/C (the ring's formula, measured
+    against step 11 in test_context_parallel.py), keeps the whole model state on every rank of a
+    ring (ZeRO shards over dp x cp) and passes K/V blocks to a neighbour. The planner keeps a layout
+    with CP or SP only where the same layout with less of them does not fit, or cannot run (a global
+    batch smaller than the replicas)."""
     from activation_formula import FormulaActivations
 
     # the default model at 1,024 tokens, one sequence a micro-batch
@@ -572,8 +592,9 @@ def test_context_and_sequence_parallelism_only_where_activations_do_not_fit():
 
 @pytest.mark.quick
 def test_a_step10_run_is_read_by_its_mesh():
-    """What a step 10 run will write (env: the three sizes; memory per rank): each rank compared with its
-    stage's estimate. Built here from the estimate itself: a run that held exactly that reads as 1.000."""
+    """What a step 10 run will write (env: the three sizes; memory per rank): each rank compared
+    with its stage's estimate. Built here from the estimate itself: a run that held exactly that
+    reads as 1.000."""
     config = {
         "step": "step10_3d_parallel",
         "n_layer": 2,
@@ -604,8 +625,9 @@ def test_a_step10_run_is_read_by_its_mesh():
 
 
 def test_a_pipeline_run_holds_what_the_planner_says(small_corpus, tmp_path):
-    """One real run (step 9, 2 stages, GPipe, the tiny workload): every stage's parameters, gradients and AdamW
-    state within 5% of the planner's (the tied copy on the last stage included), and the micro-batches it held."""
+    """One real run (step 9, 2 stages, GPipe, the tiny workload): every stage's parameters,
+    gradients and AdamW state within 5% of the planner's (the tied copy on the last stage included),
+    and the micro-batches it held."""
     run = metrics(train("step9", tmp_path / "step9", small_corpus, "--schedule", "gpipe"))
     rows = plan.measured_rows(run, estimate.vocabulary_size(run["config"]["tokenizer"]))
     assert [r["stage"] for r in rows] == [0, 1]
@@ -622,9 +644,10 @@ def test_a_pipeline_run_holds_what_the_planner_says(small_corpus, tmp_path):
 
 def test_step10_runs_hold_what_the_planner_says(mesh_runs):
     """Two real step 10 runs (the tiny workload, 4 ranks: dp 2 x tp 2 and dp 2 x pp 2, shared with
-    tests/test_3d_parallel.py): every rank's parameters, gradients and ZeRO-1 share of AdamW's state within 5% of
-    its stage's estimate (measured: within 0.02%, the step counters ZeRO-1 keeps per piece), the micro-batches its
-    stage held; and ``compare/plan.py --measured`` prints them and exits 0."""
+    tests/test_3d_parallel.py): every rank's parameters, gradients and ZeRO-1 share of AdamW's state
+    within 5% of its stage's estimate (measured: within 0.02%, the step counters ZeRO-1 keeps per
+    piece), the micro-batches its stage held; and ``compare/plan.py --measured`` prints them and
+    exits 0."""
     import sys
 
     for name, (dp, tp, pp) in {"dp2tp2": (2, 2, 1), "dp2pp2": (2, 1, 2)}.items():
@@ -660,8 +683,9 @@ def test_step10_runs_hold_what_the_planner_says(mesh_runs):
 
 
 def test_step11_ranks_hold_the_whole_model_state(tour):
-    """Context parallelism splits activations, not the model: each rank of a ring holds what a data-parallel
-    replica holds (the tour's step 11 run, 2 ranks), read as replicas by ``layout_of``."""
+    """Context parallelism splits activations, not the model: each rank of a ring holds what a
+    data-parallel replica holds (the tour's step 11 run, 2 ranks), read as replicas by
+    ``layout_of``."""
     from conftest import STEPS
 
     run = metrics(tour[0] / STEPS["step11"])
@@ -678,8 +702,9 @@ def test_step11_ranks_hold_the_whole_model_state(tour):
 
 
 def saved_bytes(module, inputs, targets=None) -> int:
-    """What autograd saves for backward in one forward of ``module`` (and the loss, given ``targets``): each storage
-    once, the parameters left out. Counted here, not with the planner's ``estimate.Model``."""
+    """What autograd saves for backward in one forward of ``module`` (and the loss, given
+    ``targets``): each storage once, the parameters left out. Counted here, not with the planner's
+    ``estimate.Model``."""
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     storages = {}
 
@@ -697,7 +722,8 @@ def saved_bytes(module, inputs, targets=None) -> int:
 
 
 def peak_in_flight(actions: list) -> int:
-    """The most micro-batches whose forward ran and whose backward has not, along a stage's action list."""
+    """The most micro-batches whose forward ran and whose
+    backward has not, along a stage's action list."""
     held = peak = 0
     for kind, _ in actions:
         held += 1 if kind == "F" else -1
@@ -708,14 +734,16 @@ def peak_in_flight(actions: list) -> int:
 @pytest.mark.quick
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_stages_hold_what_the_real_stages_hold_at_every_tp_and_pp(schedule):
-    """Independently of plan.py's own functions: step 9's ``GPT2Stage`` cuts a real GPT-2 into P stages; a stage's
-    parameters per tensor-parallel rank are counted with step 8's plan (the layers it splits, and which dim; the
-    last stage's copy of the tied embedding split over the vocabulary, as step 10 keeps it), and must equal the
-    planner's at every tp x pp; a stage's activations are what autograd saves in one real forward, times the
-    micro-batches step 9's ``schedule_actions`` holds at its peak, and must be the planner's within 0.5%: it counts
-    the embeddings' saved indices with the rest of the model on the last stage, where the real first stage holds
-    them (measured here: 0.17-0.26% low on the first stage, b s + s int64 a micro-batch; 0.03% high on the last).
-    A tied copy counted whole on the last stage, or one micro-batch too many in flight, fails it (checked)."""
+    """Independently of plan.py's own functions: step 9's ``GPT2Stage`` cuts a real GPT-2 into P
+    stages; a stage's parameters per tensor-parallel rank are counted with step 8's plan (the layers
+    it splits, and which dim; the last stage's copy of the tied embedding split over the vocabulary,
+    as step 10 keeps it), and must equal the planner's at every tp x pp; a stage's activations are
+    what autograd saves in one real forward, times the micro-batches step 9's ``schedule_actions``
+    holds at its peak, and must be the planner's within 0.5%: it counts the embeddings' saved
+    indices with the rest of the model on the last stage, where the real first stage holds them
+    (measured here: 0.17-0.26% low on the first stage, b s + s int64 a micro-batch; 0.03% high on
+    the last). A tied copy counted whole on the last stage, or one micro-batch too many in flight,
+    fails it (checked)."""
     import sys
 
     sys.path.insert(0, str(REPO / "step9_pipeline_parallel"))
@@ -774,11 +802,12 @@ def test_pipeline_stages_hold_what_the_real_stages_hold_at_every_tp_and_pp(sched
 
 @pytest.mark.quick
 def test_interleaved_stages_hold_what_their_real_chunks_hold():
-    """The interleaved schedule (2 chunks per stage) in the planner, against step 9's real chunks of a 6-block GPT-2:
-    each chunk's saved bytes for one micro-batch measured in a real forward (the last with the logits and the loss),
-    added and taken away along step 9's own action list; the peak must be the planner's within 0.5% at pp 2 and 3,
-    M = 6. Also its bubble, (P - 1) / (V M + P - 1), and its point-to-point bytes, V times 1F1B's in each direction
-    (one hop fewer at either end). Counting held chunk micro-batches as whole stages' fails it (checked)."""
+    """The interleaved schedule (2 chunks per stage) in the planner, against step 9's real chunks of
+    a 6-block GPT-2: each chunk's saved bytes for one micro-batch measured in a real forward (the
+    last with the logits and the loss), added and taken away along step 9's own action list; the
+    peak must be the planner's within 0.5% at pp 2 and 3, M = 6. Also its bubble, (P - 1) / (V M + P
+    - 1), and its point-to-point bytes, V times 1F1B's in each direction (one hop fewer at either
+      end). Counting held chunk micro-batches as whole stages' fails it (checked)."""
     import sys
 
     sys.path.insert(0, str(REPO / "step9_pipeline_parallel"))
@@ -845,15 +874,17 @@ def test_the_moe_preset_has_mixtrals_published_parameter_counts():
 
 
 def test_the_moe_layouts_hold_one_micro_batchs_activations_by_formula():
-    """Step 12's rows: a rank's activations are one micro-batch's (its backward runs before the next forward),
-    the dense blocks' and the MoE blocks' terms of activation_formula.py (tests/test_activation_formula.py checks
-    those against what autograd saves, on one rank and under ep) and the rest outside the blocks, the same at every
-    ep (the router balances: k T slots a rank); a row fits only with them, not with its model state alone."""
+    """Step 12's rows: a rank's activations are one micro-batch's (its backward runs before the next
+    forward), the dense blocks' and the MoE blocks' terms of activation_formula.py
+    (tests/test_activation_formula.py checks those against what autograd saves, on one rank and
+    under ep) and the rest outside the blocks, the same at every ep (the router balances: k T slots
+    a rank); a row fits only with them, not with its model state alone."""
     shape, moe = plan.MOE_PRESETS["mixtral-8x7b"]
     formula = plan.FormulaActivations(shape, 1, 2, "sdpa")
     blocks = shape.n_layer * formula.moe_block_bytes(moe.experts, moe.top_k)  # every block is MoE
     expected = blocks + formula.rest(1, first=True, last=True, sequence_parallel=False)
-    # what an MoE block adds over its dense twin: routing and slots, and k experts' MLPs in place of one MLP
+    # what an MoE block adds over its dense twin: routing
+    # and slots, and k experts' MLPs in place of one MLP
     tokens, h, f = shape.seq_len, shape.n_embd, shape.ffn_width
     extra = formula.moe_block_bytes(moe.experts, moe.top_k) - formula.block_bytes(1)
     assert extra == (
@@ -876,9 +907,10 @@ def test_the_moe_layouts_hold_one_micro_batchs_activations_by_formula():
 
 
 def test_a_moe_rows_step_time_is_its_compute_and_its_three_collectives_by_hand():
-    """Step 12's estimated step: 6 x the active Ψ + 12 L s h flops a token on the rank's tokens; the all-to-alls'
-    bytes on the wire over the ep group's link (NVLink: ep divides a node); the dense gradients' ring all-reduce
-    over all 64 ranks and each expert's over its 64/ep copies, across nodes; nothing overlapped."""
+    """Step 12's estimated step: 6 x the active Ψ + 12 L s h flops a token on the rank's tokens; the
+    all-to-alls' bytes on the wire over the ep group's link (NVLink: ep divides a node); the dense
+    gradients' ring all-reduce over all 64 ranks and each expert's over its 64/ep copies, across
+    nodes; nothing overlapped."""
     shape, moe = plan.MOE_PRESETS["mixtral-8x7b"]
     shape = dataclasses.replace(shape, seq_len=4096)
     hardware = plan.Hardware(64, 80 * 2**30)  # 300 TFLOP/s, 450 GB/s in a node, 50 across

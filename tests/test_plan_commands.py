@@ -1,6 +1,7 @@
-"""compare/plan.py's commands (issue 49): every layout it lists for the trainers' model comes with the torchrun
-command that trains it, which the step's own parser accepts and which gives back the layout, or with one line
-saying why no trainer runs it; and the top runnable layouts, trained, hold the bytes the plan gave their rows."""
+"""compare/plan.py's commands (issue 49): every layout it lists for the trainers' model comes with
+the torchrun command that trains it, which the step's own parser accepts and which gives back the
+layout, or with one line saying why no trainer runs it; and the top runnable layouts, trained, hold
+the bytes the plan gave their rows."""
 
 import contextlib
 import functools
@@ -19,9 +20,10 @@ import estimate  # compare/, on the path through conftest
 import plan
 from conftest import REPO, TIMEOUT, assert_all_to_all_closed_form, metrics, run_forked, run_ranks
 
-# At 4 ranks of the trainers' default model: budgets that list DDP, ZeRO-1/2/3, checkpointing, dp x pp and tp;
-# 4 blocks for pp 4 (every layout fits in 1 GiB) and the interleaved schedule; 16-bit parameters; HSDP and offload at 8; a global batch too
-# small for dp 4, so that context parallelism is listed.
+# At 4 ranks of the trainers' default model: budgets that list DDP, ZeRO-1/2/3, checkpointing, dp x
+# pp and tp; 4 blocks for pp 4 (every layout fits in 1 GiB) and the interleaved schedule; 16-bit
+# parameters; HSDP and offload at 8; a global batch too small for dp 4, so that context parallelism
+# is listed.
 PLANS = [
     ["--devices", "4", "--memory-gb", "0.03"],
     ["--devices", "4", "--memory-gb", "1", "--n-layer", "4"],
@@ -63,7 +65,8 @@ PLANS = [
 
 
 def planned(argv: list[str], json_path: Path) -> tuple[list[dict], str]:
-    """``compare/plan.py ARGV --top 1000 --json PATH`` in this process: every layout that fits, and the table."""
+    """``compare/plan.py ARGV --top 1000 --json PATH`` in
+    this process: every layout that fits, and the table."""
     saved, out = sys.argv, io.StringIO()
     sys.argv = ["compare/plan.py", *argv, "--top", "1000", "--json", str(json_path)]
     try:
@@ -74,10 +77,11 @@ def planned(argv: list[str], json_path: Path) -> tuple[list[dict], str]:
     return json.loads(json_path.read_text())["fit"], out.getvalue()
 
 
-# Why a listed layout may have no command (issue 49: every other layout has one): what step 10 refuses, what only
-# steps 5-7, step 6 or step 7 have.
+# Why a listed layout may have no command (issue 49: every other layout has one): what step 10
+# refuses, what only steps 5-7, step 6 or step 7 have.
 NO_COMMAND = [
-    r"ZeRO-3 with (sequence parallelism|zero bubble): step 10 refuses it \(zero3_on_mesh.py's rule 6\)",
+    r"ZeRO-3 with (sequence parallelism|zero bubble): step 10 refuses it "
+    r"\(zero3_on_mesh.py's rule 6\)",
     r"cp with (sequence parallelism|selective recomputation): step 10 refuses it .*",
     r"checkpointing with zero bubble: step 10 refuses it .*",
     r"(bf16|fp16) parameters with .*: steps 5-7 alone have --param-dtype",
@@ -91,9 +95,9 @@ class Parsed(Exception):
 
 @functools.cache
 def trainer_parser(step: str):
-    """(the parser ``python STEP/train.py`` builds, its ``parse_config``), in this process: the step's main() run up
-    to its ``parse_config`` (its flags added as it adds them), from its own folder's modules, imported afresh and
-    forgotten after."""
+    """(the parser ``python STEP/train.py`` builds, its ``parse_config``), in this process: the
+    step's main() run up to its ``parse_config`` (its flags added as it adds them), from its own
+    folder's modules, imported afresh and forgotten after."""
 
     def ours(module) -> bool:
         return Path(getattr(module, "__file__", None) or "/").resolve().parent.parent == REPO
@@ -124,7 +128,8 @@ def trainer_parser(step: str):
 
 
 def parse_as_trainer(step: str, argv: list[str]) -> dict:
-    """The config ``python STEP/train.py ARGV`` parses: its own parser's, and the checks of its parse_config."""
+    """The config ``python STEP/train.py ARGV`` parses: its
+    own parser's, and the checks of its parse_config."""
     parser, parse_config = trainer_parser(step)
     return parse_config(parser, argv)
 
@@ -169,10 +174,11 @@ def layout_of_flags(step: str, nproc: int, config: dict) -> dict:
 
 @pytest.mark.quick
 def test_every_listed_layout_has_a_command_its_trainer_parses_or_says_why_not(tmp_path):
-    """For a few budgets and flags, every layout that fits: a command whose flags the step's own parser accepts
-    and that gives back the layout (mesh, ZeRO stage, HSDP, offload, recomputation, SP, M, schedule, the model,
-    the global batch), or one line saying why no trainer runs it; both in the table under the layout's row.
-    Across them, every trainer of a layout (steps 1, 5-11) is chosen somewhere, step 10 with cp too."""
+    """For a few budgets and flags, every layout that fits: a command whose flags the step's own
+    parser accepts and that gives back the layout (mesh, ZeRO stage, HSDP, offload, recomputation,
+    SP, M, schedule, the model, the global batch), or one line saying why no trainer runs it; both
+    in the table under the layout's row. Across them, every trainer of a layout (steps 1, 5-11) is
+    chosen somewhere, step 10 with cp too."""
     chosen, parsed = set(), {}
     for i, argv in enumerate(PLANS):
         fit, table = planned(argv, tmp_path / f"plan{i}.json")
@@ -227,7 +233,8 @@ def test_every_listed_layout_has_a_command_its_trainer_parses_or_says_why_not(tm
                 step == "step10_3d_parallel" and c["dp"] * c["cp"] > 1
             ):  # each --zero, with and without a model axis
                 chosen.add(
-                    f"step10 --zero {c['zero']}, {'mesh' if c['tp'] * c['pp'] * c['cp'] > 1 else 'dp'}"
+                    f"step10 --zero {c['zero']}, "
+                    f"{'mesh' if c['tp'] * c['pp'] * c['cp'] > 1 else 'dp'}"
                 )
             if step == "step10_3d_parallel" and c["replicate"] > 1:  # HSDP beside a model axis
                 chosen.add("step10 --zero 3 --replicate")
@@ -239,7 +246,8 @@ def test_every_listed_layout_has_a_command_its_trainer_parses_or_says_why_not(tm
                 )
     # the fourth axis on the mesh
     assert {s for s in chosen if s.startswith("step10 with cp")}, chosen
-    # DDP, ZeRO-1 and ZeRO-2 on step 10, beside tp, pp or cp and (with recomputation) alone; ZeRO-3 beside them
+    # DDP, ZeRO-1 and ZeRO-2 on step 10, beside tp, pp or
+    # cp and (with recomputation) alone; ZeRO-3 beside them
     assert {f"step10 --zero {z}, {at}" for z in range(3) for at in ("mesh", "dp")} <= chosen, chosen
     assert {
         "step10 --zero 3, mesh",
@@ -270,13 +278,14 @@ def test_a_model_no_trainer_builds_gets_one_line_and_no_commands(tmp_path):
 
 
 def test_the_top_runnable_layouts_train_and_hold_what_the_plan_says(small_corpus, tmp_path):
-    """The trainers' default model at 4 ranks, 20 MiB each: the first 3 layouts that have a command (2026-12: DDP
-    and ZeRO-2 with checkpointing at dp 4, DDP at dp 2 x pp 2, all three step 10 with --zero 0 or 2, which had no
-    trainer before), and the first ZeRO-3 layout with tp (dp 2 x tp 2, step 10's --zero 3, which had none either),
-    each trained 2 steps as its command says. Each run's mesh and ZeRO stage are its row's; ``compare/plan.py
-    --measured`` passes them; every rank's recorded params + grads + AdamW state is within the same tolerance of its
-    stage's row in the plan; the ZeRO-3 run's params, grads, gathered units and accumulated gradient are the row's
-    to the byte."""
+    """The trainers' default model at 4 ranks, 20 MiB each: the first 3 layouts that have a command
+    (2026-12: DDP and ZeRO-2 with checkpointing at dp 4, DDP at dp 2 x pp 2, all three step 10 with
+    --zero 0 or 2, which had no trainer before), and the first ZeRO-3 layout with tp (dp 2 x tp 2,
+    step 10's --zero 3, which had none either), each trained 2 steps as its command says. Each run's
+    mesh and ZeRO stage are its row's; ``compare/plan.py --measured`` passes them; every rank's
+    recorded params + grads + AdamW state is within the same tolerance of its stage's row in the
+    plan; the ZeRO-3 run's params, grads, gathered units and accumulated gradient are the row's to
+    the byte."""
     fit, _ = planned(["--devices", "4", "--memory-gb", "0.02"], tmp_path / "plan.json")
     runnable = [c for c in fit if c["command"]][:3]
     assert (
@@ -351,12 +360,13 @@ def test_the_top_runnable_layouts_train_and_hold_what_the_plan_says(small_corpus
 
 
 def test_the_ep_layouts_train_and_hold_and_send_what_the_plan_says(small_corpus, tmp_path):
-    """``plan.py --moe-experts E``: step 12's layouts (every ep dividing E and the ranks), each with the command
-    that trains it, in step 12 and on step 10's mesh (--dp N --ep D, ZeRO-1). Each command, trained one step at 2
-    ranks: every rank's parameters and gradients are the row's to the byte, its model state within the tolerance
-    (AdamW's step counts), and the all-to-all bytes of the step, averaged over the ranks (over a group what is sent
-    arrives), the row's dropless figure exactly, and each
-    rank's the closed form (conftest.assert_all_to_all_closed_form: the tests' other step-12 runs drop slots)."""
+    """``plan.py --moe-experts E``: step 12's layouts (every ep dividing E and the ranks), each with
+    the command that trains it, in step 12 and on step 10's mesh (--dp N --ep D, ZeRO-1). Each
+    command, trained one step at 2 ranks: every rank's parameters and gradients are the row's to the
+    byte, its model state within the tolerance (AdamW's step counts), and the all-to-all bytes of
+    the step, averaged over the ranks (over a group what is sent arrives), the row's dropless figure
+    exactly, and each rank's the closed form (conftest.assert_all_to_all_closed_form: the tests'
+    other step-12 runs drop slots)."""
     argv = [
         "--moe-experts",
         "4",

@@ -1,4 +1,5 @@
-"""compare/plot.py on runs made up for the test, and compare/tour.py (the main job) on the tiny workload."""
+"""compare/plot.py on runs made up for the test, and
+compare/tour.py (the main job) on the tiny workload."""
 
 import json
 import re
@@ -59,8 +60,9 @@ def test_the_tour_runs_every_step_and_its_parity_checks(tour):
     # The data-parallel steps, bitwise to step 1; the pipeline (step 9), bitwise to step 0.
     bitwise_steps = [step for step in STEPS if 2 <= int(step[4:]) < 8 or step == "step9"]
     assert len(bitwise_steps) >= 5  # steps 2-6 at least
-    # A report and a table row each, and the same for step 9's zero-bubble schedule beside step 0, and its
-    # interleaved one beside step 0 on 4 blocks, and for step 12 beside step 0 on an MoE model.
+    # A report and a table row each, and the same for step 9's zero-bubble schedule beside step 0,
+    # and its interleaved one beside step 0 on 4 blocks, and for step 12 beside step 0 on an MoE
+    # model.
     assert output.count("PASS (bitwise identical)") == 2 * len(bitwise_steps) + 4 + 2
     for row, folder in (("  zero bubble", "zero_bubble"), ("  interleaved, V = 2", "interleaved")):
         line = next(line for line in output.splitlines() if line.startswith(row))
@@ -74,8 +76,8 @@ def test_the_tour_runs_every_step_and_its_parity_checks(tour):
         and (runs / "moe" / STEPS["step12"]).is_dir()
     )
     assert "same global batches, other summation order" in output  # step 0, measured, not judged
-    # The steps that split the model sum in another order: judged by step 0's drift from step 1, measured in the
-    # same tour (compare/other_order.py), their first step to float32's rounding.
+    # The steps that split the model sum in another order: judged by step 0's drift from step 1,
+    # measured in the same tour (compare/other_order.py), their first step to float32's rounding.
     for step in ("step8", "step10", "step11"):
         line = next(line for line in output.splitlines() if line.startswith(STEPS[step]))
         first_loss = re.search(r"other summation order: step 1 loss rel diff (\S+),", line)
@@ -88,9 +90,10 @@ def test_the_tour_runs_every_step_and_its_parity_checks(tour):
 
 
 def test_the_tour_plots_step_12s_expert_load(tour):
-    """runs/plots/expert_load.png, drawn from step 12's records (compare/plot.py's ``expert_load``): per step and
-    MoE layer the experts' shares sum to 1, and the slots computed plus those dropped are every token's k, over
-    every rank's micro-batches of the step (an independent count: the run's batch arithmetic)."""
+    """runs/plots/expert_load.png, drawn from step 12's records (compare/plot.py's ``expert_load``):
+    per step and MoE layer the experts' shares sum to 1, and the slots computed plus those dropped
+    are every token's k, over every rank's micro-batches of the step (an independent count: the
+    run's batch arithmetic)."""
     import plot
 
     runs, _ = tour

@@ -42,7 +42,10 @@ def test_yields_exactly_what_distributed_sampler_yields(world_size):
             )
             ours.set_epoch(epoch)
             theirs.set_epoch(epoch)
-            case = f"n={n} ws={world_size} rank={rank} shuffle={shuffle} drop_last={drop_last} seed={seed} epoch={epoch}"
+            case = (
+                f"n={n} ws={world_size} rank={rank} shuffle={shuffle} "
+                f"drop_last={drop_last} seed={seed} epoch={epoch}"
+            )
             assert list(ours) == list(theirs), case
             assert len(ours) == len(theirs) == len(list(ours)), case
 
@@ -190,7 +193,8 @@ def test_check_with_drop_last_allows_no_repeats(monkeypatch):
 
 
 def shard_worker(rank, world_size, port, queue, dataset_len, drop_last, plant):
-    """One rank: build the shard, maybe plant a bug, run the collective check, report what happened."""
+    """One rank: build the shard, maybe plant a bug,
+    run the collective check, report what happened."""
     init_gloo(rank, world_size, port)
     shard = list(ShardedSampler(dataset_len, world_size, rank, seed=3, drop_last=drop_last))
     if plant == "overlap" and rank == 1:  # rank 1 computes rank 0's shard
@@ -238,8 +242,9 @@ def test_real_processes_all_catch_a_short_shard():
 
 
 def loop_worker(rank, world_size, port, queue):
-    """One rank of the trainers' bookkeeping: three steps of two micro-batches from checked_micro_batches (an
-    epoch is 5 micro-batches per rank, so steps 1 and 3 start one), and the loss mean of distributed.py."""
+    """One rank of the trainers' bookkeeping: three steps of two micro-batches from
+    checked_micro_batches (an epoch is 5 micro-batches per rank, so steps 1 and 3 start one), and
+    the loss mean of distributed.py."""
     import distributed
     from data import MicroBatches
 
@@ -267,7 +272,7 @@ def loop_worker(rank, world_size, port, queue):
     queue.put((rank, {"steps": steps, "mean": mean}))
 
 
-def test_the_loops_micro_batches_are_checked_at_each_epoch_start_and_the_loss_averaged_over_every_rank():
+def test_the_micro_batches_are_checked_at_each_epoch_start_and_the_loss_averaged_over_ranks():
     results = spawn(loop_worker, 2)
     summary = {"ranks": 2, "per_rank": 5, "distinct": 10, "padding": 0, "ok": True}
     for rank in (0, 1):

@@ -1,7 +1,8 @@
-"""Step 7's --activation-checkpointing selective (recomputation.py): a real 2-rank gloo run bitwise to the
-same run without recomputation (dropout on: the recomputation replays its masks), and the bytes each block leaves
-for backward, counted with saved_tensors_hooks on real tensors for none / selective / full, equal to the closed
-forms of the file's rule 3 and to the planner's formula (compare/activation_formula.py)."""
+"""Step 7's --activation-checkpointing selective (recomputation.py): a real 2-rank gloo run bitwise
+to the same run without recomputation (dropout on: the recomputation replays its masks), and the
+bytes each block leaves for backward, counted with saved_tensors_hooks on real tensors for none /
+selective / full, equal to the closed forms of the file's rule 3 and to the planner's formula
+(compare/activation_formula.py)."""
 
 import importlib.util
 import sys
@@ -41,9 +42,9 @@ def step7_module(name: str):
 
 
 def saved_per_block(mode: str, dropout: float, prepare=None) -> list[int]:
-    """Bytes autograd keeps for backward inside each block (a storage once, weights left out), recomputed as
-    ``recomputation.recompute`` does it in steps 7 and 10; ``prepare(model)`` first returns the model to count
-    (step 10's tensor-parallel one)."""
+    """Bytes autograd keeps for backward inside each block (a storage once, weights left out),
+    recomputed as ``recomputation.recompute`` does it in steps 7 and 10; ``prepare(model)`` first
+    returns the model to count (step 10's tensor-parallel one)."""
     torch.manual_seed(0)
     model = GPT2(
         GPTConfig(vocab_size=64, seq_len=S, n_layer=2, n_head=HEADS, n_embd=H, dropout=dropout)
@@ -74,8 +75,9 @@ def saved_per_block(mode: str, dropout: float, prepare=None) -> list[int]:
 @pytest.mark.quick
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_bytes_per_block_are_the_closed_forms_and_the_planners(dropout):
-    """float32, a CPU's float32 dropout masks: none 64 sbh + 16 sb + 4 a b s² + s² (dropout: 72 sbh + 16 sb +
-    12 a b s² + s²), selective the same less every s² term, full the block's input, 4 sbh."""
+    """float32, a CPU's float32 dropout masks: none 64 sbh + 16 sb + 4 a b s² + s² (dropout: 72 sbh
+    + 16 sb + 12 a b s² + s²), selective the same less every s² term, full the block's input, 4
+    sbh."""
     torch.set_num_threads(1)
     sbh, sb, s2 = S * B * H, S * B, S * S
     wide, scores = (72, 12) if dropout else (64, 4)
@@ -108,8 +110,8 @@ def test_recomputed_flops_are_the_matmuls():
 
 
 def test_selective_is_bitwise_to_no_recomputation_at_two_ranks(tmp_path, small_corpus):
-    """bf16 autocast, dropout 0.1, float64 reduction: the selective run's losses, gradient norms and final weights
-    are those of the run without recomputation, bit for bit."""
+    """bf16 autocast, dropout 0.1, float64 reduction: the selective run's losses, gradient norms and
+    final weights are those of the run without recomputation, bit for bit."""
     none = train("step7", tmp_path / "none", small_corpus, *EXACT)
     selective = train(
         "step7",
@@ -140,17 +142,18 @@ def test_a_mode_that_does_not_exist_is_one_line_exit_2(tmp_path, small_corpus):
     )
     assert result.returncode != 0 and "ranks' exit codes: [2]" in result.stderr, result.stderr
     assert (
-        "error: argument --activation-checkpointing: invalid choice: 'attention' (choose from 'none', 'full', "
+        "error: argument --activation-checkpointing: invalid choice: 'attention' "
+        "(choose from 'none', 'full', "
         "'selective') (see --help)"
     ) in result.stderr, result.stderr
 
 
-# ---- step 10: recomputation on a tensor-parallel rank's heads, through the pipeline's schedules -------------------
+# ---- step 10: recomputation on a tensor-parallel rank's heads, through the pipeline's schedules
 
 
 def _tensor_parallel_saved_bytes(rank, world_size, port, queue):
-    """Each block's saved bytes on this rank of a tp group of two, step 10's own wrappers (step 8's files), with and
-    without sequence parallelism, for each mode."""
+    """Each block's saved bytes on this rank of a tp group of two, step 10's own wrappers (step 8's
+    files), with and without sequence parallelism, for each mode."""
     from conftest import init_gloo, shutdown
 
     init_gloo(rank, world_size, port)
@@ -172,12 +175,13 @@ def _tensor_parallel_saved_bytes(rank, world_size, port, queue):
 
 
 def test_step10_bytes_per_block_at_tp2_are_the_closed_forms_and_the_planners():
-    """A rank of a tp pair holds a/t heads: its s² terms and everything between a column- and a row-parallel linear
-    are 1/t. Float32, no dropout: none 16 sbh + 16 sb + 48 sbh/t + 4 (a/t) b s² + s², selective the same less the
-    s² terms, full the block's input, 4 sbh. With sequence parallelism the LayerNorms' inputs and statistics are
-    1/t too, but each all-gathered LayerNorm output is kept whole by the linear it feeds: 8 sbh + (56 sbh + 16 sb)/t
-    (+ the s² terms), full 4 sbh/t. The planner counts Megatron-LM's sequence parallelism, which keeps those inputs
-    sharded and gathers them again in backward: 8 sbh (1 - 1/t) less, the only difference."""
+    """A rank of a tp pair holds a/t heads: its s² terms and everything between a column- and a
+    row-parallel linear are 1/t. Float32, no dropout: none 16 sbh + 16 sb + 48 sbh/t + 4 (a/t) b s²
+    + s², selective the same less the s² terms, full the block's input, 4 sbh. With sequence
+    parallelism the LayerNorms' inputs and statistics are 1/t too, but each all-gathered LayerNorm
+    output is kept whole by the linear it feeds: 8 sbh + (56 sbh + 16 sb)/t (+ the s² terms), full 4
+    sbh/t. The planner counts Megatron-LM's sequence parallelism, which keeps those inputs sharded
+    and gathers them again in backward: 8 sbh (1 - 1/t) less, the only difference."""
     t, sbh, sb, s2 = 2, S * B * H, S * B, S * S
     scores = 4 * (HEADS // t) * B * s2 + s2
     selective = {
@@ -219,9 +223,10 @@ def test_step10_bytes_per_block_at_tp2_are_the_closed_forms_and_the_planners():
 def test_step10_recomputation_is_bitwise_to_none_at_tp2_pp2_with_sequence_parallelism(
     mode, schedule, mesh_runs, tmp_path, small_corpus
 ):
-    """tp 2 x pp 2, sequence parallelism, dropout 0.1, bf16 autocast (the shared run ``tp2pp2sp``, which keeps
-    everything): recomputing attention's core under zero bubble's split backward (B recomputes it; W needs only
-    what the linears kept), or whole blocks under 1F1B, changes no bit of losses, norms or weights."""
+    """tp 2 x pp 2, sequence parallelism, dropout 0.1, bf16 autocast (the shared run ``tp2pp2sp``,
+    which keeps everything): recomputing attention's core under zero bubble's split backward (B
+    recomputes it; W needs only what the linears kept), or whole blocks under 1F1B, changes no bit
+    of losses, norms or weights."""
     none = mesh_runs("tp2pp2sp")
     step, nproc, flags = MESH_RUNS["tp2pp2sp"]
     at = TINY.index("--grad-accum")
@@ -251,8 +256,8 @@ def test_step10_recomputation_is_bitwise_to_none_at_tp2_pp2_with_sequence_parall
 
 def test_step10_resumes_with_another_mode_bitwise(mesh_runs, tmp_path, small_corpus):
     """The mode changes what is kept, not what is computed, so a run may resume with another one
-    (resharding.py's RESUMABLE_KEYS): tp 2 x pp 2 saved at step 2 without recomputation, resumed with selective,
-    ends bitwise where the uninterrupted run ended."""
+    (resharding.py's RESUMABLE_KEYS): tp 2 x pp 2 saved at step 2 without recomputation, resumed
+    with selective, ends bitwise where the uninterrupted run ended."""
     saved = mesh_runs("tp2pp2")
     step, nproc, flags = MESH_RUNS["tp2pp2"]
     at = TINY.index("--grad-accum")
@@ -279,8 +284,9 @@ def test_step10_resumes_with_another_mode_bitwise(mesh_runs, tmp_path, small_cor
 
 
 def _attention_cores_run(rank, world_size, port, queue, runs):
-    """Two pipeline stages (step 10's files, pp = 2, one block each), 4 micro-batches: how many times each
-    stage's attention core runs, forwards and recomputations together, for each (mode, schedule) of ``runs``."""
+    """Two pipeline stages (step 10's files, pp = 2, one block each), 4 micro-batches: how many
+    times each stage's attention core runs, forwards and recomputations together, for each (mode,
+    schedule) of ``runs``."""
     from conftest import init_gloo, shutdown
 
     init_gloo(rank, world_size, port)
@@ -330,11 +336,12 @@ def _attention_cores_run(rank, world_size, port, queue, runs):
 
 
 def test_step10_recomputes_each_core_once_a_micro_batch_and_full_under_zero_bubble_would_not():
-    """Counted on both stages of a real 2-rank pipeline (one block each, 4 micro-batches): without recomputation
-    a core runs once a micro-batch; selective and full recomputation run it once more in backward, under 1F1B
-    and, for selective, under zero bubble (B recomputes it, W needs nothing inside it). Full under zero bubble
-    recomputes the block once per backward call that reaches it, B's and each layer's W (measured: 10 runs a
-    micro-batch instead of 2, 2026-12-03): why step 10 refuses it."""
+    """Counted on both stages of a real 2-rank pipeline (one block each, 4 micro-batches): without
+    recomputation a core runs once a micro-batch; selective and full recomputation run it once more
+    in backward, under 1F1B and, for selective, under zero bubble (B recomputes it, W needs nothing
+    inside it). Full under zero bubble recomputes the block once per backward call that reaches it,
+    B's and each layer's W (measured: 10 runs a micro-batch instead of 2, 2026-12-03): why step 10
+    refuses it."""
     runs = [
         ("none", "1f1b"),
         ("selective", "1f1b"),

@@ -1,7 +1,7 @@
-"""What the sharded trainers (steps 5-7) record where parity cannot see a mistake: the gradient norm when
-clipping is off (nothing is scaled, so the weights are right even if the logged norm is one rank's slice),
-and the bytes each step hands to its collectives in the default float32 mode (a reduction in float64 gives
-the same bits at 2 ranks, at twice the traffic)."""
+"""What the sharded trainers (steps 5-7) record where parity cannot see a mistake: the gradient norm
+when clipping is off (nothing is scaled, so the weights are right even if the logged norm is one
+rank's slice), and the bytes each step hands to its collectives in the default float32 mode (a
+reduction in float64 gives the same bits at 2 ranks, at twice the traffic)."""
 
 import math
 
@@ -34,10 +34,10 @@ def unclipped(tmp_path_factory, small_corpus):
 
 @pytest.mark.parametrize("step", SHARDED)
 def test_without_clipping_the_logged_grad_norm_is_the_global_one(step, unclipped, step1_ws2):
-    """Every record's norm equals step 1's, where PyTorch DDP holds the whole averaged gradient on every rank.
-    Independently of step 1's run at --grad-clip 0: the first step's norm comes before any update, so it is the
-    one the tour's run (clipping at 0.3) logged; and one rank's slice is half the gradient, so its norm would be
-    smaller."""
+    """Every record's norm equals step 1's, where PyTorch DDP holds the whole averaged gradient on
+    every rank. Independently of step 1's run at --grad-clip 0: the first step's norm comes before
+    any update, so it is the one the tour's run (clipping at 0.3) logged; and one rank's slice is
+    half the gradient, so its norm would be smaller."""
     records = metrics(unclipped[step])["records"]
     reference = metrics(unclipped["step1"])["records"]
     assert metrics(unclipped[step])["config"]["grad_clip"] == 0
@@ -50,11 +50,12 @@ def test_without_clipping_the_logged_grad_norm_is_the_global_one(step, unclipped
 @pytest.mark.quick
 @pytest.mark.parametrize("step", ["step1", "step2", "step3", "step4", *SHARDED])
 def test_the_default_mode_moves_each_gradient_once_in_float32(step, tour):
-    """Per optimiser step (accumulation 2, so ``no_sync`` keeps the first micro-batch silent), on every record
-    of the tour's float32 runs at 2 ranks: the gradient collective carries 4 bytes per parameter once, padding
-    included (at most 64 elements per rank); ZeRO-1 and -2 all-gather the 4-byte parameters once; ZeRO-3 gathers
-    each unit per micro-batch in forward and again in backward, the root once. Besides these, only scalars (the
-    clipping norm, step 7's exact param-norm parts) are all-reduced: 8 kB at most."""
+    """Per optimiser step (accumulation 2, so ``no_sync`` keeps the first micro-batch silent), on
+    every record of the tour's float32 runs at 2 ranks: the gradient collective carries 4 bytes per
+    parameter once, padding included (at most 64 elements per rank); ZeRO-1 and -2 all-gather the
+    4-byte parameters once; ZeRO-3 gathers each unit per micro-batch in forward and again in
+    backward, the root once. Besides these, only scalars (the clipping norm, step 7's exact
+    param-norm parts) are all-reduced: 8 kB at most."""
     run = tour[0] / STEPS[step]
     n, world_size = psi(run), metrics(run)["env"]["world_size"]
     config = metrics(run)["config"]

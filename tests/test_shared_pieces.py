@@ -20,7 +20,7 @@ from training import clip_grad_norm, lr_at, param_norm
 pytestmark = pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 
 
-# ---- checkpoint_files.find_checkpoint ----------------------------------------------------------------------
+# ---- checkpoint_files.find_checkpoint ------------------------------------------------------------
 
 
 def fake_checkpoint(out, name, meta=True):
@@ -52,7 +52,8 @@ def test_resume_path_without_meta_and_empty_folder_are_user_errors(tmp_path):
     assert "did you mean" not in str(refused.value)  # no whole checkpoint anywhere near it yet
     whole = fake_checkpoint(tmp_path, "step_4")
     assert find_checkpoint(str(whole), tmp_path) == whole
-    # The run folder, its checkpoints/ folder, a file of a checkpoint: each named instead of the checkpoint.
+    # The run folder, its checkpoints/ folder, a file of
+    # a checkpoint: each named instead of the checkpoint.
     (whole / "rank0.pt").write_bytes(b"")
     for meant_instead in (tmp_path, tmp_path / "checkpoints", whole / "rank0.pt"):
         with pytest.raises(UserError, match=f"did you mean --resume {whole}\\?$"):
@@ -85,7 +86,8 @@ class Part:
         return {self.key: torch.tensor(self.value)}
 
     def load_checkpoint(self, checkpoint) -> None:
-        # a per-rank part's entries are DCP's, read into this rank's tensors; a shared part's are in the run state
+        # a per-rank part's entries are DCP's, read into this
+        # rank's tensors; a shared part's are in the run state
         empty = {self.key: torch.zeros((), dtype=torch.int64)}
         state = checkpoint.read(empty) if self.per_rank else checkpoint.shared
         # draws before the RNG is set
@@ -93,9 +95,10 @@ class Part:
 
 
 def test_the_writer_saves_each_part_where_it_says_and_starts_from_them_in_order_rng_last(tmp_path):
-    """One call each way: ``save(step)`` puts a shared part in the run state (``run``) and a per-rank one in DCP's
-    entries, beside the rank's RNG (``rank0``); ``start(checkpoint)`` loads every part in the order given, then the RNG (what a part draws while loading
-    must not move the stream), and returns the step; ``start(None)`` clears an earlier run's checkpoints."""
+    """One call each way: ``save(step)`` puts a shared part in the run state (``run``) and a
+    per-rank one in DCP's entries, beside the rank's RNG (``rank0``); ``start(checkpoint)`` loads
+    every part in the order given, then the RNG (what a part draws while loading must not move the
+    stream), and returns the step; ``start(None)`` clears an earlier run's checkpoints."""
     from checkpoint import CheckpointWriter
     from resharding import Checkpoint
 
@@ -121,7 +124,7 @@ def test_the_writer_saves_each_part_where_it_says_and_starts_from_them_in_order_
     assert not (tmp_path / "checkpoints").exists()
 
 
-# ---- training.lr_at: warm-up and cosine in closed form -----------------------------------------------
+# ---- training.lr_at: warm-up and cosine in closed form -------------------------------------------
 
 SCHEDULE = {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 4, "steps": 10}
 
@@ -159,7 +162,8 @@ def test_schedule_without_warmup_and_with_one_step():
 
 
 def test_a_trainer_records_the_closed_form_lr(step1_ws2):
-    """The lr a trainer logs for step k is lr_at(k - 1): the scheduler does not shift it by one step."""
+    """The lr a trainer logs for step k is lr_at(k -
+    1): the scheduler does not shift it by one step."""
     m = metrics(step1_ws2)
     c = m["config"]
     assert c["warmup_steps"] == 2
@@ -168,7 +172,7 @@ def test_a_trainer_records_the_closed_form_lr(step1_ws2):
         assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, c), rel=1e-15), r["step"]
 
 
-# ---- training.param_norm: float64, not float32 -------------------------------------------------------
+# ---- training.param_norm: float64, not float32 ---------------------------------------------------
 
 
 def test_param_norm_is_the_float64_norm():
@@ -190,7 +194,7 @@ def test_param_norm_is_the_float64_norm():
     assert abs(param_norm(params) - exact) / exact <= 1e-15
 
 
-# ---- training.clip_grad_norm: torch.nn.utils.clip_grad_norm_ as its oracle ---------------------------
+# ---- training.clip_grad_norm: torch.nn.utils.clip_grad_norm_ as its oracle -----------------------
 
 
 def with_gradients(scale):
@@ -207,13 +211,14 @@ def with_gradients(scale):
     ids=["clipped", "below the limit"],
 )
 def test_clipping_matches_pytorch(scale, max_norm, clipped):
-    """A norm of ~0.44 against a limit of 0.3: the coefficient's + 1e-6 changes it by ~2e-6, many ulps."""
+    """A norm of ~0.44 against a limit of 0.3: the
+    coefficient's + 1e-6 changes it by ~2e-6, many ulps."""
     ours, theirs = with_gradients(scale), with_gradients(scale)
     unclipped = [p.grad.clone() for p in ours]
     norm = clip_grad_norm(ours, max_norm)
     their_norm = torch.nn.utils.clip_grad_norm_(theirs, max_norm, foreach=False)
-    # The norm: float64 sum of squares, rounded once; on this data PyTorch's float32 norm is the same
-    # number, so the coefficients can be compared bit for bit.
+    # The norm: float64 sum of squares, rounded once; on this data PyTorch's float32 norm is the
+    # same number, so the coefficients can be compared bit for bit.
     assert norm.dtype == torch.float32 and norm.item() == their_norm.item()
     assert (norm.item() > max_norm) == clipped  # the returned norm is the one *before* clipping
     for a, b, before in zip(ours, theirs, unclipped):
@@ -230,9 +235,10 @@ def test_max_norm_zero_means_no_clipping():
 
 
 def test_one_clipping_function_for_every_layout_counts_each_element_once():
-    """clip_grad_norm's ``counted``: the whole model's norm from a rank's share, every element once. Here one
-    process plays both ranks of a 2-way split, adding their float64 sums as the all-reduce would: the norm of
-    the whole model (torch.nn.utils.clip_grad_norm_ the oracle) and both shares clipped by its coefficient."""
+    """clip_grad_norm's ``counted``: the whole model's norm from a rank's share, every element once.
+    Here one process plays both ranks of a 2-way split, adding their float64 sums as the all-reduce
+    would: the norm of the whole model (torch.nn.utils.clip_grad_norm_ the oracle) and both shares
+    clipped by its coefficient."""
     whole, theirs = with_gradients(0.03), with_gradients(0.03)
     their_norm = torch.nn.utils.clip_grad_norm_(theirs, 0.3, foreach=False)
     # rank 0 holds the first two tensors and a replica of the third; rank 1 holds the third alone
@@ -253,9 +259,9 @@ def test_one_clipping_function_for_every_layout_counts_each_element_once():
 
 @pytest.mark.quick
 def test_param_norm_is_the_exact_norm_whatever_the_grouping(monkeypatch):
-    """``param_norm`` against a closed form computed with Python's integers (exact), for tensors cut into
-    slices in two ways, with values across many exponents, over the 4M-element chunk boundary; the GPU's atomic
-    adds give the same parts; subnormals, NaNs and infinities."""
+    """``param_norm`` against a closed form computed with Python's integers (exact), for tensors cut
+    into slices in two ways, with values across many exponents, over the 4M-element chunk boundary;
+    the GPU's atomic adds give the same parts; subnormals, NaNs and infinities."""
     import fractions
 
     from exact_sums import norm_from_parts, square_sum_parts
@@ -291,8 +297,9 @@ def test_param_norm_is_the_exact_norm_whatever_the_grouping(monkeypatch):
 
 
 def test_the_final_weights_record_their_exact_norm_whole_or_streamed(tmp_path, monkeypatch):
-    """``save_final_weights`` (common/) and step 7's ``save_final_weights_streaming`` (tensors one at a time, as
-    ZeRO-3 gathers them) record the ``param_norm`` of what they write: the exact norm, Python's integers."""
+    """``save_final_weights`` (common/) and step 7's ``save_final_weights_streaming`` (tensors one
+    at a time, as ZeRO-3 gathers them) record the ``param_norm`` of what they write: the exact norm,
+    Python's integers."""
     import fractions
 
     from conftest import REPO
@@ -323,7 +330,8 @@ def test_the_final_weights_record_their_exact_norm_whole_or_streamed(tmp_path, m
 
 @pytest.mark.quick
 def test_the_gpu_bin_sums_equal_bincount_and_leave_deterministic_mode_as_it_was():
-    """The GPU path of square_sum_parts (atomic adds, deterministic mode lifted for one call), run on the CPU."""
+    """The GPU path of square_sum_parts (atomic adds,
+    deterministic mode lifted for one call), run on the CPU."""
     from exact_sums import EXPONENTS, MIN_EXPONENT, _LaneSums
 
     g = torch.Generator().manual_seed(1)
@@ -346,11 +354,12 @@ def test_the_gpu_bin_sums_equal_bincount_and_leave_deterministic_mode_as_it_was(
         torch.use_deterministic_algorithms(before)
 
 
-def test_a_checkpoint_keeps_the_hyperparameters_and_leaves_the_update_implementation_to_the_resuming_run(
+def test_a_checkpoint_keeps_the_hyperparameters_and_leaves_the_update_code_to_the_resuming_run(
     tmp_path,
 ):
-    """A run on the CPU saves AdamW with ``foreach=False`` (training.adamw_options); resumed on a GPU it must run
-    the multi-tensor update every step there uses, so only the hyperparameters come from the checkpoint."""
+    """A run on the CPU saves AdamW with ``foreach=False`` (training.adamw_options); resumed on a
+    GPU it must run the multi-tensor update every step there uses, so only the hyperparameters come
+    from the checkpoint."""
     from checkpoint import CheckpointWriter, WholeModel, load_optimizer
     from resharding import Checkpoint
 
@@ -379,8 +388,9 @@ def test_a_checkpoint_keeps_the_hyperparameters_and_leaves_the_update_implementa
 
 
 def test_memory_stats_on_a_gpu_read_its_utilisation_or_say_none(monkeypatch):
-    """On a GPU each rank's memory entry carries NVML's utilisation through torch.cuda (faked here: no GPU), and
-    None where NVML cannot be read (torch.cuda.utilization raises without pynvml) instead of ending the run."""
+    """On a GPU each rank's memory entry carries NVML's utilisation through torch.cuda (faked here:
+    no GPU), and None where NVML cannot be read (torch.cuda.utilization raises without pynvml)
+    instead of ending the run."""
     import metrics
 
     cuda = torch.device("cuda", 0)
@@ -433,7 +443,8 @@ def test_the_done_line_names_the_layout_the_last_loss_and_where_the_weights_are(
 
 @pytest.mark.quick
 def test_nondeterministic_lifts_deterministic_kernels_and_the_default_keeps_them():
-    """``--nondeterministic`` (every step, compare/plain_loop.py) reaches seed_everything: torch's default kernels."""
+    """``--nondeterministic`` (every step, compare/plain_loop.py)
+    reaches seed_everything: torch's default kernels."""
     from config import build_parser, parse_config
     from seeding import seed_everything
 

@@ -1,9 +1,10 @@
-"""launch/slurm.sbatch and launch/slurm_command.py: the line rendered from Slurm's variables, checked argument by
-argument; then the script itself run on this machine as a 2-node job, with stand-ins for ``srun`` (each node's
-task started here, ``SLURM_NODEID`` set) and ``scontrol`` (the nodes' names; a requeue noted in a file). The
-trainer, torchrun and its c10d rendezvous are the real ones, as in the two-node test of test_data_parallel.py:
-the job trains bitwise like step 3 launched plainly, and stopped by the time limit's signal it saves, is
-requeued, and its next start ends bitwise like a run never stopped."""
+"""launch/slurm.sbatch and launch/slurm_command.py: the line rendered from Slurm's variables,
+checked argument by argument; then the script itself run on this machine as a 2-node job, with
+stand-ins for ``srun`` (each node's task started here, ``SLURM_NODEID`` set) and ``scontrol`` (the
+nodes' names; a requeue noted in a file). The trainer, torchrun and its c10d rendezvous are the real
+ones, as in the two-node test of test_data_parallel.py: the job trains bitwise like step 3 launched
+plainly, and stopped by the time limit's signal it saves, is requeued, and its next start ends
+bitwise like a run never stopped."""
 
 import os
 import shlex
@@ -30,7 +31,8 @@ JOB = {
     "SLURM_GPUS_ON_NODE": "4",
 }
 
-# srun: the command once per node of the job, here, each with its SLURM_NODEID; the options are Slurm's business.
+# srun: the command once per node of the job, here, each
+# with its SLURM_NODEID; the options are Slurm's business.
 FAKE_SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
 pids=()
@@ -113,7 +115,8 @@ def test_a_job_it_cannot_launch_is_refused(change, message):
 
 @pytest.fixture
 def cluster(tmp_path):
-    """A PATH with the stand-ins, and a job's environment: 2 nodes, 1 rank each, a free rendezvous port."""
+    """A PATH with the stand-ins, and a job's environment:
+    2 nodes, 1 rank each, a free rendezvous port."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -161,7 +164,8 @@ def test_the_rendered_line_reads_the_nodes_from_scontrol(cluster):
 
 
 def sbatch(env: dict, args: list[str]) -> subprocess.Popen:
-    """The script as Slurm's batch step runs it, in a session of its own (``finish`` can end all it started)."""
+    """The script as Slurm's batch step runs it, in a session
+    of its own (``finish`` can end all it started)."""
     return subprocess.Popen(
         ["bash", str(SBATCH), "step3", *args],
         cwd=REPO,
@@ -174,7 +178,8 @@ def sbatch(env: dict, args: list[str]) -> subprocess.Popen:
 
 
 def finish(job: subprocess.Popen, timeout: float) -> str:
-    """Its output once it has ended; past ``timeout``, it and everything it started are killed (no stray ranks)."""
+    """Its output once it has ended; past ``timeout``, it
+    and everything it started are killed (no stray ranks)."""
     try:
         return job.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
@@ -205,9 +210,9 @@ def test_the_job_trains_bitwise_like_step3_launched_plainly(cluster, small_corpu
 def test_the_time_limit_signal_saves_requeues_and_the_next_start_resumes_bitwise(
     cluster, small_corpus
 ):
-    """SIGUSR1 to the script (Slurm's --signal=B:USR1@90) once checkpoint 2 exists: each torchrun gets one
-    SIGTERM, the ranks finish their step, save it and exit 4; the job is requeued; started again, it resumes
-    there and ends bitwise like a run never stopped."""
+    """SIGUSR1 to the script (Slurm's --signal=B:USR1@90) once checkpoint 2 exists: each torchrun
+    gets one SIGTERM, the ranks finish their step, save it and exit 4; the job is requeued; started
+    again, it resumes there and ends bitwise like a run never stopped."""
     env, tmp = cluster
     out = tmp / "job"
     args = [

@@ -1,7 +1,7 @@
-"""Stragglers: every record holds every rank's wall and CPU time per step; compare/stragglers.py flags a rank
-that is consistently slower. A rank slowed on purpose (tests/slow_rank_hook.py) is flagged in step 1
-(DDP's C++ reducer) and step 7 (whose forward all-gathers); the same runs unslowed flag nobody; runs as short
-as the tour's tiny ones get no verdict."""
+"""Stragglers: every record holds every rank's wall and CPU time per step; compare/stragglers.py
+flags a rank that is consistently slower. A rank slowed on purpose (tests/slow_rank_hook.py) is
+flagged in step 1 (DDP's C++ reducer) and step 7 (whose forward all-gathers); the same runs unslowed
+flag nobody; runs as short as the tour's tiny ones get no verdict."""
 
 import json
 import shutil
@@ -36,8 +36,9 @@ def test_a_rank_slowed_on_purpose_is_flagged(step, tmp_path, small_corpus):
         assert r["step_time"][1]["cpu_s"] >= extra_per_step, (
             "the hook's busy work is the training thread's CPU time"
         )
-    # The point of the measure: rank 0 computes little, yet its wall time holds most of the slow rank's extra
-    # work, waited for inside the collectives (wall - CPU; not all of it: a rank that begins a step late waits less).
+    # The point of the measure: rank 0 computes little, yet its wall time holds most of the slow
+    # rank's extra work, waited for inside the collectives (wall - CPU; not all of it: a rank that
+    # begins a step late waits less).
     fast = [r["step_time"][0] for r in records[1:]]  # after the start-up step
     assert statistics.median(t["cpu_s"] for t in fast) < extra_per_step / 2
     assert statistics.median(t["wall_s"] - t["cpu_s"] for t in fast) > extra_per_step / 2
@@ -52,8 +53,8 @@ def test_a_rank_slowed_on_purpose_is_flagged(step, tmp_path, small_corpus):
 
 @pytest.mark.parametrize("step", ["step1", "step7"])
 def test_an_unslowed_run_flags_nobody(step, tmp_path, small_corpus):
-    """The control: the slowed runs' workload with nobody slowed, over 20 steps (a run's cost is its start-up, not
-    its steps): 19 analysed steps, so a rank's median is not one step's time."""
+    """The control: the slowed runs' workload with nobody slowed, over 20 steps (a run's cost is its
+    start-up, not its steps): 19 analysed steps, so a rank's median is not one step's time."""
     out = train(step, tmp_path / step, small_corpus, "--steps", "20")
     _, _, found = stragglers.check(str(out))
     assert found.steps == list(range(2, 21)) and found.straggler is None, stragglers.verdict(found)
@@ -62,8 +63,9 @@ def test_an_unslowed_run_flags_nobody(step, tmp_path, small_corpus):
 
 
 def test_the_tours_short_runs_get_no_verdict(tour):
-    """The tour's tiny runs have 3 steps after the first: too few to call (on CI one such unslowed run of step 1
-    measured 1.57x, rank 1 slowest in 3 of 3), and the tour says so instead of naming a rank."""
+    """The tour's tiny runs have 3 steps after the first: too few to call (on CI one such unslowed
+    run of step 1 measured 1.57x, rank 1 slowest in 3 of 3), and the tour says so instead of naming
+    a rank."""
     runs, output = tour
     assert "\nstragglers: too few steps to call (a verdict needs 5 after the first)" in output, (
         output[-1500:]
@@ -77,7 +79,8 @@ def test_the_tours_short_runs_get_no_verdict(tour):
 
 
 def times(*cpu_per_step, wall=0.1):
-    """Per-step lists of per-rank CPU seconds -> (steps, step_time entries) as a run records them."""
+    """Per-step lists of per-rank CPU seconds ->
+    (steps, step_time entries) as a run records them."""
     return list(range(1, len(cpu_per_step) + 1)), [
         [{"wall_s": wall, "cpu_s": c} for c in cpu] for cpu in cpu_per_step
     ]
@@ -109,7 +112,8 @@ def test_the_rule_counts_steps_and_compares_medians():
         stragglers.verdict(short)
         == "too few steps to call: 4 analysed, a verdict needs 5 (run more steps)"
     )
-    # A pipeline's stages do different work (the last one the loss too): only a stage's own ranks compare.
+    # A pipeline's stages do different work (the last one
+    # the loss too): only a stage's own ranks compare.
     stage_work = times(start, *[[0.010, 0.030]] * 5)
     assert stragglers.analyse(*stage_work).straggler == 1  # as if the two ranks did the same work
     piped = stragglers.analyse(
@@ -173,7 +177,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "argv", ["stragglers.py", str(good_run), *flags])
         with pytest.raises(stragglers.UserError, match=flags[0]):
             stragglers.main()
-    # What a user sees: one line and exit 2 (exit_on_user_error, as for every UserError above), or the table.
+    # What a user sees: one line and exit 2 (exit_on_user_error,
+    # as for every UserError above), or the table.
     missing, shown = [
         subprocess.Popen(
             [sys.executable, str(REPO / "compare" / "stragglers.py"), str(run)],
@@ -204,8 +209,9 @@ def test_parity_ignores_step_times(step1_ws2, tmp_path):
 
 
 def test_a_bad_slow_rank_hook_ends_the_run_at_start_up():
-    """The hook reads RANK:SECONDS before it imports anything: a bad value is one line and exit 2, as any user
-    error, so that a mistyped test cannot run unslowed. (Good values: the slowed runs above.)"""
+    """The hook reads RANK:SECONDS before it imports anything: a bad value is one line and exit 2,
+    as any user error, so that a mistyped test cannot run unslowed. (Good values: the slowed runs
+    above.)"""
     bad = ["1", "x:0.05", "1:x", "-1:0.05", "1:-0.1", "1:0.05:2", "1:100"]
     procs = [
         subprocess.Popen(

@@ -1,5 +1,6 @@
-"""Every Python file in the repository passes ruff's check as pyproject.toml configures it (pyflakes, bugbear's
-likely bugs, import order) and is as ruff's formatter writes it, so CI enforces both."""
+"""Every Python file in the repository passes ruff's check as pyproject.toml configures it
+(pyflakes, bugbear's likely bugs, import order, 100 columns for comments and docstrings too) and is
+as ruff's formatter writes it, so CI enforces both."""
 
 import subprocess
 import sys

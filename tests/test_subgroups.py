@@ -1,9 +1,10 @@
-"""Step 10 runs step 3's ``allreduce_gradients(group=)`` and step 5's ``ShardedOptimizer(process_group=)`` over its
-data-parallel groups. The way an outsider would use them: their own ``mp.spawn`` of 4 ranks, the world split into
-two groups of 2 ({0, 1} and {2, 3}, as dp groups inside a tp 2 mesh), our files imported after the groups exist,
-a plain loop naming none of our helpers; against PyTorch's DDP(process_group=) with a plain AdamW and with
-ZeroRedundancyOptimizer(process_group=), torch.equal after every step. The two groups train on different data,
-so a collective that leaked out of its group would show."""
+"""Step 10 runs step 3's ``allreduce_gradients(group=)`` and step 5's
+``ShardedOptimizer(process_group=)`` over its data-parallel groups. The way an outsider would use
+them: their own ``mp.spawn`` of 4 ranks, the world split into two groups of 2 ({0, 1} and {2, 3}, as
+dp groups inside a tp 2 mesh), our files imported after the groups exist, a plain loop naming none
+of our helpers; against PyTorch's DDP(process_group=) with a plain AdamW and with
+ZeroRedundancyOptimizer(process_group=), torch.equal after every step. The two groups train on
+different data, so a collective that leaked out of its group would show."""
 
 import contextlib
 import json
@@ -18,10 +19,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-# PyTorch's references, imported at the top as a script does: torch.distributed.optim imported once a group exists
-# imports torch.distributed.nn.functional, which then holds the default group, so destroy_process_group cannot
-# free it and gloo's threads run into interpreter exit ("terminate called without an active exception", SIGABRT;
-# seen once in a full suite on the loaded 2-core machine). Our files are imported after the groups exist.
+# PyTorch's references, imported at the top as a script does: torch.distributed.optim imported once
+# a group exists imports torch.distributed.nn.functional, which then holds the default group, so
+# destroy_process_group cannot free it and gloo's threads run into interpreter exit ("terminate
+# called without an active exception", SIGABRT; seen once in a full suite on the loaded 2-core
+# machine). Our files are imported after the groups exist.
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 

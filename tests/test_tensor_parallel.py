@@ -1,13 +1,13 @@
-"""Step 8, tensor parallelism: bitwise equal to PyTorch's own (compare/tp_reference.py) at TP = 2 and 4, with
-accumulation, clipping that triggers and bf16 autocast, and so is --sequence-parallel to PyTorch's sequence-parallel
-plan; the layers (and sequence parallelism) used the way an outsider uses them;
-checkpoints read at another TP degree and by step 1; communication and memory per rank against the formulas in
-step8_tensor_parallel/README.md. (Step 8 against step 1 on the same global batches, in float32, is measured by
-the tour: tests/test_plot_and_tour.py; its resume at TP = 2 is bitwise with dropout and bf16 on, in
-tests/test_foundation.py's resume test, as every step's.)
+"""Step 8, tensor parallelism: bitwise equal to PyTorch's own (compare/tp_reference.py) at TP = 2
+and 4, with accumulation, clipping that triggers and bf16 autocast, and so is --sequence-parallel to
+PyTorch's sequence-parallel plan; the layers (and sequence parallelism) used the way an outsider
+uses them; checkpoints read at another TP degree and by step 1; communication and memory per rank
+against the formulas in step8_tensor_parallel/README.md. (Step 8 against step 1 on the same global
+batches, in float32, is measured by the tour: tests/test_plot_and_tour.py; its resume at TP = 2 is
+bitwise with dropout and bf16 on, in tests/test_foundation.py's resume test, as every step's.)
 
-The runs are shared (session fixtures): step 8 and the reference at TP = 2 and 4, on TINY with 4 heads, with and
-without --sequence-parallel.
+The runs are shared (session fixtures): step 8 and the reference at TP = 2 and 4, on TINY with 4
+heads, with and without --sequence-parallel.
 """
 
 import sys
@@ -36,7 +36,8 @@ from conftest import (
     weights,
 )
 
-# Four heads so that 2 and 4 ranks both hold whole heads; bf16 autocast; checkpoints at steps 2 and 4.
+# Four heads so that 2 and 4 ranks both hold whole
+# heads; bf16 autocast; checkpoints at steps 2 and 4.
 TP_FLAGS = ("--n-head", "4", "--amp", "bf16", "--save-every", "2")
 
 
@@ -63,8 +64,8 @@ def reference(out, corpus, nproc, *flags):
 
 @pytest.fixture(scope="session")
 def tp_runs(tmp_path_factory, small_corpus):
-    """``tp_runs(kind, nproc)``: step 8 ("ours") or PyTorch's TP ("torch") on TINY + TP_FLAGS, once per session;
-    "ours_sp" and "torch_sp": both with --sequence-parallel."""
+    """``tp_runs(kind, nproc)``: step 8 ("ours") or PyTorch's TP ("torch") on TINY + TP_FLAGS, once
+    per session; "ours_sp" and "torch_sp": both with --sequence-parallel."""
     runs = {}
 
     def run(kind, nproc):
@@ -83,7 +84,8 @@ def tp_runs(tmp_path_factory, small_corpus):
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_step8_is_bitwise_pytorch_tensor_parallelism(tp_runs, nproc):
-    """Whole model, 4 AdamW steps of 2 accumulated micro-batches, clipping at 0.3 (it triggers), bf16."""
+    """Whole model, 4 AdamW steps of 2 accumulated
+    micro-batches, clipping at 0.3 (it triggers), bf16."""
     ours, torch_tp = tp_runs("ours", nproc), tp_runs("torch", nproc)
     assert_bitwise_same_run(ours, torch_tp)
     records = metrics(ours)["records"]
@@ -97,11 +99,12 @@ def test_step8_is_bitwise_pytorch_tensor_parallelism(tp_runs, nproc):
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_sequence_parallelism_is_bitwise_pytorchs_sequence_parallel_plan(tp_runs, nproc):
-    """--sequence-parallel against torchtitan's plan for it (SequenceParallel LayerNorms, PrepareModuleInput before
-    attention and MLP, RowwiseParallel into Shard(1)): the same run as the test above, bit for bit. Against step 8
-    without it, the forward sums are the same at TP = 2 (the first step's loss is bitwise) but the backward's are
-    not (q, k and v's gradients added before one reduce-scatter, not after three all-reduces; the LayerNorms'
-    partial sums added across ranks): close, not bitwise."""
+    """--sequence-parallel against torchtitan's plan for it (SequenceParallel LayerNorms,
+    PrepareModuleInput before attention and MLP, RowwiseParallel into Shard(1)): the same run as the
+    test above, bit for bit. Against step 8 without it, the forward sums are the same at TP = 2 (the
+    first step's loss is bitwise) but the backward's are not (q, k and v's gradients added before
+    one reduce-scatter, not after three all-reduces; the LayerNorms' partial sums added across
+    ranks): close, not bitwise."""
     ours, torch_sp = tp_runs("ours_sp", nproc), tp_runs("torch_sp", nproc)
     assert_bitwise_same_run(ours, torch_sp)
     assert metrics(ours)["final"]["replicas_identical"]
@@ -116,15 +119,17 @@ def test_sequence_parallelism_is_bitwise_pytorchs_sequence_parallel_plan(tp_runs
 
 
 def test_sequence_parallel_dropout_under_bf16_is_step8s_masks(mesh_runs):
-    """--sequence-parallel --dropout 0.1 --amp bf16 at TP = 2 against the same run without --sequence-parallel
-    (conftest.MESH_RUNS "step8sp" and "step8dropbf16"): the first step's loss (4 micro-batches, each through 5
-    dropouts between the layers: after the embedding, each block's attention and MLP) is the same float. Under bf16
-    the dropouts after both c_proj see bf16 activations: ShardDropout's mask and output must be in the
-    input's dtype, as F.dropout's, or the products round elsewhere. Step 10's SP run is compared only with step 8's,
-    whose code it copies, and the other checks of the masks run in float32. The whole run is not bitwise: backward
-    adds other sums (q, k and v's gradients before one reduce-scatter, the LayerNorms' partial sums across ranks),
-    so the weights differ by ulps after the first step (measured: 5 of 36 tensors; the later losses happened to be
-    the same floats). The runs stay within parity.py's tolerances."""
+    """--sequence-parallel --dropout 0.1 --amp bf16 at TP = 2 against the same run without
+    --sequence-parallel (conftest.MESH_RUNS "step8sp" and "step8dropbf16"): the first step's loss (4
+    micro-batches, each through 5 dropouts between the layers: after the embedding, each block's
+    attention and MLP) is the same float. Under bf16 the dropouts after both c_proj see bf16
+    activations: ShardDropout's mask and output must be in the input's dtype, as F.dropout's, or the
+    products round elsewhere. Step 10's SP run is compared only with step 8's, whose code it copies,
+    and the other checks of the masks run in float32. The whole run is not bitwise: backward adds
+    other sums (q, k and v's gradients before one reduce-scatter, the LayerNorms' partial sums
+    across ranks), so the weights differ by ulps after the first step (measured: 5 of 36 tensors;
+    the later losses happened to be the same floats). The runs stay within parity.py's
+    tolerances."""
     sp, plain = mesh_runs("step8sp"), mesh_runs("step8dropbf16")
     assert metrics(sp)["config"]["dropout"] == metrics(plain)["config"]["dropout"] == 0.1
     assert metrics(sp)["records"][0]["loss"] == metrics(plain)["records"][0]["loss"]
@@ -134,11 +139,12 @@ def test_sequence_parallel_dropout_under_bf16_is_step8s_masks(mesh_runs):
 
 def test_sequence_parallel_communication_per_step_is_the_formula(tp_runs):
     """Collective bytes per optimiser step with --sequence-parallel (sequence_parallel.py): per
-    micro-batch, the all-reduces of the activations become all-gathers of the sequence (before attention,
-    MLP and the output layer; backward, after each reduce-scatter; the position embedding's gradient) and
-    reduce-scatters of the whole (b, s, h) partial sums (after the embedding and both c_proj; backward, before each
-    gather), in the dtype they carry under bf16 autocast: the row-parallel outputs bf16, the rest float32. Per step,
-    the LayerNorms' gradients all-reduced once, beside the loss's and the norms' numbers."""
+    micro-batch, the all-reduces of the activations become all-gathers of the sequence (before
+    attention, MLP and the output layer; backward, after each reduce-scatter; the position
+    embedding's gradient) and reduce-scatters of the whole (b, s, h) partial sums (after the
+    embedding and both c_proj; backward, before each gather), in the dtype they carry under bf16
+    autocast: the row-parallel outputs bf16, the rest float32. Per step, the LayerNorms' gradients
+    all-reduced once, beside the loss's and the norms' numbers."""
     config = metrics(tp_runs("ours_sp", 2))["config"]
     b, s, h, layers, accum = (
         config[k] for k in ("micro_batch_size", "seq_len", "n_embd", "n_layer", "grad_accum")
@@ -146,8 +152,8 @@ def test_sequence_parallel_communication_per_step_is_the_formula(tp_runs):
     bsh = b * s * h
     norm_parts = 8 + 3 * 277 * 8  # as without sequence parallelism: the parameters are the same
     layer_norms = (2 * layers + 1) * 2 * h * 4
-    # each collective counted by its whole buffer, so a gather and a reduce-scatter hand twice an all-reduce's bytes
-    # and send the same on a ring (compare/plan.py's on_the_wire)
+    # each collective counted by its whole buffer, so a gather and a reduce-scatter hand twice an
+    # all-reduce's bytes and send the same on a ring (compare/plan.py's on_the_wire)
     # forward; backward (c_proj
     gathers = (2 * layers + 1) * bsh * 4 + 2 * layers * bsh * 2 + bsh * 4 + s * h * 4
     # in bf16, embedding, wpe); the same
@@ -162,11 +168,12 @@ def test_sequence_parallel_communication_per_step_is_the_formula(tp_runs):
 
 
 def test_a_checkpoint_is_read_at_another_degree_and_by_step1(tp_runs, tmp_path, small_corpus):
-    """A TP = 2 checkpoint (step 2 of 4) resumed at TP = 4 and by step 1 (DDP, 2 ranks x micro-batch 1, the same
-    global batch). Both start from the checkpoint's exact weights and AdamW state, then sum in their own order:
-    their steps 3 and 4 stay within compare/other_order.py's factor of how far one process drifts from itself on
-    this machine, regrouping the same 4 samples a step (2 x 2 and 4 x 1 micro-batches) under the same bf16
-    autocast (measured: a shard cut from the wrong rows or columns is off by more than 1e-2 in the loss)."""
+    """A TP = 2 checkpoint (step 2 of 4) resumed at TP = 4 and by step 1 (DDP, 2 ranks x micro-batch
+    1, the same global batch). Both start from the checkpoint's exact weights and AdamW state, then
+    sum in their own order: their steps 3 and 4 stay within compare/other_order.py's factor of how
+    far one process drifts from itself on this machine, regrouping the same 4 samples a step (2 x 2
+    and 4 x 1 micro-batches) under the same bf16 autocast (measured: a shard cut from the wrong rows
+    or columns is off by more than 1e-2 in the loss)."""
     full = tp_runs("ours", 2)
     step2 = str(full / "checkpoints" / "step_2")
     at_four = train("step8", tmp_path / "tp4", small_corpus, *TP_FLAGS, "--resume", step2, nproc=4)
@@ -198,16 +205,18 @@ def test_a_checkpoint_is_read_at_another_degree_and_by_step1(tp_runs, tmp_path, 
 
 def test_communication_per_step_is_the_formula(tp_runs):
     """all_reduce bytes per optimiser step, every step (README, "Communication"): per micro-batch
-    (6 n_layer + 2) all-reduces of b x s x h floats (two per block forward, after each row-parallel layer; four
-    backward, before each column-parallel one: c_q, c_k, c_v and c_fc; the embedding's forward, the output
-    layer's input gradient) in bf16 for the blocks' row-parallel outputs under autocast, plus the loss's
-    3 x b x s floats, plus the gradient's float64 sum of squares and the parameters' exact norm parts."""
+    (6 n_layer + 2) all-reduces of b x s x h floats (two per block forward, after each row-parallel
+    layer; four backward, before each column-parallel one: c_q, c_k, c_v and c_fc; the embedding's
+    forward, the output layer's input gradient) in bf16 for the blocks' row-parallel outputs under
+    autocast, plus the loss's 3 x b x s floats, plus the gradient's float64 sum of squares and the
+    parameters' exact norm parts."""
     config = metrics(tp_runs("ours", 2))["config"]
     b, s, h, layers, accum = (
         config[k] for k in ("micro_batch_size", "seq_len", "n_embd", "n_layer", "grad_accum")
     )
     bsh = b * s * h
-    # Under bf16 autocast: the row-parallel outputs (2 per block, forward) are bf16; every other all-reduce fp32.
+    # Under bf16 autocast: the row-parallel outputs (2 per
+    # block, forward) are bf16; every other all-reduce fp32.
     per_micro_batch = 2 * layers * bsh * 2 + (4 * layers + 2) * bsh * 4 + 3 * b * s * 4
     # the gradient's sum of squares (float64); the parameters' square_sum_parts (int64)
     norm_parts = 8 + 3 * 277 * 8
@@ -217,8 +226,9 @@ def test_communication_per_step_is_the_formula(tp_runs):
 
 
 def test_memory_per_rank_is_the_formula(tp_runs):
-    """Each rank holds 1/T of every matrix and of c_q, c_k, c_v, c_fc's biases; the LayerNorms, the position embedding
-    and the row-parallel biases whole: params = sharded / T + replicated, grads the same, AdamW 2 x params."""
+    """Each rank holds 1/T of every matrix and of c_q, c_k, c_v, c_fc's biases; the LayerNorms, the
+    position embedding and the row-parallel biases whole: params = sharded / T + replicated, grads
+    the same, AdamW 2 x params."""
     config = metrics(tp_runs("ours", 2))["config"]
     h, layers, s, vocab = config["n_embd"], config["n_layer"], config["seq_len"], 2048
     sharded = vocab * h + layers * (3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h)
@@ -232,10 +242,11 @@ def test_memory_per_rank_is_the_formula(tp_runs):
             )
 
 
-# ---- the layers, the way an outsider uses them -------------------------------------------------------------
-# The functions below use them as someone else's script would (the README's "use it in your own script"): the
-# process group first, our module imported after, a plain loop, compared with nn.Linear / nn.Embedding /
-# F.cross_entropy, and our GPT-2 with sequence parallelism compared with it without.
+# ---- the layers, the way an outsider uses them ---------------------------------------------------
+# The functions below use them as someone else's script would (the README's "use it in your own
+# script"): the process group first, our module imported after, a plain loop, compared with
+# nn.Linear / nn.Embedding / F.cross_entropy, and our GPT-2 with sequence parallelism compared with
+# it without.
 
 
 def outsider(rank, world_size, port, queue):
@@ -402,8 +413,9 @@ def use_sequence_parallelism_in_your_own_script():
 
 
 def against_pytorchs_sequence_parallel_plan(GPT2, cfg, ids) -> dict:
-    """The same loop on PyTorch's counterpart (compare/tp_reference.py's plan, torchtitan's), dropout off: its
-    masks are not one process's. Every loss and gradient bit for bit, the LayerNorms' once DTensor adds them."""
+    """The same loop on PyTorch's counterpart (compare/tp_reference.py's plan, torchtitan's),
+    dropout off: its masks are not one process's. Every loss and gradient bit for bit, the
+    LayerNorms' once DTensor adds them."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
@@ -460,11 +472,12 @@ def outside():
 
 
 def test_the_layers_in_an_outsiders_loop(outside):
-    """Exact where the sums are the same: the embedding (one non-zero term per element), the column-parallel
-    output (each element is one row's dot product, as in nn.Linear), and the row-parallel output against the
-    same partial sums added in rank order. Elsewhere the sums are grouped by rank: the row-parallel output
-    against nn.Linear, the loss (the sum of exponentials in T parts) and the gradients, within float32's
-    rounding of such sums (a few ulps of the values involved)."""
+    """Exact where the sums are the same: the embedding (one non-zero term per element), the
+    column-parallel output (each element is one row's dot product, as in nn.Linear), and the
+    row-parallel output against the same partial sums added in rank order. Elsewhere the sums are
+    grouped by rank: the row-parallel output against nn.Linear, the loss (the sum of exponentials in
+    T parts) and the gradients, within float32's rounding of such sums (a few ulps of the values
+    involved)."""
     for rank, result in outside.items():
         assert result["embedding"] and result["column-parallel output"], (rank, result)
         assert result["column-parallel gathered"], (rank, result)
@@ -484,11 +497,12 @@ def test_the_layers_in_an_outsiders_loop(outside):
 
 
 def test_sequence_parallelism_in_an_outsiders_loop(outside):
-    """Our GPT-2 made tensor-parallel with sequence parallelism in a plain loop: against PyTorch's sequence-parallel
-    plan (dropout off), every loss and gradient bit for bit. Against ours without it, dropout on: the
-    same loss bit for bit (each rank's block of one process's masks; at TP = 2 the reduce-scatters add what the
-    all-reduces added), the same gradients to float32's rounding once finish_gradient_synchronization has added
-    the LayerNorms' partial sums (before it, a rank's is far from the whole: measured ~0.3-1 relative)."""
+    """Our GPT-2 made tensor-parallel with sequence parallelism in a plain loop: against PyTorch's
+    sequence-parallel plan (dropout off), every loss and gradient bit for bit. Against ours without
+    it, dropout on: the same loss bit for bit (each rank's block of one process's masks; at TP = 2
+    the reduce-scatters add what the all-reduces added), the same gradients to float32's rounding
+    once finish_gradient_synchronization has added the LayerNorms' partial sums (before it, a rank's
+    is far from the whole: measured ~0.3-1 relative)."""
     for rank, result in outside.items():
         assert result["sp loss"] and result["sp dropout"], (rank, result)
         assert result["sp vs pytorch loss"], (rank, result)
@@ -532,10 +546,12 @@ def sp_dropout_worker(rank, world_size, port, queue):
 
 
 def test_sequence_parallel_dropout_on_bf16_is_f_dropout_in_bf16():
-    """ShardDropout (sequence parallelism's dropout) on a rank's block of a bf16 tensor against F.dropout of the whole tensor from the same
-    generator state (2 ranks): the output bf16, as F.dropout's, and bit for bit its block of F.dropout's output,
-    and the stream left where F.dropout leaves it. The float32 check in the outsider's loop above does not see a
-    mask built in float32 (a float32 output, products rounded once instead of in bf16) or cast in the wrong place."""
+    """ShardDropout (sequence parallelism's dropout) on a rank's block of a bf16 tensor against
+    F.dropout of the whole tensor from the same generator state (2 ranks): the output bf16, as
+    F.dropout's, and bit for bit its block of F.dropout's output, and the stream left where
+    F.dropout leaves it. The float32 check in the outsider's loop above does not see a mask built in
+    float32 (a float32 output, products rounded once instead of in bf16) or cast in the wrong
+    place."""
     got = spawn(sp_dropout_worker, 2)
     for rank, (result, error) in got.items():
         assert error is None, f"rank {rank} failed:\n{error}"
@@ -546,8 +562,9 @@ def test_sequence_parallel_dropout_on_bf16_is_f_dropout_in_bf16():
 
 
 def test_activations_tool_splits_what_tensor_parallelism_splits():
-    """compare/activations.py: at TP = 2 each rank saves less than the whole model's forward, more than half of
-    it (the replicated (b, s, h) tensors stay whole), and the split part is about the whole model's."""
+    """compare/activations.py: at TP = 2 each rank saves less than the whole model's forward, more
+    than half of it (the replicated (b, s, h) tensors stay whole), and the split part is about the
+    whole model's."""
     result = run_forked(
         [
             sys.executable,
@@ -578,9 +595,10 @@ def test_activations_tool_splits_what_tensor_parallelism_splits():
     assert whole / 2 < saved < whole, rows
     assert replicated > 0 and split == saved - replicated, rows
     assert 0.9 * whole < split_times_tp < 1.1 * whole, rows
-    # --sequence-parallel splits the LayerNorms' and dropout's tensors and the residual stream: what stays
-    # replicated is the gathered inputs the column-parallel layers keep for their weights' gradients (b x s x h
-    # floats before attention, the MLP and the output layer), and a few numbers per token (ids, the loss's)
+    # --sequence-parallel splits the LayerNorms' and dropout's tensors and the residual stream: what
+    # stays replicated is the gathered inputs the column-parallel layers keep for their weights'
+    # gradients (b x s x h floats before attention, the MLP and the output layer), and a few numbers
+    # per token (ids, the loss's)
     b, s, h = 2, 16, 32
     sp_saved, sp_replicated, _, _ = rows[2, "yes"]
     assert (
@@ -589,11 +607,12 @@ def test_activations_tool_splits_what_tensor_parallelism_splits():
 
 
 def test_attention_dropout_is_one_processs_masks_at_tp2(tmp_path, small_corpus, order_reference):
-    """--dropout 0.1 at TP = 2 against step 0 accumulating the same 4 micro-batches a step: each rank's heads take
-    their block of the attention mask one process draws for all heads (tensor_parallel.py's rule 7), so the first
-    loss is one process's to float32's rounding of step 8's sums (rule 1), and the run stays within the bound of
-    another summation order. Were each rank to draw a mask for its own heads alone, every tp rank would draw the
-    same one (their random streams are the same), and the first loss would differ at the mask's scale."""
+    """--dropout 0.1 at TP = 2 against step 0 accumulating the same 4 micro-batches a step: each
+    rank's heads take their block of the attention mask one process draws for all heads
+    (tensor_parallel.py's rule 7), so the first loss is one process's to float32's rounding of step
+    8's sums (rule 1), and the run stays within the bound of another summation order. Were each rank
+    to draw a mask for its own heads alone, every tp rank would draw the same one (their random
+    streams are the same), and the first loss would differ at the mask's scale."""
     flags = ("--dropout", "0.1", "--grad-accum", "4")
     single = train("step0", tmp_path / "step0", small_corpus, *flags)
     tp = train("step8", tmp_path / "tp2", small_corpus, *flags, nproc=2)

@@ -1,9 +1,10 @@
-"""Every trainer's loop body is one top-level ``train_step()`` that main() calls, so that compare/peak_memory.py
-runs the step the trainer runs (on ``shard_gpt2``'s model, as step 7's main() does). Here: importing
-a train.py runs nothing and gives that function, with one shape across steps; and a train_step is the textbook
-PyTorch loop (forward, loss / accumulation, backward, AdamW, zero_grad), bit for bit, checked against that loop
-written out in plain PyTorch: step 0's in one process, step 7's on ``shard_gpt2``'s model in a one-rank gloo group,
-where its sharding is the identity."""
+"""Every trainer's loop body is one top-level ``train_step()`` that main() calls, so that
+compare/peak_memory.py runs the step the trainer runs (on ``shard_gpt2``'s model, as step 7's main()
+does). Here: importing a train.py runs nothing and gives that function, with one shape across steps;
+and a train_step is the textbook PyTorch loop (forward, loss / accumulation, backward, AdamW,
+zero_grad), bit for bit, checked against that loop written out in plain PyTorch: step 0's in one
+process, step 7's on ``shard_gpt2``'s model in a one-rank gloo group, where its sharding is the
+identity."""
 
 import json
 import os
@@ -14,29 +15,35 @@ import pytest
 
 from conftest import REPO, STEPS
 
-# Each check runs in a fresh interpreter with the step's folder first on sys.path, as the trainer runs: the
-# step folders hold modules of the same names (model.py, training.py, ...).
+# Each check runs in a fresh interpreter with the step's folder first on sys.path, as the trainer
+# runs: the step folders hold modules of the same names (model.py, training.py, ...).
 IMPORT_ALL = r"""
 import contextlib, importlib, inspect, io, json, os, sys
 found, steps = {}, os.path.join(os.path.dirname(sys.argv[1]), "step")
 for folder in sys.argv[1:]:
-    for name in [n for n, m in sys.modules.items() if (getattr(m, "__file__", None) or "").startswith(steps)]:
-        del sys.modules[name]  # the previous step's copies of model.py, training.py, ...
+    # the previous step's copies of model.py, training.py, ...
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(steps):
+            del sys.modules[name]
     sys.path.insert(0, folder)
     printed, before = io.StringIO(), set(os.listdir("."))
     with contextlib.redirect_stdout(printed):
         train = importlib.import_module("train")
     sys.path.remove(folder)
+    step = getattr(train, "train_step", None)
     found[os.path.basename(folder)] = {
-        "train_step": list(inspect.signature(train.train_step).parameters) if hasattr(train, "train_step") else None,
+        "train_step": list(inspect.signature(step).parameters) if step else None,
         "printed": printed.getvalue(), "new_files": sorted(set(os.listdir(".")) - before),
-        "matplotlib": "matplotlib" in sys.modules}  # so far: each step's import adds to the same process
+        # so far: each step's import adds to the same process
+        "matplotlib": "matplotlib" in sys.modules}
 print(json.dumps(found))
 """
 
-# The same GPT-2, trained two steps of two micro-batches each, by the step's train_step and by the textbook loop.
-# Clipping off: the clipping norm is training.py's exact sum (order-free by design), not torch's; the returned norm
-# is compared with a float64 norm of the same gradients instead, to float32's rounding.
+# The same GPT-2, trained two steps of two micro-batches
+# each, by the step's train_step and by the textbook loop.
+# Clipping off: the clipping norm is training.py's exact sum (order-free by design), not torch's;
+# the returned norm is compared with a float64 norm of the same gradients instead, to float32's
+# rounding.
 AGAINST_TEXTBOOK = r"""
 import datetime, json, os, sys
 import torch
@@ -48,13 +55,15 @@ from model import build_model, language_model_loss
 from training import make_grad_scaler, make_optimizer
 import train
 
-config = vars(build_parser(step).parse_args(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",
-                                             "--grad-clip", "0"]))
-config.update(activation_checkpointing=False, no_prefetch=False, param_dtype="float32", reduce_dtype="float32")
+flags = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--grad-clip", "0"]
+config = vars(build_parser(step).parse_args(flags))
+config.update(activation_checkpointing=False, no_prefetch=False, param_dtype="float32",
+              reduce_dtype="float32")
 device, vocab, accum = torch.device("cpu"), 97, 2
 generator = torch.Generator().manual_seed(0)
-steps = [[(torch.randint(0, vocab, (2, 16), generator=generator), torch.randint(0, vocab, (2, 16), generator=generator))
-          for _ in range(accum)] for _ in range(2)]
+def tokens():
+    return torch.randint(0, vocab, (2, 16), generator=generator)
+steps = [[(tokens(), tokens()) for _ in range(accum)] for _ in range(2)]
 
 reference = build_model(config, vocab, config["seed"])
 reference_optimizer = make_optimizer(reference.named_parameters(), config)
@@ -66,33 +75,37 @@ for micro_batches in steps:
         (loss / accum).backward()
         losses.append(loss.detach())
     grads = [p.grad for p in reference.parameters()]
-    expected.append({"loss_sum": sum(losses, torch.zeros(())).item(),
-                     "norm": torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads])).item(),
+    norm = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads]))
+    expected.append({"loss_sum": sum(losses, torch.zeros(())).item(), "norm": norm.item(),
                      "grad_bytes": sum(g.numel() * g.element_size() for g in grads)})
     reference_optimizer.step()
     reference_optimizer.zero_grad(set_to_none=True)
 
 if step == "step0_single_gpu":
     model = build_model(config, vocab, config["seed"])
-    optimizer, scaler = make_optimizer(model.named_parameters(), config), make_grad_scaler(config, device)
+    optimizer = make_optimizer(model.named_parameters(), config)
+    scaler = make_grad_scaler(config, device)
 else:  # step 7, one rank: every piece is the whole parameter
-    dist.init_process_group("gloo", init_method=f"file://{os.path.abspath('pg')}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", init_method=f"file://{os.path.abspath('pg')}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=30))
     from sharded_gradients import ShardedGradScaler
     from training import param_dtype
     from zero3_setup import shard_gpt2
-    model, _ = shard_gpt2(config, vocab, device, param_dtype(config))  # as step 7's train.py builds it
+    # as step 7's train.py builds it
+    model, _ = shard_gpt2(config, vocab, device, param_dtype(config))
     optimizer = make_optimizer(model.named_parameters(), config)
     scaler = make_grad_scaler(config, device, ShardedGradScaler)
 got = []
 for micro_batches in steps:
-    loss_sum, grad_norm, memory = train.train_step(model, optimizer, scaler, micro_batches, config, device)
-    got.append({"loss_sum": loss_sum.item(), "norm": grad_norm.item(), "grad_bytes": memory["grads"],
-                "grads_after": sum(p.grad is not None for group in optimizer.param_groups for p in group["params"])})
+    loss_sum, grad_norm, memory = train.train_step(model, optimizer, scaler, micro_batches, config,
+                                                   device)
+    kept = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    got.append({"loss_sum": loss_sum.item(), "norm": grad_norm.item(),
+                "grad_bytes": memory["grads"], "grads_after": len(kept)})
 final = dict(model.named_parameters()) if step == "step0_single_gpu" else {
     name: full.clone() for name, full in model.gathered_parameters()}
-result = {"expected": expected, "got": got,
-          "different": [name for name, p in reference.named_parameters() if not torch.equal(final[name], p)]}
+different = [name for name, p in reference.named_parameters() if not torch.equal(final[name], p)]
+result = {"expected": expected, "got": got, "different": different}
 if dist.is_initialized():
     dist.destroy_process_group()
 print(json.dumps(result))

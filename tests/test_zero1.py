@@ -1,9 +1,10 @@
-"""ShardedOptimizer (ZeRO-1) against the plain optimiser on the full parameters, in real gloo processes.
+"""ShardedOptimizer (ZeRO-1) against the plain optimiser
+on the full parameters, in real gloo processes.
 
 Every rank computes the same full gradients, so the plain optimiser, run in the same process, is the
 exact answer: the sharded one must give the same bits at every step. One spawn per world size runs
-every check; the world-size-2 run saves optimiser shards that the world-size-3 run must refuse. The quick tier
-(``-m quick``) runs world size 2.
+every check; the world-size-2 run saves optimiser shards that the world-size-3 run must refuse. The
+quick tier (``-m quick``) runs world size 2.
 """
 
 import io
@@ -19,7 +20,8 @@ from conftest import REPO, init_gloo, spawn
 
 
 class Toy(torch.nn.Module):
-    """Tied embedding/output weight, a frozen layer, sizes no world size divides: 35 + 65 + 65 + 1 + 13."""
+    """Tied embedding/output weight, a frozen layer,
+    sizes no world size divides: 35 + 65 + 65 + 1 + 13."""
 
     def __init__(self):
         super().__init__()
@@ -128,7 +130,7 @@ def element_state_bytes(optimizer) -> int:
     )
 
 
-# ---- The checks, run by every rank ---------------------------------------------------------------------
+# ---- The checks, run by every rank ---------------------------------------------------------------
 
 
 def against_plain_optimizer(name, results, tmp, rank, world_size):
@@ -217,8 +219,9 @@ def checkpoint_round_trip(ours, our_model, cls, kwargs, results, tmp, rank, worl
 
 
 def sharded_like_zero2(params, world_size):
-    """A ShardedOptimizer over one chunk whose gradient this rank holds only a slice of (ZeRO-2), and a function
-    that plays the reduce-scatter: it copies this rank's slice of the given full gradients into the shard."""
+    """A ShardedOptimizer over one chunk whose gradient this rank holds only a slice of (ZeRO-2),
+    and a function that plays the reduce-scatter: it copies this rank's slice of the given full
+    gradients into the shard."""
     from zero1 import ShardedOptimizer
 
     rank, n = dist.get_rank(), math.ceil(sum(p.numel() for p in params) / world_size)
@@ -235,7 +238,8 @@ def sharded_like_zero2(params, world_size):
 
 
 def scaler_skips_together(results, rank, world_size):
-    """4 elements at world size 2 or 3: shards of 2, rank 1 owns elements 2 and 3, rank 2 owns none."""
+    """4 elements at world size 2 or 3: shards of 2,
+    rank 1 owns elements 2 and 3, rank 2 owns none."""
     import comm_accounting
     from sharded_gradients import ShardedGradScaler
 
@@ -309,7 +313,8 @@ def clipping_matches(results, world_size):
 
 
 def gradient_shards_mode(results, rank, world_size):
-    """ZeRO-2's contract: the views' gradients are slices of flat per-chunk buffers that someone else fills."""
+    """ZeRO-2's contract: the views' gradients are slices
+    of flat per-chunk buffers that someone else fills."""
     from zero1 import ShardedOptimizer
 
     ref_model, our_model = make_model(), make_model()
@@ -361,7 +366,7 @@ def worker(rank, world_size, port, queue, tmp):
         dist.destroy_process_group()
 
 
-# ---- The assertions, in the parent ---------------------------------------------------------------------
+# ---- The assertions, in the parent ---------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -427,7 +432,8 @@ def test_each_rank_holds_its_share_of_the_state(world, name):
 
 
 def test_layout_is_element_balanced(world):
-    """Rank r's pieces lie in [r * Lp/N, (r+1) * Lp/N) of their chunk's flat range and tile every parameter."""
+    """Rank r's pieces lie in [r * Lp/N, (r+1) * Lp/N) of
+    their chunk's flat range and tile every parameter."""
     world_size, results = world
     for key, chunks in (("AdamW layout", [list(range(len(NUMELS)))]), ("zero2 layout", CHUNKS)):
         covered = {i: [] for i in range(len(NUMELS))}

@@ -1,10 +1,11 @@
 """ShardedGradientDDP (step 6, ZeRO-2) against PyTorch DDP, in real gloo processes.
 
-Each case runs two optimiser steps of ACCUM micro-batches (no_sync on all but the last) through PyTorch
-DDP and through ShardedGradientDDP, from the same weights and data, and requires each rank's
-``gradient_shards[c]`` after the second step to be torch.equal to its slice of DDP's averaged gradient,
-flattened in bucket order and zero-padded to a multiple of the world size. Float32 at world size 2 (order-free there) and
-the exact float64 mode at world size 3 (DDP with a float64 communication hook, as in step 1).
+Each case runs two optimiser steps of ACCUM micro-batches (no_sync on all but the last) through
+PyTorch DDP and through ShardedGradientDDP, from the same weights and data, and requires each rank's
+``gradient_shards[c]`` after the second step to be torch.equal to its slice of DDP's averaged
+gradient, flattened in bucket order and zero-padded to a multiple of the world size. Float32 at
+world size 2 (order-free there) and the exact float64 mode at world size 3 (DDP with a float64
+communication hook, as in step 1).
 """
 
 import contextlib
@@ -25,8 +26,8 @@ WORLDS = {2: torch.float32, 3: torch.float64}  # world size -> reduce dtype
 
 
 class Toy(torch.nn.Module):
-    """A tied weight (input embedding = output layer, as in GPT-2), a frozen bias, parameter sizes that
-    neither 2 nor 3 divide, and ``extra``, which takes part only when asked."""
+    """A tied weight (input embedding = output layer, as in GPT-2), a frozen bias, parameter sizes
+    that neither 2 nor 3 divide, and ``extra``, which takes part only when asked."""
 
     def __init__(self):
         super().__init__()
@@ -52,7 +53,8 @@ def fresh() -> Toy:
 
 
 def float64_allreduce_hook(process_group, bucket):
-    """PyTorch DDP's side of the exact mode (as step1_torch_ddp/train.py): float64 sum, divide, round once."""
+    """PyTorch DDP's side of the exact mode (as
+    step1_torch_ddp/train.py): float64 sum, divide, round once."""
     buffer = bucket.buffer()
     future = dist.all_reduce(
         buffer.to(torch.float64), group=process_group, async_op=True
@@ -76,7 +78,8 @@ def padded(numel: int, world_size: int) -> int:
 
 
 def expected_shards(ours, reference_grads, rank, world_size) -> list:
-    """DDP's averaged gradient, flattened in bucket order, zero-padded, and this rank's slice of it."""
+    """DDP's averaged gradient, flattened in bucket
+    order, zero-padded, and this rank's slice of it."""
     shards = []
     for params in ours.bucket_params:
         flat = torch.cat(
@@ -97,7 +100,8 @@ def run_case(
     reduce_every=False,
     extra_on_ranks=None,
 ):
-    """STEPS optimiser steps through DDP and through ShardedGradientDDP; what the tests check, of the last."""
+    """STEPS optimiser steps through DDP and through
+    ShardedGradientDDP; what the tests check, of the last."""
     import comm_accounting
     from zero2 import ShardedGradientDDP
 
@@ -214,7 +218,8 @@ def worker(rank, world_size, port, queue):
         }
         for name, cap in caps.items():
             results[name] = run_case(rank, world_size, dtype, cap)
-        # extra takes part in the first micro-batch only: its accumulated gradient must still be reduced
+        # extra takes part in the first micro-batch only:
+        # its accumulated gradient must still be reduced
         results["used earlier only"] = run_case(
             rank, world_size, dtype, caps["two buckets"], extra_in=[0]
         )
@@ -296,7 +301,8 @@ def test_after_the_sync_point_only_the_shards_hold_gradient_memory(world, case):
 
 def test_each_full_gradient_is_freed_as_soon_as_it_is_in_its_bucket(world):
     for _, r in each_rank(world, "two buckets"):
-        # default no_sync: full gradients accumulate locally until the synchronised backward frees them
+        # default no_sync: full gradients accumulate
+        # locally until the synchronised backward frees them
         assert r["full grads after each backward"] == [len(TRAINABLE)] * (ACCUM - 1) + [0]
         assert r["grad None after our hook"] == [False] * len(TRAINABLE) * (ACCUM - 1) + [
             True
@@ -319,11 +325,11 @@ def test_each_gradient_byte_is_reduce_scattered_once_per_optimiser_step(world):
 
 
 def test_reducing_every_micro_batch_moves_the_gradient_accum_times_and_agrees_within_1e6(world):
-    """Not bitwise: DDP (and the default mode) sums the micro-batches in float32 on each rank, then sums
-    over ranks; here each micro-batch is summed over ranks first and the results are added, so the same
-    numbers are added in another order, and float32 addition is not associative. In the float64 mode each
-    micro-batch's average is rounded to float32 and added in float32, where DDP rounds each rank's float32
-    micro-batch sum: other roundings again."""
+    """Not bitwise: DDP (and the default mode) sums the micro-batches in float32 on each rank, then
+    sums over ranks; here each micro-batch is summed over ranks first and the results are added, so
+    the same numbers are added in another order, and float32 addition is not associative. In the
+    float64 mode each micro-batch's average is rounded to float32 and added in float32, where DDP
+    rounds each rank's float32 micro-batch sum: other roundings again."""
     for case in ("reduce every micro-batch", "every micro-batch, used earlier only"):
         for rank, r in each_rank(world, case):
             assert r["error"] is None

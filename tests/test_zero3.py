@@ -1,6 +1,6 @@
-"""Step 7 (ZeRO-3, FullyShardedDP): a toy model in spawned gloo processes against the same model trained
-in one process, and the trainer against step 1 (PyTorch DDP): bitwise, with memory, communication,
-prefetch, checkpoints and the streamed export checked on the same runs."""
+"""Step 7 (ZeRO-3, FullyShardedDP): a toy model in spawned gloo processes against the same model
+trained in one process, and the trainer against step 1 (PyTorch DDP): bitwise, with memory,
+communication, prefetch, checkpoints and the streamed export checked on the same runs."""
 
 import math
 import sys
@@ -26,7 +26,7 @@ from conftest import STEPS as STEP_FOLDERS  # STEPS below is the toy's number of
 STEP7 = REPO / "step7_zero3"
 
 
-# ---- A toy model: tied weights, sizes no world size divides, a unit nested in another unit's module ----
+# ---- A toy model: tied weights, sizes no world size divides, a unit inside another unit's module
 
 
 class Inner(torch.nn.Module):
@@ -97,7 +97,8 @@ STEPS, ACCUM = 3, 2
 
 
 def peak_live_bytes(prof) -> int:
-    """The most bytes the CPU allocator had handed out at once, replayed from the profiler's memory records."""
+    """The most bytes the CPU allocator had handed out at
+    once, replayed from the profiler's memory records."""
     live = peak = 0
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     for e in sorted(events, key=lambda e: e.start_ns()):
@@ -107,7 +108,8 @@ def peak_live_bytes(prof) -> int:
 
 
 def full_state_dict(fsdp) -> dict:
-    """Collective: every full parameter of a ``FullyShardedDP``, in ``named_parameters()`` order (the whole model)."""
+    """Collective: every full parameter of a ``FullyShardedDP``,
+    in ``named_parameters()`` order (the whole model)."""
     gathered = {name: tensor.clone() for name, tensor in fsdp.gathered_parameters()}
     return {name: gathered[name] for name, _ in fsdp.named_parameters()}
 
@@ -140,7 +142,8 @@ def toy_worker(rank, world_size, port, queue, prefetch):
     ]
     results["temperature"] = model.temperature.item()
 
-    # Watch the gathered buffers from outside: after each unit's forward (a hook behind FullyShardedDP's).
+    # Watch the gathered buffers from outside: after each
+    # unit's forward (a hook behind FullyShardedDP's).
     freed_after_forward = []
     for unit in fsdp.units[1:]:
         unit.module.register_forward_hook(
@@ -209,9 +212,10 @@ def toy_worker(rank, world_size, port, queue, prefetch):
 
 
 def measure_release(rank, reshard_after_forward):
-    """Peak bytes the allocator handed out during one forward and backward of 24 wide units with a tiny input,
-    where weights dominate. With resharding the peak is a few units' worth (on gloo about 7: two gathered, the
-    gradient being assembled, the reduce-scatter in flight, gloo's staging copies), whatever the depth."""
+    """Peak bytes the allocator handed out during one forward and backward of 24 wide units with a
+    tiny input, where weights dominate. With resharding the peak is a few units' worth (on gloo
+    about 7: two gathered, the gradient being assembled, the reduce-scatter in flight, gloo's
+    staging copies), whatever the depth."""
     from zero3 import FullyShardedDP
 
     torch.manual_seed(0)
@@ -285,17 +289,19 @@ def test_toy_frees_gathered_parameters(toy):
         assert r["freed after forward"] and all(r["freed after forward"])
         # the root is kept from forward to backward's end
         assert r["root freed"] == [False, True] * (STEPS * ACCUM)
-        # Resharding never holds the whole model at once; without it the peak is the whole model and more.
-        # How far below the whole model the peak stays depends on when gloo's worker threads let go of
-        # their staging copies of finished collectives: measured 106 kB of 400 kB on a quiet machine,
-        # 300 kB at load average 8 (the same code): a timing, not a property of the algorithm.
+        # Resharding never holds the whole model at once; without it the peak is the whole model and
+        # more. How far below the whole model the peak stays depends on when gloo's worker threads
+        # let go of their staging copies of finished collectives: measured 106 kB of 400 kB on a
+        # quiet machine, 300 kB at load average 8 (the same code): a timing, not a property of the
+        # algorithm.
         (peak, full_bytes), (kept_peak, _) = r["released"][True], r["released"][False]
         assert peak < full_bytes <= kept_peak, r["released"]
 
 
 def test_toy_communicates_three_times_the_parameters(toy):
-    """Per micro-batch every unit is gathered for forward and every unit but the root again for backward
-    (the root stays gathered); once per optimiser step every unit's gradient is reduce-scattered (float64)."""
+    """Per micro-batch every unit is gathered for forward and every unit but the root again for
+    backward (the root stays gathered); once per optimiser step every unit's gradient is
+    reduce-scattered (float64)."""
     world_size, _, results = toy
     padded = [lp for lp, _ in results[0]["padded"]]
     assert all(lp - numel < world_size for lp, numel in results[0]["padded"])
@@ -307,14 +313,15 @@ def test_toy_communicates_three_times_the_parameters(toy):
 
 
 def test_toy_prefetches_the_next_unit_while_one_computes(toy):
-    """Forward order is known from the first step on: the next block's all-gather is launched before this
-    block's forward ends (with prefetch), or only after it (without)."""
+    """Forward order is known from the first step on: the next block's all-gather is launched before
+    this block's forward ends (with prefetch), or only after it (without)."""
     _, prefetch, results = toy
     timeline = results[0]["timeline"]
     first_forward = next(e for e in timeline if e[0] == "forward blocks.1")
     next_gather = next(e for e in timeline if e[0] == "all-gather blocks.2")
     assert (next_gather[1] < first_forward[2]) == prefetch, timeline
-    # The tracer, attached from outside in the last step, saw every kind of event of its last micro-batch.
+    # The tracer, attached from outside in the last step,
+    # saw every kind of event of its last micro-batch.
     assert {name.split(" ")[0] for name, _, _ in timeline} == {
         "forward",
         "backward",
@@ -324,7 +331,7 @@ def test_toy_prefetches_the_next_unit_while_one_computes(toy):
     assert all(start <= end for _, start, end in timeline), timeline
 
 
-# ---- The trainer against step 1 ----------------------------------------------------------------------
+# ---- The trainer against step 1 ------------------------------------------------------------------
 
 
 def psi_and_root(run) -> tuple[int, int]:
@@ -345,8 +352,9 @@ def ws2(tmp_path_factory, small_corpus):
 
 @pytest.fixture(scope="module")
 def ws1(tmp_path_factory, small_corpus):
-    """A world of one (torchrun, one rank) accumulating 4 micro-batches: the global batches of the tour's
-    step 0, one process accumulating 2 x 2. Every unit is "sharded" one way: padding 0, N = 1."""
+    """A world of one (torchrun, one rank) accumulating 4 micro-batches: the global batches of the
+    tour's step 0, one process accumulating 2 x 2. Every unit is "sharded" one way: padding 0, N =
+    1."""
     return train(
         "step7",
         tmp_path_factory.mktemp("zero3_ws1") / "step7",
@@ -359,8 +367,9 @@ def ws1(tmp_path_factory, small_corpus):
 
 @pytest.fixture(scope="module")
 def exact3(exact_run, tmp_path_factory, small_corpus):
-    """Exact mode at 3 ranks, with bf16 and dropout (its masks must survive recomputation): step 1 as the
-    exact-mode matrix ran it, step 7 with activation checkpointing; checkpoints every 2 steps."""
+    """Exact mode at 3 ranks, with bf16 and dropout (its masks must survive recomputation): step 1
+    as the exact-mode matrix ran it, step 7 with activation checkpointing; checkpoints every 2
+    steps."""
     out = tmp_path_factory.mktemp("zero3_ws3")
     return (
         exact_run("step1", 3),
@@ -372,7 +381,8 @@ def test_trainer_is_bitwise_identical_to_ddp_at_world_size_2(ws2):
     step1, step7 = ws2
     result = parity(step1, step7)
     assert "verdict: PASS (bitwise identical)" in result.stdout, result.stdout
-    # Streamed unit by unit, the file is byte for byte the one step 1 wrote with safetensors' save_file.
+    # Streamed unit by unit, the file is byte for byte
+    # the one step 1 wrote with safetensors' save_file.
     assert metrics(step7)["final"]["sha256"] == metrics(step1)["final"]["sha256"]
 
 
@@ -421,15 +431,15 @@ def test_trainer_resumes_bitwise_from_its_own_shards(exact3, tmp_path, small_cor
 
 
 def test_trainer_at_one_rank_is_bitwise_identical_to_step0(ws1, tour):
-    """ZeRO-3 over one rank is the single-process loop: gather and reduce-scatter are copies, the flat
-    gradient sums what step 0's parameters' gradients sum, in the same order."""
+    """ZeRO-3 over one rank is the single-process loop: gather and reduce-scatter are copies, the
+    flat gradient sums what step 0's parameters' gradients sum, in the same order."""
     result = parity(tour[0] / STEP_FOLDERS["step0"], ws1)
     assert "verdict: PASS (bitwise identical)" in result.stdout, result.stdout
 
 
 def test_trainer_memory_per_rank_is_the_zero3_formula(ws1, ws2, exact3):
-    """4Ψ/N, 4Ψ/N and 8Ψ/N within 2% at N = 1, 2 and 3 (4: tests/test_data_parallel.py); at N = 1 also
-    compare/estimate.py's layout, to the byte."""
+    """4Ψ/N, 4Ψ/N and 8Ψ/N within 2% at N = 1, 2 and 3 (4: tests/test_data_parallel.py); at N = 1
+    also compare/estimate.py's layout, to the byte."""
     config = metrics(ws1)["config"]
     model = estimate.Model(config, estimate.vocabulary_size(config["tokenizer"]))
     predicted = estimate.predict(model, estimate.STEPS[3], 1)[0]
@@ -457,8 +467,9 @@ def memory_tool(*args):
 
 
 def test_memory_tool_checks_one_rank_and_plots_bytes_against_world_size(ws1, ws2, exact3, tmp_path):
-    """compare/memory.py: --check holds at N = 1 as at N = 3; --scaling-png puts one model's runs on the
-    formulas' lines, and refuses runs of two models (ws2 has 3 blocks, the others 2) in one line."""
+    """compare/memory.py: --check holds at N = 1 as at N = 3; --scaling-png puts one model's runs on
+    the formulas' lines, and refuses runs of two models (ws2 has 3 blocks, the others 2) in one
+    line."""
     png = tmp_path / "scaling.png"
     result = memory_tool(ws1, exact3[1], exact3[0], "--check", "--scaling-png", png)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -471,8 +482,8 @@ def test_memory_tool_checks_one_rank_and_plots_bytes_against_world_size(ws1, ws2
 
 
 def test_trainer_communication_per_optimiser_step(ws2, exact3):
-    """All-gathers: Ψ in every forward, Ψ minus the root in every backward; reduce-scatter: Ψ once per step
-    (float64 in the exact mode). Padding adds at most N-1 elements per unit."""
+    """All-gathers: Ψ in every forward, Ψ minus the root in every backward; reduce-scatter: Ψ once
+    per step (float64 in the exact mode). Padding adds at most N-1 elements per unit."""
     for run, world_size, grad_bytes in ((ws2[1], 2, 4), (exact3[1], 3, 8)):
         psi, root = psi_and_root(run)
         units, accum = metrics(run)["config"]["n_layer"] + 1, metrics(run)["config"]["grad_accum"]
