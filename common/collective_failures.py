@@ -50,8 +50,8 @@ DETAIL_MISMATCH = re.compile(
 
 
 def roll_call(grace_s: float = ROLL_CALL_S, missing: list | None = None) -> list[int] | None:
-    """After a collective failed here: the ranks that
-    did not report through the store within ``grace_s``.
+    """After a collective failed here:
+    the ranks that did not report through the store within ``grace_s``.
 
     Every rank whose collective fails calls this, so a rank missing here is one that is not failing
     with the others: dead, frozen, or busy for longer than the timeout. An empty list means every
@@ -138,8 +138,8 @@ def group_timeout_s() -> float:
 
 
 def explain_collective_failure(error: BaseException) -> tuple[str, int] | None:
-    """One line for a collective that failed on this
-    rank, and exit code 3; None for any other error."""
+    """One line for a collective that failed on this rank,
+    and exit code 3; None for any other error."""
     if not isinstance(error, RuntimeError) or not dist.is_initialized():
         return None
     text, me = str(error), f"rank {dist.get_rank()}"

@@ -1,5 +1,5 @@
-"""The pieces of one optimiser step that every step
-shares: optimiser, LR schedule, AMP, clipping, norms.
+"""The pieces of one optimiser step that every step shares:
+optimiser, LR schedule, AMP, clipping, norms.
 
 They live here, not in each train.py, so that the numbers they produce are computed the same way
 in every step; parity between steps depends on it. Why the norms are summed so that no grouping
@@ -120,8 +120,8 @@ def check_param_dtype(config: dict, device: torch.device) -> None:
 
 
 def needs_loss_scaling(config: dict) -> bool:
-    """fp16 gradients underflow without loss scaling, whether
-    autocast (``--amp``) or the parameters made them."""
+    """fp16 gradients underflow without loss scaling,
+    whether autocast (``--amp``) or the parameters made them."""
     return config["amp"] == "fp16" or config.get("param_dtype") == "fp16"
 
 
@@ -138,8 +138,8 @@ def make_grad_scaler(
 
 def decays(name: str) -> bool:
     """Weight decay for the matrices and embeddings, none for biases and LayerNorm weights (GPT-2
-    practice). Decided by name, not by ``param.dim()``: a ZeRO-3 rank holds 1-D slices of
-    everything."""
+    practice). Decided by name, not by ``param.dim()``:
+    a ZeRO-3 rank holds 1-D slices of everything."""
     return not (name.endswith(".bias") or ".ln_" in name)
 
 

@@ -9,8 +9,8 @@ per rank and communication per optimiser step, ours next to PyTorch's.
 Rows (``--strategies`` takes the keys or the names, comma-separated; default: all available). A row
 whose module is missing or unfinished is left out with a one-line note; a row's counterpart and
 PyTorch DDP are added when the row is asked for without them (they are what its ratios divide by),
-and so are the counterpart's own (``zero3-no-prefetch`` brings ``zero3``, which brings its FSDP2
-row).
+and so are the counterpart's own
+(``zero3-no-prefetch`` brings ``zero3``, which brings its FSDP2 row).
 
     key                name                          counterpart
                        what runs
@@ -278,13 +278,13 @@ class Strategy:
         return language_model_loss(self.wrapped, inputs, targets)
 
     def own_batches(self, batches: list) -> list:
-        """The micro-batches of one optimiser step on this
-        rank (the tensor-parallel rows share theirs)."""
+        """The micro-batches of one optimiser step on this rank
+        (the tensor-parallel rows share theirs)."""
         return batches
 
     def micro_batch(self, syncing: bool):
-        """The context of one micro-batch's forward and
-        backward: no communication unless ``syncing``."""
+        """The context of one micro-batch's forward and backward:
+        no communication unless ``syncing``."""
         no_sync = getattr(self.wrapped, "no_sync", None)
         return no_sync() if (no_sync and not syncing) else contextlib.nullcontext()
 
@@ -422,8 +422,8 @@ class Zero1Bf16(Zero1):
 
 
 def padded_bytes(params, world_size: int) -> int:
-    """What FSDP2 moves for ``params``: every parameter's
-    dim 0 padded to a multiple of the world size."""
+    """What FSDP2 moves for ``params``:
+    every parameter's dim 0 padded to a multiple of the world size."""
     return sum(
         -(-p.shape[0] // world_size) * world_size * math.prod(p.shape[1:]) * p.element_size()
         for p in params
@@ -580,8 +580,8 @@ class TorchTensorParallel(Strategy):
         )
 
     def own_batches(self, batches):
-        """accumulation x world size micro-batches, the same
-        on every rank: the data-parallel rows' tokens."""
+        """accumulation x world size micro-batches,
+        the same on every rank: the data-parallel rows' tokens."""
         generator = torch.Generator().manual_seed(0)
         n = len(batches) * dist.get_world_size()
         blocks = [
@@ -772,8 +772,8 @@ class Pipeline1F1B(PipelineGPipe):
 
 
 class MoEModel(Strategy):
-    """The MoE model (``--moe-experts``, 4 by default
-    here) and its loss, + a * the load-balancing loss."""
+    """The MoE model (``--moe-experts``,
+    4 by default here) and its loss, + a * the load-balancing loss."""
 
     def build(self):
         if not self.config["moe_experts"]:

@@ -52,8 +52,8 @@ MODEL = [
 def one_run(
     step: str, nproc: int, out: Path, async_save: bool, resume=None
 ) -> tuple[list[float], float]:
-    """The pauses of a run's saves (the first left out)
-    and its peak rss; resuming ``resume``: the read's."""
+    """The pauses of a run's saves (the first left out) and its peak rss;
+    resuming ``resume``: the read's."""
     args = [*MODEL, "--out", str(out), *(["--async-save"] if async_save else [])]
     args += ["--resume", str(resume)] if resume else []
     result = subprocess.run(

@@ -29,8 +29,8 @@ GPT2_SMALL = "768x768,768x3072,3072x768"
 
 
 def layers(in_f: int, out_f: int, device) -> dict:
-    """Every contender for one (in, out) shape, the same
-    weights: name -> (module, autocast dtype or None)."""
+    """Every contender for one (in, out) shape, the same weights:
+    name -> (module, autocast dtype or None)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training

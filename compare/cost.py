@@ -26,8 +26,8 @@ from config import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 
 
 def run_cost(name: str) -> dict:
-    """One row: the run's ``cost`` with its name, steps
-    and final loss; ``UserError`` for a run without one."""
+    """One row: the run's ``cost`` with its name, steps and final loss;
+    ``UserError`` for a run without one."""
     run, metrics = parity.load_run(name)
     cost = metrics.get("cost")
     if not isinstance(cost, dict) or not cost.get("steps_timed"):

@@ -38,8 +38,8 @@ NAMES = ("output", "dq", "dk", "dv")
 
 
 def relative_errors(got: list, exact: list) -> dict:
-    """max |got - exact| / max |exact| of each tensor: a
-    bf16 result is about 2^-8 off, float32's about 2^-23."""
+    """max |got - exact| / max |exact| of each tensor:
+    a bf16 result is about 2^-8 off, float32's about 2^-23."""
     return {
         name: ((g.float() - e.float()).abs().max() / e.float().abs().max()).item()
         for name, g, e in zip(NAMES, got, exact)
@@ -47,8 +47,8 @@ def relative_errors(got: list, exact: list) -> dict:
 
 
 def forward_backward(attention, q, k, v, dout) -> list:
-    """[output, dq, dk, dv] of ``attention(q, k, v)`` with
-    ``dout`` as the output's gradient, on fresh leaves."""
+    """[output, dq, dk, dv] of ``attention(q, k,
+    v)`` with ``dout`` as the output's gradient, on fresh leaves."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = attention(*leaves)
     out.backward(dout)

@@ -95,8 +95,8 @@ class Model:
         self.units += [[n for name, n in self.named if name.startswith(b)] for b in blocks]
 
     def optimizer_order(self) -> list[int]:
-        """The sizes in the order the steps' AdamW groups
-        list them (decayed first): step 5's one flat range."""
+        """The sizes in the order the steps' AdamW groups list them
+        (decayed first): step 5's one flat range."""
         index = {p: i for i, (p) in enumerate(self.module.parameters())}
         sizes = [n for _, n in self.named]
         groups = adamw_param_groups(self.module.named_parameters(), self.config)
@@ -105,8 +105,8 @@ class Model:
     def gradient_buckets(
         self, bucket_cap_mb: float, first_bucket_cap_mb: float = 1.0
     ) -> list[list[int]]:
-        """Step 6's buckets: the parameters in gradient-ready
-        order (reversed), closed once a cap is reached."""
+        """Step 6's buckets: the parameters in gradient-ready order
+        (reversed), closed once a cap is reached."""
         buckets, current, size = [], [], 0
         for n in [n for _, n in self.named][::-1]:
             current.append(n)
@@ -121,8 +121,8 @@ class Model:
         return buckets + ([current] if current else [])
 
     def activation_bytes(self, micro_batch_size: int, checkpointing: bool = False) -> int:
-        """Bytes autograd keeps for backward in one
-        micro-batch, at most at once (the weights left out).
+        """Bytes autograd keeps for backward in one micro-batch,
+        at most at once (the weights left out).
 
         ``checkpointing``: as step 7's --activation-checkpointing:
         ``checkpointed_activation_bytes``, both parts."""
@@ -214,8 +214,8 @@ def cut(ranges: list[list[int]], world_size: int) -> list[tuple[int, int, int]]:
 def predict(
     model: Model, step: str, world_size: int, bucket_cap_mb: float = 25.0, prefetch: bool = True
 ) -> list[dict]:
-    """Bytes per rank of ``step`` at ``world_size``, as
-    the trainers record them (after the optimiser step)."""
+    """Bytes per rank of ``step`` at ``world_size``,
+    as the trainers record them (after the optimiser step)."""
     whole, tensors = model.psi * BYTES, len(model.named)
     adam = lambda owned, pieces: 2 * BYTES * owned + STEP_COUNT_BYTES * pieces  # noqa: E731
     if step == STEPS[0]:
@@ -262,8 +262,8 @@ PAPER_GB = (120.0, 31.4, 16.6, 1.9)  # its printed numbers (GB = 10^9 bytes), st
 def bytes_per_parameter(
     stage: int, param_dtype: str = "float32", reduce_dtype: str | None = None
 ) -> tuple:
-    """(parameters, gradients, optimiser state) in bytes
-    per parameter, and which of them are divided by N.
+    """(parameters, gradients, optimiser state) in bytes per parameter,
+    and which of them are divided by N.
 
     float32 (steps 0-7 today): 4 + 4 + 8 (two AdamW moments; the parameters are the weights
     stepped). 16-bit ``param_dtype``: 2-byte parameters for compute and communication, K = 12 bytes

@@ -89,8 +89,8 @@ class Checkpoint:
             self._corrupted(f"no rank holds {missing[0]}")
 
     def _index(self, holder: dict) -> None:
-        """Note where the file ``holder`` says its tensors
-        belong, in whichever form it wrote them (rule 2)."""
+        """Note where the file ``holder`` says its tensors belong,
+        in whichever form it wrote them (rule 2)."""
         # N-D blocks of rows or columns, a list of tensors beside their places
         if "model_blocks" in holder:
             for (name, dim, start, end), tensor in zip(holder["model_blocks"], holder["model"]):
@@ -166,8 +166,8 @@ class Checkpoint:
                 names.update(_name(slices[i]) for i in group["params"])
 
     def _join_blocks(self) -> None:
-        """The N-D blocks of a parameter (and of its
-        state) joined into the whole, read as one piece."""
+        """The N-D blocks of a parameter
+        (and of its state) joined into the whole, read as one piece."""
         for name, blocks in self.parameter_blocks.items():
             whole = self._join(
                 name, [(dim, start, end, tensor) for dim, start, end, tensor in blocks]
@@ -246,8 +246,8 @@ class Checkpoint:
         return {"state": state, "param_groups": groups}
 
     def _whole_state(self, name: str) -> dict:
-        """Parameter ``name``'s whole optimiser state (flat
-        tensors), joined from whatever pieces hold it."""
+        """Parameter ``name``'s whole optimiser state
+        (flat tensors), joined from whatever pieces hold it."""
         pieces = [p for p in self.state_pieces[name] if p[2]]
         numel = self.shapes[name].numel()
         return {
@@ -279,8 +279,8 @@ def _name(piece) -> str:
 
 
 def _cut(pieces: list, start: int, end: int, checkpoint: Checkpoint, name: str) -> torch.Tensor:
-    """Elements [start, end) from ``pieces`` = [(piece
-    start, piece end, tensor)] that tile the parameter."""
+    """Elements [start, end) from ``pieces`` = [(piece start,
+    piece end, tensor)] that tile the parameter."""
     parts, covered = [], start
     for piece_start, piece_end, tensor in sorted(pieces, key=lambda p: p[0]):
         lo, hi = max(covered, piece_start), min(end, piece_end)

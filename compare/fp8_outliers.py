@@ -71,8 +71,8 @@ def relative_loss(out, target, keep) -> torch.Tensor:
 
 
 def train(teacher, start, kind: str, recipe: str, args) -> tuple[list, torch.nn.Module]:
-    """Rule 1: AdamW, a cosine learning rate from
-    ``--lr`` to 0; the losses and the trained model."""
+    """Rule 1: AdamW, a cosine learning rate from ``--lr`` to 0;
+    the losses and the trained model."""
     model = copy.deepcopy(start)
     if recipe != "bf16":
         convert_to_fp8(model, recipe)
@@ -126,8 +126,8 @@ def matmul_errors(teacher, model, kind: str, args) -> dict:
 
 
 def run(args) -> dict:
-    """Every (kind, recipe) this CPU can run: losses,
-    the mean of the last 10, each matmul's error."""
+    """Every (kind, recipe) this CPU can run:
+    losses, the mean of the last 10, each matmul's error."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     teacher = mlp(args.width, args.hidden)

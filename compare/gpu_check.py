@@ -127,8 +127,8 @@ class Check:
         )
 
     def section(self, place: int, title: str, ok: bool | None, body: str) -> None:
-        """Add a section (``ok`` None: not run) and rewrite the
-        report, so a check cut short keeps what it found."""
+        """Add a section (``ok`` None: not run) and rewrite the report,
+        so a check cut short keeps what it found."""
         self.verdicts[place] = ok  # a section rewritten as it goes (speed) keeps its last verdict
         verdict = {True: "PASS", False: "FAIL", None: "not run"}[ok]
         self.sections[place] = f"## {title}: {verdict}\n\n{body.rstrip()}\n"
@@ -301,8 +301,8 @@ def check_memory(check: Check, place: int, runs: Path) -> None:
 
 
 def flops_per_token(config: dict) -> float:
-    """nanoGPT's estimate: 6 per parameter (the position
-    embedding left out), and attention's 12 L h T."""
+    """nanoGPT's estimate: 6 per parameter
+    (the position embedding left out), and attention's 12 L h T."""
     model = estimate.Model(config, estimate.vocabulary_size(TOKENIZER))
     params = model.psi - config["seq_len"] * config["n_embd"]
     return 6 * params + 12 * config["n_layer"] * config["n_embd"] * config["seq_len"]
@@ -412,8 +412,8 @@ def speed_section(
     per_token: float,
     peak: float | None,
 ) -> None:
-    """The speed section as measured so far: ``per_token``
-    FLOPs per token, ``peak`` the GPU's bf16 FLOP/s."""
+    """The speed section as measured so far:
+    ``per_token`` FLOPs per token, ``peak`` the GPU's bf16 FLOP/s."""
     rows = [
         "| run | tokens/s (median of rounds) | rounds | MFU | CUDA peak |",
         "|---|---|---|---|---|",

@@ -13,8 +13,8 @@ With Ψ parameters, fp32 AdamW (two moments) and N ranks, the bytes each rank ho
     ZeRO-1 (step 5)     4Ψ          4Ψ         8Ψ/N
     ZeRO-2 (step 6)     4Ψ          4Ψ/N       8Ψ/N
     ZeRO-3 (step 7)     4Ψ/N        4Ψ/N       8Ψ/N
-    ZeRO-3 offloaded    4Ψ/N        4Ψ/N       8Ψ/N, on the host with 4Ψ/N of float32 copies
-                                               (``host``)
+    ZeRO-3 offloaded    4Ψ/N        4Ψ/N       8Ψ/N,
+                                               on the host with 4Ψ/N of float32 copies (``host``)
 
 With ``--param-dtype bf16|fp16`` (steps 0, 5, 6, 7: 16-bit parameters, float32 masters of the owned
 elements, gradients reduced and kept in float32; docs/mixed_precision.md):

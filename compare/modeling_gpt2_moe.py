@@ -1,5 +1,5 @@
-"""GPT-2 with mixture-of-experts MLPs, for Hugging Face
-``transformers``: the model of an exported MoE run.
+"""GPT-2 with mixture-of-experts MLPs, for Hugging Face ``transformers``:
+the model of an exported MoE run.
 
 ``transformers`` has no GPT-2 with experts (its MoE models, Mixtral, Qwen-MoE, OLMoE, ..., use
 rotary positions, RMSNorm and gated experts), so compare/export_hf.py copies this file into the

@@ -30,8 +30,8 @@ EPS = torch.finfo(torch.float32).eps
 
 @dataclass
 class Drift:
-    """How far run ``a`` is from run ``b``: relative for
-    losses, absolute for the param norm and the weights."""
+    """How far run ``a`` is from run ``b``:
+    relative for losses, absolute for the param norm and the weights."""
 
     first_loss: float
     loss: float  # the largest relative loss difference over the logged steps
@@ -59,8 +59,8 @@ def drift(metrics_a: dict, weights_a: dict, metrics_b: dict, weights_b: dict) ->
 
 
 def largest(*drifts: Drift) -> Drift:
-    """Each quantity's largest drift over several reference
-    pairs (one process regrouped two ways, say)."""
+    """Each quantity's largest drift over several reference pairs
+    (one process regrouped two ways, say)."""
     return Drift(*(max(getattr(d, f.name) for d in drifts) for f in fields(Drift)))
 
 

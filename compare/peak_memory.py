@@ -33,8 +33,8 @@ Predicted, with ``compare/estimate.py``'s layouts (padding and AdamW's step coun
                  forward to the end of backward) and two blocks
                  (one computing, the next prefetched; one with --no-prefetch)
     activations  what autograd saves in one micro-batch; with --activation-checkpointing, the root's
-                 saved tensors, every block's inputs and one block's own (recomputed in its
-                 backward)
+                 saved tensors, every block's inputs and one block's own
+                 (recomputed in its backward)
 
 The breakdown names what the prediction leaves out. On GPT-2 here the peak comes as the last
 micro-batch's backward starts: the state, the root (no block is gathered then), the activations, the

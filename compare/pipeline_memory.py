@@ -50,8 +50,8 @@ VOCAB = 2048  # data/tokenizer.json's
 
 
 class SavedBytesInFlight:
-    """The bytes autograd holds for backward, followed live while active as
-    ``saved_tensors_hooks(*counter.hooks)``.
+    """The bytes autograd holds for backward,
+    followed live while active as ``saved_tensors_hooks(*counter.hooks)``.
 
     A storage counts from the first time a tensor on it is saved until autograd has let go of the
     last one (autograd drops a saved tensor once the backward that needs it has run). Parameters
@@ -108,14 +108,14 @@ class _Held:
 
 
 def held_formula(schedule: str, stage: int, num_stages: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage ``stage``
-    holds at once: M for GPipe, min(P - s, M) for 1F1B."""
+    """Micro-batches whose activations stage ``stage`` holds at once:
+    M for GPipe, min(P - s, M) for 1F1B."""
     return micro_batches if schedule == "gpipe" else min(num_stages - stage, micro_batches)
 
 
 def measure(rank: int, world_size: int, port: int, config: dict, cases: list) -> list:
-    """One stage: for each (schedule, M), a fresh stage of
-    the same model runs one step; its counts to rank 0."""
+    """One stage: for each (schedule, M),
+    a fresh stage of the same model runs one step; its counts to rank 0."""
     torch.set_num_threads(1)
     # the step's own modules (its copies of common's, verbatim, and pipeline.py)
     sys.path.insert(0, str(STEP9))

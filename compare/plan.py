@@ -303,8 +303,8 @@ def all_to_all_bytes(
 
 
 def stage_blocks(n_layer: int, pp: int, stage: int) -> int:
-    """Blocks on ``stage`` of ``pp``: step 9's split, as
-    even as can be, the first stages taking one more."""
+    """Blocks on ``stage`` of ``pp``: step 9's split,
+    as even as can be, the first stages taking one more."""
     base, extra = divmod(n_layer, pp)
     return base + (stage < extra)
 
@@ -630,8 +630,8 @@ def moe_report(
     param_dtype: str,
     accounting: str = "by formula (compare/activation_formula.py: math attention, dropout 0)",
 ) -> str:
-    """The EP table: one line per ep degree, and each
-    row's step 12 command (or why there is none)."""
+    """The EP table: one line per ep degree,
+    and each row's step 12 command (or why there is none)."""
     unit = (GIB, "GiB") if max(row["total"] for row in rows) >= 2 * GIB else (2**20, "MiB")
     psi = moe_psi(shape, moe)
     lines = [
@@ -1309,8 +1309,8 @@ def justify(c: dict, fit: list[dict], rejected: list[dict], unit: tuple) -> str:
 
 
 def activations_reason(c: dict, rejected: list[dict], unit: tuple) -> str:
-    """Why context or sequence parallelism: the same layout
-    with less of them does not fit, or cannot run."""
+    """Why context or sequence parallelism:
+    the same layout with less of them does not fit, or cannot run."""
     # less CP or SP, with SP or without: the least it needs
     keys = plainer(c) | plainer(c, sequence_parallel=True)
     without = [r for r in rejected if layout_key(r) in keys]

@@ -1,5 +1,5 @@
-"""Loss, grad norm and param norm of any number of
-runs, overlaid, and each run's difference to the first.
+"""Loss, grad norm and param norm of any number of runs,
+overlaid, and each run's difference to the first.
 
     python compare/plot.py step0 step1 step3   # -> runs/plots/step0_vs_step1_vs_step3.png
     python compare/plot.py step1 runs/matrix/float32_ws3/step3_naive_dp --out diff.png

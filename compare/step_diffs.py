@@ -89,8 +89,8 @@ def common_copies(folder: Path) -> set[str]:
 
 
 def learner_facing(folder: Path) -> set[str]:
-    """The Python files of ``folder`` a learner reads
-    on a first pass (the rule above LESSON_COPIES)."""
+    """The Python files of ``folder`` a learner reads on a first pass
+    (the rule above LESSON_COPIES)."""
     copies = common_copies(folder)
     return {
         f

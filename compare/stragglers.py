@@ -150,8 +150,8 @@ def analyse(
 
 
 def verdict(result: Result) -> str:
-    """One line: who is flagged and by how much, or
-    why nobody is (the closest candidate's numbers)."""
+    """One line: who is flagged and by how much,
+    or why nobody is (the closest candidate's numbers)."""
     if len(result.ranks) == 1:
         return "one rank: nothing to compare"
     if max(map(len, result.groups)) == 1:

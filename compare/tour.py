@@ -65,15 +65,15 @@ def number(step: str) -> int:
 
 
 def shown(path: Path) -> Path:
-    """``path`` relative to the current folder when it
-    lies inside it: shorter to read and to paste."""
+    """``path`` relative to the current folder when it lies inside it:
+    shorter to read and to paste."""
     path = Path(path).resolve()
     return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
 
 
 def check_the_data_feeds(nproc: int, extra: list[str]) -> tuple[dict, int]:
-    """Refuse, before any trainer starts, flags a trainer
-    would refuse, and an --nproc the corpus cannot feed.
+    """Refuse, before any trainer starts, flags a trainer would refuse,
+    and an --nproc the corpus cannot feed.
 
     The trainers would refuse them too, but step 0 first and in its own terms: it runs as one
     process accumulating 2 x nproc micro-batches, so too many ranks would read as a --grad-accum it
@@ -198,8 +198,8 @@ def run_experts(single: str, experts: str, args, extra: list[str], timeout: list
 
 
 def splits_the_model(step: str) -> bool:
-    """Steps 8 and up: their ranks share one stream of
-    micro-batches (they split the model or the sequence)."""
+    """Steps 8 and up: their ranks share one stream of micro-batches
+    (they split the model or the sequence)."""
     return number(step) >= parity.MODEL_PARALLEL_FROM
 
 

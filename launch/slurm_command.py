@@ -90,8 +90,8 @@ def check_job(step: str, env: dict) -> None:
 
 
 def torchrun_command(step: str, args: list[str], env: dict, hostnames: list[str]) -> list[str]:
-    """The line every node runs (rules 1-4), from Slurm's
-    variables ``env`` and the job's ``hostnames``."""
+    """The line every node runs (rules 1-4),
+    from Slurm's variables ``env`` and the job's ``hostnames``."""
     check_job(step, env)
     nnodes, job = int(env["SLURM_NNODES"]), env["SLURM_JOB_ID"]
     if len(hostnames) != nnodes:

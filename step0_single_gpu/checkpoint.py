@@ -1,5 +1,5 @@
-"""Step 0's checkpoint: one process's whole state in one
-file, written whole or not at all, resumed in one call.
+"""Step 0's checkpoint: one process's whole state in one file,
+written whole or not at all, resumed in one call.
 
 ``<out>/checkpoints/step_<k>/`` holds ``state.pt`` (``torch.save`` of one dict: the weights, AdamW's
 moments, the schedule, the loss scale, the data position, the log and every random generator) and
@@ -88,8 +88,8 @@ class WholeModel:
 
 
 def open_checkpoint(path: Path, config: dict) -> dict:
-    """Rule 2: the state saved in ``path``, read before
-    anything is written, or a one-line refusal."""
+    """Rule 2: the state saved in ``path``,
+    read before anything is written, or a one-line refusal."""
     try:
         meta = json.loads((path / "meta.json").read_text())
         saved, step = dict(meta["config"]), int(meta["step"])

@@ -148,8 +148,8 @@ def gpt2_config(config: dict, vocab_size: int) -> GPTConfig:
 
 
 def parameter_seed(seed: int, name: str) -> int:
-    """A 63-bit seed for one parameter; stable across
-    processes and Python versions (unlike ``hash``)."""
+    """A 63-bit seed for one parameter;
+    stable across processes and Python versions (unlike ``hash``)."""
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 

@@ -1,5 +1,5 @@
-"""The bytes a rank of step 10's mesh hands to collectives
-in a step, by the axis they serve: a record's ``comm``.
+"""The bytes a rank of step 10's mesh hands to collectives in a step,
+by the axis they serve: a record's ``comm``.
 
 comm_accounting.py counts bytes by kind of collective (all_reduce, all_gather, ...); on a mesh the
 same kind serves several axes (an all-reduce over tp inside a layer, over dp x cp for the

@@ -114,8 +114,8 @@ def check_degrees(config: dict, world_size: int, vocab_size: int) -> tuple[int, 
 
 
 def check_context_on_mesh(config: dict, cp: int) -> None:
-    """Rule 5's refusals, one line each: step 11's check
-    of the sequence, then what step 10 does not compose."""
+    """Rule 5's refusals, one line each:
+    step 11's check of the sequence, then what step 10 does not compose."""
     check_context_parallel(config, cp)  # --seq-len cut into 2 x cp chunks
     if config["sequence_parallel"]:
         raise UserError(
@@ -260,8 +260,8 @@ class MeshShards:
 
     @staticmethod
     def places(optimizer, named: list) -> list:
-        """``optimizer``'s local parameters, flat slices of
-        the TP shards ``named`` holds (None: another's)."""
+        """``optimizer``'s local parameters,
+        flat slices of the TP shards ``named`` holds (None: another's)."""
         name_of = {p: n for n, p in named}
         return [
             (name_of[piece.param], place_of(piece.param)._replace(start=piece.start))

@@ -78,8 +78,8 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser(step: str) -> argparse.ArgumentParser:
-    """The flags every step has. Defaults are the
-    reference workload (about a minute on 2 CPU cores)."""
+    """The flags every step has. Defaults are the reference workload
+    (about a minute on 2 CPU cores)."""
     p = OneLineParser(
         prog=f"{step}/train.py",
         description=f"{step}: train a small GPT-2 on tiny shakespeare.",
@@ -221,8 +221,8 @@ def parse_config(parser: argparse.ArgumentParser, argv=None) -> dict:
 
 
 def resolved_attention(config: dict) -> str:
-    """``--attention auto`` made concrete, so that
-    metrics.json and checkpoints say which attention ran."""
+    """``--attention auto`` made concrete,
+    so that metrics.json and checkpoints say which attention ran."""
     if config.get("attention", "auto") != "auto":
         return config["attention"]
     return "sdpa" if on_cuda(config) else "math"

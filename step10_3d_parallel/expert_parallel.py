@@ -1,5 +1,5 @@
-"""Expert parallelism: the E experts of every MoE layer
-split over D ranks, each token sent to its expert's rank.
+"""Expert parallelism: the E experts of every MoE layer split over D ranks,
+each token sent to its expert's rank.
 
 The MoE layer (moe.py) routes and permutes on the rank that holds the token, and combines there;
 only the step in between, the experts' compute, is replaced. In the order a token travels, for one

@@ -151,8 +151,8 @@ def experts_on_mesh(model, mesh, config: dict) -> None:
 
 
 def _over_ring(counts: torch.Tensor, tokens: int, mesh) -> tuple[torch.Tensor, int]:
-    """Rule 3: the slots each expert got from the whole
-    micro-batch, and its tokens (cp x this rank's)."""
+    """Rule 3: the slots each expert got from the whole micro-batch,
+    and its tokens (cp x this rank's)."""
     counts = counts.clone()
     count_collective("routing counts", counts)
     dist.all_reduce(counts, group=mesh.cp_group)
@@ -164,8 +164,8 @@ class DenseAndExperts(torch.optim.Optimizer):
     experts, as one optimiser for the loop, the LR schedule (``param_groups``: the dense ones) and
     the memory record (``state``).
     ``parts``: the two, each checkpointed as its slices (rule 7; composition.py's ``MeshShards``).
-    ``zero1(named, group)``: what builds each part (default: ZeRO-1 over ``group``; zero_stages.py:
-    --zero's)."""
+    ``zero1(named, group)``: what builds each part (default:
+    ZeRO-1 over ``group``; zero_stages.py: --zero's)."""
 
     def __init__(self, named: list, config: dict, mesh, zero1=None):
         from training import adamw_options, adamw_param_groups
@@ -214,8 +214,8 @@ def norm_groups(mesh) -> list:
 
 
 def gather_experts(mine: dict, mesh) -> dict:
-    """``mine`` (every parameter of this rank's stage, by name)
-    with the other experts of its ep group. Collective."""
+    """``mine`` (every parameter of this rank's stage,
+    by name) with the other experts of its ep group. Collective."""
     if mesh.ep > 1:
         held = [None] * mesh.ep
         experts = {n: t for n, t in mine.items() if is_expert(n)}

@@ -1,5 +1,5 @@
-"""HSDP (hybrid sharding): ZeRO-3 inside groups of
-N/R ranks, plain data parallelism across R of them.
+"""HSDP (hybrid sharding): ZeRO-3 inside groups of N/R ranks,
+plain data parallelism across R of them.
 
 ZeRO-3 over all N ranks (zero3.py) all-gathers every unit twice a step and reduce-scatters it once,
 each time over all N ranks: across nodes, every one of those goes over the slow links. ``--replicate

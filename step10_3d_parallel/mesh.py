@@ -88,8 +88,8 @@ def _sizes(dp: int, tp: int, pp: int, cp: int) -> dict:
 
 
 def _rank_at(at: dict, sizes: dict) -> int:
-    """The global rank at coordinates ``at``: ``((pp *
-    dp + d) * cp + c) * tp + t``, tp varying fastest."""
+    """The global rank at coordinates ``at``:
+    ``((pp * dp + d) * cp + c) * tp + t``, tp varying fastest."""
     rank = 0
     for axis in AXES:
         rank = rank * sizes[axis] + at[axis]

@@ -26,8 +26,8 @@ HOST = torch.device("cpu")  # where the masters, the moments and the step live
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
-    """``make(named_host_params)`` builds the optimiser that
-    steps on the host (step 7: AdamW, by ``make_optimizer``)."""
+    """``make(named_host_params)`` builds the optimiser that steps on the host
+    (step 7: AdamW, by ``make_optimizer``)."""
 
     def __init__(self, named_params, make, host: torch.device = HOST):
         named_params = list(named_params)
@@ -56,8 +56,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         )
 
     def host_bytes(self) -> int:
-        """What rule 1 keeps in host memory: the float32 copies
-        and the optimiser's state (a step's ``host``)."""
+        """What rule 1 keeps in host memory:
+        the float32 copies and the optimiser's state (a step's ``host``)."""
         state = (v for s in self.state.values() for v in s.values() if torch.is_tensor(v))
         return sum(t.numel() * t.element_size() for t in [*self.host_copies, *state])
 

@@ -48,8 +48,8 @@ MODES = ("none", "full", "selective")
 
 
 def mode_of(value) -> str:
-    """The mode from a config: the flag's string, or a bool
-    (True: full) from configs written before it had one."""
+    """The mode from a config: the flag's string, or a bool (True:
+    full) from configs written before it had one."""
     return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
 
@@ -83,8 +83,8 @@ def recompute(blocks, mode) -> None:
 def recomputed_flops(
     mode: str, micro_batch_size: int, seq_len: int, n_embd: int, n_layer: int
 ) -> int:
-    """FLOPs one micro-batch's backward spends recomputing
-    forward (rule 4): the matmuls' 2 flops a multiply-add."""
+    """FLOPs one micro-batch's backward spends recomputing forward
+    (rule 4): the matmuls' 2 flops a multiply-add."""
     b, s, h = micro_batch_size, seq_len, n_embd
     attention = 4 * b * s * s * h
     return (

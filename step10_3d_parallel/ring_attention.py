@@ -87,8 +87,8 @@ class _Ring:
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    """Float32 scores of one chunk of queries against
-    one chunk of keys; the diagonal pair is causal."""
+    """Float32 scores of one chunk of queries against one chunk of keys;
+    the diagonal pair is causal."""
     s = (q @ k.transpose(-2, -1)).float() * scale
     if causal:
         n = s.shape[-1]

@@ -70,8 +70,8 @@ from vocab_parallel import VocabParallelEmbedding
 
 
 class _BiasShare(torch.autograd.Function):
-    """``bias / T`` forward (rule 4); backward, the gradient
-    of the whole bias: the T shares add up to it."""
+    """``bias / T`` forward (rule 4); backward,
+    the gradient of the whole bias: the T shares add up to it."""
 
     @staticmethod
     def forward(ctx, bias, world_size):
@@ -115,8 +115,8 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_full(cls, linear: nn.Linear, group=None, reduce_dtype=None) -> "ColumnParallelLinear":
-        """This rank's part of ``linear`` (the same full layer
-        on every rank): its block of rows, of the bias too."""
+        """This rank's part of ``linear`` (the same full layer on every rank):
+        its block of rows, of the bias too."""
         # no storage, no random draw: dropout's masks must not depend on this
         with torch.device("meta"):
             layer = cls(
@@ -171,8 +171,8 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_full(cls, linear: nn.Linear, group=None, reduce_dtype=None) -> "RowParallelLinear":
-        """This rank's part of ``linear`` (the same full layer
-        on every rank): its block of columns, the bias whole."""
+        """This rank's part of ``linear`` (the same full layer on every rank):
+        its block of columns, the bias whole."""
         with torch.device("meta"):
             layer = cls(
                 linear.in_features,

@@ -60,8 +60,8 @@ def is_sharded(param: torch.Tensor) -> bool:
 
 
 def place_of(param: torch.Tensor) -> Place:
-    """Where this rank's ``param`` sits in the whole one
-    (rule 1): its block, or all of a replicated parameter."""
+    """Where this rank's ``param`` sits in the whole one (rule 1):
+    its block, or all of a replicated parameter."""
     if not is_sharded(param):
         return Place(tuple(param.shape))
     [(dim, start, _)] = param.tp_blocks

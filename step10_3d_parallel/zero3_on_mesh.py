@@ -173,8 +173,8 @@ class FullyShardedStages:
 
     # ---- rule 3: which backward reduce-scatters --------------------------------------------------
     def _count(self, index: int, module, args, output) -> None:
-        """After chunk ``index``'s forward of a micro-batch: its
-        number, for the hook that runs before its backward."""
+        """After chunk ``index``'s forward of a micro-batch:
+        its number, for the hook that runs before its backward."""
         micro_batch, self.forwards[index] = self.forwards[index], self.forwards[index] + 1
         if torch.is_grad_enabled() and output.requires_grad:
             hook = functools.partial(self._before_backward, self.wrappers[index], micro_batch)

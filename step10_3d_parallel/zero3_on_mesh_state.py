@@ -53,23 +53,23 @@ class FullyShardedShards:
         ]
 
     def checkpoint_state(self) -> dict:
-        """Rule 1: this rank's pieces and their AdamW
-        state, boxes of the whole tensors. No collective."""
+        """Rule 1: this rank's pieces and their AdamW state,
+        boxes of the whole tensors. No collective."""
         return {
             **model_state(self._pieces(self.saved)),
             **optimizer_state(self.optimizer, self._optimizer_places(self.saved)),
         }
 
     def load_checkpoint(self, checkpoint) -> None:
-        """Rule 2: this rank's pieces, and AdamW's state for
-        them, out of any step's checkpoint at any mesh."""
+        """Rule 2: this rank's pieces, and AdamW's state for them,
+        out of any step's checkpoint at any mesh."""
         load_model(checkpoint, self._pieces(self.stages.named))
         load_optimizer(checkpoint, self.optimizer, self._optimizer_places(self.stages.named))
 
 
 def gather_full_model(stages, mesh) -> dict:
-    """Rule 3: every parameter whole, by name, on every
-    rank. Collective over the plane, tp and pp."""
+    """Rule 3: every parameter whole, by name,
+    on every rank. Collective over the plane, tp and pp."""
     mine = {}
     for wrapper, names in zip(stages.wrappers, stages.local_names):
         for n, t in wrapper.gathered_parameters():  # one unit at a time, over the plane

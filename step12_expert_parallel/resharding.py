@@ -74,8 +74,8 @@ BATCH_SPLIT_KEYS = ("micro_batch_size", "grad_accum")
 def checkpoint_meta(
     step: int, world_size: int, config: dict, shapes: dict, data_parallel_size=None
 ) -> str:
-    """meta.json. ``data_parallel_size``: the ranks that
-    drew their own samples, when not all did (TP, PP)."""
+    """meta.json. ``data_parallel_size``:
+    the ranks that drew their own samples, when not all did (TP, PP)."""
     meta = {
         "format": FORMAT_VERSION,
         "step": step,
@@ -170,8 +170,8 @@ class Checkpoint:
         return [f"rank{r}" for r in range(self.world_size)]
 
     def _check_files(self, storage: dict) -> None:
-        """Every data file ``.metadata`` names is there
-        and long enough: found before anything connects."""
+        """Every data file ``.metadata`` names is there and long enough:
+        found before anything connects."""
         needed = {}
         for info in storage.values():
             needed[info.relative_path] = max(

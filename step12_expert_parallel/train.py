@@ -266,8 +266,8 @@ def moe_record_over_ranks(model, dispatchers) -> dict:
 
 
 def gather_experts(model, groups) -> dict:
-    """Every parameter by name on rank 0: its own, and the
-    experts of the first expert-parallel group's ranks."""
+    """Every parameter by name on rank 0: its own,
+    and the experts of the first expert-parallel group's ranks."""
     own = {name: p.detach().cpu() for name, p in model.named_parameters()}
     experts = (
         {n: t for n, t in own.items() if is_expert(n)} if dist.get_rank() < groups.ep_size else {}

@@ -31,8 +31,8 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
 
 
 def rng_state() -> dict:
-    """Every generator's current state, as tensors and
-    plain values (loadable with weights_only=True)."""
+    """Every generator's current state, as tensors and plain values
+    (loadable with weights_only=True)."""
     kind, keys, pos, has_gauss, cached_gauss = np.random.get_state()
     state = {
         "python": random.getstate(),

@@ -43,8 +43,8 @@ def load_tokenizer(path) -> Tokenizer:
 
 
 def check_text(path) -> None:
-    """Refuse a --data file that is not UTF-8 text, or
-    holds none, with one line instead of a traceback."""
+    """Refuse a --data file that is not UTF-8 text,
+    or holds none, with one line instead of a traceback."""
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:

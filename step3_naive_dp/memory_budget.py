@@ -40,8 +40,8 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def out_of_memory_message(error: BaseException) -> str:
-    """One line: who ran out, within which budget, why
-    this step needs that much, what to do instead."""
+    """One line: who ran out, within which budget,
+    why this step needs that much, what to do instead."""
     asked = re.search(r"tried to allocate (\d+) bytes", str(error))
     what = (
         f"could not allocate {int(asked.group(1)) / 2**20:,.1f} MiB more"

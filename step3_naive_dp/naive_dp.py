@@ -29,8 +29,8 @@ def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
 def allreduce_gradients(
     module: torch.nn.Module, reduce_dtype: torch.dtype = torch.float32, group=None
 ) -> None:
-    """Replace every gradient by its mean over the
-    ranks: all-reduce (sum), then divide by world size.
+    """Replace every gradient by its mean over the ranks:
+    all-reduce (sum), then divide by world size.
 
     ``reduce_dtype=torch.float64`` is the exact mode: summing in float64 does not depend on the
     order in which the ranks' values are added, so the result is the same bits however the

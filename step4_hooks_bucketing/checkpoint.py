@@ -39,14 +39,14 @@ def load_optimizer(optimizer, checkpoint, named_params) -> None:
 
 
 def load_parameters(named_params, checkpoint) -> None:
-    """Copy every full parameter from ``checkpoint`` into
-    ``named_params``: a model every rank holds whole."""
+    """Copy every full parameter from ``checkpoint`` into ``named_params``:
+    a model every rank holds whole."""
     load_model(checkpoint, [(name, p, Place(tuple(p.shape))) for name, p in named_params])
 
 
 class RunState:
-    """A part (rule 2) every rank holds alike: the schedule,
-    the loss scale, the data position and the log."""
+    """A part (rule 2) every rank holds alike:
+    the schedule, the loss scale, the data position and the log."""
 
     per_rank = False  # rank 0 saves it for everyone
 
@@ -132,8 +132,8 @@ class CheckpointWriter:
         return checkpoint.step
 
     def save(self, step: int) -> None:
-        """Write checkpoint ``step``: every part, asked on
-        every rank (a part may gather: a collective)."""
+        """Write checkpoint ``step``: every part,
+        asked on every rank (a part may gather: a collective)."""
         started = time.perf_counter()
         try:
             self._write(step, *self._states(step))
@@ -142,8 +142,8 @@ class CheckpointWriter:
         self._report(step, started, "written")
 
     def _states(self, step: int) -> tuple[dict]:
-        """DCP's state dict: every part's entries (a shared
-        part's in ``run``, once), and this rank's RNG."""
+        """DCP's state dict: every part's entries
+        (a shared part's in ``run``, once), and this rank's RNG."""
         shared, state = {"step": step}, {}
         if self.rank < self.world_size:  # step 9's stages: one process's RNG, rank 0's
             state[f"rank{self.rank}"] = {"rng": rng_state()}
@@ -174,8 +174,8 @@ class CheckpointWriter:
         self._publish(step, tmp)
 
     def _prepare(self, step: int):
-        """An empty ``.tmp_step_<step>`` (what a killed save
-        left, removed), on every rank before anyone writes."""
+        """An empty ``.tmp_step_<step>`` (what a killed save left,
+        removed), on every rank before anyone writes."""
         tmp = checkpoint_dir(self.config["out"], step).with_name(f".tmp_step_{step}")
         if self.rank == 0:
             start_writing(self.config["out"], step)
@@ -183,8 +183,8 @@ class CheckpointWriter:
         return tmp
 
     def _publish(self, step: int, tmp) -> None:
-        """Rule 1, once DCP has written every rank's data and
-        its ``.metadata``: ``meta.json``, then the rename."""
+        """Rule 1, once DCP has written every rank's data and its ``.metadata``:
+        ``meta.json``, then the rename."""
         self._barrier()  # (a test pauses a rank here: written, not yet the checkpoint)
         if self.rank == 0:
             (tmp / "meta.json").write_text(

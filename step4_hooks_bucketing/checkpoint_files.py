@@ -85,8 +85,8 @@ def not_a_checkpoint(path, flag: str = "") -> UserError:
 
 
 def start_writing(out_dir, step: int) -> Path:
-    """Rule 2, first half: an empty ``.tmp_step_<step>`` to
-    write into, after removing what a killed save left."""
+    """Rule 2, first half: an empty ``.tmp_step_<step>`` to write into,
+    after removing what a killed save left."""
     tmp = checkpoint_dir(out_dir, step).with_name(f".tmp_step_{step}")
     for leftover in [*tmp.parent.glob(".tmp_step_*"), *tmp.parent.glob(".old_step_*")]:
         shutil.rmtree(leftover, ignore_errors=True)

@@ -86,8 +86,8 @@ class World:
 
 
 def world_from_env() -> tuple[int, int, int, int]:
-    """(rank, world size, local rank, local world size)
-    as torchrun set them; a world of one otherwise."""
+    """(rank, world size, local rank,
+    local world size) as torchrun set them; a world of one otherwise."""
     env = os.environ
     world_size = int(env.get("WORLD_SIZE", 1))
     return (
@@ -180,8 +180,8 @@ def shutdown() -> None:
     ``destroy_process_group`` then frees the group, whose destructor stops gloo's worker threads. A
     worker thread lets go of a collective (and of the Python tensors it was given) only *after* the
     caller's wait has returned, and letting go of a tensor Python already dropped needs the GIL. The
-    destructor waits for that with the GIL released, so it is safe. Two ways to break it, both seen
-    here:
+    destructor waits for that with the GIL released,
+    so it is safe. Two ways to break it, both seen here:
 
     - Something else still holds the group, so ``destroy_process_group`` frees nothing and the
       worker threads live on into interpreter exit. A thread that asks for the GIL once exit has
@@ -227,8 +227,8 @@ def gather_from_every_rank(value) -> list:
 
 
 def gather_per_rank(**values) -> dict:
-    """``{name: [rank 0's value, rank 1's, ...]}`` for every
-    keyword, in one gather: a record's per-rank fields."""
+    """``{name: [rank 0's value, rank 1's, ...]}`` for every keyword,
+    in one gather: a record's per-rank fields."""
     everyone = gather_from_every_rank(values)
     return {name: [value[name] for value in everyone] for name in values}
 

@@ -63,8 +63,8 @@ def assign_buckets(
     params: list, bucket_cap_bytes: float, first_bucket_cap_bytes: float
 ) -> list[list]:
     """Split ``params`` (in gradient-ready order) into consecutive groups of about the cap in bytes.
-    A group closes once it reaches its cap; a parameter larger than the cap gets a group of its
-    own."""
+    A group closes once it reaches its cap;
+    a parameter larger than the cap gets a group of its own."""
     groups, current, size = [], [], 0
     for p in params:
         current.append(p)
@@ -164,8 +164,8 @@ class BucketedDDP(torch.nn.Module):
         self._launch_ready_buckets()
 
     def _local_gradient(self, param: torch.Tensor):
-        """What this rank reduces for ``param``: the
-        gradient backward accumulated in ``param.grad``."""
+        """What this rank reduces for ``param``:
+        the gradient backward accumulated in ``param.grad``."""
         return param.grad
 
     def _fill(self, bucket: Bucket, i: int, grad) -> None:
@@ -198,8 +198,8 @@ class BucketedDDP(torch.nn.Module):
             )
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every bucket, average, and write the
-        result into ``param.grad``. Once per optimiser step."""
+        """Wait for every bucket, average,
+        and write the result into ``param.grad``. Once per optimiser step."""
         unused = self._complete_the_buckets_backward_left_open()
         used_anywhere = self._used_by_any_rank(unused) if self.find_unused_parameters else None
         unused_ids = {id(p) for p in unused}

@@ -96,8 +96,8 @@ class ShardedOptimizerWithMasters(ShardedOptimizer):
         return full
 
     def master_weights(self, named_params) -> dict:
-        """``{name: full float32 weight}``: the masters
-        gathered (a collective, every rank takes part)."""
+        """``{name: full float32 weight}``:
+        the masters gathered (a collective, every rank takes part)."""
         masters = self.gathered_masters()
         return {name: masters.get(param, param) for name, param in named_params}
 

@@ -8,8 +8,8 @@ bf16's rate on a Hopper):
     backward      grad_x = gy @ W        gy (tokens x out) e5m2*, W (out x in)       e4m3
     backward      grad_W = gy^T @ x      gy^T (out x tokens) e5m2*, x (tokens x in)  e4m3
 
-Rules, each one what torchao 0.18's ``convert_to_float8_training``
-does (the parity the tests prove, bit for bit):
+Rules, each one what torchao 0.18's ``convert_to_float8_training`` does
+(the parity the tests prove, bit for bit):
 
 1. Two formats. ``float8_e4m3fn`` (4 exponent bits, 3 mantissa bits, largest 448) for what the
    forward reads: activations and weights need precision more than range. ``float8_e5m2`` (largest
@@ -65,8 +65,8 @@ RECIPES = {
 
 
 def scale_of(t: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool) -> torch.Tensor:
-    """Rule 2-3: ``fmax / amax`` of ``t`` (dim None: the
-    whole tensor; else one per slice along ``dim``)."""
+    """Rule 2-3: ``fmax / amax`` of ``t`` (dim None:
+    the whole tensor; else one per slice along ``dim``)."""
     amax = t.abs().max() if dim is None else t.abs().amax(dim=dim, keepdim=True)
     scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=EPS)).to(
         torch.float32
@@ -75,8 +75,8 @@ def scale_of(t: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool) -
 
 
 def to_fp8(t: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool) -> tuple:
-    """Rule 2: ``t`` scaled into ``dtype``'s range
-    and rounded, saturating; returns (bits, scale)."""
+    """Rule 2: ``t`` scaled into ``dtype``'s range and rounded,
+    saturating; returns (bits, scale)."""
     scale = scale_of(t, dtype, dim, pow2)
     fmax = torch.finfo(dtype).max
     return (t.to(torch.float32) * scale).clamp(min=-fmax, max=fmax).to(dtype), scale

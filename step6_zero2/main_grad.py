@@ -1,5 +1,5 @@
-"""MainGradDDP: step 4's BucketedDDP for 16-bit
-parameters, whose gradients are never summed in 16 bits.
+"""MainGradDDP: step 4's BucketedDDP for 16-bit parameters,
+whose gradients are never summed in 16 bits.
 
 With ``--param-dtype bf16|fp16`` (``masters.py``) the model computes in 16 bits and AdamW steps
 float32 masters. Backward leaves a 16-bit ``param.grad``; summing micro-batches there would round

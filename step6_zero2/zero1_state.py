@@ -96,8 +96,8 @@ class ShardedOptimizerState:
 
     # ---- Checkpoints (rule 1: the interface of checkpoint.py) ------------------------------------
     def checkpoint_places(self, named_params) -> list:
-        """``(name, place)`` of each local parameter: a flat
-        slice of parameter ``name`` (dcp_checkpoint.py)."""
+        """``(name, place)`` of each local parameter:
+        a flat slice of parameter ``name`` (dcp_checkpoint.py)."""
         from dcp_checkpoint import Place  # here, not at the top: rule 1
 
         name_of = {param: name for name, param in named_params}

@@ -112,8 +112,8 @@ class ShardedGradientDDP(MainGradDDP):
         return super().forward(*args, **kwargs)
 
     def no_sync(self):
-        """Backward inside this block only accumulates
-        gradients locally (unless reduce_every_micro_batch)."""
+        """Backward inside this block only accumulates gradients locally
+        (unless reduce_every_micro_batch)."""
         return contextlib.nullcontext() if self.reduce_every_micro_batch else super().no_sync()
 
     def _fill(self, bucket: ShardedBucket, i: int, grad) -> None:

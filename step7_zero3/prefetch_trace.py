@@ -104,8 +104,8 @@ class PrefetchTrace:
         self.recording = False
 
     def finish(self, out_dir: Path | None) -> None:
-        """``stop``, then (given ``out_dir``: one rank
-        gives it) ``write`` this rank's timeline there."""
+        """``stop``, then (given ``out_dir``:
+        one rank gives it) ``write`` this rank's timeline there."""
         self.stop()
         if out_dir is not None:
             self.write(dist.get_rank() if dist.is_initialized() else 0, out_dir)

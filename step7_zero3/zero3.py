@@ -1,5 +1,5 @@
-"""FullyShardedDP: ZeRO stage 3, every rank keeps
-1/N of the parameters and gathers them only for use.
+"""FullyShardedDP: ZeRO stage 3,
+every rank keeps 1/N of the parameters and gathers them only for use.
 
 Step 6 still kept every parameter on every rank; here:
 
@@ -62,8 +62,8 @@ from zero3_units import GATHERED, GATHERING, SHARDED, Unit, build_units
 class FullyShardedDP(FullyShardedState, torch.nn.Module):
     """Wrap ``module`` for fully sharded data parallelism over the default process group.
 
-    ``units``: submodules, each sharded and gathered as
-    one unit; a root unit holds every other parameter.
+    ``units``: submodules, each sharded and gathered as one unit;
+    a root unit holds every other parameter.
     ``init_fn(name, shape)``: the values of a parameter (or buffer) that is on the meta device.
     ``param_dtype``: the dtype parameters are gathered and computed in (None: their own, float32).
     ``mesh``: an ``hsdp.HybridMesh``, to shard over its rows and replicate over its columns (None:
@@ -246,8 +246,8 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
             self._free(unit)
 
     def _pre_backward(self, unit: Unit, position: int, grad) -> None:
-        """``position``: where this call of the unit ended in
-        forward; the call that ended before it runs next."""
+        """``position``: where this call of the unit ended in forward;
+        the call that ended before it runs next."""
         self._launch_gather(unit)
         self._prefetch(self.post_forward_order, position - 1)
         self._gathered(unit)
@@ -307,8 +307,8 @@ class FullyShardedDP(FullyShardedState, torch.nn.Module):
         unit.work = unit.output = unit.input = self.reducing = None
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for the last reduce-scatter; then each piece's
-        ``.grad`` is its slice of the averaged gradient."""
+        """Wait for the last reduce-scatter;
+        then each piece's ``.grad`` is its slice of the averaged gradient."""
         # the optimiser is about to change the shards: no gathered copy may outlive them
         for unit in self.units:
             # (a unit of frozen parameters, gathered for backward, has no hook that frees it)

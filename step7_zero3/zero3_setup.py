@@ -44,8 +44,8 @@ def add_zero3_flags(parser) -> None:
 
 
 def check_replicate(replicate: int, world_size: int) -> None:
-    """--replicate R must cut the N ranks into equal shard
-    groups: else one line, exit 2, before any group."""
+    """--replicate R must cut the N ranks into equal shard groups:
+    else one line, exit 2, before any group."""
     if problem := replicate_problem(replicate, world_size):
         raise UserError(problem)
 

@@ -93,8 +93,8 @@ class Unit:
         ]
 
     def install(self, tensors: list) -> None:
-        """Make ``tensors`` (pieces, or full views) the modules'
-        parameters (``setattr`` would refuse a view)."""
+        """Make ``tensors`` (pieces, or full views) the modules' parameters
+        (``setattr`` would refuse a view)."""
         for tensor, where in zip(tensors, self.registrations):
             for module, attribute in where:
                 module._parameters[attribute] = tensor

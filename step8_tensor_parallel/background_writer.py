@@ -1,6 +1,6 @@
 """``--async-save``: a checkpoint copied to memory in the training loop and written to disk by
-torch.distributed.checkpoint's ``async_save`` in a thread, while training goes on; made whole there
-too.
+torch.distributed.checkpoint's ``async_save`` in a thread,
+while training goes on; made whole there too.
 
 1. **A copy training cannot change**: ``async_save`` stages the state through the writer's
    ``stage``, here ``snapshot`` (tensors and ``dcp_checkpoint.Boxes`` copied to the CPU: the pause

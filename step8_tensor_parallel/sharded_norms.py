@@ -1,5 +1,5 @@
-"""The whole model's norms when its pieces live on several
-ranks: one clipping norm, one logged parameter norm.
+"""The whole model's norms when its pieces live on several ranks:
+one clipping norm, one logged parameter norm.
 
 Up to step 4 every rank holds the whole gradient, and ``training.clip_grad_norm`` gives each the
 same norm alone. From step 5 on a rank holds part of the model: ZeRO's slices (steps 5-7),

@@ -35,8 +35,8 @@ def all_reduce(
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """f: identity forward; backward, the gradients
-    of every rank's slice of the output are summed."""
+    """f: identity forward; backward,
+    the gradients of every rank's slice of the output are summed."""
 
     @staticmethod
     def forward(ctx, x, group, reduce_dtype):

@@ -27,8 +27,8 @@ from tensor_parallel_state import block_length, block_of
 
 
 class VocabParallelEmbedding(nn.Module):
-    """``nn.Embedding(num_embeddings, embedding_dim)``
-    with its rows (the vocabulary) split over ``group``.
+    """``nn.Embedding(num_embeddings, embedding_dim)`` with its rows
+    (the vocabulary) split over ``group``.
 
     ``.weight`` is rows ``[r V/T, (r+1) V/T)``. Every rank gets the whole input ids and returns the
     whole output (rule 2).
@@ -48,8 +48,8 @@ class VocabParallelEmbedding(nn.Module):
     def from_full(
         cls, embedding: nn.Embedding, group=None, reduce_dtype=None
     ) -> "VocabParallelEmbedding":
-        """This rank's part of ``embedding`` (the same full
-        table on every rank): its block of rows (tokens)."""
+        """This rank's part of ``embedding``
+        (the same full table on every rank): its block of rows (tokens)."""
         with torch.device("meta"):
             layer = cls(
                 embedding.num_embeddings,

@@ -56,8 +56,8 @@ UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
 class Place(NamedTuple):
-    """Where a rank's tensor sits in the whole one of
-    ``shape`` (rule 2); the defaults: all of it."""
+    """Where a rank's tensor sits in the whole one of ``shape``
+    (rule 2); the defaults: all of it."""
 
     shape: tuple
     offsets: tuple | None = None  # of the block; None: at the origin
@@ -91,8 +91,8 @@ def boxes(start: int, end: int, shape: tuple) -> list[tuple[tuple, tuple, int]]:
 
 
 class Boxes:
-    """A tensor at its ``Place`` as DCP sees a piece of a
-    whole tensor (rules 2 and 4): its boxes, views of it."""
+    """A tensor at its ``Place`` as DCP sees a piece of a whole tensor
+    (rules 2 and 4): its boxes, views of it."""
 
     def __init__(self, tensor: torch.Tensor, place: Place):
         self.tensor, self.place = tensor, place
@@ -133,8 +133,8 @@ class Boxes:
 
 
 def entry(tensor: torch.Tensor, place: Place):
-    """What DCP is given for ``tensor`` at ``place``: the
-    tensor itself (shaped as the whole) when it is all of it."""
+    """What DCP is given for ``tensor`` at ``place``:
+    the tensor itself (shaped as the whole) when it is all of it."""
     if place.offsets is None and place.block is None and tensor.numel() == math.prod(place.shape):
         return tensor.view(place.shape)
     return Boxes(tensor, place)
@@ -182,8 +182,8 @@ def save(state: dict, folder, process_group=None, storage_writer=None) -> None:
 
 
 def read(state: dict, folder) -> dict:
-    """Every tensor and box of ``state`` filled from
-    ``folder``, every other value replaced by the saved object.
+    """Every tensor and box of ``state`` filled from ``folder``,
+    every other value replaced by the saved object.
     No collective: each rank reads what it asks for."""
     dcp.load(
         state, storage_reader=dcp.FileSystemReader(folder), planner=LoadPlanner(), no_dist=True
@@ -198,8 +198,8 @@ def model_state(pieces) -> dict:
 
 
 def optimizer_state(optimizer, places: list) -> dict:
-    """``optim.*`` (rule 1) of ``optimizer``, whose i-th
-    parameter (``params_in_order``) is ``places[i]``:
+    """``optim.*`` (rule 1) of ``optimizer``,
+    whose i-th parameter (``params_in_order``) is ``places[i]``:
     ``(name, place)``, or None for a copy another rank saves."""
     saved, out = optimizer.state_dict(), {}
     for g, group in enumerate(saved["param_groups"]):
@@ -216,8 +216,8 @@ def optimizer_state(optimizer, places: list) -> dict:
 
 
 def load_model(checkpoint, pieces) -> None:
-    """Copy this rank's ``(name, tensor, place)`` pieces
-    out of ``checkpoint`` (any layout's), in place."""
+    """Copy this rank's ``(name, tensor,
+    place)`` pieces out of ``checkpoint`` (any layout's), in place."""
     checkpoint.read(model_state(pieces))
 
 

@@ -98,8 +98,8 @@ MOE = (
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory) -> Path:
-    """The first 150 kB of the corpus: tokenizing it takes
-    a tenth of the time, the text is the same kind."""
+    """The first 150 kB of the corpus:
+    tokenizing it takes a tenth of the time, the text is the same kind."""
     path = tmp_path_factory.mktemp("data") / "small.txt"
     path.write_bytes((REPO / "data" / "tinyshakespeare.txt").read_bytes()[:150_000])
     return path
@@ -161,8 +161,8 @@ def run_ranks(
 
 
 def train(step: str, out: Path, corpus: Path, *extra: str, nproc: int = 2) -> Path:
-    """Train on the tiny workload into ``out``; fail
-    the test with the trainer's output if it fails."""
+    """Train on the tiny workload into ``out``;
+    fail the test with the trainer's output if it fails."""
     result = launch(step, [*TINY, "--data", str(corpus), "--out", str(out), *extra], nproc=nproc)
     assert result.returncode == 0, (
         f"{step} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -276,8 +276,8 @@ def order_reference(tour) -> other_order.Drift:
 @pytest.fixture(scope="session")
 def tour(tmp_path_factory, small_corpus) -> tuple[Path, str]:
     """The README's main job on the tiny workload: every step at world size 2 (step 0 as one process
-    accumulating 2 x 2 micro-batches), checkpoints every 2 steps. Returns (runs folder, its
-    output)."""
+    accumulating 2 x 2 micro-batches),
+    checkpoints every 2 steps. Returns (runs folder, its output)."""
     runs = tmp_path_factory.mktemp("tour")
     at = TINY.index("--grad-accum")
     tiny = TINY[:at] + TINY[at + 2 :]  # the tour sets the accumulation itself
@@ -561,8 +561,8 @@ def run_forked_together(
 
 
 def _run_as_main(argv: list[str], env: dict, out: Path, err: Path) -> None:
-    """In the forked process: become ``python *argv`` (see
-    ``run_forked``); the exit code is the script's."""
+    """In the forked process: become ``python *argv``
+    (see ``run_forked``); the exit code is the script's."""
     import runpy
 
     for fd, path in ((1, out), (2, err)):

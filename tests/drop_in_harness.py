@@ -65,8 +65,8 @@ WORLD_SIZE, STEPS, MICRO_BATCHES, VOCAB = 2, 3, 2, 11
 
 class Toy(nn.Module):
     """An embedding tied to the output layer, a norm, a frozen layer, a layer used only in the first
-    micro-batch of each step, sizes no world size divides (9 x 6 ... 6 x 7: 412 trainable
-    elements)."""
+    micro-batch of each step, sizes no world size divides
+    (9 x 6 ... 6 x 7: 412 trainable elements)."""
 
     def __init__(self):
         super().__init__()
@@ -87,8 +87,8 @@ class Toy(nn.Module):
 
 
 class Block(nn.Module):
-    """A norm, a layer used twice (tied to itself), a frozen
-    layer or not, a layer used only in the first micro-batch."""
+    """A norm, a layer used twice (tied to itself),
+    a frozen layer or not, a layer used only in the first micro-batch."""
 
     def __init__(self, frozen: bool):
         super().__init__()
@@ -295,8 +295,8 @@ def case_zero1(rank, problems) -> int:
 
 
 def case_zero2(rank, problems) -> int:
-    """Sharded gradients: ours end to end, against DDP with
-    a plain AdamW, a GradScaler and clip_grad_norm_."""
+    """Sharded gradients: ours end to end,
+    against DDP with a plain AdamW, a GradScaler and clip_grad_norm_."""
     from sharded_gradients import ShardedGradScaler
     from sharded_norms import clip_grad_norm
     from zero1 import ShardedOptimizer
@@ -488,8 +488,8 @@ def case_offload(rank, problems) -> int:
 
 
 def groups_of(named) -> list[dict]:
-    """``groups`` for (name, tensor) pairs, as OffloadedOptimizer
-    hands its host copies to the optimiser it builds."""
+    """``groups`` for (name, tensor) pairs,
+    as OffloadedOptimizer hands its host copies to the optimiser it builds."""
     named = list(named)
     decayed = {n for n, _ in named if n.endswith("weight") and "norm" not in n}
     return [
@@ -512,8 +512,8 @@ def fsdp2_bf16(model):
 
 
 def trained_fsdp2_bf16(rank: int) -> list[dict]:
-    """FSDP2's float32 masters after each of STEPS steps of
-    the plain loop: what the two cases below must equal."""
+    """FSDP2's float32 masters after each of STEPS steps of the plain loop:
+    what the two cases below must equal."""
     theirs = fsdp2_bf16(build(lambda: Stack(False), 100))
     opt = torch.optim.AdamW(groups(theirs), lr=0.05)
     after = []

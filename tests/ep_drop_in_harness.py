@@ -1,5 +1,5 @@
-"""step12's expert_parallel.py dropped into someone else's
-script: their own MoE layer, their own mp.spawn loop.
+"""step12's expert_parallel.py dropped into someone else's script:
+their own MoE layer, their own mp.spawn loop.
 
 The outsider writes a top-1 MoE layer of their own (a router, argmax, their own sort by expert,
 experts that are ``nn.Sequential``s in an ``nn.ModuleDict``), and uses two things of the idea file:

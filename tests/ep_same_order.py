@@ -90,8 +90,8 @@ def loss_of(order: str, losses: list) -> float:
 
 
 def exact_norm(tensors) -> float:
-    """sqrt of the exact sum of squares, rounded once: each
-    float32 square is exact in float64, fsum rounds once."""
+    """sqrt of the exact sum of squares, rounded once:
+    each float32 square is exact in float64, fsum rounds once."""
     return math.sqrt(math.fsum(x for t in tensors for x in t.double().pow(2).flatten().tolist()))
 
 

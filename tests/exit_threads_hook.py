@@ -1,5 +1,5 @@
-"""Run a trainer, then say which of gloo's threads are
-still alive: the leak ``distributed.shutdown`` warns of.
+"""Run a trainer, then say which of gloo's threads are still alive:
+the leak ``distributed.shutdown`` warns of.
 
     torchrun --standalone --nproc_per_node=2 tests/exit_threads_hook.py step7_zero3/train.py ...
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 
 def thread_names() -> list[str]:
-    """The names of this process's threads, main
-    included (Linux's /proc; gloo names its threads)."""
+    """The names of this process's threads, main included
+    (Linux's /proc; gloo names its threads)."""
     return sorted(
         Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()
     )

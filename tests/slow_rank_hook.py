@@ -31,8 +31,8 @@ def parse(spec: str) -> tuple[int, float]:
 
 
 def extra_work(seconds: float) -> None:
-    """Busy the CPU for ``seconds`` of this thread's CPU
-    time (a sleep would cost wall time but no work)."""
+    """Busy the CPU for ``seconds`` of this thread's CPU time
+    (a sleep would cost wall time but no work)."""
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         pass

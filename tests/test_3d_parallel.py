@@ -178,8 +178,8 @@ def test_sequence_parallelism_on_the_tp_axis_through_a_pipeline_is_step8s(runs):
 
 
 def first_grad_norm(a, b) -> float:
-    """The first step's gradient norms, relative: like
-    the first loss, one step's sums in another order."""
+    """The first step's gradient norms, relative:
+    like the first loss, one step's sums in another order."""
     ga, gb = metrics(a)["records"][0]["grad_norm"], metrics(b)["records"][0]["grad_norm"]
     return abs(ga - gb) / gb
 
@@ -229,8 +229,8 @@ def test_per_axis_communication_and_memory_of_every_rank(runs):
 
 
 def test_resume_on_the_same_mesh_is_bitwise(runs, tmp_path, small_corpus):
-    """dp 2 x tp 2 resumed from its step-2 checkpoint: steps
-    3 and 4 are the uninterrupted run's, bit for bit."""
+    """dp 2 x tp 2 resumed from its step-2 checkpoint:
+    steps 3 and 4 are the uninterrupted run's, bit for bit."""
     full = runs("dp2tp2")
     _, nproc, flags = RUNS["dp2tp2"]
     resumed = train(
@@ -249,8 +249,8 @@ def test_resume_on_the_same_mesh_is_bitwise(runs, tmp_path, small_corpus):
 
 
 def resumed_from(runs, name: str, tmp_path, corpus, step: str, nproc: int, *flags: str):
-    """``step`` on ``nproc`` ranks with ``flags``, resumed
-    from the step-2 checkpoint of run ``name`` (4 steps)."""
+    """``step`` on ``nproc`` ranks with ``flags``,
+    resumed from the step-2 checkpoint of run ``name`` (4 steps)."""
     return train(
         step,
         tmp_path / f"{name}_in_{step}_{nproc}",

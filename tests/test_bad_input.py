@@ -1,5 +1,5 @@
-"""Every user mistake in docs/bad_input.md, tried for
-real: one `error:` line, exit 2, nothing saved touched.
+"""Every user mistake in docs/bad_input.md, tried for real:
+one `error:` line, exit 2, nothing saved touched.
 
 The table in docs/bad_input.md is the list. Each row names its case here (last column), and the
 message it shows is the pattern the case's one stderr line must match: paths as the doc shows them,
@@ -210,8 +210,8 @@ def set_data_position(index: int):
 
 
 def changed_tokenizer(s: Scratch) -> Path:
-    """A run whose config names data/tokenizer.json, which
-    changed (by a byte) after the run was trained."""
+    """A run whose config names data/tokenizer.json,
+    which changed (by a byte) after the run was trained."""
     tokenizer = s.data("tokenizer.json", (REPO / "data" / "tokenizer.json").read_bytes())
     run = s.run(metrics_edit=lambda m: m["config"].update(tokenizer=str(tokenizer)))
     tokenizer.write_text(tokenizer.read_text() + "\n")
@@ -649,8 +649,8 @@ class Row:
 
 
 def table_rows() -> list[Row]:
-    """The rows of docs/bad_input.md's table: | mistake
-    | example command | message | exit code | case |."""
+    """The rows of docs/bad_input.md's table:
+    | mistake | example command | message | exit code | case |."""
     rows = []
     for line in TABLE.read_text().splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
@@ -684,8 +684,8 @@ def files_under(root: Path) -> dict[str, bytes]:
 
 
 def shorten(text: str, root: Path) -> str:
-    """Paths as the doc shows them: relative to the case's
-    folder (laid out like the repository) or the repo."""
+    """Paths as the doc shows them: relative to the case's folder
+    (laid out like the repository) or the repo."""
     return text.replace(f"{root}/", "").replace(f"{REPO}/", "")
 
 
@@ -860,8 +860,8 @@ def experts_check(**flags):
 
 
 def zero_check(**flags):
-    """Step 10's check of --zero (zero_stages.py), and
-    of what ZeRO-3 on the mesh does not compose with."""
+    """Step 10's check of --zero (zero_stages.py),
+    and of what ZeRO-3 on the mesh does not compose with."""
 
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step10"]))
@@ -911,8 +911,8 @@ def mesh_check(dp: int, tp: int, pp: int, world_size: int):
 
 
 def slurm_without_scontrol(monkeypatch):
-    """launch/slurm_command.py on a machine that is not
-    a Slurm node: no scontrol to expand the node list."""
+    """launch/slurm_command.py on a machine that is not a Slurm node:
+    no scontrol to expand the node list."""
     monkeypatch.syspath_prepend(str(REPO / "launch"))
     monkeypatch.setenv("PATH", str(REPO / "no such folder"))
     import slurm_command
@@ -921,8 +921,8 @@ def slurm_without_scontrol(monkeypatch):
 
 
 def replicate_check(replicate: int, world_size: int):
-    """What step 7 checks before joining: --replicate
-    R dividing the ranks into equal shard groups."""
+    """What step 7 checks before joining:
+    --replicate R dividing the ranks into equal shard groups."""
 
     def run(monkeypatch):
         monkeypatch.syspath_prepend(str(REPO / STEPS["step7"]))

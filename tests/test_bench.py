@@ -206,8 +206,8 @@ def test_zero3_rows_count_what_fsdp2_is_said_to_move(every_row):
 
 
 def test_fsdp2_analytic_comm_is_what_fsdp2_hands_to_gloo():
-    """The PyTorch FSDP2 rows' analytic bytes, checked
-    by counting FSDP2's own calls to the collectives."""
+    """The PyTorch FSDP2 rows' analytic bytes,
+    checked by counting FSDP2's own calls to the collectives."""
     if bench_module().TorchFSDP2.unavailable():
         pytest.skip("this torch has no fully_shard")
     results = spawn(count_fsdp2_collectives, 2)

@@ -1,5 +1,5 @@
-"""The checkpoint interface (common/checkpoint.py, rule
-3) of the sharding wrappers, against one plain process.
+"""The checkpoint interface (common/checkpoint.py,
+rule 3) of the sharding wrappers, against one plain process.
 
 Each wrapper says what this rank saves (``checkpoint_state``) and loads its part back
 (``load_checkpoint``). The independent answer is a plain model and a plain AdamW in the same
@@ -21,8 +21,8 @@ LR = dict(lr=0.1, betas=(0.9, 0.99), weight_decay=0.01)
 
 
 def toy() -> torch.nn.Sequential:
-    """Sizes no world size divides evenly (15 + 3 + 12
-    + 4 elements), the same values on every rank."""
+    """Sizes no world size divides evenly
+    (15 + 3 + 12 + 4 elements), the same values on every rank."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 4))
 
@@ -35,8 +35,8 @@ def gradient(name: str, param: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def reference(steps: int) -> tuple[torch.nn.Module, torch.optim.AdamW]:
-    """The plain model and AdamW after ``steps`` steps on
-    ``gradient``: the answer a sharded run must give."""
+    """The plain model and AdamW after ``steps`` steps on ``gradient``:
+    the answer a sharded run must give."""
     model = toy()
     optimizer = torch.optim.AdamW(model.parameters(), **LR)
     for step in range(steps):
@@ -57,8 +57,8 @@ def save(folder, rank: int, world_size: int, named_shapes: dict, holder, *args) 
 
 
 def as_bytes(tensors: dict) -> bytes:
-    """Tensors through the result queue as bytes: a tensor
-    itself would be shared memory, gone with the worker."""
+    """Tensors through the result queue as bytes:
+    a tensor itself would be shared memory, gone with the worker."""
     buffer = io.BytesIO()
     torch.save({name: t.detach().clone() for name, t in tensors.items()}, buffer)
     return buffer.getvalue()

@@ -1,5 +1,5 @@
-"""compare/sample.py on the tour's step-1 run, and
-compare/step_diffs.py on this repository's README."""
+"""compare/sample.py on the tour's step-1 run,
+and compare/step_diffs.py on this repository's README."""
 
 import subprocess
 import sys

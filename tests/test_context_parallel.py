@@ -1,5 +1,5 @@
-"""Step 11: context parallelism (context_parallel.py), ring
-attention (ring_attention.py) over a sequence split in 2C chunks.
+"""Step 11: context parallelism (context_parallel.py), ring attention
+(ring_attention.py) over a sequence split in 2C chunks.
 
 The ring merges partial softmaxes in another order than one process does, so its proof is against a
 single-process blockwise reference written here, independently of the ring (no communication, its
@@ -147,8 +147,8 @@ def saved_bytes(fn, *tensors) -> int:
 
 
 def ring_events(q, k, v, dout) -> list:
-    """The order in which one forward and backward start
-    messages, wait for them and compute chunk pairs."""
+    """The order in which one forward and backward start messages,
+    wait for them and compute chunk pairs."""
     import ring_attention
 
     events, start, scores = [], ring_attention._Ring.start, ring_attention._scores
@@ -206,8 +206,8 @@ def ring_worker(rank, cp, port, out_dir):
 
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
-    """Every rank's output and gradients at C = 1, 2 and
-    4, both layouts, float32 and bf16 (one job per C)."""
+    """Every rank's output and gradients at C = 1, 2 and 4,
+    both layouts, float32 and bf16 (one job per C)."""
     found = {}
     for cp in (1, 2, 4):
         out_dir = tmp_path_factory.mktemp(f"ring{cp}")

@@ -34,8 +34,8 @@ from launch import run_nodes_here
 @pytest.fixture(scope="module")
 def default_runs(tour, tmp_path_factory, small_corpus):
     """Steps 2 to 7 on 2 ranks in the default float32 mode, as the tour ran them, and step 4 again
-    with its overlap trace and 0.1 MiB buckets (the tiny model's 0.37 MB would fit in one
-    bucket)."""
+    with its overlap trace and 0.1 MiB buckets
+    (the tiny model's 0.37 MB would fit in one bucket)."""
     runs = {
         step: tour[0] / STEPS[step]
         for step in ("step2", "step3", "step4", "step5", "step6", "step7")
@@ -332,8 +332,8 @@ def test_a_trainer_leaves_no_gloo_thread_behind(run, tmp_path, small_corpus):
 
 
 def dropped_wrapper_worker(rank, world_size, port, queue, folder, wrap):
-    """An outsider's loop: wrap a model, train a step, drop
-    the wrapper; is it gone once garbage is collected?"""
+    """An outsider's loop: wrap a model, train a step,
+    drop the wrapper; is it gone once garbage is collected?"""
     import gc
     import weakref
 

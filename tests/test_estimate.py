@@ -138,8 +138,8 @@ def test_the_command_line_marks_what_fits(tmp_path):
 @pytest.mark.quick
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_zero_layouts_split_every_element_once(world_size):
-    """Whatever the padding, the ranks' pieces add up to
-    the whole model: no element lost or counted twice."""
+    """Whatever the padding, the ranks' pieces add up to the whole model:
+    no element lost or counted twice."""
     model = estimate.Model(
         {
             "n_layer": 3,
@@ -190,8 +190,8 @@ def test_the_zero_papers_figure_1_to_its_printed_precision():
 
 @pytest.mark.quick
 def test_4x_and_8x_are_limits():
-    """16Ψ / (4Ψ + 12Ψ/N) -> 4 and 16Ψ / (2Ψ + 14Ψ/N)
-    -> 8, approached from below as N grows to 1024."""
+    """16Ψ / (4Ψ + 12Ψ/N) -> 4 and 16Ψ / (2Ψ + 14Ψ/N) -> 8,
+    approached from below as N grows to 1024."""
     assert estimate.reduction_limit(1) == 4 and estimate.reduction_limit(2) == 8
     assert estimate.reduction_limit(3) == float("inf")
     psi = estimate.PAPER_PSI

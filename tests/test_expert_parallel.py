@@ -90,8 +90,8 @@ def same_order(ep_runs):
 
 
 def same_bits(reference, run) -> None:
-    """Final weights torch.equal; every step's loss, gradient
-    and param norms, lr, loads and aux loss equal."""
+    """Final weights torch.equal; every step's loss,
+    gradient and param norms, lr, loads and aux loss equal."""
     wa, wb = weights(reference), weights(run)
     assert sorted(wa) == sorted(wb)
     different = [n for n in wa if not torch.equal(wa[n], wb[n])]

@@ -293,8 +293,8 @@ def test_ep_with_tp_and_cp_drift_as_those_axes_do_on_the_dense_model(ep_runs, de
 
 
 def test_all_five_axes_at_8_ranks_are_the_4_rank_cp_x_tp_x_ep_run(ep_runs):
-    """pp 2 x dp 1 x cp 2 x tp 2, ep 2 over each ring: the
-    pipeline adds no sum to cp x tp x ep's (4 ranks)."""
+    """pp 2 x dp 1 x cp 2 x tp 2, ep 2 over each ring:
+    the pipeline adds no sum to cp x tp x ep's (4 ranks)."""
     run = ep_runs("5d")
     assert metrics(run)["env"]["mesh"] == {
         "pp": 2,

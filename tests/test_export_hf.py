@@ -190,8 +190,8 @@ def test_its_tokenizer_tokenizes_and_decodes_as_ours(exported, offline):
 
 
 def test_in_float64_the_mapping_is_exact(exported):
-    """The weights, loaded in float64 on both sides: the
-    same formula, the order of additions aside (~1e-15)."""
+    """The weights, loaded in float64 on both sides:
+    the same formula, the order of additions aside (~1e-15)."""
     from transformers import GPT2LMHeadModel
 
     run, out = exported
@@ -312,8 +312,8 @@ def exported_moe(tmp_path_factory, small_corpus):
 
 @pytest.fixture(scope="module")
 def offline_moe(exported_moe, tmp_path_factory):
-    """(report, logits, ids) from transformers, offline, with
-    an empty HF_HOME (remote code is cached under it)."""
+    """(report, logits, ids) from transformers, offline,
+    with an empty HF_HOME (remote code is cached under it)."""
     _, out, wrong, dropless = exported_moe
     io = tmp_path_factory.mktemp("offline_moe")
     ids = torch.randint(0, 2048, (3, 32), generator=torch.Generator().manual_seed(0))

@@ -86,8 +86,8 @@ def test_resume_from_a_checkpoint_is_bitwise_with_dropout(
 
 
 def test_step0_fp16_with_its_gradient_scaler_resumes_bitwise(tmp_path, small_corpus):
-    """fp16 autocast runs on this CPU build; the scaler's
-    state (scale, growth tracker) is checkpointed."""
+    """fp16 autocast runs on this CPU build;
+    the scaler's state (scale, growth tracker) is checkpointed."""
     original = train("step0", tmp_path / "fp16", small_corpus, "--amp", "fp16", "--save-every", "2")
     resumed = train(
         "step0",
@@ -105,8 +105,8 @@ def test_step0_fp16_with_its_gradient_scaler_resumes_bitwise(tmp_path, small_cor
 
 
 def test_resume_latest_continues_in_place(step1_ws2, tmp_path, small_corpus):
-    """--resume with no path takes the newest checkpoint
-    in --out; a finished run just rewrites its result."""
+    """--resume with no path takes the newest checkpoint in --out;
+    a finished run just rewrites its result."""
     out = tmp_path / "run"
     shutil.copytree(step1_ws2, out)
     shutil.rmtree(out / "checkpoints" / "step_4")
@@ -248,8 +248,8 @@ def test_help_says_what_a_switch_does_without_a_misleading_default():
 
 @pytest.mark.quick
 def test_unsupported_amp_is_refused_with_one_line(monkeypatch):
-    """fp16 where the build cannot run it (simulated: the
-    CPU scaler refuses) is a UserError, not a traceback."""
+    """fp16 where the build cannot run it (simulated:
+    the CPU scaler refuses) is a UserError, not a traceback."""
     import training
     from config import UserError
 

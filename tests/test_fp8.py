@@ -1,5 +1,5 @@
-"""common/fp8.py against torchao's float8 training (a
-test-only dependency, imported by this file alone).
+"""common/fp8.py against torchao's float8 training
+(a test-only dependency, imported by this file alone).
 
 torchao 0.18's ``convert_to_float8_training`` with the same recipe is the oracle: one layer's
 output, input gradient and weight gradient, then our GPT-2 for a few AdamW steps, bit for bit
@@ -96,8 +96,8 @@ class OutsidersNet(torch.nn.Module):
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_any_module_in_an_outsiders_loop_trains_like_torchao(recipe):
-    """An outsider's loop (SGD with momentum, their own module
-    and filter): bitwise to torchao after every step."""
+    """An outsider's loop (SGD with momentum, their own module and filter):
+    bitwise to torchao after every step."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     net = OutsidersNet()

@@ -1,5 +1,5 @@
-"""``--fp8 tensorwise|rowwise`` in the trainers
-(steps 0-7): the same sums in every step, bit for bit.
+"""``--fp8 tensorwise|rowwise`` in the trainers (steps 0-7):
+the same sums in every step, bit for bit.
 
 FP8 changes what each block's matmul computes, not where the gradients are summed, so the contract
 between the steps holds unchanged: at 2 ranks, steps 2-7 (step 3's naive all-reduce, step 4's

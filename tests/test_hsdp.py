@@ -231,8 +231,8 @@ def test_trainer_is_bitwise_fsdp2_on_the_replicate_shard_mesh(fsdp2_pair):
 
 
 def test_trainer_with_offload_is_bitwise_fsdp2_cpu_offload_on_the_mesh(tmp_path, small_corpus):
-    """--offload-optimizer with --replicate: AdamW on host
-    copies of the row's shards, as FSDP2's CPUOffloadPolicy."""
+    """--offload-optimizer with --replicate:
+    AdamW on host copies of the row's shards, as FSDP2's CPUOffloadPolicy."""
     flags = (*HSDP, "--offload-optimizer", "--steps", "3")
     step7 = train("step7", tmp_path / "step7", small_corpus, *flags, nproc=N)
     result = parity(fsdp2_reference(tmp_path / "fsdp2", small_corpus, *flags), step7)
@@ -279,8 +279,8 @@ def test_trainer_bytes_per_rank_are_the_formula_with_n_over_r(fsdp2_pair, exact_
 
 
 def test_memory_tool_checks_an_hsdp_run_against_n_over_r(exact_pair):
-    """compare/memory.py --check reads --replicate: the
-    formula's N is the row's 2 ranks, not the job's 4."""
+    """compare/memory.py --check reads --replicate:
+    the formula's N is the row's 2 ranks, not the job's 4."""
     result = memory_tool(exact_pair[1], "--check")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ZeRO-3, N = 2 (HSDP: 4 ranks, 2 replicas of 2)" in result.stdout, result.stdout

@@ -48,8 +48,8 @@ def fsdp2_reference(out, corpus, *extra):
 
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory, small_corpus) -> dict:
-    """Steps 5, 6, 7 with bf16 parameters at world size
-    2 (checkpoints at steps 2 and 4), and FSDP2's run."""
+    """Steps 5, 6, 7 with bf16 parameters at world size 2
+    (checkpoints at steps 2 and 4), and FSDP2's run."""
     top = tmp_path_factory.mktemp("bf16")
     runs = {
         step: train(step, top / step, small_corpus, *BF16, "--save-every", "2") for step in SHARDED
@@ -193,8 +193,8 @@ def exact_bf16_run(tmp_path_factory, small_corpus):
 
 @pytest.mark.parametrize("world_size", (3, 4))
 def test_exact_mode_bf16_is_bitwise_across_zero_stages(world_size, exact_bf16_run):
-    """float64 reduction: no order to depend on, so steps
-    5, 6 and 7 agree at any world size (two steps)."""
+    """float64 reduction: no order to depend on, so steps 5,
+    6 and 7 agree at any world size (two steps)."""
     runs = [exact_bf16_run(step, world_size) for step in SHARDED]
     assert_bitwise_same_run(runs[0], runs[1])
     assert_bitwise_same_run(runs[0], runs[2])

@@ -307,8 +307,8 @@ def test_moe_layer_output_and_gradients_equal_transformers_mixtral_block(n_exper
 
 @pytest.mark.parametrize("n_experts,top_k", [(4, 1), (4, 2), (8, 3)])
 def test_load_balancing_loss_is_transformers_divided_by_k(n_experts, top_k):
-    """Ours divides the slot counts by k*T (1 at perfect
-    balance, DeepSeek's form), HF's by T: k times ours."""
+    """Ours divides the slot counts by k*T (1 at perfect balance,
+    DeepSeek's form), HF's by T: k times ours."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     import moe as moe_module
@@ -328,8 +328,8 @@ def test_load_balancing_loss_is_transformers_divided_by_k(n_experts, top_k):
 
 
 def test_a_deliberate_moe_bug_is_caught_by_the_oracle():
-    """Weights not renormalised for k = 2 (Switch's rule
-    where Mixtral's holds): the oracle must see it."""
+    """Weights not renormalised for k = 2
+    (Switch's rule where Mixtral's holds): the oracle must see it."""
     import moe as moe_module
 
     ours = moe_layer(4, 2)

@@ -18,8 +18,8 @@ DEFAULT = plan.Shape(n_layer=2, n_embd=128, n_head=4, vocab=2048, seq_len=64)
 
 @pytest.mark.quick
 def test_psi_is_the_models():
-    """12h² + 13h per block, Vh + sh + 2h around them: the
-    parameters GPT-2 of that shape has (the README's Ψ)."""
+    """12h² + 13h per block, Vh + sh + 2h around them:
+    the parameters GPT-2 of that shape has (the README's Ψ)."""
     assert DEFAULT.psi == 667_136
     small = plan.Shape(3, 24, 2, 101, 7)
     model = estimate.Model(

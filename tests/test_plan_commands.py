@@ -65,8 +65,8 @@ PLANS = [
 
 
 def planned(argv: list[str], json_path: Path) -> tuple[list[dict], str]:
-    """``compare/plan.py ARGV --top 1000 --json PATH`` in
-    this process: every layout that fits, and the table."""
+    """``compare/plan.py ARGV --top 1000 --json PATH`` in this process:
+    every layout that fits, and the table."""
     saved, out = sys.argv, io.StringIO()
     sys.argv = ["compare/plan.py", *argv, "--top", "1000", "--json", str(json_path)]
     try:
@@ -128,8 +128,8 @@ def trainer_parser(step: str):
 
 
 def parse_as_trainer(step: str, argv: list[str]) -> dict:
-    """The config ``python STEP/train.py ARGV`` parses: its
-    own parser's, and the checks of its parse_config."""
+    """The config ``python STEP/train.py ARGV`` parses:
+    its own parser's, and the checks of its parse_config."""
     parser, parse_config = trainer_parser(step)
     return parse_config(parser, argv)
 

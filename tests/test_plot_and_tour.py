@@ -1,5 +1,5 @@
-"""compare/plot.py on runs made up for the test, and
-compare/tour.py (the main job) on the tiny workload."""
+"""compare/plot.py on runs made up for the test,
+and compare/tour.py (the main job) on the tiny workload."""
 
 import json
 import re

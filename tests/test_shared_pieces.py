@@ -162,8 +162,8 @@ def test_schedule_without_warmup_and_with_one_step():
 
 
 def test_a_trainer_records_the_closed_form_lr(step1_ws2):
-    """The lr a trainer logs for step k is lr_at(k -
-    1): the scheduler does not shift it by one step."""
+    """The lr a trainer logs for step k is lr_at(k - 1):
+    the scheduler does not shift it by one step."""
     m = metrics(step1_ws2)
     c = m["config"]
     assert c["warmup_steps"] == 2
@@ -211,8 +211,8 @@ def with_gradients(scale):
     ids=["clipped", "below the limit"],
 )
 def test_clipping_matches_pytorch(scale, max_norm, clipped):
-    """A norm of ~0.44 against a limit of 0.3: the
-    coefficient's + 1e-6 changes it by ~2e-6, many ulps."""
+    """A norm of ~0.44 against a limit of 0.3:
+    the coefficient's + 1e-6 changes it by ~2e-6, many ulps."""
     ours, theirs = with_gradients(scale), with_gradients(scale)
     unclipped = [p.grad.clone() for p in ours]
     norm = clip_grad_norm(ours, max_norm)
@@ -443,8 +443,8 @@ def test_the_done_line_names_the_layout_the_last_loss_and_where_the_weights_are(
 
 @pytest.mark.quick
 def test_nondeterministic_lifts_deterministic_kernels_and_the_default_keeps_them():
-    """``--nondeterministic`` (every step, compare/plain_loop.py)
-    reaches seed_everything: torch's default kernels."""
+    """``--nondeterministic`` (every step,
+    compare/plain_loop.py) reaches seed_everything: torch's default kernels."""
     from config import build_parser, parse_config
     from seeding import seed_everything
 

@@ -164,8 +164,8 @@ def test_the_rendered_line_reads_the_nodes_from_scontrol(cluster):
 
 
 def sbatch(env: dict, args: list[str]) -> subprocess.Popen:
-    """The script as Slurm's batch step runs it, in a session
-    of its own (``finish`` can end all it started)."""
+    """The script as Slurm's batch step runs it,
+    in a session of its own (``finish`` can end all it started)."""
     return subprocess.Popen(
         ["bash", str(SBATCH), "step3", *args],
         cwd=REPO,
@@ -178,8 +178,8 @@ def sbatch(env: dict, args: list[str]) -> subprocess.Popen:
 
 
 def finish(job: subprocess.Popen, timeout: float) -> str:
-    """Its output once it has ended; past ``timeout``, it
-    and everything it started are killed (no stray ranks)."""
+    """Its output once it has ended; past ``timeout``,
+    it and everything it started are killed (no stray ranks)."""
     try:
         return job.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:

@@ -84,8 +84,8 @@ def tp_runs(tmp_path_factory, small_corpus):
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_step8_is_bitwise_pytorch_tensor_parallelism(tp_runs, nproc):
-    """Whole model, 4 AdamW steps of 2 accumulated
-    micro-batches, clipping at 0.3 (it triggers), bf16."""
+    """Whole model, 4 AdamW steps of 2 accumulated micro-batches,
+    clipping at 0.3 (it triggers), bf16."""
     ours, torch_tp = tp_runs("ours", nproc), tp_runs("torch", nproc)
     assert_bitwise_same_run(ours, torch_tp)
     records = metrics(ours)["records"]

@@ -432,8 +432,8 @@ def test_each_rank_holds_its_share_of_the_state(world, name):
 
 
 def test_layout_is_element_balanced(world):
-    """Rank r's pieces lie in [r * Lp/N, (r+1) * Lp/N) of
-    their chunk's flat range and tile every parameter."""
+    """Rank r's pieces lie in [r * Lp/N,
+    (r+1) * Lp/N) of their chunk's flat range and tile every parameter."""
     world_size, results = world
     for key, chunks in (("AdamW layout", [list(range(len(NUMELS)))]), ("zero2 layout", CHUNKS)):
         covered = {i: [] for i in range(len(NUMELS))}

@@ -53,8 +53,8 @@ def fresh() -> Toy:
 
 
 def float64_allreduce_hook(process_group, bucket):
-    """PyTorch DDP's side of the exact mode (as
-    step1_torch_ddp/train.py): float64 sum, divide, round once."""
+    """PyTorch DDP's side of the exact mode (as step1_torch_ddp/train.py):
+    float64 sum, divide, round once."""
     buffer = bucket.buffer()
     future = dist.all_reduce(
         buffer.to(torch.float64), group=process_group, async_op=True
@@ -78,8 +78,8 @@ def padded(numel: int, world_size: int) -> int:
 
 
 def expected_shards(ours, reference_grads, rank, world_size) -> list:
-    """DDP's averaged gradient, flattened in bucket
-    order, zero-padded, and this rank's slice of it."""
+    """DDP's averaged gradient, flattened in bucket order,
+    zero-padded, and this rank's slice of it."""
     shards = []
     for params in ours.bucket_params:
         flat = torch.cat(
@@ -100,8 +100,8 @@ def run_case(
     reduce_every=False,
     extra_on_ranks=None,
 ):
-    """STEPS optimiser steps through DDP and through
-    ShardedGradientDDP; what the tests check, of the last."""
+    """STEPS optimiser steps through DDP and through ShardedGradientDDP;
+    what the tests check, of the last."""
     import comm_accounting
     from zero2 import ShardedGradientDDP
 

@@ -97,8 +97,8 @@ STEPS, ACCUM = 3, 2
 
 
 def peak_live_bytes(prof) -> int:
-    """The most bytes the CPU allocator had handed out at
-    once, replayed from the profiler's memory records."""
+    """The most bytes the CPU allocator had handed out at once,
+    replayed from the profiler's memory records."""
     live = peak = 0
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     for e in sorted(events, key=lambda e: e.start_ns()):
