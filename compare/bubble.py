@@ -1,11 +1,10 @@
 """The pipeline bubble, measured: step 9 at P = 2 and 4 stages with M = 1, 2, 4, 8 micro-batches,
-each stage's idle fraction of its last step against the ideal schedule's (P - 1) / (M + P - 1), (P -
-1) / (V M + P - 1) interleaved over V = 2 chunks per stage (M a multiple of P), (P - 1) / (3 M + P -
-   1) zero bubble, and the
-micro-batches whose activations each stage held at once (GPipe: M; 1F1B: at most P - s on stage s;
-interleaved: (V - 1) P + 2 (P - s - 1) + 1 chunks' worth; zero bubble: min(P, M), each until its W),
-and the activation bytes each stage sent, M B S h x 4 per hop: V hops out and V back, one fewer at
-either end.
+each stage's idle fraction of its last step against the ideal schedule's (P - 1) / (M + P - 1),
+(P - 1) / (V M + P - 1) interleaved over V = 2 chunks per stage (M a multiple of P),
+(P - 1) / (3 M + P - 1) zero bubble, and the micro-batches whose activations each stage held at
+once (GPipe: M; 1F1B: at most P - s on stage s; interleaved: (V - 1) P + 2 (P - s - 1) + 1 chunks'
+worth; zero bubble: min(P, M), each until its W), and the activation bytes each stage sent,
+M B S h x 4 per hop: V hops out and V back, one fewer at either end.
 
     python compare/bubble.py                        # every schedule, a table, runs/plots/bubble.png
     python compare/bubble.py --stages 2 --micro-batches 1 4 --schedules 1f1b

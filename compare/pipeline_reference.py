@@ -2,11 +2,10 @@
 ``torch.distributed.pipelining``, on the same stages: are the gradients and the weights the same
 bits?
 
-    python compare/pipeline_reference.py   # 2 stages, gpipe and 1f1b, M = 3
+    python compare/pipeline_reference.py          # 2 stages, gpipe and 1f1b, M = 3
     python compare/pipeline_reference.py --stages 4 --micro-batches 8 --steps 3
-    # 2 chunks per stage
-    python compare/pipeline_reference.py --schedules interleaved-1f1b --micro-batches 4
-    # + times
+    python compare/pipeline_reference.py --schedules interleaved-1f1b --micro-batches 4   # 2 chunks
+    # and the times of each
     python compare/pipeline_reference.py --steps 20 --n-embd 128 --seq-len 64 --micro-batch-size 8
 
 It starts ``--stages`` processes (gloo, CPU, one thread each), builds our GPT-2 in each (the same

@@ -39,11 +39,11 @@ Communication per optimiser step and rank, in bytes handed to collectives and po
 (the report also gives what a rank sends on the wire with ring algorithms, ``on_the_wire``):
     DP   ZeRO-0 all-reduce G·ψ; ZeRO-1 all-reduce G·ψ + all-gather P·ψ; ZeRO-2 reduce-scatter G·ψ +
          all-gather P·ψ (M reduce-scatters with --reduce-every-micro-batch; else no_sync() holds a
-         whole gradient until the step's one); ZeRO-3 reduce-scatter G·ψ + all-gathers M·(2ψ_blocks
-         + ψ_rest)·P (each block forward and backward, the rest once per micro-batch): ψ the rank's
-         TP/PP share, P and G the bytes of a parameter as computed (ZeRO-3 gathers 16-bit units from
-         a float32 shard) and of a gradient HSDP (--hsdp, step 7's --replicate R): ZeRO-3's, inside
-         rows of S = dp·cp/R ranks, and an all-reduce of G·ψ/S across the R rows
+         whole gradient until the step's one); ZeRO-3 reduce-scatter G·ψ + all-gathers
+         M·(2ψ_blocks + ψ_rest)·P (each block forward and backward, the rest once per micro-batch):
+         ψ the rank's TP/PP share, P and G the bytes of a parameter as computed (ZeRO-3 gathers
+         16-bit units from a float32 shard) and of a gradient HSDP (--hsdp, step 7's --replicate R):
+         ZeRO-3's, inside rows of S = dp·cp/R ranks, and an all-reduce of G·ψ/S across the R rows
     TP   per micro-batch 6 all-reduces of b·s·h per block (2 forward; 4 backward: q, k, v and the
          MLP's input), one for the embedding, one for the output layer's input: (6 L_stage + 2)
          b·s·h activations

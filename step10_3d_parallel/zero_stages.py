@@ -144,8 +144,9 @@ def _parts(optimizer) -> list:
 
 def average_gradients(module, optimizer, mesh, reduce_dtype: torch.dtype) -> int | None:
     """Rule 1's gradient sync, after the flushes: stages 0 and 1 all-reduce (step 3's; with experts
-    step 12's, each kind over its group), stage 2 reduce-scatters into each optimiser's shards (rule
-    2) and returns the bytes of the whole gradient it freed (what the micro-batches accumulated)."""
+    step 12's, each kind over its group), stage 2 reduce-scatters into each optimiser's shards
+    (rule 2) and returns the bytes of the whole gradient it freed (what the micro-batches
+    accumulated)."""
     if _parts(optimizer)[0].gradient_shards is not None:
         return sum(
             reduce_scatter_gradients(part, mesh.dp * mesh.cp, reduce_dtype)

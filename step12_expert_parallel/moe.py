@@ -23,8 +23,8 @@
    per MoE layer and per micro-batch, added to the loss:
    ``a * E * sum_i f_i * P_i``, f_i the fraction of the k*T routed slots that chose expert i (before
    dropping), P_i the mean router probability of expert i over the T tokens: Switch Transformer
-   (Fedus et al. 2021) eq. 4 (the loss, a * N * sum_i f_i * P_i), eq. 5 (f_i) and eq. 6 (P_i), for k
-   = 1; DeepSeek-V2's expert-level balance loss for k > 1 (1 at perfect balance for every k). HF's
+   (Fedus et al. 2021) eq. 4 (the loss, a * N * sum_i f_i * P_i), eq. 5 (f_i) and eq. 6 (P_i), for
+   k = 1; DeepSeek-V2's expert-level balance loss for k > 1 (1 at perfect balance for every k). HF's
    ``load_balancing_loss_func`` divides the counts by T, not k*T: its value is k times this one
    (tested). A sequence split over ranks (step 10's ``--cp``): ``whole_sequence(counts, T)`` adds
    the other ranks' counts and tokens, so f_i is the whole micro-batch's; P_i stays the mean over

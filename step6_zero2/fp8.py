@@ -12,11 +12,11 @@ Rules, each one what torchao 0.18's ``convert_to_float8_training`` does
 (the parity the tests prove, bit for bit):
 
 1. Two formats. ``float8_e4m3fn`` (4 exponent bits, 3 mantissa bits, largest 448) for what the
-   forward reads: activations and weights need precision more than range. ``float8_e5m2`` (largest
-   57344) for the output gradient in the tensorwise recipe: gradients span more decades than one
-          scale can cover in e4m3.
-   (*) The rowwise recipe keeps the gradient in e4m3
-   too: a scale per row already follows each row's range.
+   forward reads: activations and weights need precision more than range. ``float8_e5m2``
+   (largest 57344) for the output gradient in the tensorwise recipe: gradients span more decades
+   than one scale can cover in e4m3.
+   (*) The rowwise recipe keeps the gradient in e4m3 too: a scale per row already follows each
+   row's range.
 2. A scale maps a tensor's largest magnitude (its amax, measured now: *dynamic* scaling) onto the
    format's largest value: ``scale = fmax / max(amax, 1e-12)``, in float64 then rounded to float32
    (torch.compile and eager agree on that division; the epsilon keeps an all-zero tensor finite).

@@ -469,8 +469,8 @@ def test_the_activations_tool_finds_every_saved_byte_split_over_the_ring():
     whole, scalar = rows["ring", 1], 4
     for c in (2, 4):
         assert rows["ring", c] == (whole - scalar) // c + scalar and (whole - scalar) % c == 0, rows
-    # The planner's ring (Korthikanti et al.'s terms for flash attention, which the ring keeps at C
-    # = 1 too, with 1/C of the tokens) is every byte but the integer token ids, position ids and
+    # The planner's ring (Korthikanti et al.'s terms for flash attention, which the ring keeps at
+    # C = 1 too, with 1/C of the tokens) is every byte but the integer token ids, position ids and
     # targets (8 bytes each) and the scalar.
     import plan  # compare/, on the path through conftest
     from activation_formula import FormulaActivations

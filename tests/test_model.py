@@ -205,13 +205,13 @@ def test_no_step_or_tool_imports_transformers():
 
 # ---- common/moe.py's MoE layer against transformers' Mixtral sparse block ------------------------
 # Mixtral's experts are gated (act(gate) * up) and have no biases; a GPT-2 MLP fits inside one with
-# one more input feature held at 1 (it carries c_fc's bias in the gate rows and makes every up unit
-# 1) and one more hidden unit whose gate is 10 (gelu_tanh(10) is 10.0 exactly in float32 and
-#    float64), which carries
-# c_proj's bias / 10. The block's routing (softmax in float32, top-k, renormalised), dispatch and
-# weighted sum are Mixtral's own code. In float64 the two agree to ~1e-15 but for the router
-# probabilities both take in float32 (HF's router and ours softmax float32 logits), whose rounding
-# moves outputs and gradients by up to ~1e-7 relative: 1e-6 is the tolerance.
+# one more input feature held at 1 (it carries c_fc's bias in the gate rows and makes every up
+# unit 1) and one more hidden unit whose gate is 10 (gelu_tanh(10) is 10.0 exactly in float32 and
+# float64), which carries c_proj's bias / 10. The block's routing (softmax in float32, top-k,
+# renormalised), dispatch and weighted sum are Mixtral's own code. In float64 the two agree to
+# ~1e-15 but for the router probabilities both take in float32 (HF's router and ours softmax float32
+# logits), whose rounding moves outputs and gradients by up to ~1e-7 relative: 1e-6 is the
+# tolerance.
 MOE_TOLERANCE = {"rtol": 1e-6, "atol": 1e-9}
 
 

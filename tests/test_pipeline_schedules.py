@@ -125,12 +125,11 @@ def test_interleaved_actions_run_without_deadlock_and_with_the_formulas_bubble(P
 @pytest.mark.quick
 @pytest.mark.parametrize("P,M", [(2, 1), (2, 4), (3, 6), (4, 2), (4, 4), (4, 8)])
 def test_zero_bubble_runs_without_deadlock_and_with_the_formulas_bubble(P, M):
-    """ZB-H1 with forward, B and W a unit each: the step is the work plus (P - 1) units, idle (P -
-    1) / (3 M + P - 1) (1F1B's with the same costs: 3 (P - 1) units), once M >= P (fewer, and the
-       warm-up is the whole batch); each
-    stage holds min(P, M) micro-batches' activations (1F1B's P - s, plus the s W's it defers) and at
-    most min(s + 1, M) W's. The tie's dependency (the first stage's W after the last stage's)
-    deadlocks nothing."""
+    """ZB-H1 with forward, B and W a unit each: the step is the work plus (P - 1) units, idle
+    (P - 1) / (3 M + P - 1) (1F1B's with the same costs: 3 (P - 1) units), once M >= P (fewer, and
+    the warm-up is the whole batch); each stage holds min(P, M) micro-batches' activations (1F1B's
+    P - s, plus the s W's it defers) and at most min(s + 1, M) W's. The tie's dependency (the first
+    stage's W after the last stage's) deadlocks nothing."""
     bubble = simulate("zero-bubble", P, M)
     assert bubble["held"] == [min(P, M)] * P and bubble["W"] == [min(s + 1, M) for s in range(P)], (
         bubble

@@ -805,9 +805,9 @@ def test_interleaved_stages_hold_what_their_real_chunks_hold():
     """The interleaved schedule (2 chunks per stage) in the planner, against step 9's real chunks of
     a 6-block GPT-2: each chunk's saved bytes for one micro-batch measured in a real forward (the
     last with the logits and the loss), added and taken away along step 9's own action list; the
-    peak must be the planner's within 0.5% at pp 2 and 3, M = 6. Also its bubble, (P - 1) / (V M + P
-    - 1), and its point-to-point bytes, V times 1F1B's in each direction (one hop fewer at either
-      end). Counting held chunk micro-batches as whole stages' fails it (checked)."""
+    peak must be the planner's within 0.5% at pp 2 and 3, M = 6. Also its bubble,
+    (P - 1) / (V M + P - 1), and its point-to-point bytes, V times 1F1B's in each direction (one hop
+    fewer at either end). Counting held chunk micro-batches as whole stages' fails it (checked)."""
     import sys
 
     sys.path.insert(0, str(REPO / "step9_pipeline_parallel"))

@@ -75,9 +75,9 @@ def saved_per_block(mode: str, dropout: float, prepare=None) -> list[int]:
 @pytest.mark.quick
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_bytes_per_block_are_the_closed_forms_and_the_planners(dropout):
-    """float32, a CPU's float32 dropout masks: none 64 sbh + 16 sb + 4 a b s² + s² (dropout: 72 sbh
-    + 16 sb + 12 a b s² + s²), selective the same less every s² term, full the block's input, 4
-    sbh."""
+    """float32, a CPU's float32 dropout masks: none 64 sbh + 16 sb + 4 a b s² + s²
+    (dropout: 72 sbh + 16 sb + 12 a b s² + s²), selective the same less every s² term, full the
+    block's input, 4 sbh."""
     torch.set_num_threads(1)
     sbh, sb, s2 = S * B * H, S * B, S * S
     wide, scores = (72, 12) if dropout else (64, 4)
@@ -176,12 +176,13 @@ def _tensor_parallel_saved_bytes(rank, world_size, port, queue):
 
 def test_step10_bytes_per_block_at_tp2_are_the_closed_forms_and_the_planners():
     """A rank of a tp pair holds a/t heads: its s² terms and everything between a column- and a
-    row-parallel linear are 1/t. Float32, no dropout: none 16 sbh + 16 sb + 48 sbh/t + 4 (a/t) b s²
-    + s², selective the same less the s² terms, full the block's input, 4 sbh. With sequence
-    parallelism the LayerNorms' inputs and statistics are 1/t too, but each all-gathered LayerNorm
-    output is kept whole by the linear it feeds: 8 sbh + (56 sbh + 16 sb)/t (+ the s² terms), full 4
-    sbh/t. The planner counts Megatron-LM's sequence parallelism, which keeps those inputs sharded
-    and gathers them again in backward: 8 sbh (1 - 1/t) less, the only difference."""
+    row-parallel linear are 1/t. Float32, no dropout: none
+    16 sbh + 16 sb + 48 sbh/t + 4 (a/t) b s² + s², selective the same less the s² terms, full the
+    block's input, 4 sbh. With sequence parallelism the LayerNorms' inputs and statistics are 1/t
+    too, but each all-gathered LayerNorm output is kept whole by the linear it feeds:
+    8 sbh + (56 sbh + 16 sb)/t (+ the s² terms), full 4 sbh/t. The planner counts Megatron-LM's
+    sequence parallelism, which keeps those inputs sharded and gathers them again in backward:
+    8 sbh (1 - 1/t) less, the only difference."""
     t, sbh, sb, s2 = 2, S * B * H, S * B, S * S
     scores = 4 * (HEADS // t) * B * s2 + s2
     selective = {
