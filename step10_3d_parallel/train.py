@@ -1,5 +1,5 @@
-"""Step 10: data, tensor and pipeline parallelism at once,
-on one device mesh (mesh.py). Grown from step 9's train.py.
+"""Step 10: data, tensor and pipeline parallelism at once, on one device mesh (mesh.py).
+Grown from step 9's train.py.
 
 A pp x dp x tp mesh: each pipeline stage (step 9) tensor-parallel over its tp group (step 8); the dp
 replicas of a stage read their own samples (step 2), average gradients (step 3), shard AdamW's state

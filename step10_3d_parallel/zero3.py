@@ -1,5 +1,4 @@
-"""FullyShardedDP: ZeRO stage 3,
-every rank keeps 1/N of the parameters and gathers them only for use.
+"""FullyShardedDP: ZeRO stage 3, every rank keeps 1/N of the parameters, gathered only for use.
 
 Step 6 still kept every parameter on every rank; here:
 

@@ -1,5 +1,5 @@
-"""Step 11: context parallelism, ring attention written by hand
-(context_parallel.py). Grown from step 3's train.py.
+"""Step 11: context parallelism, ring attention written by hand (context_parallel.py).
+Grown from step 3's train.py.
 
 Step 3 gave every rank its own samples. Here the C ranks read the same micro-batches and split every
 sequence: each keeps 1/C of the positions (two chunks, zig-zag), attention passes key/value blocks

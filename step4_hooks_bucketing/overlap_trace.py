@@ -1,5 +1,5 @@
-"""Make the overlap visible: the last optimiser
-step's backward and bucket all-reduces on a timeline.
+"""Make the overlap visible:
+the last optimiser step's backward and bucket all-reduces on a timeline.
 
 ``OverlapTrace(ddp_model)`` watches a ``BucketedDDP`` from outside: it asks every bucket to record
 when its all-reduce was launched and when it finished, and times backward with hooks of its own

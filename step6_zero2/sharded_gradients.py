@@ -1,5 +1,5 @@
-"""What ranks whose optimiser reads only slices of the
-gradient must agree on: whether to step, and by how much.
+"""What ranks whose optimiser reads only slices of the gradient must agree on:
+whether to step, and by how much.
 
 Step 4's ranks all held the whole averaged gradient, so a GradScaler's overflow check and the
 clipping norm came out the same on every rank without a word. Here rank r's optimiser reads only

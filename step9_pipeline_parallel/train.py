@@ -1,5 +1,5 @@
-"""Step 9: pipeline parallelism, written by hand
-(pipeline.py): the model cut into stages, one per rank.
+"""Step 9: pipeline parallelism, written by hand (pipeline.py):
+the model cut into stages, one per rank.
 
 Grown from step 3's train.py, but all ranks together are ONE replica: rank s holds stage s
 (consecutive blocks), every rank reads step 0's micro-batches, and each optimiser step pushes them
