@@ -196,8 +196,8 @@ UNUSED_FLAGS = {
 
 def optional_module(name: str, folder: str, needs: tuple[str, ...]):
     """``(module, None)``, or ``(None, why)`` when ``folder/name.py`` is missing, does not import,
-    or lacks one of ``needs``. Files still being written may fail in any way: the row goes, not the
-    run."""
+    or lacks one of ``needs``. Files still being written may fail in any way: the row goes, not
+    the run."""
     path = REPO_ROOT / folder / f"{name}.py"
     if not path.is_file():
         return None, f"{folder}/{name}.py does not exist yet"
@@ -504,8 +504,8 @@ class TorchFSDP2Zero3(TorchFSDP2):
 
     def analytic_comm(self):
         # Per micro-batch: every parameter gathered for forward, the blocks again for backward (the
-        # root stays gathered); one reduce-scatter per optimiser step (no_sync accumulates
-        # unsharded).
+        # root stays gathered); one reduce-scatter per optimiser step (no_sync
+        # accumulates unsharded).
         accum = self.config["grad_accum"]
         return {
             "all_gather": accum * (self.padded_bytes + self.padded_block_bytes),
@@ -707,8 +707,8 @@ class TorchPipelineGPipe(TorchTensorParallel):
 
     def analytic_comm(self):
         """Per micro-batch b x s x h floats to the next stage and as many back to the previous one;
-        the tied embedding's accumulated half once per step, each way between the first and the last
-        stage."""
+        the tied embedding's accumulated half once per step, each way between the first and the
+        last stage."""
         c = self.config
         activation = c["micro_batch_size"] * c["seq_len"] * c["n_embd"] * 4 * self.micro_batches
         comm = {
@@ -1232,8 +1232,8 @@ def main():
 
     # Free PyTorch's wrappers (DDP's C++ reducer holds the process group) before the group goes: see
     # shutdown(). Then check that they went. (Our wrappers hold no group; BucketedDDP's hooks keep
-    # it alive in a cycle through its parameters that the collector does not break, which is
-    # harmless.)
+    # it alive in a cycle through its parameters that the collector does not break, which
+    # is harmless.)
     held = [(s.name, weakref.ref(s.wrapped)) for s in strategies if s.pytorch]
     del strategies
     gc.collect()

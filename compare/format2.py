@@ -259,8 +259,8 @@ class Checkpoint:
 
     def block(self, name: str, blocks: list, whole: torch.Tensor | None = None) -> torch.Tensor:
         """The ``(name, dim, start, end)`` blocks of parameter ``name`` (or of ``whole``, shaped
-        like it), concatenated along their dim, in the checkpoint's layout: a tensor-parallel rank's
-        shard."""
+        like it), concatenated along their dim, in the checkpoint's layout: a tensor-parallel
+        rank's shard."""
         whole = self.parameter(name) if whole is None else whole
         return torch.cat(
             [whole.narrow(dim, start, end - start) for _, dim, start, end in blocks],

@@ -12,8 +12,8 @@ What it checks, each section a verdict:
    device (compare/tour.py).
 2. **One GPU per rank over nccl**, when there are 2 or more GPUs: the same tour.
 3. **Resume and repeat**: step 0 stopped at a checkpoint and resumed equals the uninterrupted run
-   bit for bit, and so does a second run (deterministic kernels, flash attention's backward
-   included).
+   bit for bit, and so does a second run (deterministic kernels, flash attention's
+   backward included).
 4. **Memory**: the bytes of parameters, gradients and AdamW state per rank of steps 1 and 5-7 (from
    the tour's runs) against compare/memory.py's formulas, with what CUDA allocated.
 5. **Speed**: step 0 at GPT-2 small's shape (12 layers, 768 wide, sequence 1024, micro-batch 16,
@@ -34,8 +34,8 @@ What it checks, each section a verdict:
    every rank's all-to-all bytes the closed form, per MoE layer and micro-batch.
 10. **FP8**: step 0 at the speed section's shape under bf16 autocast, then with ``--fp8 tensorwise``
     and ``--fp8 rowwise`` (common/fp8.py); tokens/s, MFU against the bf16 peak and the final loss,
-    interleaved rounds, medians. A recipe the device's ``_scaled_mm`` cannot run is skipped in one
-    line.
+    interleaved rounds, medians. A recipe the device's ``_scaled_mm`` cannot run is skipped in
+    one line.
 
 Exit 0 when every section passes, 1 otherwise; the report goes to --report (and stdout).
 """

@@ -66,8 +66,8 @@ def largest(*drifts: Drift) -> Drift:
 
 def bound(reference: Drift, metrics: dict, weights: dict) -> Drift:
     """What a run may drift: ``FACTOR`` times the reference's, each at least one float32 ulp of its
-    quantity (the reference could, by chance, round alike), and the first loss to float32's
-    rounding."""
+    quantity (the reference could, by chance, round alike), and the first loss to
+    float32's rounding."""
     biggest = max(w.abs().max().item() for w in weights.values())
     norm = metrics["records"][-1]["param_norm"]
     return Drift(

@@ -145,8 +145,8 @@ def load_weights(run: Path, metrics: dict) -> dict:
 
 def global_batch(metrics: dict) -> int:
     """Samples per optimiser step: micro-batch x accumulation x the ranks that draw their own
-    samples (all of them in data parallelism; one group of tensor-parallel ranks shares its
-    samples)."""
+    samples (all of them in data parallelism; one group of tensor-parallel ranks shares
+    its samples)."""
     c, env = metrics["config"], metrics["env"]
     return (
         c["micro_batch_size"] * c["grad_accum"] * env.get("data_parallel_size", env["world_size"])

@@ -116,8 +116,8 @@ def predict(config: dict, vocab_size: int, world_size: int, checkpointing: bool)
 
 def label(ranges: tuple) -> str:
     """What made an allocation, from the ranges around it (innermost first): the autograd node in
-    backward, the outermost op otherwise; none at all is a storage resized from Python: a unit being
-    gathered."""
+    backward, the outermost op otherwise; none at all is a storage resized from Python: a unit
+    being gathered."""
     node = next((r[len(NODE) :] for r in ranges if r.startswith(NODE)), None)
     ops = [r for r in ranges if r.startswith(("aten::", "c10d::"))]
     if not ops:
@@ -240,8 +240,8 @@ def step_peaks(events: list[tuple], steps: int) -> tuple[list[dict], int]:
 
 def parts_by_label(blocks, events: list[tuple], before: int = 0) -> dict:
     """Bytes of ``blocks`` ((bytes, index of the allocation) pairs) by the phase and op that
-    allocated them, largest first; a block allocated before event ``before`` counts as "before the
-    step"."""
+    allocated them, largest first; a block allocated before event ``before`` counts as "before
+    the step"."""
     parts = {}
     for nbytes, j in blocks:
         key = (

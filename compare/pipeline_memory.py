@@ -146,8 +146,8 @@ def measure(rank: int, world_size: int, port: int, config: dict, cases: list) ->
         counter = SavedBytesInFlight(stage.parameters())
         with torch.autograd.graph.saved_tensors_hooks(*counter.hooks):
             # Each micro-batch's ids in a storage of its own, as a data loader hands them out: views
-            # of one tensor would be counted as one storage, held until the last micro-batch's
-            # backward.
+            # of one tensor would be counted as one storage, held until the last
+            # micro-batch's backward.
             pipe.run(
                 m,
                 inputs=[t[:, :-1].clone() for t in tokens],

@@ -1,6 +1,6 @@
 """Our pipeline (step9_pipeline_parallel/pipeline.py) against PyTorch's own,
-``torch.distributed.pipelining``, on the same stages: are the gradients and the weights the same
-bits?
+``torch.distributed.pipelining``, on the same stages: are the gradients and the weights the
+same bits?
 
     python compare/pipeline_reference.py          # 2 stages, gpipe and 1f1b, M = 3
     python compare/pipeline_reference.py --stages 4 --micro-batches 8 --steps 3
@@ -30,8 +30,8 @@ the reference does instead (each printed with what it would cost):
   reference records each micro-batch's halves with gradient hooks and adds them in one process's
   order after the schedule.
 Dropout is off here: PyTorch's stages draw their masks from their own generators (our pipeline
-replays the other stages' draws to draw one process's masks; step 9's tests check that against step
-0).
+replays the other stages' draws to draw one process's masks; step 9's tests check that against
+step 0).
 """
 
 import argparse

@@ -263,8 +263,8 @@ MOE_PRESETS = {
 
 def moe_psi(shape: Shape, moe: MoE) -> dict:
     """Ψ of an MoE model: ``dense`` (everything but the experts, the routers included), ``experts``
-    (all E of every MoE layer), ``active`` (what one token computes with: dense and k experts a
-    layer)."""
+    (all E of every MoE layer), ``active`` (what one token computes with: dense and k experts
+    a layer)."""
     h, f = shape.n_embd, shape.ffn_width
     expert = (3 if shape.mlp == "swiglu" else 2) * h * f + (
         (2 if shape.mlp == "swiglu" else 1) * f + h if shape.bias else 0
@@ -472,8 +472,8 @@ def in_flight(
 
 def step9_pipeline(module: str = "pipeline_schedules"):
     """Step 9's pipeline_schedules.py: the schedules the planner counts with (their action lists,
-    their bubble); or another of step 9's modules, ``module`` (pipeline_setup.py: its flags'
-    rules)."""
+    their bubble); or another of step 9's modules, ``module`` (pipeline_setup.py: its
+    flags' rules)."""
     step9 = str(Path(__file__).resolve().parent.parent / "step9_pipeline_parallel")
     if step9 not in sys.path:
         sys.path.append(step9)  # after common/: the copies step 9 shares are common's own

@@ -1,8 +1,8 @@
 """How big is each new idea? For every step folder against the one it grew from (the step before it,
 unless its train.py says "Grown from step N's train.py": steps 8 and 9 grow from a data-parallel
 step, not from step 7): the files added and removed, how many lines of train.py changed, and how
-many lines a learner reads in the folder on a first pass (``learner_facing``), beside all its Python
-lines.
+many lines a learner reads in the folder on a first pass (``learner_facing``), beside all its
+Python lines.
 
     python compare/step_diffs.py           # print the table; exit 1 if README.md's copy is stale
     python compare/step_diffs.py --write   # rewrite the table in README.md
@@ -35,8 +35,8 @@ START, END = "<!-- step-diffs:start -->", "<!-- step-diffs:end -->"
 # checkpoint basics (and LESSON_COPIES_IN's). Every other copy is skipped on a first read, and each
 # step README says so in a paragraph that starts with SKIP_LINE: plumbing train.py calls by name
 # (flags, seeds, optimiser helpers, records, bytes per collective) and operations code (failures.py,
-# memory_budget.py, collective_failures.py). Lines are counted as they are, blank ones and comments
-# included.
+# memory_budget.py, collective_failures.py). Lines are counted as they are, blank ones and
+# comments included.
 LESSON_COPIES = {"model.py", "data.py", "distributed.py", "checkpoint.py"}
 # And where a shared module is the step's lesson: the norms over slices in step 5 (reused as
 # plumbing after it), the MoE layer in step 12 (in step 0 it is a flag's plumbing).

@@ -27,8 +27,8 @@ replica of tp 2, step 8's run); its difference to step 1 is step 8's kind, print
 (skipped for an odd ``--nproc``). Step 11 splits every sequence over the ``--nproc`` ranks (skipped
 when 2 x nproc chunks do not cut ``--seq-len``); printed as step 8 is. It also says whether a run
 had a rank consistently slower than the others (compare/stragglers.py): that is information, not a
-failure. Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log (see
---runs-dir).
+failure. Each step writes runs/<step folder>; its output goes to runs/tour/<step folder>.log
+(see --runs-dir).
 """
 
 import argparse
@@ -118,8 +118,8 @@ def run_schedule(
     layers: list[str] = (),
 ) -> tuple:
     """Step 9 with ``flags`` (another schedule) in runs/<folder>; its parity with the tour's step 0,
-    or, given ``layers`` (a deeper model), with step 0 run beside it on that model. Returns (parity,
-    seconds)."""
+    or, given ``layers`` (a deeper model), with step 0 run beside it on that model. Returns
+    (parity, seconds)."""
     runs = {step: args.runs_dir / folder / step for step in (single, pipeline)}
     if not layers:
         runs[single] = args.runs_dir / single

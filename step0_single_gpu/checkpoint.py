@@ -65,8 +65,8 @@ class RunState:
 
 class WholeModel:
     """A part: the model and AdamW, or, given ``masters`` (--param-dtype), AdamW over the float32
-    masters, which are saved in place of the 16-bit copies (the copies are rounded from them on
-    load)."""
+    masters, which are saved in place of the 16-bit copies (the copies are rounded from them
+    on load)."""
 
     def __init__(self, model, optimizer, masters=None):
         self.model, self.optimizer, self.masters = model, optimizer, masters or []

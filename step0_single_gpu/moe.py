@@ -28,11 +28,11 @@
    ``load_balancing_loss_func`` divides the counts by T, not k*T: its value is k times this one
    (tested). A sequence split over ranks (step 10's ``--cp``): ``whole_sequence(counts, T)`` adds
    the other ranks' counts and tokens, so f_i is the whole micro-batch's; P_i stays the mean over
-   this rank's tokens, so the ranks' losses average to one process's, as their language-model losses
-   do.
+   this rank's tokens, so the ranks' losses average to one process's, as their language-model
+   losses do.
 5. **Experts** are the GPT-2 MLP (model.py's ``MLP``). Each computes its slots of one micro-batch as
-   one product; ``dispatch`` is where step 12 sends the slots to the rank that owns the expert and
-   back.
+   one product; ``dispatch`` is where step 12 sends the slots to the rank that owns the expert
+   and back.
 
 Parameter names, for an MoE block ``i`` (``--moe-every N``: blocks 0, N, 2N, ... as Megatron-LM's
 ``--moe-layer-freq``): ``transformer.h.i.mlp.router.weight`` (E, h),

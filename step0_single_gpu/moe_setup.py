@@ -114,8 +114,8 @@ def moe_blocks(config: dict) -> list[int]:
 def moe_model(model, config: dict):
     """``model`` (model.py's GPT-2) with an MoE in place of the MLP of each of ``moe_blocks``, every
     new parameter set by ``initial_value`` from (seed, name); unchanged for --moe-experts 0. Built
-    on the meta device, as ``build_model`` builds, so that no random draw moves the global
-    generator."""
+    on the meta device, as ``build_model`` builds, so that no random draw moves the
+    global generator."""
     for i in moe_blocks(config):
         with torch.device("meta"):
             moe = MoE(

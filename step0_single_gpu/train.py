@@ -128,8 +128,8 @@ def main():
     if config["compile"]:
         compile_blocks(model)
     # --param-dtype bf16|fp16: AdamW steps a float32 master of every parameter; the model computes
-    # in a 16-bit copy, rounded from the masters after every step (the sharded steps keep 1/N of the
-    # masters).
+    # in a 16-bit copy, rounded from the masters after every step (the sharded steps keep 1/N of
+    # the masters).
     masters = float32_masters(model, param_dtype(config))  # None without --param-dtype
     trained = masters or list(model.named_parameters())  # what AdamW steps, by name
     optimizer = make_optimizer(trained, config)

@@ -224,8 +224,8 @@ def counted_once(named: list, mesh, plane: bool = False) -> list:
 
 def gather_full_model(stage, named: list, mesh) -> dict:
     """Every parameter whole, by name, on every rank: the tp shards all-gathered (step 8), the other
-    experts over the ep group (step 12), the stages' parts then gathered over the pp group (step
-    9)."""
+    experts over the ep group (step 12), the stages' parts then gathered over the pp group
+    (step 9)."""
     full = gather_full_parameters(stage, group=mesh.tp_group)  # by the stage module's names
     name_of = {n: name for (n, _), (name, _) in zip(stage.named_parameters(), named)}
     mine = {

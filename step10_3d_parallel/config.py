@@ -237,8 +237,8 @@ def on_cuda(config: dict) -> bool:
 
 def check_grace(grace_s: float) -> None:
     """Under torchrun, --preempt-grace-s must end before torchrun kills what it told to stop: it
-    waits --shutdown_timeout (its environment's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s) after its
-    SIGTERM."""
+    waits --shutdown_timeout (its environment's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s) after
+    its SIGTERM."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or not grace_s:
         return
     launcher_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))

@@ -13,8 +13,8 @@ decide when the ranks that exchange tokens are also tensor-parallel, pipelined a
    (Megatron-LM's ``MoEAuxLossAutoScaler``): forward, the output itself; backward, the output's
    gradient passed on, and the aux loss given the gradient one process gives it, ``(1 / accum) * a``
    with the same two float32 roundings. It meets the language-model loss's gradient at the router's
-   probabilities in a sum of two terms (a + b = b + a): one process's bits, at any pp, at pp = 1
-   too.
+   probabilities in a sum of two terms (a + b = b + a): one process's bits, at any pp, at pp =
+   1 too.
 3. **A sequence split over cp.** A cp rank routes its S/C positions. The aux loss's fractions f_i
    must be the whole micro-batch's: moe.py's ``whole_sequence`` (its rule 4) adds the ring's counts,
    E integers all-reduced (exact), and tokens; its mean probabilities P_i stay the rank's, so the
@@ -34,8 +34,8 @@ decide when the ranks that exchange tokens are also tensor-parallel, pipelined a
    then ep.
 7. **Checkpoints**: an expert is written whole and by name, as step 12 writes it, its AdamW state as
    the slices its copies step (rule 5): boxes of the whole tensors, each written once
-   (composition.py's rule 4). Step 12 at any ep, and this step at any mesh, ep or --zero, read them
-   back.
+   (composition.py's rule 4). Step 12 at any ep, and this step at any mesh, ep or --zero, read
+   them back.
 8. **What does not compose**, refused in one line each (``check_experts_on_mesh``): see there.
 """
 

@@ -88,8 +88,8 @@ def hybrid_mesh(replicate: int = 1, timeout_s: float | None = None) -> HybridMes
 
 def average(output: torch.Tensor, mesh: HybridMesh, reduce_dtype: torch.dtype) -> torch.Tensor:
     """Rule 3: ``output``, this rank's shard of the row's summed gradient (the reduce-scatter's,
-    waited on), made the mean over all N ranks, in place. R = 1: divided by N, as zero3.py always
-    did."""
+    waited on), made the mean over all N ranks, in place. R = 1: divided by N, as zero3.py
+    always did."""
     if mesh.replicate == 1:
         return output.div_(mesh.shard_size)
     # FSDP2: AVG in the row, then AVG across the rows

@@ -5,8 +5,8 @@ stages over all the ranks (pipeline parallelism, PP), steps 1-7 split the batch 
 DP) and step 11 every sequence (context parallelism, CP). Each used the whole world as its one
 group. To use them at once, every rank needs a group per axis: the ranks that share its layers'
 shards, the ranks that hold the other stages of its replica, the ranks that hold the other positions
-of its sequences, and the ranks that hold the same shard of the same stage in the other replicas.
-Here:
+of its sequences, and the ranks that hold the same shard of the same stage in the other
+replicas. Here:
 
 1. **One coordinate per axis.** A world of ``dp * cp * tp * pp`` ranks is the array
    ``arange(world).reshape(pp, dp, cp, tp)``: rank ``r`` sits at ``(pp_rank, dp_rank, cp_rank,
@@ -44,8 +44,8 @@ Here:
    ``arange(world).view(pp, W // D, D, tp)``, the ep group a line along the third dimension, an
    expert's copies (its gradient's group) along the second. The ep group sits next to tp in rank
    order, the nearest ranks tp leaves: its all-to-alls run twice a layer, forward and backward, with
-   nothing to overlap them (at cp = D it is the ring itself). At D = W = world, step 12's groups
-   exactly.
+   nothing to overlap them (at cp = D it is the ring itself). At D = W = world, step 12's
+   groups exactly.
 
 ``torch.distributed.device_mesh.init_device_mesh("cpu", (pp, dp, cp, tp), mesh_dim_names=("pp",
 "dp", "cp", "tp"))`` builds the same groups, and ``mesh["dp", "cp"]._flatten()`` the dp x cp plane;
@@ -108,8 +108,8 @@ def coordinates(rank: int, dp: int, tp: int, pp: int, cp: int = 1) -> dict:
 def axis_groups(axis, dp: int, tp: int, pp: int, cp: int = 1) -> list[list[int]]:
     """Every group along ``axis`` (or along several axes at once, a tuple such as ``("dp", "cp")``):
     lists of global ranks that differ only in those coordinates, in the order every rank creates
-    them (the other coordinates outer to inner); within a group the coordinates of ``axis`` outer to
-    inner."""
+    them (the other coordinates outer to inner); within a group the coordinates of ``axis`` outer
+    to inner."""
     sizes, along = _sizes(dp, tp, pp, cp), (axis,) if isinstance(axis, str) else tuple(axis)
     others = [a for a in AXES if a not in along]
     return [

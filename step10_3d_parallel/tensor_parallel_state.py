@@ -43,8 +43,8 @@ def block_length(size: int, group, what: str) -> int:
 def block_of(full: torch.Tensor, dim: int, group, what: str) -> nn.Parameter:
     """Rank r's block r of T of ``full`` along ``dim``, as
     a new Parameter that records where it sits (rule 1):
-    ``tp_blocks``, ``[(dim, start, end)]`` (a list: the checkpoint format of resharding.py allows
-    several)."""
+    ``tp_blocks``, ``[(dim, start, end)]`` (a list: the checkpoint format of resharding.py
+    allows several)."""
     length = block_length(full.shape[dim], group, what)
     start = dist.get_rank(group) * length
     shard = nn.Parameter(
@@ -71,8 +71,8 @@ def place_of(param: torch.Tensor) -> Place:
 
 class TensorParallelShards:
     """checkpoint.py's part for a tensor-parallel model and its plain optimiser: each rank gives DCP
-    its shards as they are, and loads back its shards of any step's checkpoint, at any degree (rule
-    1)."""
+    its shards as they are, and loads back its shards of any step's checkpoint, at any degree
+    (rule 1)."""
 
     per_rank = True
 

@@ -246,8 +246,8 @@ def main():
             torch.cuda.synchronize()  # the GPU runs ahead of Python; time the work, not its launch
         step_time = clock.stop()  # before the logging's own work and collectives
         # The loss is where the logits are, on the last stage: sent to the stage's peers, then
-        # averaged over dp x cp (a cp rank's loss is the mean over its positions, as many on every
-        # rank).
+        # averaged over dp x cp (a cp rank's loss is the mean over its positions, as many on
+        # every rank).
         loss = distributed.mean_over_ranks(
             pipe.from_last_stage(loss_sum, mesh.pp_group), accum, mesh.dp_cp_group
         )

@@ -4,8 +4,8 @@ group, experts_on_mesh.py's rule 5). Stage 3, where the parameters are sharded t
 FullyShardedDP on each stage: zero3_on_mesh.py.
 
 1. **One layout, three stages.** Every stage cuts this rank's TP/PP shard as step 5's
-   ``ShardedOptimizer`` does (zero1.py's rule 1: laid flat, element-balanced), over a group of N
-   ranks:
+   ``ShardedOptimizer`` does (zero1.py's rule 1: laid flat, element-balanced), over a group of
+   N ranks:
    - 0, DDP's (step 3): the gradients all-reduced; N = 1, a group of this rank alone, whose one
      slice is the whole shard (ZeRO-1 on flat views steps AdamW's bits) and whose all-gather is
      nothing. AdamW's whole state.
@@ -28,8 +28,8 @@ FullyShardedDP on each stage: zero3_on_mesh.py.
    pp (composition.py's rule 3): the plane holds every dense and every expert element once, so no ep
    rank is left out (experts_on_mesh.py's rule 6).
 5. **Checkpoints by name**, whatever the stage: composition.py's rule 4 gives DCP each optimiser's
-   slices (stage 0: whole) as boxes of the whole tensors, so a run saved at one stage resumes at
-   another.
+   slices (stage 0: whole) as boxes of the whole tensors, so a run saved at one stage resumes
+   at another.
 """
 
 import torch

@@ -31,8 +31,8 @@ class Corpus:
 
 def load_tokenizer(path) -> Tokenizer:
     """The tokenizer in ``path`` (a tokenizers JSON file, as data/train_tokenizer.py writes), or a
-    ``UserError``. A local file, read by the ``tokenizers`` library itself: no network at run time,
-    ever."""
+    ``UserError``. A local file, read by the ``tokenizers`` library itself: no network at run
+    time, ever."""
     try:
         return Tokenizer.from_file(str(path))
     except Exception:  # noqa: BLE001 (not JSON, JSON of something else: the library's words would not help)

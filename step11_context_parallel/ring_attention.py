@@ -63,8 +63,8 @@ class _Ring:
 
     def start(self, tensor: torch.Tensor, tag: int):
         """Send ``tensor`` to the next rank and receive the previous rank's into a new buffer;
-        returns a function that waits for both (within the group's timeout) and gives the received
-        tensor."""
+        returns a function that waits for both (within the group's timeout) and gives the
+        received tensor."""
         staged = tensor.device.type != "cpu" and dist.get_backend(self.group) == "gloo"
         out = tensor.detach().cpu() if staged else tensor.detach().contiguous()
         into = torch.empty_like(out)

@@ -80,8 +80,8 @@ def local_experts_of(n_experts: int, ep_size: int, ep_rank: int) -> range:
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` as an autograd op: forward sends ``input_splits`` rows to each rank and
-    receives ``output_splits``; backward sends the gradient back the same way, splits swapped (rule
-    6)."""
+    receives ``output_splits``; backward sends the gradient back the same way, splits swapped
+    (rule 6)."""
 
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, group, note):
@@ -169,8 +169,8 @@ class ExpertParallel:
 
 def shard_experts(model, moe_layers, groups: Groups) -> list:
     """Keep this rank's E/D experts of every MoE layer (their global names kept), drop the others,
-    and give each layer an ``ExpertParallel`` dispatcher. Returns the dispatchers, layer by
-    layer."""
+    and give each layer an ``ExpertParallel`` dispatcher. Returns the dispatchers, layer
+    by layer."""
     dispatchers = []
     for name, module in model.named_modules():
         if module in moe_layers:

@@ -4,8 +4,8 @@ one clipping norm, one logged parameter norm.
 Up to step 4 every rank holds the whole gradient, and ``training.clip_grad_norm`` gives each the
 same norm alone. From step 5 on a rank holds part of the model: ZeRO's slices (steps 5-7),
 tensor-parallel shards (step 8), a pipeline's stages (step 9), experts (step 12), all of them on
-step 10's mesh. After torchtitan's ``clip_grad_norm_(..., pp_mesh=)``, one function for every
-layout:
+step 10's mesh. After torchtitan's ``clip_grad_norm_(..., pp_mesh=)``, one function for
+every layout:
 
 1. **Every element once.** A rank adds the squares of ``counted`` (default: the tensors it scales);
    across the ranks of ``groups`` every element of the model is counted exactly once: a slice or a
@@ -45,8 +45,8 @@ def clip_grad_norm(params, max_norm: float, groups=(), counted=None, device=None
 
 def param_norm(tensors, groups=(), device=None) -> float:
     """``training.param_norm`` over pieces: the whole model's parameter norm, exact, in float64,
-    from this rank's ``tensors`` (every element counted once across the ranks of ``groups``: rule
-    1)."""
+    from this rank's ``tensors`` (every element counted once across the ranks of ``groups``:
+    rule 1)."""
     tensors = list(tensors)
     parts = square_sum_parts(tensors)
     device = device or (tensors[0].device if tensors else None)

@@ -72,8 +72,8 @@ class RunState:
 
 class WholeModel:
     """A part: a model every rank holds whole and a plain ``optimizer`` (if any) over its
-    parameters. Every rank gives DCP its copy, which DCP writes once (a replica's boxes are the
-    same)."""
+    parameters. Every rank gives DCP its copy, which DCP writes once (a replica's boxes are
+    the same)."""
 
     per_rank = True
 
@@ -113,8 +113,8 @@ class CheckpointWriter:
 
     def start(self, checkpoint) -> int:
         """Resume from ``checkpoint``: every part, then this rank's RNG (nothing may draw after it);
-        given None, clear the checkpoints an earlier run left in --out. Returns the step to go on
-        from."""
+        given None, clear the checkpoints an earlier run left in --out. Returns the step to go
+        on from."""
         if checkpoint is None:
             if self.rank == 0:
                 clear_checkpoints(self.config["out"])

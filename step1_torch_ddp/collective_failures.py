@@ -22,8 +22,8 @@ from failures import failure_explainers
 COLLECTIVE_FAILED = 3
 SEE = "see docs/fault_tolerance.md"
 # How long a survivor waits, after its own failure, for the other survivors to report
-# (``roll_call``). They entered the collective together, so they fail within the compute between two
-# collectives.
+# (``roll_call``). They entered the collective together, so they fail within the compute between
+# two collectives.
 ROLL_CALL_S = 2.0
 
 # a peer never sent (or never took) its part
@@ -37,8 +37,8 @@ PAIR_CLOSED = "Application timeout caused pair closure"
 # gloo gave up on the collective (its own timeout).
 PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
 # What TORCH_DISTRIBUTED_DEBUG=DETAIL checks before every collective: that every rank arrives, and
-# that they all issue the same collective (op, shapes, dtypes). Its errors name the ranks
-# themselves.
+# that they all issue the same collective (op, shapes, dtypes). Its errors name the
+# ranks themselves.
 DETAIL_ABSENT = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier in (\d+) ms")
 DETAIL_MISMATCH = re.compile(
     r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
@@ -57,8 +57,8 @@ def roll_call(grace_s: float = ROLL_CALL_S, missing: list | None = None) -> list
     with the others: dead, frozen, or busy for longer than the timeout. An empty list means every
     rank reached it: they are all alive and gave up on each other, which is what ranks that issued
     different collectives do. None: the store did not answer (its host may be the rank that froze).
-    The store is torchrun's, or rank 0's without torchrun; every operation on it is bounded by
-    ``grace_s``.
+    The store is torchrun's, or rank 0's without torchrun; every operation on it is bounded
+    by ``grace_s``.
     ``missing``, if given, holds the ranks not yet seen while the roll call runs.
     """
     missing = [] if missing is None else missing

@@ -10,8 +10,8 @@ back at any layout, opened by any DCP reader.
    flattened block of sizes ``block`` at ``offsets`` in the whole tensor (a ``Place``): all of it
    (DDP), a flat slice (ZeRO), a block (tensor parallelism), a slice of a block (both). Any such
    range is at most 2·ndim − 1 N-D boxes (a partial row, full rows, a partial row: ``boxes``), each
-   a contiguous view of the piece: DCP's chunks. Replicas write the same boxes, which DCP writes
-   once.
+   a contiguous view of the piece: DCP's chunks. Replicas write the same boxes, which DCP
+   writes once.
 3. **Loading copies into the views.** This rank's boxes in the new layout ask DCP for the saved
    chunks that overlap them, and DCP copies the overlaps into the views: no arithmetic, no dtype
    change, so resuming is bitwise.

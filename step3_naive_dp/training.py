@@ -174,8 +174,8 @@ def make_optimizer(named_params, config: dict) -> torch.optim.AdamW:
 def lr_at(step: int, config: dict) -> float:
     """Linear warm-up to ``lr`` over ``warmup_steps``,
     then cosine decay to ``min_lr`` at the last step.
-    ``step`` counts optimiser steps from 0. A pure function of the step: resume needs no scheduler
-    state."""
+    ``step`` counts optimiser steps from 0. A pure function of the step: resume needs no
+    scheduler state."""
     lr, min_lr, warmup, total = (
         config["lr"],
         config["min_lr"],
@@ -197,8 +197,8 @@ def make_scheduler(optimizer, config: dict) -> torch.optim.lr_scheduler.LambdaLR
 
 def sum_of_squares(tensors) -> torch.Tensor:
     """Sum of the squares of all elements of all tensors, accumulated and returned in float64 on
-    their device (on a GPU nothing waits for it: the clipping that follows scales on the device
-    too).
+    their device (on a GPU nothing waits for it: the clipping that follows scales on the
+    device too).
 
     Each float32 square is exact in float64, and the float64 sum carries ~29 more bits than a
     float32 result keeps: adding the same squares in another grouping moves it by ~1e-16 relative,

@@ -67,8 +67,8 @@ class ShardedSampler:
     def __iter__(self):
         if self.shuffle:
             # A private generator: the order depends on (seed, epoch) only, never on the global RNG
-            # that model init or dropout have advanced differently. Same on every rank, new each
-            # epoch.
+            # that model init or dropout have advanced differently. Same on every rank, new
+            # each epoch.
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)
             indices = torch.randperm(self.dataset_len, generator=generator).tolist()

@@ -4,8 +4,8 @@ while training goes on; made whole there too.
 
 1. **A copy training cannot change**: ``async_save`` stages the state through the writer's
    ``stage``, here ``snapshot`` (tensors and ``dcp_checkpoint.Boxes`` copied to the CPU: the pause
-   training sees), then DCP's thread writes the copy. DCP's default staging does not know a
-   ``Boxes``.
+   training sees), then DCP's thread writes the copy. DCP's default staging does not know
+   a ``Boxes``.
 2. **Whole or absent, as in the foreground** (checkpoint.py, rule 1): when DCP's write is done on
    this rank, its thread goes on to ``_publish`` (the barrier after every rank's data,
    ``meta.json``, the rename): ``async_save``'s future alone says this rank's part is written, not

@@ -70,8 +70,8 @@ def clear_checkpoints(out_dir) -> None:
 
 def not_a_checkpoint(path, flag: str = "") -> UserError:
     """The error for ``path``, not a checkpoint, naming the one probably meant: the checkpoint a
-    file of it is in, or the newest whole checkpoint of a run folder (or of its checkpoints/
-    folder)."""
+    file of it is in, or the newest whole checkpoint of a run folder (or of its
+    checkpoints/ folder)."""
     path = Path(path)
     if path.is_file() and (path.parent / "meta.json").is_file():
         meant = path.parent

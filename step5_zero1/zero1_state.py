@@ -68,8 +68,8 @@ class ShardedOptimizerState:
     def norm_groups(self) -> list:
         """What a global norm of the stepped tensors (``param_groups``) sums over
         (``sharded_norms.clip_grad_norm``'s ``groups``): nothing while every rank holds the whole
-        averaged gradient, the ranks' group once the groups are this rank's slices (ZeRO-2,
-        masters)."""
+        averaged gradient, the ranks' group once the groups are this rank's slices
+        (ZeRO-2, masters)."""
         return [self.group or dist.group.WORLD] if self.groups_are_local else []
 
     @property
@@ -119,8 +119,8 @@ class ShardedOptimizerState:
     def load_checkpoint(self, checkpoint, named_params) -> None:
         """This rank's slices of the weights and of the optimiser state, copied out of
         ``checkpoint`` (a ``resharding.Checkpoint``, whatever world size or step wrote it), then the
-        parameters all-gathered as after a step (a collective): every rank holds the whole model
-        again."""
+        parameters all-gathered as after a step (a collective): every rank holds the whole
+        model again."""
         from dcp_checkpoint import load_model, load_optimizer
 
         places = self.checkpoint_places(named_params)

@@ -22,8 +22,8 @@ class UserError(Exception):
 # Failures that come in the middle of a run and that a module other than this one can explain: each
 # function returns (message, exit code) for an exception it recognises, else None. memory_budget.py
 # adds running out of memory, collective_failures.py the failed collective (a rank died, froze, or
-# the ranks disagreed); this module, which every step has, step 0 included, knows nothing about
-# either.
+# the ranks disagreed); this module, which every step has, step 0 included, knows nothing
+# about either.
 failure_explainers = []
 
 

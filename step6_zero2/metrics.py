@@ -12,8 +12,8 @@ metrics.json (schema version ``SCHEMA_VERSION``) is read by `compare/parity.py` 
   per rank: ``wall_s`` and ``cpu_s``, see ``StepClock``; read by `compare/stragglers.py`, ignored by
   parity), ``device_s`` (what the step cost: the devices of the job x the wall time since the
   previous record), ``per_node`` (each node's samples and tokens per second, ``RunLog.per_node``)
-  and, in distributed steps, ``comm`` (bytes rank 0 handed to each kind of collective during the
-  step);
+  and, in distributed steps, ``comm`` (bytes rank 0 handed to each kind of collective during
+  the step);
 - ``cost``: ``RunLog.cost``, the whole run's device-seconds and tokens, every launch of a resumed
   run included (read by `compare/cost.py`);
 - ``final``: ``weights`` (safetensors file, relative to the run folder), ``sha256`` of that file,
@@ -141,8 +141,8 @@ def write_json_atomically(path: Path, data) -> None:
 
 def save_final_weights(out_dir: Path, named_tensors: dict) -> dict:
     """Write the full weights as safetensors and return the ``final`` section, with their
-    ``param_norm``: exact (training.py), so the bits every step logs from its own slices, shards or
-    stages."""
+    ``param_norm``: exact (training.py), so the bits every step logs from its own slices, shards
+    or stages."""
     from training import param_norm
 
     weights = {name: t.detach().cpu().contiguous() for name, t in named_tensors.items()}

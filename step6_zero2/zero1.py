@@ -22,8 +22,8 @@ per parameter, twice the weights) and ran the same full update as every other ra
    loading: ``zero1_state.py``.
 
 Adam, AdamW and SGD update each element from its own values, so a slice steps to the bits the whole
-tensor would; an optimiser that looks across a tensor (LAMB, Adafactor) would not survive being
-sliced.
+tensor would; an optimiser that looks across a tensor (LAMB, Adafactor) would not survive
+being sliced.
 """
 
 import math

@@ -162,8 +162,8 @@ class ShardedGradientDDP(MainGradDDP):
 
     def _finish(self, bucket: ShardedBucket, receiving: set) -> None:
         """At the sync point: the bucket's last reduce-scatter of this optimiser step, into its
-        shard. A parameter nobody used keeps zeros in its slice, so ``receiving`` changes nothing
-        here."""
+        shard. A parameter nobody used keeps zeros in its slice, so ``receiving`` changes
+        nothing here."""
         self._retire(bucket)
         # the next optimiser step starts from nothing
         bucket.in_shard, bucket.had_gradient = False, set()

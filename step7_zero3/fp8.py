@@ -35,8 +35,8 @@ Rules, each one what torchao 0.18's ``convert_to_float8_training`` does
 5. The forward gemm uses fast accumulation, the two gradient gemms do not (torchao's defaults).
    Rowwise without fast accumulation multiplies with unit scales and applies the two scale vectors
    afterwards (torchao's choice: the rowwise kernel is slow without it), and rowwise output in
-   float32 or fp16 is produced in bf16 then converted (``_scaled_mm`` has no rowwise float32
-   output).
+   float32 or fp16 is produced in bf16 then converted (``_scaled_mm`` has no rowwise
+   float32 output).
 6. The output comes out in the compute dtype: the input's, or bf16 under ``--amp bf16`` autocast.
    The backward saves the high-precision input and weight, not their FP8 copies, and casts again (so
    FP8 saves matmul time, not activation memory); the bias is added after the matmul in the output's
@@ -232,8 +232,8 @@ def check_fp8(config: dict, device: torch.device) -> None:
 def fp8_cannot_run(recipe: str, device: torch.device) -> str | None:
     """Why ``recipe``'s matmuls cannot run on ``device`` with this torch build (the first line of
     ``_scaled_mm``'s error), or None. Ask the device, do not guess: a GPU needs compute capability
-    8.9+, and torch 2.11's CPU ``_scaled_mm`` takes one scale per tensor only (rowwise needs one per
-    row)."""
+    8.9+, and torch 2.11's CPU ``_scaled_mm`` takes one scale per tensor only (rowwise needs one
+    per row)."""
     row = RECIPES[recipe][0] == "row"
     try:
         a = torch.zeros(16, 16, device=device, dtype=E4M3)

@@ -12,8 +12,8 @@ where, not when it moves: a second idea, so a file of its own, read before zero3
    parameters, gradients and optimiser state alike. A parameter tied across two units is refused: it
    would be gathered, and its gradient reduced, in two places.
 2. **Pieces under the original names.** Every registered parameter is replaced by this rank's piece
-   of it: a 1-D ``nn.Parameter`` that views the unit's shard (0 elements where the rank owns none of
-   it).
+   of it: a 1-D ``nn.Parameter`` that views the unit's shard (0 elements where the rank owns none
+   of it).
    ``named_parameters()`` still says ``transformer.h.0.attn.c_q.weight``, so a plain torch optimiser
    steps the pieces in place and weight decay, decided by name, lands where it always did. While a
    unit computes, its modules hold full views of the gathered range instead (``full_views``,

@@ -23,8 +23,8 @@ the work *inside* each layer. Here:
 3. **Whole heads.** q, k and v are three ``nn.Linear`` whose rows are the heads side by side, so
    rank r's contiguous block of rows of each is heads ``r H/T .. (r+1) H/T - 1``: attention runs on
    its local heads with no communication, and reads their number off the width (no attribute to
-   patch). Hence T must divide the number of heads: a block that cut a head in two would be silently
-   wrong.
+   patch). Hence T must divide the number of heads: a block that cut a head in two would be
+   silently wrong.
 4. **The row-parallel bias as PyTorch adds it.** Each rank adds ``bias / T`` to its partial sum
    before the all-reduce (DTensor's Replicate -> Partial, ``_partition_value``), so the result is
    bitwise PyTorch's ``RowwiseParallel``. The bias gradient is the true one (``_BiasShare``):
@@ -91,8 +91,8 @@ class ColumnParallelLinear(nn.Module):
     ``.weight`` is this rank's block of rows of the full ``(out_features, in_features)`` weight,
     rows ``[r out/T, (r+1) out/T)``; ``.bias`` the same rows of the bias. The input is the whole
     ``x``, the same on every rank; the output is this rank's slice of the last dimension, or, with
-    ``gather_output=True``, the whole output (one all-gather). ``out_features`` must be divisible by
-    T.
+    ``gather_output=True``, the whole output (one all-gather). ``out_features`` must be divisible
+    by T.
     """
 
     def __init__(

@@ -12,8 +12,8 @@ torch.distributed.
    forward, this rank's block of the gradient backward; ``scatter_along`` the other way round.
    Concatenating adds nothing, so both are exact.
 3. **The float64 reduction.** ``all_reduce(..., reduce_dtype=torch.float64)`` sums in float64 and
-   rounds once, so the result does not depend on the order the ranks are added in (the exact mode's
-   reductions).
+   rounds once, so the result does not depend on the order the ranks are added in (the exact
+   mode's reductions).
 4. **Counted.** Every collective's bytes go to
    comm_accounting, whole buffers, as the records report them.
 """

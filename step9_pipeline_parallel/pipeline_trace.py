@@ -16,8 +16,8 @@ the background; a receive's bar is the wait), and zero bubble's W's ("weights").
   ``ideal_bubble``).
 
 On this 2-core machine 4 stages share 2 cores, so a stage's compute is slower while others compute:
-the idle fractions measured at P = 4 mix the bubble with that sharing (the step README says how
-much).
+the idle fractions measured at P = 4 mix the bubble with that sharing (the step README says
+how much).
 Operations code: read it after pipeline.py.
 """
 

@@ -451,8 +451,8 @@ WORKERS = mp.get_context("forkserver")
 # than the rest of a tiny run: tokenizers (the corpus), safetensors (the weights),
 # torch._inductor.config (which torch.use_deterministic_algorithms imports, and with it
 # torch._dynamo and sympy), matplotlib (--trace), and torch.distributed's FSDP, DTensor, pipelining
-# and checkpoint (the references and the resharding). A name that does not import is skipped by the
-# server.
+# and checkpoint (the references and the resharding). A name that does not import is skipped by
+# the server.
 WORKERS.set_forkserver_preload(
     [
         "torch",

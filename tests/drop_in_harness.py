@@ -337,8 +337,8 @@ def case_zero2(rank, problems) -> int:
         our_opt.zero_grad()
         their_scaler.unscale_(their_opt)
         # clip_grad_norm adds the squares in float64 (any grouping of the slices rounds to the same
-        # float32 norm); clip_grad_norm_ adds float32 norms. So: PyTorch's clipping rule, with that
-        # norm.
+        # float32 norm); clip_grad_norm_ adds float32 norms. So: PyTorch's clipping rule, with
+        # that norm.
         grads = [p.grad for p in theirs.parameters() if p.grad is not None]
         norm = sum(g.double().pow(2).sum() for g in grads).sqrt().float()
         torch.nn.utils.clip_grads_with_norm_(theirs.parameters(), 0.5, norm)
@@ -362,8 +362,8 @@ def case_zero3(rank, problems) -> int:
 
     mesh, checked, float32_result = init_device_mesh("cpu", (WORLD_SIZE,)), 0, None
     # (tied ends, param_dtype): FSDP2 in float32; DDP with a unit called twice; FSDP2's mixed
-    # precision, bf16 parameters and computation over float32 master shards, gradients reduced in
-    # float32.
+    # precision, bf16 parameters and computation over float32 master shards, gradients reduced
+    # in float32.
     for tied, param_dtype in ((False, None), (True, None), (False, torch.bfloat16)):
         ours_model = build(lambda tied=tied: Stack(tied), 100)
         ours = FullyShardedDP(ours_model, ours_model.units, param_dtype=param_dtype)

@@ -7,8 +7,8 @@ schedule), naming nothing of step 12. Each optimiser step runs its W micro-batch
 apart, then adds them in an order:
 
 - ``step0``: one after the other in float32, as step 0's ``.grad`` accumulates them: ((g_0 + g_1) +
-  g_2) + g_3. The loss likewise. (This order must give step 0's bits: it checks the rest of the
-  loop.)
+  g_2) + g_3. The loss likewise. (This order must give step 0's bits: it checks the rest of
+  the loop.)
 - ``ep`` (``--ep D``), step 12 with ``--reduce-dtype float64``, micro-batch i on rank i:
   1. a dense gradient: the W terms added in float64, divided by W, rounded to float32 once. Exact
      for a few float32 terms, so whatever order gloo's all-reduce adds in, it gets these bits;

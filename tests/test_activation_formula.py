@@ -30,8 +30,8 @@ ROWS = {**TABLE2, ("full", True): lambda a, s, h, t: 2 / t}
 def test_every_mode_of_table_2_per_layer(name):
     """e = 2, masks of 1 byte, dropout on, math attention: the five rows of their Table 2 in units
     of sbh, at each model's t, and full recomputation with sequence parallelism (ROWS: 2/t, not 2).
-    What the paper leaves out (the LayerNorms' float32 statistics, 16 bytes a token) is below
-    0.03%."""
+    What the paper leaves out (the LayerNorms' float32 statistics, 16 bytes a token) is
+    below 0.03%."""
     shape = plan.PRESETS[name]
     b, t, _ = KORTHIKANTI[name]
     sbh = shape.seq_len * b * shape.n_embd
@@ -104,8 +104,8 @@ def test_the_formula_is_what_autograd_saves_for_the_trainers_model(attention, dr
     """Counted on real tensors (the meta device runs SDPA's math path), float32, e = 4. Two
     differences, each named: on a CPU a dropout mask is a float32 tensor (m = 4; a bool on a GPU),
     and the math path keeps its s x s bool causal mask. SDPA's output is laid out (b, s, a, d) under
-    its (b, a, s, d) shape, so c_proj's input is the same storage: kept once, as the formula counts
-    it."""
+    its (b, a, s, d) shape, so c_proj's input is the same storage: kept once, as the formula
+    counts it."""
     torch.set_num_threads(1)
     b, s, h, heads = 2, 32, 64, 4
     config = GPTConfig(
@@ -262,8 +262,8 @@ def test_presets_have_their_published_parameter_counts():
 @pytest.mark.quick
 def test_llama_tensor_parallel_shares_split_gqa_and_swiglu():
     """Llama 3 8B at t = 8: q and c_proj 1/8 of h², k and v 1/8 of their 8 heads, the three MLP
-    matrices 1/8; the RMSNorms whole; untied, the output layer's own matrix is split like the
-    embedding."""
+    matrices 1/8; the RMSNorms whole; untied, the output layer's own matrix is split like
+    the embedding."""
     llama = plan.PRESETS["llama3-8b"]
     h, kv, f, vocab = 4096, 1024, 14336, 128256
     block = (2 * h * h + 2 * h * kv + 3 * h * f) // 8 + 2 * h
@@ -278,8 +278,8 @@ def test_llama_tensor_parallel_shares_split_gqa_and_swiglu():
 def test_the_175b_layout_of_table_3_does_not_fit_without_recomputation():
     """t 8, p 8, micro-batch 1, 64 micro-batches, 16-bit: the first stage holds 8 micro-batches of
     12 layers, 96 x 23 sbh (10 + 24/8 + 5as/(ht)), 55.6 GB, beside 16 bytes a parameter of its 2.8
-    B: about 100 GB, over 80 GiB. Selective recomputation with sequence parallelism (34/t) brings it
-    under."""
+    B: about 100 GB, over 80 GiB. Selective recomputation with sequence parallelism (34/t) brings
+    it under."""
     shape = plan.PRESETS["megatron-175b"]
     hardware = plan.Hardware(64, 80 * plan.GIB)
     formula = FormulaActivations(shape, 1, 2, "math", 0.1)

@@ -2,8 +2,8 @@
 write that fails reaches the user as one line and a non-zero exit, whichever step it is.
 
 The writer is slowed down or made to fail from outside the trainer (tests/writer_hook.py patches the
-step's own checkpoint module, then runs its train.py): the trainers read no test switch of their
-own."""
+step's own checkpoint module, then runs its train.py): the trainers read no test switch of
+their own."""
 
 import subprocess
 from pathlib import Path

@@ -63,8 +63,8 @@ class Unused(torch.nn.Module):
 
 class UsedEarly(torch.nn.Module):
     """``early`` takes part in the first micro-batch only: the synchronised backward of the last one
-    gives it no gradient, and what must be averaged is the gradient it accumulated inside
-    no_sync."""
+    gives it no gradient, and what must be averaged is the gradient it accumulated
+    inside no_sync."""
 
     def __init__(self):
         super().__init__()
@@ -164,8 +164,8 @@ def half_model_cap(model_name) -> float:
 
 def used_early_matches_ddp(rank, cap_mb) -> list:
     """DDP (find_unused_parameters=True) and BucketedDDP on UsedEarly; also both against the
-    definition: the mean over the ranks of the gradient each accumulated locally. Returns the
-    mismatches."""
+    definition: the mean over the ranks of the gradient each accumulated locally. Returns
+    the mismatches."""
     grads = {}
     for name in ("ddp", "ours"):
         model = fresh("UsedEarly")

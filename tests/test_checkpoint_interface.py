@@ -197,8 +197,8 @@ def test_a_checkpoint_written_before_the_reader_was_split_out_reads_back_its_own
     on), written by the code before checkpoint.py was split into checkpoint.py, resharding.py and
     background_writer.py. The reader of format 2 (compare/format2.py, what consolidate.py converts
     with) gives back exactly the tensors the files hold: every parameter, and every rank's slice of
-    exp_avg and exp_avg_sq, bit for bit. (Nothing here depends on the CPU: the bits are read, not
-    computed.)"""
+    exp_avg and exp_avg_sq, bit for bit. (Nothing here depends on the CPU: the bits are read,
+    not computed.)"""
     from format2 import Checkpoint
 
     checkpoint = Checkpoint(FIXTURE / "step_2")

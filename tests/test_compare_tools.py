@@ -160,8 +160,8 @@ def test_every_step_readme_names_the_files_to_skip_on_a_first_read():
 @pytest.mark.quick
 def test_compare_readme_names_every_tool():
     """compare/README.md lists every script in compare/, once, with a line of what it does (a new
-    tool that nobody can find is not there for a learner), and the front page's Layout points to
-    it."""
+    tool that nobody can find is not there for a learner), and the front page's Layout points
+    to it."""
     import re
 
     rows = re.findall(

@@ -164,8 +164,8 @@ def test_checkpoints_resume_between_steps_10_and_11_at_another_mesh_bitwise(
     cp_runs, tmp_path, small_corpus
 ):
     """cp 2 x pp 2 (4 ranks, step 10) resumed by step 11 at cp 2 (2 ranks), and step 11's checkpoint
-    by step 10 at cp 2 x pp 2: the same sums, so steps 3 and 4 are the uninterrupted runs', bit for
-    bit."""
+    by step 10 at cp 2 x pp 2: the same sums, so steps 3 and 4 are the uninterrupted runs', bit
+    for bit."""
     into11 = train(
         "step11",
         tmp_path / "into11",

@@ -298,8 +298,8 @@ def test_zigzag_balances_the_work_the_causal_mask_leaves():
 @pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 def test_no_rank_keeps_a_score_matrix(ring_results):
     """What the ring keeps for backward: q, k, v, its output and one lse per query, S/C tokens each:
-    1/C of C = 1's bytes on every rank. model.py's attention keeps its S x S probabilities per head
-    besides."""
+    1/C of C = 1's bytes on every rank. model.py's attention keeps its S x S probabilities per
+    head besides."""
     sys.path.insert(0, str(REPO / "common"))
     from model import CausalSelfAttention, GPTConfig
 
@@ -396,8 +396,8 @@ def test_step11_trains_like_step0_in_another_summation_order(
 ):
     """The same micro-batches as one process: the first step's loss to float32's rounding, the
     losses, param norm and weights after 4 steps within compare/other_order.py's factor of step 0's
-    own drift from step 1 on this machine (measured: 1.0-2.3x on three kernel paths), the replicas
-    identical."""
+    own drift from step 1 on this machine (measured: 1.0-2.3x on three kernel paths), the
+    replicas identical."""
     run = train("step11", tmp_path / "cp", small_corpus, nproc=cp)
     assert metrics(run)["env"]["context_parallel_size"] == cp
     assert metrics(run)["final"]["replicas_identical"]

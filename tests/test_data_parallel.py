@@ -95,8 +95,8 @@ FORMULAS = {
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_exact_mode_is_bitwise_identical_at_any_world_size(world_size, exact_run):
     """Exact mode, accumulation, clipping that triggers, bf16 and dropout at once; and, from the
-    same runs, every rank's memory against the ZeRO formulas and the bytes each step hands to each
-    collective."""
+    same runs, every rank's memory against the ZeRO formulas and the bytes each step hands to
+    each collective."""
     runs = {step: exact_run(step, world_size) for step in FORMULAS}
     for step in ("step3", "step4", "step5", "step6", "step7"):
         result = parity(runs["step1"], runs[step])

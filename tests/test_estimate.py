@@ -209,8 +209,8 @@ def test_4x_and_8x_are_limits():
 def test_the_gradient_dtype_decides_zero_2s_shard():
     """Kept in 16 bits (the paper): 2Ψ + 14Ψ/N; reduced and kept in float32 (FSDP2's reduce_dtype,
     step 7's param_dtype): 2Ψ + 16Ψ/N. ZeRO-3 held as FSDP2 holds it (the fp32 shard is the master)
-    is 16Ψ/N either way, as is float32 (4 + 4 + 8); padding: a sharded kind holds ceil(Ψ/N)
-    elements."""
+    is 16Ψ/N either way, as is float32 (4 + 4 + 8); padding: a sharded kind holds
+    ceil(Ψ/N) elements."""
     psi, n = 1001, 4
     assert estimate.state_bytes(2, psi, n, "bf16") == {
         "params": 2 * psi,

@@ -118,8 +118,8 @@ def drift_of(run, reference):
 @pytest.fixture(scope="module")
 def dense_reference(ep_runs):
     """How far step 10's tp 2 and cp 2 drift from step 0 on the dense model, the same samples: the
-    reorderings of a row-parallel layer's partial sums and of the ring's softmax blocks, on this
-    machine."""
+    reorderings of a row-parallel layer's partial sums and of the ring's softmax blocks, on
+    this machine."""
     return other_order.largest(
         *(drift_of(ep_runs(name), ep_runs("dense_step0")) for name in ("dense_tp2", "dense_cp2"))
     )

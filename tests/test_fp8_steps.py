@@ -5,8 +5,8 @@ FP8 changes what each block's matmul computes, not where the gradients are summe
 between the steps holds unchanged: at 2 ranks, steps 2-7 (step 3's naive all-reduce, step 4's
 buckets, ZeRO-1/2, and ZeRO-3: every unit's shards gathered, then cast to FP8 in the forward)
 bitwise to step 1 (DDP); resume bitwise (step 7, bf16 autocast); and step 0 bitwise to a
-plain loop of an outsider's, on the same model and data, whose blocks torchao 0.18 converted (the
-oracle:
+plain loop of an outsider's, on the same model and data, whose blocks torchao 0.18 converted
+(the oracle:
 ``convert_to_float8_training`` with the same recipe, test-only). The layer itself: test_fp8.py.
 """
 
@@ -124,8 +124,8 @@ def test_parity_refuses_fp8_against_high_precision_and_the_state_bytes_are_the_s
         theirs["transformer.h.0.mlp.c_fc.weight"], ours["transformer.h.0.mlp.c_fc.weight"]
     )
     # Dynamic scaling keeps no state and no FP8 copy between steps: parameters, gradients and
-    # AdamW's state hold the bytes they hold without --fp8 (the planner's formula unchanged;
-    # docs/fp8.md).
+    # AdamW's state hold the bytes they hold without --fp8 (the planner's formula
+    # unchanged; docs/fp8.md).
     kinds = ("params", "grads", "optimizer_state")
     for a, b in zip(metrics(plain)["records"], metrics(fp8_runs["step1", "tensorwise"])["records"]):
         assert [[m[k] for k in kinds] for m in a["memory"]] == [

@@ -5,8 +5,8 @@ Real torchrun runs on the tiny workload: at world size 2, steps 5, 6 and 7 with 
 equal compare/fsdp2_reference.py (FSDP2 with ``MixedPrecisionPolicy(bf16, float32)``) and each other
 to the bit; in the exact mode (float64 reduction) they must equal each other at 3 and 4 ranks; fp16
 with the loss scaler, skipped steps included, at world size 2. Each gather moves 2 bytes per
-element; gradients move in the reduce dtype. Checkpoints hold the float32 masters and resume
-bitwise.
+element; gradients move in the reduce dtype. Checkpoints hold the float32 masters and
+resume bitwise.
 """
 
 import sys

@@ -26,8 +26,8 @@ VOCAB = 64
 
 def hugging_face_copy(model):
     """transformers' GPT2LMHeadModel holding ``model``'s weights (eager attention, float64), mapped
-    by the exporter (compare/export_hf.py: the one place that knows how our names and layouts become
-    theirs)."""
+    by the exporter (compare/export_hf.py: the one place that knows how our names and layouts
+    become theirs)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = model.config

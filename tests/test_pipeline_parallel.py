@@ -30,8 +30,8 @@ from slow_rank_hook import HOOK
 
 # The runs are shared (conftest's ``pipeline_runs``, on TINY + PIPELINE: 4 blocks, 4 micro-batches
 # per step, dropout, bf16, clipping, checkpoints at steps 2 and 4): step 0, and step 9 on 2 stages
-# with each schedule (the 1F1B one is also step 9's original in tests/test_foundation.py's resume
-# test).
+# with each schedule (the 1F1B one is also step 9's original in tests/test_foundation.py's
+# resume test).
 FLAGS = (*TINY, *PIPELINE)
 # TINY's micro-batch, sequence and width; data/tokenizer.json's vocabulary
 B, S, E, VOCAB = 2, 32, 32, 2048

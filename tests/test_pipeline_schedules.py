@@ -34,8 +34,8 @@ def simulate(
     (the previous stage's forward, the next stage's B; W after its own B; the first stage's tie
     after the last stage's: a receive blocks, a send does not). Returns each rank's idle fraction,
     the step's length, the most micro-batches (or chunk micro-batches) held at once and the most W's
-    waiting; raises AssertionError if the ranks deadlock (some rank waits for what no rank will ever
-    send)."""
+    waiting; raises AssertionError if the ranks deadlock (some rank waits for what no rank will
+    ever send)."""
     import sys
 
     sys.path.insert(0, str(STEP9))

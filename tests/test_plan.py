@@ -140,8 +140,8 @@ def test_offload_moves_adamws_state_to_the_host_in_closed_form(param_dtype, redu
 def test_activations_split_by_tensor_parallelism_as_measured():
     """compare/activations.py's measurement (step 8's README, 8 x 64 tokens, the default model):
     14,194,180 bytes at TP = 1, 8,427,012 at TP = 2, 5,543,428 at TP = 4. The planner's count:
-    within 0.1% at TP = 1 and 2, and 0.2% at TP = 4 (measured 2026-11-27: -0.04%, -0.09%,
-    -0.15%)."""
+    within 0.1% at TP = 1 and 2, and 0.2% at TP = 4 (measured 2026-11-27: -0.04%,
+    -0.09%, -0.15%)."""
     activations = plan.Activations(DEFAULT, 8)
     measured = {1: 14_194_180, 2: 8_427_012, 4: 5_543_428}
     for tp, tolerance in ((1, 0.001), (2, 0.001), (4, 0.002)):
@@ -192,8 +192,8 @@ def test_dropout_masks_are_counted_as_measured():
     """compare/activations.py --dropout 0.1 --sequence-parallel (8 x 64 tokens, the default model,
     2026-11-28): 17,602,052 bytes at TP = 1; 10,786,308 and 10,120,708 with SP at TP = 2; 7,378,436
     and 6,380,036 at TP = 4. The planner given --dropout 0.1 within 0.1% / 0.2% (-0.03%, -0.07%,
-    -0.07%, -0.12%, -0.13%); before, it counted no mask whatever --dropout said (19% low at TP =
-    1)."""
+    -0.07%, -0.12%, -0.13%); before, it counted no mask whatever --dropout said (19% low at TP
+    = 1)."""
     activations = plan.Activations(DEFAULT, 8, dropout=0.1)
     measured = {
         (1, False): 17_602_052,
@@ -346,8 +346,8 @@ def test_full_recomputation_with_sequence_parallelism_keeps_1_over_t_of_each_lay
     beside its two LayerNorms' float32 statistics (8 bytes a token each, split over t), to the byte.
     The trainers' model counted on the meta device likewise: with SP each micro-batch more in flight
     holds its blocks' inputs (b s h float32) split over t. The formula keeping the input whole under
-    sequence parallelism (t times too much, the rest of the row unchanged) passed every other
-    test."""
+    sequence parallelism (t times too much, the rest of the row unchanged) passed every
+    other test."""
     from activation_formula import FormulaActivations
 
     shape, t = plan.PRESETS["megatron-175b"], 8

@@ -61,8 +61,8 @@ def test_the_tour_runs_every_step_and_its_parity_checks(tour):
     bitwise_steps = [step for step in STEPS if 2 <= int(step[4:]) < 8 or step == "step9"]
     assert len(bitwise_steps) >= 5  # steps 2-6 at least
     # A report and a table row each, and the same for step 9's zero-bubble schedule beside step 0,
-    # and its interleaved one beside step 0 on 4 blocks, and for step 12 beside step 0 on an MoE
-    # model.
+    # and its interleaved one beside step 0 on 4 blocks, and for step 12 beside step 0 on an
+    # MoE model.
     assert output.count("PASS (bitwise identical)") == 2 * len(bitwise_steps) + 4 + 2
     for row, folder in (("  zero bubble", "zero_bubble"), ("  interleaved, V = 2", "interleaved")):
         line = next(line for line in output.splitlines() if line.startswith(row))

@@ -210,8 +210,8 @@ def test_parity_ignores_step_times(step1_ws2, tmp_path):
 
 def test_a_bad_slow_rank_hook_ends_the_run_at_start_up():
     """The hook reads RANK:SECONDS before it imports anything: a bad value is one line and exit 2,
-    as any user error, so that a mistyped test cannot run unslowed. (Good values: the slowed runs
-    above.)"""
+    as any user error, so that a mistyped test cannot run unslowed. (Good values: the slowed
+    runs above.)"""
     bad = ["1", "x:0.05", "1:x", "-1:0.05", "1:-0.1", "1:0.05:2", "1:100"]
     procs = [
         subprocess.Popen(

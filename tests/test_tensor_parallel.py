@@ -128,8 +128,8 @@ def test_sequence_parallel_dropout_under_bf16_is_step8s_masks(mesh_runs):
     and the other checks of the masks run in float32. The whole run is not bitwise: backward adds
     other sums (q, k and v's gradients before one reduce-scatter, the LayerNorms' partial sums
     across ranks), so the weights differ by ulps after the first step (measured: 5 of 36 tensors;
-    the later losses happened to be the same floats). The runs stay within parity.py's
-    tolerances."""
+    the later losses happened to be the same floats). The runs stay within
+    parity.py's tolerances."""
     sp, plain = mesh_runs("step8sp"), mesh_runs("step8dropbf16")
     assert metrics(sp)["config"]["dropout"] == metrics(plain)["config"]["dropout"] == 0.1
     assert metrics(sp)["records"][0]["loss"] == metrics(plain)["records"][0]["loss"]
@@ -476,8 +476,8 @@ def test_the_layers_in_an_outsiders_loop(outside):
     column-parallel output (each element is one row's dot product, as in nn.Linear), and the
     row-parallel output against the same partial sums added in rank order. Elsewhere the sums are
     grouped by rank: the row-parallel output against nn.Linear, the loss (the sum of exponentials in
-    T parts) and the gradients, within float32's rounding of such sums (a few ulps of the values
-    involved)."""
+    T parts) and the gradients, within float32's rounding of such sums (a few ulps of the
+    values involved)."""
     for rank, result in outside.items():
         assert result["embedding"] and result["column-parallel output"], (rank, result)
         assert result["column-parallel gathered"], (rank, result)
@@ -550,8 +550,8 @@ def test_sequence_parallel_dropout_on_bf16_is_f_dropout_in_bf16():
     F.dropout of the whole tensor from the same generator state (2 ranks): the output bf16, as
     F.dropout's, and bit for bit its block of F.dropout's output, and the stream left where
     F.dropout leaves it. The float32 check in the outsider's loop above does not see a mask built in
-    float32 (a float32 output, products rounded once instead of in bf16) or cast in the wrong
-    place."""
+    float32 (a float32 output, products rounded once instead of in bf16) or cast in the
+    wrong place."""
     got = spawn(sp_dropout_worker, 2)
     for rank, (result, error) in got.items():
         assert error is None, f"rank {rank} failed:\n{error}"

@@ -3,8 +3,8 @@ compare/peak_memory.py runs the step the trainer runs (on ``shard_gpt2``'s model
 does). Here: importing a train.py runs nothing and gives that function, with one shape across steps;
 and a train_step is the textbook PyTorch loop (forward, loss / accumulation, backward, AdamW,
 zero_grad), bit for bit, checked against that loop written out in plain PyTorch: step 0's in one
-process, step 7's on ``shard_gpt2``'s model in a one-rank gloo group, where its sharding is the
-identity."""
+process, step 7's on ``shard_gpt2``'s model in a one-rank gloo group, where its sharding is
+the identity."""
 
 import json
 import os
@@ -42,8 +42,8 @@ print(json.dumps(found))
 # The same GPT-2, trained two steps of two micro-batches
 # each, by the step's train_step and by the textbook loop.
 # Clipping off: the clipping norm is training.py's exact sum (order-free by design), not torch's;
-# the returned norm is compared with a float64 norm of the same gradients instead, to float32's
-# rounding.
+# the returned norm is compared with a float64 norm of the same gradients instead, to
+# float32's rounding.
 AGAINST_TEXTBOOK = r"""
 import datetime, json, os, sys
 import torch

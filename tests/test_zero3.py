@@ -292,8 +292,8 @@ def test_toy_frees_gathered_parameters(toy):
         # Resharding never holds the whole model at once; without it the peak is the whole model and
         # more. How far below the whole model the peak stays depends on when gloo's worker threads
         # let go of their staging copies of finished collectives: measured 106 kB of 400 kB on a
-        # quiet machine, 300 kB at load average 8 (the same code): a timing, not a property of the
-        # algorithm.
+        # quiet machine, 300 kB at load average 8 (the same code): a timing, not a property of
+        # the algorithm.
         (peak, full_bytes), (kept_peak, _) = r["released"][True], r["released"][False]
         assert peak < full_bytes <= kept_peak, r["released"]
 
@@ -353,8 +353,8 @@ def ws2(tmp_path_factory, small_corpus):
 @pytest.fixture(scope="module")
 def ws1(tmp_path_factory, small_corpus):
     """A world of one (torchrun, one rank) accumulating 4 micro-batches: the global batches of the
-    tour's step 0, one process accumulating 2 x 2. Every unit is "sharded" one way: padding 0, N =
-    1."""
+    tour's step 0, one process accumulating 2 x 2. Every unit is "sharded" one way: padding 0, N
+    = 1."""
     return train(
         "step7",
         tmp_path_factory.mktemp("zero3_ws1") / "step7",
@@ -368,8 +368,8 @@ def ws1(tmp_path_factory, small_corpus):
 @pytest.fixture(scope="module")
 def exact3(exact_run, tmp_path_factory, small_corpus):
     """Exact mode at 3 ranks, with bf16 and dropout (its masks must survive recomputation): step 1
-    as the exact-mode matrix ran it, step 7 with activation checkpointing; checkpoints every 2
-    steps."""
+    as the exact-mode matrix ran it, step 7 with activation checkpointing; checkpoints every
+    2 steps."""
     out = tmp_path_factory.mktemp("zero3_ws3")
     return (
         exact_run("step1", 3),
@@ -468,8 +468,8 @@ def memory_tool(*args):
 
 def test_memory_tool_checks_one_rank_and_plots_bytes_against_world_size(ws1, ws2, exact3, tmp_path):
     """compare/memory.py: --check holds at N = 1 as at N = 3; --scaling-png puts one model's runs on
-    the formulas' lines, and refuses runs of two models (ws2 has 3 blocks, the others 2) in one
-    line."""
+    the formulas' lines, and refuses runs of two models (ws2 has 3 blocks, the others 2) in
+    one line."""
     png = tmp_path / "scaling.png"
     result = memory_tool(ws1, exact3[1], exact3[0], "--check", "--scaling-png", png)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -123,8 +123,8 @@ def test_every_ranks_memory_and_traffic_is_the_planners(zero_runs, name):
     is this rank's ceil(Ψ/N) slice, and the whole gradient the micro-batches accumulated before the
     reduce-scatter freed it is 4Ψ (the planner's ``accumulated``). AdamW's state is the planner's up
     to its per-tensor step counts and the last slice's padding. The data axis sends what the planner
-    counts: stage 0 an all-reduce, stage 2 a reduce-scatter of the padded flat gradient and an
-    all-gather."""
+    counts: stage 0 an all-reduce, stage 2 a reduce-scatter of the padded flat gradient and
+    an all-gather."""
     run = metrics(zero_runs(name))
     zero, reduce_bytes = _stage_of(zero_runs(name)), 8 if "z2exact" == name else 4
     rows = plan.measured_rows(run, estimate.vocabulary_size(run["config"]["tokenizer"]))
@@ -181,8 +181,8 @@ def test_zero3_with_tp_or_pp_is_zero1s_run(zero_runs, mesh_runs, ours, theirs):
     replicated LayerNorms on tp rank 0 and the tie on the first stage, and clipping triggers; the
     tie crosses the pipeline as averaged slices. With selective and full recomputation and gpipe,
     which change nothing computed. HSDP at dp 2 x tp 2 with --replicate 2 (rows of one rank, every
-    tp rank's plane its own rows and columns): each piece's two numbers added across the rows
-    instead."""
+    tp rank's plane its own rows and columns): each piece's two numbers added across the
+    rows instead."""
     assert_bitwise_same_run(zero_runs(ours), mesh_runs(theirs))
     assert any(r["grad_norm"] > 0.3 for r in metrics(zero_runs(ours))["records"])
 

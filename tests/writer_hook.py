@@ -1,6 +1,6 @@
 """Run a trainer with its checkpoint writer slowed down or failing, or with a SIGTERM sent at a
-chosen point: a test hook injected from tests/, so that the trainers carry no test switch of their
-own.
+chosen point: a test hook injected from tests/, so that the trainers carry no test switch of
+their own.
 
     # every save made whole 2 s late
     python tests/writer_hook.py slow:2 step7_zero3/train.py --async-save ...
