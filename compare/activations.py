@@ -91,8 +91,8 @@ def run(world_size: int, config: dict, sequence_parallel: bool = False) -> list[
 
 
 def measure_cp(rank: int, world_size: int, port: int, config: dict, ring: bool) -> tuple:
-    """The bytes one rank of step 11's model saves for one micro-batch
-    (``ring=False``: model.py's attention)."""
+    """The bytes one rank of step 11's model saves for one micro-batch (``ring=False``:
+    model.py's attention)."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(

@@ -945,8 +945,8 @@ def measure(
 
 
 def build(classes: list, config: dict) -> tuple[list, list[str]]:
-    """Build every row; a row that fails to build on
-    any rank is left out on every rank, with a note."""
+    """Build every row;
+    a row that fails to build on any rank is left out on every rank, with a note."""
     built, notes = [], []
     for cls in classes:
         try:

@@ -95,8 +95,8 @@ class Model:
         self.units += [[n for name, n in self.named if name.startswith(b)] for b in blocks]
 
     def optimizer_order(self) -> list[int]:
-        """The sizes in the order the steps' AdamW groups list them
-        (decayed first): step 5's one flat range."""
+        """The sizes in the order the steps' AdamW groups list them (decayed first):
+        step 5's one flat range."""
         index = {p: i for i, (p) in enumerate(self.module.parameters())}
         sizes = [n for _, n in self.named]
         groups = adamw_param_groups(self.module.named_parameters(), self.config)
@@ -105,8 +105,8 @@ class Model:
     def gradient_buckets(
         self, bucket_cap_mb: float, first_bucket_cap_mb: float = 1.0
     ) -> list[list[int]]:
-        """Step 6's buckets: the parameters in gradient-ready order
-        (reversed), closed once a cap is reached."""
+        """Step 6's buckets:
+        the parameters in gradient-ready order (reversed), closed once a cap is reached."""
         buckets, current, size = [], [], 0
         for n in [n for _, n in self.named][::-1]:
             current.append(n)
@@ -316,8 +316,8 @@ def formula(stage: int, param_dtype: str = "float32", reduce_dtype: str | None =
 def reduction_limit(
     stage: int, param_dtype: str = "bf16", reduce_dtype: str | None = None
 ) -> float:
-    """How many times less than DDP a rank holds as N
-    grows without bound: 16Ψ / (the unsharded terms)."""
+    """How many times less than DDP a rank holds as N grows without bound:
+    16Ψ / (the unsharded terms)."""
     per_param, sharded = bytes_per_parameter(stage, param_dtype, reduce_dtype)
     kept = sum(b for b, cut in zip(per_param, sharded) if not cut)
     return (

@@ -89,8 +89,8 @@ MOE_AUTO_MAP = {
 
 
 def hugging_face_config(config: dict, vocab_size: int, eos_id: int | None) -> dict:
-    """``config.json`` of ``transformers``' GPT-2 for a run's ``config``
-    (rule 5); ``GPT2Config(**it)`` takes it."""
+    """``config.json`` of ``transformers``' GPT-2 for a run's ``config`` (rule 5);
+    ``GPT2Config(**it)`` takes it."""
     dropout = config.get("dropout", 0.0)
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -222,8 +222,8 @@ def check_out(out: Path) -> None:
 
 
 def export(name: str, out: Path | None = None) -> Path:
-    """Write run ``name``'s Hugging Face folder into ``out``
-    (default: ``<run>/hf``) and return it."""
+    """Write run ``name``'s Hugging Face folder into ``out`` (default:
+    ``<run>/hf``) and return it."""
     run, metrics = check_exportable(name)
     out = Path(out) if out is not None else run / "hf"
     check_out(out)

@@ -301,8 +301,8 @@ def check_memory(check: Check, place: int, runs: Path) -> None:
 
 
 def flops_per_token(config: dict) -> float:
-    """nanoGPT's estimate: 6 per parameter
-    (the position embedding left out), and attention's 12 L h T."""
+    """nanoGPT's estimate:
+    6 per parameter (the position embedding left out), and attention's 12 L h T."""
     model = estimate.Model(config, estimate.vocabulary_size(TOKENIZER))
     params = model.psi - config["seq_len"] * config["n_embd"]
     return 6 * params + 12 * config["n_layer"] * config["n_embd"] * config["seq_len"]

@@ -209,8 +209,8 @@ class Parity:
 
 
 def same_number(x: float, y: float) -> bool:
-    """Equal, or both NaN: an fp16 step the scaler skipped
-    logs a NaN or inf gradient norm in both runs."""
+    """Equal, or both NaN:
+    an fp16 step the scaler skipped logs a NaN or inf gradient norm in both runs."""
     return x == y or (math.isnan(x) and math.isnan(y))
 
 

@@ -67,8 +67,8 @@ def load_trained_model(name: str):
 def next_token(
     logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator
 ) -> int:
-    """Greedy at temperature 0; otherwise sample from
-    the ``top_k`` most likely tokens (0: all of them)."""
+    """Greedy at temperature 0;
+    otherwise sample from the ``top_k`` most likely tokens (0: all of them)."""
     if temperature == 0:
         return int(logits.argmax())
     if top_k:

@@ -198,8 +198,8 @@ def run_experts(single: str, experts: str, args, extra: list[str], timeout: list
 
 
 def splits_the_model(step: str) -> bool:
-    """Steps 8 and up: their ranks share one stream of micro-batches
-    (they split the model or the sequence)."""
+    """Steps 8 and up:
+    their ranks share one stream of micro-batches (they split the model or the sequence)."""
     return number(step) >= parity.MODEL_PARALLEL_FROM
 
 

@@ -166,8 +166,8 @@ class CheckpointWriter:
             )
 
     def wait(self) -> None:
-        """Nothing to wait for: ``save`` returns once the
-        checkpoint is whole (``Preemption`` calls it)."""
+        """Nothing to wait for:
+        ``save`` returns once the checkpoint is whole (``Preemption`` calls it)."""
 
     def _write(self, step: int, state: dict) -> None:
         tmp = start_writing(self.config["out"], step)

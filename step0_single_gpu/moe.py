@@ -113,8 +113,8 @@ def permute(routing: Routing, n_experts: int) -> tuple[torch.Tensor, torch.Tenso
 def local_experts(
     tokens: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict
 ) -> torch.Tensor:
-    """Rule 5 in one process: expert e's MLP on the e-th chunk of ``tokens``
-    (sorted by expert), one product each."""
+    """Rule 5 in one process:
+    expert e's MLP on the e-th chunk of ``tokens`` (sorted by expert), one product each."""
     chunks = tokens.split(counts.tolist())
     return torch.cat([experts[str(e)](chunk) for e, chunk in enumerate(chunks)])
 

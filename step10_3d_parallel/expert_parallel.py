@@ -185,8 +185,8 @@ def shard_experts(model, moe_layers, groups: Groups) -> list:
 
 
 def is_expert(name: str) -> bool:
-    """An expert's parameter, by name: ``...experts.<e>....``
-    (moe.py's names, or a layer of one's own)."""
+    """An expert's parameter, by name:
+    ``...experts.<e>....`` (moe.py's names, or a layer of one's own)."""
     return name.startswith("experts.") or ".experts." in name
 
 

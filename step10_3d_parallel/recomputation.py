@@ -66,8 +66,8 @@ def add_recomputation_flag(flags) -> None:
 
 
 def recompute(blocks, mode) -> None:
-    """``blocks`` recomputed in backward as ``mode`` says
-    (rules 1-2): their forwards, or their attention cores."""
+    """``blocks`` recomputed in backward as ``mode`` says (rules 1-2):
+    their forwards, or their attention cores."""
     checkpointed = functools.partial(
         torch.utils.checkpoint.checkpoint, use_reentrant=False, preserve_rng_state=True
     )
@@ -83,8 +83,8 @@ def recompute(blocks, mode) -> None:
 def recomputed_flops(
     mode: str, micro_batch_size: int, seq_len: int, n_embd: int, n_layer: int
 ) -> int:
-    """FLOPs one micro-batch's backward spends recomputing forward
-    (rule 4): the matmuls' 2 flops a multiply-add."""
+    """FLOPs one micro-batch's backward spends recomputing forward (rule 4):
+    the matmuls' 2 flops a multiply-add."""
     b, s, h = micro_batch_size, seq_len, n_embd
     attention = 4 * b * s * s * h
     return (

@@ -48,8 +48,8 @@ class VocabParallelEmbedding(nn.Module):
     def from_full(
         cls, embedding: nn.Embedding, group=None, reduce_dtype=None
     ) -> "VocabParallelEmbedding":
-        """This rank's part of ``embedding``
-        (the same full table on every rank): its block of rows (tokens)."""
+        """This rank's part of ``embedding`` (the same full table on every rank):
+        its block of rows (tokens)."""
         with torch.device("meta"):
             layer = cls(
                 embedding.num_embeddings,

@@ -189,8 +189,8 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
                 ]
 
     def _to_step(self, views: list) -> list:
-        """What the local optimiser steps: the views themselves
-        (rule 2). ``masters.py``: float32 copies."""
+        """What the local optimiser steps:
+        the views themselves (rule 2). ``masters.py``: float32 copies."""
         return views
 
     # ---- One optimiser step ----------------------------------------------------------------------

@@ -257,8 +257,8 @@ class ShardedTie(TiedGradient):
         )
 
     def finish(self) -> None:
-        """After the reduce-scatters: the first stage's
-        averaged slice to the last stage's same ranks."""
+        """After the reduce-scatters:
+        the first stage's averaged slice to the last stage's same ranks."""
         shard = self.root.grad_shard
         if self.is_first:
             self.send(shard, self.last_stage, KIND, TIED_TAG)

@@ -142,8 +142,8 @@ class CheckpointWriter:
         self._report(step, started, "written")
 
     def _states(self, step: int) -> tuple[dict]:
-        """DCP's state dict: every part's entries
-        (a shared part's in ``run``, once), and this rank's RNG."""
+        """DCP's state dict:
+        every part's entries (a shared part's in ``run``, once), and this rank's RNG."""
         shared, state = {"step": step}, {}
         if self.rank < self.world_size:  # step 9's stages: one process's RNG, rank 0's
             state[f"rank{self.rank}"] = {"rng": rng_state()}

@@ -17,8 +17,8 @@ from failures import UserError
 
 
 def check_one_process(step: str) -> None:
-    """Step 0 is one process: under torchrun each copy would
-    train the whole model alone into the same --out."""
+    """Step 0 is one process:
+    under torchrun each copy would train the whole model alone into the same --out."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise UserError(
             f"{step} is one process, but torchrun started {os.environ['WORLD_SIZE']}: "
@@ -68,8 +68,8 @@ PARAM_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.
 
 
 def add_param_dtype_flag(parser) -> None:
-    """``--param-dtype``: the steps that keep float32
-    master weights beside 16-bit parameters (0, 5, 6, 7)."""
+    """``--param-dtype``:
+    the steps that keep float32 master weights beside 16-bit parameters (0, 5, 6, 7)."""
     parser.add_argument(
         "--param-dtype",
         choices=list(PARAM_DTYPES),

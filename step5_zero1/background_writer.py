@@ -60,8 +60,8 @@ class _SnapshotWriter(dcp.FileSystemWriter):
 
 
 class BackgroundWriter(CheckpointWriter):
-    """A ``CheckpointWriter`` whose ``save`` returns once
-    the state is copied to memory; DCP's thread writes it."""
+    """A ``CheckpointWriter`` whose ``save`` returns once the state is copied to memory;
+    DCP's thread writes it."""
 
     def __init__(
         self,

@@ -56,8 +56,8 @@ UPDATE_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
 class Place(NamedTuple):
-    """Where a rank's tensor sits in the whole one of ``shape``
-    (rule 2); the defaults: all of it."""
+    """Where a rank's tensor sits in the whole one of ``shape`` (rule 2);
+    the defaults: all of it."""
 
     shape: tuple
     offsets: tuple | None = None  # of the block; None: at the origin
@@ -91,8 +91,8 @@ def boxes(start: int, end: int, shape: tuple) -> list[tuple[tuple, tuple, int]]:
 
 
 class Boxes:
-    """A tensor at its ``Place`` as DCP sees a piece of a whole tensor
-    (rules 2 and 4): its boxes, views of it."""
+    """A tensor at its ``Place`` as DCP sees a piece of a whole tensor (rules 2 and 4):
+    its boxes, views of it."""
 
     def __init__(self, tensor: torch.Tensor, place: Place):
         self.tensor, self.place = tensor, place

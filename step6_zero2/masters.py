@@ -58,8 +58,8 @@ class ShardedOptimizerWithMasters(ShardedOptimizer):
         return super().param_groups
 
     def _take_gradient_slices(self) -> None:
-        """Rule 2: each master's ``.grad`` a float32 view of
-        its slice of ``main_grad`` (ZeRO-2: of the shards)."""
+        """Rule 2: each master's ``.grad`` a float32 view of its slice of ``main_grad`` (ZeRO-2:
+        of the shards)."""
         if self.gradient_shards is not None:
             return
         for piece, master in zip(self.pieces, self.views):

@@ -74,8 +74,8 @@ class ShardedOptimizerState:
 
     @property
     def masters(self) -> list:
-        """The float32 master copies this optimiser steps in
-        place of the parameters: none (``masters.py``: some)."""
+        """The float32 master copies this optimiser steps in place of the parameters:
+        none (``masters.py``: some)."""
         return []
 
     def slices(self, named_params=None) -> list:

@@ -26,8 +26,8 @@ HOST = torch.device("cpu")  # where the masters, the moments and the step live
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
-    """``make(named_host_params)`` builds the optimiser that steps on the host
-    (step 7: AdamW, by ``make_optimizer``)."""
+    """``make(named_host_params)`` builds the optimiser that steps on the host (step 7:
+    AdamW, by ``make_optimizer``)."""
 
     def __init__(self, named_params, make, host: torch.device = HOST):
         named_params = list(named_params)

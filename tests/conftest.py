@@ -561,8 +561,8 @@ def run_forked_together(
 
 
 def _run_as_main(argv: list[str], env: dict, out: Path, err: Path) -> None:
-    """In the forked process: become ``python *argv``
-    (see ``run_forked``); the exit code is the script's."""
+    """In the forked process: become ``python *argv`` (see ``run_forked``);
+    the exit code is the script's."""
     import runpy
 
     for fd, path in ((1, out), (2, err)):

@@ -65,8 +65,8 @@ WORLD_SIZE, STEPS, MICRO_BATCHES, VOCAB = 2, 3, 2, 11
 
 class Toy(nn.Module):
     """An embedding tied to the output layer, a norm, a frozen layer, a layer used only in the first
-    micro-batch of each step, sizes no world size divides
-    (9 x 6 ... 6 x 7: 412 trainable elements)."""
+    micro-batch of each step, sizes no world size divides (9 x 6 ... 6 x 7:
+    412 trainable elements)."""
 
     def __init__(self):
         super().__init__()

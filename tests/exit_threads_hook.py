@@ -22,8 +22,8 @@ from pathlib import Path
 
 
 def thread_names() -> list[str]:
-    """The names of this process's threads, main included
-    (Linux's /proc; gloo names its threads)."""
+    """The names of this process's threads, main included (Linux's /proc;
+    gloo names its threads)."""
     return sorted(
         Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()
     )

@@ -684,8 +684,8 @@ def files_under(root: Path) -> dict[str, bytes]:
 
 
 def shorten(text: str, root: Path) -> str:
-    """Paths as the doc shows them: relative to the case's folder
-    (laid out like the repository) or the repo."""
+    """Paths as the doc shows them:
+    relative to the case's folder (laid out like the repository) or the repo."""
     return text.replace(f"{root}/", "").replace(f"{REPO}/", "")
 
 

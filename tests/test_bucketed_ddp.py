@@ -274,8 +274,8 @@ def test_a_hook_before_accumulation_breaks_gradient_accumulation(results):
 
 @pytest.mark.parametrize("cap", [1e-9, 100.0])
 def test_gradient_accumulated_in_no_sync_but_unused_at_the_sync_is_averaged_like_ddp(results, cap):
-    """find_unused_parameters=True; one bucket per parameter
-    (1e-9 MiB) and one bucket for all (100 MiB)."""
+    """find_unused_parameters=True;
+    one bucket per parameter (1e-9 MiB) and one bucket for all (100 MiB)."""
     for rank in range(WORLD_SIZE):
         assert results[rank][f"used early/{cap}"] == [], f"rank {rank}"
 

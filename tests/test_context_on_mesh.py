@@ -1,5 +1,5 @@
-"""Step 10 with --cp: context parallelism as a fourth axis of the mesh
-(composition.py's rule 5, mesh.py's rule 5).
+"""Step 10 with --cp:
+context parallelism as a fourth axis of the mesh (composition.py's rule 5, mesh.py's rule 5).
 
 Where the other degrees leave every sum alone the run is bitwise step 11's: cp alone, cp x pp (a
 pipeline changes no sum) under zero bubble, dp x cp (two rings' gradients, an order-free sum) with
@@ -34,8 +34,8 @@ L4 = ("--n-layer", "4")  # the interleaved schedule: two chunks a stage
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory, small_corpus):
-    """``cp_runs(name)``: each run trained once on TINY
-    (4 steps, global batch 4 samples), checkpoints every 2."""
+    """``cp_runs(name)``:
+    each run trained once on TINY (4 steps, global batch 4 samples), checkpoints every 2."""
     runs, done = (
         {
             "step11": ("step11", 2, ["--cp", "2", *EXACT]),

@@ -251,8 +251,8 @@ def test_ring_attention_with_dropout_redraws_forwards_masks_in_backward(ring_res
 @pytest.mark.quick  # python -m pytest -m quick: see pytest.ini
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_is_attention(ring_results, cp):
-    """Against PyTorch's causal attention in float64 on
-    the whole sequence: float32's rounding, no more."""
+    """Against PyTorch's causal attention in float64 on the whole sequence:
+    float32's rounding, no more."""
     q, k, v, dout = (t.double().requires_grad_() for t in inputs(torch.float32))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     out.backward(dout.detach())

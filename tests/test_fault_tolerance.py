@@ -47,8 +47,8 @@ def assert_close_run(reference, resumed, same_until: int, source=None) -> None:
 
 
 def split(micro_batch_size: int, grad_accum: int) -> list[str]:
-    """TINY with another micro-batch x accumulation
-    (TINY's 2 x 2 x 2 ranks: a global batch of 8)."""
+    """TINY with another micro-batch x accumulation (TINY's 2 x 2 x 2 ranks:
+    a global batch of 8)."""
     args = list(TINY)
     args[args.index("--micro-batch-size") + 1] = str(micro_batch_size)
     args[args.index("--grad-accum") + 1] = str(grad_accum)

@@ -120,8 +120,8 @@ def test_any_module_in_an_outsiders_loop_trains_like_torchao(recipe):
 
 
 def test_zero_input_gives_zero_output_not_nan():
-    """The amax epsilon (1e-12): an all-zero tensor scales
-    to a finite number, so the layer returns zeros."""
+    """The amax epsilon (1e-12):
+    an all-zero tensor scales to a finite number, so the layer returns zeros."""
     layer = convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False)), "tensorwise")
     y = layer(torch.zeros(16, 16))
     assert torch.equal(y, torch.zeros(16, 16))

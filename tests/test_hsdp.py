@@ -288,8 +288,8 @@ def test_memory_tool_checks_an_hsdp_run_against_n_over_r(exact_pair):
 
 
 def test_planner_reads_an_hsdp_run_as_zero3_over_a_row(exact_pair):
-    """compare/plan.py --measured: the run's model state
-    against ZeRO-3 over dp / R, every rank within 5%."""
+    """compare/plan.py --measured:
+    the run's model state against ZeRO-3 over dp / R, every rank within 5%."""
     result = run_forked(
         [sys.executable, str(REPO / "compare" / "plan.py"), "--measured", str(exact_pair[1])],
         timeout=120,

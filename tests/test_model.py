@@ -83,8 +83,8 @@ def test_logits_and_gradients_equal_transformers_gpt2(attention):
 
 @pytest.mark.quick
 def test_a_deliberate_bug_is_caught_by_the_oracle():
-    """The oracle can fail: a model whose attention
-    forgets the causal mask differs from transformers'."""
+    """The oracle can fail:
+    a model whose attention forgets the causal mask differs from transformers'."""
     model = build_model({**CONFIG, "attention": "math"}, VOCAB, seed=3).double()
     hf = hugging_face_copy(model)
     ids = torch.randint(
@@ -328,8 +328,8 @@ def test_load_balancing_loss_is_transformers_divided_by_k(n_experts, top_k):
 
 
 def test_a_deliberate_moe_bug_is_caught_by_the_oracle():
-    """Weights not renormalised for k = 2
-    (Switch's rule where Mixtral's holds): the oracle must see it."""
+    """Weights not renormalised for k = 2 (Switch's rule where Mixtral's holds):
+    the oracle must see it."""
     import moe as moe_module
 
     ours = moe_layer(4, 2)

@@ -313,8 +313,8 @@ def clipping_matches(results, world_size):
 
 
 def gradient_shards_mode(results, rank, world_size):
-    """ZeRO-2's contract: the views' gradients are slices
-    of flat per-chunk buffers that someone else fills."""
+    """ZeRO-2's contract:
+    the views' gradients are slices of flat per-chunk buffers that someone else fills."""
     from zero1 import ShardedOptimizer
 
     ref_model, our_model = make_model(), make_model()
