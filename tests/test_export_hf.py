@@ -53,8 +53,8 @@ report = {"logits": {}}
 for attention in ("default", "eager"):
     kwargs = {} if attention == "default" else {"attn_implementation": attention}
     model = GPT2LMHeadModel.from_pretrained(folder, **kwargs)
-    config = model.config
-    report[f"{attention}_is"] = [config._attn_implementation, str(model.dtype), model.training]
+    report[f"{attention}_is"] = [model.config._attn_implementation, str(model.dtype),
+                                 model.training]
     with torch.no_grad():
         report["logits"][attention] = model(input_ids=ids).logits.contiguous()
 save_file(report.pop("logits"), f"{io}/logits.safetensors")
@@ -262,8 +262,8 @@ for n, folder in enumerate(folders):
 save_file(logits, f"{io}/logits.safetensors")
 generator = pipeline("text-generation", model=folders[0], trust_remote_code=True)
 for cache in (True, False):
-    kwargs = {"max_new_tokens": 12, "do_sample": False, "use_cache": cache, "return_tensors": True}
-    out = generator("ROMEO:", **kwargs)
+    out = generator("ROMEO:", max_new_tokens=12, do_sample=False, use_cache=cache,
+                    return_tensors=True)
     report[f"generated_cache_{cache}"] = [int(t) for t in out[0]["generated_token_ids"]]
 print(json.dumps(report))
 """
